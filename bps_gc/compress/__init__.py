@@ -1,0 +1,16 @@
+"""bps_gc.compress: BytePS-compatible gradient codecs over numpy arrays.
+
+Pure functions of arrays plus small stateful objects (one per tensor partition); no framework
+is needed, so servers run them with numpy alone. See docs/codecs.md for the wire formats.
+"""
+from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the built-ins)
+from .base import Codec
+from .chain import build_chain, derive_seed
+from .params import CompressionParams, ParamError
+from .registry import (load_plugins, register_compressor, register_error_feedback,
+                       register_momentum)
+from .sparse import resolve_k
+
+__all__ = ["Codec", "CompressionParams", "ParamError", "build_chain", "derive_seed",
+           "load_plugins", "register_compressor", "register_error_feedback",
+           "register_momentum", "resolve_k"]

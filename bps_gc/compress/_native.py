@@ -1,0 +1,101 @@
+"""Loads the C kernels (``_kernels.c``) through ctypes.
+
+setup.py builds them as an extension next to this file; a source checkout that was not built
+(or whose C file changed since) compiles them once into a per-user cache instead, keyed by a hash
+of the source, so every process of a job shares one build.
+"""
+import ctypes
+import hashlib
+import importlib.machinery
+import os
+import subprocess
+import tempfile
+
+from ._native_flags import CFLAGS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "_kernels.c")
+
+# Error codes the kernels return (keep in step with the enum in _kernels.c).
+ERRORS = {-1: "truncated payload", -2: "index out of range", -3: "malformed bit stream",
+          -4: "out of memory", -5: "output buffer too small", -6: "input contains inf or NaN"}
+ERR_OVERFLOW = -5
+
+
+def _prebuilt():
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(HERE, "_kernels" + suffix)
+        if os.path.exists(path) and os.path.getmtime(path) >= os.path.getmtime(SOURCE):
+            return path
+    return None
+
+
+def _compile_cached():
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    cache = os.environ.get("BPS_GC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bps_gc")
+    os.makedirs(cache, exist_ok=True)
+    path = os.path.join(cache, f"kernels-{digest}.so")
+    if not os.path.exists(path):
+        cc = os.environ.get("CC", "cc")
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *CFLAGS, "-shared", "-o", tmp, SOURCE, "-lm"], check=True,
+                           capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            os.unlink(tmp)
+            detail = getattr(e, "stderr", "") or str(e)
+            raise ImportError(f"bps_gc: the codec kernels are not built and compiling {SOURCE} "
+                              f"with {cc!r} failed: {detail}. Install with 'pip install .' "
+                              "on a machine with a C compiler.") from e
+        os.replace(tmp, path)  # atomic: concurrent processes never load a half-written file
+    return path
+
+
+def _load():
+    lib = ctypes.CDLL(_prebuilt() or _compile_cached())
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    C = ctypes.c_int
+    sigs = {
+        "rng_fill": (None, [P, I, P]),
+        "randomk_indices": (None, [P, I, I, P]),
+        "onebit_compress_f32": (F, [P, I, C, P]),
+        "onebit_compress_f64": (F, [P, I, C, P]),
+        "onebit_compress_f16": (F, [P, I, C, P]),
+        "onebit_decompress_f32": (None, [P, F, I, P]),
+        "onebit_decompress_f64": (None, [P, F, I, P]),
+        "onebit_decompress_f16": (None, [P, F, I, P]),
+        "topk_indices_f32": (I, [P, I, I, P]),
+        "topk_indices_f64": (I, [P, I, I, P]),
+        "onebit_residual_f32": (None, [P, F, I, P]),
+        "onebit_residual_f64": (None, [P, F, I, P]),
+        "dithering_compress_f32": (I, [P, I, C, C, C, P, P, I]),
+        "dithering_compress_f64": (I, [P, I, C, C, C, P, P, I]),
+        "dithering_decompress_f32": (I, [P, I, F, I, P]),
+        "dithering_decompress_f64": (I, [P, I, F, I, P]),
+        "records_gather_f32": (None, [P, P, I, P]),
+        "records_gather_f64": (None, [P, P, I, P]),
+        "records_scatter_f32": (I, [P, I, I, P]),
+        "records_scatter_f64": (I, [P, I, I, P]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+lib = _load()
+
+
+def ptr(array):
+    """Address of a numpy array's first byte (the array must stay alive during the call)."""
+    return array.ctypes.data
+
+
+def check(code, what):
+    """Turn a kernel's negative return code into a ValueError naming what was being decoded."""
+    if code < 0:
+        raise ValueError(f"{what}: {ERRORS.get(code, f'error {code}')}")
+    return code

@@ -1,0 +1,62 @@
+"""The interface every codec implements: one stateful object per tensor partition."""
+import numpy as np
+
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
+
+
+class Codec:
+    """Compresses one partition of ``n`` elements of ``dtype``.
+
+    ``compress(x, lr)`` returns the payload as a fresh uint8 array (``lr`` is this step's
+    learning rate; only error feedback uses it). ``decompress(payload, out)`` writes the dense
+    decoded partition into ``out`` (allocated if None) and returns it; any codec object with the
+    same parameters decodes any other's payload. Decorators (error feedback, momentum) wrap a
+    codec and forward ``decompress``.
+    """
+
+    def __init__(self, params, n, dtype):
+        dtype = np.dtype(dtype)
+        if dtype not in DTYPES:
+            raise TypeError(f"{type(self).__name__}: unsupported dtype {dtype}; "
+                            f"supported: {', '.join(str(d) for d in DTYPES)}")
+        if int(n) < 1:
+            raise ValueError(f"{type(self).__name__}: partition must have >= 1 element, got {n}")
+        self.params, self.n, self.dtype = params, int(n), dtype
+        self._scratch = None
+
+    def compress(self, x, lr=0.0):
+        raise NotImplementedError
+
+    def decompress(self, payload, out=None):
+        raise NotImplementedError
+
+    def residual(self, payload, x):
+        """x -= decompress(payload), in place (error feedback's ``e = g - D(c)``)."""
+        if self._scratch is None:
+            self._scratch = np.empty(self.n, self.dtype)
+        x -= self.decompress(payload, self._scratch)
+
+    # helpers for subclasses --------------------------------------------------------------
+
+    def _input(self, x):
+        x = np.asarray(x)
+        if x.dtype != self.dtype or x.size != self.n:
+            raise ValueError(f"{type(self).__name__}: expected {self.n} elements of {self.dtype}, "
+                             f"got {x.size} of {x.dtype}")
+        return np.ascontiguousarray(x).reshape(-1)
+
+    def _output(self, out):
+        if out is None:
+            return np.empty(self.n, self.dtype)
+        if out.dtype != self.dtype or out.size != self.n or not out.flags.c_contiguous:
+            raise ValueError(f"{type(self).__name__}: out must be a contiguous array of {self.n} "
+                             f"{self.dtype}, got {out.size} of {out.dtype}")
+        return out.reshape(-1)
+
+    def _payload(self, payload, size=None):
+        buf = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) \
+            else payload.reshape(-1).view(np.uint8)
+        if size is not None and buf.size != size:
+            raise ValueError(f"{type(self).__name__}: payload of {buf.size} bytes, expected {size} "
+                             f"for {self.n} elements")
+        return buf

@@ -1,0 +1,35 @@
+"""Builds the codec chain for one partition from validated parameters."""
+from .params import CompressionParams
+from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, load_plugins
+
+MASK64 = (1 << 64) - 1
+
+
+def derive_seed(key):
+    """A non-zero seed every process computes alike from the partition key (splitmix64).
+    BytePS drew a random seed per process, so servers sampled other indices than workers."""
+    z = (int(key) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) or 1
+
+
+def build_chain(params, n, dtype, key=0, role="worker"):
+    """Codec object for one partition: [momentum ->] [error feedback ->] compressor.
+
+    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md).
+    """
+    if not isinstance(params, CompressionParams):
+        params = CompressionParams.from_dict(params)
+    if role not in ("worker", "server"):
+        raise ValueError(f"role must be 'worker' or 'server', got {role!r}")
+    if not params.compressed:
+        raise ValueError("build_chain: these parameters compress nothing (no 'compressor')")
+    load_plugins()
+    seed = params.seed if params.seed is not None else derive_seed(key)
+    codec = COMPRESSORS[params.compressor](params, n, dtype, seed=seed)
+    if params.ef:
+        codec = ERROR_FEEDBACKS[params.ef](codec, params)
+    if params.momentum and role == "worker":
+        codec = MOMENTUMS[params.momentum](codec, params)
+    return codec

@@ -1,0 +1,53 @@
+"""dithering: stochastic quantization to s linear or natural (power-of-two) levels.
+
+Nonzero levels are written as Elias-delta(gap), sign bit, Elias-delta(level) into a bit stream
+of 32-bit words (64-bit for float64), followed by the bit count and the float32 scale.
+"""
+import numpy as np
+
+from ._native import ERR_OVERFLOW, check, lib, ptr
+from .base import Codec
+from .registry import register_compressor
+
+
+@register_compressor("dithering")
+class Dithering(Codec):
+    def __init__(self, params, n, dtype, seed):
+        super().__init__(params, n, dtype)
+        self.s = int(params.k)
+        self.natural = params.partition == "natural"
+        self.s_eff = float(2 ** (self.s - 1) if self.natural else self.s)
+        self.rng_state = np.array([seed, seed], np.uint64)
+        kind = "f64" if self.dtype == np.float64 else "f32"  # float16: we differ, 32-bit words
+        self._encode = getattr(lib, "dithering_compress_" + kind)
+        self._decode = getattr(lib, "dithering_decompress_" + kind)
+        self._capacity = 2 * self.n + 64  # 16 bits an element; retried with the worst case
+
+    def compress(self, x, lr=0.0):
+        x = self._input(x)
+        if self.dtype == np.float16:
+            x = x.astype(np.float32)
+        saved = self.rng_state.copy()
+        while True:
+            out = np.empty(self._capacity, np.uint8)
+            size = self._encode(ptr(x), self.n, self.s, int(self.natural),
+                                int(self.params.normalize == "l2"), ptr(self.rng_state),
+                                ptr(out), out.size)
+            if size != ERR_OVERFLOW:
+                break
+            # per element at most 4 bits of gap, a sign and Elias-delta(level) <= 43 bits
+            self.rng_state[:] = saved
+            self._capacity = 6 * self.n + 64
+        if size < 0:
+            self.rng_state[:] = saved
+        return out[: check(size, "dithering")]
+
+    def decompress(self, payload, out=None):
+        buf = np.ascontiguousarray(self._payload(payload))
+        out = self._output(out)
+        target = np.empty(self.n, np.float32) if self.dtype == np.float16 else out
+        check(self._decode(ptr(buf), buf.size, self.s_eff, self.n, ptr(target)),
+              "dithering")
+        if target is not out:
+            out[:] = target
+        return out

@@ -1,0 +1,50 @@
+"""onebit: signSGD. One bit per element (1 = negative), MSB first, then a float32 scale."""
+import numpy as np
+
+from ._native import lib, ptr
+from .base import Codec
+from .registry import register_compressor
+
+WORD_BITS = {np.float32: 32, np.float64: 64, np.float16: 16}
+SUFFIX = {np.float32: "f32", np.float64: "f64", np.float16: "f16"}
+
+
+@register_compressor("onebit")
+class Onebit(Codec):
+    def __init__(self, params, n, dtype, seed=None):
+        super().__init__(params, n, dtype)
+        bits = WORD_BITS[self.dtype.type]
+        self.words_bytes = -(-self.n // bits) * bits // 8
+        suffix = SUFFIX[self.dtype.type]
+        self._encode = getattr(lib, "onebit_compress_" + suffix)
+        self._decode = getattr(lib, "onebit_decompress_" + suffix)
+        self._residual = getattr(lib, "onebit_residual_" + suffix, None)  # none for float16
+
+    def compress(self, x, lr=0.0):
+        x = self._input(x)
+        if self.dtype == np.float16:  # float16 -> float32 is exact; the kernel packs 16-bit words
+            x = x.astype(np.float32)
+        out = np.empty(self.words_bytes + 4, np.uint8)
+        scale = self._encode(ptr(x), self.n, int(self.params.scaling), ptr(out))
+        out[self.words_bytes:] = np.array([scale], np.float32).view(np.uint8)
+        return out
+
+    def decompress(self, payload, out=None):
+        buf = self._payload(payload, self.words_bytes + 4)
+        words = np.ascontiguousarray(buf[: self.words_bytes])
+        scale = float(buf[self.words_bytes:].view(np.float32)[0])
+        out = self._output(out)
+        if self.dtype == np.float16:
+            tmp = np.empty(self.n, np.float32)
+            self._decode(ptr(words), scale, self.n, ptr(tmp))
+            out[:] = tmp
+        else:
+            self._decode(ptr(words), scale, self.n, ptr(out))
+        return out
+
+    def residual(self, payload, x):
+        if self._residual is None:
+            return super().residual(payload, x)
+        buf = self._payload(payload, self.words_bytes + 4)
+        scale = float(buf[self.words_bytes:].view(np.float32)[0])
+        self._residual(ptr(np.ascontiguousarray(buf[: self.words_bytes])), scale, self.n, ptr(x))

@@ -1,0 +1,215 @@
+"""One validated, immutable description of how a tensor is compressed.
+
+Built from the friendly ``compression_params`` keys or from BytePS's ``byteps_*`` string
+kwargs; serialized as JSON (never pickle) so a worker can declare it to a server.
+"""
+import dataclasses
+import json
+import math
+from typing import Optional
+
+from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, OPTIONS, load_plugins
+
+PARTITIONS = ("linear", "natural")
+NORMALIZES = ("max", "l2")
+NEEDS_K = ("topk", "randomk", "dithering")
+FRIENDLY_KEYS = ("compressor", "ef", "momentum", "scaling", "k", "seed", "partition",
+                 "normalize", "mu", "fp16")
+# BytePS kwarg -> friendly key. BytePS passed every value as a string.
+BYTEPS_KEYS = {
+    "byteps_compressor_type": "compressor", "byteps_ef_type": "ef",
+    "byteps_error_feedback_type": "ef", "byteps_momentum_type": "momentum",
+    "byteps_compressor_onebit_scaling": "scaling", "byteps_compressor_k": "k",
+    "byteps_seed": "seed", "byteps_dithering_partition": "partition",
+    "byteps_dithering_normalize": "normalize", "byteps_momentum_mu": "mu",
+}
+BYTEPS_SUFFIXES = {"compressor": "_compressor", "ef": "_ef", "momentum": "_momentum"}
+
+
+class ParamError(ValueError):
+    """A compression parameter is wrong; the message names the key and what is allowed."""
+
+    def __init__(self, key, message):
+        super().__init__(f"compression parameter {key!r}: {message}")
+        self.key = key
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionParams:
+    compressor: Optional[str] = None
+    ef: Optional[str] = None
+    momentum: Optional[str] = None
+    scaling: bool = False
+    k: Optional[float] = None
+    seed: Optional[int] = None
+    partition: str = "linear"
+    normalize: str = "max"
+    mu: Optional[float] = None
+    fp16: bool = False
+    options: tuple = ()  # sorted (key, value) pairs a plugin compressor declared
+
+    @property
+    def compressed(self):
+        return self.compressor is not None
+
+    def option(self, key):
+        return dict(self.options)[key]
+
+    def to_dict(self):
+        """The non-default settings as friendly keys (what ``from_dict`` takes back)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "options" and value != f.default:
+                out[f.name] = value
+        out.update(dict(self.options))
+        return out
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data):
+        try:
+            raw = json.loads(bytes(data).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"compression parameters are not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("compression parameters must be a JSON object")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, params=None, **kwargs):
+        """Validate friendly keys (``compression_params``) and/or ``byteps_*`` kwargs."""
+        raw = dict(params or {}, **kwargs)
+        friendly = {}
+        for key, value in raw.items():
+            if key in BYTEPS_KEYS:
+                name = BYTEPS_KEYS[key]
+                value = _from_byteps_string(key, name, value)
+                if name in friendly:
+                    raise ParamError(key, f"sets {name!r}, which is given twice")
+                friendly[name] = value
+            else:
+                if key in friendly:
+                    raise ParamError(key, "given twice")
+                friendly[key] = value
+        return _validate(friendly)
+
+
+def _from_byteps_string(key, name, value):
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if name in BYTEPS_SUFFIXES and text.endswith(BYTEPS_SUFFIXES[name]):
+        return text[: -len(BYTEPS_SUFFIXES[name])]
+    if name == "scaling":
+        if text.lower() in ("true", "1"):
+            return True
+        if text.lower() in ("false", "0"):
+            return False
+        raise ParamError(key, f"must be 'true' or 'false', got {value!r}")
+    if name == "partition" and text in ("0", "1"):
+        return PARTITIONS[int(text)]
+    if name == "normalize" and text in ("0", "1"):
+        return NORMALIZES[int(text)]
+    if name in ("k", "mu"):
+        try:
+            return float(text)
+        except ValueError:
+            raise ParamError(key, f"must be a number, got {value!r}") from None
+    if name == "seed":
+        try:
+            return int(text)
+        except ValueError:
+            raise ParamError(key, f"must be an integer, got {value!r}") from None
+    return text
+
+
+def _choice(raw, key, table, kind):
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in table:
+        raise ParamError(key, f"unknown {kind} {value!r}; allowed: {', '.join(sorted(table))}")
+    return value
+
+
+def _number(raw, key):
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ParamError(key, f"must be a finite number, got {value!r}")
+    return value
+
+
+def _flag(raw, key):
+    value = raw.get(key, False)
+    if value not in (True, False):  # also admits 0 and 1
+        raise ParamError(key, f"must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _validate(raw):
+    load_plugins()
+    compressor = _choice(raw, "compressor", COMPRESSORS, "compressor")
+    options = OPTIONS.get(compressor, {})
+    unknown = sorted(set(raw) - set(FRIENDLY_KEYS) - set(options))
+    if unknown:
+        raise ParamError(unknown[0], f"unknown key; allowed: {', '.join(FRIENDLY_KEYS + tuple(options))}")
+    ef = _choice(raw, "ef", ERROR_FEEDBACKS, "error feedback")
+    momentum = _choice(raw, "momentum", MOMENTUMS, "momentum")
+    for key, value in (("ef", ef), ("momentum", momentum)):
+        if value is not None and compressor is None:
+            raise ParamError(key, f"{value!r} needs a compressor; set 'compressor' too")
+    partition = raw.get("partition", "linear")
+    if partition not in PARTITIONS:
+        raise ParamError("partition", f"unknown {partition!r}; allowed: {', '.join(PARTITIONS)}")
+    normalize = raw.get("normalize", "max")
+    if normalize not in NORMALIZES:
+        raise ParamError("normalize", f"unknown {normalize!r}; allowed: {', '.join(NORMALIZES)}")
+    k = _validate_k(compressor, _number(raw, "k"), partition)
+    seed = raw.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 < seed < 2**64:
+            raise ParamError("seed", f"must be an integer in [1, 2**64), got {seed!r} "
+                             "(0 would make the xorshift128+ generator emit only zeros)")
+    mu = _number(raw, "mu")
+    if mu is not None and not 0 <= mu < 1:
+        raise ParamError("mu", f"momentum factor must be in [0, 1), got {mu!r}")
+    if momentum is not None and mu is None:
+        raise ParamError("momentum", f"{momentum!r} needs 'mu' (the optimizer's momentum)")
+    extra = []
+    for key, convert in sorted(options.items()):
+        if key in raw:
+            try:
+                extra.append((key, convert(raw[key])))
+            except (TypeError, ValueError) as e:
+                raise ParamError(key, f"bad value {raw[key]!r}: {e}") from None
+    return CompressionParams(compressor=compressor, ef=ef, momentum=momentum,
+                             scaling=_flag(raw, "scaling"), k=k, seed=seed, partition=partition,
+                             normalize=normalize, mu=None if mu is None else float(mu),
+                             fp16=_flag(raw, "fp16"), options=tuple(extra))
+
+
+def _validate_k(compressor, k, partition):
+    if k is None:
+        if compressor in NEEDS_K:
+            raise ParamError("k", f"{compressor} needs k (fraction < 1 or count >= 1 for "
+                             "topk/randomk, number of levels for dithering)")
+        return None
+    if k <= 0:
+        raise ParamError("k", f"must be > 0, got {k!r}")
+    if compressor == "dithering":
+        if k != int(k):
+            raise ParamError("k", f"dithering levels must be a whole number >= 1, got {k!r}")
+        limit = 31 if partition == "natural" else 2**24
+        if k > limit:
+            raise ParamError("k", f"at most {limit} levels for {partition} dithering, got {k!r}")
+        return int(k)
+    if k >= 1:
+        if k != int(k):
+            raise ParamError("k", f"k >= 1 is a count per partition and must be whole, got {k!r}")
+        return int(k)
+    return float(k)

@@ -363,8 +363,10 @@ static inline uint32_t next_pow2(uint32_t v) {
             if (!natural) {                                                       \
                 for (int i = 0; i < bn; i++) {                                    \
                     float u = (float)(fabs((double)xb[i]) / S * level);           \
-                    bad |= !(u <= (float)level); /* NaN inside the partition */   \
-                    u = u <= (float)level ? u : 0.0f;                             \
+                    /* NaN only: with l2, sqrt(sum(float32(x*x))) may round a hair \
+                     * below |x|, so u can exceed the top level slightly (as in BytePS) */ \
+                    bad |= !(u <= 2.0f * (float)level);                           \
+                    u = u <= 2.0f * (float)level ? u : 0.0f;                      \
                     float fl = floorf(u);                                         \
                     f[i] = (uint32_t)fl;                                          \
                     len[i] = 1;                                                   \
@@ -373,8 +375,8 @@ static inline uint32_t next_pow2(uint32_t v) {
             } else {                                                              \
                 for (int i = 0; i < bn; i++) {                                    \
                     double u = fabs((double)xb[i]) / S * level;                   \
-                    bad |= !(u <= level);                                         \
-                    uint32_t fl = next_pow2((uint32_t)ceil(u <= level ? u : 0)) >> 1; \
+                    bad |= !(u <= 2.0 * level);                                   \
+                    uint32_t fl = next_pow2((uint32_t)ceil(u <= 2.0 * level ? u : 0)) >> 1; \
                     f[i] = fl;                                                    \
                     len[i] = fl ? fl : 1;                                         \
                     p[i] = (u - fl) / len[i];                                     \

@@ -37,7 +37,8 @@ class Onebit(Codec):
         if self.dtype == np.float16:
             tmp = np.empty(self.n, np.float32)
             self._decode(ptr(words), scale, self.n, ptr(tmp))
-            out[:] = tmp
+            with np.errstate(over="ignore"):  # a float32 scale beyond float16's range
+                out[:] = tmp
         else:
             self._decode(ptr(words), scale, self.n, ptr(out))
         return out

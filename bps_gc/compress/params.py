@@ -82,18 +82,14 @@ class CompressionParams:
     def from_dict(cls, params=None, **kwargs):
         """Validate friendly keys (``compression_params``) and/or ``byteps_*`` kwargs."""
         raw = dict(params or {}, **kwargs)
-        friendly = {}
+        friendly, source = {}, {}
         for key, value in raw.items():
+            name = BYTEPS_KEYS.get(key, key)
             if key in BYTEPS_KEYS:
-                name = BYTEPS_KEYS[key]
                 value = _from_byteps_string(key, name, value)
-                if name in friendly:
-                    raise ParamError(key, f"sets {name!r}, which is given twice")
-                friendly[name] = value
-            else:
-                if key in friendly:
-                    raise ParamError(key, "given twice")
-                friendly[key] = value
+            if name in friendly:
+                raise ParamError(key, f"sets {name!r}, which {source[name]!r} already set")
+            friendly[name], source[name] = value, key
         return _validate(friendly)
 
 

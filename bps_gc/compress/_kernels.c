@@ -360,19 +360,35 @@ static inline uint32_t next_pow2(uint32_t v) {
             int bn = n - b0 < DITHER_BLOCK ? (int)(n - b0) : DITHER_BLOCK;        \
             const T *xb = x + b0;                                                 \
             int bad = 0;                                                          \
-            if (!natural) {                                                       \
-                for (int i = 0; i < bn; i++) {                                    \
-                    float u = (float)(fabs((double)xb[i]) / S * level);           \
+            if (!natural && level < 4194304.0) {                               \
+                /* The same as the loop below, written to vectorize: 0 <= u < 2^23 \
+                 * makes the int32 truncation equal floorf(u), and a bad lane is \
+                 * zeroed by mask (the block is rejected anyway). */           \
+                const float lim = 2.0f * (float)level;                         \
+                for (int i = 0; i < bn; i++) {                                 \
+                    float u = (float)(fabs((double)xb[i]) / S * level);        \
+                    int ok = u <= lim;                                         \
+                    bad |= !ok;                                                \
+                    uint32_t ub;                                               \
+                    memcpy(&ub, &u, 4);                                        \
+                    ub &= -(uint32_t)ok;                                       \
+                    memcpy(&u, &ub, 4);                                        \
+                    int32_t fi = (int32_t)u;                                   \
+                    f[i] = (uint32_t)fi;                                       \
+                    p[i] = (double)(u - (float)fi);                            \
+                }                                                              \
+            } else if (!natural) {                                             \
+                for (int i = 0; i < bn; i++) {                                 \
+                    float u = (float)(fabs((double)xb[i]) / S * level);        \
                     /* NaN only: with l2, sqrt(sum(float32(x*x))) may round a hair \
                      * below |x|, so u can exceed the top level slightly (as in BytePS) */ \
-                    bad |= !(u <= 2.0f * (float)level);                           \
-                    u = u <= 2.0f * (float)level ? u : 0.0f;                      \
-                    float fl = floorf(u);                                         \
-                    f[i] = (uint32_t)fl;                                          \
-                    len[i] = 1;                                                   \
-                    p[i] = (double)(u - fl);                                      \
-                }                                                                 \
-            } else {                                                              \
+                    bad |= !(u <= 2.0f * (float)level);                        \
+                    u = u <= 2.0f * (float)level ? u : 0.0f;                   \
+                    float fl = floorf(u);                                      \
+                    f[i] = (uint32_t)fl;                                       \
+                    p[i] = (double)(u - fl);                                   \
+                }                                                              \
+            } else {                                                           \
                 for (int i = 0; i < bn; i++) {                                    \
                     double u = fabs((double)xb[i]) / S * level;                   \
                     bad |= !(u <= 2.0 * level);                                   \
@@ -383,13 +399,21 @@ static inline uint32_t next_pow2(uint32_t v) {
                 }                                                                 \
             }                                                                     \
             if (bad) return ERR_NONFINITE;                                        \
-            int m = 0;                                                            \
-            for (int i = 0; i < bn; i++) {                                        \
-                uint32_t q = f[i] + len[i] * xs_bernoulli(st, p[i]);              \
-                nzi[m] = i;                                                       \
-                nzq[m] = q;                                                       \
-                m += q != 0;                                                      \
-            }                                                                     \
+            int m = 0;                                                         \
+            if (!natural) /* len = 1 */                                        \
+                for (int i = 0; i < bn; i++) {                                 \
+                    uint32_t q = f[i] + xs_bernoulli(st, p[i]);                \
+                    nzi[m] = i;                                                \
+                    nzq[m] = q;                                                \
+                    m += q != 0;                                               \
+                }                                                              \
+            else                                                               \
+                for (int i = 0; i < bn; i++) {                                 \
+                    uint32_t q = f[i] + len[i] * xs_bernoulli(st, p[i]);       \
+                    nzi[m] = i;                                                \
+                    nzq[m] = q;                                                \
+                    m += q != 0;                                               \
+                }                                                              \
             for (int j = 0; j < m; j++) {                                         \
                 if (w.p > end) return ERR_OVERFLOW;                               \
                 int64_t i = b0 + nzi[j];                                          \

@@ -1,0 +1,172 @@
+"""The job's settings, read once from the DMLC_* / BYTEPS_* / BPS_GC_* environment.
+
+Every variable is validated here; a missing or malformed one raises ConfigError naming it (the
+launcher turns that into a message and exit status 2). See the README for the full table.
+"""
+import dataclasses
+import os
+from typing import Optional
+
+ROLES = ("scheduler", "server", "worker")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+class ConfigError(ValueError):
+    """A bad environment variable; the message names it."""
+
+    def __init__(self, variable, message):
+        super().__init__(f"{variable}: {message}")
+        self.variable = variable
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    role: str
+    num_worker: int
+    num_server: int
+    root_uri: str
+    root_port: int
+    worker_id: Optional[int] = None
+    node_host: Optional[str] = None
+    interface: Optional[str] = None
+    port: int = 0  # where this server listens; 0 picks a free port
+    local_rank: int = 0
+    local_size: int = 1
+    force_distributed: bool = False
+    partition_bytes: int = 4_096_000
+    min_compress_bytes: int = 65_536
+    threadpool_size: int = 4
+    server_engine_threads: int = 2
+    enable_async: bool = False
+    log_level: str = "WARNING"
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    auth_token: Optional[str] = None
+    timeline: Optional[str] = None
+
+    @property
+    def rank(self):
+        """Global rank of a worker process."""
+        return self.worker_id * self.local_size + self.local_rank
+
+    @property
+    def size(self):
+        """Worker processes in the job."""
+        return self.num_worker * self.local_size
+
+    @property
+    def distributed(self):
+        return self.num_worker > 1 or self.force_distributed
+
+    @classmethod
+    def from_env(cls, environ=None, role=None):
+        env = os.environ if environ is None else environ
+        read = _Reader(env)
+        role = role or read.choice("DMLC_ROLE", ROLES)
+        if role not in ROLES:
+            raise ConfigError("DMLC_ROLE", f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
+        cpus = os.cpu_count() or 1
+        local_size = read.integer("BYTEPS_LOCAL_SIZE", 1, low=1)
+        num_worker = read.integer("DMLC_NUM_WORKER", None, low=1)
+        cfg = cls(
+            role=role,
+            num_worker=num_worker,
+            num_server=read.integer("DMLC_NUM_SERVER", None, low=1),
+            root_uri=read.text("DMLC_PS_ROOT_URI", None),
+            root_port=read.integer("DMLC_PS_ROOT_PORT", None, low=1, high=65535),
+            worker_id=read.integer("DMLC_WORKER_ID", None, low=0, high=num_worker - 1)
+            if role == "worker" else None,
+            node_host=read.text("DMLC_NODE_HOST", ""),
+            interface=read.text("DMLC_INTERFACE", ""),
+            port=read.integer("BPS_GC_PORT", 0, low=0, high=65535),
+            local_rank=read.integer("BYTEPS_LOCAL_RANK", 0, low=0, high=local_size - 1),
+            local_size=local_size,
+            force_distributed=read.flag("BYTEPS_FORCE_DISTRIBUTED", False),
+            partition_bytes=read.integer("BYTEPS_PARTITION_BYTES", 4_096_000, low=8),
+            min_compress_bytes=read.integer("BYTEPS_MIN_COMPRESS_BYTES", 65_536, low=0),
+            threadpool_size=read.integer("BYTEPS_THREADPOOL_SIZE", min(4, cpus), low=1),
+            server_engine_threads=read.integer("BYTEPS_SERVER_ENGINE_THREAD", min(2, cpus), low=1),
+            enable_async=read.flag("BYTEPS_ENABLE_ASYNC", False),
+            log_level=read.choice("BYTEPS_LOG_LEVEL", LOG_LEVELS, "WARNING", upper=True),
+            heartbeat_interval=read.number("BPS_GC_HEARTBEAT_INTERVAL", 0.5, low=0.01),
+            heartbeat_timeout=read.number("BPS_GC_HEARTBEAT_TIMEOUT", 5.0, low=0.05),
+            auth_token=read.text("BPS_GC_AUTH_TOKEN", "") or None,
+            timeline=read.text("BYTEPS_TRACE_DIR", "") or None,
+        )
+        if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
+            raise ConfigError("BPS_GC_HEARTBEAT_TIMEOUT", f"must exceed BPS_GC_HEARTBEAT_INTERVAL "
+                              f"({cfg.heartbeat_interval}), got {cfg.heartbeat_timeout}")
+        return dataclasses.replace(cfg, node_host=cfg.node_host or None, interface=cfg.interface or None)
+
+    def to_env(self):
+        """The variables that reproduce this config (for child processes)."""
+        env = {"DMLC_ROLE": self.role, "DMLC_NUM_WORKER": str(self.num_worker),
+               "DMLC_NUM_SERVER": str(self.num_server), "DMLC_PS_ROOT_URI": self.root_uri,
+               "DMLC_PS_ROOT_PORT": str(self.root_port)}
+        if self.worker_id is not None:
+            env["DMLC_WORKER_ID"] = str(self.worker_id)
+        return env
+
+
+class _Reader:
+    MISSING = object()
+
+    def __init__(self, env):
+        self.env = env
+
+    def raw(self, name, default):
+        value = self.env.get(name)
+        if value is None or value.strip() == "":
+            if default is None:
+                raise ConfigError(name, "is required but not set")
+            return self.MISSING
+        return value.strip()
+
+    def text(self, name, default):
+        value = self.raw(name, default)
+        return default if value is self.MISSING else value
+
+    def integer(self, name, default, low=None, high=None):
+        value = self.raw(name, default)
+        if value is self.MISSING:
+            return default
+        try:
+            number = int(value)
+        except ValueError:
+            raise ConfigError(name, f"must be an integer, got {value!r}") from None
+        if (low is not None and number < low) or (high is not None and number > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(name, f"must be {bounds}, got {number}")
+        return number
+
+    def number(self, name, default, low):
+        value = self.raw(name, default)
+        if value is self.MISSING:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(name, f"must be a number, got {value!r}") from None
+        if not number >= low:
+            raise ConfigError(name, f"must be >= {low}, got {value!r}")
+        return number
+
+    def flag(self, name, default):
+        value = self.raw(name, default)
+        if value is self.MISSING:
+            return default
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(name, f"must be 0 or 1, got {value!r}")
+
+    def choice(self, name, allowed, default=None, upper=False):
+        value = self.raw(name, default)
+        if value is self.MISSING:
+            return default
+        if upper:
+            value = value.upper()
+        if value not in allowed:
+            raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
+        return value

@@ -1,0 +1,33 @@
+"""``python -m bps_gc.node``: run the scheduler or a server as the environment says.
+
+Exit status 0 after an orderly shutdown, 1 when the job failed, 2 for a bad environment.
+"""
+import logging
+import sys
+
+from . import compress
+from .config import Config, ConfigError
+from .roles.scheduler import Scheduler
+from .roles.server import Server
+
+
+def main():
+    try:
+        cfg = Config.from_env()
+    except ConfigError as e:
+        print(f"bps_gc.node: {e}", file=sys.stderr)
+        return 2
+    level = {"TRACE": logging.DEBUG, "FATAL": logging.CRITICAL}.get(cfg.log_level, cfg.log_level)
+    logging.basicConfig(level=level, format=f"%(asctime)s {cfg.role} %(levelname)s %(message)s")
+    if cfg.role == "scheduler":
+        return Scheduler(cfg).run()
+    if cfg.role == "server":
+        compress.load_plugins()
+        return Server(cfg, compress).run()
+    print("bps_gc.node: DMLC_ROLE=worker runs your training script (bpslaunch python train.py)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""A node's link to the scheduler: join, address book, heartbeats, barriers, goodbye.
+
+Owned by the node's I/O thread, which polls ``sock`` and calls ``handle`` for what arrives and
+``tick`` at least every heartbeat interval. Failures (a dead peer, a silent scheduler) come back
+as NodeFailure exceptions naming the node.
+"""
+import logging
+import socket
+import time
+
+import zmq
+
+from ..transport.sockets import MalformedMessage, recv, send
+from ..transport.wire import Header, Msg, decode_json, encode_json
+from . import NodeFailure
+
+log = logging.getLogger("bps_gc.membership")
+
+
+def advertised_host(cfg):
+    """The address peers reach this node at: DMLC_NODE_HOST, else the interface's, else the
+    local address routing towards the scheduler."""
+    if cfg.node_host:
+        return cfg.node_host
+    if cfg.interface:
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", cfg.interface[:15].encode()))
+            except OSError as e:
+                raise NodeFailure(f"DMLC_INTERFACE={cfg.interface}: no IPv4 address ({e})") from None
+            return socket.inet_ntoa(packed[20:24])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((cfg.root_uri, cfg.root_port))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def describe(info):
+    where = f" at {info['address']}" if info.get("address") else ""
+    who = "the cluster" if info.get("role") == "cluster" else f"{info.get('role')} {info.get('rank')} (node {info.get('id')}{where})"
+    return f"{who} failed: {info.get('reason', 'unknown reason')}"
+
+
+class Membership:
+    def __init__(self, ctx, cfg, auth, role, rank, port=0):
+        self.cfg, self.role, self.rank = cfg, role, rank
+        self.host = advertised_host(cfg)
+        self.port = port
+        self.sock = auth.client(ctx.socket(zmq.DEALER))
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.connect(f"tcp://{cfg.root_uri}:{cfg.root_port}")
+        self.node_id = None
+        self.book = None
+        self.last_ack = self.last_beat = time.monotonic()
+        self.shutdown_requested = False
+        self.barriers_done = {}
+        self.said_goodbye = False
+
+    def send(self, mtype, key=0, obj=None):
+        send(self.sock, Header(mtype, self.node_id or 0, key=key), None if obj is None else encode_json(obj))
+
+    def join(self, timeout):
+        """Register and wait for the address book (blocking; used before the I/O loop runs)."""
+        self.send(Msg.REGISTER, obj={"role": self.role, "rank": self.rank, "host": self.host, "port": self.port})
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NodeFailure(f"could not join the cluster: no answer from the scheduler at "
+                                  f"{self.cfg.root_uri}:{self.cfg.root_port} within {timeout:.0f} s")
+            if not self.sock.poll(int(min(left, 1.0) * 1000)):
+                continue
+            try:
+                msg = recv(self.sock, router=False)
+            except MalformedMessage as e:
+                log.warning("dropped a malformed message from the scheduler: %s", e)
+                continue
+            if msg.header.type == Msg.ADDRESS_BOOK:
+                self.book = decode_json(msg.payload)
+                self.node_id = self.book["you"]
+                self.last_ack = time.monotonic()
+                return self.book
+            self.handle(msg)
+
+    def handle(self, msg):
+        """Process a scheduler message; raises NodeFailure when the job must stop."""
+        h = msg.header
+        self.last_ack = time.monotonic()
+        if h.type == Msg.NODE_FAILED:
+            raise NodeFailure(describe(decode_json(msg.payload or b"{}")))
+        if h.type == Msg.ERROR:
+            raise NodeFailure(f"the scheduler refused this {self.role}: "
+                              f"{decode_json(msg.payload or b'{}').get('message')}")
+        if h.type == Msg.SHUTDOWN:
+            self.shutdown_requested = True
+        elif h.type == Msg.BARRIER_DONE:
+            self.barriers_done[h.key] = self.barriers_done.get(h.key, 0) + 1
+        elif h.type == Msg.GOODBYE:
+            self.said_goodbye = True
+        elif h.type != Msg.HEARTBEAT_ACK:
+            log.warning("dropped unexpected %s from the scheduler", h.type.name)
+
+    def receive(self):
+        """Take one message off the socket (it is readable) and handle it."""
+        try:
+            msg = recv(self.sock, router=False)
+        except MalformedMessage as e:
+            log.warning("dropped a malformed message from the scheduler: %s", e)
+            return
+        self.handle(msg)
+
+    def tick(self):
+        now = time.monotonic()
+        if now - self.last_beat >= self.cfg.heartbeat_interval:
+            self.send(Msg.HEARTBEAT)
+            self.last_beat = now
+        if not self.said_goodbye and now - self.last_ack > self.cfg.heartbeat_timeout:
+            raise NodeFailure(f"scheduler (node 0 at {self.cfg.root_uri}:{self.cfg.root_port}) failed: "
+                              f"no answer for {self.cfg.heartbeat_timeout:g} s")
+
+    def report_failure(self, reason):
+        try:
+            self.send(Msg.NODE_FAILED, obj={"reason": reason})
+        except zmq.ZMQError:
+            pass
+
+    def close(self):
+        self.sock.close(linger=500)

@@ -1,0 +1,200 @@
+"""The scheduler: membership, address book, barriers, heartbeats, failures, shutdown.
+
+Node ids: 0 is the scheduler, 1..S the servers (by registration order), then one per worker
+process in global-rank order. A node that misses heartbeats for ``heartbeat_timeout`` seconds
+is declared dead: every other node is told (NODE_FAILED) and the scheduler exits non-zero.
+"""
+import logging
+import time
+
+import zmq
+
+from ..transport.sockets import Auth, MalformedMessage, recv, send
+from ..transport.wire import Header, Msg, decode_json, encode_json
+
+log = logging.getLogger("bps_gc.scheduler")
+SCHEDULER_ID = 0
+JOIN_TIMEOUT_DEFAULT = 300.0
+
+
+class Member:
+    __slots__ = ("identity", "role", "rank", "host", "port", "node_id", "last_seen", "gone")
+
+    def __init__(self, identity, role, rank, host, port):
+        self.identity, self.role, self.rank, self.host, self.port = identity, role, rank, host, port
+        self.node_id, self.last_seen, self.gone = None, time.monotonic(), False
+
+    def describe(self):
+        return {"id": self.node_id, "role": self.role, "rank": self.rank,
+                "address": f"{self.host}:{self.port}" if self.port else self.host}
+
+
+class Scheduler:
+    def __init__(self, config, join_timeout=JOIN_TIMEOUT_DEFAULT):
+        self.cfg = config
+        self.expected = {"server": config.num_server, "worker": config.num_worker * config.local_size}
+        self.join_timeout = join_timeout
+        self.members = {}  # identity -> Member
+        self.barriers = {}  # group -> set of identities waiting
+        self.ctx = zmq.Context()
+        self.auth = Auth(self.ctx, config.auth_token)
+        self.sock = self.auth.server(self.ctx.socket(zmq.ROUTER))
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(f"tcp://{config.root_uri}:{config.root_port}")
+        self.ready = False
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self):
+        """Serve until every node said goodbye (returns 0) or a node failed (returns 1)."""
+        started = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while True:
+                if poller.poll(int(self.cfg.heartbeat_interval * 1000)):
+                    try:
+                        msg = recv(self.sock, router=True)
+                    except MalformedMessage as e:
+                        log.warning("dropped a malformed message: %s", e)
+                        continue
+                    status = self.handle(msg)
+                    if status is not None:
+                        return status
+                now = time.monotonic()
+                if not self.ready and now - started > self.join_timeout:
+                    missing = {r: n - self.count(r) for r, n in self.expected.items()}
+                    return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
+                                           f"(still missing: {missing})")
+                dead = self.dead_member(now)
+                if dead is not None:
+                    return self.fail(dead, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
+        finally:
+            self.close()
+
+    def close(self):
+        self.sock.close(linger=1000)
+        self.auth.stop()
+        self.ctx.term()
+
+    def count(self, role):
+        return sum(1 for m in self.members.values() if m.role == role)
+
+    def dead_member(self, now):
+        if not self.ready:
+            return None
+        for m in self.members.values():
+            if not m.gone and now - m.last_seen > self.cfg.heartbeat_timeout:
+                return m
+        return None
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, msg):
+        h = msg.header
+        member = self.members.get(msg.identity)
+        if member:
+            member.last_seen = time.monotonic()
+        if h.type == Msg.REGISTER:
+            return self.register(msg)
+        if member is None:
+            log.warning("dropped %s from an unregistered peer", h.type.name)
+            return None
+        if h.type == Msg.HEARTBEAT:
+            self.reply(member, Msg.HEARTBEAT_ACK)
+        elif h.type == Msg.BARRIER:
+            self.barrier(member, h.key)
+        elif h.type == Msg.GOODBYE:
+            return self.goodbye(member)
+        elif h.type == Msg.NODE_FAILED:  # a node saw a peer die (e.g. a server's socket error)
+            info = decode_json(msg.payload or b"{}")
+            return self.fail(None, f"node {member.node_id} reported: {info.get('reason', '?')}")
+        else:
+            log.warning("dropped unexpected %s from node %s", h.type.name, member.node_id)
+        return None
+
+    def reply(self, member, mtype, key=0, obj=None):
+        payload = None if obj is None else encode_json(obj)
+        send(self.sock, Header(mtype, SCHEDULER_ID, key=key), payload, identity=member.identity)
+
+    def register(self, msg):
+        try:
+            info = decode_json(msg.payload or b"")
+            role, rank = info["role"], int(info["rank"])
+            host, port = str(info["host"]), int(info.get("port", 0))
+        except (MalformedMessage, KeyError, TypeError, ValueError) as e:
+            log.warning("dropped a bad registration: %s", e)
+            return None
+        problem = None
+        if self.ready:
+            problem = "the cluster is already complete"
+        elif role not in self.expected:
+            problem = f"unknown role {role!r}"
+        elif self.count(role) >= self.expected[role]:
+            problem = f"more {role}s than the job declares ({self.expected[role]})"
+        elif role == "worker" and not 0 <= rank < self.expected["worker"]:
+            problem = f"worker rank {rank} outside [0, {self.expected['worker']})"
+        elif role == "worker" and any(m.role == "worker" and m.rank == rank for m in self.members.values()):
+            problem = f"two workers claim rank {rank} (check DMLC_WORKER_ID and BYTEPS_LOCAL_RANK)"
+        if problem:
+            log.error("refused %s from %s: %s", role, host, problem)
+            send(self.sock, Header(Msg.ERROR, SCHEDULER_ID), encode_json({"message": problem}),
+                 identity=msg.identity)
+            return None
+        if msg.identity in self.members:
+            return None  # a retried registration
+        self.members[msg.identity] = Member(msg.identity, role, rank, host, port)
+        log.info("%s %s joined from %s:%s", role, rank, host, port)
+        if all(self.count(r) == n for r, n in self.expected.items()):
+            self.publish_address_book()
+        return None
+
+    def publish_address_book(self):
+        servers = [m for m in self.members.values() if m.role == "server"]
+        workers = sorted((m for m in self.members.values() if m.role == "worker"), key=lambda m: m.rank)
+        for i, m in enumerate(servers):
+            m.node_id, m.rank = 1 + i, i
+        for m in workers:
+            m.node_id = 1 + len(servers) + m.rank
+        book = {"servers": [m.describe() for m in servers], "workers": [m.describe() for m in workers]}
+        for m in self.members.values():
+            m.last_seen = time.monotonic()
+            self.reply(m, Msg.ADDRESS_BOOK, obj=dict(book, you=m.node_id, rank=m.rank))
+        self.ready = True
+        log.info("cluster complete: %d servers, %d workers", len(servers), len(workers))
+
+    def barrier(self, member, group):
+        # group 0: every worker process; 1: every node (servers and workers)
+        waiting = self.barriers.setdefault(group, set())
+        waiting.add(member.identity)
+        size = self.expected["worker"] + (self.expected["server"] if group == 1 else 0)
+        if len(waiting) == size:
+            for identity in waiting:
+                self.reply(self.members[identity], Msg.BARRIER_DONE, key=group)
+            waiting.clear()
+
+    def goodbye(self, member):
+        member.gone = True
+        self.reply(member, Msg.GOODBYE)
+        if member.role == "worker" and all(m.gone for m in self.members.values() if m.role == "worker"):
+            for m in self.members.values():
+                if m.role == "server" and not m.gone:
+                    self.reply(m, Msg.SHUTDOWN)
+        if all(m.gone for m in self.members.values()) and self.ready:
+            log.info("every node said goodbye; scheduler exits")
+            return 0
+        return None
+
+    def fail(self, dead, reason):
+        """Tell every live node that ``dead`` failed, then stop with status 1."""
+        info = dead.describe() if dead else {"id": None, "role": "cluster", "rank": None, "address": ""}
+        info["reason"] = reason
+        if dead:
+            dead.gone = True
+        log.error("%s %s (node %s, %s) failed: %s", info["role"], info["rank"], info["id"],
+                  info["address"], reason)
+        for m in self.members.values():
+            if not m.gone:
+                self.reply(m, Msg.NODE_FAILED, obj=info)
+        return 1

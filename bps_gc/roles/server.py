@@ -1,0 +1,236 @@
+"""The server: owns the keys the workers assign to it and answers their push_pulls.
+
+The I/O thread owns every socket and the per-key bookkeeping; engine threads (BYTEPS_SERVER_
+ENGINE_THREAD, each key always on the same one) decode, sum, apply error feedback and
+recompress, then hand the replies back through an inproc socket that wakes the I/O thread.
+The codec library is passed in (roles never import it): anything with ``CompressionParams`` and
+``build_chain`` as in ``bps_gc.compress``.
+"""
+import logging
+import queue
+import threading
+
+import zmq
+
+from ..transport.sockets import Auth, MalformedMessage, recv, send
+from ..transport.wire import Flag, Header, Msg, decode_json, encode_json
+from . import NodeFailure
+from .membership import Membership
+from .server_keys import KeyError_, KeyState
+
+log = logging.getLogger("bps_gc.server")
+WAKE = "inproc://bps_gc-server-wake"
+JOIN_TIMEOUT = 300.0
+
+
+class Server:
+    def __init__(self, cfg, codecs, join_timeout=JOIN_TIMEOUT):
+        self.cfg, self.codecs, self.join_timeout = cfg, codecs, join_timeout
+        self.ctx = zmq.Context()
+        self.auth = Auth(self.ctx, cfg.auth_token)
+        self.router = self.auth.server(self.ctx.socket(zmq.ROUTER))
+        self.router.setsockopt(zmq.LINGER, 1000)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.membership = Membership(self.ctx, cfg, self.auth, "server", rank=-1)
+        host = self.membership.host
+        if cfg.port:
+            self.router.bind(f"tcp://{host}:{cfg.port}")
+            port = cfg.port
+        else:
+            port = self.router.bind_to_random_port(f"tcp://{host}")
+        self.membership.port = port
+        self.wake = self.ctx.socket(zmq.PULL)
+        self.wake.bind(WAKE)
+        self.replies = queue.SimpleQueue()
+        self.keys = {}
+        self.node_id = None
+        self.workers = 0
+        self.engines = []
+        self.dropped = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self):
+        """Serve until the scheduler says shut down (returns 0) or the job fails (returns 1)."""
+        try:
+            book = self.membership.join(self.join_timeout)
+            self.node_id, self.workers = book["you"], len(book["workers"])
+            log.info("server %d (node %d) serving %d workers on %s:%d", book["rank"], self.node_id,
+                     self.workers, self.membership.host, self.membership.port)
+            self.engines = [Engine(self.ctx, self.replies) for _ in range(self.cfg.server_engine_threads)]
+            return self.loop()
+        except NodeFailure as e:
+            log.error("%s; server exits", e)
+            return 1
+        finally:
+            self.close()
+
+    def close(self):
+        for engine in self.engines:
+            engine.stop()
+        for sock in (self.router, self.wake):
+            sock.close(linger=500)
+        self.membership.close()
+        self.auth.stop()
+        self.ctx.term()
+
+    def loop(self):
+        poller = zmq.Poller()
+        for sock in (self.router, self.membership.sock, self.wake):
+            poller.register(sock, zmq.POLLIN)
+        timeout = int(self.cfg.heartbeat_interval * 1000)
+        while True:
+            ready = dict(poller.poll(timeout))
+            if self.wake in ready:
+                self.flush_replies()
+            if self.router in ready:
+                for _ in range(64):  # bounded so heartbeats keep flowing under load
+                    self.receive()
+                    if not self.router.poll(0):
+                        break
+            if self.membership.sock in ready:
+                self.membership.receive()
+            self.membership.tick()
+            if self.membership.shutdown_requested:
+                self.membership.send(Msg.GOODBYE)
+                log.info("server %d: shutdown (dropped %d malformed messages)", self.node_id, self.dropped)
+                return 0
+
+    # ------------------------------------------------------------------ requests
+
+    def worker_rank(self, identity, header):
+        try:
+            text = identity.decode()
+            rank = int(text[1:]) if text[:1] == "w" else -1
+        except (UnicodeDecodeError, ValueError):
+            rank = -1
+        if not 0 <= rank < self.workers or header.sender != rank:
+            raise MalformedMessage(f"message from unknown peer {identity!r}")
+        return rank
+
+    def receive(self):
+        context = {}
+
+        def buffer_for(header):
+            rank = self.worker_rank(context["identity"], header)
+            if header.type != Msg.PUSH:
+                return None
+            state = self.keys.get(header.key)
+            if state is None:
+                raise MalformedMessage(f"push of undeclared key {header.key} from worker {rank}")
+            return state.buffer_for(rank, header)
+
+        try:
+            context["identity"] = self.router.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            msg = recv_rest(self.router, context["identity"], buffer_for)
+            rank = self.worker_rank(msg.identity, msg.header)
+            if msg.header.type == Msg.INIT:
+                self.declare(rank, msg)
+            elif msg.header.type == Msg.PUSH:
+                self.push(rank, msg)
+            else:
+                raise MalformedMessage(f"unexpected {msg.header.type.name}")
+        except MalformedMessage as e:
+            self.dropped += 1
+            if self.dropped <= 20 or self.dropped % 1000 == 0:
+                log.warning("dropped a malformed message (%d so far): %s", self.dropped, e)
+
+    def error(self, identity, key, message):
+        log.error("key %d: %s", key, message)
+        send(self.router, Header(Msg.ERROR, self.node_id, key=key), encode_json({"message": message}),
+             identity=identity)
+
+    def declare(self, rank, msg):
+        h = msg.header
+        decl = decode_json(msg.payload or b"")
+        if h.dtype is None:
+            raise MalformedMessage("INIT without a dtype")
+        try:
+            state = self.keys.get(h.key)
+            if state is None:
+                state = KeyState(h.key, decl, h.dtype, self.workers, self.codecs, self.cfg.enable_async)
+                self.keys[h.key] = state
+            state.check_declaration(decl, h.dtype, rank)
+        except (KeyError_, ValueError, TypeError, KeyError) as e:
+            return self.error(msg.identity, h.key, str(e))
+        send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), identity=msg.identity)
+
+    def push(self, rank, msg):
+        state = self.keys[msg.header.key]
+        if state.arrive(rank, msg.identity, msg.header):
+            round_, ranks, identities = state.take_round()
+            engine = self.engines[state.key % len(self.engines)]
+            engine.submit(state, round_, ranks, identities, self.node_id)
+
+    def flush_replies(self):
+        while self.wake.poll(0):
+            self.wake.recv()
+        while True:
+            try:
+                replies = self.replies.get_nowait()
+            except queue.Empty:
+                return
+            for identity, header, payload in replies:
+                send(self.router, header, payload, identity=identity)
+
+
+def recv_rest(sock, identity, buffer_for):
+    """The rest of a ROUTER message whose identity frame was already read."""
+    if not sock.getsockopt(zmq.RCVMORE):
+        raise MalformedMessage("message has no header frame")
+    msg = recv(sock, router=False, buffer_for=buffer_for)
+    msg.identity = identity
+    return msg
+
+
+class Engine:
+    """A thread that completes rounds for the keys assigned to it."""
+
+    def __init__(self, ctx, replies):
+        self.tasks = queue.SimpleQueue()
+        self.replies = replies
+        self.ctx = ctx
+        self.thread = threading.Thread(target=self.run, name="bps_gc-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, state, round_, ranks, identities, node_id):
+        self.tasks.put((state, round_, ranks, identities, node_id))
+
+    def stop(self):
+        self.tasks.put(None)
+        self.thread.join(timeout=5)
+
+    def run(self):
+        wake = self.ctx.socket(zmq.PUSH)
+        wake.connect(WAKE)
+        try:
+            while True:
+                task = self.tasks.get()
+                if task is None:
+                    return
+                self.replies.put(self.complete(*task))
+                wake.send(b"", copy=True)
+        finally:
+            wake.close(linger=0)
+
+    @staticmethod
+    def complete(state, round_, ranks, identities, node_id):
+        try:
+            result = state.compute(round_, ranks)
+        except KeyError_ as e:
+            log.error("key %d round %d: %s", state.key, round_, e)
+            payload = encode_json({"message": str(e)})
+            return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=round_), payload)
+                    for ident in identities]
+        flags = Flag.COMPRESSED if state.compressed and not state.asynchronous else Flag.NONE
+        dtype = state.dtype
+        return [(ident, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=round_, dtype=dtype,
+                               flags=flags), result)
+                for ident in identities]
+
+
+__all__ = ["Server"]

@@ -1,0 +1,130 @@
+"""One key (tensor partition) on a server: its declaration, receive buffers, rounds and result.
+
+Sync mode: every worker pushes round r once; the round completes when all have pushed, and the
+result is the sum of the pushes in worker-rank order (so it does not depend on arrival order),
+recompressed with the server's own codec chain for compressed keys. Dense results alternate
+between two buffers: round r+2 cannot start before every worker has received round r+1, hence
+round r, so a reply is never overwritten while a worker can still be reading it.
+Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
+"""
+import numpy as np
+
+from ..transport.wire import MalformedMessage
+
+
+class KeyError_(ValueError):
+    """A worker's request conflicts with the key's declaration; sent back as an ERROR."""
+
+
+class KeyState:
+    def __init__(self, key, decl, dtype, workers, codecs, asynchronous):
+        self.key, self.decl, self.dtype = key, decl, np.dtype(dtype)
+        self.n = int(decl["n"])
+        self.workers, self.asynchronous = workers, asynchronous
+        self.params = codecs.CompressionParams.from_dict(decl.get("params") or {})
+        self.compressed = self.params.compressed
+        self.codec = codecs.build_chain(self.params, self.n, self.dtype, key=key, role="server") \
+            if self.compressed else None
+        self.max_payload = 8 * self.n + 64 if self.compressed else self.n * self.dtype.itemsize
+        self.buffers = [None] * workers
+        self.lengths = [0] * workers
+        self.identities = [None] * workers
+        self.lrs = [0.0] * workers
+        self.pending = [False] * workers
+        self.declared = set()
+        self.arrived = 0
+        self.round = 0
+        self.results = None
+        self.store = np.zeros(self.n, self.dtype) if asynchronous else None
+        self.scratch = np.empty(self.n, self.dtype) if self.compressed else None
+
+    def check_declaration(self, decl, dtype, rank):
+        """Every worker must declare the key alike; otherwise the offender gets an error."""
+        problems = []
+        if np.dtype(dtype) != self.dtype:
+            problems.append(f"dtype {np.dtype(dtype)} != {self.dtype}")
+        if int(decl.get("n", -1)) != self.n:
+            problems.append(f"{decl.get('n')} elements != {self.n}")
+        if decl.get("name") != self.decl.get("name"):
+            problems.append(f"name {decl.get('name')!r} != {self.decl.get('name')!r}")
+        if (decl.get("params") or {}) != (self.decl.get("params") or {}):
+            problems.append(f"compression {decl.get('params')} != {self.decl.get('params')}")
+        if problems:
+            raise KeyError_(f"worker {rank} declared key {self.key} ({self.decl.get('name')!r}) "
+                            f"differently from the first worker: {'; '.join(problems)}")
+        self.declared.add(rank)
+
+    def buffer_for(self, rank, header):
+        """Where worker ``rank``'s push payload is received (reused across rounds)."""
+        if rank not in self.declared:
+            raise MalformedMessage(f"worker {rank} pushed key {self.key} without declaring it")
+        if self.pending[rank]:
+            raise MalformedMessage(f"worker {rank} pushed key {self.key} twice in round {self.round}")
+        if header.dtype != self.dtype:
+            raise MalformedMessage(f"push of key {self.key} as {header.dtype}, declared {self.dtype}")
+        if header.round != self.round and not self.asynchronous:
+            raise MalformedMessage(f"push of key {self.key} for round {header.round}, server is at {self.round}")
+        if bool(header.flags) != self.compressed:
+            raise MalformedMessage(f"push of key {self.key}: compression flag does not match the declaration")
+        length = header.length
+        if (self.compressed and not 0 < length <= self.max_payload) or \
+                (not self.compressed and length != self.max_payload):
+            raise MalformedMessage(f"push of key {self.key} with {length} bytes (limit {self.max_payload})")
+        buf = self.buffers[rank]
+        if buf is None or buf.size < length:
+            # dense: exactly one tensor; compressed: grown with headroom as payload sizes vary
+            buf = self.buffers[rank] = np.empty(min(self.max_payload, length * 5 // 4 + 64)
+                                                if self.compressed else length, np.uint8)
+        return memoryview(buf)[:length]
+
+    def arrive(self, rank, identity, header):
+        """Record a received push; returns True when the round is complete (or async)."""
+        self.pending[rank] = True
+        self.identities[rank] = identity
+        self.lengths[rank] = header.length
+        self.lrs[rank] = header.lr
+        self.arrived += 1
+        return self.asynchronous or self.arrived == self.workers
+
+    def take_round(self):
+        """Snapshot what the engine needs for this round and start the next one."""
+        ranks = [r for r in range(self.workers) if self.pending[r]]
+        job = (self.round, ranks, [self.identities[r] for r in ranks])
+        for r in ranks:
+            self.pending[r] = False
+        self.arrived = 0
+        if not self.asynchronous:
+            self.round += 1
+        return job
+
+    # ---------------------------------------------------------------- engine side
+
+    def payload(self, rank):
+        return self.buffers[rank][: self.lengths[rank]]
+
+    def decoded(self, rank):
+        if not self.compressed:
+            return self.payload(rank).view(self.dtype)
+        try:
+            return self.codec.decompress(self.payload(rank), self.scratch)
+        except ValueError as e:
+            raise KeyError_(f"worker {rank} sent a malformed {self.params.compressor} payload "
+                            f"for key {self.key}: {e}") from None
+
+    def compute(self, round_, ranks):
+        """The bytes every worker of this round receives."""
+        if self.asynchronous:
+            for r in ranks:
+                self.store += self.decoded(r)
+            return self.store.copy()  # the snapshot no later push can change
+        if self.results is None:
+            self.results = [np.empty(self.n, self.dtype), np.empty(self.n, self.dtype)]
+        acc = self.results[round_ % 2]
+        for i, r in enumerate(ranks):  # ranks are in ascending order
+            if i == 0:
+                np.copyto(acc, self.decoded(r))
+            else:
+                acc += self.decoded(r)
+        if not self.compressed:
+            return acc
+        return self.codec.compress(acc, self.lrs[ranks[0]])

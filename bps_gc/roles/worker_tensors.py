@@ -1,0 +1,75 @@
+"""How a declared tensor is cut into partitions (keys) and spread over the servers.
+
+Key = declaration index << 16 | partition index. Partitions hold BYTEPS_PARTITION_BYTES of
+the wire dtype. Servers are chosen greedily by bytes in declaration order, which every worker
+shares, so all agree without talking; a tensor declared without its shape is placed by key
+(round-robin) when its first push_pull reveals the size.
+"""
+import numpy as np
+
+MAX_PARTITIONS = 1 << 16
+
+
+class Partition:
+    __slots__ = ("key", "start", "stop", "server", "codec", "round", "busy")
+
+    def __init__(self, key, start, stop, server, codec):
+        self.key, self.start, self.stop, self.server, self.codec = key, start, stop, server, codec
+        self.round = 0
+
+    @property
+    def n(self):
+        return self.stop - self.start
+
+
+class TensorPlan:
+    """A declared tensor: its compression and, once the size is known, its partitions."""
+
+    def __init__(self, name, index, params):
+        self.name, self.index, self.params = name, index, params
+        self.shape = self.dtype = self.wire_dtype = None
+        self.partitions = []
+        self.compressed = False
+        self.busy = False
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape)) if self.shape is not None else None
+
+    def describe(self, partition):
+        params = self.params.to_dict() if self.compressed else {}
+        return {"name": f"{self.name}#{partition.key & (MAX_PARTITIONS - 1)}", "n": partition.n,
+                "params": params}
+
+
+class Placement:
+    """Cuts tensors into partitions and assigns each to a server, identically on all workers."""
+
+    def __init__(self, num_servers, partition_bytes, min_compress_bytes):
+        self.num_servers = num_servers
+        self.partition_bytes = partition_bytes
+        self.min_compress_bytes = min_compress_bytes
+        self.load = [0] * num_servers
+
+    def plan(self, tensor, shape, dtype, build_codec, balanced):
+        dtype = np.dtype(dtype)
+        tensor.shape, tensor.dtype = tuple(int(s) for s in shape), dtype
+        tensor.wire_dtype = np.dtype(np.float16) if tensor.params.fp16 else dtype
+        size = tensor.size
+        tensor.compressed = tensor.params.compressed and size * dtype.itemsize >= self.min_compress_bytes
+        per = max(1, self.partition_bytes // tensor.wire_dtype.itemsize)
+        count = max(1, -(-size // per))
+        if count > MAX_PARTITIONS:
+            raise ValueError(f"tensor {tensor.name!r} needs {count} partitions; raise BYTEPS_PARTITION_BYTES")
+        for p in range(count):
+            key = tensor.index << 16 | p
+            start, stop = p * per, min(size, (p + 1) * per)
+            if balanced:
+                server = min(range(self.num_servers), key=lambda s: (self.load[s], s))
+            else:
+                server = (tensor.index + p) % self.num_servers
+            self.load[server] += (stop - start) * tensor.wire_dtype.itemsize
+            codec = build_codec(tensor.params, max(stop - start, 1), tensor.wire_dtype, key) \
+                if tensor.compressed else None
+            tensor.partitions.append(Partition(key, start, stop, server, codec))
+        return tensor

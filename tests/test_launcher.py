@@ -48,7 +48,8 @@ if rank == "1":
     while len([f for f in os.listdir(out) if f.endswith(".pid")]) < 2 and time.time() < deadline:
         time.sleep(0.02)
     sys.exit(3)
-open(os.path.join(out, f"{rank}.pid"), "w").write(str(os.getpid()))
+open(os.path.join(out, f"{rank}.tmp"), "w").write(str(os.getpid()))  # renamed: never seen half-written
+os.replace(os.path.join(out, f"{rank}.tmp"), os.path.join(out, f"{rank}.pid"))
 time.sleep(60)
 """
 # Writes its PID, then "ready" once its SIGTERM/SIGINT handler is in place, then sleeps.
@@ -60,7 +61,8 @@ def stop(signum, frame):
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
-open(os.path.join(out, f"{rank}.pid"), "w").write(str(os.getpid()))
+open(os.path.join(out, f"{rank}.tmp"), "w").write(str(os.getpid()))  # renamed: never seen half-written
+os.replace(os.path.join(out, f"{rank}.tmp"), os.path.join(out, f"{rank}.pid"))
 time.sleep(60)
 """
 
@@ -202,7 +204,9 @@ LEAVES_A_GRANDCHILD = """
 import os, subprocess, sys, time
 out = sys.argv[1]
 subprocess.Popen([sys.executable, "-c", "import os, sys, time; "
-                  "open(os.path.join(sys.argv[1], 'grandchild.pid'), 'w').write(str(os.getpid())); "
+                  "open(os.path.join(sys.argv[1], 'tmp'), 'w').write(str(os.getpid())); "
+                  "os.replace(os.path.join(sys.argv[1], 'tmp'), "
+                  "           os.path.join(sys.argv[1], 'grandchild.pid')); "
                   "time.sleep(60)", out])
 while not os.path.exists(os.path.join(out, "grandchild.pid")):
     time.sleep(0.02)
@@ -395,7 +399,9 @@ sys.exit(run_local(command, workers, servers, local_size, None, os.environ,
 NODE_EXITS = "import os, time; print(os.environ['DMLC_ROLE'], 'up'); time.sleep(0.3)"
 NODE_STAYS = """
 import os, sys, time
-open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w").write(str(os.getpid()))
+pid_file = os.path.join(sys.argv[1], str(os.getpid()))
+open(pid_file + ".tmp", "w").write(str(os.getpid()))
+os.replace(pid_file + ".tmp", pid_file + ".pid")
 time.sleep(60)
 """
 WORKER_SAYS_HI = """

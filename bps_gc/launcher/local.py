@@ -119,7 +119,7 @@ def _wait_for_job(supervisor, shutdown_timeout):
             say(f"{names} still running {shutdown_timeout:g} s after the workers finished; "
                 "stopping them")
             return 1
-    if failed is not None:
+    if failed is not None and supervisor.received is None:  # dying of our signal is no news
         say(f"{failed.name} exited with status {failed.status}; stopping the job")
     return supervisor.exit_status(failed)
 

@@ -54,7 +54,8 @@ def supervise(plan, settings):
         if cannot_run is not None:
             return cannot_run
         failed = supervisor.wait(until=supervisor.all_exited)
-        if failed is not None and len(plan) > 1:
+        # after a forwarded signal, children dying of it is no news
+        if failed is not None and len(plan) > 1 and supervisor.received is None:
             say(f"{failed.name} exited with status {failed.status}; stopping the others")
         return supervisor.exit_status(failed)
     finally:

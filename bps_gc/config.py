@@ -41,6 +41,7 @@ class Config:
     log_level: str = "WARNING"
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
+    join_timeout: float = 300.0
     auth_token: Optional[str] = None
     timeline: Optional[str] = None
 
@@ -90,6 +91,7 @@ class Config:
             log_level=read.choice("BYTEPS_LOG_LEVEL", LOG_LEVELS, "WARNING", upper=True),
             heartbeat_interval=read.number("BPS_GC_HEARTBEAT_INTERVAL", 0.5, low=0.01),
             heartbeat_timeout=read.number("BPS_GC_HEARTBEAT_TIMEOUT", 5.0, low=0.05),
+            join_timeout=read.number("BPS_GC_JOIN_TIMEOUT", 300.0, low=0.1),
             auth_token=read.text("BPS_GC_AUTH_TOKEN", "") or None,
             timeline=read.text("BYTEPS_TRACE_DIR", "") or None,
         )

@@ -3,6 +3,7 @@
 Exit status 0 after an orderly shutdown, 1 when the job failed, 2 for a bad environment.
 """
 import logging
+import signal
 import sys
 
 from . import compress
@@ -11,7 +12,13 @@ from .roles.scheduler import Scheduler
 from .roles.server import Server
 
 
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the role's cleanup (sockets, threads)
+
+
 def main():
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         cfg = Config.from_env()
     except ConfigError as e:

@@ -14,7 +14,6 @@ from ..transport.wire import Header, Msg, decode_json, encode_json
 
 log = logging.getLogger("bps_gc.scheduler")
 SCHEDULER_ID = 0
-JOIN_TIMEOUT_DEFAULT = 300.0
 
 
 class Member:
@@ -30,10 +29,10 @@ class Member:
 
 
 class Scheduler:
-    def __init__(self, config, join_timeout=JOIN_TIMEOUT_DEFAULT):
+    def __init__(self, config):
         self.cfg = config
         self.expected = {"server": config.num_server, "worker": config.num_worker * config.local_size}
-        self.join_timeout = join_timeout
+        self.join_timeout = config.join_timeout
         self.members = {}  # identity -> Member
         self.barriers = {}  # group -> set of identities waiting
         self.ctx = zmq.Context()

@@ -20,12 +20,11 @@ from .server_keys import KeyError_, KeyState
 
 log = logging.getLogger("bps_gc.server")
 WAKE = "inproc://bps_gc-server-wake"
-JOIN_TIMEOUT = 300.0
 
 
 class Server:
-    def __init__(self, cfg, codecs, join_timeout=JOIN_TIMEOUT):
-        self.cfg, self.codecs, self.join_timeout = cfg, codecs, join_timeout
+    def __init__(self, cfg, codecs):
+        self.cfg, self.codecs = cfg, codecs
         self.ctx = zmq.Context()
         self.auth = Auth(self.ctx, cfg.auth_token)
         self.router = self.auth.server(self.ctx.socket(zmq.ROUTER))
@@ -54,7 +53,7 @@ class Server:
     def run(self):
         """Serve until the scheduler says shut down (returns 0) or the job fails (returns 1)."""
         try:
-            book = self.membership.join(self.join_timeout)
+            book = self.membership.join(self.cfg.join_timeout)
             self.node_id, self.workers = book["you"], len(book["workers"])
             log.info("server %d (node %d) serving %d workers on %s:%d", book["rank"], self.node_id,
                      self.workers, self.membership.host, self.membership.port)
@@ -224,13 +223,13 @@ class Engine:
         except KeyError_ as e:
             log.error("key %d round %d: %s", state.key, round_, e)
             payload = encode_json({"message": str(e)})
-            return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=round_), payload)
-                    for ident in identities]
+            return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=rnd), payload)
+                    for ident, rnd in identities]
         flags = Flag.COMPRESSED if state.compressed and not state.asynchronous else Flag.NONE
         dtype = state.dtype
-        return [(ident, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=round_, dtype=dtype,
+        return [(ident, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=rnd, dtype=dtype,
                                flags=flags), result)
-                for ident in identities]
+                for ident, rnd in identities]
 
 
 __all__ = ["Server"]

@@ -30,6 +30,7 @@ class KeyState:
         self.lengths = [0] * workers
         self.identities = [None] * workers
         self.lrs = [0.0] * workers
+        self.rounds = [0] * workers  # async replies echo each push's round
         self.pending = [False] * workers
         self.declared = set()
         self.arrived = 0
@@ -83,13 +84,14 @@ class KeyState:
         self.identities[rank] = identity
         self.lengths[rank] = header.length
         self.lrs[rank] = header.lr
+        self.rounds[rank] = header.round
         self.arrived += 1
         return self.asynchronous or self.arrived == self.workers
 
     def take_round(self):
         """Snapshot what the engine needs for this round and start the next one."""
         ranks = [r for r in range(self.workers) if self.pending[r]]
-        job = (self.round, ranks, [self.identities[r] for r in ranks])
+        job = (self.round, ranks, [(self.identities[r], self.rounds[r]) for r in ranks])
         for r in ranks:
             self.pending[r] = False
         self.arrived = 0

@@ -21,7 +21,6 @@ from .worker_io import Push, WorkerIO
 from .worker_tensors import Placement, TensorPlan
 
 log = logging.getLogger("bps_gc.worker")
-JOIN_TIMEOUT = 300.0
 INFLIGHT_BYTES = 64 << 20
 
 
@@ -124,8 +123,8 @@ class Handle:
 
 
 class Worker:
-    def __init__(self, cfg, codecs, join_timeout=JOIN_TIMEOUT):
-        self.cfg, self.codecs, self.join_timeout = cfg, codecs, join_timeout
+    def __init__(self, cfg, codecs):
+        self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
         self.tensors = {}
@@ -144,7 +143,7 @@ class Worker:
         self.ctx = zmq.Context()
         self.auth = Auth(self.ctx, self.cfg.auth_token)
         self.membership = Membership(self.ctx, self.cfg, self.auth, "worker", rank=self.rank)
-        book = self.membership.join(self.join_timeout)
+        book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         window = int(os.environ.get("BPS_GC_INFLIGHT_BYTES", INFLIGHT_BYTES))
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank, window)

@@ -163,10 +163,23 @@ class WorkerIO:
                 raise MalformedMessage(f"reply for key {header.key} of {header.length} bytes, expected {push.dest.nbytes}")
             return push.dest
 
+        seen = {}
+
+        def checked_buffer_for(header):
+            seen["key"] = header.key
+            return buffer_for(header)
+
         try:
-            msg = recv(sock, router=False, buffer_for=buffer_for)
+            msg = recv(sock, router=False, buffer_for=checked_buffer_for)
         except MalformedMessage as e:
-            log.warning("dropped a malformed reply: %s", e)
+            push = self.inflight.pop(seen.get("key"), None)
+            if push is None:
+                log.warning("dropped a malformed reply: %s", e)
+                return
+            # the reply this push waits for is unusable: fail it rather than wait forever
+            self.inflight_bytes -= push.nbytes
+            push.handle.fail(ValueError(f"invalid reply from server {push.part.server} for "
+                                        f"{push.handle.tensor.name!r}: {e}"))
             return
         h = msg.header
         if h.type == Msg.ERROR:

@@ -1,0 +1,72 @@
+"""Lower layers never import higher ones: config -> transport -> roles -> codecs -> bindings ->
+launcher; the codec library and the server never need a framework."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = os.path.join(ROOT, "bps_gc")
+# layer -> bps_gc subpackages/modules it may import (besides itself)
+ALLOWED = {
+    "config": set(),
+    "transport": {"config"},
+    "roles": {"config", "transport"},
+    "compress": set(),
+    "launcher": {"config"},
+    "core": {"config", "transport", "roles", "compress"},
+    "node": {"config", "transport", "roles", "compress"},
+}
+FRAMEWORKS = {"torch", "mxnet", "gluoncv"}
+
+
+def layer_of(path):
+    rel = os.path.relpath(path, PACKAGE)
+    return rel.split(os.sep)[0].removesuffix(".py")
+
+
+def imports(path):
+    tree = ast.parse(open(path).read())
+    pkg_parts = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                yield ".".join(base + ([node.module] if node.module else []))
+            else:
+                yield node.module
+
+
+def sources():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.join(folder, name)
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if layer_of(p) in ALLOWED],
+                         ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_upward_imports(path):
+    layer = layer_of(path)
+    for name in imports(path):
+        top = name.split(".")[0]
+        if top == "bps_gc" and "." in name:
+            target = name.split(".")[1]
+            assert target == layer or target in ALLOWED[layer], f"{layer} imports bps_gc.{target}"
+        if layer in ("config", "transport", "roles", "compress", "node", "launcher", "core"):
+            assert top not in FRAMEWORKS, f"{layer} imports {top}"
+
+
+def test_server_runs_without_frameworks():
+    # a server host needs numpy and pyzmq only: importing the node must not pull in a framework
+    code = ("import sys, bps_gc.node, bps_gc.compress, bps_gc.core\n"
+            "bad = [m for m in ('torch', 'mxnet') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -48,8 +48,9 @@ def expected_results(spec, workers):
                                for r in range(workers)]
                 else:
                     decoded = [inputs[r][start:stop] for r in range(workers)]
-                acc = decoded[0].copy()
-                for d in decoded[1:]:
+                # raw pushes: first copied, then added; decoded pushes: added to zeros
+                acc = np.zeros(stop - start, wire) if compressed else decoded[0].copy()
+                for d in decoded if compressed else decoded[1:]:
                     acc += d
                 if compressed:
                     acc = server_chain.decompress(server_chain.compress(acc, lr))

@@ -249,3 +249,14 @@ def test_float64_round_trip_against_float32(params):
     assert a.dtype == np.float64
     # same selection logic on the same values: the decoded vectors agree to float32 precision
     assert np.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("params", ALL)
+def test_decompress_add_equals_adding_the_decoding(params):
+    x = np.random.default_rng(9).standard_normal(3000).astype(np.float32)
+    codec = build_chain(params, 3000, np.float32)
+    payload = codec.compress(x)
+    acc = np.random.default_rng(10).standard_normal(3000).astype(np.float32)
+    expected = acc + codec.decompress(payload)
+    codec.decompress_add(payload, acc)
+    assert np.array_equal(acc, expected)

@@ -30,6 +30,12 @@ class Codec:
     def decompress(self, payload, out=None):
         raise NotImplementedError
 
+    def decompress_add(self, payload, acc):
+        """acc += decompress(payload), in place (a server summing pushes)."""
+        if self._scratch is None:
+            self._scratch = np.empty(self.n, self.dtype)
+        acc += self.decompress(payload, self._scratch)
+
     def residual(self, payload, x):
         """x -= decompress(payload), in place (error feedback's ``e = g - D(c)``)."""
         if self._scratch is None:

@@ -15,6 +15,9 @@ class Decorator:
     def decompress(self, payload, out=None):
         return self.inner.decompress(payload, out)
 
+    def decompress_add(self, payload, acc):
+        self.inner.decompress_add(payload, acc)
+
     def residual(self, payload, x):
         self.inner.residual(payload, x)
 

@@ -73,6 +73,13 @@ class SparseCodec(Codec):
             out[rec["i"]] = rec["v"]
         return out
 
+    def decompress_add(self, payload, acc):
+        # O(k): only the sent positions change; a repeated index counts once, like decompress
+        rec = self._records(payload)
+        if rec.size and int(rec["i"].max()) >= self.n:
+            raise ValueError(f"{type(self).__name__}: index out of range")
+        acc[rec["i"]] += rec["v"]
+
     def residual(self, payload, x):
         # O(k): only the sent positions change; a repeated index is applied once, like decompress
         rec = self._records(payload)

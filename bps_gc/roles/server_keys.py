@@ -37,7 +37,6 @@ class KeyState:
         self.round = 0
         self.results = None
         self.store = np.zeros(self.n, self.dtype) if asynchronous else None
-        self.scratch = np.empty(self.n, self.dtype) if self.compressed else None
 
     def check_declaration(self, decl, dtype, rank):
         """Every worker must declare the key alike; otherwise the offender gets an error."""
@@ -104,11 +103,13 @@ class KeyState:
     def payload(self, rank):
         return self.buffers[rank][: self.lengths[rank]]
 
-    def decoded(self, rank):
+    def add(self, rank, acc):
+        """acc += the decoded push of ``rank`` (sparse codecs touch only their k positions)."""
         if not self.compressed:
-            return self.payload(rank).view(self.dtype)
+            acc += self.payload(rank).view(self.dtype)
+            return
         try:
-            return self.codec.decompress(self.payload(rank), self.scratch)
+            self.codec.decompress_add(self.payload(rank), acc)
         except ValueError as e:
             raise KeyError_(f"worker {rank} sent a malformed {self.params.compressor} payload "
                             f"for key {self.key}: {e}") from None
@@ -117,16 +118,19 @@ class KeyState:
         """The bytes every worker of this round receives."""
         if self.asynchronous:
             for r in ranks:
-                self.store += self.decoded(r)
+                self.add(r, self.store)
             return self.store.copy()  # the snapshot no later push can change
         if self.results is None:
             self.results = [np.empty(self.n, self.dtype), np.empty(self.n, self.dtype)]
         acc = self.results[round_ % 2]
-        for i, r in enumerate(ranks):  # ranks are in ascending order
-            if i == 0:
-                np.copyto(acc, self.decoded(r))
-            else:
-                acc += self.decoded(r)
+        # in worker-rank order: raw pushes are copied then added; decoded pushes are added to
+        # zeros (so a sparse decode is a scatter, and signed zeros agree with a dense decode)
+        if self.compressed:
+            acc.fill(0)
+        else:
+            np.copyto(acc, self.payload(ranks[0]).view(self.dtype))
+        for r in ranks if self.compressed else ranks[1:]:
+            self.add(r, acc)
         if not self.compressed:
             return acc
         return self.codec.compress(acc, self.lrs[ranks[0]])

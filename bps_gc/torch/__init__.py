@@ -1,0 +1,18 @@
+"""bps_gc.torch: the Horovod/BytePS PyTorch API, with inter-node compression.
+
+    import bps_gc.torch as bps
+    bps.init()
+    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression_params={"compressor": "onebit", "ef": "vanilla"})
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+"""
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .compression import Compression
+from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
+                  push_pull_inplace, rank, shutdown, size, synchronize)
+from .optimizer import DistributedOptimizer
+
+__all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
+           "broadcast_parameters", "declare", "init", "local_rank", "local_size", "poll",
+           "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
+           "synchronize"]

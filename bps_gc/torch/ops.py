@@ -1,0 +1,90 @@
+"""push_pull for torch tensors on top of the numpy worker core.
+
+CPU tensors are handed to the core as numpy views of their own memory (no copy); other devices
+are staged through a host copy and copied back when the handle is synchronized.
+"""
+import itertools
+
+import numpy as np
+import torch
+
+import bps_gc.core as core
+
+SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+_handles = {}
+_next_handle = itertools.count()
+_noname = itertools.count()
+
+init, shutdown, rank, size = core.init, core.shutdown, core.rank, core.size
+local_rank, local_size, barrier = core.local_rank, core.local_size, core.barrier
+
+
+def _check(tensor, what):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported (float16, float32, float64)")
+
+
+def host_view(tensor):
+    """(numpy array sharing the tensor's memory or a host copy, whether it is a copy)."""
+    t = tensor.detach()
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t.numpy(), False
+    return t.to("cpu", copy=True).contiguous().numpy(), True
+
+
+def declare(name, shape=None, dtype=None, **compression_params):
+    """Declare a tensor name (in the same order on every worker) with its compression."""
+    np_dtype = SUPPORTED[dtype] if isinstance(dtype, torch.dtype) else dtype
+    return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
+                        **compression_params)
+
+
+def _ensure_declared(name, tensor):
+    if name not in core.worker().tensors:
+        declare(name, tuple(tensor.shape), tensor.dtype)
+
+
+def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=0.0):
+    """Start summing (or averaging) ``tensor`` over all workers, in place; returns a handle."""
+    _check(tensor, "push_pull_async")
+    name = name or f"push_pull.noname.{next(_noname)}"
+    _ensure_declared(name, tensor)
+    array, staged = host_view(tensor)
+    handle = core.push_pull(array, name, average=average, priority=priority, lr=lr)
+    key = next(_next_handle)
+    _handles[key] = (handle, tensor, array if staged else None)
+    return key
+
+
+def poll(handle):
+    """True when the push_pull behind ``handle`` has finished."""
+    if handle not in _handles:
+        raise ValueError(f"poll: unknown handle {handle!r}")
+    return _handles[handle][0].poll()
+
+
+def synchronize(handle):
+    """Wait for ``handle``; returns its tensor, now holding the result."""
+    if handle not in _handles:
+        raise ValueError(f"synchronize: unknown handle {handle!r}")
+    core_handle, tensor, staged = _handles.pop(handle)
+    core_handle.wait()
+    if staged is not None:
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(staged))
+    return tensor
+
+
+def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, lr=0.0):
+    return synchronize(push_pull_async(tensor, average, name, version, priority, lr))
+
+
+def push_pull(tensor, average=True, name=None, compression=None, priority=0, lr=0.0):
+    """A new tensor with the sum (or mean) of ``tensor`` over all workers."""
+    from .compression import Compression
+    compression = compression or Compression.none
+    _check(tensor, "push_pull")
+    sent, ctx = compression.compress(tensor.detach().clone())
+    return compression.decompress(push_pull_inplace(sent, average, name, priority=priority, lr=lr), ctx)

@@ -1,0 +1,163 @@
+"""bps_gc.torch on a local cluster: parameters after every step equal a numpy re-computation of
+the update (worker chain, server decode-sum-EF-recode, post-pull adapters, torch's SGD)."""
+import json
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from bps_gc.bindings.momentum import MomentumPlan
+from cluster import run_local
+from conftest import ROOT
+from reference import PushPullModel
+
+MIN_COMPRESS, PARTITION = 256, 256
+CODECS = {"onebit": {"compressor": "onebit", "scaling": True}, "topk": {"compressor": "topk", "k": 0.25},
+          "randomk": {"compressor": "randomk", "k": 0.25}, "dithering": {"compressor": "dithering", "k": 3}}
+OPTIMIZER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
+
+
+def configs():
+    out = []
+    for codec, params in CODECS.items():
+        out.append({"name": f"{codec}", "compression_params": params, "optimizer": OPTIMIZER})
+        out.append({"name": f"{codec}-ef", "compression_params": dict(params, ef="vanilla"), "optimizer": OPTIMIZER})
+        out.append({"name": f"{codec}-ef-mom", "optimizer": OPTIMIZER,
+                    "compression_params": dict(params, ef="vanilla", momentum="nesterov")})
+    out.append({"name": "dense", "compression_params": {}, "optimizer": OPTIMIZER})
+    out.append({"name": "fp16-topk", "compression_params": dict(CODECS["topk"], ef="vanilla"), "fp16": True,
+                "optimizer": {"lr": 0.05}})
+    return out
+
+
+def sgd(param, grad, state, lr, momentum=0, weight_decay=0, **_):
+    d = grad + np.float32(weight_decay) * param if weight_decay else grad
+    if momentum:
+        state["buf"] = d.copy() if "buf" not in state else np.float32(momentum) * state["buf"] + d
+        d = state["buf"]
+    return param - np.float32(lr) * d
+
+
+def replay(results, spec, workers):
+    index = 0
+    for cfg in spec["configs"]:
+        prefix = cfg["name"]
+        names = sorted(k.split("/", 2)[2] for k in results[0] if k.startswith(f"{prefix}/init/"))
+        params = {n: results[0][f"{prefix}/init/{n}"] for n in names}
+        cp = dict(cfg["compression_params"])
+        opt = dict(cfg["optimizer"])
+        plan = MomentumPlan(cp, opt.get("momentum"), opt.get("weight_decay"), MIN_COMPRESS) if cp.get("momentum") else None
+        if plan:
+            opt["momentum"] = 0
+            if plan.moves_weight_decay:
+                opt["weight_decay"] = 0
+            cp = plan.tensor_params()
+        if cfg.get("fp16"):
+            cp["fp16"] = True
+        models = {n: PushPullModel(cp, params[n].shape, np.float32, index + i, workers, PARTITION, MIN_COMPRESS)
+                  for i, n in enumerate(names)}
+        adapters = {n: plan.adapter(params[n].shape, np.float32, params[n].nbytes) for n in names} if plan else {}
+        state = {n: {} for n in names}
+        index += len(names)
+        for step in range(spec["steps"]):
+            for n in names:
+                grads = [results[r][f"{prefix}/{step}/grad/{n}"] for r in range(workers)]
+                g = models[n].step(grads, opt["lr"])
+                if n in adapters:
+                    adapters[n](g, params[n])
+                params[n] = sgd(params[n], g, state[n], **opt)
+                for r in range(workers):
+                    got = results[r][f"{prefix}/{step}/param/{n}"]
+                    assert np.allclose(got, params[n], rtol=1e-5, atol=1e-6), \
+                        f"{prefix} step {step} {n} rank {r}: max diff {np.abs(got - params[n]).max()}"
+                params[n] = results[0][f"{prefix}/{step}/param/{n}"]  # follow the run, check each step
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_codec_matches_the_update_rule(workers, tmp_path):
+    spec = {"steps": 4, "configs": configs()}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {"BYTEPS_MIN_COMPRESS_BYTES": str(MIN_COMPRESS), "BYTEPS_PARTITION_BYTES": str(PARTITION),
+           "BYTEPS_FORCE_DISTRIBUTED": "1"}
+    result = run_local([sys.executable, os.path.join(ROOT, "tests", "torch_job.py"), str(tmp_path / "spec.json"),
+                        str(tmp_path)], workers=workers, servers=workers, env=env, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    results = [dict(np.load(tmp_path / f"torch{r}.npz")) for r in range(workers)]
+    replay(results, spec, workers)
+
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np, torch, bps_gc.torch as bps
+    bps.init()
+    r = bps.rank()
+    torch.manual_seed(r)                        # different weights on each rank
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()   # one local step creates momentum buffers
+    opt.step()
+    root = {k: v.clone() for k, v in model.state_dict().items()}
+    bufs = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    bps.broadcast_parameters(model.state_dict(), root_rank=1)
+    bps.broadcast_optimizer_state(opt, root_rank=1)
+    out = {k: v.numpy() for k, v in model.state_dict().items()}
+    out.update({f"buf{i}": opt.state[p]["momentum_buffer"].numpy() for i, p in enumerate(model.parameters())})
+    out.update({f"own.{k}": v.numpy() for k, v in root.items()})
+    out.update({f"ownbuf{i}": b.numpy() for i, b in enumerate(bufs)})
+    np.savez(f"{OUT}/b{r}.npz", **out)
+    # the value-returning and async forms
+    t = torch.full((5,), float(r + 1))
+    s = bps.push_pull(t, average=False, name="t")
+    h = bps.push_pull_async(torch.full((5,), float(r + 1)), average=True, name="u")
+    while not bps.poll(h):
+        pass
+    u = bps.synchronize(h)
+    assert t.tolist() == [float(r + 1)] * 5 and s.tolist() == [3.0] * 5 and u.tolist() == [1.5] * 5
+    print("TORCH-OK", r)
+    bps.shutdown()
+""")
+
+
+def test_broadcast_from_a_non_zero_root_and_the_plain_api(tmp_path):
+    code = f"OUT = {str(tmp_path)!r}\n" + SCRIPT
+    result = run_local([sys.executable, "-c", code], workers=2, servers=1, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("TORCH-OK") == 2
+    b0, b1 = np.load(tmp_path / "b0.npz"), np.load(tmp_path / "b1.npz")
+    for key in ("weight", "bias", "buf0", "buf1"):
+        assert np.array_equal(b0[key], b1[key])
+    assert np.array_equal(b0["weight"], b1["own.weight"]) and np.array_equal(b0["buf0"], b1["ownbuf0"])
+    assert not np.array_equal(b0["own.weight"], b1["own.weight"])
+
+
+ERRORS = textwrap.dedent("""
+    import torch, bps_gc.torch as bps
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    def expect(fn, cls, text):
+        try:
+            fn()
+        except cls as e:
+            assert text in str(e), str(e)
+            print("OK:", text)
+        else:
+            raise SystemExit(f"no {cls.__name__} for {text}")
+    expect(lambda: bps.DistributedOptimizer(opt), RuntimeError, "call bps_gc.torch.init() first")
+    bps.init()
+    expect(lambda: bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+           compression_params={"compressor": "zip"}), ValueError, "'compressor': unknown compressor 'zip'")
+    expect(lambda: bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+           compression_params={"compressor": "onebit", "momentum": "nesterov"}), ValueError,
+           "needs momentum in the optimizer")
+    expect(lambda: bps.DistributedOptimizer(model), TypeError, "wraps a torch.optim.Optimizer")
+    expect(lambda: bps.push_pull(torch.ones(3, dtype=torch.int64), name="i"), TypeError, "torch.int64 is not supported")
+    bps.shutdown()
+""")
+
+
+def test_errors_are_clear():
+    result = run_local([sys.executable, "-c", ERRORS], workers=1, servers=1, timeout=60,
+                       env={"BYTEPS_FORCE_DISTRIBUTED": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.count("OK:") == 5

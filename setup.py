@@ -1,4 +1,5 @@
 """Builds the codec kernels as a plain shared library (loaded with ctypes, no Python API)."""
+import glob
 import importlib.util
 import os
 
@@ -10,5 +11,6 @@ spec = importlib.util.spec_from_file_location(
 flags = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(flags)
 
-setup(ext_modules=[Extension("bps_gc.compress._kernels", ["bps_gc/compress/_kernels.c"],
+kernels = sorted(glob.glob("bps_gc/compress/kernels/*.c"))
+setup(ext_modules=[Extension("bps_gc.compress._kernels", kernels, depends=glob.glob("bps_gc/compress/kernels/*.h"),
                              extra_compile_args=flags.CFLAGS, libraries=["m"])])

@@ -129,28 +129,22 @@ class _Reader:
         return default if value is self.MISSING else value
 
     def integer(self, name, default, low=None, high=None):
-        value = self.raw(name, default)
-        if value is self.MISSING:
-            return default
-        try:
-            number = int(value)
-        except ValueError:
-            raise ConfigError(name, f"must be an integer, got {value!r}") from None
-        if (low is not None and number < low) or (high is not None and number > high):
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(name, f"must be {bounds}, got {number}")
-        return number
+        return self.numeric(name, default, int, "an integer", low, high)
 
     def number(self, name, default, low):
+        return self.numeric(name, default, float, "a number", low, None)
+
+    def numeric(self, name, default, convert, kind, low, high):
         value = self.raw(name, default)
         if value is self.MISSING:
             return default
         try:
-            number = float(value)
+            number = convert(value)
         except ValueError:
-            raise ConfigError(name, f"must be a number, got {value!r}") from None
-        if not number >= low:
-            raise ConfigError(name, f"must be >= {low}, got {value!r}")
+            raise ConfigError(name, f"must be {kind}, got {value!r}") from None
+        if not ((low is None or number >= low) and (high is None or number <= high)):  # NaN fails too
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(name, f"must be {bounds}, got {value!r}")
         return number
 
     def flag(self, name, default):

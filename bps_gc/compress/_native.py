@@ -1,4 +1,4 @@
-"""Loads the C kernels (``_kernels.c``) through ctypes.
+"""Loads the C kernels (``kernels/*.c``, one shared library) through ctypes.
 
 setup.py builds them as an extension next to this file; a source checkout that was not built
 (or whose C file changed since) compiles them once into a per-user cache instead, keyed by a hash
@@ -14,25 +14,31 @@ import tempfile
 from ._native_flags import CFLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "_kernels.c")
+KERNELS = os.path.join(HERE, "kernels")
+SOURCES = sorted(os.path.join(KERNELS, f) for f in os.listdir(KERNELS) if f.endswith(".c"))
+HEADERS = sorted(os.path.join(KERNELS, f) for f in os.listdir(KERNELS) if f.endswith(".h"))
 
-# Error codes the kernels return (keep in step with the enum in _kernels.c).
+# Error codes the kernels return (keep in step with the enum in kernels/common.h).
 ERRORS = {-1: "truncated payload", -2: "index out of range", -3: "malformed bit stream",
           -4: "out of memory", -5: "output buffer too small", -6: "input contains inf or NaN"}
 ERR_OVERFLOW = -5
 
 
 def _prebuilt():
+    newest = max(os.path.getmtime(f) for f in SOURCES + HEADERS)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = os.path.join(HERE, "_kernels" + suffix)
-        if os.path.exists(path) and os.path.getmtime(path) >= os.path.getmtime(SOURCE):
+        if os.path.exists(path) and os.path.getmtime(path) >= newest:
             return path
     return None
 
 
 def _compile_cached():
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:16]
     cache = os.environ.get("BPS_GC_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bps_gc")
     os.makedirs(cache, exist_ok=True)
@@ -42,12 +48,12 @@ def _compile_cached():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            subprocess.run([cc, *CFLAGS, "-shared", "-o", tmp, SOURCE, "-lm"], check=True,
+            subprocess.run([cc, *CFLAGS, "-shared", "-o", tmp, *SOURCES, "-lm"], check=True,
                            capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as e:
             os.unlink(tmp)
             detail = getattr(e, "stderr", "") or str(e)
-            raise ImportError(f"bps_gc: the codec kernels are not built and compiling {SOURCE} "
+            raise ImportError(f"bps_gc: the codec kernels are not built and compiling {KERNELS} "
                               f"with {cc!r} failed: {detail}. Install with 'pip install .' "
                               "on a machine with a C compiler.") from e
         os.replace(tmp, path)  # atomic: concurrent processes never load a half-written file

@@ -1,0 +1,164 @@
+"""DistributedTrainer: a gluon Trainer whose gradients are summed by the parameter servers.
+
+BytePS's semantics: parameters (sorted by name) are declared as ``parameter_<i>`` and, when
+they have a gradient, ``gradient_<i>`` with the compression settings. The first ``step``
+broadcasts the parameters from ``root_rank``; every ``step`` scales each gradient by
+``1 / (batch_size * size())``, push_pulls it as a sum (priority ``-i``, the current learning
+rate for error feedback), applies the post-pull momentum / weight-decay adapters, and lets the
+optimizer update with ``rescale_grad == 1``.
+"""
+import copy
+
+import mxnet as mx
+import numpy as np
+
+from .. import core
+from ..bindings.momentum import MomentumPlan, PostPull
+from .tensors import HostArray
+
+
+def known_shape(param):
+    """The parameter's shape, or None while deferred initialization leaves it unknown."""
+    shape = param.shape
+    if shape is None or any(d is None or d <= 0 for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """``mx.gluon.Trainer`` over bps_gc (no kvstore).
+
+    ``compression_params``: ``compressor``, ``ef``, ``momentum``, ``scaling``, ``k``, ``seed``,
+    ``partition``, ``normalize``, ``fp16`` (see the README). With ``momentum`` the optimizer's
+    momentum (and, for ``onebit``, its ``wd``) moves into the codec chain and the post-pull
+    adapters. ``prefix`` (not in BytePS) is put in front of the tensor names, for a second
+    trainer over other parameters in the same process.
+    """
+
+    def __init__(self, params, optimizer, optimizer_params=None, root_rank=0,
+                 compression_params=None, prefix=""):
+        if not core.is_initialized():
+            raise RuntimeError("bps_gc.mxnet.DistributedTrainer: bps_gc is not initialized; "
+                               "call bps.init() first")
+        if not isinstance(params, (dict, mx.gluon.ParameterDict)):
+            raise TypeError("DistributedTrainer: params must be a ParameterDict or a dict of "
+                            "name -> Parameter (e.g. net.collect_params()), got "
+                            f"{type(params).__name__}: the tensor names parameter_<i> / "
+                            "gradient_<i> follow the sorted parameter names")
+        size = core.size()
+        if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+            raise ValueError(f"DistributedTrainer: root_rank {root_rank!r} outside [0, {size})")
+        if compression_params is not None and not isinstance(compression_params, dict):
+            raise TypeError("DistributedTrainer: compression_params must be a dict, got "
+                            f"{type(compression_params).__name__}")
+        compression_params = dict(compression_params or {})
+        optimizer_params = dict(optimizer_params or {})  # never mutate the caller's
+        if isinstance(optimizer, mx.optimizer.Optimizer):
+            momentum, wd = getattr(optimizer, "momentum", None), optimizer.wd
+        else:
+            momentum, wd = optimizer_params.get("momentum"), optimizer_params.get("wd")
+        if compression_params.get("momentum") and not momentum:
+            raise ValueError(
+                f"compression_params['momentum']={compression_params['momentum']!r} moves the "
+                "optimizer's momentum into the codec chain, but the optimizer has none: pass "
+                "it in optimizer_params (e.g. {'momentum': 0.9}); got "
+                f"momentum={momentum!r}")
+        plan = MomentumPlan(compression_params, momentum, wd, core.worker().cfg.min_compress_bytes)
+        if plan.moves_momentum:
+            if isinstance(optimizer, mx.optimizer.Optimizer):
+                optimizer = copy.copy(optimizer)
+                optimizer.momentum = 0.0
+                if plan.moves_weight_decay:
+                    optimizer.wd = 0.0
+            else:
+                optimizer_params.pop("momentum", None)
+                if plan.moves_weight_decay:
+                    optimizer_params.pop("wd", None)
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        if len(self._contexts) > 1:
+            raise ValueError("DistributedTrainer: parameters live on several contexts "
+                             f"{self._contexts}; bps_gc runs one worker process per device "
+                             "(bpslaunch starts one per NVIDIA_VISIBLE_DEVICES entry)")
+        self.root_rank = root_rank
+        self._bps_size = size
+        self._plan = plan
+        self._prefix = prefix
+        self._grad_tensors = {}  # i -> the core's TensorPlan of gradient_<i>
+        self._adapters = {}  # i -> PostPull or None, made at the first pull
+        tensor_params = plan.tensor_params()
+        for i, param in enumerate(self._params):
+            shape = known_shape(param)
+            dtype = np.dtype(param.dtype) if shape is not None else None
+            self._declare(self._name("parameter", i), shape, dtype, param, {})
+            if param.grad_req != "null":
+                self._grad_tensors[i] = self._declare(self._name("gradient", i), shape, dtype,
+                                                      param, tensor_params)
+
+    def _name(self, kind, i):
+        return f"{self._prefix}{kind}_{i}"
+
+    def _declare(self, name, shape, dtype, param, compression):
+        existing = core.worker().tensors.get(name)
+        if existing is not None and shape is not None and existing.shape is not None and \
+                (tuple(existing.shape) != shape or existing.dtype != dtype):
+            raise ValueError(f"DistributedTrainer: {name!r} was declared before for a "
+                             f"{existing.shape} {existing.dtype} tensor, but {param.name!r} is "
+                             f"{shape} {dtype}; give a second trainer in this process its own "
+                             "prefix=")
+        return core.declare(name, shape=shape, dtype=dtype, **compression)
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        # gradients are divided by batch_size * size() before the push: the optimizer's
+        # rescale_grad (self._scale / batch_size) must be 1
+        self._scale = batch_size
+        super().step(batch_size, ignore_stale_grad)
+
+    def _init_params(self):
+        """Broadcast from root_rank: the others zero their copy, then a sum (push_pull)."""
+        deferred, pending = [], []
+        for param in self._params_to_init:
+            if param._deferred_init:
+                deferred.append(param)
+                continue
+            host = HostArray(param.list_data()[0], write=True)
+            if core.rank() != self.root_rank:
+                host.array[...] = 0
+            i = self._param2idx[param.name]
+            pending.append((host, core.push_pull(host.array, self._name("parameter", i),
+                                                 average=False, priority=0)))
+        for host, handle in pending:
+            handle.wait()
+            host.commit()
+        self._params_to_init = deferred
+
+    def _allreduce_grads(self):
+        lr = self.learning_rate
+        factor = 1.0 / (self._scale * self._bps_size)
+        pending = []
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            host = HostArray(param.list_grad()[0], write=True)
+            host.array *= host.array.dtype.type(factor)
+            handle = core.push_pull(host.array, self._name("gradient", i), average=False,
+                                    priority=-i, lr=lr)
+            pending.append((i, param, host, handle))
+        for i, param, host, handle in pending:
+            handle.wait()
+            adapter = self._adapter(i, host.array)
+            if adapter is not None:
+                weights = HostArray(param.list_data()[0], write=False)
+                adapter(host.array, weights.array)
+            host.commit()
+
+    def _adapter(self, i, grad):
+        if i not in self._adapters:
+            plan = self._plan
+            adapter = None
+            if plan.moves_momentum:
+                # compressed as the core decided (with one worker process and no
+                # BYTEPS_FORCE_DISTRIBUTED nothing is: every tensor then gets the NAG here)
+                adapter = PostPull(grad.shape, grad.dtype, plan.mu, plan.wd,
+                                   bool(self._grad_tensors[i].compressed), plan.moves_weight_decay)
+            self._adapters[i] = adapter
+        return self._adapters[i]

@@ -2,6 +2,7 @@
 the update (worker chain, server decode-sum-EF-recode, post-pull adapters, torch's SGD)."""
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -40,7 +41,7 @@ def sgd(param, grad, state, lr, momentum=0, weight_decay=0, **_):
     return param - np.float32(lr) * d
 
 
-def replay(results, spec, workers):
+def replay(results, spec, workers, min_compress=MIN_COMPRESS):
     index = 0
     for cfg in spec["configs"]:
         prefix = cfg["name"]
@@ -48,7 +49,7 @@ def replay(results, spec, workers):
         params = {n: results[0][f"{prefix}/init/{n}"] for n in names}
         cp = dict(cfg["compression_params"])
         opt = dict(cfg["optimizer"])
-        plan = MomentumPlan(cp, opt.get("momentum"), opt.get("weight_decay"), MIN_COMPRESS) if cp.get("momentum") else None
+        plan = MomentumPlan(cp, opt.get("momentum"), opt.get("weight_decay")) if cp.get("momentum") else None
         if plan:
             opt["momentum"] = 0
             if plan.moves_weight_decay:
@@ -56,9 +57,9 @@ def replay(results, spec, workers):
             cp = plan.tensor_params()
         if cfg.get("fp16"):
             cp["fp16"] = True
-        models = {n: PushPullModel(cp, params[n].shape, np.float32, index + i, workers, PARTITION, MIN_COMPRESS)
+        models = {n: PushPullModel(cp, params[n].shape, np.float32, index + i, workers, PARTITION, min_compress)
                   for i, n in enumerate(names)}
-        adapters = {n: plan.adapter(params[n].shape, np.float32, params[n].nbytes) for n in names} if plan else {}
+        adapters = {n: plan.adapter(params[n].shape, np.float32, models[n].compressed) for n in names} if plan else {}
         state = {n: {} for n in names}
         index += len(names)
         for step in range(spec["steps"]):
@@ -86,6 +87,21 @@ def test_every_codec_matches_the_update_rule(workers, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     results = [dict(np.load(tmp_path / f"torch{r}.npz")) for r in range(workers)]
     replay(results, spec, workers)
+
+
+def test_single_process_keeps_the_moved_momentum(tmp_path):
+    # one worker process, not distributed: nothing is compressed, so the momentum that moved out
+    # of the optimizer must come back as NAG after the (local) pull for every tensor
+    spec = {"steps": 3, "configs": [c for c in configs() if c["name"] == "onebit-ef-mom"]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env.update(DMLC_ROLE="worker", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", DMLC_WORKER_ID="0",
+               DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="9", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "torch_job.py"),
+                             str(tmp_path / "spec.json"), str(tmp_path)], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    replay([dict(np.load(tmp_path / "torch0.npz"))], spec, 1, min_compress=float("inf"))
 
 
 SCRIPT = textwrap.dedent("""

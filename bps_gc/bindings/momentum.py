@@ -16,7 +16,7 @@ from ..compress import CompressionParams
 class MomentumPlan:
     """The optimizer changes and per-tensor codec parameters for one training job."""
 
-    def __init__(self, compression_params, momentum, weight_decay, min_compress_bytes):
+    def __init__(self, compression_params, momentum, weight_decay):
         params = CompressionParams.from_dict(
             dict(compression_params or {}, **({"mu": momentum} if
                                               (compression_params or {}).get("momentum") else {})))
@@ -29,19 +29,18 @@ class MomentumPlan:
         # BytePS: only onebit takes weight decay into the adapter
         self.moves_weight_decay = self.moves_momentum and params.compressor == "onebit" and bool(weight_decay)
         self.wd = float(weight_decay or 0.0) if self.moves_weight_decay else 0.0
-        self.min_compress_bytes = min_compress_bytes
-
-    def compressed(self, nbytes):
-        return self.params.compressed and nbytes >= self.min_compress_bytes
 
     def tensor_params(self):
         """compression_params as declared for a gradient (mu included when momentum moves)."""
         return self.params.to_dict()
 
-    def adapter(self, shape, dtype, nbytes):
+    def adapter(self, shape, dtype, compressed):
+        """The post-pull step of one tensor; ``compressed``: whether the worker core compresses
+        it (not below BYTEPS_MIN_COMPRESS_BYTES, nor in a single undistributed process), i.e.
+        whether the codec chain applied the momentum."""
         if not self.moves_momentum:
             return None
-        return PostPull(shape, dtype, self.mu, self.wd, self.compressed(nbytes), self.moves_weight_decay)
+        return PostPull(shape, dtype, self.mu, self.wd, compressed, self.moves_weight_decay)
 
 
 class PostPull:

@@ -13,7 +13,7 @@ import mxnet as mx
 import numpy as np
 
 from .. import core
-from ..bindings.momentum import MomentumPlan, PostPull
+from ..bindings.momentum import MomentumPlan
 from .tensors import HostArray
 
 
@@ -63,7 +63,7 @@ class DistributedTrainer(mx.gluon.Trainer):
                 "optimizer's momentum into the codec chain, but the optimizer has none: pass "
                 "it in optimizer_params (e.g. {'momentum': 0.9}); got "
                 f"momentum={momentum!r}")
-        plan = MomentumPlan(compression_params, momentum, wd, core.worker().cfg.min_compress_bytes)
+        plan = MomentumPlan(compression_params, momentum, wd)
         if plan.moves_momentum:
             if isinstance(optimizer, mx.optimizer.Optimizer):
                 optimizer = copy.copy(optimizer)
@@ -153,12 +153,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def _adapter(self, i, grad):
         if i not in self._adapters:
-            plan = self._plan
-            adapter = None
-            if plan.moves_momentum:
-                # compressed as the core decided (with one worker process and no
-                # BYTEPS_FORCE_DISTRIBUTED nothing is: every tensor then gets the NAG here)
-                adapter = PostPull(grad.shape, grad.dtype, plan.mu, plan.wd,
-                                   bool(self._grad_tensors[i].compressed), plan.moves_weight_decay)
-            self._adapters[i] = adapter
+            # compressed as the core decided (with one worker process and no
+            # BYTEPS_FORCE_DISTRIBUTED nothing is: every tensor then gets the NAG here)
+            self._adapters[i] = self._plan.adapter(grad.shape, grad.dtype, bool(self._grad_tensors[i].compressed))
         return self._adapters[i]

@@ -42,8 +42,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 params["fp16"] = True
             ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, **params)
             if self._plan:
-                self._post_pull[id(p)] = self._plan.adapter(tuple(p.shape), ops.SUPPORTED[p.dtype],
-                                                            p.numel() * p.element_size())
+                compressed = core.worker().tensors[self._names[id(p)]].compressed
+                self._post_pull[id(p)] = self._plan.adapter(tuple(p.shape), ops.SUPPORTED[p.dtype], compressed)
         self._handles = {}
         self._counts = {id(p): 0 for p in self._params}
         self._priority = {id(p): -i for i, p in enumerate(self._params)}
@@ -60,7 +60,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(moms) > 1 or len(wds) > 1:
             raise ValueError("compression_params['momentum'] needs one momentum and weight_decay "
                              f"for all parameter groups, got {sorted(moms)} and {sorted(wds)}")
-        plan = MomentumPlan(compression_params, moms.pop(), wds.pop(), core.worker().cfg.min_compress_bytes)
+        plan = MomentumPlan(compression_params, moms.pop(), wds.pop())
         for group in self.param_groups:
             group["momentum"] = 0
             if "nesterov" in group:

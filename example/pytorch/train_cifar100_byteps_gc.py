@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""Train a ResNet on CIFAR-100 with bps_gc.torch and gradient compression.
+
+The PyTorch twin of example/mxnet/train_cifar100_byteps_gc.py (BytePS's gluon CIFAR-100
+script): the same flags where they apply, the same log lines.
+
+    bpslaunch --local --workers 2 --servers 1 -- \\
+        python example/pytorch/train_cifar100_byteps_gc.py --data-dir ~/data/cifar100 \\
+        --compressor onebit --onebit-scaling --ef vanilla --compress-momentum nesterov
+
+Data: the official CIFAR-100 python version, DATA_DIR/cifar-100-python/{train,test} (pickled
+dicts with b'data', uint8 N x 3072, and b'fine_labels'; the 100 fine labels are used). These
+local files are trusted input; nothing received over the network is unpickled. Augmentation
+(4-pixel zero padding + random 32x32 crop, horizontal flip) and normalization are numpy, on
+-j threads. Each epoch every worker takes its own equal share of a shuffled training set;
+the last partial batch is dropped, so all workers run the same number of steps.
+
+Log lines (stdout and cifar100-<workers>-cpu-<logging-file>.log in the working directory,
+rank 0 only):
+    [Epoch N] speed: X samples/sec<TAB>time cost: Y     (X: all workers together)
+    [Epoch N] training: accuracy=A                      (over all workers)
+    [Epoch N] validation: accuracy=A                    (test set sharded over workers,
+                                                         correct and count summed by push_pull)
+"""
+import argparse
+import collections
+import logging
+import os
+import pickle
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import bps_gc.core
+import bps_gc.torch as bps
+from bps_gc.compress import CompressionParams
+
+# CIFAR-100 training-set channel statistics (of x / 255)
+MEAN = np.array([0.5071, 0.4865, 0.4409], np.float32).reshape(1, 3, 1, 1)
+STD = np.array([0.2673, 0.2564, 0.2762], np.float32).reshape(1, 3, 1, 1)
+DEPTHS = (20, 32, 44, 56, 110)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description="Train a model for CIFAR-100 image classification with bps_gc.")
+    parser.add_argument("--data-dir", type=str, default="~/.mxnet/datasets/cifar100",
+                        help="directory holding cifar-100-python/{train,test}")
+    parser.add_argument("--batch-size", type=int, default=32, help="training batch size per worker")
+    parser.add_argument("--model", type=str, default="resnet20",
+                        help="resnet20, resnet32, resnet44, resnet56 or resnet110 (CIFAR ResNet v1; "
+                             "gluon names like cifar_resnet20_v1 work too)")
+    parser.add_argument("-j", "--num-data-workers", dest="num_workers", default=2, type=int,
+                        help="threads preparing batches (0: in the training loop)")
+    parser.add_argument("--num-epochs", type=int, default=200, help="number of training epochs")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--wd", type=float, default=0.0005, help="weight decay")
+    parser.add_argument("--lr-decay", type=float, default=0.1, help="learning rate decay factor")
+    parser.add_argument("--lr-decay-period", type=int, default=0,
+                        help="decay every this many epochs (0: use --lr-decay-epoch)")
+    parser.add_argument("--lr-decay-epoch", type=str, default="100,150",
+                        help="epochs at which the learning rate decays, comma-separated")
+    parser.add_argument("--warmup-lr", type=float, default=0.0, help="learning rate at the start of warm-up")
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear warm-up")
+    parser.add_argument("--save-period", type=int, default=10, help="save the model every this many epochs (0: never)")
+    parser.add_argument("--save-dir", type=str, default="params", help="directory of saved models")
+    parser.add_argument("--resume-from", type=str, help="model parameters to start from")
+    parser.add_argument("--resume-epoch", type=int, default=0, help="epoch to resume from")
+    parser.add_argument("--logging-file", type=str, default="baseline", help="name part of the log file")
+    parser.add_argument("--seed", type=int, default=2020,
+                        help="random seed (model, shuffling, augmentation; randomk/dithering's codec seed)")
+    parser.add_argument("--max-iters", type=int, default=0, help="at most this many steps per epoch (0: all)")
+    # gradient compression, as in BytePS's script
+    parser.add_argument("--compressor", type=str, default="", help="onebit, topk, randomk, dithering (or a plugin's)")
+    parser.add_argument("--ef", type=str, default="", help="error feedback: vanilla")
+    parser.add_argument("--compress-momentum", type=str, default="",
+                        help="nesterov: the optimizer's momentum moves into the codec chain")
+    parser.add_argument("--onebit-scaling", action="store_true", help="scale onebit's signs by the mean magnitude")
+    parser.add_argument("--k", type=float, default=1.0,
+                        help="topk/randomk: fraction (< 1) or count per partition; dithering: levels")
+    parser.add_argument("--fp16-pushpull", action="store_true", help="push and pull gradients as float16")
+    parser.add_argument("--partition", type=str, default="linear", choices=("linear", "natural"),
+                        help="dithering: linear or natural partition of the levels")
+    parser.add_argument("--normalize", type=str, default="max", choices=("max", "l2"),
+                        help="dithering: normalize by the max or the l2 norm")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- model
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class CifarResNet(nn.Module):
+    """ResNet for 32x32 inputs (He et al. 2016, section 4.2): 6n+2 layers, 16/32/64 channels."""
+
+    def __init__(self, depth=20, classes=100):
+        super().__init__()
+        if (depth - 2) % 6:
+            raise ValueError(f"CIFAR ResNet depth must be 6n+2, got {depth}")
+        n = (depth - 2) // 6
+        self.conv = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        layers, cin = [], 16
+        for stage, cout in enumerate((16, 32, 64)):
+            for i in range(n):
+                layers.append(BasicBlock(cin, cout, 2 if stage > 0 and i == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(64, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x):
+        x = self.layers(F.relu(self.bn(self.conv(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet(name, classes=100):
+    """resnet20 ... resnet110, also as gluon's cifar_resnet20_v1."""
+    base = name.lower()
+    if base.startswith("cifar_"):
+        base = base[len("cifar_"):]
+    if base.endswith("_v1"):
+        base = base[:-len("_v1")]
+    depth = base[len("resnet"):] if base.startswith("resnet") else ""
+    if not depth.isdigit() or int(depth) not in DEPTHS:
+        raise ValueError(f"unknown model {name!r}; use one of {', '.join(f'resnet{d}' for d in DEPTHS)}")
+    return CifarResNet(int(depth), classes)
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def load_split(data_dir, split):
+    """(uint8 N x 3 x 32 x 32 images, int64 fine labels) from the official python pickles."""
+    path = os.path.join(os.path.expanduser(data_dir), "cifar-100-python", split)
+    if not os.path.isfile(path):
+        raise SystemExit(f"no CIFAR-100 {split} set at {path} (want the python version, "
+                         "cifar-100-python.tar.gz, unpacked in --data-dir)")
+    with open(path, "rb") as f:
+        data = pickle.load(f, encoding="bytes")
+    images = np.asarray(data[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+    labels = np.asarray(data[b"fine_labels"], dtype=np.int64)
+    if len(images) != len(labels):
+        raise SystemExit(f"{path}: {len(images)} images but {len(labels)} labels")
+    return images, labels
+
+
+def normalize(images):
+    return (images.astype(np.float32) * np.float32(1 / 255) - MEAN) / STD
+
+
+def augment(images, rng, pad=4):
+    """Random crop of the zero-padded image and random horizontal flip (uint8 in, uint8 out)."""
+    n, c, h, w = images.shape
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), np.uint8)
+    padded[:, :, pad:pad + h, pad:pad + w] = images
+    dy = rng.integers(0, 2 * pad + 1, n)
+    dx = rng.integers(0, 2 * pad + 1, n)
+    rows = (dy[:, None] + np.arange(h))[:, None, :, None]    # n x 1 x h x 1
+    cols = (dx[:, None] + np.arange(w))[:, None, None, :]    # n x 1 x 1 x w
+    flip = rng.random(n) < 0.5
+    cols = np.where(flip[:, None, None, None], cols[..., ::-1], cols)
+    return padded[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols]
+
+
+def prefetch(executor, fn, items, depth):
+    """fn(item) for each item, computed up to `depth` ahead on the executor."""
+    if executor is None:
+        for item in items:
+            yield fn(item)
+        return
+    pending = collections.deque()
+    for item in items:
+        pending.append(executor.submit(fn, item))
+        if len(pending) > depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+# ------------------------------------------------------------------------------------- training
+
+def compression_params(args, parser):
+    """compression_params for DistributedOptimizer from the flags (None: no compression); a bad
+    combination stops here, before the cluster is joined. fp16 goes as Compression.fp16."""
+    if not args.compressor:
+        if args.ef or args.compress_momentum or args.onebit_scaling:
+            parser.error("--ef, --compress-momentum and --onebit-scaling need --compressor")
+        return None
+    params = {"compressor": args.compressor}
+    if args.ef:
+        params["ef"] = args.ef
+    if args.compress_momentum:
+        if not args.momentum:
+            parser.error("--compress-momentum moves the optimizer's momentum into the codec chain "
+                         "and needs --momentum > 0")
+        params["momentum"] = args.compress_momentum  # mu: DistributedOptimizer adds --momentum
+    if args.onebit_scaling:
+        params["scaling"] = True
+    if args.compressor != "onebit":  # topk, randomk, dithering (and plugins) take k
+        params["k"] = args.k
+    if args.compressor in ("randomk", "dithering"):
+        if args.seed <= 0:
+            parser.error(f"--seed must be > 0 for {args.compressor}, got {args.seed}")
+        params["seed"] = args.seed
+    if args.compressor == "dithering":
+        params["partition"] = args.partition
+        params["normalize"] = args.normalize
+    try:
+        CompressionParams.from_dict(dict(params, **({"mu": args.momentum} if args.compress_momentum else {})))
+    except ValueError as e:
+        parser.error(str(e))
+    return params
+
+
+def learning_rate(args, epoch, decay_epochs):
+    """The rate at fractional epoch `epoch`: linear warm-up, then step decay."""
+    if args.warmup_epochs > 0 and epoch < args.warmup_epochs:
+        return args.warmup_lr + (args.lr - args.warmup_lr) * epoch / args.warmup_epochs
+    if args.lr_decay_period > 0:
+        steps = int(epoch // args.lr_decay_period)
+    else:
+        steps = sum(1 for e in decay_epochs if epoch >= e)
+    return args.lr * args.lr_decay ** steps
+
+
+def summed(values, name):
+    """The element-wise sum of `values` over all workers."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return bps.push_pull(t, average=False, name=name).tolist()
+
+
+def make_logger(rank, size, logging_file):
+    logger = logging.getLogger("cifar100")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # bps_gc.core configures the root logger with its own format
+    if rank == 0:
+        handlers = [logging.StreamHandler(sys.stdout),
+                    logging.FileHandler(f"cifar100-{size}-cpu-{logging_file}.log")]
+    else:
+        handlers = [logging.NullHandler()]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def evaluate(model, images, labels, batch_size):
+    """(correct, count) of the model on these images."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(images), batch_size):
+            x = torch.from_numpy(normalize(images[start:start + batch_size]))
+            y = torch.from_numpy(labels[start:start + batch_size])
+            correct += int((model(x).argmax(1) == y).sum())
+    return correct, len(images)
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    decay_epochs = [float(e) for e in args.lr_decay_epoch.split(",") if e.strip()]
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    comp_params = compression_params(args, parser)
+    # the data first: a missing data set should fail before the cluster waits on us
+    train_x, train_y = load_split(args.data_dir, "train")
+    test_x, test_y = load_split(args.data_dir, "test")
+
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    logger = make_logger(rank, size, args.logging_file)
+    logger.info(args)
+
+    torch.manual_seed(args.seed)
+    model = resnet(args.model)
+    if args.resume_from:
+        model.load_state_dict(torch.load(args.resume_from, map_location="cpu"))
+    # BytePS's choice: plain momentum SGD when compressing (--compress-momentum moves the momentum
+    # into the codec chain), NAG otherwise
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
+                                nesterov=not args.compressor and args.momentum > 0)
+    optimizer = bps.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(),
+        compression=bps.Compression.fp16 if args.fp16_pushpull else bps.Compression.none,
+        compression_params=comp_params)
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    per_worker = len(train_x) // size
+    steps = per_worker // args.batch_size
+    if args.max_iters > 0:
+        steps = min(steps, args.max_iters)
+    if steps == 0:
+        raise SystemExit(f"{len(train_x)} training images make no full batch of {args.batch_size} "
+                         f"for each of {size} workers")
+    val_x, val_y = test_x[rank::size], test_y[rank::size]
+
+    def batch(item):
+        epoch, i, indices = item
+        rng = np.random.default_rng([args.seed, rank, epoch, i])
+        x = normalize(augment(train_x[indices], rng))
+        return torch.from_numpy(x), torch.from_numpy(train_y[indices])
+
+    executor = ThreadPoolExecutor(args.num_workers) if args.num_workers > 0 else None
+    bps_gc.core.metrics()  # reset: traffic is reported per epoch
+    try:
+        for epoch in range(args.resume_epoch, args.num_epochs):
+            tic = time.time()
+            # the same permutation on every worker; each takes its own equal share
+            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_x))
+            mine = order[rank::size][:steps * args.batch_size]
+            items = [(epoch, i, mine[i * args.batch_size:(i + 1) * args.batch_size]) for i in range(steps)]
+            model.train()
+            correct = seen = 0
+            for i, (x, y) in enumerate(prefetch(executor, batch, items, max(1, args.num_workers))):
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(args, epoch + i / steps, decay_epochs)
+                optimizer.zero_grad()
+                out = model(x)
+                loss = F.cross_entropy(out, y)
+                loss.backward()
+                optimizer.step()
+                correct += int((out.argmax(1) == y).sum())
+                seen += len(y)
+            elapsed = time.time() - tic
+            train_correct, train_seen = summed([correct, seen], "metric.train")
+            logger.info("[Epoch %d] speed: %d samples/sec\ttime cost: %f", epoch, int(train_seen / elapsed), elapsed)
+            logger.info("[Epoch %d] training: accuracy=%f", epoch, train_correct / train_seen)
+            val_correct, val_seen = summed(list(evaluate(model, val_x, val_y, 2 * args.batch_size)), "metric.val")
+            logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_correct / val_seen)
+            m = bps_gc.core.metrics()
+            if m.pushed_wire:
+                logger.info("[Epoch %d] traffic per worker: pushed %.3f MB (%.3f MB uncompressed, ratio %.1f)",
+                            epoch, m.pushed_wire / 1e6, m.pushed_raw / 1e6, m.pushed_raw / m.pushed_wire)
+            if rank == 0 and args.save_period and (epoch + 1) % args.save_period == 0:
+                save(model, args, epoch)
+        if rank == 0 and args.save_period and args.num_epochs > args.resume_epoch:
+            save(model, args, args.num_epochs - 1)
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+    bps.shutdown()
+
+
+def save(model, args, epoch):
+    os.makedirs(args.save_dir, exist_ok=True)
+    path = os.path.join(args.save_dir, f"cifar100-{args.model}-{epoch}.params")
+    torch.save(model.state_dict(), path)
+
+
+if __name__ == "__main__":
+    main()

@@ -109,3 +109,14 @@ def test_shared_token_lets_the_job_run():
     result = job(body, workers=2, servers=1, env={"BPS_GC_AUTH_TOKEN": "s3cret"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("TOKEN-OK 2.0") == 2
+
+
+def test_local_cluster_with_one_worker_uses_its_servers():
+    body = """
+        bps.declare("w", shape=(4,), dtype=np.float32)
+        print("ONE", bps.push_pull(np.ones(4, np.float32), "w", average=False).wait()[0], bps.metrics().pushed_raw)
+        bps.shutdown()
+    """
+    result = job(body, workers=1, servers=2, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ONE 1.0 16" in result.stdout

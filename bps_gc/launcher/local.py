@@ -60,6 +60,9 @@ def process_env(environ, role, workers, servers, port, local_size, worker_id=Non
                BYTEPS_LOCAL_SIZE=str(local_size), PYTHONUNBUFFERED="1")
     if role == "worker":
         env.update(DMLC_WORKER_ID=str(worker_id), BYTEPS_LOCAL_RANK=str(local_rank))
+        if workers * local_size == 1:
+            # a lone worker process would skip the servers this command starts for it
+            env.setdefault("BYTEPS_FORCE_DISTRIBUTED", "1")
     return env
 
 

@@ -1,0 +1,223 @@
+"""What the gluon examples of this directory share: importing gluoncv next to torch 2, the
+compression flags and their ``compression_params``, the device, the learning-rate schedule,
+the rank-0 log, and sums over all workers.
+
+The training scripts import it as ``common`` (Python puts the script's directory first on
+``sys.path``).
+"""
+import importlib
+import logging
+import sys
+
+import mxnet as mx
+import numpy as np
+
+import bps_gc.core
+import bps_gc.mxnet as bps
+
+_MISSING = object()
+# the modules the examples use; imported while torch is hidden
+GLUONCV_MODULES = ("gluoncv", "gluoncv.model_zoo", "gluoncv.utils", "gluoncv.data.transforms")
+
+
+def import_gluoncv():
+    """``gluoncv``, imported even where torch >= 2 is installed.
+
+    gluoncv 0.10.x checks the torch version when it is imported and raises RuntimeError for
+    torch >= 2 (it would only use torch for its optional PyTorch half). While it imports,
+    ``sys.modules['torch']`` is None, so ``import torch`` raises ImportError, which gluoncv
+    takes as "no torch": its MXNet half loads as usual. torch's entry is restored afterwards,
+    so torch stays importable (and is the same module object if it was imported before).
+    """
+    loaded = sys.modules.get("gluoncv")
+    if loaded is not None and all(name in sys.modules for name in GLUONCV_MODULES):
+        return loaded
+    saved = sys.modules.get("torch", _MISSING)
+    sys.modules["torch"] = None
+    try:
+        for name in GLUONCV_MODULES:
+            importlib.import_module(name)
+    finally:
+        if saved is _MISSING:
+            sys.modules.pop("torch", None)
+        else:
+            sys.modules["torch"] = saved
+    return sys.modules["gluoncv"]
+
+
+# --------------------------------------------------------------------------------- compression
+
+def add_compression_args(parser):
+    """BytePS's gradient compression flags (plus the dithering ones and the codec seed)."""
+    group = parser.add_argument_group("gradient compression")
+    group.add_argument("--compressor", type=str, default="",
+                       help="onebit, topk, randomk, dithering (or a plugin's); empty: none")
+    group.add_argument("--ef", type=str, default="", help="error feedback: vanilla")
+    group.add_argument("--compress-momentum", type=str, default="",
+                       help="nesterov: the optimizer's momentum moves into the codec chain")
+    group.add_argument("--onebit-scaling", action="store_true", default=False,
+                       help="scale onebit's signs by the mean magnitude")
+    group.add_argument("--k", type=float, default=1.0,
+                       help="topk/randomk: a fraction (< 1) or a count (>= 1) per partition; "
+                            "dithering: the number of levels")
+    group.add_argument("--fp16-pushpull", action="store_true", default=False,
+                       help="push and pull the gradients as float16")
+    group.add_argument("--seed", type=int, default=2020,
+                       help="random seed: randomk/dithering's codec seed (must be > 0 for them), "
+                            "data shuffling and augmentation, initialization")
+    group.add_argument("--partition", type=str, default="linear", choices=("linear", "natural"),
+                       help="dithering: linear or natural partition of the levels")
+    group.add_argument("--normalize", type=str, default="max", choices=("max", "l2"),
+                       help="dithering: normalize by the max or the l2 norm")
+    return group
+
+
+def compression_params(args, parser):
+    """DistributedTrainer's ``compression_params`` from the flags; None without compression."""
+    params = {}
+    if args.compressor:
+        params["compressor"] = args.compressor
+        if args.ef:
+            params["ef"] = args.ef
+        if args.compress_momentum:
+            if not args.momentum:
+                parser.error("--compress-momentum moves the optimizer's momentum into the codec "
+                             "chain and needs --momentum > 0")
+            params["momentum"] = args.compress_momentum  # mu: DistributedTrainer adds --momentum
+        if args.onebit_scaling:
+            params["scaling"] = True
+        if args.compressor != "onebit":  # topk, randomk, dithering (and plugins) take k
+            params["k"] = args.k
+        if args.compressor in ("randomk", "dithering"):
+            if args.seed <= 0:
+                parser.error(f"--seed must be > 0 for {args.compressor}, got {args.seed}")
+            params["seed"] = args.seed
+        if args.compressor == "dithering":
+            params["partition"] = args.partition
+            params["normalize"] = args.normalize
+    elif args.ef or args.compress_momentum or args.onebit_scaling:
+        parser.error("--ef, --compress-momentum and --onebit-scaling need --compressor")
+    if args.fp16_pushpull:
+        params["fp16"] = True
+    if not params:
+        return None
+    try:  # a bad flag stops here, before the cluster is joined
+        from bps_gc.compress import CompressionParams
+        CompressionParams.from_dict(dict(params, **({"mu": args.momentum}
+                                                    if "momentum" in params else {})))
+    except ValueError as e:
+        parser.error(str(e))
+    return params
+
+
+def optimizer_name(args):
+    """BytePS's choice: plain SGD (momentum as given, or in the codec chain) when compressing,
+    NAG otherwise."""
+    return "sgd" if args.compressor else "nag"
+
+
+# ------------------------------------------------------------------------------------- set-up
+
+def device(num_gpus):
+    """(context, "cpu" or "gpu"): GPU ``local_rank`` with --num-gpus > 0 (bpslaunch starts one
+    process per GPU), else the CPU."""
+    if num_gpus > 0:
+        if mx.context.num_gpus() == 0:
+            raise SystemExit("--num-gpus > 0 but MXNet sees no GPU; use --num-gpus 0 for the CPU")
+        return mx.gpu(bps.local_rank() % mx.context.num_gpus()), "gpu"
+    return mx.cpu(), "cpu"
+
+
+def seed_everything(seed, rank):
+    """The same initialization everywhere (rank 0's is broadcast anyway), per-rank data order."""
+    import random
+    mx.random.seed(seed)
+    np.random.seed((seed + 7919 * rank) % 2**32)
+    random.seed(seed * 1000003 + rank)
+
+
+def make_logger(name, path, rank):
+    """Rank 0 logs to stdout and ``path``; the other ranks log nothing."""
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # bps_gc.core gives the root logger its own format
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    if rank == 0:
+        handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(path)]
+    else:
+        handlers = [logging.NullHandler()]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def decay_epochs(args):
+    """The epochs at which a step schedule decays: every --lr-decay-period epochs, or the
+    --lr-decay-epoch list."""
+    if args.lr_decay_period > 0:
+        return list(range(args.lr_decay_period, args.num_epochs, args.lr_decay_period))
+    try:
+        return [int(e) for e in args.lr_decay_epoch.split(",") if e.strip()]
+    except ValueError:
+        raise SystemExit(f"--lr-decay-epoch: comma-separated epochs, got {args.lr_decay_epoch!r}")
+
+
+def lr_scheduler(args, iters_per_epoch, mode="step"):
+    """gluoncv's schedule, per iteration: a linear warm-up from --warmup-lr over
+    --warmup-epochs to ``--lr * size / local_size`` (the rate scaled by the number of worker
+    machines, as in BytePS), then ``mode`` (step: times --lr-decay at each decay epoch; poly,
+    cosine: down to 0 at --num-epochs)."""
+    gluoncv = import_gluoncv()
+    LRScheduler, LRSequential = gluoncv.utils.LRScheduler, gluoncv.utils.LRSequential
+    base_lr = args.lr * bps.size() / bps.local_size()
+    # the second scheduler counts its iterations from the end of the warm-up
+    steps = [e - args.warmup_epochs for e in decay_epochs(args)]
+    epochs = max(1, args.num_epochs - args.warmup_epochs)
+    # gluoncv divides by (iterations - 1) in linear/poly/cosine: one iteration is its start
+    warmup_mode = "constant" if args.warmup_epochs * iters_per_epoch == 1 else "linear"
+    if mode != "step" and epochs * iters_per_epoch == 1:
+        mode = "constant"
+    return LRSequential([
+        LRScheduler(warmup_mode, base_lr=args.warmup_lr, target_lr=base_lr,
+                    nepochs=args.warmup_epochs, iters_per_epoch=iters_per_epoch),
+        LRScheduler(mode, base_lr=base_lr, target_lr=0, nepochs=epochs,
+                    iters_per_epoch=iters_per_epoch, step_epoch=steps,
+                    step_factor=args.lr_decay, power=2),
+    ])
+
+
+# ------------------------------------------------------------------------------------ training
+
+def summed(values, name):
+    """The element-wise sum of the numbers ``values`` over all workers (a list of floats)."""
+    array = mx.nd.array(np.asarray(values, np.float64), dtype=np.float64)
+    bps.byteps_push_pull(array, name=name, is_average=False)
+    return array.asnumpy().tolist()
+
+
+def log_traffic(logger, epoch):
+    """The bytes this worker pushed since the last call, and the compression ratio."""
+    m = bps_gc.core.metrics()
+    if m.pushed_wire:
+        logger.info("[Epoch %d] traffic per worker: pushed %.3f MB (%.3f MB uncompressed, "
+                    "ratio %.1f)", epoch, m.pushed_wire / 1e6, m.pushed_raw / 1e6,
+                    m.pushed_raw / m.pushed_wire)
+
+
+class OutOfData(RuntimeError):
+    pass
+
+
+def take(iterable, steps, what):
+    """The first ``steps`` items of ``iterable``. Every worker must run the same number of
+    steps (each push_pull waits for all of them), so running short is an error, not a
+    shorter epoch."""
+    iterator = iter(iterable)
+    for count in range(steps):  # never fetches a batch beyond the last step
+        try:
+            item = next(iterator)
+        except StopIteration:
+            raise OutOfData(f"{what}: {count} batches where every worker needs {steps}") from None
+        yield item

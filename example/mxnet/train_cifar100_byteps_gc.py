@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Train a gluoncv model on CIFAR-100 with bps_gc.mxnet and gradient compression.
+
+BytePS's example/mxnet/train_cifar100_byteps_gc.py with its command line, on bps_gc:
+
+    bpslaunch --local --workers 2 --servers 1 -- \\
+        python example/mxnet/train_cifar100_byteps_gc.py --data-dir ~/data/cifar100 \\
+        --model cifar_resnet20_v1 --compressor onebit --onebit-scaling --ef vanilla \\
+        --compress-momentum nesterov
+
+What differs from BytePS's script (where it was wrong):
+* the 100 fine labels (BytePS read gluon's CIFAR100 with its default coarse, 20-class labels
+  into a 100-class network);
+* a model that exists by default (``resnet18_v2``; BytePS's ``resnet`` is no gluoncv model);
+* ``--num-gpus 0`` trains on the CPU, with no nvidia-smi call;
+* training and validation accuracy are over all workers, weighted by samples (the correct
+  and total counts are summed with push_pull), not a mean of per-worker ratios;
+* only rank 0 writes the log file and checkpoints;
+* every worker runs the same number of steps per epoch (a sync job would hang otherwise).
+
+Data: the official CIFAR-100 python version, DATA_DIR/cifar-100-python/{train,test} (pickled
+dicts with b'data', uint8 N x 3072, and b'fine_labels'), as unpacked from
+cifar-100-python.tar.gz. These local files are trusted input (pickle); nothing received over
+the network is unpickled. Training images get 4-pixel zero padding + a random 32x32 crop and a
+random horizontal flip; all are normalized with the CIFAR-100 mean/std. Each epoch the
+training set is shuffled the same way on every worker and each worker takes every size()-th
+image; the test set is split the same way.
+
+Log (stdout and cifar100-<size>-<cpu|gpu>-<logging-file>.log in the working directory, rank 0):
+    [Epoch N] speed: X samples/sec<TAB>time cost: Y      (X: all workers together)
+    [Epoch N] training: accuracy=A
+    [Epoch N] validation: accuracy=B
+    [Epoch N] traffic per worker: pushed ... MB (... MB uncompressed, ratio R)   (if any)
+"""
+import argparse
+import collections
+import os
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+import bps_gc.core
+import bps_gc.mxnet as bps
+import common
+
+# CIFAR-100 training-set channel statistics (of x / 255), as in BytePS's script
+CIFAR100_TRAIN_MEAN = np.array([0.5070751592371323, 0.48654887331495095, 0.4409178433670343],
+                               np.float32).reshape(1, 3, 1, 1)
+CIFAR100_TRAIN_STD = np.array([0.2673342858792401, 0.2564384629170883, 0.27615047132568404],
+                              np.float32).reshape(1, 3, 1, 1)
+CLASSES = 100
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Train a model for CIFAR-100 image classification with bps_gc.")
+    parser.add_argument("--data-dir", type=str, default="~/.mxnet/datasets/cifar100",
+                        help="directory holding cifar-100-python/{train,test}")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="training batch size per worker")
+    parser.add_argument("--num-gpus", type=int, default=0,
+                        help="0: train on the CPU; > 0: on GPU local_rank (one process per GPU)")
+    parser.add_argument("--model", type=str, default="resnet18_v2",
+                        help="gluoncv model zoo name, e.g. resnet18_v2, cifar_resnet20_v1, "
+                             "cifar_resnet56_v1, cifar_wideresnet16_10 (built with 100 classes, "
+                             "no pretrained weights)")
+    parser.add_argument("-j", "--num-data-workers", dest="num_workers", default=4, type=int,
+                        help="threads preparing batches (0: in the training loop)")
+    parser.add_argument("--num-epochs", type=int, default=200, help="number of training epochs")
+    parser.add_argument("--lr", type=float, default=0.1,
+                        help="learning rate per worker machine (scaled by size / local_size)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="momentum")
+    parser.add_argument("--wd", type=float, default=0.0005, help="weight decay")
+    parser.add_argument("--lr-decay", type=float, default=0.1, help="learning rate decay factor")
+    parser.add_argument("--lr-decay-period", type=int, default=0,
+                        help="decay every this many epochs (0: use --lr-decay-epoch)")
+    parser.add_argument("--lr-decay-epoch", type=str, default="100,150",
+                        help="epochs at which the learning rate decays, comma-separated")
+    parser.add_argument("--warmup-lr", type=float, default=0.0,
+                        help="learning rate at the start of the warm-up")
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear warm-up")
+    parser.add_argument("--drop-rate", type=float, default=0.0,
+                        help="dropout rate of the wide ResNets (cifar_wideresnet*)")
+    parser.add_argument("--mode", type=str, default=None, choices=("imperative", "hybrid"),
+                        help="imperative (default) or hybrid")
+    parser.add_argument("--save-period", type=int, default=10,
+                        help="save the parameters every this many epochs (0: never)")
+    parser.add_argument("--save-dir", type=str, default="params", help="directory of saved models")
+    parser.add_argument("--resume-from", type=str, default="",
+                        help="parameters (.params) to start from")
+    parser.add_argument("--resume-epoch", type=int, default=0,
+                        help="epoch to start at (with --resume-from; the schedule starts there)")
+    parser.add_argument("--logging-file", type=str, default="baseline",
+                        help="log file: cifar100-<size>-<device>-<logging-file>.log")
+    parser.add_argument("--max-iters", type=int, default=0,
+                        help="at most this many steps per epoch (0: the whole training set)")
+    common.add_compression_args(parser)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def load_split(data_dir, split):
+    """(uint8 N x 3 x 32 x 32 images, int64 fine labels) from the official python pickles."""
+    root = os.path.expanduser(data_dir)
+    path = os.path.join(root, "cifar-100-python", split)
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(root, split)):
+        path = os.path.join(root, split)  # --data-dir is the cifar-100-python folder itself
+    if not os.path.isfile(path):
+        raise SystemExit(f"no CIFAR-100 {split} set at {path} (want the python version, "
+                         "cifar-100-python.tar.gz, unpacked in --data-dir; nothing is downloaded)")
+    with open(path, "rb") as f:
+        data = pickle.load(f, encoding="bytes")
+    images = np.asarray(data[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+    labels = np.asarray(data[b"fine_labels"], dtype=np.int64)
+    if len(images) != len(labels):
+        raise SystemExit(f"{path}: {len(images)} images but {len(labels)} labels")
+    if len(labels) and not 0 <= labels.min() <= labels.max() < CLASSES:
+        raise SystemExit(f"{path}: fine labels outside [0, {CLASSES})")
+    return images, labels
+
+
+def normalize(images):
+    return (images.astype(np.float32) * np.float32(1 / 255) - CIFAR100_TRAIN_MEAN) / CIFAR100_TRAIN_STD
+
+
+def augment(images, rng, pad=4):
+    """Random crop of the zero-padded image and random horizontal flip (uint8 in and out)."""
+    n, c, h, w = images.shape
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), np.uint8)
+    padded[:, :, pad:pad + h, pad:pad + w] = images
+    dy = rng.integers(0, 2 * pad + 1, n)
+    dx = rng.integers(0, 2 * pad + 1, n)
+    rows = (dy[:, None] + np.arange(h))[:, None, :, None]  # n x 1 x h x 1
+    cols = (dx[:, None] + np.arange(w))[:, None, None, :]  # n x 1 x 1 x w
+    flip = rng.random(n) < 0.5
+    cols = np.where(flip[:, None, None, None], cols[..., ::-1], cols)
+    return padded[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols]
+
+
+def prefetch(executor, fn, items, depth):
+    """fn(item) for each item, computed up to ``depth`` ahead on the executor."""
+    if executor is None:
+        for item in items:
+            yield fn(item)
+        return
+    pending = collections.deque()
+    for item in items:
+        pending.append(executor.submit(fn, item))
+        if len(pending) > depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+# ------------------------------------------------------------------------------------- training
+
+def evaluate(net, images, labels, batch_size, ctx):
+    """(correct, count) of the network on these images."""
+    correct = 0
+    for start in range(0, len(images), batch_size):
+        x = mx.nd.array(normalize(images[start:start + batch_size]), ctx=ctx)
+        pred = net(x).argmax(axis=1).asnumpy().astype(np.int64)
+        correct += int((pred == labels[start:start + batch_size]).sum())
+    return correct, len(images)
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    if not 0 <= args.resume_epoch <= args.num_epochs:
+        parser.error("--resume-epoch must be in [0, --num-epochs]")
+    comp_params = common.compression_params(args, parser)
+    gluoncv = common.import_gluoncv()
+
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    ctx, device_name = common.device(args.num_gpus)
+    logger = common.make_logger("cifar100", f"cifar100-{size}-{device_name}-{args.logging_file}.log", rank)
+    logger.info(args)
+    common.seed_everything(args.seed, rank)
+
+    train_x, train_y = load_split(args.data_dir, "train")
+    test_x, test_y = load_split(args.data_dir, "test")
+    steps = len(train_x) // size // args.batch_size  # the same on every worker
+    if args.max_iters > 0:
+        steps = min(steps, args.max_iters)
+    if steps == 0:
+        raise SystemExit(f"{len(train_x)} training images make no full batch of "
+                         f"{args.batch_size} for each of {size} workers")
+    val_x, val_y = test_x[rank::size], test_y[rank::size]
+
+    kwargs = {"classes": CLASSES}
+    if args.model.startswith("cifar_wideresnet"):
+        kwargs["drop_rate"] = args.drop_rate
+    try:
+        net = gluoncv.model_zoo.get_model(args.model, **kwargs)
+    except ValueError as e:
+        raise SystemExit(f"--model {args.model!r}: {e}")
+    if args.resume_from:
+        net.load_parameters(args.resume_from, ctx=ctx)
+    else:
+        net.initialize(mx.init.Xavier(), ctx=ctx)
+    if args.mode == "hybrid":
+        net.hybridize()
+
+    optimizer_params = {"lr_scheduler": common.lr_scheduler(args, steps, "step"),
+                        "wd": args.wd, "momentum": args.momentum,
+                        "begin_num_update": args.resume_epoch * steps}
+    # rank 0's parameters are broadcast at the first step
+    trainer = bps.DistributedTrainer(net.collect_params(), common.optimizer_name(args),
+                                     optimizer_params, compression_params=comp_params)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    save_dir = args.save_dir if args.save_dir and args.save_period > 0 else ""
+    if save_dir and rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+
+    def batch(item):
+        epoch, i, indices = item
+        rng = np.random.default_rng([args.seed, rank, epoch, i])
+        x = normalize(augment(train_x[indices], rng))
+        return mx.nd.array(x, ctx=ctx), train_y[indices]
+
+    executor = ThreadPoolExecutor(args.num_workers) if args.num_workers > 0 else None
+    best_val = 0.0
+    bps_gc.core.metrics()  # reset: traffic is reported per epoch
+    try:
+        for epoch in range(args.resume_epoch, args.num_epochs):
+            tic = time.time()
+            # the same permutation on every worker; each takes its own equal share
+            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_x))
+            mine = order[rank::size][:steps * args.batch_size]
+            items = [(epoch, i, mine[i * args.batch_size:(i + 1) * args.batch_size])
+                     for i in range(steps)]
+            correct = seen = 0
+            for x, y in prefetch(executor, batch, items, max(1, args.num_workers)):
+                label = mx.nd.array(y, ctx=ctx)
+                with autograd.record():
+                    output = net(x)
+                    loss = loss_fn(output, label)
+                loss.backward()
+                trainer.step(args.batch_size)
+                correct += int((output.argmax(axis=1).asnumpy().astype(np.int64) == y).sum())
+                seen += len(y)
+            elapsed = time.time() - tic
+            train_correct, train_seen = common.summed([correct, seen], "metric.train")
+            logger.info("[Epoch %d] speed: %d samples/sec\ttime cost: %f",
+                        epoch, int(train_seen / elapsed), elapsed)
+            logger.info("[Epoch %d] training: accuracy=%f", epoch, train_correct / train_seen)
+            val_correct, val_seen = common.summed(
+                list(evaluate(net, val_x, val_y, args.batch_size, ctx)), "metric.val")
+            val_acc = val_correct / val_seen if val_seen else 0.0
+            logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_acc)
+            common.log_traffic(logger, epoch)
+            if rank == 0 and save_dir:
+                if val_acc > best_val:
+                    best_val = val_acc
+                    net.save_parameters(os.path.join(
+                        save_dir, f"{best_val:.4f}-cifar100-{args.model}-{epoch}-best.params"))
+                if (epoch + 1) % args.save_period == 0:
+                    net.save_parameters(os.path.join(save_dir, f"cifar100-{args.model}-{epoch}.params"))
+        if rank == 0 and save_dir and args.num_epochs > args.resume_epoch:
+            net.save_parameters(os.path.join(save_dir, f"cifar100-{args.model}-{args.num_epochs - 1}.params"))
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

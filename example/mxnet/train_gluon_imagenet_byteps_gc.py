@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""Train a gluoncv model on ImageNet with bps_gc.mxnet and gradient compression.
+
+BytePS's example/mxnet/train_gluon_imagenet_byteps_gc.py (gluoncv's train_imagenet.py on
+BytePS) with its command line, on bps_gc:
+
+    bpslaunch --local --workers 2 --servers 1 -- \\
+        python example/mxnet/train_gluon_imagenet_byteps_gc.py --model resnet50_v2 \\
+        --use-rec --rec-train ~/data/imagenet/train.rec --rec-train-idx ~/data/imagenet/train.idx \\
+        --rec-val ~/data/imagenet/val.rec --rec-val-idx ~/data/imagenet/val.idx \\
+        --compressor topk --k 0.01 --ef vanilla --compress-momentum nesterov
+
+Data, sharded over the workers:
+* ``--use-rec``: RecordIO files (im2rec.py, or mxnet.recordio's MXIndexedRecordIO +
+  pack_img) read by mx.io.ImageRecordIter with ``part_index=rank, num_parts=size``;
+* otherwise an image folder, ``--data-dir``/{train,val}/<class>/<image>, read by
+  gluon.data.vision.ImageFolderDataset (class index: the sorted folder names); worker r takes
+  every size()-th image, so every worker sees every class.
+Augmentation as gluoncv's: random resized crop, flip, colour jitter and PCA lighting noise for
+training; resize to input-size / crop-ratio and a centre crop for validation.
+
+Every worker runs the same number of steps per epoch (its share of the training set,
+rounded down to whole batches, at most ``--max-iters``); a sync job would hang otherwise.
+Accuracies are over all workers, weighted by samples (counts summed with push_pull); padding
+that ImageRecordIter adds to a last validation batch is not counted.
+
+Log (stdout and --logging-file, rank 0):
+    Epoch[N] Batch [I]<TAB>Speed: X samples/sec<TAB>err-top1=E<TAB>lr=L  (every --log-interval; rank 0's own)
+    [Epoch N] training: err-top1=E
+    [Epoch N] speed: X samples/sec<TAB>time cost: Y      (X: all workers together)
+    [Epoch N] validation: err-top1=E1 err-top5=E5       (top-5: top-min(5, classes))
+    [Epoch N] traffic per worker: pushed ... MB (... MB uncompressed, ratio R)   (if any)
+"""
+import argparse
+import math
+import os
+import time
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+from mxnet.gluon.data.vision import transforms
+
+import bps_gc.core
+import bps_gc.mxnet as bps
+import common
+
+MEAN_RGB = [123.68, 116.779, 103.939]
+STD_RGB = [58.393, 57.12, 57.375]
+JITTER, LIGHTING = 0.4, 0.1
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Train a model for ImageNet image classification with bps_gc.")
+    parser.add_argument("--data-dir", type=str, default="~/.mxnet/datasets/imagenet",
+                        help="image folder with train/<class>/* and val/<class>/* (without --use-rec)")
+    parser.add_argument("--rec-train", type=str, default="~/.mxnet/datasets/imagenet/rec/train.rec",
+                        help="the training RecordIO file")
+    parser.add_argument("--rec-train-idx", type=str, default="~/.mxnet/datasets/imagenet/rec/train.idx",
+                        help="the index of the training RecordIO file")
+    parser.add_argument("--rec-val", type=str, default="~/.mxnet/datasets/imagenet/rec/val.rec",
+                        help="the validation RecordIO file")
+    parser.add_argument("--rec-val-idx", type=str, default="~/.mxnet/datasets/imagenet/rec/val.idx",
+                        help="the index of the validation RecordIO file")
+    parser.add_argument("--use-rec", action="store_true",
+                        help="read the RecordIO files (default: the image folder)")
+    parser.add_argument("--batch-size", type=int, default=32, help="training batch size per worker")
+    parser.add_argument("--dtype", type=str, default="float32",
+                        help="data type of the network: float32 or float16")
+    parser.add_argument("--num-gpus", type=int, default=0,
+                        help="0: train on the CPU; > 0: on GPU local_rank (one process per GPU)")
+    parser.add_argument("-j", "--num-data-workers", dest="num_workers", default=4, type=int,
+                        help="preprocessing threads")
+    parser.add_argument("--num-epochs", type=int, default=3, help="number of training epochs")
+    parser.add_argument("--lr", type=float, default=0.1,
+                        help="learning rate per worker machine (scaled by size / local_size)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="momentum")
+    parser.add_argument("--wd", type=float, default=0.0001, help="weight decay")
+    parser.add_argument("--lr-mode", type=str, default="step", choices=("step", "poly", "cosine"),
+                        help="learning rate schedule after the warm-up")
+    parser.add_argument("--lr-decay", type=float, default=0.1, help="step mode: decay factor")
+    parser.add_argument("--lr-decay-period", type=int, default=0,
+                        help="step mode: decay every this many epochs (0: use --lr-decay-epoch)")
+    parser.add_argument("--lr-decay-epoch", type=str, default="40,60",
+                        help="step mode: epochs at which the rate decays, comma-separated")
+    parser.add_argument("--warmup-lr", type=float, default=0.0,
+                        help="learning rate at the start of the warm-up")
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear warm-up")
+    parser.add_argument("--last-gamma", action="store_true",
+                        help="initialize the gamma of the last BN layer of each residual block to 0")
+    parser.add_argument("--mode", type=str, default=None, choices=("imperative", "hybrid"),
+                        help="imperative (default) or hybrid")
+    parser.add_argument("--model", type=str, required=True,
+                        help="gluoncv model zoo name (resnet50_v1, resnet18_v2, mobilenet1.0, ...)")
+    parser.add_argument("--num-classes", type=int, default=1000, help="number of classes")
+    parser.add_argument("--input-size", type=int, default=224, help="size of the input images")
+    parser.add_argument("--crop-ratio", type=float, default=0.875,
+                        help="validation: centre crop of this ratio of the resized image")
+    parser.add_argument("--use-pretrained", action="store_true",
+                        help="not available: pretrained weights would have to be downloaded")
+    parser.add_argument("--use-se", "--use_se", dest="use_se", action="store_true",
+                        help="use SE layers in resnext")
+    parser.add_argument("--batch-norm", action="store_true", help="use batch normalization in vgg")
+    parser.add_argument("--save-frequency", type=int, default=10,
+                        help="save parameters and trainer states every this many epochs (0: never)")
+    parser.add_argument("--save-dir", type=str, default="params", help="directory of saved models")
+    parser.add_argument("--resume-epoch", type=int, default=0, help="epoch to resume from")
+    parser.add_argument("--resume-params", type=str, default="", help="parameters to load")
+    parser.add_argument("--resume-states", type=str, default="",
+                        help="trainer states to load (optimizer state; codec state such as error "
+                             "feedback residuals is not saved and restarts from zero)")
+    parser.add_argument("--log-interval", type=int, default=50,
+                        help="log every this many batches (0: never)")
+    parser.add_argument("--logging-file", type=str, default="train_imagenet.log",
+                        help="the log file (rank 0)")
+    parser.add_argument("--max-iters", type=int, default=0,
+                        help="at most this many steps per epoch (0: the whole training set)")
+    common.add_compression_args(parser)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def count_records(idx_path):
+    with open(idx_path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def smallest_part(records, parts):
+    """Records in the smallest part when ImageRecordIter splits an indexed file: the first
+    parts get ceil(records / parts) each, the last what is left."""
+    per = -(-records // parts)
+    return max(0, records - (parts - 1) * per)
+
+
+def existing(path, flag):
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise SystemExit(f"{flag}: no file {path}")
+    return path
+
+
+class RecordData:
+    """ImageRecordIter, sharded with part_index=rank, num_parts=size."""
+
+    def __init__(self, args, rank, size):
+        self.rec_train = existing(args.rec_train, "--rec-train")
+        self.rec_train_idx = existing(args.rec_train_idx, "--rec-train-idx")
+        self.rec_val = existing(args.rec_val, "--rec-val")
+        self.rec_val_idx = existing(args.rec_val_idx, "--rec-val-idx")
+        self.args, self.rank, self.size = args, rank, size
+        records = count_records(self.rec_train_idx)
+        self.train_records = records
+        self.train_share = smallest_part(records, size)
+        self.val_records = count_records(self.rec_val_idx)
+        if smallest_part(self.val_records, size) < args.batch_size:
+            # ImageRecordIter refuses a part with fewer images than a batch
+            raise SystemExit(f"{self.rec_val}: {self.val_records} records leave a worker fewer "
+                             f"than --batch-size {args.batch_size} validation images")
+        common_args = dict(preprocess_threads=max(1, args.num_workers), batch_size=args.batch_size,
+                           data_shape=(3, args.input_size, args.input_size),
+                           mean_r=MEAN_RGB[0], mean_g=MEAN_RGB[1], mean_b=MEAN_RGB[2],
+                           std_r=STD_RGB[0], std_g=STD_RGB[1], std_b=STD_RGB[2],
+                           num_parts=size, part_index=rank)
+        self.common = common_args
+        self.train_iter = mx.io.ImageRecordIter(
+            path_imgrec=self.rec_train, path_imgidx=self.rec_train_idx, shuffle=True,
+            rand_mirror=True, random_resized_crop=True, max_aspect_ratio=4. / 3.,
+            min_aspect_ratio=3. / 4., max_random_area=1, min_random_area=0.08,
+            brightness=JITTER, saturation=JITTER, contrast=JITTER, pca_noise=LIGHTING,
+            seed=args.seed + rank, round_batch=False, **common_args)
+
+    def train_batches(self):
+        """(data, label, real samples) batches; the caller takes whole-batch steps only.
+        round_batch=False: with MXNet's default (True) the iterator, which reads ahead, wraps
+        into the next epoch at the end of the shard, and after reset() the next epoch starts
+        where the wrap ended, with fewer whole batches."""
+        self.train_iter.reset()
+        for batch in self.train_iter:
+            yield batch.data[0], batch.label[0], self.args.batch_size - batch.pad
+
+    def val_batches(self):
+        # a new iterator each time: after a padded last batch, ImageRecordIter's next epoch
+        # starts where the padding wrapped to, and would skip images
+        resize = int(math.ceil(self.args.input_size / self.args.crop_ratio))
+        val_iter = mx.io.ImageRecordIter(path_imgrec=self.rec_val, path_imgidx=self.rec_val_idx,
+                                         shuffle=False, resize=resize, **self.common)
+        for batch in val_iter:
+            yield batch.data[0], batch.label[0], self.args.batch_size - batch.pad
+
+
+class Subset(gluon.data.Dataset):
+    """Every ``step``-th item of ``dataset`` from ``start`` (an interleaved shard)."""
+
+    def __init__(self, dataset, start, step):
+        self.dataset, self.indices = dataset, range(start, len(dataset), step)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.dataset[self.indices[i]]
+
+
+class FolderData:
+    """ImageFolderDataset over --data-dir/{train,val}, sharded by rank."""
+
+    def __init__(self, args, rank, size):
+        root = os.path.expanduser(args.data_dir)
+        self.args = args
+        datasets = {}
+        for split in ("train", "val"):
+            path = os.path.join(root, split)
+            if not os.path.isdir(path):
+                raise SystemExit(f"--data-dir: no folder {path} (want {split}/<class>/<image>; "
+                                 "or use --use-rec with the --rec-* files)")
+            datasets[split] = gluon.data.vision.ImageFolderDataset(path, flag=1)
+            if len(datasets[split].synsets) > args.num_classes:
+                raise SystemExit(f"{path}: {len(datasets[split].synsets)} class folders but "
+                                 f"--num-classes {args.num_classes}")
+        train, val = datasets["train"], datasets["val"]
+        if train.synsets != val.synsets:  # the label of a class is its place in the sorted list
+            raise SystemExit(f"--data-dir: train/ and val/ must have the same class folders "
+                             f"({len(train.synsets)} and {len(val.synsets)} here)")
+        self.train_records = len(train)
+        self.train_share = len(train) // size
+        self.val_records = len(val)
+        normalize = transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+        resize = int(math.ceil(args.input_size / args.crop_ratio))
+        transform_train = transforms.Compose([
+            transforms.RandomResizedCrop(args.input_size),
+            transforms.RandomFlipLeftRight(),
+            transforms.RandomColorJitter(brightness=JITTER, contrast=JITTER, saturation=JITTER),
+            transforms.RandomLighting(LIGHTING),
+            transforms.ToTensor(),
+            normalize,
+        ])
+        transform_test = transforms.Compose([
+            transforms.Resize(resize, keep_ratio=True),
+            transforms.CenterCrop(args.input_size),
+            transforms.ToTensor(),
+            normalize,
+        ])
+        # threads, not processes: forking a process with the worker core's threads and
+        # sockets is not safe
+        loader = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                      thread_pool=args.num_workers > 0)
+        self.train_loader = gluon.data.DataLoader(
+            Subset(train, rank, size).transform_first(transform_train),
+            shuffle=True, last_batch="discard", **loader)
+        self.val_loader = gluon.data.DataLoader(
+            Subset(val, rank, size).transform_first(transform_test),
+            shuffle=False, last_batch="keep", **loader)
+
+    def train_batches(self):
+        for data, label in self.train_loader:
+            yield data, label, data.shape[0]
+
+    def val_batches(self):
+        for data, label in self.val_loader:
+            yield data, label, data.shape[0]
+
+
+# ------------------------------------------------------------------------------------- training
+
+def topk_correct(output, label, real, k):
+    """(top-1 correct, top-k correct) among the first ``real`` rows."""
+    scores = output[:real].astype("float32").asnumpy()
+    labels = label[:real].asnumpy().astype(np.int64)
+    k = min(k, scores.shape[1])
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    top1 = scores.argmax(axis=1)
+    return int((top1 == labels).sum()), int((top == labels[:, None]).any(axis=1).sum())
+
+
+def build_net(args, gluoncv, ctx):
+    kwargs = {"classes": args.num_classes, "pretrained": False}
+    if args.model.startswith("vgg"):
+        kwargs["batch_norm"] = args.batch_norm
+    elif args.model.startswith("resnext"):
+        kwargs["use_se"] = args.use_se
+    if args.last_gamma:
+        kwargs["last_gamma"] = True
+    try:
+        net = gluoncv.model_zoo.get_model(args.model, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--model {args.model!r}: {e}")
+    net.cast(args.dtype)
+    if args.resume_params:
+        net.load_parameters(os.path.expanduser(args.resume_params), ctx=ctx)
+    else:
+        net.initialize(mx.init.MSRAPrelu(), ctx=ctx)
+    if args.mode == "hybrid":
+        net.hybridize(static_alloc=True, static_shape=True)
+    return net
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.use_pretrained:
+        parser.error("--use-pretrained needs gluoncv's pretrained weights, which would be "
+                     "downloaded; this example downloads nothing. Train from scratch, or load "
+                     "weights you have with --resume-params FILE")
+    if args.batch_size < 1 or args.num_classes < 1 or args.input_size < 1:
+        parser.error("--batch-size, --num-classes and --input-size must be >= 1")
+    if not 0 < args.crop_ratio <= 1:
+        parser.error("--crop-ratio must be in (0, 1]")
+    if args.dtype not in ("float32", "float16"):
+        parser.error("--dtype: float32 or float16")
+    if not 0 <= args.resume_epoch <= args.num_epochs:
+        parser.error("--resume-epoch must be in [0, --num-epochs]")
+    comp_params = common.compression_params(args, parser)
+    gluoncv = common.import_gluoncv()
+
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    ctx, _ = common.device(args.num_gpus)
+    logger = common.make_logger("imagenet", args.logging_file, rank)
+    logger.info(args)
+    common.seed_everything(args.seed, rank)
+
+    data = RecordData(args, rank, size) if args.use_rec else FolderData(args, rank, size)
+    steps = data.train_share // args.batch_size  # the same on every worker
+    if args.max_iters > 0:
+        steps = min(steps, args.max_iters)
+    if steps == 0:
+        raise SystemExit(f"{data.train_records} training images make no full batch of "
+                         f"{args.batch_size} for each of {size} workers")
+
+    net = build_net(args, gluoncv, ctx)
+    schedule = common.lr_scheduler(args, steps, args.lr_mode)
+    optimizer_params = {"lr_scheduler": schedule, "wd": args.wd, "momentum": args.momentum,
+                        "begin_num_update": args.resume_epoch * steps}
+    if args.dtype == "float16":
+        optimizer_params["multi_precision"] = True
+    trainer = bps.DistributedTrainer(net.collect_params(), common.optimizer_name(args),
+                                     optimizer_params, compression_params=comp_params)
+    if args.resume_states:
+        # the saved optimizer (its state and update count) replaces ours; resume with the
+        # compression flags of the saved run. Its schedule was made for that run's
+        # --num-epochs: this run's takes over.
+        trainer.load_states(os.path.expanduser(args.resume_states))
+        trainer.optimizer.lr_scheduler = schedule
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    save_dir = args.save_dir if args.save_dir and args.save_frequency > 0 else ""
+    if save_dir and rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+
+    def save(stem):
+        net.save_parameters(os.path.join(save_dir, stem + ".params"))
+        trainer.save_states(os.path.join(save_dir, stem + ".states"))
+
+    def validate():
+        top1 = top5 = seen = 0
+        for x, y, real in data.val_batches():
+            output = net(x.as_in_context(ctx).astype(args.dtype, copy=False))
+            c1, c5 = topk_correct(output, y, real, 5)
+            top1, top5, seen = top1 + c1, top5 + c5, seen + real
+        return [top1, top5, seen]
+
+    best_err = 1.0
+    bps_gc.core.metrics()  # reset: traffic is reported per epoch
+    for epoch in range(args.resume_epoch, args.num_epochs):
+        tic = btic = time.time()
+        correct = seen = 0
+        for i, (x, y, real) in enumerate(common.take(data.train_batches(), steps, "training data")):
+            if real != args.batch_size:  # steps counts whole batches of every worker's share
+                raise RuntimeError(f"training batch {i} of epoch {epoch} has {real} images, "
+                                   f"not {args.batch_size}")
+            x = x.as_in_context(ctx).astype(args.dtype, copy=False)
+            label = y.as_in_context(ctx)
+            with autograd.record():
+                output = net(x)
+                loss = loss_fn(output, label.astype(args.dtype, copy=False))
+            loss.backward()
+            trainer.step(args.batch_size)
+            c1, _ = topk_correct(output, y, x.shape[0], 1)
+            correct, seen = correct + c1, seen + x.shape[0]
+            if args.log_interval and (i + 1) % args.log_interval == 0:
+                logger.info("Epoch[%d] Batch [%d]\tSpeed: %f samples/sec\terr-top1=%f\tlr=%f",
+                            epoch, i, args.batch_size * args.log_interval / (time.time() - btic),
+                            1 - correct / seen, trainer.learning_rate)
+                btic = time.time()
+        elapsed = time.time() - tic
+        train_correct, train_seen = common.summed([correct, seen], "metric.train")
+        val_top1, val_top5, val_seen = common.summed(validate(), "metric.val")
+        err_top1 = 1 - val_top1 / val_seen if val_seen else 1.0
+        err_top5 = 1 - val_top5 / val_seen if val_seen else 1.0
+        logger.info("[Epoch %d] training: err-top1=%f", epoch, 1 - train_correct / train_seen)
+        logger.info("[Epoch %d] speed: %d samples/sec\ttime cost: %f",
+                    epoch, int(train_seen / elapsed), elapsed)
+        logger.info("[Epoch %d] validation: err-top1=%f err-top5=%f", epoch, err_top1, err_top5)
+        common.log_traffic(logger, epoch)
+        if rank == 0 and save_dir:
+            if err_top1 < best_err:
+                best_err = err_top1
+                save(f"{best_err:.4f}-imagenet-{args.model}-{epoch}-best")
+            if (epoch + 1) % args.save_frequency == 0:
+                save(f"imagenet-{args.model}-{epoch}")
+    if rank == 0 and save_dir and args.num_epochs > args.resume_epoch:
+        save(f"imagenet-{args.model}-{args.num_epochs - 1}")
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

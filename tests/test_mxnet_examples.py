@@ -1,0 +1,200 @@
+"""The gluon training examples (example/mxnet/) on a local cluster: 2 workers, 1 server, a
+step or two on tiny data written in the official on-disk formats (CIFAR-100 python pickles;
+ImageNet as RecordIO .rec/.idx and as an image folder), with gradient compression on."""
+import importlib.util
+import os
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from cluster import run_local
+from conftest import ROOT
+
+if importlib.util.find_spec("mxnet") is None or importlib.util.find_spec("gluoncv") is None:
+    pytest.skip("the gluon examples need mxnet and gluoncv", allow_module_level=True)
+
+EXAMPLES = os.path.join(ROOT, "example", "mxnet")
+CIFAR = os.path.join(EXAMPLES, "train_cifar100_byteps_gc.py")
+IMAGENET = os.path.join(EXAMPLES, "train_gluon_imagenet_byteps_gc.py")
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+ENV = {"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"}
+
+NUMBER = r"[0-9]+\.[0-9]+"
+SPEED = re.compile(rf"^\[Epoch (\d+)\] speed: \d+ samples/sec\ttime cost: {NUMBER}$", re.M)
+
+
+def run_example(script, args, cwd, timeout=150):
+    """The example on 2 workers and 1 server, in ``cwd`` (where its log file goes)."""
+    command = ["sh", "-c", 'cd "$0" && exec "$@"', str(cwd), sys.executable, script, *args]
+    result = run_local(command, workers=2, servers=1, env=ENV, timeout=timeout)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def values(pattern, text):
+    return [float(v) for v in re.findall(pattern, text, re.M)]
+
+
+def write_cifar(root, train, test, seed=0):
+    """CIFAR-100's python version: cifar-100-python/{train,test}, pickled dicts."""
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    for split, n in (("train", train), ("test", test)):
+        data = {b"filenames": [f"img_{i}.png".encode() for i in range(n)],
+                b"batch_label": f"{split} batch 1 of 1".encode(),
+                b"fine_labels": rng.integers(0, 100, n).tolist(),
+                b"coarse_labels": rng.integers(0, 20, n).tolist(),
+                b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8)}
+        with open(folder / split, "wb") as f:
+            pickle.dump(data, f)
+
+
+IMAGENET_DATA = textwrap.dedent("""
+    import os, sys
+    import cv2
+    import numpy as np
+    from mxnet import recordio
+
+    root, classes = sys.argv[1], 4
+    counts = {"train": int(sys.argv[2]), "val": int(sys.argv[3])}
+    rng = np.random.default_rng(0)
+    for split, n in counts.items():
+        rec = recordio.MXIndexedRecordIO(os.path.join(root, split + ".idx"),
+                                         os.path.join(root, split + ".rec"), "w")
+        for i in range(n):
+            label = i % classes
+            image = rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)
+            image[:, :, label % 3] = 64 * label  # a little signal
+            header = recordio.IRHeader(0, float(label), i, 0)
+            rec.write_idx(i, recordio.pack_img(header, image, quality=90, img_fmt=".jpg"))
+            folder = os.path.join(root, "folder", split, "n%08d" % label)
+            os.makedirs(folder, exist_ok=True)
+            assert cv2.imwrite(os.path.join(folder, "%d.JPEG" % i), image)
+        rec.close()
+""")
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory):
+    """18 training and 10 validation 40x40 JPEGs of 4 classes, as .rec/.idx and as a folder.
+    Split over 2 workers: 9 training images each (2 batches of 4, one image left over) and
+    5 validation images (the second batch of 4 padded by ImageRecordIter)."""
+    root = tmp_path_factory.mktemp("imagenet")
+    subprocess.run([sys.executable, "-c", IMAGENET_DATA, str(root), "18", "10"], check=True,
+                   timeout=120)
+    return root
+
+
+def test_gluoncv_imports_next_to_torch():
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {EXAMPLES!r})
+        {"import torch" if HAS_TORCH else "torch = None"}
+        import common
+        gluoncv = common.import_gluoncv()
+        assert sys.modules.get("torch") is torch, "torch's module entry was not restored"
+        if torch is not None:
+            import torch as again
+            assert again is torch
+        net = gluoncv.model_zoo.get_model("cifar_resnet20_v1", classes=100)
+        assert common.import_gluoncv() is gluoncv
+        print("ok", gluoncv.__version__)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.startswith("ok")
+
+
+def test_cifar100_onebit_ef_nesterov(tmp_path):
+    # 65 / 33 images: worker 0 gets one more of each; both run 65 // 2 // 16 = 2 steps
+    write_cifar(tmp_path / "data", train=65, test=33)
+    run_example(CIFAR, ["--data-dir", str(tmp_path / "data"), "--model", "cifar_resnet20_v1",
+                        "--num-gpus", "0", "--batch-size", "16", "--num-epochs", "1", "-j", "2",
+                        "--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla",
+                        "--compress-momentum", "nesterov", "--logging-file", "test",
+                        "--save-dir", str(tmp_path / "params"), "--save-period", "1"], tmp_path)
+    log = (tmp_path / "cifar100-2-cpu-test.log").read_text()
+    assert [int(e) for e in SPEED.findall(log)] == [0], log
+    train = values(rf"^\[Epoch 0\] training: accuracy=({NUMBER})$", log)
+    val = values(rf"^\[Epoch 0\] validation: accuracy=({NUMBER})$", log)
+    assert len(train) == len(val) == 1, log
+    # over all workers, weighted by samples: multiples of 1/64 (trained) and 1/33 (validated)
+    assert abs(train[0] * 64 - round(train[0] * 64)) < 1e-4
+    assert abs(val[0] * 33 - round(val[0] * 33)) < 1e-4
+    assert re.search(r"^\[Epoch 0\] traffic per worker: pushed ", log, re.M), log
+    assert (tmp_path / "params" / "cifar100-cifar_resnet20_v1-0.params").is_file()
+
+
+def test_imagenet_recordio_topk_fp16(imagenet, tmp_path):
+    args = ["--use-rec", "--rec-train", str(imagenet / "train.rec"),
+            "--rec-train-idx", str(imagenet / "train.idx"),
+            "--rec-val", str(imagenet / "val.rec"), "--rec-val-idx", str(imagenet / "val.idx"),
+            "--model", "resnet18_v1", "--input-size", "32", "--num-classes", "4",
+            "--batch-size", "4", "-j", "1", "--log-interval", "1",
+            "--compressor", "topk", "--k", "0.01", "--ef", "vanilla", "--fp16-pushpull",
+            "--save-dir", str(tmp_path / "params"), "--save-frequency", "2"]
+    run_example(IMAGENET, [*args, "--num-epochs", "2", "--logging-file", str(tmp_path / "imagenet.log")],
+                tmp_path)
+    log = (tmp_path / "imagenet.log").read_text()
+    assert [int(e) for e in SPEED.findall(log)] == [0, 1], log
+    assert len(re.findall(rf"^Epoch\[\d\] Batch \[\d\]\tSpeed: {NUMBER} samples/sec\terr-top1={NUMBER}\tlr={NUMBER}$",
+                          log, re.M)) == 4, log  # 2 epochs of 2 steps
+    train = values(rf"^\[Epoch \d\] training: err-top1=({NUMBER})$", log)
+    assert len(train) == 2 and all(abs(e * 16 - round(e * 16)) < 1e-4 for e in train), log
+    val = re.findall(rf"^\[Epoch \d\] validation: err-top1=({NUMBER}) err-top5=({NUMBER})$", log, re.M)
+    assert len(val) == 2, log
+    for top1, top5 in val:  # all 10 images, the padding of the last batches left out
+        assert abs(float(top1) * 10 - round(float(top1) * 10)) < 1e-4
+        assert float(top5) == 0.0  # top-4 of 4 classes
+    # --lr 0.1 times 2 worker machines, no decay before epoch 40
+    assert set(values(rf"\tlr=({NUMBER})$", log)) == {0.2}, log
+    params = tmp_path / "params"
+    assert (params / "imagenet-resnet18_v1-1.params").is_file()
+    assert (params / "imagenet-resnet18_v1-1.states").is_file()
+
+    # resume at epoch 2 from epoch 1's parameters and trainer states; decay at epoch 2
+    run_example(IMAGENET, [*args, "--num-epochs", "3", "--max-iters", "1", "--lr-decay-epoch", "2",
+                           "--resume-epoch", "2", "--resume-params", str(params / "imagenet-resnet18_v1-1.params"),
+                           "--resume-states", str(params / "imagenet-resnet18_v1-1.states"),
+                           "--logging-file", str(tmp_path / "resumed.log")], tmp_path)
+    log = (tmp_path / "resumed.log").read_text()
+    assert [int(e) for e in SPEED.findall(log)] == [2], log
+    assert values(rf"\tlr=({NUMBER})$", log) == [0.02], log
+    assert (params / "imagenet-resnet18_v1-2.params").is_file()
+
+
+def test_imagenet_image_folder_randomk(imagenet, tmp_path):
+    run_example(IMAGENET, ["--data-dir", str(imagenet / "folder"), "--model", "resnet18_v1",
+                           "--input-size", "32", "--num-classes", "4", "--batch-size", "4",
+                           "--num-epochs", "1", "--max-iters", "1", "-j", "2", "--mode", "hybrid",
+                           "--compressor", "randomk", "--k", "0.01", "--ef", "vanilla",
+                           "--compress-momentum", "nesterov", "--save-frequency", "0",
+                           "--logging-file", "folder.log"], tmp_path)
+    log = (tmp_path / "folder.log").read_text()
+    assert [int(e) for e in SPEED.findall(log)] == [0], log
+    train = values(rf"^\[Epoch 0\] training: err-top1=({NUMBER})$", log)
+    assert len(train) == 1 and abs(train[0] * 8 - round(train[0] * 8)) < 1e-4, log
+    val = values(rf"^\[Epoch 0\] validation: err-top1=({NUMBER}) err-top5={NUMBER}$", log)
+    assert len(val) == 1 and abs(val[0] * 10 - round(val[0] * 10)) < 1e-4, log
+    assert not (tmp_path / "params").exists()
+
+
+@pytest.mark.parametrize("script,args,message", [
+    (IMAGENET, ["--model", "resnet18_v1", "--use-pretrained"], "--use-pretrained needs"),
+    (CIFAR, ["--ef", "vanilla"], "need --compressor"),
+    (CIFAR, ["--compressor", "dithering", "--k", "2.5"], "dithering levels must be a whole number"),
+    (CIFAR, ["--compressor", "onebit", "--compress-momentum", "nesterov", "--momentum", "0"],
+     "needs --momentum > 0"),
+])
+def test_bad_flags_stop_before_joining(script, args, message):
+    result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in result.stderr, result.stderr[-3000:]

@@ -131,8 +131,16 @@ class DistributedTrainer(mx.gluon.Trainer):
             host.commit()
         self._params_to_init = deferred
 
+    def _step_lr(self):
+        """The learning rate this step's update will use (error feedback scales by it): with a
+        scheduler, the optimizer asks it for ``num_update + 1`` only after this reduction."""
+        opt = self._optimizer
+        if opt.lr_scheduler is not None:
+            return float(opt.lr_scheduler(opt.num_update + 1))
+        return float(opt.lr)
+
     def _allreduce_grads(self):
-        lr = self.learning_rate
+        lr = self._step_lr()
         factor = 1.0 / (self._scale * self._bps_size)
         pending = []
         for i, param in enumerate(self._params):

@@ -1,0 +1,125 @@
+"""Two network namespaces joined by a shaped veth pair, for benchmarks (root only).
+
+    with ShapedLink("1gbit") as link:          # raises NetnsUnavailable if it cannot be made
+        link.command("srv", ["python", ...])   # ["ip", "netns", "exec", <srv ns>, "python", ...]
+
+The "srv" side gets 10.213.0.1/24, the "wrk" side 10.213.0.2/24. Each veth end has a root tbf
+qdisc (rate, burst, latency 50ms), so traffic is shaped in both directions: what the workers
+send (pushes) and what the server sends (pulls) each get ``rate``. Loopback is brought up in
+both namespaces. The namespaces (and with them the veth pair) are always deleted on exit.
+"""
+import os
+import re
+import subprocess
+
+SRV_ADDR = "10.213.0.1"
+WRK_ADDR = "10.213.0.2"
+PREFIX = 24
+LATENCY = "50ms"
+UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+IP_TIMEOUT = 20
+
+
+class NetnsUnavailable(RuntimeError):
+    """Namespaces or tc cannot be used here (not root, no CAP_NET_ADMIN, no iproute2...)."""
+
+
+def parse_rate(text):
+    """'1gbit' / '100mbit' / '500kbit' -> bits per second."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*", text.lower())
+    if not m:
+        raise ValueError(f"rate must look like 1gbit, 100mbit or 500kbit, got {text!r}")
+    bits = float(m.group(1)) * UNITS[m.group(2)]
+    if bits <= 0:
+        raise ValueError(f"rate must be positive, got {text!r}")
+    return int(bits)
+
+
+def tbf_burst(rate_bits):
+    """Bucket size in bytes: 4 ms of traffic (enough for a 250 Hz timer), at least 32 KiB."""
+    return max(32 * 1024, int(rate_bits / 8 * 0.004))
+
+
+def _ip(*args, check=True):
+    try:
+        proc = subprocess.run(list(args), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=IP_TIMEOUT)
+    except FileNotFoundError as e:
+        raise NetnsUnavailable(f"{args[0]} not found: {e}") from None
+    except subprocess.TimeoutExpired:
+        raise NetnsUnavailable(f"{' '.join(args)} timed out") from None
+    if check and proc.returncode != 0:
+        raise NetnsUnavailable(f"`{' '.join(args)}` failed ({proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+class ShapedLink:
+    def __init__(self, rate, tag=None):
+        self.rate = rate
+        self.rate_bits = parse_rate(rate)
+        tag = str(os.getpid() if tag is None else tag)
+        self.ns = {"srv": f"bpsgc-srv-{tag}", "wrk": f"bpsgc-wrk-{tag}"}
+        self.veth = {"srv": f"bgs{tag}"[:15], "wrk": f"bgw{tag}"[:15]}
+        self.addr = {"srv": SRV_ADDR, "wrk": WRK_ADDR}
+        self.burst = tbf_burst(self.rate_bits)
+        self.created = []
+
+    def __enter__(self):
+        try:
+            self.create()
+        except BaseException:
+            self.delete()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.delete()
+        return False
+
+    def create(self):
+        if os.geteuid() != 0:
+            raise NetnsUnavailable("network namespaces need root (this process is not root)")
+        for side in ("srv", "wrk"):
+            _ip("ip", "netns", "add", self.ns[side])
+            self.created.append(self.ns[side])
+        _ip("ip", "link", "add", self.veth["srv"], "type", "veth", "peer", "name", self.veth["wrk"])
+        for side in ("srv", "wrk"):
+            ns, dev = self.ns[side], self.veth[side]
+            _ip("ip", "link", "set", dev, "netns", ns)
+            _ip("ip", "-n", ns, "addr", "add", f"{self.addr[side]}/{PREFIX}", "dev", dev)
+            _ip("ip", "-n", ns, "link", "set", dev, "up")
+            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            _ip("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                "rate", self.rate, "burst", str(self.burst), "latency", LATENCY)
+
+    def delete(self):
+        """Delete what was created (the veth pair goes with its namespaces); never raises."""
+        # a veth left in the root namespace (creation failed half-way) must go too
+        steps = [("ip", "link", "del", self.veth["srv"])] if self._in_root() else []
+        steps += [("ip", "netns", "del", ns) for ns in reversed(self.created)]
+        for step in steps:
+            try:
+                _ip(*step, check=False)
+            except NetnsUnavailable:
+                pass
+        self.created = []
+
+    def _in_root(self):
+        try:
+            return _ip("ip", "link", "show", self.veth["srv"], check=False).returncode == 0
+        except NetnsUnavailable:
+            return False
+
+    def command(self, side, argv):
+        return ["ip", "netns", "exec", self.ns[side], *argv]
+
+    def qdisc_stats(self, side):
+        proc = _ip("ip", "netns", "exec", self.ns[side], "tc", "-s", "qdisc", "show", "dev",
+                   self.veth[side], check=False)
+        return proc.stdout.strip()
+
+    def describe(self):
+        return (f"veth {self.veth['srv']} ({self.ns['srv']}, {SRV_ADDR}) <-> {self.veth['wrk']} "
+                f"({self.ns['wrk']}, {WRK_ADDR}); each end: tbf rate {self.rate} burst "
+                f"{self.burst} B latency {LATENCY}")

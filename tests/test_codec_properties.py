@@ -76,6 +76,20 @@ def test_topk_structured_input_falls_back_correctly():
     assert sorted(rec["i"].tolist()) == list(range(0, 100 << 10, 1 << 10))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nonzeros", [0, 10, 99, 100, 101, 5000])
+def test_topk_sparse_input_takes_zeros_of_lowest_index(dtype, nonzeros):
+    # a server re-compressing the sum of top-k pushes sees mostly zeros (signed ones included)
+    n, k = 1 << 18, 100
+    rng = np.random.default_rng(nonzeros)
+    x = np.zeros(n, dtype)
+    x[rng.choice(n, 50, replace=False)] = -0.0
+    x[rng.choice(n, nonzeros, replace=False)] = rng.standard_normal(nonzeros)
+    rec = records(build_chain({"compressor": "topk", "k": k}, n, dtype).compress(x), dtype)
+    expected = np.lexsort((np.arange(n), -np.abs(x)))[:k]
+    assert set(rec["i"].tolist()) == set(expected.tolist())
+
+
 @pytest.mark.parametrize("params", [{"compressor": "randomk", "k": 0.1, "seed": 11},
                                     {"compressor": "dithering", "k": 3, "seed": 11},
                                     {"compressor": "dithering", "k": 3, "partition": "natural",

@@ -78,6 +78,7 @@ static void select_best(cand_t *c, int64_t m, int64_t k) {
             for (int64_t r = 2 * (k * s / n) + 16; r < s && m < k; r *= 4) {      \
                 select_best(smp, s, r);                                           \
                 uint64_t thr = smp[r - 1].key;                                    \
+                if (thr == 0) { m = -1; break; } /* mostly zeros: see below */    \
                 m = collect_##SUFFIX(x, n, thr, c, cap);                          \
                 if (m < 0) break; /* threshold too low for the buffer: use all */ \
             }                                                                     \
@@ -85,9 +86,13 @@ static void select_best(cand_t *c, int64_t m, int64_t k) {
             if (m < k) { free(c); c = NULL; m = -1; }                             \
         }                                                                         \
         if (m < 0) {                                                              \
+            /* every nonzero, then (a sparse input, e.g. a server's sum of top-k \
+             * pushes) the zeros of lowest index, which win the ties among zeros */ \
             c = malloc(sizeof(cand_t) * (n ? n : 1));                             \
             if (!c) return ERR_NOMEM;                                             \
-            m = collect_##SUFFIX(x, n, 0, c, n);                                  \
+            m = collect_##SUFFIX(x, n, 1, c, n);                                  \
+            for (int64_t i = 0; m < k && i < n; i++)                              \
+                if ((u[i] & MASK) == 0) { c[m].key = 0; c[m].idx = (uint32_t)i; m++; } \
         }                                                                         \
         select_best(c, m, k);                                                     \
         for (int64_t i = 0; i < k; i++) idx[i] = c[i].idx;                        \

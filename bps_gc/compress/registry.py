@@ -15,6 +15,7 @@ OPTIONS = {}  # compressor name -> {extra parameter key: converter}
 PLUGIN_ENV = "BPS_GC_PLUGINS"
 ENTRY_POINT_GROUP = "bps_gc.plugins"
 _loaded = set()
+_entry_points_scanned = False  # scanning installed packages costs milliseconds: once is enough
 
 
 def _register(table, kind, name, cls):
@@ -61,6 +62,10 @@ def load_plugins():
             except Exception as e:
                 raise ImportError(f"{PLUGIN_ENV}: cannot import plugin module {module!r}: {e}") from e
             _loaded.add(module)
+    global _entry_points_scanned
+    if _entry_points_scanned:
+        return
+    _entry_points_scanned = True
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.value not in _loaded:
             ep.load()

@@ -152,6 +152,10 @@ class Server:
             state = self.keys.get(h.key)
             if state is None:
                 state = KeyState(h.key, decl, h.dtype, self.workers, self.codecs, self.cfg.enable_async)
+                # each key stays on one engine (its codec state is not shared); the least loaded
+                # by bytes takes it (key % engines would follow the partition number)
+                state.engine = min(self.engines, key=lambda e: e.load)
+                state.engine.load += state.n * state.dtype.itemsize
                 self.keys[h.key] = state
             state.check_declaration(decl, h.dtype, rank)
         except (KeyError_, ValueError, TypeError, KeyError) as e:
@@ -162,8 +166,7 @@ class Server:
         state = self.keys[msg.header.key]
         if state.arrive(rank, msg.identity, msg.header):
             round_, ranks, identities = state.take_round()
-            engine = self.engines[state.key % len(self.engines)]
-            engine.submit(state, round_, ranks, identities, self.node_id)
+            state.engine.submit(state, round_, ranks, identities, self.node_id)
 
     def flush_replies(self):
         while self.wake.poll(0):
@@ -191,6 +194,7 @@ class Engine:
 
     def __init__(self, ctx, replies):
         self.tasks = queue.SimpleQueue()
+        self.load = 0  # bytes of the keys assigned to this engine
         self.replies = replies
         self.ctx = ctx
         self.thread = threading.Thread(target=self.run, name="bps_gc-engine", daemon=True)

@@ -127,9 +127,14 @@ class KeyState:
         # zeros (so a sparse decode is a scatter, and signed zeros agree with a dense decode)
         if self.compressed:
             acc.fill(0)
-        else:
+            rest = ranks
+        elif len(ranks) == 1:
             np.copyto(acc, self.payload(ranks[0]).view(self.dtype))
-        for r in ranks if self.compressed else ranks[1:]:
+            rest = []
+        else:  # x0 + x1 in one pass (exactly what copying x0 and adding x1 gives)
+            np.add(self.payload(ranks[0]).view(self.dtype), self.payload(ranks[1]).view(self.dtype), out=acc)
+            rest = ranks[2:]
+        for r in rest:
             self.add(r, acc)
         if not self.compressed:
             return acc

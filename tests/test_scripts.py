@@ -1,0 +1,45 @@
+"""The measurement scripts under scripts/ run end to end at a tiny size and write what they promise.
+(The numbers themselves are benchmarks, never asserted as timings.)"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPTS = os.path.join(ROOT, "scripts")
+
+
+def run_script(name, *args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args], capture_output=True,
+                            text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert result.returncode == 0, f"{name} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def test_bench_codecs_small(tmp_path):
+    out = tmp_path / "codecs.json"
+    result = run_script("bench_codecs.py", "--sizes", "64K", "--repeats", "5", "--json", str(out))
+    data = json.loads(out.read_text())
+    text = json.dumps(data)
+    for codec in ("onebit", "topk", "randomk", "dithering"):
+        assert codec in text and codec in result.stdout
+    assert "copyto" in text or "memcpy" in text
+
+
+def test_slow_network_two_configs(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("mlxtend")
+    result = run_script("slow_network.py", "--rate", "1gbit", "--configs", "baseline,topk", "--epochs",
+                        "0.05", "--hidden", "64", "--out", str(tmp_path))
+    if "skipped" in result.stdout:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+    rows = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert set(rows) == {"baseline", "topk"}
+    assert all(r["epoch_seconds"] > 0 for r in rows.values())
+    # topk 1% + EF sends a few percent of the dense bytes
+    assert rows["topk"]["wire_mb_per_epoch"] < rows["baseline"]["wire_mb_per_epoch"] / 5
+    assert "baseline" in result.stdout and "speed-up" in result.stdout

@@ -95,7 +95,7 @@ def test_compression_params_from_flags():
         return cifar.compression_params(parser.parse_args(list(argv)), parser)
 
     assert params() is None
-    assert params("--fp16-pushpull") is None  # fp16 goes as bps.Compression.fp16
+    assert params("--fp16-pushpull") == {"fp16": True}  # the same declaration as bps.Compression.fp16
     assert params("--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla", "--compress-momentum",
                   "nesterov") == {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"}
     assert params("--compressor", "topk", "--k", "0.001", "--ef", "vanilla") == \

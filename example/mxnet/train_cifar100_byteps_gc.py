@@ -33,9 +33,8 @@ Log (stdout and cifar100-<size>-<cpu|gpu>-<logging-file>.log in the working dire
     [Epoch N] traffic per worker: pushed ... MB (... MB uncompressed, ratio R)   (if any)
 """
 import argparse
-import collections
 import os
-import pickle
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,14 +44,11 @@ from mxnet import autograd, gluon
 
 import bps_gc.core
 import bps_gc.mxnet as bps
+from bps_gc.bindings.flags import add_compression_args, compression_params
 import common
 
-# CIFAR-100 training-set channel statistics (of x / 255), as in BytePS's script
-CIFAR100_TRAIN_MEAN = np.array([0.5070751592371323, 0.48654887331495095, 0.4409178433670343],
-                               np.float32).reshape(1, 3, 1, 1)
-CIFAR100_TRAIN_STD = np.array([0.2673342858792401, 0.2564384629170883, 0.27615047132568404],
-                              np.float32).reshape(1, 3, 1, 1)
-CLASSES = 100
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cifar100_data import CLASSES, augment, load_split, normalize, prefetch  # noqa: E402
 
 
 def build_parser():
@@ -98,63 +94,8 @@ def build_parser():
                         help="log file: cifar100-<size>-<device>-<logging-file>.log")
     parser.add_argument("--max-iters", type=int, default=0,
                         help="at most this many steps per epoch (0: the whole training set)")
-    common.add_compression_args(parser)
+    add_compression_args(parser)
     return parser
-
-
-# ----------------------------------------------------------------------------------------- data
-
-def load_split(data_dir, split):
-    """(uint8 N x 3 x 32 x 32 images, int64 fine labels) from the official python pickles."""
-    root = os.path.expanduser(data_dir)
-    path = os.path.join(root, "cifar-100-python", split)
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(root, split)):
-        path = os.path.join(root, split)  # --data-dir is the cifar-100-python folder itself
-    if not os.path.isfile(path):
-        raise SystemExit(f"no CIFAR-100 {split} set at {path} (want the python version, "
-                         "cifar-100-python.tar.gz, unpacked in --data-dir; nothing is downloaded)")
-    with open(path, "rb") as f:
-        data = pickle.load(f, encoding="bytes")
-    images = np.asarray(data[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-    labels = np.asarray(data[b"fine_labels"], dtype=np.int64)
-    if len(images) != len(labels):
-        raise SystemExit(f"{path}: {len(images)} images but {len(labels)} labels")
-    if len(labels) and not 0 <= labels.min() <= labels.max() < CLASSES:
-        raise SystemExit(f"{path}: fine labels outside [0, {CLASSES})")
-    return images, labels
-
-
-def normalize(images):
-    return (images.astype(np.float32) * np.float32(1 / 255) - CIFAR100_TRAIN_MEAN) / CIFAR100_TRAIN_STD
-
-
-def augment(images, rng, pad=4):
-    """Random crop of the zero-padded image and random horizontal flip (uint8 in and out)."""
-    n, c, h, w = images.shape
-    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), np.uint8)
-    padded[:, :, pad:pad + h, pad:pad + w] = images
-    dy = rng.integers(0, 2 * pad + 1, n)
-    dx = rng.integers(0, 2 * pad + 1, n)
-    rows = (dy[:, None] + np.arange(h))[:, None, :, None]  # n x 1 x h x 1
-    cols = (dx[:, None] + np.arange(w))[:, None, None, :]  # n x 1 x 1 x w
-    flip = rng.random(n) < 0.5
-    cols = np.where(flip[:, None, None, None], cols[..., ::-1], cols)
-    return padded[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols]
-
-
-def prefetch(executor, fn, items, depth):
-    """fn(item) for each item, computed up to ``depth`` ahead on the executor."""
-    if executor is None:
-        for item in items:
-            yield fn(item)
-        return
-    pending = collections.deque()
-    for item in items:
-        pending.append(executor.submit(fn, item))
-        if len(pending) > depth:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
 
 
 # ------------------------------------------------------------------------------------- training
@@ -176,7 +117,7 @@ def main(argv=None):
         parser.error("--batch-size must be >= 1")
     if not 0 <= args.resume_epoch <= args.num_epochs:
         parser.error("--resume-epoch must be in [0, --num-epochs]")
-    comp_params = common.compression_params(args, parser)
+    comp_params = compression_params(args, parser)
     gluoncv = common.import_gluoncv()
 
     bps.init()

@@ -43,6 +43,7 @@ from mxnet.gluon.data.vision import transforms
 
 import bps_gc.core
 import bps_gc.mxnet as bps
+from bps_gc.bindings.flags import add_compression_args, compression_params
 import common
 
 MEAN_RGB = [123.68, 116.779, 103.939]
@@ -116,7 +117,7 @@ def build_parser():
                         help="the log file (rank 0)")
     parser.add_argument("--max-iters", type=int, default=0,
                         help="at most this many steps per epoch (0: the whole training set)")
-    common.add_compression_args(parser)
+    add_compression_args(parser)
     return parser
 
 
@@ -311,7 +312,7 @@ def main(argv=None):
         parser.error("--dtype: float32 or float16")
     if not 0 <= args.resume_epoch <= args.num_epochs:
         parser.error("--resume-epoch must be in [0, --num-epochs]")
-    comp_params = common.compression_params(args, parser)
+    comp_params = compression_params(args, parser)
     gluoncv = common.import_gluoncv()
 
     bps.init()

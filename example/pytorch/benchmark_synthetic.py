@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import bps_gc.core
 import bps_gc.torch as bps
+from bps_gc.bindings.flags import add_compression_args, compression_params
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_cifar100_byteps_gc import resnet  # noqa: E402
@@ -48,29 +49,17 @@ def build_parser():
     parser.add_argument("--num-warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--configs", default=",".join(PRESETS),
                         help=f"comma-separated presets to run (without --compressor): {', '.join(PRESETS)}")
-    parser.add_argument("--compressor", default="", help="run dense and this compressor, set by the flags below")
-    parser.add_argument("--k", type=float, default=None, help="topk/randomk fraction or count; dithering levels")
-    parser.add_argument("--ef", default="", help="error feedback: vanilla")
-    parser.add_argument("--compress-momentum", default="", help="nesterov")
-    parser.add_argument("--onebit-scaling", action="store_true")
-    parser.add_argument("--fp16-pushpull", action="store_true", help="push and pull as float16")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--json", help="also write the results here (rank 0)")
+    add_compression_args(parser)  # --compressor: dense and that one, set by the other flags
     return parser
 
 
 def configurations(args, parser):
     if args.compressor:
-        params = {"compressor": args.compressor}
-        if args.k is not None:
-            params["k"] = args.k
-        if args.ef:
-            params["ef"] = args.ef
-        if args.compress_momentum:
-            params["momentum"] = args.compress_momentum
-        if args.onebit_scaling:
-            params["scaling"] = True
+        params = compression_params(args, parser)
+        params.pop("fp16", None)  # applies to every configuration (Compression.fp16)
         return [("dense", None), (args.compressor, params)]
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in PRESETS]

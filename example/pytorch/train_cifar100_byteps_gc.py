@@ -23,10 +23,8 @@ rank 0 only):
                                                          correct and count summed by push_pull)
 """
 import argparse
-import collections
 import logging
 import os
-import pickle
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,11 +36,11 @@ import torch.nn.functional as F
 
 import bps_gc.core
 import bps_gc.torch as bps
-from bps_gc.compress import CompressionParams
+from bps_gc.bindings.flags import add_compression_args, compression_params
 
-# CIFAR-100 training-set channel statistics (of x / 255)
-MEAN = np.array([0.5071, 0.4865, 0.4409], np.float32).reshape(1, 3, 1, 1)
-STD = np.array([0.2673, 0.2564, 0.2762], np.float32).reshape(1, 3, 1, 1)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cifar100_data import CLASSES, augment, load_split, normalize, prefetch  # noqa: E402
+
 DEPTHS = (20, 32, 44, 56, 110)
 
 
@@ -72,22 +70,8 @@ def build_parser():
     parser.add_argument("--resume-from", type=str, help="model parameters to start from")
     parser.add_argument("--resume-epoch", type=int, default=0, help="epoch to resume from")
     parser.add_argument("--logging-file", type=str, default="baseline", help="name part of the log file")
-    parser.add_argument("--seed", type=int, default=2020,
-                        help="random seed (model, shuffling, augmentation; randomk/dithering's codec seed)")
     parser.add_argument("--max-iters", type=int, default=0, help="at most this many steps per epoch (0: all)")
-    # gradient compression, as in BytePS's script
-    parser.add_argument("--compressor", type=str, default="", help="onebit, topk, randomk, dithering (or a plugin's)")
-    parser.add_argument("--ef", type=str, default="", help="error feedback: vanilla")
-    parser.add_argument("--compress-momentum", type=str, default="",
-                        help="nesterov: the optimizer's momentum moves into the codec chain")
-    parser.add_argument("--onebit-scaling", action="store_true", help="scale onebit's signs by the mean magnitude")
-    parser.add_argument("--k", type=float, default=1.0,
-                        help="topk/randomk: fraction (< 1) or count per partition; dithering: levels")
-    parser.add_argument("--fp16-pushpull", action="store_true", help="push and pull gradients as float16")
-    parser.add_argument("--partition", type=str, default="linear", choices=("linear", "natural"),
-                        help="dithering: linear or natural partition of the levels")
-    parser.add_argument("--normalize", type=str, default="max", choices=("max", "l2"),
-                        help="dithering: normalize by the max or the l2 norm")
+    add_compression_args(parser)
     return parser
 
 
@@ -113,7 +97,7 @@ class BasicBlock(nn.Module):
 class CifarResNet(nn.Module):
     """ResNet for 32x32 inputs (He et al. 2016, section 4.2): 6n+2 layers, 16/32/64 channels."""
 
-    def __init__(self, depth=20, classes=100):
+    def __init__(self, depth=20, classes=CLASSES):
         super().__init__()
         if (depth - 2) % 6:
             raise ValueError(f"CIFAR ResNet depth must be 6n+2, got {depth}")
@@ -136,7 +120,7 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def resnet(name, classes=100):
+def resnet(name, classes=CLASSES):
     """resnet20 ... resnet110, also as gluon's cifar_resnet20_v1."""
     base = name.lower()
     if base.startswith("cifar_"):
@@ -149,90 +133,7 @@ def resnet(name, classes=100):
     return CifarResNet(int(depth), classes)
 
 
-# ----------------------------------------------------------------------------------------- data
-
-def load_split(data_dir, split):
-    """(uint8 N x 3 x 32 x 32 images, int64 fine labels) from the official python pickles."""
-    path = os.path.join(os.path.expanduser(data_dir), "cifar-100-python", split)
-    if not os.path.isfile(path):
-        raise SystemExit(f"no CIFAR-100 {split} set at {path} (want the python version, "
-                         "cifar-100-python.tar.gz, unpacked in --data-dir)")
-    with open(path, "rb") as f:
-        data = pickle.load(f, encoding="bytes")
-    images = np.asarray(data[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-    labels = np.asarray(data[b"fine_labels"], dtype=np.int64)
-    if len(images) != len(labels):
-        raise SystemExit(f"{path}: {len(images)} images but {len(labels)} labels")
-    return images, labels
-
-
-def normalize(images):
-    return (images.astype(np.float32) * np.float32(1 / 255) - MEAN) / STD
-
-
-def augment(images, rng, pad=4):
-    """Random crop of the zero-padded image and random horizontal flip (uint8 in, uint8 out)."""
-    n, c, h, w = images.shape
-    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), np.uint8)
-    padded[:, :, pad:pad + h, pad:pad + w] = images
-    dy = rng.integers(0, 2 * pad + 1, n)
-    dx = rng.integers(0, 2 * pad + 1, n)
-    rows = (dy[:, None] + np.arange(h))[:, None, :, None]    # n x 1 x h x 1
-    cols = (dx[:, None] + np.arange(w))[:, None, None, :]    # n x 1 x 1 x w
-    flip = rng.random(n) < 0.5
-    cols = np.where(flip[:, None, None, None], cols[..., ::-1], cols)
-    return padded[np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols]
-
-
-def prefetch(executor, fn, items, depth):
-    """fn(item) for each item, computed up to `depth` ahead on the executor."""
-    if executor is None:
-        for item in items:
-            yield fn(item)
-        return
-    pending = collections.deque()
-    for item in items:
-        pending.append(executor.submit(fn, item))
-        if len(pending) > depth:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
-
-
 # ------------------------------------------------------------------------------------- training
-
-def compression_params(args, parser):
-    """compression_params for DistributedOptimizer from the flags (None: no compression); a bad
-    combination stops here, before the cluster is joined. fp16 goes as Compression.fp16."""
-    if not args.compressor:
-        if args.ef or args.compress_momentum or args.onebit_scaling:
-            parser.error("--ef, --compress-momentum and --onebit-scaling need --compressor")
-        return None
-    params = {"compressor": args.compressor}
-    if args.ef:
-        params["ef"] = args.ef
-    if args.compress_momentum:
-        if not args.momentum:
-            parser.error("--compress-momentum moves the optimizer's momentum into the codec chain "
-                         "and needs --momentum > 0")
-        params["momentum"] = args.compress_momentum  # mu: DistributedOptimizer adds --momentum
-    if args.onebit_scaling:
-        params["scaling"] = True
-    if args.compressor != "onebit":  # topk, randomk, dithering (and plugins) take k
-        params["k"] = args.k
-    if args.compressor in ("randomk", "dithering"):
-        if args.seed <= 0:
-            parser.error(f"--seed must be > 0 for {args.compressor}, got {args.seed}")
-        params["seed"] = args.seed
-    if args.compressor == "dithering":
-        params["partition"] = args.partition
-        params["normalize"] = args.normalize
-    try:
-        CompressionParams.from_dict(dict(params, **({"mu": args.momentum} if args.compress_momentum else {})))
-    except ValueError as e:
-        parser.error(str(e))
-    return params
-
 
 def learning_rate(args, epoch, decay_epochs):
     """The rate at fractional epoch `epoch`: linear warm-up, then step decay."""
@@ -304,8 +205,7 @@ def main(argv=None):
                                 nesterov=not args.compressor and args.momentum > 0)
     optimizer = bps.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
-        compression=bps.Compression.fp16 if args.fp16_pushpull else bps.Compression.none,
-        compression_params=comp_params)
+        compression_params=comp_params)  # --fp16-pushpull: {"fp16": True}, as Compression.fp16 would
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
 
     per_worker = len(train_x) // size

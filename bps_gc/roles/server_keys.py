@@ -37,6 +37,7 @@ class KeyState:
         self.round = 0
         self.results = None
         self.store = np.zeros(self.n, self.dtype) if asynchronous else None
+        self.engine = None  # the server engine thread that owns this key (set by the server)
 
     def check_declaration(self, decl, dtype, rank):
         """Every worker must declare the key alike; otherwise the offender gets an error."""

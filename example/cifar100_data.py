@@ -67,3 +67,11 @@ def prefetch(executor, fn, items, depth):
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
+
+
+def epoch_batches(seed, epoch, images, rank, size, steps, batch_size):
+    """(epoch, step, indices) of this worker's batches: one permutation per epoch, the same on
+    every worker, of which each takes every size-th image."""
+    order = np.random.default_rng([seed, epoch]).permutation(images)
+    mine = order[rank::size][:steps * batch_size]
+    return [(epoch, i, mine[i * batch_size:(i + 1) * batch_size]) for i in range(steps)]

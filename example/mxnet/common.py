@@ -1,19 +1,22 @@
 """What the gluon examples of this directory share: importing gluoncv next to torch 2, the
-compression flags and their ``compression_params``, the device, the learning-rate schedule,
-the rank-0 log, and sums over all workers.
+optimizer, the device, the learning-rate schedule and sums over all workers.
 
 The training scripts import it as ``common`` (Python puts the script's directory first on
-``sys.path``).
+``sys.path``); importing it also puts ``example/`` on ``sys.path`` for the helpers shared with
+the PyTorch examples (``training_utils``, ``cifar100_data``).
 """
 import importlib
-import logging
+import os
 import sys
 
 import mxnet as mx
 import numpy as np
 
-import bps_gc.core
 import bps_gc.mxnet as bps
+
+# the framework-free helpers one directory up (example/), shared with the PyTorch examples
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from training_utils import decay_epochs  # noqa: E402
 
 _MISSING = object()
 # the modules the examples use; imported while torch is hidden
@@ -71,34 +74,6 @@ def seed_everything(seed, rank):
     random.seed(seed * 1000003 + rank)
 
 
-def make_logger(name, path, rank):
-    """Rank 0 logs to stdout and ``path``; the other ranks log nothing."""
-    logger = logging.getLogger(name)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # bps_gc.core gives the root logger its own format
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    if rank == 0:
-        handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(path)]
-    else:
-        handlers = [logging.NullHandler()]
-    for handler in handlers:
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    return logger
-
-
-def decay_epochs(args):
-    """The epochs at which a step schedule decays: every --lr-decay-period epochs, or the
-    --lr-decay-epoch list."""
-    if args.lr_decay_period > 0:
-        return list(range(args.lr_decay_period, args.num_epochs, args.lr_decay_period))
-    try:
-        return [int(e) for e in args.lr_decay_epoch.split(",") if e.strip()]
-    except ValueError:
-        raise SystemExit(f"--lr-decay-epoch: comma-separated epochs, got {args.lr_decay_epoch!r}")
-
-
 def lr_scheduler(args, iters_per_epoch, mode="step"):
     """gluoncv's schedule, per iteration: a linear warm-up from --warmup-lr over
     --warmup-epochs to ``--lr * size / local_size`` (the rate scaled by the number of worker
@@ -130,15 +105,6 @@ def summed(values, name):
     array = mx.nd.array(np.asarray(values, np.float64), dtype=np.float64)
     bps.byteps_push_pull(array, name=name, is_average=False)
     return array.asnumpy().tolist()
-
-
-def log_traffic(logger, epoch):
-    """The bytes this worker pushed since the last call, and the compression ratio."""
-    m = bps_gc.core.metrics()
-    if m.pushed_wire:
-        logger.info("[Epoch %d] traffic per worker: pushed %.3f MB (%.3f MB uncompressed, "
-                    "ratio %.1f)", epoch, m.pushed_wire / 1e6, m.pushed_raw / 1e6,
-                    m.pushed_raw / m.pushed_wire)
 
 
 class OutOfData(RuntimeError):

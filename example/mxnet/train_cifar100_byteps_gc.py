@@ -34,7 +34,6 @@ Log (stdout and cifar100-<size>-<cpu|gpu>-<logging-file>.log in the working dire
 """
 import argparse
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,10 +44,9 @@ from mxnet import autograd, gluon
 import bps_gc.core
 import bps_gc.mxnet as bps
 from bps_gc.bindings.flags import add_compression_args, compression_params
-import common
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cifar100_data import CLASSES, augment, load_split, normalize, prefetch  # noqa: E402
+import common  # also puts example/ on sys.path
+from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch
+from training_utils import log_traffic, make_logger, steps_per_epoch
 
 
 def build_parser():
@@ -123,18 +121,13 @@ def main(argv=None):
     bps.init()
     rank, size = bps.rank(), bps.size()
     ctx, device_name = common.device(args.num_gpus)
-    logger = common.make_logger("cifar100", f"cifar100-{size}-{device_name}-{args.logging_file}.log", rank)
+    logger = make_logger("cifar100", f"cifar100-{size}-{device_name}-{args.logging_file}.log", rank)
     logger.info(args)
     common.seed_everything(args.seed, rank)
 
     train_x, train_y = load_split(args.data_dir, "train")
     test_x, test_y = load_split(args.data_dir, "test")
-    steps = len(train_x) // size // args.batch_size  # the same on every worker
-    if args.max_iters > 0:
-        steps = min(steps, args.max_iters)
-    if steps == 0:
-        raise SystemExit(f"{len(train_x)} training images make no full batch of "
-                         f"{args.batch_size} for each of {size} workers")
+    steps = steps_per_epoch(len(train_x) // size, len(train_x), size, args.batch_size, args.max_iters)
     val_x, val_y = test_x[rank::size], test_y[rank::size]
 
     kwargs = {"classes": CLASSES}
@@ -175,11 +168,7 @@ def main(argv=None):
     try:
         for epoch in range(args.resume_epoch, args.num_epochs):
             tic = time.time()
-            # the same permutation on every worker; each takes its own equal share
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_x))
-            mine = order[rank::size][:steps * args.batch_size]
-            items = [(epoch, i, mine[i * args.batch_size:(i + 1) * args.batch_size])
-                     for i in range(steps)]
+            items = epoch_batches(args.seed, epoch, len(train_x), rank, size, steps, args.batch_size)
             correct = seen = 0
             for x, y in prefetch(executor, batch, items, max(1, args.num_workers)):
                 label = mx.nd.array(y, ctx=ctx)
@@ -199,7 +188,7 @@ def main(argv=None):
                 list(evaluate(net, val_x, val_y, args.batch_size, ctx)), "metric.val")
             val_acc = val_correct / val_seen if val_seen else 0.0
             logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_acc)
-            common.log_traffic(logger, epoch)
+            log_traffic(logger, epoch)
             if rank == 0 and save_dir:
                 if val_acc > best_val:
                     best_val = val_acc

@@ -44,7 +44,8 @@ from mxnet.gluon.data.vision import transforms
 import bps_gc.core
 import bps_gc.mxnet as bps
 from bps_gc.bindings.flags import add_compression_args, compression_params
-import common
+import common  # also puts example/ on sys.path
+from training_utils import log_traffic, make_logger, steps_per_epoch
 
 MEAN_RGB = [123.68, 116.779, 103.939]
 STD_RGB = [58.393, 57.12, 57.375]
@@ -318,17 +319,12 @@ def main(argv=None):
     bps.init()
     rank, size = bps.rank(), bps.size()
     ctx, _ = common.device(args.num_gpus)
-    logger = common.make_logger("imagenet", args.logging_file, rank)
+    logger = make_logger("imagenet", args.logging_file, rank)
     logger.info(args)
     common.seed_everything(args.seed, rank)
 
     data = RecordData(args, rank, size) if args.use_rec else FolderData(args, rank, size)
-    steps = data.train_share // args.batch_size  # the same on every worker
-    if args.max_iters > 0:
-        steps = min(steps, args.max_iters)
-    if steps == 0:
-        raise SystemExit(f"{data.train_records} training images make no full batch of "
-                         f"{args.batch_size} for each of {size} workers")
+    steps = steps_per_epoch(data.train_share, data.train_records, size, args.batch_size, args.max_iters)
 
     net = build_net(args, gluoncv, ctx)
     schedule = common.lr_scheduler(args, steps, args.lr_mode)
@@ -394,7 +390,7 @@ def main(argv=None):
         logger.info("[Epoch %d] speed: %d samples/sec\ttime cost: %f",
                     epoch, int(train_seen / elapsed), elapsed)
         logger.info("[Epoch %d] validation: err-top1=%f err-top5=%f", epoch, err_top1, err_top5)
-        common.log_traffic(logger, epoch)
+        log_traffic(logger, epoch)
         if rank == 0 and save_dir:
             if err_top1 < best_err:
                 best_err = err_top1

@@ -23,7 +23,6 @@ rank 0 only):
                                                          correct and count summed by push_pull)
 """
 import argparse
-import logging
 import os
 import sys
 import time
@@ -39,7 +38,8 @@ import bps_gc.torch as bps
 from bps_gc.bindings.flags import add_compression_args, compression_params
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cifar100_data import CLASSES, augment, load_split, normalize, prefetch  # noqa: E402
+from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch  # noqa: E402
+from training_utils import decay_epochs, log_traffic, make_logger, steps_per_epoch  # noqa: E402
 
 DEPTHS = (20, 32, 44, 56, 110)
 
@@ -135,14 +135,14 @@ def resnet(name, classes=CLASSES):
 
 # ------------------------------------------------------------------------------------- training
 
-def learning_rate(args, epoch, decay_epochs):
+def learning_rate(args, epoch, decays):
     """The rate at fractional epoch `epoch`: linear warm-up, then step decay."""
     if args.warmup_epochs > 0 and epoch < args.warmup_epochs:
         return args.warmup_lr + (args.lr - args.warmup_lr) * epoch / args.warmup_epochs
     if args.lr_decay_period > 0:
         steps = int(epoch // args.lr_decay_period)
     else:
-        steps = sum(1 for e in decay_epochs if epoch >= e)
+        steps = sum(1 for e in decays if epoch >= e)
     return args.lr * args.lr_decay ** steps
 
 
@@ -150,21 +150,6 @@ def summed(values, name):
     """The element-wise sum of `values` over all workers."""
     t = torch.tensor(values, dtype=torch.float64)
     return bps.push_pull(t, average=False, name=name).tolist()
-
-
-def make_logger(rank, size, logging_file):
-    logger = logging.getLogger("cifar100")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # bps_gc.core configures the root logger with its own format
-    if rank == 0:
-        handlers = [logging.StreamHandler(sys.stdout),
-                    logging.FileHandler(f"cifar100-{size}-cpu-{logging_file}.log")]
-    else:
-        handlers = [logging.NullHandler()]
-    for handler in handlers:
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    return logger
 
 
 def evaluate(model, images, labels, batch_size):
@@ -182,7 +167,7 @@ def evaluate(model, images, labels, batch_size):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    decay_epochs = [float(e) for e in args.lr_decay_epoch.split(",") if e.strip()]
+    decays = decay_epochs(args)
     if args.batch_size < 1:
         parser.error("--batch-size must be >= 1")
     comp_params = compression_params(args, parser)
@@ -192,7 +177,7 @@ def main(argv=None):
 
     bps.init()
     rank, size = bps.rank(), bps.size()
-    logger = make_logger(rank, size, args.logging_file)
+    logger = make_logger("cifar100", f"cifar100-{size}-cpu-{args.logging_file}.log", rank)
     logger.info(args)
 
     torch.manual_seed(args.seed)
@@ -208,13 +193,7 @@ def main(argv=None):
         compression_params=comp_params)  # --fp16-pushpull: {"fp16": True}, as Compression.fp16 would
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    per_worker = len(train_x) // size
-    steps = per_worker // args.batch_size
-    if args.max_iters > 0:
-        steps = min(steps, args.max_iters)
-    if steps == 0:
-        raise SystemExit(f"{len(train_x)} training images make no full batch of {args.batch_size} "
-                         f"for each of {size} workers")
+    steps = steps_per_epoch(len(train_x) // size, len(train_x), size, args.batch_size, args.max_iters)
     val_x, val_y = test_x[rank::size], test_y[rank::size]
 
     def batch(item):
@@ -228,15 +207,12 @@ def main(argv=None):
     try:
         for epoch in range(args.resume_epoch, args.num_epochs):
             tic = time.time()
-            # the same permutation on every worker; each takes its own equal share
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_x))
-            mine = order[rank::size][:steps * args.batch_size]
-            items = [(epoch, i, mine[i * args.batch_size:(i + 1) * args.batch_size]) for i in range(steps)]
+            items = epoch_batches(args.seed, epoch, len(train_x), rank, size, steps, args.batch_size)
             model.train()
             correct = seen = 0
             for i, (x, y) in enumerate(prefetch(executor, batch, items, max(1, args.num_workers))):
                 for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(args, epoch + i / steps, decay_epochs)
+                    group["lr"] = learning_rate(args, epoch + i / steps, decays)
                 optimizer.zero_grad()
                 out = model(x)
                 loss = F.cross_entropy(out, y)
@@ -250,10 +226,7 @@ def main(argv=None):
             logger.info("[Epoch %d] training: accuracy=%f", epoch, train_correct / train_seen)
             val_correct, val_seen = summed(list(evaluate(model, val_x, val_y, 2 * args.batch_size)), "metric.val")
             logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_correct / val_seen)
-            m = bps_gc.core.metrics()
-            if m.pushed_wire:
-                logger.info("[Epoch %d] traffic per worker: pushed %.3f MB (%.3f MB uncompressed, ratio %.1f)",
-                            epoch, m.pushed_wire / 1e6, m.pushed_raw / 1e6, m.pushed_raw / m.pushed_wire)
+            log_traffic(logger, epoch)
             if rank == 0 and args.save_period and (epoch + 1) % args.save_period == 0:
                 save(model, args, epoch)
         if rank == 0 and args.save_period and args.num_epochs > args.resume_epoch:

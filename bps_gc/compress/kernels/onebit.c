@@ -34,19 +34,8 @@
         if (!scaling) return 1.0f;                                                \
         double sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])); \
         return (float)(sum / (double)n);                                          \
-    }                                                                             \
-    EXPORT HOT void onebit_decompress_##SUFFIX(const W *words, float scale, int64_t n, T *y) { \
-        const T pos = (T)scale, neg = -(T)scale;                                  \
-        int64_t full = n / BITS;                                                  \
-        for (int64_t j = 0; j < full; j++) {                                      \
-            W w = words[j];                                                       \
-            T *p = y + j * BITS;                                                  \
-            PREFETCH_AHEAD(p, BITS * sizeof(T), 1);                               \
-            for (int t = 0; t < BITS; t++) p[t] = (w >> (BITS - 1 - t)) & 1 ? neg : pos; \
-        }                                                                         \
-        for (int64_t i = full * BITS; i < n; i++)                                 \
-            y[i] = (words[full] >> (BITS - 1 - (i - full * BITS))) & 1 ? neg : pos; \
     }
+
 DEFINE_ONEBIT(float, uint32_t, 32, f32)
 DEFINE_ONEBIT(double, uint64_t, 64, f64)
 /* float16 partitions arrive converted to float32 (exact) and pack into 16-bit words. */
@@ -96,20 +85,24 @@ EXPORT float onebit_compress_f16(const float *x, int64_t n, int scaling, uint16_
     return onebit_compress_generic_f16(x, n, scaling, words);
 }
 
-/* Error feedback's e -= decompress(payload), fused: e[i] -= (bit ? -scale : scale). */
-#define DEFINE_ONEBIT_RESIDUAL(T, W, BITS, SUFFIX)                                \
-    EXPORT HOT void onebit_residual_##SUFFIX(const W *words, float scale, int64_t n, T *e) { \
+/* y[i] = (bit ? -scale : scale), and error feedback's fused e -= decompress(payload): one loop,
+ * OP either = or -=. */
+#define DEFINE_ONEBIT_EXPAND(NAME, OP, T, W, BITS, SUFFIX)                        \
+    EXPORT HOT void onebit_##NAME##_##SUFFIX(const W *words, float scale, int64_t n, T *y) { \
         const T pos = (T)scale, neg = -(T)scale;                                  \
         int64_t full = n / BITS;                                                  \
         for (int64_t j = 0; j < full; j++) {                                      \
             W w = words[j];                                                       \
-            T *p = e + j * BITS;                                                  \
+            T *p = y + j * BITS;                                                  \
             PREFETCH_AHEAD(p, BITS * sizeof(T), 1);                               \
-            for (int t = 0; t < BITS; t++) p[t] -= (w >> (BITS - 1 - t)) & 1 ? neg : pos; \
+            for (int t = 0; t < BITS; t++) p[t] OP (w >> (BITS - 1 - t)) & 1 ? neg : pos; \
         }                                                                         \
         for (int64_t i = full * BITS; i < n; i++)                                 \
-            e[i] -= (words[full] >> (BITS - 1 - (i - full * BITS))) & 1 ? neg : pos; \
+            y[i] OP (words[full] >> (BITS - 1 - (i - full * BITS))) & 1 ? neg : pos; \
     }
-DEFINE_ONEBIT_RESIDUAL(float, uint32_t, 32, f32)
-DEFINE_ONEBIT_RESIDUAL(double, uint64_t, 64, f64)
+DEFINE_ONEBIT_EXPAND(decompress, =, float, uint32_t, 32, f32)
+DEFINE_ONEBIT_EXPAND(decompress, =, double, uint64_t, 64, f64)
+DEFINE_ONEBIT_EXPAND(decompress, =, float, uint16_t, 16, f16)
+DEFINE_ONEBIT_EXPAND(residual, -=, float, uint32_t, 32, f32)
+DEFINE_ONEBIT_EXPAND(residual, -=, double, uint64_t, 64, f64)
 

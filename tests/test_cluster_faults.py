@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, alive
 
 INTERVAL, TIMEOUT = 0.2, 2.0
 BOUND = TIMEOUT + 2 * INTERVAL + 5.0  # detection + broadcast + process exit, on a loaded CI box
@@ -94,13 +94,6 @@ class Job:
             if proc.poll() is None:
                 proc.kill()
 
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("victim, named", [

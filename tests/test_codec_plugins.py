@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from bps_gc.compress import Codec, CompressionParams, ParamError, build_chain, register_compressor
+from bps_gc.compress import Codec, build_chain, register_compressor
 from conftest import ROOT
 
 PLUGIN_DIR = os.path.join(ROOT, "example", "plugins")

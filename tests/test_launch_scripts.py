@@ -19,7 +19,8 @@ import uuid
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, alive
+
 RUN_SH = os.path.join(ROOT, "launch", "run.sh")
 TIMEOUT = 60  # per run.sh; a hang fails the test instead of blocking the suite
 
@@ -202,13 +203,6 @@ def started_pids(stderr):
     """{label: pid} from run.sh's `started LABEL (pid N, ...)` lines."""
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)", stderr)}
 
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def marked_processes(mark):

@@ -19,8 +19,8 @@ import pytest
 from bps_gc.config import ConfigError
 from bps_gc.launcher import local, machine, numa, output
 from bps_gc.launcher.settings import LauncherSettings
+from conftest import ROOT, alive
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = [sys.executable, "-m", "bps_gc.launcher.cli"]
 TIMEOUT = 30  # per launcher run; a hang fails the test instead of blocking the suite
 
@@ -83,13 +83,6 @@ def launch(args, env, timeout=TIMEOUT, **kwargs):
 def python(script, *args):
     return [sys.executable, "-c", textwrap.dedent(script), *map(str, args)]
 
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone, just unreaped
-    except FileNotFoundError:
-        return False
 
 
 def wait_until(predicate, timeout=10.0):

@@ -15,7 +15,6 @@ import numpy as np
 import zmq
 
 from ..transport.sockets import Auth
-from . import NodeFailure
 from .membership import Membership
 from .worker_io import Push, WorkerIO
 from .worker_tensors import Placement, TensorPlan

@@ -7,12 +7,16 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
 class Codec:
     """Compresses one partition of ``n`` elements of ``dtype``.
 
-    ``compress(x, lr)`` returns the payload as a fresh uint8 array (``lr`` is this step's
-    learning rate; only error feedback uses it). ``decompress(payload, out)`` writes the dense
+    ``compress(x, ctx)`` returns the payload as a fresh uint8 array; ``ctx`` is the step
+    context (``context.step_context``: lr, step, epoch and per-step codec keys; a bare float is
+    taken as the learning rate). ``decompress(payload, out)`` writes the dense
     decoded partition into ``out`` (allocated if None) and returns it; any codec object with the
     same parameters decodes any other's payload. Decorators (error feedback, momentum) wrap a
     codec and forward ``decompress``.
     """
+
+    # server reducers this codec works with (``compress.reducers``); the first is the default
+    reducers = ("recompress", "lossless")
 
     def __init__(self, params, n, dtype):
         dtype = np.dtype(dtype)

@@ -43,7 +43,10 @@ class Config:
     heartbeat_timeout: float = 5.0
     join_timeout: float = 300.0
     auth_token: Optional[str] = None
-    timeline: Optional[str] = None
+    encrypt: bool = False  # BPS_GC_ENCRYPT: CURVE on every link, keys derived from the token
+    inflight_bytes: int = 64 << 20  # BPS_GC_INFLIGHT_BYTES: a worker's push window
+    stall_timeout: float = 60.0  # BPS_GC_STALL_TIMEOUT: a server warns about a round this old
+    peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
 
     @property
     def rank(self):
@@ -93,12 +96,22 @@ class Config:
             heartbeat_timeout=read.number("BPS_GC_HEARTBEAT_TIMEOUT", 5.0, low=0.05),
             join_timeout=read.number("BPS_GC_JOIN_TIMEOUT", 300.0, low=0.1),
             auth_token=read.text("BPS_GC_AUTH_TOKEN", "") or None,
-            timeline=read.text("BYTEPS_TRACE_DIR", "") or None,
+            encrypt=read.flag("BPS_GC_ENCRYPT", False),
+            inflight_bytes=read.integer("BPS_GC_INFLIGHT_BYTES", 64 << 20, low=1),
+            stall_timeout=read.number("BPS_GC_STALL_TIMEOUT", 60.0, low=0.01),
+            peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),
         )
+        if cfg.encrypt and not cfg.auth_token:
+            raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ConfigError("BPS_GC_HEARTBEAT_TIMEOUT", f"must exceed BPS_GC_HEARTBEAT_INTERVAL "
                               f"({cfg.heartbeat_interval}), got {cfg.heartbeat_timeout}")
         return dataclasses.replace(cfg, node_host=cfg.node_host or None, interface=cfg.interface or None)
+
+    def agreement(self):
+        """The settings every node of a job must share, by variable (checked at REGISTER)."""
+        return {"DMLC_NUM_WORKER": self.num_worker, "DMLC_NUM_SERVER": self.num_server,
+                "BYTEPS_PARTITION_BYTES": self.partition_bytes}
 
     def to_env(self):
         """The variables that reproduce this config (for child processes)."""

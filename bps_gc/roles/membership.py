@@ -10,7 +10,7 @@ import time
 
 import zmq
 
-from ..transport.sockets import MalformedMessage, recv, send
+from ..transport.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, recv, send
 from ..transport.wire import Header, Msg, decode_json, encode_json
 from . import NodeFailure
 
@@ -52,6 +52,7 @@ class Membership:
         self.port = port
         self.sock = auth.client(ctx.socket(zmq.DEALER))
         self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
         self.sock.connect(f"tcp://{cfg.root_uri}:{cfg.root_port}")
         self.node_id = None
         self.book = None
@@ -59,13 +60,25 @@ class Membership:
         self.shutdown_requested = False
         self.barriers_done = {}
         self.said_goodbye = False
+        self.left = {}  # worker rank -> {role, rank, id}: workers that said goodbye before us
+        self.dropped = DropLog(log)
 
     def send(self, mtype, key=0, obj=None):
         send(self.sock, Header(mtype, self.node_id or 0, key=key), None if obj is None else encode_json(obj))
 
+    def registration(self):
+        return {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
+                "worker_id": self.cfg.worker_id, "local_rank": self.cfg.local_rank,
+                "agree": self.cfg.agreement()}
+
+    def abort(self, reason):
+        """This node cannot start (e.g. a plugin is missing): register the reason, so that the
+        scheduler stops the whole job at once instead of letting it wait for this node."""
+        self.send(Msg.REGISTER, obj=dict(self.registration(), error=reason))
+
     def join(self, timeout):
         """Register and wait for the address book (blocking; used before the I/O loop runs)."""
-        self.send(Msg.REGISTER, obj={"role": self.role, "rank": self.rank, "host": self.host, "port": self.port})
+        self.send(Msg.REGISTER, obj=self.registration())
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -77,7 +90,7 @@ class Membership:
             try:
                 msg = recv(self.sock, router=False)
             except MalformedMessage as e:
-                log.warning("dropped a malformed message from the scheduler: %s", e)
+                self.dropped("a malformed message from the scheduler: %s", e)
                 continue
             if msg.header.type == Msg.ADDRESS_BOOK:
                 self.book = decode_json(msg.payload)
@@ -101,15 +114,18 @@ class Membership:
             self.barriers_done[h.key] = self.barriers_done.get(h.key, 0) + 1
         elif h.type == Msg.GOODBYE:
             self.said_goodbye = True
+        elif h.type == Msg.NODE_LEFT:
+            info = decode_json(msg.payload or b"{}")
+            self.left[info.get("rank")] = info
         elif h.type != Msg.HEARTBEAT_ACK:
-            log.warning("dropped unexpected %s from the scheduler", h.type.name)
+            self.dropped("an unexpected %s from the scheduler", h.type.name)
 
     def receive(self):
         """Take one message off the socket (it is readable) and handle it."""
         try:
             msg = recv(self.sock, router=False)
         except MalformedMessage as e:
-            log.warning("dropped a malformed message from the scheduler: %s", e)
+            self.dropped("a malformed message from the scheduler: %s", e)
             return
         self.handle(msg)
 
@@ -123,10 +139,8 @@ class Membership:
                               f"no answer for {self.cfg.heartbeat_timeout:g} s")
 
     def report_failure(self, reason):
-        try:
-            self.send(Msg.NODE_FAILED, obj={"reason": reason})
-        except zmq.ZMQError:
-            pass
+        """Tell the scheduler this node saw the job fail (it stops every node, naming ``reason``)."""
+        self.send(Msg.NODE_FAILED, obj={"reason": reason})
 
     def close(self):
         self.sock.close(linger=500)

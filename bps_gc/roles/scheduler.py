@@ -3,17 +3,23 @@
 Node ids: 0 is the scheduler, 1..S the servers (by registration order), then one per worker
 process in global-rank order. A node that misses heartbeats for ``heartbeat_timeout`` seconds
 is declared dead: every other node is told (NODE_FAILED) and the scheduler exits non-zero.
+A registration that cannot be part of the job (a duplicate worker rank, settings that disagree
+with the scheduler's, a node that could not start) stops the whole job at once; the scheduler
+then stays up for REFUSE_SECONDS to tell late registrants why, so nobody waits out the join
+timeout. A worker that says goodbye while other workers still run is announced (NODE_LEFT), so
+servers fail the rounds that still need it at once instead of waiting for it.
 """
 import logging
 import time
 
 import zmq
 
-from ..transport.sockets import Auth, MalformedMessage, recv, send
+from ..transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
 from ..transport.wire import Header, Msg, decode_json, encode_json
 
 log = logging.getLogger("bps_gc.scheduler")
 SCHEDULER_ID = 0
+REFUSE_SECONDS = 3.0
 
 
 class Member:
@@ -34,14 +40,22 @@ class Scheduler:
         self.expected = {"server": config.num_server, "worker": config.num_worker * config.local_size}
         self.join_timeout = config.join_timeout
         self.members = {}  # identity -> Member
-        self.barriers = {}  # group -> set of identities waiting
+        self.barrier_waiting = set()  # identities of the workers in the current barrier
         self.ctx = zmq.Context()
-        self.auth = Auth(self.ctx, config.auth_token)
+        self.auth = Auth(self.ctx, config.auth_token, config.encrypt)
         self.sock = self.auth.server(self.ctx.socket(zmq.ROUTER))
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(f"tcp://{config.root_uri}:{config.root_port}")
+        try:
+            bind(self.sock, config.root_uri, config.root_port, CONTROL_MAX_BYTES,
+                 "scheduler (DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT)")
+        except Exception:
+            self.close()
+            raise
         self.ready = False
+        self.dropped = DropLog(log)
+        self.refusal = None  # why the job was stopped at registration
+        self.stop_at = None  # when the scheduler exits after such a refusal
 
     # ------------------------------------------------------------------ main loop
 
@@ -56,12 +70,16 @@ class Scheduler:
                     try:
                         msg = recv(self.sock, router=True)
                     except MalformedMessage as e:
-                        log.warning("dropped a malformed message: %s", e)
+                        self.dropped("a malformed message: %s", e)
                         continue
                     status = self.handle(msg)
                     if status is not None:
                         return status
                 now = time.monotonic()
+                if self.stop_at is not None:
+                    if now >= self.stop_at:
+                        return 1
+                    continue
                 if not self.ready and now - started > self.join_timeout:
                     missing = {r: n - self.count(r) for r, n in self.expected.items()}
                     return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
@@ -98,19 +116,19 @@ class Scheduler:
         if h.type == Msg.REGISTER:
             return self.register(msg)
         if member is None:
-            log.warning("dropped %s from an unregistered peer", h.type.name)
+            self.dropped("%s from an unregistered peer", h.type.name)
             return None
         if h.type == Msg.HEARTBEAT:
             self.reply(member, Msg.HEARTBEAT_ACK)
         elif h.type == Msg.BARRIER:
-            self.barrier(member, h.key)
+            return self.barrier(member)
         elif h.type == Msg.GOODBYE:
             return self.goodbye(member)
         elif h.type == Msg.NODE_FAILED:  # a node saw a peer die (e.g. a server's socket error)
             info = decode_json(msg.payload or b"{}")
             return self.fail(None, f"node {member.node_id} reported: {info.get('reason', '?')}")
         else:
-            log.warning("dropped unexpected %s from node %s", h.type.name, member.node_id)
+            self.dropped("an unexpected %s from node %s", h.type.name, member.node_id)
         return None
 
     def reply(self, member, mtype, key=0, obj=None):
@@ -123,30 +141,56 @@ class Scheduler:
             role, rank = info["role"], int(info["rank"])
             host, port = str(info["host"]), int(info.get("port", 0))
         except (MalformedMessage, KeyError, TypeError, ValueError) as e:
-            log.warning("dropped a bad registration: %s", e)
+            self.dropped("a bad registration: %s", e)
+            return None
+        who = f"{role} {rank} at {host}" if role == "worker" else f"{role} at {host}"
+        if self.refusal:
+            return self.refuse(msg.identity, self.refusal)
+        if msg.identity in self.members:
+            return None  # a retried registration
+        if self.ready:  # a late or hostile registration must not stop a running job
+            return self.refuse(msg.identity, "the cluster is already complete")
+        fatal = self.fatal_registration(info, role, rank, who)
+        if fatal:  # nothing can fix this job: stop every node now, naming the cause
+            self.refusal = fatal
+            self.refuse(msg.identity, fatal)
+            self.fail(None, fatal)
+            self.stop_at = time.monotonic() + REFUSE_SECONDS
             return None
         problem = None
-        if self.ready:
-            problem = "the cluster is already complete"
-        elif role not in self.expected:
+        if role not in self.expected:
             problem = f"unknown role {role!r}"
         elif self.count(role) >= self.expected[role]:
             problem = f"more {role}s than the job declares ({self.expected[role]})"
         elif role == "worker" and not 0 <= rank < self.expected["worker"]:
             problem = f"worker rank {rank} outside [0, {self.expected['worker']})"
-        elif role == "worker" and any(m.role == "worker" and m.rank == rank for m in self.members.values()):
-            problem = f"two workers claim rank {rank} (check DMLC_WORKER_ID and BYTEPS_LOCAL_RANK)"
         if problem:
             log.error("refused %s from %s: %s", role, host, problem)
-            send(self.sock, Header(Msg.ERROR, SCHEDULER_ID), encode_json({"message": problem}),
-                 identity=msg.identity)
-            return None
-        if msg.identity in self.members:
-            return None  # a retried registration
+            return self.refuse(msg.identity, problem)
         self.members[msg.identity] = Member(msg.identity, role, rank, host, port)
         log.info("%s %s joined from %s:%s", role, rank, host, port)
         if all(self.count(r) == n for r, n in self.expected.items()):
             self.publish_address_book()
+        return None
+
+    def fatal_registration(self, info, role, rank, who):
+        """Why this registration stops the job (None when it may join)."""
+        if info.get("error"):
+            return f"{who} could not start: {info['error']}"
+        agree = info.get("agree")
+        if isinstance(agree, dict):
+            for variable, mine in self.cfg.agreement().items():
+                if agree.get(variable) != mine:
+                    return (f"{who} has {variable}={agree.get(variable)}, the scheduler "
+                            f"{variable}={mine}; every node must use the same value")
+        if role == "worker" and any(m.role == "worker" and m.rank == rank for m in self.members.values()):
+            return (f"two workers claim rank {rank}: DMLC_WORKER_ID={info.get('worker_id')} "
+                    f"(BYTEPS_LOCAL_RANK={info.get('local_rank')}) is used twice, "
+                    f"the second time by the worker at {info.get('host')}")
+        return None
+
+    def refuse(self, identity, problem):
+        send(self.sock, Header(Msg.ERROR, SCHEDULER_ID), encode_json({"message": problem}), identity=identity)
         return None
 
     def publish_address_book(self):
@@ -163,19 +207,34 @@ class Scheduler:
         self.ready = True
         log.info("cluster complete: %d servers, %d workers", len(servers), len(workers))
 
-    def barrier(self, member, group):
-        # group 0: every worker process; 1: every node (servers and workers)
-        waiting = self.barriers.setdefault(group, set())
-        waiting.add(member.identity)
-        size = self.expected["worker"] + (self.expected["server"] if group == 1 else 0)
-        if len(waiting) == size:
-            for identity in waiting:
-                self.reply(self.members[identity], Msg.BARRIER_DONE, key=group)
-            waiting.clear()
+    def barrier(self, member):
+        """A barrier of every worker process; one that a departed worker can never join fails."""
+        self.barrier_waiting.add(member.identity)
+        left = self.departed_worker()
+        if left is not None:
+            return self.fail(None, f"worker {left.rank} (node {left.node_id}) left the job; "
+                                   f"the barrier can never complete")
+        if len(self.barrier_waiting) == self.expected["worker"]:
+            for identity in self.barrier_waiting:
+                self.reply(self.members[identity], Msg.BARRIER_DONE, key=0)
+            self.barrier_waiting.clear()
+        return None
+
+    def departed_worker(self):
+        return next((m for m in self.members.values() if m.role == "worker" and m.gone), None)
 
     def goodbye(self, member):
         member.gone = True
         self.reply(member, Msg.GOODBYE)
+        running = [m for m in self.members.values() if m.role == "worker" and not m.gone]
+        if member.role == "worker" and running:
+            if self.barrier_waiting:
+                return self.fail(None, f"worker {member.rank} (node {member.node_id}) left the job "
+                                       f"while the others wait in a barrier")
+            # servers fail rounds that still need its push; peers fail receives from it
+            for m in self.members.values():
+                if not m.gone:
+                    self.reply(m, Msg.NODE_LEFT, obj=member.describe())
         if member.role == "worker" and all(m.gone for m in self.members.values() if m.role == "worker"):
             for m in self.members.values():
                 if m.role == "server" and not m.gone:
@@ -197,3 +256,4 @@ class Scheduler:
             if not m.gone:
                 self.reply(m, Msg.NODE_FAILED, obj=info)
         return 1
+

@@ -12,11 +12,14 @@ import threading
 
 import zmq
 
-from ..transport.sockets import Auth, MalformedMessage, recv, send
-from ..transport.wire import Flag, Header, Msg, decode_json, encode_json
+import numpy as np
+
+from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, recv, send
+from ..transport.wire import HEADER, MAX_JSON, Flag, Header, Msg, decode_json, encode_json
 from . import NodeFailure
 from .membership import Membership
 from .server_keys import KeyError_, KeyState
+from .server_watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
 WAKE = "inproc://bps_gc-server-wake"
@@ -26,19 +29,15 @@ class Server:
     def __init__(self, cfg, codecs):
         self.cfg, self.codecs = cfg, codecs
         self.ctx = zmq.Context()
-        self.auth = Auth(self.ctx, cfg.auth_token)
+        self.auth = Auth(self.ctx, cfg.auth_token, cfg.encrypt)
         self.router = self.auth.server(self.ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.LINGER, 1000)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.membership = Membership(self.ctx, cfg, self.auth, "server", rank=-1)
-        host = self.membership.host
-        if cfg.port:
-            self.router.bind(f"tcp://{host}:{cfg.port}")
-            port = cfg.port
-        else:
-            port = self.router.bind_to_random_port(f"tcp://{host}")
-        self.membership.port = port
+        # the largest legal message: a compressed partition of fp16 (8 bytes/element at most)
+        largest = HEADER.size + max(4 * cfg.partition_bytes + 64, MAX_JSON)
+        self.membership.port = bind(self.router, self.membership.host, cfg.port, largest, "server (BPS_GC_PORT)")
         self.wake = self.ctx.socket(zmq.PULL)
         self.wake.bind(WAKE)
         self.replies = queue.SimpleQueue()
@@ -46,7 +45,8 @@ class Server:
         self.node_id = None
         self.workers = 0
         self.engines = []
-        self.dropped = 0
+        self.dropped = DropLog(log)
+        self.watch = RoundWatch(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -89,11 +89,15 @@ class Server:
                     if not self.router.poll(0):
                         break
             if self.membership.sock in ready:
+                left = len(self.membership.left)
                 self.membership.receive()
+                if len(self.membership.left) != left:
+                    self.watch.departed()
             self.membership.tick()
+            self.watch.tick(self.cfg.stall_timeout)
             if self.membership.shutdown_requested:
                 self.membership.send(Msg.GOODBYE)
-                log.info("server %d: shutdown (dropped %d malformed messages)", self.node_id, self.dropped)
+                log.info("server %d: shutdown (dropped %d malformed messages)", self.node_id, self.dropped.count)
                 return 0
 
     # ------------------------------------------------------------------ requests
@@ -134,9 +138,7 @@ class Server:
             else:
                 raise MalformedMessage(f"unexpected {msg.header.type.name}")
         except MalformedMessage as e:
-            self.dropped += 1
-            if self.dropped <= 20 or self.dropped % 1000 == 0:
-                log.warning("dropped a malformed message (%d so far): %s", self.dropped, e)
+            self.dropped("a malformed message: %s", e)
 
     def error(self, identity, key, message):
         log.error("key %d: %s", key, message)
@@ -148,6 +150,11 @@ class Server:
         decl = decode_json(msg.payload or b"")
         if h.dtype is None:
             raise MalformedMessage("INIT without a dtype")
+        # bounded before anything is allocated: a bogus INIT cannot make the server allocate more
+        # than one partition (BYTEPS_PARTITION_BYTES), tokens or not
+        limit = max(1, self.cfg.partition_bytes // np.dtype(h.dtype).itemsize)
+        if not isinstance(decl.get("n"), int) or not 0 <= decl["n"] <= limit:
+            raise MalformedMessage(f"INIT of key {h.key} with n={decl.get('n')!r} (at most {limit})")
         try:
             state = self.keys.get(h.key)
             if state is None:
@@ -167,6 +174,8 @@ class Server:
         if state.arrive(rank, msg.identity, msg.header):
             round_, ranks, identities = state.take_round()
             state.engine.submit(state, round_, ranks, identities, self.node_id)
+        else:
+            self.watch.check(state)
 
     def flush_replies(self):
         while self.wake.poll(0):

@@ -7,7 +7,6 @@ one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the proces
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import threading
 import time
 
@@ -16,11 +15,11 @@ import zmq
 
 from ..transport.sockets import Auth
 from .membership import Membership
+from .peers import Peers
 from .worker_io import Push, WorkerIO
 from .worker_tensors import Placement, TensorPlan
 
 log = logging.getLogger("bps_gc.worker")
-INFLIGHT_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -131,6 +130,7 @@ class Worker:
         self.io = None
         self.pool = None
         self.placement = None
+        self.peers = None
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -138,14 +138,19 @@ class Worker:
     def start(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.threadpool_size, "bps_gc-codec")
         if not self.cfg.distributed and self.size == 1:
+            self.peers = Peers(None, self.cfg, None, self.rank, self.size, None, log)
             return self
         self.ctx = zmq.Context()
-        self.auth = Auth(self.ctx, self.cfg.auth_token)
+        self.auth = Auth(self.ctx, self.cfg.auth_token, self.cfg.encrypt)
         self.membership = Membership(self.ctx, self.cfg, self.auth, "worker", rank=self.rank)
+        # bound before the join: its address travels in REGISTER into the address book
+        self.peers = Peers(self.ctx, self.cfg, self.auth, self.rank, self.size, self.membership.host, log)
+        self.membership.port = self.peers.port
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
-        window = int(os.environ.get("BPS_GC_INFLIGHT_BYTES", INFLIGHT_BYTES))
-        self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank, window)
+        self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
+        self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
+                           self.cfg.inflight_bytes)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes)
         self.io.thread.start()
         self.barrier()
@@ -161,6 +166,7 @@ class Worker:
                 self.io.post("goodbye", timeout)
                 self.io.done.wait(timeout + 1)
             self.io.close()
+            self.peers.close()
             self.membership.close()
             self.auth.stop()
             self.ctx.term()

@@ -4,40 +4,96 @@ ROUTER sockets (scheduler, servers) see [identity, header, payload?]; DEALER soc
 node's links) see [header, payload?]. Large payloads are sent without copying and received
 straight into caller-provided buffers (``recv_into``), so a 100 MB push costs no allocation.
 """
+import errno
+import hashlib
 import logging
+import time
 
 import zmq
 import zmq.auth.thread
+import zmq.utils.z85
 
-from .wire import Header, MalformedMessage, Msg
+from .wire import HEADER, MAX_JSON, Header, MalformedMessage, Msg
 
 log = logging.getLogger(__name__)
 ZERO_COPY_MIN = 64 * 1024  # below this, copying is cheaper than zmq's zero-copy bookkeeping
 AUTH_USER = "bps_gc"
 
 
-class Auth:
-    """PLAIN authentication with the job's shared token (BPS_GC_AUTH_TOKEN).
+CONTROL_MAX_BYTES = HEADER.size + MAX_JSON + 4096  # a bound socket that only takes control messages
 
-    Bound sockets require it through ZeroMQ's ZAP handler, so a peer without the token cannot
-    complete the handshake: it can neither join the cluster nor push or pull.
+
+class BindError(RuntimeError):
+    """A configured address cannot be bound (the port is in use, or the host is not ours)."""
+
+
+def bind(sock, host, port, max_bytes, what):
+    """Bind ``sock`` to host:port (port 0: a free one); returns the port. ``max_bytes`` is the
+    largest legal message: ZeroMQ drops a peer that announces a larger frame before allocating
+    it, so a bogus length costs nothing."""
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+    try:
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+            return port
+        return sock.bind_to_random_port(f"tcp://{host}")
+    except zmq.ZMQError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise BindError(f"{what}: port {port} on {host} is already in use") from None
+        raise BindError(f"{what}: cannot bind {host}:{port}: {e.strerror}") from None
+
+
+def curve_keys(token):
+    """The job's CURVE key pair, derived from the shared token (every node derives the same)."""
+    secret = zmq.utils.z85.encode(hashlib.sha256(b"bps_gc-curve:" + token.encode()).digest())
+    return zmq.curve_public(secret), secret
+
+
+class _TokenKey:
+    """ZAP callback for CURVE: only the key derived from the token may connect."""
+
+    def __init__(self, public):
+        self.public = public
+
+    def callback(self, domain, key):
+        return key == self.public
+
+
+class Auth:
+    """Authentication with the job's shared token (BPS_GC_AUTH_TOKEN).
+
+    PLAIN by default: bound sockets require the token through ZeroMQ's ZAP handler, so a peer
+    without it cannot complete the handshake: it can neither join the cluster nor push or pull.
+    With ``encrypt`` (BPS_GC_ENCRYPT=1) every link uses CURVE instead (encrypted), with the key
+    pair derived from the token; a peer without the token has neither the server's public key
+    nor an accepted client key.
     """
 
-    def __init__(self, context, token):
+    def __init__(self, context, token, encrypt=False):
         self.token = token
+        self.keys = curve_keys(token) if token and encrypt else None
         self._thread = None
         if token:
             self._thread = zmq.auth.thread.ThreadAuthenticator(context, log=log)
             self._thread.start()
-            self._thread.configure_plain(domain="*", passwords={AUTH_USER: token})
+            if self.keys:
+                self._thread.configure_curve_callback(domain="*", credentials_provider=_TokenKey(self.keys[0]))
+            else:
+                self._thread.configure_plain(domain="*", passwords={AUTH_USER: token})
 
     def server(self, sock):
-        if self.token:
+        if self.keys:
+            sock.curve_publickey, sock.curve_secretkey = self.keys
+            sock.curve_server = True
+        elif self.token:
             sock.plain_server = True
         return sock
 
     def client(self, sock):
-        if self.token:
+        if self.keys:
+            sock.curve_publickey, sock.curve_secretkey = self.keys
+            sock.curve_serverkey = self.keys[0]
+        elif self.token:
             sock.plain_username = AUTH_USER.encode()
             sock.plain_password = self.token.encode()
         return sock
@@ -46,6 +102,25 @@ class Auth:
         if self._thread:
             self._thread.stop()
             self._thread = None
+
+
+class DropLog:
+    """Rate-limited logging of dropped (malformed or unexpected) messages, one per role: the
+    first few are logged, then one line per ``every`` seconds with the count, so a flood of bad
+    frames cannot flood the log."""
+
+    def __init__(self, logger, first=20, every=10.0):
+        self.log, self.first, self.every = logger, first, every
+        self.count = 0
+        self.next_at = 0.0
+
+    def __call__(self, what, *args):
+        self.count += 1
+        now = time.monotonic()
+        if self.count <= self.first or now >= self.next_at:
+            self.log.warning("dropped %s (%d so far)", what % args if args else what, self.count)
+            if self.count >= self.first:
+                self.next_at = now + self.every
 
 
 def send(sock, header, payload=None, identity=None):
@@ -117,4 +192,4 @@ def recv(sock, router, buffer_for=None):
         raise MalformedMessage(f"cannot parse message: {e}") from e
 
 
-__all__ = ["Auth", "Header", "MalformedMessage", "Msg", "Received", "drain", "recv", "send"]
+__all__ = ["Auth", "BindError", "CONTROL_MAX_BYTES", "DropLog", "Header", "bind", "curve_keys", "MalformedMessage", "Msg", "Received", "drain", "recv", "send"]

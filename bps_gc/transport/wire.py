@@ -28,12 +28,15 @@ class Msg(enum.IntEnum):
     NODE_FAILED = 7    # JSON {id, role, rank, address, reason}
     GOODBYE = 8
     SHUTDOWN = 9
+    NODE_LEFT = 10     # JSON {role, rank, id}: a worker said goodbye while others still run
     # key-value (worker <-> server)
     INIT = 20          # JSON {name, n, params}
     INIT_ACK = 21
     PUSH = 22          # payload: tensor bytes or compressed payload; lr in the header
     PUSH_REPLY = 23    # payload: the round's result
     ERROR = 30         # JSON {message}
+    # worker <-> worker (roles/peers.py)
+    PEER = 40          # key: the message's channel; round: its sequence number on that channel
 
 
 class Flag(enum.IntFlag):

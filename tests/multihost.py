@@ -1,0 +1,96 @@
+"""A job started as users start one across machines: one ``bpslaunch`` per role, each its own
+process with DMLC_ROLE set, so failures are found by the job's own protocol (heartbeats,
+goodbyes, registration checks) and not by a shared launcher tearing everything down."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from bps_gc.launcher.local import free_port
+from conftest import ROOT
+
+INTERVAL, TIMEOUT = 0.2, 2.0
+LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli"]
+
+
+class Job:
+    """``workers``: one script per worker (a string for all); ``env``: for every role;
+    ``role_env``: per launcher name (scheduler, server0.., worker0..) overrides."""
+
+    def __init__(self, workers, script, servers=1, env=None, role_env=None):
+        port = free_port()
+        scripts = script if isinstance(script, list) else [script] * workers
+        base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+                    DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers),
+                    DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), PYTHONUNBUFFERED="1",
+                    BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL), BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT),
+                    BPS_GC_KILL_GRACE="2", **(env or {}))
+        role_env = role_env or {}
+        plan = {"scheduler": ([], dict(base, DMLC_ROLE="scheduler"))}
+        for s in range(servers):
+            plan[f"server{s}"] = ([], dict(base, DMLC_ROLE="server"))
+        for w in range(workers):
+            plan[f"worker{w}"] = ([sys.executable, "-c", scripts[w]],
+                                  dict(base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(w)))
+        self.started = time.monotonic()
+        self.launchers, self.output = {}, {}
+        for name, (command, env_) in plan.items():
+            env_.update(role_env.get(name, {}))
+            self.launchers[name] = subprocess.Popen([*LAUNCH, *command], env=env_, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.STDOUT, text=True)
+            self.output[name] = []
+            threading.Thread(target=self.collect, args=(name,), daemon=True).start()
+
+    def collect(self, name):
+        for line in self.launchers[name].stdout:
+            self.output[name].append(line)
+
+    def text(self, name):
+        return "".join(self.output[name])
+
+    def report(self, statuses=None):
+        return "\n".join(f"--- {n} ({(statuses or {}).get(n)})\n{self.text(n)[-2000:]}" for n in self.launchers)
+
+    def child_of(self, name):
+        """PID of the role process the launcher started."""
+        launcher = self.launchers[name].pid
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == launcher:
+                            return int(entry)
+                except (OSError, IndexError, ValueError):
+                    continue
+        raise AssertionError(f"no child of {name}'s launcher")
+
+    def wait_output(self, names, marker, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if all(marker in self.text(n) for n in names):
+                return
+            time.sleep(0.05)
+        self.kill_all()
+        raise AssertionError(f"no {marker!r} from {names}:\n{self.report()}")
+
+    def wait_all(self, bound, since=None):
+        """Every launcher's exit status, and the seconds since ``since`` when the last exited;
+        asserts they all exit within ``bound`` seconds."""
+        since = self.started if since is None else since
+        statuses = {}
+        try:
+            for name, proc in self.launchers.items():
+                try:
+                    statuses[name] = proc.wait(timeout=max(bound - (time.monotonic() - since), 0.1))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{name} still runs after {bound} s:\n{self.report(statuses)}") from None
+        finally:
+            self.kill_all()
+        return statuses, time.monotonic() - since
+
+    def kill_all(self):
+        for proc in self.launchers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -10,10 +10,12 @@ below never import it.
 """
 import atexit
 import logging
+import sys
 
 from . import compress
-from .config import Config
+from .config import Config, ConfigError
 from .roles import NodeFailure
+from .roles.membership import abort_job
 from .roles.worker import Worker
 
 _worker = None
@@ -35,10 +37,23 @@ def init(config=None):
         return _worker
     cfg = config or Config.from_env(role="worker")
     _setup_logging(cfg.log_level)
-    compress.load_plugins()
+    sys.excepthook = _one_line_for_job_errors
+    try:
+        compress.load_plugins()
+    except ImportError as e:
+        raise abort_job(cfg, "worker", cfg.rank, str(e)) from None
     _worker = Worker(cfg, compress).start()
     atexit.register(shutdown)
     return _worker
+
+
+def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
+    """A failed job (another node, the cluster) or a bad setting is not a bug in the training
+    script: print one line naming the cause instead of a traceback."""
+    if issubclass(kind, (NodeFailure, ConfigError)):
+        print(f"bps_gc: {kind.__name__}: {error}", file=sys.stderr, flush=True)
+    else:
+        default(kind, error, trace)
 
 
 def worker():

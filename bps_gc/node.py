@@ -8,8 +8,11 @@ import sys
 
 from . import compress
 from .config import Config, ConfigError
+from .roles import NodeFailure
+from .roles.membership import abort_job
 from .roles.scheduler import Scheduler
 from .roles.server import Server
+from .transport.sockets import BindError
 
 
 def _exit_on_signal(signum, frame):
@@ -26,11 +29,18 @@ def main():
         return 2
     level = {"TRACE": logging.DEBUG, "FATAL": logging.CRITICAL}.get(cfg.log_level, cfg.log_level)
     logging.basicConfig(level=level, format=f"%(asctime)s {cfg.role} %(levelname)s %(message)s")
-    if cfg.role == "scheduler":
-        return Scheduler(cfg).run()
-    if cfg.role == "server":
-        compress.load_plugins()
-        return Server(cfg, compress).run()
+    try:
+        if cfg.role == "scheduler":
+            return Scheduler(cfg).run()
+        if cfg.role == "server":
+            try:
+                compress.load_plugins()
+            except ImportError as e:
+                raise abort_job(cfg, "server", -1, str(e)) from None
+            return Server(cfg, compress).run()
+    except (BindError, NodeFailure) as e:
+        print(f"bps_gc.node: {e}", file=sys.stderr)
+        return 1
     print("bps_gc.node: DMLC_ROLE=worker runs your training script (bpslaunch python train.py)",
           file=sys.stderr)
     return 2

@@ -39,6 +39,24 @@ def advertised_host(cfg):
             return "127.0.0.1"
 
 
+def abort_job(cfg, role, rank, reason):
+    """This node cannot start (e.g. a plugin module is missing here): tell the scheduler, which
+    stops every node at once naming ``reason``, instead of letting them wait out the join
+    timeout for this one. Returns a NodeFailure to raise."""
+    from ..transport.sockets import Auth
+    ctx = zmq.Context()
+    auth = Auth(ctx, cfg.auth_token, cfg.encrypt)
+    link = Membership(ctx, cfg, auth, role, rank)
+    try:
+        link.abort(reason)
+        link.sock.poll(int(min(cfg.join_timeout, 3.0) * 1000))  # the refusal confirms delivery
+    finally:
+        link.close()
+        auth.stop()
+        ctx.term()
+    return NodeFailure(f"this {role} could not start: {reason}")
+
+
 def describe(info):
     where = f" at {info['address']}" if info.get("address") else ""
     who = "the cluster" if info.get("role") == "cluster" else f"{info.get('role')} {info.get('rank')} (node {info.get('id')}{where})"

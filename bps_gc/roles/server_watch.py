@@ -39,7 +39,7 @@ class RoundWatch:
         reason = (f"worker {owing[0]} left the job before pushing tensor {self.tensor(state)!r} "
                   f"(round {state.round}); the round cannot complete")
         log.error("%s", reason)
-        payload = encode_json({"message": reason})
+        payload = encode_json({"message": reason, "job_failed": True})
         for r in range(state.workers):
             if state.pending[r]:
                 send(self.server.router, Header(Msg.ERROR, self.server.node_id, key=state.key,

@@ -183,12 +183,14 @@ class WorkerIO:
             return
         h = msg.header
         if h.type == Msg.ERROR:
-            message = decode_json(msg.payload or b"{}").get("message", "server error")
+            info = decode_json(msg.payload or b"{}")
+            message = info.get("message", "server error")
             self.failed_keys.setdefault(h.key, message)
             push = self.inflight.pop(h.key, None)
             if push is not None:
                 self.inflight_bytes -= push.nbytes
-                push.handle.fail(ValueError(message))
+                # a round the job can never finish (a worker left) vs. this worker's mistake
+                push.handle.fail(NodeFailure(message) if info.get("job_failed") else ValueError(message))
             return
         if h.type == Msg.INIT_ACK:
             return

@@ -98,7 +98,7 @@ class Server:
             if self.membership.shutdown_requested:
                 self.membership.send(Msg.GOODBYE)
                 log.info("server %d: shutdown (dropped %d malformed messages)", self.node_id, self.dropped.count)
-                return 0
+                return 1 if self.watch.failed else 0  # a round failed: the job did not end well
 
     # ------------------------------------------------------------------ requests
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -177,3 +178,33 @@ def test_errors_are_clear():
                        env={"BYTEPS_FORCE_DISTRIBUTED": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert result.stdout.count("OK:") == 5
+
+
+LAZY = textwrap.dedent("""
+    import numpy as np, torch, bps_gc.torch as bps
+    bps.init()
+    r = bps.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if r == 0:  # only the root has stepped: only it has momentum buffers
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    bps.broadcast_optimizer_state(opt, root_rank=0)
+    bufs = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    np.savez(f"{OUT}/lazy{r}.npz", *[b.numpy() for b in bufs])
+    print("LAZY-OK", r, flush=True)
+    bps.shutdown()
+""")
+
+
+def test_broadcast_optimizer_state_when_only_the_root_has_state(tmp_path):
+    code = f"OUT = {str(tmp_path)!r}\n" + LAZY
+    started = time.monotonic()
+    result = run_local([sys.executable, "-c", code], workers=2, servers=1, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    root, other = (np.load(tmp_path / f"lazy{r}.npz") for r in (0, 1))
+    assert root.files == other.files and len(root.files) == 2
+    for name in root.files:
+        assert np.any(root[name] != 0) and np.array_equal(root[name], other[name])

@@ -49,7 +49,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,7 @@ import tempfile
 import time
 
 import numpy as np
+from bps_gc.launcher.local import free_port
 
 SCRIPT = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(SCRIPT))
@@ -451,12 +451,6 @@ def child_env(extra):
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 class Loopback:

@@ -12,7 +12,6 @@ epoch, bytes on the wire and the speed-up over the uncompressed baseline; writes
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "example", "demo"))
 from mnist_demo import CONFIGS  # noqa: E402
 from netns import SRV_ADDR, WRK_ADDR, NetnsUnavailable, ShapedLink  # noqa: E402
+from bps_gc.launcher.local import free_port  # noqa: E402
 
 WORKER = os.path.join(ROOT, "example", "demo", "mnist_worker.py")
 # BytePS, CIFAR-100 ResNet18 at 100 Mbit/s: seconds per epoch (the figure we mirror in kind)
 BYTEPS_100MBIT = {"baseline": 518, "onebit": 195, "randomk": 90, "topk": 84}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(link, name, args, out):

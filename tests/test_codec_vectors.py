@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bps_gc.compress import build_chain
-from bps_gc.compress.rng import XorShift128Plus, native_outputs
+from xorshift import XorShift128Plus, native_outputs
 from bps_gc.compress.sparse import RECORD
 from conftest import DATA
 

@@ -5,14 +5,15 @@ Each case runs in multi-host mode (one bpslaunch per role, tests/multihost.py) a
 `bpslaunch --local`."""
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 
-from bps_gc.launcher.local import free_port
 from cluster import run_local
+from conftest import ROOT
 from multihost import Job
 
 BOUND = 15.0  # seconds from start to the last process gone (interpreter starts on a loaded box)
@@ -98,8 +99,6 @@ def test_port_in_use_is_one_line_naming_it():
         started = time.monotonic()
         argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--port", str(port), "--",
                 sys.executable, "-c", STEPS]
-        import subprocess
-        from conftest import ROOT
         result = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=ROOT, BPS_GC_JOIN_TIMEOUT=JOIN_TIMEOUT),
                                 capture_output=True, text=True, timeout=BOUND + 30)
         elapsed = time.monotonic() - started

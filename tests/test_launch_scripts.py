@@ -10,7 +10,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import uuid
 
 import pytest
 
+from bps_gc.launcher.local import free_port
 from conftest import ROOT, alive
 
 RUN_SH = os.path.join(ROOT, "launch", "run.sh")
@@ -52,12 +52,6 @@ bps.init()
 print("joined", flush=True)
 time.sleep(120)
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env(tmp_path, hosts=("127.0.0.1",), **extra):
@@ -202,7 +196,6 @@ def test_missing_root_address_is_an_error(tmp_path):
 def started_pids(stderr):
     """{label: pid} from run.sh's `started LABEL (pid N, ...)` lines."""
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)", stderr)}
-
 
 
 def marked_processes(mark):

@@ -43,8 +43,8 @@ from mxnet import autograd, gluon
 
 import bps_gc.core
 import bps_gc.mxnet as bps
-from bps_gc.bindings.flags import add_compression_args, compression_params
 import common  # also puts example/ on sys.path
+from compression_flags import add_compression_args, compression_params
 from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch
 from training_utils import log_traffic, make_logger, steps_per_epoch
 

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 import bps_gc.core
 import bps_gc.torch as bps
-from bps_gc.bindings.flags import add_compression_args, compression_params
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compression_flags import add_compression_args, compression_params  # noqa: E402
 from train_cifar100_byteps_gc import resnet  # noqa: E402
 
 # what launch/run.sh's job names select

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 
 import bps_gc.core
 import bps_gc.torch as bps
-from bps_gc.bindings.flags import add_compression_args, compression_params
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compression_flags import add_compression_args, compression_params  # noqa: E402
 from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch  # noqa: E402
 from training_utils import decay_epochs, log_traffic, make_logger, steps_per_epoch  # noqa: E402
 

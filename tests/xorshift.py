@@ -1,7 +1,7 @@
 """xorshift128+, the generator of randomk and dithering (a Python mirror of the C one)."""
 import numpy as np
 
-from ._native import lib, ptr
+from bps_gc.compress._native import lib, ptr
 
 MASK64 = (1 << 64) - 1
 

@@ -16,6 +16,7 @@ import zmq
 
 from ..transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
 from ..transport.wire import Header, Msg, decode_json, encode_json
+from .event_loop import EventLoop
 
 log = logging.getLogger("bps_gc.scheduler")
 SCHEDULER_ID = 0
@@ -61,34 +62,37 @@ class Scheduler:
 
     def run(self):
         """Serve until every node said goodbye (returns 0) or a node failed (returns 1)."""
-        started = time.monotonic()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        self.started = time.monotonic()
+        loop = EventLoop(self.cfg.heartbeat_interval)
+        loop.on_readable(self.sock, self.receive)
+        loop.on_tick(self.check_time)
         try:
-            while True:
-                if poller.poll(int(self.cfg.heartbeat_interval * 1000)):
-                    try:
-                        msg = recv(self.sock, router=True)
-                    except MalformedMessage as e:
-                        self.dropped("a malformed message: %s", e)
-                        continue
-                    status = self.handle(msg)
-                    if status is not None:
-                        return status
-                now = time.monotonic()
-                if self.stop_at is not None:
-                    if now >= self.stop_at:
-                        return 1
-                    continue
-                if not self.ready and now - started > self.join_timeout:
-                    missing = {r: n - self.count(r) for r, n in self.expected.items()}
-                    return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
-                                           f"(still missing: {missing})")
-                dead = self.dead_member(now)
-                if dead is not None:
-                    return self.fail(dead, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
+            return loop.run()
         finally:
+            loop.close()
             self.close()
+
+    def receive(self):
+        try:
+            msg = recv(self.sock, router=True)
+        except MalformedMessage as e:
+            self.dropped("a malformed message: %s", e)
+            return None
+        return self.handle(msg)
+
+    def check_time(self):
+        """Deadlines: the refusal window, the join timeout, every member's heartbeat."""
+        now = time.monotonic()
+        if self.stop_at is not None:
+            return 1 if now >= self.stop_at else None
+        if not self.ready and now - self.started > self.join_timeout:
+            missing = {r: n - self.count(r) for r, n in self.expected.items()}
+            return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
+                                   f"(still missing: {missing})")
+        dead = self.dead_member(now)
+        if dead is not None:
+            return self.fail(dead, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
+        return None
 
     def close(self):
         self.sock.close(linger=1000)

@@ -17,6 +17,7 @@ import numpy as np
 from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, recv, send
 from ..transport.wire import HEADER, MAX_JSON, Flag, Header, Msg, decode_json, encode_json
 from . import NodeFailure
+from .event_loop import EventLoop
 from .membership import Membership
 from .server_keys import KeyError_, KeyState
 from .server_watch import RoundWatch
@@ -75,30 +76,33 @@ class Server:
         self.ctx.term()
 
     def loop(self):
-        poller = zmq.Poller()
-        for sock in (self.router, self.membership.sock, self.wake):
-            poller.register(sock, zmq.POLLIN)
-        timeout = int(self.cfg.heartbeat_interval * 1000)
-        while True:
-            ready = dict(poller.poll(timeout))
-            if self.wake in ready:
-                self.flush_replies()
-            if self.router in ready:
-                for _ in range(64):  # bounded so heartbeats keep flowing under load
-                    self.receive()
-                    if not self.router.poll(0):
-                        break
-            if self.membership.sock in ready:
-                left = len(self.membership.left)
-                self.membership.receive()
-                if len(self.membership.left) != left:
-                    self.watch.departed()
-            self.membership.tick()
-            self.watch.tick(self.cfg.stall_timeout)
-            if self.membership.shutdown_requested:
-                self.membership.send(Msg.GOODBYE)
-                log.info("server %d: shutdown (dropped %d malformed messages)", self.node_id, self.dropped.count)
-                return 1 if self.watch.failed else 0  # a round failed: the job did not end well
+        loop = EventLoop(self.cfg.heartbeat_interval)
+        loop.on_readable(self.wake, self.flush_replies)
+        loop.on_readable(self.router, self.receive_some)
+        loop.on_readable(self.membership.sock, self.scheduler_message)
+        loop.on_tick(self.membership.tick)
+        loop.on_tick(lambda: self.watch.tick(self.cfg.stall_timeout))
+        loop.on_tick(self.shutdown_when_asked)
+        return loop.run()
+
+    def receive_some(self):
+        for _ in range(64):  # bounded so heartbeats keep flowing under load
+            self.receive()
+            if not self.router.poll(0):
+                break
+
+    def scheduler_message(self):
+        left = len(self.membership.left)
+        self.membership.receive()
+        if len(self.membership.left) != left:
+            self.watch.departed()
+
+    def shutdown_when_asked(self):
+        if not self.membership.shutdown_requested:
+            return None
+        self.membership.send(Msg.GOODBYE)
+        log.info("server %d: shutdown (dropped %d malformed messages)", self.node_id, self.dropped.count)
+        return 1 if self.watch.failed else 0  # a round failed: the job did not end well
 
     # ------------------------------------------------------------------ requests
 

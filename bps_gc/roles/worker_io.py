@@ -8,7 +8,6 @@ straight into the caller's output buffer.
 import heapq
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -18,6 +17,7 @@ import zmq
 from ..transport.sockets import MalformedMessage, recv, send
 from ..transport.wire import Header, Msg, decode_json, encode_json
 from . import NodeFailure
+from .event_loop import EventLoop
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -53,9 +53,13 @@ class WorkerIO:
             self.links.append(sock)
         self.servers = servers
         self.commands = queue.SimpleQueue()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
+        self.loop = EventLoop(cfg.heartbeat_interval)
+        self.loop.wakeable(lambda: True if self.run_commands() else None)
+        for sock in self.links:
+            self.loop.on_readable(sock, lambda sock=sock: self.receive_some(sock))
+        self.loop.on_readable(membership.sock, self.scheduler_message)
+        self.loop.on_tick(membership.tick)
+        self.loop.on_tick(self.send_ready)
         self.heap, self.seq = [], itertools.count()
         self.inflight = {}  # key -> Push awaiting its reply
         self.inflight_bytes = 0
@@ -72,47 +76,28 @@ class WorkerIO:
         if self.failure is not None:
             raise self.failure
         self.commands.put(command)
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:
-            pass  # a wake-up is already pending
+        self.loop.wake()
 
     # ------------------------------------------------------------------ I/O thread
 
     def run(self):
-        poller = zmq.Poller()
-        for sock in (*self.links, self.membership.sock):
-            poller.register(sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
-        timeout = int(self.cfg.heartbeat_interval * 1000)
         try:
-            while True:
-                ready = dict(poller.poll(timeout))
-                if self.wake_r in ready:
-                    try:
-                        os.read(self.wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                if self.run_commands():
-                    return
-                for sock in self.links:
-                    if sock in ready:
-                        for _ in range(256):
-                            self.receive(sock)
-                            if not sock.poll(0):
-                                break
-                if self.membership.sock in ready:
-                    self.membership.receive()
-                    self.check_barrier()
-                self.membership.tick()
-                self.send_ready()
-        except NodeFailure as e:
-            self.fail_all(e)
+            self.loop.run(on_failure=self.fail_all)
         except Exception as e:  # a bug here must not leave callers waiting forever
             log.exception("worker I/O thread crashed")
             self.fail_all(NodeFailure(f"worker {self.rank}: I/O thread crashed: {e!r}"))
         finally:
             self.done.set()
+
+    def receive_some(self, sock):
+        for _ in range(256):  # bounded so heartbeats and other links keep flowing
+            self.receive(sock)
+            if not sock.poll(0):
+                break
+
+    def scheduler_message(self):
+        self.membership.receive()
+        self.check_barrier()
 
     def run_commands(self):
         """Apply queued commands; True when the thread should stop."""
@@ -240,5 +225,4 @@ class WorkerIO:
     def close(self):
         for sock in self.links:
             sock.close(linger=500)
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        self.loop.close()

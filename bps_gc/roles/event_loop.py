@@ -1,0 +1,78 @@
+"""The one I/O loop every role runs: polling, a wake-up pipe, the heartbeat tick, failures.
+
+A role registers a handler per socket (called when it is readable) and tick functions (called
+after every poll, at least every heartbeat interval: heartbeats, the scheduler's dead-node scan,
+the server's stall check). Other threads call ``wake()`` after queueing work for the loop.
+A handler or tick ends the loop by returning a value other than None (the role's exit status);
+a NodeFailure raised anywhere in the loop goes to ``on_failure``, which every role uses to fan
+the failure out (fail waiting calls, tell the scheduler) before the loop ends.
+"""
+import os
+
+import zmq
+
+
+class EventLoop:
+    def __init__(self, interval):
+        self.timeout_ms = max(1, int(interval * 1000))
+        self.poller = zmq.Poller()
+        self.handlers = {}  # socket or fd -> handler()
+        self.ticks = []
+        self.wake_r = self.wake_w = None
+
+    def on_readable(self, sock, handler):
+        self.poller.register(sock, zmq.POLLIN)
+        self.handlers[sock] = handler
+
+    def on_tick(self, tick):
+        self.ticks.append(tick)
+
+    def wakeable(self, handler):
+        """A pipe other threads write to (``wake()``) so that ``handler`` runs on this loop."""
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+
+        def drain_then_handle():
+            try:
+                os.read(self.wake_r, 65536)
+            except BlockingIOError:
+                pass
+            return handler()
+
+        self.on_readable(self.wake_r, drain_then_handle)
+
+    def wake(self):
+        if self.wake_w is None:  # closed: nobody listens any more
+            return
+        try:
+            os.write(self.wake_w, b"x")
+        except BlockingIOError:
+            pass  # a wake-up is already pending
+
+    def run(self, on_failure=None):
+        """Poll until a handler or tick returns a status; returns it. A NodeFailure is passed to
+        ``on_failure`` (whose return value is the status), or raised without one."""
+        from . import NodeFailure
+        try:
+            while True:
+                ready = dict(self.poller.poll(self.timeout_ms))
+                for sock, handler in self.handlers.items():  # registration order: wake pipe first
+                    if sock in ready:
+                        status = handler()
+                        if status is not None:
+                            return status
+                for tick in self.ticks:
+                    status = tick()
+                    if status is not None:
+                        return status
+        except NodeFailure as e:
+            if on_failure is None:
+                raise
+            return on_failure(e)
+
+    def close(self):
+        for fd in (self.wake_r, self.wake_w):
+            if fd is not None:
+                os.close(fd)
+        self.wake_r = self.wake_w = None

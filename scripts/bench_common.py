@@ -1,0 +1,158 @@
+"""bench_pushpull: what the driver and the worker processes share (shapes, gradients, counters,
+the thread profiler) and the benchmark's constants."""
+import io
+import json
+import os
+import sys
+
+import numpy as np
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_pushpull.py")  # the driver and the worker entry
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES_FILE = os.path.join(ROOT, "tests", "data", "resnet50_shapes.json")
+MODEL = "resnet50_v1b"
+PY = sys.executable
+LOOPBACK = "127.0.0.1"
+
+BPS_CONFIGS = {
+    "dense": {},
+    "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+    "topk 0.1%": {"compressor": "topk", "k": 0.001},
+    "topk 1%": {"compressor": "topk", "k": 0.01},
+    "randomk 0.1%": {"compressor": "randomk", "k": 0.001},
+    "dithering k=2": {"compressor": "dithering", "k": 2},
+}
+PSLITE_CONFIGS = {"dense": None, "2bit": {"type": "2bit", "threshold": 0.5}}
+QUICK_BPS = ("dense", "onebit+EF")
+QUICK_PSLITE = ("dense",)
+# Reference numbers from the issue (seconds per round, same cluster shape and gradients).
+PSLITE_REFERENCE = {"loopback": {"dense": 0.215}, "1gbit": {"dense": 2.71, "2bit": 1.91}}
+# Targets from the issue: bps_gc seconds per round at most this.
+BPS_TARGETS = {"1gbit": {"onebit+EF": 0.25, "topk 0.1%": 0.2}}
+# Not passed to children: they describe a cluster (we set our own) or change ps-lite's defaults.
+DROPPED_ENV_PREFIXES = ("DMLC_", "PS_")
+DROPPED_ENV = ("MXNET_KVSTORE_BIGARRAY_BOUND", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE",
+               "BPS_GC_PORT", "BENCH_VETH", "NVIDIA_VISIBLE_DEVICES")
+NODE_EXIT_SECONDS = 30     # scheduler/servers get this long to exit after the workers finished
+KILL_GRACE = 5
+
+
+def import_netns():
+    """scripts/netns.py, wherever this script is run from."""
+    if os.path.dirname(SCRIPT) not in sys.path:
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+    import netns
+    return netns
+
+
+def load_shapes():
+    with open(SHAPES_FILE) as f:
+        return [tuple(int(d) for d in s) for s in json.load(f)[MODEL]]
+
+
+def make_grad(shape, rank, index):
+    """Worker ``rank``'s gradient for tensor ``index`` (reproducible anywhere, for checks)."""
+    rng = np.random.default_rng([rank, index])
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-3)
+
+
+def link_counters():
+    """(tx, rx) bytes of the veth named in BENCH_VETH, from this namespace's /proc/net/dev."""
+    dev = os.environ.get("BENCH_VETH")
+    if not dev:
+        return None
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == dev:
+                    fields = rest.split()
+                    return int(fields[8]), int(fields[0])  # tx bytes, rx bytes
+    except OSError:
+        return None
+    return None
+
+
+def cpu_counters():
+    """(busy, total) jiffies of the whole machine, and this process's CPU seconds."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        fields = None
+    t = os.times()
+    if fields is None:
+        return None, t.user + t.system
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return (total - idle, total), t.user + t.system
+
+
+def cpu_delta(before, after, rounds):
+    machine = None
+    if before[0] is not None and after[0] is not None and after[0][1] > before[0][1]:
+        machine = (after[0][0] - before[0][0]) / (after[0][1] - before[0][1])
+    return {"machine_busy": machine, "process_cpu_per_round": (after[1] - before[1]) / rounds}
+
+
+def link_delta(before, after):
+    if before is None or after is None:
+        return None
+    return {"tx_bytes": after[0] - before[0], "rx_bytes": after[1] - before[1]}
+
+
+def write_json_atomic(path, obj):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class ThreadProfiler:
+    """cProfile in every thread started after install() (and the main thread)."""
+
+    def __init__(self):
+        import cProfile
+        import threading
+        self.cProfile, self.threading = cProfile, threading
+        self.profiles = []
+        original = threading.Thread.run
+        profiles = self.profiles
+
+        def run(thread):
+            prof = cProfile.Profile()
+            profiles.append((thread.name, prof))
+            prof.enable()
+            try:
+                original(thread)
+            finally:
+                prof.disable()
+
+        threading.Thread.run = run
+        self.main = cProfile.Profile()
+        self.profiles.append(("main", self.main))
+        self.main.enable()
+
+    def report(self, top=18):
+        import pstats
+        self.main.disable()
+        for thread in self.threading.enumerate():  # let finished threads flush their profiles
+            if thread is not self.threading.current_thread() and not thread.daemon:
+                thread.join(2)
+        out = io.StringIO()
+        for name, prof in self.profiles:
+            text = io.StringIO()
+            try:
+                stats = pstats.Stats(prof, stream=text)
+            except TypeError:  # nothing recorded
+                continue
+            total = sum(v[2] for v in stats.stats.values())
+            if total < 0.05:
+                continue
+            stats.sort_stats("tottime").print_stats(top)
+            body = text.getvalue()
+            start = body.find("   ncalls")
+            out.write(f"--- thread {name}: {total:.2f} s total own time\n{body[start:].rstrip()}\n")
+        return out.getvalue()
+
+

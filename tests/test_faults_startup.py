@@ -107,3 +107,21 @@ def test_port_in_use_is_one_line_naming_it():
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert elapsed < BOUND
     print(f"port in use: bpslaunch exited {result.returncode} after {elapsed:.2f} s", file=sys.stderr)
+
+
+def test_multihost_port_in_use_is_one_line_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job = Job(1, STEPS, env={"BPS_GC_JOIN_TIMEOUT": "5"},
+                  role_env={"scheduler": {"DMLC_PS_ROOT_PORT": str(port)}})
+        try:
+            status = job.launchers["scheduler"].wait(timeout=BOUND)
+        finally:
+            job.kill_all()
+    text = job.text("scheduler")
+    assert status != 0 and "Traceback" not in text, text
+    assert f"port {port} on 127.0.0.1 is already in use" in text, text
+    print(f"multi-host port in use: the scheduler's bpslaunch exited {status} "
+          f"after {time.monotonic() - job.started:.2f} s", file=sys.stderr)

@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from ..transport.sockets import MalformedMessage, recv, send
+from ..transport.sockets import DropLog, MalformedMessage, recv, send
 from ..transport.wire import Header, Msg, decode_json, encode_json
 from . import NodeFailure
 from .event_loop import EventLoop
@@ -65,6 +65,7 @@ class WorkerIO:
         self.inflight_bytes = 0
         self.failed_keys = {}  # key -> the server's error for its declaration
         self.failure = None
+        self.dropped = DropLog(log)
         self.barriers_wanted = 0
         self.barrier_event = threading.Event()
         self.done = threading.Event()
@@ -159,7 +160,7 @@ class WorkerIO:
         except MalformedMessage as e:
             push = self.inflight.pop(seen.get("key"), None)
             if push is None:
-                log.warning("dropped a malformed reply: %s", e)
+                self.dropped("a malformed reply: %s", e)
                 return
             # the reply this push waits for is unusable: fail it rather than wait forever
             self.inflight_bytes -= push.nbytes
@@ -181,7 +182,7 @@ class WorkerIO:
             return
         push = self.inflight.pop(h.key, None)
         if push is None or h.type != Msg.PUSH_REPLY:
-            log.warning("dropped an unexpected %s for key %d", h.type.name, h.key)
+            self.dropped("an unexpected %s for key %d", h.type.name, h.key)
             return
         self.inflight_bytes -= push.nbytes
         push.part.round += 1

@@ -11,6 +11,9 @@ ROLES = ("scheduler", "server", "worker")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 
+UNSET = "unset"  # EnvReader.flag's default for a tri-state flag
+
+
 class ConfigError(ValueError):
     """A bad environment variable; the message names it."""
 
@@ -65,7 +68,7 @@ class Config:
     @classmethod
     def from_env(cls, environ=None, role=None):
         env = os.environ if environ is None else environ
-        read = _Reader(env)
+        read = EnvReader(env)
         role = role or read.choice("DMLC_ROLE", ROLES)
         if role not in ROLES:
             raise ConfigError("DMLC_ROLE", f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
@@ -123,7 +126,11 @@ class Config:
         return env
 
 
-class _Reader:
+class EnvReader:
+    """The one parser of environment variables: every DMLC_* / BYTEPS_* / BPS_GC_* number,
+    flag and choice is read through it (also the launcher's own, launcher/settings.py), so a
+    bad value is always a ConfigError naming the variable."""
+
     MISSING = object()
 
     def __init__(self, env):
@@ -161,9 +168,10 @@ class _Reader:
         return number
 
     def flag(self, name, default):
+        """``default`` is returned when unset; pass UNSET to tell unset from 0 (it gives None)."""
         value = self.raw(name, default)
         if value is self.MISSING:
-            return default
+            return None if default is UNSET else default
         if value.lower() in ("1", "true", "yes", "on"):
             return True
         if value.lower() in ("0", "false", "no", "off"):

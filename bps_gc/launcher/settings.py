@@ -2,7 +2,7 @@
 import dataclasses
 from typing import Optional
 
-from ..config import ConfigError
+from ..config import UNSET, EnvReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,30 +13,7 @@ class LauncherSettings:
 
     @classmethod
     def from_env(cls, environ):
-        return cls(kill_grace=_seconds(environ, "BPS_GC_KILL_GRACE", cls.kill_grace),
-                   shutdown_timeout=_seconds(environ, "BPS_GC_SHUTDOWN_TIMEOUT", cls.shutdown_timeout),
-                   numa=_flag(environ, "BYTEPS_NUMA_ON"))
-
-
-def _seconds(environ, name, default):
-    value = environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ConfigError(name, f"must be a number of seconds, got {value!r}") from None
-    if not seconds >= 0:  # also rejects nan
-        raise ConfigError(name, f"must be >= 0, got {value!r}")
-    return seconds
-
-
-def _flag(environ, name):
-    value = environ.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(name, f"must be 0 or 1, got {value!r}")
+        read = EnvReader(environ)
+        return cls(kill_grace=read.number("BPS_GC_KILL_GRACE", cls.kill_grace, low=0.0),
+                   shutdown_timeout=read.number("BPS_GC_SHUTDOWN_TIMEOUT", cls.shutdown_timeout, low=0.0),
+                   numa=read.flag("BYTEPS_NUMA_ON", UNSET))

@@ -8,7 +8,7 @@ import threading
 import time
 
 from bps_gc.launcher.local import free_port
-from conftest import ROOT
+from conftest import ROOT, alive
 
 INTERVAL, TIMEOUT = 0.2, 2.0
 LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli"]
@@ -19,7 +19,7 @@ class Job:
     ``role_env``: per launcher name (scheduler, server0.., worker0..) overrides."""
 
     def __init__(self, workers, script, servers=1, env=None, role_env=None):
-        port = free_port()
+        port = self.port = free_port()
         scripts = script if isinstance(script, list) else [script] * workers
         base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
                     DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers),
@@ -87,7 +87,26 @@ class Job:
                     raise AssertionError(f"{name} still runs after {bound} s:\n{self.report(statuses)}") from None
         finally:
             self.kill_all()
-        return statuses, time.monotonic() - since
+        elapsed = time.monotonic() - since
+        deadline = time.monotonic() + 3  # exited launchers' children are being reaped
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.leftovers(), f"processes left behind: {self.leftovers()}"
+        return statuses, elapsed
+
+    def leftovers(self):
+        """PIDs of live processes of this job (found by its scheduler port in their environment)."""
+        mark = f"DMLC_PS_ROOT_PORT={self.port}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if mark in f.read().split(b"\0") and alive(int(entry)):
+                            found.append(int(entry))
+                except OSError:
+                    continue
+        return found
 
     def kill_all(self):
         for proc in self.launchers.values():

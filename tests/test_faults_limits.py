@@ -8,6 +8,7 @@ import textwrap
 import time
 
 from cluster import run_local
+from multihost import Job
 
 # ZMTP 3.0 by hand (NULL mechanism), so the test itself never holds the gigabyte it announces
 GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\x00" + b"\0" * 31
@@ -94,3 +95,10 @@ def test_cluster_runs_encrypted_and_refuses_a_peer_without_the_token():
     assert "could not join the cluster" in refused.stderr or "did not assemble" in refused.stderr, refused.stderr
     print(f"encrypted cluster: peer without the token refused, job ended after "
           f"{time.monotonic() - started:.2f} s", file=sys.stderr)
+
+
+def test_multihost_cluster_runs_encrypted():
+    job = Job(2, ENCRYPTED, servers=2, env={"BPS_GC_AUTH_TOKEN": "s3cret", "BPS_GC_ENCRYPT": "1"})
+    statuses, elapsed = job.wait_all(60)
+    assert all(s == 0 for s in statuses.values()), job.report(statuses)
+    assert all("SUM 2.0" in job.text(f"worker{w}") for w in range(2))

@@ -86,7 +86,10 @@ class Handle:
         m.pulled_raw += push.part.n * push.dtype.itemsize
         m.pulled_wire += len(payload) if payload is not None and compressed else push.part.n * push.dtype.itemsize
         if compressed or self.average or payload is not push.dest:
-            self.worker.pool.submit(self.decode, push, payload, compressed)
+            try:
+                self.worker.pool.submit(self.decode, push, payload, compressed)
+            except RuntimeError as e:  # the interpreter is exiting and has shut the pool down;
+                self.fail(e)           # the I/O thread must live on to say goodbye
         else:
             self.partition_done()
 

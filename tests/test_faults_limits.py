@@ -61,10 +61,21 @@ def test_a_gigabyte_frame_is_refused_and_a_bogus_init_is_dropped():
     result = run_local([sys.executable, "-c", PROBE], workers=2, servers=1, timeout=90,
                        env={"BYTEPS_PARTITION_BYTES": "65536"})
     assert result.returncode == 0, result.stderr[-3000:]
+    check_probe(result.stdout, result.stdout + result.stderr)
+
+
+def test_multihost_a_gigabyte_frame_is_refused_and_a_bogus_init_is_dropped():
+    job = Job(2, PROBE, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    statuses, _ = job.wait_all(90)
+    assert all(s == 0 for s in statuses.values()), job.report(statuses)
+    check_probe(job.text("worker0") + job.text("worker1"), job.text("server0"))
+
+
+def check_probe(workers, server):
     for what in ("scheduler", "server", "peer"):
-        assert f"CLOSED {what} True" in result.stdout, result.stdout
-    assert "INIT of key 77 with n=1000000000000 (at most 16384)" in result.stdout + result.stderr
-    assert result.stdout.count("SUM 2.0") == 2
+        assert f"CLOSED {what} True" in workers, workers
+    assert "INIT of key 77 with n=1000000000000 (at most 16384)" in server
+    assert workers.count("SUM 2.0") == 2
 
 
 ENCRYPTED = textwrap.dedent("""

@@ -187,3 +187,6 @@ class EnvReader:
         if value not in allowed:
             raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
         return value
+
+
+_Reader = EnvReader  # its earlier name, still used by code written against it (bps_gc.config.transport_from_env)

@@ -19,6 +19,9 @@ class EventLoop:
         self.handlers = {}  # socket or fd -> handler()
         self.ticks = []
         self.wake_r = self.wake_w = None
+        # how long the next poll may wait, given the idle timeout (a role with deadlines of its
+        # own, e.g. a fusion cycle, replaces it); always at most the heartbeat interval
+        self.poll_timeout = lambda idle_ms: idle_ms
 
     def on_readable(self, sock, handler):
         self.poller.register(sock, zmq.POLLIN)
@@ -56,7 +59,7 @@ class EventLoop:
         from . import NodeFailure
         try:
             while True:
-                ready = dict(self.poller.poll(self.timeout_ms))
+                ready = dict(self.poller.poll(min(self.timeout_ms, self.poll_timeout(self.timeout_ms))))
                 for sock, handler in self.handlers.items():  # registration order: wake pipe first
                     if sock in ready:
                         status = handler()

@@ -11,7 +11,7 @@ MAX_PARTITIONS = 1 << 16
 
 
 class Partition:
-    __slots__ = ("key", "start", "stop", "server", "codec", "round")
+    __slots__ = ("key", "start", "stop", "server", "codec", "round", "busy")
 
     def __init__(self, key, start, stop, server, codec):
         self.key, self.start, self.stop, self.server, self.codec = key, start, stop, server, codec

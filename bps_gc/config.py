@@ -44,6 +44,7 @@ class Config:
     join_timeout: float = 300.0
     auth_token: Optional[str] = None
     timeline: Optional[str] = None
+    fusion_bytes: int = 1 << 20  # BPS_GC_FUSION_BYTES: small dense pushes share messages up to this
 
     @property
     def rank(self):
@@ -94,6 +95,7 @@ class Config:
             join_timeout=read.number("BPS_GC_JOIN_TIMEOUT", 300.0, low=0.1),
             auth_token=read.text("BPS_GC_AUTH_TOKEN", "") or None,
             timeline=read.text("BYTEPS_TRACE_DIR", "") or None,
+            fusion_bytes=read.integer("BPS_GC_FUSION_BYTES", 1 << 20, low=0),
         )
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ConfigError("BPS_GC_HEARTBEAT_TIMEOUT", f"must exceed BPS_GC_HEARTBEAT_INTERVAL "

@@ -11,6 +11,8 @@ SUFFIX = {np.float32: "f32", np.float64: "f64", np.float16: "f16"}
 
 @register_compressor("onebit")
 class Onebit(Codec):
+    reducers = ("recompress", "lossless", "majority")  # its decode gives signs
+
     def __init__(self, params, n, dtype, seed=None):
         super().__init__(params, n, dtype)
         bits = WORD_BITS[self.dtype.type]

@@ -5,7 +5,6 @@ servers sum DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE pushes (local ranks are not pre-
 one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the process.
 """
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import time
@@ -15,7 +14,7 @@ import zmq
 
 from ..transport.sockets import Auth
 from ..transport.wire import encode_context
-from .communicator import Communicator, Declaration
+from .communicator import Communicator
 from .membership import Membership
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO

@@ -114,5 +114,5 @@ def broadcast(array, root_rank, name):
 
 
 def metrics():
-    """Bytes and seconds since the last call (and reset): see roles.worker.Metrics."""
+    """Bytes, messages and seconds since the last call (and reset): see roles.worker_handle.Metrics."""
     return worker().metrics()

@@ -170,8 +170,10 @@ class Lossless(Reducer):
 @register_reducer("majority")
 class Majority(Reducer):
     """signSGD's majority vote: the sign of the sum of the decoded pushes' signs, +1 on a tie.
-    The reply is one bit per element, MSB first, 1 = negative (onebit's order); it decodes to
-    +-1 and is not averaged (``summed`` is False)."""
+    The reply is one bit per element, MSB first, 1 = negative (onebit's order), then one byte
+    that is 1 when a push held a non-finite value; it decodes to +-1, or NaN everywhere after a
+    non-finite push (a vote has no bit for NaN, and AMP's loss scaler must see it). It is not
+    averaged (``summed`` is False)."""
 
     summed = False
 
@@ -183,6 +185,7 @@ class Majority(Reducer):
     def reduce(self, payloads, compressed, ctx=None):
         votes = self._votes
         votes.fill(0)
+        finite = True
         for payload in payloads:
             if compressed:
                 x = self.decoder.decompress(payload, self._scratch)
@@ -190,14 +193,19 @@ class Majority(Reducer):
                 x = np.frombuffer(payload, self.dtype, self.n)
             votes += x > 0
             votes -= x < 0
-        return np.packbits(votes < 0)
+            finite = finite and bool(np.isfinite(x).all())
+        return np.append(np.packbits(votes < 0), np.uint8(not finite))
 
     def decode(self, reply, out, ctx=None):
         buf = np.frombuffer(reply, np.uint8) if not isinstance(reply, np.ndarray) else reply.reshape(-1)
-        if buf.size != -(-self.n // 8):
-            raise ValueError(f"majority reply of {buf.size} bytes, expected {-(-self.n // 8)} "
-                             f"for {self.n} elements")
-        negative = np.unpackbits(buf, count=self.n)
+        size = -(-self.n // 8) + 1
+        if buf.size != size or buf[-1] > 1:
+            raise ValueError(f"majority reply of {buf.size} bytes, expected {size} for {self.n} "
+                             "elements (bits, then a 0/1 non-finite byte)")
         out = out.reshape(-1)
+        if buf[-1]:
+            out[:] = np.nan
+            return out
+        negative = np.unpackbits(buf[:-1], count=self.n)
         np.subtract(1, 2 * negative.astype(self.dtype), out=out)
         return out

@@ -193,6 +193,8 @@ def pack_fused(entries):
 
 def unpack_fused(payload):
     """[(key, round, memoryview)] of a fused payload; MalformedMessage if it is not valid."""
+    if payload is None:
+        raise MalformedMessage("fused message without a payload")
     view = memoryview(payload).cast("B")
     if view.nbytes < FUSED_COUNT.size:
         raise MalformedMessage("fused payload without its entry count")

@@ -100,7 +100,7 @@ class WorkerIO:
         timeout = int(self.cfg.heartbeat_interval * 1000)
         try:
             while True:
-                ready = dict(poller.poll(1 if self.fusion_due is not None else timeout))
+                ready = dict(poller.poll(self.poll_timeout(timeout)))
                 if self.wake_r in ready:
                     try:
                         os.read(self.wake_r, 65536)
@@ -151,6 +151,15 @@ class WorkerIO:
             elif kind == "goodbye":
                 self.goodbye(command[1])
                 return True
+
+    def poll_timeout(self, idle_ms):
+        """Milliseconds to wait for sockets: until queued fusable pushes are due, if they are
+        not yet (once due, only a full window holds them, and replies wake the poll)."""
+        if self.fusion_due is not None:
+            left = self.fusion_due - time.perf_counter()
+            if left > 0:
+                return max(1, min(idle_ms, int(left * 1000 + 1)))
+        return idle_ms
 
     def fusable(self, push):
         return not push.compressed and push.dest is not None and push.nbytes <= FUSABLE_BYTES \

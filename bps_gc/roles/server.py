@@ -15,7 +15,7 @@ import threading
 import zmq
 
 from ..transport.sockets import Auth, MalformedMessage, recv, send
-from ..transport.wire import Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
+from ..transport.wire import FUSED_BIT, Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
 from . import NodeFailure
 from .membership import Membership
 from .server_keys import KeyError_, KeyState
@@ -115,7 +115,7 @@ class Server:
 
         def buffer_for(header):
             rank = self.worker_rank(context["identity"], header)
-            if header.type != Msg.PUSH or header.flags & Flag.FUSED:
+            if header.type != Msg.PUSH or header.flags & FUSED_BIT:
                 return None
             state = self.keys.get(header.key)
             if state is None:
@@ -165,7 +165,7 @@ class Server:
         send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), identity=msg.identity)
 
     def push(self, rank, msg):
-        if msg.header.flags & Flag.FUSED:
+        if msg.header.flags & FUSED_BIT:
             return self.push_fused(rank, msg)
         state = self.keys[msg.header.key]
         if state.arrive(rank, msg.identity, msg.header):

@@ -22,7 +22,7 @@ import time
 import zmq
 
 from ..transport.sockets import MalformedMessage, recv, send
-from ..transport.wire import Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
+from ..transport.wire import FUSED_BIT, Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
 from . import NodeFailure
 
 log = logging.getLogger("bps_gc.worker")
@@ -232,7 +232,7 @@ class WorkerIO:
     def receive(self, sock):
         def buffer_for(header):
             push = self.inflight.get(header.key)
-            if header.type != Msg.PUSH_REPLY or push is None or header.flags & Flag.FUSED:
+            if header.type != Msg.PUSH_REPLY or push is None or header.flags & FUSED_BIT:
                 return None
             if header.round != push.round:
                 raise MalformedMessage(f"reply for key {header.key} round {header.round}, expected {push.round}")
@@ -245,7 +245,7 @@ class WorkerIO:
         seen = {}
 
         def checked_buffer_for(header):
-            if not header.flags & Flag.FUSED:
+            if not header.flags & FUSED_BIT:
                 seen["key"] = header.key
             return buffer_for(header)
 
@@ -272,7 +272,7 @@ class WorkerIO:
             return
         if h.type == Msg.INIT_ACK:
             return
-        if h.type == Msg.PUSH_REPLY and h.flags & Flag.FUSED:
+        if h.type == Msg.PUSH_REPLY and h.flags & FUSED_BIT:
             return self.receive_fused(msg.payload)
         push = self.inflight.pop(h.key, None)
         if push is None or h.type != Msg.PUSH_REPLY:

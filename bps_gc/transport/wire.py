@@ -54,6 +54,8 @@ class Flag(enum.IntFlag):
     FUSED = 2          # payload holds several keys' dense pushes or replies (pack_fused)
 
 
+FUSED_BIT = int(Flag.FUSED)  # for the hot paths: received headers carry flags as a plain int
+
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.float16),
           255: None}  # 255: no tensor
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -90,11 +92,25 @@ def encode_context(ctx):
     return b"".join(parts)
 
 
+_last_context = (b"", {})  # every push of a step carries the same section: decode it once
+
+
 def decode_context(data):
-    """The step context mapping of a received section; MalformedMessage if it is not valid."""
+    """The step context mapping of a received section (a fresh dict); MalformedMessage if it is
+    not valid."""
+    global _last_context
     if not data:
         return {}
     data = bytes(data)
+    section, ctx = _last_context
+    if data == section:
+        return dict(ctx)
+    ctx = _decode_context(data)
+    _last_context = (data, ctx)
+    return dict(ctx)
+
+
+def _decode_context(data):
     count, pos, ctx = data[0], 1, {}
     if count > MAX_CONTEXT_ENTRIES:
         raise MalformedMessage(f"step context with {count} entries (at most {MAX_CONTEXT_ENTRIES})")
@@ -171,7 +187,7 @@ class Header:
             raise MalformedMessage(f"header frame of {len(data)} bytes, its context section "
                                    f"says {HEADER.size + ctx_len}")
         ctx = decode_context(memoryview(data)[HEADER.size:]) if ctx_len else {}
-        return cls(mtype, sender, key, rnd, length, ctx, DTYPES[dcode], Flag(flags))
+        return cls(mtype, sender, key, rnd, length, ctx, DTYPES[dcode], flags)  # flags: a plain int
 
     def __repr__(self):
         return (f"Header({self.type.name}, sender={self.sender}, key={self.key}, "

@@ -2,9 +2,10 @@
 
 Sync mode: every worker pushes round r once; the round completes when all have pushed. The
 result of an uncompressed key is the sum of the pushes in worker-rank order (so it does not
-depend on arrival order); a compressed key's reply is made by its reducer (``compress.reducers``:
-recompress, lossless, majority ...) from the pushes in rank order and the round's step context. Dense results alternate
-between two buffers: round r+2 cannot start before every worker has received round r+1, hence
+depend on arrival order); a compressed key's reply is made by its reducer (compress.reducers:
+recompress, lossless, majority ...) from the pushes in rank order and the round's step
+context (the lowest rank's; all workers push the same). Dense results alternate between two
+buffers: round r+2 cannot start before every worker has received round r+1, hence
 round r, so a reply is never overwritten while a worker can still be reading it.
 Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
 """

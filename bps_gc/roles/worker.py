@@ -128,9 +128,9 @@ class Worker(Communicator):
         the result, written into ``out`` (default: ``array`` itself, in place). ``ctx`` is the
         step context every codec and reducer of the round sees (``lr`` sets its learning rate)."""
         self.check_alive()
-        ctx = self.codecs.step_context(ctx)
+        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
         if lr is not None:
-            ctx = {**ctx, "lr": float(lr)}
+            ctx["lr"] = float(lr)
         context = encode_context(ctx)  # a bad entry is the caller's error, raised here
         tensor = self.tensors.get(name)
         if tensor is None:

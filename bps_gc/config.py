@@ -50,6 +50,7 @@ class Config:
     inflight_bytes: int = 64 << 20  # BPS_GC_INFLIGHT_BYTES: a worker's push window
     stall_timeout: float = 60.0  # BPS_GC_STALL_TIMEOUT: a server warns about a round this old
     peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
+    fusion_bytes: int = 1 << 20  # BPS_GC_FUSION_BYTES: small dense pushes share messages up to this
 
     @property
     def rank(self):
@@ -103,6 +104,7 @@ class Config:
             inflight_bytes=read.integer("BPS_GC_INFLIGHT_BYTES", 64 << 20, low=1),
             stall_timeout=read.number("BPS_GC_STALL_TIMEOUT", 60.0, low=0.01),
             peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),
+            fusion_bytes=read.integer("BPS_GC_FUSION_BYTES", 1 << 20, low=0),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")

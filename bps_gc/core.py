@@ -3,10 +3,11 @@
     import bps_gc.core as bps
     bps.init()
     bps.declare("w", compressor="onebit", scaling=True, ef="vanilla")
-    bps.push_pull(grad, "w", average=True, lr=0.1).wait()
+    bps.push_pull(grad, "w", average=True, ctx={"lr": 0.1, "step": 7, "epoch": 0}).wait()
 
 The built-in codec library (bps_gc.compress, plus BPS_GC_PLUGINS) is wired in here; the roles
-below never import it.
+below never import it. These functions are the whole API the bindings (bps_gc.torch,
+bps_gc.mxnet) use: they forward to this process's Communicator (roles.communicator).
 """
 import atexit
 import logging
@@ -15,13 +16,14 @@ import sys
 from . import compress
 from .config import Config, ConfigError
 from .roles import NodeFailure
+from .roles.communicator import Declaration
 from .roles.membership import abort_job
 from .roles.worker import Worker
 
 _worker = None
-__all__ = ["NodeFailure", "barrier", "broadcast", "declare", "init", "is_initialized",
-           "local_rank", "local_size", "metrics", "push_pull", "rank", "shutdown", "size",
-           "worker"]
+__all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare", "init",
+           "is_initialized", "local_rank", "local_size", "metrics", "push_pull", "rank", "recv",
+           "reduce", "send", "shutdown", "size", "worker"]
 
 
 def _setup_logging(level):
@@ -57,6 +59,7 @@ def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
 
 
 def worker():
+    """This process's Communicator (the parameter-server Worker)."""
     if _worker is None:
         raise RuntimeError("bps_gc is not initialized: call init() first")
     return _worker
@@ -89,12 +92,32 @@ def local_size():
     return worker().local_size
 
 
-def declare(name, shape=None, dtype=None, **compression):
-    return worker().declare(name, shape=shape, dtype=dtype, **compression)
+def declare(name, shape=None, dtype=None, reducer=None, **compression):
+    """Register ``name`` (the same names in the same order on every worker); returns its
+    Declaration. ``reducer``: how the servers combine compressed pushes (compress.reducers)."""
+    return worker().declare(name, shape=shape, dtype=dtype, reducer=reducer, **compression)
 
 
-def push_pull(array, name, average=True, priority=0, lr=0.0, out=None):
-    return worker().push_pull(array, name, average=average, priority=priority, lr=lr, out=out)
+def declaration(name):
+    """The Declaration of ``name``, or None when it was not declared."""
+    return worker().declaration(name)
+
+
+def push_pull(array, name, average=True, priority=0, lr=None, out=None, ctx=None):
+    """Sum (or average) ``array`` over all workers; ``ctx`` is the step context (lr, step,
+    epoch, per-step codec keys), ``lr`` a shortcut for its learning rate."""
+    return worker().push_pull(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
+
+
+reduce = push_pull
+
+
+def send(rank, name, payload):
+    return worker().send(rank, name, payload)
+
+
+def recv(rank, name, timeout=None):
+    return worker().recv(rank, name, timeout)
 
 
 def barrier():
@@ -106,5 +129,5 @@ def broadcast(array, root_rank, name):
 
 
 def metrics():
-    """Bytes and seconds since the last call (and reset): see roles.worker.Metrics."""
-    return worker().step_metrics()
+    """Bytes, messages and seconds since the last call (and reset): see roles.worker_handle.Metrics."""
+    return worker().metrics()

@@ -1,17 +1,30 @@
 """What a push_pull must return, recomputed in one process with plain numpy and the codecs:
-each worker's chain, then the server's rank-ordered sum, error feedback and recompression."""
+each worker's chain, then the server's reduction by the tensor's reducer, written out here
+again in numpy: recompress (rank-ordered sum, error feedback and recompression), lossless
+(the rank-ordered sum itself) or majority (the sign of the sum of signs, +1 on ties)."""
 import zlib
 
 import numpy as np
 
 from bps_gc.compress import CompressionParams, build_chain
+from bps_gc.compress.registry import COMPRESSORS
 
 
 def gradient(rank, step, tensor):
     """The deterministic input of ``rank`` at ``step`` for a tensor description."""
     seed = zlib.crc32(f"{tensor['name']}/{rank}/{step}".encode())
     x = np.random.default_rng(seed).standard_normal(tensor["shape"]) * tensor.get("scale", 1.0)
+    if "disjoint" in tensor:  # only ``disjoint`` entries of its own, after the other ranks'
+        k = tensor["disjoint"]
+        block = x.reshape(-1)[:k] + np.sign(x.reshape(-1)[:k]) * 10  # well above zero
+        x = np.zeros(tensor["shape"])
+        x.reshape(-1)[rank * k:(rank + 1) * k] = block
     return x.astype(tensor["dtype"])
+
+
+def step_ctx(spec, step):
+    """The step context cluster_job.py pushes at ``step``."""
+    return {"lr": spec["lrs"][step], "step": step, "epoch": step // 2, **spec.get("ctx", {})}
 
 
 def partitions(size, wire_dtype, partition_bytes):
@@ -24,12 +37,14 @@ class PushPullModel:
     ``step(inputs, lr)`` is what every worker pulls for these per-rank inputs."""
 
     def __init__(self, params, shape, dtype, index, workers, partition_bytes, min_compress_bytes,
-                 average=True):
+                 average=True, reducer=None):
         self.params = CompressionParams.from_dict(params or {})
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.wire = np.dtype(np.float16) if self.params.fp16 else self.dtype
         self.size = int(np.prod(shape))
         self.workers, self.average = workers, average
+        self.reducer = reducer or (COMPRESSORS[self.params.compressor].reducers[0]
+                                   if self.params.compressed else "sum")
         self.compressed = self.params.compressed and self.size * self.dtype.itemsize >= min_compress_bytes
         self.parts = partitions(self.size, self.wire, partition_bytes)
         self.chains = {}
@@ -40,13 +55,13 @@ class PushPullModel:
                                    for _ in range(workers)],
                                   build_chain(self.params, stop - start, self.wire, key=key, role="server"))
 
-    def step(self, inputs, lr):
+    def step(self, inputs, ctx):
         flat = [np.asarray(x).reshape(-1).astype(self.wire) for x in inputs]
         result = np.empty(self.size, self.wire)
         for p, start, stop in self.parts:
             if self.compressed:
                 worker_chains, server_chain = self.chains[p]
-                decoded = [worker_chains[r].decompress(worker_chains[r].compress(flat[r][start:stop], lr))
+                decoded = [worker_chains[r].decompress(worker_chains[r].compress(flat[r][start:stop], ctx))
                            for r in range(self.workers)]
             else:
                 decoded = [flat[r][start:stop] for r in range(self.workers)]
@@ -54,9 +69,14 @@ class PushPullModel:
             acc = np.zeros(stop - start, self.wire) if self.compressed else decoded[0].copy()
             for d in decoded if self.compressed else decoded[1:]:
                 acc += d
-            if self.compressed:
-                acc = server_chain.decompress(server_chain.compress(acc, lr))
-            if self.average:
+            average = self.average
+            if self.compressed and self.reducer == "recompress":
+                acc = server_chain.decompress(server_chain.compress(acc, ctx))
+            elif self.compressed and self.reducer == "majority":
+                votes = sum(np.sign(d).astype(np.int64) for d in decoded)
+                acc = np.where(votes < 0, -1, 1).astype(self.wire)
+                average = False  # a vote is not averaged
+            if average:
                 acc /= acc.dtype.type(self.workers)
             result[start:stop] = acc
         return result.astype(self.dtype).reshape(self.shape)
@@ -67,8 +87,9 @@ def expected_results(spec, workers):
     out = {}
     for index, t in enumerate(spec["tensors"]):
         model = PushPullModel(t.get("params"), t["shape"], t["dtype"], index, workers,
-                              spec["partition_bytes"], spec["min_compress_bytes"], t.get("average", True))
+                              spec["partition_bytes"], spec["min_compress_bytes"], t.get("average", True),
+                              t.get("reducer"))
         for step in range(spec["steps"]):
             inputs = [gradient(r, step, t) for r in range(workers)]
-            out[f"{t['name']}/{step}"] = model.step(inputs, spec["lrs"][step])
+            out[f"{t['name']}/{step}"] = model.step(inputs, step_ctx(spec, step))
     return out

@@ -20,10 +20,11 @@ FUZZ = textwrap.dedent("""
         rng = np.random.default_rng(0)
         types = [int(m) for m in Msg] + [0, 99, 255]
         def header(**kw):
-            f = dict(magic=MAGIC, version=1, type=int(Msg.PUSH), dtype=0, flags=0, sender=0,
-                     key=0, round=1, length=8, lr=0.1)
+            section = kw.pop("section", b"")
+            f = dict(magic=MAGIC, version=2, type=int(Msg.PUSH), dtype=0, flags=0, sender=0,
+                     key=0, round=1, length=8, context_len=len(section))
             f.update(kw)
-            return HEADER.pack(*f.values())
+            return HEADER.pack(*f.values()) + section
         socks = [ctx.socket(zmq.DEALER) for _ in range(4)]
         for i, s in enumerate(socks):
             s.setsockopt(zmq.IDENTITY, [b"w9", b"x", b"w1\\x00", b"\\xff\\xfe"][i])
@@ -48,8 +49,10 @@ FUZZ = textwrap.dedent("""
                 body = [b"{", b'{"n": 1e30}', json.dumps({"n": 5, "params": {"compressor": "zip"}}).encode(),
                         rng.bytes(30)][i % 4]
                 frames = [header(type=int(Msg.INIT), length=len(body)), body]
-            elif kind == 6:  # non-finite lr, extra frames
-                frames = [header(lr=float("nan")), b"abcdefgh"] if i % 2 else [header(), b"12345678", b"extra"]
+            elif kind == 6:  # non-finite or garbled step context, extra frames
+                nan = b"\x01\x02lrf" + struct.pack("<d", float("nan"))
+                frames = [header(section=[nan, rng.bytes(20), nan[:5]][i % 3]), b"abcdefgh"] if i % 2 \
+                    else [header(), b"12345678", b"extra"]
             else:            # header without its payload / payload without header claim
                 frames = [header(length=0), b"surprise"] if i % 2 else [header(length=4000)]
             s.send_multipart(frames)

@@ -75,6 +75,11 @@ def test_user_errors_at_the_call():
         except ValueError as e:
             print("CONFLICT:", e)
         try:
+            bps.declare("v", shape=(4,), dtype=np.float32)
+            bps.declare("v", shape=(5,), dtype=np.float32)
+        except ValueError as e:
+            print("RESHAPE:", e)
+        try:
             bps.declare("x", compressor="zip")
         except ValueError as e:
             print("BADPARAM:", e)
@@ -94,7 +99,8 @@ def test_user_errors_at_the_call():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "UNDECLARED: \"push_pull: 'nope' was not declared" in out
-    assert "CONFLICT: declare: 'w' was declared before with different compression" in out
+    assert "CONFLICT: declare: tensor 'w' was declared before differently: compression" in out
+    assert "RESHAPE: declare: tensor 'v' was declared before differently: shape (5,) != (4,)" in out
     assert "BADPARAM: compression parameter 'compressor': unknown compressor 'zip'" in out
     assert "BUSY: push_pull('w') while the previous one is still running" in out
     assert "SHAPE: push_pull('w'): got (999,) float32, but it was first used as (1000,) float32" in out

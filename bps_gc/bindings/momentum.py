@@ -1,4 +1,8 @@
-"""Moving the optimizer's momentum (and, for onebit, weight decay) into the codec chain.
+"""Moving the optimizer's momentum (and, for onebit, weight decay) into the codec chain: the
+one home of momentum handling for every binding. ``MomentumPlan.from_torch`` /
+``MomentumPlan.from_mxnet`` take it out of the framework's optimizer, ``tensor_params`` puts
+it into the declared codec chain (the ``nesterov`` decorator registered in compress/feedback.py
+applies it before compression), and ``adapter`` does what is left after the pull.
 
 With ``compression_params={"momentum": "nesterov"}`` BytePS takes ``momentum`` (and for onebit
 ``wd``) out of the optimizer: compressed gradients get nesterov momentum inside the worker's
@@ -8,6 +12,8 @@ codec chain, before compression. What is left happens after the pull, per tensor
 * onebit's weight decay: ``c = wd*x``; compressed tensors ``m = mu*(m + c); g += m + c``,
   small ones ``g += c``.
 """
+import copy
+
 import numpy as np
 
 from ..compress import CompressionParams
@@ -29,6 +35,56 @@ class MomentumPlan:
         # BytePS: only onebit takes weight decay into the adapter
         self.moves_weight_decay = self.moves_momentum and params.compressor == "onebit" and bool(weight_decay)
         self.wd = float(weight_decay or 0.0) if self.moves_weight_decay else 0.0
+
+    @classmethod
+    def from_torch(cls, param_groups, compression_params):
+        """The plan for a torch optimizer's ``param_groups`` (dicts); with
+        compression_params['momentum'] their momentum (and onebit's weight decay) is zeroed.
+        None when nothing moves."""
+        if not (compression_params or {}).get("momentum"):
+            return None
+        moms = {g.get("momentum", 0) for g in param_groups}
+        wds = {g.get("weight_decay", 0) for g in param_groups}
+        if len(moms) > 1 or len(wds) > 1:
+            raise ValueError("compression_params['momentum'] needs one momentum and weight_decay "
+                             f"for all parameter groups, got {sorted(moms)} and {sorted(wds)}")
+        plan = cls(compression_params, moms.pop(), wds.pop())
+        for group in param_groups:
+            group["momentum"] = 0
+            if "nesterov" in group:
+                group["nesterov"] = False
+            if plan.moves_weight_decay:
+                group["weight_decay"] = 0
+        return plan
+
+    @classmethod
+    def from_mxnet(cls, optimizer, optimizer_params, compression_params):
+        """(plan, optimizer, optimizer_params) for a gluon Trainer's optimizer, given as a name
+        with ``optimizer_params`` or as an Optimizer object; what moves is taken out of a copy."""
+        named = isinstance(optimizer, str)
+        if named:
+            momentum, wd = optimizer_params.get("momentum"), optimizer_params.get("wd")
+        else:
+            momentum, wd = getattr(optimizer, "momentum", None), optimizer.wd
+        if compression_params.get("momentum") and not momentum:
+            raise ValueError(
+                f"compression_params['momentum']={compression_params['momentum']!r} moves the "
+                "optimizer's momentum into the codec chain, but the optimizer has none: pass "
+                "it in optimizer_params (e.g. {'momentum': 0.9}); got "
+                f"momentum={momentum!r}")
+        plan = cls(compression_params, momentum, wd)
+        if plan.moves_momentum:
+            if named:
+                optimizer_params = dict(optimizer_params)
+                optimizer_params.pop("momentum", None)
+                if plan.moves_weight_decay:
+                    optimizer_params.pop("wd", None)
+            else:
+                optimizer = copy.copy(optimizer)
+                optimizer.momentum = 0.0
+                if plan.moves_weight_decay:
+                    optimizer.wd = 0.0
+        return plan, optimizer, optimizer_params
 
     def tensor_params(self):
         """compression_params as declared for a gradient (mu included when momentum moves)."""

@@ -6,11 +6,14 @@ is needed, so servers run them with numpy alone. See docs/codecs.md for the wire
 from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the built-ins)
 from .base import Codec
 from .chain import build_chain, derive_seed
+from .context import step_context
 from .params import CompressionParams, ParamError
+from .reducers import REDUCERS, choose_reducer, make_reducer, register_reducer
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
 from .sparse import resolve_k
 
-__all__ = ["Codec", "CompressionParams", "ParamError", "build_chain", "derive_seed",
-           "load_plugins", "register_compressor", "register_error_feedback",
-           "register_momentum", "resolve_k"]
+__all__ = ["Codec", "CompressionParams", "ParamError", "REDUCERS", "build_chain",
+           "choose_reducer", "derive_seed", "load_plugins", "make_reducer", "register_compressor",
+           "register_error_feedback", "register_momentum", "register_reducer", "resolve_k",
+           "step_context"]

@@ -11,6 +11,8 @@ SUFFIX = {np.float32: "f32", np.float64: "f64", np.float16: "f16"}
 
 @register_compressor("onebit")
 class Onebit(Codec):
+    reducers = ("recompress", "lossless", "majority")  # its decode gives signs
+
     def __init__(self, params, n, dtype, seed=None):
         super().__init__(params, n, dtype)
         bits = WORD_BITS[self.dtype.type]
@@ -20,7 +22,7 @@ class Onebit(Codec):
         self._decode = getattr(lib, "onebit_decompress_" + suffix)
         self._residual = getattr(lib, "onebit_residual_" + suffix, None)  # none for float16
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         x = self._input(x)
         if self.dtype == np.float16:  # float16 -> float32 is exact; the kernel packs 16-bit words
             x = x.astype(np.float32)

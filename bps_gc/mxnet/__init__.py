@@ -52,7 +52,7 @@ def byteps_push_pull(tensor, version=0, priority=0, name=None, is_average=True):
         raise TypeError(f"byteps_push_pull: expected an mxnet NDArray, got {type(tensor).__name__}")
     if name is None:
         name = f"byteps.push_pull.noname.{next(_unnamed)}"
-    if name not in core.worker().tensors:
+    if core.declaration(name) is None:
         core.declare(name, shape=tensor.shape, dtype=tensor.dtype)
     host = HostArray(tensor, write=True)
     core.push_pull(host.array, name, average=is_average, priority=priority).wait()

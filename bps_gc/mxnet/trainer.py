@@ -7,8 +7,6 @@ broadcasts the parameters from ``root_rank``; every ``step`` scales each gradien
 rate for error feedback), applies the post-pull momentum / weight-decay adapters, and lets the
 optimizer update with ``rescale_grad == 1``.
 """
-import copy
-
 import mxnet as mx
 import numpy as np
 
@@ -53,27 +51,8 @@ class DistributedTrainer(mx.gluon.Trainer):
                             f"{type(compression_params).__name__}")
         compression_params = dict(compression_params or {})
         optimizer_params = dict(optimizer_params or {})  # never mutate the caller's
-        if isinstance(optimizer, mx.optimizer.Optimizer):
-            momentum, wd = getattr(optimizer, "momentum", None), optimizer.wd
-        else:
-            momentum, wd = optimizer_params.get("momentum"), optimizer_params.get("wd")
-        if compression_params.get("momentum") and not momentum:
-            raise ValueError(
-                f"compression_params['momentum']={compression_params['momentum']!r} moves the "
-                "optimizer's momentum into the codec chain, but the optimizer has none: pass "
-                "it in optimizer_params (e.g. {'momentum': 0.9}); got "
-                f"momentum={momentum!r}")
-        plan = MomentumPlan(compression_params, momentum, wd)
-        if plan.moves_momentum:
-            if isinstance(optimizer, mx.optimizer.Optimizer):
-                optimizer = copy.copy(optimizer)
-                optimizer.momentum = 0.0
-                if plan.moves_weight_decay:
-                    optimizer.wd = 0.0
-            else:
-                optimizer_params.pop("momentum", None)
-                if plan.moves_weight_decay:
-                    optimizer_params.pop("wd", None)
+        plan, optimizer, optimizer_params = MomentumPlan.from_mxnet(optimizer, optimizer_params,
+                                                                    compression_params)
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         if len(self._contexts) > 1:
             raise ValueError("DistributedTrainer: parameters live on several contexts "
@@ -83,7 +62,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._bps_size = size
         self._plan = plan
         self._prefix = prefix
-        self._grad_tensors = {}  # i -> the core's TensorPlan of gradient_<i>
+        self._grad_tensors = {}  # i -> the Declaration of gradient_<i>
         self._adapters = {}  # i -> PostPull or None, made at the first pull
         tensor_params = plan.tensor_params()
         for i, param in enumerate(self._params):
@@ -98,7 +77,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         return f"{self._prefix}{kind}_{i}"
 
     def _declare(self, name, shape, dtype, param, compression):
-        existing = core.worker().tensors.get(name)
+        existing = core.declaration(name)
         if existing is not None and shape is not None and existing.shape is not None and \
                 (tuple(existing.shape) != shape or existing.dtype != dtype):
             raise ValueError(f"DistributedTrainer: {name!r} was declared before for a "
@@ -140,7 +119,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         return float(opt.lr)
 
     def _allreduce_grads(self):
-        lr = self._step_lr()
+        ctx = {"lr": self._step_lr(), "step": int(self._optimizer.num_update), "epoch": 0}
         factor = 1.0 / (self._scale * self._bps_size)
         pending = []
         for i, param in enumerate(self._params):
@@ -149,7 +128,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             host = HostArray(param.list_grad()[0], write=True)
             host.array *= host.array.dtype.type(factor)
             handle = core.push_pull(host.array, self._name("gradient", i), average=False,
-                                    priority=-i, lr=lr)
+                                    priority=-i, ctx=ctx)
             pending.append((i, param, host, handle))
         for i, param, host, handle in pending:
             handle.wait()
@@ -163,5 +142,6 @@ class DistributedTrainer(mx.gluon.Trainer):
         if i not in self._adapters:
             # compressed as the core decided (with one worker process and no
             # BYTEPS_FORCE_DISTRIBUTED nothing is: every tensor then gets the NAG here)
-            self._adapters[i] = self._plan.adapter(grad.shape, grad.dtype, bool(self._grad_tensors[i].compressed))
+            declaration = core.declaration(self._name("gradient", i))  # placed by now
+            self._adapters[i] = self._plan.adapter(grad.shape, grad.dtype, bool(declaration.compressed))
         return self._adapters[i]

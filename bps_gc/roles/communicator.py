@@ -51,6 +51,10 @@ class Communicator(abc.ABC):
         Re-declaring it alike returns the same Declaration; differently is a ValueError naming
         the tensor. An unsupported codec/reducer pair is a ValueError naming both."""
 
+    def declaration(self, name) -> Optional[Declaration]:
+        """The Declaration of ``name``, None if it was not declared."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement declaration()")
+
     @abc.abstractmethod
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None) -> Handle:
         """Sum (or average) ``array`` over all workers into ``out`` (default: in place).

@@ -3,19 +3,21 @@
 The I/O thread owns every socket and the per-key bookkeeping; engine threads (BYTEPS_SERVER_
 ENGINE_THREAD, each key always on the same one) decode, sum, apply error feedback and
 recompress, then hand the replies back through an inproc socket that wakes the I/O thread.
-The codec library is passed in (roles never import it): anything with ``CompressionParams`` and
-``build_chain`` as in ``bps_gc.compress``.
+The codec library is passed in (roles never import it): anything with ``CompressionParams``,
+``choose_reducer`` and ``make_reducer`` as in ``bps_gc.compress``. A FUSED push (several small
+dense keys in one message, see worker_io) is split into its keys; the rounds it completes are
+answered together, one fused reply per worker.
 """
 import logging
 import queue
 import threading
 
+import numpy as np
 import zmq
 
-import numpy as np
-
 from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, recv, send
-from ..transport.wire import HEADER, MAX_JSON, Flag, Header, Msg, decode_json, encode_json
+from ..transport.wire import (FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, Flag, Header, Msg,
+                              decode_json, encode_json, pack_fused, unpack_fused)
 from . import NodeFailure
 from .event_loop import EventLoop
 from .membership import Membership
@@ -36,8 +38,10 @@ class Server:
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.membership = Membership(self.ctx, cfg, self.auth, "server", rank=-1)
-        # the largest legal message: a compressed partition of fp16 (8 bytes/element at most)
-        largest = HEADER.size + max(4 * cfg.partition_bytes + 64, MAX_JSON)
+        # the largest legal frame: a compressed partition of fp16 (8 bytes/element at most), a
+        # fused message of small dense pushes, or a JSON control message (headers are far smaller)
+        largest = max(4 * cfg.partition_bytes + 64, MAX_JSON,
+                      FUSED_COUNT.size + MAX_FUSED * FUSED_ENTRY.size + cfg.fusion_bytes) + 4096
         self.membership.port = bind(self.router, self.membership.host, cfg.port, largest, "server (BPS_GC_PORT)")
         self.wake = self.ctx.socket(zmq.PULL)
         self.wake.bind(WAKE)
@@ -121,7 +125,7 @@ class Server:
 
         def buffer_for(header):
             rank = self.worker_rank(context["identity"], header)
-            if header.type != Msg.PUSH:
+            if header.type != Msg.PUSH or header.flags & FUSED_BIT:
                 return None
             state = self.keys.get(header.key)
             if state is None:
@@ -174,12 +178,37 @@ class Server:
         send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), identity=msg.identity)
 
     def push(self, rank, msg):
+        if msg.header.flags & FUSED_BIT:
+            return self.push_fused(rank, msg)
         state = self.keys[msg.header.key]
         if state.arrive(rank, msg.identity, msg.header):
-            round_, ranks, identities = state.take_round()
-            state.engine.submit(state, round_, ranks, identities, self.node_id)
+            state.engine.submit([(state, *state.take_round())], self.node_id)
         else:
             self.watch.check(state)
+
+    def push_fused(self, rank, msg):
+        """Every entry is checked before any is applied, so a bad one drops the whole message."""
+        h = msg.header
+        checked = []
+        for key, rnd, data in unpack_fused(msg.payload):
+            state = self.keys.get(key)
+            if state is None or state.compressed:
+                raise MalformedMessage(f"fused push of undeclared or compressed key {key} from worker {rank}")
+            sub = Header(Msg.PUSH, h.sender, key=key, round=rnd, length=data.nbytes, ctx=h.ctx, dtype=h.dtype)
+            checked.append((state, sub, data, state.buffer_for(rank, sub)))
+        done = []
+        for state, sub, data, buf in checked:
+            buf[:] = data
+            if state.arrive(rank, msg.identity, sub):
+                job = (state, *state.take_round())
+                if state.asynchronous:  # each key's store is updated by its own engine only
+                    state.engine.submit([job], self.node_id)
+                else:
+                    done.append(job)
+            else:
+                self.watch.check(state)
+        if done:
+            done[0][0].engine.submit(done, self.node_id)
 
     def flush_replies(self):
         while self.wake.poll(0):
@@ -213,8 +242,10 @@ class Engine:
         self.thread = threading.Thread(target=self.run, name="bps_gc-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, state, round_, ranks, identities, node_id):
-        self.tasks.put((state, round_, ranks, identities, node_id))
+    def submit(self, jobs, node_id):
+        """``jobs``: [(key state, round, ranks, identities)]; several (completed by one fused
+        push, dense keys) are answered with one fused reply per worker."""
+        self.tasks.put((jobs, node_id))
 
     def stop(self):
         self.tasks.put(None)
@@ -228,10 +259,26 @@ class Engine:
                 task = self.tasks.get()
                 if task is None:
                     return
-                self.replies.put(self.complete(*task))
+                jobs, node_id = task
+                replies = [r for job in jobs for r in self.complete(*job, node_id)]
+                self.replies.put(self.fuse(replies, node_id) if len(jobs) > 1 else replies)
                 wake.send(b"", copy=True)
         finally:
             wake.close(linger=0)
+
+    @staticmethod
+    def fuse(replies, node_id):
+        """Dense replies to one worker become one fused reply (errors stay on their own)."""
+        out, by_worker = [], {}
+        for ident, header, payload in replies:
+            if header.type == Msg.PUSH_REPLY and not header.flags:
+                by_worker.setdefault(ident, []).append((header.key, header.round, payload))
+            else:
+                out.append((ident, header, payload))
+        for ident, entries in by_worker.items():
+            header = Header(Msg.PUSH_REPLY, node_id, dtype=None, flags=Flag.FUSED)
+            out.append((ident, header, pack_fused(entries)))
+        return out
 
     @staticmethod
     def complete(state, round_, ranks, identities, node_id):

@@ -1,9 +1,11 @@
 """One key (tensor partition) on a server: its declaration, receive buffers, rounds and result.
 
-Sync mode: every worker pushes round r once; the round completes when all have pushed, and the
-result is the sum of the pushes in worker-rank order (so it does not depend on arrival order),
-recompressed with the server's own codec chain for compressed keys. Dense results alternate
-between two buffers: round r+2 cannot start before every worker has received round r+1, hence
+Sync mode: every worker pushes round r once; the round completes when all have pushed. The
+result of an uncompressed key is the sum of the pushes in worker-rank order (so it does not
+depend on arrival order); a compressed key's reply is made by its reducer (compress.reducers:
+recompress, lossless, majority ...) from the pushes in rank order and the round's step
+context (the lowest rank's; all workers push the same). Dense results alternate between two
+buffers: round r+2 cannot start before every worker has received round r+1, hence
 round r, so a reply is never overwritten while a worker can still be reading it.
 Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
 """
@@ -23,13 +25,14 @@ class KeyState:
         self.workers, self.asynchronous = workers, asynchronous
         self.params = codecs.CompressionParams.from_dict(decl.get("params") or {})
         self.compressed = self.params.compressed
-        self.codec = codecs.build_chain(self.params, self.n, self.dtype, key=key, role="server") \
+        self.reducer_name = codecs.choose_reducer(self.params, decl.get("reducer"))
+        self.reducer = codecs.make_reducer(self.reducer_name, self.params, self.n, self.dtype, key) \
             if self.compressed else None
         self.max_payload = 8 * self.n + 64 if self.compressed else self.n * self.dtype.itemsize
         self.buffers = [None] * workers
         self.lengths = [0] * workers
         self.identities = [None] * workers
-        self.lrs = [0.0] * workers
+        self.ctxs = [None] * workers  # each push's step context
         self.rounds = [0] * workers  # async replies echo each push's round
         self.pending = [False] * workers
         self.declared = set()
@@ -50,6 +53,8 @@ class KeyState:
             problems.append(f"name {decl.get('name')!r} != {self.decl.get('name')!r}")
         if (decl.get("params") or {}) != (self.decl.get("params") or {}):
             problems.append(f"compression {decl.get('params')} != {self.decl.get('params')}")
+        if decl.get("reducer") != self.decl.get("reducer"):
+            problems.append(f"reducer {decl.get('reducer')!r} != {self.decl.get('reducer')!r}")
         if problems:
             raise KeyError_(f"worker {rank} declared key {self.key} ({self.decl.get('name')!r}) "
                             f"differently from the first worker: {'; '.join(problems)}")
@@ -83,7 +88,7 @@ class KeyState:
         self.pending[rank] = True
         self.identities[rank] = identity
         self.lengths[rank] = header.length
-        self.lrs[rank] = header.lr
+        self.ctxs[rank] = header.ctx
         self.rounds[rank] = header.round
         self.arrived += 1
         return self.asynchronous or self.arrived == self.workers
@@ -110,7 +115,7 @@ class KeyState:
             acc += self.payload(rank).view(self.dtype)
             return
         try:
-            self.codec.decompress_add(self.payload(rank), acc)
+            self.reducer.decoder.decompress_add(self.payload(rank), acc)
         except ValueError as e:
             raise KeyError_(f"worker {rank} sent a malformed {self.params.compressor} payload "
                             f"for key {self.key}: {e}") from None
@@ -121,15 +126,17 @@ class KeyState:
             for r in ranks:
                 self.add(r, self.store)
             return self.store.copy()  # the snapshot no later push can change
+        if self.compressed:
+            try:
+                return self.reducer.reduce([self.payload(r) for r in ranks], True, self.ctxs[ranks[0]])
+            except ValueError as e:
+                raise KeyError_(f"key {self.key} ({self.params.compressor}, reducer "
+                                f"{self.reducer_name}): a malformed payload: {e}") from None
         if self.results is None:
             self.results = [np.empty(self.n, self.dtype), np.empty(self.n, self.dtype)]
         acc = self.results[round_ % 2]
-        # in worker-rank order: raw pushes are copied then added; decoded pushes are added to
-        # zeros (so a sparse decode is a scatter, and signed zeros agree with a dense decode)
-        if self.compressed:
-            acc.fill(0)
-            rest = ranks
-        elif len(ranks) == 1:
+        # in worker-rank order: raw pushes are copied then added
+        if len(ranks) == 1:
             np.copyto(acc, self.payload(ranks[0]).view(self.dtype))
             rest = []
         else:  # x0 + x1 in one pass (exactly what copying x0 and adding x1 gives)
@@ -137,6 +144,4 @@ class KeyState:
             rest = ranks[2:]
         for r in rest:
             self.add(r, acc)
-        if not self.compressed:
-            return acc
-        return self.codec.compress(acc, self.lrs[ranks[0]])
+        return acc

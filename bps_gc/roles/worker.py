@@ -1,139 +1,42 @@
-"""The worker core: numpy in, numpy out, no framework.
+"""The worker core, the parameter-server Communicator: numpy in, numpy out, no framework.
 
 Each worker process (one per local rank) joins the cluster and pushes its own tensors; the
 servers sum DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE pushes (local ranks are not pre-reduced). With
 one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the process.
 """
 import concurrent.futures
-import dataclasses
 import logging
-import threading
 import time
 
 import numpy as np
 import zmq
 
 from ..transport.sockets import Auth
+from ..transport.wire import encode_context
+from .communicator import Communicator
 from .membership import Membership
 from .peers import Peers
+from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
 from .worker_tensors import Placement, TensorPlan
 
 log = logging.getLogger("bps_gc.worker")
 
 
-@dataclasses.dataclass
-class Metrics:
-    """Counters since the last ``Worker.step_metrics()`` (bytes and seconds)."""
-    pushed_raw: int = 0
-    pushed_wire: int = 0
-    pulled_raw: int = 0
-    pulled_wire: int = 0
-    compress_seconds: float = 0.0
-    communicate_seconds: float = 0.0
-    wait_seconds: float = 0.0
+class Worker(Communicator):
+    """``codecs`` is the codec library (``bps_gc.compress``: CompressionParams, build_chain,
+    choose_reducer, make_reducer, step_context); roles never import it."""
 
-    @property
-    def ratio(self):
-        wire = self.pushed_wire + self.pulled_wire
-        return (self.pushed_raw + self.pulled_raw) / wire if wire else 1.0
-
-
-class Handle:
-    """The result of a push_pull: ``wait()`` returns the output array, ``poll()`` says if done."""
-
-    def __init__(self, worker, tensor, out, wire, count, average):
-        self.worker, self.tensor, self.out, self.wire = worker, tensor, out, wire
-        # the result is pulled into ``wire``; it is copied to ``out`` unless they are one buffer
-        self.copy_back = wire.dtype != out.dtype or \
-            wire.__array_interface__["data"][0] != out.__array_interface__["data"][0]
-        self.remaining, self.average = count, average
-        self.error = None
-        self.event = threading.Event()
-        self.lock = threading.Lock()
-        if count == 0:
-            self.finish()
-
-    def poll(self):
-        return self.event.is_set()
-
-    def wait(self, timeout=None):
-        start = time.perf_counter()
-        deadline = None if timeout is None else start + timeout
-        while not self.event.wait(0.2):
-            failure = self.worker.io.failure if self.worker.io else None
-            if failure is not None and not self.event.is_set():
-                self.fail(failure)
-            if deadline is not None and time.perf_counter() > deadline:
-                raise TimeoutError(f"push_pull of {self.tensor.name!r} not done after {timeout} s")
-        self.worker.metrics.wait_seconds += time.perf_counter() - start
-        if self.error is not None:
-            raise self.error
-        return self.out
-
-    def fail(self, error):
-        with self.lock:
-            if self.event.is_set():
-                return
-            self.error = error
-            self.tensor.busy = False
-            self.event.set()
-
-    def partition_replied(self, push, payload, compressed, seconds):
-        """Called on the I/O thread when a partition's reply arrived."""
-        m = self.worker.metrics
-        m.communicate_seconds += seconds
-        m.pulled_raw += push.part.n * push.dtype.itemsize
-        m.pulled_wire += len(payload) if payload is not None and compressed else push.part.n * push.dtype.itemsize
-        if compressed or self.average or payload is not push.dest:
-            try:
-                self.worker.pool.submit(self.decode, push, payload, compressed)
-            except RuntimeError as e:  # the interpreter is exiting and has shut the pool down;
-                self.fail(e)           # the I/O thread must live on to say goodbye
-        else:
-            self.partition_done()
-
-    def decode(self, push, payload, compressed):
-        try:
-            dest = self.wire[push.part.start:push.part.stop]
-            if compressed:
-                push.part.codec.decompress(payload, dest)
-            elif payload is not push.dest:  # an async snapshot of a compressed key
-                dest[:] = np.frombuffer(payload, push.dtype)
-            if self.average:
-                dest /= dest.dtype.type(self.worker.size)
-            self.partition_done()
-        except Exception as e:
-            self.fail(e)
-
-    def partition_done(self):
-        with self.lock:
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.finish()
-
-    def finish(self):
-        try:
-            if self.copy_back:
-                np.copyto(self.out.reshape(-1), self.wire, casting="unsafe")
-        except Exception as e:
-            return self.fail(e)
-        self.tensor.busy = False
-        self.event.set()
-
-
-class Worker:
     def __init__(self, cfg, codecs):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
         self.tensors = {}
-        self.metrics = Metrics()
+        self.counters = Counters()
+        self.peers = None  # worker-to-worker links (roles.peers), made at start()
         self.io = None
         self.pool = None
         self.placement = None
-        self.peers = None
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -153,7 +56,7 @@ class Worker:
         servers = book["servers"]
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
-                           self.cfg.inflight_bytes)
+                           self.cfg.inflight_bytes, self.counters)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes)
         self.io.thread.start()
         self.barrier()
@@ -184,25 +87,30 @@ class Worker:
 
     # ------------------------------------------------------------------ tensors
 
-    def declare(self, name, shape=None, dtype=None, **compression):
-        """Register ``name`` with its compression; every worker must declare the same names in
-        the same order. With ``shape`` and ``dtype`` its partitions are placed now (balanced by
-        bytes), else at its first push_pull."""
+    def declare(self, name, shape=None, dtype=None, reducer=None, **compression):
+        """Register ``name`` with its compression and reducer; every worker must declare the
+        same names in the same order. With ``shape`` and ``dtype`` its partitions are placed now
+        (balanced by bytes), else at its first push_pull. Returns its Declaration."""
         self.check_alive()
         if not isinstance(name, str) or not name:
             raise ValueError(f"declare: name must be a non-empty string, got {name!r}")
         params = self.codecs.CompressionParams.from_dict(compression)
+        reducer_name = self.codecs.choose_reducer(params, reducer)
+        shape = None if shape is None else tuple(int(s) for s in (shape if np.ndim(shape) else (shape,)))
+        dtype = None if shape is None and dtype is None else np.dtype(dtype or np.float32)
         existing = self.tensors.get(name)
         if existing is not None:
-            if existing.params != params:
-                raise ValueError(f"declare: {name!r} was declared before with different compression "
-                                 f"({existing.params.to_dict()} vs {params.to_dict()})")
-            return existing
-        tensor = TensorPlan(name, len(self.tensors), params)
+            existing.check_redeclaration(params, reducer_name, shape, dtype)
+            return existing.declaration()
+        tensor = TensorPlan(name, len(self.tensors), params, reducer_name)
         self.tensors[name] = tensor
         if shape is not None:
-            self._place(tensor, shape, np.dtype(dtype or np.float32), balanced=True)
-        return tensor
+            self._place(tensor, shape, dtype, balanced=True)
+        return tensor.declaration()
+
+    def declaration(self, name):
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.declaration()
 
     def _place(self, tensor, shape, dtype, balanced):
         if dtype not in (np.float32, np.float64, np.float16):
@@ -214,13 +122,20 @@ class Worker:
         for part in tensor.partitions:
             self.io.post("init", part.key, part.server, tensor.wire_dtype, tensor.describe(part))
 
-    def _build_codec(self, params, n, dtype, key):
-        return self.codecs.build_chain(params, n, dtype, key=key, role="worker")
+    def _build_codec(self, tensor, n, dtype, key):
+        """(codec chain, reducer) of a compressed partition."""
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker"),
+                self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
-    def push_pull(self, array, name, average=True, priority=0, lr=0.0, out=None):
+    def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         """Sum (or average) ``array`` over all workers; returns a Handle whose ``wait()`` gives
-        the result, written into ``out`` (default: ``array`` itself, in place)."""
+        the result, written into ``out`` (default: ``array`` itself, in place). ``ctx`` is the
+        step context every codec and reducer of the round sees (``lr`` sets its learning rate)."""
         self.check_alive()
+        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
+        if lr is not None:
+            ctx["lr"] = float(lr)
+        context = encode_context(ctx)  # a bad entry is the caller's error, raised here
         tensor = self.tensors.get(name)
         if tensor is None:
             raise KeyError(f"push_pull: {name!r} was not declared; call declare({name!r}, ...) first")
@@ -237,10 +152,10 @@ class Worker:
                              f"used as {tensor.shape} {tensor.dtype}")
         if tensor.busy:
             raise RuntimeError(f"push_pull({name!r}) while the previous one is still running; wait for it first")
-        if self.io is None:  # single process: the sum is the input
+        if self.io is None or array.size == 0:  # single process, or nothing to sum
             if out is not array:
                 np.copyto(out, array)
-            return Handle(self, tensor, out, out.reshape(-1), 0, average)
+            return Handle(self, tensor, out, out.reshape(-1), 0, average, ctx)
         flat = np.ascontiguousarray(array).reshape(-1)
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: push and pull a cast copy
             wire = source = flat.astype(tensor.wire_dtype)
@@ -249,26 +164,28 @@ class Worker:
         else:
             wire, source = out.reshape(-1), flat
         tensor.busy = True
-        handle = Handle(self, tensor, out, wire, len(tensor.partitions), average)
+        handle = Handle(self, tensor, out, wire, len(tensor.partitions), average, ctx)
+        self.counters.add(pushed_raw=flat.size * tensor.wire_dtype.itemsize)
         for part in tensor.partitions:
             chunk = source[part.start:part.stop]
             dest = wire[part.start:part.stop]
-            self.metrics.pushed_raw += chunk.nbytes
             if part.codec is None:
-                self.metrics.pushed_wire += chunk.nbytes
-                self.io.post("push", Push(handle, part, chunk, False, lr, priority, tensor.wire_dtype,
+                self.counters.add(pushed_wire=chunk.nbytes)
+                self.io.post("push", Push(handle, part, chunk, False, context, priority, tensor.wire_dtype,
                                           dest.view(np.uint8)))
             else:
-                self.pool.submit(self._compress, handle, part, chunk, lr, priority, tensor.wire_dtype)
+                self.pool.submit(self._compress, handle, part, chunk, ctx, context, priority,
+                                 tensor.wire_dtype)
         return handle
 
-    def _compress(self, handle, part, chunk, lr, priority, dtype):
+    push_pull = reduce
+
+    def _compress(self, handle, part, chunk, ctx, context, priority, dtype):
         try:
             start = time.perf_counter()
-            payload = part.codec.compress(chunk, lr)
-            self.metrics.compress_seconds += time.perf_counter() - start
-            self.metrics.pushed_wire += payload.nbytes
-            self.io.post("push", Push(handle, part, payload, True, lr, priority, dtype, None))
+            payload = part.codec.compress(chunk, ctx)
+            self.counters.add(compress_seconds=time.perf_counter() - start, pushed_wire=payload.nbytes)
+            self.io.post("push", Push(handle, part, payload, True, context, priority, dtype, None))
         except Exception as e:
             handle.fail(e)
 
@@ -296,9 +213,24 @@ class Worker:
             array[...] = 0
         return self.push_pull(array, key, average=False).wait()
 
-    def step_metrics(self):
-        """The metrics since the last call, and reset them."""
-        current, self.metrics = self.metrics, Metrics()
+    # ------------------------------------------------------------------ worker to worker
+
+    def send(self, rank, name, payload):
+        return self._peers().send(rank, name, payload)
+
+    def recv(self, rank, name, timeout=None):
+        return self._peers().recv(rank, name, timeout)
+
+    def _peers(self):
+        self.check_alive()
+        if self.peers is None:
+            raise RuntimeError("bps_gc: worker-to-worker send/recv needs the peer links "
+                               "(roles.peers), which this worker does not have")
+        return self.peers
+
+    def metrics(self):
+        """The metrics since the last call (a worker_handle.Metrics), and reset them."""
+        current = self.counters.take()
         log.info("worker %d: pushed %d B (%d on the wire), pulled %d B (%d), ratio %.1f, "
                  "compress %.3f s, communicate %.3f s, wait %.3f s", self.rank, current.pushed_raw,
                  current.pushed_wire, current.pulled_raw, current.pulled_wire, current.ratio,

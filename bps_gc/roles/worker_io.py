@@ -4,6 +4,12 @@ Other threads post commands (declare a key, push a partition, barrier, goodbye) 
 through a pipe. Pushes wait in a priority heap and are sent while the bytes in flight stay
 under a window, so high-priority tensors overtake queued ones; dense replies are received
 straight into the caller's output buffer.
+
+Fusion: dense pushes of at most FUSABLE_BYTES that are queued together (one priority window)
+go to their server as one FUSED message of up to BPS_GC_FUSION_BYTES (0: off), as Horovod's
+fusion buffer and DDP's buckets do. A fusable push waits at most FUSION_CYCLE for the others
+posted with it; the server answers their rounds with fused replies. Each
+key keeps its own round, so workers need not fuse alike.
 """
 import heapq
 import itertools
@@ -15,22 +21,25 @@ import time
 import zmq
 
 from ..transport.sockets import DropLog, MalformedMessage, recv, send
-from ..transport.wire import Header, Msg, decode_json, encode_json
+from ..transport.wire import FUSED_BIT, Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
 from . import NodeFailure
 from .event_loop import EventLoop
 
 log = logging.getLogger("bps_gc.worker")
+FUSABLE_BYTES = 64 * 1024  # larger pushes are sent alone, zero-copy
+FUSION_CYCLE = 0.001  # seconds a fusable push may wait for others to fill its message (Horovod's cycle)
 
 
 class Push:
     """One partition of one push_pull, from queueing to reply."""
 
-    __slots__ = ("handle", "part", "round", "payload", "compressed", "lr", "priority", "dtype",
+    __slots__ = ("handle", "part", "round", "payload", "compressed", "context", "priority", "dtype",
                  "dest", "sent_at")
 
-    def __init__(self, handle, part, payload, compressed, lr, priority, dtype, dest):
+    def __init__(self, handle, part, payload, compressed, context, priority, dtype, dest):
+        """``context``: the encoded step context section (wire.encode_context)."""
         self.handle, self.part, self.payload, self.compressed = handle, part, payload, compressed
-        self.lr, self.priority, self.dtype, self.dest = lr, priority, dtype, dest
+        self.context, self.priority, self.dtype, self.dest = context, priority, dtype, dest
         self.round = part.round
         self.sent_at = None
 
@@ -40,8 +49,12 @@ class Push:
 
 
 class WorkerIO:
-    def __init__(self, ctx, cfg, auth, membership, servers, rank, window):
+    def __init__(self, ctx, cfg, auth, membership, servers, rank, window, counters):
         self.cfg, self.membership, self.rank, self.window = cfg, membership, rank, window
+        self.counters = counters
+        self.fusion_bytes = cfg.fusion_bytes
+        self.fusable_bytes = 0  # queued in the heap
+        self.fusion_due = None  # when queued fusable pushes go even if their message is not full
         self.links = []
         for server in servers:
             sock = auth.client(ctx.socket(zmq.DEALER))
@@ -60,6 +73,7 @@ class WorkerIO:
         self.loop.on_readable(membership.sock, self.scheduler_message)
         self.loop.on_tick(membership.tick)
         self.loop.on_tick(self.send_ready)
+        self.loop.poll_timeout = self.poll_timeout
         self.heap, self.seq = [], itertools.count()
         self.inflight = {}  # key -> Push awaiting its reply
         self.inflight_bytes = 0
@@ -111,6 +125,10 @@ class WorkerIO:
             if kind == "push":
                 push = command[1]
                 heapq.heappush(self.heap, (-push.priority, next(self.seq), push))
+                if self.fusable(push):
+                    self.fusable_bytes += push.nbytes
+                    if self.fusion_due is None:
+                        self.fusion_due = time.perf_counter() + FUSION_CYCLE
             elif kind == "init":
                 _, key, server, dtype, decl = command
                 send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
@@ -121,30 +139,92 @@ class WorkerIO:
                 self.goodbye(command[1])
                 return True
 
+    def poll_timeout(self, idle_ms):
+        """Milliseconds to wait for sockets: until queued fusable pushes are due, if they are
+        not yet (once due, only a full window holds them, and replies wake the poll)."""
+        if self.fusion_due is not None:
+            left = self.fusion_due - time.perf_counter()
+            if left > 0:
+                return max(1, min(idle_ms, int(left * 1000 + 1)))
+        return idle_ms
+
+    def fusable(self, push):
+        return not push.compressed and push.dest is not None and push.nbytes <= FUSABLE_BYTES \
+            and push.nbytes < self.fusion_bytes
+
     def send_ready(self):
         while self.heap and (self.inflight_bytes < self.window or not self.inflight):
-            _, _, push = heapq.heappop(self.heap)
-            key = push.part.key
-            if key in self.failed_keys:
-                push.handle.fail(ValueError(self.failed_keys[key]))
+            if self.fusable(self.heap[0][2]):
+                if self.fusable_bytes < self.fusion_bytes and time.perf_counter() < self.fusion_due:
+                    return  # let the pushes posted with it join its message
+                self.send_fused()
                 continue
-            flags = 1 if push.compressed else 0
-            header = Header(Msg.PUSH, self.rank, key=key, round=push.round, lr=push.lr,
-                            dtype=push.dtype, flags=flags)
-            push.sent_at = time.perf_counter()
+            _, _, push = heapq.heappop(self.heap)
+            if self.refused(push):
+                continue
+            flags = Flag.COMPRESSED if push.compressed else Flag.NONE
+            header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round,
+                            dtype=push.dtype, flags=flags, context=push.context)
+            self.sent(push)
+            self.counters.add(messages=1)
             send(self.links[push.part.server], header, push.payload)
-            self.inflight[key] = push
-            self.inflight_bytes += push.nbytes
+
+    def refused(self, push):
+        if push.part.key in self.failed_keys:
+            push.handle.fail(ValueError(self.failed_keys[push.part.key]))
+            return True
+        return False
+
+    def sent(self, push):
+        push.sent_at = time.perf_counter()
+        self.inflight[push.part.key] = push
+        self.inflight_bytes += push.nbytes
+
+    def send_fused(self):
+        """Send every queued fusable push (the priority window), in priority order, one
+        message per server, dtype and step context, each of at most fusion_bytes."""
+        fusable = sorted(item for item in self.heap if self.fusable(item[2]))
+        self.heap = [item for item in self.heap if not self.fusable(item[2])]
+        heapq.heapify(self.heap)
+        self.fusable_bytes = 0
+        self.fusion_due = None
+        buckets = {}
+        for _, _, push in fusable:
+            if self.refused(push):
+                continue
+            where = (push.part.server, push.dtype, push.context)
+            bucket = buckets.setdefault(where, [])
+            if sum(p.nbytes for p in bucket) + push.nbytes > self.fusion_bytes:
+                self.send_bucket(bucket)
+                bucket.clear()
+            bucket.append(push)
+            self.sent(push)
+        for bucket in buckets.values():
+            self.send_bucket(bucket)
+
+    def send_bucket(self, bucket):
+        if not bucket:
+            return
+        push = bucket[0]
+        self.counters.add(messages=1)
+        if len(bucket) == 1:
+            header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round,
+                            dtype=push.dtype, context=push.context)
+            send(self.links[push.part.server], header, push.payload)
+            return
+        header = Header(Msg.PUSH, self.rank, dtype=push.dtype, flags=Flag.FUSED, context=push.context)
+        send(self.links[push.part.server], header,
+             pack_fused([(p.part.key, p.round, p.payload) for p in bucket]))
 
     def receive(self, sock):
         def buffer_for(header):
             push = self.inflight.get(header.key)
-            if header.type != Msg.PUSH_REPLY or push is None:
+            if header.type != Msg.PUSH_REPLY or push is None or header.flags & FUSED_BIT:
                 return None
             if header.round != push.round:
                 raise MalformedMessage(f"reply for key {header.key} round {header.round}, expected {push.round}")
             if header.flags or push.dest is None:
-                return None  # compressed: decoded by the pool
+                return None  # compressed: decoded by the pool; fused: split below
             if header.length != push.dest.nbytes:
                 raise MalformedMessage(f"reply for key {header.key} of {header.length} bytes, expected {push.dest.nbytes}")
             return push.dest
@@ -152,7 +232,8 @@ class WorkerIO:
         seen = {}
 
         def checked_buffer_for(header):
-            seen["key"] = header.key
+            if not header.flags & FUSED_BIT:
+                seen["key"] = header.key
             return buffer_for(header)
 
         try:
@@ -180,6 +261,8 @@ class WorkerIO:
             return
         if h.type == Msg.INIT_ACK:
             return
+        if h.type == Msg.PUSH_REPLY and h.flags & FUSED_BIT:
+            return self.receive_fused(msg.payload)
         push = self.inflight.pop(h.key, None)
         if push is None or h.type != Msg.PUSH_REPLY:
             self.dropped("an unexpected %s for key %d", h.type.name, h.key)
@@ -187,6 +270,24 @@ class WorkerIO:
         self.inflight_bytes -= push.nbytes
         push.part.round += 1
         push.handle.partition_replied(push, msg.payload, bool(h.flags), time.perf_counter() - push.sent_at)
+
+    def receive_fused(self, payload):
+        try:
+            entries = unpack_fused(payload)
+        except MalformedMessage as e:
+            log.warning("dropped a malformed fused reply: %s", e)
+            return
+        now = time.perf_counter()
+        for key, rnd, data in entries:
+            push = self.inflight.get(key)
+            if push is None or push.dest is None or rnd != push.round or data.nbytes != push.dest.nbytes:
+                log.warning("dropped an unexpected fused reply entry for key %d round %d", key, rnd)
+                continue
+            del self.inflight[key]
+            self.inflight_bytes -= push.nbytes
+            push.dest[:] = data
+            push.part.round += 1
+            push.handle.partition_replied(push, push.dest, False, now - push.sent_at)
 
     def check_barrier(self):
         done = self.membership.barriers_done.get(0, 0)

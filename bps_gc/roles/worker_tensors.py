@@ -4,17 +4,25 @@ Key = declaration index << 16 | partition index. Partitions hold BYTEPS_PARTITIO
 the wire dtype. Servers are chosen greedily by bytes in declaration order, which every worker
 shares, so all agree without talking; a tensor declared without its shape is placed by key
 (round-robin) when its first push_pull reveals the size.
+
+A zero-size tensor has no partitions: its push_pull completes at once on every worker.
 """
 import numpy as np
+
+from .communicator import Declaration
 
 MAX_PARTITIONS = 1 << 16
 
 
 class Partition:
-    __slots__ = ("key", "start", "stop", "server", "codec", "round", "busy")
+    """``codec``/``reducer``: the worker's chain and the reducer decoding the pull (None for
+    uncompressed partitions, which the server sums)."""
 
-    def __init__(self, key, start, stop, server, codec):
-        self.key, self.start, self.stop, self.server, self.codec = key, start, stop, server, codec
+    __slots__ = ("key", "start", "stop", "server", "codec", "reducer", "round")
+
+    def __init__(self, key, start, stop, server, codec, reducer):
+        self.key, self.start, self.stop, self.server = key, start, stop, server
+        self.codec, self.reducer = codec, reducer
         self.round = 0
 
     @property
@@ -25,12 +33,31 @@ class Partition:
 class TensorPlan:
     """A declared tensor: its compression and, once the size is known, its partitions."""
 
-    def __init__(self, name, index, params):
-        self.name, self.index, self.params = name, index, params
+    def __init__(self, name, index, params, reducer):
+        self.name, self.index, self.params, self.reducer = name, index, params, reducer
         self.shape = self.dtype = self.wire_dtype = None
         self.partitions = []
         self.compressed = False
         self.busy = False
+
+    def declaration(self):
+        return Declaration(self.name, self.shape, self.dtype, self.params, self.reducer,
+                           self.compressed, self.wire_dtype)
+
+    def check_redeclaration(self, params, reducer, shape, dtype):
+        """Declaring a name again must repeat what it was declared with."""
+        problems = []
+        if params != self.params:
+            problems.append(f"compression {params.to_dict()} != {self.params.to_dict()}")
+        if reducer != self.reducer:
+            problems.append(f"reducer {reducer!r} != {self.reducer!r}")
+        if shape is not None and self.shape is not None and tuple(shape) != self.shape:
+            problems.append(f"shape {tuple(shape)} != {self.shape}")
+        if dtype is not None and self.dtype is not None and dtype != self.dtype:
+            problems.append(f"dtype {dtype} != {self.dtype}")
+        if problems:
+            raise ValueError(f"declare: tensor {self.name!r} was declared before differently: "
+                             f"{'; '.join(problems)}")
 
     @property
     def size(self):
@@ -38,8 +65,11 @@ class TensorPlan:
 
     def describe(self, partition):
         params = self.params.to_dict() if self.compressed else {}
-        return {"name": f"{self.name}#{partition.key & (MAX_PARTITIONS - 1)}", "n": partition.n,
+        decl = {"name": f"{self.name}#{partition.key & (MAX_PARTITIONS - 1)}", "n": partition.n,
                 "params": params}
+        if self.compressed:
+            decl["reducer"] = self.reducer
+        return decl
 
 
 class Placement:
@@ -58,7 +88,7 @@ class Placement:
         size = tensor.size
         tensor.compressed = tensor.params.compressed and size * dtype.itemsize >= self.min_compress_bytes
         per = max(1, self.partition_bytes // tensor.wire_dtype.itemsize)
-        count = max(1, -(-size // per))
+        count = -(-size // per)
         if count > MAX_PARTITIONS:
             raise ValueError(f"tensor {tensor.name!r} needs {count} partitions; raise BYTEPS_PARTITION_BYTES")
         for p in range(count):
@@ -69,7 +99,7 @@ class Placement:
             else:
                 server = (tensor.index + p) % self.num_servers
             self.load[server] += (stop - start) * tensor.wire_dtype.itemsize
-            codec = build_codec(tensor.params, max(stop - start, 1), tensor.wire_dtype, key) \
-                if tensor.compressed else None
-            tensor.partitions.append(Partition(key, start, stop, server, codec))
+            codec, reducer = build_codec(tensor, stop - start, tensor.wire_dtype, key) \
+                if tensor.compressed else (None, None)
+            tensor.partitions.append(Partition(key, start, stop, server, codec, reducer))
         return tensor

@@ -42,17 +42,18 @@ def declare(name, shape=None, dtype=None, **compression_params):
 
 
 def _ensure_declared(name, tensor):
-    if name not in core.worker().tensors:
+    if core.declaration(name) is None:
         declare(name, tuple(tensor.shape), tensor.dtype)
 
 
-def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=0.0):
-    """Start summing (or averaging) ``tensor`` over all workers, in place; returns a handle."""
+def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=None, ctx=None):
+    """Start summing (or averaging) ``tensor`` over all workers, in place; returns a handle.
+    ``ctx``: the step context (lr, step, epoch, ...); ``lr`` a shortcut for its lr."""
     _check(tensor, "push_pull_async")
     name = name or f"push_pull.noname.{next(_noname)}"
     _ensure_declared(name, tensor)
     array, staged = host_view(tensor)
-    handle = core.push_pull(array, name, average=average, priority=priority, lr=lr)
+    handle = core.push_pull(array, name, average=average, priority=priority, lr=lr, ctx=ctx)
     key = next(_next_handle)
     _handles[key] = (handle, tensor, array if staged else None)
     return key
@@ -77,14 +78,15 @@ def synchronize(handle):
     return tensor
 
 
-def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, lr=0.0):
-    return synchronize(push_pull_async(tensor, average, name, version, priority, lr))
+def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, lr=None, ctx=None):
+    return synchronize(push_pull_async(tensor, average, name, version, priority, lr, ctx))
 
 
-def push_pull(tensor, average=True, name=None, compression=None, priority=0, lr=0.0):
+def push_pull(tensor, average=True, name=None, compression=None, priority=0, lr=None, ctx=None):
     """A new tensor with the sum (or mean) of ``tensor`` over all workers."""
     from .compression import Compression
     compression = compression or Compression.none
     _check(tensor, "push_pull")
-    sent, ctx = compression.compress(tensor.detach().clone())
-    return compression.decompress(push_pull_inplace(sent, average, name, priority=priority, lr=lr), ctx)
+    sent, restore = compression.compress(tensor.detach().clone())
+    return compression.decompress(push_pull_inplace(sent, average, name, priority=priority, lr=lr, ctx=ctx),
+                                  restore)

@@ -31,7 +31,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
-        self._plan = self._move_momentum(compression_params or {})
+        self._plan = MomentumPlan.from_torch(self.param_groups, compression_params)
         # every worker declares the same names in the same (sorted) order
         self._params = sorted((p for p in all_params if p.requires_grad), key=lambda p: names[id(p)])
         self._names = {id(p): f"Gradient.{names[id(p)]}" for p in self._params}
@@ -40,34 +40,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             params = self._plan.tensor_params() if self._plan else dict(compression_params or {})
             if compression is not None and compression.__name__ == "FP16Compressor":
                 params["fp16"] = True
-            ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, **params)
+            declaration = ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, **params)
             if self._plan:
-                compressed = core.worker().tensors[self._names[id(p)]].compressed
-                self._post_pull[id(p)] = self._plan.adapter(tuple(p.shape), ops.SUPPORTED[p.dtype], compressed)
+                self._post_pull[id(p)] = self._plan.adapter(tuple(p.shape), ops.SUPPORTED[p.dtype],
+                                                            declaration.compressed)
         self._handles = {}
+        self._steps = 0  # the step context's step: synchronize() calls so far
         self._counts = {id(p): 0 for p in self._params}
         self._priority = {id(p): -i for i, p in enumerate(self._params)}
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
-
-    def _move_momentum(self, compression_params):
-        """With compression_params['momentum'], the optimizer's momentum (and onebit's weight
-        decay) move into the codec chain and the post-pull adapters."""
-        if not compression_params.get("momentum"):
-            return None
-        moms = {g.get("momentum", 0) for g in self.param_groups}
-        wds = {g.get("weight_decay", 0) for g in self.param_groups}
-        if len(moms) > 1 or len(wds) > 1:
-            raise ValueError("compression_params['momentum'] needs one momentum and weight_decay "
-                             f"for all parameter groups, got {sorted(moms)} and {sorted(wds)}")
-        plan = MomentumPlan(compression_params, moms.pop(), wds.pop())
-        for group in self.param_groups:
-            group["momentum"] = 0
-            if "nesterov" in group:
-                group["nesterov"] = False
-            if plan.moves_weight_decay:
-                group["weight_decay"] = 0
-        return plan
 
     def _hook(self, p):
         self._counts[id(p)] += 1
@@ -78,9 +60,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if id(p) in self._handles:
             raise RuntimeError(f"{self._names[id(p)]}: gradient computed twice before step(); raise "
                                "backward_passes_per_step or call synchronize()")
-        lr = float(self._group_of[id(p)]["lr"])
+        ctx = {"lr": float(self._group_of[id(p)]["lr"]), "step": self._steps, "epoch": 0}
         self._handles[id(p)] = ops.push_pull_async(p.grad, average=True, name=self._names[id(p)],
-                                                   priority=self._priority[id(p)], lr=lr)
+                                                   priority=self._priority[id(p)], ctx=ctx)
 
     def synchronize(self):
         """Wait for every gradient's push_pull (starting those whose hook did not fire)."""
@@ -97,6 +79,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 g, _ = ops.host_view(p.grad)
                 x, _ = ops.host_view(p.data)
                 adapter(g, x)
+        self._steps += 1
 
     def step(self, closure=None):
         self.synchronize()

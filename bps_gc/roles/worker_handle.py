@@ -1,0 +1,137 @@
+"""A push_pull in flight (Handle) and the worker's traffic counters (Metrics).
+
+Counters are bumped from the caller's thread, the codec pool and the I/O thread at once: every
+update goes through ``Metrics.add`` under one lock, so no increment is lost.
+"""
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from .communicator import Handle as HandleABC
+
+
+@dataclasses.dataclass
+class Metrics:
+    """Counters since the last ``Worker.metrics()`` (bytes and seconds)."""
+    pushed_raw: int = 0
+    pushed_wire: int = 0
+    pulled_raw: int = 0
+    pulled_wire: int = 0
+    compress_seconds: float = 0.0
+    communicate_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    messages: int = 0  # push messages sent (a fused bucket counts once)
+
+    @property
+    def ratio(self):
+        wire = self.pushed_wire + self.pulled_wire
+        return (self.pushed_raw + self.pulled_raw) / wire if wire else 1.0
+
+
+class Counters:
+    """The live Metrics, safe to update from several threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._current = Metrics()
+
+    def add(self, **amounts):
+        with self._lock:
+            m = self._current
+            for name, amount in amounts.items():
+                setattr(m, name, getattr(m, name) + amount)
+
+    def take(self):
+        """The counters so far; they restart from zero."""
+        with self._lock:
+            current, self._current = self._current, Metrics()
+        return current
+
+
+class Handle(HandleABC):
+    """The result of a push_pull: ``wait()`` returns the output array, ``poll()`` says if done.
+
+    ``ctx`` is the step context the partitions were pushed with; reducers decode with it."""
+
+    def __init__(self, worker, tensor, out, wire, count, average, ctx=None):
+        self.worker, self.tensor, self.out, self.wire = worker, tensor, out, wire
+        self.ctx = ctx
+        # the result is pulled into ``wire``; it is copied to ``out`` unless they are one buffer
+        self.copy_back = wire.dtype != out.dtype or \
+            wire.__array_interface__["data"][0] != out.__array_interface__["data"][0]
+        self.remaining, self.average = count, average
+        self.error = None
+        self.event = threading.Event()
+        self.lock = threading.Lock()
+        if count == 0:
+            self.finish()
+
+    def poll(self):
+        return self.event.is_set()
+
+    def wait(self, timeout=None):
+        start = time.perf_counter()
+        deadline = None if timeout is None else start + timeout
+        while not self.event.wait(0.2):
+            failure = self.worker.io.failure if self.worker.io else None
+            if failure is not None and not self.event.is_set():
+                self.fail(failure)
+            if deadline is not None and time.perf_counter() > deadline:
+                raise TimeoutError(f"push_pull of {self.tensor.name!r} not done after {timeout} s")
+        self.worker.counters.add(wait_seconds=time.perf_counter() - start)
+        if self.error is not None:
+            raise self.error
+        return self.out
+
+    def fail(self, error):
+        with self.lock:
+            if self.event.is_set():
+                return
+            self.error = error
+            self.tensor.busy = False
+            self.event.set()
+
+    def partition_replied(self, push, payload, compressed, seconds):
+        """Called on the I/O thread when a partition's reply arrived."""
+        raw = push.part.n * push.dtype.itemsize
+        wire = len(payload) if payload is not None and compressed else raw
+        self.worker.counters.add(communicate_seconds=seconds, pulled_raw=raw, pulled_wire=wire)
+        if compressed or self.average or payload is not push.dest:
+            try:
+                self.worker.pool.submit(self.decode, push, payload, compressed)
+            except RuntimeError as e:  # the interpreter is exiting and has shut the pool down;
+                self.fail(e)           # the I/O thread must live on to say goodbye
+        else:
+            self.partition_done()
+
+    def decode(self, push, payload, compressed):
+        try:
+            dest = self.wire[push.part.start:push.part.stop]
+            reducer = push.part.reducer
+            if compressed:
+                reducer.decode(payload, dest, self.ctx)
+            elif payload is not push.dest:  # an async snapshot of a compressed key
+                dest[:] = np.frombuffer(payload, push.dtype)
+            if self.average and (reducer is None or reducer.summed or not compressed):
+                dest /= dest.dtype.type(self.worker.size)
+            self.partition_done()
+        except Exception as e:
+            self.fail(e)
+
+    def partition_done(self):
+        with self.lock:
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.finish()
+
+    def finish(self):
+        try:
+            if self.copy_back:
+                np.copyto(self.out.reshape(-1), self.wire, casting="unsafe")
+        except Exception as e:
+            return self.fail(e)
+        self.tensor.busy = False
+        self.event.set()

@@ -33,7 +33,7 @@ def test_json_round_trip_without_pickle():
 
 
 @pytest.mark.parametrize("params, key, fragment", [
-    ({"compressor": "zip"}, "compressor", "unknown compressor 'zip'; allowed: dithering, onebit, randomk"),
+    ({"compressor": "zip"}, "compressor", "unknown compressor 'zip'; allowed: adaptive_threshold, dgc, dithering"),
     ({"compressor": "topk"}, "k", "needs k"),
     ({"compressor": "topk", "k": 0}, "k", "> 0"),
     ({"compressor": "topk", "k": -0.1}, "k", "> 0"),

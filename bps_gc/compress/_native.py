@@ -85,6 +85,24 @@ def _load():
         "records_gather_f64": (None, [P, P, I, P]),
         "records_scatter_f32": (I, [P, I, I, P]),
         "records_scatter_f64": (I, [P, I, I, P]),
+        # quantize.c: TernGrad, QSGD, DGC and the shared scans
+        "key_max_u32": (ctypes.c_uint64, [P, I]),
+        "key_max_u16": (ctypes.c_uint64, [P, I]),
+        "key_collect_u32": (I, [P, I, ctypes.c_uint64, P, I]),
+        "key_collect_u16": (I, [P, I, ctypes.c_uint64, P, I]),
+        "all_finite_u32": (C, [P, I]),
+        "all_finite_u16": (C, [P, I]),
+        "all_finite_u64": (C, [P, I]),
+        "scale_add_f32": (C, [P, F, P, I, P]),
+        "scale_add_f64": (C, [P, ctypes.c_double, P, I, P]),
+        "moments_f32": (None, [P, I, P]),
+        "terngrad_compress_f32": (None, [P, I, F, F, P, P]),
+        "terngrad_decompress_f32": (I, [P, I, F, P]),
+        "qsgd_compress_f32": (I, [P, I, F, ctypes.c_uint32, C, P, P]),
+        "qsgd_decompress_f32": (I, [P, I, I, ctypes.c_uint32, C, F, P]),
+        "dgc_accumulate_f32": (None, [P, P, P, I, F, C]),
+        "sorted_records_add_f32": (I, [P, I, I, P, C]),
+        "records_gather_u32_f32": (None, [P, P, I, P]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

@@ -30,6 +30,6 @@ def build_chain(params, n, dtype, key=0, role="worker"):
     codec = COMPRESSORS[params.compressor](params, n, dtype, seed=seed)
     if params.ef:
         codec = ERROR_FEEDBACKS[params.ef](codec, params)
-    if params.momentum and role == "worker":
+    if params.momentum and role == "worker" and not getattr(codec, "owns_momentum", False):
         codec = MOMENTUMS[params.momentum](codec, params)
     return codec

@@ -74,8 +74,8 @@ def bench(sizes, repeats):
             ratio = 1.0
         else:
             codec = build_chain(CODECS[name], n, np.float32, key=1)
-            tc = median_seconds(lambda: codec.compress(x, lr=0.1), repeats)
-            payload = codec.compress(x, lr=0.1)
+            tc = median_seconds(lambda: codec.compress(x, {"lr": 0.1}), repeats)
+            payload = codec.compress(x, {"lr": 0.1})
             td = median_seconds(lambda: codec.decompress(payload, out), repeats)
             ratio = x.nbytes / payload.nbytes
         gb = x.nbytes / 1e9

@@ -19,7 +19,7 @@ class Halves(Codec):
     def __init__(self, params, n, dtype, seed=None):
         super().__init__(params, n, dtype)
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         return self._input(x).astype(np.float16).view(np.uint8)
 
     def decompress(self, payload, out=None):
@@ -31,7 +31,7 @@ class Halves(Codec):
 def test_registered_codec_round_trips_with_error_feedback():
     x = np.linspace(-1, 1, 101).astype(np.float32)
     codec = build_chain({"compressor": "test_halves", "ef": "vanilla"}, 101, np.float32)
-    payload = codec.compress(x, lr=0.1)
+    payload = codec.compress(x, {"lr": 0.1})
     assert payload.size == 202
     assert np.array_equal(codec.decompress(payload), x.astype(np.float16).astype(np.float32))
     assert np.array_equal(codec.error, x - x.astype(np.float16).astype(np.float32))

@@ -137,7 +137,7 @@ def test_error_feedback_conserves_mass(params):
     for _ in range(steps):
         g = rng.standard_normal(n).astype(np.float32)
         inputs += g
-        sent += codec.decompress(codec.compress(g, lr=0.1))
+        sent += codec.decompress(codec.compress(g, {"lr": 0.1}))
     residual = codec.error.astype(np.float64)
     assert np.allclose(sent + residual, inputs, atol=1e-3)
     assert np.abs(residual).max() > 0  # something was actually held back
@@ -147,9 +147,9 @@ def test_error_feedback_scales_error_by_lr_ratio():
     n = 64
     x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
     codec = build_chain({"compressor": "topk", "k": 4, "ef": "vanilla"}, n, np.float32)
-    codec.compress(x, lr=0.2)
+    codec.compress(x, {"lr": 0.2})
     e1 = codec.error.copy()
-    codec.compress(np.zeros(n, np.float32), lr=0.1)
+    codec.compress(np.zeros(n, np.float32), {"lr": 0.1})
     plain = build_chain({"compressor": "topk", "k": 4}, n, np.float32)
     corrected = e1 * np.float32(0.2 / 0.1)  # g + (lr_prev / lr) * e with g = 0
     assert np.array_equal(codec.error, corrected - plain.decompress(plain.compress(corrected)))
@@ -157,8 +157,8 @@ def test_error_feedback_scales_error_by_lr_ratio():
 
 def test_error_feedback_zero_lr_uses_ratio_one():
     codec = build_chain({"compressor": "onebit", "ef": "vanilla"}, 40, np.float32)
-    codec.compress(np.ones(40, np.float32), lr=0.0)
-    codec.compress(np.ones(40, np.float32), lr=0.0)
+    codec.compress(np.ones(40, np.float32), {"lr": 0.0})
+    codec.compress(np.ones(40, np.float32), {"lr": 0.0})
     assert np.all(np.isfinite(codec.error))
 
 
@@ -240,7 +240,7 @@ def test_tiny_and_odd_sizes_round_trip(params, dtype, n):
 def test_all_zero_input(params, dtype):
     x = np.zeros(100, dtype)
     codec = build_chain(dict(params, ef="vanilla"), 100, dtype)
-    y = codec.decompress(codec.compress(x, lr=0.1))
+    y = codec.decompress(codec.compress(x, {"lr": 0.1}))
     assert np.all(np.isfinite(y))
     if params["compressor"] != "onebit" or params.get("scaling"):
         assert not y.any()

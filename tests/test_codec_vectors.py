@@ -39,7 +39,7 @@ def test_compress_matches_byteps(case):
     x = load(case["input"], np.float32)
     assert x.size == case["n"]
     expected = load(case["compressed"], np.uint8)
-    got = build_chain(params, x.size, np.float32).compress(x, lr=0.1)
+    got = build_chain(params, x.size, np.float32).compress(x, {"lr": 0.1})
     if params["compressor"] == "topk":  # BytePS emits heap order; the set is the contract
         assert got.size == expected.size
         assert record_set(got) == record_set(expected)

@@ -7,6 +7,7 @@ from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the 
 from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
 from .base import Codec
 from .chain import build_chain, derive_seed
+from .context import step_context
 from .params import CompressionParams, ParamError
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
@@ -14,4 +15,4 @@ from .sparse import resolve_k
 
 __all__ = ["Codec", "CompressionParams", "ParamError", "build_chain", "derive_seed",
            "load_plugins", "register_compressor", "register_error_feedback",
-           "register_momentum", "resolve_k"]
+           "register_momentum", "resolve_k", "step_context"]

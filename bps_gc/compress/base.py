@@ -28,7 +28,7 @@ class Codec:
         self.params, self.n, self.dtype = params, int(n), dtype
         self._scratch = None
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         raise NotImplementedError
 
     def decompress(self, payload, out=None):

@@ -23,7 +23,7 @@ class Dithering(Codec):
         self._decode = getattr(lib, "dithering_decompress_" + kind)
         self._capacity = 2 * self.n + 64  # 16 bits an element; retried with the worst case
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         x = self._input(x)
         if self.dtype == np.float16:
             x = x.astype(np.float32)

@@ -2,6 +2,7 @@
 (workers only). Order on a worker: momentum -> error feedback -> codec."""
 import numpy as np
 
+from .context import step_context
 from .registry import register_error_feedback, register_momentum
 
 
@@ -31,13 +32,15 @@ class VanillaErrorFeedback(Decorator):
         self.error = np.zeros(self.n, self.dtype)
         self.lr_prev = 0.0
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
+        ctx = step_context(ctx)
+        lr = ctx["lr"]
         e = self.error
         if lr and self.lr_prev and self.lr_prev != lr:
             # BytePS scales by a float32 ratio, then adds: two float32 roundings, as here
             np.multiply(e, np.float32(self.lr_prev / lr), out=e)
         np.add(e, np.asarray(x, self.dtype).reshape(-1), out=e)  # e now holds the corrected g
-        payload = self.inner.compress(e, lr)
+        payload = self.inner.compress(e, ctx)
         self.inner.residual(payload, e)
         self.lr_prev = lr
         return payload
@@ -53,11 +56,11 @@ class NesterovMomentum(Decorator):
         self.momentum = np.zeros(self.n, self.dtype)
         self._grad = np.empty(self.n, self.dtype)
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         x = np.asarray(x, self.dtype).reshape(-1)
         m = self.momentum
         m *= self.mu
         m += x
         np.multiply(m, self.mu, out=self._grad)
         self._grad += x
-        return self.inner.compress(self._grad, lr)
+        return self.inner.compress(self._grad, ctx)

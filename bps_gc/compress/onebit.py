@@ -20,7 +20,7 @@ class Onebit(Codec):
         self._decode = getattr(lib, "onebit_decompress_" + suffix)
         self._residual = getattr(lib, "onebit_residual_" + suffix, None)  # none for float16
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         x = self._input(x)
         if self.dtype == np.float16:  # float16 -> float32 is exact; the kernel packs 16-bit words
             x = x.astype(np.float32)

@@ -44,7 +44,7 @@ class SparseCodec(Codec):
         """uint32 array of the k chosen positions of x (x is contiguous, of self.dtype)."""
         raise NotImplementedError
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         x = self._input(x)
         idx = self.indices(x)
         rec = np.empty(self.k, self.record)

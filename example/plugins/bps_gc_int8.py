@@ -27,7 +27,7 @@ class Int8(Codec):
         options = dict(params.options)
         self.round = np.floor if options.get("int8_round") == "floor" else np.rint
 
-    def compress(self, x, lr=0.0):
+    def compress(self, x, ctx=None):
         x = self._input(x).astype(np.float32)
         scale = np.float32(np.abs(x).max() / 127) if x.size else np.float32(0)
         q = self.round(x / scale) if scale else np.zeros(self.n)

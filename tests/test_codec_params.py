@@ -56,6 +56,26 @@ def test_json_round_trip_without_pickle():
     ({"compressor": "onebit", "scaling": "yes"}, "scaling", "true or false"),
     ({"compressor": "onebit", "fp16": 2}, "fp16", "true or false"),
     ({"compressor": "onebit", "compresor": "x"}, "compresor", "unknown key"),
+    # issue 11's codecs
+    ({"compressor": "terngrad", "clip": "yes"}, "clip", "true or false"),
+    ({"compressor": "qsgd", "levels": 0}, "levels", "[1, 16777215]"),
+    ({"compressor": "qsgd", "levels": 2.5}, "levels", "whole number"),
+    ({"compressor": "qsgd", "biased": 3}, "biased", "true or false"),
+    ({"compressor": "topk", "k": 0.1, "levels": 3}, "levels", "unknown key"),
+    ({"compressor": "threshold"}, "threshold", "needs 'threshold'"),
+    ({"compressor": "threshold", "threshold": -1}, "threshold", "finite number"),
+    ({"compressor": "threshold", "threshold": float("nan")}, "threshold", "finite number"),
+    ({"compressor": "dgc"}, "k", "needs k"),
+    ({"compressor": "dgc", "k": 0.01, "sample_ratio": 0}, "sample_ratio", "(0, 1]"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_epochs": -1}, "warmup_epochs", "whole number"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_densities": [0.5, 0]}, "warmup_densities", "(0, 1]"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_densities": "0.5"}, "warmup_densities", "list"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_epochs": 2, "warmup_densities": [0.5]},
+     "warmup_densities", "either"),
+    ({"compressor": "dgc", "k": 0.01, "clip_norm": 0}, "clip_norm", "(0, inf]"),
+    ({"compressor": "dgc", "k": 0.01, "fp16_values": "no"}, "fp16_values", "true or false"),
+    ({"compressor": "dgc", "k": 0.01, "ef": "vanilla"}, "ef", "its own error feedback"),
+    ({"compressor": "powersgd", "rank": 0}, "rank", "whole number"),
 ])
 def test_bad_parameter_names_the_key(params, key, fragment):
     with pytest.raises(ParamError) as err:

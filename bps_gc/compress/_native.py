@@ -22,6 +22,7 @@ HEADERS = sorted(os.path.join(KERNELS, f) for f in os.listdir(KERNELS) if f.ends
 ERRORS = {-1: "truncated payload", -2: "index out of range", -3: "malformed bit stream",
           -4: "out of memory", -5: "output buffer too small", -6: "input contains inf or NaN"}
 ERR_OVERFLOW = -5
+ERR_NONFINITE = -6
 
 
 def _prebuilt():

@@ -30,8 +30,9 @@ def _scale_add(a, s, x, out):
         return bool(lib.scale_add_f32(ptr(a), float(s), ptr(x), out.size, ptr(out)))
     if out.dtype == np.float64:
         return bool(lib.scale_add_f64(ptr(a), float(s), ptr(x), out.size, ptr(out)))
-    np.multiply(a, s, out=out)
-    np.add(out, x, out=out)
+    with np.errstate(over="ignore", invalid="ignore"):  # reported by the return value
+        np.multiply(a, s, out=out)
+        np.add(out, x, out=out)
     return bool(lib.all_finite_u16(ptr(out), out.size))
 
 
@@ -73,7 +74,7 @@ class VanillaErrorFeedback(Decorator):
 @register_momentum("nesterov")
 class NesterovMomentum(Decorator):
     """m = g + mu*m; g = g + mu*m; then the inner chain. A non-finite step leaves m as it was
-    (the non-finite g still goes down the chain, so the round's result shows it)."""
+    and goes down the chain as all NaN (as in error feedback)."""
 
     def __init__(self, inner, params):
         super().__init__(inner, params)
@@ -85,7 +86,8 @@ class NesterovMomentum(Decorator):
     def compress(self, x, ctx=None):
         x = _flat(x, self.dtype)
         m = self._spare
-        if _scale_add(self.momentum, self.mu, x, m):
+        if _scale_add(self.momentum, self.mu, x, m) and _scale_add(m, self.mu, x, self._grad):
             self.momentum, self._spare = m, self.momentum
-        _scale_add(m, self.mu, x, self._grad)
+        else:
+            self._grad.fill(np.nan)
         return self.inner.compress(self._grad, ctx)

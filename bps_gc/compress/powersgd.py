@@ -83,5 +83,6 @@ class PowerSGD(Codec):
         p, _ = self._matrix(buf[:split], self.rows, "P")
         q, _ = self._matrix(buf[split:], self.cols, "Q")
         out = self._output(out)
-        out[:] = (p @ q.T).reshape(-1)[: self.n]
+        with np.errstate(over="ignore", invalid="ignore"):  # any float32 bits are a valid payload
+            out[:] = (p @ q.T).reshape(-1)[: self.n]
         return out

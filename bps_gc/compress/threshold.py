@@ -81,7 +81,7 @@ class SortedSparse(Codec):
     def threshold_key(self, value):
         """The smallest key whose float is >= value (value >= 0, a float32 number)."""
         t = self.dtype.type(value)
-        if float(t) < float(np.float32(value)):
+        if float(t) < float(np.float32(value)) and np.isfinite(t):
             t = np.nextafter(t, self.dtype.type(np.inf))
         return int(np.array([t], self.dtype).view(self._key_type)[0])
 
@@ -115,6 +115,7 @@ class AdaptiveThreshold(SortedSparse):
             return np.empty(0, np.uint8)
         peak = np.array([top], self._key_type).view(self.dtype)[0]
         half = self.dtype.type(peak) / self.dtype.type(2)
-        key = int(np.array([half], self.dtype).view(self._key_type)[0]) if np.isfinite(peak) else top
+        # non-finite: every inf and NaN (their keys are at least inf's)
+        key = self.threshold_key(half if np.isfinite(peak) else np.inf)
         _, idx = self.collect(x, key)
         return self.encode(x, idx)

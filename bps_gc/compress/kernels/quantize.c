@@ -17,9 +17,9 @@ DEFINE_KEYMAX(uint16_t, 0x7fffu, u16)
 /* Indices (ascending) of the elements whose |x| bits are >= thr: returns how many there are,
  * writing only the first cap of them. */
 #define DEFINE_COLLECT_IDX(UT, MASK, SUFFIX)                                      \
-    EXPORT HOT int64_t key_collect_##SUFFIX(const UT *u, int64_t n, uint64_t thr, uint32_t *idx, int64_t cap) { \
-        int64_t m = 0;                                                            \
-        for (int64_t i = 0; i < n; i++) {                                         \
+    static int64_t key_collect_tail_##SUFFIX(const UT *u, int64_t from, int64_t n, uint64_t thr, \
+                                              uint32_t *idx, int64_t cap, int64_t m) { \
+        for (int64_t i = from; i < n; i++) {                                      \
             if ((uint64_t)(u[i] & MASK) >= thr) {                                 \
                 if (m < cap) idx[m] = (uint32_t)i;                                \
                 m++;                                                              \
@@ -29,6 +29,38 @@ DEFINE_KEYMAX(uint16_t, 0x7fffu, u16)
     }
 DEFINE_COLLECT_IDX(uint32_t, 0x7fffffffu, u32)
 DEFINE_COLLECT_IDX(uint16_t, 0x7fffu, u16)
+
+/* AVX2: eight keys per compare; blocks of 32 with no hit (almost all of them) cost four
+ * compares and one test. Keys and thresholds are below 2^31, so signed compares order them. */
+__attribute__((target("avx2"))) static int64_t key_collect_avx2_u32(const uint32_t *u, int64_t n, uint64_t thr,
+                                                                    uint32_t *idx, int64_t cap) {
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32((int32_t)(thr - 1));
+    int64_t m = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        PREFETCH_AHEAD(u + i, 128, 0);
+        uint32_t bits = 0;
+        for (int b = 0; b < 4; b++) {
+            __m256i k = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(u + i + 8 * b)), mask);
+            bits |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, lim))) << (8 * b);
+        }
+        while (bits) {
+            int t = __builtin_ctz(bits);
+            bits &= bits - 1;
+            if (m < cap) idx[m] = (uint32_t)(i + t);
+            m++;
+        }
+    }
+    return key_collect_tail_u32(u, i, n, thr, idx, cap, m);
+}
+
+EXPORT int64_t key_collect_u32(const uint32_t *u, int64_t n, uint64_t thr, uint32_t *idx, int64_t cap) {
+    if (thr >= 1 && thr <= 0x80000000ull && __builtin_cpu_supports("avx2"))
+        return key_collect_avx2_u32(u, n, thr, idx, cap);
+    return key_collect_tail_u32(u, 0, n, thr, idx, cap, 0);
+}
+EXPORT int64_t key_collect_u16(const uint16_t *u, int64_t n, uint64_t thr, uint32_t *idx, int64_t cap) {
+    return key_collect_tail_u16(u, 0, n, thr, idx, cap, 0);
+}
 
 /* 1 when every element is finite (exponent bits not all ones). */
 #define DEFINE_FINITE(UT, EXP, SUFFIX)                                            \
@@ -82,30 +114,38 @@ static inline int bern32(uint32_t r, float p) { return (double)r < (double)p * 4
 EXPORT HOT void terngrad_compress_f32(const float *x, int64_t n, float c, float s, uint64_t *state,
                                       uint8_t *codes) {
     memset(codes, 0, (size_t)((n + 3) / 4));
-    uint64_t r = 0;
+    uint64_t r = 0, st[2] = {state[0], state[1]}; /* a local copy: byte stores may alias state */
     for (int64_t i = 0; i < n; i++) {
-        if (!(i & 1)) r = xs_next(state);
+        if (!(i & 1)) r = xs_next(st);
         uint32_t bits = (i & 1) ? (uint32_t)r : (uint32_t)(r >> 32);
         float a = fabsf(x[i]);
         a = a < c ? a : c;
         unsigned keep = bern32(bits, a / s);
-        unsigned code = keep ? (x[i] < 0 ? 2u : 1u) : 0u;
+        unsigned code = keep * (1u + (unsigned)(x[i] < 0)); /* no branch: keep is a coin flip */
         codes[i >> 2] |= (uint8_t)(code << (2 * (i & 3)));
     }
+    state[0] = st[0];
+    state[1] = st[1];
 }
 
-/* y = scale * {0, +1, -1}[code]; a code of 3, or a nonzero padding code, is malformed. */
+/* y = scale * {0, +1, -1}[code]; a code of 3, or a nonzero padding code, is malformed.
+ * A 256-entry table turns each code byte into its four floats (one 16-byte copy). */
 EXPORT HOT int64_t terngrad_decompress_f32(const uint8_t *codes, int64_t n, float scale, float *y) {
     int64_t nbytes = (n + 3) / 4;
-    for (int64_t j = 0; j < nbytes; j++) {
-        uint8_t b = codes[j];
-        if ((b & (b >> 1) & 0x55) != 0) return ERR_CODE;
-    }
-    if (n & 3) {
-        if (codes[nbytes - 1] >> (2 * (n & 3))) return ERR_CODE;
-    }
+    uint8_t bad = 0;
+    for (int64_t j = 0; j < nbytes; j++) bad |= codes[j] & (codes[j] >> 1) & 0x55;
+    if (bad) return ERR_CODE;
+    if ((n & 3) && (codes[nbytes - 1] >> (2 * (n & 3)))) return ERR_CODE;
     const float val[4] = {0.0f * scale, scale, -scale, 0.0f};
-    for (int64_t i = 0; i < n; i++) y[i] = val[(codes[i >> 2] >> (2 * (i & 3))) & 3];
+    float table[256][4];
+    for (int b = 0; b < 256; b++)
+        for (int t = 0; t < 4; t++) table[b][t] = val[(b >> (2 * t)) & 3];
+    int64_t full = n / 4;
+    for (int64_t j = 0; j < full; j++) {
+        PREFETCH_AHEAD(y + 4 * j, 16, 1);
+        memcpy(y + 4 * j, table[codes[j]], 16);
+    }
+    for (int64_t i = 4 * full; i < n; i++) y[i] = val[(codes[i >> 2] >> (2 * (i & 3))) & 3];
     return 0;
 }
 
@@ -116,42 +156,66 @@ EXPORT HOT int64_t terngrad_decompress_f32(const uint8_t *codes, int64_t n, floa
  * capped at q. */
 EXPORT HOT int64_t qsgd_compress_f32(const float *x, int64_t n, float mult, uint32_t q, int bits,
                                      uint64_t *state, uint8_t *out) {
-    uint64_t acc = 0, r = 0;
+    uint64_t acc = 0, r = 0, st[2] = {state[0], state[1]}; /* local: byte stores may alias */
     int cnt = 0;
     uint8_t *p = out;
     for (int64_t i = 0; i < n; i++) {
-        if (!(i & 1)) r = xs_next(state);
+        if (!(i & 1)) r = xs_next(st);
         uint32_t rb = (i & 1) ? (uint32_t)r : (uint32_t)(r >> 32);
         float l = fabsf(x[i]) * mult;
         float f = floorf(l);
         uint32_t level = (uint32_t)f + (uint32_t)bern32(rb, l - f);
         level = level > q ? q : level;
-        uint64_t code = ((uint64_t)level << 1) | (uint64_t)(x[i] < 0 && level);
+        uint64_t code = ((uint64_t)level << 1) | (uint64_t)((x[i] < 0) & (level != 0));
         acc |= code << cnt;
         cnt += bits;
-        while (cnt >= 8) { *p++ = (uint8_t)acc; acc >>= 8; cnt -= 8; }
+        if (cnt >= 32) { uint32_t w = (uint32_t)acc; memcpy(p, &w, 4); p += 4; acc >>= 32; cnt -= 32; }
     }
-    if (cnt) *p++ = (uint8_t)acc;
+    while (cnt > 0) { *p++ = (uint8_t)acc; acc >>= 8; cnt -= 8; }
+    state[0] = st[0];
+    state[1] = st[1];
     return p - out;
 }
 
+static inline float qsgd_value(uint64_t code, float scale) {
+    float v = (float)(uint32_t)(code >> 1) * scale;
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    b ^= (uint32_t)(code & 1) << 31; /* the sign without a branch */
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+/* Element i's code starts at bit i*bits: one unaligned 8-byte load at byte (i*bits)/8, shifted
+ * by the rest (bits <= 25, so it always fits). The last elements, whose load would run past the
+ * payload, read from a zero-padded copy. */
 EXPORT HOT int64_t qsgd_decompress_f32(const uint8_t *in, int64_t nbytes, int64_t n, uint32_t q,
                                        int bits, float scale, float *y) {
     if (nbytes != (n * bits + 7) / 8) return ERR_TRUNCATED;
-    uint64_t acc = 0, mask = ((uint64_t)1 << bits) - 1;
-    int cnt = 0;
-    const uint8_t *p = in;
-    for (int64_t i = 0; i < n; i++) {
-        while (cnt < bits) { acc |= (uint64_t)(*p++) << cnt; cnt += 8; }
-        uint64_t code = acc & mask;
-        acc >>= bits;
-        cnt -= bits;
-        uint32_t level = (uint32_t)(code >> 1);
-        if (level > q) return ERR_CODE;
-        float v = (float)level * scale;
-        y[i] = (code & 1) ? -v : v;
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    uint64_t maxcode = ((uint64_t)q << 1) | 1, worst = 0;
+    int64_t safe = nbytes >= 8 ? ((nbytes - 8) * 8) / bits : 0; /* elements whose load fits */
+    if (safe > n) safe = n;
+    for (int64_t i = 0; i < safe; i++) {
+        uint64_t pos = (uint64_t)i * bits, w;
+        memcpy(&w, in + (pos >> 3), 8);
+        uint64_t code = (w >> (pos & 7)) & mask;
+        worst = code > worst ? code : worst;
+        y[i] = qsgd_value(code, scale);
     }
-    if (acc) return ERR_CODE; /* padding bits must be zero */
+    uint8_t tail[48] = {0};
+    int64_t base = (safe * bits) >> 3;
+    memcpy(tail, in + base, (size_t)(nbytes - base)); /* < 40 bytes */
+    for (int64_t i = safe; i < n; i++) {
+        uint64_t pos = (uint64_t)i * bits - (uint64_t)base * 8, w;
+        memcpy(&w, tail + (pos >> 3), 8);
+        uint64_t code = (w >> (pos & 7)) & mask;
+        worst = code > worst ? code : worst;
+        y[i] = qsgd_value(code, scale);
+    }
+    if (worst > maxcode) return ERR_CODE; /* a level above q (y is scratch until this returns) */
+    uint64_t used = (uint64_t)n * bits;
+    if (used & 7 && (in[nbytes - 1] >> (used & 7))) return ERR_CODE; /* padding bits must be zero */
     return 0;
 }
 

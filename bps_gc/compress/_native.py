@@ -104,6 +104,7 @@ def _load():
         "dgc_accumulate_f32": (None, [P, P, P, I, F, C]),
         "sorted_records_add_f32": (I, [P, I, I, P, C]),
         "records_gather_u32_f32": (None, [P, P, I, P]),
+        "lowrank_product_f32": (None, [P, P, I, I, I, I, P]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

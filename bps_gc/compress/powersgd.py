@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from ._native import lib, ptr
 from .base import Codec
 from .params import CODEC_OPTIONS
 from .registry import register_compressor
@@ -50,6 +51,22 @@ class PowerSGD(Codec):
         self.m = np.zeros((self.rows, self.cols), np.float32)
         self.p_hat = None
 
+    def _product(self, p, q, out):
+        """The first n elements of P Q^T, written into ``out`` (float32), in one pass (numpy's
+        matmul would fill the padded matrix, slowly for an inner size of 1, then copy)."""
+        p, qt = np.ascontiguousarray(p, np.float32), np.ascontiguousarray(q.T, np.float32)
+        lib.lowrank_product_f32(ptr(p), ptr(qt), self.rows, self.cols, self.rank, self.n, ptr(out))
+        return out
+
+    def _into(self, out, fill):
+        """fill(float32 target) and return ``out`` (float16 outputs go through float32)."""
+        out = self._output(out)
+        if out.dtype == np.float32:
+            return fill(out)
+        with np.errstate(over="ignore"):
+            out[:] = fill(np.empty(self.n, np.float32))
+        return out
+
     def _matrix(self, payload, rows, what):
         buf = self._payload(payload, rows * self.rank * 4)
         return np.frombuffer(buf.tobytes(), np.float32).reshape(rows, self.rank), what
@@ -68,13 +85,16 @@ class PowerSGD(Codec):
         if self.p_hat is None:
             raise ValueError("powersgd: finish() before compress_q()")
         q, _ = self._matrix(q_sum, self.cols, "Q")
-        approx = (self.p_hat @ q.T).reshape(-1)[: self.n]
-        np.subtract(self.m.reshape(-1)[: self.n], approx / np.float32(workers), out=self.error)
-        if not np.all(np.isfinite(self.error)):  # a non-finite step: it shows in out, not later
-            self.error[:] = 0
+        m = self.m.reshape(-1)
+
+        def fill(approx):
+            self._product(self.p_hat, q, approx)
+            # error = M - approx / workers in one pass; a non-finite step shows in out, not later
+            if not lib.scale_add_f32(ptr(approx), -1.0 / workers, ptr(m), self.n, ptr(self.error)):
+                self.error[:] = 0
+            return approx
+        out = self._into(out, fill)
         self.q = q.copy()
-        out = self._output(out)
-        out[:] = approx
         return out
 
     def decompress(self, payload, out=None):
@@ -82,7 +102,5 @@ class PowerSGD(Codec):
         buf = self._payload(payload, split + self.cols * self.rank * 4)
         p, _ = self._matrix(buf[:split], self.rows, "P")
         q, _ = self._matrix(buf[split:], self.cols, "Q")
-        out = self._output(out)
         with np.errstate(over="ignore", invalid="ignore"):  # any float32 bits are a valid payload
-            out[:] = (p @ q.T).reshape(-1)[: self.n]
-        return out
+            return self._into(out, lambda target: self._product(p, q, target))

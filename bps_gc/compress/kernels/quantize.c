@@ -187,33 +187,77 @@ static inline float qsgd_value(uint64_t code, float scale) {
 }
 
 /* Element i's code starts at bit i*bits: one unaligned 8-byte load at byte (i*bits)/8, shifted
- * by the rest (bits <= 25, so it always fits). The last elements, whose load would run past the
- * payload, read from a zero-padded copy. */
-EXPORT HOT int64_t qsgd_decompress_f32(const uint8_t *in, int64_t nbytes, int64_t n, uint32_t q,
-                                       int bits, float scale, float *y) {
-    if (nbytes != (n * bits + 7) / 8) return ERR_TRUNCATED;
+ * by the rest (bits <= 25, so it always fits). Returns the largest code seen. */
+static uint64_t qsgd_decode_scalar(const uint8_t *in, int64_t from, int64_t to, int bits, float scale, float *y) {
     const uint64_t mask = ((uint64_t)1 << bits) - 1;
-    uint64_t maxcode = ((uint64_t)q << 1) | 1, worst = 0;
-    int64_t safe = nbytes >= 8 ? ((nbytes - 8) * 8) / bits : 0; /* elements whose load fits */
-    if (safe > n) safe = n;
-    for (int64_t i = 0; i < safe; i++) {
+    uint64_t worst = 0;
+    for (int64_t i = from; i < to; i++) {
         uint64_t pos = (uint64_t)i * bits, w;
         memcpy(&w, in + (pos >> 3), 8);
         uint64_t code = (w >> (pos & 7)) & mask;
         worst = code > worst ? code : worst;
         y[i] = qsgd_value(code, scale);
     }
-    uint8_t tail[48] = {0};
-    int64_t base = (safe * bits) >> 3;
-    memcpy(tail, in + base, (size_t)(nbytes - base)); /* < 40 bytes */
-    for (int64_t i = safe; i < n; i++) {
-        uint64_t pos = (uint64_t)i * bits - (uint64_t)base * 8, w;
-        memcpy(&w, tail + (pos >> 3), 8);
-        uint64_t code = (w >> (pos & 7)) & mask;
-        worst = code > worst ? code : worst;
-        y[i] = qsgd_value(code, scale);
+    return worst;
+}
+
+/* AVX2: eight elements (8 * bits bits, a whole number of bytes) per step. Each 128-bit lane
+ * loads the bytes of four codes, a byte shuffle puts each code's 4-byte window in its 32-bit
+ * slot, a per-slot shift and mask leave the code. */
+__attribute__((target("avx2"))) static uint64_t qsgd_decode_avx2(const uint8_t *in, int64_t groups, int bits,
+                                                                 float scale, float *y) {
+    int8_t shuf[32];
+    int32_t shift[8];
+    int lane_byte = (4 * bits) >> 3;
+    for (int t = 0; t < 8; t++) {
+        int off = t * bits - (t >= 4 ? lane_byte * 8 : 0);
+        shift[t] = off & 7;
+        for (int b = 0; b < 4; b++) shuf[4 * t + b] = (int8_t)((off >> 3) + b);
     }
-    if (worst > maxcode) return ERR_CODE; /* a level above q (y is scratch until this returns) */
+    const __m256i sh = _mm256_loadu_si256((const __m256i *)shuf), sv = _mm256_loadu_si256((const __m256i *)shift);
+    const __m256i mask = _mm256_set1_epi32((int)(((uint64_t)1 << bits) - 1)), one = _mm256_set1_epi32(1);
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256i worst = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = in + g * bits; /* 8 codes = bits bytes */
+        __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + lane_byte)),
+                                       _mm_loadu_si128((const __m128i *)p));
+        __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(raw, sh), sv), mask);
+        worst = _mm256_max_epu32(worst, code);
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(code, 1)), sc);
+        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, one), 31);
+        _mm256_storeu_ps(y + 8 * g, _mm256_xor_ps(v, _mm256_castsi256_ps(sign)));
+    }
+    uint32_t w[8];
+    _mm256_storeu_si256((__m256i *)w, worst);
+    uint32_t m = 0;
+    for (int t = 0; t < 8; t++) m = w[t] > m ? w[t] : m;
+    return m;
+}
+
+/* The last elements, whose 8- or 16-byte loads would run past the payload, read from a
+ * zero-padded copy. y is scratch until this returns 0. */
+EXPORT int64_t qsgd_decompress_f32(const uint8_t *in, int64_t nbytes, int64_t n, uint32_t q,
+                                   int bits, float scale, float *y) {
+    if (nbytes != (n * bits + 7) / 8) return ERR_TRUNCATED;
+    uint64_t maxcode = ((uint64_t)q << 1) | 1, worst = 0;
+    int64_t safe = 0;
+    if (__builtin_cpu_supports("avx2") && nbytes >= 32) {
+        int64_t groups = (nbytes - 32) / bits; /* each group reads at most bits + 16 bytes */
+        if (groups > n / 8) groups = n / 8;
+        worst = qsgd_decode_avx2(in, groups, bits, scale, y);
+        safe = 8 * groups;
+    } else {
+        safe = nbytes >= 8 ? ((nbytes - 8) * 8) / bits : 0; /* elements whose load fits */
+        if (safe > n) safe = n;
+        worst = qsgd_decode_scalar(in, 0, safe, bits, scale, y);
+    }
+    uint8_t tail[64] = {0};
+    int64_t base = (safe * bits) >> 3;
+    memcpy(tail, in + base, (size_t)(nbytes - base)); /* < 56 bytes */
+    uint64_t w2 = qsgd_decode_scalar(tail, 0, n - safe, bits, scale, y + safe);
+    worst = w2 > worst ? w2 : worst;
+    if (worst > maxcode) return ERR_CODE; /* a level above q */
     uint64_t used = (uint64_t)n * bits;
     if (used & 7 && (in[nbytes - 1] >> (used & 7))) return ERR_CODE; /* padding bits must be zero */
     return 0;
@@ -240,7 +284,10 @@ EXPORT HOT void dgc_accumulate_f32(const float *g, float *u, float *v, int64_t n
 /* ---------------------------------------------------------------- sorted sparse records */
 
 /* (uint32 index, float32 value) records with strictly increasing indices < n:
- * zero_first ? y = scatter : y += scatter. Everything is checked before anything is written. */
+ * zero_first ? y = scatter : y += scatter. Everything is checked before anything is written.
+ * Decoding zero-fills the output in L1-sized blocks and writes each block's records right
+ * after, so every cache line of y is written once (memset, then scatter, touches it twice). */
+#define ZBLOCK 4096
 EXPORT HOT int64_t sorted_records_add_f32(const uint8_t *rec, int64_t k, int64_t n, float *y, int zero_first) {
     int64_t prev = -1;
     for (int64_t i = 0; i < k; i++) {
@@ -249,13 +296,18 @@ EXPORT HOT int64_t sorted_records_add_f32(const uint8_t *rec, int64_t k, int64_t
         if ((int64_t)idx <= prev || (int64_t)idx >= n) return ERR_INDEX;
         prev = idx;
     }
-    if (zero_first) memset(y, 0, sizeof(float) * (size_t)n);
-    for (int64_t i = 0; i < k; i++) {
-        uint32_t idx;
-        float v;
-        memcpy(&idx, rec + 8 * i, 4);
-        memcpy(&v, rec + 8 * i + 4, 4);
-        y[idx] += v;
+    int64_t r = 0;
+    for (int64_t start = 0; start < n; start += ZBLOCK) {
+        int64_t stop = start + ZBLOCK < n ? start + ZBLOCK : n;
+        if (zero_first) memset(y + start, 0, sizeof(float) * (size_t)(stop - start));
+        for (; r < k; r++) {
+            uint32_t idx;
+            float v;
+            memcpy(&idx, rec + 8 * r, 4);
+            if (idx >= stop) break;
+            memcpy(&v, rec + 8 * r + 4, 4);
+            y[idx] = zero_first ? v : y[idx] + v; /* = keeps a -0.0 value's sign */
+        }
     }
     return 0;
 }
@@ -265,5 +317,36 @@ EXPORT void records_gather_u32_f32(const float *x, const uint32_t *idx, int64_t 
     for (int64_t i = 0; i < k; i++) {
         memcpy(rec + 8 * i, idx + i, 4);
         memcpy(rec + 8 * i + 4, x + idx[i], 4);
+    }
+}
+
+/* ---------------------------------------------------------------- PowerSGD */
+
+/* The first n elements of P Q^T (P: rows x r, row-major; qt = Q^T: r x cols, row-major), row by
+ * row, summed in order k = 0..r-1. Ranks up to 4 keep the partial sums in registers (one write
+ * per element); larger ones add row by row. */
+#define LOWRANK_ROW(R)                                                            \
+    for (int64_t j = 0; j < len; j++) {                                           \
+        float s = a[0] * qt[j];                                                   \
+        for (int k = 1; k < R; k++) s = s + a[k] * qt[k * cols + j];              \
+        o[j] = s;                                                                 \
+    }
+EXPORT HOT void lowrank_product_f32(const float *p, const float *qt, int64_t rows, int64_t cols,
+                                    int64_t r, int64_t n, float *out) {
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t start = i * cols, len = n - start < cols ? n - start : cols;
+        if (len <= 0) break;
+        float *o = out + start;
+        const float *a = p + i * r;
+        switch (r) {
+        case 1: LOWRANK_ROW(1) break;
+        case 2: LOWRANK_ROW(2) break;
+        case 3: LOWRANK_ROW(3) break;
+        case 4: LOWRANK_ROW(4) break;
+        default:
+            for (int64_t j = 0; j < len; j++) o[j] = a[0] * qt[j];
+            for (int64_t k = 1; k < r; k++)
+                for (int64_t j = 0; j < len; j++) o[j] = o[j] + a[k] * qt[k * cols + j];
+        }
     }
 }

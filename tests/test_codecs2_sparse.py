@@ -124,3 +124,13 @@ def test_random_bytes_never_crash(params):
         except ValueError:
             continue
         assert y.shape == (n,) and y.dtype == np.float32
+
+
+@pytest.mark.parametrize("n", [1, 7, 4095, 4096, 4097, 1_000_003, 2**31 - 1, 2**32 - 1])
+def test_randomk_fast_modulo_is_exact(n):
+    from bps_gc.compress._native import lib, ptr
+    from bps_gc.compress.rng import XorShift128Plus
+    state, idx = np.array([2020, 2020], np.uint64), np.empty(3000, np.uint32)
+    lib.randomk_indices(ptr(state), n, idx.size, ptr(idx))
+    rng = XorShift128Plus(2020)
+    assert idx.tolist() == [rng.randint(0, n) for _ in range(idx.size)]

@@ -68,6 +68,8 @@ def _load():
     sigs = {
         "rng_fill": (None, [P, I, P]),
         "randomk_indices": (None, [P, I, I, P]),
+        "randomk_records_f32": (None, [P, P, I, I, P]),
+        "randomk_records_f64": (None, [P, P, I, I, P]),
         "onebit_compress_f32": (F, [P, I, C, P]),
         "onebit_compress_f64": (F, [P, I, C, P]),
         "onebit_compress_f16": (F, [P, I, C, P]),
@@ -115,9 +117,17 @@ def _load():
 lib = _load()
 
 
+_char = ctypes.c_char
+
+
 def ptr(array):
-    """Address of a numpy array's first byte (the array must stay alive during the call)."""
-    return array.ctypes.data
+    """Address of a numpy array's first byte (the array must stay alive during the call).
+    A writable contiguous array goes through the buffer protocol (0.2 us; ``array.ctypes.data``
+    costs 1.4 us, which at 1M elements and 0.1% kept was most of a codec call)."""
+    try:
+        return ctypes.addressof(_char.from_buffer(array))
+    except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+        return array.__array_interface__["data"][0]
 
 
 def check(code, what):

@@ -22,6 +22,7 @@ from .rng import mixed_state
 from .threshold import SortedSparse
 
 UPPER, LOWER, ROUNDS = 1.3, 0.8, 10  # DGC's adaptation bounds and its number of rounds
+CANDIDATES = 4  # indices collected per selected one: past 1.3x the exact top-k often needs no rescan
 NONFINITE_KEY = 0x7F800000  # |x| bits of inf: inf and NaN are at or above it
 
 
@@ -123,20 +124,33 @@ class DGC(SortedSparse):
         kth = sample.size - top_k_samples
         threshold = np.partition(sample, kth)[kth]
         threshold = np.array([threshold], np.uint32).view(np.float32)[0]
-        count, idx = self.collect(v, threshold.view(np.uint32), selects)
+        cap = CANDIDATES * selects
+        count, idx = self.collect(v, threshold.view(np.uint32), cap)
         rounds, fallback = 0, False
         for _ in range(ROUNDS):
             if count > selects:
                 if count > UPPER * selects:  # far too many: the exact top-k of those
-                    out = np.empty(selects, np.uint32)
-                    check(lib.topk_indices_f32(ptr(v), self.n, selects, ptr(out)), "dgc")
-                    idx, fallback = np.sort(out), True
+                    idx, fallback = self.exact_top(v, idx, count, selects), True
                 break
             if count >= LOWER * selects:
                 break
             threshold = threshold * np.float32(LOWER)
-            count, idx = self.collect(v, threshold.view(np.uint32), selects)
+            count, idx = self.collect(v, threshold.view(np.uint32), cap)
             rounds += 1
+        idx = idx[:selects]
         self.last = {"density": density, "start": start, "threshold": float(threshold),
                      "rounds": rounds, "count": count, "fallback": fallback, "selects": selects}
         return idx
+
+    def exact_top(self, v, idx, count, selects):
+        """Ascending indices of the ``selects`` largest |v| (ties to the lower index) among
+        the ``count`` elements at or above the threshold, of which ``idx`` holds the first
+        ones: the same as the top-k of all of v, since those elements include it."""
+        if count > idx.size:  # not all collected: the whole array
+            out = np.empty(selects, np.uint32)
+            check(lib.topk_indices_f32(ptr(v), self.n, selects, ptr(out)), "dgc")
+            return np.sort(out)
+        keys = v.view(np.uint32)[idx] & np.uint32(0x7FFFFFFF)
+        order = (np.uint64(0x7FFFFFFF) - keys.astype(np.uint64)) << np.uint64(32) | idx
+        best = np.partition(order, selects - 1)[:selects] & np.uint64(0xFFFFFFFF)
+        return np.sort(best).astype(np.uint32)

@@ -115,7 +115,7 @@ class QSGD(StochasticQuantizer):
         moments = np.empty(2, np.float64)
         lib.moments_f32(ptr(x), self.n, ptr(moments))
         norm = math.sqrt(moments[1]) if math.isfinite(moments[1]) else math.nan
-        out = np.empty(self.HEADER + self.body_bytes, np.uint8)
+        out = np.empty(self.HEADER + self.body_bytes + 8, np.uint8)  # the kernel's 8-byte stores
         stored = float(np.float32(min(norm, F32_MAX))) if math.isfinite(norm) else math.nan
         out[: self.HEADER] = self._header(stored)
         if norm > 0 and math.isfinite(norm):
@@ -125,7 +125,7 @@ class QSGD(StochasticQuantizer):
             assert size == self.body_bytes
         else:  # zeros; or non-finite, which a NaN norm carries to every element
             out[self.HEADER:] = 0
-        return out
+        return out[: self.HEADER + self.body_bytes]
 
     def decompress(self, payload, out=None):
         norm, body = self._split(payload)

@@ -111,18 +111,36 @@ static inline int bern32(uint32_t r, float p) { return (double)r < (double)p * 4
 
 /* code per element, 2 bits, 4 per byte from the least significant end: 0 zero, 1 +1, 2 -1.
  * p = min(|x|, c) / s (s > 0 and finite, c the clip bound or inf). */
+/* The sign comes from the sign bit (a -0.0 is never kept): compilers turn `xi < 0` into a
+ * branch, which mispredicts half the time on gradients. */
+static inline unsigned tern_code(float xi, uint32_t bits, float c, float s) {
+    uint32_t sb;
+    memcpy(&sb, &xi, 4);
+    float a = fabsf(xi);
+    a = a < c ? a : c;
+    return bern32(bits, a / s) * (1u + (sb >> 31));
+}
+
 EXPORT HOT void terngrad_compress_f32(const float *x, int64_t n, float c, float s, uint64_t *state,
                                       uint8_t *codes) {
-    memset(codes, 0, (size_t)((n + 3) / 4));
-    uint64_t r = 0, st[2] = {state[0], state[1]}; /* a local copy: byte stores may alias state */
-    for (int64_t i = 0; i < n; i++) {
-        if (!(i & 1)) r = xs_next(st);
-        uint32_t bits = (i & 1) ? (uint32_t)r : (uint32_t)(r >> 32);
-        float a = fabsf(x[i]);
-        a = a < c ? a : c;
-        unsigned keep = bern32(bits, a / s);
-        unsigned code = keep * (1u + (unsigned)(x[i] < 0)); /* no branch: keep is a coin flip */
-        codes[i >> 2] |= (uint8_t)(code << (2 * (i & 3)));
+    uint64_t st[2] = {state[0], state[1]}; /* a local copy: byte stores may alias state */
+    int64_t full = n / 4;
+    for (int64_t j = 0; j < full; j++) { /* four codes, two draws, one byte */
+        const float *p = x + 4 * j;
+        uint64_t r0 = xs_next(st), r1 = xs_next(st);
+        codes[j] = (uint8_t)(tern_code(p[0], (uint32_t)(r0 >> 32), c, s) |
+                             tern_code(p[1], (uint32_t)r0, c, s) << 2 |
+                             tern_code(p[2], (uint32_t)(r1 >> 32), c, s) << 4 |
+                             tern_code(p[3], (uint32_t)r1, c, s) << 6);
+    }
+    if (n & 3) {
+        unsigned byte = 0;
+        uint64_t r = 0;
+        for (int64_t i = 4 * full; i < n; i++) {
+            if (!(i & 1)) r = xs_next(st);
+            byte |= tern_code(x[i], (i & 1) ? (uint32_t)r : (uint32_t)(r >> 32), c, s) << (2 * (i & 3));
+        }
+        codes[full] = (uint8_t)byte;
     }
     state[0] = st[0];
     state[1] = st[1];
@@ -153,23 +171,40 @@ EXPORT HOT int64_t terngrad_decompress_f32(const uint8_t *codes, int64_t n, floa
 
 /* code per element (level << 1 | sign), `bits` wide, packed from the least significant bit of
  * a little-endian bit stream. level = floor(l) + Bernoulli(l - floor(l)), l = |x| * mult,
- * capped at q. */
+ * capped at q. Two codes per draw, then one unconditional 8-byte store that advances by the
+ * whole bytes written (no branch); the output needs 8 bytes of slack. */
+static inline uint64_t qsgd_code(float xi, uint32_t rb, float mult, uint32_t q) {
+    uint32_t sb;
+    memcpy(&sb, &xi, 4); /* the sign bit, not `x < 0`, which compiles to a branch */
+    float l = fabsf(xi) * mult;
+    float f = floorf(l);
+    uint32_t level = (uint32_t)f + (uint32_t)bern32(rb, l - f);
+    level = level > q ? q : level;
+    return ((uint64_t)level << 1) | (uint64_t)((sb >> 31) & (level != 0));
+}
+
 EXPORT HOT int64_t qsgd_compress_f32(const float *x, int64_t n, float mult, uint32_t q, int bits,
                                      uint64_t *state, uint8_t *out) {
-    uint64_t acc = 0, r = 0, st[2] = {state[0], state[1]}; /* local: byte stores may alias */
+    uint64_t acc = 0, st[2] = {state[0], state[1]}; /* local: byte stores may alias */
     int cnt = 0;
     uint8_t *p = out;
-    for (int64_t i = 0; i < n; i++) {
-        if (!(i & 1)) r = xs_next(st);
-        uint32_t rb = (i & 1) ? (uint32_t)r : (uint32_t)(r >> 32);
-        float l = fabsf(x[i]) * mult;
-        float f = floorf(l);
-        uint32_t level = (uint32_t)f + (uint32_t)bern32(rb, l - f);
-        level = level > q ? q : level;
-        uint64_t code = ((uint64_t)level << 1) | (uint64_t)((x[i] < 0) & (level != 0));
-        acc |= code << cnt;
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        uint64_t r = xs_next(st);
+        acc |= qsgd_code(x[i], (uint32_t)(r >> 32), mult, q) << cnt;
         cnt += bits;
-        if (cnt >= 32) { uint32_t w = (uint32_t)acc; memcpy(p, &w, 4); p += 4; acc >>= 32; cnt -= 32; }
+        acc |= qsgd_code(x[i + 1], (uint32_t)r, mult, q) << cnt;
+        cnt += bits; /* <= 7 + 50 */
+        memcpy(p, &acc, 8);
+        int adv = cnt >> 3;
+        p += adv;
+        acc >>= 8 * adv;
+        cnt &= 7;
+    }
+    if (i < n) {
+        uint64_t r = xs_next(st);
+        acc |= qsgd_code(x[i], (uint32_t)(r >> 32), mult, q) << cnt;
+        cnt += bits;
     }
     while (cnt > 0) { *p++ = (uint8_t)acc; acc >>= 8; cnt -= 8; }
     state[0] = st[0];

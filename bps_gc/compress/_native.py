@@ -88,7 +88,7 @@ def _load():
         "records_gather_f64": (None, [P, P, I, P]),
         "records_scatter_f32": (I, [P, I, I, P]),
         "records_scatter_f64": (I, [P, I, I, P]),
-        # quantize.c: TernGrad, QSGD, DGC and the shared scans
+        # quantize.c (TernGrad, QSGD) and scans.c (sparse codecs, DGC, PowerSGD, error feedback)
         "key_max_u32": (ctypes.c_uint64, [P, I]),
         "key_max_u16": (ctypes.c_uint64, [P, I]),
         "key_collect_u32": (I, [P, I, ctypes.c_uint64, P, I]),

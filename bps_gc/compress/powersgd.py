@@ -38,6 +38,9 @@ def orthogonalize(p):
 @register_compressor("powersgd", options=CODEC_OPTIONS["powersgd"])
 class PowerSGD(Codec):
     phases = 2
+    # two plain-sum reduce phases (P, then Q), which the runtime's own reducer drives; until it
+    # exists, declaring a powersgd tensor fails naming this reducer
+    reducers = ("powersgd",)
 
     def __init__(self, params, n, dtype, seed):
         super().__init__(params, n, dtype)

@@ -76,6 +76,7 @@ def test_json_round_trip_without_pickle():
     ({"compressor": "dgc", "k": 0.01, "fp16_values": "no"}, "fp16_values", "true or false"),
     ({"compressor": "dgc", "k": 0.01, "ef": "vanilla"}, "ef", "its own error feedback"),
     ({"compressor": "powersgd", "rank": 0}, "rank", "whole number"),
+    ({"compressor": "powersgd", "rank": float("inf")}, "rank", "whole number"),
 ])
 def test_bad_parameter_names_the_key(params, key, fragment):
     with pytest.raises(ParamError) as err:
@@ -120,3 +121,13 @@ def test_unseeded_codecs_agree_across_processes_by_key():
     pa = a.compress(x).tobytes()
     assert pa == b.compress(x).tobytes()
     assert pa != c.compress(x).tobytes()
+
+
+def test_issue11_options_round_trip_through_json():
+    p = CompressionParams.from_dict({"compressor": "dgc", "k": 0.001, "warmup_densities": [0.25, 0.0625],
+                                     "fp16_values": True, "clip_norm": 5, "mu": 0.9,
+                                     "momentum": "nesterov", "sample_ratio": 0.02})
+    assert CompressionParams.from_json(p.to_json()) == p
+    assert p.option("warmup_densities") == (0.25, 0.0625) and p.option("clip_norm") == 5.0
+    q = CompressionParams.from_dict({"compressor": "qsgd", "levels": 15, "biased": True, "seed": 3})
+    assert CompressionParams.from_json(q.to_json()) == q

@@ -134,3 +134,17 @@ def test_randomk_fast_modulo_is_exact(n):
     lib.randomk_indices(ptr(state), n, idx.size, ptr(idx))
     rng = XorShift128Plus(2020)
     assert idx.tolist() == [rng.randint(0, n) for _ in range(idx.size)]
+
+
+@pytest.mark.parametrize("params", [p for p in VALID if p["compressor"] not in ("dgc", "powersgd")],
+                         ids=lambda p: "-".join(f"{v}" for v in p.values()))
+def test_error_feedback_conserves_mass(params):
+    n, steps = 500, 20
+    rng = np.random.default_rng(2)
+    codec = build_chain(dict(params, ef="vanilla", seed=5), n, np.float32)
+    sent, inputs = np.zeros(n), np.zeros(n)
+    for _ in range(steps):
+        g = rng.standard_normal(n).astype(np.float32)
+        inputs += g
+        sent += codec.decompress(codec.compress(g, {"lr": 0.1}))
+    assert np.allclose(sent + codec.error, inputs, atol=1e-3)

@@ -34,8 +34,8 @@ def _bool(value):
 
 def _whole(lo, hi):
     def convert(value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-                or not lo <= value <= hi:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value != int(value) or not lo <= value <= hi:
             raise ValueError(f"must be a whole number in [{lo}, {hi}]")
         return int(value)
     return convert

@@ -152,3 +152,10 @@ def test_zeros_and_non_finite(name):
     x = np.ones(10, np.float32)
     x[3] = np.inf
     assert np.all(np.isnan(codec.decompress(codec.compress(x))))
+
+
+def test_qsgd_partition_of_subnormals():
+    x = np.array([1e-42, -3e-42, 0, 2e-42], np.float32)
+    codec = build_chain({"compressor": "qsgd", "levels": 255, "seed": 1}, 4, np.float32)
+    y = np.stack([codec.decompress(codec.compress(x)) for _ in range(200)])
+    assert np.all(np.isfinite(y)) and np.all(np.sign(y) * np.sign(x) >= 0)

@@ -119,6 +119,8 @@ class QSGD(StochasticQuantizer):
         stored = float(np.float32(min(norm, F32_MAX))) if math.isfinite(norm) else math.nan
         out[: self.HEADER] = self._header(stored)
         if norm > 0 and math.isfinite(norm):
+            if self.levels / norm > F32_MAX:  # a partition of subnormals: scale it up, exactly
+                x, norm = x * np.float32(2.0**100), norm * 2.0**100
             mult = float(np.float32(self.levels / norm))
             size = lib.qsgd_compress_f32(ptr(x), self.n, mult, self.levels, self.bits,
                                          ptr(self.rng_state), ptr(out[self.HEADER:]))

@@ -80,7 +80,8 @@ class SortedSparse(Codec):
 
     def threshold_key(self, value):
         """The smallest key whose float is >= value (value >= 0, a float32 number)."""
-        t = self.dtype.type(value)
+        with np.errstate(over="ignore"):  # beyond float16: inf, which only inf and NaN reach
+            t = self.dtype.type(value)
         if float(t) < float(np.float32(value)) and np.isfinite(t):
             t = np.nextafter(t, self.dtype.type(np.inf))
         return int(np.array([t], self.dtype).view(self._key_type)[0])

@@ -172,7 +172,7 @@ __attribute__((target("avx2"))) static uint64_t qsgd_decode_avx2(const uint8_t *
         for (int b = 0; b < 4; b++) shuf[4 * t + b] = (int8_t)((off >> 3) + b);
     }
     const __m256i sh = _mm256_loadu_si256((const __m256i *)shuf), sv = _mm256_loadu_si256((const __m256i *)shift);
-    const __m256i mask = _mm256_set1_epi32((int)(((uint64_t)1 << bits) - 1)), one = _mm256_set1_epi32(1);
+    const __m256i mask = _mm256_set1_epi32((int)(((uint64_t)1 << bits) - 1));
     const __m256 sc = _mm256_set1_ps(scale);
     __m256i worst = _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
@@ -182,7 +182,7 @@ __attribute__((target("avx2"))) static uint64_t qsgd_decode_avx2(const uint8_t *
         __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(raw, sh), sv), mask);
         worst = _mm256_max_epu32(worst, code);
         __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(code, 1)), sc);
-        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, one), 31);
+        __m256i sign = _mm256_slli_epi32(code, 31); /* bit 0, the sign, to bit 31 */
         _mm256_storeu_ps(y + 8 * g, _mm256_xor_ps(v, _mm256_castsi256_ps(sign)));
     }
     uint32_t w[8];

@@ -107,6 +107,8 @@ def _load():
         "sorted_records_add_f32": (I, [P, I, I, P, C]),
         "records_gather_u32_f32": (None, [P, P, I, P]),
         "lowrank_product_f32": (None, [P, P, I, I, I, I, P]),
+        "powersgd_p_f32": (None, [P, P, I, I, I, P, I, P, P]),
+        "powersgd_q_f32": (None, [P, I, I, P, I, P]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

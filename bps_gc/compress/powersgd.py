@@ -32,7 +32,7 @@ def orthogonalize(p):
     """Orthonormal columns spanning those of p (Householder QR, float32): stable at full rank,
     where Gram-Schmidt in float32 loses orthogonality."""
     q, r = np.linalg.qr(p.astype(np.float32))
-    return q.astype(np.float32)
+    return np.ascontiguousarray(q, np.float32)
 
 
 @register_compressor("powersgd", options=CODEC_OPTIONS["powersgd"])
@@ -75,14 +75,20 @@ class PowerSGD(Codec):
         return np.frombuffer(buf.tobytes(), np.float32).reshape(rows, self.rank), what
 
     def compress(self, x, ctx=None):
-        flat = self.m.reshape(-1)
-        np.add(self.error, self._input(x), out=flat[: self.n], casting="unsafe")
-        return np.ascontiguousarray(self.m @ self.q).view(np.uint8).reshape(-1)
+        x = self._input(x)
+        x = x.astype(np.float32) if self.dtype == np.float16 else x
+        p = np.empty((self.rows, self.rank), np.float32)
+        qt = np.ascontiguousarray(self.q.T)
+        lib.powersgd_p_f32(ptr(x), ptr(self.error), self.n, self.rows, self.cols, ptr(qt),
+                           self.rank, ptr(self.m), ptr(p))
+        return p.view(np.uint8).reshape(-1)
 
     def compress_q(self, p_sum):
         p, _ = self._matrix(p_sum, self.rows, "P")
         self.p_hat = orthogonalize(p)
-        return np.ascontiguousarray(self.m.T @ self.p_hat).view(np.uint8).reshape(-1)
+        qt = np.empty((self.rank, self.cols), np.float32)
+        lib.powersgd_q_f32(ptr(self.m), self.rows, self.cols, ptr(self.p_hat), self.rank, ptr(qt))
+        return np.ascontiguousarray(qt.T).view(np.uint8).reshape(-1)
 
     def finish(self, q_sum, out=None, workers=1):
         if self.p_hat is None:

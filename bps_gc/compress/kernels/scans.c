@@ -177,3 +177,44 @@ EXPORT HOT void lowrank_product_f32(const float *p, const float *qt, int64_t row
         }
     }
 }
+
+/* PowerSGD's first phase in one pass: m = x + err (the first n elements of the rows x cols
+ * matrix; the padding stays zero) and P = m Q, with qt = Q^T (r x cols). Each row's r dot
+ * products keep eight partial sums a vector. */
+typedef float v8f __attribute__((vector_size(32)));
+EXPORT HOT void powersgd_p_f32(const float *x, const float *err, int64_t n, int64_t rows, int64_t cols,
+                               const float *qt, int64_t r, float *m, float *p) {
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t start = i * cols, len = n - start < cols ? n - start : cols;
+        float *mi = m + start;
+        for (int64_t j = 0; j < len; j++) mi[j] = x[start + j] + err[start + j];
+        for (int64_t k = 0; k < r; k++) {
+            const float *q = qt + k * cols;
+            v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t j = 0;
+            for (; j + 8 <= cols; j += 8) {
+                v8f a, b;
+                memcpy(&a, mi + j, 32);
+                memcpy(&b, q + j, 32);
+                acc += a * b;
+            }
+            float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+            for (; j < cols; j++) s += mi[j] * q[j];
+            p[i * r + k] = s;
+        }
+    }
+}
+
+/* The second phase: qt = (m^T P)^T (r x cols), row by row into r running sums per column. */
+EXPORT HOT void powersgd_q_f32(const float *m, int64_t rows, int64_t cols, const float *p, int64_t r,
+                               float *qt) {
+    memset(qt, 0, sizeof(float) * (size_t)(r * cols));
+    for (int64_t i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        for (int64_t k = 0; k < r; k++) {
+            float a = p[i * r + k];
+            float *q = qt + k * cols;
+            for (int64_t j = 0; j < cols; j++) q[j] = q[j] + a * mi[j];
+        }
+    }
+}

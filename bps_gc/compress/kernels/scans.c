@@ -112,8 +112,9 @@ EXPORT HOT void dgc_accumulate_f32(const float *g, float *u, float *v, int64_t n
 
 /* (uint32 index, float32 value) records with strictly increasing indices < n:
  * zero_first ? y = scatter : y += scatter. Everything is checked before anything is written.
- * Decoding zero-fills the output in L1-sized blocks and writes each block's records right
- * after, so every cache line of y is written once (memset, then scatter, touches it twice). */
+ * With many records (more than one per 64 elements) decoding zero-fills the output in L1-sized
+ * blocks and writes each block's records right after, so every cache line of y is written
+ * once; with few, one memset (glibc's big-buffer path is faster than blocks) and a scatter. */
 #define ZBLOCK 4096
 EXPORT HOT int64_t sorted_records_add_f32(const uint8_t *rec, int64_t k, int64_t n, float *y, int zero_first) {
     int64_t prev = -1;
@@ -123,9 +124,9 @@ EXPORT HOT int64_t sorted_records_add_f32(const uint8_t *rec, int64_t k, int64_t
         if ((int64_t)idx <= prev || (int64_t)idx >= n) return ERR_INDEX;
         prev = idx;
     }
-    int64_t r = 0;
-    for (int64_t start = 0; start < n; start += ZBLOCK) {
-        int64_t stop = start + ZBLOCK < n ? start + ZBLOCK : n;
+    int64_t r = 0, block = k * 64 > n ? ZBLOCK : n;
+    for (int64_t start = 0; start < n; start += block) {
+        int64_t stop = start + block < n ? start + block : n;
         if (zero_first) memset(y + start, 0, sizeof(float) * (size_t)(stop - start));
         for (; r < k; r++) {
             uint32_t idx;

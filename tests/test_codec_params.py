@@ -33,7 +33,7 @@ def test_json_round_trip_without_pickle():
 
 
 @pytest.mark.parametrize("params, key, fragment", [
-    ({"compressor": "zip"}, "compressor", "unknown compressor 'zip'; allowed: dithering, onebit, randomk"),
+    ({"compressor": "zip"}, "compressor", "unknown compressor 'zip'; allowed: adaptive_threshold, dgc, dithering"),
     ({"compressor": "topk"}, "k", "needs k"),
     ({"compressor": "topk", "k": 0}, "k", "> 0"),
     ({"compressor": "topk", "k": -0.1}, "k", "> 0"),
@@ -56,6 +56,27 @@ def test_json_round_trip_without_pickle():
     ({"compressor": "onebit", "scaling": "yes"}, "scaling", "true or false"),
     ({"compressor": "onebit", "fp16": 2}, "fp16", "true or false"),
     ({"compressor": "onebit", "compresor": "x"}, "compresor", "unknown key"),
+    # issue 11's codecs
+    ({"compressor": "terngrad", "clip": "yes"}, "clip", "true or false"),
+    ({"compressor": "qsgd", "levels": 0}, "levels", "[1, 16777215]"),
+    ({"compressor": "qsgd", "levels": 2.5}, "levels", "whole number"),
+    ({"compressor": "qsgd", "biased": 3}, "biased", "true or false"),
+    ({"compressor": "topk", "k": 0.1, "levels": 3}, "levels", "unknown key"),
+    ({"compressor": "threshold"}, "threshold", "needs 'threshold'"),
+    ({"compressor": "threshold", "threshold": -1}, "threshold", "finite number"),
+    ({"compressor": "threshold", "threshold": float("nan")}, "threshold", "finite number"),
+    ({"compressor": "dgc"}, "k", "needs k"),
+    ({"compressor": "dgc", "k": 0.01, "sample_ratio": 0}, "sample_ratio", "(0, 1]"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_epochs": -1}, "warmup_epochs", "whole number"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_densities": [0.5, 0]}, "warmup_densities", "(0, 1]"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_densities": "0.5"}, "warmup_densities", "list"),
+    ({"compressor": "dgc", "k": 0.01, "warmup_epochs": 2, "warmup_densities": [0.5]},
+     "warmup_densities", "either"),
+    ({"compressor": "dgc", "k": 0.01, "clip_norm": 0}, "clip_norm", "(0, inf]"),
+    ({"compressor": "dgc", "k": 0.01, "fp16_values": "no"}, "fp16_values", "true or false"),
+    ({"compressor": "dgc", "k": 0.01, "ef": "vanilla"}, "ef", "its own error feedback"),
+    ({"compressor": "powersgd", "rank": 0}, "rank", "whole number"),
+    ({"compressor": "powersgd", "rank": float("inf")}, "rank", "whole number"),
 ])
 def test_bad_parameter_names_the_key(params, key, fragment):
     with pytest.raises(ParamError) as err:
@@ -100,3 +121,13 @@ def test_unseeded_codecs_agree_across_processes_by_key():
     pa = a.compress(x).tobytes()
     assert pa == b.compress(x).tobytes()
     assert pa != c.compress(x).tobytes()
+
+
+def test_issue11_options_round_trip_through_json():
+    p = CompressionParams.from_dict({"compressor": "dgc", "k": 0.001, "warmup_densities": [0.25, 0.0625],
+                                     "fp16_values": True, "clip_norm": 5, "mu": 0.9,
+                                     "momentum": "nesterov", "sample_ratio": 0.02})
+    assert CompressionParams.from_json(p.to_json()) == p
+    assert p.option("warmup_densities") == (0.25, 0.0625) and p.option("clip_norm") == 5.0
+    q = CompressionParams.from_dict({"compressor": "qsgd", "levels": 15, "biased": True, "seed": 3})
+    assert CompressionParams.from_json(q.to_json()) == q

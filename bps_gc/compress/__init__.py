@@ -4,6 +4,7 @@ Pure functions of arrays plus small stateful objects (one per tensor partition);
 is needed, so servers run them with numpy alone. See docs/codecs.md for the wire formats.
 """
 from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the built-ins)
+from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
 from .base import Codec
 from .chain import build_chain, derive_seed
 from .context import step_context

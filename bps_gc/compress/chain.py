@@ -1,4 +1,6 @@
 """Builds the codec chain for one partition from validated parameters."""
+import numpy as np
+
 from .params import CompressionParams
 from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, load_plugins
 
@@ -12,6 +14,16 @@ def derive_seed(key):
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     return (z ^ (z >> 31)) or 1
+
+
+def mixed_state(seed):
+    """xorshift128+ state for our own codecs: two splitmix64 outputs of the seed. BytePS seeds
+    raw (a = b = seed), so small seeds give nearly the same first draws; its codecs keep that
+    for byte-exactness, ours do not."""
+    if not 0 < int(seed) < 2**64:
+        raise ValueError(f"seed must be in [1, 2**64), got {seed!r}")
+    return np.array([derive_seed(seed), derive_seed((int(seed) + 0x9E3779B97F4A7C15) & MASK64)],
+                    np.uint64)
 
 
 def build_chain(params, n, dtype, key=0, role="worker"):
@@ -30,6 +42,6 @@ def build_chain(params, n, dtype, key=0, role="worker"):
     codec = COMPRESSORS[params.compressor](params, n, dtype, seed=seed)
     if params.ef:
         codec = ERROR_FEEDBACKS[params.ef](codec, params)
-    if params.momentum and role == "worker":
+    if params.momentum and role == "worker" and not getattr(codec, "owns_momentum", False):
         codec = MOMENTUMS[params.momentum](codec, params)
     return codec

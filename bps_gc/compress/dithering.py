@@ -5,7 +5,7 @@ of 32-bit words (64-bit for float64), followed by the bit count and the float32 
 """
 import numpy as np
 
-from ._native import ERR_OVERFLOW, check, lib, ptr
+from ._native import ERR_NONFINITE, ERR_OVERFLOW, check, lib, ptr
 from .base import Codec
 from .registry import register_compressor
 
@@ -40,7 +40,17 @@ class Dithering(Codec):
             self._capacity = 6 * self.n + 64
         if size < 0:
             self.rng_state[:] = saved
+        if size == ERR_NONFINITE:
+            return self._nonfinite_payload()
         return out[: check(size, "dithering")]
+
+    def _nonfinite_payload(self):
+        """For inf or NaN input: one entry (index 0, level 1) and a NaN scale, so the decoded
+        partition (and any sum it joins) shows the non-finite gradient; the generator does not
+        move."""
+        word = np.dtype(np.uint64 if self.dtype == np.float64 else np.uint32)
+        stream = np.array([0b101 << (word.itemsize * 8 - 3), 3], word)  # "1" "0" "1", 3 bits
+        return np.concatenate([stream.view(np.uint8), np.array([np.nan], np.float32).view(np.uint8)])
 
     def decompress(self, payload, out=None):
         buf = np.ascontiguousarray(self._payload(payload))

@@ -2,6 +2,7 @@
 (workers only). Order on a worker: momentum -> error feedback -> codec."""
 import numpy as np
 
+from ._native import lib, ptr
 from .context import step_context
 from .registry import register_error_feedback, register_momentum
 
@@ -23,44 +24,70 @@ class Decorator:
         self.inner.residual(payload, x)
 
 
+def _scale_add(a, s, x, out):
+    """out = a * s + x (numpy's two roundings); True when every result is finite."""
+    if out.dtype == np.float32:
+        return bool(lib.scale_add_f32(ptr(a), float(s), ptr(x), out.size, ptr(out)))
+    if out.dtype == np.float64:
+        return bool(lib.scale_add_f64(ptr(a), float(s), ptr(x), out.size, ptr(out)))
+    with np.errstate(over="ignore", invalid="ignore"):  # reported by the return value
+        np.multiply(a, s, out=out)
+        np.add(out, x, out=out)
+    return bool(lib.all_finite_u16(ptr(out), out.size))
+
+
+def _flat(x, dtype):
+    return np.ascontiguousarray(np.asarray(x, dtype)).reshape(-1)
+
+
 @register_error_feedback("vanilla")
 class VanillaErrorFeedback(Decorator):
-    """g += (lr_prev / lr) * e; c = C(g); e = g - D(c). A zero lr gives ratio 1 (BytePS: NaN)."""
+    """g = x + (lr_prev / lr) * e; c = C(g); e = g - D(c). A zero lr gives ratio 1 (BytePS: NaN).
+
+    A non-finite g (inf or NaN in the gradient, or an overflow) is sent as all NaN, so the
+    round's result shows it whatever the codec keeps, and e and lr_prev stay as they were: later
+    rounds are finite again (AMP's loss scaler skips that step). g is built in a second buffer
+    so that keeping e costs no copy.
+    """
 
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.error = np.zeros(self.n, self.dtype)
+        self._spare = np.empty(self.n, self.dtype)
         self.lr_prev = 0.0
 
     def compress(self, x, ctx=None):
-        ctx = step_context(ctx)
-        lr = ctx["lr"]
-        e = self.error
-        if lr and self.lr_prev and self.lr_prev != lr:
-            # BytePS scales by a float32 ratio, then adds: two float32 roundings, as here
-            np.multiply(e, np.float32(self.lr_prev / lr), out=e)
-        np.add(e, np.asarray(x, self.dtype).reshape(-1), out=e)  # e now holds the corrected g
-        payload = self.inner.compress(e, ctx)
-        self.inner.residual(payload, e)
+        lr = step_context(ctx)["lr"]
+        # BytePS scales by a float32 ratio, then adds: two float32 roundings, as here
+        ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
+        g = self._spare
+        if not _scale_add(self.error, self.dtype.type(ratio), _flat(x, self.dtype), g):
+            g.fill(np.nan)
+            return self.inner.compress(g, ctx)
+        payload = self.inner.compress(g, ctx)
+        self.inner.residual(payload, g)
+        self.error, self._spare = g, self.error
         self.lr_prev = lr
         return payload
 
 
 @register_momentum("nesterov")
 class NesterovMomentum(Decorator):
-    """m = g + mu*m; g = g + mu*m; then the inner chain."""
+    """m = g + mu*m; g = g + mu*m; then the inner chain. A non-finite step leaves m as it was
+    and goes down the chain as all NaN (as in error feedback)."""
 
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.mu = self.dtype.type(params.mu)
         self.momentum = np.zeros(self.n, self.dtype)
+        self._spare = np.empty(self.n, self.dtype)
         self._grad = np.empty(self.n, self.dtype)
 
     def compress(self, x, ctx=None):
-        x = np.asarray(x, self.dtype).reshape(-1)
-        m = self.momentum
-        m *= self.mu
-        m += x
-        np.multiply(m, self.mu, out=self._grad)
-        self._grad += x
+        x = _flat(x, self.dtype)
+        m = self._spare
+        if _scale_add(self.momentum, self.mu, x, m) and _scale_add(m, self.mu, x, self._grad):
+            self.momentum, self._spare = m, self.momentum
+        else:
+            self._grad.fill(np.nan)
         return self.inner.compress(self._grad, ctx)

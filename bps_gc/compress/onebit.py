@@ -1,4 +1,6 @@
 """onebit: signSGD. One bit per element (1 = negative), MSB first, then a float32 scale."""
+import math
+
 import numpy as np
 
 from ._native import lib, ptr
@@ -15,6 +17,7 @@ class Onebit(Codec):
 
     def __init__(self, params, n, dtype, seed=None):
         super().__init__(params, n, dtype)
+        self.scaling = bool(params.scaling)
         bits = WORD_BITS[self.dtype.type]
         self.words_bytes = -(-self.n // bits) * bits // 8
         suffix = SUFFIX[self.dtype.type]
@@ -27,7 +30,11 @@ class Onebit(Codec):
         if self.dtype == np.float16:  # float16 -> float32 is exact; the kernel packs 16-bit words
             x = x.astype(np.float32)
         out = np.empty(self.words_bytes + 4, np.uint8)
-        scale = self._encode(ptr(x), self.n, int(self.params.scaling), ptr(out))
+        # the mean |x| is always summed (it costs little): without scaling the scale is 1, or
+        # NaN for inf/NaN input, so that a non-finite gradient shows in the round's result
+        scale = self._encode(ptr(x), self.n, 1, ptr(out))
+        if not self.scaling:
+            scale = 1.0 if math.isfinite(scale) else math.nan
         out[self.words_bytes:] = np.array([scale], np.float32).view(np.uint8)
         return out
 

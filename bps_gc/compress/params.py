@@ -12,7 +12,7 @@ from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, OPTIONS, load_plu
 
 PARTITIONS = ("linear", "natural")
 NORMALIZES = ("max", "l2")
-NEEDS_K = ("topk", "randomk", "dithering")
+NEEDS_K = ("topk", "randomk", "dithering", "dgc")
 FRIENDLY_KEYS = ("compressor", "ef", "momentum", "scaling", "k", "seed", "partition",
                  "normalize", "mu", "fp16")
 # BytePS kwarg -> friendly key. BytePS passed every value as a string.
@@ -24,6 +24,54 @@ BYTEPS_KEYS = {
     "byteps_dithering_normalize": "normalize", "byteps_momentum_mu": "mu",
 }
 BYTEPS_SUFFIXES = {"compressor": "_compressor", "ef": "_ef", "momentum": "_momentum"}
+
+
+def _bool(value):
+    if value not in (True, False):  # also admits 0 and 1
+        raise ValueError("must be true or false")
+    return bool(value)
+
+
+def _whole(lo, hi):
+    def convert(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value != int(value) or not lo <= value <= hi:
+            raise ValueError(f"must be a whole number in [{lo}, {hi}]")
+        return int(value)
+    return convert
+
+
+def _real(lo, hi, lo_open=False):
+    def convert(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise ValueError(f"must be a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
+        return float(value)
+    return convert
+
+
+def _densities(value):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError("must be a list of kept fractions in (0, 1], one per warm-up epoch")
+    out = tuple(_real(0, 1, lo_open=True)(v) for v in value)
+    if not out:
+        raise ValueError("must list at least one density")
+    return out
+
+
+# Keys of the codecs beyond BytePS's (issue 11), passed to register_compressor as its options.
+CODEC_OPTIONS = {
+    "terngrad": {"clip": _bool},
+    "qsgd": {"levels": _whole(1, 2**24 - 1), "biased": _bool},
+    "threshold": {"threshold": _real(0, math.inf)},
+    "dgc": {"sample_ratio": _real(0, 1, lo_open=True), "warmup_epochs": _whole(0, 10**6),
+            "warmup_densities": _densities, "fp16_values": _bool,
+            "clip_norm": _real(0, math.inf, lo_open=True), "momentum_masking": _bool},
+    "powersgd": {"rank": _whole(1, 4096)},
+}
+REQUIRED_OPTIONS = {"threshold": ("threshold",)}
+# these carry their own error feedback (DGC's accumulation, PowerSGD's residual)
+OWN_ERROR_FEEDBACK = ("dgc", "powersgd")
 
 
 class ParamError(ValueError):
@@ -183,6 +231,13 @@ def _validate(raw):
                 extra.append((key, convert(raw[key])))
             except (TypeError, ValueError) as e:
                 raise ParamError(key, f"bad value {raw[key]!r}: {e}") from None
+    for key in REQUIRED_OPTIONS.get(compressor, ()):
+        if key not in raw:
+            raise ParamError(key, f"{compressor} needs {key!r}")
+    if "warmup_epochs" in raw and "warmup_densities" in raw:
+        raise ParamError("warmup_densities", "give either 'warmup_epochs' or 'warmup_densities'")
+    if ef is not None and compressor in OWN_ERROR_FEEDBACK:
+        raise ParamError("ef", f"{compressor} has its own error feedback; remove 'ef'")
     return CompressionParams(compressor=compressor, ef=ef, momentum=momentum,
                              scaling=_flag(raw, "scaling"), k=k, seed=seed, partition=partition,
                              normalize=normalize, mu=None if mu is None else float(mu),

@@ -37,6 +37,8 @@ def test_gluoncv_then_torch_after_import_bps_gc_mxnet():
         net.initialize()
         assert net(mx.nd.ones((1, 3, 32, 32))).shape == (1, 1000)
         assert gluoncv._found_mxnet and not gluoncv._found_pytorch  # its torch half is off
+        import inspect, gluoncv.check
+        assert "def _require_pytorch_version" in inspect.getsource(gluoncv.check)
         assert torch.__version__ >= "2", torch.__version__
         t = torch.arange(4.0, requires_grad=True)
         (t * t).sum().backward()

@@ -34,6 +34,9 @@ class _WrappingLoader(importlib.abc.Loader):
     def __init__(self, loader):
         self.loader = loader
 
+    def __getattr__(self, name):  # get_source, get_code, ...: the real loader's (inspect, pdb)
+        return getattr(self.loader, name)
+
     def create_module(self, spec):
         return self.loader.create_module(spec)
 

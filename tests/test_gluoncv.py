@@ -65,6 +65,22 @@ def test_torch_imported_first_is_left_alone():
     assert out.startswith("ok")
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="the clash needs torch installed")
+def test_a_failed_import_gluoncv_can_be_retried_after_import_bps_gc_mxnet():
+    out = run_python("""
+        try:
+            import gluoncv
+            failed = False
+        except RuntimeError:  # gluoncv's own torch check
+            failed = True
+        import bps_gc.mxnet
+        from gluoncv.model_zoo import get_model
+        import torch
+        print("ok", failed, torch.ones(2).sum().item())
+    """)
+    assert out.startswith("ok")
+
+
 def test_without_bps_gc_mxnet_gluoncv_still_fails():
     """The fix lives in bps_gc.mxnet's import, not on disk: plain gluoncv is unchanged."""
     if not HAS_TORCH:

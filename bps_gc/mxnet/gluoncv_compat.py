@@ -11,6 +11,11 @@ does where torch is absent (``gluoncv._found_pytorch`` is False, its MXNet half 
 ``torch`` itself is never touched: no attribute is patched, not even for a moment, so the rest
 of the process sees the real torch. Nothing on disk changes. The hook is a meta-path finder
 that only answers for ``gluoncv.check``, and removes itself once it has done its work.
+
+Rejected: hiding torch (``sys.modules['torch'] = None``) or faking ``torch.__version__`` while
+gluoncv imports. Both change torch for the whole process during that window (another thread's
+``import torch`` fails, or reads a wrong version), and only cover the gluoncv modules imported
+inside the window, so the import had to be a special call rather than a plain ``import``.
 """
 import functools
 import importlib.abc
@@ -27,7 +32,14 @@ def _unsupported_torch_is_absent(check):
             return check(*args, **kwargs)
         except RuntimeError as e:  # "Legacy torch==2.x detected": gluoncv's torch half is out
             raise ImportError(f"gluoncv's torch half is disabled by bps_gc.mxnet: {e}") from e
+    require_pytorch_version.bps_gc_wrapped = True
     return require_pytorch_version
+
+
+def _wrap_check(module):
+    check = getattr(module, CHECK_FUNCTION, None)
+    if callable(check) and not getattr(check, "bps_gc_wrapped", False):
+        setattr(module, CHECK_FUNCTION, _unsupported_torch_is_absent(check))
 
 
 class _WrappingLoader(importlib.abc.Loader):
@@ -42,13 +54,11 @@ class _WrappingLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        check = getattr(module, CHECK_FUNCTION, None)
-        if callable(check):
-            setattr(module, CHECK_FUNCTION, _unsupported_torch_is_absent(check))
+        _wrap_check(module)
 
 
 class GluoncvTorchCheckFinder(importlib.abc.MetaPathFinder):
-    """Answers only for ``gluoncv.check``: finds it with the ordinary path finder and wraps its
+    """Answers only for ``gluoncv.check``: finds it with the other finders and wraps its
     loader; then leaves ``sys.meta_path``."""
 
     def find_spec(self, fullname, path, target=None):
@@ -68,9 +78,11 @@ class GluoncvTorchCheckFinder(importlib.abc.MetaPathFinder):
 
 
 def install():
-    """Put the finder on ``sys.meta_path`` unless gluoncv was imported already (then it is too
-    late, and nothing is to be done) or the finder is there."""
+    """Put the finder on ``sys.meta_path``; if ``gluoncv.check`` is loaded already (an earlier
+    ``import gluoncv`` failed on it, or succeeded), wrap its function in place instead, so that
+    a retry of ``import gluoncv`` works too."""
     if CHECKED_MODULE in sys.modules:
+        _wrap_check(sys.modules[CHECKED_MODULE])
         return
     if not any(isinstance(f, GluoncvTorchCheckFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, GluoncvTorchCheckFinder())

@@ -80,7 +80,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     compression = json.loads(args.compression) or None
     if compression and compression.get("compressor") in DRAWING_CODECS and "seed" not in compression:
-        # every worker and server draws from this seed (bps_gc's default seeds by partition key)
+        # every worker and server draws from this seed (bps_gc's default seeds by partition key;
+        # one seed for all partitions is fine here: the demo compresses one partition)
         compression["seed"] = args.seed + 1  # codec seeds are >= 1
     x_train, y_train, x_val, y_val = load_data(args.train_samples)
 

@@ -1,5 +1,6 @@
 """The one-command demo (example/demo/mnist_demo.py) at --quick size: real local clusters train
-on real MNIST digits; the table, the JSON and the PNG come out and make sense."""
+on real MNIST digits; the table, the JSON and the PNG come out and make sense; a second run with
+the same seed and thread count gives the same results.json, times aside."""
 import json
 import os
 import struct
@@ -19,14 +20,28 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 
+# what may differ between two runs: times, and the log paths (each run has its own folder)
+NOT_REPEATED = {"total_seconds", "wall_seconds", "train_seconds", "log"}
+
+
+def run_quick(out, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, DEMO, "--quick", "--out", str(out), *args], capture_output=True,
+                            text=True, timeout=240, cwd=ROOT, env=env)
+    assert result.returncode == 0, f"demo failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def repeatable(results):
+    """results.json less what is allowed to differ between runs."""
+    drop = lambda row: {k: v for k, v in row.items() if k not in NOT_REPEATED}  # noqa: E731
+    return dict(drop(results), configs=[drop(row) for row in results["configs"]])
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, DEMO, "--quick", "--out", str(out)], capture_output=True,
-                            text=True, timeout=240, cwd=ROOT, env=env)
-    assert result.returncode == 0, f"demo failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return out, result
+    return out, run_quick(out)
 
 
 def test_quick_table_json_png(quick_run):
@@ -65,8 +80,31 @@ def test_quick_table_json_png(quick_run):
     assert len(png) > 20_000
 
 
+def test_same_seed_and_threads_repeat_bit_for_bit(quick_run, tmp_path):
+    first_out, first = quick_run
+    assert "seed 0, 1 thread(s) per worker" in first.stdout  # the defaults, printed
+    assert "machine: " in first.stdout
+    second = run_quick(tmp_path, "--seed", "0", "--threads", "1")
+    a, b = (json.loads((out / "results.json").read_text()) for out in (first_out, tmp_path))
+    assert (a["seed"], a["threads"]) == (b["seed"], b["threads"]) == (0, 1)
+    # exactly: json keeps every float's bits (repr round-trips), so == is bit for bit
+    assert repeatable(a) == repeatable(b), second.stdout
+
+
+def test_another_seed_gives_another_run(quick_run, tmp_path):
+    first_out, _ = quick_run
+    run_quick(tmp_path, "--configs", "onebit", "--seed", "1")
+    a, b = (json.loads((out / "results.json").read_text()) for out in (first_out, tmp_path))
+    onebit = next(row for row in a["configs"] if row["config"] == "onebit")
+    assert b["seed"] == 1 and b["configs"][0]["curve"] != onebit["curve"]
+
+
 def test_unknown_configuration_is_refused():
     result = subprocess.run([sys.executable, DEMO, "--configs", "baseline,nope"], capture_output=True,
                             text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2
     assert "nope" in result.stderr and "onebit" in result.stderr
+    for flag, value in (("--threads", "0"), ("--seed", "-1")):
+        result = subprocess.run([sys.executable, DEMO, flag, value], capture_output=True, text=True,
+                                timeout=60, cwd=ROOT)
+        assert result.returncode == 2 and flag in result.stderr, result.stderr

@@ -21,7 +21,6 @@ if importlib.util.find_spec("mxnet") is None or importlib.util.find_spec("gluonc
 EXAMPLES = os.path.join(ROOT, "example", "mxnet")
 CIFAR = os.path.join(EXAMPLES, "train_cifar100_byteps_gc.py")
 IMAGENET = os.path.join(EXAMPLES, "train_gluon_imagenet_byteps_gc.py")
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 ENV = {"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"}
 
 NUMBER = r"[0-9]+\.[0-9]+"
@@ -89,27 +88,6 @@ def imagenet(tmp_path_factory):
     subprocess.run([sys.executable, "-c", IMAGENET_DATA, str(root), "18", "10"], check=True,
                    timeout=120)
     return root
-
-
-def test_gluoncv_imports_next_to_torch():
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {EXAMPLES!r})
-        {"import torch" if HAS_TORCH else "torch = None"}
-        import common
-        gluoncv = common.import_gluoncv()
-        assert sys.modules.get("torch") is torch, "torch's module entry was not restored"
-        if torch is not None:
-            import torch as again
-            assert again is torch
-        net = gluoncv.model_zoo.get_model("cifar_resnet20_v1", classes=100)
-        assert common.import_gluoncv() is gluoncv
-        print("ok", gluoncv.__version__)
-    """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.startswith("ok")
 
 
 def test_cifar100_onebit_ef_nesterov(tmp_path):

@@ -7,6 +7,7 @@
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
                                      compression_params={"compressor": "onebit", "ef": "vanilla"})
 
+After this import, ``import gluoncv`` works beside torch >= 2 (see gluoncv_compat.py).
 CPU NDArrays go to the worker core as zero-copy numpy views of their memory; push_pull works
 in place.
 """
@@ -16,8 +17,12 @@ import mxnet as mx
 
 from .. import core
 from ..core import NodeFailure, local_rank, local_size, metrics, rank, shutdown, size
+from . import gluoncv_compat
 from .tensors import HostArray
 from .trainer import DistributedTrainer
+
+# BytePS's gluon scripts import gluoncv, whose own torch check fails beside torch >= 2
+gluoncv_compat.install()
 
 __all__ = ["DistributedTrainer", "NodeFailure", "broadcast_parameters", "byteps_declare_tensor",
            "byteps_push_pull", "init", "local_rank", "local_size", "metrics", "rank",

@@ -9,10 +9,15 @@ with a plot of validation accuracy per step, under --out (default out/demo/).
     python example/demo/mnist_demo.py                       # all configurations, about a minute
     python example/demo/mnist_demo.py --configs baseline,onebit --epochs 2
     python example/demo/mnist_demo.py --quick --out /tmp/demo   # the test's reduced size
+
+The same --seed and --threads (defaults 0 and 1) give the same results.json bit for bit on the
+same machine, times aside; see mnist_worker.py for what they fix.
 """
 import argparse
 import json
+import importlib.metadata
 import os
+import platform
 import queue
 import re
 import signal
@@ -58,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--wd", type=float, default=1e-4)
     p.add_argument("--eval-every", type=int, default=None, help="steps between validation points")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, batch order, codec draws (default 0)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch/OpenMP/MKL threads per worker (default 1: two workers share two cores)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
     args = p.parse_args(argv)
     chosen = args.configs or (QUICK_CONFIGS if args.quick else ",".join(CONFIGS))
@@ -65,6 +74,10 @@ def parse_args(argv=None):
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:
         p.error(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(CONFIGS)}")
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
     if args.epochs is None:
         args.epochs = 2 if args.quick else 20
     if args.train_samples is None:
@@ -94,7 +107,8 @@ def run_config(name, args, bar, env):
            sys.executable, WORKER, "--out", result_dir, "--compression", json.dumps(params or {}),
            "--steps", str(args.steps), "--train-samples", str(args.train_samples),
            "--batch", str(args.batch), "--lr", str(args.lr), "--momentum", str(args.momentum),
-           "--wd", str(args.wd), "--eval-every", str(args.eval_every)]
+           "--wd", str(args.wd), "--eval-every", str(args.eval_every),
+           "--seed", str(args.seed), "--threads", str(args.threads)]
     bar.set_description(name)
     bar_start = bar.n
     start = time.perf_counter()
@@ -258,6 +272,22 @@ def plot(rows, args, path):
     plt.close(fig)
 
 
+def machine():
+    """One line: CPU model, cores, OS, Python and torch versions (what the numbers depend on)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, "
+            f"Python {platform.python_version()}, torch {torch}")
+
+
 def interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -274,11 +304,13 @@ def main(argv=None):
     # the 784x128 layer (401,408 B) is compressed; the small ones go raw
     env.setdefault("BYTEPS_MIN_COMPRESS_BYTES", "65536")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [ROOT, env.get("PYTHONPATH")] if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    # set, not defaulted: a thread count inherited from the shell would change the results
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
 
     print(f"bps_gc MNIST demo: {len(args.configs)} configuration(s) x {args.steps} steps "
           f"({args.epochs:g} epochs of {args.train_samples} digits, batch {args.batch} per worker), "
-          f"{WORKERS} workers + {SERVERS} server; logs and results in {args.out}", flush=True)
+          f"{WORKERS} workers + {SERVERS} server; seed {args.seed}, {args.threads} thread(s) per worker; "
+          f"logs and results in {args.out}\nmachine: {machine()}", flush=True)
     rows = []
     total_start = time.perf_counter()
     bar = tqdm(total=len(args.configs) * args.steps, unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -301,6 +333,7 @@ def main(argv=None):
     results = {"total_seconds": total, "workers": WORKERS, "servers": SERVERS, "steps": args.steps,
                "epochs": args.epochs, "train_samples": args.train_samples, "batch": args.batch,
                "lr": args.lr, "momentum": args.momentum, "wd": args.wd,
+               "seed": args.seed, "threads": args.threads, "machine": machine(),
                "min_compress_bytes": int(env["BYTEPS_MIN_COMPRESS_BYTES"]), "configs": rows}
     json_path = os.path.join(args.out, "results.json")
     with open(json_path, "w") as f:

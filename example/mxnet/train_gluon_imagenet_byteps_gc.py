@@ -314,7 +314,7 @@ def main(argv=None):
     if not 0 <= args.resume_epoch <= args.num_epochs:
         parser.error("--resume-epoch must be in [0, --num-epochs]")
     comp_params = compression_params(args, parser)
-    gluoncv = common.import_gluoncv()
+    import gluoncv  # here, not at the top: --help stays fast; bps_gc.mxnet made it importable
 
     bps.init()
     rank, size = bps.rank(), bps.size()

@@ -1,0 +1,335 @@
+"""``Collective``: the communicator (roles/communicator.py) on torch.distributed.
+
+Dense tensors are summed with all_reduce, fused into buckets like DDP's (BPS_GC_BUCKET_BYTES,
+25 MB): a bucket goes out when full or when a handle waiting on it is waited for. Compressed
+tensors are cut into the parameter server's partitions (same keys, so the same codec seeds);
+their payloads are all_gathered and every rank runs the server's reduction (exchange.py).
+Every rank issues the same collectives in the same order because every rank declares, reduces
+and waits in the same order (the contract of the interface).
+
+Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
+heartbeat bound. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
+"""
+import logging
+import os
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..roles import NodeFailure
+from ..roles import communicator as api
+from ..roles.worker import Metrics
+from ..roles.worker_tensors import Placement, TensorPlan
+from .exchange import PartitionReducer, all_gather_bytes
+from .liveness import Heartbeat
+from .rendezvous import backend_from_env, connect
+
+log = logging.getLogger("bps_gc.collective")
+BUCKET_BYTES = 25 << 20
+
+
+class Handle(api.Handle):
+    def __init__(self, comm, result=None, bucket=None):
+        self.comm, self.result, self.bucket = comm, result, bucket
+
+    def poll(self):
+        return self.bucket is None or (self.bucket.work is not None and self.bucket.work.is_completed())
+
+    def wait(self, timeout=None):
+        if self.bucket is not None:
+            self.comm.finish(self.bucket)
+        return self.result
+
+
+class Bucket:
+    """Dense reductions fused into one all_reduce: [(flat wire array, out, average)]."""
+
+    def __init__(self):
+        self.entries, self.bytes, self.work, self.buffer, self.done = [], 0, None, None, False
+
+
+class Collective(api.Communicator):
+    def __init__(self, cfg, codecs, local_rank=None, local_size=None):
+        self.cfg, self.codecs = cfg, codecs
+        self.rank, self.size = cfg.rank, cfg.size
+        self.local_rank = cfg.local_rank if local_rank is None else local_rank
+        self.local_size = cfg.local_size if local_size is None else local_size
+        self.tensors, self.reducers = {}, {}
+        self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
+        self.bucket_bytes = int(os.environ.get("BPS_GC_BUCKET_BYTES", BUCKET_BYTES))
+        self.pending = Bucket()
+        self.counters = Metrics()
+        self.heartbeat = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self):
+        backend = backend_from_env()
+        store = connect(self.cfg, backend)
+        where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
+        self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
+                                   self.cfg.heartbeat_timeout, where).start()
+        self.barrier()
+        log.info("rank %d/%d joined over torch.distributed (%s)", self.rank, self.size, backend)
+        return self
+
+    def shutdown(self, timeout=10.0):
+        if self.closed:
+            return
+        failed = self.heartbeat is not None and self.heartbeat.failure is not None
+        if not failed:
+            try:
+                self.barrier()  # nobody leaves (and takes the store down) while others still work
+            except NodeFailure:
+                failed = True
+        self.closed = True
+        if self.heartbeat is not None:
+            self.heartbeat.leave()
+        if not failed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def check_alive(self):
+        if self.closed:
+            raise RuntimeError("bps_gc: the collective communicator was shut down")
+        if self.heartbeat is not None and self.heartbeat.failure is not None:
+            raise self.heartbeat.failure
+
+    def wait(self, work, what):
+        """Wait for a torch.distributed work item, watching the heartbeat meanwhile."""
+        spins = 0
+        while not work.is_completed():
+            self.check_alive()
+            spins += 1
+            time.sleep(0 if spins < 100 else 0.001)
+        try:
+            work.wait()
+        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who
+            deadline = time.monotonic() + self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval
+            while self.heartbeat.failure is None and time.monotonic() < deadline:
+                time.sleep(self.cfg.heartbeat_interval / 4)
+            raise self.heartbeat.failure or NodeFailure(f"bps_gc: {what} failed on rank {self.rank}: {e}") from None
+
+    # ------------------------------------------------------------------ tensors
+
+    def declare(self, name, shape=None, dtype=None, reducer=None, **compression):
+        self.check_alive()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"declare: name must be a non-empty string, got {name!r}")
+        params = self.codecs.CompressionParams.from_dict(compression)
+        reducer = self._reducer_for(name, params, reducer)
+        tensor = self.tensors.get(name)
+        if tensor is not None:
+            if tensor.params != params or tensor.reducer != reducer:
+                raise ValueError(f"declare: {name!r} was declared before with different compression "
+                                 f"({tensor.params.to_dict()}, {tensor.reducer}) vs ({params.to_dict()}, {reducer})")
+            return self._declaration(tensor)
+        tensor = TensorPlan(name, len(self.tensors), params)
+        tensor.reducer = reducer
+        self.tensors[name] = tensor
+        if shape is not None:
+            self._place(tensor, shape, np.dtype(dtype or np.float32))
+        return self._declaration(tensor)
+
+    def _reducer_for(self, name, params, reducer):
+        if not params.compressed:
+            return reducer or "sum"
+        allowed = self.codecs.registry.COMPRESSORS[params.compressor].reducers
+        if reducer is None:
+            return allowed[0]
+        if reducer not in allowed:
+            raise ValueError(f"declare({name!r}): compressor {params.compressor!r} does not support reducer "
+                             f"{reducer!r}; it supports {', '.join(allowed)}")
+        return reducer
+
+    @staticmethod
+    def _declaration(tensor):
+        return api.Declaration(tensor.name, tensor.shape, tensor.dtype, tensor.params, tensor.reducer,
+                               tensor.compressed, tensor.wire_dtype)
+
+    def _place(self, tensor, shape, dtype):
+        if dtype not in (np.float32, np.float64, np.float16):
+            raise TypeError(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")
+        self.placement.plan(tensor, shape, dtype, self._build_codec, balanced=True)
+        if tensor.compressed and tensor.reducer != "majority":
+            for part in tensor.partitions:
+                self.reducers[part.key] = PartitionReducer(self.codecs, tensor.params, part.n,
+                                                           tensor.wire_dtype, part.key, tensor.reducer)
+
+    def _build_codec(self, params, n, dtype, key):
+        return self.codecs.build_chain(params, n, dtype, key=key, role="worker")
+
+    def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
+        """Sum (or average) over all ranks into ``out`` (default: ``array``, in place)."""
+        self.check_alive()
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise KeyError(f"reduce: {name!r} was not declared; call declare({name!r}, ...) first")
+        lr = _lr(ctx) if lr is None else float(lr)
+        array = np.asarray(array)
+        out = array if out is None else out
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"reduce({name!r}): the output must be a writable C-contiguous numpy array")
+        if out.shape != array.shape:
+            raise ValueError(f"reduce({name!r}): out has shape {out.shape}, input {array.shape}")
+        if tensor.shape is None:
+            self._place(tensor, array.shape, array.dtype)
+        elif tuple(array.shape) != tensor.shape or array.dtype != tensor.dtype:
+            raise ValueError(f"reduce({name!r}): got {array.shape} {array.dtype}, but it was first "
+                             f"used as {tensor.shape} {tensor.dtype}")
+        wire = np.ascontiguousarray(array).reshape(-1).astype(tensor.wire_dtype, copy=True)
+        self.counters.pushed_raw += wire.nbytes
+        self.counters.pulled_raw += wire.nbytes
+        if not tensor.compressed:
+            return self._reduce_dense(wire, out, average)
+        start = time.perf_counter()
+        if tensor.reducer == "majority":
+            self._reduce_signs(tensor, wire, lr)
+        else:
+            self._reduce_payloads(tensor, wire, lr)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        if average:
+            wire /= wire.dtype.type(self.size)
+        np.copyto(out.reshape(-1), wire, casting="unsafe")
+        return Handle(self, out)
+
+    def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
+        return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
+
+    def _reduce_payloads(self, tensor, wire, lr):
+        start = time.perf_counter()
+        payloads = [part.codec.compress(wire[part.start:part.stop], lr) for part in tensor.partitions]
+        self.counters.compress_seconds += time.perf_counter() - start
+        sent = sum(p.nbytes for p in payloads)
+        self.counters.pushed_wire += sent
+        gathered = all_gather_bytes(payloads, self.wait)
+        self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sent
+        for i, part in enumerate(tensor.partitions):
+            self.reducers[part.key].reduce([rank[i] for rank in gathered], lr, wire[part.start:part.stop])
+
+    def _reduce_signs(self, tensor, wire, lr):
+        """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1)."""
+        for part in tensor.partitions:
+            chunk = wire[part.start:part.stop]
+            part.codec.decompress(part.codec.compress(chunk, lr), chunk)
+        votes = torch.from_numpy(np.where(wire >= 0, 1, -1).astype(np.int32))
+        self.counters.pushed_wire += votes.numel() // 8 + 1
+        self.counters.pulled_wire += votes.numel() // 8 + 1
+        self.wait(dist.all_reduce(votes, async_op=True), "all_reduce of signs")
+        wire[...] = np.where(votes.numpy() >= 0, 1, -1)
+
+    def _reduce_dense(self, wire, out, average):
+        bucket = self.pending
+        bucket.entries.append((wire, out, average))
+        bucket.bytes += wire.nbytes
+        self.counters.pushed_wire += wire.nbytes
+        self.counters.pulled_wire += wire.nbytes
+        if bucket.bytes >= self.bucket_bytes:
+            self.flush()
+        return Handle(self, out, bucket)
+
+    def flush(self):
+        """Start the pending bucket's all_reduce."""
+        bucket, self.pending = self.pending, Bucket()
+        if not bucket.entries:
+            return
+        by_dtype = {}
+        for entry in bucket.entries:
+            by_dtype.setdefault(entry[0].dtype, []).append(entry)
+        bucket.buffers = []
+        for dtype, entries in by_dtype.items():
+            fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
+            bucket.buffers.append((fused, entries))
+        bucket.works = [dist.all_reduce(fused, async_op=True) for fused, _ in bucket.buffers]
+        bucket.work = bucket.works[-1]
+
+    def finish(self, bucket):
+        if bucket.done:
+            return
+        if bucket is self.pending:
+            self.flush()
+        start = time.perf_counter()
+        for work in bucket.works:
+            self.wait(work, "all_reduce of a dense bucket")
+        self.counters.communicate_seconds += time.perf_counter() - start
+        for fused, entries in bucket.buffers:
+            flat, offset = fused.numpy(), 0
+            for wire, out, average in entries:
+                result = flat[offset:offset + wire.size]
+                offset += wire.size
+                if average:
+                    result /= result.dtype.type(self.size)
+                np.copyto(out.reshape(-1), result, casting="unsafe")
+        bucket.done = True
+
+    def all_reduce(self, array, average=False):
+        """A plain in-place sum over ranks now (PowerSGD's P and Q phases, local SGD's model
+        difference); no codec, no bucket."""
+        self.check_alive()
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce")
+        if average:
+            tensor /= self.size
+        if tensor.numpy() is not array:
+            np.copyto(array, tensor.numpy())
+        return array
+
+    # ------------------------------------------------------------------ collectives
+
+    def barrier(self):
+        self.check_alive()
+        self.flush()
+        self.wait(dist.barrier(async_op=True), "barrier")
+
+    def broadcast(self, array, root_rank, name):
+        if not 0 <= root_rank < self.size:
+            raise ValueError(f"broadcast: root_rank {root_rank} outside [0, {self.size})")
+        self.check_alive()
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        self.wait(dist.broadcast(tensor, root_rank, async_op=True), f"broadcast of {name!r}")
+        if tensor.numpy() is not array:
+            np.copyto(array, tensor.numpy())
+        return array
+
+    def send(self, rank, name, payload):
+        """Length, then bytes, to ``rank`` under a tag derived from ``name`` (order kept)."""
+        self.check_alive()
+        data = torch.from_numpy(np.frombuffer(bytes(payload), np.uint8).copy()) \
+            if not isinstance(payload, np.ndarray) else torch.from_numpy(payload.reshape(-1).view(np.uint8).copy())
+        tag = _tag(name)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([data.numel()]), rank, tag=tag),
+                                        dist.P2POp(dist.isend, data, rank, tag=tag)])
+        for work in works:
+            self.wait(work, f"send of {name!r} to rank {rank}")
+        self.counters.pushed_wire += data.numel()
+        return Handle(self, None)
+
+    def recv(self, rank, name, timeout=None):
+        self.check_alive()
+        tag = _tag(name)
+        length = torch.zeros(1, dtype=torch.int64)
+        self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}")
+        data = torch.empty(int(length), dtype=torch.uint8)
+        self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}")
+        self.counters.pulled_wire += data.numel()
+        return data.numpy()
+
+    def metrics(self):
+        current, self.counters = self.counters, Metrics()
+        return current
+
+    step_metrics = metrics  # the parameter-server worker's name, which core.metrics() calls
+
+
+def _lr(ctx):
+    """The learning rate the codecs of this commit take (the step context's ``lr``)."""
+    if isinstance(ctx, dict):
+        return float(ctx.get("lr", 0.0))
+    return float(ctx or 0.0)
+
+
+def _tag(name):
+    return zlib.crc32(name.encode()) & 0x7FFFFFF

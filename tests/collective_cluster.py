@@ -25,6 +25,9 @@ def job_env(env=None):
 
 
 def torchrun_argv(script_argv, ranks, port=None, nnodes=1, node_rank=0):
+    if nnodes == 1 and port is None:  # torchrun binds a free port itself: no race with others
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                str(ranks), *script_argv]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
             str(node_rank), "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
             "--master-port", str(port or free_port()), *script_argv]

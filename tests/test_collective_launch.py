@@ -81,3 +81,17 @@ def test_same_parameters_under_torchrun_bpslaunch_and_the_parameter_server(tmp_p
                 assert saved[key].tobytes() == reference[key].tobytes(), f"{launcher} rank {rank} {key}"
     # and training moved the parameters
     assert not np.array_equal(reference[final[0]], reference[final[0].replace(f"{SPEC['steps'] - 1}/param", "init")])
+
+
+def test_send_recv_broadcast_barrier_all_reduce(tmp_path):
+    ranks = 3
+    argv = torchrun_argv([os.path.join(TESTS, "collective_p2p_job.py"), str(tmp_path)], ranks)
+    result = subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(ranks):
+        got = json.loads((tmp_path / f"p2p{rank}.json").read_text())
+        left = (rank - 1) % ranks
+        assert got["model"] == [[left * 10.0] * 3, [left * 10.0 + 1] * 4]
+        assert got["other"] == f"from {left}"
+        assert got["broadcast"] == [1.0] * 5
+        assert got["all_reduce"] == (np.arange(4) * sum(r + 1 for r in range(ranks))).tolist()

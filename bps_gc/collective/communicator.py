@@ -44,6 +44,19 @@ class Handle(api.Handle):
         return self.result
 
 
+class SendHandle(api.Handle):
+    def __init__(self, comm, works, tensors, what):
+        self.comm, self.works, self.tensors, self.what = comm, works, tensors, what
+
+    def poll(self):
+        return self.tensors is None  # gloo's send works complete only inside wait()
+
+    def wait(self, timeout=None):
+        for work in self.works:
+            self.comm.wait(work, self.what, poll=False)
+        self.tensors = None
+
+
 class Bucket:
     """Dense reductions fused into one all_reduce: [(flat wire array, out, average)]."""
 
@@ -98,10 +111,12 @@ class Collective(api.Communicator):
         if self.heartbeat is not None and self.heartbeat.failure is not None:
             raise self.heartbeat.failure
 
-    def wait(self, work, what):
-        """Wait for a torch.distributed work item, watching the heartbeat meanwhile."""
+    def wait(self, work, what, poll=True):
+        """Wait for a torch.distributed work item, watching the heartbeat meanwhile. Gloo's
+        send/recv works only complete inside wait() (``poll=False``): a dead peer then shows
+        as gloo's socket error, which the heartbeat names."""
         spins = 0
-        while not work.is_completed():
+        while poll and not work.is_completed():
             self.check_alive()
             spins += 1
             time.sleep(0 if spins < 100 else 0.001)
@@ -273,7 +288,7 @@ class Collective(api.Communicator):
         self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce")
         if average:
             tensor /= self.size
-        if tensor.numpy() is not array:
+        if not np.shares_memory(tensor.numpy(), array):
             np.copyto(array, tensor.numpy())
         return array
 
@@ -290,30 +305,31 @@ class Collective(api.Communicator):
         self.check_alive()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         self.wait(dist.broadcast(tensor, root_rank, async_op=True), f"broadcast of {name!r}")
-        if tensor.numpy() is not array:
+        if not np.shares_memory(tensor.numpy(), array):
             np.copyto(array, tensor.numpy())
         return array
 
     def send(self, rank, name, payload):
-        """Length, then bytes, to ``rank`` under a tag derived from ``name`` (order kept)."""
+        """Length, then bytes, to ``rank`` under a tag derived from ``name`` (gloo keeps their
+        order per peer and tag). Returns at once: the handle's ``wait()`` returns once the
+        receiver took them (a gloo send needs the matching recv)."""
         self.check_alive()
-        data = torch.from_numpy(np.frombuffer(bytes(payload), np.uint8).copy()) \
-            if not isinstance(payload, np.ndarray) else torch.from_numpy(payload.reshape(-1).view(np.uint8).copy())
+        array = payload if isinstance(payload, np.ndarray) else np.frombuffer(bytes(payload), np.uint8)
+        data = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
+        length = torch.tensor([data.numel()], dtype=torch.int64)
         tag = _tag(name)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([data.numel()]), rank, tag=tag),
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, length, rank, tag=tag),
                                         dist.P2POp(dist.isend, data, rank, tag=tag)])
-        for work in works:
-            self.wait(work, f"send of {name!r} to rank {rank}")
         self.counters.pushed_wire += data.numel()
-        return Handle(self, None)
+        return SendHandle(self, works, (length, data), f"send of {name!r} to rank {rank}")
 
     def recv(self, rank, name, timeout=None):
         self.check_alive()
         tag = _tag(name)
         length = torch.zeros(1, dtype=torch.int64)
-        self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}")
+        self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
         data = torch.empty(int(length), dtype=torch.uint8)
-        self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}")
+        self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
         self.counters.pulled_wire += data.numel()
         return data.numpy()
 

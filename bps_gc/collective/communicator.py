@@ -195,7 +195,10 @@ class Collective(api.Communicator):
         elif tuple(array.shape) != tensor.shape or array.dtype != tensor.dtype:
             raise ValueError(f"reduce({name!r}): got {array.shape} {array.dtype}, but it was first "
                              f"used as {tensor.shape} {tensor.dtype}")
-        wire = np.ascontiguousarray(array).reshape(-1).astype(tensor.wire_dtype, copy=True)
+        # dense: the bucket's concatenation is the one copy, made when the bucket goes out (like
+        # the parameter server's push, the caller leaves the array alone until wait());
+        # compressed: a copy the reduction then overwrites with the result
+        wire = np.ascontiguousarray(array).reshape(-1).astype(tensor.wire_dtype, copy=tensor.compressed)
         self.counters.pushed_raw += wire.nbytes
         self.counters.pulled_raw += wire.nbytes
         if not tensor.compressed:

@@ -1,9 +1,10 @@
 """``Collective``: the communicator (roles/communicator.py) on torch.distributed.
 
-Dense tensors are summed with all_reduce, fused into buckets like DDP's (BPS_GC_BUCKET_BYTES,
-25 MB): a bucket goes out when full or when a handle waiting on it is waited for. Compressed
-tensors are cut into the parameter server's partitions (same keys, so the same codec seeds);
-their payloads are all_gathered and every rank runs the server's reduction (exchange.py).
+Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
+goes out when full or when a handle waiting on it is waited for. Its dense tensors are summed
+by one all_reduce (per dtype). Its compressed tensors, cut into the parameter server's
+partitions (same keys, so the same codec seeds) and compressed when reduce() is called, send
+their payloads in one all_gather, and every rank runs the server's reduction (exchange.py).
 Every rank issues the same collectives in the same order because every rank declares, reduces
 and waits in the same order (the contract of the interface).
 
@@ -36,7 +37,7 @@ class Handle(api.Handle):
         self.comm, self.result, self.bucket = comm, result, bucket
 
     def poll(self):
-        return self.bucket is None or (self.bucket.work is not None and self.bucket.work.is_completed())
+        return self.bucket is None or (self.bucket.flushed and all(w.is_completed() for w in self.bucket.works))
 
     def wait(self, timeout=None):
         if self.bucket is not None:
@@ -58,10 +59,13 @@ class SendHandle(api.Handle):
 
 
 class Bucket:
-    """Dense reductions fused into one all_reduce: [(flat wire array, out, average)]."""
+    """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
+    [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
+    [(tensor, wire, out, average, lr, payloads)]."""
 
     def __init__(self):
-        self.entries, self.bytes, self.work, self.buffer, self.done = [], 0, None, None, False
+        self.entries, self.coded, self.bytes = [], [], 0
+        self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
 class Collective(api.Communicator):
@@ -203,11 +207,10 @@ class Collective(api.Communicator):
         self.counters.pulled_raw += wire.nbytes
         if not tensor.compressed:
             return self._reduce_dense(wire, out, average)
+        if tensor.reducer != "majority":
+            return self._queue_payloads(tensor, wire, out, average, lr)
         start = time.perf_counter()
-        if tensor.reducer == "majority":
-            self._reduce_signs(tensor, wire, lr)
-        else:
-            self._reduce_payloads(tensor, wire, lr)
+        self._reduce_signs(tensor, wire, lr)
         self.counters.communicate_seconds += time.perf_counter() - start
         if average:
             wire /= wire.dtype.type(self.size)
@@ -217,16 +220,29 @@ class Collective(api.Communicator):
     def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
 
-    def _reduce_payloads(self, tensor, wire, lr):
+    def _queue_payloads(self, tensor, wire, out, average, lr):
+        """Compress now (error feedback sees this step), exchange with the bucket."""
         start = time.perf_counter()
         payloads = [part.codec.compress(wire[part.start:part.stop], lr) for part in tensor.partitions]
         self.counters.compress_seconds += time.perf_counter() - start
-        sent = sum(p.nbytes for p in payloads)
-        self.counters.pushed_wire += sent
-        gathered = all_gather_bytes(payloads, self.wait)
-        self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sent
-        for i, part in enumerate(tensor.partitions):
-            self.reducers[part.key].reduce([rank[i] for rank in gathered], lr, wire[part.start:part.stop])
+        self.counters.pushed_wire += sum(p.nbytes for p in payloads)
+        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, lr, payloads), wire.nbytes)
+
+    def _reduce_coded(self, coded):
+        """One all_gather for the bucket's payloads, then every partition's reduction."""
+        start = time.perf_counter()
+        mine = [p for entry in coded for p in entry[5]]
+        gathered = all_gather_bytes(mine, self.wait)
+        self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        index = 0
+        for tensor, wire, out, average, lr, _ in coded:
+            for part in tensor.partitions:
+                self.reducers[part.key].reduce([rank[index] for rank in gathered], lr, wire[part.start:part.stop])
+                index += 1
+            if average:
+                wire /= wire.dtype.type(self.size)
+            np.copyto(out.reshape(-1), wire, casting="unsafe")
 
     def _reduce_signs(self, tensor, wire, lr):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1)."""
@@ -240,29 +256,32 @@ class Collective(api.Communicator):
         wire[...] = np.where(votes.numpy() >= 0, 1, -1)
 
     def _reduce_dense(self, wire, out, average):
-        bucket = self.pending
-        bucket.entries.append((wire, out, average))
-        bucket.bytes += wire.nbytes
         self.counters.pushed_wire += wire.nbytes
         self.counters.pulled_wire += wire.nbytes
-        if bucket.bytes >= self.bucket_bytes:
+        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes)
+
+    def _add(self, handle, kind, entry, nbytes):
+        bucket = self.pending
+        getattr(bucket, kind).append(entry)
+        bucket.bytes += nbytes
+        if bucket.bytes >= self.bucket_bytes:  # the same tensors reach it alike on every rank
             self.flush()
-        return Handle(self, out, bucket)
+        return handle
 
     def flush(self):
-        """Start the pending bucket's all_reduce."""
+        """Send the pending bucket: its payloads' all_gather (waited for), its dense all_reduce
+        (started)."""
         bucket, self.pending = self.pending, Bucket()
-        if not bucket.entries:
-            return
+        bucket.flushed = True
+        if bucket.coded:
+            self._reduce_coded(bucket.coded)
         by_dtype = {}
         for entry in bucket.entries:
             by_dtype.setdefault(entry[0].dtype, []).append(entry)
-        bucket.buffers = []
         for dtype, entries in by_dtype.items():
             fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
             bucket.buffers.append((fused, entries))
         bucket.works = [dist.all_reduce(fused, async_op=True) for fused, _ in bucket.buffers]
-        bucket.work = bucket.works[-1]
 
     def finish(self, bucket):
         if bucket.done:

@@ -79,7 +79,7 @@ class Config:
         cfg = cls(
             role=role,
             num_worker=num_worker,
-            num_server=read.integer("DMLC_NUM_SERVER", None, low=1),
+            num_server=read.integer("DMLC_NUM_SERVER", None, low=0),  # 0: collective transport
             root_uri=read.text("DMLC_PS_ROOT_URI", None),
             root_port=read.integer("DMLC_PS_ROOT_PORT", None, low=1, high=65535),
             worker_id=read.integer("DMLC_WORKER_ID", None, low=0, high=num_worker - 1)
@@ -126,6 +126,24 @@ class Config:
         if self.worker_id is not None:
             env["DMLC_WORKER_ID"] = str(self.worker_id)
         return env
+
+
+TRANSPORTS = ("ps", "collective")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+def transport_from_env(environ=None):
+    """"ps" (ZeroMQ parameter server) or "collective" (torch.distributed): BPS_GC_TRANSPORT if
+    set; else collective under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and no DMLC_NUM_WORKER)
+    or with DMLC_NUM_SERVER=0 (``bpslaunch --servers 0``); else ps."""
+    env = os.environ if environ is None else environ
+    read = EnvReader(env)
+    chosen = read.choice("BPS_GC_TRANSPORT", TRANSPORTS, "", upper=False)
+    if chosen:
+        return chosen
+    if "DMLC_NUM_WORKER" not in env and all(env.get(name) for name in TORCHRUN_VARIABLES):
+        return "collective"
+    return "collective" if env.get("DMLC_NUM_SERVER", "").strip() == "0" else "ps"
 
 
 class EnvReader:
@@ -191,4 +209,3 @@ class EnvReader:
         return value
 
 
-_Reader = EnvReader  # its earlier name, still used by code written against it (bps_gc.config.transport_from_env)

@@ -14,7 +14,7 @@ import logging
 import sys
 
 from . import compress
-from .config import Config, ConfigError
+from .config import Config, ConfigError, transport_from_env
 from .roles import NodeFailure
 from .roles.communicator import Declaration
 from .roles.membership import abort_job
@@ -36,6 +36,14 @@ def init(config=None):
     """Join the cluster described by the environment (DMLC_*, BYTEPS_*, BPS_GC_*)."""
     global _worker
     if _worker is not None:
+        return _worker
+    if config is None and transport_from_env() == "collective":
+        from .collective import Collective, collective_config  # needs torch: imported only here
+        cfg, local_rank, local_size = collective_config()
+        _setup_logging(cfg.log_level)
+        compress.load_plugins()
+        _worker = Collective(cfg, compress, local_rank, local_size).start()
+        atexit.register(shutdown)
         return _worker
     cfg = config or Config.from_env(role="worker")
     _setup_logging(cfg.log_level)

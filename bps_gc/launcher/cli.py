@@ -47,7 +47,9 @@ def build_parser():
                                      allow_abbrev=False)
     parser.add_argument("--local", action="store_true", help="run a whole job on 127.0.0.1")
     parser.add_argument("--workers", type=_positive, metavar="W", help="--local: worker machines (1)")
-    parser.add_argument("--servers", type=_positive, metavar="S", help="--local: servers (1)")
+    parser.add_argument("--servers", type=_count, metavar="S",
+                        help="--local: servers (1); 0: no scheduler or servers, the workers use "
+                             "torch.distributed (the collective transport)")
     parser.add_argument("--local-size", type=_positive, metavar="L",
                         help="--local: processes per worker machine (1)")
     parser.add_argument("--port", type=_port, metavar="P",
@@ -71,7 +73,7 @@ def main(argv=None, environ=None):
         if args.local:
             if not command:
                 fail("--local needs a command: bpslaunch --local [options] -- CMD [ARGS...]")
-            sys.exit(run_local(command, args.workers or 1, args.servers or 1,
+            sys.exit(run_local(command, args.workers or 1, 1 if args.servers is None else args.servers,
                                args.local_size or 1, args.port, environ, settings))
         config = validate(environ)
     except ConfigError as error:
@@ -95,6 +97,13 @@ def _positive(text):
     value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _count(text):
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

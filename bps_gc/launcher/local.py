@@ -69,8 +69,9 @@ def process_env(environ, role, workers, servers, port, local_size, worker_id=Non
 def plan_cluster(command, workers, servers, local_size, port, environ, settings,
                  node_command=NODE_COMMAND):
     """[(label, argv, env, cpus)] for every process, each env validated (raises ConfigError)."""
+    # no servers: the collective transport, whose rendezvous rank 0 hosts on the same port
     plan = [("scheduler", node_command,
-             process_env(environ, "scheduler", workers, servers, port, local_size), None)]
+             process_env(environ, "scheduler", workers, servers, port, local_size), None)] if servers else []
     plan += [(f"server{index}", node_command,
               process_env(environ, "server", workers, servers, port, local_size), None)
              for index in range(servers)]

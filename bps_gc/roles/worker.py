@@ -18,7 +18,7 @@ from .membership import Membership
 from .peers import Peers
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
-from .worker_tensors import Placement, TensorPlan
+from .worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -92,18 +92,8 @@ class Worker(Communicator):
         same names in the same order. With ``shape`` and ``dtype`` its partitions are placed now
         (balanced by bytes), else at its first push_pull. Returns its Declaration."""
         self.check_alive()
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"declare: name must be a non-empty string, got {name!r}")
-        params = self.codecs.CompressionParams.from_dict(compression)
-        reducer_name = self.codecs.choose_reducer(params, reducer)
-        shape = None if shape is None else tuple(int(s) for s in (shape if np.ndim(shape) else (shape,)))
-        dtype = None if shape is None and dtype is None else np.dtype(dtype or np.float32)
-        existing = self.tensors.get(name)
-        if existing is not None:
-            existing.check_redeclaration(params, reducer_name, shape, dtype)
-            return existing.declaration()
-        tensor = TensorPlan(name, len(self.tensors), params, reducer_name)
-        self.tensors[name] = tensor
+        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer,
+                                              compression)
         if shape is not None:
             self._place(tensor, shape, dtype, balanced=True)
         return tensor.declaration()
@@ -113,8 +103,7 @@ class Worker(Communicator):
         return None if tensor is None else tensor.declaration()
 
     def _place(self, tensor, shape, dtype, balanced):
-        if dtype not in (np.float32, np.float64, np.float16):
-            raise TypeError(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")
+        check_dtype(tensor, dtype)
         if self.placement is None:  # not distributed: nothing to place
             tensor.shape, tensor.dtype = tuple(shape), dtype
             return
@@ -136,20 +125,9 @@ class Worker(Communicator):
         if lr is not None:
             ctx["lr"] = float(lr)
         context = encode_context(ctx)  # a bad entry is the caller's error, raised here
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise KeyError(f"push_pull: {name!r} was not declared; call declare({name!r}, ...) first")
-        array = np.asarray(array)
-        out = array if out is None else out
-        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"push_pull({name!r}): the output must be a writable C-contiguous numpy array")
-        if out.shape != array.shape:
-            raise ValueError(f"push_pull({name!r}): out has shape {out.shape}, input {array.shape}")
-        if tensor.shape is None:
+        tensor, array, out, place = resolve_reduce_call(self.tensors, name, array, out)
+        if place:
             self._place(tensor, array.shape, array.dtype, balanced=False)
-        elif tuple(array.shape) != tensor.shape or array.dtype != tensor.dtype:
-            raise ValueError(f"push_pull({name!r}): got {array.shape} {array.dtype}, but it was first "
-                             f"used as {tensor.shape} {tensor.dtype}")
         if tensor.busy:
             raise RuntimeError(f"push_pull({name!r}) while the previous one is still running; wait for it first")
         if self.io is None or array.size == 0:  # single process, or nothing to sum

@@ -103,3 +103,45 @@ class Placement:
                 if tensor.compressed else (None, None)
             tensor.partitions.append(Partition(key, start, stop, server, codec, reducer))
         return tensor
+
+
+def declare_tensor(tensors, codecs, name, shape, dtype, reducer, compression):
+    """The checks of ``declare`` that every communicator shares. Returns (tensor, shape, dtype):
+    shape and dtype normalized, or None when the tensor waits for its first push_pull; an
+    earlier declaration is returned as is after checking it says the same."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"declare: name must be a non-empty string, got {name!r}")
+    params = codecs.CompressionParams.from_dict(compression)
+    reducer_name = codecs.choose_reducer(params, reducer)
+    shape = None if shape is None else tuple(int(s) for s in (shape if np.ndim(shape) else (shape,)))
+    dtype = None if shape is None and dtype is None else np.dtype(dtype or np.float32)
+    existing = tensors.get(name)
+    if existing is not None:
+        existing.check_redeclaration(params, reducer_name, shape, dtype)
+        return existing, None, None
+    tensor = TensorPlan(name, len(tensors), params, reducer_name)
+    tensors[name] = tensor
+    return tensor, shape, dtype
+
+
+def check_dtype(tensor, dtype):
+    if dtype not in (np.float32, np.float64, np.float16):
+        raise TypeError(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")
+
+
+def resolve_reduce_call(tensors, name, array, out):
+    """The checks of ``push_pull`` every communicator shares: returns (tensor, array, out,
+    place), ``place`` True when the tensor still needs its partitions (first use)."""
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise KeyError(f"push_pull: {name!r} was not declared; call declare({name!r}, ...) first")
+    array = np.asarray(array)
+    out = array if out is None else out
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"push_pull({name!r}): the output must be a writable C-contiguous numpy array")
+    if out.shape != array.shape:
+        raise ValueError(f"push_pull({name!r}): out has shape {out.shape}, input {array.shape}")
+    if tensor.shape is not None and (tuple(array.shape) != tensor.shape or array.dtype != tensor.dtype):
+        raise ValueError(f"push_pull({name!r}): got {array.shape} {array.dtype}, but it was first "
+                         f"used as {tensor.shape} {tensor.dtype}")
+    return tensor, array, out, tensor.shape is None

@@ -8,11 +8,12 @@
 """
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
+from .hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
 from .optimizer import DistributedOptimizer
 
 __all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
-           "broadcast_parameters", "declare", "init", "local_rank", "local_size", "poll",
+           "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]

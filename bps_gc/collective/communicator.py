@@ -1,0 +1,336 @@
+"""``Collective``: the communicator (roles/communicator.py) on torch.distributed.
+
+Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
+goes out when full or when a handle waiting on it is waited for. Its dense tensors are summed
+by one all_reduce (per dtype). Its compressed tensors, cut into the parameter server's
+partitions (same keys, so the same codec seeds) and compressed when reduce() is called, send
+their payloads in one all_gather, and every rank runs the server's reduction (exchange.py).
+Every rank issues the same collectives in the same order because every rank declares, reduces
+and waits in the same order (the contract of the interface).
+
+Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
+heartbeat bound. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
+"""
+import logging
+import os
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..roles import NodeFailure
+from ..roles import communicator as api
+from ..roles.worker_handle import Metrics
+from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
+from .exchange import all_gather_bytes
+from .liveness import Heartbeat
+from .rendezvous import backend_from_env, connect
+
+log = logging.getLogger("bps_gc.collective")
+BUCKET_BYTES = 25 << 20
+
+
+class Handle(api.Handle):
+    def __init__(self, comm, result=None, bucket=None):
+        self.comm, self.result, self.bucket = comm, result, bucket
+
+    def poll(self):
+        return self.bucket is None or (self.bucket.flushed and all(w.is_completed() for w in self.bucket.works))
+
+    def wait(self, timeout=None):
+        if self.bucket is not None:
+            self.comm.finish(self.bucket)
+        return self.result
+
+
+class SendHandle(api.Handle):
+    def __init__(self, comm, works, tensors, what):
+        self.comm, self.works, self.tensors, self.what = comm, works, tensors, what
+
+    def poll(self):
+        return self.tensors is None  # gloo's send works complete only inside wait()
+
+    def wait(self, timeout=None):
+        for work in self.works:
+            self.comm.wait(work, self.what, poll=False)
+        self.tensors = None
+
+
+class Bucket:
+    """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
+    [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
+    [(tensor, wire, out, average, lr, payloads)]."""
+
+    def __init__(self):
+        self.entries, self.coded, self.bytes = [], [], 0
+        self.works, self.buffers, self.flushed, self.done = [], [], False, False
+
+
+class Collective(api.Communicator):
+    def __init__(self, cfg, codecs, local_rank=None, local_size=None):
+        self.cfg, self.codecs = cfg, codecs
+        self.rank, self.size = cfg.rank, cfg.size
+        self.local_rank = cfg.local_rank if local_rank is None else local_rank
+        self.local_size = cfg.local_size if local_size is None else local_size
+        self.tensors = {}
+        self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
+        self.bucket_bytes = int(os.environ.get("BPS_GC_BUCKET_BYTES", BUCKET_BYTES))
+        self.pending = Bucket()
+        self.counters = Metrics()
+        self.heartbeat = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self):
+        backend = backend_from_env()
+        store = connect(self.cfg, backend)
+        where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
+        self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
+                                   self.cfg.heartbeat_timeout, where).start()
+        self.barrier()
+        log.info("rank %d/%d joined over torch.distributed (%s)", self.rank, self.size, backend)
+        return self
+
+    def shutdown(self, timeout=10.0):
+        if self.closed:
+            return
+        failed = self.heartbeat is not None and self.heartbeat.failure is not None
+        if not failed:
+            try:
+                self.barrier()  # nobody leaves (and takes the store down) while others still work
+            except NodeFailure:
+                failed = True
+        self.closed = True
+        if self.heartbeat is not None:
+            self.heartbeat.leave()
+        if not failed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def check_alive(self):
+        if self.closed:
+            raise RuntimeError("bps_gc: the collective communicator was shut down")
+        if self.heartbeat is not None and self.heartbeat.failure is not None:
+            raise self.heartbeat.failure
+
+    def wait(self, work, what, poll=True):
+        """Wait for a torch.distributed work item, watching the heartbeat meanwhile. Gloo's
+        send/recv works only complete inside wait() (``poll=False``): a dead peer then shows
+        as gloo's socket error, which the heartbeat names."""
+        spins = 0
+        while poll and not work.is_completed():
+            self.check_alive()
+            spins += 1
+            time.sleep(0 if spins < 100 else 0.001)
+        try:
+            work.wait()
+        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who
+            deadline = time.monotonic() + self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval
+            while self.heartbeat.failure is None and time.monotonic() < deadline:
+                time.sleep(self.cfg.heartbeat_interval / 4)
+            raise self.heartbeat.failure or NodeFailure(f"bps_gc: {what} failed on rank {self.rank}: {e}") from None
+
+    # ------------------------------------------------------------------ tensors
+
+    def declare(self, name, shape=None, dtype=None, reducer=None, **compression):
+        self.check_alive()
+        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer,
+                                              compression)
+        if shape is not None:
+            self._place(tensor, shape, dtype)
+        return tensor.declaration()
+
+    def declaration(self, name):
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.declaration()
+
+    def _place(self, tensor, shape, dtype):
+        check_dtype(tensor, dtype)
+        self.placement.plan(tensor, shape, dtype, self._build_codec, balanced=True)
+
+    def _build_codec(self, tensor, n, dtype, key):
+        """(worker chain, reducer): every rank runs the reducer the server would have run."""
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker"),
+                self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
+
+    def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
+        """Sum (or average) over all ranks into ``out`` (default: ``array``, in place)."""
+        self.check_alive()
+        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
+        if lr is not None:
+            ctx["lr"] = float(lr)
+        tensor, array, out, place = resolve_reduce_call(self.tensors, name, array, out)
+        if place:
+            self._place(tensor, array.shape, array.dtype)
+        # dense: the bucket's concatenation is the one copy, made when the bucket goes out (like
+        # the parameter server's push, the caller leaves the array alone until wait());
+        # compressed: a copy the reduction then overwrites with the result
+        wire = np.ascontiguousarray(array).reshape(-1).astype(tensor.wire_dtype, copy=tensor.compressed)
+        self.counters.pushed_raw += wire.nbytes
+        self.counters.pulled_raw += wire.nbytes
+        if not tensor.compressed:
+            return self._reduce_dense(wire, out, average)
+        if tensor.reducer != "majority":
+            return self._queue_payloads(tensor, wire, out, average, ctx)
+        start = time.perf_counter()
+        self._reduce_signs(tensor, wire, ctx)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        np.copyto(out.reshape(-1), wire, casting="unsafe")  # a vote: never averaged
+        return Handle(self, out)
+
+    def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
+        return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
+
+    def _queue_payloads(self, tensor, wire, out, average, ctx):
+        """Compress now (error feedback sees this step), exchange with the bucket."""
+        start = time.perf_counter()
+        payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
+        self.counters.compress_seconds += time.perf_counter() - start
+        self.counters.pushed_wire += sum(p.nbytes for p in payloads)
+        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, payloads), wire.nbytes)
+
+    def _reduce_coded(self, coded):
+        """One all_gather for the bucket's payloads, then every partition's reduction."""
+        start = time.perf_counter()
+        mine = [p for entry in coded for p in entry[5]]
+        gathered = all_gather_bytes(mine, self.wait)
+        self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        index = 0
+        for tensor, wire, out, average, ctx, _ in coded:
+            for part in tensor.partitions:
+                reply = part.reducer.reduce([rank[index] for rank in gathered], True, ctx)
+                part.reducer.decode(reply, wire[part.start:part.stop], ctx)
+                index += 1
+            if average and tensor.partitions[0].reducer.summed:
+                wire /= wire.dtype.type(self.size)
+            np.copyto(out.reshape(-1), wire, casting="unsafe")
+
+    def _reduce_signs(self, tensor, wire, ctx):
+        """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).
+        The last element counts ranks whose push held a non-finite value: then the result is
+        NaN everywhere, as the parameter server's majority reply says (reducers.py)."""
+        for part in tensor.partitions:
+            chunk = wire[part.start:part.stop]
+            part.codec.decompress(part.codec.compress(chunk, ctx), chunk)
+        votes = np.empty(wire.size + 1, np.int32)
+        votes[:-1] = (wire > 0).astype(np.int32) - (wire < 0)
+        votes[-1] = not np.isfinite(wire).all()
+        votes = torch.from_numpy(votes)
+        self.counters.pushed_wire += votes.numel() // 8 + 1
+        self.counters.pulled_wire += votes.numel() // 8 + 1
+        self.wait(dist.all_reduce(votes, async_op=True), "all_reduce of signs")
+        tally = votes.numpy()
+        wire[...] = np.nan if tally[-1] else np.where(tally[:-1] < 0, -1, 1)
+
+    def _reduce_dense(self, wire, out, average):
+        self.counters.pushed_wire += wire.nbytes
+        self.counters.pulled_wire += wire.nbytes
+        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes)
+
+    def _add(self, handle, kind, entry, nbytes):
+        bucket = self.pending
+        getattr(bucket, kind).append(entry)
+        bucket.bytes += nbytes
+        if bucket.bytes >= self.bucket_bytes:  # the same tensors reach it alike on every rank
+            self.flush()
+        return handle
+
+    def flush(self):
+        """Send the pending bucket: its payloads' all_gather (waited for), its dense all_reduce
+        (started)."""
+        bucket, self.pending = self.pending, Bucket()
+        bucket.flushed = True
+        if bucket.coded:
+            self._reduce_coded(bucket.coded)
+        by_dtype = {}
+        for entry in bucket.entries:
+            by_dtype.setdefault(entry[0].dtype, []).append(entry)
+        for dtype, entries in by_dtype.items():
+            fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
+            bucket.buffers.append((fused, entries))
+        bucket.works = [dist.all_reduce(fused, async_op=True) for fused, _ in bucket.buffers]
+
+    def finish(self, bucket):
+        if bucket.done:
+            return
+        if bucket is self.pending:
+            self.flush()
+        start = time.perf_counter()
+        for work in bucket.works:
+            self.wait(work, "all_reduce of a dense bucket")
+        self.counters.communicate_seconds += time.perf_counter() - start
+        for fused, entries in bucket.buffers:
+            flat, offset = fused.numpy(), 0
+            for wire, out, average in entries:
+                result = flat[offset:offset + wire.size]
+                offset += wire.size
+                if average:
+                    result /= result.dtype.type(self.size)
+                np.copyto(out.reshape(-1), result, casting="unsafe")
+        bucket.done = True
+
+    def all_reduce(self, array, average=False):
+        """A plain in-place sum over ranks now (PowerSGD's P and Q phases, local SGD's model
+        difference); no codec, no bucket."""
+        self.check_alive()
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce")
+        if average:
+            tensor /= self.size
+        if not np.shares_memory(tensor.numpy(), array):
+            np.copyto(array, tensor.numpy())
+        return array
+
+    # ------------------------------------------------------------------ collectives
+
+    def barrier(self):
+        self.check_alive()
+        self.flush()
+        self.wait(dist.barrier(async_op=True), "barrier")
+
+    def broadcast(self, array, root_rank, name):
+        if not 0 <= root_rank < self.size:
+            raise ValueError(f"broadcast: root_rank {root_rank} outside [0, {self.size})")
+        self.check_alive()
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        self.wait(dist.broadcast(tensor, root_rank, async_op=True), f"broadcast of {name!r}")
+        if not np.shares_memory(tensor.numpy(), array):
+            np.copyto(array, tensor.numpy())
+        return array
+
+    def send(self, rank, name, payload):
+        """Length, then bytes, to ``rank`` under a tag derived from ``name`` (gloo keeps their
+        order per peer and tag). Returns at once: the handle's ``wait()`` returns once the
+        receiver took them (a gloo send needs the matching recv)."""
+        self.check_alive()
+        array = payload if isinstance(payload, np.ndarray) else np.frombuffer(bytes(payload), np.uint8)
+        data = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        tag = _tag(name)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, length, rank, tag=tag),
+                                        dist.P2POp(dist.isend, data, rank, tag=tag)])
+        self.counters.pushed_wire += data.numel()
+        return SendHandle(self, works, (length, data), f"send of {name!r} to rank {rank}")
+
+    def recv(self, rank, name, timeout=None):
+        self.check_alive()
+        tag = _tag(name)
+        length = torch.zeros(1, dtype=torch.int64)
+        self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
+        data = torch.empty(int(length), dtype=torch.uint8)
+        self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
+        self.counters.pulled_wire += data.numel()
+        return data.numpy()
+
+    def metrics(self):
+        current, self.counters = self.counters, Metrics()
+        return current
+
+    step_metrics = metrics  # the parameter-server worker's name, which core.metrics() calls
+
+
+def _tag(name):
+    return zlib.crc32(name.encode()) & 0x7FFFFFF

@@ -1,0 +1,71 @@
+"""Where the ranks meet: the environment (torchrun's or bpslaunch's) -> Config, TCPStore and
+process group.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; bpslaunch
+sets DMLC_WORKER_ID (the rank), DMLC_NUM_WORKER, DMLC_PS_ROOT_URI/PORT (the rendezvous, hosted by
+rank 0) and BYTEPS_LOCAL_RANK/SIZE. Both become one Config, so every BYTEPS_*/BPS_GC_* setting
+(partition bytes, heartbeat) means the same on either transport.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError, EnvReader
+
+TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def collective_config(environ=None):
+    """(Config, local_rank, local_size) from torchrun's variables or bpslaunch's DMLC_* ones."""
+    env = dict(os.environ if environ is None else environ)
+    if "DMLC_NUM_WORKER" not in env and all(name in env for name in TORCHRUN):
+        local_size = env.get("LOCAL_WORLD_SIZE", "1")
+        # the rank is the worker id of a one-rank "machine": Config.rank = worker_id
+        env.update(DMLC_NUM_WORKER=env["WORLD_SIZE"], DMLC_WORKER_ID=env["RANK"],
+                   DMLC_PS_ROOT_URI=env["MASTER_ADDR"], DMLC_PS_ROOT_PORT=env["MASTER_PORT"],
+                   BYTEPS_LOCAL_SIZE="1", BYTEPS_LOCAL_RANK="0")
+        local = (int(env.get("LOCAL_RANK", "0")), int(local_size))
+    else:
+        local = None
+    env["DMLC_NUM_SERVER"] = "0"
+    cfg = Config.from_env(env, role="worker")
+    return cfg, *(local or (cfg.local_rank, cfg.local_size))
+
+
+def backend_from_env(environ=None):
+    """BPS_GC_BACKEND, else gloo for host arrays plus NCCL for CUDA tensors when there is a GPU."""
+    env = os.environ if environ is None else environ
+    chosen = EnvReader(env).choice("BPS_GC_BACKEND", BACKENDS, "")
+    if chosen:
+        if chosen == "mpi" and not dist.is_mpi_available():
+            raise ConfigError("BPS_GC_BACKEND", "mpi: this torch was built without MPI")
+        return chosen
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def connect(cfg, backend):
+    """Join the process group; returns the key-value store the ranks share (for heartbeats).
+
+    Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); else rank 0 does.
+    The group's own timeout only bounds a peer that is alive but silent; a dead one is found
+    by the heartbeat (liveness.py) long before.
+    """
+    timeout = datetime.timedelta(seconds=cfg.join_timeout)
+    if backend == "mpi":
+        dist.init_process_group("mpi", timeout=timeout)
+        return None
+    host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store = dist.TCPStore(cfg.root_uri, cfg.root_port, cfg.size, is_master=host_store,
+                              timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise ConnectionError(f"bps_gc: cannot reach the rendezvous at {cfg.root_uri}:{cfg.root_port} "
+                              f"as rank {cfg.rank}: {e}") from None
+    dist.init_process_group(backend, store=dist.PrefixStore("bps_gc/group", store), rank=cfg.rank,
+                            world_size=cfg.size, timeout=timeout)
+    return dist.PrefixStore("bps_gc/live", store)

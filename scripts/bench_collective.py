@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""The torch.distributed side of the benchmark: PyTorch's own DDP hooks against bps_gc's
+collective transport, on ResNet-50 v1b gradient shapes (161 float32 tensors, 25.56M floats),
+N ranks on one host over loopback (gloo), all rows in one run of the same processes.
+
+Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
+  torch all_reduce dense   161 gradients fused into 25 MB buckets (DDP's size), one gloo
+                           all_reduce each, waited for together
+  DDP compute only         the benchmark model's forward/backward without communication: the
+                           floor under every DDP row (gradient = a fixed random tensor per layer)
+  DDP dense / fp16 hook / PowerSGD rank 1, 4 / bps_gc hook
+                           one DDP step (forward, backward with the hook, no optimizer) of a
+                           model whose parameters have the ResNet-50 shapes; torch's own hooks
+                           (PowerSGD: error feedback, warm start, compression from the 2nd step,
+                           one 102 MB bucket: several buckets' phases interleave differently on
+                           each rank under gloo and the run aborts)
+  bps_gc collective ...    bps_gc.core push_pull of the 161 gradients (declared with the codec,
+                           partitions and thresholds as on the parameter server), then wait
+
+    python scripts/bench_collective.py                 # 2 ranks, 3 warm-up + 5 timed rounds
+    python scripts/bench_collective.py --quick         # smoke run: a few rows, 1 + 2 rounds
+    python scripts/bench_collective.py --ranks 4 --json out/bench_collective_4.json
+
+Ratios are to DDP PowerSGD rank 1 measured in the same run. JSON goes to
+out/bench_collective.json unless --json says otherwise.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = os.path.join(ROOT, "tests", "data", "resnet50_shapes.json")
+BUCKET_BYTES = 25 << 20
+CODECS = {
+    "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+    "topk 0.1%": {"compressor": "topk", "k": 0.001},
+    "randomk 0.1%": {"compressor": "randomk", "k": 0.001},
+    "dithering k=2": {"compressor": "dithering", "k": 2},
+}
+QUICK = ("torch all_reduce dense", "DDP dense", "DDP PowerSGD rank 1", "bps_gc collective topk 0.1%")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="a few rows, 1 warm-up + 2 timed rounds")
+    p.add_argument("--rows", default=None, help="only rows whose label contains one of these "
+                   "comma-separated words (e.g. PowerSGD,topk)")
+    p.add_argument("--json", default=None, help="default: out/bench_collective.json")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # set for the ranks
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- ranks
+
+def rank_main(args):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sys.path.insert(0, ROOT)
+    import bps_gc.core as bps
+    import bps_gc.torch as bps_torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
+    bps.init()  # the collective transport: also the default process group DDP uses
+    rank = bps.rank()
+    shapes = [tuple(s) for s in json.load(open(SHAPES))["resnet50_v1b"]]
+    rng = np.random.default_rng(rank)
+    grads = [(rng.standard_normal(s) * 1e-3).astype(np.float32) for s in shapes]
+
+    class Shaped(torch.nn.Module):
+        """Parameters of the given shapes; d loss / d p = a fixed tensor per parameter."""
+        def __init__(self):
+            super().__init__()
+            self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+            self.ws = [torch.from_numpy(g) for g in grads]
+
+        def forward(self):
+            return sum((p * w).sum() for p, w in zip(self.ps, self.ws))
+
+    def timed(step):
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def allreduce_rows():
+        flat = np.concatenate([g.reshape(-1) for g in grads])
+        per = BUCKET_BYTES // 4
+        buckets = [torch.from_numpy(flat[i:i + per].copy()) for i in range(0, flat.size, per)]
+
+        def step():
+            for work in [dist.all_reduce(b, async_op=True) for b in buckets]:
+                work.wait()
+        return step
+
+    def ddp(hook=None, state=None, bucket_cap_mb=25):
+        model = DDP(Shaped(), bucket_cap_mb=bucket_cap_mb)
+        if hook is not None:
+            model.register_comm_hook(state, hook)
+
+        def step():
+            model().backward()
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    def local():
+        model = Shaped()
+
+        def step():
+            model().backward()
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    def powersgd(rank_):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank_,
+                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        # one bucket: on gloo, the hook's chained phases of several buckets in flight get issued
+        # in different orders on different ranks (a collective mismatch; pytorch issue 58467)
+        return ddp(powerSGD_hook.powerSGD_hook, state, bucket_cap_mb=128)
+
+    def collective(name, params):
+        names = [f"{name}/{i}" for i in range(len(shapes))]
+        for n, g in zip(names, grads):
+            bps.declare(n, shape=g.shape, dtype=g.dtype, **params)
+
+        def step():
+            handles = [bps.push_pull(g.copy(), n, priority=-i, lr=0.1) for i, (n, g) in enumerate(zip(names, grads))]
+            for h in handles:
+                h.wait()
+        return step
+
+    rows = {
+        "torch all_reduce dense": allreduce_rows,
+        "DDP compute only": local,
+        "DDP dense": lambda: ddp(),
+        "DDP fp16 hook": lambda: ddp(default_hooks.fp16_compress_hook),
+        "DDP PowerSGD rank 1": lambda: powersgd(1),
+        "DDP PowerSGD rank 4": lambda: powersgd(4),
+        **{f"DDP bps_gc hook {c}": (lambda c=c: ddp(bps_torch.comm_hook(CODECS[c]))) for c in ("topk 0.1%", "randomk 0.1%")},
+        "bps_gc collective dense": lambda: collective("dense", {}),
+        **{f"bps_gc collective {c}": (lambda c=c: collective(c, CODECS[c])) for c in CODECS},
+    }
+    results = []
+    for label, build in rows.items():
+        if args.quick and label not in QUICK:
+            continue
+        if args.rows and not any(word in label for word in args.rows.split(",")):
+            continue
+        times = timed(build())
+        bps.metrics()
+        results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
+                        "max_s": max(times), "rounds": len(times)})
+        if rank == 0:
+            print(f"ROW {json.dumps(results[-1])}", flush=True)
+    if rank == 0:
+        json.dump(results, open(args.worker, "w"))
+    bps.shutdown()
+
+
+# ---------------------------------------------------------------------------- driver
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.quick:
+        args.warmup, args.rounds = 1, 2
+    if args.worker:
+        return rank_main(args)
+    out = args.json or os.path.join(ROOT, "out", "bench_collective.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    raw = out + ".ranks"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+            os.path.abspath(__file__), "--worker", raw, "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    if args.quick:
+        argv.append("--quick")
+    if args.rows:
+        argv += ["--rows", args.rows]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(argv, env=env, cwd=ROOT, timeout=1800, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench_collective: the ranks failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    results = json.load(open(raw))
+    os.remove(raw)
+    reference = next((r["median_s"] for r in results if r["row"] == "DDP PowerSGD rank 1"), None)
+    print(f"{args.ranks} ranks, loopback (gloo), ResNet-50 v1b gradients; worker 0's median of "
+          f"{args.rounds} rounds after {args.warmup} warm-up")
+    print(f"{'':34} {'s/round':>8} {'min':>7} {'max':>7} {'vs PowerSGD r1':>15}")
+    for r in results:
+        ratio = f"{r['median_s'] / reference:.2f}x" if reference else "-"
+        r["vs_powersgd_rank1"] = r["median_s"] / reference if reference else None
+        print(f"{r['row']:34} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {ratio:>15}")
+    json.dump({"ranks": args.ranks, "transport": "loopback", "warmup": args.warmup, "rounds": args.rounds,
+               "rows": results}, open(out, "w"), indent=1)
+    print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Time to accuracy on the MNIST demo's task (MLP 784-128-10, the 4,000 real training digits
+of example/demo, 1,000 held out), 2 ranks under torchrun on loopback, batch 32 per rank,
+SGD lr 0.1 momentum 0.9: PyTorch's DDP (dense, fp16 hook, PowerSGD rank 1 and 4, torch's own
+hooks) against bps_gc on the collective transport (its DDP hook, and DistributedOptimizer with
+the demo's onebit recipe).
+
+Every configuration trains for the same epochs in the same processes; rank 0 evaluates every
+--eval-every steps with the clock stopped. The table gives, for each, the wall time to first
+reach the dense run's final accuracy (minus --slack), its final accuracy and its speed-up
+against the slowest/fastest DDP configuration; the plot shows accuracy against wall time.
+
+    python scripts/time_to_accuracy.py                     # 10 epochs
+    python scripts/time_to_accuracy.py --epochs 2 --out /tmp/tta
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
+           "bps_gc hook topk 10% + EF", "bps_gc collective onebit + EF + nesterov")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--slack", type=float, default=0.0, help="target = dense final accuracy - slack")
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
+    p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def rank_main(args):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "demo")]
+    import bps_gc.torch as bps
+    from mnist_worker import accuracy, load_data, network
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    x, y, xv, yv = load_data(4000)
+    shard = np.arange(rank, len(x), size)
+    per_epoch = len(x) // size // 32
+    curves = {}
+    for config in CONFIGS:
+        model = network(128, 0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                              nesterov="nesterov" in config)
+        if config.startswith("bps_gc collective"):
+            # the demo's recipe: the momentum moves into the codec chain before onebit
+            opt = bps.DistributedOptimizer(opt, named_parameters=[(f"{config}.{n}", p) for n, p in model.named_parameters()],
+                                           compression_params={"compressor": "onebit", "scaling": True, "ef": "vanilla",
+                                                               "momentum": "nesterov"})
+            net = model
+        else:
+            net = DDP(model)
+            if config == "DDP fp16 hook":
+                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif config.startswith("DDP PowerSGD"):
+                state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=int(config[-1]),
+                                                    start_powerSGD_iter=2)
+                net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            elif config.startswith("bps_gc hook"):
+                net.register_comm_hook(None, bps.comm_hook({"compressor": "topk", "k": 0.1, "ef": "vanilla"},
+                                                           optimizer=opt))
+        curve, clock, step = [(0.0, accuracy(model, xv, yv))], 0.0, 0
+        dist.barrier()
+        for epoch in range(args.epochs):
+            order = np.random.default_rng(epoch).permutation(shard)
+            for start in range(0, per_epoch * 32, 32):
+                began = time.perf_counter()
+                batch = order[start:start + 32]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x[batch]), y[batch]).backward()
+                opt.step()
+                clock += time.perf_counter() - began
+                step += 1
+                if step % args.eval_every == 0:
+                    if rank == 0:
+                        curve.append((clock, accuracy(model, xv, yv)))
+                    dist.barrier()  # the clock is stopped while rank 0 evaluates
+        if rank == 0:
+            curve.append((clock, accuracy(model, xv, yv)))
+            curves[config] = curve
+            print(f"{config}: {clock:.2f} s, accuracy {curve[-1][1]:.4f}", flush=True)
+    if rank == 0:
+        json.dump(curves, open(args.rank_out, "w"))
+    bps.shutdown()
+
+
+def time_to(curve, target):
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.rank_out:
+        return rank_main(args)
+    os.makedirs(args.out, exist_ok=True)
+    raw = os.path.join(args.out, "curves.json")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            os.path.abspath(__file__), "--rank-out", raw, "--epochs", str(args.epochs),
+            "--eval-every", str(args.eval_every)]
+    proc = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), cwd=ROOT,
+                          timeout=3600, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"time_to_accuracy: the ranks failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    curves = json.load(open(raw))
+    target = curves["DDP dense"][-1][1] - args.slack
+    rows = {name: {"seconds_to_target": time_to(c, target), "final_accuracy": c[-1][1], "train_seconds": c[-1][0]}
+            for name, c in curves.items()}
+    ddp_times = [r["seconds_to_target"] for n, r in rows.items() if n.startswith("DDP") and r["seconds_to_target"]]
+    print(f"2 ranks, loopback, {args.epochs} epochs; target = dense DDP's final accuracy {target:.4f}")
+    print(f"{'':42} {'s to target':>11} {'final acc':>9} {'train s':>8} {'vs fastest DDP':>14}")
+    for name, r in rows.items():
+        t = r["seconds_to_target"]
+        r["speedup_vs_fastest_ddp"] = min(ddp_times) / t if t and ddp_times else None
+        shown = f"{t:11.2f}" if t is not None else f"{'never':>11}"
+        speed = f"{r['speedup_vs_fastest_ddp']:.2f}x" if r["speedup_vs_fastest_ddp"] else "-"
+        print(f"{name:42} {shown} {r['final_accuracy']:9.4f} {r['train_seconds']:8.2f} {speed:>14}")
+    json.dump({"target": target, "epochs": args.epochs, "rows": rows, "curves": curves},
+              open(os.path.join(args.out, "time_to_accuracy.json"), "w"), indent=1)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, c in curves.items():
+        ax.plot([t for t, _ in c], [a for _, a in c], label=name)
+    ax.axhline(target, color="grey", linestyle=":", label="target")
+    ax.set_xlabel("training wall time (s), rank 0")
+    ax.set_ylabel("validation accuracy")
+    ax.set_ylim(0.8, 1.0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "time_to_accuracy.png"), dpi=120)
+    print(f"JSON and plot: {args.out}/time_to_accuracy.json, time_to_accuracy.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""DDP with bps_gc.torch.comm_hook, under torchrun. ``python ddp_hook_job.py SPEC.json OUT``.
+
+spec "record": a small network for a few steps, saving every bucket the hook saw (index, this
+rank's gradients in, the averaged result out) for the numpy re-computation.
+spec "mnist": the demo's MLP on its real digits (example/demo/mnist_worker.py's data and model),
+dense DDP or the hook, saving the final validation accuracy.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "demo")]
+import bps_gc.torch as bps  # noqa: E402
+
+spec, out = json.load(open(sys.argv[1])), sys.argv[2]
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+
+
+def record(spec):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)),
+                bucket_cap_mb=0.004)  # a few buckets of ~1000 floats
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = bps.comm_hook(spec["compression_params"], reducer=spec.get("reducer"), optimizer=opt)
+    seen = []
+
+    def recording(state, bucket):
+        grads = bucket.buffer().detach().clone().numpy()
+        result = hook(state, bucket).wait()
+        sizes = np.array([g.numel() for g in bucket.gradients()])
+        seen.append((bucket.index(), grads, result.detach().clone().numpy(), sizes))
+        fut = torch.futures.Future()
+        fut.set_result(result)
+        return fut
+
+    model.register_comm_hook(None, recording)
+    for step in range(spec["steps"]):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 20, generator=g), torch.randn(8, 40, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    np.savez(os.path.join(out, f"hook{rank}.npz"), index=np.array([s[0] for s in seen]),
+             **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
+             **{f"sizes{i}": s[3] for i, s in enumerate(seen)})
+
+
+def mnist(spec):
+    from mnist_worker import accuracy, load_data, network
+    x, y, xv, yv = load_data(4000)
+    model = DDP(network(128, 0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if spec.get("compression_params"):
+        model.register_comm_hook(None, bps.comm_hook(spec["compression_params"], reducer=spec.get("reducer"),
+                                                     optimizer=opt))
+    shard = np.arange(rank, len(x), size)
+    for epoch in range(spec["epochs"]):
+        order = np.random.default_rng(epoch).permutation(shard)
+        for start in range(0, len(order) - 31, 32):
+            batch = order[start:start + 32]
+            torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            opt.step()
+            opt.zero_grad()
+    json.dump({"accuracy": accuracy(model.module, xv, yv)}, open(os.path.join(out, f"mnist{rank}.json"), "w"))
+
+
+{"record": record, "mnist": mnist}[spec["mode"]](spec)
+dist.destroy_process_group()

@@ -1,0 +1,30 @@
+"""scripts/bench_collective.py runs end to end (a few rows, quick rounds) and writes its JSON."""
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_bench_collective_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench_collective.py", "--quick", "--rows",
+                             "all_reduce,PowerSGD,collective topk", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"torch all_reduce dense", "DDP PowerSGD rank 1", "bps_gc collective topk 0.1%"}
+    assert rows["DDP PowerSGD rank 1"]["vs_powersgd_rank1"] == 1.0
+    assert all(r["median_s"] > 0 for r in rows.values())
+    assert "vs PowerSGD r1" in result.stdout
+
+
+def test_time_to_accuracy_one_epoch(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--epochs", "1", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    assert len(data["rows"]) == 6
+    assert data["rows"]["DDP dense"]["seconds_to_target"] is not None
+    assert all(r["final_accuracy"] > 0.5 for r in data["rows"].values())
+    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000

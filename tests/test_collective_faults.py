@@ -1,0 +1,90 @@
+"""A rank killed with SIGKILL stops every other rank within the heartbeat bound
+(BPS_GC_HEARTBEAT_TIMEOUT + interval; 3 + 0.2 s here) with a NodeFailure naming it, never at
+gloo's 30-minute timeout: under torchrun (two agents, one rank each, as on two hosts) and under
+bpslaunch (two machines with DMLC_NUM_SERVER=0; and --local, which tears down its ranks)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from collective_cluster import TESTS, free_port, job_env, torchrun_argv
+from conftest import ROOT, alive
+
+JOB = os.path.join(TESTS, "collective_fault_job.py")
+BOUND = 3.2 + 3.0  # heartbeat bound, plus process start-up/teardown slack on 2 shared cores
+
+
+def wait_for_pids(out, ranks, procs, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((out / f"pid{r}").exists() for r in range(ranks)):
+            time.sleep(0.5)  # let the loop run a few rounds
+            return [int((out / f"pid{r}").read_text()) for r in range(ranks)]
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a launcher exited early:\n{p.communicate()[1][-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError("ranks did not start")
+
+
+def kill_rank_one_and_time(procs, pids):
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    for p in procs:
+        p.wait(timeout=60)
+    return time.monotonic() - killed
+
+
+def two_hosts(tmp_path, launcher):
+    port = free_port()
+    procs = []
+    for node in range(2):
+        if launcher == "torchrun":
+            argv, env = torchrun_argv([JOB, str(tmp_path)], 1, port, nnodes=2, node_rank=node), {}
+        else:
+            argv = [sys.executable, "-m", "bps_gc.launcher.cli", sys.executable, JOB, str(tmp_path)]
+            env = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "0",
+                   "DMLC_WORKER_ID": str(node), "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port)}
+        procs.append(subprocess.Popen(argv, env=job_env(env), cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
+def test_killed_rank_stops_the_other_host_with_a_named_error(launcher, tmp_path):
+    procs = two_hosts(tmp_path, launcher)
+    try:
+        pids = wait_for_pids(tmp_path, 2, procs)
+        seconds = kill_rank_one_and_time(procs, pids)
+        print(f"{launcher}: the survivor stopped {seconds:.2f} s after the kill")
+        stderr = procs[0].communicate()[1]
+        assert procs[0].returncode != 0
+        assert "NodeFailure" in stderr and "rank 1" in stderr, stderr[-3000:]
+        assert seconds < BOUND, f"the survivor took {seconds:.1f} s"
+        assert not alive(pids[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_bpslaunch_local_tears_down_its_ranks(tmp_path):
+    argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers", "0",
+            "--", sys.executable, JOB, str(tmp_path)]
+    proc = subprocess.Popen(argv, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = wait_for_pids(tmp_path, 2, [proc])
+        seconds = kill_rank_one_and_time([proc], pids)
+        output = "".join(proc.communicate())
+        assert proc.returncode != 0
+        assert "worker1" in output, output[-2000:]
+        assert seconds < BOUND, f"the launcher took {seconds:.1f} s"
+        assert not alive(pids[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,89 @@
+"""bps_gc.torch.comm_hook under DDP on 2 gloo ranks (torchrun): every bucket's result equals the
+numpy re-computation from both ranks' bucket gradients (per-bucket chains with error feedback,
+rank-ordered decode-and-sum, the reducer, the average), and the hook trains the MNIST demo model
+to within 1 point of dense DDP."""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from collective_cluster import TESTS, job_env, torchrun_argv
+from conftest import ROOT
+
+from bps_gc.compress import build_chain
+from bps_gc.torch.hook import bucket_key
+
+JOB = os.path.join(TESTS, "ddp_hook_job.py")
+
+
+def run(spec, tmp_path, ranks=2, timeout=240):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    result = subprocess.run(torchrun_argv([JOB, str(spec_path), str(tmp_path)], ranks), env=job_env(),
+                            capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def expected_buckets(params, calls, ranks, lr, reducer):
+    """[result] per hook call: calls[r] = [(index, sizes, gradients)] of rank r, in call order;
+    each gradient of a bucket is compressed on its own (layer-wise)."""
+    wire = np.float16 if params.get("fp16") else np.float32
+    state, results = {}, []
+    for per_rank in zip(*calls):
+        index, sizes = int(per_rank[0][0]), list(per_rank[0][1])
+        if index not in state or state[index][0] != sizes:
+            keys = [bucket_key(index, i) for i in range(len(sizes))]
+            state[index] = (sizes, [([build_chain(params, n, wire, key=k) for _ in range(ranks)],
+                                     build_chain(params, n, wire, key=k, role="server"))
+                                    for n, k in zip(sizes, keys)])
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        result = np.empty(bounds[-1], wire)
+        for i, (chains, server) in enumerate(state[index][1]):
+            acc = np.zeros(sizes[i], wire)
+            for chain, (_, _, grads) in zip(chains, per_rank):
+                acc += chain.decompress(chain.compress(grads[bounds[i]:bounds[i + 1]].astype(wire), lr))
+            if reducer == "recompress":
+                acc = server.decompress(server.compress(acc, lr))
+            result[bounds[i]:bounds[i + 1]] = acc / acc.dtype.type(ranks)
+        results.append(result)
+    return results
+
+
+CASES = {
+    "onebit-ef": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, "recompress"),
+    "topk-ef-lossless": ({"compressor": "topk", "k": 0.1, "ef": "vanilla"}, "lossless"),
+    "randomk-fp16": ({"compressor": "randomk", "k": 0.1, "fp16": True}, "recompress"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hook_equals_numpy_recomputation(case, tmp_path):
+    params, reducer = CASES[case]
+    hook_params = dict(params)
+    run({"mode": "record", "steps": 3, "compression_params": hook_params, "reducer": reducer}, tmp_path)
+    saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(2)]
+    count = len(saved[0]["index"])
+    assert len(set(saved[0]["index"])) >= 2  # several buckets (after DDP regroups them)
+    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+    expected = expected_buckets(params, calls, 2, 0.1, reducer)
+    for rank, s in enumerate(saved):
+        for i, value in enumerate(expected):
+            assert s[f"out{i}"].tobytes() == value.astype(np.float32).tobytes(), f"rank {rank} call {i}"
+
+
+def test_hook_trains_mnist_within_one_point_of_dense(tmp_path):
+    accuracies = {}
+    # top-k 10% with error feedback (DGC's setting without its momentum correction); onebit and
+    # random-k need the momentum moved into the codec (the demo's recipe) to train under SGD
+    # momentum 0.9, which a DDP hook cannot do: the optimizer keeps it
+    for name, params in (("dense", None), ("topk-ef", {"compressor": "topk", "k": 0.1, "ef": "vanilla"})):
+        out = tmp_path / name
+        out.mkdir()
+        run({"mode": "mnist", "epochs": 3, "compression_params": params}, out)
+        accuracies[name] = [json.loads((out / f"mnist{r}.json").read_text())["accuracy"] for r in range(2)]
+    assert accuracies["dense"][0] == accuracies["dense"][1]
+    assert accuracies["dense"][0] > 0.85, accuracies
+    assert accuracies["topk-ef"][0] == accuracies["topk-ef"][1]
+    assert accuracies["topk-ef"][0] >= accuracies["dense"][0] - 0.01, accuracies

@@ -1,0 +1,97 @@
+"""Starting the collective transport: the environment picks it (torchrun's variables,
+DMLC_NUM_SERVER=0, BPS_GC_TRANSPORT), and one training run gives the same parameters under
+torchrun, under ``bpslaunch --local --servers 0`` and on the parameter server."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cluster import run_local
+from collective_cluster import TESTS, bpslaunch_argv, job_env, torchrun_argv
+from conftest import ROOT
+
+from bps_gc.config import ConfigError, transport_from_env
+
+TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+DMLC_ENV = {"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "0"}
+
+
+@pytest.mark.parametrize("env, transport", [
+    (TORCHRUN_ENV, "collective"),
+    (DMLC_ENV, "ps"),
+    (dict(DMLC_ENV, DMLC_NUM_SERVER="0"), "collective"),
+    (dict(TORCHRUN_ENV, **DMLC_ENV), "ps"),  # bpslaunch's variables win over stray torchrun ones
+    (dict(TORCHRUN_ENV, BPS_GC_TRANSPORT="ps"), "ps"),
+    (dict(DMLC_ENV, BPS_GC_TRANSPORT="collective"), "collective"),
+    ({}, "ps"),
+])
+def test_transport_from_env(env, transport):
+    assert transport_from_env(env) == transport
+
+
+def test_unknown_transport_is_named():
+    with pytest.raises(ConfigError, match="BPS_GC_TRANSPORT"):
+        transport_from_env({"BPS_GC_TRANSPORT": "mpi"})
+
+
+def test_torchrun_variables_map_to_the_config():
+    from bps_gc.collective import collective_config
+    cfg, local_rank, local_size = collective_config(dict(TORCHRUN_ENV, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2"))
+    assert (cfg.rank, cfg.size, cfg.root_uri, cfg.root_port) == (1, 2, "127.0.0.1", 29500)
+    assert (local_rank, local_size) == (1, 2)
+    cfg, local_rank, local_size = collective_config(dict(DMLC_ENV, DMLC_NUM_SERVER="0", DMLC_WORKER_ID="1"))
+    assert (cfg.rank, cfg.size, cfg.root_port, local_rank, local_size) == (1, 2, 9000, 0, 1)
+
+
+SPEC = {"steps": 4, "configs": [
+    {"name": "dense", "optimizer": {"lr": 0.1, "momentum": 0.9}},
+    {"name": "onebit", "optimizer": {"lr": 0.1}, "compression_params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}},
+    {"name": "topk", "optimizer": {"lr": 0.1}, "compression_params": {"compressor": "topk", "k": 0.25}},
+]}
+
+
+def train(tmp_path, launcher):
+    out = tmp_path / launcher
+    out.mkdir()
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(SPEC))
+    script = [os.path.join(TESTS, "torch_job.py"), str(spec_path), str(out)]
+    env = {"BYTEPS_MIN_COMPRESS_BYTES": "0"}
+    if launcher == "ps":
+        result = run_local([sys.executable, *script], workers=2, servers=1, env=env)
+    else:
+        argv = torchrun_argv(script, 2) if launcher == "torchrun" else bpslaunch_argv(script, 2)
+        result = subprocess.run(argv, env=job_env(env), capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, f"{launcher} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return [dict(np.load(out / f"torch{r}.npz")) for r in range(2)]
+
+
+def test_same_parameters_under_torchrun_bpslaunch_and_the_parameter_server(tmp_path):
+    runs = {launcher: train(tmp_path, launcher) for launcher in ("torchrun", "bpslaunch", "ps")}
+    reference = runs["torchrun"][0]
+    final = [k for k in reference if f"/{SPEC['steps'] - 1}/param/" in k]
+    assert len(final) == 12
+    for launcher, results in runs.items():
+        for rank, saved in enumerate(results):
+            for key in final:
+                assert saved[key].tobytes() == reference[key].tobytes(), f"{launcher} rank {rank} {key}"
+    # and training moved the parameters
+    assert not np.array_equal(reference[final[0]], reference[final[0].replace(f"{SPEC['steps'] - 1}/param", "init")])
+
+
+def test_send_recv_broadcast_barrier_all_reduce(tmp_path):
+    ranks = 3
+    argv = torchrun_argv([os.path.join(TESTS, "collective_p2p_job.py"), str(tmp_path)], ranks)
+    result = subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(ranks):
+        got = json.loads((tmp_path / f"p2p{rank}.json").read_text())
+        left = (rank - 1) % ranks
+        assert got["model"] == [[left * 10.0] * 3, [left * 10.0 + 1] * 4]
+        assert got["other"] == f"from {left}"
+        assert got["broadcast"] == [1.0] * 5
+        assert got["all_reduce"] == (np.arange(4) * sum(r + 1 for r in range(ranks))).tolist()

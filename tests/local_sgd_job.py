@@ -72,5 +72,6 @@ for cfg in spec["configs"]:
             saved[f"{name}/{step}/buffer/{n}"] = b.numpy().copy()
         m = core.metrics()
         saved[f"{name}/{step}/bytes"] = np.array(m.pushed_wire + m.pulled_wire)
+        saved[f"{name}/{step}/pushed"] = np.array(m.pushed_wire)
 np.savez(os.path.join(sys.argv[2], f"local{rank}.npz"), **saved)
 bps.shutdown()

@@ -2,6 +2,7 @@
 synchronous SGD (bit for bit where float32 is exact, to rounding otherwise), the models follow a
 numpy re-computation of spec §4, H=4 puts 4x fewer bytes on the wire, post-local SGD switches at
 its epoch, BatchNorm statistics stay local."""
+import inspect
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import bps_gc.core
 from cluster import run_local
 from conftest import ROOT
 
@@ -28,6 +30,16 @@ CONFIGS = [
     {"name": "post-bn", "algorithm": "local", "model": "bn", "optimizer": MLP, "steps": 12,
      "local_steps": 4, "local_from_epoch": 2, "steps_per_epoch": 3},
 ]
+# the compressed differences are averaged exactly (the 'lossless' reducer): runtimes with reducers
+REDUCERS = "reducer" in inspect.signature(bps_gc.core.declare).parameters
+COMPRESSED = [
+    {"name": "h2-sign", "algorithm": "local", "model": "mlp", "optimizer": MLP, "steps": 8, "local_steps": 2,
+     "steps_per_epoch": 4, "compression_params": {"compressor": "sign"}},
+    {"name": "h2-signnorm-ef", "algorithm": "local", "model": "mlp", "optimizer": MLP, "steps": 8,
+     "local_steps": 2, "steps_per_epoch": 4,
+     "compression_params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}},
+] if REDUCERS else []
+CONFIGS += COMPRESSED
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +48,7 @@ def runs(tmp_path_factory):
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"configs": CONFIGS}))
     result = run_local([sys.executable, os.path.join(ROOT, "tests", "local_sgd_job.py"), str(spec), str(tmp)],
-                       workers=WORKERS, servers=1, timeout=240)
+                       workers=WORKERS, servers=1, timeout=240, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return [dict(np.load(tmp / f"local{r}.npz")) for r in range(WORKERS)]
 
@@ -74,13 +86,45 @@ def sgd_oracle(x, grad, buf, lr, momentum, nesterov, weight_decay):
     return x - np.float32(lr) * d, buf
 
 
-@pytest.mark.parametrize("cfg", ["h4-mlp", "post-bn"])
+def signs(x):
+    """onebit's decoded signs: -1 below zero, +1 otherwise."""
+    return np.where(x < 0, np.float32(-1), np.float32(1))
+
+
+def mean_abs(x):
+    return np.float32(np.abs(x).sum(dtype=np.float64) / x.size)
+
+
+class Averaging:
+    """mean over the workers of what each sends for its delta (spec §4), per tensor."""
+
+    def __init__(self, params, names):
+        self.kind = (params or {}).get("compressor")
+        self.error = {n: [0, 0] for n in names}
+
+    def __call__(self, name, deltas):
+        if self.kind is None:  # the server sums in float32, each worker divides
+            return sum(deltas) / np.float32(WORKERS)
+        if self.kind == "sign":  # mean(sign) * mean(scale)
+            scale = sum(mean_abs(d) for d in deltas) / np.float32(WORKERS)
+            return sum(signs(d) for d in deltas) / np.float32(WORKERS) * scale
+        sent = []  # sign+norm with error feedback: p = delta + e; C(p); e = p - C(p)
+        for r, d in enumerate(deltas):
+            p = d + self.error[name][r]
+            c = mean_abs(p) * signs(p)
+            self.error[name][r] = p - c
+            sent.append(c)
+        return sum(sent) / np.float32(WORKERS)
+
+
+@pytest.mark.parametrize("cfg", ["h4-mlp", "post-bn"] + [c["name"] for c in COMPRESSED])
 def test_models_follow_spec_4(runs, cfg):
     spec = next(c for c in CONFIGS if c["name"] == cfg)
     names = sorted(series(runs[0], cfg, "grad", 0))
     x_sync = {n: runs[0][f"{cfg}/init/param/{n}"] for n in names}
     x = [dict(x_sync) for _ in range(WORKERS)]
     bufs = [{n: None for n in names} for _ in range(WORKERS)]
+    average = Averaging(spec.get("compression_params"), names)
     for step in range(spec["steps"]):
         epoch = step // spec["steps_per_epoch"]
         sync = epoch < spec.get("local_from_epoch", 0) or step % spec["local_steps"] == 0
@@ -89,10 +133,9 @@ def test_models_follow_spec_4(runs, cfg):
             for n in names:
                 x[r][n], bufs[r][n] = sgd_oracle(x[r][n], runs[r][f"{cfg}/{step}/grad/{n}"], bufs[r][n],
                                                  **spec["optimizer"])
-        if sync:  # the server sums the workers' deltas in float32, each worker divides
+        if sync:
             for n in names:
-                mean = sum(x_sync[n] - x[r][n] for r in range(WORKERS)) / np.float32(WORKERS)
-                x_sync[n] = x_sync[n] - mean
+                x_sync[n] = x_sync[n] - average(n, [x_sync[n] - x[r][n] for r in range(WORKERS)])
                 for r in range(WORKERS):
                     x[r][n] = x_sync[n].copy()
         for r in range(WORKERS):
@@ -107,6 +150,15 @@ def test_h4_puts_four_times_fewer_bytes_on_the_wire(runs):
         assert all(b > 0 for b in per_step["h1-mlp"])
         assert [b > 0 for b in per_step["h4-mlp"]] == [s % 4 == 0 for s in range(8)]
         assert sum(per_step["h1-mlp"]) == 4 * sum(per_step["h4-mlp"])
+
+
+@pytest.mark.parametrize("cfg", [c["name"] for c in COMPRESSED])
+def test_compressed_differences_push_a_bit_per_element(runs, cfg):
+    dense = int(runs[0]["h1-mlp/0/pushed"])
+    for r in range(WORKERS):
+        pushed = [int(runs[r][f"{cfg}/{s}/pushed"]) for s in range(8)]
+        assert [p > 0 for p in pushed] == [s % 2 == 0 for s in range(8)]
+        assert max(pushed) < dense / 8, (pushed, dense)  # signs (+ a scale per tensor) vs float32
 
 
 def test_post_local_sgd_switches_at_its_epoch_and_keeps_batchnorm_local(runs):

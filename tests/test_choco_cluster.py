@@ -1,10 +1,13 @@
-"""CHOCO-SGD and D-PSGD on real processes (bpslaunch --local): the neighbours' messages go
-worker to worker (bps_gc.core.send/recv), the models follow the numpy oracle of spec §5
-(test_choco_math.oracle_choco), the averaged model is the mean of the nodes', a killed
-neighbour stops the others naming it."""
+"""CHOCO-SGD and D-PSGD on real processes: the neighbours' messages go worker to worker, through
+bps_gc (bpslaunch --local, bps_gc.core.send/recv) or torch.distributed point-to-point (torchrun,
+tests/gloo_p2p.py); the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
+and are the same over both; the averaged model is the mean of the nodes'; a killed neighbour
+stops the others naming it."""
 import importlib.util
 import json
 import os
+import socket
+import subprocess
 import sys
 
 import numpy as np
@@ -16,16 +19,28 @@ from conftest import ROOT
 from test_choco_math import oracle_choco
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("bps_gc.roles.peers") is None,
-                                reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
+PEERS = importlib.util.find_spec("bps_gc.roles.peers") is not None
+needs_peers = pytest.mark.skipif(not PEERS, reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
+TRANSPORTS = [pytest.param("bps_gc", marks=needs_peers), "gloo"]
+JOB = os.path.join(ROOT, "tests", "choco_job.py")
 STEPS = 12
 
 
-def run(configs, tmp_path, workers, env=None):
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(configs, tmp_path, workers, transport="bps_gc"):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"configs": configs}))
-    return run_local([sys.executable, os.path.join(ROOT, "tests", "choco_job.py"), str(spec), str(tmp_path)],
-                     workers=workers, servers=1, timeout=240, env=env)
+    if transport == "bps_gc":
+        return run_local([sys.executable, JOB, str(spec), str(tmp_path)], workers=workers, servers=1, timeout=240)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), JOB, str(spec), str(tmp_path), "gloo"]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def flat(run_, cfg, key):
@@ -33,13 +48,20 @@ def flat(run_, cfg, key):
     return np.concatenate([run_[n.replace("/init/", f"/{key}/")].ravel() for n in names])
 
 
-@pytest.mark.parametrize("graph,workers", [("ring", 4), ("0-1,1-2,2-0,2-3", 4)])
-def test_choco_on_processes_matches_the_oracle(graph, workers, tmp_path):
+def configs(graph, gamma=0.3, lr=0.05, params=None):
+    return [{"name": "choco", "algorithm": "choco", "graph": graph, "gamma": gamma, "lr": lr, "steps": STEPS,
+             "params": params or {"compressor": "topk", "k": 2}},
+            {"name": "dpsgd", "algorithm": "dpsgd", "graph": graph, "steps": 4, "lr": lr, "zero_grads": True}]
+
+
+# the torus of 9 runs once (9 processes on a small CI box): over torch.distributed
+CASES = [(t, g, 4) for t in TRANSPORTS for g in ("ring", "0-1,1-2,2-0,2-3")] + [("gloo", "torus", 9)]
+
+
+@pytest.mark.parametrize("transport,graph,workers", CASES)
+def test_choco_on_processes_matches_the_oracle(graph, workers, transport, tmp_path):
     params, gamma, lr = {"compressor": "topk", "k": 2}, 0.3, 0.05
-    configs = [{"name": "choco", "algorithm": "choco", "graph": graph, "gamma": gamma, "params": params,
-                "steps": STEPS, "lr": lr},
-               {"name": "dpsgd", "algorithm": "dpsgd", "graph": graph, "steps": 4, "lr": lr, "zero_grads": True}]
-    result = run(configs, tmp_path, workers)
+    result = run(configs(graph, gamma, lr, params), tmp_path, workers, transport)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     runs = [dict(np.load(tmp_path / f"choco{r}.npz")) for r in range(workers)]
     x0 = np.stack([flat(r, "choco", "init") for r in runs])
@@ -59,6 +81,21 @@ def test_choco_on_processes_matches_the_oracle(graph, workers, tmp_path):
         assert np.allclose(np.stack([flat(r, "dpsgd", f"{t}/param") for r in runs]), x, atol=1e-6)
 
 
+@needs_peers
+def test_bps_gc_and_gloo_give_the_same_models(tmp_path):
+    models = {}
+    for transport in ("bps_gc", "gloo"):
+        (tmp_path / transport).mkdir()
+        result = run(configs("ring"), tmp_path / transport, 4, transport)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        models[transport] = [dict(np.load(tmp_path / transport / f"choco{r}.npz")) for r in range(4)]
+    for r in range(4):
+        for key, value in models["bps_gc"][r].items():
+            if "/param/" in key:
+                assert np.array_equal(value, models["gloo"][r][key]), (r, key)
+
+
+@needs_peers
 def test_a_dead_neighbour_stops_the_job_naming_it(tmp_path):
     configs = [{"name": "choco", "algorithm": "choco", "graph": "ring", "gamma": 0.3,
                 "params": {"compressor": "topk", "k": 2}, "steps": 200, "lr": 0.01,

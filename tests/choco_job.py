@@ -32,7 +32,7 @@ for cfg in spec["configs"]:
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     opt = bps.DecentralizedOptimizer(opt, named, algorithm=cfg["algorithm"], topology=cfg["graph"],
                                      consensus_stepsize=cfg.get("gamma", 1.0),
-                                     compression_params=cfg.get("params"), communicator=comm)
+                                     compression_params=cfg.get("params"), communicator=comm, name=name)
     for n, p in named:
         saved[f"{name}/init/{n}"] = p.detach().numpy().copy()
     rng = np.random.default_rng([rank, 7])

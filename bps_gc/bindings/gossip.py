@@ -122,7 +122,8 @@ class ChocoGossip(_Neighbourhood):
         return self.codecs[name].decompress(payload, self._scratch[a.dtype][:a.size])
 
     def collect(self):
-        """Add the neighbours' last q_j into s (blocks until every neighbour's message is in)."""
+        """Add the neighbours' last q_j into s, i.e. u (blocks until every neighbour's message
+        is in), and wait for this node's last sends."""
         if not self.pending:
             return
         for j in self.neighbours:

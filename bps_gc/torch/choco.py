@@ -48,10 +48,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     """Wraps a local optimizer (its ``param_groups`` and ``state`` are shared, so learning-rate
     schedulers and checkpoints see the wrapped one). ``algorithm``: "choco" (compressed with
     ``compression_params``, any bps_gc codec) or "dpsgd" (uncompressed neighbour averaging).
-    ``topology``: "ring", "torus", "complete", an edge list "0-1,1-2" or a Topology."""
+    ``topology``: "ring", "torus", "complete", an edge list "0-1,1-2" or a Topology. ``name``
+    tags its messages (two of them in one job need different names)."""
 
     def __init__(self, optimizer, named_parameters, algorithm="choco", topology="ring",
-                 consensus_stepsize=0.45, compression_params=None, communicator=None):
+                 consensus_stepsize=0.45, compression_params=None, communicator=None, name=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DecentralizedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if algorithm not in ALGORITHMS:
@@ -70,11 +71,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.topology = make_topology(topology, self.comm.size())
         self.algorithm = algorithm
         if algorithm == "choco":
-            self.gossip = ChocoGossip(arrays, self.topology, self.comm, consensus_stepsize, compression_params)
+            self.gossip = ChocoGossip(arrays, self.topology, self.comm, consensus_stepsize, compression_params,
+                                      tag=name or "choco")
         else:
             if compression_params and compression_params.get("compressor"):
                 raise ValueError("D-PSGD exchanges uncompressed models; use algorithm='choco' to compress")
-            self.gossip = DPSGDGossip(arrays, self.topology, self.comm)
+            self.gossip = DPSGDGossip(arrays, self.topology, self.comm, tag=name or "dpsgd")
 
     def step(self, closure=None):
         with torch.no_grad():

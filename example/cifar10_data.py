@@ -18,11 +18,9 @@ STD = np.array([0.2470, 0.2435, 0.2616], np.float32).reshape(1, 3, 1, 1)
 def load_split(data_dir, split):
     """(uint8 N x 3 x 32 x 32 images, int64 labels) of 'train' (the five batches) or 'test'."""
     root = os.path.expanduser(data_dir)
-    if not os.path.isdir(os.path.join(root, FOLDER)) and os.path.isfile(os.path.join(root, SPLITS[split][0])):
-        root = os.path.dirname(os.path.join(root, ""))  # --data_dir is cifar-10-batches-py itself
-        folder = root
-    else:
-        folder = os.path.join(root, FOLDER)
+    folder = os.path.join(root, FOLDER)
+    if not os.path.isdir(folder) and os.path.isfile(os.path.join(root, SPLITS[split][0])):
+        folder = root  # --data_dir is cifar-10-batches-py itself
     images, labels = [], []
     for name in SPLITS[split]:
         path = os.path.join(folder, name)

@@ -71,6 +71,23 @@ def test_help_lists_every_seed_flag_and_the_ratio_translation():
         assert len(text[i:i + 200].split()) > 3, f"{flag} is not explained"
 
 
+def test_reads_the_official_cifar10_files(tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(SCRIPT)))
+    import cifar10_data
+    write_cifar10(str(tmp_path), n_train=20, n_test=4)
+    images, labels = cifar10_data.load_split(str(tmp_path), "train")
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_2", "rb") as f:
+        raw = pickle.load(f, encoding="bytes")
+    assert images.shape == (20, 3, 32, 32) and labels.shape == (20,)
+    # the five batches in order; rows are 1024 red, 1024 green, 1024 blue values, row-major 32 x 32
+    assert np.array_equal(images[4 + 1, 2, 3, 7], raw[b"data"][1, 2048 + 3 * 32 + 7])
+    assert labels[4:8].tolist() == raw[b"labels"]
+    same = cifar10_data.load_split(str(tmp_path / "cifar-10-batches-py"), "test")  # the folder itself
+    assert same[0].shape == (4, 3, 32, 32)
+    with pytest.raises(SystemExit, match="no CIFAR-10 test file"):
+        cifar10_data.load_split(str(tmp_path / "nowhere"), "test")
+
+
 def test_seed_compression_flags_translate():
     sys.path.insert(0, os.path.dirname(SCRIPT))
     import seed_flags

@@ -37,6 +37,10 @@ def _reducers_supported():
     return "reducer" in inspect.signature(core.declare).parameters
 
 
+def _step_context_supported():
+    return "ctx" in inspect.signature(core.push_pull).parameters
+
+
 class LocalSGD(torch.optim.Optimizer):
     """Wraps a local optimizer; its ``param_groups`` and ``state`` are shared (schedulers and
     checkpoints see the wrapped one)."""
@@ -93,6 +97,9 @@ class LocalSGD(torch.optim.Optimizer):
         return loss
 
     def _average(self):
+        # the differences already hold the learning rate: error feedback sees a constant 1
+        context = {"lr": 1.0, "step": self.steps, "epoch": self.epoch}
+        ctx = {"ctx": context} if _step_context_supported() else {"lr": 1.0}
         handles = []
         for k, (name, p) in enumerate(self.params):
             x, _ = host_view(p)
@@ -101,9 +108,9 @@ class LocalSGD(torch.optim.Optimizer):
             if self.sign:
                 self.scales[k] = np.abs(delta).sum(dtype=np.float64) / max(delta.size, 1)
                 np.sign(delta, out=delta)
-            handles.append(core.push_pull(delta, self.keys[name], average=True, lr=1.0))
+            handles.append(core.push_pull(delta, self.keys[name], average=True, **ctx))
         if self.sign:
-            handles.append(core.push_pull(self.scales, self.scales_key, average=True, lr=1.0))
+            handles.append(core.push_pull(self.scales, self.scales_key, average=True, **ctx))
         for h in handles:
             h.wait()
         for k, (name, p) in enumerate(self.params):

@@ -97,7 +97,8 @@ def test_seed_compression_flags_translate():
         return seed_flags.compression(parser.parse_args(list(argv)), parser)
     assert params("--optimizer", "parallel_choco", "--comm_op", "compress_top_k", "--compress_ratio", "0.99") == \
         {"compressor": "topk", "k": pytest.approx(0.01)}
-    assert params("--optimizer", "local_sgd", "--comm_op", "randomk", "--compress_ratio", "0.9")["k"] == pytest.approx(0.1)
+    randomk = params("--optimizer", "local_sgd", "--comm_op", "randomk", "--compress_ratio", "0.9")
+    assert randomk["k"] == pytest.approx(0.1)
     assert params("--optimizer", "local_sgd", "--comm_op", "sign") == {"compressor": "sign"}
     assert params("--optimizer", "local_ef_sign_sgd")["ef"] == "vanilla"
     assert params("--optimizer", "parallel_choco", "--comm_op", "sign").get("ef") is None
@@ -128,7 +129,8 @@ RUNS_DECENTRALIZED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RUNS) + [pytest.param(n, marks=needs_peers) for n in sorted(RUNS_DECENTRALIZED)])
+@pytest.mark.parametrize("name", sorted(RUNS) + [pytest.param(n, marks=needs_peers)
+                                                 for n in sorted(RUNS_DECENTRALIZED)])
 def test_tiny_run(name, tmp_path):
     data = write_cifar10(str(tmp_path / "data"))
     result = launch([*TINY, "--data_dir", data, "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name]], tmp_path)

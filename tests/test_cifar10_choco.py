@@ -153,6 +153,14 @@ def test_tiny_run(name, tmp_path):
         assert "averaged model accuracy" in log and "forward+backward" in log
 
 
+def test_unknown_topology_is_a_message(tmp_path):
+    data = write_cifar10(str(tmp_path / "data"), n_train=40, n_test=8)
+    result = launch([*TINY, "--data_dir", data, "--optimizer", "dpsgd", "--graph_topology", "social"], tmp_path)
+    assert result.returncode != 0
+    assert "unknown graph topology 'social'" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 def summary_dense_bytes(tmp_path, data):
     """Bytes per step of ResNet-20's parameters, dense (float32)."""
     import train_cifar100_byteps_gc as t

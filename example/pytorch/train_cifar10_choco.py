@@ -168,12 +168,15 @@ def main(argv=None):
     for note in cluster_notes(args):
         logger.info("note: %s", note)
     torch.manual_seed(args.manual_seed)
-    model = resnet(args.arch, classes=CLASSES)
-    peak = peak_lr(args, size)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum_factor,
-                          nesterov=args.use_nesterov and args.momentum_factor > 0, weight_decay=args.weight_decay)
-    bps.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = wrap(args, parser, opt, model, size)
+    try:  # a bad --arch, --graph_topology or codec flag: its message, no traceback
+        model = resnet(args.arch, classes=CLASSES)
+        peak = peak_lr(args, size)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum_factor,
+                              nesterov=args.use_nesterov and args.momentum_factor > 0, weight_decay=args.weight_decay)
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = wrap(args, parser, opt, model, size)
+    except ValueError as e:
+        raise SystemExit(f"train_cifar10_choco: {e}")
     name, _ = algorithm(args)
     decentralized = name in ("parallel_choco", "dpsgd")
     logger.info("%s on %d workers, peak learning rate %g%s", name, size, peak,

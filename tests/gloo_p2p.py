@@ -1,7 +1,8 @@
 """A gossip communicator over torch.distributed point-to-point (gloo) for tests: lets
 DecentralizedOptimizer run on real processes and sockets without bps_gc's own worker-to-worker
 links, and gives a second transport to compare them with. Started by torchrun (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A message is an int64 length, then the bytes."""
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A message is an int64 length, then the bytes; a send
+returns once the receiver has it (gloo's point-to-point semantics)."""
 import zlib
 
 import numpy as np
@@ -26,8 +27,9 @@ class GlooComm:
     def send(self, rank, name, payload):
         data = torch.from_numpy(np.array(payload, np.uint8).reshape(-1))
         length = torch.tensor([data.numel()], dtype=torch.int64)
-        works = [dist.isend(length, rank, tag=self._tag(name)), dist.isend(data, rank, tag=self._tag(name))]
-        return _Sent(works, (length, data))
+        # blocks until the neighbour receives, like bps_gc.collective's send
+        for work in [dist.isend(length, rank, tag=self._tag(name)), dist.isend(data, rank, tag=self._tag(name))]:
+            work.wait()
 
     def recv(self, rank, name, timeout=None):
         length = torch.zeros(1, dtype=torch.int64)
@@ -46,13 +48,3 @@ class GlooComm:
         dist.barrier()
         dist.destroy_process_group()
 
-
-class _Sent:
-    """Keeps the sent tensors alive until the sends are done."""
-
-    def __init__(self, works, buffers):
-        self.works, self.buffers = works, buffers
-
-    def wait(self):
-        for w in self.works:
-            w.wait()

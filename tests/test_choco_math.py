@@ -153,6 +153,8 @@ def test_choco_matches_the_oracle_on_graphs(graph, size):
         round_of(nodes, lambda r, k, shape: grads[t, r, 6:].reshape(shape) if k == 1 else grads[t, r, :6])
         got = np.stack([flat(m) for m, _ in nodes])
         assert np.allclose(got, want[t], atol=2e-5), (graph, t, np.abs(got - want[t]).max())
+    for _, opt in nodes:
+        opt.finish()
     # bytes: 2 tensors x (3 top-k records of 8 bytes) + 12-byte header, per neighbour per round
     degrees = sum(len(topology(graph, size).neighbours(r)) for r in range(size))
     assert box.sent == 30 * degrees * (12 + 2 * 3 * 8)

@@ -21,6 +21,8 @@ between neighbours and vanish at consensus.
 A message is one per neighbour per round, every tensor's payload concatenated:
 uint32 count, uint32 payload lengths, the payloads (no pickle).
 """
+import concurrent.futures
+
 import numpy as np
 
 from ..compress import CompressionParams, build_chain
@@ -90,11 +92,28 @@ class _Neighbourhood:
         self.w_self = topology.weight(self.rank, self.rank)
         self.bytes_sent = 0
         self.rounds = 0
+        # sends run on their own thread: a transport's send may block until the neighbour
+        # receives (torch.distributed's gloo does), which it does only at its next step
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bps_gc-gossip")
+        self._sending = None
 
     def _send_all(self, message):
-        handles = [self.comm.send(j, self.tag, message) for j in self.neighbours]
+        """Send ``message`` to every neighbour, in ascending rank order (receives go in the same
+        order, so that blocking sends cannot wait on each other in a cycle)."""
+        def send():
+            for j in self.neighbours:
+                handle = self.comm.send(j, self.tag, message)
+                if handle is not None and hasattr(handle, "wait"):
+                    handle.wait()
+        self._wait_sent()
+        self._sending = self._sender.submit(send)
         self.bytes_sent += message.nbytes * len(self.neighbours)
-        return handles
+
+    def _wait_sent(self):
+        """Wait for the last sends (raising their error, e.g. a dead neighbour)."""
+        if self._sending is not None:
+            sending, self._sending = self._sending, None
+            sending.result()
 
     def _receive(self, j):
         return unpack(self.comm.recv(j, self.tag), len(self.names), j)
@@ -115,7 +134,6 @@ class ChocoGossip(_Neighbourhood):
         largest = max((a.size for a in self.x.values()), default=0)
         self._scratch = {dt: np.empty(largest, dt) for dt in {a.dtype for a in self.x.values()}}
         self.pending = False
-        self._handles = []
 
     def _decoded(self, name, payload):
         a = self.x[name]
@@ -130,10 +148,7 @@ class ChocoGossip(_Neighbourhood):
             w = self.topology.weight(self.rank, j)
             for name, payload in zip(self.names, self._receive(j)):
                 self.u[name] += self.x[name].dtype.type(w) * self._decoded(name, payload)
-        for h in self._handles:
-            if h is not None and hasattr(h, "wait"):
-                h.wait()
-        self._handles = []
+        self._wait_sent()
         self.pending = False
 
     def step(self, lr=0.0):
@@ -149,7 +164,7 @@ class ChocoGossip(_Neighbourhood):
             xhat += q
             u -= dt(1.0 - self.w_self) * q
             payloads.append(payload)
-        self._handles = self._send_all(pack(payloads))
+        self._send_all(pack(payloads))
         self.pending = True
         self.rounds += 1
 
@@ -164,16 +179,14 @@ class DPSGDGossip(_Neighbourhood):
         pass
 
     def step(self, lr=0.0):
-        handles = self._send_all(pack([a.view(np.uint8) for a in self.x.values()]))
+        self._send_all(pack([a.view(np.uint8) for a in self.x.values()]))
         mixed = {n: a * a.dtype.type(self.w_self) for n, a in self.x.items()}
         for j in self.neighbours:
             w = self.topology.weight(self.rank, j)
             for name, payload in zip(self.names, self._receive(j)):
                 a = self.x[name]
                 mixed[name] += a.dtype.type(w) * np.asarray(payload).view(a.dtype)
-        for h in handles:
-            if h is not None and hasattr(h, "wait"):
-                h.wait()
+        self._wait_sent()
         for n, a in self.x.items():
             a[:] = mixed[n]
         self.rounds += 1

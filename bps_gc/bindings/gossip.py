@@ -21,7 +21,7 @@ between neighbours and vanish at consensus.
 A message is one per neighbour per round, every tensor's payload concatenated:
 uint32 count, uint32 payload lengths, the payloads (no pickle).
 """
-import concurrent.futures
+import threading
 
 import numpy as np
 
@@ -93,27 +93,33 @@ class _Neighbourhood:
         self.bytes_sent = 0
         self.rounds = 0
         # sends run on their own thread: a transport's send may block until the neighbour
-        # receives (torch.distributed's gloo does), which it does only at its next step
-        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bps_gc-gossip")
-        self._sending = None
+        # receives (torch.distributed's gloo does), which it does only at its next step. A
+        # daemon thread: a send stuck on a dead neighbour must not keep the process alive
+        self._sending, self._send_error = None, []
 
     def _send_all(self, message):
         """Send ``message`` to every neighbour, in ascending rank order (receives go in the same
         order, so that blocking sends cannot wait on each other in a cycle)."""
         def send():
-            for j in self.neighbours:
-                handle = self.comm.send(j, self.tag, message)
-                if handle is not None and hasattr(handle, "wait"):
-                    handle.wait()
+            try:
+                for j in self.neighbours:
+                    handle = self.comm.send(j, self.tag, message)
+                    if handle is not None and hasattr(handle, "wait"):
+                        handle.wait()
+            except BaseException as e:  # raised in the training thread by _wait_sent
+                self._send_error.append(e)
         self._wait_sent()
-        self._sending = self._sender.submit(send)
+        self._sending = threading.Thread(target=send, name="bps_gc-gossip-send", daemon=True)
+        self._sending.start()
         self.bytes_sent += message.nbytes * len(self.neighbours)
 
     def _wait_sent(self):
         """Wait for the last sends (raising their error, e.g. a dead neighbour)."""
         if self._sending is not None:
-            sending, self._sending = self._sending, None
-            sending.result()
+            self._sending.join()
+            self._sending = None
+        if self._send_error:
+            raise self._send_error.pop()
 
     def _receive(self, j):
         return unpack(self.comm.recv(j, self.tag), len(self.names), j)

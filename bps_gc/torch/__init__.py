@@ -12,8 +12,11 @@ from .hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
 from .optimizer import DistributedOptimizer
+from .local_sgd import LocalSGD
+from .choco import DecentralizedOptimizer
 
 __all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
            "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
+__all__ += ["DecentralizedOptimizer", "LocalSGD"]

@@ -42,6 +42,8 @@ CONFIGS = {
     "dithering": ("dithering k=2", {"compressor": "dithering", "k": 2}),
 }
 QUICK_CONFIGS = "baseline,onebit"
+sys.path.insert(0, HERE)
+from algorithms import ALGORITHMS  # noqa: E402  (issue 13's rows: --algorithms)
 PROGRESS = re.compile(r"^\[worker0\] PROGRESS (\d+)/(\d+)")
 
 
@@ -68,10 +70,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="torch/OpenMP/MKL threads per worker (default 1: two workers share two cores)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
+    p.add_argument("--algorithms", action="store_true",
+                   help="also run " + ", ".join(f"{n} ({d})" for n, (d, _, _) in ALGORITHMS.items()))
     args = p.parse_args(argv)
     chosen = args.configs or (QUICK_CONFIGS if args.quick else ",".join(CONFIGS))
     args.configs = [c.strip() for c in chosen.split(",") if c.strip()]
-    unknown = [c for c in args.configs if c not in CONFIGS]
+    args.configs += [n for n in ALGORITHMS if args.algorithms and n not in args.configs]
+    unknown = [c for c in args.configs if c not in CONFIGS and c not in ALGORITHMS]
     if unknown or not args.configs:
         p.error(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(CONFIGS)}")
     if not 0 <= args.seed < 2**63:
@@ -95,16 +100,18 @@ class JobFailed(Exception):
 
 def run_config(name, args, bar, env):
     """Run one configuration's cluster; returns its result row (raises JobFailed)."""
-    description, params = CONFIGS[name]
+    description, params = CONFIGS[name] if name in CONFIGS else (ALGORITHMS[name][0], None)
+    workers = ALGORITHMS[name][1] if name in ALGORITHMS else WORKERS
     result_dir = os.path.join(args.out, name)
     os.makedirs(result_dir, exist_ok=True)
     for stale in os.listdir(result_dir):
         if stale.startswith("rank") and stale.endswith(".json"):
             os.remove(os.path.join(result_dir, stale))
     log_path = os.path.join(args.out, f"{name}.log")
-    cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(WORKERS),
+    cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers),
            "--servers", str(SERVERS), "--",
            sys.executable, WORKER, "--out", result_dir, "--compression", json.dumps(params or {}),
+           *(["--algorithm", json.dumps(ALGORITHMS[name][2])] if name in ALGORITHMS else []),
            "--steps", str(args.steps), "--train-samples", str(args.train_samples),
            "--batch", str(args.batch), "--lr", str(args.lr), "--momentum", str(args.momentum),
            "--wd", str(args.wd), "--eval-every", str(args.eval_every),
@@ -136,7 +143,7 @@ def run_config(name, args, bar, env):
     if failure is None and rc != 0:
         failure = f"exit status {rc}"
     ranks = []
-    for rank in range(WORKERS):
+    for rank in range(workers):
         path = os.path.join(result_dir, f"rank{rank}.json")
         if failure is None and not os.path.exists(path):
             failure = f"no {path}"

@@ -24,6 +24,9 @@ import torch
 import bps_gc.core as core
 import bps_gc.torch as bps
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import algorithms  # noqa: E402
+
 VALIDATION = 1000     # held out, the same digits for every configuration
 SPLIT_SEED = 1234     # which digits are held out: fixed, so that runs of any --seed compare
 DRAWING_CODECS = ("randomk", "dithering")  # codecs with random draws, seeded from --seed
@@ -33,6 +36,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for rank<R>.json")
     p.add_argument("--compression", default="{}", help="compression_params as JSON ({} = none)")
+    p.add_argument("--algorithm", default="{}", help="a row of algorithms.py as JSON ({} = synchronous SGD)")
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=None, help="overrides --epochs")
     p.add_argument("--train-samples", type=int, default=4000,
@@ -99,9 +103,13 @@ def main(argv=None):
     per_epoch = max(1, min(len(x_train[r::size]) for r in range(size)) // args.batch)
     total = args.steps or max(1, int(round(args.epochs * per_epoch)))
 
-    opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression_params=compression)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    algorithm = json.loads(args.algorithm)
+    if algorithm:  # issue 13's rows: local SGD, CHOCO, D-PSGD
+        opt = algorithms.distributed_optimizer(opt, model, algorithm, total)
+    else:
+        opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression_params=compression)
     core.metrics()  # reset: count the training steps only
 
     rng = np.random.default_rng([args.seed, rank])  # this rank's batch order
@@ -116,6 +124,8 @@ def main(argv=None):
         loss = torch.nn.functional.cross_entropy(model(x_mine[idx]), y_mine[idx])
         opt.zero_grad()
         loss.backward()
+        if hasattr(opt, "set_epoch"):
+            opt.set_epoch(step - 1)  # post-local SGD's switch "epoch" counts steps here
         opt.step()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"rank {rank}: loss is {loss.item()} at step {step}")
@@ -123,7 +133,11 @@ def main(argv=None):
             curve.append((step, accuracy(model, x_val, y_val)))
         print(f"PROGRESS {step}/{total} loss={loss.item():.4f}", flush=True)
     train_seconds = time.perf_counter() - start
+    if hasattr(opt, "finish"):
+        opt.finish()  # the last gossip messages
     m = core.metrics()
+    m.pushed_wire += algorithms.gossip_bytes(opt)
+    m.pushed_raw += algorithms.gossip_raw_bytes(opt)
 
     result = {
         "rank": rank, "size": size, "steps": total, "seed": args.seed, "threads": torch.get_num_threads(),

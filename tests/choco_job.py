@@ -1,0 +1,55 @@
+"""Decentralized training with bps_gc.torch.DecentralizedOptimizer on real processes: each rank
+trains a small Linear model from its own initial weights and saves, per round, its gradients
+and parameters, then the averaged parameters and its gossip bytes.
+``python tests/choco_job.py SPEC OUT [gloo]``: the messages go through bps_gc (bpslaunch), or
+with ``gloo`` through torch.distributed point-to-point (torchrun; tests/gloo_p2p.py). A config
+with "die_rank"/"die_step" makes that rank exit abruptly there (its neighbours must stop
+naming it)."""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bps_gc.torch as bps  # noqa: E402
+
+spec = json.load(open(sys.argv[1]))
+if sys.argv[3:] == ["gloo"]:
+    from gloo_p2p import GlooComm
+    comm = GlooComm()
+else:
+    comm = None  # bps_gc's own (bps_gc.core.send/recv)
+    bps.init()
+rank, size = (comm.rank(), comm.size()) if comm else (bps.rank(), bps.size())
+saved = {}
+for cfg in spec["configs"]:
+    name = cfg["name"]
+    torch.manual_seed(100 + rank)  # different initial models
+    model = torch.nn.Linear(4, 6)
+    named = [(f"{name}.{n}", p) for n, p in model.named_parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    opt = bps.DecentralizedOptimizer(opt, named, algorithm=cfg["algorithm"], topology=cfg["graph"],
+                                     consensus_stepsize=cfg.get("gamma", 1.0),
+                                     compression_params=cfg.get("params"), communicator=comm, name=name)
+    for n, p in named:
+        saved[f"{name}/init/{n}"] = p.detach().numpy().copy()
+    rng = np.random.default_rng([rank, 7])
+    for step in range(cfg["steps"]):
+        if cfg.get("die_rank") == rank and cfg.get("die_step") == step:
+            print(f"rank {rank} dies now", flush=True)
+            os._exit(3)
+        for n, p in named:
+            g = np.zeros(p.shape, np.float32) if cfg.get("zero_grads") else rng.standard_normal(p.shape).astype(np.float32)
+            saved[f"{name}/{step}/grad/{n}"] = g
+            p.grad = torch.from_numpy(g.copy())
+        opt.step()
+        for n, p in named:
+            saved[f"{name}/{step}/param/{n}"] = p.detach().numpy().copy()
+    opt.finish()
+    for n, value in opt.averaged_parameters().items():
+        saved[f"{name}/average/{n}"] = value.numpy().copy()
+    saved[f"{name}/bytes_sent"] = np.array(opt.bytes_sent())
+np.savez(os.path.join(sys.argv[2], f"choco{rank}.npz"), **saved)
+comm.shutdown() if comm else bps.shutdown()

@@ -1,0 +1,133 @@
+"""CHOCO-SGD and D-PSGD on real processes: the neighbours' messages go worker to worker, through
+bps_gc (bpslaunch --local, bps_gc.core.send/recv) or torch.distributed point-to-point (torchrun,
+tests/gloo_p2p.py); the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
+and are the same over both; the averaged model is the mean of the nodes'; a killed neighbour
+stops the others naming it."""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bps_gc.bindings.topology import topology
+from cluster import run_local
+from conftest import ROOT
+from test_choco_math import oracle_choco
+
+pytest.importorskip("torch")
+PEERS = importlib.util.find_spec("bps_gc.roles.peers") is not None
+needs_peers = pytest.mark.skipif(not PEERS, reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
+TRANSPORTS = [pytest.param("bps_gc", marks=needs_peers), "gloo"]
+JOB = os.path.join(ROOT, "tests", "choco_job.py")
+STEPS = 12
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(configs, tmp_path, workers, transport="bps_gc"):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"configs": configs}))
+    if transport == "bps_gc":
+        return run_local([sys.executable, JOB, str(spec), str(tmp_path)], workers=workers, servers=1, timeout=240)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), JOB, str(spec), str(tmp_path), "gloo"]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+def flat(run_, cfg, key):
+    names = sorted(k for k in run_ if k.startswith(f"{cfg}/init/"))
+    return np.concatenate([run_[n.replace("/init/", f"/{key}/")].ravel() for n in names])
+
+
+def configs(graph, gamma=0.3, lr=0.05, params=None):
+    return [{"name": "choco", "algorithm": "choco", "graph": graph, "gamma": gamma, "lr": lr, "steps": STEPS,
+             "params": params or {"compressor": "topk", "k": 2}},
+            {"name": "dpsgd", "algorithm": "dpsgd", "graph": graph, "steps": 4, "lr": lr, "zero_grads": True}]
+
+
+# the torus of 9 runs once (9 processes on a small CI box): over torch.distributed
+CASES = [(t, g, 4) for t in TRANSPORTS for g in ("ring", "0-1,1-2,2-0,2-3")] + [("gloo", "torus", 9)]
+
+
+@pytest.mark.parametrize("transport,graph,workers", CASES)
+def test_choco_on_processes_matches_the_oracle(graph, workers, transport, tmp_path):
+    params, gamma, lr = {"compressor": "topk", "k": 2}, 0.3, 0.05
+    result = run(configs(graph, gamma, lr, params), tmp_path, workers, transport)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    runs = [dict(np.load(tmp_path / f"choco{r}.npz")) for r in range(workers)]
+    x0 = np.stack([flat(r, "choco", "init") for r in runs])
+    grads = np.stack([np.stack([flat(r, "choco", f"{t}/grad") for r in runs]) for t in range(STEPS)])
+    w = topology(graph, workers).weights
+    want = oracle_choco(x0, w, gamma, params, lambda t: np.float32(lr) * grads[t], STEPS,
+                        [slice(0, 6), slice(6, 30)])  # bias, weight: each tensor compressed alone
+    for t in range(STEPS):
+        got = np.stack([flat(r, "choco", f"{t}/param") for r in runs])
+        assert np.allclose(got, want[t], atol=2e-5), (t, np.abs(got - want[t]).max())
+    average = flat(runs[0], "choco", "average")
+    assert np.allclose(average, want[-1].mean(0), atol=1e-6)
+    # D-PSGD with zero gradients: x <- W x each round
+    x = np.stack([flat(r, "dpsgd", "init") for r in runs]).astype(np.float64)
+    for t in range(4):
+        x = w @ x
+        assert np.allclose(np.stack([flat(r, "dpsgd", f"{t}/param") for r in runs]), x, atol=1e-6)
+
+
+@needs_peers
+def test_bps_gc_and_gloo_give_the_same_models(tmp_path):
+    models = {}
+    for transport in ("bps_gc", "gloo"):
+        (tmp_path / transport).mkdir()
+        result = run(configs("ring"), tmp_path / transport, 4, transport)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        models[transport] = [dict(np.load(tmp_path / transport / f"choco{r}.npz")) for r in range(4)]
+    for r in range(4):
+        for key, value in models["bps_gc"][r].items():
+            if "/param/" in key:
+                assert np.array_equal(value, models["gloo"][r][key]), (r, key)
+
+
+KILLED = """
+import numpy as np, torch, bps_gc.torch as bps
+bps.init()
+rank = bps.rank()
+torch.manual_seed(rank)
+model = torch.nn.Linear(64, 64)
+opt = bps.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                 topology="ring", consensus_stepsize=0.3,
+                                 compression_params={"compressor": "topk", "k": 8})
+for step in range(10 ** 6):
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    if step == 2:
+        print("RUNNING", flush=True)
+"""
+
+
+@needs_peers
+def test_a_dead_neighbour_stops_the_job_naming_it():
+    # one bpslaunch per role, as on separate hosts: the heartbeats find the dead worker, not a
+    # shared launcher tearing the job down
+    import signal
+    import time
+    from multihost import INTERVAL, TIMEOUT, Job
+    job = Job(4, KILLED)
+    try:
+        job.wait_output([f"worker{w}" for w in range(4)], "RUNNING")
+        os.kill(job.child_of("worker2"), signal.SIGKILL)
+        statuses, elapsed = job.wait_all(TIMEOUT + 2 * INTERVAL + 5.0, since=time.monotonic())
+    finally:
+        job.kill_all()
+    report = job.report(statuses)
+    assert all(status != 0 for status in statuses.values()), report
+    for w in (1, 3):  # its neighbours, blocked on its messages
+        assert "NodeFailure" in job.text(f"worker{w}") and "worker 2" in job.text(f"worker{w}"), report

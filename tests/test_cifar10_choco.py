@@ -1,0 +1,202 @@
+"""example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
+--compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
+under bpslaunch --local (2 workers) train with each optimizer."""
+import importlib.util
+import json
+import os
+import pickle
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("torch")
+needs_peers = pytest.mark.skipif(importlib.util.find_spec("bps_gc.roles.peers") is None,
+                                 reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
+SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
+SEED_FLAGS = [
+    "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
+    "--compress_ratio", "--quantize_level", "--is_biased", "--choco_consenus_stepsize",
+    "--choco_consensus_stepsize", "--lr_scaleup", "--lr_scaleup_factor", "--lr_warmup", "--lr_warmup_epochs",
+    "--lr_schedule_scheme", "--lr_change_epochs", "--lr_decay", "--weight_decay", "--use_nesterov",
+    "--momentum_factor", "--batch_size", "--num_epochs", "--eval_freq", "--avg_model", "--evaluate_avg",
+    "--reshuffle_per_epoch", "--hostfile", "--mpi_path", "--world", "--n_mpi_process", "--n_sub_process",
+    "--python_path", "--use_ipc", "--comm_device", "--on_cuda", "--arch", "--data", "--pin_memory",
+    "--base_batch_size", "--num_workers", "--partition_data", "--stop_criteria", "--track_time",
+    "--display_tracked_time", "--experiment", "--consensus_stepsize", "--lr_scheduler", "--lr_milestones",
+    "--manual_seed"]
+
+
+def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
+    """A tiny CIFAR-10 in the official format: data_dir/cifar-10-batches-py/{data_batch_1..5,test_batch}."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(data_dir, "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+    files = [(f"data_batch_{i}", n_train // 5) for i in range(1, 6)] + [("test_batch", n_test)]
+    for name, n in files:
+        labels = rng.integers(0, 10, n)
+        data = {b"batch_label": name.encode(), b"labels": labels.tolist(),
+                b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                b"filenames": [f"img{i}.png".encode() for i in range(n)]}
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(data, f, protocol=2)
+    return data_dir
+
+
+def launch(argv, cwd, workers=2, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, BPS_GC_HEARTBEAT_INTERVAL="0.2",
+               BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096")
+    for name in list(env):
+        if name.startswith(("DMLC_", "BYTEPS_LOCAL", "BPS_GC_PORT")):
+            del env[name]
+    cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers", "1",
+           "--", sys.executable, SCRIPT, *argv]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_seed_flag_and_the_ratio_translation():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for flag in SEED_FLAGS:
+        assert flag in text, flag
+    assert "fraction of each tensor DROPPED" in text and "k = 1 - compress_ratio" in text
+    for flag in ("--hostfile", "--mpi_path", "--python_path", "--use_ipc", "--on_cuda", "--comm_device"):
+        i = text.index(flag + " ")
+        assert len(text[i:i + 200].split()) > 3, f"{flag} is not explained"
+
+
+def test_reads_the_official_cifar10_files(tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(SCRIPT)))
+    import cifar10_data
+    write_cifar10(str(tmp_path), n_train=20, n_test=4)
+    images, labels = cifar10_data.load_split(str(tmp_path), "train")
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_2", "rb") as f:
+        raw = pickle.load(f, encoding="bytes")
+    assert images.shape == (20, 3, 32, 32) and labels.shape == (20,)
+    # the five batches in order; rows are 1024 red, 1024 green, 1024 blue values, row-major 32 x 32
+    assert np.array_equal(images[4 + 1, 2, 3, 7], raw[b"data"][1, 2048 + 3 * 32 + 7])
+    assert labels[4:8].tolist() == raw[b"labels"]
+    same = cifar10_data.load_split(str(tmp_path / "cifar-10-batches-py"), "test")  # the folder itself
+    assert same[0].shape == (4, 3, 32, 32)
+    with pytest.raises(SystemExit, match="no CIFAR-10 test file"):
+        cifar10_data.load_split(str(tmp_path / "nowhere"), "test")
+
+
+def test_seed_compression_flags_translate():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import seed_flags
+    parser = seed_flags.build_parser()
+
+    def params(*argv):
+        return seed_flags.compression(parser.parse_args(list(argv)), parser)
+    assert params("--optimizer", "parallel_choco", "--comm_op", "compress_top_k", "--compress_ratio", "0.99") == \
+        {"compressor": "topk", "k": pytest.approx(0.01)}
+    randomk = params("--optimizer", "local_sgd", "--comm_op", "randomk", "--compress_ratio", "0.9")
+    assert randomk["k"] == pytest.approx(0.1)
+    assert params("--optimizer", "local_sgd", "--comm_op", "sign") == {"compressor": "sign"}
+    assert params("--optimizer", "local_ef_sign_sgd")["ef"] == "vanilla"
+    assert params("--optimizer", "parallel_choco", "--comm_op", "sign").get("ef") is None
+    assert params("--optimizer", "sgd") is None
+    with pytest.raises(SystemExit):
+        params("--optimizer", "parallel_choco", "--comm_op", "topk")  # no --compress_ratio
+    with pytest.raises(SystemExit):
+        params("--optimizer", "dpsgd", "--comm_op", "topk", "--compress_ratio", "0.9")
+
+
+TINY = ["--arch", "resnet20", "--data", "cifar10", "--batch_size", "8", "--num_epochs", "2", "--max_iters", "2",
+        "--num_workers", "0", "--lr", "0.05", "--eval_freq", "1"]
+RUNS = {
+    "sgd": ["--optimizer", "sgd"],
+    "local_sgd": ["--optimizer", "local_sgd", "--local_step", "2", "--comm_op", "sign+norm", "--avg_model", "True"],
+    "post_local_sgd": ["--optimizer", "post_local_sgd", "--local_step", "2", "--turn_on_local_step_from", "1",
+                       "--evaluate_avg", "True", "--lr_scaleup", "True", "--lr_warmup", "True",
+                       "--lr_warmup_epochs", "1", "--lr_schedule_scheme", "custom_multistep",
+                       "--lr_change_epochs", "1", "--lr_decay", "10", "--track_time", "True",
+                       "--display_tracked_time", "True"],
+}
+
+
+RUNS_DECENTRALIZED = {
+    "parallel_choco": ["--optimizer", "parallel_choco", "--graph_topology", "ring", "--comm_op", "compress_top_k",
+                       "--compress_ratio", "0.99", "--choco_consenus_stepsize", "0.1"],
+    "dpsgd": ["--optimizer", "dpsgd", "--graph_topology", "complete"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS) + [pytest.param(n, marks=needs_peers)
+                                                 for n in sorted(RUNS_DECENTRALIZED)])
+def test_tiny_run(name, tmp_path):
+    data = write_cifar10(str(tmp_path / "data"))
+    result = launch([*TINY, "--data_dir", data, "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name]], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    summary = json.loads((tmp_path / f"{name}.json").read_text())
+    epochs = [row for row in summary["history"] if "epoch" in row]
+    assert [row["epoch"] for row in epochs] == [0, 1] and all(row["steps"] == 2 for row in epochs)
+    assert all(len(row["test_accuracy"]) == 2 for row in epochs)
+    log = (tmp_path / f"{name}.log").read_text()
+    assert "traffic per worker" in log and "validation" in log
+    bytes_per_step = [row["server_bytes_per_step"] for row in epochs]
+    if name == "local_sgd":  # H = 2: one averaging every two steps, signs with a scale
+        assert "final: every worker holds the averaged model" in log
+        assert bytes_per_step[0] < 0.2 * summary_dense_bytes(tmp_path, data)
+    if name in RUNS_DECENTRALIZED:  # nothing through the servers while training; every node evaluated
+        assert bytes_per_step == [0, 0] and all(row["gossip_bytes_per_step"] > 0 for row in epochs)
+        assert all("averaged_model_accuracy" in row for row in epochs)
+    if name == "post_local_sgd":  # synchronous in epoch 0, averaging every 2 steps from epoch 1
+        assert bytes_per_step[1] < 0.75 * bytes_per_step[0]
+        assert "averaged model accuracy" in log and "forward+backward" in log
+
+
+def test_unknown_topology_is_a_message(tmp_path):
+    data = write_cifar10(str(tmp_path / "data"), n_train=40, n_test=8)
+    result = launch([*TINY, "--data_dir", data, "--optimizer", "dpsgd", "--graph_topology", "social"], tmp_path)
+    assert result.returncode != 0
+    assert "unknown graph topology 'social'" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def summary_dense_bytes(tmp_path, data):
+    """Bytes per step of ResNet-20's parameters, dense (float32)."""
+    import train_cifar100_byteps_gc as t
+    return 4 * sum(p.numel() for p in t.resnet("resnet20", 10).parameters())
+
+
+# epfml/ChocoSGD dl_code/README.md, as published but for the interpreter and script path, and
+# 4 workers instead of 16 (--n_mpi_process, --world); the flags appended after it shrink the run
+SEED_COMMAND = """
+OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $HOME/conda/envs/pytorch-py3.6/bin/python run.py \\
+    --arch resnet20 --optimizer parallel_choco \\
+    --avg_model True --experiment demo --manual_seed 6 \\
+    --data cifar10 --pin_memory True \\
+    --batch_size 128 --base_batch_size 64 --num_workers 2 \\
+    --num_epochs 300 --partition_data random --reshuffle_per_epoch True --stop_criteria epoch \\
+    --n_mpi_process 4 --n_sub_process 1 --world 0,0,0,0 \\
+    --on_cuda True --use_ipc False \\
+    --lr 0.1 --lr_scaleup True --lr_warmup True --lr_warmup_epochs 5 \\
+    --lr_scheduler MultiStepLR --lr_decay 0.1 --lr_milestones 150,225 \\
+    --comm_op sign --consensus_stepsize 0.5 --compress_ratio 0.9 --quantize_level 16 --is_biased True \\
+    --weight_decay 1e-4 --use_nesterov True --momentum_factor 0.9 \\
+    --hostfile hostfile --graph_topology ring --track_time True --display_tracked_time True \\
+    --python_path $HOME/conda/envs/pytorch-py3.6/bin/python --mpi_path $HOME/.openmpi/
+"""
+
+
+@needs_peers
+def test_the_choco_seed_command_runs_as_pasted(tmp_path):
+    words = shlex.split(SEED_COMMAND.replace("\\\n", " "))
+    assert words[:3] == ["OMP_NUM_THREADS=2", "MKL_NUM_THREADS=2", "$HOME/conda/envs/pytorch-py3.6/bin/python"]
+    assert words[3] == "run.py"
+    data = write_cifar10(str(tmp_path / "data"))
+    tiny = ["--data_dir", data, "--batch_size", "4", "--num_epochs", "1", "--max_iters", "2", "--num_workers", "0"]
+    result = launch(words[4:] + tiny, tmp_path, workers=4)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    log = (tmp_path / "demo.log").read_text()
+    assert "parallel_choco on 4 workers" in log and "ring of 4" in log
+    assert "note: --hostfile not read" in log and "averaged model accuracy" in log
+    assert "final: every worker holds the averaged model" in log

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..roles import NodeFailure
 from ..roles import communicator as api
+from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .exchange import all_gather_bytes
@@ -152,7 +153,8 @@ class Collective(api.Communicator):
 
     def _build_codec(self, tensor, n, dtype, key):
         """(worker chain, reducer): every rank runs the reducer the server would have run."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker"),
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
+                                        shape=tensor.shape),
                 self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
@@ -172,6 +174,8 @@ class Collective(api.Communicator):
         self.counters.pulled_raw += wire.nbytes
         if not tensor.compressed:
             return self._reduce_dense(wire, out, average)
+        if phases(tensor) > 1:
+            return self._reduce_in_phases(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
             return self._queue_payloads(tensor, wire, out, average, ctx)
         start = time.perf_counter()
@@ -207,6 +211,25 @@ class Collective(api.Communicator):
             if average and tensor.partitions[0].reducer.summed:
                 wire /= wire.dtype.type(self.size)
             np.copyto(out.reshape(-1), wire, casting="unsafe")
+
+    def _reduce_in_phases(self, tensor, wire, out, average, ctx):
+        """Two phases (roles/phased.py), each one all_reduce of the tensor's phase buffer, now:
+        every rank reduces in the same order, so every rank issues them at the same point."""
+        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
+        p_sum = self._sum_phase(reduction.first())
+        reduction.finish(self._sum_phase(reduction.second(p_sum)))
+        if average:
+            wire /= wire.dtype.type(self.size)
+        np.copyto(out.reshape(-1), wire, casting="unsafe")
+        return Handle(self, out)
+
+    def _sum_phase(self, buffer):
+        start = time.perf_counter()
+        self.all_reduce(buffer)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        self.counters.pushed_wire += buffer.nbytes
+        self.counters.pulled_wire += buffer.nbytes
+        return buffer
 
     def _reduce_signs(self, tensor, wire, ctx):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).

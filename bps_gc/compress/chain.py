@@ -26,10 +26,11 @@ def mixed_state(seed):
                     np.uint64)
 
 
-def build_chain(params, n, dtype, key=0, role="worker"):
+def build_chain(params, n, dtype, key=0, role="worker", shape=None):
     """Codec object for one partition: [momentum ->] [error feedback ->] compressor.
 
-    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md).
+    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md). ``shape`` is
+    the whole tensor's, for a compressor that views its partition as a matrix (``takes_shape``).
     """
     if not isinstance(params, CompressionParams):
         params = CompressionParams.from_dict(params)
@@ -39,7 +40,9 @@ def build_chain(params, n, dtype, key=0, role="worker"):
         raise ValueError("build_chain: these parameters compress nothing (no 'compressor')")
     load_plugins()
     seed = params.seed if params.seed is not None else derive_seed(key)
-    codec = COMPRESSORS[params.compressor](params, n, dtype, seed=seed)
+    cls = COMPRESSORS[params.compressor]
+    extra = {"shape": tuple(shape)} if shape is not None and getattr(cls, "takes_shape", False) else {}
+    codec = cls(params, n, dtype, seed=seed, **extra)
     if params.ef:
         codec = ERROR_FEEDBACKS[params.ef](codec, params)
     if params.momentum and role == "worker" and not getattr(codec, "owns_momentum", False):

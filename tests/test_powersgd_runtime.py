@@ -25,6 +25,8 @@ def spec_for():
                         "params": {"compressor": "powersgd", "rank": 1, "seed": SEED}})
     tensors.append({"name": "fp16-wire", "shape": [300], "dtype": "float32", "average": False,
                     "params": {"compressor": "powersgd", "rank": 4096, "fp16": True}})
+    tensors.append({"name": "full-float16", "shape": [20, 15], "dtype": "float16", "average": False,
+                    "params": {"compressor": "powersgd", "rank": 4096}})
     tensors.append({"name": "sum", "shape": [33], "dtype": "float32", "average": False, "params": {}})
     return {"steps": 3, "lrs": [0.1, 0.1, 0.1], "partition_bytes": PARTITION_BYTES,
             "min_compress_bytes": 0, "tensors": tensors}
@@ -91,8 +93,9 @@ def test_powersgd_two_phases(transport, tmp_path):
             for step in range(spec["steps"]):
                 total = sum(x.astype(np.float64) for x in inputs[step])
                 rows = matrix_shape(min(size, per), t["shape"])[0]
-                got = results[0][f"{t['name']}/{step}"].reshape(-1)
-                tol = (1e-3 if t["params"].get("fp16") else 4e-7 * rows) * np.abs(total).max()
+                got = results[0][f"{t['name']}/{step}"].reshape(-1).astype(np.float64)
+                half = t["params"].get("fp16") or t["dtype"] == "float16"
+                tol = (1e-3 if half else 4e-7 * rows) * np.abs(total).max()
                 assert np.abs(got - total).max() <= tol, (t["name"], step, np.abs(got - total).max() / tol)
 
 

@@ -120,3 +120,29 @@ def test_rank_one_trains_mnist_within_one_point_of_dense(tmp_path):
     assert np.mean(got["compressed"]) >= got["dense"] - 0.01, got
     assert min(got["compressed"]) >= got["dense"] - 0.025, got
     assert all(ratio > 10 for ratio in got["ratios"]), got  # 128 + 784 floats, not 128 x 784
+
+
+def test_what_cannot_run_powersgd_says_so():
+    """Async servers answer with a running sum, the DDP hook gathers once, and a momentum
+    decorator would be skipped by the later phases: each refuses at its first call."""
+    import sys
+    from bps_gc.compress import CompressionParams
+    from cluster import run_local
+    with pytest.raises(ValueError, match="powersgd keeps the momentum in the optimizer"):
+        CompressionParams.from_dict({"compressor": "powersgd", "momentum": "nesterov", "mu": 0.9})
+    pytest.importorskip("torch")
+    import bps_gc.torch
+    with pytest.raises(ValueError, match="reduces in 2 phases"):
+        bps_gc.torch.comm_hook({"compressor": "powersgd", "rank": 2})
+    code = ("import numpy as np, bps_gc.core as bps\n"
+            "bps.init()\n"
+            "try:\n"
+            "    bps.declare('w', shape=(10, 10), dtype=np.float32, compressor='powersgd')\n"
+            "except ValueError as e:\n"
+            "    print('REFUSED:', e, flush=True)\n"
+            "bps.shutdown()\n")
+    result = run_local([sys.executable, "-c", code], workers=1, servers=1, timeout=60,
+                       env={"BYTEPS_FORCE_DISTRIBUTED": "1", "BYTEPS_ENABLE_ASYNC": "1",
+                            "BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED: 'w': reducer 'powersgd' needs each phase's sum" in result.stdout, result.stdout

@@ -110,7 +110,11 @@ class Worker(Communicator):
             return
         self.placement.plan(tensor, shape, dtype, self._build_codec, balanced)
         if phases(tensor) > 1:  # summed phase by phase in buffers of their own; the servers
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):  # never see it
+            if self.cfg.enable_async:  # never see it
+                raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
+                                 "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
+                                 "running sum; unset it or choose another compressor")
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):
                 self.declare(name, shape=(length,), dtype=np.float32)
                 self.tensors[name].auxiliary = True
             return

@@ -178,9 +178,9 @@ class Worker(Communicator):
         so no thread waits and workers need not wait for their handles in the same order."""
         source = np.ascontiguousarray(array).reshape(-1)
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: compress and finish a cast copy
-            source = target = source.astype(tensor.wire_dtype)
-        else:
-            target = out.reshape(-1)
+            source = source.astype(tensor.wire_dtype)
+        # the Handle copies (and casts) the result into ``out`` unless it is written there
+        target = out.reshape(-1) if out.dtype == tensor.wire_dtype else np.empty_like(source)
         reduction = PhasedReduction(tensor, source, target, ctx, self.size)
         tensor.busy = True
         handle = Handle(self, tensor, out, target, 1, average, ctx)

@@ -1,7 +1,6 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
 under bpslaunch --local (2 workers) train with each optimizer."""
-import importlib.util
 import json
 import os
 import pickle
@@ -15,8 +14,6 @@ import pytest
 from conftest import ROOT
 
 pytest.importorskip("torch")
-needs_peers = pytest.mark.skipif(importlib.util.find_spec("bps_gc.roles.peers") is None,
-                                 reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
 SEED_FLAGS = [
     "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
@@ -129,8 +126,7 @@ RUNS_DECENTRALIZED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RUNS) + [pytest.param(n, marks=needs_peers)
-                                                 for n in sorted(RUNS_DECENTRALIZED)])
+@pytest.mark.parametrize("name", sorted(RUNS) + sorted(RUNS_DECENTRALIZED))
 def test_tiny_run(name, tmp_path):
     data = write_cifar10(str(tmp_path / "data"))
     result = launch([*TINY, "--data_dir", data, "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name]], tmp_path)
@@ -187,7 +183,6 @@ OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $HOME/conda/envs/pytorch-py3.6/bin/python ru
 """
 
 
-@needs_peers
 def test_the_choco_seed_command_runs_as_pasted(tmp_path):
     words = shlex.split(SEED_COMMAND.replace("\\\n", " "))
     assert words[:3] == ["OMP_NUM_THREADS=2", "MKL_NUM_THREADS=2", "$HOME/conda/envs/pytorch-py3.6/bin/python"]

@@ -12,7 +12,6 @@ Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure wit
 heartbeat bound. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
 """
 import logging
-import os
 import time
 import zlib
 
@@ -29,7 +28,6 @@ from .liveness import Heartbeat
 from .rendezvous import backend_from_env, connect
 
 log = logging.getLogger("bps_gc.collective")
-BUCKET_BYTES = 25 << 20
 
 
 class Handle(api.Handle):
@@ -76,7 +74,7 @@ class Collective(api.Communicator):
         self.local_size = cfg.local_size if local_size is None else local_size
         self.tensors = {}
         self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
-        self.bucket_bytes = int(os.environ.get("BPS_GC_BUCKET_BYTES", BUCKET_BYTES))
+        self.bucket_bytes = cfg.bucket_bytes
         self.pending = Bucket()
         self.counters = Metrics()
         self.heartbeat = None

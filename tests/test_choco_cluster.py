@@ -1,6 +1,6 @@
 """CHOCO-SGD and D-PSGD on real processes: the neighbours' messages go worker to worker, through
-bps_gc (bpslaunch --local, bps_gc.core.send/recv) or torch.distributed point-to-point (torchrun,
-tests/gloo_p2p.py); the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
+bps_gc's parameter-server runtime (bpslaunch --local) or its torch.distributed transport
+(torchrun: gloo isend/irecv), both via bps_gc.core.send/recv; the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
 and are the same over both; the averaged model is the mean of the nodes'; a killed neighbour
 stops the others naming it."""
 import json

@@ -310,7 +310,6 @@ class Collective(api.Communicator):
         tag = _tag(name)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, length, rank, tag=tag),
                                         dist.P2POp(dist.isend, data, rank, tag=tag)])
-        self.counters.pushed_wire += data.numel()
         return SendHandle(self, works, (length, data), f"send of {name!r} to rank {rank}")
 
     def recv(self, rank, name, timeout=None):
@@ -320,8 +319,7 @@ class Collective(api.Communicator):
         self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
         data = torch.empty(int(length), dtype=torch.uint8)
         self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
-        self.counters.pulled_wire += data.numel()
-        return data.numpy()
+        return data.numpy()  # like the parameter server's peers, not counted in metrics() (reductions only)
 
     def metrics(self):
         current, self.counters = self.counters, Metrics()

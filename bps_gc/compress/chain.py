@@ -29,8 +29,7 @@ def mixed_state(seed):
 def build_chain(params, n, dtype, key=0, role="worker", shape=None):
     """Codec object for one partition: [momentum ->] [error feedback ->] compressor.
 
-    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md). ``shape`` is
-    the whole tensor's, for a compressor that views its partition as a matrix (``takes_shape``).
+    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md).
     """
     if not isinstance(params, CompressionParams):
         params = CompressionParams.from_dict(params)
@@ -41,6 +40,7 @@ def build_chain(params, n, dtype, key=0, role="worker", shape=None):
     load_plugins()
     seed = params.seed if params.seed is not None else derive_seed(key)
     cls = COMPRESSORS[params.compressor]
+    # ``shape``, the whole tensor's, goes to a compressor that views its partition as a matrix
     extra = {"shape": tuple(shape)} if shape is not None and getattr(cls, "takes_shape", False) else {}
     codec = cls(params, n, dtype, seed=seed, **extra)
     if params.ef:

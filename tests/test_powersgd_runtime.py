@@ -52,3 +52,27 @@ def test_what_cannot_run_powersgd_says_so():
                             "BYTEPS_MIN_COMPRESS_BYTES": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED: 'w': reducer 'powersgd' needs each phase's sum" in result.stdout, result.stdout
+
+
+def test_parameter_server_phases_need_no_wait():
+    """On the parameter server each phase starts when the previous sum arrives, not when the
+    caller waits: two workers that wait for their handles in opposite orders both finish, with
+    the same pulls."""
+    code = ("import numpy as np, bps_gc.core as bps\n"
+            "bps.init()\n"
+            "r = bps.rank()\n"
+            "names = ['a', 'b', 'c']\n"
+            "for name in names:\n"
+            "    bps.declare(name, shape=(40, 25), dtype=np.float32, compressor='powersgd', rank=2)\n"
+            "for step in range(2):\n"
+            "    xs = {n: np.random.default_rng([r, step, i]).standard_normal((40, 25)).astype(np.float32)\n"
+            "          for i, n in enumerate(names)}\n"
+            "    handles = {n: bps.push_pull(xs[n], n, average=False) for n in names}\n"
+            "    for n in (names if r == 0 else names[::-1]):\n"
+            "        print('PULL', step, n, float(handles[n].wait(timeout=30).sum()), flush=True)\n"
+            "bps.shutdown()\n")
+    result = run_local([sys.executable, "-c", code], workers=2, servers=1, timeout=90,
+                       env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    pulls = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if "PULL" in line]
+    assert len(pulls) == 12 and len(set(pulls)) == 6, result.stdout  # both workers, same sums

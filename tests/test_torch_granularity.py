@@ -6,11 +6,14 @@ DGC's warm-up densities."""
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from cluster import run_local
+from collective_cluster import bpslaunch_argv, job_env
 from conftest import ROOT
 from test_codecs2_dgc import plan, select_oracle
 from test_codecs2_quantizers import splitmix_state
@@ -62,8 +65,9 @@ class DgcWorker:
         return out, 6 * idx.size  # fp16 records: 4-byte index, 2-byte value
 
 
-def replay_dgc(results, names, params):
-    """Per partition (PARTITION_ELEMENTS each) of every weight, per rank, DGC as in numpy."""
+def replay_dgc(results, names, params, divisor=2):
+    """Per partition (PARTITION_ELEMENTS each) of every weight, per rank, DGC as in numpy;
+    the pulled sum divided by ``divisor`` (2: torch averages; 1: MXNet pushes scaled gradients)."""
     workers = {n: [[DgcWorker(min(PARTITION_ELEMENTS, params[n].size - s))
                     for s in range(0, params[n].size, PARTITION_ELEMENTS)] for _ in results]
                for n in names if params[n].ndim > 1}
@@ -81,11 +85,11 @@ def replay_dgc(results, names, params):
                         sent, nbytes = worker.push(g[part], epoch)
                         acc[part] += sent
                         pushed[rank] += nbytes
-                g = acc / np.float32(2)
+                g = acc / np.float32(divisor)
                 buffers[n] = buffers[n] * np.float32(0.9) + np.float32(0.01) * x  # local wd
                 g = g + buffers[n]
             else:  # a bias: dense, then ordinary (nesterov) momentum SGD with weight decay
-                g = (grads[0] + grads[1]) / np.float32(2) + np.float32(0.01) * x
+                g = (grads[0] + grads[1]) / np.float32(divisor) + np.float32(0.01) * x
                 buffers[n] = (buffers[n] + g) * np.float32(0.9)
                 g = g + buffers[n]
                 pushed = [p + g.nbytes for p in pushed]
@@ -93,7 +97,7 @@ def replay_dgc(results, names, params):
         assert [int(r[f"dgc/{step}/pushed_wire"]) for r in results] == pushed, f"step {step}"
 
 
-def replay_entire(cfg, results, names, params):
+def replay_entire(cfg, results, names, params, divisor=2):
     sizes = [params[n].size for n in names]
     m = e = 0
     for step in range(len(EPOCHS)):
@@ -111,19 +115,28 @@ def replay_entire(cfg, results, names, params):
                 c = signs(g, np.float32(np.abs(g.astype(np.float64)).mean()))
                 e[rank] = g - c
                 acc += c
-        g = acc / np.float32(2)
+        g = acc / np.float32(divisor)
         for n, part in zip(names, np.split(g, np.cumsum(sizes)[:-1])):
             yield step, n, params[n] - np.float32(0.1) * part.reshape(params[n].shape)
 
 
-def test_dgc_and_entire_model_through_the_optimizer(tmp_path):
+@pytest.mark.parametrize("transport", ["ps", "collective"])
+def test_dgc_and_entire_model_through_the_optimizer(transport, tmp_path):
     spec = {"epochs": EPOCHS, "configs": CONFIGS}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {"BYTEPS_MIN_COMPRESS_BYTES": "128", "BYTEPS_PARTITION_BYTES": "256"}
-    result = run_local([sys.executable, os.path.join(ROOT, "tests", "torch_granularity_job.py"),
-                        str(tmp_path / "spec.json"), str(tmp_path)], env=env, timeout=240)
+    script = [os.path.join(ROOT, "tests", "torch_granularity_job.py"), str(tmp_path / "spec.json"), str(tmp_path)]
+    if transport == "ps":  # 2 workers, 2 servers
+        result = run_local([sys.executable, *script], env=env, timeout=240)
+    else:  # 2 gloo ranks, no server
+        result = subprocess.run(bpslaunch_argv(script, 2), env=job_env(env), capture_output=True, text=True,
+                                timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    results = [dict(np.load(tmp_path / f"torch{r}.npz")) for r in range(2)]
+    check_replay([dict(np.load(tmp_path / f"torch{r}.npz")) for r in range(2)], divisor=2)
+
+
+def check_replay(results, divisor):
+    """Every configuration's parameters after every step, on both ranks (shared with MXNet)."""
     for cfg in CONFIGS:
         name = cfg["name"]
         names = sorted(k.split("/", 2)[2] for k in results[0] if k.startswith(f"{name}/init/"))
@@ -131,13 +144,25 @@ def test_dgc_and_entire_model_through_the_optimizer(tmp_path):
         flags = {n: int(results[0][f"{name}/compressed/{n}"]) for n in names}
         if name == "dgc":  # weights compressed, biases (1-D) dense
             assert flags == {n: int(params[n].ndim > 1) for n in names}
-            steps = replay_dgc(results, names, params)
+            steps = replay_dgc(results, names, params, divisor)
         else:  # no per-layer declaration: one vector, in chunks
             assert set(flags.values()) == {-1}
-            steps = replay_entire(name, results, names, params)
+            steps = replay_entire(name, results, names, params, divisor)
         for step, n, want in steps:
             for r in range(2):
                 got = results[r][f"{name}/{step}/param/{n}"]
                 assert np.allclose(got, want, rtol=1e-5, atol=1e-6), \
                     f"{name} step {step} {n} rank {r}: max diff {np.abs(got - want).max()}"
             params[n] = results[0][f"{name}/{step}/param/{n}"]  # follow the run, check each step
+
+
+def test_the_same_through_the_mxnet_trainer(tmp_path):
+    pytest.importorskip("mxnet")
+    (tmp_path / "spec.json").write_text(json.dumps({"epochs": EPOCHS, "configs": CONFIGS}))
+    env = {"BYTEPS_MIN_COMPRESS_BYTES": "128", "BYTEPS_PARTITION_BYTES": "256", "OMP_NUM_THREADS": "1",
+           "MXNET_CPU_WORKER_NTHREADS": "1"}
+    result = run_local([sys.executable, os.path.join(ROOT, "tests", "mxnet_granularity_job.py"),
+                        str(tmp_path / "spec.json"), str(tmp_path)], env=env, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    # MXNet pushes gradients already divided by batch * size and sums them: divisor 1
+    check_replay([dict(np.load(tmp_path / f"torch{r}.npz")) for r in range(2)], divisor=1)

@@ -10,7 +10,7 @@ payloads that the same codec decodes, for a chunk's element count, to exactly th
 whole decoding:
 
 * records (topk, randomk) and sorted records (threshold, adaptive_threshold, dgc): the records
-  whose index falls in the chunk, index minus the chunk start;
+  whose index falls in the chunk, index minus the chunk start (none at all: an empty payload);
 * onebit, sign, signnorm, terngrad, qsgd: the chunk's bits or codes (byte-aligned there) behind
   or in front of the one scale or norm;
 * dithering: the chunk's entries written again as Elias-delta (gap, sign, level) with the one

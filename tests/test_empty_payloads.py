@@ -1,7 +1,6 @@
 """A sparse codec that keeps nothing sends an empty payload, and a lossless sum of nothing
 replies with one: both cross the transport as an empty frame (they used to be dropped as
 malformed, and the job hung). Entire-model chunks that a top-k misses hit this every step."""
-import numpy as np
 
 from cluster import run_job
 

@@ -4,7 +4,6 @@ correction, sampled selection, masking, fp16 values, local weight decay, dense b
 top-k or one onebit scale over the concatenated model), and the bytes pushed per step follow
 DGC's warm-up densities."""
 import json
-import math
 import os
 import subprocess
 import sys

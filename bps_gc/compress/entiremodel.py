@@ -141,14 +141,8 @@ class WholeVectorCodec:
 
 
 def _bit_length(v):
-    """bit_length of each uint64 (exact, unlike log2 near powers of two)."""
-    v = np.asarray(v, np.uint64)
-    n = np.zeros(v.shape, np.int64)
-    for shift in (32, 16, 8, 4, 2, 1):
-        big = v >= (np.uint64(1) << np.uint64(shift))
-        n += big * shift
-        v = np.where(big, v >> np.uint64(shift), v)
-    return n + (v > 0)
+    """bit_length of each value (< 2^53, so exact in float64: frexp's exponent is it)."""
+    return np.frexp(np.asarray(v, np.uint64).astype(np.float64))[1].astype(np.int64)
 
 
 def _elias(v):
@@ -159,26 +153,43 @@ def _elias(v):
     return code, 2 * l_bits + n_bits
 
 
-def _bits(code, length):
-    """(m, 64) bit matrix of the codes (MSB first) and the mask of their last ``length`` bits."""
-    matrix = np.unpackbits(code.astype(">u8").view(np.uint8).reshape(-1, 8), axis=1)
-    return matrix, np.arange(64) >= (64 - length)[:, None]
+def _pack(codes, lengths):
+    """The codes (uint64, each at most 64 bits, MSB first) back to back: (big-endian uint64
+    words, bit count). Each code lands in one word or spills into the next; the codes of a
+    word are OR-ed together with one reduceat, as their word indices never decrease."""
+    pos = np.cumsum(lengths) - lengths
+    total = int(pos[-1] + lengths[-1]) if lengths.size else 0
+    words = np.zeros(total // 64 + 2, np.uint64)
+    if not lengths.size:
+        return words, 0
+    word, off = pos >> 6, pos & 63
+    end = off + lengths
+    inside = end <= 64
+    shift = np.where(inside, 64 - end, end - 64).astype(np.uint64)
+    first = np.where(inside, codes << shift, codes >> shift)
+    starts = np.flatnonzero(np.diff(word, prepend=-1))
+    words[word[starts]] |= np.bitwise_or.reduceat(first, starts)
+    spill = ~inside
+    words[word[spill] + 1] |= codes[spill] << (128 - end[spill]).astype(np.uint64)
+    return words, total
 
 
 def dithering_stream(gaps, negative, levels, scale, word):
     """A dithering payload (codecs.md) for entries (gap, sign, level), all >= 1 but the sign."""
     gcode, glen = _elias(gaps)
     qcode, qlen = _elias(levels)
-    gbits, gmask = _bits(gcode, glen)
-    qbits, qmask = _bits(qcode, qlen)
-    sign = negative.astype(np.uint8)[:, None]
-    bits = np.concatenate([gbits, sign, qbits], axis=1)[
-        np.concatenate([gmask, np.ones_like(sign, bool), qmask], axis=1)]
+    lengths = glen + 1 + qlen
+    if lengths.size and lengths.max() > 64:
+        raise ValueError("dithering: an entry of more than 64 bits (a gap past 2^21 with a level "
+                         "past 2^21); use a smaller BYTEPS_PARTITION_BYTES for entiremodel")
+    codes = (gcode << (qlen + 1).astype(np.uint64)) | \
+        (negative.astype(np.uint64) << qlen.astype(np.uint64)) | qcode
+    words64, bits = _pack(codes, lengths)
     wbits = word.itemsize * 8
-    nwords = -(-bits.size // wbits)
-    stream = np.packbits(np.concatenate([bits, np.zeros(nwords * wbits - bits.size, np.uint8)]))
+    nwords = -(-bits // wbits)
+    stream = words64.astype(">u8").view(np.uint8)[: nwords * word.itemsize]
     words = stream.view(word.newbyteorder(">")).astype(word.newbyteorder("<"))
-    return np.concatenate([words.view(np.uint8), np.array([bits.size], word).view(np.uint8),
+    return np.concatenate([words.view(np.uint8), np.array([bits], word).view(np.uint8),
                            np.array([scale], np.float32).view(np.uint8)])
 
 

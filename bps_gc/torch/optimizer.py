@@ -84,8 +84,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not entire:
             return None, compressed
         # named after its first gradient, so that a second optimizer in the process has its own
-        model = EntireModel(f"{ENTIRE_MODEL_NAME}.{self._names[id(entire[0])]}", [tuple(p.shape) for p in entire],
-                            ops.SUPPORTED[entire[0].dtype], base)
+        model = EntireModel(f"{ENTIRE_MODEL_NAME}.{self._names[id(entire[0])]}",
+                            [tuple(p.shape) for p in entire], ops.SUPPORTED[entire[0].dtype], base)
         compressed.update((id(p), model.compressed) for p in entire)
         return model, compressed
 

@@ -13,6 +13,7 @@ import bps_gc.core as core
 
 from ..bindings.entire_model import EntireModel, is_entire_model
 from ..bindings.momentum import MomentumPlan, tensor_compression
+from ..compress import CompressionParams
 from . import ops
 
 ENTIRE_MODEL_NAME = "__entiremodel__"
@@ -72,6 +73,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  f"gradients, got {sorted(str(d) for d in {p.dtype for p in entire})}")
         self._in_entire = {id(p) for p in entire}
         base = self._plan.params.to_dict() if self._plan else dict(compression_params or {})
+        if is_entire_model(base):
+            CompressionParams.from_dict(base)  # e.g. entiremodel without a compressor: named
         if fp16:
             base["fp16"] = True
         compressed = {}

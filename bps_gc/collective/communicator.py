@@ -12,7 +12,6 @@ Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure wit
 heartbeat bound. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
 """
 import logging
-import os
 import time
 import zlib
 
@@ -29,7 +28,6 @@ from .liveness import Heartbeat
 from .rendezvous import backend_from_env, connect
 
 log = logging.getLogger("bps_gc.collective")
-BUCKET_BYTES = 25 << 20
 
 
 class Handle(api.Handle):
@@ -76,7 +74,7 @@ class Collective(api.Communicator):
         self.local_size = cfg.local_size if local_size is None else local_size
         self.tensors = {}
         self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
-        self.bucket_bytes = int(os.environ.get("BPS_GC_BUCKET_BYTES", BUCKET_BYTES))
+        self.bucket_bytes = cfg.bucket_bytes
         self.pending = Bucket()
         self.counters = Metrics()
         self.heartbeat = None
@@ -312,7 +310,6 @@ class Collective(api.Communicator):
         tag = _tag(name)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, length, rank, tag=tag),
                                         dist.P2POp(dist.isend, data, rank, tag=tag)])
-        self.counters.pushed_wire += data.numel()
         return SendHandle(self, works, (length, data), f"send of {name!r} to rank {rank}")
 
     def recv(self, rank, name, timeout=None):
@@ -322,8 +319,7 @@ class Collective(api.Communicator):
         self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
         data = torch.empty(int(length), dtype=torch.uint8)
         self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
-        self.counters.pulled_wire += data.numel()
-        return data.numpy()
+        return data.numpy()  # like the parameter server's peers, not counted in metrics() (reductions only)
 
     def metrics(self):
         current, self.counters = self.counters, Metrics()

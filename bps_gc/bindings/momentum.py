@@ -11,6 +11,12 @@ codec chain, before compression. What is left happens after the pull, per tensor
 * a tensor too small to be compressed gets NAG here instead: ``m = mu*(m + g); g = g + m``;
 * onebit's weight decay: ``c = wd*x``; compressed tensors ``m = mu*(m + c); g += m + c``,
   small ones ``g += c``.
+* DGC's weight decay (algorithms.md section 2.6: local, uncompressed, with its own momentum
+  buffer): ``c = wd*x``; compressed tensors ``b = mu*b + c; g += b`` (the codec's momentum
+  correction never sees it); dense ones (1-D, or too small) ``g += c`` before their NAG, i.e.
+  the ordinary momentum SGD of the averaged gradient.
+
+DGC sends 1-D tensors (biases, BatchNorm) dense: ``tensor_compression`` gives them no codec.
 """
 import copy
 
@@ -32,8 +38,9 @@ class MomentumPlan:
         self.params = params
         self.mu = float(momentum or 0.0)
         self.moves_momentum = bool(params.momentum)
-        # BytePS: only onebit takes weight decay into the adapter
-        self.moves_weight_decay = self.moves_momentum and params.compressor == "onebit" and bool(weight_decay)
+        # BytePS: only onebit takes weight decay into the adapter; DGC keeps it local (its own rule)
+        self.wd_rule = params.compressor if params.compressor in ("onebit", "dgc") else None
+        self.moves_weight_decay = self.moves_momentum and bool(self.wd_rule) and bool(weight_decay)
         self.wd = float(weight_decay or 0.0) if self.moves_weight_decay else 0.0
 
     @classmethod
@@ -86,9 +93,10 @@ class MomentumPlan:
                     optimizer.wd = 0.0
         return plan, optimizer, optimizer_params
 
-    def tensor_params(self):
-        """compression_params as declared for a gradient (mu included when momentum moves)."""
-        return self.params.to_dict()
+    def tensor_params(self, ndim=2):
+        """compression_params as declared for a gradient of ``ndim`` dimensions (mu included
+        when momentum moves)."""
+        return tensor_compression(self.params.to_dict(), ndim)
 
     def adapter(self, shape, dtype, compressed):
         """The post-pull step of one tensor; ``compressed``: whether the worker core compresses
@@ -96,20 +104,34 @@ class MomentumPlan:
         whether the codec chain applied the momentum."""
         if not self.moves_momentum:
             return None
-        return PostPull(shape, dtype, self.mu, self.wd, compressed, self.moves_weight_decay)
+        wd_rule = self.wd_rule if self.moves_weight_decay else None
+        return PostPull(shape, dtype, self.mu, self.wd, compressed, wd_rule)
+
+
+def tensor_compression(compression_params, ndim):
+    """The compression a gradient of ``ndim`` dimensions is declared with: none for DGC's 1-D
+    tensors (biases, BatchNorm: algorithms.md section 2), else ``compression_params``."""
+    params = dict(compression_params or {})
+    if params.get("compressor") == "dgc" and ndim <= 1:
+        return {}
+    return params
 
 
 class PostPull:
-    """Per-tensor state applied to the pulled gradient ``g`` (in place) given the weights ``x``."""
+    """Per-tensor state applied to the pulled gradient ``g`` (in place) given the weights ``x``.
+    ``wd_rule``: None, "onebit" or "dgc" (whose weight decay moved out of the optimizer)."""
 
-    def __init__(self, shape, dtype, mu, wd, compressed, weight_decay):
+    def __init__(self, shape, dtype, mu, wd, compressed, wd_rule):
         self.mu, self.wd = np.dtype(dtype).type(mu), np.dtype(dtype).type(wd)
-        self.compressed, self.weight_decay = compressed, weight_decay
+        self.compressed, self.wd_rule = compressed, wd_rule
+        self.weight_decay = bool(wd_rule)
         self.nag = None if compressed else np.zeros(shape, dtype)
-        self.wd_mom = np.zeros(shape, dtype) if weight_decay and compressed else None
-        self.cache = np.empty(shape, dtype) if weight_decay else None
+        self.wd_mom = np.zeros(shape, dtype) if wd_rule and compressed else None
+        self.cache = np.empty(shape, dtype) if wd_rule else None
 
     def __call__(self, g, x):
+        if self.wd_rule == "dgc":
+            return self._dgc(g, x)
         if self.nag is not None:  # the codec chain did not see this tensor
             self.nag += g
             self.nag *= self.mu
@@ -121,4 +143,17 @@ class PostPull:
                 self.wd_mom *= self.mu
                 g += self.wd_mom
             g += self.cache
+        return g
+
+    def _dgc(self, g, x):
+        np.multiply(x, self.wd, out=self.cache)
+        if self.wd_mom is not None:  # b = mu*b + wd*x; g += b
+            self.wd_mom *= self.mu
+            self.wd_mom += self.cache
+            g += self.wd_mom
+            return g
+        g += self.cache  # dense: ordinary momentum SGD of the averaged gradient
+        self.nag += g
+        self.nag *= self.mu
+        g += self.nag
         return g

@@ -29,7 +29,8 @@ def mixed_state(seed):
 def build_chain(params, n, dtype, key=0, role="worker"):
     """Codec object for one partition: [momentum ->] [error feedback ->] compressor.
 
-    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md).
+    ``role`` is "worker" or "server"; servers never apply momentum (codecs.md). A worker's
+    partition of an ``entiremodel`` tensor gets the chunk codec of compress/entiremodel.py.
     """
     if not isinstance(params, CompressionParams):
         params = CompressionParams.from_dict(params)
@@ -38,6 +39,9 @@ def build_chain(params, n, dtype, key=0, role="worker"):
     if not params.compressed:
         raise ValueError("build_chain: these parameters compress nothing (no 'compressor')")
     load_plugins()
+    if params.granularity == "entiremodel" and role == "worker":
+        from .entiremodel import EntireModelSlice  # its codecs import this module
+        return EntireModelSlice(params, n, dtype, key)
     seed = params.seed if params.seed is not None else derive_seed(key)
     codec = COMPRESSORS[params.compressor](params, n, dtype, seed=seed)
     if params.ef:

@@ -11,10 +11,11 @@ from typing import Optional
 from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, OPTIONS, load_plugins
 
 PARTITIONS = ("linear", "natural")
+GRANULARITIES = ("layerwise", "entiremodel")  # algorithms.md section 3; see compress/entiremodel.py
 NORMALIZES = ("max", "l2")
 NEEDS_K = ("topk", "randomk", "dithering", "dgc")
 FRIENDLY_KEYS = ("compressor", "ef", "momentum", "scaling", "k", "seed", "partition",
-                 "normalize", "mu", "fp16")
+                 "normalize", "mu", "fp16", "granularity")
 # BytePS kwarg -> friendly key. BytePS passed every value as a string.
 BYTEPS_KEYS = {
     "byteps_compressor_type": "compressor", "byteps_ef_type": "ef",
@@ -94,6 +95,7 @@ class CompressionParams:
     normalize: str = "max"
     mu: Optional[float] = None
     fp16: bool = False
+    granularity: str = "layerwise"
     options: tuple = ()  # sorted (key, value) pairs a plugin compressor declared
 
     @property
@@ -213,6 +215,11 @@ def _validate(raw):
     normalize = raw.get("normalize", "max")
     if normalize not in NORMALIZES:
         raise ParamError("normalize", f"unknown {normalize!r}; allowed: {', '.join(NORMALIZES)}")
+    granularity = raw.get("granularity", "layerwise")
+    if granularity not in GRANULARITIES:
+        raise ParamError("granularity", f"unknown {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
+    if granularity != "layerwise" and compressor is None:
+        raise ParamError("granularity", f"{granularity!r} needs a compressor; set 'compressor' too")
     k = _validate_k(compressor, _number(raw, "k"), partition)
     seed = raw.get("seed")
     if seed is not None:
@@ -241,7 +248,7 @@ def _validate(raw):
     return CompressionParams(compressor=compressor, ef=ef, momentum=momentum,
                              scaling=_flag(raw, "scaling"), k=k, seed=seed, partition=partition,
                              normalize=normalize, mu=None if mu is None else float(mu),
-                             fp16=_flag(raw, "fp16"), options=tuple(extra))
+                             fp16=_flag(raw, "fp16"), granularity=granularity, options=tuple(extra))
 
 
 def _validate_k(compressor, k, partition):

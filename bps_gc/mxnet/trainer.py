@@ -6,11 +6,17 @@ broadcasts the parameters from ``root_rank``; every ``step`` scales each gradien
 ``1 / (batch_size * size())``, push_pulls it as a sum (priority ``-i``, the current learning
 rate for error feedback), applies the post-pull momentum / weight-decay adapters, and lets the
 optimizer update with ``rescale_grad == 1``.
+
+Beyond BytePS: ``granularity: entiremodel`` reduces the compressed gradients of a step as one
+vector (``<prefix>gradient_entiremodel.<c>``, bps_gc.bindings.entire_model); DGC sends 1-D
+gradients dense and keeps weight decay local (bps_gc.bindings.momentum); ``set_epoch(e)``
+sets the step context's epoch (DGC's sparsity warm-up).
 """
 import mxnet as mx
 import numpy as np
 
 from .. import core
+from ..bindings.entire_model import EntireModel, is_entire_model
 from ..bindings.momentum import MomentumPlan
 from .tensors import HostArray
 
@@ -64,14 +70,25 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._prefix = prefix
         self._grad_tensors = {}  # i -> the Declaration of gradient_<i>
         self._adapters = {}  # i -> PostPull or None, made at the first pull
-        tensor_params = plan.tensor_params()
+        self._epoch = 0
+        self._dgc = compression_params.get("compressor") == "dgc"
+        self._entire_params = plan.params.to_dict() if is_entire_model(compression_params) else None
+        self._entire = None  # the EntireModel, made at the first step (shapes may be deferred)
+        self._in_entire = set()
         for i, param in enumerate(self._params):
             shape = known_shape(param)
             dtype = np.dtype(param.dtype) if shape is not None else None
             self._declare(self._name("parameter", i), shape, dtype, param, {})
-            if param.grad_req != "null":
-                self._grad_tensors[i] = self._declare(self._name("gradient", i), shape, dtype,
-                                                      param, tensor_params)
+            if param.grad_req == "null":
+                continue
+            ndim = len(param.shape) if param.shape is not None else 2
+            compression = plan.tensor_params(ndim)
+            if self._entire_params is not None and compression.get("compressor"):
+                self._in_entire.add(i)  # declared with the others at the first step
+                continue
+            compression.pop("granularity", None)
+            self._grad_tensors[i] = self._declare(self._name("gradient", i), shape, dtype, param,
+                                                  compression)
 
     def _name(self, kind, i):
         return f"{self._prefix}{kind}_{i}"
@@ -85,6 +102,13 @@ class DistributedTrainer(mx.gluon.Trainer):
                              f"{shape} {dtype}; give a second trainer in this process its own "
                              "prefix=")
         return core.declare(name, shape=shape, dtype=dtype, **compression)
+
+    def set_epoch(self, epoch):
+        """The epoch the following steps belong to (the step context's ``epoch``: DGC's
+        sparsity warm-up); call it at the start of every epoch, with the same value everywhere."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be a whole number >= 0, got {epoch!r}")
+        self._epoch = epoch
 
     def step(self, batch_size, ignore_stale_grad=False):
         # gradients are divided by batch_size * size() before the push: the optimizer's
@@ -119,29 +143,51 @@ class DistributedTrainer(mx.gluon.Trainer):
         return float(opt.lr)
 
     def _allreduce_grads(self):
-        ctx = {"lr": self._step_lr(), "step": int(self._optimizer.num_update), "epoch": 0}
+        ctx = {"lr": self._step_lr(), "step": int(self._optimizer.num_update), "epoch": self._epoch}
+        if self._dgc:  # DGC's clip_norm bound is max_norm / sqrt(workers)
+            ctx["workers"] = self._bps_size
         factor = 1.0 / (self._scale * self._bps_size)
-        pending = []
+        pending, entire = [], []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
             host = HostArray(param.list_grad()[0], write=True)
             host.array *= host.array.dtype.type(factor)
+            if i in self._in_entire:
+                entire.append((i, param, host, None))
+                continue
             handle = core.push_pull(host.array, self._name("gradient", i), average=False,
                                     priority=-i, ctx=ctx)
             pending.append((i, param, host, handle))
-        for i, param, host, handle in pending:
-            handle.wait()
+        if entire:
+            self._reduce_entire_model([host for _, _, host, _ in entire], ctx)
+        for i, param, host, handle in pending + entire:
+            if handle is not None:
+                handle.wait()
             adapter = self._adapter(i, host.array)
             if adapter is not None:
                 weights = HostArray(param.list_data()[0], write=False)
                 adapter(host.array, weights.array)
             host.commit()
 
+    def _reduce_entire_model(self, hosts, ctx):
+        if self._entire is None:
+            dtypes = {h.array.dtype for h in hosts}
+            if len(dtypes) > 1:
+                raise ValueError("granularity 'entiremodel' needs one dtype for all compressed "
+                                 f"gradients, got {sorted(str(d) for d in dtypes)}")
+            self._entire = EntireModel(self._name("gradient", "entiremodel"),
+                                       [h.array.shape for h in hosts], hosts[0].array.dtype,
+                                       self._entire_params)
+        self._entire.reduce([h.array for h in hosts], ctx, average=False)
+
     def _adapter(self, i, grad):
         if i not in self._adapters:
             # compressed as the core decided (with one worker process and no
             # BYTEPS_FORCE_DISTRIBUTED nothing is: every tensor then gets the NAG here)
-            declaration = core.declaration(self._name("gradient", i))  # placed by now
-            self._adapters[i] = self._plan.adapter(grad.shape, grad.dtype, bool(declaration.compressed))
+            if i in self._in_entire:
+                compressed = self._entire.compressed
+            else:
+                compressed = core.declaration(self._name("gradient", i)).compressed  # placed by now
+            self._adapters[i] = self._plan.adapter(grad.shape, grad.dtype, bool(compressed))
         return self._adapters[i]

@@ -1,12 +1,21 @@
 """DistributedOptimizer: gradient hooks push_pull each gradient as soon as backward produced it
 (communication overlaps the rest of the backward pass); ``step()`` waits for them, applies what
-moved out of the optimizer (bps_gc.bindings.momentum), then runs the wrapped optimizer."""
+moved out of the optimizer (bps_gc.bindings.momentum), then runs the wrapped optimizer.
+
+With ``compression_params["granularity"] = "entiremodel"`` the gradients are reduced together in
+``step()``, compressed as one vector (bps_gc.bindings.entire_model). The step context every
+codec sees is ``{"lr", "step", "epoch"}``: ``step`` counts ``step()`` calls, ``epoch`` is what
+``set_epoch(e)`` set last (DGC's sparsity warm-up reads it; default 0).
+"""
 import torch
 
 import bps_gc.core as core
 
-from ..bindings.momentum import MomentumPlan
+from ..bindings.entire_model import EntireModel, is_entire_model
+from ..bindings.momentum import MomentumPlan, tensor_compression
 from . import ops
+
+ENTIRE_MODEL_NAME = "__entiremodel__"
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -36,43 +45,102 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._params = sorted((p for p in all_params if p.requires_grad), key=lambda p: names[id(p)])
         self._names = {id(p): f"Gradient.{names[id(p)]}" for p in self._params}
         self._post_pull = {}
+        fp16 = compression is not None and compression.__name__ == "FP16Compressor"
+        self._entire, compressed = self._declare(compression_params, fp16)
         for p in self._params:
-            params = self._plan.tensor_params() if self._plan else dict(compression_params or {})
-            if compression is not None and compression.__name__ == "FP16Compressor":
-                params["fp16"] = True
-            declaration = ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, **params)
             if self._plan:
                 self._post_pull[id(p)] = self._plan.adapter(tuple(p.shape), ops.SUPPORTED[p.dtype],
-                                                            declaration.compressed)
+                                                            compressed[id(p)])
         self._handles = {}
         self._steps = 0  # the step context's step: synchronize() calls so far
+        self._epoch = 0
+        self._workers = core.size()
+        self._dgc = (compression_params or {}).get("compressor") == "dgc"
         self._counts = {id(p): 0 for p in self._params}
         self._priority = {id(p): -i for i, p in enumerate(self._params)}
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
 
+    def _declare(self, compression_params, fp16):
+        """Declares the gradients; returns (EntireModel or None, {id(p): compressed})."""
+        entire = []
+        if is_entire_model(compression_params):
+            entire = [p for p in self._params
+                      if tensor_compression(compression_params, p.dim()).get("compressor")]
+            if len({p.dtype for p in entire}) > 1:
+                raise ValueError("granularity 'entiremodel' needs one dtype for all compressed "
+                                 f"gradients, got {sorted(str(d) for d in {p.dtype for p in entire})}")
+        self._in_entire = {id(p) for p in entire}
+        base = self._plan.params.to_dict() if self._plan else dict(compression_params or {})
+        if fp16:
+            base["fp16"] = True
+        compressed = {}
+        for p in self._params:
+            if id(p) not in self._in_entire:
+                params = tensor_compression(base, p.dim())
+                params.pop("granularity", None)
+                declaration = ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, **params)
+                compressed[id(p)] = declaration.compressed
+        if not entire:
+            return None, compressed
+        # named after its first gradient, so that a second optimizer in the process has its own
+        model = EntireModel(f"{ENTIRE_MODEL_NAME}.{self._names[id(entire[0])]}", [tuple(p.shape) for p in entire],
+                            ops.SUPPORTED[entire[0].dtype], base)
+        compressed.update((id(p), model.compressed) for p in entire)
+        return model, compressed
+
+    def set_epoch(self, epoch):
+        """The epoch the following steps belong to (the step context's ``epoch``: DGC's
+        sparsity warm-up); call it at the start of every epoch, with the same value everywhere."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be a whole number >= 0, got {epoch!r}")
+        self._epoch = epoch
+
+    def _context(self, lr):
+        ctx = {"lr": float(lr), "step": self._steps, "epoch": self._epoch}
+        if self._dgc:  # DGC's clip_norm bound is max_norm / sqrt(workers)
+            ctx["workers"] = self._workers
+        return ctx
+
     def _hook(self, p):
         self._counts[id(p)] += 1
-        if self._counts[id(p)] == self._passes:
+        if self._counts[id(p)] == self._passes and id(p) not in self._in_entire:
             self._start(p)
 
     def _start(self, p):
         if id(p) in self._handles:
             raise RuntimeError(f"{self._names[id(p)]}: gradient computed twice before step(); raise "
                                "backward_passes_per_step or call synchronize()")
-        ctx = {"lr": float(self._group_of[id(p)]["lr"]), "step": self._steps, "epoch": 0}
+        ctx = self._context(self._group_of[id(p)]["lr"])
         self._handles[id(p)] = ops.push_pull_async(p.grad, average=True, name=self._names[id(p)],
                                                    priority=self._priority[id(p)], ctx=ctx)
+
+    def _reduce_entire_model(self):
+        """The gradients of the entire-model vector, reduced as one (blocking)."""
+        params = [p for p in self._params if id(p) in self._in_entire]
+        views = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            views.append(ops.host_view(p.grad))
+        self._entire.reduce([array for array, _ in views], self._context(self.param_groups[0]["lr"]))
+        with torch.no_grad():
+            for p, (array, staged) in zip(params, views):
+                if staged:
+                    p.grad.copy_(torch.from_numpy(array))
 
     def synchronize(self):
         """Wait for every gradient's push_pull (starting those whose hook did not fire)."""
         for p in self._params:
-            if id(p) not in self._handles:
+            if id(p) not in self._handles and id(p) not in self._in_entire:
                 if p.grad is None:  # unused this step: other workers still expect its push
                     p.grad = torch.zeros_like(p)
                 self._start(p)
+        if self._entire is not None:
+            self._reduce_entire_model()
         for p in self._params:
-            ops.synchronize(self._handles.pop(id(p)))
+            if id(p) in self._handles:
+                ops.synchronize(self._handles.pop(id(p)))
             self._counts[id(p)] = 0
             adapter = self._post_pull.get(id(p))
             if adapter is not None:

@@ -8,6 +8,13 @@ compressed: these rows run with BYTEPS_MIN_COMPRESS_BYTES=0, so the MLP's four t
 weights, two biases) all go through the codec, where the other rows compress only the 784x128
 weight. DGC sends its 1-D tensors (the biases) dense and warms its sparsity up over the first
 5 epochs (k^((e+1)/5): 25%, 6.3%, 1.6%, 0.4%, 0.1%); the worker tells it the epoch.
+
+How the server reduces differs, and it matters for the comparison: the layer-wise rows use the
+codec's default reducer, BytePS's ``recompress`` (the server decodes, sums and compresses the
+sum again with the same codec: a second top-k, threshold or quantization on the pull), while
+DGC and the entire-model rows pull ``lossless`` (the sum of the workers' messages, as the
+study's and DGC's allgather). bps_gc.torch has no compression_params key to choose the
+reducer of a layer-wise tensor.
 """
 
 # every row runs with this environment added (read by each worker at bps_gc init)

@@ -247,7 +247,8 @@ def plot(rows, args, path):
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5.2))
+    many = len(rows) > 6  # then the legend goes below the plots, off the zoomed inset
+    fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5.2 + (0.17 * len(rows) if many else 0)))
     # the second half of training, zoomed in: where the configurations differ
     zoom = ax_step.inset_axes([0.42, 0.42, 0.55, 0.33]) if args.steps >= 20 else None
     tail = []
@@ -280,8 +281,11 @@ def plot(rows, args, path):
         zoom.set_title("second half, zoomed (%)", fontsize=8)
         zoom.tick_params(labelsize=7)
         zoom.grid(True, alpha=0.3)
-    ax_step.legend(loc="lower right", fontsize=8)
-    ax_bytes.legend(loc="lower right", fontsize=8)
+    if many:
+        ax_step.legend(loc="upper left", bbox_to_anchor=(0, -0.14), fontsize=8, ncol=1)
+    else:
+        ax_step.legend(loc="lower right", fontsize=8)
+        ax_bytes.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"bps_gc: MNIST MLP 784-128-10 on a local cluster ({WORKERS} workers, {SERVERS} server), "
                  f"{args.train_samples} training digits, {args.steps} steps")
     fig.tight_layout()

@@ -206,6 +206,7 @@ def test_cifar10_script_runs(name, tmp_path):
             "--max-iters", "2", "-j", "0", "--logdir", str(tmp_path / "logs"), "--name", name, *flags]
     result = summary(launch(launcher, CIFAR, argv), tmp_path / "logs" / f"{name}.json")
     assert result["workers"] == 2 and result["transport"] == ("ps" if launcher == "bpslaunch" else "collective")
+    assert result["compression_params"] == params_of(cifar, *flags)
     [row] = result["history"]
     assert row["steps"] == 2 and 0 <= row["val_accuracy"] <= 1 and np.isfinite(row["train_loss"])
     assert row["ratio"] >= least_ratio, row

@@ -13,6 +13,10 @@
 
 As in the study there is no error feedback. A flag combination that does not make sense stops
 the script through ``parser.error`` (one line, no traceback) before it joins the cluster.
+
+Reduction: entire-model and DGC pull the exact sum of the workers' messages (the study's and
+DGC's allgather); layer-wise tensors use their codec's default reducer, BytePS's recompress (the
+server compresses the sum again), which the study did not do.
 """
 import argparse
 import os

@@ -44,6 +44,7 @@ CONFIGS = {
 QUICK_CONFIGS = "baseline,onebit"
 sys.path.insert(0, HERE)
 from algorithms import ALGORITHMS  # noqa: E402  (issue 13's rows: --algorithms)
+from codec_rows import CODEC_ROWS, ROW_ENV  # noqa: E402  (issue 11's rows: --codec-rows)
 PROGRESS = re.compile(r"^\[worker0\] PROGRESS (\d+)/(\d+)")
 
 
@@ -72,11 +73,15 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
     p.add_argument("--algorithms", action="store_true",
                    help="also run " + ", ".join(f"{n} ({d})" for n, (d, _, _) in ALGORITHMS.items()).replace("%", "%%"))
+    p.add_argument("--codec-rows", action="store_true",
+                   help="also run " + ", ".join(f"{n} ({d})" for n, (d, _) in CODEC_ROWS.items()).replace("%", "%%")
+                   + " (no error feedback, every tensor compressed; see codec_rows.py)")
     args = p.parse_args(argv)
     chosen = args.configs or (QUICK_CONFIGS if args.quick else ",".join(CONFIGS))
     args.configs = [c.strip() for c in chosen.split(",") if c.strip()]
     args.configs += [n for n in ALGORITHMS if args.algorithms and n not in args.configs]
-    unknown = [c for c in args.configs if c not in CONFIGS and c not in ALGORITHMS]
+    args.configs += [n for n in CODEC_ROWS if args.codec_rows and n not in args.configs]
+    unknown = [c for c in args.configs if c not in CONFIGS and c not in ALGORITHMS and c not in CODEC_ROWS]
     if unknown or not args.configs:
         p.error(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(CONFIGS)}")
     if not 0 <= args.seed < 2**63:
@@ -100,7 +105,9 @@ class JobFailed(Exception):
 
 def run_config(name, args, bar, env):
     """Run one configuration's cluster; returns its result row (raises JobFailed)."""
-    description, params = CONFIGS[name] if name in CONFIGS else (ALGORITHMS[name][0], None)
+    description, params = CONFIGS.get(name) or CODEC_ROWS.get(name) or (ALGORITHMS[name][0], None)
+    if name in CODEC_ROWS:
+        env = dict(env, **ROW_ENV)
     workers = ALGORITHMS[name][1] if name in ALGORITHMS else WORKERS
     result_dir = os.path.join(args.out, name)
     os.makedirs(result_dir, exist_ok=True)
@@ -166,6 +173,7 @@ def run_config(name, args, bar, env):
         "pushed_wire_bytes_per_step": sum(r["pushed_wire"] for r in ranks) / len(ranks) / steps,
         "pulled_wire_bytes_per_step": sum(r["pulled_wire"] for r in ranks) / len(ranks) / steps,
         "ratio": raw / wire if wire else 1.0,
+        "min_compress_bytes": int(env["BYTEPS_MIN_COMPRESS_BYTES"]),
         "curve": ranks[0]["curve"],
         "log": log_path,
     }
@@ -239,21 +247,24 @@ def plot(rows, args, path):
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5.2))
+    many = len(rows) > 6  # then the legend goes below the plots, off the zoomed inset
+    fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5.2 + (0.17 * len(rows) if many else 0)))
     # the second half of training, zoomed in: where the configurations differ
     zoom = ax_step.inset_axes([0.42, 0.42, 0.55, 0.33]) if args.steps >= 20 else None
     tail = []
-    for r in rows:
+    for i, r in enumerate(rows):
+        style = ("-", "--", ":")[i // 10 % 3]  # the colour cycle has 10 colours
         steps = [s for s, _ in r["curve"]]
         acc = [100 * a for _, a in r["curve"]]
         label = f"{r['config']} ({r['description']}): {100 * r['final_accuracy']:.1f}%, {r['ratio']:.1f}x"
-        line, = ax_step.plot(steps, acc, marker=".", markersize=4, label=label)
+        line, = ax_step.plot(steps, acc, marker=".", markersize=4, linestyle=style, label=label)
         if zoom is not None:
             half = [(s, a) for s, a in zip(steps, acc) if s >= args.steps / 2]
             zoom.plot([s for s, _ in half], [a for _, a in half], color=line.get_color(), linewidth=1)
             tail += [a for _, a in half]
         megabytes = [s * r["wire_bytes_per_step"] / 1e6 for s in steps]
-        ax_bytes.plot(megabytes[1:], acc[1:], marker=".", markersize=4, color=line.get_color(), label=r["config"])
+        ax_bytes.plot(megabytes[1:], acc[1:], marker=".", markersize=4, linestyle=style, color=line.get_color(),
+                      label=r["config"])
     ax_step.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax_step.set_title("Validation accuracy per step")
     ax_step.set_xlabel(f"step (batch {args.batch} per worker, {WORKERS} workers)")
@@ -270,8 +281,11 @@ def plot(rows, args, path):
         zoom.set_title("second half, zoomed (%)", fontsize=8)
         zoom.tick_params(labelsize=7)
         zoom.grid(True, alpha=0.3)
-    ax_step.legend(loc="lower right", fontsize=8)
-    ax_bytes.legend(loc="lower right", fontsize=8)
+    if many:
+        ax_step.legend(loc="upper left", bbox_to_anchor=(0, -0.14), fontsize=8, ncol=1)
+    else:
+        ax_step.legend(loc="lower right", fontsize=8)
+        ax_bytes.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"bps_gc: MNIST MLP 784-128-10 on a local cluster ({WORKERS} workers, {SERVERS} server), "
                  f"{args.train_samples} training digits, {args.steps} steps")
     fig.tight_layout()

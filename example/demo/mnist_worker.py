@@ -124,8 +124,8 @@ def main(argv=None):
         loss = torch.nn.functional.cross_entropy(model(x_mine[idx]), y_mine[idx])
         opt.zero_grad()
         loss.backward()
-        if hasattr(opt, "set_epoch"):
-            opt.set_epoch(step - 1)  # post-local SGD's switch "epoch" counts steps here
+        if hasattr(opt, "set_epoch"):  # post-local SGD's switch "epoch" counts steps here; DGC's warm-up epochs
+            opt.set_epoch(step - 1 if algorithm else (step - 1) // per_epoch)
         opt.step()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"rank {rank}: loss is {loss.item()} at step {step}")

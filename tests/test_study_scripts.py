@@ -1,0 +1,240 @@
+"""example/pytorch/train_cifar10_resnet9.py and train_imagenet_nv.py, the twins of the layer-wise
+study's scripts: the study's and DGC's flags map to compression_params (every --method, any
+case), bad flags are one line, the seed's ImageNet command line is accepted as written, the
+ImageNet folder reader, and short real runs on tiny data under torchrun (torch.distributed) and
+bpslaunch (parameter server), each method in one of them."""
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+from cluster import run_local  # noqa: E402
+from collective_cluster import job_env, torchrun_argv  # noqa: E402
+from conftest import ROOT  # noqa: E402
+from test_cifar10_choco import write_cifar10  # noqa: E402
+
+from bps_gc.compress import CompressionParams, ParamError  # noqa: E402
+
+EXAMPLES = os.path.join(ROOT, "example", "pytorch")
+CIFAR = os.path.join(EXAMPLES, "train_cifar10_resnet9.py")
+IMAGENET = os.path.join(EXAMPLES, "train_imagenet_nv.py")
+# the study's README, training/: the example command after torch.distributed.launch's own flags
+SEED_IMAGENET = ("training/train_imagenet_nv.py --logdir LOG_DIR --distributed --init-bn0 --no-bn-wd "
+                 "--name RUN_NAME --compress='layerwise' --method='Topk' --ratio=0.3")
+TINY_PHASES = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 1), 'lr': (0.01, 0.02)}]"
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cifar, imagenet = load(CIFAR), load(IMAGENET)
+sys.path.insert(0, os.path.dirname(EXAMPLES))
+import imagenet_folder  # noqa: E402
+
+
+def has_granularity():
+    try:
+        CompressionParams.from_dict({"compressor": "topk", "k": 0.1, "granularity": "entiremodel"})
+        return True
+    except ParamError:
+        return False
+
+
+def params_of(module, *argv):
+    parser = module.build_parser()
+    return module.study_compression(parser.parse_args(list(argv)), parser)
+
+
+@pytest.mark.parametrize("module", [cifar, imagenet], ids=["cifar", "imagenet"])
+def test_every_method_maps_to_compression_params(module):
+    layerwise = ("--compress", "layerwise")
+    assert params_of(module) is None
+    assert params_of(module, *layerwise, "--method", "Topk", "--ratio", "0.3") == {"compressor": "topk", "k": 0.3}
+    assert params_of(module, *layerwise, "--method", "RANDOMK", "-K", "0.01") == {"compressor": "randomk", "k": 0.01}
+    assert params_of(module, *layerwise, "--method", "Thresholdv", "-V", "0.002") == \
+        {"compressor": "threshold", "threshold": 0.002}
+    assert params_of(module, *layerwise, "--method", "TernGrad") == {"compressor": "terngrad"}
+    assert params_of(module, "-c", "LayerWise", "--method", "qsgd") == {"compressor": "qsgd", "levels": 255}
+    assert params_of(module, *layerwise, "--method", "QSGD", "-Q", "15") == {"compressor": "qsgd", "levels": 15}
+    dgc = params_of(module, "--compressor", "dgc", "--k", "0.001", "--warmup-epochs", "5", "--fp16-values",
+                    "--momentum", "0.9", "--nesterov")
+    assert dgc == {"compressor": "dgc", "k": 0.001, "warmup_epochs": 5, "fp16_values": True, "momentum": "nesterov"}
+    if has_granularity():
+        assert params_of(module, "--compress", "entiremodel", "--method", "topk", "--ratio", "0.01") == \
+            {"compressor": "topk", "k": 0.01, "granularity": "entiremodel"}
+    for method in ("topk", "randomk", "thresholdv", "terngrad", "qsgd"):
+        CompressionParams.from_dict(params_of(module, *layerwise, "--method", method))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "fastest"], "argument --method: invalid choice: 'fastest'"),
+    (["--compress", "layerwise", "--method", "topk", "--ratio", "1"], "--ratio is the kept fraction"),
+    (["--compress", "layerwise"], "--compress layerwise needs a --method"),
+    (["--method", "topk"], "--method topk needs --compress layerwise or entiremodel"),
+    (["--compressor", "dgc", "--method", "topk", "--compress", "layerwise"], "choose one"),
+    (["--compressor", "powerful"], "--compressor 'powerful': only dgc here"),
+    (["--compressor", "dgc", "--k", "2"], "--k is DGC's kept fraction"),
+    (["--compress", "layerwise", "--method", "qsgd", "-Q", "0"], "'levels'"),
+    (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
+    (["--compressor", "dgc", "--momentum", "0.9"], "add --nesterov"),
+])
+def test_bad_flags_are_one_line(argv, message, capsys):
+    for module in (cifar, imagenet):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_phases_missing_data_and_no_launcher_are_one_line(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        imagenet.main(["--phases", "[{'ep': 0, 'size': 32}]"])
+    assert "unknown key 'size'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no ImageNet train folder"):
+        imagenet.main([str(tmp_path / "nowhere")])
+    for name in ("DMLC_NUM_WORKER", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    data = write_cifar10(str(tmp_path / "cifar"), n_train=10, n_test=2)
+    with pytest.raises(SystemExit) as exit_info:  # sys.exit(message): Python prints just the message
+        cifar.main(["--data-dir", data])
+    assert "start it under torchrun" in str(exit_info.value.code) and "\n" not in str(exit_info.value.code)
+
+
+def test_the_seed_imagenet_command_is_accepted_as_written():
+    words = shlex.split(SEED_IMAGENET)
+    parser = imagenet.build_parser()
+    args = parser.parse_args(words[1:])
+    assert (args.logdir, args.name, args.distributed, args.init_bn0, args.no_bn_wd) == \
+        ("LOG_DIR", "RUN_NAME", True, True, True)
+    assert imagenet.study_compression(args, parser) == {"compressor": "topk", "k": 0.3}
+    assert args.data == "~/data/imagenet"
+    assert parser.parse_args(words[1:] + ["--local_rank=1"]).local_rank == 1  # torch.distributed.launch adds it
+
+
+def test_phases_schedule():
+    parser = imagenet.build_parser()
+    phases = imagenet.parse_phases("[{'ep': 0, 'sz': 128, 'bs': 64}, {'ep': (0, 4), 'lr': (0.1, 0.5)}, "
+                                   "{'ep': 4, 'lr': 0.05}, {'ep': 5, 'sz': 224, 'bs': 32, 'trndir': '-sz/352'}, "
+                                   "{'ep': (6, 8), 'lr': (0.04, 0.0), 'mode': 'cos'}]", parser)
+    assert imagenet.total_epochs(phases) == 8
+    assert imagenet.phase_lr(phases, 0) == pytest.approx(0.1) and imagenet.phase_lr(phases, 2) == pytest.approx(0.3)
+    assert imagenet.phase_lr(phases, 4.5) == pytest.approx(0.05)
+    assert imagenet.phase_lr(phases, 7) == pytest.approx(0.02)
+    assert [imagenet.setting(phases, "sz", e) for e in (0, 4.9, 5)] == [128, 128, 224]
+    assert "trndir" in imagenet.notes(parser.parse_args([]), phases)[-1]
+
+
+def write_imagenet(root, classes=("n01440764", "n01443537"), train=4, val=2, seed=0):
+    """A tiny ImageNet tree: root/{train,val}/<wnid>/*.JPEG, random small images."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", train), ("val", val)):
+        for wnid in classes:
+            folder = os.path.join(root, split, wnid)
+            os.makedirs(folder, exist_ok=True)
+            for i in range(n):
+                h, w = rng.integers(24, 48, 2)
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, f"{wnid}_{i}.JPEG"))
+    return root
+
+
+def test_imagenet_folder(tmp_path):
+    root = write_imagenet(str(tmp_path / "imagenet"))
+    classes, items = imagenet_folder.scan(root, "train")
+    assert classes == ["n01440764", "n01443537"] and len(items) == 8 and items[-1][1] == 1
+    _, val = imagenet_folder.scan(root, "val", classes)
+    crop = imagenet_folder.train_image(items[0][0], 16, np.random.default_rng(0))
+    assert crop.shape == (3, 16, 16) and crop.dtype == np.uint8
+    from PIL import Image
+    Image.fromarray(np.arange(40 * 60 * 3, dtype=np.uint8).reshape(40, 60, 3)).save(tmp_path / "x.png")
+    center = imagenet_folder.val_image(str(tmp_path / "x.png"), 20)  # 40x60 -> 23x34, middle 20x20
+    with Image.open(tmp_path / "x.png") as img:
+        expected = np.asarray(img.convert("RGB").resize((34, 23), Image.BILINEAR))[1:21, 7:27]
+    assert np.array_equal(center, expected.transpose(2, 0, 1))
+    os.makedirs(os.path.join(root, "val", "n99999999"))
+    with pytest.raises(SystemExit, match="'n99999999' is not in the training set"):
+        imagenet_folder.scan(root, "val", classes)
+
+
+# ------------------------------------------------------------------------------------ real runs
+
+def launch(launcher, script, argv):
+    if launcher == "bpslaunch":
+        return run_local([sys.executable, script, *argv], workers=2, servers=1, env={"OMP_NUM_THREADS": "1"},
+                         timeout=240)
+    return subprocess.run(torchrun_argv([script, *argv], 2), env=job_env(), capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+
+
+def summary(result, path):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    return json.loads(path.read_text())
+
+
+# (launcher, network, flags, least compression ratio): with the ImageNet runs below (topk as the
+# seed's command, terngrad) every method runs once, and each script under both launchers
+CIFAR_RUNS = {
+    "qsgd": ("torchrun", "alexnet", ["-c", "layerwise", "--method", "QSGD", "-Q", "15"], 5),
+    "thresholdv": ("torchrun", "resnet9", ["--compress", "layerwise", "--method", "ThresholdV", "-V", "0.001"], 0.3),
+    # epoch 0 of a 2-epoch sparsity warm-up keeps sqrt(0.01) = 10%
+    "dgc": ("bpslaunch", "resnet9", ["--compressor", "dgc", "--k", "0.01", "--warmup-epochs", "2", "--fp16-values",
+                                     "--momentum", "0.9", "--nesterov"], 3),
+    "randomk": ("bpslaunch", "alexnet", ["--compress", "layerwise", "--method", "RandomK", "--ratio", "0.05"], 6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CIFAR_RUNS))
+def test_cifar10_script_runs(name, tmp_path):
+    launcher, network, flags, least_ratio = CIFAR_RUNS[name]
+    if name == "randomk" and has_granularity():
+        flags = ["--compress", "entiremodel", *flags[2:]]
+    data = write_cifar10(str(tmp_path / "data"), n_train=40, n_test=8)
+    argv = ["--data-dir", data, "-n", network, "--width", "4", "--epochs", "1", "--batch-size", "4",
+            "--max-iters", "2", "-j", "0", "--logdir", str(tmp_path / "logs"), "--name", name, *flags]
+    result = summary(launch(launcher, CIFAR, argv), tmp_path / "logs" / f"{name}.json")
+    assert result["workers"] == 2 and result["transport"] == ("ps" if launcher == "bpslaunch" else "collective")
+    assert result["compression_params"] == params_of(cifar, *flags)
+    [row] = result["history"]
+    assert row["steps"] == 2 and 0 <= row["val_accuracy"] <= 1 and np.isfinite(row["train_loss"])
+    assert row["ratio"] >= least_ratio, row
+    log = (tmp_path / "logs" / f"{name}.log").read_text()
+    assert "validation: accuracy=" in log and "compression ratio" in log
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
+def test_imagenet_script_runs(launcher, tmp_path):
+    """torchrun: the seed's command as written, with the data and a tiny model and schedule
+    after it; bpslaunch: thresholdv on the parameter server."""
+    data = write_imagenet(str(tmp_path / "imagenet"))
+    logdir = tmp_path / "logs"
+    if launcher == "torchrun":
+        argv = shlex.split(SEED_IMAGENET.replace("LOG_DIR", str(logdir)))[1:]
+        name = "RUN_NAME"
+    else:
+        argv = ["--logdir", str(logdir), "--name", "tern", "--compress", "layerwise", "--method", "TernGrad",
+                "-j", "2", "--fp16"]
+        name = "tern"
+    argv += [data, "--arch", "resnet18", "--width", "4", "--phases", TINY_PHASES, "--short-epoch"]
+    result = summary(launch(launcher, IMAGENET, argv), logdir / f"{name}.json")
+    [row] = result["history"]
+    assert row["steps"] == 2 and np.isfinite(row["train_loss"])
+    log = (logdir / f"{name}.log").read_text()
+    assert "resnet18 (width 4), 2 classes, 8 training and 4 validation images" in log
+    if launcher == "torchrun":
+        assert result["compression_params"] == {"compressor": "topk", "k": 0.3} and row["ratio"] > 1.2
+    else:
+        assert "note: --fp16" in log and "note: --distributed not given" in log
+        assert result["compression_params"] == {"compressor": "terngrad", "fp16": True} and row["ratio"] > 4

@@ -115,10 +115,11 @@ def print_table(title, rows, topo_name, shaped):
     if shaped:
         head.append("NIC MB/m0")
     head += ["CPU%", "vs gloo", "vs PSGD r1"]
-    lines = []
+    lines, failed = [], []
     for r in rows:
         if r.get("error"):
-            lines.append([r["system"], r["config"], r["topology"], "FAILED", r["error"][:60]])
+            lines.append([r["system"], r["config"], r["topology"], "FAILED"])
+            failed.append(f"  {r['system']} {r['config']} ({r['topology']}) FAILED: {r['error']}")
             continue
         cells = [r["system"], r["config"], r["topology"], f"{r['seconds']:.3f}", f"{r['min']:.3f}",
                  f"{r['max']:.3f}", fmt_mb(r.get("pushed_wire")), fmt_mb(r.get("pulled_wire"))]
@@ -134,6 +135,7 @@ def print_table(title, rows, topo_name, shaped):
     out = [title, "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
+    out += failed
     out.append("\ntargets (issue 10 and 12):")
     for what, ratio, limit, ok in targets(rows, topo_name, []):
         shown = "n/a" if ratio is None else f"{ratio:.2f}"

@@ -125,11 +125,15 @@ def run_all(args, topo, children, log_root):
             continue
         tag = f"{'-'.join(key)}-{p}".replace(" ", "_").replace("%", "pct").replace("+", "_")
         timeout = config_timeout(args, shaped, rows=20 if key == COLLECTIVE else 1)
-        try:
-            results, info = run_one(key, topo, args, children, os.path.join(log_root, tag),
-                                    timeout, tqdm.write)
-        except ClusterFailed as e:
-            errors[key] = str(e.args[0])
+        for attempt in (1, 2):  # once more after a failure: a port taken by another job meanwhile
+            try:
+                results, info = run_one(key, topo, args, children,
+                                        os.path.join(log_root, f"{tag}-{attempt}"), timeout, tqdm.write)
+                break
+            except ClusterFailed as e:
+                error = str(e.args[0])
+        else:
+            errors[key] = error
             args.failed = True
             continue
         runs[key].append(results)

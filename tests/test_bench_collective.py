@@ -24,7 +24,7 @@ def test_time_to_accuracy_one_epoch(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
-    assert len(data["rows"]) == 6
+    assert len(data["rows"]) == 7 and "bps_gc PS onebit + EF + nesterov" in data["rows"]
     assert data["rows"]["DDP dense"]["seconds_to_target"] is not None
     assert all(r["final_accuracy"] > 0.5 for r in data["rows"].values())
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000

@@ -123,9 +123,10 @@ def mx_worker(argv):
     if not compression:
         # No updater on the server: a pull returns the sum of the round's pushes. KVStoreDist
         # pulls into the buffer it pushed from (comm_buf_[key] is the pushed array on CPU), so
-        # each round overwrites the gradient with the sum, and every round doubles it.
+        # each round overwrites the gradient with the sum, and every later round multiplies it
+        # by the number of workers.
         bad = []
-        scale = np.float32(2.0 ** (args.warmup + args.rounds - 1))
+        scale = np.float32(float(size) ** (args.warmup + args.rounds - 1))
         for i in (0, len(shapes) // 2, len(shapes) - 1, int(np.argmax([np.prod(s) for s in shapes]))):
             expected = sum(make_grad(shapes[i], r, i) for r in range(size)) * scale
             if not np.allclose(outs[i].asnumpy(), expected, rtol=1e-5, atol=1e-9):

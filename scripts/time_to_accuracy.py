@@ -28,10 +28,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import PY, ROOT, import_netns  # noqa: E402  (puts this checkout first)
 
-ONEBIT = {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"}
+# bps_gc's DistributedOptimizer recipes (the momentum moves into the codec chain, as in the demo)
+RECIPES = {"onebit + EF + nesterov": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"},
+           "topk 1% + EF + nesterov": {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov"}}
 COLLECTIVE = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
-              "bps_gc hook topk 10% + EF", "bps_gc collective onebit + EF + nesterov")
-PS = ("bps_gc PS onebit + EF + nesterov",)
+              "bps_gc hook topk 10% + EF", *(f"bps_gc collective {r}" for r in RECIPES))
+PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 
 
 def parse_args(argv=None):
@@ -40,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--slack", type=float, default=0.0, help="target = dense final accuracy - slack")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
-    p.add_argument("--no-ps", action="store_true", help="leave out the parameter-server row")
+    p.add_argument("--rows", default=None, help="only configurations whose name contains one of "
+                   "these comma-separated words (DDP dense always runs: it sets the target)")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
@@ -68,9 +71,9 @@ def rank_main(args):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
                               nesterov="nesterov" in config)
         if config.startswith(("bps_gc collective", "bps_gc PS")):
-            # the demo's recipe: the momentum moves into the codec chain before onebit
+            # the momentum moves into the codec chain before the compressor (the demo's recipe)
             opt = bps.DistributedOptimizer(opt, named_parameters=[(f"{config}.{n}", p) for n, p in model.named_parameters()],
-                                           compression_params=ONEBIT)
+                                           compression_params=RECIPES[config.split(" ", 2)[2]])
             net = model
         else:
             net = DDP(model)
@@ -113,9 +116,15 @@ def run_clusters(args, topo, log_dir):
     from bench_cluster import Children, ClusterFailed, child_env, cluster_env, log_tail, node_plan, run_cluster, worker_env
     children = Children()
     curves = {}
-    runs = [("collective", COLLECTIVE)] + ([] if args.no_ps else [("ps", PS)])
+    def wanted(name):
+        return name == "DDP dense" or not args.rows or any(w in name for w in args.rows.split(","))
+
+    runs = [(transport, [c for c in configs if wanted(c)]) for transport, configs in
+            (("collective", COLLECTIVE), ("ps", PS))]
     try:
         for transport, configs in runs:
+            if not configs:
+                continue
             raw = os.path.join(log_dir, f"{transport}.json")
             cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--epochs", str(args.epochs),
                    "--eval-every", str(args.eval_every), "--configs", ",".join(configs)]

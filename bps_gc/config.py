@@ -52,6 +52,7 @@ class Config:
     stall_timeout: float = 60.0  # BPS_GC_STALL_TIMEOUT: a server warns about a round this old
     peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
     fusion_bytes: int = 1 << 20  # BPS_GC_FUSION_BYTES: small dense pushes share messages up to this
+    bucket_bytes: int = 25 << 20  # BPS_GC_BUCKET_BYTES: the collective transport's buckets (DDP's size)
 
     @property
     def rank(self):
@@ -107,6 +108,7 @@ class Config:
             stall_timeout=read.number("BPS_GC_STALL_TIMEOUT", 60.0, low=0.01),
             peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),
             fusion_bytes=read.integer("BPS_GC_FUSION_BYTES", 1 << 20, low=0),
+            bucket_bytes=read.integer("BPS_GC_BUCKET_BYTES", 25 << 20, low=1),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")

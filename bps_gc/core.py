@@ -37,6 +37,7 @@ def init(config=None):
     global _worker
     if _worker is not None:
         return _worker
+    sys.excepthook = _one_line_for_job_errors
     if config is None and transport_from_env() == "collective":
         from .collective import Collective, collective_config  # needs torch: imported only here
         cfg, local_rank, local_size = collective_config()
@@ -47,7 +48,6 @@ def init(config=None):
         return _worker
     cfg = config or Config.from_env(role="worker")
     _setup_logging(cfg.log_level)
-    sys.excepthook = _one_line_for_job_errors
     try:
         compress.load_plugins()
     except ImportError as e:
@@ -62,6 +62,8 @@ def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
     script: print one line naming the cause instead of a traceback."""
     if issubclass(kind, (NodeFailure, ConfigError)):
         print(f"bps_gc: {kind.__name__}: {error}", file=sys.stderr, flush=True)
+    elif issubclass(kind, KeyboardInterrupt):  # Ctrl-C reaches every rank: one line each
+        print("bps_gc: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
     else:
         default(kind, error, trace)
 

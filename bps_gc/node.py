@@ -19,7 +19,10 @@ def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through the role's cleanup (sockets, threads)
 
 
-def main():
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--abort"] and len(argv) == 2:
+        return abort(argv[1])
     signal.signal(signal.SIGINT, _exit_on_signal)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
@@ -44,6 +47,17 @@ def main():
     print("bps_gc.node: DMLC_ROLE=worker runs your training script (bpslaunch python train.py)",
           file=sys.stderr)
     return 2
+
+
+def abort(reason):
+    """``--abort REASON`` (bpslaunch, when this host has a bad setting): the scheduler stops
+    every node naming REASON."""
+    try:
+        cfg = Config.from_env()
+        abort_job(cfg, cfg.role, cfg.rank if cfg.role == "worker" else -1, reason)
+    except (ConfigError, NodeFailure, OSError):
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

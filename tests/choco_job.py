@@ -1,8 +1,9 @@
 """Decentralized training with bps_gc.torch.DecentralizedOptimizer on real processes: each rank
 trains a small Linear model from its own initial weights and saves, per round, its gradients
 and parameters, then the averaged parameters and its gossip bytes.
-``python tests/choco_job.py SPEC OUT [gloo]``: the messages go through bps_gc (bpslaunch), or
-with ``gloo`` through torch.distributed point-to-point (torchrun; tests/gloo_p2p.py). A config
+``python tests/choco_job.py SPEC OUT [gloo]``: the messages go through bps_gc's parameter-server
+runtime (bpslaunch), or with ``gloo`` through its torch.distributed transport (torchrun, which
+bps_gc.init() detects: bps_gc.collective's isend/irecv). A config
 with "die_rank"/"die_step" makes that rank exit abruptly there (its neighbours must stop
 naming it)."""
 import json
@@ -16,13 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.torch as bps  # noqa: E402
 
 spec = json.load(open(sys.argv[1]))
-if sys.argv[3:] == ["gloo"]:
-    from gloo_p2p import GlooComm
-    comm = GlooComm()
-else:
-    comm = None  # bps_gc's own (bps_gc.core.send/recv)
-    bps.init()
-rank, size = (comm.rank(), comm.size()) if comm else (bps.rank(), bps.size())
+bps.init()  # the transport follows the launcher: torchrun -> torch.distributed
+rank, size = bps.rank(), bps.size()
 saved = {}
 for cfg in spec["configs"]:
     name = cfg["name"]
@@ -32,7 +28,7 @@ for cfg in spec["configs"]:
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     opt = bps.DecentralizedOptimizer(opt, named, algorithm=cfg["algorithm"], topology=cfg["graph"],
                                      consensus_stepsize=cfg.get("gamma", 1.0),
-                                     compression_params=cfg.get("params"), communicator=comm, name=name)
+                                     compression_params=cfg.get("params"), name=name)
     for n, p in named:
         saved[f"{name}/init/{n}"] = p.detach().numpy().copy()
     rng = np.random.default_rng([rank, 7])
@@ -52,4 +48,4 @@ for cfg in spec["configs"]:
         saved[f"{name}/average/{n}"] = value.numpy().copy()
     saved[f"{name}/bytes_sent"] = np.array(opt.bytes_sent())
 np.savez(os.path.join(sys.argv[2], f"choco{rank}.npz"), **saved)
-comm.shutdown() if comm else bps.shutdown()
+bps.shutdown()

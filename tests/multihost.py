@@ -96,20 +96,25 @@ class Job:
 
     def leftovers(self):
         """PIDs of live processes of this job (found by its scheduler port in their environment)."""
-        mark = f"DMLC_PS_ROOT_PORT={self.port}".encode()
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != os.getpid():
-                try:
-                    with open(f"/proc/{entry}/environ", "rb") as f:
-                        if mark in f.read().split(b"\0") and alive(int(entry)):
-                            found.append(int(entry))
-                except OSError:
-                    continue
-        return found
+        return processes_with(f"DMLC_PS_ROOT_PORT={self.port}")
 
     def kill_all(self):
         for proc in self.launchers.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def processes_with(variable):
+    """PIDs of live processes (not this one) whose environment holds ``variable`` ("NAME=value")."""
+    mark = variable.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0") and alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found

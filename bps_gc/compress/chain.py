@@ -26,7 +26,7 @@ def mixed_state(seed):
                     np.uint64)
 
 
-def build_chain(params, n, dtype, key=0, role="worker"):
+def build_chain(params, n, dtype, key=0, role="worker", shape=None):
     """Codec object for one partition: [momentum ->] [error feedback ->] compressor.
 
     ``role`` is "worker" or "server"; servers never apply momentum (codecs.md).
@@ -39,7 +39,10 @@ def build_chain(params, n, dtype, key=0, role="worker"):
         raise ValueError("build_chain: these parameters compress nothing (no 'compressor')")
     load_plugins()
     seed = params.seed if params.seed is not None else derive_seed(key)
-    codec = COMPRESSORS[params.compressor](params, n, dtype, seed=seed)
+    cls = COMPRESSORS[params.compressor]
+    # ``shape``, the whole tensor's, goes to a compressor that views its partition as a matrix
+    extra = {"shape": tuple(shape)} if shape is not None and getattr(cls, "takes_shape", False) else {}
+    codec = cls(params, n, dtype, seed=seed, **extra)
     if params.ef:
         codec = ERROR_FEEDBACKS[params.ef](codec, params)
     if params.momentum and role == "worker" and not getattr(codec, "owns_momentum", False):

@@ -238,6 +238,8 @@ def _validate(raw):
         raise ParamError("warmup_densities", "give either 'warmup_epochs' or 'warmup_densities'")
     if ef is not None and compressor in OWN_ERROR_FEEDBACK:
         raise ParamError("ef", f"{compressor} has its own error feedback; remove 'ef'")
+    if momentum is not None and compressor == "powersgd":  # its later phases bypass a decorator
+        raise ParamError("momentum", "powersgd keeps the momentum in the optimizer; remove 'momentum'")
     return CompressionParams(compressor=compressor, ef=ef, momentum=momentum,
                              scaling=_flag(raw, "scaling"), k=k, seed=seed, partition=partition,
                              normalize=normalize, mu=None if mu is None else float(mu),

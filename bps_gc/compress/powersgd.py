@@ -1,8 +1,9 @@
 """PowerSGD (Vogels et al., 2019): rank-r power iteration with error feedback and warm start.
 
-The partition is viewed as a rows x cols float32 matrix M (cols = ceil(sqrt(n)),
-rows = ceil(n / cols), zero-padded), and one step takes two reduce phases through the runtime,
-each a plain sum over the workers:
+The partition is viewed as a rows x cols float32 matrix M: the tensor's first dimension by the
+rest when the partition holds whole rows of a tensor of two or more dimensions, else near-square
+(cols = ceil(sqrt(n)), rows = ceil(n / cols), zero-padded). One step takes two reduce phases,
+each a plain sum over the workers, which the communicator drives (bps_gc/roles/phased.py):
 
 1. ``compress(x, ctx)``: M = x + error; payload P = M Q (rows x r float32, row-major);
 2. ``compress_q(p_sum)``: P^ = orthogonalize(sum of P); payload Q = M^T P^ (cols x r);
@@ -20,10 +21,18 @@ import numpy as np
 from ._native import lib, ptr
 from .base import Codec
 from .params import CODEC_OPTIONS
+from .reducers import Reducer, register_reducer
 from .registry import register_compressor
 
 
-def matrix_shape(n):
+def matrix_shape(n, shape=None):
+    """rows x cols of the matrix view of an n-element partition: the tensor's own (its first
+    dimension by the rest, as PyTorch's PowerSGD hook) when ``shape``, the whole tensor's, has
+    two or more dimensions and the partition holds whole rows of it; else near-square."""
+    if shape is not None and len(shape) >= 2:
+        cols = math.prod(int(s) for s in shape[1:])
+        if cols and n % cols == 0:
+            return n // cols, cols
     cols = math.isqrt(n - 1) + 1 if n > 1 else 1
     return -(-n // cols), cols
 
@@ -37,22 +46,27 @@ def orthogonalize(p):
 
 @register_compressor("powersgd", options=CODEC_OPTIONS["powersgd"])
 class PowerSGD(Codec):
-    phases = 2
-    # two plain-sum reduce phases (P, then Q), which the runtime's own reducer drives; until it
-    # exists, declaring a powersgd tensor fails naming this reducer
+    # two plain-sum reduce phases (P, then Q) that the communicator drives (reducer below)
     reducers = ("powersgd",)
 
-    def __init__(self, params, n, dtype, seed):
+    takes_shape = True  # build_chain passes the tensor's shape (the matrix view)
+
+    def __init__(self, params, n, dtype, seed, shape=None):
         super().__init__(params, n, dtype)
         if self.dtype not in (np.float32, np.float16):
             raise TypeError(f"powersgd: float32 or float16 partitions only, got {self.dtype}")
-        self.rows, self.cols = matrix_shape(self.n)
+        self.rows, self.cols = matrix_shape(self.n, shape)
         self.rank = min(int(dict(params.options).get("rank", 1)), self.rows, self.cols)
         self.q = np.random.default_rng(int(seed)).standard_normal(
             (self.cols, self.rank)).astype(np.float32)
         self.error = np.zeros(self.n, np.float32)
         self.m = np.zeros((self.rows, self.cols), np.float32)
         self.p_hat = None
+
+    @property
+    def phase_sizes(self):
+        """float32 elements of each phase's payload: P, then Q."""
+        return self.rows * self.rank, self.cols * self.rank
 
     def _product(self, p, q, out):
         """The first n elements of P Q^T, written into ``out`` (float32), in one pass (numpy's
@@ -113,3 +127,20 @@ class PowerSGD(Codec):
         q, _ = self._matrix(buf[split:], self.cols, "Q")
         with np.errstate(over="ignore", invalid="ignore"):  # any float32 bits are a valid payload
             return self._into(out, lambda target: self._product(p, q, target))
+
+
+@register_reducer("powersgd")
+class PowerSGDSums(Reducer):
+    """PowerSGD's reduction: two phases, each a plain float32 sum over the workers (P, then Q).
+    The communicator drives them with dense reduces of one buffer per phase
+    (bps_gc/roles/phased.py), so no server ever holds a PowerSGD key or payload."""
+
+    phases = 2
+
+    def reduce(self, payloads, compressed, ctx=None):
+        raise ValueError("powersgd: its P and Q phases are dense sums that the communicator "
+                         "drives (phases = 2); there are no payloads to reduce in one round")
+
+    def decode(self, reply, out, ctx=None):
+        raise ValueError("powersgd: its P and Q phases are dense sums that the communicator "
+                         "drives (phases = 2); there is no one-round reply to decode")

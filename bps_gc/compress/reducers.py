@@ -79,6 +79,9 @@ def make_reducer(name, params, n, dtype, key=0):
 
 class Reducer:
     summed = True
+    # sum phases per reduce: 1 is one push and one reply; more (PowerSGD's P then Q) means the
+    # communicator drives the phases itself as dense sums (bps_gc/roles/phased.py)
+    phases = 1
 
     def __init__(self, params, n, dtype, codecs):
         self.params, self.n, self.dtype = params, int(n), np.dtype(dtype)

@@ -5,7 +5,7 @@ import sys
 
 from ..config import ConfigError
 from .local import run_local
-from .machine import run_node, run_worker_ranks, validate
+from .machine import run_node, run_worker_ranks, tell_scheduler, validate
 from .output import say
 from .settings import LauncherSettings
 
@@ -77,6 +77,8 @@ def main(argv=None, environ=None):
                                args.local_size or 1, args.port, environ, settings))
         config = validate(environ)
     except ConfigError as error:
+        if not args.local:
+            tell_scheduler(environ, error)
         fail(str(error))
     if config.role == "worker":
         if not command:

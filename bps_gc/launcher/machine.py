@@ -1,7 +1,8 @@
 """One host of a multi-host job: the scheduler/server node process, or a worker's local ranks."""
+import subprocess
 import sys
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .numa import plan_cpus
 from .output import say
 from .supervisor import Supervisor
@@ -30,6 +31,25 @@ def validate(environ):
     if environ.get("DMLC_ROLE", "").strip() == "worker":
         environ = rank_env(environ, 0, visible_device_count(environ.get("NVIDIA_VISIBLE_DEVICES")))
     return Config.from_env(environ)
+
+
+def tell_scheduler(environ, error, timeout=10.0):
+    """This host cannot start because of a bad setting: ask the scheduler to stop every node
+    now, naming it, instead of letting them wait out the join timeout for this one. Possible
+    only when the setting is not one that locates the scheduler; best effort otherwise."""
+    env = {k: v for k, v in environ.items() if k != error.variable}
+    try:
+        if validate(env).role == "scheduler":
+            return
+    except ConfigError:
+        return
+    if env.get("DMLC_ROLE", "").strip() == "worker":
+        env = rank_env(env, 0, 1)
+    try:
+        subprocess.run(NODE_COMMAND + ["--abort", str(error)], env=env, timeout=timeout,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def run_node(environ, settings, node_command=NODE_COMMAND):

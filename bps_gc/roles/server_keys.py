@@ -73,7 +73,7 @@ class KeyState:
         if bool(header.flags) != self.compressed:
             raise MalformedMessage(f"push of key {self.key}: compression flag does not match the declaration")
         length = header.length
-        if (self.compressed and not 0 < length <= self.max_payload) or \
+        if (self.compressed and not 0 <= length <= self.max_payload) or \
                 (not self.compressed and length != self.max_payload):
             raise MalformedMessage(f"push of key {self.key} with {length} bytes (limit {self.max_payload})")
         buf = self.buffers[rank]

@@ -16,6 +16,7 @@ from ..transport.wire import encode_context
 from .communicator import Communicator
 from .membership import Membership
 from .peers import Peers
+from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
 from .worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
@@ -108,12 +109,22 @@ class Worker(Communicator):
             tensor.shape, tensor.dtype = tuple(shape), dtype
             return
         self.placement.plan(tensor, shape, dtype, self._build_codec, balanced)
+        if phases(tensor) > 1:  # summed phase by phase in buffers of their own; the servers
+            if self.cfg.enable_async:  # never see it
+                raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
+                                 "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
+                                 "running sum; unset it or choose another compressor")
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):
+                self.declare(name, shape=(length,), dtype=np.float32)
+                self.tensors[name].auxiliary = True
+            return
         for part in tensor.partitions:
             self.io.post("init", part.key, part.server, tensor.wire_dtype, tensor.describe(part))
 
     def _build_codec(self, tensor, n, dtype, key):
         """(codec chain, reducer) of a compressed partition."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker"),
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
+                                        shape=tensor.shape),
                 self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
@@ -134,6 +145,8 @@ class Worker(Communicator):
             if out is not array:
                 np.copyto(out, array)
             return Handle(self, tensor, out, out.reshape(-1), 0, average, ctx)
+        if phases(tensor) > 1:
+            return self._reduce_in_phases(tensor, array, out, average, ctx, priority)
         flat = np.ascontiguousarray(array).reshape(-1)
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: push and pull a cast copy
             wire = source = flat.astype(tensor.wire_dtype)
@@ -143,7 +156,8 @@ class Worker(Communicator):
             wire, source = out.reshape(-1), flat
         tensor.busy = True
         handle = Handle(self, tensor, out, wire, len(tensor.partitions), average, ctx)
-        self.counters.add(pushed_raw=flat.size * tensor.wire_dtype.itemsize)
+        if not tensor.auxiliary:
+            self.counters.add(pushed_raw=flat.size * tensor.wire_dtype.itemsize)
         for part in tensor.partitions:
             chunk = source[part.start:part.stop]
             dest = wire[part.start:part.stop]
@@ -157,6 +171,44 @@ class Worker(Communicator):
         return handle
 
     push_pull = reduce
+
+    def _reduce_in_phases(self, tensor, array, out, average, ctx, priority):
+        """A two-phase reduce (roles/phased.py): each phase a dense reduce of the tensor's phase
+        buffer; when one phase's sum arrives, its completion queues the next on the codec pool,
+        so no thread waits and workers need not wait for their handles in the same order."""
+        source = np.ascontiguousarray(array).reshape(-1)
+        if tensor.wire_dtype != array.dtype:  # fp16 on the wire: compress and finish a cast copy
+            source = source.astype(tensor.wire_dtype)
+        # the Handle copies (and casts) the result into ``out`` unless it is written there
+        target = out.reshape(-1) if out.dtype == tensor.wire_dtype else np.empty_like(source)
+        reduction = PhasedReduction(tensor, source, target, ctx, self.size)
+        tensor.busy = True
+        handle = Handle(self, tensor, out, target, 1, average, ctx)
+        raw = source.size * tensor.wire_dtype.itemsize
+        self.counters.add(pushed_raw=raw, pulled_raw=raw)
+        names = phase_names(tensor)
+
+        def phase(index, summed):
+            try:
+                if index == len(names):
+                    reduction.finish(summed)
+                    if average:
+                        target[:] /= target.dtype.type(self.size)
+                    return handle.partition_done()
+                buffer = reduction.first() if index == 0 else reduction.second(summed)
+                sent = self.reduce(buffer, names[index], average=False, priority=priority, ctx=ctx)
+                sent.then(lambda done: handle.fail(done.error) if done.error is not None
+                          else self._submit(handle, phase, index + 1, buffer))
+            except Exception as e:
+                handle.fail(e)
+        self._submit(handle, phase, 0, None)
+        return handle
+
+    def _submit(self, handle, fn, *args):
+        try:
+            self.pool.submit(fn, *args)
+        except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
+            handle.fail(e)
 
     def _compress(self, handle, part, chunk, ctx, context, priority, dtype):
         try:

@@ -65,6 +65,7 @@ class Handle(HandleABC):
         self.error = None
         self.event = threading.Event()
         self.lock = threading.Lock()
+        self.callbacks = []  # None once done
         if count == 0:
             self.finish()
 
@@ -85,18 +86,36 @@ class Handle(HandleABC):
             raise self.error
         return self.out
 
-    def fail(self, error):
+    def then(self, callback):
+        """Call ``callback(self)`` once this is done or failed: now if it is, else on the thread
+        that completes it (the I/O thread or the codec pool: the callback must not block)."""
+        with self.lock:
+            if self.callbacks is not None:
+                self.callbacks.append(callback)
+                return
+        callback(self)
+
+    def _done(self, error=None):
+        """Set the result (or ``error``) once; True if this call did."""
         with self.lock:
             if self.event.is_set():
-                return
+                return False
             self.error = error
             self.tensor.busy = False
             self.event.set()
+            callbacks, self.callbacks = self.callbacks, None
+        for callback in callbacks:
+            callback(self)
+        return True
+
+    def fail(self, error):
+        self._done(error)
 
     def partition_replied(self, push, payload, compressed, seconds):
         """Called on the I/O thread when a partition's reply arrived."""
-        raw = push.part.n * push.dtype.itemsize
-        wire = len(payload) if payload is not None and compressed else raw
+        dense = push.part.n * push.dtype.itemsize
+        wire = len(payload) if payload is not None and compressed else dense
+        raw = 0 if self.tensor.auxiliary else dense  # a phase buffer counts on the wire only
         self.worker.counters.add(communicate_seconds=seconds, pulled_raw=raw, pulled_wire=wire)
         if compressed or self.average or payload is not push.dest:
             try:
@@ -133,5 +152,4 @@ class Handle(HandleABC):
                 np.copyto(self.out.reshape(-1), self.wire, casting="unsafe")
         except Exception as e:
             return self.fail(e)
-        self.tensor.busy = False
-        self.event.set()
+        self._done()

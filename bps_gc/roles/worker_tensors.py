@@ -39,6 +39,7 @@ class TensorPlan:
         self.partitions = []
         self.compressed = False
         self.busy = False
+        self.auxiliary = False  # a phase buffer of another tensor (roles/phased.py): no raw bytes
 
     def declaration(self):
         return Declaration(self.name, self.shape, self.dtype, self.params, self.reducer,

@@ -20,6 +20,7 @@ import bps_gc.core as core
 from ..bindings.gossip import ChocoGossip, DPSGDGossip
 from ..bindings.topology import topology as make_topology
 from .ops import SUPPORTED
+from .wrapper import WrappingOptimizer
 
 ALGORITHMS = ("choco", "dpsgd")
 
@@ -44,7 +45,7 @@ class CoreComm:
         return core.push_pull(array, name, average=True).wait()
 
 
-class DecentralizedOptimizer(torch.optim.Optimizer):
+class DecentralizedOptimizer(WrappingOptimizer):
     """Wraps a local optimizer (its ``param_groups`` and ``state`` are shared, so learning-rate
     schedulers and checkpoints see the wrapped one). ``algorithm``: "choco" (compressed with
     ``compression_params``, any bps_gc codec) or "dpsgd" (uncompressed neighbour averaging).
@@ -57,8 +58,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"DecentralizedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self.optimizer = optimizer
-        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, optimizer.defaults
+        self._wrap(optimizer)
         self.comm = communicator or CoreComm()
         named = sorted(named_parameters, key=lambda kv: kv[0])
         arrays = {}
@@ -84,14 +84,6 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.gossip.step(float(self.param_groups[0]["lr"]))
         return loss
 
-    def zero_grad(self, set_to_none=True):
-        return self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict):
-        return self.optimizer.load_state_dict(state_dict)
 
     def finish(self):
         """Collect the messages still in flight (before evaluating or leaving)."""

@@ -38,6 +38,11 @@ class CompressionHook:
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
+        phases = getattr(compress.REDUCERS.get(self.reducer), "phases", 1)  # "sum" is no class
+        if phases > 1:
+            raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
+                             "this one-gather hook does not run; use DistributedOptimizer (or "
+                             "torch's powerSGD_hook)")
         self.buckets = {}  # bucket index -> (sizes, [(worker chain, reducer)], steps so far)
 
     def __call__(self, process_group, bucket):

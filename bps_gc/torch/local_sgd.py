@@ -29,6 +29,7 @@ import torch
 import bps_gc.core as core
 
 from .ops import SUPPORTED, host_view
+from .wrapper import WrappingOptimizer
 
 SIGN_PARAMS = {"compressor": "onebit", "scaling": False}  # 1 bit per element, decoded to +-1
 
@@ -41,7 +42,7 @@ def _step_context_supported():
     return "ctx" in inspect.signature(core.push_pull).parameters
 
 
-class LocalSGD(torch.optim.Optimizer):
+class LocalSGD(WrappingOptimizer):
     """Wraps a local optimizer; its ``param_groups`` and ``state`` are shared (schedulers and
     checkpoints see the wrapped one)."""
 
@@ -53,8 +54,7 @@ class LocalSGD(torch.optim.Optimizer):
             raise RuntimeError("LocalSGD: call bps_gc.torch.init() first")
         if int(local_steps) < 1:
             raise ValueError(f"LocalSGD: local_steps must be >= 1, got {local_steps}")
-        self.optimizer = optimizer
-        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, optimizer.defaults
+        self._wrap(optimizer)
         self.local_steps, self.local_from_epoch = int(local_steps), local_from_epoch
         self.steps, self.epoch, self.synchronizations = 0, 0, 0
         self.params = sorted(((n, p) for n, p in named_parameters if p.requires_grad), key=lambda kv: kv[0])
@@ -121,14 +121,6 @@ class LocalSGD(torch.optim.Optimizer):
             p.copy_(torch.from_numpy(self.x_sync[name]))
         self.synchronizations += 1
 
-    def zero_grad(self, set_to_none=True):
-        return self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict):
-        return self.optimizer.load_state_dict(state_dict)
 
 
 __all__ = ["LocalSGD"]

@@ -71,7 +71,7 @@ def parse_args(argv=None):
                    help="torch/OpenMP/MKL threads per worker (default 1: two workers share two cores)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
     p.add_argument("--algorithms", action="store_true",
-                   help="also run " + ", ".join(f"{n} ({d})" for n, (d, _, _) in ALGORITHMS.items()))
+                   help="also run " + ", ".join(f"{n} ({d})" for n, (d, _, _) in ALGORITHMS.items()).replace("%", "%%"))
     args = p.parse_args(argv)
     chosen = args.configs or (QUICK_CONFIGS if args.quick else ",".join(CONFIGS))
     args.configs = [c.strip() for c in chosen.split(",") if c.strip()]

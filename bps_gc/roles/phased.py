@@ -1,0 +1,74 @@
+"""Reductions in two phases of plain sums (PowerSGD: the sum of P = M Q, then the sum of
+Q = M^T P^), driven here above the transport, so servers and collectives only ever sum dense
+float32 buffers: each phase of a tensor is one buffer, every partition's phase payload back to
+back. The parameter server sums it as an uncompressed auxiliary tensor declared per phase
+(``phase_names``); the collective all_reduces it.
+
+Nothing here knows a codec by name: a partition's reducer says how many phases it takes
+(``Reducer.phases``), and its codec provides
+
+* ``compress(x, ctx)``: the first phase's payload (float32 bytes) from the input;
+* ``compress_q(summed)``: the second phase's payload from the first phase's sum;
+* ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
+* ``phase_sizes``: the float32 elements of each phase's payload.
+"""
+import numpy as np
+
+PHASES = 2  # the one multi-phase shape there is (PowerSGD's)
+
+
+def phases(tensor):
+    """Sum phases one reduce of ``tensor`` takes: 1 for the ordinary push and reply."""
+    if not tensor.compressed or not tensor.partitions:
+        return 1
+    count = tensor.partitions[0].reducer.phases
+    if count not in (1, PHASES):
+        raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} asks for {count} phases; "
+                         f"the communicators drive 1 or {PHASES}")
+    return count
+
+
+def phase_names(tensor):
+    """The auxiliary tensors a parameter-server worker sums the phases of ``tensor`` in."""
+    return [f"{tensor.name}|phase{i}" for i in range(PHASES)]
+
+
+def phase_lengths(tensor):
+    """float32 elements of each phase's buffer."""
+    return [sum(int(part.codec.phase_sizes[i]) for part in tensor.partitions) for i in range(PHASES)]
+
+
+class PhasedReduction:
+    """One reduce of a two-phase tensor on this worker: ``first()`` and ``second(p_sum)`` are
+    the buffers to sum, ``finish(q_sum)`` writes the sum over ``workers`` into ``target``.
+    ``source`` and ``target`` are flat arrays of the wire dtype (they may be one array: the input
+    is read by ``first`` before ``finish`` writes)."""
+
+    def __init__(self, tensor, source, target, ctx, workers):
+        self.parts, self.source, self.target = tensor.partitions, source, target
+        self.ctx, self.workers = ctx, workers
+        self.lengths = phase_lengths(tensor)
+        self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
+                       for i in range(PHASES)]
+
+    def _pieces(self, phase, buffer):
+        bounds = self.bounds[phase]
+        for i, part in enumerate(self.parts):
+            yield part, buffer[bounds[i]:bounds[i + 1]]
+
+    def first(self):
+        buffer = np.empty(self.lengths[0], np.float32)
+        for part, piece in self._pieces(0, buffer):
+            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(np.float32)
+        return buffer
+
+    def second(self, p_sum):
+        buffer = np.empty(self.lengths[1], np.float32)
+        for (part, piece), (_, summed) in zip(self._pieces(1, buffer), self._pieces(0, p_sum)):
+            piece[:] = part.codec.compress_q(summed).view(np.float32)
+        return buffer
+
+    def finish(self, q_sum):
+        for part, summed in self._pieces(1, q_sum):
+            part.codec.finish(summed, self.target[part.start:part.stop], self.workers)
+        return self.target

@@ -1,0 +1,19 @@
+"""What every bps_gc optimizer that wraps a local torch optimizer shares: it is a
+torch.optim.Optimizer whose param_groups and state are the wrapped one's (so learning-rate
+schedulers and checkpoints see the wrapped optimizer), and it delegates the rest."""
+import torch
+
+
+class WrappingOptimizer(torch.optim.Optimizer):
+    def _wrap(self, optimizer):
+        self.optimizer = optimizer
+        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, optimizer.defaults
+
+    def zero_grad(self, set_to_none=True):
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        return self.optimizer.load_state_dict(state_dict)

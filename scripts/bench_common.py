@@ -17,8 +17,7 @@ PY = sys.executable
 LOOPBACK = "127.0.0.1"
 
 # The codecs both transports run (parameter server and collective): BytePS's, then issue 11's
-# that go through push_pull as they are (powersgd's two-phase reduce is listed by the driver
-# only where it works).
+# (powersgd reduces in two phases of plain sums, roles/phased.py).
 BPS_CONFIGS = {
     "dense": {},
     "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
@@ -33,6 +32,8 @@ BPS_CONFIGS = {
     "threshold 3e-3": {"compressor": "threshold", "threshold": 3e-3},
     "adaptive threshold": {"compressor": "adaptive_threshold"},
     "dgc 0.1%": {"compressor": "dgc", "k": 0.001},
+    "powersgd rank 1": {"compressor": "powersgd", "rank": 1},
+    "powersgd rank 4": {"compressor": "powersgd", "rank": 4},
 }
 PSLITE_CONFIGS = {"dense": None, "2bit": {"type": "2bit", "threshold": 0.5}}
 QUICK_BPS = ("dense", "onebit+EF")

@@ -176,7 +176,7 @@ def main(argv=None):
         path = args.json or os.path.join(ROOT, "out", f"bench_pushpull_{topo.name}_{args.ranks}.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_json_atomic(path, {"meta": meta, "table": table, "results": rows,
-                                 "targets": targets(rows, topo.name, [])})
+                                 "targets": targets(rows, topo.name)})
         print(f"wrote {path}")
         return 1 if args.failed else 0
     except KeyboardInterrupt as e:

@@ -129,7 +129,9 @@ def mx_worker(argv):
         scale = np.float32(float(size) ** (args.warmup + args.rounds - 1))
         for i in (0, len(shapes) // 2, len(shapes) - 1, int(np.argmax([np.prod(s) for s in shapes]))):
             expected = sum(make_grad(shapes[i], r, i) for r in range(size)) * scale
-            if not np.allclose(outs[i].asnumpy(), expected, rtol=1e-5, atol=1e-9):
+            # ps-lite sums in arrival order: with 3+ workers an element that nearly cancels
+            # differs by a few ulps of the addends, hence the absolute tolerance scaled with them
+            if not np.allclose(outs[i].asnumpy(), expected, rtol=1e-5, atol=1e-9 * float(scale) * size):
                 bad.append(i)
         check = "ok" if not bad else f"MISMATCH in tensors {bad}"
     raw = sum(int(np.prod(s)) * 4 for s in shapes)

@@ -47,6 +47,7 @@ class Config:
     join_timeout: float = 300.0
     auth_token: Optional[str] = None
     encrypt: bool = False  # BPS_GC_ENCRYPT: CURVE on every link, keys derived from the token
+    local_ipc: bool = True  # BPS_GC_LOCAL_IPC: servers also listen on a unix socket for same-host workers
     inflight_bytes: int = 64 << 20  # BPS_GC_INFLIGHT_BYTES: a worker's push window
     stall_timeout: float = 60.0  # BPS_GC_STALL_TIMEOUT: a server warns about a round this old
     peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
@@ -102,6 +103,7 @@ class Config:
             join_timeout=read.number("BPS_GC_JOIN_TIMEOUT", 300.0, low=0.1),
             auth_token=read.text("BPS_GC_AUTH_TOKEN", "") or None,
             encrypt=read.flag("BPS_GC_ENCRYPT", False),
+            local_ipc=read.flag("BPS_GC_LOCAL_IPC", True),
             inflight_bytes=read.integer("BPS_GC_INFLIGHT_BYTES", 64 << 20, low=1),
             stall_timeout=read.number("BPS_GC_STALL_TIMEOUT", 60.0, low=0.01),
             peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),

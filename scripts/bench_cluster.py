@@ -67,34 +67,56 @@ def child_env(extra):
 
 
 class Loopback:
-    """Everything on 127.0.0.1 in this namespace."""
+    """Everything on 127.0.0.1 in this namespace (one machine)."""
     name = "loopback"
-    srv_host = wrk_host = LOOPBACK
-    veth = None
 
-    def wrap(self, side, argv):
+    def host(self, machine):
+        return LOOPBACK
+
+    def wrap(self, machine, argv):
         return argv
+
+    def veth(self, machine):
+        return None
 
     def port(self):
         return free_port()
 
 
-class Shaped:
-    """Scheduler and server in one namespace, workers in the other (scripts/netns.py)."""
+class Switched:
+    """One namespace per machine on a shaped switch (scripts/netns.py SwitchedMachines)."""
 
-    def __init__(self, link):
-        self.link = link
-        self.name = link.rate
-        self.srv_host, self.wrk_host = link.addr["srv"], link.addr["wrk"]
-        self.veth = link.veth["wrk"]
+    def __init__(self, net):
+        self.net = net
+        self.name = net.rate
         self._port = 9300
 
-    def wrap(self, side, argv):
-        return self.link.command(side, argv)
+    def host(self, machine):
+        return self.net.addr[machine]
+
+    def wrap(self, machine, argv):
+        return self.net.command(machine, argv)
+
+    def veth(self, machine):
+        return self.net.veth[machine]
 
     def port(self):  # fresh namespaces: nothing else listens there; a new port per cluster
         self._port += 1
         return self._port
+
+
+PLACEMENTS = {
+    "colocated": "one server per worker machine (BytePS's co-located mode); scheduler on machine 0",
+    "separate": "one server per worker, each on its own machine; scheduler on machine 0",
+}
+
+
+def machines_needed(workers, placements):
+    return workers * (2 if "separate" in placements else 1)
+
+
+def server_machines(workers, placement):
+    return list(range(workers)) if placement == "colocated" else list(range(workers, 2 * workers))
 
 
 class ClusterFailed(RuntimeError):
@@ -107,7 +129,7 @@ def run_cluster(children, plan, worker_names, timeout, log_dir):
     try:
         for name, argv, env in plan:
             started.append(children.start(name, argv, env, log_dir))
-            if name in ("scheduler", "server"):
+            if name == "scheduler" or name.startswith("server"):
                 time.sleep(0.2)  # let it bind before the others connect (both sides retry anyway)
         workers = [c for c in started if c.name in worker_names]
         deadline = time.monotonic() + timeout
@@ -128,51 +150,62 @@ def run_cluster(children, plan, worker_names, timeout, log_dir):
         children.stop(started)
 
 
-def bps_plan(config, topo, args, result_dir, log_dir, rounds, warmup):
+def cluster_env(topo, workers, servers, port):
+    return {"DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
+            "DMLC_PS_ROOT_URI": topo.host(0), "DMLC_PS_ROOT_PORT": str(port), "BYTEPS_NUMA_ON": "0"}
+
+
+def worker_env(topo, common, w):
+    env = {**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(w), "DMLC_NODE_HOST": topo.host(w)}
+    if topo.veth(w):
+        env["BENCH_VETH"] = topo.veth(w)
+    return env
+
+
+def node_plan(topo, common, servers, node_cmd, server_cmd=None):
+    """Scheduler on machine 0, then the servers on their machines."""
+    plan = [("scheduler", topo.wrap(0, node_cmd),
+             child_env({**common, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": topo.host(0)}))]
+    for i, m in enumerate(servers):
+        plan.append((f"server{i}", topo.wrap(m, server_cmd or node_cmd),
+                     child_env({**common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": topo.host(m)})))
+    return plan
+
+
+def bps_plan(config, topo, args, result_dir, rounds, warmup, workers, placement):
+    """bps_gc: `workers` workers on machines 0..workers-1, servers placed by ``placement``."""
     worker_cmd = [PY, SCRIPT, "_bps-worker", "--config", config, "--warmup", str(warmup),
-                  "--rounds", str(rounds), "--result-dir", result_dir]
+                  "--rounds", str(rounds), "--result-dir", result_dir,
+                  "--tensors", str(args.tensors)]
     if args.profile:
         worker_cmd.append("--profile")
+    servers = server_machines(workers, placement)
+    names = {f"worker{w}" for w in range(workers)}
     if isinstance(topo, Loopback) and not args.profile:
-        argv = [PY, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers", "1",
-                "--", *worker_cmd]
+        argv = [PY, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers),
+                "--servers", str(len(servers)), "--", *worker_cmd]
         return [("bpslaunch-local", argv, child_env({}))], {"bpslaunch-local"}
-    port = topo.port()
-    common = {"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": topo.srv_host,
-              "DMLC_PS_ROOT_PORT": str(port), "BYTEPS_NUMA_ON": "0"}
+    common = cluster_env(topo, workers, len(servers), topo.port())
     launch = [PY, "-m", "bps_gc.launcher.cli"]
-    plan = [("scheduler", topo.wrap("srv", launch),
-             child_env({**common, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": topo.srv_host}))]
-    server_cmd = launch
+    server_cmd = None
     if args.profile:
         server_cmd = [PY, SCRIPT, "_profiled-node", os.path.join(result_dir, "server-profile.txt")]
-    plan.append(("server", topo.wrap("srv", server_cmd),
-                 child_env({**common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": topo.srv_host})))
-    for w in range(2):
-        env = {**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(w),
-               "DMLC_NODE_HOST": topo.wrk_host}
-        if topo.veth:
-            env["BENCH_VETH"] = topo.veth
-        plan.append((f"worker{w}", topo.wrap("wrk", launch + worker_cmd), child_env(env)))
-    return plan, {"worker0", "worker1"}
+    plan = node_plan(topo, common, servers, launch, server_cmd)
+    for w in range(workers):
+        plan.append((f"worker{w}", topo.wrap(w, launch + worker_cmd), child_env(worker_env(topo, common, w))))
+    return plan, names
 
 
-def mx_plan(config, topo, result_dir, rounds, warmup):
-    port = topo.port()
-    common = {"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": topo.srv_host,
-              "DMLC_PS_ROOT_PORT": str(port)}
-    node = [PY, "-c", "import mxnet"]
-    plan = [("scheduler", topo.wrap("srv", node),
-             child_env({**common, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": topo.srv_host})),
-            ("server", topo.wrap("srv", node),
-             child_env({**common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": topo.srv_host}))]
+def mx_plan(config, topo, args, result_dir, rounds, warmup, workers, placement):
+    """ps-lite the MXNet way (`import mxnet` with DMLC_ROLE set), placed like bps_gc."""
+    servers = server_machines(workers, placement)
+    common = cluster_env(topo, workers, len(servers), topo.port())
+    del common["BYTEPS_NUMA_ON"]
+    plan = node_plan(topo, common, servers, [PY, "-c", "import mxnet"])
     worker_cmd = [PY, SCRIPT, "_mx-worker", "--config", config, "--warmup", str(warmup),
-                  "--rounds", str(rounds), "--result-dir", result_dir]
-    for w in range(2):
-        env = {**common, "DMLC_ROLE": "worker", "DMLC_NODE_HOST": topo.wrk_host}
-        if topo.veth:
-            env["BENCH_VETH"] = topo.veth
-        plan.append((f"worker{w}", topo.wrap("wrk", worker_cmd), child_env(env)))
-    return plan, {"worker0", "worker1"}
-
-
+                  "--rounds", str(rounds), "--result-dir", result_dir, "--tensors", str(args.tensors)]
+    for w in range(workers):
+        env = worker_env(topo, common, w)
+        del env["DMLC_WORKER_ID"]  # ps-lite numbers its workers itself
+        plan.append((f"worker{w}", topo.wrap(w, worker_cmd), child_env(env)))
+    return plan, {f"worker{w}" for w in range(workers)}

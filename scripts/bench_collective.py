@@ -11,7 +11,8 @@ Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
   DDP dense / fp16 hook / PowerSGD rank 1, 4 / bps_gc hook
                            one DDP step (forward, backward with the hook, no optimizer) of a
                            model whose parameters have the ResNet-50 shapes; torch's own hooks
-                           (PowerSGD: error feedback, warm start, compression from the 2nd step,
+                           (PowerSGD: error feedback, warm start, compression from the 3rd step
+                           on, so its rows warm up at least 2 steps and time compressed ones only;
                            one 102 MB bucket: several buckets' phases interleave differently on
                            each rank under gloo and the run aborts)
   bps_gc collective ...    bps_gc.core push_pull of the 161 gradients (declared with the codec,
@@ -32,15 +33,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHAPES = os.path.join(ROOT, "tests", "data", "resnet50_shapes.json")
+from bench_common import BPS_CONFIGS, PY, ROOT, load_shapes
+
 BUCKET_BYTES = 25 << 20
-CODECS = {
-    "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
-    "topk 0.1%": {"compressor": "topk", "k": 0.001},
-    "randomk 0.1%": {"compressor": "randomk", "k": 0.001},
-    "dithering k=2": {"compressor": "dithering", "k": 2},
-}
+START_POWERSGD_ITER = 2
+CODECS = {name: params for name, params in BPS_CONFIGS.items() if params}
 QUICK = ("torch all_reduce dense", "DDP dense", "DDP PowerSGD rank 1", "bps_gc collective topk 0.1%")
 
 
@@ -52,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a few rows, 1 warm-up + 2 timed rounds")
     p.add_argument("--rows", default=None, help="only rows whose label contains one of these "
                    "comma-separated words (e.g. PowerSGD,topk)")
+    p.add_argument("--tensors", type=int, default=0, help="only the first N tensors (0: all)")
     p.add_argument("--json", default=None, help="default: out/bench_collective.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # set for the ranks
     return p.parse_args(argv)
@@ -66,7 +64,6 @@ def rank_main(args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sys.path.insert(0, ROOT)
     import bps_gc.core as bps
     import bps_gc.torch as bps_torch
 
@@ -74,7 +71,7 @@ def rank_main(args):
     os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
     bps.init()  # the collective transport: also the default process group DDP uses
     rank = bps.rank()
-    shapes = [tuple(s) for s in json.load(open(SHAPES))["resnet50_v1b"]]
+    shapes = load_shapes(args.tensors)
     rng = np.random.default_rng(rank)
     grads = [(rng.standard_normal(s) * 1e-3).astype(np.float32) for s in shapes]
 
@@ -88,8 +85,8 @@ def rank_main(args):
         def forward(self):
             return sum((p * w).sum() for p, w in zip(self.ps, self.ws))
 
-    def timed(step):
-        for _ in range(args.warmup):
+    def timed(step, warmup):
+        for _ in range(warmup):
             step()
         times = []
         for _ in range(args.rounds):
@@ -131,7 +128,7 @@ def rank_main(args):
 
     def powersgd(rank_):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank_,
-                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+                                            start_powerSGD_iter=START_POWERSGD_ITER, use_error_feedback=True, warm_start=True)
         # one bucket: on gloo, the hook's chained phases of several buckets in flight get issued
         # in different orders on different ranks (a collective mismatch; pytorch issue 58467)
         return ddp(powerSGD_hook.powerSGD_hook, state, bucket_cap_mb=128)
@@ -159,20 +156,45 @@ def rank_main(args):
         **{f"bps_gc collective {c}": (lambda c=c: collective(c, CODECS[c])) for c in CODECS},
     }
     results = []
-    for label, build in rows.items():
-        if args.quick and label not in QUICK:
-            continue
-        if args.rows and not any(word in label for word in args.rows.split(",")):
-            continue
-        times = timed(build())
+    for label, build in select_rows(rows, args).items():
+        # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
+        times = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
         bps.metrics()
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
-                        "max_s": max(times), "rounds": len(times)})
+                        "max_s": max(times), "rounds": len(times), "times": times})
         if rank == 0:
             print(f"ROW {json.dumps(results[-1])}", flush=True)
     if rank == 0:
         json.dump(results, open(args.worker, "w"))
     bps.shutdown()
+
+
+def select_rows(rows, args):
+    """--quick's rows, then only those whose label has one of --rows' words."""
+    picked = {k: v for k, v in rows.items() if not args.quick or k in QUICK}
+    if args.rows:
+        words = args.rows.split(",")
+        picked = {k: v for k, v in picked.items() if any(w in k for w in words)}
+    return picked
+
+
+def rank_plan(topo, ranks, raw, args):
+    """One rank per machine of ``topo`` (bench_cluster's Loopback or Switched), started with
+    torchrun's variables, rank 0 hosting the rendezvous; gloo bound to each machine's NIC."""
+    from bench_cluster import child_env
+    port = topo.port()
+    cmd = [PY, os.path.abspath(__file__), "--worker", raw, "--warmup", str(args.warmup),
+           "--rounds", str(args.rounds), "--tensors", str(args.tensors)]
+    if args.rows:
+        cmd += ["--rows", args.rows]
+    plan = []
+    for r in range(ranks):
+        env = child_env({"RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0",
+                         "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port),
+                         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "OMP_NUM_THREADS": "1",
+                         "BPS_GC_TRANSPORT": "collective"})
+        plan.append((f"rank{r}", topo.wrap(r, cmd), env))
+    return plan, {f"rank{r}" for r in range(ranks)}
 
 
 # ---------------------------------------------------------------------------- driver
@@ -187,7 +209,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     raw = out + ".ranks"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-            os.path.abspath(__file__), "--worker", raw, "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+            os.path.abspath(__file__), "--worker", raw, "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+            "--tensors", str(args.tensors)]
     if args.quick:
         argv.append("--quick")
     if args.rows:

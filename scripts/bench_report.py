@@ -5,7 +5,6 @@ import statistics
 
 
 from bench_cluster import ClusterFailed
-from bench_common import BPS_TARGETS, PSLITE_REFERENCE
 
 
 def summarize(system, config, passes):
@@ -29,7 +28,7 @@ def summarize(system, config, passes):
            "setup_seconds": w0s[0].get("setup_seconds"),
            "worker1_seconds": statistics.median(r["seconds"] for results in passes
                                                 for r in results[1]["rounds"])}
-    if system == "bps_gc":
+    if system == "bps_gc PS":
         row.update(pushed_wire=mean("pushed_wire"), pulled_wire=mean("pulled_wire"),
                    issue_seconds=mean("issue_seconds"), compress_seconds=mean("compress_seconds"),
                    communicate_seconds=mean("communicate_seconds"),
@@ -40,13 +39,13 @@ def summarize(system, config, passes):
     busy = [b for b in busy if b is not None]
     row["machine_busy"] = statistics.fmean(busy) if busy else None
     row["worker_cpu_per_round"] = []
-    for rank in range(2):
+    for rank in range(len(passes[0])):
         cpu = [(results[rank].get("cpu") or {}).get("process_cpu_per_round") for results in passes]
         cpu = [c for c in cpu if c is not None]
         row["worker_cpu_per_round"].append(statistics.fmean(cpu) if cpu else None)
     links = [w["link"] for w in w0s if w.get("link")]
     if links and len(links) == len(w0s):
-        n = len(times) * 2  # both workers share the veth
+        n = len(times)  # worker 0's machine's NIC (its co-located server's traffic included)
         row["link_tx_per_worker"] = sum(link["tx_bytes"] for link in links) / n
         row["link_rx_per_worker"] = sum(link["rx_bytes"] for link in links) / n
     if w0s[0].get("profile"):
@@ -54,9 +53,9 @@ def summarize(system, config, passes):
     return row
 
 
-def load_results(result_dir, prefix):
+def load_results(result_dir, prefix, workers):
     out = []
-    for rank in range(2):
+    for rank in range(workers):
         path = os.path.join(result_dir, f"{prefix}-w{rank}.json")
         if not os.path.exists(path):
             raise ClusterFailed(f"worker rank {rank} wrote no result ({path})", [])
@@ -65,61 +64,84 @@ def load_results(result_dir, prefix):
     return out
 
 
+def collective_rows(path):
+    """bench_collective's rank 0 results: label -> {median_s, min_s, max_s, times}."""
+    if not os.path.exists(path):
+        raise ClusterFailed(f"rank 0 of the collective block wrote no result ({path})", [])
+    with open(path) as f:
+        return {r["row"]: r for r in json.load(f)}
+
+
 def fmt_mb(value):
     return "-" if value is None else f"{value / 1e6:.2f}"
 
 
-def verdict(row, dense_pslite, topo_name):
-    """(target text, ok/MISS/'') for a row."""
-    if row.get("error"):
-        return "", ""
-    if row["system"] == "ps-lite":
-        ref = PSLITE_REFERENCE.get(topo_name, {}).get(row["config"])
-        return (f"ref {ref:g} s (issue)", "") if ref else ("", "")
-    targets = []
-    if row["config"] == "dense" and dense_pslite:
-        ok = row["seconds"] <= dense_pslite
-        targets.append((f"<= ps-lite {dense_pslite:.3f} s", ok))
-    limit = BPS_TARGETS.get(topo_name, {}).get(row["config"])
-    if limit is not None:
-        targets.append((f"<= {limit:g} s", row["seconds"] <= limit))
-    if not targets:
-        return "", ""
-    return "; ".join(t for t, _ in targets), "ok" if all(ok for _, ok in targets) else "MISS"
+def find(rows, system, config):
+    return next((r for r in rows if r["system"] == system and r["config"] == config
+                 and not r.get("error")), None)
+
+
+BEST_CODEC_LIMIT = {"loopback": 1.0, "1gbit": 0.8}  # issue 12: best codec / DDP PowerSGD rank 1
+
+
+def targets(rows, topo_name):
+    """The issue's targets as [(what, ratio or None, limit or None, verdict)]."""
+    out = []
+    gloo = find(rows, "torch", "torch all_reduce dense")
+    for r in rows:
+        if r["system"] == "bps_gc PS" and r["config"] == "dense" and not r.get("error"):
+            ratio = r["seconds"] / gloo["seconds"] if gloo else None
+            out.append((f"PS dense ({r['topology']}) / gloo all_reduce", ratio, 1.0))
+    r1 = find(rows, "torch", "DDP PowerSGD rank 1")
+    codecs = [r for r in rows if r["system"] in ("bps_gc PS", "bps_gc collective", "bps_gc DDP hook")
+              and r["config"] != "dense" and not r.get("error")]
+    if codecs and r1:
+        best = min(codecs, key=lambda r: r["seconds"])
+        out.append((f"best codec ({best['system']} {best['config']}) / DDP PowerSGD rank 1",
+                    best["seconds"] / r1["seconds"], BEST_CODEC_LIMIT.get(topo_name)))
+    for rank in (1, 4):
+        theirs = find(rows, "torch", f"DDP PowerSGD rank {rank}")
+        for system in ("bps_gc collective", "bps_gc PS"):
+            ours = find(rows, system, f"powersgd rank {rank}")
+            ratio = ours["seconds"] / theirs["seconds"] if ours and theirs else None
+            out.append((f"our powersgd rank {rank} ({system}) / torch's", ratio, 1.0))
+    return [(what, ratio, limit, "n/a" if ratio is None else "" if limit is None
+             else "ok" if ratio <= limit else "MISS") for what, ratio, limit in out]
 
 
 def print_table(title, rows, topo_name, shaped):
-    dense = next((r["seconds"] for r in rows if r["system"] == "ps-lite" and r["config"] == "dense"
-                  and not r.get("error")), None)
-    head = ["system", "config", "s/round", "min", "max", "push MB/w", "pull MB/w"]
+    gloo = find(rows, "torch", "torch all_reduce dense")
+    r1 = find(rows, "torch", "DDP PowerSGD rank 1")
+    head = ["system", "config", "topology", "s/round", "min", "max", "push MB/w", "pull MB/w"]
     if shaped:
-        head.append("link MB/w")
-    head += ["GB/s/w", "CPU%", "w CPU s", "vs ps-lite", "target", ""]
-    lines = []
+        head.append("NIC MB/m0")
+    head += ["CPU%", "vs gloo", "vs PSGD r1"]
+    lines, failed = [], []
     for r in rows:
         if r.get("error"):
-            cells = [r["system"], r["config"], "FAILED", "", "", "", ""] + ([""] if shaped else []) \
-                + ["", "", "", "", r["error"][:60], ""]
-            lines.append(cells)
+            lines.append([r["system"], r["config"], r["topology"], "FAILED"])
+            failed.append(f"  {r['system']} {r['config']} ({r['topology']}) FAILED: {r['error']}")
             continue
-        target, ok = verdict(r, dense, topo_name)
-        cells = [r["system"], r["config"], f"{r['seconds']:.3f}", f"{r['min']:.3f}",
-                 f"{r['max']:.3f}", fmt_mb(r["pushed_wire"]), fmt_mb(r["pulled_wire"])]
+        cells = [r["system"], r["config"], r["topology"], f"{r['seconds']:.3f}", f"{r['min']:.3f}",
+                 f"{r['max']:.3f}", fmt_mb(r.get("pushed_wire")), fmt_mb(r.get("pulled_wire"))]
         if shaped:
             link = r.get("link_tx_per_worker")
             cells.append("-" if link is None else fmt_mb(link + r["link_rx_per_worker"]))
         busy = r.get("machine_busy")
-        wcpu = [c for c in r.get("worker_cpu_per_round") or [] if c is not None]
-        cells += [f"{r['gbps_per_worker']:.3f}", "-" if busy is None else f"{100 * busy:.0f}",
-                  "/".join(f"{c:.3f}" for c in wcpu) or "-",
-                  f"{r['seconds'] / dense:.2f}" if dense else "-", target, ok]
+        cells += ["-" if busy is None else f"{100 * busy:.0f}",
+                  f"{r['seconds'] / gloo['seconds']:.2f}" if gloo else "-",
+                  f"{r['seconds'] / r1['seconds']:.2f}" if r1 else "-"]
         lines.append(cells)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *[c + [""] * (len(head) - len(c)) for c in lines])]
     out = [title, "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
+    out += failed
+    out.append("\ntargets (issue 10 and 12):")
+    for what, ratio, limit, ok in targets(rows, topo_name):
+        shown = "n/a" if ratio is None else f"{ratio:.2f}"
+        bound = f"<= {limit:g}" if limit is not None else "(no target at this link)"
+        out.append(f"  {what}: {shown} {bound if ratio is not None else ''} {ok}".rstrip())
     text = "\n".join(out)
     print(text, flush=True)
     return text
-
-

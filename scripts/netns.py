@@ -123,3 +123,94 @@ class ShapedLink:
         return (f"veth {self.veth['srv']} ({self.ns['srv']}, {SRV_ADDR}) <-> {self.veth['wrk']} "
                 f"({self.ns['wrk']}, {WRK_ADDR}); each end: tbf rate {self.rate} burst "
                 f"{self.burst} B latency {LATENCY}")
+
+
+class SwitchedMachines:
+    """``machines`` namespaces, each a "machine" with one NIC, joined by a bridge (the switch)
+    in a hub namespace: machine i has 10.213.0.(i+1)/24 on its veth. Each NIC is shaped in both
+    directions (tbf on the machine's end: what it sends; on the hub's end: what it receives),
+    so every machine has ``rate`` up and ``rate`` down, as on a switched network. Processes of
+    one machine talk to each other over that namespace's loopback, unshaped.
+
+        with SwitchedMachines("1gbit", 4) as net:
+            net.command(2, ["python", ...])    # runs on machine 2 (address net.addr[2])
+    """
+
+    def __init__(self, rate, machines, tag=None):
+        if not 1 <= machines <= 200:
+            raise ValueError(f"machines must be in [1, 200], got {machines}")
+        self.rate = rate
+        self.rate_bits = parse_rate(rate)
+        self.burst = tbf_burst(self.rate_bits)
+        tag = str(os.getpid() if tag is None else tag)[-7:]
+        self.hub = f"bpsgc-hub-{tag}"
+        self.ns = [f"bpsgc-m{i}-{tag}" for i in range(machines)]
+        self.veth = [f"bm{tag}x{i}" for i in range(machines)]       # the machine's NIC
+        self.hub_veth = [f"bh{tag}x{i}" for i in range(machines)]   # its switch port
+        self.addr = [f"10.213.0.{i + 1}" for i in range(machines)]
+        self.created = []
+
+    def __enter__(self):
+        try:
+            self.create()
+        except BaseException:
+            self.delete()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.delete()
+        return False
+
+    def _shape(self, ns, dev):
+        _ip("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+            "rate", self.rate, "burst", str(self.burst), "latency", LATENCY)
+
+    def create(self):
+        if os.geteuid() != 0:
+            raise NetnsUnavailable("network namespaces need root (this process is not root)")
+        _ip("ip", "netns", "add", self.hub)
+        self.created.append(self.hub)
+        _ip("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.ns):
+            _ip("ip", "netns", "add", ns)
+            self.created.append(ns)
+            dev, port = self.veth[i], self.hub_veth[i]
+            _ip("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
+            _ip("ip", "link", "set", dev, "netns", ns)
+            _ip("ip", "link", "set", port, "netns", self.hub)
+            _ip("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+            _ip("ip", "-n", self.hub, "link", "set", port, "up")
+            _ip("ip", "-n", ns, "addr", "add", f"{self.addr[i]}/{PREFIX}", "dev", dev)
+            _ip("ip", "-n", ns, "link", "set", dev, "up")
+            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            self._shape(ns, dev)
+            self._shape(self.hub, port)
+
+    def delete(self):
+        """Delete the namespaces (their veths go with them); never raises."""
+        for i, dev in enumerate(self.veth):  # a pair left in the root namespace half-way
+            try:
+                if _ip("ip", "link", "show", dev, check=False).returncode == 0:
+                    _ip("ip", "link", "del", dev, check=False)
+            except NetnsUnavailable:
+                pass
+        for ns in reversed(self.created):
+            try:
+                _ip("ip", "netns", "del", ns, check=False)
+            except NetnsUnavailable:
+                pass
+        self.created = []
+
+    def command(self, machine, argv):
+        return ["ip", "netns", "exec", self.ns[machine], *argv]
+
+    def qdisc_stats(self, machine):
+        return _ip("ip", "netns", "exec", self.ns[machine], "tc", "-s", "qdisc", "show", "dev",
+                   self.veth[machine], check=False).stdout.strip()
+
+    def describe(self):
+        return (f"{len(self.ns)} machines ({', '.join(self.addr)}) on a bridge in {self.hub}; "
+                f"each NIC: tbf rate {self.rate} burst {self.burst} B latency {LATENCY}, "
+                f"both directions")

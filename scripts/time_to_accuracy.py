@@ -1,28 +1,39 @@
 #!/usr/bin/env python3
 """Time to accuracy on the MNIST demo's task (MLP 784-128-10, the 4,000 real training digits
-of example/demo, 1,000 held out), 2 ranks under torchrun on loopback, batch 32 per rank,
-SGD lr 0.1 momentum 0.9: PyTorch's DDP (dense, fp16 hook, PowerSGD rank 1 and 4, torch's own
-hooks) against bps_gc on the collective transport (its DDP hook, and DistributedOptimizer with
-the demo's onebit recipe).
+of example/demo, 1,000 held out), 2 ranks, batch 32 per rank, SGD lr 0.1 momentum 0.9:
+PyTorch's DDP (dense, fp16 hook, PowerSGD rank 1 and 4, torch's own hooks) against bps_gc on
+the collective transport (its DDP hook; DistributedOptimizer with the demo's onebit recipe)
+and on the parameter server (the same recipe; one server per worker machine, co-located).
 
-Every configuration trains for the same epochs in the same processes; rank 0 evaluates every
---eval-every steps with the clock stopped. The table gives, for each, the wall time to first
-reach the dense run's final accuracy (minus --slack), its final accuracy and its speed-up
-against the slowest/fastest DDP configuration; the plot shows accuracy against wall time.
+One rank per machine: on loopback both are 127.0.0.1; with --shaped RATE (root) each is a
+network namespace whose NIC is shaped to RATE both ways (scripts/netns.py SwitchedMachines).
+The torch.distributed configurations train one after the other in the same 2 rank processes;
+the parameter-server one in a second cluster (scheduler, 2 servers, 2 workers) on the same
+link. Rank 0 evaluates every --eval-every steps with the clock stopped. The table gives, for
+each, the wall time to first reach the dense run's final accuracy (minus --slack), its final
+accuracy and its speed-up against the fastest DDP configuration; the plot shows accuracy
+against wall time.
 
-    python scripts/time_to_accuracy.py                     # 10 epochs
-    python scripts/time_to_accuracy.py --epochs 2 --out /tmp/tta
+    python scripts/time_to_accuracy.py                     # loopback, 10 epochs
+    sudo python scripts/time_to_accuracy.py --shaped 100mbit
+    python scripts/time_to_accuracy.py --epochs 1 --out /tmp/tta
 """
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
-           "bps_gc hook topk 10% + EF", "bps_gc collective onebit + EF + nesterov")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import PY, ROOT, import_netns  # noqa: E402  (puts this checkout first)
+
+# bps_gc's DistributedOptimizer recipes (the momentum moves into the codec chain, as in the demo)
+RECIPES = {"onebit + EF + nesterov": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"},
+           "topk 1% + EF + nesterov": {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov"}}
+COLLECTIVE = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
+              "bps_gc hook topk 10% + EF", *(f"bps_gc collective {r}" for r in RECIPES))
+PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 
 
 def parse_args(argv=None):
@@ -30,38 +41,39 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--slack", type=float, default=0.0, help="target = dense final accuracy - slack")
+    p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
+    p.add_argument("--rows", default=None, help="only configurations whose name contains one of "
+                   "these comma-separated words (DDP dense always runs: it sets the target)")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
     return p.parse_args(argv)
 
 
 def rank_main(args):
     import numpy as np
     import torch
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "demo")]
+    sys.path.insert(0, os.path.join(ROOT, "example", "demo"))
     import bps_gc.torch as bps
     from mnist_worker import accuracy, load_data, network
 
     torch.set_num_threads(1)
-    os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
     bps.init()
     rank, size = bps.rank(), bps.size()
     x, y, xv, yv = load_data(4000)
     shard = np.arange(rank, len(x), size)
     per_epoch = len(x) // size // 32
     curves = {}
-    for config in CONFIGS:
+    for config in args.configs.split(","):
         model = network(128, 0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
                               nesterov="nesterov" in config)
-        if config.startswith("bps_gc collective"):
-            # the demo's recipe: the momentum moves into the codec chain before onebit
+        if config.startswith(("bps_gc collective", "bps_gc PS")):
+            # the momentum moves into the codec chain before the compressor (the demo's recipe)
             opt = bps.DistributedOptimizer(opt, named_parameters=[(f"{config}.{n}", p) for n, p in model.named_parameters()],
-                                           compression_params={"compressor": "onebit", "scaling": True, "ef": "vanilla",
-                                                               "momentum": "nesterov"})
+                                           compression_params=RECIPES[config.split(" ", 2)[2]])
             net = model
         else:
             net = DDP(model)
@@ -75,7 +87,7 @@ def rank_main(args):
                 net.register_comm_hook(None, bps.comm_hook({"compressor": "topk", "k": 0.1, "ef": "vanilla"},
                                                            optimizer=opt))
         curve, clock, step = [(0.0, accuracy(model, xv, yv))], 0.0, 0
-        dist.barrier()
+        bps.barrier()
         for epoch in range(args.epochs):
             order = np.random.default_rng(epoch).permutation(shard)
             for start in range(0, per_epoch * 32, 32):
@@ -89,7 +101,7 @@ def rank_main(args):
                 if step % args.eval_every == 0:
                     if rank == 0:
                         curve.append((clock, accuracy(model, xv, yv)))
-                    dist.barrier()  # the clock is stopped while rank 0 evaluates
+                    bps.barrier()  # the clock is stopped while rank 0 evaluates
         if rank == 0:
             curve.append((clock, accuracy(model, xv, yv)))
             curves[config] = curve
@@ -97,6 +109,46 @@ def rank_main(args):
     if rank == 0:
         json.dump(curves, open(args.rank_out, "w"))
     bps.shutdown()
+
+
+def run_clusters(args, topo, log_dir):
+    """The torch.distributed ranks, then the parameter-server cluster; rank 0's curves."""
+    from bench_cluster import Children, ClusterFailed, child_env, cluster_env, log_tail, node_plan, run_cluster, worker_env
+    children = Children()
+    curves = {}
+    def wanted(name):
+        return name == "DDP dense" or not args.rows or any(w in name for w in args.rows.split(","))
+
+    runs = [(transport, [c for c in configs if wanted(c)]) for transport, configs in
+            (("collective", COLLECTIVE), ("ps", PS))]
+    try:
+        for transport, configs in runs:
+            if not configs:
+                continue
+            raw = os.path.join(log_dir, f"{transport}.json")
+            cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--epochs", str(args.epochs),
+                   "--eval-every", str(args.eval_every), "--configs", ",".join(configs)]
+            port = topo.port()
+            if transport == "collective":
+                plan = [(f"rank{r}", topo.wrap(r, cmd), child_env(
+                    {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                     "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective"}))
+                    for r in range(2)]
+            else:
+                common = {**cluster_env(topo, 2, 2, port), "OMP_NUM_THREADS": "1", "BPS_GC_TRANSPORT": "ps"}
+                plan = node_plan(topo, common, [0, 1], [PY, "-m", "bps_gc.launcher.cli"])
+                plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
+                          child_env(worker_env(topo, common, w))) for w in range(2)]
+            try:
+                run_cluster(children, plan, {"rank0", "rank1"}, 3600, log_dir)
+            except ClusterFailed as e:
+                tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
+                sys.exit(f"time_to_accuracy: the {transport} run failed: {e.args[0]}\n{tails[-3000:]}")
+            curves.update(json.load(open(raw)))
+    finally:
+        children.stop_all()
+    return curves
 
 
 def time_to(curve, target):
@@ -107,21 +159,31 @@ def main(argv=None):
     args = parse_args(argv)
     if args.rank_out:
         return rank_main(args)
+    from bench_cluster import Loopback, Switched
     os.makedirs(args.out, exist_ok=True)
-    raw = os.path.join(args.out, "curves.json")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            os.path.abspath(__file__), "--rank-out", raw, "--epochs", str(args.epochs),
-            "--eval-every", str(args.eval_every)]
-    proc = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), cwd=ROOT,
-                          timeout=3600, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"time_to_accuracy: the ranks failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    curves = json.load(open(raw))
+    net, where = None, "loopback"
+    if args.shaped:
+        netns = import_netns()
+        try:
+            net = netns.SwitchedMachines(args.shaped, 2).__enter__()
+            where = f"{args.shaped} shaped (one namespace per rank; {net.describe()})"
+        except netns.NetnsUnavailable as e:
+            print(f"time_to_accuracy: cannot shape a link here ({e}); running on loopback")
+    try:
+        with tempfile.TemporaryDirectory(prefix="tta-") as log_dir:
+            curves = run_clusters(args, Switched(net) if net else Loopback(), log_dir)
+    finally:
+        if net is not None:
+            net.delete()
+    report(args, curves, where)
+
+
+def report(args, curves, where):
     target = curves["DDP dense"][-1][1] - args.slack
     rows = {name: {"seconds_to_target": time_to(c, target), "final_accuracy": c[-1][1], "train_seconds": c[-1][0]}
             for name, c in curves.items()}
     ddp_times = [r["seconds_to_target"] for n, r in rows.items() if n.startswith("DDP") and r["seconds_to_target"]]
-    print(f"2 ranks, loopback, {args.epochs} epochs; target = dense DDP's final accuracy {target:.4f}")
+    print(f"2 ranks, {where}, {args.epochs} epochs; target = dense DDP's final accuracy {target:.4f}")
     print(f"{'':42} {'s to target':>11} {'final acc':>9} {'train s':>8} {'vs fastest DDP':>14}")
     for name, r in rows.items():
         t = r["seconds_to_target"]
@@ -129,7 +191,8 @@ def main(argv=None):
         shown = f"{t:11.2f}" if t is not None else f"{'never':>11}"
         speed = f"{r['speedup_vs_fastest_ddp']:.2f}x" if r["speedup_vs_fastest_ddp"] else "-"
         print(f"{name:42} {shown} {r['final_accuracy']:9.4f} {r['train_seconds']:8.2f} {speed:>14}")
-    json.dump({"target": target, "epochs": args.epochs, "rows": rows, "curves": curves},
+    json.dump({"target": target, "epochs": args.epochs, "link": where, "command": sys.argv,
+               "rows": rows, "curves": curves},
               open(os.path.join(args.out, "time_to_accuracy.json"), "w"), indent=1)
     import matplotlib
     matplotlib.use("Agg")
@@ -140,6 +203,7 @@ def main(argv=None):
     ax.axhline(target, color="grey", linestyle=":", label="target")
     ax.set_xlabel("training wall time (s), rank 0")
     ax.set_ylabel("validation accuracy")
+    ax.set_title(f"MNIST MLP, 2 ranks, {args.shaped or 'loopback'}", fontsize=9)
     ax.set_ylim(0.8, 1.0)
     ax.legend(fontsize=8)
     fig.tight_layout()

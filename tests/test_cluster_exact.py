@@ -88,3 +88,8 @@ def test_undeclared_shapes_are_placed_on_first_use(tmp_path):
     spec = spec_for(CODECS["topk"], "float32", steps=2)
     spec["declare_shapes"] = False
     check(spec, tmp_path)
+
+
+def test_same_host_servers_over_tcp_when_unix_sockets_are_off(tmp_path):
+    # every other test here reaches its same-host servers over their unix sockets (the default)
+    check(spec_for(CODECS["topk"], "float32", steps=2), tmp_path, env={"BPS_GC_LOCAL_IPC": "0"})

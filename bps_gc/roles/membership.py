@@ -68,6 +68,7 @@ class Membership:
         self.cfg, self.role, self.rank = cfg, role, rank
         self.host = advertised_host(cfg)
         self.port = port
+        self.local = None
         self.sock = auth.client(ctx.socket(zmq.DEALER))
         self.sock.setsockopt(zmq.LINGER, 500)
         self.sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
@@ -85,9 +86,12 @@ class Membership:
         send(self.sock, Header(mtype, self.node_id or 0, key=key), None if obj is None else encode_json(obj))
 
     def registration(self):
-        return {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
+        info = {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
                 "worker_id": self.cfg.worker_id, "local_rank": self.cfg.local_rank,
                 "agree": self.cfg.agreement()}
+        if self.local:
+            info["local"] = self.local  # the same-host endpoint (sockets.bind_local)
+        return info
 
     def abort(self, reason):
         """This node cannot start (e.g. a plugin is missing): register the reason, so that the

@@ -24,15 +24,19 @@ REFUSE_SECONDS = 3.0
 
 
 class Member:
-    __slots__ = ("identity", "role", "rank", "host", "port", "node_id", "last_seen", "gone")
+    __slots__ = ("identity", "role", "rank", "host", "port", "local", "node_id", "last_seen", "gone")
 
-    def __init__(self, identity, role, rank, host, port):
+    def __init__(self, identity, role, rank, host, port, local=None):
         self.identity, self.role, self.rank, self.host, self.port = identity, role, rank, host, port
+        self.local = local  # its same-host endpoint, if it has one
         self.node_id, self.last_seen, self.gone = None, time.monotonic(), False
 
     def describe(self):
-        return {"id": self.node_id, "role": self.role, "rank": self.rank,
+        info = {"id": self.node_id, "role": self.role, "rank": self.rank,
                 "address": f"{self.host}:{self.port}" if self.port else self.host}
+        if self.local:
+            info["local"] = self.local
+        return info
 
 
 class Scheduler:
@@ -144,6 +148,10 @@ class Scheduler:
             info = decode_json(msg.payload or b"")
             role, rank = info["role"], int(info["rank"])
             host, port = str(info["host"]), int(info.get("port", 0))
+            local = info.get("local")
+            if local is not None and not (isinstance(local, str) and local.startswith("ipc://@bps_gc/")
+                                          and len(local) <= 300):
+                raise ValueError(f"local endpoint {local!r}")
         except (MalformedMessage, KeyError, TypeError, ValueError) as e:
             self.dropped("a bad registration: %s", e)
             return None
@@ -171,7 +179,7 @@ class Scheduler:
         if problem:
             log.error("refused %s from %s: %s", role, host, problem)
             return self.refuse(msg.identity, problem)
-        self.members[msg.identity] = Member(msg.identity, role, rank, host, port)
+        self.members[msg.identity] = Member(msg.identity, role, rank, host, port, local)
         log.info("%s %s joined from %s:%s", role, rank, host, port)
         if all(self.count(r) == n for r, n in self.expected.items()):
             self.publish_address_book()

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import zmq
 
-from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, recv, send
+from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
 from ..transport.wire import (FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, Flag, Header, Msg,
                               decode_json, encode_json, pack_fused, unpack_fused)
 from . import NodeFailure
@@ -43,6 +43,8 @@ class Server:
         largest = max(4 * cfg.partition_bytes + 64, MAX_JSON,
                       FUSED_COUNT.size + MAX_FUSED * FUSED_ENTRY.size + cfg.fusion_bytes) + 4096
         self.membership.port = bind(self.router, self.membership.host, cfg.port, largest, "server (BPS_GC_PORT)")
+        if cfg.local_ipc:
+            self.membership.local = bind_local(self.router, self.membership.host, self.membership.port)
         self.wake = self.ctx.socket(zmq.PULL)
         self.wake.bind(WAKE)
         self.replies = queue.SimpleQueue()

@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from ..transport.sockets import DropLog, MalformedMessage, recv, send
+from ..transport.sockets import DropLog, MalformedMessage, peer_endpoint, recv, send
 from ..transport.wire import FUSED_BIT, Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
 from . import NodeFailure
 from .event_loop import EventLoop
@@ -62,7 +62,8 @@ class WorkerIO:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            sock.connect(f"tcp://{server['address']}")
+            # a server on this host: over a unix socket (half the kernel work of TCP loopback)
+            sock.connect(peer_endpoint(server, membership.host))
             self.links.append(sock)
         self.servers = servers
         self.commands = queue.SimpleQueue()

@@ -1,0 +1,27 @@
+"""scripts/bench_pushpull.py runs end to end on loopback (quick rows, the first few ResNet-50
+tensors) and writes its table, ratios to the targets and JSON. Timings are never asserted."""
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_bench_pushpull_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench_pushpull.py", "--quick", "--tensors", "6",
+                             "--pslite", "none", "--configs", "dense", "--collective-rows",
+                             "all_reduce,PowerSGD rank 1,collective topk 0.1%", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {(r["system"], r["config"]): r for r in data["results"]}
+    assert {("torch", "torch all_reduce dense"), ("torch", "DDP PowerSGD rank 1"),
+            ("bps_gc collective", "topk 0.1%"), ("bps_gc PS", "dense")} == set(rows)
+    assert rows[("bps_gc PS", "dense")]["check"] == "ok"  # the dense sum is exact
+    assert rows[("bps_gc PS", "dense")]["topology"] == "2 workers, servers colocated"
+    assert all(r["seconds"] > 0 for r in rows.values())
+    what = [t[0] for t in data["targets"]]
+    assert "PS dense (2 workers, servers colocated) / gloo all_reduce" in what
+    assert any(w.startswith("best codec") for w in what)
+    assert "PS dense (2 workers, servers colocated) / gloo all_reduce" in result.stdout

@@ -5,6 +5,7 @@ rank's gradients in, the averaged result out) for the numpy re-computation.
 spec "mnist": the demo's MLP on its real digits (example/demo/mnist_worker.py's data and model),
 dense DDP or the hook, saving the final validation accuracy.
 """
+import gc
 import json
 import os
 import sys
@@ -72,4 +73,9 @@ def mnist(spec):
 
 
 {"record": record, "mnist": mnist}[spec["mode"]](spec)
+# Gloo finishes a collective on one rank while its last sends may still be draining to the
+# other: a barrier first, so that no rank tears its pairs down under a peer (an abort at exit,
+# seen on a loaded CI machine), and the DDP reducer is collected before the group goes.
+dist.barrier()
+gc.collect()
 dist.destroy_process_group()

@@ -22,7 +22,7 @@ ALLOWED = {
     "launcher": {"config"},
     "core": {"config", "transport", "roles", "compress", "collective"},
     "node": {"config", "transport", "roles", "compress"},
-    "bindings": {"compress"},
+    "bindings": {"config", "core", "compress"},  # algorithms over the communicator (core)
     "torch": {"core", "bindings", "compress", "collective"},
     "mxnet": {"core", "bindings", "compress", "config"},
 }
@@ -42,11 +42,10 @@ def imports(path):
             for alias in node.names:
                 yield alias.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg_parts[: len(pkg_parts) - node.level + 1]
-                yield ".".join(base + ([node.module] if node.module else []))
-            else:
-                yield node.module
+            base = pkg_parts[: len(pkg_parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            # "from .. import core": the names may be the modules
+            yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
 def sources():

@@ -167,6 +167,9 @@ ERRORS = textwrap.dedent("""
     expect(lambda: bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
            compression_params={"compressor": "onebit", "momentum": "nesterov"}), ValueError,
            "needs momentum in the optimizer")
+    expect(lambda: bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+           compression_params={"compressor": "topk", "k": 0.1, "reducer": "majority"}), ValueError,
+           "compressor 'topk' does not support reducer 'majority'")
     expect(lambda: bps.DistributedOptimizer(model), TypeError, "wraps a torch.optim.Optimizer")
     expect(lambda: bps.push_pull(torch.ones(3, dtype=torch.int64), name="i"), TypeError, "torch.int64 is not supported")
     bps.shutdown()
@@ -177,7 +180,7 @@ def test_errors_are_clear():
     result = run_local([sys.executable, "-c", ERRORS], workers=1, servers=1, timeout=60,
                        env={"BYTEPS_FORCE_DISTRIBUTED": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert result.stdout.count("OK:") == 5
+    assert result.stdout.count("OK:") == 6
 
 
 LAZY = textwrap.dedent("""

@@ -30,6 +30,9 @@ CONFIGS = [
     {"name": "em-onebit", "optimizer": {"lr": 0.1, "momentum": 0.9},
      "compression_params": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov",
                             "granularity": "entiremodel"}},
+    # layer-wise top-k whose servers sum the workers' selections (no second top-k on the pull)
+    {"name": "lw-topk-lossless", "optimizer": {"lr": 0.1},
+     "compression_params": {"compressor": "topk", "k": 0.1, "reducer": "lossless"}},
 ]
 
 
@@ -96,6 +99,22 @@ def replay_dgc(results, names, params, divisor=2):
         assert [int(r[f"dgc/{step}/pushed_wire"]) for r in results] == pushed, f"step {step}"
 
 
+def replay_layerwise_lossless(results, names, params, divisor=2):
+    """Top-k per partition of every weight on each rank, the selections summed; biases dense."""
+    for step in range(len(EPOCHS)):
+        for n in names:
+            grads = [r[f"lw-topk-lossless/{step}/grad/{n}"].reshape(-1) for r in results]
+            if params[n].ndim > 1:
+                acc = np.zeros_like(grads[0])
+                for g in grads:
+                    for start in range(0, g.size, PARTITION_ELEMENTS):
+                        part = slice(start, start + PARTITION_ELEMENTS)
+                        acc[part] += topk(g[part], 0.1)
+            else:
+                acc = grads[0] + grads[1]
+            yield step, n, params[n] - np.float32(0.1) * (acc / np.float32(divisor)).reshape(params[n].shape)
+
+
 def replay_entire(cfg, results, names, params, divisor=2):
     sizes = [params[n].size for n in names]
     m = e = 0
@@ -144,6 +163,9 @@ def check_replay(results, divisor):
         if name == "dgc":  # weights compressed, biases (1-D) dense
             assert flags == {n: int(params[n].ndim > 1) for n in names}
             steps = replay_dgc(results, names, params, divisor)
+        elif name == "lw-topk-lossless":
+            assert flags == {n: int(params[n].ndim > 1) for n in names}
+            steps = replay_layerwise_lossless(results, names, params, divisor)
         else:  # no per-layer declaration: one vector, in chunks
             assert set(flags.values()) == {-1}
             steps = replay_entire(name, results, names, params, divisor)

@@ -22,7 +22,7 @@ import copy
 
 import numpy as np
 
-from ..compress import CompressionParams
+from ..compress import CompressionParams, choose_reducer
 
 
 class MomentumPlan:
@@ -106,6 +106,19 @@ class MomentumPlan:
             return None
         wd_rule = self.wd_rule if self.moves_weight_decay else None
         return PostPull(shape, dtype, self.mu, self.wd, compressed, wd_rule)
+
+
+def split_reducer(compression_params):
+    """(compression_params without ``reducer``, the reducer name or None): the bindings take the
+    servers' reducer (compress.reducers) as one more key and declare the compressed gradients
+    with it. Checked here, so a bad name fails at the optimizer or trainer that was given it."""
+    params = dict(compression_params or {})
+    reducer = params.pop("reducer", None)
+    if reducer is not None and params.get("compressor"):
+        choose_reducer(CompressionParams.from_dict(params), reducer)
+    elif reducer is not None:
+        raise ValueError(f"compression parameter 'reducer' ({reducer!r}) needs a 'compressor'")
+    return params, reducer
 
 
 def tensor_compression(compression_params, ndim):

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import core
 from ..bindings.entire_model import EntireModel, is_entire_model
-from ..bindings.momentum import MomentumPlan
+from ..bindings.momentum import MomentumPlan, split_reducer
 from .tensors import HostArray
 
 
@@ -33,7 +33,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     """``mx.gluon.Trainer`` over bps_gc (no kvstore).
 
     ``compression_params``: ``compressor``, ``ef``, ``momentum``, ``scaling``, ``k``, ``seed``,
-    ``partition``, ``normalize``, ``fp16`` (see the README). With ``momentum`` the optimizer's
+    ``partition``, ``normalize``, ``fp16``, ``granularity``, ``reducer`` (the servers' reducer of
+    the compressed gradients; see the README). With ``momentum`` the optimizer's
     momentum (and, for ``onebit``, its ``wd``) moves into the codec chain and the post-pull
     adapters. ``prefix`` (not in BytePS) is put in front of the tensor names, for a second
     trainer over other parameters in the same process.
@@ -55,7 +56,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         if compression_params is not None and not isinstance(compression_params, dict):
             raise TypeError("DistributedTrainer: compression_params must be a dict, got "
                             f"{type(compression_params).__name__}")
-        compression_params = dict(compression_params or {})
+        compression_params, self._reducer = split_reducer(compression_params)
         optimizer_params = dict(optimizer_params or {})  # never mutate the caller's
         plan, optimizer, optimizer_params = MomentumPlan.from_mxnet(optimizer, optimizer_params,
                                                                     compression_params)
@@ -87,6 +88,8 @@ class DistributedTrainer(mx.gluon.Trainer):
                 self._in_entire.add(i)  # declared with the others at the first step
                 continue
             compression.pop("granularity", None)
+            if compression.get("compressor"):
+                compression["reducer"] = self._reducer
             self._grad_tensors[i] = self._declare(self._name("gradient", i), shape, dtype, param,
                                                   compression)
 
@@ -178,7 +181,7 @@ class DistributedTrainer(mx.gluon.Trainer):
                                  f"gradients, got {sorted(str(d) for d in dtypes)}")
             self._entire = EntireModel(self._name("gradient", "entiremodel"),
                                        [h.array.shape for h in hosts], hosts[0].array.dtype,
-                                       self._entire_params)
+                                       self._entire_params, self._reducer)
         self._entire.reduce([h.array for h in hosts], ctx, average=False)
 
     def _adapter(self, i, grad):

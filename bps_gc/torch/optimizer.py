@@ -12,7 +12,7 @@ import torch
 import bps_gc.core as core
 
 from ..bindings.entire_model import EntireModel, is_entire_model
-from ..bindings.momentum import MomentumPlan, tensor_compression
+from ..bindings.momentum import MomentumPlan, split_reducer, tensor_compression
 from ..compress import CompressionParams
 from . import ops
 
@@ -41,6 +41,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        compression_params, self._reducer = split_reducer(compression_params)
         self._plan = MomentumPlan.from_torch(self.param_groups, compression_params)
         # every worker declares the same names in the same (sorted) order
         self._params = sorted((p for p in all_params if p.requires_grad), key=lambda p: names[id(p)])
@@ -82,13 +83,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if id(p) not in self._in_entire:
                 params = tensor_compression(base, p.dim())
                 params.pop("granularity", None)
-                declaration = ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, **params)
+                reducer = self._reducer if params.get("compressor") else None
+                declaration = ops.declare(self._names[id(p)], tuple(p.shape), p.dtype, reducer=reducer,
+                                          **params)
                 compressed[id(p)] = declaration.compressed
         if not entire:
             return None, compressed
         # named after its first gradient, so that a second optimizer in the process has its own
         model = EntireModel(f"{ENTIRE_MODEL_NAME}.{self._names[id(entire[0])]}",
-                            [tuple(p.shape) for p in entire], ops.SUPPORTED[entire[0].dtype], base)
+                            [tuple(p.shape) for p in entire], ops.SUPPORTED[entire[0].dtype], base,
+                            self._reducer)
         compressed.update((id(p), model.compressed) for p in entire)
         return model, compressed
 

@@ -9,12 +9,10 @@ weights, two biases) all go through the codec, where the other rows compress onl
 weight. DGC sends its 1-D tensors (the biases) dense and warms its sparsity up over the first
 5 epochs (k^((e+1)/5): 25%, 6.3%, 1.6%, 0.4%, 0.1%); the worker tells it the epoch.
 
-How the server reduces differs, and it matters for the comparison: the layer-wise rows use the
-codec's default reducer, BytePS's ``recompress`` (the server decodes, sums and compresses the
-sum again with the same codec: a second top-k, threshold or quantization on the pull), while
-DGC and the entire-model rows pull ``lossless`` (the sum of the workers' messages, as the
-study's and DGC's allgather). bps_gc.torch has no compression_params key to choose the
-reducer of a layer-wise tensor.
+Every row's servers reduce with ``lossless``: the pull is the exact sum of the workers'
+decoded messages, as the study's and DGC's allgather (the layer-wise rows set ``reducer``;
+BytePS's default ``recompress`` would compress the sum again, a second top-k, threshold or
+quantization on the pull, and so favour the entire-model rows).
 """
 
 # every row runs with this environment added (read by each worker at bps_gc init)
@@ -24,11 +22,12 @@ ROW_ENV = {"BYTEPS_MIN_COMPRESS_BYTES": "0"}
 CODEC_ROWS = {
     "dgc": ("DGC 0.1%, warm-up 5 epochs, fp16 values",
             {"compressor": "dgc", "k": 0.001, "warmup_epochs": 5, "fp16_values": True, "momentum": "nesterov"}),
-    "terngrad": ("TernGrad, layer-wise", {"compressor": "terngrad"}),
-    "qsgd": ("QSGD Q=255, layer-wise", {"compressor": "qsgd", "levels": 255}),
-    "thresholdv": ("threshold-v v=0.001, layer-wise", {"compressor": "threshold", "threshold": 0.001}),
-    "topk-lw-1": ("top-1% layer-wise", {"compressor": "topk", "k": 0.01}),
+    "terngrad": ("TernGrad, layer-wise", {"compressor": "terngrad", "reducer": "lossless"}),
+    "qsgd": ("QSGD Q=255, layer-wise", {"compressor": "qsgd", "levels": 255, "reducer": "lossless"}),
+    "thresholdv": ("threshold-v v=0.001, layer-wise", {"compressor": "threshold", "threshold": 0.001,
+                                                          "reducer": "lossless"}),
+    "topk-lw-1": ("top-1% layer-wise", {"compressor": "topk", "k": 0.01, "reducer": "lossless"}),
     "topk-em-1": ("top-1% entire-model", {"compressor": "topk", "k": 0.01, "granularity": "entiremodel"}),
-    "topk-lw-10": ("top-10% layer-wise", {"compressor": "topk", "k": 0.1}),
+    "topk-lw-10": ("top-10% layer-wise", {"compressor": "topk", "k": 0.1, "reducer": "lossless"}),
     "topk-em-10": ("top-10% entire-model", {"compressor": "topk", "k": 0.1, "granularity": "entiremodel"}),
 }

@@ -244,6 +244,11 @@ class FolderData:
             transforms.ToTensor(),
             normalize,
         ])
+        # Compose hybridizes ToTensor + Normalize; two loader threads building that graph at
+        # once race on Gluon's name scope (AttributeError '__exit__'): build it here, once
+        for transform, records in ((transform_train, train), (transform_test, val)):
+            if len(records):
+                transform(records[0][0])
         # threads, not processes: forking a process with the worker core's threads and
         # sockets is not safe
         loader = dict(batch_size=args.batch_size, num_workers=args.num_workers,

@@ -43,3 +43,18 @@ def test_slow_network_two_configs(tmp_path):
     # topk 1% + EF sends a few percent of the dense bytes
     assert rows["topk"]["wire_mb_per_epoch"] < rows["baseline"]["wire_mb_per_epoch"] / 5
     assert "baseline" in result.stdout and "speed-up" in result.stdout
+
+
+def test_choco_bytes_counts_the_gossip_message(tmp_path):
+    out = tmp_path / "choco.json"
+    run_script("choco_bytes.py", "--json", str(out), timeout=120)
+    data = json.loads(out.read_text())
+    rows = {r["q"]: r["bytes"] for r in data["rows"]}
+    tensors, params = data["tensors"], data["dense_bytes"] // 4
+    assert (tensors, params) == (65, 272_474)  # CIFAR ResNet-20 v1, 10 classes
+    head = 4 + 4 * tensors  # uint32 count + one uint32 length per tensor
+    assert rows["none (D-PSGD)"] == head + 4 * params
+    # top-1%: at least one (uint32 index, float32 value) pair per tensor, 1% of each otherwise
+    assert head + 8 * tensors < rows["top-1%"] == rows["random-1%"] < head + 8 * (params // 100 + 2 * tensors)
+    # signnorm: one bit per element (whole 32-bit words) plus one float scale per tensor
+    assert rows["signnorm"] > head + params // 8

@@ -1,6 +1,6 @@
 """The demo's issue-11 rows (mnist_demo.py --codec-rows): DGC, TernGrad, QSGD and threshold-v,
-and top-k applied per tensor (layer-wise) or once over the whole model (entire-model) at two
-kept fractions, the study's grid in algorithms.md sections 2-3.
+TernGrad, QSGD and top-k (at two kept fractions) applied per tensor (layer-wise) or once over the
+whole model (entire-model): the study's grid in algorithms.md sections 2-3.
 
 As in the layer-wise study there is no error feedback (the optimizer's momentum 0.9 applies to
 the averaged gradient; DGC moves it into its momentum correction), and every tensor is
@@ -26,6 +26,8 @@ CODEC_ROWS = {
     "qsgd": ("QSGD Q=255, layer-wise", {"compressor": "qsgd", "levels": 255, "reducer": "lossless"}),
     "thresholdv": ("threshold-v v=0.001, layer-wise", {"compressor": "threshold", "threshold": 0.001,
                                                           "reducer": "lossless"}),
+    "terngrad-em": ("TernGrad, entire-model", {"compressor": "terngrad", "granularity": "entiremodel"}),
+    "qsgd-em": ("QSGD Q=255, entire-model", {"compressor": "qsgd", "levels": 255, "granularity": "entiremodel"}),
     "topk-lw-1": ("top-1% layer-wise", {"compressor": "topk", "k": 0.01, "reducer": "lossless"}),
     "topk-em-1": ("top-1% entire-model", {"compressor": "topk", "k": 0.01, "granularity": "entiremodel"}),
     "topk-lw-10": ("top-10% layer-wise", {"compressor": "topk", "k": 0.1, "reducer": "lossless"}),

@@ -9,6 +9,7 @@ this worker pushed per step and the compression ratio, and the time.
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -105,3 +106,30 @@ def write_summary(path, args, params, workers, history):
         json.dump({"args": vars(args), "compression_params": params, "workers": workers,
                    "transport": transport_from_env(),
                    "history": history}, f, indent=1)
+
+
+def distribute(opt, model, params, script):
+    """``opt`` wrapped by bps_gc with ``params``, the model broadcast from rank 0; a combination
+    bps_gc refuses exits naming the script and the reason."""
+    try:
+        opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression_params=params)
+    except ValueError as e:  # a codec/momentum combination this bps_gc refuses: its message
+        raise SystemExit(f"{script}: {e}")
+    check_epoch_support(opt, params)
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    return opt
+
+
+def train_and_summarize(args, params, model, opt, logger, threads, train_batches, **train_args):
+    """train() with ``train_batches(epoch, executor)`` fed by ``threads`` loader threads (none:
+    on the caller's thread); rank 0 writes <logdir>/<name>.json; bps_gc is shut down."""
+    executor = ThreadPoolExecutor(threads) if threads > 0 else None
+    try:
+        history = train(model, opt, logger, train_batches=lambda epoch: train_batches(epoch, executor),
+                        **train_args)
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+    if bps.rank() == 0:
+        write_summary(os.path.join(args.logdir, f"{args.name}.json"), args, params, bps.size(), history)
+    bps.shutdown()

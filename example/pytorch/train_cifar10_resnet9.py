@@ -21,7 +21,6 @@ accuracy, validation accuracy, bytes pushed per step and compression ratio.
 import argparse
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ from cifar100_data import augment, epoch_batches, prefetch  # noqa: E402
 from cifar10_data import CLASSES, load_split, normalize  # noqa: E402
 from study_flags import (OneLineParser, add_study_args, compress_every_layer, require_launcher,  # noqa: E402
                          study_compression)
-from study_training import check_epoch_support, train, write_summary  # noqa: E402
+from study_training import distribute, train_and_summarize  # noqa: E402
 from training_utils import make_logger, steps_per_epoch  # noqa: E402
 
 NETWORKS = ("resnet9", "alexnet")
@@ -153,12 +152,7 @@ def main(argv=None):
     model = build_model(args.network, args.width)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
                           nesterov=args.nesterov and args.momentum > 0)
-    try:
-        opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression_params=params)
-    except ValueError as e:  # a codec/momentum combination this bps_gc refuses: its message
-        raise SystemExit(f"train_cifar10_resnet9: {e}")
-    check_epoch_support(opt, params)
-    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = distribute(opt, model, params, "train_cifar10_resnet9")
 
     steps = steps_per_epoch(len(train_x) // size, len(train_x), size, args.batch_size, args.max_iters)
     val_x, val_y = test_x[rank::size], test_y[rank::size]
@@ -173,19 +167,11 @@ def main(argv=None):
             end = start + 2 * args.batch_size
             yield torch.from_numpy(normalize(val_x[start:end])), torch.from_numpy(val_y[start:end])
 
-    executor = ThreadPoolExecutor(args.num_workers) if args.num_workers > 0 else None
-    try:
-        history = train(model, opt, logger, epochs=args.epochs,
-                        train_batches=lambda epoch: (steps, prefetch(executor, batch, epoch_batches(
+    train_and_summarize(args, params, model, opt, logger, args.num_workers, epochs=args.epochs,
+                        train_batches=lambda epoch, executor: (steps, prefetch(executor, batch, epoch_batches(
                             args.seed, epoch, len(train_x), rank, size, steps, args.batch_size),
                             max(1, args.num_workers))),
                         val_batches=val_batches, lr_at=lambda e: blog_lr(args, e))
-    finally:
-        if executor is not None:
-            executor.shutdown(cancel_futures=True)
-    if rank == 0:
-        write_summary(os.path.join(args.logdir, f"{args.name}.json"), args, params, size, history)
-    bps.shutdown()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import ast
 import math
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -39,7 +38,7 @@ from imagenet_folder import normalize, scan, train_image, val_image  # noqa: E40
 from imagenet_resnet import LAYOUTS, ResNet, batchnorm_parameters  # noqa: E402
 from study_flags import (OneLineParser, add_study_args, compress_every_layer, require_launcher,  # noqa: E402
                          study_compression)
-from study_training import check_epoch_support, train, write_summary  # noqa: E402
+from study_training import distribute, train_and_summarize  # noqa: E402
 from training_utils import make_logger  # noqa: E402
 
 DEFAULT_PHASES = ("[{'ep': 0, 'sz': 128, 'bs': 64}, {'ep': (0, 5), 'lr': (0.1, 0.4)}, "
@@ -205,15 +204,10 @@ def main(argv=None):
     model = ResNet(args.arch, len(classes), args.width, args.init_bn0)
     opt = torch.optim.SGD(parameter_groups(model, args), lr=phase_lr(phases, 0), momentum=args.momentum,
                           weight_decay=args.wd, nesterov=args.nesterov and args.momentum > 0)
-    try:
-        opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression_params=params)
-    except ValueError as e:  # a codec/momentum combination this bps_gc refuses: its message
-        raise SystemExit(f"train_imagenet_nv: {e}")
-    check_epoch_support(opt, params)
-    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = distribute(opt, model, params, "train_imagenet_nv")
     val_mine = val_items[rank::size]
 
-    def train_batches(epoch):
+    def train_batches(epoch, executor):
         sz, bs = int(setting(phases, "sz", epoch)), int(setting(phases, "bs", epoch))
         min_scale = float(setting(phases, "min_scale", epoch, 0.08))
         steps = len(train_items) // size // bs
@@ -239,16 +233,9 @@ def main(argv=None):
             x = np.stack([val_image(path, sz) for path, _ in chunk])
             yield torch.from_numpy(normalize(x)), torch.tensor([label for _, label in chunk])
 
-    executor = ThreadPoolExecutor(args.workers) if args.workers > 0 else None
-    try:
-        history = train(model, opt, logger, epochs=total_epochs(phases), train_batches=train_batches,
-                        val_batches=val_batches, lr_at=lambda e: phase_lr(phases, e), print_freq=args.print_freq)
-    finally:
-        if executor is not None:
-            executor.shutdown(cancel_futures=True)
-    if rank == 0:
-        write_summary(os.path.join(args.logdir, f"{args.name}.json"), args, params, size, history)
-    bps.shutdown()
+    train_and_summarize(args, params, model, opt, logger, args.workers, epochs=total_epochs(phases),
+                        train_batches=train_batches, val_batches=val_batches,
+                        lr_at=lambda e: phase_lr(phases, e), print_freq=args.print_freq)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,28 @@ def test_multihost_port_in_use_is_one_line_naming_it():
     assert f"port {port} on 127.0.0.1 is already in use" in text, text
     print(f"multi-host port in use: the scheduler's bpslaunch exited {status} "
           f"after {time.monotonic() - job.started:.2f} s", file=sys.stderr)
+
+
+def test_multihost_worker_that_never_comes_stops_the_others():
+    """worker1's launcher runs a program that never joins (as if that host never started it):
+    after BPS_GC_JOIN_TIMEOUT the scheduler, the server and worker0 exit non-zero, naming what
+    is missing."""
+    job = Job(2, [STEPS, "import time; time.sleep(120)"], env={"BPS_GC_JOIN_TIMEOUT": "3"})
+    statuses = {}
+    try:
+        for name in ("scheduler", "server0", "worker0"):
+            try:
+                statuses[name] = job.launchers[name].wait(timeout=max(BOUND - (time.monotonic() - job.started), 0.1))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} still runs after {BOUND} s:\n{job.report(statuses)}") from None
+        elapsed = time.monotonic() - job.started
+    finally:
+        job.kill_all()  # worker1's sleeper: nothing of the job itself
+    report = job.report(statuses)
+    assert all(s != 0 for s in statuses.values()), report
+    for name in ("scheduler", "worker0"):
+        assert "the cluster did not assemble within 3 s (still missing: {'server': 0, 'worker': 1})" \
+            in job.text(name), report
+    assert "Traceback" not in job.text("worker0"), report
+    print(f"multi-host worker that never comes: the others exited non-zero after {elapsed:.2f} s "
+          "(join timeout 3 s)", file=sys.stderr)

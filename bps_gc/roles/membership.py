@@ -57,6 +57,9 @@ def abort_job(cfg, role, rank, reason):
     return NodeFailure(f"this {role} could not start: {reason}")
 
 
+JOIN_VERDICT_GRACE = 2.0  # seconds
+
+
 def describe(info):
     where = f" at {info['address']}" if info.get("address") else ""
     who = "the cluster" if info.get("role") == "cluster" else f"{info.get('role')} {info.get('rank')} (node {info.get('id')}{where})"
@@ -101,7 +104,9 @@ class Membership:
     def join(self, timeout):
         """Register and wait for the address book (blocking; used before the I/O loop runs)."""
         self.send(Msg.REGISTER, obj=self.registration())
-        deadline = time.monotonic() + timeout
+        # the scheduler enforces the same timeout and then tells every registered node what is
+        # missing: wait a little past it for that verdict before blaming the scheduler
+        deadline = time.monotonic() + timeout + JOIN_VERDICT_GRACE
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -262,8 +262,11 @@ class Scheduler:
         info["reason"] = reason
         if dead:
             dead.gone = True
-        log.error("%s %s (node %s, %s) failed: %s", info["role"], info["rank"], info["id"],
-                  info["address"], reason)
+        if dead:
+            log.error("%s %s (node %s, %s) failed: %s", info["role"], info["rank"], info["id"],
+                      info["address"], reason)
+        else:
+            log.error("the cluster failed: %s", reason)
         for m in self.members.values():
             if not m.gone:
                 self.reply(m, Msg.NODE_FAILED, obj=info)

@@ -2,7 +2,8 @@
 
 Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
 goes out when full or when a handle waiting on it is waited for. Its dense tensors are summed
-by one all_reduce (per dtype). Its compressed tensors, cut into the parameter server's
+by one all_reduce (per dtype), its two-phase tensors' phases by one all_reduce each. Its
+compressed tensors, cut into the parameter server's
 partitions (same keys, so the same codec seeds) and compressed when reduce() is called, send
 their payloads in one all_gather, and every rank runs the server's reduction (exchange.py).
 Every rank issues the same collectives in the same order because every rank declares, reduces
@@ -60,10 +61,12 @@ class SendHandle(api.Handle):
 class Bucket:
     """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
     [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
-    [(tensor, wire, out, average, lr, payloads)]."""
+    [(tensor, wire, out, average, lr, payloads)]; two-phase ones (PowerSGD) in one all_reduce
+    per phase ``phased``: [(PhasedReduction, first phase buffer, wire, out, average)], as
+    torch's PowerSGD hook sums a whole bucket's matrices at once."""
 
     def __init__(self):
-        self.entries, self.coded, self.bytes = [], [], 0
+        self.entries, self.coded, self.phased, self.bytes = [], [], [], 0
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
@@ -211,23 +214,35 @@ class Collective(api.Communicator):
             np.copyto(out.reshape(-1), wire, casting="unsafe")
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
-        """Two phases (roles/phased.py), each one all_reduce of the tensor's phase buffer, now:
-        every rank reduces in the same order, so every rank issues them at the same point."""
+        """Two phases (roles/phased.py): the first phase's buffer is made now (error feedback
+        sees this step), the sums go with the bucket."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
-        p_sum = self._sum_phase(reduction.first())
-        reduction.finish(self._sum_phase(reduction.second(p_sum)))
-        if average:
-            wire /= wire.dtype.type(self.size)
-        np.copyto(out.reshape(-1), wire, casting="unsafe")
-        return Handle(self, out)
-
-    def _sum_phase(self, buffer):
         start = time.perf_counter()
-        self.all_reduce(buffer)
+        first = reduction.first()
+        self.counters.compress_seconds += time.perf_counter() - start
+        return self._add(Handle(self, out, self.pending), "phased", (reduction, first, wire, out, average),
+                         wire.nbytes)
+
+    def _reduce_phased(self, phased):
+        """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
+        p_sums = self._sum_phase([first for _, first, _, _, _ in phased])
+        q_sums = self._sum_phase([entry[0].second(p_sum) for entry, p_sum in zip(phased, p_sums)])
+        for (reduction, _, wire, out, average), q_sum in zip(phased, q_sums):
+            reduction.finish(q_sum)
+            if average:
+                wire /= wire.dtype.type(self.size)
+            np.copyto(out.reshape(-1), wire, casting="unsafe")
+
+    def _sum_phase(self, buffers):
+        """The buffers summed over ranks by one all_reduce of their concatenation; the sums,
+        in order."""
+        start = time.perf_counter()
+        fused = np.concatenate(buffers)
+        self.all_reduce(fused)
         self.counters.communicate_seconds += time.perf_counter() - start
-        self.counters.pushed_wire += buffer.nbytes
-        self.counters.pulled_wire += buffer.nbytes
-        return buffer
+        self.counters.pushed_wire += fused.nbytes
+        self.counters.pulled_wire += fused.nbytes
+        return np.split(fused, np.cumsum([b.size for b in buffers])[:-1])
 
     def _reduce_signs(self, tensor, wire, ctx):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).
@@ -266,6 +281,8 @@ class Collective(api.Communicator):
         bucket.flushed = True
         if bucket.coded:
             self._reduce_coded(bucket.coded)
+        if bucket.phased:
+            self._reduce_phased(bucket.phased)
         by_dtype = {}
         for entry in bucket.entries:
             by_dtype.setdefault(entry[0].dtype, []).append(entry)

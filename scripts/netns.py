@@ -54,16 +54,9 @@ def _ip(*args, check=True):
     return proc
 
 
-class ShapedLink:
-    def __init__(self, rate, tag=None):
-        self.rate = rate
-        self.rate_bits = parse_rate(rate)
-        tag = str(os.getpid() if tag is None else tag)
-        self.ns = {"srv": f"bpsgc-srv-{tag}", "wrk": f"bpsgc-wrk-{tag}"}
-        self.veth = {"srv": f"bgs{tag}"[:15], "wrk": f"bgw{tag}"[:15]}
-        self.addr = {"srv": SRV_ADDR, "wrk": WRK_ADDR}
-        self.burst = tbf_burst(self.rate_bits)
-        self.created = []
+class _Created:
+    """A context manager over ``create()`` and ``delete()``: whatever was made is deleted, also
+    when creating fails half-way."""
 
     def __enter__(self):
         try:
@@ -76,6 +69,18 @@ class ShapedLink:
     def __exit__(self, *exc):
         self.delete()
         return False
+
+
+class ShapedLink(_Created):
+    def __init__(self, rate, tag=None):
+        self.rate = rate
+        self.rate_bits = parse_rate(rate)
+        tag = str(os.getpid() if tag is None else tag)
+        self.ns = {"srv": f"bpsgc-srv-{tag}", "wrk": f"bpsgc-wrk-{tag}"}
+        self.veth = {"srv": f"bgs{tag}"[:15], "wrk": f"bgw{tag}"[:15]}
+        self.addr = {"srv": SRV_ADDR, "wrk": WRK_ADDR}
+        self.burst = tbf_burst(self.rate_bits)
+        self.created = []
 
     def create(self):
         if os.geteuid() != 0:
@@ -125,7 +130,7 @@ class ShapedLink:
                 f"{self.burst} B latency {LATENCY}")
 
 
-class SwitchedMachines:
+class SwitchedMachines(_Created):
     """``machines`` namespaces, each a "machine" with one NIC, joined by a bridge (the switch)
     in a hub namespace: machine i has 10.213.0.(i+1)/24 on its veth. Each NIC is shaped in both
     directions (tbf on the machine's end: what it sends; on the hub's end: what it receives),
@@ -149,18 +154,6 @@ class SwitchedMachines:
         self.hub_veth = [f"bh{tag}x{i}" for i in range(machines)]   # its switch port
         self.addr = [f"10.213.0.{i + 1}" for i in range(machines)]
         self.created = []
-
-    def __enter__(self):
-        try:
-            self.create()
-        except BaseException:
-            self.delete()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.delete()
-        return False
 
     def _shape(self, ns, dev):
         _ip("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",

@@ -31,6 +31,7 @@ import numpy as np
 from ._native import check, ptr
 from .base import Codec
 from .dithering import Dithering
+from .feedback import Forwarding
 from .onebit import WORD_BITS, Onebit
 from .quantize import QSGD, TernGrad
 from .registry import COMPRESSORS, load_plugins
@@ -193,7 +194,7 @@ def dithering_stream(gaps, negative, levels, scale, word):
                            np.array([scale], np.float32).view(np.uint8)])
 
 
-class EntireModelSlice(Codec):
+class EntireModelSlice(Forwarding, Codec):
     """A chunk's codec on a worker: its payload is the cut the binding left in PENDING for the
     step context's group and chunk; it decodes as the ordinary codec of the chunk."""
 
@@ -218,15 +219,6 @@ class EntireModelSlice(Codec):
                              f"into partitions of {self.n}; the binding sized chunks for another "
                              "BYTEPS_PARTITION_BYTES than the worker uses")
         return payload
-
-    def decompress(self, payload, out=None):
-        return self.inner.decompress(payload, out)
-
-    def decompress_add(self, payload, acc):
-        self.inner.decompress_add(payload, acc)
-
-    def residual(self, payload, x):
-        self.inner.residual(payload, x)
 
 
 def leave(group, payloads):

@@ -7,12 +7,8 @@ from .context import step_context
 from .registry import register_error_feedback, register_momentum
 
 
-class Decorator:
-    """Forwards everything but compress to the wrapped codec."""
-
-    def __init__(self, inner, params):
-        self.inner, self.params = inner, params
-        self.n, self.dtype = inner.n, inner.dtype
+class Forwarding:
+    """Decoding by ``self.inner``, the codec that made the payload."""
 
     def decompress(self, payload, out=None):
         return self.inner.decompress(payload, out)
@@ -22,6 +18,14 @@ class Decorator:
 
     def residual(self, payload, x):
         self.inner.residual(payload, x)
+
+
+class Decorator(Forwarding):
+    """Forwards everything but compress to the wrapped codec."""
+
+    def __init__(self, inner, params):
+        self.inner, self.params = inner, params
+        self.n, self.dtype = inner.n, inner.dtype
 
 
 def _scale_add(a, s, x, out):

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import bps_gc.core
 import bps_gc.torch as bps
 from bps_gc.config import transport_from_env
+from study_flags import compress_every_layer, require_launcher
+from training_utils import make_logger
 
 
 def summed(values, name):
@@ -133,3 +135,16 @@ def train_and_summarize(args, params, model, opt, logger, threads, train_batches
     if bps.rank() == 0:
         write_summary(os.path.join(args.logdir, f"{args.name}.json"), args, params, bps.size(), history)
     bps.shutdown()
+
+
+def start_job(args, script, log_name):
+    """Checks the launcher, joins the job; (rank, size, logger), the logger in <logdir>/<name>.log
+    with the flags logged first."""
+    require_launcher(script)
+    compress_every_layer(args)
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    os.makedirs(args.logdir, exist_ok=True)
+    logger = make_logger(log_name, os.path.join(args.logdir, f"{args.name}.log"), rank)
+    logger.info(args)
+    return rank, size, logger

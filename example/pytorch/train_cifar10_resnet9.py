@@ -26,17 +26,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import bps_gc.torch as bps
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from cifar100_data import augment, epoch_batches, prefetch  # noqa: E402
 from cifar10_data import CLASSES, load_split, normalize  # noqa: E402
-from study_flags import (OneLineParser, add_study_args, compress_every_layer, require_launcher,  # noqa: E402
-                         study_compression)
-from study_training import distribute, train_and_summarize  # noqa: E402
-from training_utils import make_logger, steps_per_epoch  # noqa: E402
+from study_flags import OneLineParser, add_study_args, study_compression  # noqa: E402
+from study_training import distribute, start_job, train_and_summarize  # noqa: E402
+from training_utils import steps_per_epoch  # noqa: E402
 
 NETWORKS = ("resnet9", "alexnet")
 
@@ -138,14 +135,7 @@ def main(argv=None):
     params = study_compression(args, parser)
     train_x, train_y = load_split(args.data_dir, "train")
     test_x, test_y = load_split(args.data_dir, "test")
-    require_launcher(os.path.basename(__file__))
-    compress_every_layer(args)
-
-    bps.init()
-    rank, size = bps.rank(), bps.size()
-    os.makedirs(args.logdir, exist_ok=True)
-    logger = make_logger("cifar10_resnet9", os.path.join(args.logdir, f"{args.name}.log"), rank)
-    logger.info(args)
+    rank, size, logger = start_job(args, os.path.basename(__file__), "cifar10_resnet9")
     logger.info("compression_params: %s on %d workers", params, size)
 
     torch.manual_seed(args.seed)

@@ -28,18 +28,14 @@ import sys
 import numpy as np
 import torch
 
-import bps_gc.torch as bps
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from cifar100_data import epoch_batches, prefetch  # noqa: E402
 from imagenet_folder import normalize, scan, train_image, val_image  # noqa: E402
 from imagenet_resnet import LAYOUTS, ResNet, batchnorm_parameters  # noqa: E402
-from study_flags import (OneLineParser, add_study_args, compress_every_layer, require_launcher,  # noqa: E402
-                         study_compression)
-from study_training import distribute, train_and_summarize  # noqa: E402
-from training_utils import make_logger  # noqa: E402
+from study_flags import OneLineParser, add_study_args, study_compression  # noqa: E402
+from study_training import distribute, start_job, train_and_summarize  # noqa: E402
 
 DEFAULT_PHASES = ("[{'ep': 0, 'sz': 128, 'bs': 64}, {'ep': (0, 5), 'lr': (0.1, 0.4)}, "
                   "{'ep': (5, 14), 'lr': (0.4, 0.04)}, {'ep': 14, 'sz': 224, 'bs': 32}, "
@@ -187,14 +183,7 @@ def main(argv=None):
         params = dict(params or {}, fp16=True)
     classes, train_items = scan(args.data, "train")
     _, val_items = scan(args.data, "val", classes)
-    require_launcher(os.path.basename(__file__))
-    compress_every_layer(args)
-
-    bps.init()
-    rank, size = bps.rank(), bps.size()
-    os.makedirs(args.logdir, exist_ok=True)
-    logger = make_logger("imagenet_nv", os.path.join(args.logdir, f"{args.name}.log"), rank)
-    logger.info(args)
+    rank, size, logger = start_job(args, os.path.basename(__file__), "imagenet_nv")
     for note in notes(args, phases):
         logger.info("note: %s", note)
     logger.info("%s (width %d), %d classes, %d training and %d validation images; compression_params %s on "

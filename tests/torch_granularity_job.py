@@ -13,15 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
 
-
-def network():
-    torch.manual_seed(0)  # the same initial weights on every rank
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-
-
-def batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 8, generator=g)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_torch_net import batch, network  # noqa: E402
 
 
 spec = json.load(open(sys.argv[1]))

@@ -32,6 +32,16 @@ def is_entire_model(compression_params):
     return (compression_params or {}).get("granularity") == "entiremodel"
 
 
+def one_dtype(dtypes):
+    """The one dtype of the gradients reduced as one vector (None for none); a ValueError naming
+    them if they differ."""
+    dtypes = set(dtypes)
+    if len(dtypes) > 1:
+        raise ValueError("granularity 'entiremodel' needs one dtype for all compressed "
+                         f"gradients, got {sorted(str(d) for d in dtypes)}")
+    return dtypes.pop() if dtypes else None
+
+
 def chunk_bounds(total, wire_itemsize, partition_bytes):
     """(start, stop) of each chunk: starts at multiples of ALIGN, each within one partition,
     lengths within ALIGN of each other."""

@@ -136,8 +136,7 @@ class PostPull:
 
     def __init__(self, shape, dtype, mu, wd, compressed, wd_rule):
         self.mu, self.wd = np.dtype(dtype).type(mu), np.dtype(dtype).type(wd)
-        self.compressed, self.wd_rule = compressed, wd_rule
-        self.weight_decay = bool(wd_rule)
+        self.wd_rule = wd_rule
         self.nag = None if compressed else np.zeros(shape, dtype)
         self.wd_mom = np.zeros(shape, dtype) if wd_rule and compressed else None
         self.cache = np.empty(shape, dtype) if wd_rule else None
@@ -149,7 +148,7 @@ class PostPull:
             self.nag += g
             self.nag *= self.mu
             g += self.nag
-        if self.weight_decay:
+        if self.wd_rule:
             np.multiply(x, self.wd, out=self.cache)
             if self.wd_mom is not None:
                 self.wd_mom += self.cache

@@ -182,7 +182,7 @@ class Collective(api.Communicator):
         start = time.perf_counter()
         self._reduce_signs(tensor, wire, ctx)
         self.counters.communicate_seconds += time.perf_counter() - start
-        np.copyto(out.reshape(-1), wire, casting="unsafe")  # a vote: never averaged
+        self._deliver(wire, out, False)  # a vote: never averaged
         return Handle(self, out)
 
     def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
@@ -209,9 +209,7 @@ class Collective(api.Communicator):
                 reply = part.reducer.reduce([rank[index] for rank in gathered], True, ctx)
                 part.reducer.decode(reply, wire[part.start:part.stop], ctx)
                 index += 1
-            if average and tensor.partitions[0].reducer.summed:
-                wire /= wire.dtype.type(self.size)
-            np.copyto(out.reshape(-1), wire, casting="unsafe")
+            self._deliver(wire, out, average and tensor.partitions[0].reducer.summed)
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
         """Two phases (roles/phased.py): the first phase's buffer is made now (error feedback
@@ -229,9 +227,7 @@ class Collective(api.Communicator):
         q_sums = self._sum_phase([entry[0].second(p_sum) for entry, p_sum in zip(phased, p_sums)])
         for (reduction, _, wire, out, average), q_sum in zip(phased, q_sums):
             reduction.finish(q_sum)
-            if average:
-                wire /= wire.dtype.type(self.size)
-            np.copyto(out.reshape(-1), wire, casting="unsafe")
+            self._deliver(wire, out, average)
 
     def _sum_phase(self, buffers):
         """The buffers summed over ranks by one all_reduce of their concatenation; the sums,
@@ -303,12 +299,16 @@ class Collective(api.Communicator):
         for fused, entries in bucket.buffers:
             flat, offset = fused.numpy(), 0
             for wire, out, average in entries:
-                result = flat[offset:offset + wire.size]
+                self._deliver(flat[offset:offset + wire.size], out, average)
                 offset += wire.size
-                if average:
-                    result /= result.dtype.type(self.size)
-                np.copyto(out.reshape(-1), result, casting="unsafe")
         bucket.done = True
+
+    def _deliver(self, total, out, average):
+        """The reduced flat ``total`` into the caller's ``out`` (divided by the ranks first when
+        averaging: in place, ``total`` is ours)."""
+        if average:
+            total /= total.dtype.type(self.size)
+        np.copyto(out.reshape(-1), total, casting="unsafe")
 
     def all_reduce(self, array, average=False):
         """A plain in-place sum over ranks now (PowerSGD's P and Q phases, local SGD's model

@@ -16,8 +16,9 @@ import mxnet as mx
 import numpy as np
 
 from .. import core
-from ..bindings.entire_model import EntireModel, is_entire_model
+from ..bindings.entire_model import EntireModel, is_entire_model, one_dtype
 from ..bindings.momentum import MomentumPlan, split_reducer
+from ..bindings.step import binding_context, checked_epoch
 from .tensors import HostArray
 
 
@@ -109,9 +110,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     def set_epoch(self, epoch):
         """The epoch the following steps belong to (the step context's ``epoch``: DGC's
         sparsity warm-up); call it at the start of every epoch, with the same value everywhere."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"set_epoch: epoch must be a whole number >= 0, got {epoch!r}")
-        self._epoch = epoch
+        self._epoch = checked_epoch(epoch)
 
     def step(self, batch_size, ignore_stale_grad=False):
         # gradients are divided by batch_size * size() before the push: the optimizer's
@@ -146,9 +145,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         return float(opt.lr)
 
     def _allreduce_grads(self):
-        ctx = {"lr": self._step_lr(), "step": int(self._optimizer.num_update), "epoch": self._epoch}
-        if self._dgc:  # DGC's clip_norm bound is max_norm / sqrt(workers)
-            ctx["workers"] = self._bps_size
+        ctx = binding_context(self._step_lr(), self._optimizer.num_update, self._epoch,
+                              self._bps_size if self._dgc else None)
         factor = 1.0 / (self._scale * self._bps_size)
         pending, entire = [], []
         for i, param in enumerate(self._params):
@@ -175,13 +173,9 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def _reduce_entire_model(self, hosts, ctx):
         if self._entire is None:
-            dtypes = {h.array.dtype for h in hosts}
-            if len(dtypes) > 1:
-                raise ValueError("granularity 'entiremodel' needs one dtype for all compressed "
-                                 f"gradients, got {sorted(str(d) for d in dtypes)}")
-            self._entire = EntireModel(self._name("gradient", "entiremodel"),
-                                       [h.array.shape for h in hosts], hosts[0].array.dtype,
-                                       self._entire_params, self._reducer)
+            self._entire = EntireModel(self._name("gradient", "entiremodel"), [h.array.shape for h in hosts],
+                                       one_dtype(h.array.dtype for h in hosts), self._entire_params,
+                                       self._reducer)
         self._entire.reduce([h.array for h in hosts], ctx, average=False)
 
     def _adapter(self, i, grad):

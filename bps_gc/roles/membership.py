@@ -15,6 +15,8 @@ from ..transport.wire import Header, Msg, decode_json, encode_json
 from . import NodeFailure
 
 log = logging.getLogger("bps_gc.membership")
+# a joining node waits this long past BPS_GC_JOIN_TIMEOUT for the scheduler's verdict on it
+JOIN_VERDICT_GRACE = 2.0  # seconds
 
 
 def advertised_host(cfg):
@@ -55,9 +57,6 @@ def abort_job(cfg, role, rank, reason):
         auth.stop()
         ctx.term()
     return NodeFailure(f"this {role} could not start: {reason}")
-
-
-JOIN_VERDICT_GRACE = 2.0  # seconds
 
 
 def describe(info):

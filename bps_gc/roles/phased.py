@@ -47,7 +47,6 @@ class PhasedReduction:
     def __init__(self, tensor, source, target, ctx, workers):
         self.parts, self.source, self.target = tensor.partitions, source, target
         self.ctx, self.workers = ctx, workers
-        self.lengths = phase_lengths(tensor)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
                        for i in range(PHASES)]
 
@@ -57,13 +56,13 @@ class PhasedReduction:
             yield part, buffer[bounds[i]:bounds[i + 1]]
 
     def first(self):
-        buffer = np.empty(self.lengths[0], np.float32)
+        buffer = np.empty(self.bounds[0][-1], np.float32)
         for part, piece in self._pieces(0, buffer):
             piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(np.float32)
         return buffer
 
     def second(self, p_sum):
-        buffer = np.empty(self.lengths[1], np.float32)
+        buffer = np.empty(self.bounds[1][-1], np.float32)
         for (part, piece), (_, summed) in zip(self._pieces(1, buffer), self._pieces(0, p_sum)):
             piece[:] = part.codec.compress_q(summed).view(np.float32)
         return buffer

@@ -262,7 +262,6 @@ class Scheduler:
         info["reason"] = reason
         if dead:
             dead.gone = True
-        if dead:
             log.error("%s %s (node %s, %s) failed: %s", info["role"], info["rank"], info["id"],
                       info["address"], reason)
         else:

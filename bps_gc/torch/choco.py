@@ -84,7 +84,6 @@ class DecentralizedOptimizer(WrappingOptimizer):
             self.gossip.step(float(self.param_groups[0]["lr"]))
         return loss
 
-
     def finish(self):
         """Collect the messages still in flight (before evaluating or leaving)."""
         self.gossip.collect()

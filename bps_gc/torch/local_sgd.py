@@ -122,5 +122,4 @@ class LocalSGD(WrappingOptimizer):
         self.synchronizations += 1
 
 
-
 __all__ = ["LocalSGD"]

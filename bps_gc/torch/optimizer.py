@@ -11,8 +11,9 @@ import torch
 
 import bps_gc.core as core
 
-from ..bindings.entire_model import EntireModel, is_entire_model
+from ..bindings.entire_model import EntireModel, is_entire_model, one_dtype
 from ..bindings.momentum import MomentumPlan, split_reducer, tensor_compression
+from ..bindings.step import binding_context, checked_epoch
 from ..compress import CompressionParams
 from . import ops
 
@@ -56,8 +57,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles = {}
         self._steps = 0  # the step context's step: synchronize() calls so far
         self._epoch = 0
-        self._workers = core.size()
-        self._dgc = (compression_params or {}).get("compressor") == "dgc"
+        self._dgc_workers = core.size() if compression_params.get("compressor") == "dgc" else None
         self._counts = {id(p): 0 for p in self._params}
         self._priority = {id(p): -i for i, p in enumerate(self._params)}
         for p in self._params:
@@ -69,9 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if is_entire_model(compression_params):
             entire = [p for p in self._params
                       if tensor_compression(compression_params, p.dim()).get("compressor")]
-            if len({p.dtype for p in entire}) > 1:
-                raise ValueError("granularity 'entiremodel' needs one dtype for all compressed "
-                                 f"gradients, got {sorted(str(d) for d in {p.dtype for p in entire})}")
+            dtype = one_dtype(p.dtype for p in entire)
         self._in_entire = {id(p) for p in entire}
         base = self._plan.params.to_dict() if self._plan else dict(compression_params or {})
         if is_entire_model(base):
@@ -91,7 +89,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None, compressed
         # named after its first gradient, so that a second optimizer in the process has its own
         model = EntireModel(f"{ENTIRE_MODEL_NAME}.{self._names[id(entire[0])]}",
-                            [tuple(p.shape) for p in entire], ops.SUPPORTED[entire[0].dtype], base,
+                            [tuple(p.shape) for p in entire], ops.SUPPORTED[dtype], base,
                             self._reducer)
         compressed.update((id(p), model.compressed) for p in entire)
         return model, compressed
@@ -99,15 +97,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def set_epoch(self, epoch):
         """The epoch the following steps belong to (the step context's ``epoch``: DGC's
         sparsity warm-up); call it at the start of every epoch, with the same value everywhere."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"set_epoch: epoch must be a whole number >= 0, got {epoch!r}")
-        self._epoch = epoch
+        self._epoch = checked_epoch(epoch)
 
     def _context(self, lr):
-        ctx = {"lr": float(lr), "step": self._steps, "epoch": self._epoch}
-        if self._dgc:  # DGC's clip_norm bound is max_norm / sqrt(workers)
-            ctx["workers"] = self._workers
-        return ctx
+        return binding_context(lr, self._steps, self._epoch, self._dgc_workers)
 
     def _hook(self, p):
         self._counts[id(p)] += 1

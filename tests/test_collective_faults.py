@@ -88,3 +88,20 @@ def test_bpslaunch_local_tears_down_its_ranks(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_multihost_rank_that_never_comes_is_one_line(tmp_path):
+    """bpslaunch for rank 0 of 2 (DMLC_NUM_SERVER=0) whose rank 1 is never started: after
+    BPS_GC_JOIN_TIMEOUT it exits non-zero with one line saying the job did not assemble."""
+    env = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "0", "DMLC_WORKER_ID": "0",
+           "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()), "BPS_GC_JOIN_TIMEOUT": "3"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "bps_gc.launcher.cli", sys.executable, JOB, str(tmp_path)],
+                            env=job_env(env), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "the job did not assemble within 3 s" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert elapsed < 3 + 15, elapsed  # the join timeout plus interpreter start-up on 2 busy cores
+    print(f"collective rank that never comes: rank 0 exited {result.returncode} after {elapsed:.2f} s",
+          file=sys.stderr)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, EnvReader
+from ..roles import NodeFailure
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -66,6 +67,10 @@ def connect(cfg, backend):
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"bps_gc: cannot reach the rendezvous at {cfg.root_uri}:{cfg.root_port} "
                               f"as rank {cfg.rank}: {e}") from None
-    dist.init_process_group(backend, store=dist.PrefixStore("bps_gc/group", store), rank=cfg.rank,
-                            world_size=cfg.size, timeout=timeout)
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore("bps_gc/group", store), rank=cfg.rank,
+                                world_size=cfg.size, timeout=timeout)
+    except dist.DistStoreError as e:  # a rank that never came: the store waited out the timeout
+        raise NodeFailure(f"bps_gc: the job did not assemble within {cfg.join_timeout:g} s "
+                          f"(BPS_GC_JOIN_TIMEOUT; rank {cfg.rank} of {cfg.size} waited): {e}") from None
     return dist.PrefixStore("bps_gc/live", store)

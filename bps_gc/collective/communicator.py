@@ -10,11 +10,11 @@ Every rank issues the same collectives in the same order because every rank decl
 and waits in the same order (the contract of the interface).
 
 Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
-heartbeat bound. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
+heartbeat bound, and one that shut down (departure.py) as soon as this rank waits on anything it
+never issued; so every collective and message is counted. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
 """
 import logging
 import time
-import zlib
 
 import numpy as np
 import torch
@@ -25,8 +25,10 @@ from ..roles import communicator as api
 from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
+from .departure import Ending, await_end, departure
 from .exchange import all_gather_bytes
 from .liveness import Heartbeat
+from .messages import Messages
 from .rendezvous import backend_from_env, connect
 
 log = logging.getLogger("bps_gc.collective")
@@ -45,19 +47,6 @@ class Handle(api.Handle):
         return self.result
 
 
-class SendHandle(api.Handle):
-    def __init__(self, comm, works, tensors, what):
-        self.comm, self.works, self.tensors, self.what = comm, works, tensors, what
-
-    def poll(self):
-        return self.tensors is None  # gloo's send works complete only inside wait()
-
-    def wait(self, timeout=None):
-        for work in self.works:
-            self.comm.wait(work, self.what, poll=False)
-        self.tensors = None
-
-
 class Bucket:
     """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
     [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
@@ -66,11 +55,11 @@ class Bucket:
     torch's PowerSGD hook sums a whole bucket's matrices at once."""
 
     def __init__(self):
-        self.entries, self.coded, self.phased, self.bytes = [], [], [], 0
+        self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
-class Collective(api.Communicator):
+class Collective(Messages, api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -83,12 +72,16 @@ class Collective(api.Communicator):
         self.counters = Metrics()
         self.heartbeat = None
         self.closed = False
+        self.hosts_store = False
+        self.issued = 0  # collectives, and messages per peer: what a rank that left compares
+        self.sent, self.received = [0] * self.size, [0] * self.size
+        self.failure = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self):
         backend = backend_from_env()
-        store = connect(self.cfg, backend)
+        store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
         self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
                                    self.cfg.heartbeat_timeout, where).start()
@@ -97,32 +90,48 @@ class Collective(api.Communicator):
         return self
 
     def shutdown(self, timeout=10.0):
+        """Publish what this rank did, wait for the others to end (departure.py); a last
+        barrier and the group's teardown only when all ended at the same point."""
         if self.closed:
             return
-        failed = self.heartbeat is not None and self.heartbeat.failure is not None
+        failed = self.failure is not None or (self.heartbeat is not None and self.heartbeat.failure is not None)
         if not failed:
             try:
-                self.barrier()  # nobody leaves (and takes the store down) while others still work
+                self.flush()
             except NodeFailure:
                 failed = True
         self.closed = True
-        if self.heartbeat is not None:
+        clean = not failed
+        if self.heartbeat is not None and self.heartbeat.store is not None and self.size > 1:
+            mine = Ending(self.issued, tuple(self.sent), tuple(self.received), failed)
+            self.heartbeat.announce(mine)
+            clean = await_end(self.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
             self.heartbeat.leave()
-        if not failed and dist.is_initialized():
-            dist.destroy_process_group()
+        if clean and dist.is_initialized():
+            try:
+                dist.barrier()  # nobody tears down its pairs while a peer still sends
+                dist.destroy_process_group()
+            except RuntimeError as e:
+                log.warning("rank %d: the process group's teardown failed: %s", self.rank, e)
 
     def check_alive(self):
         if self.closed:
             raise RuntimeError("bps_gc: the collective communicator was shut down")
         if self.heartbeat is not None and self.heartbeat.failure is not None:
-            raise self.heartbeat.failure
+            self.failure = self.heartbeat.failure
+            raise self.failure
 
-    def wait(self, work, what, poll=True):
-        """Wait for a torch.distributed work item, watching the heartbeat meanwhile. Gloo's
-        send/recv works only complete inside wait() (``poll=False``): a dead peer then shows
-        as gloo's socket error, which the heartbeat names."""
+    def wait(self, work, what, message=None):
+        """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
+        shut down meanwhile. Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
+        only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
+        socket error, which the heartbeat names."""
         spins = 0
-        while poll and not work.is_completed():
+        if message is not None and self.heartbeat is not None:
+            self._check_departures(what, message)
+            self.heartbeat.waiting_for(*message)
+        while message is None and not work.is_completed():
+            self._check_departures(what)
             self.check_alive()
             spins += 1
             time.sleep(0 if spins < 100 else 0.001)
@@ -130,9 +139,23 @@ class Collective(api.Communicator):
             work.wait()
         except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who
             deadline = time.monotonic() + self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval
-            while self.heartbeat.failure is None and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                self._check_departures(what, message)
+                self.check_alive()
                 time.sleep(self.cfg.heartbeat_interval / 4)
-            raise self.heartbeat.failure or NodeFailure(f"bps_gc: {what} failed on rank {self.rank}: {e}") from None
+            self.failure = NodeFailure(f"bps_gc: {what} failed on rank {self.rank}: {e}")
+            raise self.failure from None
+
+    def _check_departures(self, what, message=None):
+        failure = self.heartbeat and departure(self.heartbeat.ended, self.rank, self.issued, what, message)
+        if failure:
+            self.failure = failure
+            raise failure
+
+    def _issue(self, work):
+        """Count a collective as it is issued (every rank issues them in the same order)."""
+        self.issued += 1
+        return work
 
     # ------------------------------------------------------------------ tensors
 
@@ -174,7 +197,7 @@ class Collective(api.Communicator):
         self.counters.pushed_raw += wire.nbytes
         self.counters.pulled_raw += wire.nbytes
         if not tensor.compressed:
-            return self._reduce_dense(wire, out, average)
+            return self._reduce_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:
             return self._reduce_in_phases(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
@@ -194,13 +217,15 @@ class Collective(api.Communicator):
         payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
         self.counters.compress_seconds += time.perf_counter() - start
         self.counters.pushed_wire += sum(p.nbytes for p in payloads)
-        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, payloads), wire.nbytes)
+        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, payloads), wire.nbytes,
+                         tensor.name)
 
     def _reduce_coded(self, coded):
         """One all_gather for the bucket's payloads, then every partition's reduction."""
         start = time.perf_counter()
         mine = [p for entry in coded for p in entry[5]]
-        gathered = all_gather_bytes(mine, self.wait)
+        names = _listed(entry[0].name for entry in coded)
+        gathered = all_gather_bytes(mine, lambda work, what: self.wait(self._issue(work), f"{what} of {names}"))
         self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
         self.counters.communicate_seconds += time.perf_counter() - start
         index = 0
@@ -219,7 +244,7 @@ class Collective(api.Communicator):
         first = reduction.first()
         self.counters.compress_seconds += time.perf_counter() - start
         return self._add(Handle(self, out, self.pending), "phased", (reduction, first, wire, out, average),
-                         wire.nbytes)
+                         wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
@@ -253,18 +278,19 @@ class Collective(api.Communicator):
         votes = torch.from_numpy(votes)
         self.counters.pushed_wire += votes.numel() // 8 + 1
         self.counters.pulled_wire += votes.numel() // 8 + 1
-        self.wait(dist.all_reduce(votes, async_op=True), "all_reduce of signs")
+        self.wait(self._issue(dist.all_reduce(votes, async_op=True)), f"all_reduce of {tensor.name!r}'s signs")
         tally = votes.numpy()
         wire[...] = np.nan if tally[-1] else np.where(tally[:-1] < 0, -1, 1)
 
-    def _reduce_dense(self, wire, out, average):
+    def _reduce_dense(self, name, wire, out, average):
         self.counters.pushed_wire += wire.nbytes
         self.counters.pulled_wire += wire.nbytes
-        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes)
+        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes, name)
 
-    def _add(self, handle, kind, entry, nbytes):
+    def _add(self, handle, kind, entry, nbytes, name):
         bucket = self.pending
         getattr(bucket, kind).append(entry)
+        bucket.names.append(name)
         bucket.bytes += nbytes
         if bucket.bytes >= self.bucket_bytes:  # the same tensors reach it alike on every rank
             self.flush()
@@ -285,7 +311,7 @@ class Collective(api.Communicator):
         for dtype, entries in by_dtype.items():
             fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
             bucket.buffers.append((fused, entries))
-        bucket.works = [dist.all_reduce(fused, async_op=True) for fused, _ in bucket.buffers]
+        bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
     def finish(self, bucket):
         if bucket.done:
@@ -294,7 +320,7 @@ class Collective(api.Communicator):
             self.flush()
         start = time.perf_counter()
         for work in bucket.works:
-            self.wait(work, "all_reduce of a dense bucket")
+            self.wait(work, f"all_reduce of {_listed(bucket.names)}")
         self.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
             flat, offset = fused.numpy(), 0
@@ -315,7 +341,7 @@ class Collective(api.Communicator):
         difference); no codec, no bucket."""
         self.check_alive()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce")
+        self.wait(self._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
         if average:
             tensor /= self.size
         if not np.shares_memory(tensor.numpy(), array):
@@ -327,39 +353,17 @@ class Collective(api.Communicator):
     def barrier(self):
         self.check_alive()
         self.flush()
-        self.wait(dist.barrier(async_op=True), "barrier")
+        self.wait(self._issue(dist.barrier(async_op=True)), "barrier")
 
     def broadcast(self, array, root_rank, name):
         if not 0 <= root_rank < self.size:
             raise ValueError(f"broadcast: root_rank {root_rank} outside [0, {self.size})")
         self.check_alive()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.wait(dist.broadcast(tensor, root_rank, async_op=True), f"broadcast of {name!r}")
+        self.wait(self._issue(dist.broadcast(tensor, root_rank, async_op=True)), f"broadcast of {name!r}")
         if not np.shares_memory(tensor.numpy(), array):
             np.copyto(array, tensor.numpy())
         return array
-
-    def send(self, rank, name, payload):
-        """Length, then bytes, to ``rank`` under a tag derived from ``name`` (gloo keeps their
-        order per peer and tag). Returns at once: the handle's ``wait()`` returns once the
-        receiver took them (a gloo send needs the matching recv)."""
-        self.check_alive()
-        array = payload if isinstance(payload, np.ndarray) else np.frombuffer(bytes(payload), np.uint8)
-        data = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
-        length = torch.tensor([data.numel()], dtype=torch.int64)
-        tag = _tag(name)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, length, rank, tag=tag),
-                                        dist.P2POp(dist.isend, data, rank, tag=tag)])
-        return SendHandle(self, works, (length, data), f"send of {name!r} to rank {rank}")
-
-    def recv(self, rank, name, timeout=None):
-        self.check_alive()
-        tag = _tag(name)
-        length = torch.zeros(1, dtype=torch.int64)
-        self.wait(dist.irecv(length, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
-        data = torch.empty(int(length), dtype=torch.uint8)
-        self.wait(dist.irecv(data, rank, tag=tag), f"recv of {name!r} from rank {rank}", poll=False)
-        return data.numpy()  # like the parameter server's peers, not counted in metrics() (reductions only)
 
     def metrics(self):
         current, self.counters = self.counters, Metrics()
@@ -368,5 +372,7 @@ class Collective(api.Communicator):
     step_metrics = metrics  # the parameter-server worker's name, which core.metrics() calls
 
 
-def _tag(name):
-    return zlib.crc32(name.encode()) & 0x7FFFFFF
+def _listed(names, most=3):
+    names = list(dict.fromkeys(names))
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

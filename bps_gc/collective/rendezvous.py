@@ -50,7 +50,8 @@ def backend_from_env(environ=None):
 
 
 def connect(cfg, backend):
-    """Join the process group; returns the key-value store the ranks share (for heartbeats).
+    """Join the process group; returns the key-value store the ranks share (for heartbeats)
+    and whether this rank hosts it.
 
     Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); else rank 0 does.
     The group's own timeout only bounds a peer that is alive but silent; a dead one is found
@@ -59,7 +60,7 @@ def connect(cfg, backend):
     timeout = datetime.timedelta(seconds=cfg.join_timeout)
     if backend == "mpi":
         dist.init_process_group("mpi", timeout=timeout)
-        return None
+        return None, False
     host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         store = dist.TCPStore(cfg.root_uri, cfg.root_port, cfg.size, is_master=host_store,
@@ -73,4 +74,4 @@ def connect(cfg, backend):
     except dist.DistStoreError as e:  # a rank that never came: the store waited out the timeout
         raise NodeFailure(f"bps_gc: the job did not assemble within {cfg.join_timeout:g} s "
                           f"(BPS_GC_JOIN_TIMEOUT; rank {cfg.rank} of {cfg.size} waited): {e}") from None
-    return dist.PrefixStore("bps_gc/live", store)
+    return dist.PrefixStore("bps_gc/live", store), host_store

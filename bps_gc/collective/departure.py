@@ -1,0 +1,96 @@
+"""Ending a job on torch.distributed when ranks leave at different points.
+
+A rank that shuts down (normally, after an exception, or on Ctrl-C) first publishes what it did:
+how many collectives it issued and how many point-to-point messages it sent to and took from
+each peer (``Ending``). The other ranks' heartbeat threads read it (liveness.py), so a rank that
+waits on a collective or a message the leaver never issued fails at once, naming the leaver,
+instead of waiting out gloo's timeout.
+
+Before blocking on a message (gloo's send/recv complete only inside a blocking wait), a rank
+writes what it waits for (``awaiting/<rank>``), so a leaver can see that a peer can never finish.
+
+The end is clean when every rank ended with the same collective count and matching message
+counts: then the ranks run a last gloo barrier and destroy the process group, as before. Otherwise
+nobody runs collectives again and every rank just goes: closing its sockets ends any peer blocked
+on it, and that peer's heartbeat has its Ending by then. The store's host goes last: once every
+other rank has ended, died, or is blocked on it and has read its Ending (``seen``).
+"""
+import time
+from dataclasses import dataclass
+
+from ..roles import NodeFailure
+
+
+@dataclass(frozen=True)
+class Ending:
+    issued: int        # collectives this rank issued
+    sent: tuple        # messages sent to each rank
+    received: tuple    # messages taken from each rank
+    failed: bool       # it shut down after a failure of the job
+
+    def encode(self):
+        return "|".join([str(self.issued), ",".join(map(str, self.sent)), ",".join(map(str, self.received)),
+                         "failed" if self.failed else "ok"])
+
+    @classmethod
+    def decode(cls, text):
+        issued, sent, received, how = (text.decode() if isinstance(text, bytes) else text).split("|")
+        return cls(int(issued), tuple(map(int, sent.split(","))), tuple(map(int, received.split(","))),
+                   how == "failed")
+
+    def how(self):
+        plural = "" if self.issued == 1 else "s"
+        return f"{'failed' if self.failed else 'shut down'} after {self.issued} collective{plural}"
+
+
+def departure(ended, rank, issued, what, message=None):
+    """The NodeFailure for ``what`` if a rank in ``ended`` ({rank: Ending}) can never complete it,
+    else None. ``message``: ("recv" | "send", peer, n) for the n-th message with ``peer``."""
+    for other, end in list(ended.items()):
+        if end.issued < issued:
+            return NodeFailure(f"bps_gc: rank {other} left the job ({end.how()}) before rank {rank}'s {what}")
+    if message is not None:
+        kind, peer, n = message
+        end = ended.get(peer)
+        if end is not None and (end.sent if kind == "recv" else end.received)[rank] < n:
+            done = end.sent[rank] if kind == "recv" else end.received[rank]
+            return NodeFailure(f"bps_gc: rank {peer} left the job ({end.how()}, {done} messages "
+                               f"{'to' if kind == 'recv' else 'from'} rank {rank}) before rank {rank}'s {what}")
+    return None
+
+
+def matches(mine, rank, other, end):
+    return (not end.failed and end.issued == mine.issued and end.sent[rank] == mine.received[other]
+            and end.received[rank] == mine.sent[other])
+
+
+def blocked_on(heartbeat, mine, other):
+    """Whether ``other`` waits for a message this rank (ended as ``mine``) will never send or take."""
+    text = heartbeat.awaiting(other)
+    if not text:
+        return False
+    kind, peer, n = text.split()
+    me = heartbeat.rank
+    return int(peer) == me and int(n) > (mine.sent[other] if kind == "recv" else mine.received[other])
+
+
+def await_end(heartbeat, mine, hosts_store, limit):
+    """After publishing ``mine``: True when every rank ended cleanly (run the last barrier),
+    False when the end is not clean (a rank failed, died, or stopped at another point)."""
+    rank, size = heartbeat.rank, heartbeat.size
+    others = [r for r in range(size) if r != rank]
+    clean, deadline = not mine.failed, time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if heartbeat.failure is not None:  # a rank died: it will never end
+            return False
+        ended = dict(heartbeat.ended)
+        clean = clean and all(matches(mine, rank, r, e) for r, e in ended.items())
+        blocked = [r for r in others if r not in ended and blocked_on(heartbeat, mine, r)]
+        clean = clean and not blocked
+        if len(ended) == len(others):
+            return clean
+        if not clean and (not hosts_store or all(r in ended or (r in blocked and heartbeat.seen_by(r))
+                                                 for r in others)):
+            return False
+        time.sleep(heartbeat.interval / 4)
+    return False

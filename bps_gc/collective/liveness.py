@@ -34,6 +34,7 @@ class Heartbeat:
     def announce(self, ending):
         """Tell the others this rank shuts down, and what it did (departure.Ending)."""
         self._quietly(self.store.set, f"ending/{self.rank}", ending.encode())
+        self._quietly(self.store.add, "endings", 1)  # one counter to poll, not a key per rank
 
     def waiting_for(self, kind, peer, n):
         """About to block on the n-th message with ``peer`` ("recv" | "send")."""
@@ -62,12 +63,14 @@ class Heartbeat:
     def _run(self):
         others = [r for r in range(self.size) if r != self.rank]
         seen = {r: (None, time.monotonic()) for r in others}
+        endings = 0
         while not self.stopping.wait(self.interval):
             try:
                 self.store.add(f"beat/{self.rank}", 1)
                 now = time.monotonic()
+                endings, before = self.store.add("endings", 0), endings
                 for r in others:
-                    if r not in self.ended and self.store.check([f"ending/{r}"]):
+                    if endings != before and r not in self.ended and self.store.check([f"ending/{r}"]):
                         self.ended[r] = Ending.decode(self.store.get(f"ending/{r}"))
                         self.store.set(f"seen/{r}/{self.rank}", "1")
                     count = self.store.add(f"beat/{r}", 0)

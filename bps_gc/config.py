@@ -37,6 +37,8 @@ class Config:
     local_size: int = 1
     force_distributed: bool = False
     partition_bytes: int = 4_096_000
+    # BPS_GC_DENSE_PARTITION_BYTES: uncompressed partitions are at most this (and partition_bytes)
+    dense_partition_bytes: int = 1_024_000
     min_compress_bytes: int = 65_536
     threadpool_size: int = 4
     server_engine_threads: int = 2
@@ -93,6 +95,7 @@ class Config:
             local_size=local_size,
             force_distributed=read.flag("BYTEPS_FORCE_DISTRIBUTED", False),
             partition_bytes=read.integer("BYTEPS_PARTITION_BYTES", 4_096_000, low=8),
+            dense_partition_bytes=read.integer("BPS_GC_DENSE_PARTITION_BYTES", 1_024_000, low=8),
             min_compress_bytes=read.integer("BYTEPS_MIN_COMPRESS_BYTES", 65_536, low=0),
             threadpool_size=read.integer("BYTEPS_THREADPOOL_SIZE", min(4, cpus), low=1),
             server_engine_threads=read.integer("BYTEPS_SERVER_ENGINE_THREAD", min(2, cpus), low=1),
@@ -120,7 +123,8 @@ class Config:
     def agreement(self):
         """The settings every node of a job must share, by variable (checked at REGISTER)."""
         return {"DMLC_NUM_WORKER": self.num_worker, "DMLC_NUM_SERVER": self.num_server,
-                "BYTEPS_PARTITION_BYTES": self.partition_bytes}
+                "BYTEPS_PARTITION_BYTES": self.partition_bytes,
+                "BPS_GC_DENSE_PARTITION_BYTES": self.dense_partition_bytes}
 
     def to_env(self):
         """The variables that reproduce this config (for child processes)."""

@@ -21,7 +21,10 @@ def test_fusion_gives_the_same_results_in_fewer_messages(tmp_path):
     for label, fusion in (("off", "0"), ("on", str(1 << 20))):
         out = tmp_path / label
         out.mkdir()
-        results, metrics = run_job(spec, out, env={"BPS_GC_FUSION_BYTES": fusion})
+        # dense partitions as large as the spec's, as before BPS_GC_DENSE_PARTITION_BYTES cut
+        # ResNet-50's large tensors finer: 175 partitions per step
+        results, metrics = run_job(spec, out, env={"BPS_GC_FUSION_BYTES": fusion,
+                                                   "BPS_GC_DENSE_PARTITION_BYTES": str(spec["partition_bytes"])})
         for rank, got in enumerate(results):
             for key, value in expected.items():
                 assert got[key].tobytes() == value.tobytes(), f"fusion {label}, rank {rank} {key}"

@@ -136,6 +136,22 @@ def test_chunks_spread_over_the_servers():
     assert sorted(set(servers)) == [0, 1] and abs(placement.load[0] - placement.load[1]) <= 4096
 
 
+
+def test_dense_partitions_are_cut_finer_than_compressed_ones():
+    """BPS_GC_DENSE_PARTITION_BYTES caps uncompressed partitions only; codecs keep theirs."""
+    placement = Placement(3, 4096, 0, dense_bytes=1024)
+    dense = placement.plan(TensorPlan("d", 0, CompressionParams.from_dict({}), None), (2500,),
+                           np.float32, lambda *a: (None, None), balanced=True)
+    assert [(p.start, p.stop) for p in dense.partitions] == [(0, 256), (256, 512), (512, 768), (768, 1024),
+                                                           (1024, 1280), (1280, 1536), (1536, 1792),
+                                                           (1792, 2048), (2048, 2304), (2304, 2500)]
+    assert [p.server for p in dense.partitions[:3]] == [0, 1, 2]
+    topk = CompressionParams.from_dict({"compressor": "topk", "k": 0.01})
+    compressed = placement.plan(TensorPlan("c", 1, topk, "lossless"), (2500,), np.float32,
+                                lambda *a: (None, None), balanced=True)
+    assert [(p.start, p.stop) for p in compressed.partitions] == [(0, 1024), (1024, 2048), (2048, 2500)]
+    assert Placement(1, 4096, 0, dense_bytes=1 << 20).dense_bytes == 4096  # never above partition_bytes
+
 @pytest.mark.parametrize("params, words", [
     ({"compressor": "powersgd"}, "cannot cut 'powersgd'"),
     ({"compressor": "qsgd", "biased": True}, "tau"),

@@ -58,7 +58,8 @@ class Worker(Communicator):
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters)
-        self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes)
+        self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
+                                   self.cfg.dense_partition_bytes)
         self.io.thread.start()
         self.barrier()
         log.info("worker %d/%d joined (%d servers)", self.rank, self.size, len(servers))

@@ -1,9 +1,13 @@
 """How a declared tensor is cut into partitions (keys) and spread over the servers.
 
 Key = declaration index << 16 | partition index. Partitions hold BYTEPS_PARTITION_BYTES of
-the wire dtype. Servers are chosen greedily by bytes in declaration order, which every worker
-shares, so all agree without talking; a tensor declared without its shape is placed by key
-(round-robin) when its first push_pull reveals the size.
+the wire dtype, uncompressed ones at most BPS_GC_DENSE_PARTITION_BYTES (``dense_bytes``): a
+server answers a partition only once every worker's push of it is in, so the last partitions'
+replies are a tail in which the links are partly idle, and smaller ones shorten it (and place
+more evenly); codecs keep the partitions they are defined over. Servers are chosen greedily
+by bytes in declaration order, which every worker shares, so all agree without talking; a
+tensor declared without its shape is placed by key (round-robin) when its first push_pull
+reveals the size.
 
 A zero-size tensor has no partitions: its push_pull completes at once on every worker.
 """
@@ -76,9 +80,10 @@ class TensorPlan:
 class Placement:
     """Cuts tensors into partitions and assigns each to a server, identically on all workers."""
 
-    def __init__(self, num_servers, partition_bytes, min_compress_bytes):
+    def __init__(self, num_servers, partition_bytes, min_compress_bytes, dense_bytes=None):
         self.num_servers = num_servers
         self.partition_bytes = partition_bytes
+        self.dense_bytes = partition_bytes if dense_bytes is None else min(partition_bytes, dense_bytes)
         self.min_compress_bytes = min_compress_bytes
         self.load = [0] * num_servers
 
@@ -88,10 +93,12 @@ class Placement:
         tensor.wire_dtype = np.dtype(np.float16) if tensor.params.fp16 else dtype
         size = tensor.size
         tensor.compressed = tensor.params.compressed and size * dtype.itemsize >= self.min_compress_bytes
-        per = max(1, self.partition_bytes // tensor.wire_dtype.itemsize)
+        limit = self.partition_bytes if tensor.compressed else self.dense_bytes
+        per = max(1, limit // tensor.wire_dtype.itemsize)
         count = -(-size // per)
         if count > MAX_PARTITIONS:
-            raise ValueError(f"tensor {tensor.name!r} needs {count} partitions; raise BYTEPS_PARTITION_BYTES")
+            raise ValueError(f"tensor {tensor.name!r} needs {count} partitions; raise BYTEPS_PARTITION_BYTES"
+                             + ("" if tensor.compressed else " and BPS_GC_DENSE_PARTITION_BYTES"))
         for p in range(count):
             key = tensor.index << 16 | p
             start, stop = p * per, min(size, (p + 1) * per)

@@ -98,7 +98,7 @@ class Collective(Messages, api.Communicator):
         if not failed:
             try:
                 self.flush()
-            except NodeFailure:
+            except (NodeFailure, RuntimeError):  # a peer failed while the last bucket went out
                 failed = True
         self.closed = True
         clean = not failed

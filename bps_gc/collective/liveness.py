@@ -42,11 +42,17 @@ class Heartbeat:
 
     def seen_by(self, rank):
         """Whether ``rank`` has read this rank's Ending."""
-        return self.store.check([f"seen/{self.rank}/{rank}"])
+        try:
+            return self.store.check([f"seen/{self.rank}/{rank}"])
+        except Exception:  # the store's host is gone: nobody can read it any more
+            return True
 
     def awaiting(self, rank):
         key = f"awaiting/{rank}"
-        return self.store.get(key).decode() if self.store.check([key]) else ""
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else ""
+        except Exception:  # the store's host is gone (the heartbeat reports it)
+            return ""
 
     def leave(self):
         """Stop beating (after announce: the others take the silence for the end)."""

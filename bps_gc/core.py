@@ -60,6 +60,8 @@ def init(config=None):
 def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
     """A failed job (another node, the cluster) or a bad setting is not a bug in the training
     script: print one line naming the cause instead of a traceback."""
+    if _worker is not None:
+        _worker.abandon(kind.__name__)
     if issubclass(kind, (NodeFailure, ConfigError)):
         print(f"bps_gc: {kind.__name__}: {error}", file=sys.stderr, flush=True)
     elif issubclass(kind, KeyboardInterrupt):  # Ctrl-C reaches every rank: one line each

@@ -96,6 +96,8 @@ def check_the_others_stopped(hosts, leaver, mode, seconds, launcher="bpslaunch")
             text = "\n".join(line for line in text.splitlines() if line.startswith(f"[rank{rank}]:"))
         assert p.returncode != 0, report
         assert f"NodeFailure: bps_gc: rank {leaver} left the job" in text, report
+        raised = {"raise": "RuntimeError", "sigint": "KeyboardInterrupt"}.get(mode)
+        assert (f"its script raised {raised} after" in text) if raised else ("shut down after" in text), report
         assert "Traceback" not in text, report
     assert seconds < BOUND, f"the job took {seconds:.1f} s to end after rank {leaver} left:\n{report}"
 

@@ -76,6 +76,7 @@ class Collective(Messages, api.Communicator):
         self.issued = 0  # collectives, and messages per peer: what a rank that left compares
         self.sent, self.received = [0] * self.size, [0] * self.size
         self.failure = None
+        self.abandoned = None  # the uncaught exception the script ends on, if any
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -103,7 +104,7 @@ class Collective(Messages, api.Communicator):
         self.closed = True
         clean = not failed
         if self.heartbeat is not None and self.heartbeat.store is not None and self.size > 1:
-            mine = Ending(self.issued, tuple(self.sent), tuple(self.received), failed)
+            mine = Ending(self.issued, tuple(self.sent), tuple(self.received), failed, self.abandoned)
             self.heartbeat.announce(mine)
             clean = await_end(self.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
             self.heartbeat.leave()
@@ -113,6 +114,9 @@ class Collective(Messages, api.Communicator):
                 dist.destroy_process_group()
             except RuntimeError as e:
                 log.warning("rank %d: the process group's teardown failed: %s", self.rank, e)
+
+    def abandon(self, reason):
+        self.abandoned = reason
 
     def check_alive(self):
         if self.closed:

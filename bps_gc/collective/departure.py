@@ -27,20 +27,22 @@ class Ending:
     sent: tuple        # messages sent to each rank
     received: tuple    # messages taken from each rank
     failed: bool       # it shut down after a failure of the job
+    raised: str = None  # the uncaught exception its script ended on (an identifier), if any
 
     def encode(self):
         return "|".join([str(self.issued), ",".join(map(str, self.sent)), ",".join(map(str, self.received)),
-                         "failed" if self.failed else "ok"])
+                         "failed" if self.failed else "ok", self.raised or ""])
 
     @classmethod
     def decode(cls, text):
-        issued, sent, received, how = (text.decode() if isinstance(text, bytes) else text).split("|")
+        issued, sent, received, how, raised = (text.decode() if isinstance(text, bytes) else text).split("|")
         return cls(int(issued), tuple(map(int, sent.split(","))), tuple(map(int, received.split(","))),
-                   how == "failed")
+                   how == "failed", raised or None)
 
     def how(self):
         plural = "" if self.issued == 1 else "s"
-        return f"{'failed' if self.failed else 'shut down'} after {self.issued} collective{plural}"
+        what = "failed" if self.failed else f"its script raised {self.raised}" if self.raised else "shut down"
+        return f"{what} after {self.issued} collective{plural}"
 
 
 def departure(ended, rank, issued, what, message=None):

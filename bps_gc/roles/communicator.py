@@ -89,3 +89,7 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def shutdown(self):
         """Leave the job; every worker calling it after the same work ends with status 0."""
+
+    def abandon(self, reason):
+        """The training script is ending on an uncaught ``reason`` (an exception's name):
+        the shutdown that follows tells the others this rank failed, where it can."""

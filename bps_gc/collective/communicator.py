@@ -25,7 +25,7 @@ from ..roles import communicator as api
 from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
-from .departure import Ending, await_end, departure
+from .departure import Ending, await_end, departure, described
 from .exchange import all_gather_bytes
 from .liveness import Heartbeat
 from .messages import Messages
@@ -75,6 +75,7 @@ class Collective(Messages, api.Communicator):
         self.hosts_store = False
         self.issued = 0  # collectives, and messages per peer: what a rank that left compares
         self.sent, self.received = [0] * self.size, [0] * self.size
+        self.awaiting = None  # the message this rank last told the store it waits for
         self.failure = None
         self.abandoned = None  # the uncaught exception the script ends on, if any
 
@@ -127,13 +128,16 @@ class Collective(Messages, api.Communicator):
 
     def wait(self, work, what, message=None):
         """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
-        shut down meanwhile. Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
+        shut down meanwhile. ``what`` names it in an error: a string, or a function making one
+        (only called then). Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
         only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
         socket error, which the heartbeat names."""
         spins = 0
         if message is not None and self.heartbeat is not None:
             self._check_departures(what, message)
-            self.heartbeat.waiting_for(*message)
+            if message != self.awaiting:  # a message's two works: one note in the store
+                self.heartbeat.waiting_for(*message)
+                self.awaiting = message
         while message is None and not work.is_completed():
             self._check_departures(what)
             self.check_alive()
@@ -147,11 +151,13 @@ class Collective(Messages, api.Communicator):
                 self._check_departures(what, message)
                 self.check_alive()
                 time.sleep(self.cfg.heartbeat_interval / 4)
-            self.failure = NodeFailure(f"bps_gc: {what} failed on rank {self.rank}: {e}")
+            self.failure = NodeFailure(f"bps_gc: {described(what)} failed on rank {self.rank}: {e}")
             raise self.failure from None
 
     def _check_departures(self, what, message=None):
-        failure = self.heartbeat and departure(self.heartbeat.ended, self.rank, self.issued, what, message)
+        if self.heartbeat is None or not self.heartbeat.ended:  # the usual case, on every spin
+            return
+        failure = departure(self.heartbeat.ended, self.rank, self.issued, what, message)
         if failure:
             self.failure = failure
             raise failure
@@ -228,8 +234,8 @@ class Collective(Messages, api.Communicator):
         """One all_gather for the bucket's payloads, then every partition's reduction."""
         start = time.perf_counter()
         mine = [p for entry in coded for p in entry[5]]
-        names = _listed(entry[0].name for entry in coded)
-        gathered = all_gather_bytes(mine, lambda work, what: self.wait(self._issue(work), f"{what} of {names}"))
+        gathered = all_gather_bytes(mine, lambda work, what: self.wait(
+            self._issue(work), lambda: f"{what} of {_listed(entry[0].name for entry in coded)}"))
         self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
         self.counters.communicate_seconds += time.perf_counter() - start
         index = 0
@@ -324,7 +330,7 @@ class Collective(Messages, api.Communicator):
             self.flush()
         start = time.perf_counter()
         for work in bucket.works:
-            self.wait(work, f"all_reduce of {_listed(bucket.names)}")
+            self.wait(work, lambda: f"all_reduce of {_listed(bucket.names)}")
         self.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
             flat, offset = fused.numpy(), 0

@@ -45,19 +45,26 @@ class Ending:
         return f"{what} after {self.issued} collective{plural}"
 
 
+def described(what):
+    """``what`` a wait names: a string, or a function making one only when an error needs it."""
+    return what() if callable(what) else what
+
+
 def departure(ended, rank, issued, what, message=None):
     """The NodeFailure for ``what`` if a rank in ``ended`` ({rank: Ending}) can never complete it,
     else None. ``message``: ("recv" | "send", peer, n) for the n-th message with ``peer``."""
     for other, end in list(ended.items()):
         if end.issued < issued:
-            return NodeFailure(f"bps_gc: rank {other} left the job ({end.how()}) before rank {rank}'s {what}")
+            return NodeFailure(f"bps_gc: rank {other} left the job ({end.how()}) before rank {rank}'s "
+                               f"{described(what)}")
     if message is not None:
         kind, peer, n = message
         end = ended.get(peer)
-        if end is not None and (end.sent if kind == "recv" else end.received)[rank] < n:
-            done = end.sent[rank] if kind == "recv" else end.received[rank]
+        done = None if end is None else (end.sent if kind == "recv" else end.received)[rank]
+        if done is not None and done < n:
             return NodeFailure(f"bps_gc: rank {peer} left the job ({end.how()}, {done} messages "
-                               f"{'to' if kind == 'recv' else 'from'} rank {rank}) before rank {rank}'s {what}")
+                               f"{'to' if kind == 'recv' else 'from'} rank {rank}) before rank {rank}'s "
+                               f"{described(what)}")
     return None
 
 

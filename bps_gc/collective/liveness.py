@@ -87,11 +87,11 @@ class Heartbeat:
                         return
             except Exception as e:
                 host = self.ended.get(0)
-                if not self.stopping.is_set() and host is not None:
-                    self._fail(f"rank 0 left the job ({host.how()}) and took the rendezvous store with it")
-                elif not self.stopping.is_set():
-                    self._fail(f"the rendezvous store at {self.where} stopped answering (its host, "
-                               f"rank 0 or torchrun's agent, died?): {e}")
+                if self.stopping.is_set():
+                    return
+                self._fail(f"rank 0 left the job ({host.how()}) and took the rendezvous store with it"
+                           if host is not None else f"the rendezvous store at {self.where} stopped "
+                           f"answering (its host, rank 0 or torchrun's agent, died?): {e}")
                 return
 
     def _fail(self, message):

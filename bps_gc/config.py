@@ -11,7 +11,7 @@ ROLES = ("scheduler", "server", "worker")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 
-UNSET = "unset"  # EnvReader.flag's default for a tri-state flag
+UNSET = "unset"  # the default of an optional flag or number: unset gives None
 
 
 class ConfigError(ValueError):
@@ -37,8 +37,9 @@ class Config:
     local_size: int = 1
     force_distributed: bool = False
     partition_bytes: int = 4_096_000
-    # BPS_GC_DENSE_PARTITION_BYTES: uncompressed partitions are at most this (and partition_bytes)
-    dense_partition_bytes: int = 1_024_000
+    # BPS_GC_DENSE_PARTITION_BYTES: uncompressed partitions are at most this (and partition_bytes);
+    # None (unset): DENSE_PARTITION_BYTES when the job spans hosts, else partition_bytes
+    dense_partition_bytes: Optional[int] = None
     min_compress_bytes: int = 65_536
     threadpool_size: int = 4
     server_engine_threads: int = 2
@@ -50,6 +51,7 @@ class Config:
     auth_token: Optional[str] = None
     encrypt: bool = False  # BPS_GC_ENCRYPT: CURVE on every link, keys derived from the token
     local_ipc: bool = True  # BPS_GC_LOCAL_IPC: servers also listen on a unix socket for same-host workers
+    shm: bool = True  # BPS_GC_SHM: dense partitions to a server on the same host go through shared memory
     inflight_bytes: int = 64 << 20  # BPS_GC_INFLIGHT_BYTES: a worker's push window
     stall_timeout: float = 60.0  # BPS_GC_STALL_TIMEOUT: a server warns about a round this old
     peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
@@ -95,7 +97,7 @@ class Config:
             local_size=local_size,
             force_distributed=read.flag("BYTEPS_FORCE_DISTRIBUTED", False),
             partition_bytes=read.integer("BYTEPS_PARTITION_BYTES", 4_096_000, low=8),
-            dense_partition_bytes=read.integer("BPS_GC_DENSE_PARTITION_BYTES", 1_024_000, low=8),
+            dense_partition_bytes=read.integer("BPS_GC_DENSE_PARTITION_BYTES", UNSET, low=8),
             min_compress_bytes=read.integer("BYTEPS_MIN_COMPRESS_BYTES", 65_536, low=0),
             threadpool_size=read.integer("BYTEPS_THREADPOOL_SIZE", min(4, cpus), low=1),
             server_engine_threads=read.integer("BYTEPS_SERVER_ENGINE_THREAD", min(2, cpus), low=1),
@@ -107,6 +109,7 @@ class Config:
             auth_token=read.text("BPS_GC_AUTH_TOKEN", "") or None,
             encrypt=read.flag("BPS_GC_ENCRYPT", False),
             local_ipc=read.flag("BPS_GC_LOCAL_IPC", True),
+            shm=read.flag("BPS_GC_SHM", True),
             inflight_bytes=read.integer("BPS_GC_INFLIGHT_BYTES", 64 << 20, low=1),
             stall_timeout=read.number("BPS_GC_STALL_TIMEOUT", 60.0, low=0.01),
             peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),
@@ -124,7 +127,7 @@ class Config:
         """The settings every node of a job must share, by variable (checked at REGISTER)."""
         return {"DMLC_NUM_WORKER": self.num_worker, "DMLC_NUM_SERVER": self.num_server,
                 "BYTEPS_PARTITION_BYTES": self.partition_bytes,
-                "BPS_GC_DENSE_PARTITION_BYTES": self.dense_partition_bytes}
+                "BPS_GC_DENSE_PARTITION_BYTES": self.dense_partition_bytes or "unset"}
 
     def to_env(self):
         """The variables that reproduce this config (for child processes)."""
@@ -185,7 +188,7 @@ class EnvReader:
     def numeric(self, name, default, convert, kind, low, high):
         value = self.raw(name, default)
         if value is self.MISSING:
-            return default
+            return None if default is UNSET else default
         try:
             number = convert(value)
         except ValueError:

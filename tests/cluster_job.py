@@ -12,6 +12,8 @@ from reference import gradient, step_ctx  # noqa: E402
 
 spec_path, out_dir = sys.argv[1], sys.argv[2]
 spec = json.load(open(spec_path))
+if spec.get("shm_off_worker") == int(os.environ.get("DMLC_WORKER_ID", -1)):
+    os.environ["BPS_GC_SHM"] = "0"  # this worker offers no shared memory (tests/test_shm.py)
 bps.init()
 rank = bps.rank()
 for t in spec["tensors"]:
@@ -30,6 +32,6 @@ for step in range(spec["steps"]):
 m = bps.metrics()
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
 json.dump({"pushed_raw": m.pushed_raw, "pushed_wire": m.pushed_wire, "pulled_wire": m.pulled_wire,
-           "ratio": m.ratio, "messages": m.messages},
+           "ratio": m.ratio, "messages": m.messages, "shared_bytes": m.shared_bytes},
           open(os.path.join(out_dir, f"metrics{rank}.json"), "w"))
 bps.shutdown()

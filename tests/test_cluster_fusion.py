@@ -1,5 +1,6 @@
 """Fusion of small dense tensors (BPS_GC_FUSION_BYTES): the same results as without it, in
-fewer push messages. Real processes, 2 workers x 2 servers over loopback."""
+fewer push messages. Real processes, 2 workers x 2 servers over loopback; shared memory off
+(BPS_GC_SHM=0), whose bare headers are batched on their own (tests/test_shm.py)."""
 import json
 import os
 
@@ -23,7 +24,7 @@ def test_fusion_gives_the_same_results_in_fewer_messages(tmp_path):
         out.mkdir()
         # dense partitions as large as the spec's, as before BPS_GC_DENSE_PARTITION_BYTES cut
         # ResNet-50's large tensors finer: 175 partitions per step
-        results, metrics = run_job(spec, out, env={"BPS_GC_FUSION_BYTES": fusion,
+        results, metrics = run_job(spec, out, env={"BPS_GC_FUSION_BYTES": fusion, "BPS_GC_SHM": "0",
                                                    "BPS_GC_DENSE_PARTITION_BYTES": str(spec["partition_bytes"])})
         for rank, got in enumerate(results):
             for key, value in expected.items():

@@ -1,6 +1,7 @@
 """Entire-model granularity in one process: the whole-vector payload cut into chunks decodes,
 chunk by chunk with each chunk's own codec (what servers and pulls do), to a numpy
 re-computation of the codec over the concatenated gradients; chunks spread over the servers."""
+import dataclasses
 import math
 
 import numpy as np
@@ -8,8 +9,9 @@ import pytest
 
 from bps_gc.bindings.entire_model import chunk_bounds
 from bps_gc.compress import CompressionParams, build_chain
+from bps_gc.config import Config
 from bps_gc.compress.entiremodel import WholeVectorCodec, check_splittable
-from bps_gc.roles.worker_tensors import Placement, TensorPlan
+from bps_gc.roles.worker_tensors import Placement, TensorPlan, dense_partition_bytes
 from test_codecs2_quantizers import qsgd_oracle, terngrad_oracle
 from xorshift import XorShift128Plus
 
@@ -151,6 +153,19 @@ def test_dense_partitions_are_cut_finer_than_compressed_ones():
                                 lambda *a: (None, None), balanced=True)
     assert [(p.start, p.stop) for p in compressed.partitions] == [(0, 1024), (1024, 2048), (2048, 2500)]
     assert Placement(1, 4096, 0, dense_bytes=1 << 20).dense_bytes == 4096  # never above partition_bytes
+
+
+def test_dense_partition_size_follows_the_hosts_unless_set():
+    """Unset, BPS_GC_DENSE_PARTITION_BYTES is 1 MB for a job over several hosts and
+    BYTEPS_PARTITION_BYTES for a job on one host; set, it is what it says."""
+    one = {"servers": [{"address": "10.0.0.1:9001"}], "workers": [{"address": "10.0.0.1:9002"},
+                                                                   {"address": "10.0.0.1:9003"}]}
+    two = {"servers": one["servers"], "workers": [{"address": "10.0.0.1:9002"}, {"address": "10.0.0.2:9002"}]}
+    cfg = Config.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+                           "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "0"})
+    assert (dense_partition_bytes(cfg, one), dense_partition_bytes(cfg, two)) == (4_096_000, 1_024_000)
+    chosen = dataclasses.replace(cfg, dense_partition_bytes=8192)
+    assert (dense_partition_bytes(chosen, one), dense_partition_bytes(chosen, two)) == (8192, 8192)
 
 @pytest.mark.parametrize("params, words", [
     ({"compressor": "powersgd"}, "cannot cut 'powersgd'"),

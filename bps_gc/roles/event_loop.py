@@ -19,6 +19,7 @@ class EventLoop:
         self.handlers = {}  # socket or fd -> handler()
         self.ticks = []
         self.wake_r = self.wake_w = None
+        self.wake_pending = False  # a wake-up is written and not yet drained: others need not write
         # how long the next poll may wait, given the idle timeout (a role with deadlines of its
         # own, e.g. a fusion cycle, replaces it); always at most the heartbeat interval
         self.poll_timeout = lambda idle_ms: idle_ms
@@ -41,13 +42,20 @@ class EventLoop:
                 os.read(self.wake_r, 65536)
             except BlockingIOError:
                 pass
+            # after the read (a flag cleared first could be set again by a post whose byte
+            # this read then takes, leaving it set with no byte: every later post would skip
+            # its write) and before the handler looks for work, so later posts wake again
+            self.wake_pending = False
             return handler()
 
         self.on_readable(self.wake_r, drain_then_handle)
 
     def wake(self):
-        if self.wake_w is None:  # closed: nobody listens any more
+        """Make the loop run the wake handler soon. One write per drain: a post that finds a
+        wake-up pending skips the syscall (and the thread switch it may cost)."""
+        if self.wake_w is None or self.wake_pending:  # closed, or the loop will look anyway
             return
+        self.wake_pending = True
         try:
             os.write(self.wake_w, b"x")
         except BlockingIOError:

@@ -15,9 +15,10 @@ import threading
 import numpy as np
 import zmq
 
+from ..transport import shm
 from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
-from ..transport.wire import (FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, Flag, Header, Msg,
-                              decode_json, encode_json, pack_fused, unpack_fused)
+from ..transport.wire import (FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Flag, Header,
+                              Msg, decode_json, encode_json, pack_fused, unpack_fused)
 from . import NodeFailure
 from .event_loop import EventLoop
 from .membership import Membership
@@ -54,6 +55,9 @@ class Server:
         self.engines = []
         self.dropped = DropLog(log)
         self.watch = RoundWatch(self)
+        # shared memory with workers on this host (transport/shm.py), if they offer it
+        self.arena = shm.Arena() if cfg.shm and shm.supported() else None
+        self.peer_maps = shm.PeerMaps()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -75,6 +79,8 @@ class Server:
     def close(self):
         for engine in self.engines:
             engine.stop()
+        if self.arena is not None:
+            self.arena.close()
         for sock in (self.router, self.wake):
             sock.close(linger=500)
         self.membership.close()
@@ -177,12 +183,32 @@ class Server:
             state.check_declaration(decl, h.dtype, rank)
         except (KeyError_, ValueError, TypeError, KeyError) as e:
             return self.error(msg.identity, h.key, str(e))
-        send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), identity=msg.identity)
+        ack = self.share(state, rank, decl.get("shm"))
+        send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), ack and encode_json(ack),
+             identity=msg.identity)
+
+    def share(self, state, rank, offer):
+        """Accept a worker's shared-memory slot for a key: the INIT_ACK's JSON then names the
+        result buffers. None (the socket it is) when there is no offer or it cannot be used."""
+        if offer is None or self.arena is None:
+            return None
+        try:
+            slot = self.peer_maps.view(offer, state.n * state.dtype.itemsize)
+            return {"shm": state.attach_shm(rank, slot, self.arena)}
+        except shm.ShmUnavailable as e:
+            log.info("key %d: worker %d's pushes stay on the socket: %s", state.key, rank, e)
+        except OSError as e:  # the server's own arena could not grow
+            log.warning("key %d: no shared memory for worker %d: %s", state.key, rank, e)
+        return None
 
     def push(self, rank, msg):
         if msg.header.flags & FUSED_BIT:
             return self.push_fused(rank, msg)
         state = self.keys[msg.header.key]
+        if msg.payload is None:  # buffer_for checked the pushes that carry a payload frame
+            state.check_push(rank, msg.header)
+            if not msg.header.flags & SHM_BIT:
+                raise MalformedMessage(f"push of key {msg.header.key} without a payload frame")
         if state.arrive(rank, msg.identity, msg.header):
             state.engine.submit([(state, *state.take_round())], self.node_id)
         else:
@@ -191,16 +217,21 @@ class Server:
     def push_fused(self, rank, msg):
         """Every entry is checked before any is applied, so a bad one drops the whole message."""
         h = msg.header
+        shared = h.flags & SHM_BIT  # entries without bytes: each key's data is in its slot
         checked = []
         for key, rnd, data in unpack_fused(msg.payload):
             state = self.keys.get(key)
             if state is None or state.compressed:
                 raise MalformedMessage(f"fused push of undeclared or compressed key {key} from worker {rank}")
-            sub = Header(Msg.PUSH, h.sender, key=key, round=rnd, length=data.nbytes, ctx=h.ctx, dtype=h.dtype)
-            checked.append((state, sub, data, state.buffer_for(rank, sub)))
+            sub = Header(Msg.PUSH, h.sender, key=key, round=rnd, length=data.nbytes, ctx=h.ctx, dtype=h.dtype,
+                         flags=Flag.SHM if shared else Flag.NONE)
+            if shared:
+                state.check_push(rank, sub)
+            checked.append((state, sub, data, None if shared else state.buffer_for(rank, sub)))
         done = []
         for state, sub, data, buf in checked:
-            buf[:] = data
+            if buf is not None:
+                buf[:] = data
             if state.arrive(rank, msg.identity, sub):
                 job = (state, *state.take_round())
                 if state.asynchronous:  # each key's store is updated by its own engine only
@@ -270,15 +301,17 @@ class Engine:
 
     @staticmethod
     def fuse(replies, node_id):
-        """Dense replies to one worker become one fused reply (errors stay on their own)."""
-        out, by_worker = [], {}
+        """Dense replies to one worker become one fused reply, those in shared memory another
+        (errors stay on their own)."""
+        out, fused = [], {}
         for ident, header, payload in replies:
-            if header.type == Msg.PUSH_REPLY and not header.flags:
-                by_worker.setdefault(ident, []).append((header.key, header.round, payload))
+            if header.type == Msg.PUSH_REPLY and header.flags in (0, SHM_BIT):
+                entry = (header.key, header.round, b"" if payload is None else payload)
+                fused.setdefault((ident, header.flags), []).append(entry)
             else:
                 out.append((ident, header, payload))
-        for ident, entries in by_worker.items():
-            header = Header(Msg.PUSH_REPLY, node_id, dtype=None, flags=Flag.FUSED)
+        for (ident, flags), entries in fused.items():
+            header = Header(Msg.PUSH_REPLY, node_id, dtype=None, flags=Flag.FUSED | flags)
             out.append((ident, header, pack_fused(entries)))
         return out
 
@@ -290,12 +323,13 @@ class Engine:
             log.error("key %d round %d: %s", state.key, round_, e)
             payload = encode_json({"message": str(e)})
             return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=rnd), payload)
-                    for ident, rnd in identities]
+                    for ident, rnd, _ in identities]
         flags = Flag.COMPRESSED if state.compressed and not state.asynchronous else Flag.NONE
         dtype = state.dtype
+        # a worker that pushed through shared memory reads the result there (results[rnd % 2])
         return [(ident, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=rnd, dtype=dtype,
-                               flags=flags), result)
-                for ident, rnd in identities]
+                               flags=Flag.SHM if shared else flags), None if shared else result)
+                for ident, rnd, shared in identities]
 
 
 __all__ = ["Server"]

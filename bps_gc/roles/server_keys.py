@@ -8,10 +8,17 @@ context (the lowest rank's; all workers push the same). Dense results alternate 
 buffers: round r+2 cannot start before every worker has received round r+1, hence
 round r, so a reply is never overwritten while a worker can still be reading it.
 Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
+
+Shared memory (transport/shm.py): a worker on the server's host may offer, at INIT, a slot it
+writes its pushes into; its pushes then carry the SHM flag and no payload, the sum reads the
+slot in place, and the reply names the result buffer (the two alternating buffers, kept in the
+server's shared arena) instead of carrying it. Each push says where its data is, so a worker
+may mix both ways (a fused push carries its data).
 """
 import numpy as np
 
-from ..transport.wire import MalformedMessage
+from ..transport.shm import ShmUnavailable
+from ..transport.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
 
 
 class KeyError_(ValueError):
@@ -35,6 +42,9 @@ class KeyState:
         self.ctxs = [None] * workers  # each push's step context
         self.rounds = [0] * workers  # async replies echo each push's round
         self.pending = [False] * workers
+        self.shm_slots = [None] * workers  # read-only views of the slots workers offered
+        self.via_shm = [False] * workers  # whether this round's push is in the slot
+        self.result_offer = None  # where the results are in the server's arena, if shared
         self.declared = set()
         self.arrived = 0
         self.round = 0
@@ -60,8 +70,20 @@ class KeyState:
                             f"differently from the first worker: {'; '.join(problems)}")
         self.declared.add(rank)
 
-    def buffer_for(self, rank, header):
-        """Where worker ``rank``'s push payload is received (reused across rounds)."""
+    def attach_shm(self, rank, slot, arena):
+        """Take worker ``rank``'s shared slot (a uint8 view of one push); returns the offer of
+        the result buffers it reads the replies from."""
+        if self.compressed or self.asynchronous:
+            raise ShmUnavailable("only synchronous uncompressed keys use shared memory")
+        if self.result_offer is None:
+            nbytes = self.n * self.dtype.itemsize
+            self.result_offer, memory = arena.allocate(2 * nbytes)
+            self.results = [memory[:nbytes].view(self.dtype), memory[nbytes:].view(self.dtype)]
+        self.shm_slots[rank] = slot
+        return self.result_offer
+
+    def check_push(self, rank, header):
+        """A push's header agrees with the declaration and this round; MalformedMessage if not."""
         if rank not in self.declared:
             raise MalformedMessage(f"worker {rank} pushed key {self.key} without declaring it")
         if self.pending[rank]:
@@ -70,12 +92,21 @@ class KeyState:
             raise MalformedMessage(f"push of key {self.key} as {header.dtype}, declared {self.dtype}")
         if header.round != self.round and not self.asynchronous:
             raise MalformedMessage(f"push of key {self.key} for round {header.round}, server is at {self.round}")
-        if bool(header.flags) != self.compressed:
+        if bool(header.flags & COMPRESSED_BIT) != self.compressed:
             raise MalformedMessage(f"push of key {self.key}: compression flag does not match the declaration")
         length = header.length
-        if (self.compressed and not 0 <= length <= self.max_payload) or \
+        if header.flags & SHM_BIT:
+            if self.shm_slots[rank] is None or length:
+                raise MalformedMessage(f"shared-memory push of key {self.key} from worker {rank}, "
+                                       "which offered no slot, or with a payload")
+        elif (self.compressed and not 0 <= length <= self.max_payload) or \
                 (not self.compressed and length != self.max_payload):
             raise MalformedMessage(f"push of key {self.key} with {length} bytes (limit {self.max_payload})")
+
+    def buffer_for(self, rank, header):
+        """Where worker ``rank``'s push payload is received (reused across rounds)."""
+        self.check_push(rank, header)
+        length = header.length
         buf = self.buffers[rank]
         if buf is None or buf.size < length:
             # dense: exactly one tensor; compressed: grown with headroom as payload sizes vary
@@ -87,7 +118,8 @@ class KeyState:
         """Record a received push; returns True when the round is complete (or async)."""
         self.pending[rank] = True
         self.identities[rank] = identity
-        self.lengths[rank] = header.length
+        self.via_shm[rank] = shared = bool(header.flags & SHM_BIT)
+        self.lengths[rank] = self.max_payload if shared else header.length
         self.ctxs[rank] = header.ctx
         self.rounds[rank] = header.round
         self.arrived += 1
@@ -96,7 +128,7 @@ class KeyState:
     def take_round(self):
         """Snapshot what the engine needs for this round and start the next one."""
         ranks = [r for r in range(self.workers) if self.pending[r]]
-        job = (self.round, ranks, [(self.identities[r], self.rounds[r]) for r in ranks])
+        job = (self.round, ranks, [(self.identities[r], self.rounds[r], self.via_shm[r]) for r in ranks])
         for r in ranks:
             self.pending[r] = False
         self.arrived = 0
@@ -107,7 +139,7 @@ class KeyState:
     # ---------------------------------------------------------------- engine side
 
     def payload(self, rank):
-        return self.buffers[rank][: self.lengths[rank]]
+        return self.shm_slots[rank] if self.via_shm[rank] else self.buffers[rank][: self.lengths[rank]]
 
     def add(self, rank, acc):
         """acc += the decoded push of ``rank`` (sparse codecs touch only their k positions)."""

@@ -19,7 +19,7 @@ from .peers import Peers
 from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
-from .worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
+from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -59,7 +59,7 @@ class Worker(Communicator):
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
-                                   self.cfg.dense_partition_bytes)
+                                   dense_partition_bytes(self.cfg, book))
         self.io.thread.start()
         self.barrier()
         log.info("worker %d/%d joined (%d servers)", self.rank, self.size, len(servers))
@@ -164,8 +164,9 @@ class Worker(Communicator):
             dest = wire[part.start:part.stop]
             if part.codec is None:
                 self.counters.add(pushed_wire=chunk.nbytes)
-                self.io.post("push", Push(handle, part, chunk, False, context, priority, tensor.wire_dtype,
-                                          dest.view(np.uint8)))
+                push = Push(handle, part, chunk, False, context, priority, tensor.wire_dtype, dest.view(np.uint8))
+                self.io.prefill(push)
+                self.io.post("push", push)
             else:
                 self.pool.submit(self._compress, handle, part, chunk, ctx, context, priority,
                                  tensor.wire_dtype)

@@ -23,6 +23,7 @@ class Metrics:
     communicate_seconds: float = 0.0
     wait_seconds: float = 0.0
     messages: int = 0  # push messages sent (a fused bucket counts once)
+    shared_bytes: int = 0  # pushed through shared memory to a server on this host (no socket)
 
     @property
     def ratio(self):
@@ -129,12 +130,19 @@ class Handle(HandleABC):
         try:
             dest = self.wire[push.part.start:push.part.stop]
             reducer = push.part.reducer
+            size = dest.dtype.type(self.worker.size)
             if compressed:
                 reducer.decode(payload, dest, self.ctx)
-            elif payload is not push.dest:  # an async snapshot of a compressed key
-                dest[:] = np.frombuffer(payload, push.dtype)
-            if self.average and (reducer is None or reducer.summed or not compressed):
-                dest /= dest.dtype.type(self.worker.size)
+                if self.average and (reducer is None or reducer.summed):
+                    dest /= size
+            elif payload is not push.dest:  # a result in shared memory, or an async snapshot
+                source = np.frombuffer(payload, push.dtype)
+                if self.average:  # one pass; the same values as copying, then dividing
+                    np.divide(source, size, out=dest)
+                else:
+                    dest[:] = source
+            elif self.average:
+                dest /= size
             self.partition_done()
         except Exception as e:
             self.fail(e)

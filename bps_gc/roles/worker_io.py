@@ -10,6 +10,11 @@ go to their server as one FUSED message of up to BPS_GC_FUSION_BYTES (0: off), a
 fusion buffer and DDP's buckets do. A fusable push waits at most FUSION_CYCLE for the others
 posted with it; the server answers their rounds with fused replies. Each
 key keeps its own round, so workers need not fuse alike.
+
+Shared memory (transport/shm.py): to a server on this host (reached over its unix socket),
+each dense key's INIT offers a slot in this worker's arena; once the server's INIT_ACK names
+its result buffers, pushes sent alone are copied into the slot and go as a bare SHM header,
+and the reply is copied out of the result buffer (BPS_GC_SHM=0: off).
 """
 import heapq
 import itertools
@@ -20,8 +25,12 @@ import time
 
 import zmq
 
+import numpy as np
+
+from ..transport import shm
 from ..transport.sockets import DropLog, MalformedMessage, peer_endpoint, recv, send
-from ..transport.wire import FUSED_BIT, Flag, Header, Msg, decode_json, encode_json, pack_fused, unpack_fused
+from ..transport.wire import (COMPRESSED_BIT, FUSED_BIT, MAX_FUSED, SHM_BIT, Flag, Header, Msg, decode_json,
+                              encode_json, pack_fused, unpack_fused)
 from . import NodeFailure
 from .event_loop import EventLoop
 
@@ -34,7 +43,7 @@ class Push:
     """One partition of one push_pull, from queueing to reply."""
 
     __slots__ = ("handle", "part", "round", "payload", "compressed", "context", "priority", "dtype",
-                 "dest", "sent_at")
+                 "dest", "sent_at", "shared")
 
     def __init__(self, handle, part, payload, compressed, context, priority, dtype, dest):
         """``context``: the encoded step context section (wire.encode_context)."""
@@ -42,6 +51,7 @@ class Push:
         self.context, self.priority, self.dtype, self.dest = context, priority, dtype, dest
         self.round = part.round
         self.sent_at = None
+        self.shared = False  # sent through shared memory
 
     @property
     def nbytes(self):
@@ -55,7 +65,7 @@ class WorkerIO:
         self.fusion_bytes = cfg.fusion_bytes
         self.fusable_bytes = 0  # queued in the heap
         self.fusion_due = None  # when queued fusable pushes go even if their message is not full
-        self.links = []
+        self.links, self.local = [], []
         for server in servers:
             sock = auth.client(ctx.socket(zmq.DEALER))
             sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
@@ -63,8 +73,15 @@ class WorkerIO:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             # a server on this host: over a unix socket (half the kernel work of TCP loopback)
-            sock.connect(peer_endpoint(server, membership.host))
+            endpoint = peer_endpoint(server, membership.host)
+            sock.connect(endpoint)
             self.links.append(sock)
+            self.local.append(endpoint.startswith("ipc://"))
+        # async servers answer with snapshots, not the two alternating result buffers
+        self.arena = shm.Arena() if cfg.shm and not cfg.enable_async and shm.supported() else None
+        self.peer_maps = shm.PeerMaps()
+        self.shm_slots = {}  # key -> this worker's slot (writable uint8 view)
+        self.shm_results = {}  # key -> the server's two result buffers (read-only uint8 view)
         self.servers = servers
         self.commands = queue.SimpleQueue()
         self.loop = EventLoop(cfg.heartbeat_interval)
@@ -132,6 +149,7 @@ class WorkerIO:
                         self.fusion_due = time.perf_counter() + FUSION_CYCLE
             elif kind == "init":
                 _, key, server, dtype, decl = command
+                decl = self.offer_shm(key, server, dtype, decl)
                 send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
             elif kind == "barrier":
                 self.barriers_wanted += 1
@@ -139,6 +157,25 @@ class WorkerIO:
             elif kind == "goodbye":
                 self.goodbye(command[1])
                 return True
+
+    def offer_shm(self, key, server, dtype, decl):
+        """The INIT declaration, with a shared slot offered if the key and server allow it."""
+        if self.arena is None or not self.local[server] or decl.get("params") or decl["n"] <= 0:
+            return decl
+        try:
+            offer, self.shm_slots[key] = self.arena.allocate(decl["n"] * np.dtype(dtype).itemsize)
+        except OSError as e:
+            log.warning("no shared memory for key %d (the socket carries it): %s", key, e)
+            return decl
+        return {**decl, "shm": offer}
+
+    def accept_shm(self, key, payload):
+        """The server's INIT_ACK took the slot offered for ``key``: map its result buffers."""
+        try:
+            offer = decode_json(payload).get("shm")
+            self.shm_results[key] = self.peer_maps.view(offer, 2 * self.shm_slots[key].nbytes)
+        except (shm.ShmUnavailable, MalformedMessage, KeyError) as e:
+            log.info("key %d stays on the socket: %s", key, e)
 
     def poll_timeout(self, idle_ms):
         """Milliseconds to wait for sockets: until queued fusable pushes are due, if they are
@@ -154,21 +191,23 @@ class WorkerIO:
             and push.nbytes < self.fusion_bytes
 
     def send_ready(self):
+        shared = {}  # (server, dtype, context) -> pushes whose data is in shared memory
         while self.heap and (self.inflight_bytes < self.window or not self.inflight):
             if self.fusable(self.heap[0][2]):
                 if self.fusable_bytes < self.fusion_bytes and time.perf_counter() < self.fusion_due:
-                    return  # let the pushes posted with it join its message
+                    break  # let the pushes posted with it join its message
                 self.send_fused()
                 continue
             _, _, push = heapq.heappop(self.heap)
             if self.refused(push):
                 continue
-            flags = Flag.COMPRESSED if push.compressed else Flag.NONE
-            header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round,
-                            dtype=push.dtype, flags=flags, context=push.context)
             self.sent(push)
-            self.counters.add(messages=1)
-            send(self.links[push.part.server], header, push.payload)
+            if self.in_shm(push):
+                shared.setdefault((push.part.server, push.dtype, push.context), []).append(push)
+            else:
+                self.send_alone(push)
+        for batch in shared.values():
+            self.send_shared(batch)
 
     def refused(self, push):
         if push.part.key in self.failed_keys:
@@ -203,16 +242,55 @@ class WorkerIO:
         for bucket in buckets.values():
             self.send_bucket(bucket)
 
+    def prefill(self, push):
+        """On the pushing thread, off the I/O thread: copy a partition that will go alone into
+        its key's shared slot, if the server took it. The slot is free: a tensor has one
+        push_pull running at a time, and the server read the slot before its last reply."""
+        if not push.compressed and push.part.key in self.shm_results and not self.fusable(push):
+            np.copyto(self.shm_slots[push.part.key].view(push.dtype), push.payload)
+            push.shared = True
+
+    def in_shm(self, push):
+        """Whether a push goes through its key's shared slot (copied there now if the server's
+        INIT_ACK came after the push was prefilled)."""
+        if push.compressed or push.part.key not in self.shm_results:
+            return False
+        if not push.shared:
+            np.copyto(self.shm_slots[push.part.key].view(push.dtype), push.payload)
+            push.shared = True
+        self.counters.add(shared_bytes=push.nbytes)
+        return True
+
+    def send_shared(self, batch):
+        """Pushes whose data is in shared memory, to one server: bare headers, as one message
+        (fused entries without bytes) of at most MAX_FUSED."""
+        for start in range(0, len(batch), MAX_FUSED):
+            chunk = batch[start:start + MAX_FUSED]
+            push = chunk[0]
+            self.counters.add(messages=1)
+            if len(chunk) == 1:
+                header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round, dtype=push.dtype,
+                                flags=Flag.SHM, context=push.context)
+                send(self.links[push.part.server], header)
+                continue
+            header = Header(Msg.PUSH, self.rank, dtype=push.dtype, flags=Flag.FUSED | Flag.SHM,
+                            context=push.context)
+            send(self.links[push.part.server], header, pack_fused([(p.part.key, p.round, b"") for p in chunk]))
+
+    def send_alone(self, push):
+        """One partition in one message, with its payload."""
+        self.counters.add(messages=1)
+        header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round, dtype=push.dtype,
+                        flags=Flag.COMPRESSED if push.compressed else Flag.NONE, context=push.context)
+        send(self.links[push.part.server], header, push.payload)
+
     def send_bucket(self, bucket):
         if not bucket:
             return
         push = bucket[0]
-        self.counters.add(messages=1)
         if len(bucket) == 1:
-            header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round,
-                            dtype=push.dtype, context=push.context)
-            send(self.links[push.part.server], header, push.payload)
-            return
+            return self.send_alone(push)
+        self.counters.add(messages=1)
         header = Header(Msg.PUSH, self.rank, dtype=push.dtype, flags=Flag.FUSED, context=push.context)
         send(self.links[push.part.server], header,
              pack_fused([(p.part.key, p.round, p.payload) for p in bucket]))
@@ -261,18 +339,37 @@ class WorkerIO:
                 push.handle.fail(NodeFailure(message) if info.get("job_failed") else ValueError(message))
             return
         if h.type == Msg.INIT_ACK:
+            if msg.payload and h.key in self.shm_slots:
+                self.accept_shm(h.key, msg.payload)
             return
         if h.type == Msg.PUSH_REPLY and h.flags & FUSED_BIT:
-            return self.receive_fused(msg.payload)
+            return self.receive_fused(msg.payload, h.flags & SHM_BIT)
         push = self.inflight.pop(h.key, None)
         if push is None or h.type != Msg.PUSH_REPLY:
             self.dropped("an unexpected %s for key %d", h.type.name, h.key)
             return
         self.inflight_bytes -= push.nbytes
+        payload = msg.payload
+        if h.flags & SHM_BIT:
+            if not push.shared or h.round != push.round:
+                push.handle.fail(ValueError(f"invalid reply from server {push.part.server} for "
+                                            f"{push.handle.tensor.name!r}: shared memory it was not pushed through"))
+                return
+            payload = self.shared_result(push)
         push.part.round += 1
-        push.handle.partition_replied(push, msg.payload, bool(h.flags), time.perf_counter() - push.sent_at)
+        push.handle.partition_replied(push, payload, bool(h.flags & COMPRESSED_BIT),
+                                      time.perf_counter() - push.sent_at)
 
-    def receive_fused(self, payload):
+    def shared_result(self, push):
+        """A key's result in the server's shared buffer for its round; the codec pool copies it
+        out (averaging on the way), off this thread. The server keeps it until this worker's
+        next push of the key, which waits for the copy (one push_pull per tensor at a time)."""
+        nbytes = push.dest.nbytes
+        start = (push.round % 2) * nbytes
+        return self.shm_results[push.part.key][start:start + nbytes]
+
+    def receive_fused(self, payload, shared):
+        """``shared``: the entries carry no bytes; each result is in its key's shared buffer."""
         try:
             entries = unpack_fused(payload)
         except MalformedMessage as e:
@@ -281,14 +378,16 @@ class WorkerIO:
         now = time.perf_counter()
         for key, rnd, data in entries:
             push = self.inflight.get(key)
-            if push is None or push.dest is None or rnd != push.round or data.nbytes != push.dest.nbytes:
+            if push is None or push.dest is None or rnd != push.round or push.shared != bool(shared) or \
+                    data.nbytes != (0 if shared else push.dest.nbytes):
                 log.warning("dropped an unexpected fused reply entry for key %d round %d", key, rnd)
                 continue
             del self.inflight[key]
             self.inflight_bytes -= push.nbytes
-            push.dest[:] = data
+            # the codec pool copies the entry out (a view into the message, or shared memory)
+            result = self.shared_result(push) if shared else data
             push.part.round += 1
-            push.handle.partition_replied(push, push.dest, False, now - push.sent_at)
+            push.handle.partition_replied(push, result, False, now - push.sent_at)
 
     def check_barrier(self):
         done = self.membership.barriers_done.get(0, 0)
@@ -329,3 +428,5 @@ class WorkerIO:
         for sock in self.links:
             sock.close(linger=500)
         self.loop.close()
+        if self.arena is not None:
+            self.arena.close()

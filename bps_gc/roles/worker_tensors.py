@@ -16,6 +16,18 @@ import numpy as np
 from .communicator import Declaration
 
 MAX_PARTITIONS = 1 << 16
+DENSE_PARTITION_BYTES = 1_024_000  # uncompressed partitions of a job that spans hosts (unless set)
+
+
+def dense_partition_bytes(cfg, book):
+    """BPS_GC_DENSE_PARTITION_BYTES if set; else 1 MB when the job's nodes are on more than one
+    host, where the shorter tail pays; on one host, where no link has a tail and dense
+    partitions go through shared memory, BYTEPS_PARTITION_BYTES (fewer partitions, less
+    per-partition work). Every worker decides alike: they share the address book."""
+    if cfg.dense_partition_bytes is not None:
+        return cfg.dense_partition_bytes
+    hosts = {entry["address"].rpartition(":")[0] or entry["address"] for entry in book["servers"] + book["workers"]}
+    return DENSE_PARTITION_BYTES if len(hosts) > 1 else cfg.partition_bytes
 
 
 class Partition:

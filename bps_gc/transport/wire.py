@@ -55,9 +55,14 @@ class Flag(enum.IntFlag):
     NONE = 0
     COMPRESSED = 1     # payload is a codec payload, not raw elements
     FUSED = 2          # payload holds several keys' dense pushes or replies (pack_fused)
+    SHM = 4            # no payload: the data is in shared memory set up at INIT (transport/shm.py)
 
 
 FUSED_BIT = int(Flag.FUSED)  # for the hot paths: received headers carry flags as a plain int
+SHM_BIT = int(Flag.SHM)
+# FUSED | SHM: several keys' shared-memory pushes or replies, fused entries without bytes
+VALID_FLAGS = frozenset({0, int(Flag.COMPRESSED), FUSED_BIT, SHM_BIT, FUSED_BIT | SHM_BIT})
+COMPRESSED_BIT = int(Flag.COMPRESSED)
 
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.float16),
           255: None}  # 255: no tensor
@@ -184,7 +189,7 @@ class Header:
             raise MalformedMessage(f"unknown message type {mtype}") from None
         if dcode not in DTYPES:
             raise MalformedMessage(f"unknown dtype code {dcode}")
-        if flags & ~int(Flag.COMPRESSED | Flag.FUSED) or flags == int(Flag.COMPRESSED | Flag.FUSED):
+        if flags not in VALID_FLAGS:
             raise MalformedMessage(f"unknown flags {flags:#x}")
         if len(data) != HEADER.size + ctx_len:
             raise MalformedMessage(f"header frame of {len(data)} bytes, its context section "

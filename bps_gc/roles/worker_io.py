@@ -11,10 +11,9 @@ fusion buffer and DDP's buckets do. A fusable push waits at most FUSION_CYCLE fo
 posted with it; the server answers their rounds with fused replies. Each
 key keeps its own round, so workers need not fuse alike.
 
-Shared memory (transport/shm.py): to a server on this host (reached over its unix socket),
-each dense key's INIT offers a slot in this worker's arena; once the server's INIT_ACK names
-its result buffers, pushes sent alone are copied into the slot and go as a bare SHM header,
-and the reply is copied out of the result buffer (BPS_GC_SHM=0: off).
+Shared memory (worker_shm.py): a dense push to a server on this host that is not fused with
+small ones goes as a bare SHM header once its data is in the key's shared slot; the headers
+that leave together go to each server as one message (fused entries without bytes).
 """
 import heapq
 import itertools
@@ -25,14 +24,12 @@ import time
 
 import zmq
 
-import numpy as np
-
-from ..transport import shm
 from ..transport.sockets import DropLog, MalformedMessage, peer_endpoint, recv, send
 from ..transport.wire import (COMPRESSED_BIT, FUSED_BIT, MAX_FUSED, SHM_BIT, Flag, Header, Msg, decode_json,
                               encode_json, pack_fused, unpack_fused)
 from . import NodeFailure
 from .event_loop import EventLoop
+from .worker_shm import SharedSlots
 
 log = logging.getLogger("bps_gc.worker")
 FUSABLE_BYTES = 64 * 1024  # larger pushes are sent alone, zero-copy
@@ -77,11 +74,7 @@ class WorkerIO:
             sock.connect(endpoint)
             self.links.append(sock)
             self.local.append(endpoint.startswith("ipc://"))
-        # async servers answer with snapshots, not the two alternating result buffers
-        self.arena = shm.Arena() if cfg.shm and not cfg.enable_async and shm.supported() else None
-        self.peer_maps = shm.PeerMaps()
-        self.shm_slots = {}  # key -> this worker's slot (writable uint8 view)
-        self.shm_results = {}  # key -> the server's two result buffers (read-only uint8 view)
+        self.shm = SharedSlots(cfg, self.local, counters)
         self.servers = servers
         self.commands = queue.SimpleQueue()
         self.loop = EventLoop(cfg.heartbeat_interval)
@@ -149,7 +142,7 @@ class WorkerIO:
                         self.fusion_due = time.perf_counter() + FUSION_CYCLE
             elif kind == "init":
                 _, key, server, dtype, decl = command
-                decl = self.offer_shm(key, server, dtype, decl)
+                decl = self.shm.offer(key, server, dtype, decl)
                 send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
             elif kind == "barrier":
                 self.barriers_wanted += 1
@@ -157,25 +150,6 @@ class WorkerIO:
             elif kind == "goodbye":
                 self.goodbye(command[1])
                 return True
-
-    def offer_shm(self, key, server, dtype, decl):
-        """The INIT declaration, with a shared slot offered if the key and server allow it."""
-        if self.arena is None or not self.local[server] or decl.get("params") or decl["n"] <= 0:
-            return decl
-        try:
-            offer, self.shm_slots[key] = self.arena.allocate(decl["n"] * np.dtype(dtype).itemsize)
-        except OSError as e:
-            log.warning("no shared memory for key %d (the socket carries it): %s", key, e)
-            return decl
-        return {**decl, "shm": offer}
-
-    def accept_shm(self, key, payload):
-        """The server's INIT_ACK took the slot offered for ``key``: map its result buffers."""
-        try:
-            offer = decode_json(payload).get("shm")
-            self.shm_results[key] = self.peer_maps.view(offer, 2 * self.shm_slots[key].nbytes)
-        except (shm.ShmUnavailable, MalformedMessage, KeyError) as e:
-            log.info("key %d stays on the socket: %s", key, e)
 
     def poll_timeout(self, idle_ms):
         """Milliseconds to wait for sockets: until queued fusable pushes are due, if they are
@@ -202,7 +176,7 @@ class WorkerIO:
             if self.refused(push):
                 continue
             self.sent(push)
-            if self.in_shm(push):
+            if self.shm.take(push):
                 shared.setdefault((push.part.server, push.dtype, push.context), []).append(push)
             else:
                 self.send_alone(push)
@@ -243,23 +217,9 @@ class WorkerIO:
             self.send_bucket(bucket)
 
     def prefill(self, push):
-        """On the pushing thread, off the I/O thread: copy a partition that will go alone into
-        its key's shared slot, if the server took it. The slot is free: a tensor has one
-        push_pull running at a time, and the server read the slot before its last reply."""
-        if not push.compressed and push.part.key in self.shm_results and not self.fusable(push):
-            np.copyto(self.shm_slots[push.part.key].view(push.dtype), push.payload)
-            push.shared = True
-
-    def in_shm(self, push):
-        """Whether a push goes through its key's shared slot (copied there now if the server's
-        INIT_ACK came after the push was prefilled)."""
-        if push.compressed or push.part.key not in self.shm_results:
-            return False
-        if not push.shared:
-            np.copyto(self.shm_slots[push.part.key].view(push.dtype), push.payload)
-            push.shared = True
-        self.counters.add(shared_bytes=push.nbytes)
-        return True
+        """On the pushing thread: a push that will go alone is copied into its shared slot now."""
+        if not self.fusable(push):
+            self.shm.prefill(push)
 
     def send_shared(self, batch):
         """Pushes whose data is in shared memory, to one server: bare headers, as one message
@@ -339,8 +299,8 @@ class WorkerIO:
                 push.handle.fail(NodeFailure(message) if info.get("job_failed") else ValueError(message))
             return
         if h.type == Msg.INIT_ACK:
-            if msg.payload and h.key in self.shm_slots:
-                self.accept_shm(h.key, msg.payload)
+            if msg.payload:
+                self.shm.accept(h.key, msg.payload)
             return
         if h.type == Msg.PUSH_REPLY and h.flags & FUSED_BIT:
             return self.receive_fused(msg.payload, h.flags & SHM_BIT)
@@ -355,18 +315,10 @@ class WorkerIO:
                 push.handle.fail(ValueError(f"invalid reply from server {push.part.server} for "
                                             f"{push.handle.tensor.name!r}: shared memory it was not pushed through"))
                 return
-            payload = self.shared_result(push)
+            payload = self.shm.result(push)
         push.part.round += 1
         push.handle.partition_replied(push, payload, bool(h.flags & COMPRESSED_BIT),
                                       time.perf_counter() - push.sent_at)
-
-    def shared_result(self, push):
-        """A key's result in the server's shared buffer for its round; the codec pool copies it
-        out (averaging on the way), off this thread. The server keeps it until this worker's
-        next push of the key, which waits for the copy (one push_pull per tensor at a time)."""
-        nbytes = push.dest.nbytes
-        start = (push.round % 2) * nbytes
-        return self.shm_results[push.part.key][start:start + nbytes]
 
     def receive_fused(self, payload, shared):
         """``shared``: the entries carry no bytes; each result is in its key's shared buffer."""
@@ -385,7 +337,7 @@ class WorkerIO:
             del self.inflight[key]
             self.inflight_bytes -= push.nbytes
             # the codec pool copies the entry out (a view into the message, or shared memory)
-            result = self.shared_result(push) if shared else data
+            result = self.shm.result(push) if shared else data
             push.part.round += 1
             push.handle.partition_replied(push, result, False, now - push.sent_at)
 
@@ -428,5 +380,4 @@ class WorkerIO:
         for sock in self.links:
             sock.close(linger=500)
         self.loop.close()
-        if self.arena is not None:
-            self.arena.close()
+        self.shm.close()

@@ -62,10 +62,9 @@ def test_another_process_reads_an_offer_and_refuses_wrong_ones():
 def dense_spec():
     """Dense tensors over and under the fusion threshold, fp32 and fp16."""
     shapes = [(300_000,), (70_000,), (1000,), (64, 3, 7, 7)]
+    kinds = [(s, dtype) for s in shapes for dtype in ("float32", "float16")]
     tensors = [{"name": f"g{i}", "shape": s, "dtype": dtype, "scale": 0.1, "params": {}}
-               for i, s in enumerate(shapes) for dtype in ("float32", "float16")]
-    for i, t in enumerate(tensors):
-        t["name"] = f"g{i}"
+               for i, (s, dtype) in enumerate(kinds)]
     return {"steps": 3, "lrs": [0.1] * 3, "partition_bytes": 400_000, "min_compress_bytes": 65_536,
             "tensors": tensors}
 

@@ -118,8 +118,8 @@ class KeyState:
         """Record a received push; returns True when the round is complete (or async)."""
         self.pending[rank] = True
         self.identities[rank] = identity
-        self.via_shm[rank] = shared = bool(header.flags & SHM_BIT)
-        self.lengths[rank] = self.max_payload if shared else header.length
+        self.via_shm[rank] = bool(header.flags & SHM_BIT)
+        self.lengths[rank] = header.length
         self.ctxs[rank] = header.ctx
         self.rounds[rank] = header.round
         self.arrived += 1

@@ -48,7 +48,7 @@ class Push:
         self.context, self.priority, self.dtype, self.dest = context, priority, dtype, dest
         self.round = part.round
         self.sent_at = None
-        self.shared = False  # sent through shared memory
+        self.shared = False  # its data is in its key's shared slot
 
     @property
     def nbytes(self):
@@ -74,7 +74,7 @@ class WorkerIO:
             sock.connect(endpoint)
             self.links.append(sock)
             self.local.append(endpoint.startswith("ipc://"))
-        self.shm = SharedSlots(cfg, self.local, counters)
+        self.shm = SharedSlots(cfg, self.local)
         self.servers = servers
         self.commands = queue.SimpleQueue()
         self.loop = EventLoop(cfg.heartbeat_interval)
@@ -227,7 +227,7 @@ class WorkerIO:
         for start in range(0, len(batch), MAX_FUSED):
             chunk = batch[start:start + MAX_FUSED]
             push = chunk[0]
-            self.counters.add(messages=1)
+            self.counters.add(messages=1, shared_bytes=sum(p.nbytes for p in chunk))
             if len(chunk) == 1:
                 header = Header(Msg.PUSH, self.rank, key=push.part.key, round=push.round, dtype=push.dtype,
                                 flags=Flag.SHM, context=push.context)

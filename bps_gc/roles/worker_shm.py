@@ -17,9 +17,9 @@ log = logging.getLogger("bps_gc.worker")
 
 
 class SharedSlots:
-    def __init__(self, cfg, local, counters):
+    def __init__(self, cfg, local):
         """``local[s]``: whether server ``s`` is on this host (its unix socket is used)."""
-        self.local, self.counters = local, counters
+        self.local = local
         # async servers answer with snapshots, not the two alternating result buffers
         self.arena = shm.Arena() if cfg.shm and not cfg.enable_async and shm.supported() else None
         self.peer_maps = shm.PeerMaps()
@@ -48,9 +48,9 @@ class SharedSlots:
             log.info("key %d stays on the socket: %s", key, e)
 
     def prefill(self, push):
-        """On the pushing thread, off the I/O thread: copy a push that will go alone into its
-        key's slot, if the server took it. The slot is free: a tensor has one push_pull running
-        at a time, and the server read the slot before its last reply."""
+        """Copy a push into its key's slot, if the server took it (usually on the pushing
+        thread, off the I/O thread). The slot is free: a tensor has one push_pull running at a
+        time, and the server read the slot before its last reply."""
         if not push.compressed and push.part.key in self.results:
             np.copyto(self.slots[push.part.key].view(push.dtype), push.payload)
             push.shared = True
@@ -58,13 +58,9 @@ class SharedSlots:
     def take(self, push):
         """Whether a push goes through its key's slot (copied there now if the INIT_ACK came
         after the push was made)."""
-        if push.compressed or push.part.key not in self.results:
-            return False
         if not push.shared:
-            np.copyto(self.slots[push.part.key].view(push.dtype), push.payload)
-            push.shared = True
-        self.counters.add(shared_bytes=push.nbytes)
-        return True
+            self.prefill(push)
+        return push.shared
 
     def result(self, push):
         """The push's round's result in the server's buffer. The server keeps it until this

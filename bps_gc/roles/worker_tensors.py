@@ -13,6 +13,7 @@ A zero-size tensor has no partitions: its push_pull completes at once on every w
 """
 import numpy as np
 
+from ..transport.sockets import host_of
 from .communicator import Declaration
 
 MAX_PARTITIONS = 1 << 16
@@ -26,7 +27,7 @@ def dense_partition_bytes(cfg, book):
     per-partition work). Every worker decides alike: they share the address book."""
     if cfg.dense_partition_bytes is not None:
         return cfg.dense_partition_bytes
-    hosts = {entry["address"].rpartition(":")[0] or entry["address"] for entry in book["servers"] + book["workers"]}
+    hosts = {host_of(entry["address"]) for entry in book["servers"] + book["workers"]}
     return DENSE_PARTITION_BYTES if len(hosts) > 1 else cfg.partition_bytes
 
 

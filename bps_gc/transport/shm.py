@@ -87,13 +87,11 @@ class PeerMaps:
         malformed, names other bytes, or cannot be reached from this process."""
         try:
             pid, fd, offset = (int(offer[k]) for k in ("pid", "fd", "offset"))
-            nonce = bytes.fromhex(offer["nonce"])
-            if not isinstance(offer["bytes"], int) or offer["bytes"] != nbytes:
-                raise ShmUnavailable(f"offer of {offer['bytes']!r} bytes, expected {nbytes}")
-        except ShmUnavailable:
-            raise
+            nonce, size = bytes.fromhex(offer["nonce"]), offer["bytes"]
         except (KeyError, TypeError, ValueError) as e:
             raise ShmUnavailable(f"malformed offer: {e!r}") from None
+        if size != nbytes or not isinstance(size, int):
+            raise ShmUnavailable(f"offer of {size!r} bytes, expected {nbytes}")
         if pid <= 0 or fd < 0 or offset < NONCE_BYTES or offset % ALIGN or len(nonce) != NONCE_BYTES:
             raise ShmUnavailable("malformed offer: bad pid, fd, offset or nonce")
         memory = self._map(pid, fd, nonce)

@@ -55,11 +55,16 @@ def bind_local(sock, host, port):
     return endpoint
 
 
+def host_of(address):
+    """The host of an address-book address ("host:port", or a bare host)."""
+    return address.rpartition(":")[0] or address
+
+
 def peer_endpoint(entry, own_host):
     """How to reach an address-book entry: its unix socket if it advertised one and runs on
     this node's host, else TCP."""
     local = entry.get("local")
-    if local and entry["address"].rpartition(":")[0] == own_host:
+    if local and host_of(entry["address"]) == own_host:
         return local
     return f"tcp://{entry['address']}"
 
@@ -213,4 +218,4 @@ def recv(sock, router, buffer_for=None):
         raise MalformedMessage(f"cannot parse message: {e}") from e
 
 
-__all__ = ["Auth", "BindError", "CONTROL_MAX_BYTES", "DropLog", "Header", "bind", "curve_keys", "MalformedMessage", "Msg", "Received", "drain", "recv", "send"]
+__all__ = ["Auth", "BindError", "CONTROL_MAX_BYTES", "DropLog", "Header", "bind", "host_of", "peer_endpoint", "curve_keys", "MalformedMessage", "Msg", "Received", "drain", "recv", "send"]

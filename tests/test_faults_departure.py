@@ -26,11 +26,14 @@ TRAIN = textwrap.dedent("""
     rank = bps.rank()
     steps = int(os.environ.get(f"STEPS_{rank}", "1000000"))
     mode = os.environ.get(f"MODE_{rank}", "")
-    bps.declare("grad", shape=(20000,), dtype=np.float32, compressor="onebit", ef="vanilla")
+    # COMPRESSION=none: a dense 800 KB tensor, through shared memory with the same-host server
+    dense = os.environ.get("COMPRESSION") == "none"
+    n = 200_000 if dense else 20_000
+    bps.declare("grad", shape=(n,), dtype=np.float32, **({} if dense else {"compressor": "onebit", "ef": "vanilla"}))
     for step in range(steps):
-        out = bps.push_pull(np.ones(20000, np.float32), "grad", average=False, lr=0.1).wait()
+        out = bps.push_pull(np.ones(n, np.float32), "grad", average=False, lr=0.1).wait()
         if step == 2:
-            print("RUNNING", flush=True)
+            print("RUNNING shared", bps.metrics().shared_bytes, flush=True)
         if step == 5 and mode == "raise":
             raise RuntimeError("the training script failed")
     print("DONE", steps, flush=True)
@@ -44,10 +47,11 @@ def check_survivor(text, report):
     assert NAMED in text and "NodeFailure" in text and "Traceback" not in text, report
 
 
+@pytest.mark.parametrize("compression", ["onebit", "none"])
 @pytest.mark.parametrize("mode", ["raise", "sigint", "fewer"])
-def test_multihost_worker_leaving_stops_the_others(mode):
+def test_multihost_worker_leaving_stops_the_others(mode, compression):
     env = {"MODE_1": mode} if mode == "raise" else {"STEPS_1": "8"} if mode == "fewer" else {}
-    job = Job(2, TRAIN, env=env)
+    job = Job(2, TRAIN, env={**env, "COMPRESSION": compression})
     try:
         if mode == "sigint":
             job.wait_output(["worker0", "worker1"], "RUNNING", START_BOUND)
@@ -63,7 +67,10 @@ def test_multihost_worker_leaving_stops_the_others(mode):
     assert all((s == 0) == (n in expected_zero) for n, s in statuses.items()), report
     check_survivor(job.text("worker0"), report)
     assert NAMED in job.text("scheduler") and NAMED in job.text("server0"), report
-    print(f"multi-host worker 1 {mode}: every launcher exited after {elapsed:.2f} s", file=sys.stderr)
+    shared = job.text("worker0").split("RUNNING shared ")[1].split()[0]
+    assert (shared != "0") == (compression == "none"), f"bytes through shared memory: {shared}\n{report}"
+    print(f"multi-host worker 1 {mode} ({compression}): every launcher exited after {elapsed:.2f} s",
+          file=sys.stderr)
 
 
 def test_multihost_normal_end_exits_0_everywhere():

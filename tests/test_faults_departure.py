@@ -73,11 +73,14 @@ def test_multihost_worker_leaving_stops_the_others(mode, compression):
           file=sys.stderr)
 
 
-def test_multihost_normal_end_exits_0_everywhere():
-    job = Job(2, TRAIN, env={"STEPS_0": "20", "STEPS_1": "20"})
+@pytest.mark.parametrize("compression", ["onebit", "none"])
+def test_multihost_normal_end_exits_0_everywhere(compression):
+    job = Job(2, TRAIN, env={"STEPS_0": "20", "STEPS_1": "20", "COMPRESSION": compression})
     statuses, elapsed = job.wait_all(START_BOUND)
     assert all(s == 0 for s in statuses.values()), job.report(statuses)
-    print(f"multi-host normal end: all exited 0 after {elapsed:.2f} s", file=sys.stderr)
+    shared = job.text("worker0").split("RUNNING shared ")[1].split()[0]
+    assert (shared != "0") == (compression == "none"), f"bytes through shared memory: {shared}"
+    print(f"multi-host normal end ({compression}): all exited 0 after {elapsed:.2f} s", file=sys.stderr)
 
 
 @pytest.mark.parametrize("mode", ["raise", "fewer"])

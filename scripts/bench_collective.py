@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import BPS_CONFIGS, PY, ROOT, load_shapes
+from bench_common import BPS_CONFIGS, PY, ROOT, link_counters, link_delta, load_shapes
 
 BUCKET_BYTES = 25 << 20
 START_POWERSGD_ITER = 2
@@ -89,12 +89,13 @@ def rank_main(args):
         for _ in range(warmup):
             step()
         times = []
+        before = link_counters()
         for _ in range(args.rounds):
             dist.barrier()
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        return times
+        return times, link_delta(before, link_counters())
 
     def allreduce_rows():
         flat = np.concatenate([g.reshape(-1) for g in grads])
@@ -158,10 +159,11 @@ def rank_main(args):
     results = []
     for label, build in select_rows(rows, args).items():
         # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
-        times = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
+        times, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
         bps.metrics()
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
-                        "max_s": max(times), "rounds": len(times), "times": times})
+                        "max_s": max(times), "rounds": len(times), "times": times,
+                        "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()}})
         if rank == 0:
             print(f"ROW {json.dumps(results[-1])}", flush=True)
     if rank == 0:
@@ -192,6 +194,7 @@ def rank_plan(topo, ranks, raw, args):
         env = child_env({"RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0",
                          "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port),
                          "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "OMP_NUM_THREADS": "1",
+                         "BENCH_VETH": topo.veth(r) or "",
                          "BPS_GC_TRANSPORT": "collective"})
         plan.append((f"rank{r}", topo.wrap(r, cmd), env))
     return plan, {f"rank{r}" for r in range(ranks)}

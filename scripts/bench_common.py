@@ -68,7 +68,9 @@ def make_grad(shape, rank, index):
 
 
 def link_counters():
-    """(tx, rx) bytes of the veth named in BENCH_VETH, from this namespace's /proc/net/dev."""
+    """(tx, rx, TCP counters) of the veth named in BENCH_VETH, from this namespace's /proc/net:
+    bytes, and the whole namespace's (machine's) retransmitted segments and retransmit
+    timeouts, which say whether a slow round lost packets at the shaper."""
     dev = os.environ.get("BENCH_VETH")
     if not dev:
         return None
@@ -78,10 +80,27 @@ def link_counters():
                 name, _, rest = line.partition(":")
                 if name.strip() == dev:
                     fields = rest.split()
-                    return int(fields[8]), int(fields[0])  # tx bytes, rx bytes
+                    return int(fields[8]), int(fields[0]), tcp_counters()  # tx, rx bytes
     except OSError:
         return None
     return None
+
+
+def tcp_counters(names=("RetransSegs", "TCPTimeouts", "TCPLossProbes")):
+    """The named counters of /proc/net/snmp and /proc/net/netstat (pairs of header and value
+    lines); missing ones are left out."""
+    found = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for header, values in zip(lines[::2], lines[1::2]):
+            for key, value in zip(header.split()[1:], values.split()[1:]):
+                if key in names:
+                    found[key] = int(value)
+    return found
 
 
 def cpu_counters():
@@ -109,7 +128,8 @@ def cpu_delta(before, after, rounds):
 def link_delta(before, after):
     if before is None or after is None:
         return None
-    return {"tx_bytes": after[0] - before[0], "rx_bytes": after[1] - before[1]}
+    tcp = {k: after[2][k] - v for k, v in before[2].items() if k in after[2]}
+    return {"tx_bytes": after[0] - before[0], "rx_bytes": after[1] - before[1], "tcp": tcp}
 
 
 def write_json_atomic(path, obj):

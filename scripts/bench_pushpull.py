@@ -36,6 +36,13 @@ out/bench_pushpull_<link>_<ranks>.json unless --json says otherwise. Every child
 started and stopped by bps_gc's launcher supervisor; the namespaces are always deleted.
 BYTEPS_* / BPS_GC_* variables are passed on and recorded in the JSON. --profile cProfiles every
 thread of bps_gc's worker 0 and server 0 and prints the top functions.
+
+Every system starts each timed round with a barrier outside the timing (torch: dist.barrier(),
+bps_gc: bps.barrier(), ps-lite: kv._barrier()), so a round is timed from a common start.
+--shaped rows also record each machine's TCP retransmissions and timeouts per round
+(tcp_per_round in the JSON). BENCH_TRACE=PREFIX makes bps_gc's workers sample their machine's
+NIC counters every 10 ms and write PREFIX.<config>.w<rank>.json; scripts/plot_nic_trace.py
+plots them.
 """
 import argparse
 import datetime

@@ -181,7 +181,8 @@ def pooled_collective(passes, info):
         row = {"system": system, "config": config, "topology": "one rank per machine",
                "seconds": med, "min": min(times), "max": max(times), "times": times,
                "rounds": len(times), "passes": len(passes),
-               "pass_medians": [results[label]["median_s"] for results in passes]}
+               "pass_medians": [results[label]["median_s"] for results in passes],
+               "tcp_per_round": passes[0][label].get("tcp_per_round")}
         add_info(row, info)
         rows.append(row)
     return rows

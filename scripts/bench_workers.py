@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from bench_common import BPS_CONFIGS, MODEL, PSLITE_CONFIGS, ThreadProfiler, cpu_counters, cpu_delta, link_counters, link_delta, load_shapes, make_grad, write_json_atomic
+from bench_common import BPS_CONFIGS, MODEL, PSLITE_CONFIGS, ThreadProfiler, cpu_counters, cpu_delta, link_counters, link_delta, load_shapes, make_grad, tcp_counters, write_json_atomic
 
 
 def bps_worker(argv):
@@ -43,6 +43,7 @@ def bps_worker(argv):
             h.wait()
         return time.perf_counter() - t0, t1 - t0
 
+    trace = NicTrace() if os.environ.get("BENCH_TRACE") else None
     bps.barrier()
     for _ in range(args.warmup):
         one_round()
@@ -51,13 +52,21 @@ def bps_worker(argv):
     before, cpu_before = link_counters(), cpu_counters()
     rounds = []
     for _ in range(args.rounds):
+        bps.barrier()  # every worker starts the round together, as the torch rows' dist.barrier()
+        tcp_before = tcp_counters()
+        if trace:
+            trace.mark("start")
         seconds, issue = one_round()
+        if trace:
+            trace.mark("end")
+        tcp = tcp_counters()
         m = bps.metrics()
         rounds.append({"seconds": seconds, "issue_seconds": issue, "pushed_raw": m.pushed_raw,
                        "pushed_wire": m.pushed_wire, "pulled_raw": m.pulled_raw,
                        "pulled_wire": m.pulled_wire, "compress_seconds": m.compress_seconds,
                        "communicate_seconds": m.communicate_seconds,
-                       "wait_seconds": m.wait_seconds})
+                       "wait_seconds": m.wait_seconds,
+                       "tcp": {k: tcp[k] - v for k, v in tcp_before.items() if k in tcp}})
     cpu = cpu_delta(cpu_before, cpu_counters(), args.rounds)
     bps.barrier()  # the other worker's last replies are in too: count the link after it
     link = link_delta(before, link_counters())
@@ -73,9 +82,35 @@ def bps_worker(argv):
               "setup_seconds": t_ready - t_start, "rounds": rounds, "link": link,
               "cpu": cpu, "check": check}
     bps.shutdown()
+    if trace:
+        write_json_atomic(f"{os.environ['BENCH_TRACE']}.{args.config}.w{rank}.json", trace.stop())
     if profiler is not None:
         result["profile"] = profiler.report()
     write_json_atomic(os.path.join(args.result_dir, f"bps-w{rank}.json"), result)
+
+
+class NicTrace:
+    """Samples this machine's NIC byte counters every 10 ms on a thread (BENCH_TRACE=1)."""
+
+    def __init__(self):
+        import threading
+        self.samples, self.marks, self.done = [], [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(0.01):
+            c = link_counters()
+            if c:
+                self.samples.append((time.time(), c[0], c[1]))
+
+    def mark(self, what):
+        self.marks.append((time.time(), what))
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        return {"samples": self.samples, "marks": self.marks}
 
 
 def mx_worker(argv):
@@ -115,7 +150,10 @@ def mx_worker(argv):
         one_round()
     kv._barrier()
     before, cpu_before = link_counters(), cpu_counters()
-    rounds = [{"seconds": one_round()} for _ in range(args.rounds)]
+    rounds = []
+    for _ in range(args.rounds):
+        kv._barrier()  # as bps_worker: every worker starts the round together
+        rounds.append({"seconds": one_round()})
     cpu = cpu_delta(cpu_before, cpu_counters(), args.rounds)
     kv._barrier()  # the other worker's last pulls are in too: count the link after it
     link = link_delta(before, link_counters())

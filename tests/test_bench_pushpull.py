@@ -25,3 +25,18 @@ def test_bench_pushpull_quick(tmp_path):
     assert "PS dense (2 workers, servers colocated) / gloo all_reduce" in what
     assert any(w.startswith("best codec") for w in what)
     assert "PS dense (2 workers, servers colocated) / gloo all_reduce" in result.stdout
+
+
+def test_plot_nic_trace_rates(tmp_path):
+    """scripts/plot_nic_trace.py: a machine sending 125,000 bytes and receiving 62,500 every
+    10 ms uses 100 and 50 Mbit/s of its NIC in each round, and the plot is written."""
+    for rank in range(2):
+        samples = [(1000.0 + i * 0.01, i * 125_000, i * 62_500) for i in range(301)]
+        marks = [(1000.0, "start"), (1001.0, "end"), (1001.5, "start"), (1003.0, "end")]
+        (tmp_path / f"t.dense.w{rank}.json").write_text(json.dumps({"samples": samples, "marks": marks}))
+    png = tmp_path / "nic.png"
+    result = subprocess.run([sys.executable, "scripts/plot_nic_trace.py", str(tmp_path / "t.dense"), "--out", str(png)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("1.00 s (tx 100, rx 50 Mbit/s); 1.50 s (tx 100, rx 50 Mbit/s)") == 2
+    assert png.stat().st_size > 1000

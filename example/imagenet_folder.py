@@ -52,7 +52,9 @@ def _open(path):
 
 
 def _to_array(img):
-    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
+    # C-order CHW: a transposed view would make every batch channels-last, and torch 2.13's
+    # oneDNN convolution backward corrupts the heap on channels-last inputs on AVX2-only CPUs
+    return np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
 
 
 def train_image(path, size, rng, min_scale=0.08):

@@ -157,12 +157,15 @@ def test_imagenet_folder(tmp_path):
     _, val = imagenet_folder.scan(root, "val", classes)
     crop = imagenet_folder.train_image(items[0][0], 16, np.random.default_rng(0))
     assert crop.shape == (3, 16, 16) and crop.dtype == np.uint8
+    # C order, so batches are not channels-last (torch's oneDNN backward crashes on those on AVX2)
+    assert crop.flags.c_contiguous and imagenet_folder.normalize(np.stack([crop, crop])).flags.c_contiguous
     from PIL import Image
     Image.fromarray(np.arange(40 * 60 * 3, dtype=np.uint8).reshape(40, 60, 3)).save(tmp_path / "x.png")
     center = imagenet_folder.val_image(str(tmp_path / "x.png"), 20)  # 40x60 -> 23x34, middle 20x20
     with Image.open(tmp_path / "x.png") as img:
         expected = np.asarray(img.convert("RGB").resize((34, 23), Image.BILINEAR))[1:21, 7:27]
     assert np.array_equal(center, expected.transpose(2, 0, 1))
+    assert center.flags.c_contiguous
     os.makedirs(os.path.join(root, "val", "n99999999"))
     with pytest.raises(SystemExit, match="'n99999999' is not in the training set"):
         imagenet_folder.scan(root, "val", classes)

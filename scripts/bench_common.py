@@ -68,9 +68,15 @@ def make_grad(shape, rank, index):
 
 
 def link_counters():
-    """(tx, rx, TCP counters) of the veth named in BENCH_VETH, from this namespace's /proc/net:
-    bytes, and the whole namespace's (machine's) retransmitted segments and retransmit
-    timeouts, which say whether a slow round lost packets at the shaper."""
+    """(tx, rx, TCP counters) of the veth named in BENCH_VETH: its bytes, and the whole
+    namespace's (machine's) retransmitted segments and retransmit timeouts, which say whether
+    a slow round lost packets at the shaper."""
+    nic = nic_bytes()
+    return None if nic is None else (*nic, tcp_counters())
+
+
+def nic_bytes():
+    """(tx, rx) bytes of the veth named in BENCH_VETH, from this namespace's /proc/net/dev."""
     dev = os.environ.get("BENCH_VETH")
     if not dev:
         return None
@@ -80,7 +86,7 @@ def link_counters():
                 name, _, rest = line.partition(":")
                 if name.strip() == dev:
                     fields = rest.split()
-                    return int(fields[8]), int(fields[0]), tcp_counters()  # tx, rx bytes
+                    return int(fields[8]), int(fields[0])
     except OSError:
         return None
     return None

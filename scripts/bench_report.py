@@ -48,8 +48,7 @@ def summarize(system, config, passes):
         n = len(times)  # worker 0's machine's NIC (its co-located server's traffic included)
         row["link_tx_per_worker"] = sum(link["tx_bytes"] for link in links) / n
         row["link_rx_per_worker"] = sum(link["rx_bytes"] for link in links) / n
-        row["tcp_per_round"] = {k: sum(link.get("tcp", {}).get(k, 0) for link in links) / n
-                                for k in links[0].get("tcp", {})}
+        row["tcp_per_round"] = {k: sum(link["tcp"].get(k, 0) for link in links) / n for k in links[0]["tcp"]}
     if w0s[0].get("profile"):
         row["worker0_profile"] = w0s[0]["profile"]
     return row

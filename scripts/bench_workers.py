@@ -3,11 +3,12 @@ profiled scheduler/server node; the driver starts them as `bench_pushpull.py _bp
 import argparse
 import os
 import sys
+import threading
 import time
 
 import numpy as np
 
-from bench_common import BPS_CONFIGS, MODEL, PSLITE_CONFIGS, ThreadProfiler, cpu_counters, cpu_delta, link_counters, link_delta, load_shapes, make_grad, tcp_counters, write_json_atomic
+from bench_common import BPS_CONFIGS, MODEL, PSLITE_CONFIGS, ThreadProfiler, cpu_counters, cpu_delta, link_counters, link_delta, load_shapes, make_grad, nic_bytes, write_json_atomic
 
 
 def bps_worker(argv):
@@ -53,20 +54,17 @@ def bps_worker(argv):
     rounds = []
     for _ in range(args.rounds):
         bps.barrier()  # every worker starts the round together, as the torch rows' dist.barrier()
-        tcp_before = tcp_counters()
         if trace:
             trace.mark("start")
         seconds, issue = one_round()
         if trace:
             trace.mark("end")
-        tcp = tcp_counters()
         m = bps.metrics()
         rounds.append({"seconds": seconds, "issue_seconds": issue, "pushed_raw": m.pushed_raw,
                        "pushed_wire": m.pushed_wire, "pulled_raw": m.pulled_raw,
                        "pulled_wire": m.pulled_wire, "compress_seconds": m.compress_seconds,
                        "communicate_seconds": m.communicate_seconds,
-                       "wait_seconds": m.wait_seconds,
-                       "tcp": {k: tcp[k] - v for k, v in tcp_before.items() if k in tcp}})
+                       "wait_seconds": m.wait_seconds})
     cpu = cpu_delta(cpu_before, cpu_counters(), args.rounds)
     bps.barrier()  # the other worker's last replies are in too: count the link after it
     link = link_delta(before, link_counters())
@@ -90,19 +88,18 @@ def bps_worker(argv):
 
 
 class NicTrace:
-    """Samples this machine's NIC byte counters every 10 ms on a thread (BENCH_TRACE=1)."""
+    """Samples this machine's NIC byte counters every 10 ms on a thread (BENCH_TRACE=PREFIX)."""
 
     def __init__(self):
-        import threading
         self.samples, self.marks, self.done = [], [], threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
         while not self.done.wait(0.01):
-            c = link_counters()
-            if c:
-                self.samples.append((time.time(), c[0], c[1]))
+            nic = nic_bytes()
+            if nic:
+                self.samples.append((time.time(), *nic))
 
     def mark(self, what):
         self.marks.append((time.time(), what))

@@ -58,8 +58,8 @@ def main(argv=None):
     fig, axes = plt.subplots(len(traces), 1, figsize=(10, 2.2 * len(traces)), sharex=True, squeeze=False)
     for rank, (t, ax) in enumerate(zip(traces, axes[:, 0])):
         for column, label in ((1, "sent"), (2, "received")):
-            xs, ys = zip(*rates(t["samples"], t0, column))
-            ax.plot(xs, ys, label=label, lw=1)
+            points = rates(t["samples"], t0, column)  # none when the trace is shorter than a bin
+            ax.plot([x for x, _ in points], [y for _, y in points], label=label, lw=1)
         for start, end in zip(t["marks"][::2], t["marks"][1::2]):
             ax.axvspan(start[0] - t0, end[0] - t0, color="0.9", zorder=0)
         ax.set_ylabel(f"machine {rank}\nMbit/s")

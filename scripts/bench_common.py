@@ -4,6 +4,7 @@ import io
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -146,7 +147,9 @@ def write_json_atomic(path, obj):
 
 
 class ThreadProfiler:
-    """cProfile in every thread started after install() (and the main thread)."""
+    """cProfile in every thread started after install() (and the main thread), timing each
+    thread's CPU time: wall time would charge a function for the other processes sharing the
+    cores."""
 
     def __init__(self):
         import cProfile
@@ -157,7 +160,7 @@ class ThreadProfiler:
         profiles = self.profiles
 
         def run(thread):
-            prof = cProfile.Profile()
+            prof = cProfile.Profile(time.thread_time)
             profiles.append((thread.name, prof))
             prof.enable()
             try:
@@ -166,7 +169,7 @@ class ThreadProfiler:
                 prof.disable()
 
         threading.Thread.run = run
-        self.main = cProfile.Profile()
+        self.main = cProfile.Profile(time.thread_time)
         self.profiles.append(("main", self.main))
         self.main.enable()
 

@@ -24,6 +24,21 @@ def test_context_round_trips_with_every_value_type():
     assert len(push_header({"lr": 0.1, "step": 1, "epoch": 0})) == HEADER.size + 1 + 3 * 10 + len("lr" "step" "epoch")  # 42 bytes of context
 
 
+def test_repeated_contexts_encode_as_the_first_time():
+    """encode_context remembers the last context: a repeat gives the same bytes, and a value of
+    another type or a bad value right after a good one is still encoded (or refused) afresh."""
+    def section(value):  # the expected bytes, written out by hand
+        return bytes([1, 4]) + b"flag" + (struct.pack("<cd", b"f", value) if type(value) is float
+                                          else struct.pack("<cq", b"b" if type(value) is bool else b"i", int(value)))
+    for value in (True, True, 1, 1, 1.0, 1.0, np.float32(1.0), False, 0, 0.0):
+        assert encode_context({"flag": value}) == section(float(value) if isinstance(value, np.floating) else value)
+    encode_context({"flag": 0.5})
+    for bad in (float("nan"), np.array([0.5, 0.5]), [0.5]):
+        with pytest.raises(ValueError, match="'flag': value must be a finite number"):
+            encode_context({"flag": bad})
+    assert encode_context({"flag": 0.5}) == section(0.5)
+
+
 @pytest.mark.parametrize("ctx, message", [
     ({"LR": 0.1}, "'LR': names are lower-case"),
     ({"x" * 33: 1}, "at most 32 characters"),

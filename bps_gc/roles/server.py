@@ -17,7 +17,7 @@ import zmq
 
 from ..transport import shm
 from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
-from ..transport.wire import (FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Flag, Header,
+from ..transport.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
                               Msg, decode_json, encode_json, pack_fused, unpack_fused)
 from . import NodeFailure
 from .event_loop import EventLoop
@@ -224,7 +224,7 @@ class Server:
             if state is None or state.compressed:
                 raise MalformedMessage(f"fused push of undeclared or compressed key {key} from worker {rank}")
             sub = Header(Msg.PUSH, h.sender, key=key, round=rnd, length=data.nbytes, ctx=h.ctx, dtype=h.dtype,
-                         flags=Flag.SHM if shared else Flag.NONE)
+                         flags=SHM_BIT if shared else 0)  # ints: Flag's operators are slow
             if shared:
                 state.check_push(rank, sub)
             checked.append((state, sub, data, None if shared else state.buffer_for(rank, sub)))
@@ -311,7 +311,7 @@ class Engine:
             else:
                 out.append((ident, header, payload))
         for (ident, flags), entries in fused.items():
-            header = Header(Msg.PUSH_REPLY, node_id, dtype=None, flags=Flag.FUSED | flags)
+            header = Header(Msg.PUSH_REPLY, node_id, dtype=None, flags=FUSED_BIT | flags)
             out.append((ident, header, pack_fused(entries)))
         return out
 
@@ -324,11 +324,11 @@ class Engine:
             payload = encode_json({"message": str(e)})
             return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=rnd), payload)
                     for ident, rnd, _ in identities]
-        flags = Flag.COMPRESSED if state.compressed and not state.asynchronous else Flag.NONE
+        flags = COMPRESSED_BIT if state.compressed and not state.asynchronous else 0
         dtype = state.dtype
         # a worker that pushed through shared memory reads the result there (results[rnd % 2])
         return [(ident, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=rnd, dtype=dtype,
-                               flags=Flag.SHM if shared else flags), None if shared else result)
+                               flags=SHM_BIT if shared else flags), None if shared else result)
                 for ident, rnd, shared in identities]
 
 

@@ -157,13 +157,14 @@ class Worker(Communicator):
             wire, source = out.reshape(-1), flat
         tensor.busy = True
         handle = Handle(self, tensor, out, wire, len(tensor.partitions), average, ctx)
-        if not tensor.auxiliary:
-            self.counters.add(pushed_raw=flat.size * tensor.wire_dtype.itemsize)
+        nbytes = flat.size * tensor.wire_dtype.itemsize
+        # one update per call (a lock each); compressed partitions add their wire bytes when encoded
+        self.counters.add(pushed_raw=0 if tensor.auxiliary else nbytes,
+                          pushed_wire=0 if tensor.compressed else nbytes)
         for part in tensor.partitions:
             chunk = source[part.start:part.stop]
             dest = wire[part.start:part.stop]
             if part.codec is None:
-                self.counters.add(pushed_wire=chunk.nbytes)
                 push = Push(handle, part, chunk, False, context, priority, tensor.wire_dtype, dest.view(np.uint8))
                 self.io.prefill(push)
                 self.io.post("push", push)

@@ -40,7 +40,7 @@ class Push:
     """One partition of one push_pull, from queueing to reply."""
 
     __slots__ = ("handle", "part", "round", "payload", "compressed", "context", "priority", "dtype",
-                 "dest", "sent_at", "shared")
+                 "dest", "sent_at", "shared", "nbytes")
 
     def __init__(self, handle, part, payload, compressed, context, priority, dtype, dest):
         """``context``: the encoded step context section (wire.encode_context)."""
@@ -49,10 +49,7 @@ class Push:
         self.round = part.round
         self.sent_at = None
         self.shared = False  # its data is in its key's shared slot
-
-    @property
-    def nbytes(self):
-        return memoryview(self.payload).nbytes
+        self.nbytes = memoryview(payload).nbytes  # read many times by the window and fusion
 
 
 class WorkerIO:
@@ -202,19 +199,20 @@ class WorkerIO:
         heapq.heapify(self.heap)
         self.fusable_bytes = 0
         self.fusion_due = None
-        buckets = {}
+        buckets = {}  # (server, dtype, context) -> [pushes, their bytes]
         for _, _, push in fusable:
             if self.refused(push):
                 continue
             where = (push.part.server, push.dtype, push.context)
-            bucket = buckets.setdefault(where, [])
-            if sum(p.nbytes for p in bucket) + push.nbytes > self.fusion_bytes:
-                self.send_bucket(bucket)
-                bucket.clear()
-            bucket.append(push)
+            bucket = buckets.setdefault(where, [[], 0])
+            if bucket[1] + push.nbytes > self.fusion_bytes:
+                self.send_bucket(bucket[0])
+                bucket[:] = [[], 0]
+            bucket[0].append(push)
+            bucket[1] += push.nbytes
             self.sent(push)
-        for bucket in buckets.values():
-            self.send_bucket(bucket)
+        for pushes, _ in buckets.values():
+            self.send_bucket(pushes)
 
     def prefill(self, push):
         """On the pushing thread: a push that will go alone is copied into its shared slot now."""

@@ -63,6 +63,7 @@ SHM_BIT = int(Flag.SHM)
 # FUSED | SHM: several keys' shared-memory pushes or replies, fused entries without bytes
 VALID_FLAGS = frozenset({0, int(Flag.COMPRESSED), FUSED_BIT, SHM_BIT, FUSED_BIT | SHM_BIT})
 COMPRESSED_BIT = int(Flag.COMPRESSED)
+MSG_BY_CODE = {int(m): m for m in Msg}  # a dict lookup: Msg(code) is slow on the hot path
 
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.float16),
           255: None}  # 255: no tensor
@@ -73,11 +74,29 @@ class MalformedMessage(ValueError):
     """A frame sequence that is not a valid bps_gc message; it is logged and dropped."""
 
 
+_last_encoded = ((), b"")  # every push_pull of a step has the same context: encode it once
+
+
 def encode_context(ctx):
     """The step context section for a mapping of names to finite numbers or booleans; a bad
     entry is a ValueError naming it (the caller's mistake, found before anything is sent)."""
+    global _last_encoded
     if not ctx:
         return b""
+    try:  # the types are part of the key: True == 1 == 1.0 encode differently
+        key = tuple((name, type(value), value) for name, value in ctx.items())
+        hash(key)  # an array value raises here, not in the comparison
+        if key == _last_encoded[0]:
+            return _last_encoded[1]
+    except TypeError:  # an unhashable value: encoded below, which names it
+        key = None
+    section = _encode_context(ctx)
+    if key is not None:
+        _last_encoded = (key, section)
+    return section
+
+
+def _encode_context(ctx):
     if len(ctx) > MAX_CONTEXT_ENTRIES:
         raise ValueError(f"step context has {len(ctx)} entries; at most {MAX_CONTEXT_ENTRIES}")
     parts = [bytes([len(ctx)])]
@@ -183,10 +202,9 @@ class Header:
             raise MalformedMessage(f"bad magic {magic!r}")
         if version != VERSION:
             raise MalformedMessage(f"protocol version {version}, this node speaks {VERSION}")
-        try:
-            mtype = Msg(mtype)
-        except ValueError:
-            raise MalformedMessage(f"unknown message type {mtype}") from None
+        if mtype not in MSG_BY_CODE:
+            raise MalformedMessage(f"unknown message type {mtype}")
+        mtype = MSG_BY_CODE[mtype]
         if dcode not in DTYPES:
             raise MalformedMessage(f"unknown dtype code {dcode}")
         if flags not in VALID_FLAGS:

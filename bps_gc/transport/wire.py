@@ -86,8 +86,9 @@ def encode_context(ctx):
     try:  # the types are part of the key: True == 1 == 1.0 encode differently
         key = tuple((name, type(value), value) for name, value in ctx.items())
         hash(key)  # an array value raises here, not in the comparison
-        if key == _last_encoded[0]:
-            return _last_encoded[1]
+        last_key, last_section = _last_encoded  # one read: another thread may replace it
+        if key == last_key:
+            return last_section
     except TypeError:  # an unhashable value: encoded below, which names it
         key = None
     section = _encode_context(ctx)

@@ -203,9 +203,9 @@ class Header:
             raise MalformedMessage(f"bad magic {magic!r}")
         if version != VERSION:
             raise MalformedMessage(f"protocol version {version}, this node speaks {VERSION}")
-        if mtype not in MSG_BY_CODE:
+        msg_type = MSG_BY_CODE.get(mtype)
+        if msg_type is None:
             raise MalformedMessage(f"unknown message type {mtype}")
-        mtype = MSG_BY_CODE[mtype]
         if dcode not in DTYPES:
             raise MalformedMessage(f"unknown dtype code {dcode}")
         if flags not in VALID_FLAGS:
@@ -214,7 +214,7 @@ class Header:
             raise MalformedMessage(f"header frame of {len(data)} bytes, its context section "
                                    f"says {HEADER.size + ctx_len}")
         ctx = decode_context(memoryview(data)[HEADER.size:]) if ctx_len else {}
-        return cls(mtype, sender, key, rnd, length, ctx, DTYPES[dcode], flags)  # flags: a plain int
+        return cls(msg_type, sender, key, rnd, length, ctx, DTYPES[dcode], flags)  # flags: a plain int
 
     def __repr__(self):
         return (f"Header({self.type.name}, sender={self.sender}, key={self.key}, "

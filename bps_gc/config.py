@@ -52,6 +52,7 @@ class Config:
     encrypt: bool = False  # BPS_GC_ENCRYPT: CURVE on every link, keys derived from the token
     local_ipc: bool = True  # BPS_GC_LOCAL_IPC: servers also listen on a unix socket for same-host workers
     shm: bool = True  # BPS_GC_SHM: dense partitions to a server on the same host go through shared memory
+    local_reduce: bool = False  # BPS_GC_LOCAL_REDUCE: workers all on one host sum dense tensors in shared memory
     inflight_bytes: int = 64 << 20  # BPS_GC_INFLIGHT_BYTES: a worker's push window
     stall_timeout: float = 60.0  # BPS_GC_STALL_TIMEOUT: a server warns about a round this old
     peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
@@ -110,6 +111,7 @@ class Config:
             encrypt=read.flag("BPS_GC_ENCRYPT", False),
             local_ipc=read.flag("BPS_GC_LOCAL_IPC", True),
             shm=read.flag("BPS_GC_SHM", True),
+            local_reduce=read.flag("BPS_GC_LOCAL_REDUCE", False),
             inflight_bytes=read.integer("BPS_GC_INFLIGHT_BYTES", 64 << 20, low=1),
             stall_timeout=read.number("BPS_GC_STALL_TIMEOUT", 60.0, low=0.01),
             peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),
@@ -127,7 +129,8 @@ class Config:
         """The settings every node of a job must share, by variable (checked at REGISTER)."""
         return {"DMLC_NUM_WORKER": self.num_worker, "DMLC_NUM_SERVER": self.num_server,
                 "BYTEPS_PARTITION_BYTES": self.partition_bytes,
-                "BPS_GC_DENSE_PARTITION_BYTES": self.dense_partition_bytes or "unset"}
+                "BPS_GC_DENSE_PARTITION_BYTES": self.dense_partition_bytes or "unset",
+                "BPS_GC_LOCAL_REDUCE": int(self.local_reduce)}
 
     def to_env(self):
         """The variables that reproduce this config (for child processes)."""

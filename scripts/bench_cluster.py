@@ -5,7 +5,7 @@ import subprocess
 import time
 
 
-from bench_common import DROPPED_ENV, DROPPED_ENV_PREFIXES, KILL_GRACE, LOOPBACK, NODE_EXIT_SECONDS, PY, ROOT, SCRIPT
+from bench_common import CONFIG_ENV, DROPPED_ENV, DROPPED_ENV_PREFIXES, KILL_GRACE, LOOPBACK, NODE_EXIT_SECONDS, PY, ROOT, SCRIPT
 
 from bps_gc.launcher.local import free_port
 from bps_gc.launcher.supervisor import Supervisor
@@ -181,11 +181,12 @@ def bps_plan(config, topo, args, result_dir, rounds, warmup, workers, placement)
         worker_cmd.append("--profile")
     servers = server_machines(workers, placement)
     names = {f"worker{w}" for w in range(workers)}
+    extra = CONFIG_ENV.get(config, {})
     if isinstance(topo, Loopback) and not args.profile:
         argv = [PY, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers),
                 "--servers", str(len(servers)), "--", *worker_cmd]
-        return [("bpslaunch-local", argv, child_env({}))], {"bpslaunch-local"}
-    common = cluster_env(topo, workers, len(servers), topo.port())
+        return [("bpslaunch-local", argv, child_env(extra))], {"bpslaunch-local"}
+    common = dict(cluster_env(topo, workers, len(servers), topo.port()), **extra)
     launch = [PY, "-m", "bps_gc.launcher.cli"]
     server_cmd = None
     if args.profile:

@@ -21,6 +21,7 @@ LOOPBACK = "127.0.0.1"
 # (powersgd reduces in two phases of plain sums, roles/phased.py).
 BPS_CONFIGS = {
     "dense": {},
+    "dense (local reduce)": {},  # CONFIG_ENV: the workers sum in shared memory when on one host
     "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
     "topk 0.1%": {"compressor": "topk", "k": 0.001},
     "topk 1%": {"compressor": "topk", "k": 0.01},
@@ -36,6 +37,9 @@ BPS_CONFIGS = {
     "powersgd rank 1": {"compressor": "powersgd", "rank": 1},
     "powersgd rank 4": {"compressor": "powersgd", "rank": 4},
 }
+# Settings a configuration runs its whole cluster with (every role: they must agree).
+CONFIG_ENV = {"dense (local reduce)": {"BPS_GC_LOCAL_REDUCE": "1"}}
+ONE_HOST_ONLY = ("dense (local reduce)",)  # the same as dense when the workers are on other hosts
 PSLITE_CONFIGS = {"dense": None, "2bit": {"type": "2bit", "threshold": 0.5}}
 QUICK_BPS = ("dense", "onebit+EF")
 QUICK_PSLITE = ("dense",)

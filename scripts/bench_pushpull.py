@@ -14,7 +14,9 @@ Rows:
                          transport, codec X (same process group, same ranks)
   bps_gc DDP hook X      DDP with bps_gc.torch.comm_hook(X)
   bps_gc PS X            bps_gc on the parameter server, codec X (bench_common.BPS_CONFIGS:
-                         BytePS's codecs and issue 11's that go through push_pull)
+                         BytePS's codecs and issue 11's that go through push_pull);
+                         `dense (local reduce)` runs its cluster with BPS_GC_LOCAL_REDUCE=1: the
+                         workers, all on one host, sum in shared memory (loopback only)
   ps-lite X              mx.kv.create('dist_sync'), dense and 2bit
 Topologies (the `topology` column): one rank per machine; parameter-server servers either one
 per worker machine (`colocated`, BytePS's mode; default) or each on its own machine
@@ -56,7 +58,7 @@ import tempfile
 import numpy as np
 
 from bench_cluster import PLACEMENTS, Children, Loopback, Switched, machines_needed
-from bench_common import BPS_CONFIGS, MODEL, PSLITE_CONFIGS, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, write_json_atomic
+from bench_common import BPS_CONFIGS, MODEL, ONE_HOST_ONLY, PSLITE_CONFIGS, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, write_json_atomic
 from bench_report import print_table, targets
 from bench_run import run_all
 from bench_workers import bps_worker, mx_worker, profiled_node
@@ -99,6 +101,8 @@ def parse_args(argv):
         p.error("--ranks must be >= 2, --rounds and --passes >= 1, --warmup >= 0")
     args.placements = pick(p, args.placement, PLACEMENTS, None, "--placement")
     args.bps = pick(p, args.configs, BPS_CONFIGS, QUICK_BPS if args.quick else None, "--configs")
+    if args.shaped and args.configs is None:  # one machine per worker: nothing to sum locally
+        args.bps = [c for c in args.bps if c not in ONE_HOST_ONLY]
     args.mx = pick(p, args.pslite, PSLITE_CONFIGS, QUICK_PSLITE if args.quick else None, "--pslite")
     if args.mx:
         try:

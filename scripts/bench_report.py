@@ -85,17 +85,19 @@ def find(rows, system, config):
 BEST_CODEC_LIMIT = {"loopback": 1.0, "1gbit": 0.8}  # issue 12: best codec / DDP PowerSGD rank 1
 
 
+DENSE = ("dense", "dense (local reduce)")  # not codecs
+
 def targets(rows, topo_name):
     """The issue's targets as [(what, ratio or None, limit or None, verdict)]."""
     out = []
     gloo = find(rows, "torch", "torch all_reduce dense")
     for r in rows:
-        if r["system"] == "bps_gc PS" and r["config"] == "dense" and not r.get("error"):
+        if r["system"] == "bps_gc PS" and r["config"] in DENSE and not r.get("error"):
             ratio = r["seconds"] / gloo["seconds"] if gloo else None
-            out.append((f"PS dense ({r['topology']}) / gloo all_reduce", ratio, 1.0))
+            out.append((f"PS {r['config']} ({r['topology']}) / gloo all_reduce", ratio, 1.0))
     r1 = find(rows, "torch", "DDP PowerSGD rank 1")
     codecs = [r for r in rows if r["system"] in ("bps_gc PS", "bps_gc collective", "bps_gc DDP hook")
-              and r["config"] != "dense" and not r.get("error")]
+              and r["config"] not in DENSE and not r.get("error")]
     if codecs and r1:
         best = min(codecs, key=lambda r: r["seconds"])
         out.append((f"best codec ({best['system']} {best['config']}) / DDP PowerSGD rank 1",

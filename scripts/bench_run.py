@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 
 from bench_cluster import ClusterFailed, bps_plan, log_tail, mx_plan, run_cluster
-from bench_common import cpu_counters
+from bench_common import ONE_HOST_ONLY, cpu_counters
 from bench_report import collective_rows, load_results, summarize
 
 COLLECTIVE = ("collective", "all rows", "one rank per machine")
@@ -148,6 +148,8 @@ def run_all(args, topo, children, log_root):
         elif runs[key]:
             row = summarize(key[0], key[1], runs[key])
             row["topology"] = f"{args.ranks} workers, servers {key[2]}"
+            if key[1] in ONE_HOST_ONLY:  # BPS_GC_LOCAL_REDUCE: the dense sums skip the servers
+                row["topology"] = f"{args.ranks} workers summing in shared memory, servers {key[2]} (idle)"
             add_info(row, infos[key])
             if row.get("check") not in (None, "ok"):
                 args.failed = True

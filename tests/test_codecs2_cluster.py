@@ -5,7 +5,8 @@ codec takes it, sizes from 1 element to 3 partitions; DGC's density comes with t
 * terngrad, qsgd, threshold, adaptive_threshold, sign (majority), signnorm and dgc (lossless):
   each pull equals the numpy re-computation of tests/reference.py bit for bit. A 1-element
   threshold push that kept nothing is an empty payload, which the transport must carry.
-* powersgd, two phases of plain sums (P, then Q) that the communicators drive: at full rank the
+* powersgd, two phases of plain sums (P, then Q) that the communicators drive (on the PS, also
+  summed by the workers themselves with BPS_GC_LOCAL_REDUCE=1): at full rank the
   pull is the exact sum to float32 rounding; at rank 1 it is what a numpy re-computation of
   PowerSGD with error feedback and warm start gives, step after step.
 """
@@ -67,14 +68,17 @@ def spec_for(tensors):
             "partition_bytes": PARTITION_BYTES, "min_compress_bytes": 0, "tensors": tensors}
 
 
-@pytest.fixture(scope="module", params=["ps", "gloo"])
+@pytest.fixture(scope="module", params=["ps", "ps-local-reduce", "gloo"])
 def job(request, tmp_path_factory):
     """(spec, every rank's pulls) of one job per transport. The exactly checked tensors come
-    first, so their keys (declaration indices) are what tests/reference.py assumes."""
+    first, so their keys (declaration indices) are what tests/reference.py assumes. With
+    BPS_GC_LOCAL_REDUCE=1 the dense tensors and PowerSGD's phases are summed by the workers."""
     spec = spec_for(exact_tensors() + powersgd_tensors())
     tmp_path = tmp_path_factory.mktemp(f"codecs2-{request.param}")
     if request.param == "ps":
         return spec, run_job(spec, tmp_path, 2, 2)[0]
+    if request.param == "ps-local-reduce":
+        return spec, run_job(spec, tmp_path, 2, 2, {"BPS_GC_LOCAL_REDUCE": "1"})[0]
     return spec, run_collective_job(spec, tmp_path, 2)
 
 

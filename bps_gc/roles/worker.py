@@ -11,6 +11,7 @@ import time
 import numpy as np
 import zmq
 
+from ..transport import shm
 from ..transport.sockets import Auth
 from ..transport.wire import encode_context
 from .communicator import Communicator
@@ -19,6 +20,7 @@ from .peers import Peers
 from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
+from .worker_local import LocalReduce, one_host
 from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 
 log = logging.getLogger("bps_gc.worker")
@@ -35,6 +37,7 @@ class Worker(Communicator):
         self.tensors = {}
         self.counters = Counters()
         self.peers = None  # worker-to-worker links (roles.peers), made at start()
+        self.local = None  # the shared-memory sums of a one-host job (roles.worker_local)
         self.io = None
         self.pool = None
         self.placement = None
@@ -53,11 +56,22 @@ class Worker(Communicator):
         # bound before the join: its address travels in REGISTER into the address book
         self.peers = Peers(self.ctx, self.cfg, self.auth, self.rank, self.size, self.membership.host, log)
         self.membership.port = self.peers.port
+        local = None
+        if self.cfg.local_reduce and shm.supported():  # its unix socket travels in REGISTER too
+            local = LocalReduce(self.ctx, self.cfg, self.auth, self.rank, self.size, self.membership.host,
+                                self.peers.port, self.counters, self.pool.submit)
+            self.membership.local = local.endpoint
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
+        if local is not None and not one_host(self.cfg, book, self.membership.host):
+            local.close()
+            local = None
+        if local is not None:
+            local.connect(book["workers"], self.membership)
+        self.local = local
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
-                           self.cfg.inflight_bytes, self.counters)
+                           self.cfg.inflight_bytes, self.counters, local)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
                                    dense_partition_bytes(self.cfg, book))
         self.io.thread.start()
@@ -119,6 +133,9 @@ class Worker(Communicator):
                 self.declare(name, shape=(length,), dtype=np.float32)
                 self.tensors[name].auxiliary = True
             return
+        if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
+            tensor.local = True  # the workers sum it: no server hears of it
+            return
         for part in tensor.partitions:
             self.io.post("init", part.key, part.server, tensor.wire_dtype, tensor.describe(part))
 
@@ -149,6 +166,13 @@ class Worker(Communicator):
         if phases(tensor) > 1:
             return self._reduce_in_phases(tensor, array, out, average, ctx, priority)
         flat = np.ascontiguousarray(array).reshape(-1)
+        if tensor.local:
+            wire = out.reshape(-1)
+            tensor.busy = True
+            handle = Handle(self, tensor, out, wire, 1, average, ctx)
+            local, rnd = self.local.prepare(tensor, flat)
+            self.io.post("local", local, rnd, handle, wire, average)
+            return handle
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: push and pull a cast copy
             wire = source = flat.astype(tensor.wire_dtype)
         elif out is array:  # in place: the reply lands where the push was sent from

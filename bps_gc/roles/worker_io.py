@@ -53,7 +53,8 @@ class Push:
 
 
 class WorkerIO:
-    def __init__(self, ctx, cfg, auth, membership, servers, rank, window, counters):
+    def __init__(self, ctx, cfg, auth, membership, servers, rank, window, counters, local_reduce=None):
+        """``local_reduce``: the workers' shared-memory sums (worker_local.py), if this job has them."""
         self.cfg, self.membership, self.rank, self.window = cfg, membership, rank, window
         self.counters = counters
         self.fusion_bytes = cfg.fusion_bytes
@@ -79,8 +80,15 @@ class WorkerIO:
         for sock in self.links:
             self.loop.on_readable(sock, lambda sock=sock: self.receive_some(sock))
         self.loop.on_readable(membership.sock, self.scheduler_message)
+        self.local_reduce = local_reduce
+        if local_reduce is not None:
+            local_reduce.summed = lambda local, rnd: self.queue("local_summed", local, rnd)
+            self.loop.on_readable(local_reduce.router, self.receive_local)
         self.loop.on_tick(membership.tick)
         self.loop.on_tick(self.send_ready)
+        if local_reduce is not None:  # after every handler of the pass: its notes go out together
+            self.loop.on_tick(local_reduce.flush)
+            self.loop.on_tick(local_reduce.check)
         self.loop.poll_timeout = self.poll_timeout
         self.heap, self.seq = [], itertools.count()
         self.inflight = {}  # key -> Push awaiting its reply
@@ -98,6 +106,11 @@ class WorkerIO:
     def post(self, *command):
         if self.failure is not None:
             raise self.failure
+        self.queue(*command)
+
+    def queue(self, *command):
+        """``post`` without the failure check (the codec pool's completions: fail_all has
+        failed their push_pulls already)."""
         self.commands.put(command)
         self.loop.wake()
 
@@ -111,6 +124,12 @@ class WorkerIO:
             self.fail_all(NodeFailure(f"worker {self.rank}: I/O thread crashed: {e!r}"))
         finally:
             self.done.set()
+
+    def receive_local(self):
+        for _ in range(256):  # bounded, as receive_some
+            self.local_reduce.receive()
+            if not self.local_reduce.router.poll(0):
+                break
 
     def receive_some(self, sock):
         for _ in range(256):  # bounded so heartbeats and other links keep flowing
@@ -137,6 +156,10 @@ class WorkerIO:
                     self.fusable_bytes += push.nbytes
                     if self.fusion_due is None:
                         self.fusion_due = time.perf_counter() + FUSION_CYCLE
+            elif kind == "local":
+                self.local_reduce.start(*command[1:])
+            elif kind == "local_summed":
+                self.local_reduce.after_sum(*command[1:])
             elif kind == "init":
                 _, key, server, dtype, decl = command
                 decl = self.shm.offer(key, server, dtype, decl)
@@ -364,6 +387,8 @@ class WorkerIO:
             push.handle.fail(error)
         self.inflight.clear()
         self.heap.clear()
+        if self.local_reduce is not None:
+            self.local_reduce.fail_all(error)
         self.barrier_event.set()
         # pushes posted but not yet taken off the queue
         while True:
@@ -373,9 +398,13 @@ class WorkerIO:
                 break
             if command[0] == "push":
                 command[1].handle.fail(error)
+            elif command[0] == "local":
+                command[3].fail(error)
 
     def close(self):
         for sock in self.links:
             sock.close(linger=500)
         self.loop.close()
         self.shm.close()
+        if self.local_reduce is not None:
+            self.local_reduce.close()

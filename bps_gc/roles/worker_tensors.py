@@ -57,6 +57,7 @@ class TensorPlan:
         self.compressed = False
         self.busy = False
         self.auxiliary = False  # a phase buffer of another tensor (roles/phased.py): no raw bytes
+        self.local = False  # summed by the workers in shared memory (roles/worker_local.py)
 
     def declaration(self):
         return Declaration(self.name, self.shape, self.dtype, self.params, self.reducer,

@@ -81,7 +81,9 @@ def bps_worker(argv):
               "cpu": cpu, "check": check}
     bps.shutdown()
     if trace:
-        write_json_atomic(f"{os.environ['BENCH_TRACE']}.{args.config}.w{rank}.json", trace.stop())
+        path = f"{os.environ['BENCH_TRACE']}.{args.config}.w{rank}.json"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # a fresh clone has no out/trace
+        write_json_atomic(path, trace.stop())
     if profiler is not None:
         result["profile"] = profiler.report()
     write_json_atomic(os.path.join(args.result_dir, f"bps-w{rank}.json"), result)

@@ -1,6 +1,8 @@
 """scripts/bench_pushpull.py runs end to end on loopback (quick rows, the first few ResNet-50
-tensors) and writes its table, ratios to the targets and JSON. Timings are never asserted."""
+tensors) and writes its table, ratios to the targets and JSON, and BENCH_TRACE files into a
+folder that did not exist. Timings are never asserted."""
 import json
+import os
 import subprocess
 import sys
 
@@ -9,17 +11,26 @@ from conftest import ROOT
 
 def test_bench_pushpull_quick(tmp_path):
     out = tmp_path / "bench.json"
+    trace = tmp_path / "no-such-folder" / "t"
     result = subprocess.run([sys.executable, "scripts/bench_pushpull.py", "--quick", "--tensors", "6",
-                             "--pslite", "none", "--configs", "dense", "--collective-rows",
+                             "--pslite", "none", "--configs", "dense,dense (local reduce)", "--collective-rows",
                              "all_reduce,PowerSGD rank 1,collective topk 0.1%", "--json", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+                            cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env=dict(os.environ, BENCH_TRACE=str(trace)))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {(r["system"], r["config"]): r for r in data["results"]}
     assert {("torch", "torch all_reduce dense"), ("torch", "DDP PowerSGD rank 1"),
-            ("bps_gc collective", "topk 0.1%"), ("bps_gc PS", "dense")} == set(rows)
+            ("bps_gc collective", "topk 0.1%"), ("bps_gc PS", "dense"), ("bps_gc PS", "dense (local reduce)")} == set(rows)
     assert rows[("bps_gc PS", "dense")]["check"] == "ok"  # the dense sum is exact
     assert rows[("bps_gc PS", "dense")]["topology"] == "2 workers, servers colocated"
+    local = rows[("bps_gc PS", "dense (local reduce)")]
+    assert local["check"] == "ok" and local["pushed_wire"] == 0, local  # summed by the workers, exact
+    assert local["topology"] == "2 workers summing in shared memory, servers colocated (idle)"
+    assert data["meta"]["env"].get("BPS_GC_LOCAL_REDUCE") is None  # set for that row's cluster only
+    for config in ("dense", "dense (local reduce)"):
+        for rank in (0, 1):
+            assert json.loads((tmp_path / "no-such-folder" / f"t.{config}.w{rank}.json").read_text())["marks"]
     assert all(r["seconds"] > 0 for r in rows.values())
     what = [t[0] for t in data["targets"]]
     assert "PS dense (2 workers, servers colocated) / gloo all_reduce" in what

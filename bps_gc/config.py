@@ -58,6 +58,7 @@ class Config:
     peer_max_bytes: int = 256 << 20  # BPS_GC_PEER_MAX_BYTES: largest worker-to-worker message
     fusion_bytes: int = 1 << 20  # BPS_GC_FUSION_BYTES: small dense pushes share messages up to this
     bucket_bytes: int = 25 << 20  # BPS_GC_BUCKET_BYTES: the collective transport's buckets (DDP's size)
+    tcp_congestion: Optional[str] = None  # BPS_GC_TCP_CONGESTION: of this node's TCP data links; None: the host's
 
     @property
     def rank(self):
@@ -117,6 +118,7 @@ class Config:
             peer_max_bytes=read.integer("BPS_GC_PEER_MAX_BYTES", 256 << 20, low=1),
             fusion_bytes=read.integer("BPS_GC_FUSION_BYTES", 1 << 20, low=0),
             bucket_bytes=read.integer("BPS_GC_BUCKET_BYTES", 25 << 20, low=1),
+            tcp_congestion=tcp_congestion(read),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")
@@ -158,6 +160,55 @@ def transport_from_env(environ=None):
     if "DMLC_NUM_WORKER" not in env and all(env.get(name) for name in TORCHRUN_VARIABLES):
         return "collective"
     return "collective" if env.get("DMLC_NUM_SERVER", "").strip() == "0" else "ps"
+
+
+TCP_AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+DEFAULT_TCP_CONGESTION = "cubic"  # loss-based: why, in transport/congestion.py
+
+
+def available_congestion_controls():
+    """The TCP congestion controls this kernel has (empty where it cannot tell: not Linux)."""
+    try:
+        with open(TCP_AVAILABLE) as f:
+            return tuple(f.read().split())
+    except OSError:
+        return ()
+
+
+def congestion_refusal(name):
+    """Why this process may not set ``name`` on its sockets (None: it may). Linux lets a
+    process without CAP_NET_ADMIN use only the algorithms the host allows everybody
+    (net.ipv4.tcp_allowed_congestion_control)."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except (OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def tcp_congestion(read):
+    """BPS_GC_TCP_CONGESTION: unset gives cubic where this process may use it (else the host's
+    default); "system" keeps the host's default (None); any other value must be one of the
+    kernel's algorithms that this process may set."""
+    value = read.text("BPS_GC_TCP_CONGESTION", "")
+    available = available_congestion_controls()
+    if not value:
+        usable = DEFAULT_TCP_CONGESTION in available and congestion_refusal(DEFAULT_TCP_CONGESTION) is None
+        return DEFAULT_TCP_CONGESTION if usable else None
+    if value == "system":
+        return None
+    if value not in available:
+        have = ", ".join(available) or "none (not Linux?)"
+        raise ConfigError("BPS_GC_TCP_CONGESTION", f"unknown algorithm {value!r}; this kernel has: {have}; "
+                          f"or 'system' for the host's default")
+    refusal = congestion_refusal(value)
+    if refusal is not None:
+        raise ConfigError("BPS_GC_TCP_CONGESTION", f"this process may not use {value!r} ({refusal}): without "
+                          f"CAP_NET_ADMIN only net.ipv4.tcp_allowed_congestion_control's algorithms; "
+                          f"or 'system' for the host's default")
+    return value
 
 
 class EnvReader:

@@ -22,6 +22,7 @@ LOOPBACK = "127.0.0.1"
 BPS_CONFIGS = {
     "dense": {},
     "dense (local reduce)": {},  # CONFIG_ENV: the workers sum in shared memory when on one host
+    "dense (host's TCP congestion control)": {},  # CONFIG_ENV: bps_gc's links keep the machines' default
     "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
     "topk 0.1%": {"compressor": "topk", "k": 0.001},
     "topk 1%": {"compressor": "topk", "k": 0.01},
@@ -38,8 +39,10 @@ BPS_CONFIGS = {
     "powersgd rank 4": {"compressor": "powersgd", "rank": 4},
 }
 # Settings a configuration runs its whole cluster with (every role: they must agree).
-CONFIG_ENV = {"dense (local reduce)": {"BPS_GC_LOCAL_REDUCE": "1"}}
+CONFIG_ENV = {"dense (local reduce)": {"BPS_GC_LOCAL_REDUCE": "1"},
+              "dense (host's TCP congestion control)": {"BPS_GC_TCP_CONGESTION": "system"}}
 ONE_HOST_ONLY = ("dense (local reduce)",)  # the same as dense when the workers are on other hosts
+SHAPED_ONLY = ("dense (host's TCP congestion control)",)  # on loopback the links are unix sockets
 PSLITE_CONFIGS = {"dense": None, "2bit": {"type": "2bit", "threshold": 0.5}}
 QUICK_BPS = ("dense", "onebit+EF")
 QUICK_PSLITE = ("dense",)
@@ -57,6 +60,26 @@ def import_netns():
         sys.path.insert(0, os.path.dirname(SCRIPT))
     import netns
     return netns
+
+
+def bps_gc_congestion():
+    """What bps_gc's nodes set on their own TCP links (BPS_GC_TCP_CONGESTION; None: the
+    machine's default)."""
+    from bps_gc.config import EnvReader, tcp_congestion
+    return tcp_congestion(EnvReader(os.environ))
+
+
+def check_tcp_congestion(parser, args):
+    """--tcp-congestion: only with --shaped, and one of the kernel's algorithms."""
+    if not args.tcp_congestion:
+        return
+    from bps_gc.config import available_congestion_controls
+    have = available_congestion_controls()
+    if not args.shaped:
+        parser.error("--tcp-congestion needs --shaped (it sets the namespaces' default)")
+    if args.tcp_congestion not in have:
+        parser.error(f"--tcp-congestion: unknown algorithm {args.tcp_congestion!r}; this kernel has: "
+                     f"{', '.join(have) or 'none'}")
 
 
 def load_shapes(tensors=0):

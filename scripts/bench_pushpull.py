@@ -16,7 +16,10 @@ Rows:
   bps_gc PS X            bps_gc on the parameter server, codec X (bench_common.BPS_CONFIGS:
                          BytePS's codecs and issue 11's that go through push_pull);
                          `dense (local reduce)` runs its cluster with BPS_GC_LOCAL_REDUCE=1: the
-                         workers, all on one host, sum in shared memory (loopback only)
+                         workers, all on one host, sum in shared memory (loopback only);
+                         `dense (host's TCP congestion control)` runs with
+                         BPS_GC_TCP_CONGESTION=system: its links keep the machines' default
+                         instead of cubic (--shaped only)
   ps-lite X              mx.kv.create('dist_sync'), dense and 2bit
 Topologies (the `topology` column): one rank per machine; parameter-server servers either one
 per worker machine (`colocated`, BytePS's mode; default) or each on its own machine
@@ -58,7 +61,7 @@ import tempfile
 import numpy as np
 
 from bench_cluster import PLACEMENTS, Children, Loopback, Switched, machines_needed
-from bench_common import BPS_CONFIGS, MODEL, ONE_HOST_ONLY, PSLITE_CONFIGS, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, write_json_atomic
+from bench_common import BPS_CONFIGS, MODEL, bps_gc_congestion, check_tcp_congestion, ONE_HOST_ONLY, PSLITE_CONFIGS, SHAPED_ONLY, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, write_json_atomic
 from bench_report import print_table, targets
 from bench_run import run_all
 from bench_workers import bps_worker, mx_worker, profiled_node
@@ -75,6 +78,9 @@ def parse_args(argv):
     p.add_argument("--tensors", type=int, default=0, help="only the first N tensors (0: all 161)")
     p.add_argument("--shaped", metavar="RATE", help="one network namespace per machine, NICs shaped "
                    "to RATE (1gbit, 100mbit, ...) instead of loopback; needs root")
+    p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: every machine's default TCP "
+                   "congestion control (what torch's gloo and ps-lite use; bps_gc's own links use "
+                   "BPS_GC_TCP_CONGESTION); default: what a new namespace inherits from the host")
     p.add_argument("--passes", type=int, default=1,
                    help="run the whole list this many times, interleaved, pooling the rounds (1)")
     p.add_argument("--configs", help=f"comma-separated bps_gc PS configurations (default all: "
@@ -101,8 +107,8 @@ def parse_args(argv):
         p.error("--ranks must be >= 2, --rounds and --passes >= 1, --warmup >= 0")
     args.placements = pick(p, args.placement, PLACEMENTS, None, "--placement")
     args.bps = pick(p, args.configs, BPS_CONFIGS, QUICK_BPS if args.quick else None, "--configs")
-    if args.shaped and args.configs is None:  # one machine per worker: nothing to sum locally
-        args.bps = [c for c in args.bps if c not in ONE_HOST_ONLY]
+    if args.configs is None:  # one machine per worker: nothing to sum locally; on loopback: no TCP
+        args.bps = [c for c in args.bps if c not in (ONE_HOST_ONLY if args.shaped else SHAPED_ONLY)]
     args.mx = pick(p, args.pslite, PSLITE_CONFIGS, QUICK_PSLITE if args.quick else None, "--pslite")
     if args.mx:
         try:
@@ -116,6 +122,7 @@ def parse_args(argv):
         except ValueError as e:
             p.error(f"--shaped: {e}")
         args.shaped = args.shaped.lower()
+    check_tcp_congestion(p, args)
     return args
 
 
@@ -157,14 +164,16 @@ def main(argv=None):
             netns = import_netns()
             machines = machines_needed(args.ranks, args.placements)
             try:
-                net = netns.SwitchedMachines(args.shaped, machines).__enter__()
+                net = netns.SwitchedMachines(args.shaped, machines, congestion=args.tcp_congestion).__enter__()
             except netns.NetnsUnavailable as e:
                 print(f"bench_pushpull: --shaped {args.shaped} skipped: cannot set up network "
                       f"namespaces: {e}", flush=True)
                 return 0
             topo = Switched(net)
             meta["link"] = net.describe()
-            print(f"shaped: {net.describe()}", flush=True)
+            meta["tcp_congestion_default"] = net.default_congestion()
+            meta["bps_gc_tcp_congestion"] = bps_gc_congestion()
+            print(f"shaped: {net.describe()}; bps_gc's links: {meta['bps_gc_tcp_congestion'] or 'the default'}", flush=True)
         else:
             topo = Loopback()
         meta["topology"] = topo.name

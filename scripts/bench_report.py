@@ -85,7 +85,7 @@ def find(rows, system, config):
 BEST_CODEC_LIMIT = {"loopback": 1.0, "1gbit": 0.8}  # issue 12: best codec / DDP PowerSGD rank 1
 
 
-DENSE = ("dense", "dense (local reduce)")  # not codecs
+DENSE = ("dense", "dense (local reduce)", "dense (host's TCP congestion control)")  # not codecs
 
 def targets(rows, topo_name):
     """The issue's targets as [(what, ratio or None, limit or None, verdict)]."""

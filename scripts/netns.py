@@ -139,9 +139,13 @@ class SwitchedMachines(_Created):
 
         with SwitchedMachines("1gbit", 4) as net:
             net.command(2, ["python", ...])    # runs on machine 2 (address net.addr[2])
+
+    ``congestion``: every machine's default TCP congestion control (the namespace's sysctl;
+    None keeps what a new namespace inherits). It is what programs that do not choose their
+    own (gloo, ps-lite) run with.
     """
 
-    def __init__(self, rate, machines, tag=None):
+    def __init__(self, rate, machines, tag=None, congestion=None):
         if not 1 <= machines <= 200:
             raise ValueError(f"machines must be in [1, 200], got {machines}")
         self.rate = rate
@@ -153,6 +157,7 @@ class SwitchedMachines(_Created):
         self.veth = [f"bm{tag}x{i}" for i in range(machines)]       # the machine's NIC
         self.hub_veth = [f"bh{tag}x{i}" for i in range(machines)]   # its switch port
         self.addr = [f"10.213.0.{i + 1}" for i in range(machines)]
+        self.congestion = congestion
         self.created = []
 
     def _shape(self, ns, dev):
@@ -180,6 +185,8 @@ class SwitchedMachines(_Created):
             _ip("ip", "-n", ns, "link", "set", "lo", "up")
             self._shape(ns, dev)
             self._shape(self.hub, port)
+            if self.congestion:
+                self._set_default_congestion(ns)
 
     def delete(self):
         """Delete the namespaces (their veths go with them); never raises."""
@@ -203,7 +210,28 @@ class SwitchedMachines(_Created):
         return _ip("ip", "netns", "exec", self.ns[machine], "tc", "-s", "qdisc", "show", "dev",
                    self.veth[machine], check=False).stdout.strip()
 
+    def _set_default_congestion(self, ns):
+        # Linux lets a namespace other than the first default only to an algorithm the first
+        # one allows for everybody; this script does not widen that list for the whole host.
+        allowed = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+        try:
+            with open(allowed) as f:
+                permitted = f.read().split()
+        except OSError:
+            permitted = None
+        if permitted is not None and self.congestion not in permitted:
+            raise NetnsUnavailable(
+                f"a namespace's default TCP congestion control must be one the host allows "
+                f"everybody ({allowed}: {' '.join(permitted)}); to allow {self.congestion}: "
+                f"sysctl -w net.ipv4.tcp_allowed_congestion_control=\"{' '.join(permitted)} {self.congestion}\"")
+        _ip("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={self.congestion}")
+
+    def default_congestion(self, machine=0):
+        """The TCP congestion control a program on ``machine`` gets unless it picks its own."""
+        return _ip("ip", "netns", "exec", self.ns[machine], "sysctl", "-n",
+                   "net.ipv4.tcp_congestion_control", check=False).stdout.strip() or None
+
     def describe(self):
         return (f"{len(self.ns)} machines ({', '.join(self.addr)}) on a bridge in {self.hub}; "
                 f"each NIC: tbf rate {self.rate} burst {self.burst} B latency {LATENCY}, "
-                f"both directions")
+                f"both directions; TCP congestion control by default: {self.default_congestion()}")

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PY, ROOT, import_netns  # noqa: E402  (puts this checkout first)
+from bench_common import PY, ROOT, bps_gc_congestion, check_tcp_congestion, import_netns  # noqa: E402  (puts this checkout first)
 
 # bps_gc's DistributedOptimizer recipes (the momentum moves into the codec chain, as in the demo)
 RECIPES = {"onebit + EF + nesterov": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"},
@@ -42,12 +42,16 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--slack", type=float, default=0.0, help="target = dense final accuracy - slack")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
+    p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion "
+                   "control (what DDP's gloo uses; bps_gc's own links use BPS_GC_TCP_CONGESTION)")
     p.add_argument("--rows", default=None, help="only configurations whose name contains one of "
                    "these comma-separated words (DDP dense always runs: it sets the target)")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_tcp_congestion(p, args)
+    return args
 
 
 def rank_main(args):
@@ -165,8 +169,9 @@ def main(argv=None):
     if args.shaped:
         netns = import_netns()
         try:
-            net = netns.SwitchedMachines(args.shaped, 2).__enter__()
-            where = f"{args.shaped} shaped (one namespace per rank; {net.describe()})"
+            net = netns.SwitchedMachines(args.shaped, 2, congestion=args.tcp_congestion).__enter__()
+            where = (f"{args.shaped} shaped (one namespace per rank; {net.describe()}; bps_gc's links: "
+                     f"{bps_gc_congestion() or 'the default'})")
         except netns.NetnsUnavailable as e:
             print(f"time_to_accuracy: cannot shape a link here ({e}); running on loopback")
     try:

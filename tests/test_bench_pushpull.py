@@ -51,3 +51,30 @@ def test_plot_nic_trace_rates(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("1.00 s (tx 100, rx 50 Mbit/s); 1.50 s (tx 100, rx 50 Mbit/s)") == 2
     assert png.stat().st_size > 1000
+
+
+def test_bench_pushpull_shaped_with_a_namespace_default(tmp_path):
+    """--shaped with --tcp-congestion: every machine's default is the named algorithm (what
+    gloo gets), bps_gc's own links use cubic unless the row asks for the machines' default, and
+    both dense rows are exact. Skipped where namespaces cannot be made (not root)."""
+    import pytest
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        if "reno" not in f.read().split():
+            pytest.skip("the kernel has no reno")
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench_pushpull.py", "--quick", "--tensors", "6",
+                             "--shaped", "1gbit", "--tcp-congestion", "reno", "--pslite", "none",
+                             "--configs", "dense,dense (host's TCP congestion control)",
+                             "--collective-rows", "all_reduce", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    if "skipped: cannot set up network namespaces" in result.stdout:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+    data = json.loads(out.read_text())
+    assert data["meta"]["tcp_congestion_default"] == "reno"
+    assert data["meta"]["bps_gc_tcp_congestion"] == "cubic"
+    rows = {(r["system"], r["config"]): r for r in data["results"]}
+    for config in ("dense", "dense (host's TCP congestion control)"):
+        assert rows[("bps_gc PS", config)]["check"] == "ok", rows
+        assert rows[("bps_gc PS", config)]["topology"] == "2 workers, servers colocated"
+    assert "TCP congestion control by default: reno; bps_gc's links: cubic" in result.stdout

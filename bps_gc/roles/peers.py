@@ -19,6 +19,7 @@ import time
 import numpy as np
 import zmq
 
+from ..transport import congestion
 from ..transport.sockets import DropLog, MalformedMessage, bind, recv, send
 from ..transport.wire import HEADER, Header, Msg
 from . import NodeFailure
@@ -50,6 +51,7 @@ class Peers:
         if ctx is not None:
             self.router = auth.server(ctx.socket(zmq.ROUTER))
             self.router.setsockopt(zmq.LINGER, 0)
+            congestion.watch(self.router, cfg.tcp_congestion)
             self.port = bind(self.router, host, 0, HEADER.size + cfg.peer_max_bytes, "worker peer socket")
 
     def connect(self, workers, health, left):
@@ -127,6 +129,7 @@ class Peers:
             sock = self.auth.client(self.ctx.socket(zmq.DEALER))
             sock.setsockopt(zmq.IDENTITY, f"p{self.rank}".encode())
             sock.setsockopt(zmq.LINGER, 500)
+            congestion.watch(sock, self.cfg.tcp_congestion)
             sock.connect(f"tcp://{self.addresses[rank]}")
             self.links[rank] = sock
         return sock

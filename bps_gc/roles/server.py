@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import zmq
 
-from ..transport import shm
+from ..transport import congestion, shm
 from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
 from ..transport.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
                               Msg, decode_json, encode_json, pack_fused, unpack_fused)
@@ -38,6 +38,7 @@ class Server:
         self.router.setsockopt(zmq.LINGER, 1000)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)
+        congestion.watch(self.router, cfg.tcp_congestion)
         self.membership = Membership(self.ctx, cfg, self.auth, "server", rank=-1)
         # the largest legal frame: a compressed partition of fp16 (8 bytes/element at most), a
         # fused message of small dense pushes, or a JSON control message (headers are far smaller)

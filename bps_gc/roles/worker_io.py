@@ -24,6 +24,7 @@ import time
 
 import zmq
 
+from ..transport import congestion
 from ..transport.sockets import DropLog, MalformedMessage, peer_endpoint, recv, send
 from ..transport.wire import (COMPRESSED_BIT, FUSED_BIT, MAX_FUSED, SHM_BIT, Flag, Header, Msg, decode_json,
                               encode_json, pack_fused, unpack_fused)
@@ -69,6 +70,8 @@ class WorkerIO:
             sock.setsockopt(zmq.RCVHWM, 0)
             # a server on this host: over a unix socket (half the kernel work of TCP loopback)
             endpoint = peer_endpoint(server, membership.host)
+            if endpoint.startswith("tcp://"):
+                congestion.watch(sock, cfg.tcp_congestion)
             sock.connect(endpoint)
             self.links.append(sock)
             self.local.append(endpoint.startswith("ipc://"))

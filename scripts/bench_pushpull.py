@@ -108,7 +108,10 @@ def parse_args(argv):
     args.placements = pick(p, args.placement, PLACEMENTS, None, "--placement")
     args.bps = pick(p, args.configs, BPS_CONFIGS, QUICK_BPS if args.quick else None, "--configs")
     if args.configs is None:  # one machine per worker: nothing to sum locally; on loopback: no TCP
-        args.bps = [c for c in args.bps if c not in (ONE_HOST_ONLY if args.shaped else SHAPED_ONLY)]
+        drop = ONE_HOST_ONLY if args.shaped else SHAPED_ONLY
+        if args.shaped and machines_congestion(args) == bps_gc_congestion():  # the same as dense
+            drop += SHAPED_ONLY
+        args.bps = [c for c in args.bps if c not in drop]
     args.mx = pick(p, args.pslite, PSLITE_CONFIGS, QUICK_PSLITE if args.quick else None, "--pslite")
     if args.mx:
         try:
@@ -124,6 +127,18 @@ def parse_args(argv):
         args.shaped = args.shaped.lower()
     check_tcp_congestion(p, args)
     return args
+
+
+def machines_congestion(args):
+    """The --shaped machines' default TCP congestion control: --tcp-congestion, else what a
+    new namespace inherits (the host's)."""
+    if args.tcp_congestion:
+        return args.tcp_congestion
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def pick(parser, text, known, quick_default, flag):

@@ -8,8 +8,7 @@ from bench_cluster import ClusterFailed
 from bench_common import import_netns
 
 # A full TCP segment on the benchmark's veths (MTU 1500, timestamps on): 1448 bytes of payload
-# in 1514 bytes that tbf charges (Ethernet, IP and TCP headers). /proc/net/dev counts one set of
-# headers per offloaded (GSO) packet, so its bytes are about the payload.
+# in 1514 bytes that tbf charges (Ethernet, IP and TCP headers).
 SEGMENT_PAYLOAD, SEGMENT_BYTES = 1448, 1514
 
 
@@ -80,13 +79,16 @@ def collective_rows(path):
 
 
 def link_floor(row, topo_name):
-    """Seconds machine 0's NIC needs per round for the row's bytes at the shaped rate (its
-    busier direction, full segments): no schedule on that link can take less. None on loopback
-    or without NIC counters."""
-    tx, rx = row.get("link_tx_per_worker"), row.get("link_rx_per_worker")
-    if topo_name == "loopback" or tx is None or rx is None:
+    """Seconds a worker machine's NIC needs per round, at the shaped rate in full segments, for
+    the payload a dense row must move through it (its busier direction): a co-located server
+    and a ring all_reduce both send 2 x (N-1)/N of the gradient each way, a worker whose servers
+    are on other machines the gradient once. No schedule of those bytes can take less. None on
+    loopback or for rows that are not the parameter server's."""
+    placement, workers, grad = row.get("placement"), row.get("workers"), row.get("pushed_wire")
+    if topo_name == "loopback" or placement is None or not workers or not grad:
         return None
-    return max(tx, rx) * SEGMENT_BYTES / SEGMENT_PAYLOAD * 8 / import_netns().parse_rate(topo_name)
+    nic = 2 * (workers - 1) / workers * grad if placement == "colocated" else grad
+    return nic * SEGMENT_BYTES / SEGMENT_PAYLOAD * 8 / import_netns().parse_rate(topo_name)
 
 
 def fmt_mb(value):
@@ -111,7 +113,7 @@ def targets(rows, topo_name):
         if r["system"] == "bps_gc PS" and r["config"] in DENSE and not r.get("error"):
             ratio = r["seconds"] / gloo["seconds"] if gloo else None
             floor = link_floor(r, topo_name)
-            bound = f" [its NIC bytes need {floor:.3f} s at line rate = {floor / gloo['seconds']:.2f}x gloo]" \
+            bound = f" [line rate for its NIC's bytes: {floor:.3f} s = {floor / gloo['seconds']:.2f}x gloo]" \
                 if floor and gloo else ""
             out.append((f"PS {r['config']} ({r['topology']}) / gloo all_reduce{bound}", ratio, 1.0))
     r1 = find(rows, "torch", "DDP PowerSGD rank 1")
@@ -136,7 +138,7 @@ def print_table(title, rows, topo_name, shaped):
     r1 = find(rows, "torch", "DDP PowerSGD rank 1")
     head = ["system", "config", "topology", "s/round", "min", "max", "push MB/w", "pull MB/w"]
     if shaped:
-        head += ["NIC MB/m0", "floor s"]
+        head.append("NIC MB/m0")
     head += ["CPU%", "vs gloo", "vs PSGD r1"]
     lines, failed = [], []
     for r in rows:
@@ -149,8 +151,6 @@ def print_table(title, rows, topo_name, shaped):
         if shaped:
             link = r.get("link_tx_per_worker")
             cells.append("-" if link is None else fmt_mb(link + r["link_rx_per_worker"]))
-            floor = link_floor(r, topo_name)
-            cells.append("-" if floor is None else f"{floor:.3f}")
         busy = r.get("machine_busy")
         cells += ["-" if busy is None else f"{100 * busy:.0f}",
                   f"{r['seconds'] / gloo['seconds']:.2f}" if gloo else "-",

@@ -148,6 +148,7 @@ def run_all(args, topo, children, log_root):
         elif runs[key]:
             row = summarize(key[0], key[1], runs[key])
             row["topology"] = f"{args.ranks} workers, servers {key[2]}"
+            row["workers"], row["placement"] = args.ranks, key[2]
             if key[1] in ONE_HOST_ONLY:  # BPS_GC_LOCAL_REDUCE: the dense sums skip the servers
                 row["topology"] = f"{args.ranks} workers summing in shared memory, servers {key[2]} (idle)"
             add_info(row, infos[key])

@@ -78,17 +78,18 @@ def test_bench_pushpull_shaped_with_a_namespace_default(tmp_path):
         assert rows[("bps_gc PS", config)]["check"] == "ok", rows
         assert rows[("bps_gc PS", config)]["topology"] == "2 workers, servers colocated"
     assert "TCP congestion control by default: reno; bps_gc's links: cubic" in result.stdout
-    assert "floor s" in result.stdout
     floors = [t[0] for t in data["targets"] if t[0].startswith("PS dense (2 workers, servers colocated)")]
-    assert len(floors) == 1 and "at line rate" in floors[0], data["targets"]
+    assert len(floors) == 1 and "line rate for its NIC's bytes" in floors[0], data["targets"]
 
 
 def test_link_floor_is_the_line_rate_time_of_full_segments():
-    """153.3 MB out of machine 0 in 1448-byte segments of 1514 bytes on the wire: 1.2823 s at
-    1 Gbit/s (ResNet-50 dense, 4 ranks: 2 x 3/4 x 102.2 MB)."""
+    """ResNet-50 dense (102.2 MB per worker), 4 ranks: a co-located server's machine sends
+    2 x 3/4 x 102.2 MB, 153.3 MB, in 1448-byte segments of 1514 bytes: 1.2823 s at 1 Gbit/s;
+    with the servers elsewhere a worker sends 102.2 MB: 0.8549 s."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_report import link_floor
-    row = {"link_tx_per_worker": 153.3e6, "link_rx_per_worker": 150e6}
+    row = {"placement": "colocated", "workers": 4, "pushed_wire": 102.2e6}
     assert abs(link_floor(row, "1gbit") - 1.2823) < 1e-4
     assert abs(link_floor(row, "100mbit") - 12.823) < 1e-3
+    assert abs(link_floor(dict(row, placement="separate"), "1gbit") - 0.8549) < 1e-4
     assert link_floor(row, "loopback") is None and link_floor({}, "1gbit") is None

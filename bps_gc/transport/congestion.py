@@ -51,7 +51,11 @@ def watch(sock, algorithm):
     None or "" leaves them alone. Returns the watching thread (None when there is none)."""
     if not algorithm:
         return None
-    monitor = sock.get_monitor_socket(EVENTS)
+    try:
+        monitor = sock.get_monitor_socket(EVENTS)
+    except zmq.ZMQError as e:  # the links still work, on the host's default
+        log.warning("TCP congestion control %s not set on this socket's links: %s", algorithm, e)
+        return None
     thread = threading.Thread(target=_apply, args=(monitor, algorithm),
                               name="bps_gc-congestion", daemon=True)
     thread.start()

@@ -15,7 +15,8 @@ def run_local(command, workers=2, servers=2, env=None, timeout=180, local_size=1
     """``worker_env`` overrides variables for the worker processes only (via ``env`` on the
     command line), e.g. a wrong token."""
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
-                    BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="3", **(env or {}))
+                    BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="3")
+    full_env.update(env or {})
     if worker_env:
         command = ["env", *(f"{k}={v}" for k, v in worker_env.items()), *command]
     argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers),

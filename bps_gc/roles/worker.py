@@ -6,6 +6,7 @@ one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the proces
 """
 import concurrent.futures
 import logging
+import threading
 import time
 
 import numpy as np
@@ -252,10 +253,11 @@ class Worker(Communicator):
         self.check_alive()
         if self.io is None:
             return
-        self.io.barrier_event.clear()
-        self.io.post("barrier")
-        while not self.io.barrier_event.wait(0.2):
-            pass
+        done = threading.Event()
+        self.io.post("barrier", done)
+        while not done.wait(0.2):
+            if self.io.failure is not None:  # failed after the post, before taking it
+                break
         self.check_alive()
 
     def broadcast(self, array, root_rank, name):

@@ -100,7 +100,7 @@ class WorkerIO:
         self.failure = None
         self.dropped = DropLog(log)
         self.barriers_wanted = 0
-        self.barrier_event = threading.Event()
+        self.barrier_waiters = []  # (barrier number, its Event), oldest first
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="bps_gc-io", daemon=True)
 
@@ -169,6 +169,7 @@ class WorkerIO:
                 send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
             elif kind == "barrier":
                 self.barriers_wanted += 1
+                self.barrier_waiters.append((self.barriers_wanted, command[1]))
                 self.membership.send(Msg.BARRIER, key=0)
             elif kind == "goodbye":
                 self.goodbye(command[1])
@@ -366,9 +367,12 @@ class WorkerIO:
             push.handle.partition_replied(push, result, False, now - push.sent_at)
 
     def check_barrier(self):
+        # each barrier has its own event, set only once the scheduler has completed it: one
+        # shared event, cleared by the caller, was set again by any scheduler message that came
+        # before the new barrier was counted, and that barrier returned at once
         done = self.membership.barriers_done.get(0, 0)
-        if self.barriers_wanted and done >= self.barriers_wanted:
-            self.barrier_event.set()
+        while self.barrier_waiters and self.barrier_waiters[0][0] <= done:
+            self.barrier_waiters.pop(0)[1].set()
 
     def goodbye(self, timeout):
         self.membership.send(Msg.GOODBYE)
@@ -392,7 +396,9 @@ class WorkerIO:
         self.heap.clear()
         if self.local_reduce is not None:
             self.local_reduce.fail_all(error)
-        self.barrier_event.set()
+        for _, event in self.barrier_waiters:  # their callers raise self.failure
+            event.set()
+        self.barrier_waiters.clear()
         # pushes posted but not yet taken off the queue
         while True:
             try:
@@ -403,6 +409,8 @@ class WorkerIO:
                 command[1].handle.fail(error)
             elif command[0] == "local":
                 command[3].fail(error)
+            elif command[0] == "barrier":
+                command[1].set()
 
     def close(self):
         for sock in self.links:

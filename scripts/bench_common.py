@@ -73,10 +73,10 @@ def check_tcp_congestion(parser, args):
     """--tcp-congestion: only with --shaped, and one of the kernel's algorithms."""
     if not args.tcp_congestion:
         return
-    from bps_gc.config import available_congestion_controls
-    have = available_congestion_controls()
     if not args.shaped:
         parser.error("--tcp-congestion needs --shaped (it sets the namespaces' default)")
+    from bps_gc.config import available_congestion_controls
+    have = available_congestion_controls()
     if args.tcp_congestion not in have:
         parser.error(f"--tcp-congestion: unknown algorithm {args.tcp_congestion!r}; this kernel has: "
                      f"{', '.join(have) or 'none'}")

@@ -9,6 +9,7 @@ then stays up for REFUSE_SECONDS to tell late registrants why, so nobody waits o
 timeout. A worker that says goodbye while other workers still run is announced (NODE_LEFT), so
 servers fail the rounds that still need it at once instead of waiting for it.
 """
+import collections
 import logging
 import time
 
@@ -45,7 +46,7 @@ class Scheduler:
         self.expected = {"server": config.num_server, "worker": config.num_worker * config.local_size}
         self.join_timeout = config.join_timeout
         self.members = {}  # identity -> Member
-        self.barrier_waiting = {}  # worker identity -> barriers it has entered that are not done
+        self.barrier_waiting = collections.Counter()  # worker identity -> its barriers not yet done
         self.ctx = zmq.Context()
         self.auth = Auth(self.ctx, config.auth_token, config.encrypt)
         self.sock = self.auth.server(self.ctx.socket(zmq.ROUTER))
@@ -222,17 +223,16 @@ class Scheduler:
     def barrier(self, member):
         """A barrier of every worker process; one that a departed worker can never join fails."""
         # counted per worker, so that a worker's next barrier is never merged into this one
-        self.barrier_waiting[member.identity] = self.barrier_waiting.get(member.identity, 0) + 1
+        self.barrier_waiting[member.identity] += 1
         left = self.departed_worker()
         if left is not None:
             return self.fail(None, f"worker {left.rank} (node {left.node_id}) left the job; "
                                    f"the barrier can never complete")
         if len(self.barrier_waiting) == self.expected["worker"]:
-            for identity in list(self.barrier_waiting):
+            for identity in self.barrier_waiting:
                 self.reply(self.members[identity], Msg.BARRIER_DONE, key=0)
-                self.barrier_waiting[identity] -= 1
-                if not self.barrier_waiting[identity]:
-                    del self.barrier_waiting[identity]
+            # one barrier done for each worker; a Counter's `-=` drops those now at zero
+            self.barrier_waiting -= collections.Counter(self.barrier_waiting.keys())
         return None
 
     def departed_worker(self):

@@ -15,6 +15,7 @@ Shared memory (worker_shm.py): a dense push to a server on this host that is not
 small ones goes as a bare SHM header once its data is in the key's shared slot; the headers
 that leave together go to each server as one message (fused entries without bytes).
 """
+import collections
 import heapq
 import itertools
 import logging
@@ -70,11 +71,12 @@ class WorkerIO:
             sock.setsockopt(zmq.RCVHWM, 0)
             # a server on this host: over a unix socket (half the kernel work of TCP loopback)
             endpoint = peer_endpoint(server, membership.host)
-            if endpoint.startswith("tcp://"):
+            local = endpoint.startswith("ipc://")
+            if not local:  # a unix socket has no congestion control
                 congestion.watch(sock, cfg.tcp_congestion)
             sock.connect(endpoint)
             self.links.append(sock)
-            self.local.append(endpoint.startswith("ipc://"))
+            self.local.append(local)
         self.shm = SharedSlots(cfg, self.local)
         self.servers = servers
         self.commands = queue.SimpleQueue()
@@ -100,7 +102,7 @@ class WorkerIO:
         self.failure = None
         self.dropped = DropLog(log)
         self.barriers_wanted = 0
-        self.barrier_waiters = []  # (barrier number, its Event), oldest first
+        self.barrier_waiters = collections.deque()  # (barrier number, its Event), oldest first
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="bps_gc-io", daemon=True)
 
@@ -372,7 +374,7 @@ class WorkerIO:
         # before the new barrier was counted, and that barrier returned at once
         done = self.membership.barriers_done.get(0, 0)
         while self.barrier_waiters and self.barrier_waiters[0][0] <= done:
-            self.barrier_waiters.pop(0)[1].set()
+            self.barrier_waiters.popleft()[1].set()
 
     def goodbye(self, timeout):
         self.membership.send(Msg.GOODBYE)

@@ -94,12 +94,19 @@ def test_bad_number_is_named_without_a_traceback():
     print(f"D4: bpslaunch exited 2 after {time.monotonic() - started:.2f} s (both modes)", file=sys.stderr)
 
 
-def test_multihost_bad_number_on_one_worker_stops_everyone():
+BAD_SETTINGS = [
+    ("BPS_GC_STALL_TIMEOUT", "soon", "BPS_GC_STALL_TIMEOUT: must be a number, got 'soon'"),
+    # an algorithm the kernel lacks (and, in test_congestion.py, one this process may not set)
+    ("BPS_GC_TCP_CONGESTION", "vegas2", "BPS_GC_TCP_CONGESTION: unknown algorithm 'vegas2'"),
+]
+
+
+@pytest.mark.parametrize("variable, value, named", BAD_SETTINGS, ids=[b[0] for b in BAD_SETTINGS])
+def test_multihost_bad_setting_on_one_worker_stops_everyone(variable, value, named):
     """D4 in multi-host mode: the bad host's bpslaunch asks the scheduler to stop the job, so
     the other hosts do not wait out the join timeout."""
-    named = "BPS_GC_STALL_TIMEOUT: must be a number, got 'soon'"
     job = Job(2, STEPS, env={"BPS_GC_JOIN_TIMEOUT": JOIN_TIMEOUT},
-              role_env={"worker1": {"BPS_GC_STALL_TIMEOUT": "soon"}})
+              role_env={"worker1": {variable: value}})
     statuses, elapsed = job.wait_all(BOUND)
     report = job.report(statuses)
     assert all(s != 0 for s in statuses.values()), report

@@ -81,3 +81,34 @@ def test_device_errors_name_the_problem():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             build_chain({"compressor": "onebit"}, 10, np.float32, device="cuda")
+
+
+def chains_of(codec_params):
+    plain = dict(codec_params)
+    return [plain, {**plain, "ef": "vanilla"}, {**plain, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}]
+
+
+def assert_state_equal(host, dev):
+    """The decorators' state (error, momentum) matches, layer by layer."""
+    while host is not None:
+        for name in ("error", "momentum"):
+            if hasattr(host, name):
+                np.testing.assert_array_equal(getattr(dev, name).cpu().numpy(), getattr(host, name))
+        host, dev = getattr(host, "inner", None), getattr(dev, "inner", None)
+
+
+ONEBIT_LIKE = [{"compressor": "onebit"}, {"compressor": "onebit", "scaling": True},
+               {"compressor": "sign"}, {"compressor": "signnorm"}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("n", [1, 17, 33, 1000])
+@pytest.mark.parametrize("codec", ONEBIT_LIKE, ids=lambda c: c["compressor"] + "+s" * c.get("scaling", 0))
+def test_onebit_family_matches_numpy(device, dtype, n, codec):
+    if codec["compressor"] in ("sign", "signnorm") and dtype == np.float64:
+        pytest.skip("sign and signnorm take float32 and float16 only (as numpy)")
+    for params in chains_of(codec):
+        host, dev = run_side_by_side(params, n, dtype, device)
+        assert not isinstance(dev, HostBridge)
+        assert_state_equal(host, dev)

@@ -27,9 +27,10 @@ def gradients(n, dtype, steps, seed=0):
     return out
 
 
-def run_side_by_side(params, n, dtype, device, steps=4, role="worker", key=7):
-    """Compress the same steps with both chains; assert equal bytes, decodes and cross-decodes.
-    Returns both chains for state checks."""
+def run_side_by_side(params, n, dtype, device, steps=4, role="worker", key=7, records=False):
+    """Compress the same steps with both chains; assert equal bytes (``records``: after sorting
+    the numpy payload's records by index), decodes and cross-decodes. Returns both chains for
+    state checks."""
     host = build_chain(params, n, dtype, key=key, role=role)
     dev = build_chain(params, n, dtype, key=key, role=role, device=device)
     decoder = build_chain(CompressionParams.from_dict(params).to_dict() | {"ef": None, "momentum": None},
@@ -40,7 +41,8 @@ def run_side_by_side(params, n, dtype, device, steps=4, role="worker", key=7):
         got = dev.compress(torch.from_numpy(x.copy()).to(device), ctx)
         assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8 and got.dim() == 1
         assert got.device.type == torch.device(device).type
-        assert host_array(got).tobytes() == want.tobytes(), f"step {step}: payloads differ"
+        expected = sorted_records(want, dtype) if records else want.tobytes()
+        assert host_array(got).tobytes() == expected, f"step {step}: payloads differ"
         decoded = dev.decompress(got)
         assert decoded.device.type == torch.device(device).type and decoded.dtype == TORCH[dtype]
         np.testing.assert_array_equal(decoded.cpu().numpy(), host.decompress(want))
@@ -112,3 +114,30 @@ def test_onebit_family_matches_numpy(device, dtype, n, codec):
         host, dev = run_side_by_side(params, n, dtype, device)
         assert not isinstance(dev, HostBridge)
         assert_state_equal(host, dev)
+
+
+def sorted_records(payload, dtype):
+    """A records payload with its records in ascending index order (topk's "any order")."""
+    from bps_gc.compress.sparse import RECORD
+    rec = np.frombuffer(np.asarray(payload, np.uint8).tobytes(), RECORD[np.dtype(dtype).type])
+    return rec[np.argsort(rec["i"], kind="stable")].tobytes()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 3), (1000, 0.01), (1000, 200), (4097, 0.1)])
+def test_topk_matches_numpy(device, dtype, n, k):
+    for params in chains_of({"compressor": "topk", "k": k}):
+        host, dev = run_side_by_side(params, n, dtype, device, records=True)
+        assert not isinstance(dev, HostBridge)
+        assert_state_equal(host, dev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_ties_go_to_the_lower_index(device):
+    x = np.zeros(64, np.float32)
+    x[[5, 9, 40, 41, 63]] = [2, -3, 3, -3, 3]  # four of |3|, one |2|: k=3 keeps 9, 40, 41
+    chain = build_chain({"compressor": "topk", "k": 3}, 64, np.float32, device=device)
+    payload = host_array(chain.compress(torch.from_numpy(x).to(device)))
+    rec = np.frombuffer(payload.tobytes(), [("i", "<u4"), ("v", "<f4")])
+    assert rec["i"].tolist() == [9, 40, 41] and rec["v"].tolist() == [-3, 3, -3]

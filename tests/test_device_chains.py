@@ -141,3 +141,18 @@ def test_topk_ties_go_to_the_lower_index(device):
     payload = host_array(chain.compress(torch.from_numpy(x).to(device)))
     rec = np.frombuffer(payload.tobytes(), [("i", "<u4"), ("v", "<f4")])
     assert rec["i"].tolist() == [9, 40, 41] and rec["v"].tolist() == [-3, 3, -3]
+
+
+THRESHOLDS = [{"compressor": "threshold", "threshold": 0.5}, {"compressor": "threshold", "threshold": 0.0},
+              {"compressor": "threshold", "threshold": 1e30}, {"compressor": "adaptive_threshold"}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n", [1, 33, 1000])
+@pytest.mark.parametrize("codec", THRESHOLDS, ids=lambda c: f"{c['compressor']}-{c.get('threshold', '')}")
+def test_thresholds_match_numpy(device, dtype, n, codec):
+    for params in chains_of(codec):
+        host, dev = run_side_by_side(params, n, dtype, device)
+        assert not isinstance(dev, HostBridge)
+        assert_state_equal(host, dev)

@@ -32,8 +32,8 @@ def magnitude_keys(x):
 def pack_records(idx, values, index_dtype):
     """k records (index as ``index_dtype``, value), packed little-endian, as a flat uint8 tensor."""
     k = idx.numel()
-    index_bytes = idx.to(index_dtype).view(torch.uint8).view(k, -1)
-    value_bytes = values.contiguous().view(torch.uint8).view(k, -1)
+    index_bytes = idx.to(index_dtype).view(torch.uint8).view(k, torch.iinfo(index_dtype).bits // 8)
+    value_bytes = values.contiguous().view(torch.uint8).view(k, values.element_size())
     return torch.cat([index_bytes, value_bytes], 1).view(-1)
 
 
@@ -46,8 +46,8 @@ def aligned(columns):
 
 def unpack_records(buf, index_dtype, value_dtype, what):
     """(indices as int64, values) of a flat uint8 tensor of packed records."""
-    index_bytes = torch.empty((), dtype=index_dtype).element_size()
-    value_bytes = torch.empty((), dtype=value_dtype).element_size()
+    index_bytes = torch.iinfo(index_dtype).bits // 8
+    value_bytes = torch.finfo(value_dtype).bits // 8
     size = index_bytes + value_bytes
     if buf.numel() % size:
         raise ValueError(f"{what}: payload of {buf.numel()} bytes is not a whole number of "

@@ -27,15 +27,17 @@ def gradients(n, dtype, steps, seed=0):
     return out
 
 
-def run_side_by_side(params, n, dtype, device, steps=4, role="worker", key=7, records=False):
+def run_side_by_side(params, n, dtype, device, steps=4, role="worker", key=7, records=False,
+                     inputs=None, dev=None):
     """Compress the same steps with both chains; assert equal bytes (``records``: after sorting
     the numpy payload's records by index), decodes and cross-decodes. Returns both chains for
     state checks."""
     host = build_chain(params, n, dtype, key=key, role=role)
-    dev = build_chain(params, n, dtype, key=key, role=role, device=device)
+    dev = dev or build_chain(params, n, dtype, key=key, role=role, device=device)
     decoder = build_chain(CompressionParams.from_dict(params).to_dict() | {"ef": None, "momentum": None},
                           n, dtype, key=key, role="server", device=device)
-    for step, (x, lr) in enumerate(zip(gradients(n, dtype, steps), [0.1, 0.1, 0.05, 0.2, 0.2])):
+    inputs = gradients(n, dtype, steps) if inputs is None else inputs
+    for step, (x, lr) in enumerate(zip(inputs, [0.1, 0.1, 0.05, 0.2, 0.2, 0.0, 0.1])):
         ctx = {"lr": lr, "step": step, "epoch": 0}
         want = host.compress(x, ctx)
         got = dev.compress(torch.from_numpy(x.copy()).to(device), ctx)
@@ -156,3 +158,93 @@ def test_thresholds_match_numpy(device, dtype, n, codec):
         host, dev = run_side_by_side(params, n, dtype, device)
         assert not isinstance(dev, HostBridge)
         assert_state_equal(host, dev)
+
+
+DETERMINISTIC = ONEBIT_LIKE + [{"compressor": "topk", "k": 0.1}] + THRESHOLDS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", DETERMINISTIC, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_nonfinite_steps_match_numpy(device, codec):
+    # inf, then NaN, then finite again: error feedback and momentum skip the bad steps alike
+    xs = gradients(100, np.float32, 5, seed=3)
+    xs[1][7], xs[2][50] = np.inf, np.nan
+    for params in chains_of(codec):
+        host, dev = run_side_by_side(params, 100, np.float32, device, inputs=xs,
+                                     records=codec["compressor"] == "topk")
+        assert_state_equal(host, dev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_server_role_and_accumulation_match_numpy(device):
+    # servers never apply momentum; decompress_add and residual update like the numpy codec
+    for codec in DETERMINISTIC:
+        params = {**codec, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+        host, dev = run_side_by_side(params, 200, np.float32, device, role="server",
+                                     records=codec["compressor"] == "topk")
+        assert not hasattr(dev, "momentum") and hasattr(dev, "error")
+        acc_host = gradients(200, np.float32, 1, seed=9)[0]
+        acc_dev = torch.from_numpy(acc_host.copy()).to(device)
+        for x in gradients(200, np.float32, 2, seed=5):
+            payload = host.inner.compress(x)
+            host.decompress_add(payload, acc_host)
+            dev.decompress_add(payload, acc_dev)
+            np.testing.assert_array_equal(acc_dev.cpu().numpy(), acc_host)
+            host.residual(payload, acc_host)
+            dev.residual(torch.from_numpy(payload).to(device), acc_dev)
+            np.testing.assert_array_equal(acc_dev.cpu().numpy(), acc_host)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plugin_codec_runs_behind_the_bridge(device):
+    import plugin_step_codec  # noqa: F401  (registers test_step_mask, a step-dependent codec)
+    params = {"compressor": "test_step_mask", "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}
+    host, dev = run_side_by_side(params, 50, np.float32, device, steps=6)
+    assert isinstance(dev, HostBridge) and dev.reducers == host_reducers(params)
+
+
+def host_reducers(params):
+    from bps_gc.compress.registry import COMPRESSORS
+    return COMPRESSORS[params["compressor"]].reducers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_decorators_wrap_the_bridge(device):
+    # error feedback and momentum on the device around a numpy codec behind the bridge
+    from bps_gc.compress.device import DEVICE_ERROR_FEEDBACKS, DEVICE_MOMENTUMS
+    p = CompressionParams.from_dict({"compressor": "topk", "k": 7, "ef": "vanilla",
+                                     "momentum": "nesterov", "mu": 0.8})
+    bare = build_chain({"compressor": "topk", "k": 7}, 300, np.float32, key=7)
+    dev = DEVICE_MOMENTUMS["nesterov"](DEVICE_ERROR_FEEDBACKS["vanilla"](HostBridge(bare, device), p), p)
+    host, dev = run_side_by_side(p.to_dict(), 300, np.float32, device, dev=dev, steps=6)
+    assert_state_equal(host, dev)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_onebit_scale_within_one_ulp_on_wide_ranges(dtype):
+    # the device sums |x| in float64 in another order than the C kernel's eight lanes: the float32
+    # mean may differ only by float64 rounding, i.e. by at most one float32 ulp (onebit.py)
+    worst = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(1, 3000))
+        x = (rng.standard_normal(n) * np.exp(rng.uniform(-60, 60, n))).astype(dtype)
+        params = {"compressor": "onebit", "scaling": True}
+        want = build_chain(params, n, dtype).compress(x)[-4:].view(np.int32)[0]
+        got = host_array(build_chain(params, n, dtype, device="cpu").compress(torch.from_numpy(x)))
+        worst = max(worst, abs(int(got[-4:].view(np.int32)[0]) - int(want)))
+    assert worst <= 1
+
+
+def test_wrong_device_is_named():
+    chain = build_chain({"compressor": "onebit"}, 10, np.float32, device="cpu")
+    with pytest.raises(ValueError, match="input is on meta, expected cpu"):
+        chain.compress(torch.zeros(10, device="meta"))
+    with pytest.raises(ValueError, match="payload of 3 bytes, expected 8"):
+        chain.decompress(b"abc")
+    topk = build_chain({"compressor": "topk", "k": 2}, 10, np.float32, device="cpu")
+    with pytest.raises(ValueError, match="index out of range"):
+        topk.decompress(np.array([(10, 1.0)], [("i", "<u4"), ("v", "<f4")]).view(np.uint8))
+    thr = build_chain({"compressor": "threshold", "threshold": 1}, 10, np.float32, device="cpu")
+    with pytest.raises(ValueError, match="increase strictly"):
+        thr.decompress(np.array([(3, 1.0), (3, 2.0)], [("i", "<u4"), ("v", "<f4")]).view(np.uint8))

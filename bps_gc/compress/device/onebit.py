@@ -32,6 +32,9 @@ class DeviceOnebit(DeviceCodec):
         self.words_bytes = host.words_bytes
         self.word_bytes = self.dtype.itemsize  # word width = element width
         self._weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=self.device)
+        # octet -> its eight sign bits, MSB first: decoding is one gather
+        self._octet_bits = (torch.arange(256, dtype=torch.uint8, device=self.device)
+                            .view(-1, 1) & self._weights).ne(0)
         self._bits = torch.zeros(self.words_bytes * 8, dtype=torch.bool, device=self.device)
 
     def compress(self, x, ctx=None):
@@ -51,8 +54,8 @@ class DeviceOnebit(DeviceCodec):
     def _signs_and_scale(self, payload):
         buf = self._payload(payload, self.words_bytes + 4)
         scale = buf[self.words_bytes:].clone().view(torch.float32)  # clone: aligned
-        octets = buf[: self.words_bytes].view(-1, self.word_bytes).flip(1).reshape(-1, 1)
-        negative = (octets & self._weights).ne(0).view(-1)[: self.n]
+        octets = buf[: self.words_bytes].view(-1, self.word_bytes).flip(1).reshape(-1)
+        negative = self._octet_bits[octets.long()].view(-1)[: self.n]
         pos = scale.to(self.torch_dtype)  # float32 -> float16 rounds (or overflows) as numpy's cast
         return negative, pos
 

@@ -107,20 +107,37 @@ class DeviceSparseCodec(DeviceCodec):
         x[idx] -= values
 
 
+def select_top(keys, k):
+    """Mask of the k largest keys, ties to the lower index: every key above the k-th largest,
+    then the equal ones of lowest index (a selection's tie order is unspecified: this is not)."""
+    kth = torch.topk(keys, k, sorted=False).values.min()
+    above = keys > kth
+    tied = keys == kth
+    return above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
+
+
 @register_device_compressor("topk")
 class DeviceTopK(DeviceSparseCodec):
-    """The k elements of largest magnitude, ties to the lower index, in ascending index order."""
+    """The k elements of largest magnitude, ties to the lower index, in ascending index order.
+
+    As the C kernel does, a strided sample estimates a key a little below the k-th largest;
+    one pass keeps the elements at or above it, and the exact selection runs on those few (a
+    set holding at least k elements with every key above its smallest holds the top k). When
+    the estimate keeps fewer than k, or far too many, the selection runs on everything."""
     reducers = TopK.reducers
 
     def indices(self, x):
         keys = magnitude_keys(x)
         if self.k == self.n:
             return torch.arange(self.n, device=self.device)
-        # the k-th largest key; every larger key is in, and of the keys equal to it the ones of
-        # lowest index fill the rest (a selection's tie order is unspecified: this one is not)
-        kth = torch.topk(keys, self.k, sorted=False).values.min()
-        above = keys > kth
-        tied = keys == kth
-        room = self.k - above.sum()
-        chosen = above | (tied & (torch.cumsum(tied, 0) <= room))
-        return torch.nonzero(chosen).view(-1)
+        if self.k * 16 < self.n:
+            size = min(32 * self.n // self.k, self.n // 4)  # ~32 hits above the k-th key
+            sample = keys[:: self.n // size][:size]
+            rank = min(2 * (self.k * size // self.n) + 16, size)  # twice the hits, and slack
+            floor = torch.topk(sample, rank, sorted=False).values.min()
+            kept = keys >= floor
+            count = int(kept.sum())  # one sync: how many candidates
+            if int(floor) > 0 and self.k <= count <= 6 * self.k + 1024:
+                candidates = torch.nonzero(kept).view(-1)  # ascending, so ties stay in order
+                return candidates[select_top(keys[candidates], self.k)]
+        return torch.nonzero(select_top(keys, self.k)).view(-1)

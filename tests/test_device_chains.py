@@ -248,3 +248,31 @@ def test_wrong_device_is_named():
     thr = build_chain({"compressor": "threshold", "threshold": 1}, 10, np.float32, device="cpu")
     with pytest.raises(ValueError, match="increase strictly"):
         thr.decompress(np.array([(3, 1.0), (3, 2.0)], [("i", "<u4"), ("v", "<f4")]).view(np.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["gradient", "mostly zeros", "all equal", "few distinct"])
+def test_topk_sampled_and_full_selection_match_numpy(device, kind):
+    # the sampled key keeps the candidates (gradient), or falls back to the whole array: a
+    # zero sampled key (mostly zeros) or far too many candidates (ties everywhere)
+    n, k = 5000, 40
+    rng = np.random.default_rng(4)
+    x = {"gradient": rng.standard_normal(n), "mostly zeros": np.where(rng.random(n) < 0.005, 1.0, 0.0),
+         "all equal": np.full(n, -0.5), "few distinct": rng.integers(-3, 4, n) * 0.25}[kind]
+    x = x.astype(np.float32)
+    host = build_chain({"compressor": "topk", "k": k}, n, np.float32)
+    dev = build_chain({"compressor": "topk", "k": k}, n, np.float32, device=device)
+    got = host_array(dev.compress(torch.from_numpy(x).to(device)))
+    assert got.tobytes() == sorted_records(host.compress(x), np.float32)
+
+
+def test_benchmark_rows_run():
+    import sys
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/scripts")
+    import bench_device_codecs
+    rows = bench_device_codecs.device_rows("cpu", ["2K"], repeats=1, only=["onebit", "topk 1%", "dgc"])
+    assert [(r["codec"], r["path"]) for r in rows][:3] == [("onebit scaling", "device"),
+                                                           ("EF + onebit", "device"),
+                                                           ("topk 1%", "device")]
+    assert all(r["compress_gbps"] > 0 and r["host_decompress_gbps"] > 0 for r in rows)
+    assert rows[0]["compression_ratio"] == 8000 / (-(-2000 // 32) * 4 + 4)

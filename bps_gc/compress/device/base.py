@@ -6,6 +6,10 @@ payload as a 1-D uint8 tensor there, in the numpy codec's wire format (docs/code
 numpy codec decodes it and the other way round. ``decompress(payload, out=None)`` returns the
 ``n`` decoded elements on the device; ``payload`` may also be a numpy array, bytes or a uint8
 tensor elsewhere (it is moved to the device first).
+
+The operations run on the caller's current CUDA stream, in its order. A codec object keeps its
+state and scratch tensors across calls: one partition's calls must not overlap (run them in
+order on one stream, or synchronize between streams).
 """
 import numpy as np
 import torch

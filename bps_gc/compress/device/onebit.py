@@ -44,7 +44,8 @@ class DeviceOnebit(DeviceCodec):
         octets = (grouped * self._weights).sum(1, dtype=torch.uint8)
         # bytes of a word in element order, stored little-endian: reverse them within the word
         words = octets.view(-1, self.word_bytes).flip(1).reshape(-1)
-        total = torch.sum(x.abs(), dtype=torch.float64)  # inf or NaN shows here too
+        # sum |x| in float64 in one pass (inf or NaN shows here too)
+        total = torch.linalg.vector_norm(x, 1, dtype=torch.float64)
         if self.scaling:
             scale = (total / self.n).to(torch.float32)
         else:

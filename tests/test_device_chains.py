@@ -276,3 +276,18 @@ def test_benchmark_rows_run():
                                                            ("topk 1%", "device")]
     assert all(r["compress_gbps"] > 0 and r["host_decompress_gbps"] > 0 for r in rows)
     assert rows[0]["compression_ratio"] == 8000 / (-(-2000 // 32) * 4 + 4)
+
+
+def test_device_without_torch_says_so():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, bps_gc.compress as c\n"
+            "c.build_chain({'compressor': 'onebit'}, 8, np.float32).compress(np.ones(8, np.float32))\n"
+            "try:\n"
+            "    c.build_chain({'compressor': 'onebit'}, 8, np.float32, device='cpu')\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "build_chain with a device) needs torch" in result.stdout

@@ -31,47 +31,54 @@ class DeviceOnebit(DeviceCodec):
         self.scaling = host.scaling
         self.words_bytes = host.words_bytes
         self.word_bytes = self.dtype.itemsize  # word width = element width
-        self._weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=self.device)
-        # octet -> its eight sign bits, MSB first: decoding is one gather
+        weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=self.device)
+        # octet -> its eight sign bits, MSB first: decoding is one gather of table rows
         self._octet_bits = (torch.arange(256, dtype=torch.uint8, device=self.device)
-                            .view(-1, 1) & self._weights).ne(0)
+                            .view(-1, 1) & weights).ne(0)
         self._bits = torch.zeros(self.words_bytes * 8, dtype=torch.bool, device=self.device)
 
     def compress(self, x, ctx=None):
         x = self._input(x)
         torch.lt(x, 0, out=self._bits[: self.n])  # the padding stays 0
-        grouped = self._bits.view(-1, 8).view(torch.uint8)
-        octets = (grouped * self._weights).sum(1, dtype=torch.uint8)
+        # eight sign bytes (0/1, element j at bit 8j of a little-endian int64) -> one octet with
+        # element j at bit 7 - j: OR-ing shifted copies puts element j at bit 63 - j (shifts
+        # past bit 63 drop out; torch shifts integers as unsigned)
+        v = self._bits.view(torch.int64)
+        v = v | (v << 9)
+        v = v | (v << 18)
+        v = v | (v << 36)
+        octets = ((v >> 56) & 0xFF).to(torch.uint8)
         # bytes of a word in element order, stored little-endian: reverse them within the word
         words = octets.view(-1, self.word_bytes).flip(1).reshape(-1)
-        # sum |x| in float64 in one pass (inf or NaN shows here too)
-        total = torch.linalg.vector_norm(x, 1, dtype=torch.float64)
+        total = torch.sum(x.abs(), dtype=torch.float64)  # inf or NaN shows here too
         if self.scaling:
             scale = (total / self.n).to(torch.float32)
         else:
             scale = torch.where(torch.isfinite(total), 1.0, math.nan).to(torch.float32)
         return torch.cat([words, scale.reshape(1).view(torch.uint8)])
 
-    def _signs_and_scale(self, payload):
+    def _octet_values(self, payload):
+        """(octets in element order as int64, the (256, 8) table of their decoded values)."""
         buf = self._payload(payload, self.words_bytes + 4)
         scale = buf[self.words_bytes:].clone().view(torch.float32)  # clone: aligned
-        octets = buf[: self.words_bytes].view(-1, self.word_bytes).flip(1).reshape(-1)
-        negative = self._octet_bits[octets.long()].view(-1)[: self.n]
+        octets = buf[: self.words_bytes].view(-1, self.word_bytes).flip(1).reshape(-1).long()
         pos = scale.to(self.torch_dtype)  # float32 -> float16 rounds (or overflows) as numpy's cast
-        return negative, pos
+        return octets, torch.where(self._octet_bits, -pos, pos)  # -pos: as the C kernel's negation
 
     def decompress(self, payload, out=None):
-        negative, pos = self._signs_and_scale(payload)
+        octets, table = self._octet_values(payload)
         out = self._output(out)
-        torch.where(negative, -pos, pos, out=out)
+        whole = self.n // 8  # whole octets go straight into out; the last one's first bits after
+        if whole:
+            torch.index_select(table, 0, octets[:whole], out=out[: whole * 8].view(whole, 8))
+        if self.n > whole * 8:
+            out[whole * 8:] = table[octets[whole]][: self.n - whole * 8]
         return out
 
     def residual(self, payload, x):
         x = self._inplace(x, "x")
-        negative, pos = self._signs_and_scale(payload)
-        x.sub_(torch.where(negative, -pos, pos))
+        x.sub_(self.decompress(payload, self._scratch_tensor()))
 
     def decompress_add(self, payload, acc):
         acc = self._inplace(acc, "acc")
-        negative, pos = self._signs_and_scale(payload)
-        acc.add_(torch.where(negative, -pos, pos))
+        acc.add_(self.decompress(payload, self._scratch_tensor()))

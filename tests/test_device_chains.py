@@ -291,3 +291,18 @@ def test_device_without_torch_says_so():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "build_chain with a device) needs torch" in result.stdout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_payload_forms_decode_alike(device):
+    # a payload as received from the network (read-only bytes view), as bytes, or a tensor
+    import warnings
+    x = gradients(300, np.float32, 1)[0]
+    chain = build_chain({"compressor": "topk", "k": 9}, 300, np.float32, device=device)
+    payload = chain.compress(torch.from_numpy(x).to(device))
+    raw = host_array(payload).tobytes()
+    want = chain.decompress(payload).cpu().numpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for form in (raw, np.frombuffer(raw, np.uint8), bytearray(raw), payload.cpu()):
+            np.testing.assert_array_equal(chain.decompress(form).cpu().numpy(), want)

@@ -122,13 +122,11 @@ class DeviceCodec:
             if payload.dtype != torch.uint8:
                 raise TypeError(f"{self._where()}: payload must be a uint8 tensor, got {payload.dtype}")
             buf = payload.reshape(-1).to(self.device)
-        elif isinstance(payload, np.ndarray):
-            buf = torch.from_numpy(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
-            buf = buf.to(self.device)
-        elif isinstance(payload, (bytes, bytearray, memoryview)):
-            arr = np.frombuffer(payload, np.uint8)
-            buf = torch.from_numpy(arr.copy()).to(self.device) if arr.size else \
-                torch.empty(0, dtype=torch.uint8, device=self.device)
+        elif isinstance(payload, (np.ndarray, bytes, bytearray, memoryview)):
+            arr = np.ascontiguousarray(host_array(payload))
+            if not arr.flags.writeable:  # torch refuses to alias read-only memory (a warning)
+                arr = arr.copy()
+            buf = torch.from_numpy(arr).to(self.device)
         else:
             raise TypeError(f"{self._where()}: payload must be a uint8 tensor, numpy array or "
                             f"bytes, got {type(payload).__name__}")

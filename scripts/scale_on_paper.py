@@ -33,7 +33,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from bps_gc import compress  # noqa: E402
 from bps_gc.bindings.gossip import codec_for, gossip_params, pack  # noqa: E402
-from bps_gc.bindings.topology import ring_edges, torus_edges  # noqa: E402
+from bps_gc.bindings.topology import Topology, ring_edges, torus_edges  # noqa: E402
 from bps_gc.config import Config  # noqa: E402
 from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
 from bps_gc.roles.worker_io import Push, fusable, fusion_buckets  # noqa: E402
@@ -351,7 +351,21 @@ def gossip_counts(design, hosts, local, shapes, params, sizes):
             out[j // local] += 1
     busiest = int(out.max())
     return {"out": float(busiest * message), "in": float(busiest * message), "msgs": 2 * busiest,
-            "message": message, "reply": ["held" if variable(params) else "exact"]}
+            "message": message, "reply": ["held" if variable(params) else "exact"],
+            "spectral_gap": spectral_gap(design, n)}
+
+
+_gaps = {}
+
+
+def spectral_gap(design, n, largest=1024):
+    """The graph's consensus rate (Topology.spectral_gap; its n x n eigenproblem: n <= largest)."""
+    if n > largest:
+        return None
+    if (design, n) not in _gaps:
+        edges = ring_edges(n) if design == "gossip-ring" else torus_edges(n)
+        _gaps[design, n] = Topology(n, edges).spectral_gap()
+    return _gaps[design, n]
 
 
 def reducers_of(params):
@@ -472,6 +486,10 @@ def markdown(rows, hosts, designs):
                 r = per.get(h)
                 cells.append("-" if r is None else cell(r) + server_cell(r))
             lines.append(f"| {codec} | {reducer} | " + " | ".join(cells) + " |")
+        gaps = {r["hosts"]: r.get("spectral_gap") for r in sub}
+        if any(g is not None for g in gaps.values()):
+            lines.append("| (spectral gap of the graph) | | " + " | ".join(
+                "-" if gaps.get(h) is None else f"{gaps[h]:.2e}" for h in hosts) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -444,7 +444,8 @@ def summary(rows, hosts, picks, gbit=25):
                 r = per[h]
                 busiest = max(r["out"], r["in"], r.get("server_in", 0), r.get("server_out", 0))
                 cells.append(f"{busiest / 1e6:,.0f} ({busiest * 8 / (gbit * 1e9) * 1e3:,.0f})")
-            lines.append(f"| {design} | {codec}{'' if reducer == 'sum' else ' ' + reducer} | "
+            shown = "" if reducer == "sum" else " (Q)" if design.startswith("gossip") else f" ({reducer})"
+            lines.append(f"| {design} | {codec}{shown} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)
 

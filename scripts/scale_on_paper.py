@@ -8,9 +8,9 @@ Designs (docs/scale.md says what each models):
   ps-colocated-flat / ps-separate-flat: today's parameter server, every rank pushes its copy;
     co-located: 2 servers per worker host (BytePS's recipe: 16 servers, 8 hosts), server s on
     host s % H; separate: H servers on machines of their own.
-  ps-colocated-2level / ps-separate-2level: issue 25 item 2 (not built yet: modelled from the
-    issue's text): the host's ranks reduce-scatter in shared memory, each partition's owner
-    (greedy by bytes over the L local ranks) compresses the host's sum once and pushes it.
+  ps-colocated-2level / ps-separate-2level: issue 25 item 2 (being built on another branch:
+    modelled here): the host's ranks reduce-scatter in shared memory, each partition's owner
+    ((tensor index + partition index) mod L) compresses the host's sum once and pushes it.
   ring-flat / ring-2level: torch.distributed (gloo/NCCL ring) over N = H*L ranks, or within the
     host then L rings of H hosts; codecs go as the collective transport carries them (all_gather
     of payloads, majority and PowerSGD as all_reduce), in BPS_GC_BUCKET_BYTES buckets.
@@ -34,11 +34,14 @@ if ROOT not in sys.path:
 from bps_gc import compress  # noqa: E402
 from bps_gc.bindings.gossip import codec_for, gossip_params, pack  # noqa: E402
 from bps_gc.bindings.topology import Topology, ring_edges, torus_edges  # noqa: E402
-from bps_gc.config import Config  # noqa: E402
+from bps_gc.config import Config, ConfigError  # noqa: E402
 from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
 from bps_gc.roles.worker_io import Push, fusable, fusion_buckets  # noqa: E402
 from bps_gc.roles.worker_tensors import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
 from bps_gc.transport.wire import HEADER, encode_context, pack_fused  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale_on_paper_report import markdown, nic_ms, plot, print_table, summary  # noqa: E402
 
 SHAPES_FILE = os.path.join(ROOT, "tests", "data", "resnet50_shapes.json")
 MODEL = "resnet50_v1b"
@@ -185,14 +188,11 @@ def plan(shapes, params, reducer, num_servers, cfg):
     return list(tensors.values())
 
 
-def owners(parts, local):
-    """Two-level model: the local rank owning each partition, greedy by bytes (assumption)."""
-    load, out = [0] * local, []
-    for part in parts:
-        rank = min(range(local), key=lambda r: (load[r], r))
-        load[rank] += part.n
-        out.append(rank)
-    return out
+def owner(tensor, part, local):
+    """Two-level model: the local rank that pushes ``part`` for its host, by the rule of the
+    two-level branch (docs/local_ranks.md there: partition p of the tensor declared i-th is
+    owned by local rank (i + p) mod local_size); not merged here yet, hence restated."""
+    return (tensor.index + (part.key & 0xFFFF)) % local
 
 
 def messages(tensors, sizes, scale, pushes, cfg, local=1):
@@ -202,12 +202,11 @@ def messages(tensors, sizes, scale, pushes, cfg, local=1):
     partition is pushed once, by its owner, whose pushes fuse among themselves.
     Returns numpy arrays (server, push bytes, reply bytes) per message and the reply kinds."""
     parts = [(t, p) for t in tensors if phases(t) == 1 for p in t.partitions]
-    owner = owners([p for _, p in parts], local)
     out, how = [], set()
     for rank in range(local):
         alone, fused, reply_of = [], [], {}
-        for (tensor, part), o in zip(parts, owner):
-            if o != rank:
+        for tensor, part in parts:
+            if owner(tensor, part, local) != rank:
                 continue
             if tensor.compressed:
                 nbytes = sizes.push(tensor.params.to_dict(), part.n, tensor.shape, scale)
@@ -238,10 +237,13 @@ def messages(tensors, sizes, scale, pushes, cfg, local=1):
     return arr[:, 0], arr[:, 1], arr[:, 2], how
 
 
-def ps_counts(design, hosts, local, tensors_for, sizes, cfg):
-    """Per-round NIC counts of a parameter-server design on ``hosts`` x ``local`` ranks."""
+def ps_counts(design, hosts, local, tensors_for, sizes, cfg, servers_per_host=(2, 1)):
+    """Per-round NIC counts of a parameter-server design on ``hosts`` x ``local`` ranks;
+    ``servers_per_host``: (co-located servers on each worker host, separate server machines
+    per worker host)."""
     colocated, two_level = "colocated" in design, design.endswith("2level")
-    num_servers = 2 * hosts if colocated else hosts
+    per_host = servers_per_host[0] if colocated else servers_per_host[1]
+    num_servers = max(1, round(per_host * hosts))
     copies = 1 if two_level else local  # pushes per partition per host
     pushes = hosts * copies  # pushes a server sums per partition
     scale = GRADIENT_STD * math.sqrt(local) if two_level else GRADIENT_STD  # a host's sum
@@ -377,7 +379,7 @@ def reducers_of(params):
 
 
 def count_all(hosts=HOSTS, local=LOCAL, codecs=CODECS, designs=PS_DESIGNS + RING_DESIGNS + GOSSIP_DESIGNS,
-              shapes=None, sizes=None, cfg=None):
+              shapes=None, sizes=None, cfg=None, servers_per_host=(2, 1)):
     """Every (design, codec, reducer, hosts) row as a dict of per-round counts (bytes)."""
     shapes = load_shapes() if shapes is None else shapes
     sizes, cfg = sizes or Sizes(), cfg or worker_settings()
@@ -400,7 +402,8 @@ def count_all(hosts=HOSTS, local=LOCAL, codecs=CODECS, designs=PS_DESIGNS + RING
                     continue  # the collective gathers payloads: each rank reduces them itself
                 for h in hosts:
                     if design.startswith("ps"):
-                        counts = ps_counts(design, h, local, tensors_for(params, reducer), sizes, cfg)
+                        counts = ps_counts(design, h, local, tensors_for(params, reducer), sizes, cfg,
+                                           servers_per_host)
                     elif design.startswith("ring"):
                         counts = ring_counts(design, h, local, tensors_for(params, reducer)(1), sizes, cfg)
                     else:
@@ -411,139 +414,44 @@ def count_all(hosts=HOSTS, local=LOCAL, codecs=CODECS, designs=PS_DESIGNS + RING
     return rows
 
 
-def nic_ms(row, gbit):
-    """Milliseconds the busiest host's NIC needs for the round at line rate (full duplex)."""
-    return max(row["out"], row["in"]) * 8 / (gbit * 1e9) * 1e3
-
-
-def cell(row):
-    mark = {"bound": "<=", "held": "~"}.get(next((k for k in ("bound", "held") if k in row["reply"]), ""), "")
-    return f"{mark}{row['out'] / 1e6:.1f}/{row['in'] / 1e6:.1f} MB, {row['msgs']:,} msg"
-
-
-def server_cell(row):
-    if "server_in" not in row:
-        return ""
-    return (f"; srv {row['server_in'] / 1e6:,.0f}/{row['server_out'] / 1e6:,.0f} MB, "
-            f"{row['server_fan_in']:,} in")
-
-
-def summary(rows, hosts, picks, gbit=25):
-    """docs/scale.md's first table: per design and codec, the busiest NIC's MB per round
-    (max of in and out, worker host or PS server) and its milliseconds at ``gbit``."""
-    lines = [f"| design | codec | " + " | ".join(f"H={h}" for h in hosts) + " |",
-             "|---|---|" + "---|" * len(hosts)]
-    for design in dict.fromkeys(r["design"] for r in rows):
-        for codec, reducer in picks:
-            per = {r["hosts"]: r for r in rows if r["design"] == design and r["codec"] == codec
-                   and r["reducer"] in (reducer, "Q")}
-            if not per:
-                continue
-            cells = []
-            for h in hosts:
-                r = per[h]
-                busiest = max(r["out"], r["in"], r.get("server_in", 0), r.get("server_out", 0))
-                cells.append(f"{busiest / 1e6:,.0f} ({busiest * 8 / (gbit * 1e9) * 1e3:,.0f})")
-            shown = "" if reducer == "sum" else " (Q)" if design.startswith("gossip") else f" ({reducer})"
-            lines.append(f"| {design} | {codec}{shown} | "
-                         + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def print_table(rows, hosts):
-    """One line per design x codec x reducer; per host count: out/in MB and messages at the
-    busiest host (PS: then the busiest server's MB in and its pushes per round)."""
-    by_key = {}
-    for row in rows:
-        by_key.setdefault((row["design"], row["codec"], row["reducer"]), {})[row["hosts"]] = row
-    print(f"{'design':<20} {'codec':<16} {'reducer':<10} " + " | ".join(f"H={h}" for h in hosts))
-    for (design, codec, reducer), per in by_key.items():
-        cells = []
-        for h in hosts:
-            row = per.get(h)
-            if row is None:
-                cells.append("-")
-                continue
-            cells.append(cell(row) + server_cell(row))
-        print(f"{design:<20} {codec:<16} {reducer:<10} " + " | ".join(cells))
-
-
-def markdown(rows, hosts, designs):
-    """docs/scale.md's tables: per design, rows codec x reducer, columns host counts."""
-    lines = []
-    for design in designs:
-        sub = [r for r in rows if r["design"] == design]
-        if not sub:
-            continue
-        lines += [f"**{design}** (busiest host, per round: NIC MB out/in, messages in + out"
-                  + ("; busiest server: NIC MB in/out, pushes in" if design.startswith("ps") else "") + ")", "",
-                  "| codec | reducer | " + " | ".join(f"H={h} (N={h * sub[0]['local']})" for h in hosts) + " |",
-                  "|---|---|" + "---|" * len(hosts)]
-        keys = list(dict.fromkeys((r["codec"], r["reducer"]) for r in sub))
-        for codec, reducer in keys:
-            per = {r["hosts"]: r for r in sub if (r["codec"], r["reducer"]) == (codec, reducer)}
-            cells = []
-            for h in hosts:
-                r = per.get(h)
-                cells.append("-" if r is None else cell(r) + server_cell(r))
-            lines.append(f"| {codec} | {reducer} | " + " | ".join(cells) + " |")
-        gaps = {r["hosts"]: r.get("spectral_gap") for r in sub}
-        if any(g is not None for g in gaps.values()):
-            lines.append("| (spectral gap of the graph) | | " + " | ".join(
-                "-" if gaps.get(h) is None else f"{gaps[h]:.2e}" for h in hosts) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def plot(rows, path, codec_rows=(("dense", "sum"),)):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    codec_rows = [(c, red) for c, red in codec_rows if any(r["codec"] == c for r in rows)]
-    fig, axes = plt.subplots(1, len(codec_rows), figsize=(6.5 * len(codec_rows), 4.8), squeeze=False)
-    for ax, (codec, reducer) in zip(axes[0], codec_rows):
-        for design in dict.fromkeys(r["design"] for r in rows):
-            pts = sorted((r["hosts"], max(r["out"], r["in"]) / 1e6) for r in rows
-                         if r["design"] == design and r["codec"] == codec
-                         and (r["reducer"] == reducer or design.startswith("gossip")))
-            if pts:
-                line, = ax.plot(*zip(*pts), marker="o", label=design)
-            srv = sorted((r["hosts"], max(r["server_in"], r["server_out"]) / 1e6) for r in rows
-                         if r["design"] == design and r["codec"] == codec and r["reducer"] == reducer
-                         and "server_in" in r)
-            if srv:
-                ax.plot(*zip(*srv), ls="--", marker=".", color=line.get_color(), label=f"{design}: server")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(f"hosts (x{rows[0]['local']} ranks)")
-        ax.set_ylabel("MB per round through the busiest NIC (max of in, out)")
-        ax.set_title(f"ResNet-50, {codec}" + (f" ({reducer})" if reducer != "sum" else ""))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", default=",".join(map(str, HOSTS)))
     p.add_argument("--local", type=int, default=LOCAL, help="ranks per host")
+    p.add_argument("--colocated-servers", type=int, default=2,
+                   help="servers on each worker host (BytePS's recipe: 16 for 8 hosts)")
+    p.add_argument("--separate-servers", type=float, default=1.0,
+                   help="server machines per worker host for the separate designs")
     p.add_argument("--codecs", default=None, help="comma-separated subset of: " + ", ".join(CODECS))
     p.add_argument("--json", default=os.path.join("out", "scale_on_paper.json"))
     p.add_argument("--png", default=os.path.join("docs", "img", "scale_bytes.png"))
     p.add_argument("--markdown", action="store_true", help="also print docs/scale.md's tables")
     args = p.parse_args()
-    hosts = [int(h) for h in args.hosts.split(",")]
+    try:
+        hosts = [int(h) for h in args.hosts.split(",")]
+    except ValueError:
+        p.error(f"--hosts {args.hosts!r}: expected comma-separated host counts, e.g. 8,64")
+    unknown = [c for c in (args.codecs or "").split(",") if c and c not in CODECS]
+    if unknown or min(hosts) < 1 or args.local < 1:
+        p.error(f"unknown codec(s) {unknown} (known: {', '.join(CODECS)})" if unknown
+                else "--hosts and --local must be positive")
+    if args.colocated_servers < 1 or args.separate_servers <= 0:
+        p.error("--colocated-servers must be >= 1 and --separate-servers > 0")
     codecs = CODECS if not args.codecs else {c: CODECS[c] for c in args.codecs.split(",")}
-    cfg, shapes = worker_settings(), load_shapes()
+    try:
+        cfg = worker_settings()
+    except ConfigError as e:
+        p.error(str(e))
+    shapes = load_shapes()
     print(f"{MODEL}: {len(shapes)} tensors, {sum(int(np.prod(s)) for s in shapes) * 4 / 1e6:.1f} MB float32; "
           f"BYTEPS_PARTITION_BYTES {cfg.partition_bytes:,}, dense partitions "
           f"{dense_partition_bytes(cfg, MULTI_HOST_BOOK):,}, BYTEPS_MIN_COMPRESS_BYTES {cfg.min_compress_bytes:,}, "
           f"BPS_GC_FUSION_BYTES {cfg.fusion_bytes:,}, BPS_GC_BUCKET_BYTES {cfg.bucket_bytes:,}; "
           f"headers: push {PUSH_HEADER} B, reply/peer {REPLY_HEADER} B")
-    rows = count_all(hosts, args.local, codecs, shapes=shapes, cfg=cfg)
+    print(f"servers: {args.colocated_servers} per worker host co-located (server s on host s % H), "
+          f"{args.separate_servers:g} machine(s) per worker host separate; {args.local} ranks per host")
+    rows = count_all(hosts, args.local, codecs, shapes=shapes, cfg=cfg,
+                     servers_per_host=(args.colocated_servers, args.separate_servers))
     for row in rows:
         row["ms_100g"], row["ms_25g"] = nic_ms(row, 100), nic_ms(row, 25)
     print_table(rows, hosts)
@@ -553,7 +461,13 @@ def main():
                        PS_DESIGNS + RING_DESIGNS + GOSSIP_DESIGNS))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"model": MODEL, "local": args.local, "hosts": hosts, "rows": rows}, f, indent=1)
+        json.dump({"model": MODEL, "local": args.local, "hosts": hosts, "settings": {
+            "partition_bytes": cfg.partition_bytes, "min_compress_bytes": cfg.min_compress_bytes,
+            "dense_partition_bytes": dense_partition_bytes(cfg, MULTI_HOST_BOOK),
+            "fusion_bytes": cfg.fusion_bytes, "bucket_bytes": cfg.bucket_bytes,
+            "colocated_servers_per_host": args.colocated_servers,
+            "separate_servers_per_host": args.separate_servers, "gradient_std": GRADIENT_STD,
+            "measured_pushes": MEASURED_PUSHES}, "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
     if args.png:
         plot(rows, args.png, [("dense", "sum"), ("topk 0.1%", "recompress"), ("onebit+scaling", "recompress")])

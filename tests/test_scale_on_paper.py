@@ -90,8 +90,9 @@ def test_fusion_counts_one_message_per_server():
     assert row["out"] == L * (fused_push + 2 * PUSH_HEADER + 4 * 300_000)
     assert row["in"] == L * (fused_reply + 2 * HEADER + 4 * 300_000)
     assert row["msgs"] == L * 2 * 3
-    # two-level: the owners (greedy by elements: 10, 7 and the 256,000 to rank 0; 60 and the
-    # 44,000 to rank 1) fuse only their own small pushes
+    # two-level: partition p of tensor i is pushed by local rank (i + p) mod 2: rank 0 the 10,
+    # the 7 and the 44,000 (tensor 3's second partition), rank 1 the 60 and the 256,000; each
+    # fuses only its own small pushes
     (row,) = count("ps-separate-2level", 1, shapes, cfg=settings())
     assert row["out"] == (PUSH_HEADER + 4 + 24 * 2 + 4 * 17) + 3 * PUSH_HEADER + 4 * (60 + 300_000)
     assert row["msgs"] == 2 * 4

@@ -6,8 +6,8 @@ and wire headers.
 
 Designs (docs/scale.md says what each models):
   ps-colocated-flat / ps-separate-flat: today's parameter server, every rank pushes its copy;
-    co-located: 2 servers per worker host (BytePS's recipe: 16 servers, 8 hosts), server s on
-    host s % H; separate: H servers on machines of their own.
+    co-located: --colocated-servers (2) per worker host (BytePS's recipe: 16 servers, 8 hosts),
+    server s on host s % H; separate: --separate-servers (1) machines per worker host.
   ps-colocated-2level / ps-separate-2level: issue 25 item 2 (being built on another branch:
     modelled here): the host's ranks reduce-scatter in shared memory, each partition's owner
     ((tensor index + partition index) mod L) compresses the host's sum once and pushes it.
@@ -18,7 +18,8 @@ Designs (docs/scale.md says what each models):
     per neighbour per round, ranks host-major on the graph.
 
     PYTHONPATH=$PWD python scripts/scale_on_paper.py [--hosts 8,16,...] [--local 8]
-        [--json out/scale_on_paper.json] [--png docs/img/scale_bytes.png] [--markdown]
+        [--codecs dense,...] [--json out/scale_on_paper.json] [--png docs/img/scale_bytes.png]
+        [--markdown]    (BYTEPS_PARTITION_BYTES, BPS_GC_*_BYTES are read as a worker reads them)
 """
 import argparse
 import json

@@ -423,7 +423,7 @@ def main():
                    help="servers on each worker host (BytePS's recipe: 16 for 8 hosts)")
     p.add_argument("--separate-servers", type=float, default=1.0,
                    help="server machines per worker host for the separate designs")
-    p.add_argument("--codecs", default=None, help="comma-separated subset of: " + ", ".join(CODECS))
+    p.add_argument("--codecs", default=None, help="comma-separated subset of: " + ", ".join(CODECS).replace("%", "%%"))
     p.add_argument("--json", default=os.path.join("out", "scale_on_paper.json"))
     p.add_argument("--png", default=os.path.join("docs", "img", "scale_bytes.png"))
     p.add_argument("--markdown", action="store_true", help="also print docs/scale.md's tables")

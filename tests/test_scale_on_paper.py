@@ -154,3 +154,21 @@ def test_collective_gathers_onebit_payloads():
               if r["reducer"] == "recompress"]
     assert row["out"] == pytest.approx(3 * 8 * len(comp) + 3 * payload + 2 * 3 / 4 * dense)
     assert row["msgs"] == 2 * (2 * 3 + 3 + 3)
+
+
+def test_command_line_writes_table_json_and_plot(tmp_path):
+    """The script end to end at 2 hosts, dense: the printed table, the JSON, the PNG."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "scale_on_paper.py"), "--hosts", "2",
+                          "--codecs", "dense", "--json", str(tmp_path / "s.json"), "--png",
+                          str(tmp_path / "s.png"), "--markdown"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.load(open(tmp_path / "s.json"))["rows"]
+    assert {r["design"] for r in rows} == set(paper.PS_DESIGNS + paper.RING_DESIGNS + paper.GOSSIP_DESIGNS)
+    sep = next(r for r in rows if r["design"] == "ps-separate-2level")
+    parts = len(dense_parts(SIZES))
+    assert 0 < sep["out"] - 4 * SIZES.sum() < (PUSH_HEADER + 28) * parts  # headers, fused indexes
+    assert sep["msgs"] < 2 * parts  # small tensors fused: fewer messages than partitions
+    assert "ps-separate-2level" in out.stdout and (tmp_path / "s.png").stat().st_size > 10_000

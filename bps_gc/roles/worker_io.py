@@ -243,12 +243,12 @@ class WorkerIO:
     def send_fused(self):
         """Send every queued fusable push (the priority window), in priority order, one
         message per server, dtype and step context, each of at most fusion_bytes."""
-        fusable = sorted(item for item in self.heap if self.fusable(item[2]))
+        queued = sorted(item for item in self.heap if self.fusable(item[2]))
         self.heap = [item for item in self.heap if not self.fusable(item[2])]
         heapq.heapify(self.heap)
         self.fusable_bytes = 0
         self.fusion_due = None
-        pushes = [push for _, _, push in fusable if not self.refused(push)]
+        pushes = [push for _, _, push in queued if not self.refused(push)]
         for push in pushes:
             self.sent(push)
         for bucket in fusion_buckets(pushes, self.fusion_bytes):

@@ -67,8 +67,12 @@ class Topology:
         return f"Topology({self.name}, {self.size} workers, degrees {[len(n) for n in self._neighbours]})"
 
 
+def ring_edges(size):
+    return [(i, (i + 1) % size) for i in range(size)]
+
+
 def ring(size):
-    return Topology(size, [(i, (i + 1) % size) for i in range(size)], f"ring of {size}")
+    return Topology(size, ring_edges(size), f"ring of {size}")
 
 
 def torus_shape(size):
@@ -81,6 +85,12 @@ def torus(size, shape=None):
     """A 2-D torus: rank r sits at (r // cols, r % cols) and links to its 4 wrap-around
     neighbours. ``shape`` defaults to the squarest factorization (a prime size is a ring)."""
     rows, cols = shape or torus_shape(size)
+    return Topology(size, torus_edges(size, (rows, cols)), f"{rows}x{cols} torus")
+
+
+def torus_edges(size, shape=None):
+    """The torus's edges (without building its size x size mixing matrix)."""
+    rows, cols = shape or torus_shape(size)
     if rows * cols != size:
         raise ValueError(f"torus: shape {rows}x{cols} does not hold {size} workers")
     edges = []
@@ -88,7 +98,7 @@ def torus(size, shape=None):
         y, x = divmod(r, cols)
         edges.append((r, y * cols + (x + 1) % cols))
         edges.append((r, ((y + 1) % rows) * cols + x))
-    return Topology(size, edges, f"{rows}x{cols} torus")
+    return edges
 
 
 def complete(size):

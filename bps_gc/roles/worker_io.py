@@ -38,6 +38,27 @@ FUSABLE_BYTES = 64 * 1024  # larger pushes are sent alone, zero-copy
 FUSION_CYCLE = 0.001  # seconds a fusable push may wait for others to fill its message (Horovod's cycle)
 
 
+def fusable(push, fusion_bytes):
+    """A dense push small enough to share a FUSED message (the rest go alone, zero-copy)."""
+    return not push.compressed and push.dest is not None and push.nbytes <= FUSABLE_BYTES \
+        and push.nbytes < fusion_bytes
+
+
+def fusion_buckets(pushes, fusion_bytes):
+    """The FUSED messages of fusable ``pushes`` (in send order): one per server, dtype and step
+    context, each of at most ``fusion_bytes``; a bucket that would overflow is closed first.
+    Returns the buckets in the order they are sent (scripts/scale_on_paper.py counts them)."""
+    buckets, closed = {}, []  # (server, dtype, context) -> [pushes, their bytes]
+    for push in pushes:
+        bucket = buckets.setdefault((push.part.server, push.dtype, push.context), [[], 0])
+        if bucket[1] + push.nbytes > fusion_bytes:
+            closed.append(bucket[0])
+            bucket[:] = [[], 0]
+        bucket[0].append(push)
+        bucket[1] += push.nbytes
+    return closed + [pushes for pushes, _ in buckets.values()]
+
+
 class Push:
     """One partition of one push_pull, from queueing to reply."""
 
@@ -187,8 +208,7 @@ class WorkerIO:
         return idle_ms
 
     def fusable(self, push):
-        return not push.compressed and push.dest is not None and push.nbytes <= FUSABLE_BYTES \
-            and push.nbytes < self.fusion_bytes
+        return fusable(push, self.fusion_bytes)
 
     def send_ready(self):
         shared = {}  # (server, dtype, context) -> pushes whose data is in shared memory
@@ -223,25 +243,16 @@ class WorkerIO:
     def send_fused(self):
         """Send every queued fusable push (the priority window), in priority order, one
         message per server, dtype and step context, each of at most fusion_bytes."""
-        fusable = sorted(item for item in self.heap if self.fusable(item[2]))
+        queued = sorted(item for item in self.heap if self.fusable(item[2]))
         self.heap = [item for item in self.heap if not self.fusable(item[2])]
         heapq.heapify(self.heap)
         self.fusable_bytes = 0
         self.fusion_due = None
-        buckets = {}  # (server, dtype, context) -> [pushes, their bytes]
-        for _, _, push in fusable:
-            if self.refused(push):
-                continue
-            where = (push.part.server, push.dtype, push.context)
-            bucket = buckets.setdefault(where, [[], 0])
-            if bucket[1] + push.nbytes > self.fusion_bytes:
-                self.send_bucket(bucket[0])
-                bucket[:] = [[], 0]
-            bucket[0].append(push)
-            bucket[1] += push.nbytes
+        pushes = [push for _, _, push in queued if not self.refused(push)]
+        for push in pushes:
             self.sent(push)
-        for pushes, _ in buckets.values():
-            self.send_bucket(pushes)
+        for bucket in fusion_buckets(pushes, self.fusion_bytes):
+            self.send_bucket(bucket)
 
     def prefill(self, push):
         """On the pushing thread: a push that will go alone is copied into its shared slot now."""

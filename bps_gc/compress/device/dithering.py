@@ -1,0 +1,124 @@
+"""dithering on the device: compress/dithering.py's payload (for each nonzero level, Elias-delta
+of the index gap, the sign bit, Elias-delta of the level, MSB first in words of ``W``; then the
+bit count as ``W`` and the scale as float32).
+
+Encoding runs on the device: levels and their probabilities per element as the numpy kernel
+computes them, one draw per element from the device's generator (float64 uniforms: unbiased to
+2^-53), then the codes of the nonzero levels are placed at their bit offsets (a prefix sum of
+their lengths) in one pass. The draws need no agreement between ranks, so the payload has the
+numpy chain's format and distribution, not its bytes; where no element is random (every level
+an integer) it is the numpy chain's byte for byte.
+
+Decoding runs on the host: the stream is a chain of variable-length codes, each one's start
+known only once the one before is read, so the payload (not the tensor) goes to the host and
+the numpy kernel decodes it; the decoded partition is copied to the device.
+"""
+import math
+
+import numpy as np
+import torch
+
+from ..dithering import Dithering
+from .base import DeviceCodec, host_array
+from .quantize import device_generator
+from .registry import register_device_compressor
+
+
+def elias_delta(v):
+    """(code, length) of Elias-delta(v) for int64 v >= 1 (below 2^53): L zeros, then
+    N = bit_length(v) in L + 1 bits, then v's low N - 1 bits, i.e. (N-1) 2^(N-1) + v in
+    2L + N bits (kernels/bitstream.h)."""
+    big_n = torch.frexp(v.to(torch.float64)).exponent.to(torch.int64)  # bit_length(v)
+    big_l = torch.frexp(big_n.to(torch.float64)).exponent.to(torch.int64) - 1
+    return ((big_n - 1) << (big_n - 1)) + v, 2 * big_l + big_n
+
+
+def write_bits(codes, lengths):
+    """The codes (int64, each at most 56 bits) one after another, MSB first, as 64-bit chunks
+    (int64 bit patterns) and the total bit count (an int). The bits of different codes are
+    disjoint, so adding them into the chunks is OR-ing."""
+    ends = torch.cumsum(lengths, 0)
+    total = int(ends[-1]) if ends.numel() else 0
+    chunks = torch.zeros(total // 64 + 2, dtype=torch.int64, device=codes.device)
+    if not total:
+        return chunks[:0], 0
+    starts = ends - lengths
+    chunk, over = starts >> 6, (starts & 63) + lengths - 64  # over > 0: runs into chunk + 1
+    head = torch.where(over <= 0, codes << (-over).clamp_min(0), codes >> over.clamp_min(0))
+    tail = torch.where(over > 0, codes << (64 - over).clamp(0, 63), torch.zeros_like(codes))
+    chunks.index_add_(0, chunk, head)
+    chunks.index_add_(0, chunk + 1, tail)
+    return chunks[: -(-total // 64)], total
+
+
+@register_device_compressor("dithering")
+class DeviceDithering(DeviceCodec):
+    """Linear (``s`` levels) or natural (powers of two up to 2^(s-1)) stochastic levels of
+    |x| / S, S the max or the l2 norm; see the module doc for where each part runs."""
+
+    def __init__(self, params, n, dtype, seed, device, **extra):
+        super().__init__(params, n, dtype, seed, device)
+        self.s = int(params.k)
+        self.natural = params.partition == "natural"
+        self.level = float(2 ** (self.s - 1) if self.natural else self.s)
+        self.l2 = params.normalize == "l2"
+        self.word_bits = 64 if self.dtype == np.float64 else 32  # float16: 32-bit words
+        self.generator = device_generator(seed, self.device)
+        self.host = Dithering(params, n, dtype, seed)  # decodes (its generator is never used)
+
+    def compress(self, x, ctx=None):
+        x = self._input(x)
+        x = x if self.dtype == np.float64 else x.to(torch.float32)  # the f32 kernel's input
+        scale = float(((x * x).to(torch.float64).sum().sqrt() if self.l2
+                       else x.abs().max().to(torch.float64)))
+        if not math.isfinite(scale):
+            return self._nonfinite_payload()
+        if scale == 0:
+            return self._payload_of(torch.zeros(0, dtype=torch.int64, device=self.device), 0, 0.0)
+        draws = torch.rand(self.n, dtype=torch.float64, device=self.device, generator=self.generator)
+        u = x.abs().to(torch.float64) / scale * self.level
+        if self.natural:  # between the powers of two fl and 2 fl (0 and 1 below 1)
+            ceil = u.ceil()
+            floor = torch.where(ceil > 1, torch.exp2(torch.frexp(ceil - 1).exponent - 1.0),
+                                torch.zeros_like(u))
+            width = torch.where(floor > 0, floor, torch.ones_like(u))
+            levels = floor + width * (draws < (u - floor) / width)
+        else:  # the kernel rounds u to float32 first
+            u = u.to(torch.float32)
+            floor = u.floor()
+            levels = floor.to(torch.float64) + (draws < (u - floor).to(torch.float64))
+        levels = levels.to(torch.int64)
+        idx = levels.nonzero().reshape(-1)
+        if not idx.numel():
+            return self._payload_of(torch.zeros(0, dtype=torch.int64, device=self.device), 0, scale)
+        gap_code, gap_len = elias_delta(torch.diff(idx, prepend=idx.new_full((1,), -1)))
+        level_code, level_len = elias_delta(levels[idx])
+        sign = torch.signbit(x[idx]).to(torch.int64)
+        codes = torch.stack([gap_code, sign << level_len | level_code], 1).reshape(-1)
+        lengths = torch.stack([gap_len, level_len + 1], 1).reshape(-1)
+        chunks, total = write_bits(codes, lengths)
+        return self._payload_of(chunks, total, scale)
+
+    def _payload_of(self, chunks, total, scale):
+        """The words of the stream (``chunks``: 64-bit, MSB first), the bit count as a word and
+        the float32 scale, as a uint8 tensor."""
+        if self.word_bits == 32:
+            halves = torch.stack([(chunks >> 32) & 0xFFFFFFFF, chunks & 0xFFFFFFFF], 1).reshape(-1)
+            words = halves[: -(-total // 32)]
+            words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+            count = torch.tensor([total], dtype=torch.int32)
+        else:
+            words, count = chunks, torch.tensor([total], dtype=torch.int64)
+        tail = torch.cat([count.view(torch.uint8),
+                          torch.tensor([scale], dtype=torch.float32).view(torch.uint8)])
+        return torch.cat([words.view(torch.uint8), tail.to(self.device)])
+
+    def _nonfinite_payload(self):
+        # the numpy codec's: one entry (index 0, level 1) and a NaN scale
+        return torch.from_numpy(self.host._nonfinite_payload()).to(self.device)
+
+    def decompress(self, payload, out=None):
+        decoded = self.host.decompress(host_array(payload))
+        out = self._output(out)
+        out.copy_(torch.from_numpy(decoded))
+        return out

@@ -84,7 +84,9 @@ class DevicePowerSGD(DeviceCodec):
         self.error = torch.where(torch.isfinite(error).all(), error, torch.zeros_like(error))
         out = self._output(out)
         out.copy_(approx)
-        self.q = q
+        # the warm start only from a finite sum: one NaN step must not stop every later one
+        # (the numpy chain keeps a NaN Q, so its later steps all come out NaN)
+        self.q = torch.where(torch.isfinite(q).all(), q, self.q)
         return out
 
     def decompress(self, payload, out=None):

@@ -222,6 +222,37 @@ def test_dithering_bytes_equal_where_nothing_is_random(device, dtype, params):
     assert host_array(zeros).tobytes() == host.compress(np.zeros(n, dtype)).tobytes()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dithering_device_decoder_accepts_and_rejects_what_numpy_does(device, dtype):
+    # corrupted payloads (flipped bits, cut short, random bytes): the device decoder raises
+    # exactly where the numpy kernel does, and decodes the rest to the same values
+    n, rng = 200, np.random.default_rng(8)
+    params = {"compressor": "dithering", "k": 6, "partition": "natural"}
+    host, dev = chains(params, n, dtype, device)
+    outcomes = set()
+    for case in range(120):
+        payload = host.compress((rng.standard_normal(n) * (rng.random(n) < 0.3)).astype(dtype)).copy()
+        if case % 3 == 0:
+            payload[rng.integers(0, payload.size - 4)] ^= np.uint8(1 << rng.integers(0, 8))
+        elif case % 3 == 1:
+            payload = payload[: rng.integers(0, payload.size)]
+        else:
+            payload = rng.integers(0, 256, payload.size).astype(np.uint8)
+        try:
+            want = host.decompress(payload)
+        except ValueError:
+            want = None
+        if want is None:
+            with pytest.raises(ValueError, match="dithering"):
+                dev.decompress(torch.from_numpy(payload).to(device))
+        else:
+            got = dev.decompress(torch.from_numpy(payload).to(device)).cpu().numpy()
+            np.testing.assert_array_equal(got, want)
+        outcomes.add(want is None)
+    assert outcomes == {True, False}
+
+
 # ---------------------------------------------------------------- DGC
 
 DGC = [{"compressor": "dgc", "k": 0.01, "mu": 0.9},

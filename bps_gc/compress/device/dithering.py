@@ -9,9 +9,8 @@ their lengths) in one pass. The draws need no agreement between ranks, so the pa
 numpy chain's format and distribution, not its bytes; where no element is random (every level
 an integer) it is the numpy chain's byte for byte.
 
-Decoding runs on the host: the stream is a chain of variable-length codes, each one's start
-known only once the one before is read, so the payload (not the tensor) goes to the host and
-the numpy kernel decodes it; the decoded partition is copied to the device.
+Decoding runs on the device too, although the stream is a chain of variable-length codes
+whose starts are known only one after another: see ``parse_stream``.
 """
 import math
 
@@ -76,7 +75,7 @@ class DeviceDithering(DeviceCodec):
         if scale == 0:
             return self._payload_of(torch.zeros(0, dtype=torch.int64, device=self.device), 0, 0.0)
         draws = torch.rand(self.n, dtype=torch.float64, device=self.device, generator=self.generator)
-        u = x.abs().to(torch.float64) / scale * self.level
+        u = x.abs().to(torch.float64) / torch.full((), scale, dtype=torch.float64, device=self.device) * self.level
         if self.natural:  # between the powers of two fl and 2 fl (0 and 1 below 1)
             ceil = u.ceil()
             floor = torch.where(ceil > 1, torch.exp2(torch.frexp(ceil - 1).exponent - 1.0),
@@ -118,7 +117,81 @@ class DeviceDithering(DeviceCodec):
         return torch.from_numpy(self.host._nonfinite_payload()).to(self.device)
 
     def decompress(self, payload, out=None):
-        decoded = self.host.decompress(host_array(payload))
+        buf = self._payload(payload)
+        wb = self.word_bits // 8
+        if buf.numel() < wb + 4 or (buf.numel() - 4) % wb:
+            raise ValueError(f"dithering: truncated payload ({buf.numel()} bytes)")
+        nwords = (buf.numel() - 4) // wb - 1
+        stream = buf[: nwords * wb]
+        total = int(buf[nwords * wb: (nwords + 1) * wb].contiguous().view(
+            torch.int32 if wb == 4 else torch.int64)[0])
+        if not 0 <= total <= nwords * self.word_bits:
+            raise ValueError("dithering: truncated payload (bit count past its words)")
+        scale = buf[-4:].contiguous().view(torch.float32)
+        idx, levels, negative = parse_stream(stream, wb, total, self.n)
+        # a divisor on the device: CUDA multiplies by the reciprocal of a host scalar instead
+        levels_f32 = torch.full((), self.level, dtype=torch.float32, device=self.device)
+        values = (levels.to(torch.float32) * scale) / levels_f32
         out = self._output(out)
-        out.copy_(torch.from_numpy(decoded))
+        out.zero_()
+        out[idx] = torch.where(negative, -values, values).to(out.dtype)
         return out
+
+
+def parse_stream(stream, word_bytes, total, n):
+    """(indices, levels, negative) of the (gap, sign, level) triples in the first ``total``
+    bits of ``stream`` (uint8 words of ``word_bytes``, each MSB first), on its device.
+
+    The triples are variable-length codes, so where each starts is known only from the one
+    before. Every bit position is parsed as if a triple started there (its length from a
+    64-bit window), which gives ``next[p]``; the starts are then the positions reachable from
+    0, marked by pointer doubling in log2(total) rounds. Malformed streams raise ValueError, as
+    the numpy kernel's checks do (at most 5 leading zeros, a gap code within the kernel's
+    57-bit window, the last triple ending at the bit count, indices below n)."""
+    device = stream.device
+    if total == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty, empty.bool()
+    be = stream.view(-1, word_bytes).flip(1).reshape(-1).to(torch.int64)  # big-endian bytes
+    be = torch.nn.functional.pad(be, (0, 16))
+    pos = torch.arange(total, device=device)
+    byte, off = pos >> 3, pos & 7
+    head = torch.zeros_like(pos)
+    for b in range(8):
+        head |= be[byte + b] << (56 - 8 * b)
+    window = head << off | be[byte + 8] >> (8 - off)  # the 64 bits from each position
+    top6 = (window >> 58) & 63
+    zeros = torch.where(top6 > 0, 5 - torch.frexp(top6.to(torch.float64)).exponent.to(torch.int64) + 1,
+                        torch.full_like(top6, 6))  # leading zeros, 6 meaning "more than 5"
+    big_l = zeros.clamp_max(5)
+    big_n = (window >> (63 - 2 * big_l)) & ((2 << big_l) - 1)
+    length = 2 * big_l + big_n
+    valid = (zeros <= 5) & (length <= 57)
+    low_bits = (big_n - 1).clamp(0, 56)
+    value = (1 << low_bits) | (window >> (64 - length).clamp(0, 63)) & ((1 << low_bits) - 1)
+    # a triple at p: the gap's code (within 57 - p % 8 bits), the sign, the level's code
+    gap_ok = valid & (length + off <= 57)
+    sign_at = (pos + length).clamp_max(total - 1)
+    level_at = (pos + length + 1).clamp_max(total - 1)
+    level_len = length[level_at]
+    triple = length + 1 + level_len
+    ok = gap_ok & valid[level_at] & (level_len <= 56) & (pos + length + 1 < total)
+    end, error = total, total + 1  # absorbing: the stream's end, and a malformed code
+    nxt = torch.where(ok, pos + triple, torch.full_like(pos, error)).clamp_max(error)
+    nxt = torch.cat([nxt, torch.tensor([end, error], device=device)])
+    reached = torch.zeros(total + 2, dtype=torch.bool, device=device)
+    reached[0] = True
+    for _ in range(max(1, int(total + 2).bit_length())):
+        hits = torch.zeros(total + 2, dtype=torch.int32, device=device)
+        hits.index_add_(0, nxt, reached.to(torch.int32))
+        reached |= hits > 0
+        nxt = nxt[nxt]
+    if bool(reached[error]) or not bool(reached[end]):
+        raise ValueError("dithering: malformed bit stream")
+    starts = reached[:total].nonzero().reshape(-1)
+    gaps = value[starts]
+    idx = torch.cumsum(gaps, 0) - 1
+    if bool(idx[-1] >= n):
+        raise ValueError("dithering: index out of range")
+    negative = ((window[sign_at[starts]] >> 63) & 1).bool()
+    return idx, value[level_at[starts]], negative

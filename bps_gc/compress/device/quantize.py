@@ -163,6 +163,7 @@ class DeviceQSGD(DeviceStochasticQuantizer):
         bad = (codes > (self.levels << 1 | 1)).any()
         if used & 7:
             bad = bad | ((body[-1] >> (used & 7)) != 0)
-        scale = (norm.to(torch.float64) / (self.levels * self.tau)).to(torch.float32)
+        divisor = torch.full((), self.levels * self.tau, dtype=torch.float64, device=self.device)
+        scale = (norm.to(torch.float64) / divisor).to(torch.float32)  # not by a reciprocal
         values = (codes >> 1).to(torch.float32) * scale
         return self._finish_decode(out, torch.where((codes & 1).bool(), -values, values), bad)

@@ -18,25 +18,22 @@ from .._native import lib, ptr
 from ..chain import mixed_state
 from ..context import step_context
 from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, sampling_plan, warmup_density
-from .base import DeviceCodec
-from .randomk import pack_records, unpack_records
 from .registry import register_device_compressor
+from .sparse import magnitude_keys
+from .threshold import DeviceSortedSparse
 
 ABS_BITS = 0x7FFFFFFF  # |x| of a float32 as its bits: the sign bit cleared
 
 
 @register_device_compressor("dgc")
-class DeviceDGC(DeviceCodec):
+class DeviceDGC(DeviceSortedSparse):
     owns_momentum = True  # as the numpy codec: build_chain adds no momentum decorator
     reducers = ("lossless",)
 
     def __init__(self, params, n, dtype, seed, device, **extra):
-        super().__init__(params, n, dtype, seed, device)
-        if self.dtype not in (np.float32, np.float16):
-            raise TypeError(f"dgc: float32 or float16 partitions only, got {self.dtype}")
         options = dict(params.options)
-        fp16 = options.get("fp16_values", False) or self.dtype == np.float16
-        self.value_dtype = torch.float16 if fp16 else torch.float32
+        fp16 = options.get("fp16_values", False) or np.dtype(dtype) == np.float16
+        super().__init__(params, n, dtype, seed, device, np.float16 if fp16 else np.float32)
         self.final = float(params.k) if params.k < 1 else min(1.0, params.k / self.n)
         self.sample_ratio = options.get("sample_ratio", 0.01)
         self.warmup_epochs = options.get("warmup_epochs", 0)
@@ -72,7 +69,7 @@ class DeviceDGC(DeviceCodec):
                 g = g * np.float32(coef).item()
         if not bool(torch.isfinite(g).all()):
             # the round's result shows it; u and v keep the state of the last good step
-            return self.encode(g, self.collect(g, NONFINITE_KEY)[1])
+            return self.encode(g, self.collect(g, NONFINITE_KEY))
         if self.u is None:
             self.v += g
         elif self.nesterov:  # the kernel's roundings: t = (u + g) mu; v = (v + t) + g
@@ -90,18 +87,17 @@ class DeviceDGC(DeviceCodec):
 
     # selection (algorithms.md section 2.3), step for step as compress/dgc.py -----------------
 
-    def collect(self, x, threshold_key, cap=None):
-        """(count, indices): how many |x| (as float32 bits) are >= threshold_key, and the first
-        ``cap`` of their indices, ascending (int64, on the device)."""
-        hit = (x.view(torch.int32) & ABS_BITS) >= threshold_key
-        idx = hit.nonzero().reshape(-1)
-        return idx.numel(), idx if cap is None else idx[:cap]
+    def collect_first(self, x, threshold_key, cap):
+        """(count, indices): how many |x| keys are >= threshold_key, and the first ``cap`` of
+        their indices, ascending (as the numpy codec's ``collect``)."""
+        idx = self.collect(x, threshold_key)
+        return idx.numel(), idx[:cap]
 
     def select(self, v, density):
         if density not in self._plans:
             self._plans[density] = sampling_plan(self.n, density, self.sample_ratio)
         stride, samples, top_k_samples, selects = self._plans[density]
-        keys = v.view(torch.int32) & ABS_BITS
+        keys = magnitude_keys(v)
         if samples == self.n:
             start, sample = 0, keys
         else:
@@ -112,7 +108,7 @@ class DeviceDGC(DeviceCodec):
         kth = sample.numel() - top_k_samples  # the (kth + 1)-th smallest, as np.partition
         threshold = np.array([int(torch.kthvalue(sample, kth + 1).values)], np.uint32).view(np.float32)[0]
         cap = CANDIDATES * selects
-        count, idx = self.collect(v, int(threshold.view(np.uint32)), cap)
+        count, idx = self.collect_first(v, int(threshold.view(np.uint32)), cap)
         rounds, fallback = 0, False
         for _ in range(ROUNDS):
             if count > selects:
@@ -122,7 +118,7 @@ class DeviceDGC(DeviceCodec):
             if count >= LOWER * selects:
                 break
             threshold = threshold * np.float32(LOWER)
-            count, idx = self.collect(v, int(threshold.view(np.uint32)), cap)
+            count, idx = self.collect_first(v, int(threshold.view(np.uint32)), cap)
             rounds += 1
         idx = idx[:selects]
         self.last = {"density": density, "start": start, "threshold": float(threshold),
@@ -138,36 +134,3 @@ class DeviceDGC(DeviceCodec):
         order = (ABS_BITS - keys[idx].to(torch.int64)) << 32 | idx
         best = torch.topk(order, selects, largest=False, sorted=False).values & 0xFFFFFFFF
         return best.sort().values
-
-    # payload ----------------------------------------------------------------------------
-
-    def encode(self, x, idx):
-        return pack_records(idx, x[idx].to(self.value_dtype), torch.int32)
-
-    def _records(self, payload):
-        idx, values = unpack_records(self._payload(payload), torch.int32, self.value_dtype, "dgc")
-        if idx.numel() > self.n:
-            raise ValueError(f"dgc: {idx.numel()} records for {self.n} elements")
-        if idx.numel() and bool((idx[-1] >= self.n) | (idx[1:] <= idx[:-1]).any()):
-            raise ValueError(f"dgc: indices must increase strictly and stay below {self.n}")
-        return idx, values
-
-    def decompress(self, payload, out=None):
-        idx, values = self._records(payload)
-        out = self._output(out)
-        out.zero_()
-        if self.value_dtype == torch.float32 and out.dtype == torch.float32:
-            out[idx] = values  # the numpy kernel stores (a -0.0 keeps its sign)
-        else:
-            out[idx] += values.to(out.dtype)  # numpy adds to the zeros
-        return out
-
-    def decompress_add(self, payload, acc):
-        idx, values = self._records(payload)
-        acc = self._inplace(acc, "acc")
-        acc[idx] += values.to(acc.dtype)
-
-    def residual(self, payload, x):
-        idx, values = self._records(payload)
-        x = self._inplace(x, "x")
-        x[idx] -= values.to(x.dtype)

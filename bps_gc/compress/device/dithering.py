@@ -138,60 +138,76 @@ class DeviceDithering(DeviceCodec):
         return out
 
 
+PARSE_BLOCK = 1 << 22  # bit positions parsed at once: bounds the temporaries (~100 bytes each)
+
+
+def elias_at(be, pos):
+    """(window, length, value, valid) of an Elias-delta code starting at each bit position
+    ``pos`` of the big-endian bytes ``be`` (int64, 16 zero bytes of padding): the 64 bits from
+    there, the code's length and value, and whether it has at most 5 leading zeros and at most
+    57 bits (kernels/bitstream.h, elias_peek)."""
+    byte, off = pos >> 3, pos & 7
+    head = torch.zeros_like(pos)
+    for b in range(8):
+        head |= be[byte + b] << (56 - 8 * b)
+    window = head << off | be[byte + 8] >> (8 - off)
+    top6 = (window >> 58) & 63
+    zeros = torch.where(top6 > 0, 6 - torch.frexp(top6.to(torch.float64)).exponent.to(torch.int64),
+                        torch.full_like(top6, 6))  # leading zeros; 6: more than 5
+    big_l = zeros.clamp_max(5)
+    big_n = (window >> (63 - 2 * big_l)) & ((2 << big_l) - 1)
+    length = 2 * big_l + big_n
+    low_bits = (big_n - 1).clamp(0, 56)
+    value = (1 << low_bits) | (window >> (64 - length).clamp(0, 63)) & ((1 << low_bits) - 1)
+    return window, length, value, (zeros <= 5) & (length <= 57)
+
+
+def triple_at(be, pos, total):
+    """(gap, length, negative, level, ok) of a (gap, sign, level) triple starting at each bit
+    position ``pos``; ``ok`` as the numpy kernel's checks: the gap's code within its 57-bit
+    window from the byte boundary, the level's code within 56 bits, both before ``total``."""
+    window, gap_len, gap, gap_ok = elias_at(be, pos)
+    _, level_len, level, level_ok = elias_at(be, (pos + gap_len + 1).clamp_max(total - 1))
+    ok = gap_ok & (gap_len + (pos & 7) <= 57) & level_ok & (level_len <= 56) \
+        & (pos + gap_len + 1 < total)
+    negative = ((window >> (63 - gap_len.clamp_max(63))) & 1).bool()  # the bit after the gap
+    return gap, gap_len + 1 + level_len, negative, level, ok
+
+
 def parse_stream(stream, word_bytes, total, n):
     """(indices, levels, negative) of the (gap, sign, level) triples in the first ``total``
     bits of ``stream`` (uint8 words of ``word_bytes``, each MSB first), on its device.
 
     The triples are variable-length codes, so where each starts is known only from the one
-    before. Every bit position is parsed as if a triple started there (its length from a
-    64-bit window), which gives ``next[p]``; the starts are then the positions reachable from
-    0, marked by pointer doubling in log2(total) rounds. Malformed streams raise ValueError, as
-    the numpy kernel's checks do (at most 5 leading zeros, a gap code within the kernel's
-    57-bit window, the last triple ending at the bit count, indices below n)."""
+    before. Every bit position is parsed as if a triple started there, which gives the next
+    start ``nxt[p]``; the real starts are the positions reachable from 0, marked by pointer
+    doubling (round r marks the first 2^r of them). Malformed streams raise ValueError where
+    the numpy kernel's checks fail (triple_at; the last triple must end at the bit count; the
+    indices stay below n)."""
     device = stream.device
     if total == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, empty, empty.bool()
     be = stream.view(-1, word_bytes).flip(1).reshape(-1).to(torch.int64)  # big-endian bytes
     be = torch.nn.functional.pad(be, (0, 16))
-    pos = torch.arange(total, device=device)
-    byte, off = pos >> 3, pos & 7
-    head = torch.zeros_like(pos)
-    for b in range(8):
-        head |= be[byte + b] << (56 - 8 * b)
-    window = head << off | be[byte + 8] >> (8 - off)  # the 64 bits from each position
-    top6 = (window >> 58) & 63
-    zeros = torch.where(top6 > 0, 5 - torch.frexp(top6.to(torch.float64)).exponent.to(torch.int64) + 1,
-                        torch.full_like(top6, 6))  # leading zeros, 6 meaning "more than 5"
-    big_l = zeros.clamp_max(5)
-    big_n = (window >> (63 - 2 * big_l)) & ((2 << big_l) - 1)
-    length = 2 * big_l + big_n
-    valid = (zeros <= 5) & (length <= 57)
-    low_bits = (big_n - 1).clamp(0, 56)
-    value = (1 << low_bits) | (window >> (64 - length).clamp(0, 63)) & ((1 << low_bits) - 1)
-    # a triple at p: the gap's code (within 57 - p % 8 bits), the sign, the level's code
-    gap_ok = valid & (length + off <= 57)
-    sign_at = (pos + length).clamp_max(total - 1)
-    level_at = (pos + length + 1).clamp_max(total - 1)
-    level_len = length[level_at]
-    triple = length + 1 + level_len
-    ok = gap_ok & valid[level_at] & (level_len <= 56) & (pos + length + 1 < total)
-    end, error = total, total + 1  # absorbing: the stream's end, and a malformed code
-    nxt = torch.where(ok, pos + triple, torch.full_like(pos, error)).clamp_max(error)
-    nxt = torch.cat([nxt, torch.tensor([end, error], device=device)])
+    end, error = total, total + 1  # absorbing: the stream's end, and a malformed triple
+    nxt = torch.empty(total + 2, dtype=torch.int64, device=device)
+    for first in range(0, total, PARSE_BLOCK):
+        pos = torch.arange(first, min(total, first + PARSE_BLOCK), device=device)
+        _, length, _, _, ok = triple_at(be, pos, total)
+        nxt[first: first + pos.numel()] = torch.where(ok, pos + length, error).clamp_max(error)
+    nxt[end], nxt[error] = end, error
     reached = torch.zeros(total + 2, dtype=torch.bool, device=device)
     reached[0] = True
-    for _ in range(max(1, int(total + 2).bit_length())):
-        hits = torch.zeros(total + 2, dtype=torch.int32, device=device)
-        hits.index_add_(0, nxt, reached.to(torch.int32))
+    hits = torch.empty(total + 2, dtype=torch.int32, device=device)
+    while not bool(reached[end] | reached[error]):  # at most log2(total) + 1 rounds
+        hits.zero_().index_add_(0, nxt, reached.to(torch.int32))
         reached |= hits > 0
         nxt = nxt[nxt]
-    if bool(reached[error]) or not bool(reached[end]):
+    if bool(reached[error]):
         raise ValueError("dithering: malformed bit stream")
-    starts = reached[:total].nonzero().reshape(-1)
-    gaps = value[starts]
-    idx = torch.cumsum(gaps, 0) - 1
+    gap, _, negative, level, _ = triple_at(be, reached[:total].nonzero().reshape(-1), total)
+    idx = torch.cumsum(gap, 0) - 1
     if bool(idx[-1] >= n):
         raise ValueError("dithering: index out of range")
-    negative = ((window[sign_at[starts]] >> 63) & 1).bool()
-    return idx, value[level_at[starts]], negative
+    return idx, level, negative

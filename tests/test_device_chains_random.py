@@ -346,3 +346,25 @@ def test_powersgd_two_workers_follow_numpy(device, rank, shape):
     want = hosts[0].decompress(payload)
     np.testing.assert_allclose(devs[0].decompress(torch.from_numpy(payload).to(device)).cpu().numpy(),
                                want, atol=1e-6 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------- what the chains declare
+
+@pytest.mark.parametrize("name", ["randomk", "dithering", "terngrad", "qsgd", "dgc", "powersgd"])
+def test_device_classes_declare_what_numpy_codecs_do(name):
+    # servers pick reducers and build_chain decorators from these: they must agree
+    from bps_gc.compress.device import DEVICE_COMPRESSORS
+    from bps_gc.compress.registry import COMPRESSORS
+    dev, host = DEVICE_COMPRESSORS[name], COMPRESSORS[name]
+    for attr in ("reducers", "owns_momentum", "takes_shape"):
+        assert getattr(dev, attr, None) == getattr(host, attr, None), attr
+
+
+@pytest.mark.parametrize("params", [{"compressor": "terngrad"}, {"compressor": "qsgd"},
+                                    {"compressor": "dgc", "k": 0.01},
+                                    {"compressor": "powersgd"}])
+def test_device_chains_refuse_float64_as_numpy(params):
+    with pytest.raises(TypeError, match="float32 or float16"):
+        build_chain(params, 100, np.float64)
+    with pytest.raises(TypeError, match="float32 or float16"):
+        build_chain(params, 100, np.float64, device="cpu")

@@ -63,7 +63,7 @@ class DeviceDithering(DeviceCodec):
         self.l2 = params.normalize == "l2"
         self.word_bits = 64 if self.dtype == np.float64 else 32  # float16: 32-bit words
         self.generator = device_generator(seed, self.device)
-        self.host = Dithering(params, n, dtype, seed)  # decodes (its generator is never used)
+        self.host = Dithering(params, n, dtype, seed)  # for its non-finite payload
 
     def compress(self, x, ctx=None):
         x = self._input(x)
@@ -75,7 +75,8 @@ class DeviceDithering(DeviceCodec):
         if scale == 0:
             return self._payload_of(torch.zeros(0, dtype=torch.int64, device=self.device), 0, 0.0)
         draws = torch.rand(self.n, dtype=torch.float64, device=self.device, generator=self.generator)
-        u = x.abs().to(torch.float64) / torch.full((), scale, dtype=torch.float64, device=self.device) * self.level
+        divisor = torch.full((), scale, dtype=torch.float64, device=self.device)  # see decompress
+        u = x.abs().to(torch.float64) / divisor * self.level
         if self.natural:  # between the powers of two fl and 2 fl (0 and 1 below 1)
             ceil = u.ceil()
             floor = torch.where(ceil > 1, torch.exp2(torch.frexp(ceil - 1).exponent - 1.0),

@@ -212,6 +212,8 @@ def test_dithering_bytes_equal_where_nothing_is_random(device, dtype, params):
     else:
         levels = rng.integers(0, top + 1, n) * (rng.random(n) < 0.05)
     levels[3] = top
+    levels[100:5100] = 0  # a gap of 5000: a gap code past 255 (and past 12 bits)
+    levels[5200] = 1 if params.get("partition") == "natural" else top
     # exact in every dtype, so |x| / max * top rounds back to the level (natural: exactly)
     x = (levels * np.where(rng.random(n) < 0.5, -1, 1) * 0.125).astype(dtype)
     host, dev = chains(params, n, dtype, device)

@@ -31,6 +31,17 @@ def chains(params, n, dtype, device, shape=None):
     return host, dev
 
 
+def decoding_paths(dev):
+    """``dev`` once per decoding path: dithering decodes with the numpy kernel on a CPU device
+    and with its parallel parse elsewhere, so on CPU both run (the parse is what a GPU runs)."""
+    if not hasattr(dev, "parallel_decode"):
+        yield dev
+        return
+    for parallel in (False, True) if dev.device.type == "cpu" else (True,):
+        dev.parallel_decode = parallel
+        yield dev
+
+
 def on(device, x):
     return torch.from_numpy(np.array(x)).to(device)
 
@@ -172,11 +183,13 @@ def test_random_codecs_cross_decode(device, dtype, params):
     got, want = dev.compress(on(device, x)), host.compress(x)
     if params["compressor"] != "dithering":  # a fixed size; dithering's depends on the draws
         assert got.numel() == want.size
-    assert_cross_decodes(host, dev, got, want)
-    # non-finite input: a NaN scale, decoded as NaN everywhere (as numpy)
     x[5] = np.inf
     bad = dev.compress(on(device, x))
-    np.testing.assert_array_equal(dev.decompress(bad).cpu().numpy(), host.decompress(host.compress(x)))
+    for dev in decoding_paths(dev):
+        assert_cross_decodes(host, dev, got, want)
+        # non-finite input: a NaN scale, decoded as NaN (as numpy)
+        np.testing.assert_array_equal(dev.decompress(bad).cpu().numpy(),
+                                      host.decompress(host.compress(x)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,7 +232,8 @@ def test_dithering_bytes_equal_where_nothing_is_random(device, dtype, params):
     host, dev = chains(params, n, dtype, device)
     want, got = host.compress(x), dev.compress(on(device, x))
     assert host_array(got).tobytes() == want.tobytes()
-    assert_cross_decodes(host, dev, got, want)
+    for dev in decoding_paths(dev):
+        assert_cross_decodes(host, dev, got, want)
     zeros = dev.compress(on(device, np.zeros(n, dtype)))
     assert host_array(zeros).tobytes() == host.compress(np.zeros(n, dtype)).tobytes()
 
@@ -232,6 +246,7 @@ def test_dithering_device_decoder_accepts_and_rejects_what_numpy_does(device, dt
     n, rng = 200, np.random.default_rng(8)
     params = {"compressor": "dithering", "k": 6, "partition": "natural"}
     host, dev = chains(params, n, dtype, device)
+    dev.parallel_decode = True  # the numpy kernel itself decodes on a CPU device otherwise
     outcomes = set()
     for case in range(120):
         payload = host.compress((rng.standard_normal(n) * (rng.random(n) < 0.3)).astype(dtype)).copy()

@@ -10,7 +10,8 @@ numpy chain's format and distribution, not its bytes; where no element is random
 an integer) it is the numpy chain's byte for byte.
 
 Decoding runs on the device too, although the stream is a chain of variable-length codes
-whose starts are known only one after another: see ``parse_stream``.
+whose starts are known only one after another: see ``parse_stream``. On a CPU device the
+numpy kernel decodes in place instead (the same checks and values; it reads the stream once).
 """
 import math
 
@@ -63,7 +64,10 @@ class DeviceDithering(DeviceCodec):
         self.l2 = params.normalize == "l2"
         self.word_bits = 64 if self.dtype == np.float64 else 32  # float16: 32-bit words
         self.generator = device_generator(seed, self.device)
-        self.host = Dithering(params, n, dtype, seed)  # for its non-finite payload
+        self.host = Dithering(params, n, dtype, seed)  # its non-finite payload, CPU decoding
+        # on a CPU device the numpy kernel reads the stream once, in place; elsewhere the
+        # parallel parse runs (the tests run it on CPU too)
+        self.parallel_decode = self.device.type != "cpu"
 
     def compress(self, x, ctx=None):
         x = self._input(x)
@@ -118,6 +122,10 @@ class DeviceDithering(DeviceCodec):
         return torch.from_numpy(self.host._nonfinite_payload()).to(self.device)
 
     def decompress(self, payload, out=None):
+        if not self.parallel_decode:
+            out = self._output(out)
+            self.host.decompress(host_array(payload), out.detach().numpy())  # writes into out
+            return out
         buf = self._payload(payload)
         wb = self.word_bits // 8
         if buf.numel() < wb + 4 or (buf.numel() - 4) % wb:

@@ -72,3 +72,23 @@ def test_float16_overflow_of_the_residual_is_a_non_finite_step():
     held = codec.error.copy()
     y = codec.decompress(codec.compress(x, 0.1))  # 50000 + 50000 overflows float16
     assert not np.all(np.isfinite(y)) and np.array_equal(codec.error, held)
+
+
+
+def test_powersgd_warm_start_survives_a_non_finite_step():
+    # one worker runs its two phases on its own sums; after a NaN step the next warm start must
+    # be the last good Q (a NaN Q would make every later step NaN)
+    rng = np.random.default_rng(2)
+    gs = [rng.standard_normal(192).astype(np.float32) for _ in range(3)]
+    codec = build_chain({"compressor": "powersgd", "rank": 2}, 192, np.float32, key=3, shape=(16, 12))
+
+    def step(g):
+        return codec.finish(codec.compress_q(codec.compress(g, {"lr": 0.1})), workers=1)
+
+    step(gs[0])
+    good_q = codec.q.copy()
+    bad = gs[1].copy()
+    bad[5] = np.nan
+    assert not np.all(np.isfinite(step(bad)))
+    assert np.array_equal(codec.q, good_q)
+    assert np.all(np.isfinite(step(gs[2])))

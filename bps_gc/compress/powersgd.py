@@ -117,7 +117,8 @@ class PowerSGD(Codec):
                 self.error[:] = 0
             return approx
         out = self._into(out, fill)
-        self.q = q.copy()
+        if np.isfinite(q).all():  # a non-finite step's Q would make every later warm start NaN
+            self.q = q.copy()
         return out
 
     def decompress(self, payload, out=None):

@@ -229,3 +229,32 @@ def test_byteps_worker_lines(name, byteps_lines):
     params = got["params"] or {}
     assert params.get("compressor") == (compressor.group(1) if compressor else None)
     assert bool(params.get("fp16")) == ("--fp16-pushpull" in line)
+
+
+@pytest.mark.parametrize("world, processes, outcome", [
+    ("0,0,0,0,0,0,0,0", 16, "8 GPU ids, repeated over the 16 processes; unused"),  # the README's
+    ("0,1,0,1", 4, "4 GPU ids; unused"),  # one per process (2 processes x 2 GPUs in the README's text)
+    ("0,0,0", 16, "3 GPU ids, repeated over the 16 processes"),
+    ("0,0,0,0,0", 4, "SystemExit: --world lists 5 devices for 4 worker processes"),
+    ("0,gpu1", 2, "SystemExit: --world 0,gpu1: want comma-separated GPU ids"),
+])
+def test_choco_world_means_what_it_can(world, processes, outcome, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "example", "pytorch"))
+    import seed_flags
+    import train_cifar10_choco as choco
+    args = seed_flags.build_parser().parse_args(["--world", world])
+    try:
+        got = " ".join(choco.world_notes(args, processes))
+    except SystemExit as e:
+        got = f"SystemExit: {e}"
+    assert outcome in got
+
+
+def test_choco_flags_sign_does_not_read_are_notes(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "example", "pytorch"))
+    import seed_flags
+    argv = ["--optimizer", "parallel_choco", "--comm_op", "sign", "--compress_ratio", "0.9", "--is_biased", "True"]
+    notes = seed_flags.unused_flag_notes(seed_flags.build_parser().parse_args(argv), argv)
+    assert len(notes) == 2 and "--compress_ratio 0.9: no effect" in notes[0] and "--is_biased" in notes[1]
+    argv = ["--optimizer", "parallel_choco", "--comm_op", "qsgd", "--quantize_level=8", "--is_biased", "True"]
+    assert seed_flags.unused_flag_notes(seed_flags.build_parser().parse_args(argv), argv) == []

@@ -45,7 +45,11 @@ SCRIPT = "example/pytorch/dgc/train.py"
 
 
 def build_parser():
-    p = OneLineParser(prog=SCRIPT, description="DGC's train.py on bps_gc (see the module docstring)")
+    p = OneLineParser(prog=SCRIPT, description="DGC's train.py on bps_gc, under torchrun or bpslaunch.",
+                      epilog="Any setting of the config files can be replaced: --configs.a.b VALUE (a Python "
+                             "literal or text), e.g. --configs.train.num_epochs 500. The run folder is "
+                             "runs/<config names><suffix>.np<workers>; running again resumes from its latest "
+                             "checkpoint. docs/seeds.md lists how DGC's settings map onto bps_gc.")
     p.add_argument("--configs", nargs="+", required=True, metavar="FILE",
                    help="config files, later ones overriding earlier ones (e.g. configs/cifar/resnet20.py "
                         "configs/dgc/wm5.py)")

@@ -66,7 +66,8 @@ def test_the_readme_commands_resolve_as_described(tmp_path):
     assert "fp16_values" not in c["bps_gc"]["compression_params"]
     assert c["bps_gc"]["wire"] == {"value_bytes": 4, "index_bytes": 4, "dgc_index_bytes": 8}
     assert any("int64" in note for note in c["bps_gc"]["notes"])
-    assert c["train"]["optimizer"]["nesterov"] is True and c["train"]["save_path"] == "runs/[imagenet.resnet50+dgc.wm0].np1"
+    assert c["train"]["optimizer"]["nesterov"] is True
+    assert c["train"]["save_path"] == "runs/[imagenet.resnet50+dgc.wm0].np1"
 
     c = dry_run(SEED_E500.split(), tmp_path)
     assert c["train"]["num_epochs"] == 500 and c["train"]["compression"]["warmup_coeff"] == WM5
@@ -180,3 +181,21 @@ def test_imagenet_resnet50_one_epoch_under_torchrun(tmp_path):
     assert least <= row["pushed_bytes_per_step"] <= most, row
     log = (run_dir / "train.log").read_text()
     assert "note: int32_indices False" in log and "note: optimize_bn_separately" in log
+
+
+def test_learning_rate_and_run_names(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "example", "pytorch"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "example", "pytorch", "dgc"))
+    import dgc_config
+    import dgc_training
+    dgc_config.reset()
+    c = dgc_config.load(["configs/cifar/resnet20.py"], search=[os.path.dirname(TRAIN)])
+    # 4 workers: from 0.1 linearly (per step) to 0.4 over 5 epochs, then a per-epoch cosine over 195 epochs
+    assert dgc_training.learning_rate(c, 0, 0, 10, 4) == pytest.approx(0.1)
+    assert dgc_training.learning_rate(c, 2, 5, 10, 4) == pytest.approx(0.1 + 0.3 * 2.5 / 5)
+    assert dgc_training.learning_rate(c, 5, 0, 10, 4) == pytest.approx(0.4)
+    assert dgc_training.learning_rate(c, 102, 7, 10, 4) == pytest.approx(0.2 * (1 + math.cos(math.pi * 97 / 195)))
+    assert dgc_training.learning_rate(c, 199, 9, 10, 4) == pytest.approx(0.2 * (1 + math.cos(math.pi * 194 / 195)))
+    assert dgc_config.run_name(["configs/cifar/resnet110.py"]) == "cifar.resnet110"
+    assert dgc_config.run_name(["a/configs/imagenet/resnet50.py", "configs/dgc/wm0.py", "configs/dgc/fp16.py"]) == \
+        "[imagenet.resnet50+dgc.[wm0+fp16]]"

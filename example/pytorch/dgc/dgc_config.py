@@ -136,26 +136,6 @@ def override(key, text):
     return value
 
 
-def split_overrides(words):
-    """[(key, text)] of ``--configs.a.b VALUE`` / ``--configs.a.b=VALUE`` words."""
-    out, i = [], 0
-    while i < len(words):
-        word = words[i]
-        if not word.startswith("--configs."):
-            raise ConfigError(f"unrecognized argument {word!r} (settings are --configs.a.b VALUE)")
-        key = word[len("--configs."):]
-        if "=" in key:
-            key, text = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(words):
-            text = words[i + 1]
-            i += 2
-        else:
-            raise ConfigError(f"{word}: needs a value")
-        out.append((key, text))
-    return out
-
-
 def run_name(paths):
     """The run's name from its config files, as DGC names its run folders: each path without
     ``configs/`` and ``.py``, files in the same folder grouped: configs/cifar/resnet20.py

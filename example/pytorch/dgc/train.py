@@ -29,11 +29,8 @@ nesterov momentum correction; weight decay stays local (docs/codecs.md "DGC in t
 """
 import argparse
 import json
-import math
 import os
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
@@ -46,6 +43,7 @@ SCRIPT = "example/pytorch/dgc/train.py"
 
 def build_parser():
     p = OneLineParser(prog=SCRIPT, description="DGC's train.py on bps_gc, under torchrun or bpslaunch.",
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="Any setting of the config files can be replaced: --configs.a.b VALUE (a Python "
                              "literal or text), e.g. --configs.train.num_epochs 500. The run folder is "
                              "runs/<config names><suffix>.np<workers>; running again resumes from its latest "

@@ -12,6 +12,11 @@ with bpslaunch in front of it and this script in place of run.py:
         --comm_op sign --consensus_stepsize 0.45 --weight_decay 1e-4 --use_nesterov True \\
         --momentum_factor 0.9 --graph_topology ring --track_time True --display_tracked_time True
 
+The command as the CHOCO README prints it (16 workers, --world's 8 GPU ids) runs the same way
+with `bpslaunch --local --workers 16 -- python example/pytorch/train_cifar10_choco.py` in place of
+its python and run.py (docs/seeds.md); --dry-run joins the job, checks the flags against it and
+logs the plan and every note without training.
+
 Log lines (stdout and <experiment>.log, rank 0): per epoch the training accuracy, each worker's
 test accuracy and their mean, the averaged model's (CHOCO, D-PSGD, or --evaluate_avg), and the
 bytes each worker sent per step (to the servers, and to its graph neighbours); <experiment>.json

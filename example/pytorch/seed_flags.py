@@ -112,8 +112,8 @@ def build_parser():
     g.add_argument("--n_sub_process", type=int, default=1,
                    help="GPUs per worker process: only 1 (start more workers instead)")
     g.add_argument("--world", default=None,
-                   help="GPU id of every process: its length must be n_mpi_process * n_sub_process; the ids are "
-                        "unused (CPU training)")
+                   help="GPU ids of the processes (n_mpi_process * n_sub_process of them; a shorter list repeats, "
+                        "as the seed's 8 ids for 16 processes): checked to be ids, unused (CPU training)")
     g.add_argument("--on_cuda", type=str2bool, default=False,
                    help="the seeds train on CUDA; this script trains on CPU whatever it says (logged)")
     g.add_argument("--comm_device", default="cpu",
@@ -125,7 +125,27 @@ def build_parser():
     g.add_argument("--mpi_path", default=None, help="MPI installation: no MPI is used; not read")
     g.add_argument("--python_path", default=None,
                    help="interpreter mpirun starts: bpslaunch runs the command you give it; not read")
+    p.add_argument("--dry-run", action="store_true",
+                   help="join the job, check the flags against it, log the plan and every note, and exit "
+                        "without training")
     return p
+
+
+def given(argv, flag):
+    """Whether ``flag`` is on the command line (as FLAG VALUE or FLAG=VALUE)."""
+    return any(word.split("=", 1)[0] == flag for word in argv)
+
+
+def unused_flag_notes(args, argv):
+    """Notes for compression flags the chosen operator does not read (accepted, no effect)."""
+    _, op = algorithm(args)
+    notes = []
+    if op not in ("topk", "randomk") and given(argv, "--compress_ratio"):
+        notes.append(f"--compress_ratio {args.compress_ratio}: no effect with --comm_op {op} (topk/randomk only)")
+    for flag in ("--quantize_level", "--is_biased"):
+        if op != "qsgd" and given(argv, flag):
+            notes.append(f"{flag}: no effect with --comm_op {op} (qsgd only)")
+    return notes
 
 
 def kept_fraction(args, parser):

@@ -12,6 +12,11 @@ with bpslaunch in front of it and this script in place of run.py:
         --comm_op sign --consensus_stepsize 0.45 --weight_decay 1e-4 --use_nesterov True \\
         --momentum_factor 0.9 --graph_topology ring --track_time True --display_tracked_time True
 
+The command as the CHOCO README prints it (16 workers, --world's 8 GPU ids) runs the same way
+with `bpslaunch --local --workers 16 -- python example/pytorch/train_cifar10_choco.py` in place of
+its python and run.py (docs/seeds.md); --dry-run joins the job, checks the flags against it and
+logs the plan and every note without training.
+
 Log lines (stdout and <experiment>.log, rank 0): per epoch the training accuracy, each worker's
 test accuracy and their mean, the averaged model's (CHOCO, D-PSGD, or --evaluate_avg), and the
 bytes each worker sent per step (to the servers, and to its graph neighbours); <experiment>.json
@@ -24,11 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 import bps_gc.core
-import bps_gc.torch as bps
 from bps_gc.bindings.topology import topology
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,9 +38,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from cifar100_data import augment, epoch_batches, prefetch  # noqa: E402
 from cifar10_data import CLASSES, load_split, normalize  # noqa: E402
-from seed_flags import algorithm, build_parser, compression  # noqa: E402
-from train_cifar100_byteps_gc import resnet  # noqa: E402
+from seed_flags import algorithm, build_parser, compression, unused_flag_notes  # noqa: E402
 from training_utils import make_logger  # noqa: E402
+
+torch = F = bps = resnet = None  # import_torch(): a --dry-run joins the job without them
+
+
+def import_torch():
+    """torch and bps_gc.torch, for a real run (16 workers' --dry-run on a small machine stays light)."""
+    global torch, F, bps, resnet
+    import torch
+    import torch.nn.functional as F
+
+    import bps_gc.torch as bps
+    from train_cifar100_byteps_gc import resnet
 
 
 def check_job(args, parser, size):
@@ -49,8 +62,22 @@ def check_job(args, parser, size):
     if args.n_sub_process != 1:
         raise SystemExit(f"--n_sub_process {args.n_sub_process}: one device per worker here; start "
                          f"{size * args.n_sub_process} workers instead")
-    if args.world is not None and len(args.world.split(",")) != size * args.n_sub_process:
-        raise SystemExit(f"--world lists {len(args.world.split(','))} devices for {size} workers")
+    return world_notes(args, size * args.n_sub_process)
+
+
+def world_notes(args, processes):
+    """--world: GPU ids, one per process or a pattern the processes repeat (the CHOCO README's 8
+    ids for 16 processes); unused here. More ids than processes, or a non-id, cannot be meant."""
+    if args.world is None:
+        return []
+    ids = [w.strip() for w in args.world.split(",")]
+    if not all(w.isdigit() for w in ids):
+        raise SystemExit(f"--world {args.world}: want comma-separated GPU ids (whole numbers >= 0)")
+    if len(ids) > processes:
+        raise SystemExit(f"--world lists {len(ids)} devices for {processes} worker processes: the extra ones would "
+                         "have no process")
+    repeat = "" if len(ids) == processes else f", repeated over the {processes} processes"
+    return [f"--world {args.world}: {len(ids)} GPU ids{repeat}; unused (CPU training)"]
 
 
 def cluster_notes(args):
@@ -149,6 +176,20 @@ def evaluate(model, test_x, test_y, rank, size, with_average):
     return result
 
 
+def dry_run_plan(args, logger, params, peak, changes, images_per_worker, size):
+    """--dry-run: what the run would do, then no training."""
+    name, _ = algorithm(args)
+    graph = f", {topology(args.graph_topology, size).name}" if name in ("parallel_choco", "dpsgd") else ""
+    logger.info("dry run: %s on %d workers%s", name, size, graph)
+    epochs = sorted({0, args.lr_warmup_epochs if args.lr_warmup else 0, *changes})
+    rates = ", ".join(f"epoch {e}: {learning_rate(args, e, peak, changes):g}" for e in epochs)
+    length = f"{args.num_epochs} epochs" if args.stop_criteria == "epoch" else f"{args.num_iterations} steps"
+    steps = images_per_worker // args.batch_size
+    logger.info("dry run: compression_params %s; learning rate %s; %s of %d steps each (%d images per worker, "
+                "batch %d%s); no training", params, rates, length, steps, images_per_worker, args.batch_size,
+                ": too few images for a batch" if steps == 0 else "")
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -159,14 +200,23 @@ def main(argv=None):
     train_x, train_y = load_split(args.data_dir, "train")
     test_x, test_y = load_split(args.data_dir, "test")
 
-    bps.init()
-    rank, size = bps.rank(), bps.size()
-    check_job(args, parser, size)
+    bps_gc.core.init()  # the transport the launcher chose (torch only for the collective)
+    rank, size = bps_gc.core.rank(), bps_gc.core.size()
+    job_notes = check_job(args, parser, size)
     experiment = args.experiment or args.optimizer
     logger = make_logger("cifar10", f"{experiment}.log", rank)
     logger.info(args)
-    for note in cluster_notes(args):
+    for note in cluster_notes(args) + job_notes + unused_flag_notes(args, sys.argv[1:] if argv is None else argv):
         logger.info("note: %s", note)
+    if args.dry_run:
+        try:  # a bad --graph_topology: its message
+            dry_run_plan(args, logger, compression(args, parser), peak_lr(args, size), changes, len(train_x) // size,
+                         size)
+        except ValueError as e:
+            raise SystemExit(f"train_cifar10_choco: {e}")
+        bps_gc.core.shutdown()
+        return
+    import_torch()
     torch.manual_seed(args.manual_seed)
     try:  # a bad --arch, --graph_topology or codec flag: its message, no traceback
         model = resnet(args.arch, classes=CLASSES)

@@ -1,0 +1,3 @@
+from dgc_config import configs
+
+configs.train.compression.int32_indices = True

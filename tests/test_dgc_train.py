@@ -1,0 +1,222 @@
+"""example/pytorch/dgc/train.py, DGC's way of running: the config files and overrides of DGC's
+README resolve as its text says (--dry-run), bad settings are one line, and real runs on tiny
+CIFAR-10 (official python files) and ImageNet (class folders) train, log per-epoch accuracy,
+checkpoint per worker and resume, under bpslaunch (one launcher per role, as across machines,
+parameter server; then --servers 0, the collective) and torchrun.
+
+The traffic oracle: DGC sends ceil(n*r) (float16 value, uint32 index) records = 6 bytes each for
+every tensor of more than one dimension (at least 0.8 of them when the adaptation stops early:
+algorithms.md 2.3) and the 1-D tensors dense, 4 bytes an element; r is the warm-up list's entry
+for the epoch. Computed here from the model's shapes."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from multihost import Job
+from test_cifar10_choco import write_cifar10
+from test_study_scripts import write_imagenet
+
+pytest.importorskip("torch")
+TRAIN = os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")
+WM5 = [0.25, 0.063, 0.015, 0.004, 0.001]
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "BPS_GC_HEARTBEAT_INTERVAL": "0.2",
+       "BPS_GC_HEARTBEAT_TIMEOUT": "5"}
+
+# DGC's README (../shared/seeds/004_*.txt), the flags after `python train.py` as printed
+SEED_CIFAR = "--configs configs/cifar/resnet20.py configs/dgc/wm5.py configs/dgc/fp16.py configs/dgc/int32.py"
+SEED_IMAGENET = "--configs configs/imagenet/resnet50.py configs/dgc/wm0.py"
+SEED_E500 = "--configs configs/cifar/resnet20.py configs/dgc/wm5.py --configs.train.num_epochs 500 --suffix .e500"
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "BPS_GC_")) and k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return dict(env, **ENV, **extra)
+
+
+def dry_run(argv, cwd):
+    result = subprocess.run([sys.executable, TRAIN, *argv, "--dry-run"], cwd=cwd, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_readme_commands_resolve_as_described(tmp_path):
+    c = dry_run(SEED_CIFAR.split(), tmp_path)  # "fp16 values, int32 indices; warmup coeff [...] -> 0.001"
+    comp = c["train"]["compression"]
+    assert (c["dataset"]["name"], c["model"]["name"], c["train"]["num_epochs"]) == ("cifar10", "resnet20", 200)
+    assert comp["warmup_epochs"] == 5 and comp["warmup_coeff"] == WM5 and comp["compress_ratio"] == 0.001
+    assert comp["fp16_values"] is True and comp["int32_indices"] is True
+    assert c["train"]["save_path"] == "runs/[cifar.resnet20+dgc.[wm5+fp16+int32]].np1"
+    assert c["bps_gc"]["compression_params"] == {
+        "compressor": "dgc", "k": 0.001, "sample_ratio": 0.01, "momentum_masking": True, "warmup_densities": WM5,
+        "fp16_values": True, "momentum": "nesterov"}
+    assert c["bps_gc"]["wire"] == {"value_bytes": 2, "index_bytes": 4, "dgc_index_bytes": 4}
+
+    c = dry_run(SEED_IMAGENET.split(), tmp_path)  # "fp32 values, int64 indices, no warmup"
+    comp = c["train"]["compression"]
+    assert (c["dataset"]["name"], c["model"]["name"], c["model"]["num_classes"]) == ("imagenet", "resnet50", 1000)
+    assert comp["warmup_epochs"] == 0 and comp["fp16_values"] is False and comp["int32_indices"] is False
+    assert "warmup_densities" not in c["bps_gc"]["compression_params"]
+    assert "fp16_values" not in c["bps_gc"]["compression_params"]
+    assert c["bps_gc"]["wire"] == {"value_bytes": 4, "index_bytes": 4, "dgc_index_bytes": 8}
+    assert any("int64" in note for note in c["bps_gc"]["notes"])
+    assert c["train"]["optimizer"]["nesterov"] is True
+    assert c["train"]["save_path"] == "runs/[imagenet.resnet50+dgc.wm0].np1"
+
+    c = dry_run(SEED_E500.split(), tmp_path)
+    assert c["train"]["num_epochs"] == 500 and c["train"]["compression"]["warmup_coeff"] == WM5
+    assert c["train"]["compression"]["fp16_values"] is False
+    assert c["train"]["save_path"] == "runs/[cifar.resnet20+dgc.wm5].e500.np1"
+
+
+def test_dgc_without_a_list_warms_up_as_dgc_code_and_overrides_are_typed(tmp_path):
+    c = dry_run(["--configs", "configs/cifar/resnet110.py", "configs/dgc/wm0.py",
+                 "--configs.train.compression.warmup_epochs", "3", "--configs.train.optimizer.lr=1",
+                 "--configs.train.compression.memory.gradient_clipping", "2"], tmp_path)
+    assert c["model"]["name"] == "resnet110" and c["train"]["optimizer"]["lr"] == 1.0
+    assert isinstance(c["train"]["optimizer"]["lr"], float)
+    params = c["bps_gc"]["compression_params"]
+    assert params["warmup_densities"] == pytest.approx([0.001 ** ((e + 1) / 4) for e in range(3)])
+    assert params["clip_norm"] == 2.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "configs/cifar/resnet20.py", "--configs.train.num_epoch", "5"], "num_epoch: no such setting"),
+    (["--configs", "configs/cifar/resnet20.py", "--configs.train.num_epochs", "many"], "want a number"),
+    (["--configs", "configs/cifar/nope.py"], "config file 'configs/cifar/nope.py' not found"),
+    (["--configs", "configs/dgc/wm5.py"], "configs.dataset.name must be one of"),
+    (["--configs", "configs/cifar/resnet20.py", "configs/dgc/wm5.py",
+      "--configs.train.compression.compress_ratio", "2"], "compress_ratio is the kept fraction"),
+    (["--configs", "configs/cifar/resnet20.py", "configs/dgc/wm5.py",
+      "--configs.train.compression.max_adaptation_iters", "3"], "implements 10 only"),
+])
+def test_bad_settings_are_one_line(argv, message, tmp_path):
+    result = subprocess.run([sys.executable, TRAIN, *argv, "--dry-run"], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def record_bounds(model, density, value_bytes=2):
+    """(least, most) bytes a worker pushes per step at ``density`` (the module docstring)."""
+    most = least = 0
+    for p in model.parameters():
+        if p.dim() > 1:
+            selects = math.ceil(p.numel() * density)
+            most += selects * (value_bytes + 4)
+            least += math.ceil(0.8 * selects) * (value_bytes + 4)
+        else:
+            most += 4 * p.numel()
+            least += 4 * p.numel()
+    return least, most
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+TINY_CIFAR = ["--configs.dataset.root", "data", "--configs.train.batch_size", "8",
+              "--configs.data.num_threads_per_worker", "0"]
+
+
+def test_cifar_one_epoch_on_the_parameter_server_then_resumed_on_the_collective(tmp_path):
+    write_cifar10(str(tmp_path / "data"), n_train=80, n_test=24)  # 80 / 2 workers / 8 = 5 steps
+    argv = [*SEED_CIFAR.split(), *TINY_CIFAR]
+    # one bpslaunch per role (scheduler, server, 2 workers), as on separate machines
+    script = (f"import os, runpy, sys; os.chdir({str(tmp_path)!r}); "
+              f"sys.argv = [{TRAIN!r}] + {argv + ['--configs.train.num_epochs', '1']!r}; "
+              f"runpy.run_path({TRAIN!r}, run_name='__main__')")
+    slow_ok = {"BPS_GC_HEARTBEAT_TIMEOUT": "10"}  # a shared 2-core machine may stall a process for seconds
+    job = Job(2, script, servers=1, env={"OMP_NUM_THREADS": "1"},
+              role_env={name: slow_ok for name in ("scheduler", "server0", "worker0", "worker1")})
+    statuses, _ = job.wait_all(150)
+    assert set(statuses.values()) == {0}, job.report(statuses)
+    run_dir = tmp_path / "runs" / "[cifar.resnet20+dgc.[wm5+fp16+int32]].np2"
+    [row] = rows(run_dir)
+    sys.path.insert(0, os.path.join(ROOT, "example", "pytorch"))
+    from train_cifar100_byteps_gc import resnet
+    model = resnet("resnet20", 10)
+    least, most = record_bounds(model, WM5[0])
+    assert row["epoch"] == 0 and row["steps"] == 5 and least <= row["pushed_bytes_per_step"] <= most, row
+    assert 0 <= row["acc/test_top1"] <= row["acc/test_top5"] <= 100
+    assert row["acc/test_top1"] * 24 / 100 == pytest.approx(round(row["acc/test_top1"] * 24 / 100))
+    log = (run_dir / "train.log").read_text()
+    assert "[acc/test_top1] = " in log and "(ps)" in log and "==> train from scratch" in log
+    for rank in (0, 1):
+        assert (run_dir / "checkpoints" / f"latest-r{rank}.pth").is_file()
+        assert (run_dir / "checkpoints" / f"e0-r{rank}.pth").is_file()
+
+    # the same command with 2 epochs resumes at epoch 1 (density 6.3%), on bpslaunch --servers 0
+    result = subprocess.run([sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2",
+                             "--servers", "0", "--", sys.executable, TRAIN, *argv, "--configs.train.num_epochs", "2"],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, second = rows(run_dir)
+    assert first == row and second["epoch"] == 1 and second["steps"] == 5
+    least, most = record_bounds(model, WM5[1])
+    assert least <= second["pushed_bytes_per_step"] <= most, second
+    log = (run_dir / "train.log").read_text()
+    assert "[resume_path] = " in log and "(collective)" in log and "==> training epoch 1/2" in log
+    assert "==> training epoch 0/2" not in log
+
+
+def test_imagenet_resnet50_one_epoch_under_torchrun(tmp_path):
+    write_imagenet(str(tmp_path / "imagenet"), train=4, val=2)  # 2 classes: 8 training, 4 validation images
+    argv = [*SEED_IMAGENET.split(), "--configs.dataset.root", "imagenet", "--configs.dataset.image_size", "32",
+            "--configs.model.width", "4", "--configs.model.num_classes", "2", "--configs.train.batch_size", "2",
+            "--configs.train.num_epochs", "1", "--configs.data.num_threads_per_worker", "0", "--suffix", ".tiny"]
+    def torchrun(*extra):
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", TRAIN, *argv, *extra], cwd=tmp_path, env=clean_env(), capture_output=True,
+                                text=True, timeout=150)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+    torchrun()
+    run_dir = tmp_path / "runs" / "[imagenet.resnet50+dgc.wm0].tiny.np2"
+    [row] = rows(run_dir)
+    assert row["steps"] == 2 and row["acc/test_top5"] == 100.0  # top-5 of 2 classes
+    sys.path.insert(0, os.path.join(ROOT, "example", "pytorch"))
+    from imagenet_resnet import ResNet
+    least, most = record_bounds(ResNet("resnet50", 2, 4), 0.001, value_bytes=4)  # fp32 values, no warm-up
+    assert least <= row["pushed_bytes_per_step"] <= most, row
+    log = (run_dir / "train.log").read_text()
+    assert "note: int32_indices False" in log and "note: optimize_bn_separately" in log
+    # --evaluate: every worker runs rank 0's best checkpoint (broadcast, BatchNorm statistics
+    # included, as DGC's code does); its top-1 over the 4 validation images, computed here
+    out = torchrun("--evaluate")
+    import torch
+    import imagenet_folder
+    model = ResNet("resnet50", 2, 4, True)
+    model.load_state_dict(torch.load(run_dir / "checkpoints" / "best-r0.pth", weights_only=True)["model"])
+    model.eval()
+    _, items = imagenet_folder.scan(str(tmp_path / "imagenet"), "val", ["n01440764", "n01443537"])
+    x = imagenet_folder.normalize(np.stack([imagenet_folder.val_image(path, 32) for path, _ in items]))
+    with torch.no_grad():
+        correct = int((model(torch.from_numpy(x)).argmax(1).numpy() == [label for _, label in items]).sum())
+    assert f"[acc/test_top1] = {100 * correct / 4:f}" in out and "best-r0.pth" in out, out[-2000:]
+    assert len(rows(run_dir)) == 1
+
+
+def test_learning_rate_and_run_names(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "example", "pytorch"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "example", "pytorch", "dgc"))
+    import dgc_config
+    import dgc_training
+    dgc_config.reset()
+    c = dgc_config.load(["configs/cifar/resnet20.py"], search=[os.path.dirname(TRAIN)])
+    # 4 workers: from 0.1 linearly (per step) to 0.4 over 5 epochs, then a per-epoch cosine over 195 epochs
+    assert dgc_training.learning_rate(c, 0, 0, 10, 4) == pytest.approx(0.1)
+    assert dgc_training.learning_rate(c, 2, 5, 10, 4) == pytest.approx(0.1 + 0.3 * 2.5 / 5)
+    assert dgc_training.learning_rate(c, 5, 0, 10, 4) == pytest.approx(0.4)
+    assert dgc_training.learning_rate(c, 102, 7, 10, 4) == pytest.approx(0.2 * (1 + math.cos(math.pi * 97 / 195)))
+    assert dgc_training.learning_rate(c, 199, 9, 10, 4) == pytest.approx(0.2 * (1 + math.cos(math.pi * 194 / 195)))
+    assert dgc_config.run_name(["configs/cifar/resnet110.py"]) == "cifar.resnet110"
+    assert dgc_config.run_name(["a/configs/imagenet/resnet50.py", "configs/dgc/wm0.py", "configs/dgc/fp16.py"]) == \
+        "[imagenet.resnet50+dgc.[wm0+fp16]]"

@@ -6,6 +6,7 @@ changes are the reductions in ``REDUCED``: a data path pointed at tiny files in 
 format, a free port instead of 1234, and flags appended to a command (argparse keeps the last
 value). A README block without an entry here fails, so a new quickstart gets a test.
 """
+import json
 import os
 import re
 import shutil
@@ -42,7 +43,10 @@ def free_port():
 
 def run_block(block, tmp_path, env=None, timeout=120):
     script = "set -euo pipefail\n" + block + "\nwait\n"
-    full_env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"], PYTHONPATH=ROOT,
+    # HOME is the test's folder (the quickstarts read ~/data); caches stay where they were, or
+    # every process would compile the codec kernels again
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    full_env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"], PYTHONPATH=ROOT, XDG_CACHE_HOME=cache,
                     OMP_NUM_THREADS="1", HOME=str(tmp_path), BPS_GC_JOIN_TIMEOUT="60", **(env or {}))
     for key in [k for k in full_env if k.startswith(("DMLC_", "BYTEPS_"))]:
         del full_env[key]
@@ -113,7 +117,11 @@ def reduced_ddp(block, tmp_path):
 def reduced_seeds(block, tmp_path):
     block = block.replace("--nproc-per-node 8", "--nproc-per-node 2")
     out = run_block(append_to(block, "dgc/train.py", "--dry-run"), tmp_path)
-    assert '"compressor": "dgc"' in out.replace("'", '"') or "dgc" in out, out[-3000:]
+    last = [line for line in out.splitlines() if line.startswith("{")]
+    assert last, out[-3000:]
+    resolved = json.loads(last[-1])
+    text = json.dumps(resolved)
+    assert '"dgc"' in text and "0.063" in text and str(tmp_path / "data") in text, text[:3000]
 
 
 REDUCED = {"mxnet-local": reduced_mxnet_local, "roles": reduced_roles, "pssh": reduced_pssh,

@@ -79,8 +79,8 @@ def build_parser():
     parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear warm-up")
     parser.add_argument("--drop-rate", type=float, default=0.0,
                         help="dropout rate of the wide ResNets (cifar_wideresnet*)")
-    parser.add_argument("--mode", type=str, default=None, choices=("imperative", "hybrid"),
-                        help="imperative (default) or hybrid")
+    parser.add_argument("--mode", type=str, default=None, choices=common.MODES,
+                        help="imperative (default) or hybrid (hybrib, as BytePS's recipe prints it: imperative, with a note)")
     parser.add_argument("--save-period", type=int, default=10,
                         help="save the parameters every this many epochs (0: never)")
     parser.add_argument("--save-dir", type=str, default="params", help="directory of saved models")
@@ -120,8 +120,11 @@ def main(argv=None):
 
     bps.init()
     rank, size = bps.rank(), bps.size()
-    ctx, device_name = common.device(args.num_gpus)
+    ctx, device_name, device_note = common.device(args.num_gpus)
     logger = make_logger("cifar100", f"cifar100-{size}-{device_name}-{args.logging_file}.log", rank)
+    for note in (device_note, common.mode_note(args.mode)):
+        if note:
+            logger.info(note)
     logger.info(args)
     common.seed_everything(args.seed, rank)
 

@@ -91,8 +91,8 @@ def build_parser():
     parser.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear warm-up")
     parser.add_argument("--last-gamma", action="store_true",
                         help="initialize the gamma of the last BN layer of each residual block to 0")
-    parser.add_argument("--mode", type=str, default=None, choices=("imperative", "hybrid"),
-                        help="imperative (default) or hybrid")
+    parser.add_argument("--mode", type=str, default=None, choices=common.MODES,
+                        help="imperative (default) or hybrid (hybrib, as BytePS's recipe prints it: imperative, with a note)")
     parser.add_argument("--model", type=str, required=True,
                         help="gluoncv model zoo name (resnet50_v1, resnet18_v2, mobilenet1.0, ...)")
     parser.add_argument("--num-classes", type=int, default=1000, help="number of classes")
@@ -323,8 +323,11 @@ def main(argv=None):
 
     bps.init()
     rank, size = bps.rank(), bps.size()
-    ctx, _ = common.device(args.num_gpus)
+    ctx, _, device_note = common.device(args.num_gpus)
     logger = make_logger("imagenet", args.logging_file, rank)
+    for note in (device_note, common.mode_note(args.mode)):
+        if note:
+            logger.info(note)
     logger.info(args)
     common.seed_everything(args.seed, rank)
 

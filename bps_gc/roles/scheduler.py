@@ -94,9 +94,10 @@ class Scheduler:
         if self.stop_at is not None:
             return 1 if now >= self.stop_at else None
         if not self.ready and now - self.started > self.join_timeout:
-            missing = {r: n - self.count(r) for r, n in self.expected.items() if n is not None}
-            if self.expected["worker"] is None:
-                missing["worker hosts"] = self.hosts.num_hosts
+            # before any worker joined, its local size is unknown: this node's BYTEPS_LOCAL_SIZE
+            # (usually unset: 1) stands in for it
+            expected = dict(self.expected, worker=self.expected["worker"] or self.hosts.num_hosts * self.cfg.local_size)
+            missing = {r: n - self.count(r) for r, n in expected.items()}
             return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
                                    f"(still missing: {missing})")
         dead = self.dead_member(now)

@@ -133,7 +133,7 @@ class Worker(Communicator):
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
             tensor.local = True  # the workers sum it: no server hears of it
             return
-        for part in (tensor.partitions if self.host is None else self.host.owned(tensor)):
+        for part in (tensor.partitions if self.host is None else self.host.place(tensor)):
             self.io.post("init", part.key, part.server, tensor.wire_dtype, tensor.describe(part))
 
     def _build_codec(self, tensor, n, dtype, key):

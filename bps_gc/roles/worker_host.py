@@ -61,6 +61,15 @@ class HostReduce(LocalReduce):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
         return (tensor.index + p) % self.local_size
 
+    def place(self, tensor):
+        """The partitions this rank declares to their servers (those it owns); a ValueError
+        for what two levels cannot carry yet."""
+        if tensor.compressed and tensor.params.granularity == "entiremodel":
+            raise ValueError(f"{tensor.name!r}: granularity 'entiremodel' compresses each rank's whole "
+                             f"gradient before the host's sum; with several local ranks per host set "
+                             f"BPS_GC_HIERARCHY=flat on every worker (docs/local_ranks.md)")
+        return self.owned(tensor)
+
     def owned(self, tensor):
         return [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == self.worker.local_rank]
 

@@ -47,3 +47,71 @@ def test_every_codec_two_levels_and_flat(machines, tmp_path):  # noqa: F811
             assert two[rank][key].tobytes() == two[0][key].tobytes()
     # the host level changes what a codec sees: the sums differ from the flat path's
     assert two[0]["recompress/0"].tobytes() != flat[0]["recompress/0"].tobytes()
+
+
+ASYNC = """
+import numpy as np, bps_gc.core as bps
+w = bps.init(); r, n = bps.rank(), bps.size()
+assert w.host is not None  # two levels: 2 hosts x 2 local ranks on loopback
+try:
+    bps.declare("whole.0", shape=(4096,), dtype=np.float32, compressor="topk", k=0.1, granularity="entiremodel")
+except ValueError as e:
+    print("REFUSED", "BPS_GC_HIERARCHY=flat" in str(e), flush=True)
+bps.declare("w", shape=(50_000,), dtype=np.float32, compressor="onebit", scaling=True)
+bps.declare("d", shape=(1000,), dtype=np.float32)
+for _ in range(5):
+    bps.push_pull(np.full(50_000, r + 1, np.float32), "w", average=False).wait()
+    bps.push_pull(np.full(1000, r + 1, np.float32), "d", average=False).wait()
+bps.barrier()
+final = bps.push_pull(np.zeros(50_000, np.float32), "w", average=False).wait()
+dense = bps.push_pull(np.zeros(1000, np.float32), "d", average=False).wait()
+# the servers' stores hold every push: 5 steps of each host's sum (onebit+scaling keeps a constant)
+expected = 5 * sum(k + 1 for k in range(n))
+assert np.array_equal(final, np.full_like(final, expected)) and np.array_equal(dense, np.full_like(dense, expected))
+print("ASYNC-OK", flush=True)
+bps.shutdown()
+"""
+
+
+def test_async_mode_and_entire_model_refusal():
+    """BYTEPS_ENABLE_ASYNC: each owner's push of its host's sum goes into the servers' stores;
+    entire-model granularity is refused at declare, naming the setting that runs it."""
+    from cluster import run_local
+    import sys
+    result = run_local([sys.executable, "-c", ASYNC], workers=2, servers=2, local_size=2, timeout=120,
+                       env={"BYTEPS_ENABLE_ASYNC": "1", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.count("ASYNC-OK") == 4 and result.stdout.count("REFUSED True") == 4, result.stdout
+
+
+def test_local_sgd_h1_is_synchronous_sgd_bit_for_bit(tmp_path):
+    """Local SGD with two levels (2 hosts x 2 ranks): syncing every step equals synchronous SGD,
+    bit for bit on the exact grid of tests/test_local_sgd.py, on every rank."""
+    import json
+    import os
+    import sys
+    import pytest
+    pytest.importorskip("torch")
+    from cluster import TESTS, run_local
+    exact = {"lr": 1 / 64, "momentum": 0.5}
+    configs = [{"name": "sync-exact", "algorithm": "sync", "model": "exact", "optimizer": exact, "steps": 4},
+               {"name": "h1-exact", "algorithm": "local", "model": "exact", "optimizer": exact, "steps": 4,
+                "local_steps": 1, "steps_per_epoch": 4}]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"configs": configs}))
+    result = run_local([sys.executable, os.path.join(TESTS, "local_sgd_job.py"), str(spec), str(tmp_path)],
+                       workers=2, servers=1, local_size=2, timeout=240,
+                       # torch's import on a busy 2-core box can starve heartbeats for seconds
+                       env={"BYTEPS_MIN_COMPRESS_BYTES": "0", "BPS_GC_HEARTBEAT_TIMEOUT": "20"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    runs = [dict(np.load(tmp_path / f"local{r}.npz")) for r in range(4)]
+
+    def params(run, cfg, step):
+        return {k.split("/", 3)[3].split(".", 1)[1]: v for k, v in run.items() if k.startswith(f"{cfg}/{step}/param/")}
+    for step in range(4):
+        for r in range(4):
+            local, sync = params(runs[r], "h1-exact", step), params(runs[r], "sync-exact", step)
+            assert sync and local.keys() == sync.keys()
+            for name in sync:
+                assert np.array_equal(local[name], sync[name]), f"step {step} rank {r} {name}"
+                assert np.array_equal(sync[name], params(runs[0], "sync-exact", step)[name])

@@ -115,3 +115,18 @@ def test_local_sgd_h1_is_synchronous_sgd_bit_for_bit(tmp_path):
             for name in sync:
                 assert np.array_equal(local[name], sync[name]), f"step {step} rank {r} {name}"
                 assert np.array_equal(sync[name], params(runs[0], "sync-exact", step)[name])
+
+
+def test_one_host_local_reduce_keeps_its_flat_path(tmp_path):
+    """BPS_GC_LOCAL_REDUCE=1 with every rank on one host (2 hosts x 2 ranks on loopback): dense
+    sums stay in shared memory, compressed tensors are pushed by every rank (the flat model),
+    although the hosts run several local ranks."""
+    from cluster import run_job
+    names = ("dense", "recompress", "majority")
+    spec = dict(SPEC, tensors=[t for t in SPEC["tensors"] if t["name"] in names])
+    results, metrics = run_job(spec, tmp_path, workers=2, servers=1, local_size=2,
+                               env={"BPS_GC_LOCAL_REDUCE": "1", "BPS_GC_DENSE_PARTITION_BYTES": "2048"})
+    expected = reference.expected_results(spec, 4)
+    for rank, got in enumerate(results):
+        for key, value in expected.items():
+            assert got[key].tobytes() == value.tobytes(), f"rank {rank} {key}"

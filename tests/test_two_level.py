@@ -85,8 +85,9 @@ def test_async_mode_and_entire_model_refusal():
 
 
 def test_local_sgd_h1_is_synchronous_sgd_bit_for_bit(tmp_path):
-    """Local SGD with two levels (2 hosts x 2 ranks): syncing every step equals synchronous SGD,
-    bit for bit on the exact grid of tests/test_local_sgd.py, on every rank."""
+    """Local SGD with two levels (one host of 2 ranks, pushing once: torch's import is what
+    costs here): syncing every step equals synchronous SGD, bit for bit on the exact grid of
+    tests/test_local_sgd.py, on every rank."""
     import json
     import os
     import sys
@@ -100,16 +101,16 @@ def test_local_sgd_h1_is_synchronous_sgd_bit_for_bit(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"configs": configs}))
     result = run_local([sys.executable, os.path.join(TESTS, "local_sgd_job.py"), str(spec), str(tmp_path)],
-                       workers=2, servers=1, local_size=2, timeout=240,
+                       workers=1, servers=1, local_size=2, timeout=240,
                        # torch's import on a busy 2-core box can starve heartbeats for seconds
                        env={"BYTEPS_MIN_COMPRESS_BYTES": "0", "BPS_GC_HEARTBEAT_TIMEOUT": "20"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    runs = [dict(np.load(tmp_path / f"local{r}.npz")) for r in range(4)]
+    runs = [dict(np.load(tmp_path / f"local{r}.npz")) for r in range(2)]
 
     def params(run, cfg, step):
         return {k.split("/", 3)[3].split(".", 1)[1]: v for k, v in run.items() if k.startswith(f"{cfg}/{step}/param/")}
     for step in range(4):
-        for r in range(4):
+        for r in range(2):
             local, sync = params(runs[r], "h1-exact", step), params(runs[r], "sync-exact", step)
             assert sync and local.keys() == sync.keys()
             for name in sync:

@@ -53,10 +53,6 @@ ASYNC = """
 import numpy as np, bps_gc.core as bps
 w = bps.init(); r, n = bps.rank(), bps.size()
 assert w.host is not None  # two levels: 2 hosts x 2 local ranks on loopback
-try:
-    bps.declare("whole.0", shape=(4096,), dtype=np.float32, compressor="topk", k=0.1, granularity="entiremodel")
-except ValueError as e:
-    print("REFUSED", "BPS_GC_HIERARCHY=flat" in str(e), flush=True)
 bps.declare("w", shape=(50_000,), dtype=np.float32, compressor="onebit", scaling=True)
 bps.declare("d", shape=(1000,), dtype=np.float32)
 for _ in range(5):
@@ -73,15 +69,14 @@ bps.shutdown()
 """
 
 
-def test_async_mode_and_entire_model_refusal():
-    """BYTEPS_ENABLE_ASYNC: each owner's push of its host's sum goes into the servers' stores;
-    entire-model granularity is refused at declare, naming the setting that runs it."""
+def test_async_mode():
+    """BYTEPS_ENABLE_ASYNC: each owner's push of its host's sum goes into the servers' stores."""
     from cluster import run_local
     import sys
     result = run_local([sys.executable, "-c", ASYNC], workers=2, servers=2, local_size=2, timeout=120,
                        env={"BYTEPS_ENABLE_ASYNC": "1", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert result.stdout.count("ASYNC-OK") == 4 and result.stdout.count("REFUSED True") == 4, result.stdout
+    assert result.stdout.count("ASYNC-OK") == 4, result.stdout
 
 
 def test_local_sgd_h1_is_synchronous_sgd_bit_for_bit(tmp_path):
@@ -131,3 +126,36 @@ def test_one_host_local_reduce_keeps_its_flat_path(tmp_path):
     for rank, got in enumerate(results):
         for key, value in expected.items():
             assert got[key].tobytes() == value.tobytes(), f"rank {rank} {key}"
+
+
+ENTIRE = """
+import json, sys, numpy as np, bps_gc.core as bps
+from bps_gc.bindings.entire_model import EntireModel
+from test_granularity import SHAPES, layers
+bps.init()
+model = EntireModel("em", SHAPES, np.float32, {"compressor": "topk", "k": 0.05})
+arrays = [a.copy() for a in layers(bps.rank())]
+model.reduce(arrays, {"lr": 0.1}, average=True)
+np.save(sys.argv[1] + f"/em{bps.rank()}.npy", np.concatenate([a.reshape(-1) for a in arrays]))
+bps.shutdown()
+"""
+
+
+def test_entire_model_is_pushed_by_every_rank(tmp_path):
+    """Entire-model granularity with two levels (2 hosts x 2 ranks): its codec runs in the
+    binding over each rank's whole gradient, so every rank pushes its chunks (the servers count
+    one push per rank for those keys) while layer-wise tensors push once per host: the result
+    is the sum of every rank's top-k of its whole vector (numpy), averaged."""
+    import sys
+    from cluster import run_local
+    from test_granularity import layers, topk
+    result = run_local([sys.executable, "-c", ENTIRE, str(tmp_path)], workers=2, servers=2, local_size=2,
+                       timeout=120, env={"BYTEPS_PARTITION_BYTES": "1024", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    want = np.zeros(sum(int(np.prod(s.shape)) for s in layers(0)), np.float32)
+    for rank in range(4):
+        want += topk(np.concatenate([a.reshape(-1) for a in layers(rank)]), 0.05)
+    want /= np.float32(4)
+    for rank in range(4):
+        got = np.load(tmp_path / f"em{rank}.npy")
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -38,6 +38,7 @@ from bps_gc.bindings.topology import Topology, ring_edges, torus_edges  # noqa: 
 from bps_gc.config import Config, ConfigError  # noqa: E402
 from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
 from bps_gc.roles.worker_io import Push, fusable, fusion_buckets  # noqa: E402
+from bps_gc.roles.worker_host import partition_owner  # noqa: E402
 from bps_gc.roles.worker_tensors import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
 from bps_gc.transport.wire import HEADER, encode_context, pack_fused  # noqa: E402
 
@@ -190,10 +191,8 @@ def plan(shapes, params, reducer, num_servers, cfg):
 
 
 def owner(tensor, part, local):
-    """Two-level model: the local rank that pushes ``part`` for its host, by the rule of the
-    two-level branch (docs/local_ranks.md there: partition p of the tensor declared i-th is
-    owned by local rank (i + p) mod local_size); not merged here yet, hence restated."""
-    return (tensor.index + (part.key & 0xFFFF)) % local
+    """Two levels: the local rank that pushes ``part`` for its host (the worker's own rule)."""
+    return partition_owner(tensor.index, part.key & 0xFFFF, local)
 
 
 def messages(tensors, sizes, scale, pushes, cfg, local=1):

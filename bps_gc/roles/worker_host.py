@@ -42,6 +42,12 @@ def host_members(book, cfg, host):
     return members
 
 
+
+def partition_owner(index, p, local_size):
+    """The local rank that owns partition ``p`` of the tensor declared ``index``-th: partitions
+    rotate over the host's ranks, so each rank owns about 1/local_size of every round."""
+    return (index + p) % local_size
+
 class InnerTensor:
     """What a Handle needs of a tensor, for the owner's pushes of its share: it must not clear
     the user's tensor's ``busy`` flag, and its pulled bytes are counted once, by the copy out."""
@@ -60,7 +66,7 @@ class HostReduce(LocalReduce):
 
     def owner(self, tensor, p):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
-        return (tensor.index + p) % self.local_size
+        return partition_owner(tensor.index, p, self.local_size)
 
     def place(self, tensor):
         """[(partition, INIT declaration)] this rank sends the servers: those it owns. A

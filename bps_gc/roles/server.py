@@ -52,7 +52,9 @@ class Server:
         self.replies = queue.SimpleQueue()
         self.keys = {}
         self.node_id = None
-        self.workers = 0
+        self.workers = 0  # pushers of each key: worker processes, or hosts (BPS_GC_HIERARCHY=host)
+        self.per_host = 1  # worker processes per pusher (docs/local_ranks.md)
+        self.ranks = 0  # worker processes
         self.engines = []
         self.dropped = DropLog(log)
         self.watch = RoundWatch(self)
@@ -66,7 +68,11 @@ class Server:
         """Serve until the scheduler says shut down (returns 0) or the job fails (returns 1)."""
         try:
             book = self.membership.join(self.cfg.join_timeout)
-            self.node_id, self.workers = book["you"], len(book["workers"])
+            self.node_id, self.ranks = book["you"], len(book["workers"])
+            # two levels: one local rank of each host pushes a key (its host's sum), so the
+            # pushes of a key are counted, and kept, per host
+            self.per_host = int(book.get("local_size", 1)) if book.get("hierarchy") == "host" else 1
+            self.workers = self.ranks // self.per_host
             log.info("server %d (node %d) serving %d workers on %s:%d", book["rank"], self.node_id,
                      self.workers, self.membership.host, self.membership.port)
             self.engines = [Engine(self.ctx, self.replies) for _ in range(self.cfg.server_engine_threads)]
@@ -125,9 +131,9 @@ class Server:
             rank = int(text[1:]) if text[:1] == "w" else -1
         except (UnicodeDecodeError, ValueError):
             rank = -1
-        if not 0 <= rank < self.workers or header.sender != rank:
+        if not 0 <= rank < self.ranks or header.sender != rank:
             raise MalformedMessage(f"message from unknown peer {identity!r}")
-        return rank
+        return rank // self.per_host
 
     def receive(self):
         context = {}

@@ -42,6 +42,12 @@ def host_members(book, cfg, host):
     return members
 
 
+def partition_owner(index, p, local_size):
+    """The local rank that sums, compresses and sends partition ``p`` of the tensor declared
+    ``index``-th (both transports' two levels: the same owner keeps the same codec state)."""
+    return (index + p) % local_size
+
+
 class InnerTensor:
     """What a Handle needs of a tensor, for the owner's pushes of its share: it must not clear
     the user's tensor's ``busy`` flag, and its pulled bytes are counted once, by the copy out."""
@@ -59,7 +65,7 @@ class HostReduce(LocalReduce):
 
     def owner(self, tensor, p):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
-        return (tensor.index + p) % self.local_size
+        return partition_owner(tensor.index, p, self.local_size)
 
     def place(self, tensor):
         """The partitions this rank declares to their servers (those it owns); a ValueError
@@ -189,4 +195,4 @@ def connect(worker, local, book, host):
     return None, None
 
 
-__all__ = ["HostReduce", "connect", "may_use", "open_local"]
+__all__ = ["HostReduce", "connect", "may_use", "open_local", "partition_owner"]

@@ -45,7 +45,7 @@ class CollectiveHostsJob(Job):
             else:
                 argv = [*TORCHRUN, "--nnodes", str(hosts), "--node-rank", str(h), "--nproc-per-node",
                         str(local_size), "--master-addr", net.addr[0], "--master-port", str(self.port),
-                        *command]
+                        *command[command[0] == sys.executable:]]  # torchrun starts python itself
                 host_env = base
             name = f"worker{h}"
             host_env = dict(host_env, GLOO_SOCKET_IFNAME=net.veth[h])  # else gloo picks loopback

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from collective_hosts import CollectiveHostsJob, powersgd_expected, run_spec
 from local_ranks import expected_results, machines  # noqa: F401
+from multihost import processes_with
 
 HOSTS, LOCAL = 2, 3
 SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 2048, "min_compress_bytes": 0,
@@ -67,21 +68,21 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def memfds():
-    """memfd arenas (transport/shm.py) held open by any process: the kernel frees each with its
-    last holder, so none may remain once the job's processes are gone."""
-    found = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def memfds(port):
+    """memfd arenas (transport/shm.py) held by processes of the job on ``port``: the kernel frees
+    each with its last holder, so none may remain once the job's processes are gone; and nothing
+    of ours is ever made in /dev/shm."""
+    found = [name for name in os.listdir("/dev/shm") if "bps_gc" in name]
+    for pid in processes_with(f"DMLC_PS_ROOT_PORT={port}"):
         try:
-            found += sum("memfd:bps_gc" in os.readlink(f"/proc/{pid}/fd/{fd}")
-                         for fd in os.listdir(f"/proc/{pid}/fd"))
+            found += [pid for fd in os.listdir(f"/proc/{pid}/fd")
+                      if "memfd:bps_gc" in os.readlink(f"/proc/{pid}/fd/{fd}")]
         except OSError:
             continue
     return found
 
 
 def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
-    before = memfds()
     env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0", "KILLED_RANK": "4"}
     job = CollectiveHostsJob(machines, HOSTS, LOCAL, [sys.executable, "-c", TRAIN], env=env)
     try:
@@ -96,7 +97,7 @@ def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
     failures = [line for line in survivors.splitlines() if "NodeFailure" in line]
     assert len(failures) == LOCAL and all("rank 4" in line for line in failures), report
     assert "Traceback" not in survivors, report
-    assert memfds() <= before
+    assert not memfds(job.port)
     print(f"collective, local rank killed: every launcher exited {elapsed:.2f} s after the fault; {failures[0]}",
           file=sys.stderr)
 

@@ -107,7 +107,11 @@ class Heartbeat:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum, frame):
-            self._quietly(self.store.set, f"signalled/{self.rank}", "SIGTERM")
+            # at most half a second: a store whose host is gone must not hold the signal up
+            note = threading.Thread(target=self._quietly, args=(self.store.set, f"signalled/{self.rank}", "SIGTERM"),
+                                    daemon=True)
+            note.start()
+            note.join(0.5)
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
             if callable(previous):
                 return previous(signum, frame)

@@ -44,3 +44,39 @@ def test_hosts_with_different_local_sizes_are_refused(machines):  # noqa: F811
     assert "worker hosts run different numbers of local ranks" in everything, job.report(statuses)
     assert "BYTEPS_LOCAL_SIZE=2" in everything and "has 3" in everything, job.report(statuses)
     assert "Traceback" not in everything, job.report(statuses)
+
+
+def test_hierarchy_setting_is_validated():
+    import pytest
+    from bps_gc.config import Config, ConfigError
+    base = dict(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="10.0.0.1",
+                DMLC_PS_ROOT_PORT="1234", DMLC_WORKER_ID="1", BYTEPS_LOCAL_SIZE="4", BYTEPS_LOCAL_RANK="3")
+    assert Config.from_env(base).hierarchy == "auto"
+    assert Config.from_env(dict(base, BPS_GC_HIERARCHY="flat")).hierarchy == "flat"
+    assert Config.from_env(base).rank == 7
+    with pytest.raises(ConfigError, match="BPS_GC_HIERARCHY: unknown value 'tree'; allowed: auto, flat, host"):
+        Config.from_env(dict(base, BPS_GC_HIERARCHY="tree"))
+
+
+def test_scheduler_checks_each_hosts_registration():
+    """The scheduler's rules (roles/hosts.py), registration by registration."""
+    from bps_gc.roles.hosts import WorkerHosts
+
+    def reg(worker_id, local_rank, local_size, hierarchy="auto"):
+        return {"worker_id": worker_id, "local_rank": local_rank, "local_size": local_size,
+                "hierarchy": hierarchy, "host": f"10.0.0.{worker_id + 1}"}
+    hosts = WorkerHosts(2)
+    assert hosts.expected_workers() is None and hosts.hierarchy() == "flat"
+    assert hosts.check(reg(1, 2, 3), 5) == (None, None)
+    assert hosts.expected_workers() == 6 and hosts.hierarchy() == "host"
+    fatal, _ = hosts.check(reg(2, 0, 3), 6)
+    assert "DMLC_WORKER_ID=2, outside [0, 2)" in fatal
+    _, problem = hosts.check(reg(0, 1, 3), 4)
+    assert "worker rank 4 is not DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK (0 * 3 + 1)" in problem
+    fatal, _ = hosts.check(reg(0, 0, 3, "flat"), 0)
+    assert "workers disagree on BPS_GC_HIERARCHY" in fatal and "10.0.0.2" in fatal and "10.0.0.1" in fatal
+    fatal, _ = hosts.check(reg(0, 0, 2), 0)
+    assert "DMLC_WORKER_ID=1 at 10.0.0.2 has BYTEPS_LOCAL_SIZE=3, DMLC_WORKER_ID=0 at 10.0.0.1 has 2" in fatal
+    flat = WorkerHosts(2)
+    flat.check(reg(0, 0, 4, "flat"), 0)
+    assert flat.hierarchy() == "flat" and flat.book(type("C", (), {"local_reduce": False})(), [])["local_size"] == 4

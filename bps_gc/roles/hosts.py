@@ -64,9 +64,15 @@ class WorkerHosts:
         self.hosts.setdefault(worker_id, where)
         return None, None
 
-    def book(self):
-        """What the address book says about the workers' hosts."""
-        return {"local_size": self.local_size or 1, "hierarchy": self.hierarchy()}
+    def book(self, cfg, workers):
+        """What the address book says about the workers' hosts. ``workers``: their Members.
+        BPS_GC_LOCAL_REDUCE with every worker on one host keeps its own path (worker_local.py:
+        dense sums never reach a server, compressed pushes come from every rank): flat."""
+        hierarchy = self.hierarchy()
+        if hierarchy == "host" and cfg.local_reduce and not cfg.enable_async and \
+                len({m.host for m in workers}) == 1 and all(m.local for m in workers):
+            hierarchy = "flat"
+        return {"local_size": self.local_size or 1, "hierarchy": hierarchy}
 
 
 __all__ = ["WorkerHosts"]

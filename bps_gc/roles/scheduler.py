@@ -227,13 +227,13 @@ class Scheduler:
         for m in workers:
             m.node_id = 1 + len(servers) + m.rank
         book = {"servers": [m.describe() for m in servers], "workers": [m.describe() for m in workers],
-                **self.hosts.book()}
+                **self.hosts.book(self.cfg, workers)}
         for m in self.members.values():
             m.last_seen = time.monotonic()
             self.reply(m, Msg.ADDRESS_BOOK, obj=dict(book, you=m.node_id, rank=m.rank))
         self.ready = True
         log.info("cluster complete: %d servers, %d workers (%d hosts, hierarchy %s)", len(servers),
-                 len(workers), self.hosts.num_hosts, self.hosts.hierarchy())
+                 len(workers), self.hosts.num_hosts, book["hierarchy"])
 
     def barrier(self, member):
         """A barrier of every worker process; one that a departed worker can never join fails."""

@@ -133,8 +133,10 @@ class Worker(Communicator):
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
             tensor.local = True  # the workers sum it: no server hears of it
             return
-        for part in (tensor.partitions if self.host is None else self.host.place(tensor)):
-            self.io.post("init", part.key, part.server, tensor.wire_dtype, tensor.describe(part))
+        inits = [(part, tensor.describe(part)) for part in tensor.partitions] if self.host is None \
+            else self.host.place(tensor)
+        for part, decl in inits:
+            self.io.post("init", part.key, part.server, tensor.wire_dtype, decl)
 
     def _build_codec(self, tensor, n, dtype, key):
         """(codec chain, reducer) of a compressed partition."""
@@ -163,7 +165,7 @@ class Worker(Communicator):
         if phases(tensor) > 1:
             return self._reduce_in_phases(tensor, array, out, average, ctx, priority)
         flat = np.ascontiguousarray(array).reshape(-1)
-        if self.host is not None:
+        if self.host is not None and self.host.carries(tensor):
             return self.host.push_pull(tensor, flat, out, average, ctx, priority)
         if tensor.local:
             wire = out.reshape(-1)

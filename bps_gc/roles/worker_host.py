@@ -62,19 +62,25 @@ class HostReduce(LocalReduce):
         self.worker = worker
         self.local_size = worker.cfg.local_size
         self.two_level = True  # False: BPS_GC_LOCAL_REDUCE's one-host sums (the base class)
+        self.per_rank = set()  # names of the tensors every rank pushes itself (see ``place``)
 
     def owner(self, tensor, p):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
         return partition_owner(tensor.index, p, self.local_size)
 
     def place(self, tensor):
-        """The partitions this rank declares to their servers (those it owns); a ValueError
-        for what two levels cannot carry yet."""
+        """[(partition, INIT declaration)] this rank sends the servers: those it owns. A
+        compressed tensor of granularity 'entiremodel' is compressed by the binding over each
+        rank's whole gradient, before any host sum: every rank pushes it, as in a flat job, and
+        its declaration tells the servers to count one push per rank."""
         if tensor.compressed and tensor.params.granularity == "entiremodel":
-            raise ValueError(f"{tensor.name!r}: granularity 'entiremodel' compresses each rank's whole "
-                             f"gradient before the host's sum; with several local ranks per host set "
-                             f"BPS_GC_HIERARCHY=flat on every worker (docs/local_ranks.md)")
-        return self.owned(tensor)
+            self.per_rank.add(tensor.name)
+            return [(part, dict(tensor.describe(part), pushers="rank")) for part in tensor.partitions]
+        return [(part, tensor.describe(part)) for part in self.owned(tensor)]
+
+    def carries(self, tensor):
+        """Whether the host level reduces ``tensor`` (else every rank pushes it)."""
+        return tensor.name not in self.per_rank
 
     def owned(self, tensor):
         return [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == self.worker.local_rank]

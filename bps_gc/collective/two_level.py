@@ -34,11 +34,12 @@ class TwoLevels:
 
     def reduce_coded_on_hosts(self, coded):
         """Two levels of a bucket's compressed tensors ``coded``: [(tensor, wire, out, average,
-        ctx, None)], one round per wire dtype (their wires back to back)."""
+        ctx, None)] (``wire`` in the tensor's dtype), one round per dtype and wire dtype (their
+        buffers back to back)."""
         by_dtype = {}
         for entry in coded:
-            by_dtype.setdefault(entry[1].dtype, []).append(entry)
-        for entries in by_dtype.values():
+            by_dtype.setdefault((entry[1].dtype, entry[0].wire_dtype), []).append(entry)
+        for (_, wire_dtype), entries in by_dtype.items():
             start = time.perf_counter()
             flat = np.concatenate([entry[1] for entry in entries])
             parts, offset = [], 0
@@ -48,7 +49,7 @@ class TwoLevels:
                           for p, part in enumerate(tensor.partitions)]
                 offset += wire.size
             names = ", ".join(repr(entry[0].name) for entry in entries[:3])
-            sent, received = self.levels.reduce_coded(flat, parts, f"all_gather of {names}'s payloads")
+            sent, received = self.levels.reduce_coded(flat, parts, f"all_gather of {names}'s payloads", wire_dtype)
             self.counters.pushed_wire += sent
             self.counters.pulled_wire += received
             self.counters.communicate_seconds += time.perf_counter() - start

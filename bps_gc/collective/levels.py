@@ -155,7 +155,7 @@ class HostLevels:
         mine = slots[self.local_rank]
         mine[:flat.size] = flat
         mine[flat.size:] = 0  # the padding is summed too: no stale NaN
-        self._sync("the host's sync before its sums")
+        self._sync("host sync before the sums")
         return slots, results
 
     # ------------------------------------------------------------------ reductions
@@ -174,7 +174,7 @@ class HostLevels:
                       f"{what} across hosts")
         if carried is not out:
             out[...] = carried
-        self._sync("the host's sync after its sums")
+        self._sync("host sync after the sums")
         self._copy_out(flat, results, [(self.share(flat.size, i), i) for i in range(self.local_size)])
         return array
 
@@ -208,7 +208,7 @@ class HostLevels:
             reducer.decode(reply, target, ctx)
             if cast:
                 result[start:stop] = target
-        self._sync("the host's sync after its sums")
+        self._sync("host sync after the sums")
         self._copy_out(flat, results, [((start, stop), owner) for start, stop, owner, *_ in parts])
         sent = sum(p.nbytes for p in payloads)
         return sent, sum(p.nbytes for host in gathered for p in host) - sent

@@ -180,9 +180,9 @@ class HostLevels:
 
     def reduce_coded(self, flat, parts, what="all_gather of payloads", wire_dtype=None):
         """The two levels of compressed partitions, in place in ``flat`` (this rank's wire array):
-        ``parts`` [(start, stop, owner local rank, codec, reducer, step context)].  The owner sums its parts
-        over the host, compresses each once, the owners of every host exchange payloads and run
-        the reducer; each part ends as the reducer's decoded reply (the sum, not averaged).
+        ``parts`` [(start, stop, owner local rank, codec, reducer, step context)]. The owner sums
+        its parts over the host, compresses each once, the owners of every host exchange
+        payloads and run the reducer; each part ends as the reducer's decoded reply (the sum, not averaged).
         ``wire_dtype``: the codecs' dtype, when not ``flat``'s (fp16: the host's sum is cast for
         them). Returns this rank's payload bytes (sent, received)."""
         wire_dtype = flat.dtype if wire_dtype is None else np.dtype(wire_dtype)
@@ -193,13 +193,11 @@ class HostLevels:
         for start, stop, _, codec, _, ctx in mine:
             add_in_order([slot[start:stop] for slot in slots], result[start:stop])
             payloads.append(codec.compress(result[start:stop].astype(wire_dtype, copy=False), ctx))
-        if not mine:  # the host's same local rank everywhere owns nothing: nothing crosses
-            self.wait(None, what)
-            self.wait(None, what)
-            gathered = [[]]
-        elif self.hosts > 1:
+        if mine and self.hosts > 1:
             gathered = all_gather_bytes(payloads, self.wait, self.cross_group)
-        else:
+        else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
+            self.wait(None, what)  # rank counts the all_gather's two collectives alike
+            self.wait(None, what)
             gathered = [payloads]
         for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
             reply = reducer.reduce([host[k] for host in gathered], True, ctx)

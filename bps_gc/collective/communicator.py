@@ -50,7 +50,7 @@ class Handle(api.Handle):
 
 class Bucket:
     """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
-    [(flat wire array, out, average, wire dtype)]; compressed ones' payloads in one all_gather ``coded``:
+    [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
     [(tensor, wire, out, average, lr, payloads)]; two-phase ones (PowerSGD) in one all_reduce
     per phase ``phased``: [(PhasedReduction, first phase buffer, wire, out, average)], as
     torch's PowerSGD hook sums a whole bucket's matrices at once."""
@@ -215,13 +215,13 @@ class Collective(TwoLevels, Messages, api.Communicator):
         wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed)
         self.counters.pushed_raw += wire.nbytes
         self.counters.pulled_raw += wire.nbytes
-        if not tensor.compressed:
-            return self._reduce_dense(tensor.name, wire, out, average, tensor.wire_dtype)
-        if phases(tensor) > 1:
-            return self._reduce_in_phases(tensor, wire, out, average, ctx)
-        if self.levels is not None:  # the owner compresses the host's sum at the flush
+        if phases(tensor) == 1 and self.levels is not None:  # two levels, dense or not (two_level.py)
             return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None),
                              wire.nbytes, tensor.name)
+        if not tensor.compressed:
+            return self._reduce_dense(tensor.name, wire, out, average)
+        if phases(tensor) > 1:
+            return self._reduce_in_phases(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
             return self._queue_payloads(tensor, wire, out, average, ctx)
         start = time.perf_counter()
@@ -304,11 +304,10 @@ class Collective(TwoLevels, Messages, api.Communicator):
         tally = votes.numpy()
         wire[...] = np.nan if tally[-1] else np.where(tally[:-1] < 0, -1, 1)
 
-    def _reduce_dense(self, name, wire, out, average, wire_dtype):
-        self.counters.pushed_wire += wire.size * wire_dtype.itemsize
-        self.counters.pulled_wire += wire.size * wire_dtype.itemsize
-        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average, wire_dtype), wire.nbytes,
-                         name)
+    def _reduce_dense(self, name, wire, out, average):
+        self.counters.pushed_wire += wire.nbytes
+        self.counters.pulled_wire += wire.nbytes
+        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes, name)
 
     def _add(self, handle, kind, entry, nbytes, name):
         bucket = self.pending
@@ -330,14 +329,10 @@ class Collective(TwoLevels, Messages, api.Communicator):
             self._reduce_phased(bucket.phased)
         by_dtype = {}
         for entry in bucket.entries:
-            by_dtype.setdefault((entry[0].dtype, entry[3]), []).append(entry)
-        for (_, wire_dtype), entries in by_dtype.items():
-            fused = torch.from_numpy(np.concatenate([entry[0] for entry in entries]))
+            by_dtype.setdefault(entry[0].dtype, []).append(entry)
+        for dtype, entries in by_dtype.items():
+            fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
             bucket.buffers.append((fused, entries))
-            if self.levels is not None:  # two levels: summed now (the host's ranks in step)
-                self.levels.all_reduce(fused.numpy(), f"all_reduce of {_listed(bucket.names)}", wire_dtype)
-        if self.levels is not None:
-            return
         bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
     def finish(self, bucket):
@@ -351,7 +346,7 @@ class Collective(TwoLevels, Messages, api.Communicator):
         self.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
             flat, offset = fused.numpy(), 0
-            for wire, out, average, _ in entries:
+            for wire, out, average in entries:
                 self._deliver(flat[offset:offset + wire.size], out, average)
                 offset += wire.size
         bucket.done = True

@@ -23,6 +23,8 @@ class TwoLevels:
     def join_levels(self):
         self.levels = HostLevels.join(self.rank, self.size, host_key(self.cfg), self.local_rank,
                                       self.local_size, self.cfg.hierarchy, wait=self.level_wait)
+        if self.levels is not None and self.heartbeat is not None:
+            self.heartbeat.catch_sigterm()  # a host's launcher stops the siblings of a failed rank
         return self.levels
 
     def level_wait(self, work, what):

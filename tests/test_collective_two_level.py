@@ -7,7 +7,6 @@ server's reducer over one payload per host); PowerSGD, whose ranks each compress
 gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
 rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
 import os
-import signal
 import sys
 import textwrap
 import time

@@ -137,8 +137,9 @@ class HostLevels:
         flag = torch.tensor([problem is not None], dtype=torch.int32)  # every local rank fails alike
         self.wait(dist.all_reduce(flag, group=self.host_group, async_op=True), "all_reduce of shared memory checks")
         if int(flag):
-            raise NodeFailure(f"bps_gc: rank {self.rank}: two levels: {problem or 'a local rank cannot map the memory of another'}"
-                              f"; the local ranks of a host must run on it (or set BPS_GC_HIERARCHY=flat)")
+            problem = problem or "a local rank cannot map the memory of another"
+            raise NodeFailure(f"bps_gc: rank {self.rank}: two levels: {problem}; the local ranks of a host "
+                              f"must run on it (or set BPS_GC_HIERARCHY=flat)")
         self.buffers[capacity] = (slots, results)
         return slots, results
 

@@ -30,6 +30,7 @@ from .exchange import all_gather_bytes
 from .liveness import Heartbeat
 from .messages import Messages
 from .rendezvous import backend_from_env, connect
+from .two_level import TwoLevels
 
 log = logging.getLogger("bps_gc.collective")
 
@@ -59,7 +60,7 @@ class Bucket:
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
-class Collective(Messages, api.Communicator):
+class Collective(TwoLevels, Messages, api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -87,8 +88,10 @@ class Collective(Messages, api.Communicator):
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
         self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
                                    self.cfg.heartbeat_timeout, where).start()
+        self.join_levels()
         self.barrier()
-        log.info("rank %d/%d joined over torch.distributed (%s)", self.rank, self.size, backend)
+        log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
+                 "two levels" if self.levels else "one level")
         return self
 
     def shutdown(self, timeout=10.0):
@@ -109,6 +112,8 @@ class Collective(Messages, api.Communicator):
             self.heartbeat.announce(mine)
             clean = await_end(self.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
             self.heartbeat.leave()
+        if self.levels is not None:
+            self.levels.close()
         if clean and dist.is_initialized():
             try:
                 dist.barrier()  # nobody tears down its pairs while a peer still sends
@@ -145,8 +150,9 @@ class Collective(Messages, api.Communicator):
             time.sleep(0 if spins < 100 else 0.001)
         try:
             work.wait()
-        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who
-            deadline = time.monotonic() + self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval
+        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who (its
+            # thread may run late on a busy host: twice its bound)
+            deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
             while time.monotonic() < deadline:
                 self._check_departures(what, message)
                 self.check_alive()
@@ -203,9 +209,15 @@ class Collective(Messages, api.Communicator):
         # dense: the bucket's concatenation is the one copy, made when the bucket goes out (like
         # the parameter server's push, the caller leaves the array alone until wait());
         # compressed: a copy the reduction then overwrites with the result
-        wire = np.ascontiguousarray(array).reshape(-1).astype(tensor.wire_dtype, copy=tensor.compressed)
+        # two levels sum a host in the tensor's dtype, then cast the host's sum for the wire (as
+        # the parameter server's do); PowerSGD's phases start from each rank's own wire copy
+        carried = tensor.dtype if self.levels is not None and phases(tensor) == 1 else tensor.wire_dtype
+        wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed)
         self.counters.pushed_raw += wire.nbytes
         self.counters.pulled_raw += wire.nbytes
+        if phases(tensor) == 1 and self.levels is not None:  # two levels, dense or not (two_level.py)
+            return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None),
+                             wire.nbytes, tensor.name)
         if not tensor.compressed:
             return self._reduce_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:
@@ -312,7 +324,7 @@ class Collective(Messages, api.Communicator):
         bucket, self.pending = self.pending, Bucket()
         bucket.flushed = True
         if bucket.coded:
-            self._reduce_coded(bucket.coded)
+            (self.reduce_coded_on_hosts if self.levels is not None else self._reduce_coded)(bucket.coded)
         if bucket.phased:
             self._reduce_phased(bucket.phased)
         by_dtype = {}
@@ -351,7 +363,10 @@ class Collective(Messages, api.Communicator):
         difference); no codec, no bucket."""
         self.check_alive()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.wait(self._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
+        if self.levels is not None:
+            self.levels.all_reduce(tensor.numpy())
+        else:
+            self.wait(self._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
         if average:
             tensor /= self.size
         if not np.shares_memory(tensor.numpy(), array):

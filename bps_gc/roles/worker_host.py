@@ -42,11 +42,11 @@ def host_members(book, cfg, host):
     return members
 
 
-
 def partition_owner(index, p, local_size):
-    """The local rank that owns partition ``p`` of the tensor declared ``index``-th: partitions
-    rotate over the host's ranks, so each rank owns about 1/local_size of every round."""
+    """The local rank that sums, compresses and sends partition ``p`` of the tensor declared
+    ``index``-th (both transports' two levels: the same owner keeps the same codec state)."""
     return (index + p) % local_size
+
 
 class InnerTensor:
     """What a Handle needs of a tensor, for the owner's pushes of its share: it must not clear
@@ -201,4 +201,4 @@ def connect(worker, local, book, host):
     return None, None
 
 
-__all__ = ["HostReduce", "connect", "may_use", "open_local"]
+__all__ = ["HostReduce", "connect", "may_use", "open_local", "partition_owner"]

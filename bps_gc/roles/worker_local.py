@@ -48,6 +48,17 @@ def endpoint(host, port):
     return f"ipc://@bps_gc/reduce/{host}:{port}"
 
 
+def add_in_order(sources, out):
+    """``out`` = the sum of ``sources``, added in their order: every rank and run gets the same
+    bits (the collective's host level uses it too)."""
+    if len(sources) == 1:
+        return np.copyto(out, sources[0]) or out
+    np.add(sources[0], sources[1], out=out)
+    for source in sources[2:]:
+        out += source
+    return out
+
+
 def one_host(cfg, book, host):
     """Whether this job's workers reduce dense tensors in shared memory: asked for, possible
     here, and every worker on this host. Every worker decides alike from the address book."""
@@ -205,10 +216,7 @@ class LocalReduce:
         try:
             slots = [local.slot if r == self.rank else local.peers[r][0] for r in self.members]
             for part in local.shares[self.rank]:
-                out = local.result[part]
-                np.add(slots[0][part], slots[1][part], out=out)
-                for slot in slots[2:]:
-                    out += slot[part]
+                add_in_order([slot[part] for slot in slots], local.result[part])
         except Exception as e:
             return handle.fail(e)
         self.forward(local, rnd, handle)
@@ -348,4 +356,4 @@ class LocalReduce:
         self.arena.close()
 
 
-__all__ = ["LocalReduce", "endpoint", "one_host"]
+__all__ = ["LocalReduce", "add_in_order", "endpoint", "one_host"]

@@ -26,7 +26,7 @@ from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .departure import Ending, await_end, departure, described
-from .exchange import all_gather_bytes
+from .exchange import all_gather_bytes, all_gather_tensors
 from .liveness import Heartbeat
 from .messages import Messages
 from .rendezvous import backend_from_env, connect
@@ -52,14 +52,19 @@ class Bucket:
     [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
     [(tensor, wire, out, average, lr, payloads)]; two-phase ones (PowerSGD) in one all_reduce
     per phase ``phased``: [(PhasedReduction, first phase buffer, wire, out, average)], as
-    torch's PowerSGD hook sums a whole bucket's matrices at once."""
+    torch's PowerSGD hook sums a whole bucket's matrices at once. ``gathered``: [(payload
+    tensors, the list every rank's payloads land in, name)] of ``push_payloads`` (device chains),
+    one all_gather per device."""
 
     def __init__(self):
         self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
+        self.gathered = []
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
 class Collective(Messages, api.Communicator):
+    gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
+
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -230,6 +235,45 @@ class Collective(Messages, api.Communicator):
         return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, payloads), wire.nbytes,
                          tensor.name)
 
+    def push_payloads(self, name, payloads, ctx=None, priority=0):
+        """Payloads a binding compressed on its device (uint8 tensors, one per partition of
+        ``partitions(name)``), gathered with the bucket on that device; ``wait()`` returns,
+        per rank, its list of payload tensors (still on the device)."""
+        self.check_alive()
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise KeyError(f"push_payloads: {name!r} was not declared; call declare({name!r}, ...) first")
+        if len(payloads) != len(self.partitions(name)) or not payloads:
+            raise ValueError(f"push_payloads({name!r}): {len(payloads)} payloads for "
+                             f"{len(self.partitions(name))} compressed partitions")
+        if len({p.device for p in payloads}) > 1:
+            raise ValueError(f"push_payloads({name!r}): the payloads are on several devices")
+        raw = tensor.size * tensor.wire_dtype.itemsize
+        self.counters.pushed_raw += raw
+        self.counters.pulled_raw += raw
+        self.counters.pushed_wire += sum(p.numel() for p in payloads)
+        result = []
+        return self._add(Handle(self, result, self.pending), "gathered", (payloads, result, name), raw, name)
+
+    def _gather_payloads(self, gathered):
+        """One all_gather per device for the bucket's device payloads (in the order their
+        devices first appear, alike on every rank)."""
+        by_device = {}
+        for entry in gathered:
+            by_device.setdefault(entry[0][0].device, []).append(entry)
+        for entries in by_device.values():
+            start = time.perf_counter()
+            mine = [p for payloads, _, _ in entries for p in payloads]
+            ranks = all_gather_tensors(mine, lambda work, what: self.wait(
+                self._issue(work), lambda: f"{what} of {_listed(entry[2] for entry in entries)}"))
+            self.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
+                sum(p.numel() for p in mine)
+            self.counters.communicate_seconds += time.perf_counter() - start
+            index = 0
+            for payloads, result, _ in entries:
+                result.extend(rank[index:index + len(payloads)] for rank in ranks)
+                index += len(payloads)
+
     def _reduce_coded(self, coded):
         """One all_gather for the bucket's payloads, then every partition's reduction."""
         start = time.perf_counter()
@@ -313,6 +357,8 @@ class Collective(Messages, api.Communicator):
         bucket.flushed = True
         if bucket.coded:
             self._reduce_coded(bucket.coded)
+        if bucket.gathered:
+            self._gather_payloads(bucket.gathered)
         if bucket.phased:
             self._reduce_phased(bucket.phased)
         by_dtype = {}

@@ -195,6 +195,12 @@ def device_partitions(name, tensor):
     return cached[where]
 
 
+def device_chain_names():
+    """The tensors this process has pushed through device chains so far (sorted names)."""
+    cached = _partitions.get(core.worker(), {}) if core.is_initialized() else {}
+    return sorted({name for (name, _), parts in cached.items() if parts})
+
+
 class DevicePushPull:
     """A push_pull of ``tensor`` in place through its device chains: compressed when made,
     decoded on the device by ``wait()``."""

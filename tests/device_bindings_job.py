@@ -1,0 +1,59 @@
+"""A worker of tests/test_device_bindings.py: push_pulls torch tensors through bps_gc.torch
+(the parameter server or torch.distributed, whichever the environment starts), then trains the
+tiny network with DistributedOptimizer, and saves every result with the names of the tensors
+that went through device chains. ``python tests/device_bindings_job.py SPEC.json OUT_DIR``;
+the spec is cluster_job.py's (reference.py recomputes its push_pulls), plus ``device`` (where
+the tensors live) and ``optimizer`` (DistributedOptimizer's compression_params, or absent)."""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bps_gc.torch as bps  # noqa: E402
+from bps_gc.torch import device_codecs  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference import gradient, step_ctx  # noqa: E402
+from tiny_torch_net import batch, network  # noqa: E402
+
+spec = json.load(open(sys.argv[1]))
+device = torch.device(spec.get("device", "cpu"))
+if device.type == "cuda":  # one GPU per local rank where there are enough, else all share one
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("BYTEPS_LOCAL_RANK", "0")))
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+bps.init()
+rank = bps.rank()
+TORCH = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16}
+for t in spec["tensors"]:
+    bps.declare(t["name"], shape=tuple(t["shape"]), dtype=TORCH[t["dtype"]], reducer=t.get("reducer"),
+                **t.get("params", {}))
+results = {}
+for step in range(spec["steps"]):
+    ctx = step_ctx(spec, step)
+    tensors = [torch.from_numpy(gradient(rank, step, t)).to(device) for t in spec["tensors"]]
+    handles = [bps.push_pull_async(x, average=t.get("average", True), name=t["name"], priority=-i, ctx=ctx)
+               for i, (t, x) in enumerate(zip(spec["tensors"], tensors))]
+    for t, h in zip(spec["tensors"], handles):
+        results[f"{t['name']}/{step}"] = bps.synchronize(h).cpu().numpy().copy()
+
+if "optimizer" in spec:
+    model = network().to(device)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   compression_params=spec["optimizer"])
+    for step in range(spec["optimizer_steps"]):
+        x, y = (v.to(device) for v in batch(rank, step))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for n, p in model.named_parameters():
+            results[f"optimizer/{step}/{n}"] = p.detach().cpu().numpy().copy()
+
+on_device = device_codecs.device_chain_names()
+np.savez(os.path.join(sys.argv[2], f"rank{rank}.npz"), **results)
+json.dump({"device_chains": on_device}, open(os.path.join(sys.argv[2], f"paths{rank}.json"), "w"))
+bps.shutdown()

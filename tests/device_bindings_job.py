@@ -3,7 +3,8 @@
 tiny network with DistributedOptimizer, and saves every result with the names of the tensors
 that went through device chains. ``python tests/device_bindings_job.py SPEC.json OUT_DIR``;
 the spec is cluster_job.py's (reference.py recomputes its push_pulls), plus ``device`` (where
-the tensors live) and ``optimizer`` (DistributedOptimizer's compression_params, or absent)."""
+the tensors live) and the compression_params of DistributedOptimizer (``optimizer``), LocalSGD
+(``local_sgd``) and CHOCO-SGD (``choco``), each trained ``optimizer_steps`` steps if present."""
 import json
 import os
 import sys
@@ -40,20 +41,37 @@ for step in range(spec["steps"]):
     for t, h in zip(spec["tensors"], handles):
         results[f"{t['name']}/{step}"] = bps.synchronize(h).cpu().numpy().copy()
 
-if "optimizer" in spec:
+
+def train(name, wrap, steps):
+    """``steps`` steps of the tiny network (rank-specific data) under the wrapping optimizer."""
     model = network().to(device)
-    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(),
-                                   compression_params=spec["optimizer"])
-    for step in range(spec["optimizer_steps"]):
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+               [(f"{name}.{n}", p) for n, p in model.named_parameters()])
+    for step in range(steps):
         x, y = (v.to(device) for v in batch(rank, step))
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         for n, p in model.named_parameters():
-            results[f"optimizer/{step}/{n}"] = p.detach().cpu().numpy().copy()
+            results[f"{name}/{step}/{n}"] = p.detach().cpu().numpy().copy()
+    return opt
 
+
+paths = {}
+if "optimizer" in spec:
+    train("optimizer", lambda opt, named: bps.DistributedOptimizer(
+        opt, named_parameters=named, compression_params=spec["optimizer"]), spec["optimizer_steps"])
+if "local_sgd" in spec:
+    train("local", lambda opt, named: bps.LocalSGD(opt, named, local_steps=2,
+                                                   compression_params=spec["local_sgd"]),
+          spec["optimizer_steps"])
+if "choco" in spec:
+    opt = train("choco", lambda opt, named: bps.DecentralizedOptimizer(
+        opt, named, algorithm="choco", topology="complete", consensus_stepsize=0.5,
+        compression_params=spec["choco"]), spec["optimizer_steps"])
+    opt.finish()
+    paths["choco_gossip"] = type(opt.gossip).__name__
 on_device = device_codecs.device_chain_names()
 np.savez(os.path.join(sys.argv[2], f"rank{rank}.npz"), **results)
-json.dump({"device_chains": on_device}, open(os.path.join(sys.argv[2], f"paths{rank}.json"), "w"))
+json.dump({"device_chains": on_device, **paths}, open(os.path.join(sys.argv[2], f"paths{rank}.json"), "w"))
 bps.shutdown()

@@ -39,10 +39,13 @@ SPEC = {
         {"name": "small_dense", "shape": [50], "dtype": "float32", "params": ONEBIT_EF},  # < 300 B: dense
     ],
     "optimizer": ONEBIT_EF, "optimizer_steps": 3,
+    "local_sgd": {"compressor": "signnorm", "ef": "vanilla"}, "choco": {"compressor": "topk", "k": 0.1},
 }
 COMPRESSED = ["onebit_ef", "plugin", "sign_majority", "topk", "topk_lossless"]
 # the tiny network's gradients (tests/tiny_torch_net.py) of at least 300 bytes: its weights
-OPTIMIZER_COMPRESSED = ["Gradient.0.weight", "Gradient.2.weight"]
+# (DistributedOptimizer's and LocalSGD's names)
+OPTIMIZER_COMPRESSED = ["Gradient.optimizer.0.weight", "Gradient.optimizer.2.weight", "LocalSGD.local.0.weight",
+                        "LocalSGD.local.2.weight"]
 
 
 def run(tmp_path, transport, mode, device="cpu"):
@@ -70,13 +73,15 @@ def check_same(device_run, numpy_run):
     for rank, ((results, paths), (numpy_results, numpy_paths)) in enumerate(zip(device_run, numpy_run)):
         assert paths["device_chains"] == sorted(COMPRESSED + OPTIMIZER_COMPRESSED), paths
         assert numpy_paths["device_chains"] == []
+        assert (paths["choco_gossip"], numpy_paths["choco_gossip"]) == ("DeviceChocoGossip", "ChocoGossip")
         assert sorted(results) == sorted(numpy_results)
         for key, value in results.items():
             assert np.array_equal(value, numpy_results[key], equal_nan=True), f"rank {rank} {key}: device != numpy"
             if key in expected:
                 assert value.dtype == expected[key].dtype
                 assert np.array_equal(value, expected[key], equal_nan=True), f"rank {rank} {key}: != reference"
-        assert any(key.startswith("optimizer/2/") for key in results)
+        for trained in ("optimizer", "local", "choco"):
+            assert any(key.startswith(f"{trained}/2/") for key in results), trained
 
 
 @pytest.fixture(scope="module")

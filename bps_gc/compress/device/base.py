@@ -6,6 +6,10 @@ payload as a 1-D uint8 tensor there, in the numpy codec's wire format (docs/code
 numpy codec decodes it and the other way round. ``decompress(payload, out=None)`` returns the
 ``n`` decoded elements on the device; ``payload`` may also be a numpy array, bytes or a uint8
 tensor elsewhere (it is moved to the device first).
+
+The operations run on the caller's current CUDA stream, in its order. A codec object keeps its
+state and scratch tensors across calls: one partition's calls must not overlap (run them in
+order on one stream, or synchronize between streams).
 """
 import numpy as np
 import torch
@@ -118,13 +122,11 @@ class DeviceCodec:
             if payload.dtype != torch.uint8:
                 raise TypeError(f"{self._where()}: payload must be a uint8 tensor, got {payload.dtype}")
             buf = payload.reshape(-1).to(self.device)
-        elif isinstance(payload, np.ndarray):
-            buf = torch.from_numpy(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
-            buf = buf.to(self.device)
-        elif isinstance(payload, (bytes, bytearray, memoryview)):
-            arr = np.frombuffer(payload, np.uint8)
-            buf = torch.from_numpy(arr.copy()).to(self.device) if arr.size else \
-                torch.empty(0, dtype=torch.uint8, device=self.device)
+        elif isinstance(payload, (np.ndarray, bytes, bytearray, memoryview)):
+            arr = np.ascontiguousarray(host_array(payload))
+            if not arr.flags.writeable:  # torch refuses to alias read-only memory (a warning)
+                arr = arr.copy()
+            buf = torch.from_numpy(arr).to(self.device)
         else:
             raise TypeError(f"{self._where()}: payload must be a uint8 tensor, numpy array or "
                             f"bytes, got {type(payload).__name__}")

@@ -60,7 +60,8 @@ def build_device_chain(params, n, dtype, key, role, shape, device):
                          "and has nothing to run on a device; build the whole vector's chain with "
                          "granularity 'layerwise' on the device, or the chunk's without a device")
     cls = DEVICE_COMPRESSORS.get(params.compressor)
-    owns_momentum = getattr(cls or COMPRESSORS[params.compressor], "owns_momentum", False)
+    owns_momentum = getattr(COMPRESSORS[params.compressor], "owns_momentum", False) \
+        or getattr(cls, "owns_momentum", False)
     momentum = params.momentum if role == "worker" and not owns_momentum else None
     if cls is None or (params.ef and params.ef not in DEVICE_ERROR_FEEDBACKS) \
             or (momentum and momentum not in DEVICE_MOMENTUMS):

@@ -40,6 +40,10 @@ for step in range(spec["steps"]):
                for i, (t, x) in enumerate(zip(spec["tensors"], tensors))]
     for t, h in zip(spec["tensors"], handles):
         results[f"{t['name']}/{step}"] = bps.synchronize(h).cpu().numpy().copy()
+# the class of each tensor's first device chain (HostBridge: its numpy chain behind it)
+chains = {t["name"]: type(parts[0].chain).__name__ for t, x in zip(spec["tensors"], tensors)
+          if device_codecs.uses_device_chain(x) for parts in [device_codecs.device_partitions(t["name"], x)]
+          if parts}
 
 
 def train(name, wrap, steps):
@@ -57,7 +61,7 @@ def train(name, wrap, steps):
     return opt
 
 
-paths = {}
+paths = {"chains": chains}
 if "optimizer" in spec:
     train("optimizer", lambda opt, named: bps.DistributedOptimizer(
         opt, named_parameters=named, compression_params=spec["optimizer"]), spec["optimizer_steps"])

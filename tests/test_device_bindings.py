@@ -22,6 +22,8 @@ from collective_cluster import job_env, torchrun_argv
 from conftest import ROOT
 from reference import expected_results
 
+from bps_gc.compress.device import DEVICE_COMPRESSORS
+
 JOB = os.path.join(TESTS, "device_bindings_job.py")
 ONEBIT_EF = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
 SPEC = {
@@ -72,7 +74,12 @@ def check_same(device_run, numpy_run):
     expected = expected_results(SPEC, 2)
     for rank, ((results, paths), (numpy_results, numpy_paths)) in enumerate(zip(device_run, numpy_run)):
         assert paths["device_chains"] == sorted(COMPRESSED + OPTIMIZER_COMPRESSED), paths
-        assert numpy_paths["device_chains"] == []
+        assert numpy_paths["device_chains"] == [] and numpy_paths["chains"] == {}
+        # a codec with a device implementation runs it; the plugin's numpy chain runs bridged
+        bridged = {t["name"] for t in SPEC["tensors"] if t["name"] in COMPRESSED
+                   and t["params"]["compressor"] not in DEVICE_COMPRESSORS}
+        assert {n for n, kind in paths["chains"].items() if kind == "HostBridge"} == bridged
+        assert "plugin" in bridged and "topk" not in bridged and "onebit_ef" not in bridged
         assert (paths["choco_gossip"], numpy_paths["choco_gossip"]) == ("DeviceChocoGossip", "ChocoGossip")
         assert sorted(results) == sorted(numpy_results)
         for key, value in results.items():

@@ -61,7 +61,10 @@ def train(name, wrap, steps):
     return opt
 
 
-paths = {"chains": chains}
+# the tensors sent dense that the communicator sums on the device (torch.distributed only)
+dense_on_device = sorted(t["name"] for t, x in zip(spec["tensors"], tensors) if device_codecs.uses_device_chain(x)
+                         and device_codecs.reduces_dense_on_device(t["name"]))
+paths = {"chains": chains, "dense_on_device": dense_on_device}
 if "optimizer" in spec:
     train("optimizer", lambda opt, named: bps.DistributedOptimizer(
         opt, named_parameters=named, compression_params=spec["optimizer"]), spec["optimizer_steps"])

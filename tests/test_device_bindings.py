@@ -69,12 +69,15 @@ def run(tmp_path, transport, mode, device="cpu"):
             for r in range(2)]
 
 
-def check_same(device_run, numpy_run):
+def check_same(device_run, numpy_run, transport):
     import plugin_step_codec  # noqa: F401  (registers the plugin here, for the reference)
     expected = expected_results(SPEC, 2)
     for rank, ((results, paths), (numpy_results, numpy_paths)) in enumerate(zip(device_run, numpy_run)):
         assert paths["device_chains"] == sorted(COMPRESSED + OPTIMIZER_COMPRESSED), paths
         assert numpy_paths["device_chains"] == [] and numpy_paths["chains"] == {}
+        # torch.distributed sums the dense tensor on the device; the servers on the host
+        assert paths["dense_on_device"] == (["small_dense"] if transport == "collective" else [])
+        assert numpy_paths["dense_on_device"] == []
         # a codec with a device implementation runs it; the plugin's numpy chain runs bridged
         bridged = {t["name"] for t in SPEC["tensors"] if t["name"] in COMPRESSED
                    and t["params"]["compressor"] not in DEVICE_COMPRESSORS}
@@ -100,7 +103,7 @@ def numpy_run(tmp_path_factory):
 
 @pytest.mark.parametrize("transport", ["ps", "collective"])
 def test_device_chains_match_numpy(tmp_path, transport, numpy_run):
-    check_same(run(tmp_path, transport, "torch"), numpy_run)
+    check_same(run(tmp_path, transport, "torch"), numpy_run, transport)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: torch.cuda.is_available() is False here")
@@ -112,7 +115,7 @@ def test_cuda_device_chains_match_numpy(tmp_path, transport):
     env_backend = {} if torch.cuda.device_count() >= 2 else {"BPS_GC_BACKEND": "gloo"}
     os.environ.update(env_backend)
     try:
-        check_same(run(tmp_path, transport, "auto", "cuda"), run(tmp_path, transport, "numpy", "cuda"))
+        check_same(run(tmp_path, transport, "auto", "cuda"), run(tmp_path, transport, "numpy", "cuda"), transport)
     finally:
         for name in env_backend:
             os.environ.pop(name)

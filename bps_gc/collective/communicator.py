@@ -26,7 +26,8 @@ from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .departure import Ending, await_end, departure, described
-from .exchange import all_gather_bytes, all_gather_tensors
+from .device_tensors import DeviceTensors
+from .exchange import all_gather_bytes
 from .liveness import Heartbeat
 from .messages import Messages
 from .rendezvous import backend_from_env, connect
@@ -62,9 +63,7 @@ class Bucket:
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
-class Collective(Messages, api.Communicator):
-    gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
-
+class Collective(Messages, DeviceTensors, api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -235,45 +234,6 @@ class Collective(Messages, api.Communicator):
         return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, payloads), wire.nbytes,
                          tensor.name)
 
-    def push_payloads(self, name, payloads, ctx=None, priority=0):
-        """Payloads a binding compressed on its device (uint8 tensors, one per partition of
-        ``partitions(name)``), gathered with the bucket on that device; ``wait()`` returns,
-        per rank, its list of payload tensors (still on the device)."""
-        self.check_alive()
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise KeyError(f"push_payloads: {name!r} was not declared; call declare({name!r}, ...) first")
-        if len(payloads) != len(self.partitions(name)) or not payloads:
-            raise ValueError(f"push_payloads({name!r}): {len(payloads)} payloads for "
-                             f"{len(self.partitions(name))} compressed partitions")
-        if len({p.device for p in payloads}) > 1:
-            raise ValueError(f"push_payloads({name!r}): the payloads are on several devices")
-        raw = tensor.size * tensor.wire_dtype.itemsize
-        self.counters.pushed_raw += raw
-        self.counters.pulled_raw += raw
-        self.counters.pushed_wire += sum(p.numel() for p in payloads)
-        result = []
-        return self._add(Handle(self, result, self.pending), "gathered", (payloads, result, name), raw, name)
-
-    def _gather_payloads(self, gathered):
-        """One all_gather per device for the bucket's device payloads (in the order their
-        devices first appear, alike on every rank)."""
-        by_device = {}
-        for entry in gathered:
-            by_device.setdefault(entry[0][0].device, []).append(entry)
-        for entries in by_device.values():
-            start = time.perf_counter()
-            mine = [p for payloads, _, _ in entries for p in payloads]
-            ranks = all_gather_tensors(mine, lambda work, what: self.wait(
-                self._issue(work), lambda: f"{what} of {_listed(entry[2] for entry in entries)}"))
-            self.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
-                sum(p.numel() for p in mine)
-            self.counters.communicate_seconds += time.perf_counter() - start
-            index = 0
-            for payloads, result, _ in entries:
-                result.extend(rank[index:index + len(payloads)] for rank in ranks)
-                index += len(payloads)
-
     def _reduce_coded(self, coded):
         """One all_gather for the bucket's payloads, then every partition's reduction."""
         start = time.perf_counter()
@@ -361,11 +321,13 @@ class Collective(Messages, api.Communicator):
             self._gather_payloads(bucket.gathered)
         if bucket.phased:
             self._reduce_phased(bucket.phased)
-        by_dtype = {}
+        by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
-            by_dtype.setdefault(entry[0].dtype, []).append(entry)
-        for dtype, entries in by_dtype.items():
-            fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
+            wire = entry[0]
+            by_dtype.setdefault((wire.dtype, getattr(wire, "device", None)), []).append(entry)
+        for (_, device), entries in by_dtype.items():
+            wires = [w for w, _, _ in entries]
+            fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)
             bucket.buffers.append((fused, entries))
         bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
@@ -379,6 +341,9 @@ class Collective(Messages, api.Communicator):
             self.wait(work, lambda: f"all_reduce of {_listed(bucket.names)}")
         self.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
+            if isinstance(entries[0][0], torch.Tensor):
+                self._deliver_tensors(fused, entries)
+                continue
             flat, offset = fused.numpy(), 0
             for wire, out, average in entries:
                 self._deliver(flat[offset:offset + wire.size], out, average)

@@ -14,8 +14,10 @@ the device, then:
 * torch.distributed: the payloads are all_gathered as device tensors (``Collective.push_payloads``)
   and every rank runs the server's reduction on the device (``device_reduction``).
 
-Tensors the communicator sends dense (no compressor, below BYTEPS_MIN_COMPRESS_BYTES, a single
-undistributed process) and reducers summed in phases (PowerSGD) keep the host path.
+Tensors the communicator sends dense (no compressor, below BYTEPS_MIN_COMPRESS_BYTES) are summed
+on the device by torch.distributed (``Collective.reduce_tensor``) and staged through the host for
+the parameter server, whose servers sum them; reducers summed in phases (PowerSGD) and the
+entire-model granularity keep the host path.
 """
 import dataclasses
 import weakref
@@ -193,6 +195,15 @@ def device_partitions(name, tensor):
         places = comm.partitions(name) if declaration.params.granularity != "entiremodel" else []
         cached[where] = [DevicePartition(declaration, *place, tensor.device) for place in places]
     return cached[where]
+
+
+def reduces_dense_on_device(name):
+    """Whether the communicator sums uncompressed ``name`` where its tensor lives (the
+    collective's ``reduce_tensor``; the parameter server's servers sum dense bytes on the host)."""
+    comm = core.worker()
+    declaration = comm.declaration(name)
+    return hasattr(comm, "reduce_tensor") and declaration is not None and not declaration.compressed \
+        and declaration.shape is not None
 
 
 def device_chain_names():

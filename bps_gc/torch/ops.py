@@ -13,7 +13,7 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
-from .device_codecs import DevicePushPull, device_partitions, uses_device_chain
+from .device_codecs import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
 SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 _handles = {}
@@ -64,6 +64,9 @@ def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=N
         if lr is not None:
             ctx["lr"] = float(lr)
         _handles[key] = (DevicePushPull(tensor, name, parts, average, priority, ctx), tensor, None)
+        return key
+    if parts is not None and reduces_dense_on_device(name):  # torch.distributed: on the device
+        _handles[key] = (core.worker().reduce_tensor(tensor, name, average), tensor, None)
         return key
     array, staged = host_view(tensor)
     handle = core.push_pull(array, name, average=average, priority=priority, lr=lr, ctx=ctx)

@@ -28,25 +28,15 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
-from ..config import DEVICE_CODECS, EnvReader
 
 TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
                 np.dtype(np.float16): torch.float16}
 _partitions = weakref.WeakKeyDictionary()  # communicator -> {(name, device): [DevicePartition]}
 
 
-def setting():
-    """BPS_GC_DEVICE_CODECS of this process's communicator (read from the environment before
-    init)."""
-    if core.is_initialized():
-        return getattr(core.worker().cfg, "device_codecs", "auto")
-    import os
-    return EnvReader(os.environ).choice("BPS_GC_DEVICE_CODECS", DEVICE_CODECS, "auto", lower=True)
-
-
 def uses_device_chain(tensor):
     """Whether ``tensor``'s codecs run as torch operations on its device."""
-    mode = setting()
+    mode = core.device_codecs()
     return mode == "torch" or (mode == "auto" and tensor.device.type != "cpu")
 
 

@@ -34,6 +34,8 @@ SPEC = {
         {"name": "topk", "shape": [40, 30], "dtype": "float32", "params": {"compressor": "topk", "k": 0.05}},
         {"name": "topk_lossless", "shape": [1200], "dtype": "float64", "reducer": "lossless",
          "params": {"compressor": "topk", "k": 0.05}},
+        {"name": "topk_fp16_wire", "shape": [900], "dtype": "float32",
+         "params": {"compressor": "topk", "k": 0.05, "ef": "vanilla", "fp16": True}},
         {"name": "sign_majority", "shape": [1000], "dtype": "float32", "reducer": "majority",
          "params": {"compressor": "sign"}},
         # a plugin without a device implementation: its numpy chain behind HostBridge
@@ -43,7 +45,7 @@ SPEC = {
     "optimizer": ONEBIT_EF, "optimizer_steps": 3,
     "local_sgd": {"compressor": "signnorm", "ef": "vanilla"}, "choco": {"compressor": "topk", "k": 0.1},
 }
-COMPRESSED = ["onebit_ef", "plugin", "sign_majority", "topk", "topk_lossless"]
+COMPRESSED = ["onebit_ef", "plugin", "sign_majority", "topk", "topk_fp16_wire", "topk_lossless"]
 # the tiny network's gradients (tests/tiny_torch_net.py) of at least 300 bytes: its weights
 # (DistributedOptimizer's and LocalSGD's names)
 OPTIMIZER_COMPRESSED = ["Gradient.optimizer.0.weight", "Gradient.optimizer.2.weight", "LocalSGD.local.0.weight",

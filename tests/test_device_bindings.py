@@ -129,3 +129,64 @@ def test_bad_setting_stops_the_launcher_naming_it():
     assert result.returncode == 2
     assert "BPS_GC_DEVICE_CODECS: unknown value 'gpu'; allowed: auto, torch, numpy" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class MeanOfDecoded:
+    """A reducer with no device implementation (as a plugin's would be): the mean of the
+    decoded pushes, as a dense reply."""
+    summed = False
+
+    def __init__(self, params, n, dtype, codecs):
+        self.n, self.dtype, self.decoder = n, np.dtype(dtype), codecs("decode")
+
+    def reduce(self, payloads, compressed, ctx=None):
+        acc = np.zeros(self.n, self.dtype)
+        for payload in payloads:
+            self.decoder.decompress_add(payload, acc)
+        return (acc / self.dtype.type(len(payloads))).view(np.uint8)
+
+    def decode(self, reply, out, ctx=None):
+        out[:] = np.frombuffer(np.ascontiguousarray(reply), self.dtype)
+        return out
+
+
+@pytest.mark.parametrize("reducer,params,dtype", [
+    ("recompress", {"compressor": "topk", "k": 0.1, "ef": "vanilla"}, np.float32),
+    ("recompress", {"compressor": "onebit", "scaling": True}, np.float16),
+    ("lossless", {"compressor": "topk", "k": 0.05}, np.float64),  # sparse sum: index/value records
+    ("lossless", {"compressor": "onebit", "scaling": True}, np.float32),  # dense reply
+    ("majority", {"compressor": "sign"}, np.float32),
+    ("majority-nan", {"compressor": "sign"}, np.float32),  # a non-finite push: NaN everywhere
+    ("test_device_mean", {"compressor": "onebit"}, np.float32),  # numpy on host copies
+])
+def test_device_reductions_give_the_numpy_reducers_bits(reducer, params, dtype):
+    """device_codecs' reducers (decoding a server's reply; reducing every rank's payloads, as
+    the collective does) against compress.reducers, in one process."""
+    from bps_gc.compress import CompressionParams, build_chain, make_reducer
+    from bps_gc.compress.reducers import REDUCERS, register_reducer
+    from bps_gc.torch.device_codecs import device_reduction
+    if "test_device_mean" not in REDUCERS:
+        register_reducer("test_device_mean")(MeanOfDecoded)
+    nan = reducer.endswith("-nan")
+    reducer = reducer.removesuffix("-nan")
+    params, n, key, ctx = CompressionParams.from_dict(params), 1000, 3 << 16 | 1, {"lr": 0.1, "step": 2, "epoch": 0}
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(n).astype(dtype) for _ in range(3)]
+    if nan:
+        inputs[1][17] = np.nan
+    payloads = [build_chain(params, n, dtype, key=key, role="worker").compress(x, ctx) for x in inputs]
+    numpy_reducer = make_reducer(reducer, params, n, dtype, key)
+    reply = numpy_reducer.reduce(payloads, True, ctx)
+    expected = numpy_reducer.decode(reply, np.empty(n, dtype), ctx)
+    assert np.isnan(expected).all() == nan
+    cpu = torch.device("cpu")
+    decoded, reduced = torch.empty(n, dtype=TORCH_DTYPE[dtype]), torch.empty(n, dtype=TORCH_DTYPE[dtype])
+    device_reduction(reducer, params, n, dtype, key, cpu).decode(
+        torch.from_numpy(np.array(reply, np.uint8)), decoded, ctx)
+    device_reduction(reducer, params, n, dtype, key, cpu).reduce(
+        [torch.from_numpy(np.array(p, np.uint8)) for p in payloads], reduced, ctx)
+    assert np.array_equal(decoded.numpy(), expected, equal_nan=True)
+    assert np.array_equal(reduced.numpy(), expected, equal_nan=True)
+
+
+TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64, np.float16: torch.float16}

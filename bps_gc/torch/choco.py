@@ -127,8 +127,9 @@ class RawDeviceCodec:
         return x.contiguous().view(torch.uint8).clone()
 
     def decompress(self, payload, out):
-        payload = torch.as_tensor(payload).to(out.device)
-        return out.copy_(payload.view(self.dtype))
+        if not isinstance(payload, torch.Tensor):  # received bytes (read-only): a copy
+            payload = torch.tensor(np.asarray(payload, np.uint8))
+        return out.copy_(payload.to(out.device).view(self.dtype))
 
 
 class DeviceChocoGossip(ChocoGossip):

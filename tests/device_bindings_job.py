@@ -78,6 +78,11 @@ if "choco" in spec:
         compression_params=spec["choco"]), spec["optimizer_steps"])
     opt.finish()
     paths["choco_gossip"] = type(opt.gossip).__name__
+try:  # a user error on either path: raised at the call, naming the tensor
+    bps.push_pull_async(torch.zeros(7, device=device), name="topk")
+    paths["wrong_shape"] = None
+except ValueError as e:
+    paths["wrong_shape"] = str(e)
 on_device = device_codecs.device_chain_names()
 np.savez(os.path.join(sys.argv[2], f"rank{rank}.npz"), **results)
 json.dump({"device_chains": on_device, **paths}, open(os.path.join(sys.argv[2], f"paths{rank}.json"), "w"))

@@ -80,6 +80,9 @@ def check_same(device_run, numpy_run, transport):
         # torch.distributed sums the dense tensor on the device; the servers on the host
         assert paths["dense_on_device"] == (["small_dense"] if transport == "collective" else [])
         assert numpy_paths["dense_on_device"] == []
+        for run_paths in (paths, numpy_paths):
+            assert run_paths["wrong_shape"].startswith("push_pull('topk'): got (7,) ")
+            assert "first used as (40, 30)" in run_paths["wrong_shape"]
         # a codec with a device implementation runs it; the plugin's numpy chain runs bridged
         bridged = {t["name"] for t in SPEC["tensors"] if t["name"] in COMPRESSED
                    and t["params"]["compressor"] not in DEVICE_COMPRESSORS}

@@ -219,8 +219,10 @@ class DevicePushPull:
         self.direct = wire.data_ptr() == tensor.data_ptr() and tensor.is_contiguous()
         self.result = wire if self.direct else torch.empty_like(wire)
         payloads = [part.chain.compress(wire[part.start:part.stop], ctx) for part in parts]
-        if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross
-            payloads = [p.cpu().numpy() for p in payloads]
+        if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross,
+            # in one copy (one wait for the device) per tensor
+            host = torch.cat(payloads).cpu().numpy() if len(payloads) > 1 else payloads[0].cpu().numpy()
+            payloads = np.split(host, np.cumsum([p.numel() for p in payloads])[:-1])
         self.handle = self.comm.push_payloads(name, payloads, ctx, priority)
 
     def poll(self):

@@ -72,7 +72,8 @@ if "local_sgd" in spec:
     train("local", lambda opt, named: bps.LocalSGD(opt, named, local_steps=2,
                                                    compression_params=spec["local_sgd"]),
           spec["optimizer_steps"])
-if "choco" in spec:
+# CHOCO takes CUDA parameters only with device chains (numpy mode keeps it on the CPU)
+if "choco" in spec and (device.type == "cpu" or device_codecs.uses_device_chain(torch.empty(0, device=device))):
     opt = train("choco", lambda opt, named: bps.DecentralizedOptimizer(
         opt, named, algorithm="choco", topology="complete", consensus_stepsize=0.5,
         compression_params=spec["choco"]), spec["optimizer_steps"])

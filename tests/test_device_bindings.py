@@ -193,19 +193,22 @@ def test_device_reductions_give_the_numpy_reducers_bits(reducer, params, dtype):
 TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64, np.float16: torch.float16}
 
 
-@pytest.mark.parametrize("params", [None, {"compressor": "topk", "k": 3}, {"compressor": "signnorm"}])
-def test_choco_on_the_device_is_the_numpy_gossip_bit_for_bit(params, monkeypatch):
-    """DeviceChocoGossip (state, arithmetic and Q on the device) against ChocoGossip, 3 nodes
-    in one process (test_choco_math's mailbox), 4 rounds of the same gradients."""
+@pytest.mark.parametrize("algorithm,params", [("choco", None), ("choco", {"compressor": "topk", "k": 3}),
+                                              ("choco", {"compressor": "signnorm"}), ("dpsgd", None)])
+def test_gossip_on_the_device_is_the_numpy_gossip_bit_for_bit(algorithm, params, monkeypatch):
+    """DeviceChocoGossip (state, arithmetic and Q on the device) against ChocoGossip, and
+    DeviceDPSGDGossip against DPSGDGossip: a ring of 4 nodes in one process (test_choco_math's mailbox),
+    4 rounds of the same gradients."""
     from test_choco_math import flat, make_nodes, round_of
     rng = np.random.default_rng(9)
-    grads = [[rng.standard_normal(shape).astype(np.float32) for shape in ((4,), (4, 4))] for _ in range(3)]
+    grads = [[rng.standard_normal(shape).astype(np.float32) for shape in ((4,), (4, 4))] for _ in range(4)]
     models = {}
     for mode in ("torch", "numpy"):
         monkeypatch.setenv("BPS_GC_DEVICE_CODECS", mode)  # read from the environment before init
-        nodes, _ = make_nodes(3, "complete", params=params, gamma=0.3)
+        nodes, _ = make_nodes(4, "ring", algorithm=algorithm, params=params, gamma=0.3)
+        numpy_class = {"choco": "ChocoGossip", "dpsgd": "DPSGDGossip"}[algorithm]
         assert {type(opt.gossip).__name__ for _, opt in nodes} == \
-            {"DeviceChocoGossip" if mode == "torch" else "ChocoGossip"}
+            {"Device" + numpy_class if mode == "torch" else numpy_class}
         for _ in range(4):
             round_of(nodes, lambda r, k, shape: grads[r][k].reshape(shape).copy())
         for _, opt in nodes:

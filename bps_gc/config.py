@@ -10,6 +10,8 @@ from typing import Optional
 ROLES = ("scheduler", "server", "worker")
 HIERARCHIES = ("auto", "flat", "host")  # BPS_GC_HIERARCHY (docs/local_ranks.md)
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+# BPS_GC_DEVICE_CODECS: which codec chains bps_gc.torch runs (docs/device_codecs.md)
+DEVICE_CODECS = ("auto", "torch", "numpy")
 
 
 UNSET = "unset"  # the default of an optional flag or number: unset gives None
@@ -63,6 +65,9 @@ class Config:
     # BPS_GC_HIERARCHY (workers): "host" sums a host's local ranks in shared memory and pushes
     # once per host; "flat" pushes from every rank; "auto" (unset): host when BYTEPS_LOCAL_SIZE > 1
     hierarchy: str = "auto"
+    # BPS_GC_DEVICE_CODECS: "auto" (torch chains for tensors off the CPU), "torch" (for every
+    # tensor), "numpy" (host copy + numpy chains)
+    device_codecs: str = "auto"
 
     @property
     def rank(self):
@@ -124,6 +129,7 @@ class Config:
             bucket_bytes=read.integer("BPS_GC_BUCKET_BYTES", 25 << 20, low=1),
             tcp_congestion=tcp_congestion(read),
             hierarchy=read.choice("BPS_GC_HIERARCHY", HIERARCHIES, "auto"),
+            device_codecs=read.choice("BPS_GC_DEVICE_CODECS", DEVICE_CODECS, "auto", lower=True),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")
@@ -268,12 +274,14 @@ class EnvReader:
             return False
         raise ConfigError(name, f"must be 0 or 1, got {value!r}")
 
-    def choice(self, name, allowed, default=None, upper=False):
+    def choice(self, name, allowed, default=None, upper=False, lower=False):
         value = self.raw(name, default)
         if value is self.MISSING:
             return default
         if upper:
             value = value.upper()
+        elif lower:
+            value = value.lower()
         if value not in allowed:
             raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
         return value

@@ -60,7 +60,23 @@ def unpack_records(buf, index_dtype, value_dtype, what):
     return idx, values
 
 
-class DeviceSparseCodec(DeviceCodec):
+class DeviceRecordCodec(DeviceCodec):
+    """A codec whose payload is (index, value) records, read by ``records(payload)``: adding
+    and subtracting them touches only the sent positions."""
+
+    def decompress_add(self, payload, acc):
+        # a repeated index counts once, like numpy's acc[i] += v
+        acc = self._inplace(acc, "acc")
+        idx, values = self.records(payload)
+        acc[idx] += values
+
+    def residual(self, payload, x):
+        x = self._inplace(x, "x")
+        idx, values = self.records(payload)
+        x[idx] -= values
+
+
+class DeviceSparseCodec(DeviceRecordCodec):
     """Shared payload handling of topk and randomk; subclasses choose the indices."""
 
     def __init__(self, params, n, dtype, seed=None, device=None):
@@ -95,16 +111,6 @@ class DeviceSparseCodec(DeviceCodec):
         out[idx] = values
         return out
 
-    def decompress_add(self, payload, acc):
-        # only the sent positions change; a repeated index counts once, like numpy's acc[i] += v
-        acc = self._inplace(acc, "acc")
-        idx, values = self.records(payload)
-        acc[idx] += values
-
-    def residual(self, payload, x):
-        x = self._inplace(x, "x")
-        idx, values = self.records(payload)
-        x[idx] -= values
 
 
 def select_top(keys, k):

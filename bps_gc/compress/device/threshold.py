@@ -7,14 +7,13 @@ import numpy as np
 import torch
 
 from ..threshold import AdaptiveThreshold, SortedSparse, Threshold
-from .base import DeviceCodec
 from .registry import register_device_compressor
-from .sparse import magnitude_keys, pack_records, unpack_records
+from .sparse import DeviceRecordCodec, magnitude_keys, pack_records, unpack_records
 
 TORCH_VALUES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
-class DeviceSortedSparse(DeviceCodec):
+class DeviceSortedSparse(DeviceRecordCodec):
     """Float32 or float16 partitions sent as sorted (index, value) records of ``value_dtype``."""
 
     def __init__(self, params, n, dtype, seed=None, device=None, value_dtype=None):
@@ -56,15 +55,6 @@ class DeviceSortedSparse(DeviceCodec):
             out[idx] += values  # numpy adds to the zeros: -0.0 becomes +0.0
         return out
 
-    def decompress_add(self, payload, acc):
-        acc = self._inplace(acc, "acc")
-        idx, values = self.records(payload)
-        acc[idx] += values
-
-    def residual(self, payload, x):
-        x = self._inplace(x, "x")
-        idx, values = self.records(payload)
-        x[idx] -= values
 
 
 @register_device_compressor("threshold")

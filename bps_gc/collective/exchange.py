@@ -4,28 +4,51 @@ Every rank then sees every rank's payloads in rank order, so each runs the reduc
 parameter server would have run (compress/reducers.py) and decodes its reply. The server chain
 is deterministic (its seed derives from the partition key), so every rank ends with the same
 bits the parameter server would have sent back.
+
+A rank that could not make its payloads (its codec raised) still takes part: it sends lengths
+of -1 and no bytes, so every rank issues the same collectives and learns who failed
+(``PayloadsMissing``) instead of waiting for bytes that never come.
 """
 import numpy as np
 import torch
 import torch.distributed as dist
 
 
-def all_gather_bytes(payloads, wait, group=None):
-    """``payloads``: this rank's uint8 arrays (one per partition). Returns, for every rank in
-    order, its list of payloads. Lengths travel first; the bytes are padded to the longest."""
+class PayloadsMissing(RuntimeError):
+    """Raised on every rank when some rank sent no payloads (``ranks``: which)."""
+
+    def __init__(self, ranks):
+        super().__init__(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                         "could not make their payloads")
+        self.ranks = ranks
+
+
+def all_gather_bytes(payloads, wait, group=None, parts=None, device=None):
+    """``payloads``: this rank's uint8 arrays (one per partition), or None when this rank
+    failed to make them (then ``parts`` says how many there would have been). Returns, for
+    every rank in order, its list of payloads (numpy). Lengths travel first; the bytes are
+    padded to the longest. ``device``: where the collectives' tensors live (a CUDA device for
+    NCCL); the host by default."""
     size = dist.get_world_size(group)
-    lengths = torch.tensor([p.size for p in payloads], dtype=torch.int64)
+    count = len(payloads) if payloads is not None else parts
+    sizes = [p.size for p in payloads] if payloads is not None else [-1] * count
+    lengths = torch.tensor(sizes, dtype=torch.int64, device=device)
     all_lengths = [torch.empty_like(lengths) for _ in range(size)]
     wait(dist.all_gather(all_lengths, lengths, group=group, async_op=True), "all_gather of payload sizes")
+    all_lengths = [t.cpu() for t in all_lengths]
+    missing = [r for r, t in enumerate(all_lengths) if bool((t < 0).any())]
+    if missing:
+        raise PayloadsMissing(missing)
     totals = [int(t.sum()) for t in all_lengths]
     longest = max(totals)
     mine = torch.zeros(longest, dtype=torch.uint8)
     if payloads:
         np.concatenate(payloads, out=mine.numpy()[:totals[dist.get_rank(group)]])
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    mine = mine.to(device) if device is not None else mine
+    gathered = [torch.empty_like(mine) for _ in range(size)]
     wait(dist.all_gather(gathered, mine, group=group, async_op=True), "all_gather of payloads")
     result = []
     for buffer, counts in zip(gathered, all_lengths):
-        flat, offsets = buffer.numpy(), np.concatenate([[0], np.cumsum(counts.numpy())])
-        result.append([flat[offsets[i]:offsets[i + 1]] for i in range(len(payloads))])
+        flat, offsets = buffer.cpu().numpy(), np.concatenate([[0], np.cumsum(counts.numpy())])
+        result.append([flat[offsets[i]:offsets[i + 1]] for i in range(count)])
     return result

@@ -14,16 +14,33 @@ server would return for the same gradients. DDP regroups its buckets after the f
 bucket whose size changed starts with fresh codec state (PowerSGD's hook waits out the same
 regrouping with ``start_powerSGD_iter``).
 
+The hook does not hold backward (docs/ddp_hook.md): it returns a pending future at once, and
+one worker thread per hook compresses, exchanges and decodes the buckets, one after the other
+in the order DDP handed them over, then completes their futures (for CUDA buckets, on a side
+stream that first waits for the gradients). DDP waits for the futures at the end of backward.
+Ordering across ranks: DDP calls the hook in bucket order on every rank, the one thread issues
+the collectives in that order, and on a process group of their own (made at the first call,
+on every rank), so collectives DDP itself issues meanwhile (find_unused_parameters' bitmap) on
+its group never interleave with them differently on different ranks. An error in the thread
+(a codec's, a failed peer's) is the future's: DDP raises it from backward().
+
 Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduce_hook and
 fp16_compress_hook. The learning rate that error feedback rescales by is read from
-``optimizer`` when given.
+``optimizer`` when given, when the hook is called.
 """
+import inspect
+import queue
+import threading
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import bps_gc.core as core
+
 from .. import compress
-from ..collective import all_gather_bytes
+from ..collective import Collective, all_gather_bytes
+from ..collective.exchange import PayloadsMissing
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -31,6 +48,31 @@ KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | pa
 def bucket_key(index, position):
     """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
     return KEY_BASE | index << 16 | position
+
+
+def device_chains_available():
+    """Whether bps_gc.compress builds chains of torch operations on a device."""
+    return "device" in inspect.signature(compress.build_chain).parameters
+
+
+class SerialWorker:
+    """One daemon thread running jobs in the order they were submitted; ``job()`` completes
+    its own future. A daemon: a job blocked on a dead peer never keeps the process alive."""
+
+    def __init__(self, name):
+        self.name, self.jobs, self.thread = name, queue.SimpleQueue(), None
+        self.lock = threading.Lock()
+
+    def submit(self, job):
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.thread.start()
+        self.jobs.put(job)
+
+    def _run(self):
+        while True:
+            self.jobs.get()()
 
 
 class CompressionHook:
@@ -43,50 +85,124 @@ class CompressionHook:
             raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
-        self.buckets = {}  # bucket index -> (sizes, [(worker chain, reducer)], steps so far)
+        self.wire_dtype = np.float16 if self.params.fp16 else np.float32
+        self.buckets = {}  # bucket index -> (sizes, device, [(worker chain, reducer)], steps so far)
+        self.worker = SerialWorker("bps_gc-comm-hook")
+        self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
+        self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
         if not self.params.compressed:
             return self._all_reduce(group, buffer)
-        size = dist.get_world_size(group)
-        wire_dtype = np.float16 if self.params.fp16 else np.float32
-        grad = buffer.detach().to("cpu", torch.float32).numpy().astype(wire_dtype, copy=False)
-        sizes = [g.numel() for g in bucket.gradients()]
-        parts = self._state(bucket.index(), sizes, wire_dtype)
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
+        parts = self._state(index, sizes, buffer.device)
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self._count_step(bucket.index())}
-        payloads = [codec.compress(grad[bounds[i]:bounds[i + 1]], ctx) for i, (codec, _) in enumerate(parts)]
-        gathered = all_gather_bytes(payloads, lambda work, what: work.wait(), group)
-        total = np.empty(grad.size, wire_dtype)
+               "step": self._count_step(index)}
+        side = self._side_group(group)
+        if buffer.device.type == "cpu":
+            future = torch.futures.Future()
+            self.worker.submit(lambda: _settle(future, lambda: self._reduce(side, index, buffer, parts, ctx)))
+        else:
+            future = self._reduce_on_stream(side, index, buffer, parts, ctx)
+        # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
+        # Tensor"); a callback that raises it marks the chained future failed, with the
+        # exception's type and text in the error DDP raises
+        return future.then(_value)
+
+    def _reduce_on_stream(self, side, index, buffer, parts, ctx):
+        """A CUDA bucket: the worker thread enqueues its work on a side stream that first waits
+        for the gradients (the event recorded here, on backward's stream); the future carries
+        the device, so whoever waits on it (DDP) waits for that stream's work, not the host."""
+        device = buffer.device
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = torch.cuda.Stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        buffer.record_stream(stream)  # its memory stays DDP's until the side stream is done with it
+        future = torch.futures.Future(devices=[device])
+
+        def job():
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                _settle(future, lambda: self._reduce(side, index, buffer, parts, ctx))
+        self.worker.submit(job)
+        return future
+
+    def _reduce(self, group, index, buffer, parts, ctx):
+        """Compress, exchange, reduce and decode bucket ``index`` (on the worker thread); the
+        averaged bucket, in ``buffer``."""
+        size = dist.get_world_size(group)
+        grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)
+        bounds = np.concatenate([[0], np.cumsum([reducer.n for _, reducer in parts])])
+        try:
+            payloads = [_payload(chain, grad[bounds[i]:bounds[i + 1]], ctx) for i, (chain, _) in enumerate(parts)]
+            failure = None
+        except Exception as e:  # the others still gather (and learn that this rank failed)
+            payloads, failure = None, e
+        device = buffer.device if dist.get_backend(group) == "nccl" else None
+        try:
+            gathered = all_gather_bytes(payloads, self._waiter(group, index), group, len(parts), device)
+        except PayloadsMissing as missing:
+            if failure is not None:
+                raise RuntimeError(f"bps_gc comm_hook: compressing DDP bucket {index} failed: "
+                                   f"{type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {missing} (their errors name "
+                               "the cause); this rank stops too") from None
+        total = np.empty(grad.numel(), self.wire_dtype)
         for i, (_, reducer) in enumerate(parts):
             chunk = total[bounds[i]:bounds[i + 1]]
             reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
             if reducer.summed:  # a majority vote is not averaged
                 chunk /= chunk.dtype.type(size)
         buffer.copy_(torch.from_numpy(total))
-        future = torch.futures.Future()
-        future.set_result(buffer)
-        return future
+        return buffer
 
-    def _state(self, index, sizes, dtype):
-        """[(worker chain, reducer)] for the gradients of bucket ``index``."""
+    def _waiter(self, group, index):
+        """How the worker waits for a collective: through bps_gc's collective communicator when
+        it runs (its heartbeat names a dead or departed rank within its bound, as a
+        NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
+        comm = core.worker() if core.is_initialized() else None
+        if isinstance(comm, Collective):
+            return lambda work, what: comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+
+        def wait(work, what):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise core.NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
+                                       f"{dist.get_rank()}: {e}") from None
+        return wait
+
+    def _side_group(self, group):
+        """The hook's own process group with ``group``'s ranks: made by the first call, which
+        every member makes at the same point (its first bucket)."""
+        side = self.side_groups.get(group)
+        if side is None:
+            side = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+            self.side_groups[group] = side
+        return side
+
+    def _state(self, index, sizes, device):
+        """[(worker chain, reducer)] for the gradients of bucket ``index``: the worker chain
+        runs on ``device`` where bps_gc has device chains, else on the host (numpy)."""
         state = self.buckets.get(index)
-        if state is None or state[0] != sizes:
+        if state is None or state[0] != sizes or state[1] != device:
+            on = {"device": device} if device.type != "cpu" and device_chains_available() else {}
             keys = [bucket_key(index, position) for position in range(len(sizes))]
-            state = [sizes, [(compress.build_chain(self.params, n, dtype, key=key, role="worker"),
-                              compress.make_reducer(self.reducer, self.params, n, dtype, key))
-                             for n, key in zip(sizes, keys)], 0]
+            state = [sizes, device, [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker", **on),
+                                      compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
+                                     for n, key in zip(sizes, keys)], 0]
             self.buckets[index] = state
-        return state[1]
+        return state[2]
 
     def _count_step(self, index):
         """The step context's ``step``: how many times bucket ``index`` was reduced before."""
         state = self.buckets[index]
-        state[2] += 1
-        return state[2] - 1
+        state[3] += 1
+        return state[3] - 1
 
     def _all_reduce(self, group, buffer):
         sent = buffer.to(torch.float16) if self.params.fp16 else buffer
@@ -97,6 +213,29 @@ class CompressionHook:
                 buffer.copy_(future.value()[0])
             return buffer
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
+
+
+def _payload(chain, grad, ctx):
+    """A gradient's payload as a host uint8 array: a device chain compresses where the tensor
+    is and only the payload crosses to the host; a numpy chain gets the host's copy."""
+    if grad.device.type == "cpu":
+        return chain.compress(grad.numpy(), ctx)
+    if getattr(chain, "device", None) is not None:
+        return chain.compress(grad, ctx).cpu().numpy()
+    return chain.compress(grad.cpu().numpy(), ctx)
+
+
+def _value(future):
+    return future.value()
+
+
+def _settle(future, work):
+    try:
+        result = work()
+    except BaseException as e:  # noqa: B036 (the future is its only way out of this thread)
+        future.set_exception(e)
+        return
+    future.set_result(result)
 
 
 def comm_hook(compression_params=None, reducer=None, optimizer=None):

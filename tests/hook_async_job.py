@@ -1,0 +1,140 @@
+"""bps_gc.torch.comm_hook's asynchrony, under torchrun on gloo. ``python hook_async_job.py SPEC.json OUT``.
+
+spec "overlap": DDP on a model with large buckets (their reduction takes tens of milliseconds),
+timing each hook call (until it returns) and its future (until it completes); then the hook
+called directly on two buckets, several steps each, interleaved and none waited for before the
+last, saving inputs, outputs and the order the futures completed in.
+spec "error": a codec that raises at step 1 on rank ``refuser`` only; every rank saves what
+backward() raised.
+spec "die": rank 1 kills itself (SIGKILL) before its step 2; rank 0 trains on (it must fail);
+with "init", under bps_gc.torch.init() (the collective communicator and its heartbeat).
+"""
+import gc
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+import bps_gc.torch as bps  # noqa: E402
+from bps_gc.compress import register_compressor, step_context  # noqa: E402
+from bps_gc.compress.sparse import TopK  # noqa: E402
+
+spec, out = json.load(open(sys.argv[1])), sys.argv[2]
+if spec.get("init"):
+    bps.init()  # the collective communicator (torchrun's environment): its heartbeat watches waits
+else:
+    dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(1)
+
+
+@register_compressor("test_refuses")
+class Refuses(TopK):
+    """top-k, except that it refuses step 1 on rank ``spec["refuser"]``."""
+
+    def compress(self, x, ctx=None):
+        if step_context(ctx)["step"] == 1 and rank == spec.get("refuser"):
+            raise ValueError(f"test_refuses: rank {rank} refuses step 1")
+        return super().compress(x, ctx)
+
+
+def train(model, hook, steps, width, on_step=None):
+    model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        if on_step:
+            on_step(step)
+        g = torch.Generator().manual_seed(100 * rank + step)
+        torch.nn.functional.mse_loss(model(torch.randn(4, width, generator=g)), torch.zeros(4, width)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def mlp(width, layers):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def overlap(spec):
+    hook, calls = bps.comm_hook(spec["compression_params"]), []
+
+    def timed(state, bucket):
+        began = time.perf_counter()
+        future = hook(state, bucket)
+        returned = time.perf_counter()
+        calls.append([returned - began, None])
+        entry = calls[-1]
+
+        def completed(f):
+            entry[1] = time.perf_counter() - began
+            return f.value()
+        return future.then(completed)
+    train(DDP(mlp(1024, 4), bucket_cap_mb=4), timed, spec["steps"], 1024)
+    json.dump(calls, open(os.path.join(out, f"calls{rank}.json"), "w"))
+    order(spec)
+
+
+class Bucket:
+    """What the hook reads of DDP's GradBucket (which has no Python constructor)."""
+
+    def __init__(self, index, sizes, buffer):
+        self._index, self._buffer = index, buffer
+        self._gradients = list(torch.split(buffer, sizes))
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._gradients
+
+
+def order(spec):
+    hook, done, saved = bps.comm_hook(spec["compression_params"]), [], {}
+    sizes = {0: [3000, 500], 1: [2000]}
+    pending = []
+    for step in range(3):
+        for index in (0, 1):
+            g = torch.Generator().manual_seed(1000 * rank + 10 * step + index)
+            buffer = torch.randn(sum(sizes[index]), generator=g) * (1 + index)
+            saved[f"in{len(pending)}"] = buffer.clone().numpy()
+            future = hook(None, Bucket(index, sizes[index], buffer))
+            future.then(lambda f, n=len(pending): done.append(n))
+            pending.append(future)
+    for n, future in enumerate(pending):
+        saved[f"out{n}"] = future.wait().clone().numpy()
+    time.sleep(0.1)  # the last then() callback runs after its future's waiters wake
+    np.savez(os.path.join(out, f"order{rank}.npz"), done=np.array(done), **saved)
+
+
+def error(spec):
+    try:
+        train(DDP(mlp(64, 2)), bps.comm_hook({"compressor": "test_refuses", "k": 0.1}), 3, 64)
+        raised = None
+    except Exception as e:  # what a training script sees
+        raised = {"type": type(e).__name__, "message": str(e)}
+    json.dump(raised, open(os.path.join(out, f"error{rank}.json"), "w"))
+
+
+def die(spec):
+    def on_step(step):
+        if step == 2 and rank == 1:
+            open(os.path.join(out, "killing-1"), "w").write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+    train(DDP(mlp(256, 2)), bps.comm_hook({"compressor": "topk", "k": 0.01, "ef": "vanilla"}), 10**6, 256, on_step)
+
+
+{"overlap": overlap, "error": error, "die": die}[spec["mode"]](spec)
+dist.barrier()  # no rank tears its pairs down under a peer still sending (ddp_hook_job.py)
+gc.collect()
+dist.destroy_process_group()

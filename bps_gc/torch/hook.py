@@ -86,7 +86,8 @@ class CompressionHook:
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
         self.wire_dtype = np.float16 if self.params.fp16 else np.float32
-        self.buckets = {}  # bucket index -> (sizes, device, [(worker chain, reducer)], steps so far)
+        # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
+        self.buckets = {}
         self.worker = SerialWorker("bps_gc-comm-hook")
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
@@ -98,20 +99,22 @@ class CompressionHook:
             return self._all_reduce(group, buffer)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         parts = self._state(index, sizes, buffer.device)
+        on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
                "step": self._count_step(index)}
         side = self._side_group(group)
         if buffer.device.type == "cpu":
             future = torch.futures.Future()
-            self.worker.submit(lambda: _settle(future, lambda: self._reduce(side, index, buffer, parts, ctx)))
+            reduce = lambda: self._reduce(side, index, buffer, parts, ctx, on_device)  # noqa: E731
+            self.worker.submit(lambda: _settle(future, reduce))
         else:
-            future = self._reduce_on_stream(side, index, buffer, parts, ctx)
+            future = self._reduce_on_stream(side, index, buffer, parts, ctx, on_device)
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
         return future.then(_value)
 
-    def _reduce_on_stream(self, side, index, buffer, parts, ctx):
+    def _reduce_on_stream(self, side, index, buffer, parts, ctx, on_device):
         """A CUDA bucket: the worker thread enqueues its work on a side stream that first waits
         for the gradients (the event recorded here, on backward's stream); the future carries
         the device, so whoever waits on it (DDP) waits for that stream's work, not the host."""
@@ -127,18 +130,19 @@ class CompressionHook:
         def job():
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                _settle(future, lambda: self._reduce(side, index, buffer, parts, ctx))
+                _settle(future, lambda: self._reduce(side, index, buffer, parts, ctx, on_device))
         self.worker.submit(job)
         return future
 
-    def _reduce(self, group, index, buffer, parts, ctx):
+    def _reduce(self, group, index, buffer, parts, ctx, on_device):
         """Compress, exchange, reduce and decode bucket ``index`` (on the worker thread); the
         averaged bucket, in ``buffer``."""
         size = dist.get_world_size(group)
         grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)
         bounds = np.concatenate([[0], np.cumsum([reducer.n for _, reducer in parts])])
         try:
-            payloads = [_payload(chain, grad[bounds[i]:bounds[i + 1]], ctx) for i, (chain, _) in enumerate(parts)]
+            payloads = [_payload(chain, grad[bounds[i]:bounds[i + 1]], ctx, on_device)
+                        for i, (chain, _) in enumerate(parts)]
             failure = None
         except Exception as e:  # the others still gather (and learn that this rank failed)
             payloads, failure = None, e
@@ -187,14 +191,15 @@ class CompressionHook:
 
     def _state(self, index, sizes, device):
         """[(worker chain, reducer)] for the gradients of bucket ``index``: the worker chain
-        runs on ``device`` where bps_gc has device chains, else on the host (numpy)."""
+        runs on ``device`` where bps_gc has device chains (issue 26), else on the host."""
         state = self.buckets.get(index)
         if state is None or state[0] != sizes or state[1] != device:
             on = {"device": device} if device.type != "cpu" and device_chains_available() else {}
             keys = [bucket_key(index, position) for position in range(len(sizes))]
-            state = [sizes, device, [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker", **on),
-                                      compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
-                                     for n, key in zip(sizes, keys)], 0]
+            parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker", **on),
+                      compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
+                     for n, key in zip(sizes, keys)]
+            state = [sizes, device, parts, 0, bool(on)]
             self.buckets[index] = state
         return state[2]
 
@@ -215,12 +220,10 @@ class CompressionHook:
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
 
 
-def _payload(chain, grad, ctx):
+def _payload(chain, grad, ctx, on_device):
     """A gradient's payload as a host uint8 array: a device chain compresses where the tensor
     is and only the payload crosses to the host; a numpy chain gets the host's copy."""
-    if grad.device.type == "cpu":
-        return chain.compress(grad.numpy(), ctx)
-    if getattr(chain, "device", None) is not None:
+    if on_device:
         return chain.compress(grad, ctx).cpu().numpy()
     return chain.compress(grad.cpu().numpy(), ctx)
 

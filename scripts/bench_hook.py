@@ -125,6 +125,8 @@ def rank_main(args):
         """``hook``, timed: the call and its future; ``layout`` collects DDP's buckets' sizes."""
         def timed(state, bucket):
             if layout is not None:
+                if bucket.index() == 0:  # a step's first bucket: the last step's layout only
+                    layout.clear()
                 layout[bucket.index()] = [t.numel() for t in bucket.gradients()]
             began = time.perf_counter()
             future = hook(state, bucket)

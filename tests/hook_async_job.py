@@ -6,6 +6,7 @@ called directly on two buckets, several steps each, interleaved and none waited 
 last, saving inputs, outputs and the order the futures completed in.
 spec "error": a codec that raises at step 1 on rank ``refuser`` only; every rank saves what
 backward() raised.
+spec "cuda": DDP on CUDA (NCCL), every bucket the hook saw saved, as ddp_hook_job.py's "record".
 spec "die": rank 1 kills itself (SIGKILL) before its step 2; rank 0 trains on (it must fail);
 with "init", under bps_gc.torch.init() (the collective communicator and its heartbeat).
 """
@@ -31,7 +32,7 @@ spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 if spec.get("init"):
     bps.init()  # the collective communicator (torchrun's environment): its heartbeat watches waits
 else:
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if spec["mode"] == "cuda" else "gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 
@@ -77,7 +78,9 @@ def overlap(spec):
             entry[1] = time.perf_counter() - began
             return f.value()
         return future.then(completed)
-    train(DDP(mlp(1024, 4), bucket_cap_mb=4), timed, spec["steps"], 1024)
+    # find_unused_parameters: DDP all_reduces its bitmap on its group from backward's thread
+    # while the hook's thread may still gather (on the hook's own group)
+    train(DDP(mlp(1024, 4), bucket_cap_mb=4, find_unused_parameters=True), timed, spec["steps"], 1024)
     json.dump(calls, open(os.path.join(out, f"calls{rank}.json"), "w"))
     order(spec)
 
@@ -134,7 +137,32 @@ def die(spec):
     train(DDP(mlp(256, 2)), bps.comm_hook({"compressor": "topk", "k": 0.01, "ef": "vanilla"}), 10**6, 256, on_step)
 
 
-{"overlap": overlap, "error": error, "die": die}[spec["mode"]](spec)
+def cuda(spec):
+    """DDP on cuda:<rank> (NCCL), recording every bucket the hook saw, in and out."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)).to(device),
+                device_ids=[device], bucket_cap_mb=0.004)
+    hook, seen = bps.comm_hook(spec["compression_params"]), []
+
+    def recording(state, bucket):
+        grads = bucket.buffer().detach().cpu().numpy()
+        result = hook(state, bucket).wait()  # the device future: this stream waits for the side stream
+        seen.append((bucket.index(), grads, result.detach().cpu().numpy(), [g.numel() for g in bucket.gradients()]))
+        future = torch.futures.Future(devices=[device])
+        future.set_result(result)
+        return future
+    model.register_comm_hook(None, recording)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 20, generator=g).to(device), torch.randn(8, 40, generator=g).to(device)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    np.savez(os.path.join(out, f"hook{rank}.npz"), index=np.array([s[0] for s in seen]),
+             **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
+             **{f"sizes{i}": np.array(s[3]) for i, s in enumerate(seen)})
+
+
+{"overlap": overlap, "error": error, "die": die, "cuda": cuda}[spec["mode"]](spec)
 dist.barrier()  # no rank tears its pairs down under a peer still sending (ddp_hook_job.py)
 gc.collect()
 dist.destroy_process_group()

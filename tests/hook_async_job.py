@@ -6,6 +6,7 @@ called directly on two buckets, several steps each, interleaved and none waited 
 last, saving inputs, outputs and the order the futures completed in.
 spec "error": a codec that raises at step 1 on rank ``refuser`` only; every rank saves what
 backward() raised.
+spec "overlap_and_error": both, one after the other (one start-up for two tests).
 spec "cuda": DDP on CUDA (NCCL), every bucket the hook saw saved, as ddp_hook_job.py's "record".
 spec "die": rank 1 kills itself (SIGKILL) before its step 2; rank 0 trains on (it must fail);
 with "init", under bps_gc.torch.init() (the collective communicator and its heartbeat).
@@ -162,7 +163,13 @@ def cuda(spec):
              **{f"sizes{i}": np.array(s[3]) for i, s in enumerate(seen)})
 
 
-{"overlap": overlap, "error": error, "die": die, "cuda": cuda}[spec["mode"]](spec)
+def overlap_and_error(spec):
+    overlap(spec)
+    error(spec)
+
+
+{"overlap": overlap, "error": error, "overlap_and_error": overlap_and_error, "die": die,
+ "cuda": cuda}[spec["mode"]](spec)
 dist.barrier()  # no rank tears its pairs down under a peer still sending (ddp_hook_job.py)
 gc.collect()
 dist.destroy_process_group()

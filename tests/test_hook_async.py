@@ -28,8 +28,16 @@ def run(spec, tmp_path, timeout=180):
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
-def test_hook_returns_before_its_reduction_ends_and_keeps_each_buckets_steps_in_order(tmp_path):
-    run({"mode": "overlap", "steps": 4, "compression_params": TOPK_EF}, tmp_path)
+@pytest.fixture(scope="module")
+def overlap_and_error(tmp_path_factory):
+    """One job for two tests (torchrun's start-up is most of their time)."""
+    out = tmp_path_factory.mktemp("hook_async")
+    run({"mode": "overlap_and_error", "steps": 4, "compression_params": TOPK_EF, "refuser": 1}, out)
+    return out
+
+
+def test_hook_returns_before_its_reduction_ends_and_keeps_each_buckets_steps_in_order(overlap_and_error):
+    tmp_path = overlap_and_error
     for rank in range(2):
         calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
         assert len(calls) >= 8 and all(done is not None for _, done in calls)
@@ -48,8 +56,8 @@ def test_hook_returns_before_its_reduction_ends_and_keeps_each_buckets_steps_in_
             assert s[f"out{n}"].tobytes() == value.tobytes(), f"rank {rank} call {n}"
 
 
-def test_codec_error_on_one_rank_reaches_backward_on_every_rank(tmp_path):
-    run({"mode": "error", "refuser": 1}, tmp_path)
+def test_codec_error_on_one_rank_reaches_backward_on_every_rank(overlap_and_error):
+    tmp_path = overlap_and_error
     raised = [json.loads((tmp_path / f"error{r}.json").read_text()) for r in range(2)]
     assert raised[1] is not None and "ValueError: test_refuses: rank 1 refuses step 1" in raised[1]["message"], raised
     assert "compressing DDP bucket 0 failed" in raised[1]["message"], raised

@@ -9,6 +9,8 @@ from typing import Optional
 
 ROLES = ("scheduler", "server", "worker")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+# BPS_GC_DEVICE_CODECS: which codec chains bps_gc.torch runs (docs/device_codecs.md)
+DEVICE_CODECS = ("auto", "torch", "numpy")
 
 
 UNSET = "unset"  # the default of an optional flag or number: unset gives None
@@ -59,6 +61,9 @@ class Config:
     fusion_bytes: int = 1 << 20  # BPS_GC_FUSION_BYTES: small dense pushes share messages up to this
     bucket_bytes: int = 25 << 20  # BPS_GC_BUCKET_BYTES: the collective transport's buckets (DDP's size)
     tcp_congestion: Optional[str] = None  # BPS_GC_TCP_CONGESTION: of this node's TCP data links; None: the host's
+    # BPS_GC_DEVICE_CODECS: "auto" (torch chains for tensors off the CPU), "torch" (for every
+    # tensor), "numpy" (host copy + numpy chains)
+    device_codecs: str = "auto"
 
     @property
     def rank(self):
@@ -119,6 +124,7 @@ class Config:
             fusion_bytes=read.integer("BPS_GC_FUSION_BYTES", 1 << 20, low=0),
             bucket_bytes=read.integer("BPS_GC_BUCKET_BYTES", 25 << 20, low=1),
             tcp_congestion=tcp_congestion(read),
+            device_codecs=read.choice("BPS_GC_DEVICE_CODECS", DEVICE_CODECS, "auto", lower=True),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")
@@ -263,12 +269,14 @@ class EnvReader:
             return False
         raise ConfigError(name, f"must be 0 or 1, got {value!r}")
 
-    def choice(self, name, allowed, default=None, upper=False):
+    def choice(self, name, allowed, default=None, upper=False, lower=False):
         value = self.raw(name, default)
         if value is self.MISSING:
             return default
         if upper:
             value = value.upper()
+        elif lower:
+            value = value.lower()
         if value not in allowed:
             raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
         return value

@@ -11,18 +11,19 @@ bps_gc.mxnet) use: they forward to this process's Communicator (roles.communicat
 """
 import atexit
 import logging
+import os
 import sys
 
 from . import compress
-from .config import Config, ConfigError, transport_from_env
+from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
 from .roles import NodeFailure
 from .roles.communicator import Declaration
 from .roles.membership import abort_job
 from .roles.worker import Worker
 
 _worker = None
-__all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare", "init",
-           "is_initialized", "local_rank", "local_size", "metrics", "push_pull", "rank", "recv",
+__all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
+           "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics", "push_pull", "rank", "recv",
            "reduce", "send", "shutdown", "size", "worker"]
 
 
@@ -75,6 +76,14 @@ def worker():
     if _worker is None:
         raise RuntimeError("bps_gc is not initialized: call init() first")
     return _worker
+
+
+def device_codecs():
+    """BPS_GC_DEVICE_CODECS (auto, torch or numpy: docs/device_codecs.md) of this process: the
+    communicator's, else read from the environment (a bad value raises ConfigError naming it)."""
+    if _worker is not None:
+        return getattr(_worker.cfg, "device_codecs", "auto")
+    return EnvReader(os.environ).choice("BPS_GC_DEVICE_CODECS", DEVICE_CODECS, "auto", lower=True)
 
 
 def is_initialized():

@@ -81,8 +81,7 @@ class _Neighbourhood:
         self.names = list(arrays)
         self.x = {n: arrays[n] for n in self.names}
         for n, a in self.x.items():
-            if not (isinstance(a, np.ndarray) and a.ndim == 1 and a.flags.c_contiguous):
-                raise ValueError(f"gossip: {n!r} must be a flat contiguous numpy array")
+            self._check_array(n, a)
         self.comm, self.tag = comm, tag
         self.rank, self.size = comm.rank(), comm.size()
         if topology.size != self.size:
@@ -96,6 +95,12 @@ class _Neighbourhood:
         # receives (torch.distributed's gloo does), which it does only at its next step. A
         # daemon thread: a send stuck on a dead neighbour must not keep the process alive
         self._sending, self._send_error = None, []
+
+    def _check_array(self, name, a):
+        """The models are flat contiguous arrays (numpy here; torch tensors in bps_gc.torch's
+        device variant, which overrides this)."""
+        if not (isinstance(a, np.ndarray) and a.ndim == 1 and a.flags.c_contiguous):
+            raise ValueError(f"gossip: {name!r} must be a flat contiguous numpy array")
 
     def _send_all(self, message):
         """Send ``message`` to every neighbour, in ascending rank order (receives go in the same

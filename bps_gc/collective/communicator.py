@@ -26,6 +26,7 @@ from ..roles.phased import PhasedReduction, phases
 from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .departure import Ending, await_end, departure, described
+from .device_tensors import DeviceTensors
 from .exchange import all_gather_bytes
 from .liveness import Heartbeat
 from .messages import Messages
@@ -52,14 +53,17 @@ class Bucket:
     [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
     [(tensor, wire, out, average, lr, payloads)]; two-phase ones (PowerSGD) in one all_reduce
     per phase ``phased``: [(PhasedReduction, first phase buffer, wire, out, average)], as
-    torch's PowerSGD hook sums a whole bucket's matrices at once."""
+    torch's PowerSGD hook sums a whole bucket's matrices at once. ``gathered``: [(payload
+    tensors, the list every rank's payloads land in, name)] of ``push_payloads`` (device chains),
+    one all_gather per device."""
 
     def __init__(self):
         self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
+        self.gathered = []
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
-class Collective(Messages, api.Communicator):
+class Collective(Messages, DeviceTensors, api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -313,13 +317,17 @@ class Collective(Messages, api.Communicator):
         bucket.flushed = True
         if bucket.coded:
             self._reduce_coded(bucket.coded)
+        if bucket.gathered:
+            self._gather_payloads(bucket.gathered)
         if bucket.phased:
             self._reduce_phased(bucket.phased)
-        by_dtype = {}
+        by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
-            by_dtype.setdefault(entry[0].dtype, []).append(entry)
-        for dtype, entries in by_dtype.items():
-            fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
+            wire = entry[0]
+            by_dtype.setdefault((wire.dtype, getattr(wire, "device", None)), []).append(entry)
+        for (_, device), entries in by_dtype.items():
+            wires = [w for w, _, _ in entries]
+            fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)
             bucket.buffers.append((fused, entries))
         bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
@@ -333,6 +341,9 @@ class Collective(Messages, api.Communicator):
             self.wait(work, lambda: f"all_reduce of {_listed(bucket.names)}")
         self.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
+            if isinstance(entries[0][0], torch.Tensor):
+                self._deliver_tensors(fused, entries)
+                continue
             flat, offset = fused.numpy(), 0
             for wire, out, average in entries:
                 self._deliver(flat[offset:offset + wire.size], out, average)

@@ -55,6 +55,29 @@ class Communicator(abc.ABC):
         """The Declaration of ``name``, None if it was not declared."""
         raise NotImplementedError(f"{type(self).__name__} does not implement declaration()")
 
+    # how ``push_payloads`` answers (bindings that compress themselves: bps_gc.torch's device
+    # chains): False, the reduced reply of each partition (a server reduced them); True, every
+    # rank's payloads of each partition (the caller runs the reducer, as the collective does)
+    gathers_payloads = False
+
+    def partitions(self, name):
+        """[(key, start, stop)] of ``name``'s compressed partitions, in order: a binding that
+        compresses with its own chains builds them with these keys (the keys seed the codecs)
+        and pushes their payloads with ``push_payloads``. Empty when ``name`` is not placed or
+        not compressed (sent dense, or nothing leaves this process), and for reducers summed
+        in phases (PowerSGD's, roles/phased.py), which the communicator drives itself."""
+        from .phased import phases
+        tensor = getattr(self, "tensors", {}).get(name)
+        if tensor is None or not tensor.compressed or phases(tensor) > 1:
+            return []
+        return [(part.key, part.start, part.stop) for part in tensor.partitions]
+
+    def push_payloads(self, name, payloads, ctx=None, priority=0) -> Handle:
+        """Reduce ``name`` from payloads the caller compressed itself (one uint8 array or
+        tensor per partition of ``partitions(name)``); ``wait()`` returns, per partition, what
+        ``gathers_payloads`` says, undecoded: the caller decodes where its tensor lives."""
+        raise NotImplementedError(f"{type(self).__name__} does not take compressed payloads")
+
     @abc.abstractmethod
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None) -> Handle:
         """Sum (or average) ``array`` over all workers into ``out`` (default: in place).

@@ -22,6 +22,7 @@ from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
 from .worker_local import LocalReduce, one_host
+from .worker_payloads import push_payloads
 from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 
 log = logging.getLogger("bps_gc.worker")
@@ -199,6 +200,12 @@ class Worker(Communicator):
         return handle
 
     push_pull = reduce
+
+    def push_payloads(self, name, payloads, ctx=None, priority=0):
+        """Push ``name``'s partitions compressed by the caller (a binding's device chains, one
+        uint8 array per partition of ``partitions(name)``); ``wait()`` returns each partition's
+        reply undecoded, as [(reply, compressed)] (worker_payloads.py)."""
+        return push_payloads(self, name, payloads, ctx, priority)
 
     def _reduce_in_phases(self, tensor, array, out, average, ctx, priority):
         """A two-phase reduce (roles/phased.py): each phase a dense reduce of the tensor's phase

@@ -10,17 +10,25 @@ node), then one gossip round with the graph neighbours through the communicator'
 (bps_gc.core.send/recv: worker to worker, no server). CHOCO's messages are collected at the
 next step, so they travel during the next forward and backward pass; ``finish()`` collects the
 last ones. Parameters are gossiped; buffers (BatchNorm statistics) stay local.
-CPU tensors only: the gossip updates the parameters' memory in place through numpy views.
+
+Where the parameters' codecs run on their device (BPS_GC_DEVICE_CODECS, docs/device_codecs.md:
+CUDA tensors by default), CHOCO's state (xhat, s - xhat) and arithmetic stay on the device too
+(``DeviceChocoGossip``): only the payloads cross to the host, to be sent; received ones are
+decoded on the device. Otherwise the gossip updates CPU parameters in place through numpy views.
+D-PSGD, which sends whole models, takes contiguous CPU tensors only.
 """
 import numpy as np
 import torch
 
 import bps_gc.core as core
 
-from ..bindings.gossip import ChocoGossip, DPSGDGossip
+from ..bindings.gossip import ChocoGossip, DPSGDGossip, _Neighbourhood, gossip_params, pack
 from ..bindings.topology import topology as make_topology
+from .device_codecs import chain_for, uses_device_chain
 from .ops import SUPPORTED
 from .wrapper import WrappingOptimizer
+
+NUMPY_DTYPES = {torch_dtype: np.dtype(np_dtype) for torch_dtype, np_dtype in SUPPORTED.items()}
 
 ALGORITHMS = ("choco", "dpsgd")
 
@@ -61,16 +69,21 @@ class DecentralizedOptimizer(WrappingOptimizer):
         self._wrap(optimizer)
         self.comm = communicator or CoreComm()
         named = sorted(named_parameters, key=lambda kv: kv[0])
+        on_device = algorithm == "choco" and any(uses_device_chain(p) for _, p in named)
         arrays = {}
         for name, p in named:
-            if p.device.type != "cpu" or not p.is_contiguous() or p.dtype not in SUPPORTED:
-                raise ValueError(f"DecentralizedOptimizer: {name!r} must be a contiguous CPU float tensor "
-                                 f"(got {p.dtype} on {p.device})")
-            arrays[name] = p.detach().numpy().reshape(-1)
+            if (p.device.type != "cpu" and not on_device) or not p.is_contiguous() or p.dtype not in SUPPORTED:
+                where = "contiguous float tensor" if on_device else "contiguous CPU float tensor"
+                raise ValueError(f"DecentralizedOptimizer ({algorithm}): {name!r} must be a {where} "
+                                 f"(got {p.dtype} on {p.device}, contiguous: {p.is_contiguous()})")
+            arrays[name] = p.detach().view(-1) if on_device else p.detach().numpy().reshape(-1)
         self.params = dict(named)
         self.topology = make_topology(topology, self.comm.size())
         self.algorithm = algorithm
-        if algorithm == "choco":
+        if on_device:
+            self.gossip = DeviceChocoGossip(arrays, self.topology, self.comm, consensus_stepsize,
+                                            compression_params, tag=name or "choco")
+        elif algorithm == "choco":
             self.gossip = ChocoGossip(arrays, self.topology, self.comm, consensus_stepsize, compression_params,
                                       tag=name or "choco")
         else:
@@ -98,10 +111,81 @@ class DecentralizedOptimizer(WrappingOptimizer):
         self.finish()
         out = {}
         for name, p in self.params.items():
-            array = p.detach().numpy().copy()
+            array = p.detach().cpu().numpy().copy()
             self.comm.average(f"DecentralizedAverage.{name}", array)
-            out[name] = torch.from_numpy(np.asarray(array).reshape(tuple(p.shape)))
+            out[name] = torch.from_numpy(np.asarray(array).reshape(tuple(p.shape))).to(p.device)
         return out
+
+
+class RawDeviceCodec:
+    """CHOCO without a compressor on the device: the payload is the float bytes themselves."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def compress(self, x, lr=0.0):
+        return x.contiguous().view(torch.uint8).clone()
+
+    def decompress(self, payload, out):
+        payload = torch.as_tensor(payload).to(out.device)
+        return out.copy_(payload.view(self.dtype))
+
+
+class DeviceChocoGossip(ChocoGossip):
+    """ChocoGossip (bindings/gossip.py) on flat torch tensors, its Q a device codec chain:
+    the same rounds and messages, each step's arithmetic in the same order and dtype."""
+
+    def __init__(self, tensors, topology, comm, gamma, compression_params=None, tag="choco"):
+        _Neighbourhood.__init__(self, tensors, topology, comm, tag)
+        if not 0 < gamma <= 1:
+            raise ValueError(f"CHOCO: the consensus step size must be in (0, 1], got {gamma}")
+        self.gamma = gamma
+        params = gossip_params(compression_params)
+        self.xhat = {n: torch.zeros_like(a) for n, a in self.x.items()}
+        self.u = {n: torch.zeros_like(a) for n, a in self.x.items()}  # s - xhat
+        # the numpy variant's seeds: a distinct one per tensor and node
+        self.codecs = {n: chain_for(params, a.numel(), NUMPY_DTYPES[a.dtype], (k + 1) * 65537 + self.rank,
+                                    "worker", a) if params.compressed else RawDeviceCodec(a.dtype)
+                       for k, (n, a) in enumerate(self.x.items())}
+        largest = max((a.numel() for a in self.x.values()), default=0)
+        self._scratch = {(a.dtype, a.device): torch.empty(largest, dtype=a.dtype, device=a.device)
+                         for a in self.x.values()}
+        self.pending = False
+
+    def _check_array(self, name, a):
+        if not (isinstance(a, torch.Tensor) and a.dim() == 1 and a.is_contiguous()):
+            raise ValueError(f"gossip: {name!r} must be a flat contiguous tensor")
+
+    def _decoded(self, name, payload):
+        a = self.x[name]
+        return self.codecs[name].decompress(payload, self._scratch[a.dtype, a.device][:a.numel()])
+
+    def collect(self):
+        """ChocoGossip.collect: the neighbours' q_j (host payloads) decoded on the device."""
+        if not self.pending:
+            return
+        for j in self.neighbours:
+            w = self.topology.weight(self.rank, j)
+            for name, payload in zip(self.names, self._receive(j)):
+                self.u[name] += self._decoded(name, payload) * w
+        self._wait_sent()
+        self.pending = False
+
+    def step(self, lr=0.0):
+        """ChocoGossip.step on the device; only the payloads come to the host, to be sent."""
+        self.collect()
+        payloads = []
+        for name in self.names:
+            x, xhat, u = self.x[name], self.xhat[name], self.u[name]
+            x += u * self.gamma
+            payload = self.codecs[name].compress(x - xhat, float(lr))
+            q = self._decoded(name, payload)
+            xhat += q
+            u -= q * (1.0 - self.w_self)
+            payloads.append(payload.cpu().numpy())
+        self._send_all(pack(payloads))
+        self.pending = True
+        self.rounds += 1
 
 
 __all__ = ["DecentralizedOptimizer"]

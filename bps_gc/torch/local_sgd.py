@@ -20,15 +20,19 @@ included (``{"compressor": "signnorm", "ef": "vanilla"}``: ``p = delta + e``, ``
 decoded pushes (``lossless``) unless ``reducer`` says otherwise. ``{"compressor": "sign"}`` is
 spec §4's scaled sign: per tensor the signs (1 bit each) and the scale ``||delta||_1/n`` are
 averaged separately and ``x_sync -= mean(sign) * mean(scale)``.
+
+``x_sync`` and the differences live where the parameters do, and go through
+``bps_gc.torch.push_pull``: with device codec chains (BPS_GC_DEVICE_CODECS,
+docs/device_codecs.md) a compressed difference leaves the device only as its payload.
 """
 import inspect
 
-import numpy as np
 import torch
 
 import bps_gc.core as core
 
-from .ops import SUPPORTED, host_view
+from . import ops
+from .ops import SUPPORTED
 from .wrapper import WrappingOptimizer
 
 SIGN_PARAMS = {"compressor": "onebit", "scaling": False}  # 1 bit per element, decoded to +-1
@@ -69,16 +73,16 @@ class LocalSGD(WrappingOptimizer):
         if reducer is None and params.get("compressor") and _reducers_supported():
             reducer = "lossless"  # the mean of what the workers sent, as spec §4 averages it
         extra = {"reducer": reducer} if reducer is not None else {}
-        self.x_sync = {n: host_view(p)[0].copy() for n, p in self.params}
-        self.delta = {n: np.empty_like(x) for n, x in self.x_sync.items()}
+        self.x_sync = {n: p.detach().clone(memory_format=torch.contiguous_format) for n, p in self.params}
+        self.delta = {n: torch.empty_like(x) for n, x in self.x_sync.items()}
         self.keys = {n: f"{prefix}.{n}" for n, _ in self.params}
         for n, x in self.x_sync.items():
-            core.declare(self.keys[n], shape=x.shape, dtype=x.dtype,
-                         **(dict(SIGN_PARAMS, **extra) if self.sign else dict(params, **extra)))
+            ops.declare(self.keys[n], shape=tuple(x.shape), dtype=x.dtype,
+                        **(dict(SIGN_PARAMS, **extra) if self.sign else dict(params, **extra)))
         if self.sign:
             self.scales_key = f"{prefix}.sign_scales"
-            self.scales = np.zeros(len(self.params), np.float32)
-            core.declare(self.scales_key, shape=self.scales.shape, dtype=np.float32)
+            self.scales = torch.zeros(len(self.params), dtype=torch.float32)
+            ops.declare(self.scales_key, shape=tuple(self.scales.shape), dtype=torch.float32)
 
     def set_epoch(self, epoch):
         """The training loop's epoch (post-local SGD switches at ``local_from_epoch``)."""
@@ -102,23 +106,22 @@ class LocalSGD(WrappingOptimizer):
         ctx = {"ctx": context} if _step_context_supported() else {"lr": 1.0}
         handles = []
         for k, (name, p) in enumerate(self.params):
-            x, _ = host_view(p)
             delta = self.delta[name]
-            np.subtract(self.x_sync[name], x, out=delta)
+            torch.sub(self.x_sync[name], p, out=delta)
             if self.sign:
-                self.scales[k] = np.abs(delta).sum(dtype=np.float64) / max(delta.size, 1)
-                np.sign(delta, out=delta)
-            handles.append(core.push_pull(delta, self.keys[name], average=True, **ctx))
+                self.scales[k] = float(delta.abs().sum(dtype=torch.float64)) / max(delta.numel(), 1)
+                torch.sign(delta, out=delta)
+            handles.append(ops.push_pull_async(delta, average=True, name=self.keys[name], **ctx))
         if self.sign:
-            handles.append(core.push_pull(self.scales, self.scales_key, average=True, **ctx))
+            handles.append(ops.push_pull_async(self.scales, average=True, name=self.scales_key, **ctx))
         for h in handles:
-            h.wait()
+            ops.synchronize(h)
         for k, (name, p) in enumerate(self.params):
             delta = self.delta[name]
             if self.sign:
-                delta *= delta.dtype.type(self.scales[k])
+                delta *= float(self.scales[k])
             self.x_sync[name] -= delta
-            p.copy_(torch.from_numpy(self.x_sync[name]))
+            p.copy_(self.x_sync[name])
         self.synchronizations += 1
 
 

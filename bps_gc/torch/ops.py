@@ -1,7 +1,9 @@
-"""push_pull for torch tensors on top of the numpy worker core.
+"""push_pull for torch tensors on top of the worker core.
 
-CPU tensors are handed to the core as numpy views of their own memory (no copy); other devices
-are staged through a host copy and copied back when the handle is synchronized.
+Compressed tensors whose codecs run on their device (BPS_GC_DEVICE_CODECS, device_codecs.py)
+are compressed and decoded there; only payloads reach the communicator. Otherwise CPU tensors
+are handed to the core as numpy views of their own memory (no copy); other devices are staged
+through a host copy and copied back when the handle is synchronized.
 """
 import itertools
 
@@ -9,6 +11,9 @@ import numpy as np
 import torch
 
 import bps_gc.core as core
+
+from .. import compress
+from .device_codecs import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
 SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 _handles = {}
@@ -52,9 +57,19 @@ def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=N
     _check(tensor, "push_pull_async")
     name = name or f"push_pull.noname.{next(_noname)}"
     _ensure_declared(name, tensor)
+    parts = device_partitions(name, tensor) if uses_device_chain(tensor) else None
+    key = next(_next_handle)
+    if parts:
+        ctx = dict(compress.step_context(ctx))  # a copy: the caller may reuse its dict
+        if lr is not None:
+            ctx["lr"] = float(lr)
+        _handles[key] = (DevicePushPull(tensor, name, parts, average, priority, ctx), tensor, None)
+        return key
+    if parts is not None and reduces_dense_on_device(name):  # torch.distributed: on the device
+        _handles[key] = (core.worker().reduce_tensor(tensor, name, average), tensor, None)
+        return key
     array, staged = host_view(tensor)
     handle = core.push_pull(array, name, average=average, priority=priority, lr=lr, ctx=ctx)
-    key = next(_next_handle)
     _handles[key] = (handle, tensor, array if staged else None)
     return key
 

@@ -6,6 +6,12 @@ With ``compression_params["granularity"] = "entiremodel"`` the gradients are red
 ``step()``, compressed as one vector (bps_gc.bindings.entire_model). The step context every
 codec sees is ``{"lr", "step", "epoch"}``: ``step`` counts ``step()`` calls, ``epoch`` is what
 ``set_epoch(e)`` set last (DGC's sparsity warm-up reads it; default 0).
+
+Each gradient goes through ``ops.push_pull_async``, so the codec chain that runs follows
+BPS_GC_DEVICE_CODECS (docs/device_codecs.md): device chains for CUDA gradients by default.
+What still runs on host copies of a device gradient: the entire-model vector
+(``granularity="entiremodel"``) and the post-pull momentum/weight-decay step of
+``compression_params["momentum"]`` (bindings.momentum, numpy).
 """
 import torch
 
@@ -143,10 +149,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 ops.synchronize(self._handles.pop(id(p)))
             self._counts[id(p)] = 0
             adapter = self._post_pull.get(id(p))
-            if adapter is not None:
-                g, _ = ops.host_view(p.grad)
+            if adapter is not None:  # numpy (bindings.momentum): off the CPU, on host copies
+                g, staged = ops.host_view(p.grad)
                 x, _ = ops.host_view(p.data)
                 adapter(g, x)
+                if staged:  # the adapter updated a copy: the gradient takes its values back
+                    with torch.no_grad():
+                        p.grad.copy_(torch.from_numpy(g))
         self._steps += 1
 
     def step(self, closure=None):

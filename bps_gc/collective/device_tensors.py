@@ -1,0 +1,95 @@
+"""The collective's calls for torch tensors that stay on their device (bps_gc.torch with device
+codec chains, docs/device_codecs.md): a mixin of ``Collective``, whose buckets carry them.
+
+* ``push_payloads``: a tensor's partitions compressed on the device by the binding; their
+  payloads are all_gathered as device tensors with the bucket (one all_gather per device), and
+  every rank gets every rank's payloads back to run the reducer on the device.
+* ``reduce_tensor``: an uncompressed tensor, summed by the bucket's dense all_reduce of its
+  dtype on its device.
+
+On CUDA with the NCCL backend neither leaves the GPU; only the payloads' lengths are read back.
+"""
+import time
+
+import numpy as np
+import torch
+
+from .exchange import all_gather_tensors
+
+
+class DeviceTensors:
+    gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
+
+    def push_payloads(self, name, payloads, ctx=None, priority=0):
+        """Payloads a binding compressed on its device (uint8 tensors, one per partition of
+        ``partitions(name)``), gathered with the bucket on that device; ``wait()`` returns,
+        per rank, its list of payload tensors (still on the device)."""
+        self.check_alive()
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise KeyError(f"push_payloads: {name!r} was not declared; call declare({name!r}, ...) first")
+        if len(payloads) != len(self.partitions(name)) or not payloads:
+            raise ValueError(f"push_payloads({name!r}): {len(payloads)} payloads for "
+                             f"{len(self.partitions(name))} compressed partitions")
+        if len({p.device for p in payloads}) > 1:
+            raise ValueError(f"push_payloads({name!r}): the payloads are on several devices")
+        raw = tensor.size * tensor.wire_dtype.itemsize
+        self.counters.pushed_raw += raw
+        self.counters.pulled_raw += raw
+        self.counters.pushed_wire += sum(p.numel() for p in payloads)
+        from .communicator import Handle  # the mixin's class: imported once both exist
+        result = []
+        return self._add(Handle(self, result, self.pending), "gathered", (payloads, result, name), raw, name)
+
+    def _gather_payloads(self, gathered):
+        """One all_gather per device for the bucket's device payloads (in the order their
+        devices first appear, alike on every rank)."""
+        from .communicator import _listed
+        by_device = {}
+        for entry in gathered:
+            by_device.setdefault(entry[0][0].device, []).append(entry)
+        for entries in by_device.values():
+            start = time.perf_counter()
+            mine = [p for payloads, _, _ in entries for p in payloads]
+            ranks = all_gather_tensors(mine, lambda work, what: self.wait(
+                self._issue(work), lambda: f"{what} of {_listed(entry[2] for entry in entries)}"))
+            self.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
+                sum(p.numel() for p in mine)
+            self.counters.communicate_seconds += time.perf_counter() - start
+            index = 0
+            for payloads, result, _ in entries:
+                result.extend(rank[index:index + len(payloads)] for rank in ranks)
+                index += len(payloads)
+
+    @torch.no_grad()
+    def _deliver_tensors(self, fused, entries):
+        """``_deliver`` for the tensors of ``reduce_tensor``, on their device."""
+        offset = 0
+        for wire, out, average in entries:
+            total = fused[offset:offset + wire.numel()]
+            if average:
+                total /= self.size
+            out.copy_(total.view(out.shape))
+            offset += wire.numel()
+
+    def reduce_tensor(self, tensor, name, average=True):
+        """Sum (or average) an uncompressed tensor over all ranks in place, where it lives: it
+        joins the bucket's dense all_reduce of its dtype on its device (NCCL for CUDA), so it
+        never leaves the device (bindings running device codec chains: bps_gc.torch)."""
+        self.check_alive()
+        declared = self.tensors.get(name)
+        if declared is None:
+            raise KeyError(f"push_pull: {name!r} was not declared; call declare({name!r}, ...) first")
+        if declared.compressed or declared.shape != tuple(tensor.shape) or \
+                torch.from_numpy(np.empty(0, declared.dtype)).dtype != tensor.dtype:
+            raise ValueError(f"reduce_tensor({name!r}): takes a tensor declared uncompressed with its "
+                             f"shape and dtype; got {tuple(tensor.shape)} {tensor.dtype}, declared {declared.shape} "
+                             f"{declared.dtype} "
+                             f"({'compressed' if declared.compressed else 'dense'})")
+        wire_dtype = torch.from_numpy(np.empty(0, declared.wire_dtype)).dtype
+        wire = tensor.detach().reshape(-1).to(wire_dtype)
+        nbytes = wire.numel() * wire.element_size()
+        from .communicator import Handle
+        for counter in ("pushed_raw", "pulled_raw", "pushed_wire", "pulled_wire"):
+            setattr(self.counters, counter, getattr(self.counters, counter) + nbytes)
+        return self._add(Handle(self, tensor, self.pending), "entries", (wire, tensor, average), nbytes, name)

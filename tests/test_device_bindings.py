@@ -1,0 +1,129 @@
+"""bps_gc.torch through device codec chains (BPS_GC_DEVICE_CODECS, docs/device_codecs.md).
+
+Two workers, real processes: the same job (tests/device_bindings_job.py) runs once with
+BPS_GC_DEVICE_CODECS=torch (device chains for the CPU tensors: compressed and decoded as torch
+tensors, only payloads handed to the transport) and once with =numpy (host numpy chains), over
+the parameter server and over torch.distributed. Every push_pull must equal, bit for bit, the
+numpy run and reference.py's independent numpy recomputation; DistributedOptimizer's
+parameters after a few steps must equal the numpy run's. The CUDA variant runs the same on GPU
+tensors where torch sees a GPU.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cluster import TESTS, run_local
+from collective_cluster import job_env, torchrun_argv
+from conftest import ROOT
+from reference import expected_results
+
+from bps_gc.compress.device import DEVICE_COMPRESSORS
+
+JOB = os.path.join(TESTS, "device_bindings_job.py")
+ONEBIT_EF = {"compressor": "onebit", "scaling": True, "ef": "vanilla"}
+SPEC = {
+    "steps": 3, "lrs": [0.1, 0.05, 0.2], "partition_bytes": 4000, "min_compress_bytes": 300,
+    "ctx": {"gain": 0.5},  # read by the plugin codec: the step context reaches every chain
+    "tensors": [
+        {"name": "onebit_ef", "shape": [1500], "dtype": "float32", "params": ONEBIT_EF},
+        {"name": "topk", "shape": [40, 30], "dtype": "float32", "params": {"compressor": "topk", "k": 0.05}},
+        {"name": "topk_lossless", "shape": [1200], "dtype": "float64", "reducer": "lossless",
+         "params": {"compressor": "topk", "k": 0.05}},
+        {"name": "sign_majority", "shape": [1000], "dtype": "float32", "reducer": "majority",
+         "params": {"compressor": "sign"}},
+        # a plugin without a device implementation: its numpy chain behind HostBridge
+        {"name": "plugin", "shape": [700], "dtype": "float32", "params": {"compressor": "test_step_mask"}},
+        {"name": "small_dense", "shape": [50], "dtype": "float32", "params": ONEBIT_EF},  # < 300 B: dense
+    ],
+    "optimizer": ONEBIT_EF, "optimizer_steps": 3,
+    "local_sgd": {"compressor": "signnorm", "ef": "vanilla"}, "choco": {"compressor": "topk", "k": 0.1},
+}
+COMPRESSED = ["onebit_ef", "plugin", "sign_majority", "topk", "topk_lossless"]
+# the tiny network's gradients (tests/tiny_torch_net.py) of at least 300 bytes: its weights
+# (DistributedOptimizer's and LocalSGD's names)
+OPTIMIZER_COMPRESSED = ["Gradient.optimizer.0.weight", "Gradient.optimizer.2.weight", "LocalSGD.local.0.weight",
+                        "LocalSGD.local.2.weight"]
+
+
+def run(tmp_path, transport, mode, device="cpu"):
+    out = tmp_path / f"{transport}-{mode}-{device}"
+    out.mkdir()
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(dict(SPEC, device=device)))
+    env = {"BPS_GC_DEVICE_CODECS": mode, "BPS_GC_PLUGINS": "plugin_step_codec",
+           "BYTEPS_PARTITION_BYTES": str(SPEC["partition_bytes"]),
+           "BYTEPS_MIN_COMPRESS_BYTES": str(SPEC["min_compress_bytes"])}
+    if transport == "ps":
+        result = run_local([sys.executable, JOB, str(spec_path), str(out)], workers=2, servers=1,
+                           env=env, timeout=120)
+    else:
+        result = subprocess.run(torchrun_argv([JOB, str(spec_path), str(out)], 2), env=job_env(env),
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, f"{transport} {mode} job failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return [(dict(np.load(out / f"rank{r}.npz")), json.loads((out / f"paths{r}.json").read_text()))
+            for r in range(2)]
+
+
+def check_same(device_run, numpy_run, transport):
+    import plugin_step_codec  # noqa: F401  (registers the plugin here, for the reference)
+    expected = expected_results(SPEC, 2)
+    for rank, ((results, paths), (numpy_results, numpy_paths)) in enumerate(zip(device_run, numpy_run)):
+        assert paths["device_chains"] == sorted(COMPRESSED + OPTIMIZER_COMPRESSED), paths
+        assert numpy_paths["device_chains"] == [] and numpy_paths["chains"] == {}
+        # torch.distributed sums the dense tensor on the device; the servers on the host
+        assert paths["dense_on_device"] == (["small_dense"] if transport == "collective" else [])
+        assert numpy_paths["dense_on_device"] == []
+        # a codec with a device implementation runs it; the plugin's numpy chain runs bridged
+        bridged = {t["name"] for t in SPEC["tensors"] if t["name"] in COMPRESSED
+                   and t["params"]["compressor"] not in DEVICE_COMPRESSORS}
+        assert {n for n, kind in paths["chains"].items() if kind == "HostBridge"} == bridged
+        assert "plugin" in bridged and "topk" not in bridged and "onebit_ef" not in bridged
+        assert (paths["choco_gossip"], numpy_paths["choco_gossip"]) == ("DeviceChocoGossip", "ChocoGossip")
+        assert sorted(results) == sorted(numpy_results)
+        for key, value in results.items():
+            assert np.array_equal(value, numpy_results[key], equal_nan=True), f"rank {rank} {key}: device != numpy"
+            if key in expected:
+                assert value.dtype == expected[key].dtype
+                assert np.array_equal(value, expected[key], equal_nan=True), f"rank {rank} {key}: != reference"
+        for trained in ("optimizer", "local", "choco"):
+            assert any(key.startswith(f"{trained}/2/") for key in results), trained
+
+
+@pytest.fixture(scope="module")
+def numpy_run(tmp_path_factory):
+    """The numpy chains' run, over the parameter server (the collective's numpy path gives the
+    same bits: tests/test_collective_exact.py)."""
+    return run(tmp_path_factory.mktemp("numpy"), "ps", "numpy")
+
+
+@pytest.mark.parametrize("transport", ["ps", "collective"])
+def test_device_chains_match_numpy(tmp_path, transport, numpy_run):
+    check_same(run(tmp_path, transport, "torch"), numpy_run, transport)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: torch.cuda.is_available() is False here")
+@pytest.mark.parametrize("transport", ["ps", "collective"])
+def test_cuda_device_chains_match_numpy(tmp_path, transport):
+    """``auto`` on CUDA tensors: device chains (only payloads reach the host), bit for bit
+    the numpy chains'. The collective shares one GPU between the ranks through gloo where there
+    are fewer GPUs than ranks (NCCL refuses two ranks on one GPU)."""
+    env_backend = {} if torch.cuda.device_count() >= 2 else {"BPS_GC_BACKEND": "gloo"}
+    os.environ.update(env_backend)
+    try:
+        check_same(run(tmp_path, transport, "auto", "cuda"), run(tmp_path, transport, "numpy", "cuda"), transport)
+    finally:
+        for name in env_backend:
+            os.environ.pop(name)
+
+
+def test_bad_setting_stops_the_launcher_naming_it():
+    result = run_local([sys.executable, "-c", "pass"], workers=1, servers=1,
+                       env={"BPS_GC_DEVICE_CODECS": "gpu"}, timeout=60)
+    assert result.returncode == 2
+    assert "BPS_GC_DEVICE_CODECS: unknown value 'gpu'; allowed: auto, torch, numpy" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -6,8 +6,10 @@ called directly on two buckets, several steps each, interleaved and none waited 
 last, saving inputs, outputs and the order the futures completed in.
 spec "error": a codec that raises at step 1 on rank ``refuser`` only; every rank saves what
 backward() raised.
-spec "overlap_and_error": both, one after the other (one start-up for two tests).
-spec "cuda": DDP on CUDA (NCCL), every bucket the hook saw saved, as ddp_hook_job.py's "record".
+spec "overlap_and_error": both, one after the other (one start-up for three tests), then a
+few steps with BPS_GC_DEVICE_CODECS=torch (device chains on CPU tensors), saving every bucket
+the hook saw, as ddp_hook_job.py's "record".
+spec "cuda": that record on CUDA (NCCL).
 spec "die": rank 1 kills itself (SIGKILL) before its step 2; rank 0 trains on (it must fail);
 with "init", under bps_gc.torch.init() (the collective communicator and its heartbeat).
 """
@@ -138,19 +140,17 @@ def die(spec):
     train(DDP(mlp(256, 2)), bps.comm_hook({"compressor": "topk", "k": 0.01, "ef": "vanilla"}), 10**6, 256, on_step)
 
 
-def cuda(spec):
-    """DDP on cuda:<rank> (NCCL), recording every bucket the hook saw, in and out."""
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+def record(spec, device, name):
+    """DDP on ``device``, saving every bucket the hook saw (in, out, sizes) as ``name``{rank}.npz."""
     model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)).to(device),
-                device_ids=[device], bucket_cap_mb=0.004)
+                device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=0.004)
     hook, seen = bps.comm_hook(spec["compression_params"]), []
 
     def recording(state, bucket):
         grads = bucket.buffer().detach().cpu().numpy()
-        result = hook(state, bucket).wait()  # the device future: this stream waits for the side stream
+        result = hook(state, bucket).wait()  # a CUDA future: this stream waits for the side stream
         seen.append((bucket.index(), grads, result.detach().cpu().numpy(), [g.numel() for g in bucket.gradients()]))
-        future = torch.futures.Future(devices=[device])
+        future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         future.set_result(result)
         return future
     model.register_comm_hook(None, recording)
@@ -158,14 +158,25 @@ def cuda(spec):
         g = torch.Generator().manual_seed(100 * rank + step)
         x, y = torch.randn(8, 20, generator=g).to(device), torch.randn(8, 40, generator=g).to(device)
         torch.nn.functional.mse_loss(model(x), y).backward()
-    np.savez(os.path.join(out, f"hook{rank}.npz"), index=np.array([s[0] for s in seen]),
+    np.savez(os.path.join(out, f"{name}{rank}.npz"), index=np.array([s[0] for s in seen]),
+             device_chains=np.array([state[4] for state in hook.compression.buckets.values()]),
              **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
              **{f"sizes{i}": np.array(s[3]) for i, s in enumerate(seen)})
+
+
+def cuda(spec):
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    record(spec, device, "cuda")
 
 
 def overlap_and_error(spec):
     overlap(spec)
     error(spec)
+    # the device chains' path (chains of torch operations, device reducers, tensors gathered
+    # where they are) on CPU tensors: a hook made now reads the setting
+    os.environ["BPS_GC_DEVICE_CODECS"] = "torch"
+    record(spec, torch.device("cpu"), "torch")
 
 
 {"overlap": overlap, "error": error, "overlap_and_error": overlap_and_error, "die": die,

@@ -2,7 +2,9 @@
 its call returns in a small fraction of the time its future takes; a bucket's steps run in
 order (results equal the numpy re-computation of each step after the previous one, futures
 complete in call order); a codec error on one rank reaches backward() on every rank, naming
-it, and a killed peer ends the other rank with a NodeFailure within seconds."""
+it, and a killed peer ends the other rank with a NodeFailure within seconds. Its device-chain
+path gives the numpy bytes on CPU tensors (BPS_GC_DEVICE_CODECS=torch), and on CUDA where
+there is one."""
 import json
 import os
 import signal
@@ -89,19 +91,33 @@ def test_killed_peer_ends_the_other_rank_with_a_node_failure(tmp_path):
                 p.wait()
 
 
+def check_recorded(saved, ranks, exact):
+    assert all(s["device_chains"].all() for s in saved)  # every bucket took the device path
+    count = len(saved[0]["index"])
+    assert len(set(saved[0]["index"])) >= 2  # several buckets (after DDP regroups them)
+    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+    expected = expected_buckets(TOPK_EF, calls, ranks, 0.0, "recompress")
+    for rank, s in enumerate(saved):
+        for i, value in enumerate(expected):
+            if exact:
+                assert s[f"out{i}"].tobytes() == value.tobytes(), f"rank {rank} call {i}"
+            else:  # a GPU's sums may round differently from numpy's
+                np.testing.assert_allclose(s[f"out{i}"], value, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} call {i}")
+
+
+def test_device_chain_path_on_cpu_equals_numpy_recomputation(overlap_and_error):
+    """BPS_GC_DEVICE_CODECS=torch: the hook's device path (device chains, device reducers,
+    all_gather_tensors) on CPU tensors gives the numpy chains' bytes."""
+    check_recorded([np.load(overlap_and_error / f"torch{r}.npz") for r in range(2)], 2, exact=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False here)")
 def test_cuda_buckets_equal_numpy_recomputation(tmp_path):
-    """CUDA buckets (side stream, device future, NCCL exchange): one rank per GPU, at most 2."""
+    """CUDA buckets (device chains, side stream, device future, NCCL exchange): one rank per
+    GPU, at most 2."""
     ranks = min(2, torch.cuda.device_count())
     (tmp_path / "spec.json").write_text(json.dumps({"mode": "cuda", "compression_params": TOPK_EF}))
     result = subprocess.run(torchrun_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path)], ranks), env=job_env(),
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(ranks)]
-    count = len(saved[0]["index"])
-    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
-    expected = expected_buckets(TOPK_EF, calls, ranks, 0.0, "recompress")
-    for rank, s in enumerate(saved):
-        for i, value in enumerate(expected):
-            # a device chain's float sums may round differently from numpy's: closeness, not bytes
-            np.testing.assert_allclose(s[f"out{i}"], value, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} call {i}")
+    check_recorded([np.load(tmp_path / f"cuda{r}.npz") for r in range(ranks)], ranks, exact=False)

@@ -28,7 +28,6 @@ Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduc
 fp16_compress_hook. The learning rate that error feedback rescales by is read from
 ``optimizer`` when given, when the hook is called.
 """
-import inspect
 import queue
 import threading
 
@@ -40,7 +39,8 @@ import bps_gc.core as core
 
 from .. import compress
 from ..collective import Collective, all_gather_bytes
-from ..collective.exchange import PayloadsMissing
+from ..collective.exchange import PayloadsMissing, all_gather_tensors
+from .device_codecs import TORCH_DTYPES, chain_for, device_reduction, uses_device_chain
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -48,11 +48,6 @@ KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | pa
 def bucket_key(index, position):
     """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
     return KEY_BASE | index << 16 | position
-
-
-def device_chains_available():
-    """Whether bps_gc.compress builds chains of torch operations on a device."""
-    return "device" in inspect.signature(compress.build_chain).parameters
 
 
 class SerialWorker:
@@ -98,7 +93,7 @@ class CompressionHook:
         if not self.params.compressed:
             return self._all_reduce(group, buffer)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
-        parts = self._state(index, sizes, buffer.device)
+        parts = self._state(index, sizes, buffer)
         on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
                "step": self._count_step(index)}
@@ -137,31 +132,44 @@ class CompressionHook:
     def _reduce(self, group, index, buffer, parts, ctx, on_device):
         """Compress, exchange, reduce and decode bucket ``index`` (on the worker thread); the
         averaged bucket, in ``buffer``."""
-        size = dist.get_world_size(group)
-        grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)
+        grad = buffer.detach().to(TORCH_DTYPES[np.dtype(self.wire_dtype)])  # a view when it is float32
         bounds = np.concatenate([[0], np.cumsum([reducer.n for _, reducer in parts])])
+        pieces = [grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))]
         try:
-            payloads = [_payload(chain, grad[bounds[i]:bounds[i + 1]], ctx, on_device)
-                        for i, (chain, _) in enumerate(parts)]
+            payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx)
+                        for (chain, _), piece in zip(parts, pieces)]
             failure = None
         except Exception as e:  # the others still gather (and learn that this rank failed)
             payloads, failure = None, e
-        device = buffer.device if dist.get_backend(group) == "nccl" else None
+        wait = self._waiter(group, index)
         try:
-            gathered = all_gather_bytes(payloads, self._waiter(group, index), group, len(parts), device)
+            if on_device:  # the payloads stay where they are (NCCL for CUDA)
+                gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
+            else:
+                gathered = all_gather_bytes(payloads, wait, group, len(parts))
         except PayloadsMissing as missing:
             if failure is not None:
                 raise RuntimeError(f"bps_gc comm_hook: compressing DDP bucket {index} failed: "
                                    f"{type(failure).__name__}: {failure}") from failure
             raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {missing} (their errors name "
                                "the cause); this rank stops too") from None
-        total = np.empty(grad.numel(), self.wire_dtype)
-        for i, (_, reducer) in enumerate(parts):
-            chunk = total[bounds[i]:bounds[i + 1]]
-            reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
-            if reducer.summed:  # a majority vote is not averaged
-                chunk /= chunk.dtype.type(size)
-        buffer.copy_(torch.from_numpy(total))
+        size = dist.get_world_size(group)
+        if on_device:
+            result = torch.empty_like(grad)
+            for i, (_, reducer) in enumerate(parts):
+                chunk = result[bounds[i]:bounds[i + 1]]
+                reducer.reduce([rank[i] for rank in gathered], chunk, ctx)
+                if reducer.summed:  # a majority vote is not averaged
+                    chunk /= size
+        else:
+            total = np.empty(grad.numel(), self.wire_dtype)
+            for i, (_, reducer) in enumerate(parts):
+                chunk = total[bounds[i]:bounds[i + 1]]
+                reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
+                if reducer.summed:
+                    chunk /= chunk.dtype.type(size)
+            result = torch.from_numpy(total)
+        buffer.copy_(result)
         return buffer
 
     def _waiter(self, group, index):
@@ -189,17 +197,23 @@ class CompressionHook:
             self.side_groups[group] = side
         return side
 
-    def _state(self, index, sizes, device):
-        """[(worker chain, reducer)] for the gradients of bucket ``index``: the worker chain
-        runs on ``device`` where bps_gc has device chains (issue 26), else on the host."""
+    def _state(self, index, sizes, buffer):
+        """[(worker chain, reducer)] for the gradients of bucket ``index``: device chains and
+        reducers on the bucket's device when ``uses_device_chain`` (BPS_GC_DEVICE_CODECS: by
+        default for buckets off the CPU), else numpy chains and reducers."""
         state = self.buckets.get(index)
-        if state is None or state[0] != sizes or state[1] != device:
-            on = {"device": device} if device.type != "cpu" and device_chains_available() else {}
+        if state is None or state[0] != sizes or state[1] != buffer.device:
+            on_device = uses_device_chain(buffer)
             keys = [bucket_key(index, position) for position in range(len(sizes))]
-            parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker", **on),
-                      compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
-                     for n, key in zip(sizes, keys)]
-            state = [sizes, device, parts, 0, bool(on)]
+            if on_device:
+                parts = [(chain_for(self.params, n, self.wire_dtype, key, "worker", buffer),
+                          device_reduction(self.reducer, self.params, n, self.wire_dtype, key, buffer.device))
+                         for n, key in zip(sizes, keys)]
+            else:
+                parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker"),
+                          compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
+                         for n, key in zip(sizes, keys)]
+            state = [sizes, buffer.device, parts, 0, on_device]
             self.buckets[index] = state
         return state[2]
 
@@ -218,14 +232,6 @@ class CompressionHook:
                 buffer.copy_(future.value()[0])
             return buffer
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
-
-
-def _payload(chain, grad, ctx, on_device):
-    """A gradient's payload as a host uint8 array: a device chain compresses where the tensor
-    is and only the payload crosses to the host; a numpy chain gets the host's copy."""
-    if on_device:
-        return chain.compress(grad, ctx).cpu().numpy()
-    return chain.compress(grad.cpu().numpy(), ctx)
 
 
 def _value(future):

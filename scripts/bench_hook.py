@@ -19,7 +19,8 @@ Rows (rank 0's median step over --rounds after --warmup; a step is forward, back
   bps_gc DistributedOptimizer X
                               bps_gc.torch.DistributedOptimizer (collective transport): held is
                               the time inside push_pull_async (its gradient hooks) over the time
-                              until each handle is synchronized
+                              until each handle is synchronized; "(parameter server)": the same
+                              on bps_gc's parameter server (2 servers, one on each machine)
 
     python scripts/bench_hook.py --quick                       # loopback smoke run
     sudo python scripts/bench_hook.py --shaped 100mbit
@@ -42,11 +43,12 @@ CODECS = {"topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
           "onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
           "DGC 1%": {"compressor": "dgc", "k": 0.01}}
 TARGET = "topk 1% + EF"
+PS_ROW = f"bps_gc DistributedOptimizer {TARGET} (parameter server)"
 ROWS = ("DDP no communication", "DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1",
         *(f"bps_gc hook {c}" for c in CODECS), f"{TARGET} reduction alone",
-        f"bps_gc DistributedOptimizer {TARGET}")
+        f"bps_gc DistributedOptimizer {TARGET}", PS_ROW)
 QUICK = ("DDP no communication", "DDP PowerSGD rank 1", f"bps_gc hook {TARGET}", f"{TARGET} reduction alone",
-         f"bps_gc DistributedOptimizer {TARGET}")
+         f"bps_gc DistributedOptimizer {TARGET}", PS_ROW)
 START_POWERSGD_ITER = 2
 
 
@@ -64,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion control")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench_hook.json"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks
+    p.add_argument("--rank-rows", default=None, help=argparse.SUPPRESS)  # their rows, as JSON
     args = p.parse_args(argv)
     check_tcp_congestion(p, args)
     if args.quick:
@@ -203,9 +206,10 @@ def rank_main(args):
                 "DDP fp16 hook": lambda: ddp(default_hooks.fp16_compress_hook), "DDP PowerSGD rank 1": powersgd,
                 **{f"bps_gc hook {c}": (lambda c=c: bps_hook(c)) for c in CODECS},
                 f"{TARGET} reduction alone": lambda: reduction_alone(TARGET),
-                f"bps_gc DistributedOptimizer {TARGET}": lambda: optimizer(TARGET)}
+                f"bps_gc DistributedOptimizer {TARGET}": lambda: optimizer(TARGET), PS_ROW: lambda: optimizer(TARGET)}
     results = []
-    for label in selected(args):
+    barrier = dist.barrier if dist.is_initialized() else bps.barrier  # the parameter server: no group
+    for label in json.loads(args.rank_rows):
         step, clock = builders[label]()
         for _ in range(max(args.warmup, START_POWERSGD_ITER + 1)):
             step()
@@ -213,7 +217,7 @@ def rank_main(args):
             clock.held = clock.total = 0.0
         times, in_step[:] = [], []
         for _ in range(args.rounds):
-            dist.barrier()
+            barrier()
             began = time.perf_counter()
             step()
             times.append(time.perf_counter() - began)
@@ -248,26 +252,40 @@ class Bucket:
 # ---------------------------------------------------------------------------- driver
 
 def run_ranks(args, topo, log_dir):
-    from bench_cluster import Children, ClusterFailed, child_env, log_tail, run_cluster
-    raw = os.path.join(log_dir, "rank0.json")
-    cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--width", str(args.width), "--layers",
-           str(args.layers), "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb), "--warmup",
-           str(args.warmup), "--rounds", str(args.rounds), *(["--rows", args.rows] if args.rows else []),
-           *(["--quick"] if args.quick else [])]
-    port = topo.port()
-    plan = [(f"rank{r}", topo.wrap(r, cmd), child_env(
-        {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-         "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective"})) for r in range(2)]
-    children = Children()
-    try:
-        run_cluster(children, plan, {"rank0", "rank1"}, 1800, log_dir)
-    except ClusterFailed as e:
-        tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
-        sys.exit(f"bench_hook: the ranks failed: {e.args[0]}\n{tails[-4000:]}")
-    finally:
-        children.stop_all()
-    return json.load(open(raw))
+    """The torch.distributed rows in 2 ranks, then the parameter-server row in a cluster of
+    its own (scheduler and a server on machine 0, a server on machine 1); rank 0's results."""
+    from bench_cluster import Children, ClusterFailed, child_env, cluster_env, log_tail, node_plan, run_cluster, \
+        worker_env
+    rows = selected(args)
+    results = []
+    for transport, mine in (("collective", [r for r in rows if r != PS_ROW]), ("ps", [r for r in rows if r == PS_ROW])):
+        if not mine:
+            continue
+        raw = os.path.join(log_dir, f"{transport}.json")
+        cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--rank-rows", json.dumps(mine), "--width",
+               str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--bucket-mb",
+               str(args.bucket_mb), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+        port = topo.port()
+        if transport == "collective":
+            plan = [(f"rank{r}", topo.wrap(r, cmd), child_env(
+                {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                 "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective"})) for r in range(2)]
+        else:
+            common = {**cluster_env(topo, 2, 2, port), "OMP_NUM_THREADS": "1", "BPS_GC_TRANSPORT": "ps"}
+            plan = node_plan(topo, common, [0, 1], [PY, "-m", "bps_gc.launcher.cli"])
+            plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
+                      child_env(worker_env(topo, common, w))) for w in range(2)]
+        children = Children()
+        try:
+            run_cluster(children, plan, {"rank0", "rank1"}, 1800, log_dir)
+        except ClusterFailed as e:
+            tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
+            sys.exit(f"bench_hook: the {transport} run failed: {e.args[0]}\n{tails[-4000:]}")
+        finally:
+            children.stop_all()
+        results += json.load(open(raw))
+    return results
 
 
 def main(argv=None):

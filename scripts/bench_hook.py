@@ -315,7 +315,8 @@ def report(args, results, where):
     floor, psgd = by.get("DDP no communication"), by.get("DDP PowerSGD rank 1")
     print(f"2 ranks, {where}; MLP {args.layers} x {args.width}, batch {args.batch} per rank, DDP buckets "
           f"{args.bucket_mb:g} MB; rank 0's median of {args.rounds} steps after {args.warmup} warm-up")
-    print(f"{'':44} {'step s':>8} {'min':>7} {'max':>7} {'in step()':>9} {'held':>6} {'vs no comm':>10} "
+    width = max(len(r["row"]) for r in results)
+    print(f"{'':{width}} {'step s':>8} {'min':>7} {'max':>7} {'in step()':>9} {'held':>6} {'vs no comm':>10} "
           f"{'vs PowerSGD r1':>14}")
     for r in results:
         r["vs_no_communication"] = r["median_s"] / floor if floor else None
@@ -323,7 +324,7 @@ def report(args, results, where):
         held = f"{r['held']:.3f}" if r["held"] is not None else "-"
         ratios = [f"{v:.2f}x" if v else "-" for v in (r["vs_no_communication"], r["vs_powersgd_rank1"])]
         in_step = f"{r['in_step_s']:.4f}" if r["in_step_s"] is not None else "-"
-        print(f"{r['row']:44} {r['median_s']:8.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {in_step:>9} {held:>6} "
+        print(f"{r['row']:{width}} {r['median_s']:8.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {in_step:>9} {held:>6} "
               f"{ratios[0]:>10} {ratios[1]:>14}")
     targets = []
     row, alone = by.get(f"bps_gc hook {TARGET}"), by.get(f"{TARGET} reduction alone")

@@ -14,20 +14,23 @@ server would return for the same gradients. DDP regroups its buckets after the f
 bucket whose size changed starts with fresh codec state (PowerSGD's hook waits out the same
 regrouping with ``start_powerSGD_iter``).
 
-The hook does not hold backward (docs/ddp_hook.md): it returns a pending future at once, and
-one worker thread per hook compresses, exchanges and decodes the buckets, one after the other
-in the order DDP handed them over, then completes their futures (for CUDA buckets, on a side
-stream that first waits for the gradients). DDP waits for the futures at the end of backward.
-Ordering across ranks: DDP calls the hook in bucket order on every rank, the one thread issues
-the collectives in that order, and on a process group of their own (made at the first call,
-on every rank), so collectives DDP itself issues meanwhile (find_unused_parameters' bitmap) on
-its group never interleave with them differently on different ranks. An error in the thread
-(a codec's, a failed peer's) is the future's: DDP raises it from backward().
+The hook does not hold backward (docs/ddp_hook.md): it returns a pending future at once. Two
+threads per hook take the buckets in the order DDP handed them over: one compresses, the other
+gathers, reduces and decodes them and completes their futures, so a bucket's steps never
+overlap and compressing the next bucket overlaps gathering this one (for CUDA buckets, on a
+side stream that first waits for the gradients). DDP waits for the futures at the end of
+backward. Ordering across ranks: DDP calls the hook in bucket order on every rank, the one
+exchanging thread issues the collectives in that order, and on a process group of their own
+(made at the first call, on every rank), so collectives DDP itself issues meanwhile
+(find_unused_parameters' bitmap) on its group never interleave with them differently on
+different ranks. An error on these threads (a codec's, a failed peer's) is the future's: DDP
+raises it from backward().
 
 Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduce_hook and
 fp16_compress_hook. The learning rate that error feedback rescales by is read from
 ``optimizer`` when given, when the hook is called.
 """
+import contextlib
 import queue
 import threading
 
@@ -83,7 +86,10 @@ class CompressionHook:
         self.wire_dtype = np.float16 if self.params.fp16 else np.float32
         # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
         self.buckets = {}
-        self.worker = SerialWorker("bps_gc-comm-hook")
+        # two stages, each one thread taking buckets in call order: compressing the next bucket
+        # overlaps gathering this one, and one thread issues every collective of the hook
+        self.compressor = SerialWorker("bps_gc-comm-hook-compress")
+        self.exchanger = SerialWorker("bps_gc-comm-hook-exchange")
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
 
@@ -98,21 +104,22 @@ class CompressionHook:
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
                "step": self._count_step(index)}
         side = self._side_group(group)
+        job = (side, index, buffer, parts, ctx, on_device)
         if buffer.device.type == "cpu":
-            future = torch.futures.Future()
-            reduce = lambda: self._reduce(side, index, buffer, parts, ctx, on_device)  # noqa: E731
-            self.worker.submit(lambda: _settle(future, reduce))
+            future, stream = torch.futures.Future(), None
         else:
-            future = self._reduce_on_stream(side, index, buffer, parts, ctx, on_device)
+            future, stream = self._on_side_stream(buffer)
+        self.compressor.submit(lambda: self._compress_stage(job, future, stream))
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
         return future.then(_value)
 
-    def _reduce_on_stream(self, side, index, buffer, parts, ctx, on_device):
-        """A CUDA bucket: the worker thread enqueues its work on a side stream that first waits
-        for the gradients (the event recorded here, on backward's stream); the future carries
-        the device, so whoever waits on it (DDP) waits for that stream's work, not the host."""
+    def _on_side_stream(self, buffer):
+        """A CUDA bucket: (its future, (side stream, event)). The event, recorded now on
+        backward's stream, is what the side stream waits for before its work on the bucket;
+        the future carries the device, so whoever waits on it (DDP) waits for the side stream's
+        work, not the host."""
         device = buffer.device
         stream = self.streams.get(device)
         if stream is None:
@@ -120,27 +127,33 @@ class CompressionHook:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
         buffer.record_stream(stream)  # its memory stays DDP's until the side stream is done with it
-        future = torch.futures.Future(devices=[device])
+        return torch.futures.Future(devices=[device]), (stream, ready)
 
-        def job():
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                _settle(future, lambda: self._reduce(side, index, buffer, parts, ctx, on_device))
-        self.worker.submit(job)
-        return future
+    def _compress_stage(self, job, future, stream):
+        """On the compressing thread: the bucket's payloads (None and the error if compressing
+        failed), handed on to the exchanging thread in the same order."""
+        _, _, buffer, parts, ctx, on_device = job
+        with _current(stream):
+            try:
+                if stream is not None:
+                    stream[0].wait_event(stream[1])
+                grad = buffer.detach().to(TORCH_DTYPES[np.dtype(self.wire_dtype)])  # a view when float32
+                bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
+                payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
+                            in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
+                failure = None
+            except Exception as e:  # the others still gather (and learn that this rank failed)
+                grad, payloads, failure = None, None, e
+        self.exchanger.submit(lambda: self._exchange_stage(job, future, stream, grad, payloads, failure))
 
-    def _reduce(self, group, index, buffer, parts, ctx, on_device):
-        """Compress, exchange, reduce and decode bucket ``index`` (on the worker thread); the
-        averaged bucket, in ``buffer``."""
-        grad = buffer.detach().to(TORCH_DTYPES[np.dtype(self.wire_dtype)])  # a view when it is float32
-        bounds = np.concatenate([[0], np.cumsum([reducer.n for _, reducer in parts])])
-        pieces = [grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))]
-        try:
-            payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx)
-                        for (chain, _), piece in zip(parts, pieces)]
-            failure = None
-        except Exception as e:  # the others still gather (and learn that this rank failed)
-            payloads, failure = None, e
+    def _exchange_stage(self, job, future, stream, grad, payloads, failure):
+        with _current(stream):
+            _settle(future, lambda: self._exchange(job, grad, payloads, failure))
+
+    def _exchange(self, job, grad, payloads, failure):
+        """On the exchanging thread (the only one issuing the hook's collectives): gather,
+        reduce and decode bucket ``index``; the averaged bucket, in its buffer."""
+        group, index, buffer, parts, ctx, on_device = job
         wait = self._waiter(group, index)
         try:
             if on_device:  # the payloads stay where they are (NCCL for CUDA)
@@ -154,6 +167,7 @@ class CompressionHook:
             raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {missing} (their errors name "
                                "the cause); this rank stops too") from None
         size = dist.get_world_size(group)
+        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         if on_device:
             result = torch.empty_like(grad)
             for i, (_, reducer) in enumerate(parts):
@@ -232,6 +246,11 @@ class CompressionHook:
                 buffer.copy_(future.value()[0])
             return buffer
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
+
+
+def _current(stream):
+    """The side stream as the current stream (a CUDA bucket's ``(stream, event)``), or nothing."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream[0])
 
 
 def _value(future):

@@ -5,7 +5,8 @@ an MLP (--width x --layers, batch --batch per rank) whose backward and compresse
 take similar time. With --shaped RATE (root) each rank is a network namespace whose NIC is
 shaped to RATE both ways (scripts/netns.py SwitchedMachines); else both are on loopback.
 
-Rows (rank 0's median step over --rounds after --warmup; a step is forward, backward, SGD;
+Rows (rank 0's median step over --rounds after --warmup, the rows taking turns each round; a
+step is forward, backward, SGD;
 "in step()" is the median time inside the optimizer's step(), where DistributedOptimizer waits):
   DDP no communication        a hook that returns the bucket unchanged: the floor
   DDP dense / fp16 hook       PyTorch's all_reduce and fp16_compress_hook
@@ -207,26 +208,28 @@ def rank_main(args):
                 **{f"bps_gc hook {c}": (lambda c=c: bps_hook(c)) for c in CODECS},
                 f"{TARGET} reduction alone": lambda: reduction_alone(TARGET),
                 f"bps_gc DistributedOptimizer {TARGET}": lambda: optimizer(TARGET), PS_ROW: lambda: optimizer(TARGET)}
-    results = []
     barrier = dist.barrier if dist.is_initialized() else bps.barrier  # the parameter server: no group
-    for label in json.loads(args.rank_rows):
+    rows = {}
+    for label in json.loads(args.rank_rows):  # made and warmed up in order (reduction alone reads a layout)
         step, clock = builders[label]()
         for _ in range(max(args.warmup, START_POWERSGD_ITER + 1)):
             step()
         if clock is not None:
             clock.held = clock.total = 0.0
-        times, in_step[:] = [], []
-        for _ in range(args.rounds):
+        rows[label] = (step, clock, [], [])
+    for _ in range(args.rounds):  # the rows take turns: a load that comes and goes hits all alike
+        for step, _, times, waits in rows.values():
+            in_step[:] = []
             barrier()
             began = time.perf_counter()
             step()
             times.append(time.perf_counter() - began)
-        ops.push_pull_async, ops.synchronize = original  # the optimizer row timed them
-        results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
-                        "max_s": max(times), "times": times, "held": clock and clock.fraction(),
-                        "in_step_s": statistics.median(in_step) if in_step else None})
-        if rank == 0:
-            print(f"ROW {json.dumps(results[-1])}", flush=True)
+            waits.extend(in_step)
+    ops.push_pull_async, ops.synchronize = original  # the optimizer row timed them
+    results = [{"row": label, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                "times": times, "held": clock and clock.fraction(),
+                "in_step_s": statistics.median(waits) if waits else None}
+               for label, (_, clock, times, waits) in rows.items()]
     if rank == 0:
         json.dump(results, open(args.rank_out, "w"))
     bps.shutdown()
@@ -314,7 +317,8 @@ def report(args, results, where):
     by = {r["row"]: r["median_s"] for r in results}
     floor, psgd = by.get("DDP no communication"), by.get("DDP PowerSGD rank 1")
     print(f"2 ranks, {where}; MLP {args.layers} x {args.width}, batch {args.batch} per rank, DDP buckets "
-          f"{args.bucket_mb:g} MB; rank 0's median of {args.rounds} steps after {args.warmup} warm-up")
+          f"{args.bucket_mb:g} MB; rank 0's median of {args.rounds} steps after {args.warmup} warm-up, rows "
+          "taking turns")
     width = max(len(r["row"]) for r in results)
     print(f"{'':{width}} {'step s':>8} {'min':>7} {'max':>7} {'in step()':>9} {'held':>6} {'vs no comm':>10} "
           f"{'vs PowerSGD r1':>14}")

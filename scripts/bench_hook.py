@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--batch", type=int, default=24, help="samples per rank and step")
+    p.add_argument("--batch", type=int, default=48, help="samples per rank and step")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="DDP's bucket_cap_mb")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)

@@ -43,7 +43,7 @@ import bps_gc.core as core
 from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import PayloadsMissing, all_gather_tensors
-from .device_codecs import TORCH_DTYPES, chain_for, device_reduction, uses_device_chain
+from .device_codecs import chain_for, device_reduction, uses_device_chain
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -137,7 +137,7 @@ class CompressionHook:
             try:
                 if stream is not None:
                     stream[0].wait_event(stream[1])
-                grad = buffer.detach().to(TORCH_DTYPES[np.dtype(self.wire_dtype)])  # a view when float32
+                grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)  # float32: a view
                 bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
                 payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
                             in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]

@@ -23,8 +23,8 @@ from .roles.worker import Worker
 
 _worker = None
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics", "push_pull", "rank", "recv",
-           "reduce", "send", "shutdown", "size", "worker"]
+           "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics",
+           "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "worker"]
 
 
 def _setup_logging(level):

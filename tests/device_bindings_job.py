@@ -72,12 +72,18 @@ if "local_sgd" in spec:
     train("local", lambda opt, named: bps.LocalSGD(opt, named, local_steps=2,
                                                    compression_params=spec["local_sgd"]),
           spec["optimizer_steps"])
-if "choco" in spec:
+# CHOCO takes CUDA parameters only with device chains (numpy mode keeps it on the CPU)
+if "choco" in spec and (device.type == "cpu" or device_codecs.uses_device_chain(torch.empty(0, device=device))):
     opt = train("choco", lambda opt, named: bps.DecentralizedOptimizer(
         opt, named, algorithm="choco", topology="complete", consensus_stepsize=0.5,
         compression_params=spec["choco"]), spec["optimizer_steps"])
     opt.finish()
     paths["choco_gossip"] = type(opt.gossip).__name__
+try:  # a user error on either path: raised at the call, naming the tensor
+    bps.push_pull_async(torch.zeros(7, device=device), name="topk")
+    paths["wrong_shape"] = None
+except ValueError as e:
+    paths["wrong_shape"] = str(e)
 on_device = device_codecs.device_chain_names()
 np.savez(os.path.join(sys.argv[2], f"rank{rank}.npz"), **results)
 json.dump({"device_chains": on_device, **paths}, open(os.path.join(sys.argv[2], f"paths{rank}.json"), "w"))

@@ -13,6 +13,8 @@ import abc
 import dataclasses
 from typing import Optional
 
+from .phased import phases
+
 
 @dataclasses.dataclass(frozen=True)
 class Declaration:
@@ -66,7 +68,6 @@ class Communicator(abc.ABC):
         and pushes their payloads with ``push_payloads``. Empty when ``name`` is not placed or
         not compressed (sent dense, or nothing leaves this process), and for reducers summed
         in phases (PowerSGD's, roles/phased.py), which the communicator drives itself."""
-        from .phased import phases
         tensor = getattr(self, "tensors", {}).get(name)
         if tensor is None or not tensor.compressed or phases(tensor) > 1:
             return []

@@ -15,7 +15,8 @@ Where the parameters' codecs run on their device (BPS_GC_DEVICE_CODECS, docs/dev
 CUDA tensors by default), CHOCO's state (xhat, s - xhat) and arithmetic stay on the device too
 (``DeviceChocoGossip``): only the payloads cross to the host, to be sent; received ones are
 decoded on the device. Otherwise the gossip updates CPU parameters in place through numpy views.
-D-PSGD, which sends whole models, takes contiguous CPU tensors only.
+D-PSGD sends whole models: on the device (``DeviceDPSGDGossip``) each round's model crosses to
+the host to be sent, and the neighbours' models are mixed in on the device.
 """
 import numpy as np
 import torch
@@ -69,18 +70,18 @@ class DecentralizedOptimizer(WrappingOptimizer):
         self._wrap(optimizer)
         self.comm = communicator or CoreComm()
         named = sorted(named_parameters, key=lambda kv: kv[0])
-        on_device = algorithm == "choco" and any(uses_device_chain(p) for _, p in named)
+        on_device = any(uses_device_chain(p) for _, p in named)
         arrays = {}
-        for name, p in named:
+        for pname, p in named:  # (``name`` is the messages' tag)
             if (p.device.type != "cpu" and not on_device) or not p.is_contiguous() or p.dtype not in SUPPORTED:
                 where = "contiguous float tensor" if on_device else "contiguous CPU float tensor"
-                raise ValueError(f"DecentralizedOptimizer ({algorithm}): {name!r} must be a {where} "
+                raise ValueError(f"DecentralizedOptimizer ({algorithm}): {pname!r} must be a {where} "
                                  f"(got {p.dtype} on {p.device}, contiguous: {p.is_contiguous()})")
-            arrays[name] = p.detach().view(-1) if on_device else p.detach().numpy().reshape(-1)
+            arrays[pname] = p.detach().view(-1) if on_device else p.detach().numpy().reshape(-1)
         self.params = dict(named)
         self.topology = make_topology(topology, self.comm.size())
         self.algorithm = algorithm
-        if on_device:
+        if on_device and algorithm == "choco":
             self.gossip = DeviceChocoGossip(arrays, self.topology, self.comm, consensus_stepsize,
                                             compression_params, tag=name or "choco")
         elif algorithm == "choco":
@@ -89,7 +90,8 @@ class DecentralizedOptimizer(WrappingOptimizer):
         else:
             if compression_params and compression_params.get("compressor"):
                 raise ValueError("D-PSGD exchanges uncompressed models; use algorithm='choco' to compress")
-            self.gossip = DPSGDGossip(arrays, self.topology, self.comm, tag=name or "dpsgd")
+            gossip = DeviceDPSGDGossip if on_device else DPSGDGossip
+            self.gossip = gossip(arrays, self.topology, self.comm, tag=name or "dpsgd")
 
     def step(self, closure=None):
         with torch.no_grad():
@@ -127,8 +129,9 @@ class RawDeviceCodec:
         return x.contiguous().view(torch.uint8).clone()
 
     def decompress(self, payload, out):
-        payload = torch.as_tensor(payload).to(out.device)
-        return out.copy_(payload.view(self.dtype))
+        if not isinstance(payload, torch.Tensor):  # received bytes (read-only): a copy
+            payload = torch.tensor(np.asarray(payload, np.uint8))
+        return out.copy_(payload.to(out.device).view(self.dtype))
 
 
 class DeviceChocoGossip(ChocoGossip):
@@ -153,8 +156,7 @@ class DeviceChocoGossip(ChocoGossip):
         self.pending = False
 
     def _check_array(self, name, a):
-        if not (isinstance(a, torch.Tensor) and a.dim() == 1 and a.is_contiguous()):
-            raise ValueError(f"gossip: {name!r} must be a flat contiguous tensor")
+        _check_tensor(name, a)
 
     def _decoded(self, name, payload):
         a = self.x[name]
@@ -189,3 +191,30 @@ class DeviceChocoGossip(ChocoGossip):
 
 
 __all__ = ["DecentralizedOptimizer"]
+
+
+def _check_tensor(name, a):
+    if not (isinstance(a, torch.Tensor) and a.dim() == 1 and a.is_contiguous()):
+        raise ValueError(f"gossip: {name!r} must be a flat contiguous tensor")
+
+
+class DeviceDPSGDGossip(DPSGDGossip):
+    """DPSGDGossip (bindings/gossip.py) on flat torch tensors: the same messages and mixing,
+    in the same order and dtype, on the device."""
+
+    def _check_array(self, name, a):
+        _check_tensor(name, a)
+
+    def step(self, lr=0.0):
+        self._send_all(pack([a.cpu().numpy().view(np.uint8) for a in self.x.values()]))
+        mixed = {n: a * self.w_self for n, a in self.x.items()}
+        for j in self.neighbours:
+            w = self.topology.weight(self.rank, j)
+            for name, payload in zip(self.names, self._receive(j)):
+                a = self.x[name]
+                mixed[name] += torch.tensor(np.asarray(payload, np.uint8)).to(a.device).view(a.dtype) * w
+        self._wait_sent()
+        for n, a in self.x.items():
+            a.copy_(mixed[n])
+        self.rounds += 1
+

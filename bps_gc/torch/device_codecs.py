@@ -28,9 +28,8 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
+from ..compress.device import torch_dtype
 
-TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
-                np.dtype(np.float16): torch.float16}
 _partitions = weakref.WeakKeyDictionary()  # communicator -> {(name, device): [DevicePartition]}
 
 
@@ -70,7 +69,7 @@ class DeviceRecompress:
         return self._decoder
 
     def total(self, payloads, chain):
-        acc = torch.zeros(self.n, dtype=TORCH_DTYPES[self.dtype], device=self.device)
+        acc = torch.zeros(self.n, dtype=torch_dtype(self.dtype), device=self.device)
         for payload in payloads:
             chain.decompress_add(payload, acc)
         return acc
@@ -91,7 +90,7 @@ class DeviceLossless(DeviceRecompress):
     def decode(self, reply, out, ctx):
         itemsize = self.dtype.itemsize
         if reply.numel() == self.n * itemsize:
-            out.copy_(reply.view(TORCH_DTYPES[self.dtype]))
+            out.copy_(reply.view(torch_dtype(self.dtype)))
             return
         record = 4 + itemsize
         if reply.numel() > self.n * itemsize or reply.numel() % record:
@@ -102,7 +101,7 @@ class DeviceLossless(DeviceRecompress):
         if index.numel() and int(index.max()) >= self.n:
             raise ValueError("lossless reply: index out of range")
         out.zero_()
-        out[index] = records[:, 4:].contiguous().view(TORCH_DTYPES[self.dtype]).reshape(-1)
+        out[index] = records[:, 4:].contiguous().view(torch_dtype(self.dtype)).reshape(-1)
 
     def reduce(self, payloads, out, ctx):  # the reply would be this sum, exactly
         out.copy_(self.total(payloads, self.decoder))
@@ -209,19 +208,21 @@ class DevicePushPull:
     def __init__(self, tensor, name, parts, average, priority, ctx):
         self.comm = core.worker()
         declaration = self.comm.declaration(name)
-        if tuple(tensor.shape) != declaration.shape or TORCH_DTYPES[declaration.dtype] != tensor.dtype:
+        if tuple(tensor.shape) != declaration.shape or torch_dtype(declaration.dtype) != tensor.dtype:
             raise ValueError(f"push_pull({name!r}): got {tuple(tensor.shape)} {tensor.dtype}, but it "
                              f"was first used as {declaration.shape} {declaration.dtype}")
         self.tensor, self.parts, self.average = tensor, parts, average
         self.ctx = ctx
         flat = tensor.detach().reshape(-1)
-        wire = flat.to(TORCH_DTYPES[declaration.wire_dtype])  # fp16 on the wire: a cast copy
+        wire = flat.to(torch_dtype(declaration.wire_dtype))  # fp16 on the wire: a cast copy
         # the result is decoded into the tensor itself when it can hold the wire values
         self.direct = wire.data_ptr() == tensor.data_ptr() and tensor.is_contiguous()
         self.result = wire if self.direct else torch.empty_like(wire)
         payloads = [part.chain.compress(wire[part.start:part.stop], ctx) for part in parts]
-        if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross
-            payloads = [p.cpu().numpy() for p in payloads]
+        if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross,
+            # in one copy (one wait for the device) per tensor
+            host = torch.cat(payloads).cpu().numpy() if len(payloads) > 1 else payloads[0].cpu().numpy()
+            payloads = np.split(host, np.cumsum([p.numel() for p in payloads])[:-1])
         self.handle = self.comm.push_payloads(name, payloads, ctx, priority)
 
     def poll(self):

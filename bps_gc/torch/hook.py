@@ -14,16 +14,36 @@ server would return for the same gradients. DDP regroups its buckets after the f
 bucket whose size changed starts with fresh codec state (PowerSGD's hook waits out the same
 regrouping with ``start_powerSGD_iter``).
 
+The hook does not hold backward (docs/ddp_hook.md): it returns a pending future at once. Two
+threads per hook take the buckets in the order DDP handed them over: one compresses, the other
+gathers, reduces and decodes them and completes their futures, so a bucket's steps never
+overlap and compressing the next bucket overlaps gathering this one (for CUDA buckets, on a
+side stream that first waits for the gradients). DDP waits for the futures at the end of
+backward. Ordering across ranks: DDP calls the hook in bucket order on every rank, the one
+exchanging thread issues the collectives in that order, and on a process group of their own
+(made at the first call, on every rank), so collectives DDP itself issues meanwhile
+(find_unused_parameters' bitmap) on its group never interleave with them differently on
+different ranks. An error on these threads (a codec's, a failed peer's) is the future's: DDP
+raises it from backward().
+
 Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduce_hook and
 fp16_compress_hook. The learning rate that error feedback rescales by is read from
-``optimizer`` when given.
+``optimizer`` when given, when the hook is called.
 """
+import contextlib
+import queue
+import threading
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import bps_gc.core as core
+
 from .. import compress
-from ..collective import all_gather_bytes
+from ..collective import Collective, all_gather_bytes
+from ..collective.exchange import PayloadsMissing, all_gather_tensors
+from .device_codecs import chain_for, device_reduction, uses_device_chain
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -31,6 +51,26 @@ KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | pa
 def bucket_key(index, position):
     """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
     return KEY_BASE | index << 16 | position
+
+
+class SerialWorker:
+    """One daemon thread running jobs in the order they were submitted; ``job()`` completes
+    its own future. A daemon: a job blocked on a dead peer never keeps the process alive."""
+
+    def __init__(self, name):
+        self.name, self.jobs, self.thread = name, queue.SimpleQueue(), None
+        self.lock = threading.Lock()
+
+    def submit(self, job):
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.thread.start()
+        self.jobs.put(job)
+
+    def _run(self):
+        while True:
+            self.jobs.get()()
 
 
 class CompressionHook:
@@ -43,50 +83,159 @@ class CompressionHook:
             raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
-        self.buckets = {}  # bucket index -> (sizes, [(worker chain, reducer)], steps so far)
+        self.wire_dtype = np.float16 if self.params.fp16 else np.float32
+        # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
+        self.buckets = {}
+        # two stages, each one thread taking buckets in call order: compressing the next bucket
+        # overlaps gathering this one, and one thread issues every collective of the hook
+        self.compressor = SerialWorker("bps_gc-comm-hook-compress")
+        self.exchanger = SerialWorker("bps_gc-comm-hook-exchange")
+        self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
+        self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
         if not self.params.compressed:
             return self._all_reduce(group, buffer)
-        size = dist.get_world_size(group)
-        wire_dtype = np.float16 if self.params.fp16 else np.float32
-        grad = buffer.detach().to("cpu", torch.float32).numpy().astype(wire_dtype, copy=False)
-        sizes = [g.numel() for g in bucket.gradients()]
-        parts = self._state(bucket.index(), sizes, wire_dtype)
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
+        parts = self._state(index, sizes, buffer)
+        on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self._count_step(bucket.index())}
-        payloads = [codec.compress(grad[bounds[i]:bounds[i + 1]], ctx) for i, (codec, _) in enumerate(parts)]
-        gathered = all_gather_bytes(payloads, lambda work, what: work.wait(), group)
-        total = np.empty(grad.size, wire_dtype)
-        for i, (_, reducer) in enumerate(parts):
-            chunk = total[bounds[i]:bounds[i + 1]]
-            reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
-            if reducer.summed:  # a majority vote is not averaged
-                chunk /= chunk.dtype.type(size)
-        buffer.copy_(torch.from_numpy(total))
-        future = torch.futures.Future()
-        future.set_result(buffer)
-        return future
+               "step": self._count_step(index)}
+        side = self._side_group(group)
+        job = (side, index, buffer, parts, ctx, on_device)
+        if buffer.device.type == "cpu":
+            future, stream = torch.futures.Future(), None
+        else:
+            future, stream = self._on_side_stream(buffer)
+        self.compressor.submit(lambda: self._compress_stage(job, future, stream))
+        # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
+        # Tensor"); a callback that raises it marks the chained future failed, with the
+        # exception's type and text in the error DDP raises
+        return future.then(_value)
 
-    def _state(self, index, sizes, dtype):
-        """[(worker chain, reducer)] for the gradients of bucket ``index``."""
+    def _on_side_stream(self, buffer):
+        """A CUDA bucket: (its future, (side stream, event)). The event, recorded now on
+        backward's stream, is what the side stream waits for before its work on the bucket;
+        the future carries the device, so whoever waits on it (DDP) waits for the side stream's
+        work, not the host."""
+        device = buffer.device
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = torch.cuda.Stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        buffer.record_stream(stream)  # its memory stays DDP's until the side stream is done with it
+        return torch.futures.Future(devices=[device]), (stream, ready)
+
+    def _compress_stage(self, job, future, stream):
+        """On the compressing thread: the bucket's payloads (None and the error if compressing
+        failed), handed on to the exchanging thread in the same order."""
+        _, _, buffer, parts, ctx, on_device = job
+        with _current(stream):
+            try:
+                if stream is not None:
+                    stream[0].wait_event(stream[1])
+                grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)  # float32: a view
+                bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
+                payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
+                            in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
+                failure = None
+            except Exception as e:  # the others still gather (and learn that this rank failed)
+                grad, payloads, failure = None, None, e
+        self.exchanger.submit(lambda: self._exchange_stage(job, future, stream, grad, payloads, failure))
+
+    def _exchange_stage(self, job, future, stream, grad, payloads, failure):
+        with _current(stream):
+            _settle(future, lambda: self._exchange(job, grad, payloads, failure))
+
+    def _exchange(self, job, grad, payloads, failure):
+        """On the exchanging thread (the only one issuing the hook's collectives): gather,
+        reduce and decode bucket ``index``; the averaged bucket, in its buffer."""
+        group, index, buffer, parts, ctx, on_device = job
+        wait = self._waiter(group, index)
+        try:
+            if on_device:  # the payloads stay where they are (NCCL for CUDA)
+                gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
+            else:
+                gathered = all_gather_bytes(payloads, wait, group, len(parts))
+        except PayloadsMissing as missing:
+            if failure is not None:
+                raise RuntimeError(f"bps_gc comm_hook: compressing DDP bucket {index} failed: "
+                                   f"{type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {missing} (their errors name "
+                               "the cause); this rank stops too") from None
+        size = dist.get_world_size(group)
+        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
+        if on_device:
+            result = torch.empty_like(grad)
+            for i, (_, reducer) in enumerate(parts):
+                chunk = result[bounds[i]:bounds[i + 1]]
+                reducer.reduce([rank[i] for rank in gathered], chunk, ctx)
+                if reducer.summed:  # a majority vote is not averaged
+                    chunk /= size
+        else:
+            total = np.empty(grad.numel(), self.wire_dtype)
+            for i, (_, reducer) in enumerate(parts):
+                chunk = total[bounds[i]:bounds[i + 1]]
+                reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
+                if reducer.summed:
+                    chunk /= chunk.dtype.type(size)
+            result = torch.from_numpy(total)
+        buffer.copy_(result)
+        return buffer
+
+    def _waiter(self, group, index):
+        """How the worker waits for a collective: through bps_gc's collective communicator when
+        it runs (its heartbeat names a dead or departed rank within its bound, as a
+        NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
+        comm = core.worker() if core.is_initialized() else None
+        if isinstance(comm, Collective):
+            return lambda work, what: comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+
+        def wait(work, what):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise core.NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
+                                       f"{dist.get_rank()}: {e}") from None
+        return wait
+
+    def _side_group(self, group):
+        """The hook's own process group with ``group``'s ranks: made by the first call, which
+        every member makes at the same point (its first bucket)."""
+        side = self.side_groups.get(group)
+        if side is None:
+            side = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+            self.side_groups[group] = side
+        return side
+
+    def _state(self, index, sizes, buffer):
+        """[(worker chain, reducer)] for the gradients of bucket ``index``: device chains and
+        reducers on the bucket's device when ``uses_device_chain`` (BPS_GC_DEVICE_CODECS: by
+        default for buckets off the CPU), else numpy chains and reducers."""
         state = self.buckets.get(index)
-        if state is None or state[0] != sizes:
+        if state is None or state[0] != sizes or state[1] != buffer.device:
+            on_device = uses_device_chain(buffer)
             keys = [bucket_key(index, position) for position in range(len(sizes))]
-            state = [sizes, [(compress.build_chain(self.params, n, dtype, key=key, role="worker"),
-                              compress.make_reducer(self.reducer, self.params, n, dtype, key))
-                             for n, key in zip(sizes, keys)], 0]
+            if on_device:
+                parts = [(chain_for(self.params, n, self.wire_dtype, key, "worker", buffer),
+                          device_reduction(self.reducer, self.params, n, self.wire_dtype, key, buffer.device))
+                         for n, key in zip(sizes, keys)]
+            else:
+                parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker"),
+                          compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
+                         for n, key in zip(sizes, keys)]
+            state = [sizes, buffer.device, parts, 0, on_device]
             self.buckets[index] = state
-        return state[1]
+        return state[2]
 
     def _count_step(self, index):
         """The step context's ``step``: how many times bucket ``index`` was reduced before."""
         state = self.buckets[index]
-        state[2] += 1
-        return state[2] - 1
+        state[3] += 1
+        return state[3] - 1
 
     def _all_reduce(self, group, buffer):
         sent = buffer.to(torch.float16) if self.params.fp16 else buffer
@@ -97,6 +246,24 @@ class CompressionHook:
                 buffer.copy_(future.value()[0])
             return buffer
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
+
+
+def _current(stream):
+    """The side stream as the current stream (a CUDA bucket's ``(stream, event)``), or nothing."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream[0])
+
+
+def _value(future):
+    return future.value()
+
+
+def _settle(future, work):
+    try:
+        result = work()
+    except BaseException as e:  # noqa: B036 (the future is its only way out of this thread)
+        future.set_exception(e)
+        return
+    future.set_result(result)
 
 
 def comm_hook(compression_params=None, reducer=None, optimizer=None):

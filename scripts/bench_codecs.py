@@ -294,4 +294,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the reference binary, if running, is killed by subprocess.run
+        sys.exit("bench_codecs: interrupted")

@@ -4,9 +4,10 @@
 Median of --repeats timed calls after one warm-up, per codec and size. Two references, both
 measured in the same run on the same machine:
 - BytePS 0.2.5.post15's own C++ codecs (onebit, topk, randomk, dithering, EF), built from its
-  sdist by scripts/byteps_ref/reference.py (cached after the first run) and run for each size
-  right after ours, with the same sizes, the same repeat policy and one thread (OMP_NUM_THREADS=1,
-  BYTEPS_OMP_THREAD_PER_GPU=1); ours is single-threaded. Its memcpy sits beside our np.copyto.
+  sdist by scripts/byteps_ref/reference.py (cached after the first run) and run for each codec
+  and size right after ours, so both sides see the same machine: the same sizes, the same
+  repeat policy and one thread (OMP_NUM_THREADS=1, BYTEPS_OMP_THREAD_PER_GPU=1); ours is
+  single-threaded. Its memcpy sits beside our np.copyto.
   If it cannot be built, one line says why and its columns read "not measured".
 - for the issue-11 codecs, a straightforward PyTorch CPU version of the same math
   (scripts/torch_codecs.py), torch.set_num_threads(1).
@@ -162,6 +163,8 @@ def byteps_cells(row, name, measured):
     """Fill a BytePS-side row from bench.cc's parsed output (None: not measured)."""
     label = MEMCPY_LABEL if name == "memcpy" else CODECS[name][1]
     theirs = (measured or {}).get((row["n"], label))
+    if measured is not None and theirs is None:
+        raise SystemExit(f"bench_codecs: BytePS's binary printed no row for {label!r} at {row['n']}")
     if theirs is None:
         set_reference(row, "BytePS", None, None, None)
         return
@@ -171,49 +174,53 @@ def byteps_cells(row, name, measured):
     row.update(ref_compression_ratio=theirs["compression_ratio"], ref_check=theirs["check"])
 
 
+def byteps_side(binary, n, label, repeats, ref_log):
+    """bench.cc's parsed rows for one configuration at one size, run right after ours so both
+    sides see the same machine; None once the reference is not measured (``ref_log`` says why
+    and collects the raw output)."""
+    if not binary or ref_log.get("reason"):
+        return None
+    try:
+        measured, text = reference.run(binary, [n], repeats, THREADS, only=[label])
+    except reference.Unavailable as e:
+        ref_log.update(status=e.status, reason=str(e))
+        tqdm.write(f"BytePS reference not measured: {e}")
+        return None
+    ref_log.setdefault("output", []).append(text)
+    return measured
+
+
 def bench(sizes, repeats, only=None, ref_binary=None, ref_log=None):
-    """Rows for every codec and size; for each size BytePS's binary runs right after ours.
-    ``ref_log`` collects the reference's raw output, or why it stopped."""
+    """Rows for every codec and size: ours, then (BytePS's codecs and memcpy) the same
+    configuration in BytePS's binary, or (issue 11's codecs) the PyTorch version."""
     rng = np.random.default_rng(0)
     rows = []
     names = [name for name in ["memcpy", *CODECS, *NEW_CODECS]
              if not only or name == "memcpy" or any(word in name for word in only)]
-    progress = tqdm(total=len(sizes) * len(names), desc="codecs", unit="case")
-    for label in sizes:
+    work = [(s, name) for s in sizes for name in names]
+    for label, name in tqdm(work, desc="codecs", unit="case"):
         n = parse_size(label)
-        x = rng.standard_normal(n, dtype=np.float32) * 1e-3
-        out = np.empty_like(x)
+        if not rows or rows[-1]["n"] != n:
+            x = rng.standard_normal(n, dtype=np.float32) * 1e-3
+            out = np.empty_like(x)
         gb = x.nbytes / 1e9
-        size_rows = []
-        for name in names:
-            row = {"codec": name, "size": label, "n": n}
-            if name == "memcpy":
-                tc = td = median_seconds(lambda: np.copyto(out, x), repeats)
-                nbytes = x.nbytes
-            else:
-                params = CODECS[name][0] if name in CODECS else NEW_CODECS[name]
-                tc, td, nbytes = time_ours(params, x, out, repeats)
-            row.update({"compress_gbps": gb / tc, "decompress_gbps": gb / td,
-                        "compression_ratio": x.nbytes / nbytes})
-            if name in NEW_CODECS and torch is not None:
+        row = {"codec": name, "size": label, "n": n}
+        if name == "memcpy":
+            tc = td = median_seconds(lambda: np.copyto(out, x), repeats)
+            nbytes = x.nbytes
+        else:
+            params = CODECS[name][0] if name in CODECS else NEW_CODECS[name]
+            tc, td, nbytes = time_ours(params, x, out, repeats)
+        row.update({"compress_gbps": gb / tc, "decompress_gbps": gb / td,
+                    "compression_ratio": x.nbytes / nbytes})
+        if name in NEW_CODECS:
+            if torch is not None:
                 ttc, ttd = time_torch(NEW_CODECS[name], x, repeats)
                 set_reference(row, "torch", gb / ttc, gb / ttd, (TORCH_TARGET, TORCH_TARGET))
-            size_rows.append(row)
-            progress.update()
-        measured = None
-        if ref_binary and not ref_log.get("reason") and any(
-                r["codec"] in CODECS for r in size_rows):
-            try:
-                measured, text = reference.run(ref_binary, [n], repeats, THREADS)
-                ref_log.setdefault("output", []).append(text)
-            except reference.Unavailable as e:
-                ref_log.update(status=e.status, reason=str(e))
-                progress.write(f"BytePS reference not measured: {e}")
-        for row in size_rows:
-            if row["codec"] == "memcpy" or row["codec"] in CODECS:
-                byteps_cells(row, row["codec"], measured)
-        rows += size_rows
-    progress.close()
+        else:
+            byteps_label = MEMCPY_LABEL if name == "memcpy" else CODECS[name][1]
+            byteps_cells(row, name, byteps_side(ref_binary, n, byteps_label, repeats, ref_log))
+        rows.append(row)
     return rows
 
 

@@ -189,13 +189,15 @@ def parse(text):
     return rows
 
 
-def run(binary, sizes, runs, threads=1):
+def run(binary, sizes, runs, threads=1, only=()):
     """(parse()'s rows, the raw output) of one run of the binary: ``sizes`` element counts,
     the median of ``runs`` timed calls after one warm-up, OpenMP and BytePS's reducer on
-    ``threads`` threads."""
+    ``threads`` threads; ``only``: just these configuration labels (default: all)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), BYTEPS_OMP_THREAD_PER_GPU=str(threads))
     with tempfile.TemporaryDirectory() as cwd:  # its error-feedback case writes lr.s here
         cmd = [binary, "--runs", str(runs), "--sizes", ",".join(str(n) for n in sizes)]
+        if only:
+            cmd += ["--only", ",".join(only)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd,
                                timeout=3600)

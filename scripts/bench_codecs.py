@@ -253,6 +253,20 @@ def below_one(rows, ref):
             if r.get("x_" + side) is not None and r["x_" + side] < 1.0]
 
 
+def load_device_bench(ap, device):
+    """scripts/bench_device_codecs.py (its device_rows and table), or a usage error saying what
+    is missing."""
+    if torch is None:
+        ap.error("--device: the device chains need torch, which this Python cannot import")
+    try:
+        import bench_device_codecs
+    except ImportError as e:
+        ap.error(f"--device needs scripts/bench_device_codecs.py and torch: {e}")
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    return bench_device_codecs
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", help="comma-separated element counts, K/M suffix (default 1M,4M,25M)")
@@ -261,8 +275,12 @@ def main(argv=None):
                     help=f"{QUICK['sizes']} elements, {QUICK['repeats']} repeats: a smoke run in seconds")
     ap.add_argument("--only", default="", help="comma-separated words: just the codecs named with one")
     ap.add_argument("--no-reference", action="store_true", help="skip building and running BytePS's codecs")
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    help="also time the torch device chains there, beside host copy + numpy chain "
+                         "(scripts/bench_device_codecs.py)")
     ap.add_argument("--json", default="out/bench_codecs.json", help="where to write the results")
     args = ap.parse_args(argv)
+    device_bench = load_device_bench(ap, args.device) if args.device else None
     defaults = QUICK if args.quick else {"sizes": "1M,4M,25M", "repeats": 7}
     sizes = (args.sizes or defaults["sizes"]).split(",")
     repeats = args.repeats if args.repeats is not None else defaults["repeats"]
@@ -286,17 +304,23 @@ def main(argv=None):
         print(f"BytePS reference not measured: {ref_log['reason']}")
     else:
         print(f"BytePS {reference.VERSION} reference: {binary} (OMP_NUM_THREADS={THREADS})")
-    rows = bench(sizes, repeats, [w for w in args.only.split(",") if w], binary, ref_log)
+    only = [w for w in args.only.split(",") if w]
+    rows = bench(sizes, repeats, only, binary, ref_log)
     print(table(rows))
     for ref, name in (("BytePS", "BytePS"), ("torch", "PyTorch")):
         cells = below_one(rows, ref)
         print(f"below 1.0x against {name}: {'; '.join(cells) if cells else 'none'}")
     if ref_log.get("reason"):
         print(f"BytePS reference not measured: {ref_log['reason']}")
+    device_rows = []
+    if device_bench:
+        device_rows = device_bench.device_rows(args.device, sizes, repeats, only)
+        print(f"\ndevice chains on {args.device}, beside host copy + numpy chain in the same run:")
+        print(device_bench.table(device_rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": m, "repeats": repeats, "sizes": sizes, "byteps": ref_log,
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "device_rows": device_rows}, f, indent=1)
     print(f"wrote {args.json}")
 
 

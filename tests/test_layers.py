@@ -1,7 +1,9 @@
 """Lower layers never import higher ones: config -> transport -> roles -> codecs -> bindings ->
 launcher; the codec library and the server never need a framework. ``collective`` sits beside
 roles (layer 3) and is the one lower layer that uses torch (torch.distributed carries its bytes);
-core reaches it only when the environment asks for it."""
+core reaches it only when the environment asks for it. ``compress/device`` (codec chains over
+torch tensors) is the one part of compress that imports torch; ``build_chain`` reaches it only
+when it is given a device."""
 import ast
 import os
 import subprocess
@@ -27,6 +29,7 @@ ALLOWED = {
     "mxnet": {"core", "bindings", "compress", "config"},
 }
 FRAMEWORKS = {"torch", "mxnet", "gluoncv"}
+DEVICE_CODECS = os.path.join(PACKAGE, "compress", "device")
 
 
 def layer_of(path):
@@ -64,12 +67,47 @@ def test_no_upward_imports(path):
         if top == "bps_gc" and "." in name:
             target = name.split(".")[1]
             assert target == layer or target in ALLOWED[layer], f"{layer} imports bps_gc.{target}"
-        if layer == "collective":
+        if layer == "collective" or path.startswith(DEVICE_CODECS + os.sep):
             assert top not in FRAMEWORKS - {"torch"}, f"{layer} imports {top}"
         elif layer not in ("torch", "mxnet"):
             assert top not in FRAMEWORKS, f"{layer} imports {top}"
         elif top in FRAMEWORKS:
             assert top == layer, f"bps_gc.{layer} imports {top}"
+
+
+def module_level_imports(path):
+    """The names imported by a module's top-level statements (not inside functions)."""
+    tree = ast.parse(open(path).read())
+    top = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+                     type_ignores=[])
+    pkg_parts = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+    for node in top.body:
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        else:
+            base = pkg_parts[: len(pkg_parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield module
+            yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if layer_of(p) == "compress"
+                                  and not p.startswith(DEVICE_CODECS + os.sep)],
+                         ids=lambda p: os.path.relpath(p, ROOT))
+def test_compress_reaches_device_codecs_only_on_demand(path):
+    # compress/device imports torch: the rest of compress may import it inside a function
+    # (build_chain, when given a device), never when the module loads
+    for name in module_level_imports(path):
+        assert not name.startswith("bps_gc.compress.device"), f"{path} imports {name} at load"
+
+
+def test_numpy_chain_imports_no_torch():
+    code = ("import sys, numpy as np, bps_gc.compress as c\n"
+            "chain = c.build_chain({'compressor': 'topk', 'k': 3, 'ef': 'vanilla'}, 100, np.float32)\n"
+            "chain.decompress(chain.compress(np.ones(100, np.float32), 0.1))\n"
+            "assert 'torch' not in sys.modules and 'bps_gc.compress.device' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
 
 
 def test_server_runs_without_frameworks():

@@ -26,11 +26,13 @@ def mixed_state(seed):
                     np.uint64)
 
 
-def build_chain(params, n, dtype, key=0, role="worker", shape=None):
+def build_chain(params, n, dtype, key=0, role="worker", shape=None, device=None):
     """Codec object for one partition: [momentum ->] [error feedback ->] compressor.
 
     ``role`` is "worker" or "server"; servers never apply momentum (codecs.md). A worker's
     partition of an ``entiremodel`` tensor gets the chunk codec of compress/entiremodel.py.
+    With ``device`` (a torch.device or a string such as "cuda:0") the chain runs torch
+    operations on that device, with the same payloads (compress/device/; imports torch).
     """
     if not isinstance(params, CompressionParams):
         params = CompressionParams.from_dict(params)
@@ -39,6 +41,9 @@ def build_chain(params, n, dtype, key=0, role="worker", shape=None):
     if not params.compressed:
         raise ValueError("build_chain: these parameters compress nothing (no 'compressor')")
     load_plugins()
+    if device is not None:
+        from .device import build_device_chain  # the only import of torch in compress
+        return build_device_chain(params, n, dtype, key, role, shape, device)
     if params.granularity == "entiremodel" and role == "worker":
         from .entiremodel import EntireModelSlice  # its codecs import this module
         return EntireModelSlice(params, n, dtype, key)

@@ -1,0 +1,102 @@
+"""Error feedback (vanilla) and nesterov momentum around any device codec (HostBridge too),
+with the numpy decorators' arithmetic (compress/feedback.py): ``out = a * s + x`` in two
+roundings of the partition's dtype, state kept only when every result is finite."""
+import math
+
+import numpy as np
+import torch
+
+from ..context import step_context
+from .base import DeviceCodec
+from .registry import register_device_error_feedback, register_device_momentum
+
+
+def scale_add(a, s, x, out):
+    """out = a * s + x, rounded after the product and after the sum like numpy's multiply then
+    add (two kernels: nothing fuses them into one multiply-add). ``s`` must already be a value
+    of the dtype (for float16 the product of two float16 values is exact in float32, which is
+    where both numpy and torch compute it)."""
+    torch.mul(a, s, out=out)
+    out.add_(x)
+
+
+def all_finite(*tensors):
+    """One device-to-host sync for whether every element of the tensors is finite."""
+    ok = torch.isfinite(tensors[0]).all()
+    for t in tensors[1:]:
+        ok = ok & torch.isfinite(t).all()
+    return bool(ok)
+
+
+class DeviceDecorator(DeviceCodec):
+    """Forwards everything but compress to the wrapped device codec."""
+
+    def __init__(self, inner, params):
+        self.inner, self.params = inner, params
+        self.n, self.dtype, self.seed = inner.n, inner.dtype, inner.seed
+        self.device, self.torch_dtype = inner.device, inner.torch_dtype
+        self.reducers = inner.reducers
+        self._scratch = None
+
+    def _state(self):
+        return torch.zeros(self.n, dtype=self.torch_dtype, device=self.device)
+
+    def decompress(self, payload, out=None):
+        return self.inner.decompress(payload, out)
+
+    def decompress_add(self, payload, acc):
+        self.inner.decompress_add(payload, acc)
+
+    def residual(self, payload, x):
+        self.inner.residual(payload, x)
+
+
+@register_device_error_feedback("vanilla")
+class DeviceVanillaErrorFeedback(DeviceDecorator):
+    """g = x + (lr_prev / lr) * e; c = C(g); e = g - D(c), as compress/feedback.py (a non-finite
+    g is sent as all NaN and leaves e and lr_prev as they were)."""
+
+    def __init__(self, inner, params):
+        super().__init__(inner, params)
+        self.error = self._state()
+        self._spare = self._state()
+        self.lr_prev = 0.0
+
+    def compress(self, x, ctx=None):
+        x = self._input(x)
+        lr = step_context(ctx)["lr"]
+        ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
+        g = self._spare
+        scale_add(self.error, float(self.dtype.type(ratio)), x, g)
+        if not all_finite(g):
+            g.fill_(math.nan)
+            return self.inner.compress(g, ctx)
+        payload = self.inner.compress(g, ctx)
+        self.inner.residual(payload, g)
+        self.error, self._spare = g, self.error
+        self.lr_prev = lr
+        return payload
+
+
+@register_device_momentum("nesterov")
+class DeviceNesterovMomentum(DeviceDecorator):
+    """m = g + mu*m; g = g + mu*m; then the inner chain (a non-finite step leaves m as it was and
+    goes down the chain as all NaN), as compress/feedback.py."""
+
+    def __init__(self, inner, params):
+        super().__init__(inner, params)
+        self.mu = float(self.dtype.type(params.mu))
+        self.momentum = self._state()
+        self._spare = self._state()
+        self._grad = self._state()
+
+    def compress(self, x, ctx=None):
+        x = self._input(x)
+        m = self._spare
+        scale_add(self.momentum, self.mu, x, m)
+        scale_add(m, self.mu, x, self._grad)
+        if all_finite(m, self._grad):
+            self.momentum, self._spare = m, self.momentum
+        else:
+            self._grad.fill_(math.nan)
+        return self.inner.compress(self._grad, ctx)

@@ -81,3 +81,20 @@ def test_quick_says_in_one_line_when_byteps_cannot_be_built(tmp_path):
     terngrad = next(r for r in data["rows"] if r["codec"] == "terngrad")
     if terngrad.get("ref") == "torch":
         assert terngrad["x_compress"] == pytest.approx(terngrad["compress_gbps"] / terngrad["ref_compress_gbps"])
+
+
+def test_quick_device_rows_beside_ours(tmp_path):
+    torch = pytest.importorskip("torch")
+    stdout, data = run_bench(tmp_path, "--only", "onebit", "--no-reference", "--device", "cpu")
+    assert data["byteps"]["status"] == "skipped"
+    assert "device chains on cpu" in stdout
+    rows = {r["codec"]: r for r in data["device_rows"]}
+    assert {"onebit scaling", "EF + onebit"} <= set(rows)
+    for row in rows.values():
+        assert row["device"] == "cpu" and row["size"] == "256K" and row["compress_gbps"] > 0
+        assert row["speedup"][0] == pytest.approx(row["compress_gbps"] / row["host_compress_gbps"])
+    if not torch.cuda.is_available():  # a usage error naming the cause, no traceback
+        r = subprocess.run([sys.executable, SCRIPT, "--quick", "--device", "cuda"], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert r.returncode == 2 and "torch.cuda.is_available() is False" in r.stderr
+        assert "Traceback" not in r.stderr

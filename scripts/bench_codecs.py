@@ -104,8 +104,8 @@ def machine():
 
 
 def describe(m):
-    main = [f for f in ("avx512f", "avx512dq", "avx512bw", "avx512vl") if f in m["avx512"]]
-    avx512 = (f"AVX-512 ({' '.join(main)}; {len(m['avx512'])} avx512* flags)" if m["avx512"]
+    key = [f for f in ("avx512f", "avx512dq", "avx512bw", "avx512vl") if f in m["avx512"]]
+    avx512 = (f"AVX-512 ({' '.join(key)}; {len(m['avx512'])} avx512* flags)" if m["avx512"]
               else "no AVX-512")
     return (f"{m['cpu']}, {m['cores']} cores, {'AVX2' if m['avx2'] else 'no AVX2'}, {avx512}; "
             f"load average {m['load_average']} at the start")
@@ -307,6 +307,9 @@ def main(argv=None):
     only = [w for w in args.only.split(",") if w]
     rows = bench(sizes, repeats, only, binary, ref_log)
     print(table(rows))
+    for r in rows:  # bench.cc re-derives Decompress(Compress(x)) independently
+        if r.get("ref_check") and not r["ref_check"].startswith("ok"):
+            print(f"BytePS's own check of {r['codec']} at {r['size']}: {r['ref_check']}")
     for ref, name in (("BytePS", "BytePS"), ("torch", "PyTorch")):
         cells = below_one(rows, ref)
         print(f"below 1.0x against {name}: {'; '.join(cells) if cells else 'none'}")

@@ -312,7 +312,9 @@ def main(argv=None):
             print(f"BytePS's own check of {r['codec']} at {r['size']}: {r['ref_check']}")
     for ref, name in (("BytePS", "BytePS"), ("torch", "PyTorch")):
         cells = below_one(rows, ref)
-        print(f"below 1.0x against {name}: {'; '.join(cells) if cells else 'none'}")
+        unmeasured = ref == "BytePS" and ref_log.get("reason")
+        print(f"below 1.0x against {name}: "
+              f"{'not measured' if unmeasured else '; '.join(cells) if cells else 'none'}")
     if ref_log.get("reason"):
         print(f"BytePS reference not measured: {ref_log['reason']}")
     device_rows = []

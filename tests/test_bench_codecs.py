@@ -77,6 +77,7 @@ def test_quick_says_in_one_line_when_byteps_cannot_be_built(tmp_path):
     assert onebit["compress_gbps"] > 0 and onebit["ref_compress_gbps"] is None
     assert onebit["x_compress"] is None and "target" not in onebit
     assert re.search(r"^onebit scaling .* BytePS +not measured ", stdout, re.M)
+    assert "below 1.0x against BytePS: not measured" in stdout
     # the torch side still measured
     terngrad = next(r for r in data["rows"] if r["codec"] == "terngrad")
     if terngrad.get("ref") == "torch":

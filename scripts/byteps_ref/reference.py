@@ -75,7 +75,8 @@ def _download(cache):
         got = os.path.join(tmp, SDIST)
         if r.returncode != 0 or not os.path.exists(got):
             raise Unavailable("unavailable", f"pip download byteps=={VERSION} failed: "
-                                             f"{_one_line(r.stderr or r.stdout)}")
+                                             f"{_one_line(r.stderr or r.stdout)} (offline, set "
+                                             f"BPS_GC_BYTEPS_SDIST to a copy of {SDIST})")
         os.replace(got, path)
     return path
 

@@ -138,6 +138,13 @@ def _cpu_identity():
 
 def build():
     """Path of the reference binary, built (and cached) on first use; raises Unavailable."""
+    try:
+        return _build()
+    except OSError as e:  # e.g. a read-only cache or a full disk
+        raise Unavailable("unavailable", f"building BytePS's codecs in {cache_dir()}: {e}") from None
+
+
+def _build():
     cache = cache_dir()
     try:
         os.makedirs(cache, exist_ok=True)

@@ -178,7 +178,9 @@ def _build():
         except (OSError, subprocess.TimeoutExpired) as e:
             raise Unavailable("failed", f"compiling BytePS's codecs: {e}") from None
         if r.returncode != 0:
-            raise Unavailable("failed", f"compiling BytePS's codecs failed: {_one_line(r.stderr)}")
+            first_error = next((line for line in r.stderr.splitlines() if "error" in line),
+                               r.stderr)
+            raise Unavailable("failed", f"compiling BytePS's codecs failed: {_one_line(first_error)}")
         os.replace(out, binary)  # atomic: a concurrent run never starts a half-written file
     return binary
 

@@ -1,0 +1,1 @@
+"""BytePS's own codecs as the reference of scripts/bench_codecs.py (reference.py)."""

@@ -77,7 +77,7 @@ def check_hook_levels(spec, tmp_path):
 
 
 TRAIN = textwrap.dedent("""
-    import os, signal, numpy as np, bps_gc.core as bps
+    import os, signal, sys, numpy as np, bps_gc.core as bps
     bps.init()
     rank = bps.rank()
     bps.declare("grad", shape=(3000,), dtype=np.float32)
@@ -88,7 +88,15 @@ TRAIN = textwrap.dedent("""
         if step == 3:
             print("RUNNING", rank, flush=True)
         if step == 5 and rank == int(os.environ["KILLED_RANK"]):
-            os.kill(os.getpid(), signal.SIGKILL)
+            fault = os.environ["FAULT"]
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault == "sigint":  # Ctrl-C
+                os.kill(os.getpid(), signal.SIGINT)
+            elif fault == "raise":
+                raise RuntimeError("a bug in the training loop")
+            else:  # a clean exit in the middle of the job
+                sys.exit(0)
 """)
 
 
@@ -106,8 +114,10 @@ def memfds(port):
     return found
 
 
-def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
-    env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0", "KILLED_RANK": "4"}
+@pytest.mark.parametrize("fault", ["kill", "raise", "sigint", "exit"])
+def test_a_local_rank_that_ends_stops_every_host(machines, fault):  # noqa: F811
+    """Rank 4 (host 1's middle rank) is killed -9, raises, gets Ctrl-C or exits cleanly mid-job."""
+    env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0", "KILLED_RANK": "4", "FAULT": fault}
     job = CollectiveHostsJob(machines, HOSTS, LOCAL, [sys.executable, "-c", TRAIN], env=env)
     try:
         job.wait_output(["worker0", "worker1"], "RUNNING", 90)
@@ -122,7 +132,7 @@ def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
     assert len(failures) == LOCAL and all("rank 4" in line for line in failures), report
     assert "Traceback" not in survivors, report
     assert not memfds(job.port)
-    print(f"collective, local rank killed: every launcher exited {elapsed:.2f} s after the fault; {failures[0]}",
+    print(f"collective, local rank {fault}: every launcher exited {elapsed:.2f} s after the fault; {failures[0]}",
           file=sys.stderr)
 
 

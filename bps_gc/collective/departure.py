@@ -53,10 +53,13 @@ def described(what):
 def departure(ended, rank, issued, what, message=None):
     """The NodeFailure for ``what`` if a rank in ``ended`` ({rank: Ending}) can never complete it,
     else None. ``message``: ("recv" | "send", peer, n) for the n-th message with ``peer``."""
-    for other, end in list(ended.items()):
-        if end.issued < issued:
-            return NodeFailure(f"bps_gc: rank {other} left the job ({end.how()}) before rank {rank}'s "
-                               f"{described(what)}")
+    leavers = [(other, end) for other, end in list(ended.items()) if end.issued < issued]
+    if leavers:
+        # a rank that "failed" did so because another one left: name the one that did not fail
+        # (it raised, got Ctrl-C or ended early), else the earliest to leave
+        other, end = min(leavers, key=lambda leaver: (leaver[1].failed, leaver[1].issued, leaver[0]))
+        return NodeFailure(f"bps_gc: rank {other} left the job ({end.how()}) before rank {rank}'s "
+                           f"{described(what)}")
     if message is not None:
         kind, peer, n = message
         end = ended.get(peer)

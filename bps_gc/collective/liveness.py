@@ -77,10 +77,9 @@ class Heartbeat:
                 self.store.add(f"beat/{self.rank}", 1)
                 now = time.monotonic()
                 endings, before = self.store.add("endings", 0), endings
+                if endings != before:
+                    self._read_endings(others)
                 for r in others:
-                    if endings != before and r not in self.ended and self.store.check([f"ending/{r}"]):
-                        self.ended[r] = Ending.decode(self.store.get(f"ending/{r}"))
-                        self.store.set(f"seen/{r}/{self.rank}", "1")
                     count = self.store.add(f"beat/{r}", 0)
                     if count != seen[r][0]:
                         seen[r] = (count, now)
@@ -96,6 +95,16 @@ class Heartbeat:
                            if host is not None else f"the rendezvous store at {self.where} stopped "
                            f"answering (its host, rank 0 or torchrun's agent, died?): {e}")
                 return
+
+    def _read_endings(self, others):
+        """Add the Endings published since the last beat to ``ended`` in one update: a waiter
+        reading it in between would see a rank that failed because another left, without the
+        one that left first (departure.py names the latter)."""
+        found = {r: Ending.decode(self.store.get(f"ending/{r}")) for r in others
+                 if r not in self.ended and self.store.check([f"ending/{r}"])}
+        self.ended.update(found)
+        for r in found:
+            self.store.set(f"seen/{r}/{self.rank}", "1")
 
     def catch_sigterm(self):
         """A launcher stopping this rank (SIGTERM, because a rank beside it failed) is noted in

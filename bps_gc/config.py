@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 ROLES = ("scheduler", "server", "worker")
+HIERARCHIES = ("auto", "flat", "host")  # BPS_GC_HIERARCHY (docs/local_ranks.md)
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 
@@ -59,6 +60,9 @@ class Config:
     fusion_bytes: int = 1 << 20  # BPS_GC_FUSION_BYTES: small dense pushes share messages up to this
     bucket_bytes: int = 25 << 20  # BPS_GC_BUCKET_BYTES: the collective transport's buckets (DDP's size)
     tcp_congestion: Optional[str] = None  # BPS_GC_TCP_CONGESTION: of this node's TCP data links; None: the host's
+    # BPS_GC_HIERARCHY (workers): "host" sums a host's local ranks in shared memory and pushes
+    # once per host; "flat" pushes from every rank; "auto" (unset): host when BYTEPS_LOCAL_SIZE > 1
+    hierarchy: str = "auto"
 
     @property
     def rank(self):
@@ -119,6 +123,7 @@ class Config:
             fusion_bytes=read.integer("BPS_GC_FUSION_BYTES", 1 << 20, low=0),
             bucket_bytes=read.integer("BPS_GC_BUCKET_BYTES", 25 << 20, low=1),
             tcp_congestion=tcp_congestion(read),
+            hierarchy=read.choice("BPS_GC_HIERARCHY", HIERARCHIES, "auto"),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")

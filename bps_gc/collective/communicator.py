@@ -30,6 +30,7 @@ from .exchange import all_gather_bytes
 from .liveness import Heartbeat
 from .messages import Messages
 from .rendezvous import backend_from_env, connect
+from .two_level import TwoLevels
 
 log = logging.getLogger("bps_gc.collective")
 
@@ -59,7 +60,7 @@ class Bucket:
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
 
 
-class Collective(Messages, api.Communicator):
+class Collective(TwoLevels, Messages, api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -87,8 +88,10 @@ class Collective(Messages, api.Communicator):
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
         self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
                                    self.cfg.heartbeat_timeout, where).start()
+        self.join_levels()
         self.barrier()
-        log.info("rank %d/%d joined over torch.distributed (%s)", self.rank, self.size, backend)
+        log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
+                 "two levels" if self.levels else "one level")
         return self
 
     def shutdown(self, timeout=10.0):
@@ -109,6 +112,8 @@ class Collective(Messages, api.Communicator):
             self.heartbeat.announce(mine)
             clean = await_end(self.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
             self.heartbeat.leave()
+        if self.levels is not None:
+            self.levels.close()
         if clean and dist.is_initialized():
             try:
                 dist.barrier()  # nobody tears down its pairs while a peer still sends
@@ -210,6 +215,9 @@ class Collective(Messages, api.Communicator):
             return self._reduce_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:
             return self._reduce_in_phases(tensor, wire, out, average, ctx)
+        if self.levels is not None:  # the owner compresses the host's sum at the flush
+            return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None),
+                             wire.nbytes, tensor.name)
         if tensor.reducer != "majority":
             return self._queue_payloads(tensor, wire, out, average, ctx)
         start = time.perf_counter()
@@ -312,7 +320,7 @@ class Collective(Messages, api.Communicator):
         bucket, self.pending = self.pending, Bucket()
         bucket.flushed = True
         if bucket.coded:
-            self._reduce_coded(bucket.coded)
+            (self.reduce_coded_on_hosts if self.levels is not None else self._reduce_coded)(bucket.coded)
         if bucket.phased:
             self._reduce_phased(bucket.phased)
         by_dtype = {}
@@ -321,6 +329,10 @@ class Collective(Messages, api.Communicator):
         for dtype, entries in by_dtype.items():
             fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
             bucket.buffers.append((fused, entries))
+            if self.levels is not None:  # two levels: summed now (the host's ranks in step)
+                self.levels.all_reduce(fused.numpy(), f"all_reduce of {_listed(bucket.names)}")
+        if self.levels is not None:
+            return
         bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
     def finish(self, bucket):
@@ -351,7 +363,10 @@ class Collective(Messages, api.Communicator):
         difference); no codec, no bucket."""
         self.check_alive()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.wait(self._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
+        if self.levels is not None:
+            self.levels.all_reduce(tensor.numpy())
+        else:
+            self.wait(self._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
         if average:
             tensor /= self.size
         if not np.shares_memory(tensor.numpy(), array):

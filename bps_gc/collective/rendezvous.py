@@ -1,7 +1,7 @@
 """Where the ranks meet: the environment (torchrun's or bpslaunch's) -> Config, TCPStore and
 process group.
 
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; bpslaunch
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; bpslaunch
 sets DMLC_WORKER_ID (the rank), DMLC_NUM_WORKER, DMLC_PS_ROOT_URI/PORT (the rendezvous, hosted by
 rank 0) and BYTEPS_LOCAL_RANK/SIZE. Both become one Config, so every BYTEPS_*/BPS_GC_* setting
 (partition bytes, heartbeat) means the same on either transport.
@@ -34,6 +34,18 @@ def collective_config(environ=None):
     env["DMLC_NUM_SERVER"] = "0"
     cfg = Config.from_env(env, role="worker")
     return cfg, *(local or (cfg.local_rank, cfg.local_size))
+
+
+def host_key(cfg, environ=None):
+    """Which host this rank runs on, as its launcher numbers them: bpslaunch's DMLC_WORKER_ID
+    (Config.worker_id; it counts hosts), torchrun's GROUP_RANK (the agent's node rank), else the
+    rank over LOCAL_WORLD_SIZE (levels.py checks that the ranks agree)."""
+    env = os.environ if environ is None else environ
+    if "DMLC_NUM_WORKER" in env or not all(name in env for name in TORCHRUN):
+        return cfg.worker_id
+    if "GROUP_RANK" in env:
+        return int(env["GROUP_RANK"])
+    return int(env["RANK"]) // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def backend_from_env(environ=None):

@@ -91,6 +91,8 @@ class Membership:
         info = {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
                 "worker_id": self.cfg.worker_id, "local_rank": self.cfg.local_rank,
                 "agree": self.cfg.agreement()}
+        if self.role == "worker":  # the scheduler learns each host's local ranks from its workers
+            info.update(local_size=self.cfg.local_size, hierarchy=self.cfg.hierarchy)
         if self.local:
             info["local"] = self.local  # the same-host endpoint (sockets.bind_local)
         return info

@@ -18,6 +18,7 @@ import zmq
 from ..transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
 from ..transport.wire import Header, Msg, decode_json, encode_json
 from .event_loop import EventLoop
+from .hosts import WorkerHosts
 
 log = logging.getLogger("bps_gc.scheduler")
 SCHEDULER_ID = 0
@@ -43,7 +44,9 @@ class Member:
 class Scheduler:
     def __init__(self, config):
         self.cfg = config
-        self.expected = {"server": config.num_server, "worker": config.num_worker * config.local_size}
+        # DMLC_NUM_WORKER counts worker hosts; their local ranks are learned at join (roles/hosts.py)
+        self.hosts = WorkerHosts(config.num_worker)
+        self.expected = {"server": config.num_server, "worker": None}
         self.join_timeout = config.join_timeout
         self.members = {}  # identity -> Member
         self.barrier_waiting = collections.Counter()  # worker identity -> its barriers not yet done
@@ -91,7 +94,10 @@ class Scheduler:
         if self.stop_at is not None:
             return 1 if now >= self.stop_at else None
         if not self.ready and now - self.started > self.join_timeout:
-            missing = {r: n - self.count(r) for r, n in self.expected.items()}
+            # before any worker joined, its local size is unknown: this node's BYTEPS_LOCAL_SIZE
+            # (usually unset: 1) stands in for it
+            expected = dict(self.expected, worker=self.expected["worker"] or self.hosts.num_hosts * self.cfg.local_size)
+            missing = {r: n - self.count(r) for r, n in expected.items()}
             return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
                                    f"(still missing: {missing})")
         dead = self.dead_member(now)
@@ -164,19 +170,18 @@ class Scheduler:
         if self.ready:  # a late or hostile registration must not stop a running job
             return self.refuse(msg.identity, "the cluster is already complete")
         fatal = self.fatal_registration(info, role, rank, who)
-        if fatal:  # nothing can fix this job: stop every node now, naming the cause
-            self.refusal = fatal
-            self.refuse(msg.identity, fatal)
-            self.fail(None, fatal)
-            self.stop_at = time.monotonic() + REFUSE_SECONDS
-            return None
+        if fatal:
+            return self.stop_job(msg.identity, fatal)
         problem = None
         if role not in self.expected:
             problem = f"unknown role {role!r}"
-        elif self.count(role) >= self.expected[role]:
+        elif role == "worker":
+            fatal, problem = self.hosts.check(info, rank)
+            if fatal:
+                return self.stop_job(msg.identity, fatal)
+            self.expected["worker"] = self.hosts.expected_workers()
+        if problem is None and role in self.expected and self.count(role) >= self.expected[role]:
             problem = f"more {role}s than the job declares ({self.expected[role]})"
-        elif role == "worker" and not 0 <= rank < self.expected["worker"]:
-            problem = f"worker rank {rank} outside [0, {self.expected['worker']})"
         if problem:
             log.error("refused %s from %s: %s", role, host, problem)
             return self.refuse(msg.identity, problem)
@@ -184,6 +189,14 @@ class Scheduler:
         log.info("%s %s joined from %s:%s", role, rank, host, port)
         if all(self.count(r) == n for r, n in self.expected.items()):
             self.publish_address_book()
+        return None
+
+    def stop_job(self, identity, fatal):
+        """Nothing can fix this job: stop every node now, naming the cause."""
+        self.refusal = fatal
+        self.refuse(identity, fatal)
+        self.fail(None, fatal)
+        self.stop_at = time.monotonic() + REFUSE_SECONDS
         return None
 
     def fatal_registration(self, info, role, rank, who):
@@ -213,12 +226,14 @@ class Scheduler:
             m.node_id, m.rank = 1 + i, i
         for m in workers:
             m.node_id = 1 + len(servers) + m.rank
-        book = {"servers": [m.describe() for m in servers], "workers": [m.describe() for m in workers]}
+        book = {"servers": [m.describe() for m in servers], "workers": [m.describe() for m in workers],
+                **self.hosts.book(self.cfg, workers)}
         for m in self.members.values():
             m.last_seen = time.monotonic()
             self.reply(m, Msg.ADDRESS_BOOK, obj=dict(book, you=m.node_id, rank=m.rank))
         self.ready = True
-        log.info("cluster complete: %d servers, %d workers", len(servers), len(workers))
+        log.info("cluster complete: %d servers, %d workers (%d hosts, hierarchy %s)", len(servers),
+                 len(workers), self.hosts.num_hosts, book["hierarchy"])
 
     def barrier(self, member):
         """A barrier of every worker process; one that a departed worker can never join fails."""

@@ -52,7 +52,9 @@ class Server:
         self.replies = queue.SimpleQueue()
         self.keys = {}
         self.node_id = None
-        self.workers = 0
+        self.workers = 0  # pushers of each key: worker processes, or hosts (BPS_GC_HIERARCHY=host)
+        self.per_host = 1  # worker processes per pusher of a key (docs/local_ranks.md)
+        self.ranks = 0  # worker processes
         self.engines = []
         self.dropped = DropLog(log)
         self.watch = RoundWatch(self)
@@ -66,7 +68,11 @@ class Server:
         """Serve until the scheduler says shut down (returns 0) or the job fails (returns 1)."""
         try:
             book = self.membership.join(self.cfg.join_timeout)
-            self.node_id, self.workers = book["you"], len(book["workers"])
+            self.node_id, self.ranks = book["you"], len(book["workers"])
+            # two levels: one local rank of each host pushes a key (its host's sum), so the
+            # pushes of a key are counted, and kept, per host
+            self.per_host = int(book.get("local_size", 1)) if book.get("hierarchy") == "host" else 1
+            self.workers = self.ranks // self.per_host
             log.info("server %d (node %d) serving %d workers on %s:%d", book["rank"], self.node_id,
                      self.workers, self.membership.host, self.membership.port)
             self.engines = [Engine(self.ctx, self.replies) for _ in range(self.cfg.server_engine_threads)]
@@ -125,7 +131,7 @@ class Server:
             rank = int(text[1:]) if text[:1] == "w" else -1
         except (UnicodeDecodeError, ValueError):
             rank = -1
-        if not 0 <= rank < self.workers or header.sender != rank:
+        if not 0 <= rank < self.ranks or header.sender != rank:
             raise MalformedMessage(f"message from unknown peer {identity!r}")
         return rank
 
@@ -139,7 +145,7 @@ class Server:
             state = self.keys.get(header.key)
             if state is None:
                 raise MalformedMessage(f"push of undeclared key {header.key} from worker {rank}")
-            return state.buffer_for(rank, header)
+            return state.buffer_for(state.slot(rank), header)
 
         try:
             context["identity"] = self.router.recv(zmq.NOBLOCK)
@@ -175,16 +181,19 @@ class Server:
         try:
             state = self.keys.get(h.key)
             if state is None:
-                state = KeyState(h.key, decl, h.dtype, self.workers, self.codecs, self.cfg.enable_async)
+                # two levels: one pusher per host, unless the key is pushed by every rank
+                per_host = 1 if decl.get("pushers") == "rank" else self.per_host
+                state = KeyState(h.key, decl, h.dtype, self.ranks // per_host, self.codecs,
+                                 self.cfg.enable_async, per_host)
                 # each key stays on one engine (its codec state is not shared); the least loaded
                 # by bytes takes it (key % engines would follow the partition number)
                 state.engine = min(self.engines, key=lambda e: e.load)
                 state.engine.load += state.n * state.dtype.itemsize
                 self.keys[h.key] = state
-            state.check_declaration(decl, h.dtype, rank)
+            state.check_declaration(decl, h.dtype, state.slot(rank))
         except (KeyError_, ValueError, TypeError, KeyError) as e:
             return self.error(msg.identity, h.key, str(e))
-        ack = self.share(state, rank, decl.get("shm"))
+        ack = self.share(state, state.slot(rank), decl.get("shm"))
         send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), ack and encode_json(ack),
              identity=msg.identity)
 
@@ -206,11 +215,12 @@ class Server:
         if msg.header.flags & FUSED_BIT:
             return self.push_fused(rank, msg)
         state = self.keys[msg.header.key]
+        slot = state.slot(rank)
         if msg.payload is None:  # buffer_for checked the pushes that carry a payload frame
-            state.check_push(rank, msg.header)
+            state.check_push(slot, msg.header)
             if not msg.header.flags & SHM_BIT:
                 raise MalformedMessage(f"push of key {msg.header.key} without a payload frame")
-        if state.arrive(rank, msg.identity, msg.header):
+        if state.arrive(slot, msg.identity, msg.header):
             state.engine.submit([(state, *state.take_round())], self.node_id)
         else:
             self.watch.check(state)
@@ -226,14 +236,15 @@ class Server:
                 raise MalformedMessage(f"fused push of undeclared or compressed key {key} from worker {rank}")
             sub = Header(Msg.PUSH, h.sender, key=key, round=rnd, length=data.nbytes, ctx=h.ctx, dtype=h.dtype,
                          flags=SHM_BIT if shared else 0)  # ints: Flag's operators are slow
+            slot = state.slot(rank)
             if shared:
-                state.check_push(rank, sub)
-            checked.append((state, sub, data, None if shared else state.buffer_for(rank, sub)))
+                state.check_push(slot, sub)
+            checked.append((state, sub, data, None if shared else state.buffer_for(slot, sub)))
         done = []
         for state, sub, data, buf in checked:
             if buf is not None:
                 buf[:] = data
-            if state.arrive(rank, msg.identity, sub):
+            if state.arrive(state.slot(rank), msg.identity, sub):
                 job = (state, *state.take_round())
                 if state.asynchronous:  # each key's store is updated by its own engine only
                     state.engine.submit([job], self.node_id)

@@ -26,8 +26,11 @@ class KeyError_(ValueError):
 
 
 class KeyState:
-    def __init__(self, key, decl, dtype, workers, codecs, asynchronous):
+    def __init__(self, key, decl, dtype, workers, codecs, asynchronous, per_host=1):
+        """``workers``: the pushers of each round; ``per_host``: worker ranks per pusher (two
+        levels: a host's one push; docs/local_ranks.md)."""
         self.key, self.decl, self.dtype = key, decl, np.dtype(dtype)
+        self.per_host = per_host
         self.n = int(decl["n"])
         self.workers, self.asynchronous = workers, asynchronous
         self.params = codecs.CompressionParams.from_dict(decl.get("params") or {})
@@ -52,6 +55,10 @@ class KeyState:
         self.store = np.zeros(self.n, self.dtype) if asynchronous else None
         self.engine = None  # the server engine thread that owns this key (set by the server)
 
+    def slot(self, rank):
+        """The pusher a worker rank pushes as."""
+        return rank // self.per_host
+
     def check_declaration(self, decl, dtype, rank):
         """Every worker must declare the key alike; otherwise the offender gets an error."""
         problems = []
@@ -63,6 +70,8 @@ class KeyState:
             problems.append(f"name {decl.get('name')!r} != {self.decl.get('name')!r}")
         if (decl.get("params") or {}) != (self.decl.get("params") or {}):
             problems.append(f"compression {decl.get('params')} != {self.decl.get('params')}")
+        if decl.get("pushers") != self.decl.get("pushers"):
+            problems.append(f"pushers {decl.get('pushers')!r} != {self.decl.get('pushers')!r}")
         if decl.get("reducer") != self.decl.get("reducer"):
             problems.append(f"reducer {decl.get('reducer')!r} != {self.decl.get('reducer')!r}")
         if problems:

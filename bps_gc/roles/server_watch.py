@@ -35,7 +35,9 @@ class RoundWatch:
         left = self.server.membership.left
         if not left or state.asynchronous or state.arrived == 0 or (state.key, state.round) in self.failed:
             return
-        owing = sorted(r for r in left if isinstance(r, int) and 0 <= r < state.workers and not state.pending[r])
+        per_host = state.per_host  # two levels: a departed rank's host can no longer push
+        owing = sorted(r for r in left if isinstance(r, int) and 0 <= r // per_host < state.workers
+                       and not state.pending[r // per_host])
         if not owing:
             return
         self.failed.add((state.key, state.round))

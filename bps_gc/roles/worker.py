@@ -1,7 +1,8 @@
 """The worker core, the parameter-server Communicator: numpy in, numpy out, no framework.
 
-Each worker process (one per local rank) joins the cluster and pushes its own tensors; the
-servers sum DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE pushes (local ranks are not pre-reduced). With
+Each worker process (one per local rank) joins the cluster. With several local ranks per host
+(two levels, roles/worker_host.py) a host's ranks sum in shared memory and the servers sum one
+push per host; with BPS_GC_HIERARCHY=flat every rank pushes its own tensors. With
 one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the process.
 """
 import concurrent.futures
@@ -12,7 +13,6 @@ import time
 import numpy as np
 import zmq
 
-from ..transport import shm
 from ..transport.sockets import Auth
 from ..transport.wire import encode_context
 from .communicator import Communicator
@@ -21,7 +21,7 @@ from .peers import Peers
 from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import Push, WorkerIO
-from .worker_local import LocalReduce, one_host
+from . import worker_host
 from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 
 log = logging.getLogger("bps_gc.worker")
@@ -39,6 +39,7 @@ class Worker(Communicator):
         self.counters = Counters()
         self.peers = None  # worker-to-worker links (roles.peers), made at start()
         self.local = None  # the shared-memory sums of a one-host job (roles.worker_local)
+        self.host = None  # two levels: this host's ranks sum first, push once (roles.worker_host)
         self.io = None
         self.pool = None
         self.placement = None
@@ -57,20 +58,15 @@ class Worker(Communicator):
         # bound before the join: its address travels in REGISTER into the address book
         self.peers = Peers(self.ctx, self.cfg, self.auth, self.rank, self.size, self.membership.host, log)
         self.membership.port = self.peers.port
-        local = None
-        if self.cfg.local_reduce and shm.supported():  # its unix socket travels in REGISTER too
-            local = LocalReduce(self.ctx, self.cfg, self.auth, self.rank, self.size, self.membership.host,
-                                self.peers.port, self.counters, self.pool.submit)
+        # its unix socket travels in REGISTER too
+        local = worker_host.open_local(self, self.membership.host, self.peers.port)
+        if local is not None:
             self.membership.local = local.endpoint
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
-        if local is not None and not one_host(self.cfg, book, self.membership.host):
-            local.close()
-            local = None
-        if local is not None:
-            local.connect(book["workers"], self.membership)
-        self.local = local
+        local, self.host = worker_host.connect(self, local, book, self.membership.host)
+        self.local = None if self.host is not None else local
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters, local)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
@@ -137,8 +133,10 @@ class Worker(Communicator):
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
             tensor.local = True  # the workers sum it: no server hears of it
             return
-        for part in tensor.partitions:
-            self.io.post("init", part.key, part.server, tensor.wire_dtype, tensor.describe(part))
+        inits = [(part, tensor.describe(part)) for part in tensor.partitions] if self.host is None \
+            else self.host.place(tensor)
+        for part, decl in inits:
+            self.io.post("init", part.key, part.server, tensor.wire_dtype, decl)
 
     def _build_codec(self, tensor, n, dtype, key):
         """(codec chain, reducer) of a compressed partition."""
@@ -167,6 +165,8 @@ class Worker(Communicator):
         if phases(tensor) > 1:
             return self._reduce_in_phases(tensor, array, out, average, ctx, priority)
         flat = np.ascontiguousarray(array).reshape(-1)
+        if self.host is not None and self.host.carries(tensor):
+            return self.host.push_pull(tensor, flat, out, average, ctx, priority)
         if tensor.local:
             wire = out.reshape(-1)
             tensor.busy = True

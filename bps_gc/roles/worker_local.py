@@ -48,6 +48,17 @@ def endpoint(host, port):
     return f"ipc://@bps_gc/reduce/{host}:{port}"
 
 
+def add_in_order(sources, out):
+    """``out`` = the sum of ``sources``, added in their order: every rank and run gets the same
+    bits (the collective's host level uses it too)."""
+    if len(sources) == 1:
+        return np.copyto(out, sources[0]) or out
+    np.add(sources[0], sources[1], out=out)
+    for source in sources[2:]:
+        out += source
+    return out
+
+
 def one_host(cfg, book, host):
     """Whether this job's workers reduce dense tensors in shared memory: asked for, possible
     here, and every worker on this host. Every worker decides alike from the address book."""
@@ -62,7 +73,7 @@ class LocalTensor:
     tensor's first reduce (``slot`` is written there); the rest is the I/O thread's."""
 
     __slots__ = ("name", "id", "nbytes", "dtype", "slot", "result", "offer", "offered", "offers", "peers",
-                 "notes", "waiting", "since", "warned", "rounds")
+                 "notes", "waiting", "since", "warned", "rounds", "plan", "shares", "priority", "wire")
 
     def __init__(self, name, nbytes=0, dtype=None, tid=None):
         self.name, self.nbytes, self.dtype = name, nbytes, dtype
@@ -76,6 +87,9 @@ class LocalTensor:
         self.since = 0.0
         self.warned = False
         self.rounds = 0  # the caller's: rounds started
+        self.plan = None  # the tensor's TensorPlan (partitions, codecs)
+        self.shares = None  # member rank -> the slices of the tensor it sums (see LocalReduce.share)
+        self.priority, self.wire = 0, None  # two levels (worker_host.py): the push's priority, fp16 copy
 
 
 class LocalReduce:
@@ -100,11 +114,13 @@ class LocalReduce:
         self.dropped = DropLog(log)
         self.next_scan = 0.0
         self.summed = None  # set by WorkerIO: queues after_sum(local, rnd) on the I/O thread
+        self.members = list(range(size))  # the ranks that sum together (worker_host.py: a host's)
 
     def connect(self, workers, membership):
-        """``workers``: the address book's entries; the membership keeps ``left`` (ranks that
-        said goodbye) and tells the scheduler of a round that can never complete."""
+        """``workers``: the address book's entries of the members; the membership keeps ``left``
+        (ranks that said goodbye) and tells the scheduler of a round that can never complete."""
         self.left, self.report_failure = membership.left, membership.report_failure
+        self.members = sorted(w["rank"] for w in workers)
         for w in workers:
             if w["rank"] != self.rank:
                 sock = self.auth.client(self.ctx.socket(zmq.DEALER))
@@ -128,6 +144,8 @@ class LocalReduce:
                 result_offer, result = self.arena.allocate(nbytes)
                 local.slot, local.result = slot.view(tensor.dtype), result.view(tensor.dtype)
                 local.offer = {"id": local.id, "name": tensor.name, "slot": offer, "result": result_offer}
+                local.plan = tensor
+                local.shares = {r: self.share(tensor, i) for i, r in enumerate(self.members)}
                 self.by_name[tensor.name] = local
         np.copyto(local.slot, source)
         self.counters.add(pushed_raw=0 if tensor.auxiliary else local.nbytes, shared_bytes=local.nbytes)
@@ -168,16 +186,16 @@ class LocalReduce:
             return
         rnd, handle, wire, average = local.waiting
         ready, summed = local.notes.get((rnd, READY), ()), local.notes.get((rnd, SUMMED), ())
-        if len(summed) == self.size and -1 not in summed:
+        if len(summed) == len(self.members) and -1 not in summed:
             del local.notes[(rnd, READY)], local.notes[(rnd, SUMMED)]
             local.waiting = None
             self.run(local.nbytes, handle, self.copy_out, local, handle, wire, average)
-        elif len(ready) == self.size and self.rank not in summed and -1 not in summed:
+        elif len(ready) == len(self.members) and self.rank not in summed and -1 not in summed:
             error = self.map_peers(local)
             if error is not None:
                 return self.fail(local, error)
             local.notes.setdefault((rnd, SUMMED), set()).add(-1)
-            self.run(local.nbytes // self.size, handle, self.sum_slice, local, rnd, handle)
+            self.run(local.nbytes // len(self.members), handle, self.sum_slice, local, rnd, handle)
 
     def run(self, nbytes, handle, fn, *args):
         if nbytes <= INLINE_BYTES:
@@ -187,23 +205,29 @@ class LocalReduce:
         except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
             handle.fail(e)
 
-    def part(self, local, rank):
-        n = local.slot.size
-        step = -(-n // self.size)
-        return slice(min(n, rank * step), min(n, (rank + 1) * step))
+    def share(self, tensor, index):
+        """The slices of ``tensor`` that the ``index``-th member sums: an equal cut."""
+        n, members = tensor.size, len(self.members)
+        step = -(-n // members)
+        return [slice(min(n, index * step), min(n, (index + 1) * step))]
 
     def sum_slice(self, local, rnd, handle):
-        """This worker's slice of the sum, over every slot in rank order (any thread)."""
+        """This worker's slices of the sum, over every slot in rank order (any thread)."""
         try:
-            part = self.part(local, self.rank)
-            slots = [local.slot if r == self.rank else local.peers[r][0] for r in range(self.size)]
-            out = local.result[part]
-            np.add(slots[0][part], slots[1][part], out=out)
-            for slot in slots[2:]:
-                out += slot[part]
+            slots = [local.slot if r == self.rank else local.peers[r][0] for r in self.members]
+            for part in local.shares[self.rank]:
+                add_in_order([slot[part] for slot in slots], local.result[part])
         except Exception as e:
             return handle.fail(e)
+        self.forward(local, rnd, handle)
+
+    def forward(self, local, rnd, handle):
+        """This worker's slices are summed: tell the others (two levels first push them)."""
         self.summed(local, rnd)
+
+    def divides(self, local):
+        """Whether an averaged push_pull divides the result by the number of workers."""
+        return True
 
     def after_sum(self, local, rnd):
         """On the I/O thread: this worker's slice of round ``rnd`` is summed."""
@@ -214,13 +238,14 @@ class LocalReduce:
         """Every slice from its owner's result into the output (any thread)."""
         try:
             size = wire.dtype.type(self.size)
-            for r in range(self.size):
-                part = self.part(local, r)
-                source = local.result[part] if r == self.rank else local.peers[r][1][part]
-                if average:  # one pass; the same values as copying, then dividing
-                    np.divide(source, size, out=wire[part])
-                else:
-                    wire[part] = source
+            average = average and self.divides(local)
+            for r in self.members:
+                result = local.result if r == self.rank else local.peers[r][1]
+                for part in local.shares[r]:
+                    if average:  # one pass; the same values as copying, then dividing
+                        np.divide(result[part], size, out=wire[part])
+                    else:
+                        wire[part] = result[part]
             self.counters.add(pulled_raw=0 if handle.tensor.auxiliary else local.nbytes)
         except Exception as e:
             return handle.fail(e)
@@ -305,7 +330,7 @@ class LocalReduce:
 
     def missing(self, local):
         rnd = local.waiting[0]
-        step = SUMMED if len(local.notes.get((rnd, READY), ())) == self.size else READY
+        step = SUMMED if len(local.notes.get((rnd, READY), ())) == len(self.members) else READY
         return sorted(set(self.links) - local.notes.get((rnd, step), set()))
 
     def departed(self, local, rank):
@@ -331,4 +356,4 @@ class LocalReduce:
         self.arena.close()
 
 
-__all__ = ["LocalReduce", "endpoint", "one_host"]
+__all__ = ["LocalReduce", "add_in_order", "endpoint", "one_host"]

@@ -1,0 +1,243 @@
+"""Two levels on torch.distributed (BPS_GC_HIERARCHY=host, the default with several local ranks
+per host), as the parameter server's two levels (roles/worker_host.py) do it:
+
+1. the host's ranks reduce-scatter: each local rank owns a share of the buffer and sums it over
+   the host's ranks, in local-rank order (host tensors: in shared memory, transport/shm.py;
+   CUDA tensors: NCCL's reduce_scatter on the host's group);
+2. across hosts, local rank i of every host forms group i (gloo or NCCL), which reduces share i:
+   a sum (dense), or, for a compressed share, an all_gather of each host's payload, compressed
+   once from the host's sum by the share's owner (its codec state lives there), and the
+   reducer the server would run;
+3. the host all-gathers the shares (shared memory, or NCCL's all_gather on the host's group).
+
+So each host sends and receives one copy of the buffer across the network, and a codec sees
+the host's sum, as on the parameter server (docs/local_ranks.md). Rank r is host r // L's local
+rank r % L (bpslaunch: DMLC_WORKER_ID * L + BYTEPS_LOCAL_RANK; torchrun: GROUP_RANK * L +
+LOCAL_RANK); hosts of different sizes run flat.
+
+Host memory: per size class, every local rank offers a slot (its input) and a result (its
+shares' sums) from its memfd arena once, in an all_gather on the host's group; a round is copy
+in, sync, sum and cross-host step, sync, copy out. A peer reads this rank's slot only before the
+second sync and its result only before the next round's first sync, so one slot and one result
+suffice (worker_local.py's argument). The memory is freed by the kernel with its last user.
+"""
+import json
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..roles import NodeFailure
+from ..roles.worker_local import add_in_order
+from ..transport import shm
+from .exchange import all_gather_bytes
+
+log = logging.getLogger("bps_gc.collective")
+MIN_CAPACITY = 1 << 16  # size classes: powers of two from 64 KiB (few distinct buffers)
+
+
+def plain_wait(work, what):
+    """For callers without a heartbeat (the DDP hook has its own fault handling); ``work`` None
+    stands for a collective this rank skipped (nothing to wait for)."""
+    if work is not None:
+        work.wait()
+
+
+def host_layout(table, hierarchy):
+    """(local size, problem): ``table`` is every rank's (host key, local rank, local size) in
+    rank order. Two levels need rank = host index * L + local rank with one L on every host;
+    ``problem`` says why not (None when they can run)."""
+    if hierarchy == "flat":
+        return None, "BPS_GC_HIERARCHY=flat"
+    keys = sorted({key for key, _, _ in table})
+    sizes = {}
+    for key, _, size in table:
+        sizes.setdefault(size, []).append(key)
+    if len(sizes) > 1:
+        shown = "; ".join(f"host(s) {sorted(set(k))[:4]} run {s}" for s, k in sorted(sizes.items()))
+        return None, f"hosts run different numbers of local ranks ({shown})"
+    local_size = table[0][2]
+    if local_size == 1:
+        return None, "one rank per host"
+    for rank, (key, local_rank, _) in enumerate(table):
+        if rank != keys.index(key) * local_size + local_rank:
+            return None, (f"rank {rank} is local rank {local_rank} of host {key}, not rank "
+                          f"host * {local_size} + local rank")
+    return local_size, None
+
+
+class HostLevels:
+    """The groups and shared memory of two levels; ``wait(work, what)`` waits for a collective
+    (the communicator's watches the heartbeat; None: a skipped one, for its count)."""
+
+    def __init__(self, rank, size, local_size, wait=plain_wait):
+        self.rank, self.size, self.local_size, self.wait = rank, size, local_size, wait
+        self.local_rank, self.host, self.hosts = rank % local_size, rank // local_size, size // local_size
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        self.host_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(h * local_size, (h + 1) * local_size)) for h in range(self.hosts)])
+        self.cross_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(i, size, local_size)) for i in range(local_size)])
+        self.arena, self.peer_maps = shm.Arena(), shm.PeerMaps()
+        self.buffers = {}  # capacity -> (slots, results): uint8 views, by local rank
+        self.sync_flag = torch.zeros(1, dtype=torch.int32)
+
+    @classmethod
+    def join(cls, rank, size, host_key, local_rank, local_size, hierarchy, wait=plain_wait):
+        """Every rank calls it at the same point: the HostLevels, or None where the job runs
+        flat (a ValueError when BPS_GC_HIERARCHY=host cannot be met)."""
+        mine = torch.tensor([host_key, local_rank, local_size], dtype=torch.int64)
+        table = [torch.empty_like(mine) for _ in range(size)]
+        wait(dist.all_gather(table, mine, async_op=True), "all_gather of the ranks' hosts")
+        rows = [tuple(int(v) for v in t) for t in table]
+        layout, problem = host_layout(rows, hierarchy)
+        if problem is None and not shm.supported():
+            problem = "this host has no shared memory (memfd)"
+        if problem is not None:
+            if hierarchy == "host":
+                raise ValueError(f"BPS_GC_HIERARCHY=host: {problem}; set BPS_GC_HIERARCHY=flat")
+            log.info("rank %d: one level (%s)", rank, problem)
+            return None
+        return cls(rank, size, layout, wait)
+
+    # ------------------------------------------------------------------ host memory
+
+    def share(self, n, index):
+        """The elements [start, stop) of an ``n``-element buffer that local rank ``index`` owns:
+        an equal cut of the buffer padded to a multiple of L (no share is empty)."""
+        step = max(1, -(-n // self.local_size))
+        return index * step, (index + 1) * step
+
+    def _buffers(self, nbytes):
+        capacity = max(MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
+        found = self.buffers.get(capacity)
+        if found is not None:
+            return found
+        slot_offer, slot = self.arena.allocate(capacity)
+        result_offer, result = self.arena.allocate(capacity)
+        offer = np.frombuffer(json.dumps({"slot": slot_offer, "result": result_offer}).encode(), np.uint8)
+        gathered = all_gather_bytes([offer], self.wait, self.host_group)
+        slots, results, problem = [], [], None
+        for index, (blob,) in enumerate(gathered):
+            if index == self.local_rank:
+                slots.append(slot)
+                results.append(result)
+                continue
+            try:
+                offers = json.loads(blob.tobytes())
+                slots.append(self.peer_maps.view(offers["slot"], capacity))
+                results.append(self.peer_maps.view(offers["result"], capacity))
+            except (shm.ShmUnavailable, ValueError, KeyError, TypeError) as e:
+                problem = f"cannot map local rank {index}'s memory ({e})"
+        flag = torch.tensor([problem is not None], dtype=torch.int32)  # every local rank fails alike
+        self.wait(dist.all_reduce(flag, group=self.host_group, async_op=True), "all_reduce of shared memory checks")
+        if int(flag):
+            raise NodeFailure(f"bps_gc: rank {self.rank}: two levels: {problem or 'a local rank cannot map the memory of another'}"
+                              f"; the local ranks of a host must run on it (or set BPS_GC_HIERARCHY=flat)")
+        self.buffers[capacity] = (slots, results)
+        return slots, results
+
+    def _sync(self, what):
+        self.wait(dist.all_reduce(self.sync_flag, group=self.host_group, async_op=True), what)
+
+    def _load(self, flat):
+        """Copy ``flat`` into this rank's slot and wait for the host's other ranks to do so;
+        returns (slots, results) as arrays of ``flat``'s dtype, padded to L shares."""
+        padded = self.share(flat.size, self.local_size - 1)[1]
+        slots, results = self._buffers(padded * flat.itemsize)
+        view = (lambda b: b[:padded * flat.itemsize].view(flat.dtype))
+        slots, results = [view(s) for s in slots], [view(r) for r in results]
+        mine = slots[self.local_rank]
+        mine[:flat.size] = flat
+        mine[flat.size:] = 0  # the padding is summed too: no stale NaN
+        self._sync("the host's sync before its sums")
+        return slots, results
+
+    # ------------------------------------------------------------------ reductions
+
+    def all_reduce(self, array, what="all_reduce"):
+        """Sum a host array (numpy) over every rank, in place; returns it."""
+        flat = array.reshape(-1)
+        slots, results = self._load(flat)
+        start, stop = self.share(flat.size, self.local_rank)
+        out = results[self.local_rank][start:stop]
+        add_in_order([slot[start:stop] for slot in slots], out)
+        if self.hosts > 1:
+            self.wait(dist.all_reduce(torch.from_numpy(out), group=self.cross_group, async_op=True),
+                      f"{what} across hosts")
+        self._sync("the host's sync after its sums")
+        self._copy_out(flat, results, [(self.share(flat.size, i), i) for i in range(self.local_size)])
+        return array
+
+    def reduce_coded(self, flat, parts, what="all_gather of payloads"):
+        """The two levels of compressed partitions, in place in ``flat`` (this rank's wire array):
+        ``parts`` [(start, stop, owner local rank, codec, reducer, step context)].  The owner sums its parts
+        over the host, compresses each once, the owners of every host exchange payloads and run
+        the reducer; each part ends as the reducer's decoded reply (the sum, not averaged).
+        Returns this rank's payload bytes (sent, received)."""
+        slots, results = self._load(flat)
+        mine = [part for part in parts if part[2] == self.local_rank]
+        result = results[self.local_rank]
+        payloads = []
+        for start, stop, _, codec, _, ctx in mine:
+            add_in_order([slot[start:stop] for slot in slots], result[start:stop])
+            payloads.append(codec.compress(result[start:stop], ctx))
+        if not mine:  # the host's same local rank everywhere owns nothing: nothing crosses
+            self.wait(None, what)
+            self.wait(None, what)
+            gathered = [[]]
+        elif self.hosts > 1:
+            gathered = all_gather_bytes(payloads, self.wait, self.cross_group)
+        else:
+            gathered = [payloads]
+        for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
+            reply = reducer.reduce([host[k] for host in gathered], True, ctx)
+            reducer.decode(reply, result[start:stop], ctx)
+        self._sync("the host's sync after its sums")
+        self._copy_out(flat, results, [((start, stop), owner) for start, stop, owner, *_ in parts])
+        sent = sum(p.nbytes for p in payloads)
+        return sent, sum(p.nbytes for host in gathered for p in host) - sent
+
+    @staticmethod
+    def _copy_out(flat, results, pieces):
+        for (start, stop), owner in pieces:
+            stop = min(stop, flat.size)
+            if start < stop:
+                flat[start:stop] = results[owner][start:stop]
+
+    def all_reduce_cuda(self, tensor, what="all_reduce"):
+        """Sum a CUDA tensor over every rank, in place, with NCCL: reduce_scatter on the host's
+        group, all_reduce of the share across hosts, all_gather on the host's group."""
+        flat = tensor.view(-1)
+        start, stop = self.share(flat.numel(), self.local_rank)
+        step = stop - start
+        padded = torch.zeros(step * self.local_size, dtype=flat.dtype, device=flat.device)
+        padded[:flat.numel()] = flat
+        share = torch.empty(step, dtype=flat.dtype, device=flat.device)
+        self.wait(dist.reduce_scatter_tensor(share, padded, group=self.host_group, async_op=True),
+                  f"{what}: reduce_scatter on the host")
+        if self.hosts > 1:
+            self.wait(dist.all_reduce(share, group=self.cross_group, async_op=True), f"{what} across hosts")
+        self.wait(dist.all_gather_into_tensor(padded, share, group=self.host_group, async_op=True),
+                  f"{what}: all_gather on the host")
+        flat.copy_(padded[:flat.numel()])
+        return tensor
+
+    def reduce_tensor(self, tensor, what="all_reduce"):
+        """The sum of a torch tensor over every rank, in place: CUDA with NCCL, else in shared
+        memory (the DDP hook's dense buckets)."""
+        if tensor.is_cuda:
+            return self.all_reduce_cuda(tensor, what)
+        if tensor.is_contiguous():
+            self.all_reduce(tensor.numpy(), what)
+        else:
+            tensor.copy_(torch.from_numpy(self.all_reduce(tensor.contiguous().numpy(), what)))
+        return tensor
+
+    def close(self):
+        self.buffers, self.peer_maps = {}, shm.PeerMaps()
+        self.arena.close()
+
+
+__all__ = ["HostLevels", "host_layout", "plain_wait"]

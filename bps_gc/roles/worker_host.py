@@ -1,0 +1,204 @@
+"""Two levels (BPS_GC_HIERARCHY=host): a host's local ranks sum in shared memory, push once.
+
+The local ranks of a worker host reduce-scatter each tensor in shared memory: each owns some
+of the tensor's partitions (partition p of the tensor declared i-th belongs to local rank
+(i + p) mod local_size), sums them over the host's ranks in local-rank order, compresses that
+sum once with its own codec chain (so error feedback and momentum live with the owner),
+pushes it to the partition's server, and receives the result into its shared result buffer;
+then every rank of the host copies every partition out of its owner's result (an all-gather).
+Servers count one push per host. The protocol is worker_local.py's (READY, sum, SUMMED, copy
+out) among the host's ranks, with the push and pull between the sum and SUMMED; see
+docs/local_ranks.md for what changes when a codec sees the host's sum.
+"""
+import numpy as np
+
+from ..transport import shm
+from ..transport.sockets import host_of
+from ..transport.wire import encode_context
+from . import NodeFailure
+from .worker_handle import Handle
+from .worker_io import Push
+from .worker_local import LocalReduce
+
+
+def may_use(cfg):
+    """Whether this worker offers the shared-memory endpoint the host level needs (decided
+    before the join; the scheduler's address book says whether the job uses it)."""
+    return cfg.local_size > 1 and cfg.hierarchy != "flat" and shm.supported()
+
+
+def host_members(book, cfg, host):
+    """The address book's entries of this host's local ranks; NodeFailure naming the problem if
+    one runs elsewhere or cannot share memory."""
+    first = cfg.worker_id * cfg.local_size
+    members = [w for w in book["workers"] if first <= w["rank"] < first + cfg.local_size]
+    for w in members:
+        if host_of(w["address"]) != host or not str(w.get("local", "")).startswith("ipc://@bps_gc/reduce/"):
+            raise NodeFailure(
+                f"BPS_GC_HIERARCHY=host: local rank {w['rank'] - first} of DMLC_WORKER_ID={cfg.worker_id} "
+                f"(worker {w['rank']}) is at {w['address']} without shared memory with this rank at "
+                f"{host}; the local ranks of a worker host must run on it (set BPS_GC_HIERARCHY=flat "
+                f"to push from every rank)")
+    return members
+
+
+def partition_owner(index, p, local_size):
+    """The local rank that sums, compresses and sends partition ``p`` of the tensor declared
+    ``index``-th (both transports' two levels: the same owner keeps the same codec state)."""
+    return (index + p) % local_size
+
+
+class InnerTensor:
+    """What a Handle needs of a tensor, for the owner's pushes of its share: it must not clear
+    the user's tensor's ``busy`` flag, and its pulled bytes are counted once, by the copy out."""
+
+    def __init__(self, name):
+        self.name, self.busy, self.auxiliary = name, False, True
+
+
+class HostReduce(LocalReduce):
+    def __init__(self, worker, *args):
+        super().__init__(*args)
+        self.worker = worker
+        self.local_size = worker.cfg.local_size
+        self.two_level = True  # False: BPS_GC_LOCAL_REDUCE's one-host sums (the base class)
+        self.per_rank = set()  # names of the tensors every rank pushes itself (see ``place``)
+
+    def owner(self, tensor, p):
+        """The member index (local rank) that sums, pushes and pulls partition ``p``."""
+        return partition_owner(tensor.index, p, self.local_size)
+
+    def place(self, tensor):
+        """[(partition, INIT declaration)] this rank sends the servers: those it owns. A
+        compressed tensor of granularity 'entiremodel' is compressed by the binding over each
+        rank's whole gradient, before any host sum: every rank pushes it, as in a flat job, and
+        its declaration tells the servers to count one push per rank."""
+        if tensor.compressed and tensor.params.granularity == "entiremodel":
+            self.per_rank.add(tensor.name)
+            return [(part, dict(tensor.describe(part), pushers="rank")) for part in tensor.partitions]
+        return [(part, tensor.describe(part)) for part in self.owned(tensor)]
+
+    def carries(self, tensor):
+        """Whether the host level reduces ``tensor`` (else every rank pushes it)."""
+        return tensor.name not in self.per_rank
+
+    def owned(self, tensor):
+        return [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == self.worker.local_rank]
+
+    def share(self, tensor, index):
+        if not self.two_level:
+            return super().share(tensor, index)
+        return [slice(part.start, part.stop) for p, part in enumerate(tensor.partitions)
+                if self.owner(tensor, p) == index]
+
+    def divides(self, local):
+        if not self.two_level:
+            return True
+        reducer = local.plan.partitions[0].reducer if local.plan.partitions else None
+        return reducer is None or reducer.summed  # a majority vote is not averaged
+
+    # ------------------------------------------------------------------ caller's thread
+
+    def push_pull(self, tensor, flat, out, average, ctx, priority):
+        """Start a push_pull of ``tensor`` (its input ``flat``); returns its Handle."""
+        wire = out.reshape(-1)
+        tensor.busy = True
+        handle = Handle(self.worker, tensor, out, wire, 1, average, ctx)
+        local, rnd = self.prepare(tensor, flat)
+        local.priority = priority
+        self.worker.io.post("local", local, rnd, handle, wire, average)
+        return handle
+
+    # ------------------------------------------------------------------ any thread
+
+    def forward(self, local, rnd, handle):
+        """This rank's share of the host's sum is in its result buffer: push each of its
+        partitions (compressed once, here), pull the job's sum into the same place, then SUMMED."""
+        if not self.two_level:
+            return super().forward(local, rnd, handle)
+        tensor = local.plan
+        owned = self.owned(tensor)
+        if not owned:
+            return self.summed(local, rnd)
+        worker = self.worker
+        try:
+            if tensor.wire_dtype != tensor.dtype:  # fp16 on the wire: push and pull a cast copy
+                if local.wire is None:
+                    local.wire = np.empty(local.result.size, tensor.wire_dtype)
+                for part in owned:
+                    local.wire[part.start:part.stop] = local.result[part.start:part.stop]
+                buf = local.wire
+            else:
+                buf = local.result
+            ctx, context = handle.ctx, encode_context(handle.ctx)
+            inner = Handle(worker, InnerTensor(tensor.name), buf, buf, len(owned), False, ctx)
+        except Exception as e:
+            return handle.fail(e)
+        inner.then(lambda done: handle.fail(done.error) if done.error is not None
+                   else self.pulled(local, rnd, handle, owned))
+        for part in owned:
+            chunk = buf[part.start:part.stop]
+            if part.codec is None:
+                push = Push(inner, part, chunk, False, context, local.priority, tensor.wire_dtype,
+                            chunk.view(np.uint8))
+                worker.counters.add(pushed_wire=chunk.nbytes)
+                worker.io.prefill(push)
+                worker.io.queue("push", push)
+            else:
+                try:
+                    worker.pool.submit(worker._compress, inner, part, chunk, ctx, context, local.priority,
+                                       tensor.wire_dtype)
+                except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
+                    return inner.fail(e)
+
+    def pulled(self, local, rnd, handle, owned):
+        try:
+            if local.wire is not None and local.plan.wire_dtype != local.plan.dtype:
+                for part in owned:
+                    local.result[part.start:part.stop] = local.wire[part.start:part.stop]
+        except Exception as e:
+            return handle.fail(e)
+        self.summed(local, rnd)
+
+
+def open_local(worker, host, port):
+    """Before the join: the shared-memory endpoint this worker offers (or None), either for
+    BPS_GC_LOCAL_REDUCE (one host) or for two levels; which one is decided by ``connect``."""
+    cfg = worker.cfg
+    args = (worker.ctx, cfg, worker.auth, worker.rank, worker.size, host, port, worker.counters,
+            worker.pool.submit)
+    if may_use(cfg):
+        return HostReduce(worker, *args)
+    if cfg.local_reduce and shm.supported():
+        return LocalReduce(*args)
+    return None
+
+
+def connect(worker, local, book, host):
+    """After the join: (local, host level) for this job: the one-host sums (BPS_GC_LOCAL_REDUCE,
+    every worker on this host), or two levels (the address book's hierarchy is "host"), or
+    neither (``local`` is closed)."""
+    from .worker_local import one_host
+    if local is None:
+        if book.get("hierarchy") == "host":
+            raise NodeFailure("BPS_GC_HIERARCHY=host needs shared memory (memfd), which this host "
+                              "lacks; set BPS_GC_HIERARCHY=flat on every worker")
+        return None, None
+    if one_host(worker.cfg, book, host):
+        local.two_level = False
+        local.connect(book["workers"], worker.membership)
+        return local, None
+    if book.get("hierarchy") == "host" and isinstance(local, HostReduce):
+        try:
+            members = host_members(book, worker.cfg, host)
+        except NodeFailure as e:
+            worker.membership.report_failure(str(e))
+            local.close()
+            raise
+        local.connect(members, worker.membership)
+        return local, local
+    local.close()
+    return None, None
+
+
+__all__ = ["HostReduce", "connect", "may_use", "open_local", "partition_owner"]

@@ -1,0 +1,108 @@
+"""torch.distributed with several ranks per host (BPS_GC_HIERARCHY=host, the default): 2 hosts
+(network namespaces) x 3 local ranks, started per host by bpslaunch (DMLC_NUM_SERVER=0,
+NVIDIA_VISIBLE_DEVICES=0,1,2) or by torchrun (--nnodes 2 --nproc-per-node 3, static rendezvous
+at host 0). Dense, onebit + EF, topk, majority pull, bit for bit, what local_ranks.py's HostModel
+says the parameter server's two levels pull (each host's sum compressed once by its owner, the
+server's reducer over one payload per host); PowerSGD, whose ranks each compress their own
+gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
+rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from collective_hosts import CollectiveHostsJob, powersgd_expected, run_spec
+from local_ranks import expected_results, machines  # noqa: F401
+
+HOSTS, LOCAL = 2, 3
+SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 2048, "min_compress_bytes": 0,
+        "tensors": [
+            {"name": "dense", "shape": [1100], "dtype": "float32", "params": {}},
+            {"name": "onebit-ef", "shape": [1100], "dtype": "float32",
+             "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}},
+            {"name": "topk", "shape": [1100], "dtype": "float32",
+             "params": {"compressor": "topk", "k": 0.05, "ef": "vanilla"}, "reducer": "recompress"},
+            {"name": "majority", "shape": [1100], "dtype": "float32",
+             "params": {"compressor": "onebit", "scaling": True}, "reducer": "majority"},
+            {"name": "sum", "shape": [7, 3], "dtype": "float32", "average": False, "params": {}}]}
+POWERSGD = {"name": "powersgd", "shape": [24, 16], "dtype": "float32", "params": {"compressor": "powersgd", "rank": 2}}
+BOUND = 15.0  # seconds from the kill to the last launcher gone (heartbeat timeout: 2 s)
+
+
+@pytest.mark.parametrize("launcher", ["bpslaunch", "torchrun"])
+def test_two_levels_give_the_parameter_servers_two_level_results(machines, tmp_path, launcher):  # noqa: F811
+    spec = dict(SPEC, tensors=SPEC["tensors"] + [POWERSGD])
+    got = run_spec(machines, spec, tmp_path, HOSTS, LOCAL, launcher)
+    expected = expected_results(SPEC, HOSTS, LOCAL)
+    powersgd = powersgd_expected(spec, POWERSGD, len(SPEC["tensors"]), HOSTS * LOCAL)
+    for rank in range(HOSTS * LOCAL):
+        for key, value in expected.items():
+            assert got[rank][key].tobytes() == value.tobytes(), \
+                f"{launcher} rank {rank} {key}: max diff {np.abs(got[rank][key] - value).max()}"
+        for key, value in powersgd.items():
+            np.testing.assert_allclose(got[rank][key], value, rtol=1e-4, atol=1e-5, err_msg=f"rank {rank} {key}")
+            assert got[rank][key].tobytes() == got[0][key].tobytes()
+    # the host level changes what a codec sees: onebit of a host's sum is not the mean of signs
+    assert len(np.unique(np.abs(got[0]["onebit-ef/0"]))) <= 2 * HOSTS
+
+
+TRAIN = textwrap.dedent("""
+    import os, signal, numpy as np, bps_gc.core as bps
+    bps.init()
+    rank = bps.rank()
+    bps.declare("grad", shape=(3000,), dtype=np.float32)
+    bps.declare("code", shape=(3000,), dtype=np.float32, compressor="onebit", ef="vanilla")
+    for step in range(1000000):
+        bps.push_pull(np.ones(3000, np.float32), "grad", average=False).wait()
+        bps.push_pull(np.ones(3000, np.float32), "code", lr=0.1).wait()
+        if step == 3:
+            print("RUNNING", rank, flush=True)
+        if step == 5 and rank == int(os.environ["KILLED_RANK"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def memfds():
+    """memfd arenas (transport/shm.py) held open by any process: the kernel frees each with its
+    last holder, so none may remain once the job's processes are gone."""
+    found = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            found += sum("memfd:bps_gc" in os.readlink(f"/proc/{pid}/fd/{fd}")
+                         for fd in os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
+    before = memfds()
+    env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0", "KILLED_RANK": "4"}
+    job = CollectiveHostsJob(machines, HOSTS, LOCAL, [sys.executable, "-c", TRAIN], env=env)
+    try:
+        job.wait_output(["worker0", "worker1"], "RUNNING", 90)
+        fault = time.monotonic()
+        statuses, elapsed = job.wait_all(BOUND, since=fault)
+    finally:
+        job.kill_all()
+    report = job.report(statuses)
+    assert all(status != 0 for status in statuses.values()), report
+    survivors = job.text("worker0")
+    failures = [line for line in survivors.splitlines() if "NodeFailure" in line]
+    assert len(failures) == LOCAL and all("rank 4" in line for line in failures), report
+    assert "Traceback" not in survivors, report
+    assert memfds() <= before
+    print(f"collective, local rank killed: every launcher exited {elapsed:.2f} s after the fault; {failures[0]}",
+          file=sys.stderr)
+
+
+def test_cuda_two_levels_need_a_gpu():
+    import torch
+    if not (torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= 2):
+        pytest.skip("the NCCL path (HostLevels.all_reduce_cuda) needs one GPU per local rank; this "
+                    "machine has none")

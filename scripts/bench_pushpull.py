@@ -21,7 +21,19 @@ Rows:
                          BPS_GC_TCP_CONGESTION=system: its links keep the machines' default
                          instead of cubic (--shaped only)
   ps-lite X              mx.kv.create('dist_sync'), dense and 2bit
-Topologies (the `topology` column): one rank per machine; parameter-server servers either one
+Several ranks per machine (--local-ranks L, issue 25): each worker machine runs L ranks, started
+the way users start them: one bpslaunch per machine with NVIDIA_VISIBLE_DEVICES=0..L-1 and
+DMLC_WORKER_ID = the machine (DMLC_NUM_WORKER counts machines; the scheduler and servers get no
+BYTEPS_LOCAL_SIZE), torch's ranks with torchrun's RANK/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK.
+gloo's all_reduce and DDP run flat over all M*L ranks; bps_gc's collective and parameter
+server run two levels (`dense (flat)`: BPS_GC_HIERARCHY=flat, every rank pushes its own copy).
+--elements N / --tensor-mb MB replace ResNet-50's gradients by one float32 matrix (issue 25:
+--tensor-mb 25.6). --baseline JSON prints each row's ratio to the same row of an earlier run
+(e.g. --local-ranks 1 against 4: compressed rows within 1.5x).
+
+    python scripts/bench_pushpull.py --shaped 1gbit --ranks 2 --local-ranks 4 --tensor-mb 25.6
+
+Topologies (the `topology` column): L ranks per machine; parameter-server servers either one
 per worker machine (`colocated`, BytePS's mode; default) or each on its own machine
 (`separate`); the scheduler on machine 0. On loopback every machine is 127.0.0.1. With
 --shaped RATE (root) each machine is a network namespace whose NIC (a veth on a bridge) is
@@ -34,7 +46,10 @@ shaped with tc tbf to RATE in both directions (scripts/netns.py SwitchedMachines
 
 Columns: s/round (min, max), push/pull MB/w (bytes per round per worker as bps_gc counts them),
 NIC MB/m0 (--shaped: bytes through machine 0's NIC per round, both directions, with its
-co-located server's), CPU% (whole machine during rank 0's timed rounds; 100 = CPU-bound or
+co-located server's), floor s (--shaped: the line rate's time for the bytes a parameter-server
+row's design moves through a machine's NIC: 2 x (M-1)/M x what the machine's ranks push, with
+two levels one copy of the tensor, flat one per rank; other rows, marked *: for the bytes
+machine 0's NIC moved, its busier direction), CPU% (whole machine during rank 0's timed rounds; 100 = CPU-bound or
 other jobs running), vs gloo and vs PSGD r1 (ratios to torch's gloo all_reduce and DDP PowerSGD
 rank 1 of the same run). Then the issues' targets with their ratios. JSON goes to
 out/bench_pushpull_<link>_<ranks>.json unless --json says otherwise. Every child process is

@@ -45,7 +45,7 @@ class CollectiveHostsJob(Job):
             else:
                 argv = [*TORCHRUN, "--nnodes", str(hosts), "--node-rank", str(h), "--nproc-per-node",
                         str(local_size), "--master-addr", net.addr[0], "--master-port", str(self.port),
-                        *command]
+                        *command[command[0] == sys.executable:]]  # torchrun starts python itself
                 host_env = base
             name = f"worker{h}"
             host_env = dict(host_env, GLOO_SOCKET_IFNAME=net.veth[h])  # else gloo picks loopback
@@ -55,14 +55,15 @@ class CollectiveHostsJob(Job):
             threading.Thread(target=self.collect, args=(name,), daemon=True).start()
 
 
-def run_spec(net, spec, tmp_path, hosts, local_size, launcher, env=None, bound=120):
-    """tests/cluster_job.py with ``spec`` on every rank; each rank's results, in rank order."""
+def run_spec(net, spec, tmp_path, hosts, local_size, launcher, env=None, bound=120, script="cluster_job.py"):
+    """tests/``script`` (cluster_job.py's arguments) with ``spec`` on every rank; each rank's
+    results, in rank order."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     job_env = {"BYTEPS_PARTITION_BYTES": str(spec["partition_bytes"]),
                "BYTEPS_MIN_COMPRESS_BYTES": str(spec["min_compress_bytes"]), **(env or {})}
     job = CollectiveHostsJob(net, hosts, local_size,
-                             [sys.executable, os.path.join(TESTS, "cluster_job.py"), str(spec_path), str(tmp_path)],
+                             [sys.executable, os.path.join(TESTS, script), str(spec_path), str(tmp_path)],
                              launcher, job_env)
     statuses, _ = job.wait_all(bound)
     assert set(statuses.values()) == {0}, job.report(statuses)

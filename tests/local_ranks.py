@@ -50,7 +50,8 @@ class HostsJob(Job):
                     DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI=net.addr[0],
                     DMLC_PS_ROOT_PORT=str(self.port), PYTHONUNBUFFERED="1",
                     BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL), BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT),
-                    BPS_GC_KILL_GRACE="2", **(env or {}))
+                    BPS_GC_KILL_GRACE="2")
+        base.update(env or {})
         plan = {"scheduler": (0, [], dict(base, DMLC_ROLE="scheduler"))}
         for s in range(servers):
             plan[f"server{s}"] = (s % hosts, [], dict(base, DMLC_ROLE="server"))

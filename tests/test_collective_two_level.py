@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from bps_gc.collective.levels import host_layout
 from collective_hosts import CollectiveHostsJob, powersgd_expected, run_spec
-from local_ranks import expected_results, machines  # noqa: F401
+from collective_levels_job import HOOK_INDEX, HOOK_TENSORS
+from local_ranks import HostModel, expected_results, machines  # noqa: F401
+from multihost import processes_with
+from reference import gradient, step_ctx
 
 HOSTS, LOCAL = 2, 3
 SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 2048, "min_compress_bytes": 0,
@@ -37,7 +41,11 @@ BOUND = 15.0  # seconds from the kill to the last launcher gone (heartbeat timeo
 @pytest.mark.parametrize("launcher", ["bpslaunch", "torchrun"])
 def test_two_levels_give_the_parameter_servers_two_level_results(machines, tmp_path, launcher):  # noqa: F811
     spec = dict(SPEC, tensors=SPEC["tensors"] + [POWERSGD])
-    got = run_spec(machines, spec, tmp_path, HOSTS, LOCAL, launcher)
+    # under torchrun the ranks first run the pieces a DDP hook calls (collective_levels_job.py)
+    script = "collective_levels_job.py" if launcher == "torchrun" else "cluster_job.py"
+    got = run_spec(machines, spec, tmp_path, HOSTS, LOCAL, launcher, script=script)
+    if launcher == "torchrun":
+        check_hook_levels(spec, tmp_path)
     expected = expected_results(SPEC, HOSTS, LOCAL)
     powersgd = powersgd_expected(spec, POWERSGD, len(SPEC["tensors"]), HOSTS * LOCAL)
     for rank in range(HOSTS * LOCAL):
@@ -49,6 +57,21 @@ def test_two_levels_give_the_parameter_servers_two_level_results(machines, tmp_p
             assert got[rank][key].tobytes() == got[0][key].tobytes()
     # the host level changes what a codec sees: onebit of a host's sum is not the mean of signs
     assert len(np.unique(np.abs(got[0]["onebit-ef/0"]))) <= 2 * HOSTS
+
+
+def check_hook_levels(spec, tmp_path):
+    """collective_levels_job.py's results: what the parameter server's two levels give for the
+    same gradients (each a tensor of its own key), summed, not averaged."""
+    models = [HostModel(t["params"], t["shape"], t["dtype"], HOOK_INDEX + position - 1, HOSTS, LOCAL,
+                        spec["partition_bytes"], spec["min_compress_bytes"], average=False)
+              for position, t in enumerate(HOOK_TENSORS)]
+    expected = [model.step([gradient(r, 0, t) for r in range(HOSTS * LOCAL)], step_ctx(spec, 0))
+                for model, t in zip(models, HOOK_TENSORS)]
+    for rank in range(HOSTS * LOCAL):
+        got = np.load(tmp_path / f"levels{rank}.npz")
+        assert got["hook-dense"].tobytes() == expected[0].tobytes(), f"rank {rank}: reduce_tensor"
+        coded = np.concatenate([e.reshape(-1) for e in expected[1:]])
+        assert got["coded"].tobytes() == coded.tobytes(), f"rank {rank}: reduce_coded"
 
 
 TRAIN = textwrap.dedent("""
@@ -67,21 +90,21 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def memfds():
-    """memfd arenas (transport/shm.py) held open by any process: the kernel frees each with its
-    last holder, so none may remain once the job's processes are gone."""
-    found = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def memfds(port):
+    """memfd arenas (transport/shm.py) held by processes of the job on ``port``: the kernel frees
+    each with its last holder, so none may remain once the job's processes are gone; and nothing
+    of ours is ever made in /dev/shm."""
+    found = [name for name in os.listdir("/dev/shm") if "bps_gc" in name]
+    for pid in processes_with(f"DMLC_PS_ROOT_PORT={port}"):
         try:
-            found += sum("memfd:bps_gc" in os.readlink(f"/proc/{pid}/fd/{fd}")
-                         for fd in os.listdir(f"/proc/{pid}/fd"))
+            found += [pid for fd in os.listdir(f"/proc/{pid}/fd")
+                      if "memfd:bps_gc" in os.readlink(f"/proc/{pid}/fd/{fd}")]
         except OSError:
             continue
     return found
 
 
 def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
-    before = memfds()
     env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0", "KILLED_RANK": "4"}
     job = CollectiveHostsJob(machines, HOSTS, LOCAL, [sys.executable, "-c", TRAIN], env=env)
     try:
@@ -96,7 +119,7 @@ def test_a_killed_local_rank_stops_every_host(machines):  # noqa: F811
     failures = [line for line in survivors.splitlines() if "NodeFailure" in line]
     assert len(failures) == LOCAL and all("rank 4" in line for line in failures), report
     assert "Traceback" not in survivors, report
-    assert memfds() <= before
+    assert not memfds(job.port)
     print(f"collective, local rank killed: every launcher exited {elapsed:.2f} s after the fault; {failures[0]}",
           file=sys.stderr)
 
@@ -106,3 +129,15 @@ def test_cuda_two_levels_need_a_gpu():
     if not (torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= 2):
         pytest.skip("the NCCL path (HostLevels.all_reduce_cuda) needs one GPU per local rank; this "
                     "machine has none")
+
+
+def test_host_layout_decides_alike_on_every_rank():
+    two_hosts = [(h, i, 3) for h in (7, 9) for i in range(3)]  # (host key, local rank, local size)
+    assert host_layout(two_hosts, "auto") == (3, None)
+    assert host_layout(two_hosts, "flat")[0] is None
+    assert host_layout(two_hosts[:3], "auto")[0] is None  # one host: flat unless asked
+    assert host_layout(two_hosts[:3], "host") == (3, None)
+    size, problem = host_layout([(0, 0, 2), (0, 1, 2), (1, 0, 1)], "auto")
+    assert size is None and "different numbers of local ranks" in problem
+    size, problem = host_layout([(1, 0, 2), (1, 1, 2), (0, 0, 2), (0, 1, 2)], "host")
+    assert size is None and "rank 0 is local rank 0 of host 1" in problem

@@ -13,7 +13,9 @@ per host), as the parameter server's two levels (roles/worker_host.py) do it:
 So each host sends and receives one copy of the buffer across the network, and a codec sees
 the host's sum, as on the parameter server (docs/local_ranks.md). Rank r is host r // L's local
 rank r % L (bpslaunch: DMLC_WORKER_ID * L + BYTEPS_LOCAL_RANK; torchrun: GROUP_RANK * L +
-LOCAL_RANK); hosts of different sizes run flat.
+LOCAL_RANK); hosts of different sizes run flat, and so does a job on one host unless
+BPS_GC_HIERARCHY=host asks for two levels there (its traffic never leaves the host, and codecs
+keep compressing each rank's own gradient, as single-machine torchrun jobs always did).
 
 Host memory: per size class, every local rank offers a slot (its input) and a result (its
 shares' sums) from its memfd arena once, in an all_gather on the host's group; a round is copy
@@ -60,6 +62,8 @@ def host_layout(table, hierarchy):
     local_size = table[0][2]
     if local_size == 1:
         return None, "one rank per host"
+    if len(keys) == 1 and hierarchy != "host":  # nothing crosses a network: codecs see each rank's own
+        return None, "one host (BPS_GC_HIERARCHY=host would sum it in shared memory)"
     for rank, (key, local_rank, _) in enumerate(table):
         if rank != keys.index(key) * local_size + local_rank:
             return None, (f"rank {rank} is local rank {local_rank} of host {key}, not rank "
@@ -240,4 +244,18 @@ class HostLevels:
         self.arena.close()
 
 
-__all__ = ["HostLevels", "host_layout", "plain_wait"]
+def levels_from_env(wait=plain_wait, environ=None):
+    """Two levels for a caller beside the communicator (the DDP hook): its own groups and
+    memory on the initialized default group, or None where the job runs flat (or the
+    environment names no local ranks). Every rank calls it at the same point."""
+    from ..config import ConfigError
+    from .rendezvous import collective_config, host_key
+    try:
+        cfg, local_rank, local_size = collective_config(environ)
+    except ConfigError:
+        return None
+    return HostLevels.join(dist.get_rank(), dist.get_world_size(), host_key(cfg, environ), local_rank,
+                           local_size, cfg.hierarchy, wait)
+
+
+__all__ = ["HostLevels", "host_layout", "levels_from_env", "plain_wait"]

@@ -8,6 +8,8 @@ their silence is no failure and what they left undone fails at once. A store tha
 answering means its host (rank 0, or torchrun's agent) is gone.
 """
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -29,6 +31,7 @@ class Heartbeat:
     def start(self):
         if self.store is not None and self.size > 1:
             self.thread.start()
+            self.catch_sigterm()
         return self
 
     def announce(self, ending):
@@ -82,9 +85,10 @@ class Heartbeat:
                     count = self.store.add(f"beat/{r}", 0)
                     if count != seen[r][0]:
                         seen[r] = (count, now)
-                    elif now - seen[r][1] > self.timeout and r not in self.ended:
-                        self._fail(f"rank {r} sent no heartbeat for {self.timeout:g} s: it died or hangs")
-                        return
+                silent = sorted((seen[r][1], r) for r in others
+                                if now - seen[r][1] > self.timeout and r not in self.ended)
+                if silent and self._name_silent(silent, now):
+                    return
             except Exception as e:
                 host = self.ended.get(0)
                 if self.stopping.is_set():
@@ -94,6 +98,49 @@ class Heartbeat:
                            f"answering (its host, rank 0 or torchrun's agent, died?): {e}")
                 return
 
+    def catch_sigterm(self):
+        """A launcher stopping this rank (SIGTERM, because a rank beside it failed) is noted in
+        the store before the signal takes its course, so the other hosts name the rank that
+        failed, not the ones stopped after it. Main thread only (Python's rule for handlers)."""
+        if self.store is None or self.size == 1 or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            # at most half a second: a store whose host is gone must not hold the signal up
+            note = threading.Thread(target=self._quietly, args=(self.store.set, f"signalled/{self.rank}", "SIGTERM"),
+                                    daemon=True)
+            note.start()
+            note.join(0.5)
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            if callable(previous):
+                return previous(signum, frame)
+            if previous != signal.SIG_IGN:
+                os.kill(os.getpid(), signal.SIGTERM)
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _name_silent(self, silent, now):
+        """Fail naming the rank that fell silent first (``silent``: [(last seen, rank)]), preferring
+        one its launcher did not stop; True once failed."""
+        stopped = {r for _, r in silent if self.store.check([f"signalled/{r}"])}
+        first = next((r for _, r in silent if r not in stopped), None)
+        if first is None:  # only ranks stopped by a signal so far: give the cause a while to show
+            if now - silent[0][0] <= 2 * self.timeout:
+                return False
+            first = silent[0][1]
+        how = "was stopped (SIGTERM) and sent" if first in stopped else "sent"
+        then_stopped = sorted(stopped - {first})
+        also_silent = sorted(r for _, r in silent if r != first and r not in stopped)
+        notes = ([f"{_ranks(then_stopped)} then stopped by a launcher"] if then_stopped else []) + \
+            ([f"{_ranks(also_silent)} silent too"] if also_silent else [])
+        self._fail(f"rank {first} {how} no heartbeat for {self.timeout:g} s: it died or hangs"
+                   + (f" ({'; '.join(notes)})" if notes else ""))
+        return True
+
     def _fail(self, message):
         self.failure = NodeFailure(f"bps_gc: {message}")
         log.error("rank %d: %s", self.rank, message)
+
+
+def _ranks(ranks):
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"

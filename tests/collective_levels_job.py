@@ -1,0 +1,51 @@
+"""The two-level pieces a DDP hook calls (bps_gc.collective.levels), then tests/cluster_job.py:
+``python collective_levels_job.py SPEC.json OUT_DIR``. The hook's levels are its own
+(levels_from_env: groups and memory apart from the communicator's): a dense torch tensor summed
+by reduce_tensor, and one bucket of two compressed gradients by reduce_coded, each gradient's
+owner local rank compressing its host's sum once. Saves OUT_DIR/levels<rank>.npz."""
+import json
+import os
+import runpy
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bps_gc.core as bps  # noqa: E402
+from bps_gc import compress  # noqa: E402
+from bps_gc.collective.levels import levels_from_env  # noqa: E402
+from bps_gc.compress.registry import COMPRESSORS  # noqa: E402
+from bps_gc.roles.worker_host import partition_owner  # noqa: E402
+from reference import gradient, step_ctx  # noqa: E402
+
+HOOK_TENSORS = [{"name": "hook-dense", "shape": [500], "dtype": "float32", "params": {}},
+                {"name": "hook-onebit", "shape": [300], "dtype": "float32",
+                 "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}},
+                {"name": "hook-topk", "shape": [200], "dtype": "float32",
+                 "params": {"compressor": "topk", "k": 0.1}}]
+HOOK_INDEX = 100  # the gradients' keys: (HOOK_INDEX + position) << 16, one partition each
+
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    bps.init()
+    rank, ctx = bps.rank(), step_ctx(spec, 0)
+    levels = levels_from_env()
+    assert levels is not None, "the job runs two levels"
+    dense = torch.from_numpy(gradient(rank, 0, HOOK_TENSORS[0]).astype(np.float32))
+    levels.reduce_tensor(dense)
+    coded = HOOK_TENSORS[1:]
+    flat = np.concatenate([gradient(rank, 0, t).astype(np.float32).reshape(-1) for t in coded])
+    parts, start = [], 0
+    for position, t in enumerate(coded):
+        n, index, params = int(np.prod(t["shape"])), HOOK_INDEX + position, compress.CompressionParams.from_dict(t["params"])
+        key = index << 16
+        parts.append((start, start + n, partition_owner(index, 0, levels.local_size),
+                      compress.build_chain(params, n, np.float32, key=key, role="worker"),
+                      compress.make_reducer(COMPRESSORS[params.compressor].reducers[0], params, n, np.float32, key), ctx))
+        start += n
+    levels.reduce_coded(flat, parts)
+    np.savez(os.path.join(sys.argv[2], f"levels{rank}.npz"), **{"hook-dense": dense.numpy(), "coded": flat})
+    levels.close()
+    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_job.py"), *sys.argv[1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -151,6 +151,9 @@ def parse_args(argv):
         if args.shaped and machines_congestion(args) == bps_gc_congestion():  # the same as dense
             drop += SHAPED_ONLY
         args.bps = [c for c in args.bps if c not in drop]
+    if args.local_ranks == 1 and any(c in LOCAL_RANKS_ONLY for c in args.bps):
+        print(f"bench_pushpull: {', '.join(LOCAL_RANKS_ONLY)} is dense with one rank per machine: skipped", flush=True)
+        args.bps = [c for c in args.bps if c not in LOCAL_RANKS_ONLY]
     args.mx = pick(p, args.pslite, PSLITE_CONFIGS, QUICK_PSLITE if args.quick else None, "--pslite")
     if args.mx and args.local_ranks > 1:
         print("bench_pushpull: ps-lite rows run one rank per machine only: skipped", flush=True)

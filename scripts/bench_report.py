@@ -132,7 +132,6 @@ BEST_CODEC_LIMIT = {"loopback": 1.0, "1gbit": 0.8}  # issue 12: best codec / DDP
 
 
 DENSE = ("dense", "dense (local reduce)", "dense (host's TCP congestion control)", "dense (flat)")  # not codecs
-TORCH_DENSE = ("torch all_reduce dense", "DDP compute only", "DDP dense")
 # issue 25, several ranks per machine: two-level dense rows / gloo's flat all_reduce of every rank
 LOCAL_RANKS_LIMIT = {("bps_gc PS", "dense"): 0.65, ("bps_gc collective", "dense"): 0.8}
 SAME_ROW_LIMIT = 1.5  # issue 25: a compressed row at L ranks per machine / the same row at 1
@@ -173,13 +172,14 @@ def targets(rows, topo_name):
 def same_rows(rows, baseline):
     """[(what, ratio, limit, verdict)]: each row of this run against the same row (system,
     config) of ``baseline``'s (an earlier run's JSON rows, e.g. at one rank per machine);
-    the compressed rows must stay within SAME_ROW_LIMIT, the dense ones are shown."""
+    bps_gc's compressed rows must stay within SAME_ROW_LIMIT, the others are shown."""
     out = []
     for r in rows:
         theirs = find(baseline, r["system"], r["config"])
         if r.get("error") or theirs is None:
             continue
-        compressed = r["config"] not in DENSE + TORCH_DENSE
+        # issue 25's limit is bps_gc's (two levels); torch's hooks run flat over every rank: shown
+        compressed = r["system"].startswith("bps_gc") and r["config"] not in DENSE
         ratio = r["seconds"] / theirs["seconds"]
         limit = SAME_ROW_LIMIT if compressed else None
         out.append((f"{r['system']} {r['config']}: {r['topology']} / {theirs['topology']}", ratio, limit,

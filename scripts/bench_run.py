@@ -145,7 +145,7 @@ def run_all(args, topo, children, log_root):
         if key in errors:
             rows.append({"system": key[0], "config": key[1], "topology": key[2], "error": errors[key]})
         elif key == COLLECTIVE:
-            rows += pooled_collective(runs[key], infos[key], topology_name(args), args.local_ranks)
+            rows += pooled_collective(runs[key], infos[key], topology_name(args), args.ranks, args.local_ranks)
         elif runs[key]:
             row = summarize(key[0], key[1], runs[key], args.local_ranks)
             row["topology"] = f"{topology_name(args)}, servers {key[2]}"
@@ -180,7 +180,7 @@ def topology_name(args):
     return f"{args.ranks} workers"
 
 
-def pooled_collective(passes, info, topology, local_ranks):
+def pooled_collective(passes, info, topology, machines, local_ranks):
     """The collective block's rows, each with rank 0's round times of every pass pooled."""
     rows = []
     for label in passes[0]:
@@ -196,7 +196,7 @@ def pooled_collective(passes, info, topology, local_ranks):
         nic = [pair for pair in nic if None not in pair]
         row = {"system": system, "config": config, "topology": topology,
                "seconds": med, "min": min(times), "max": max(times), "times": times,
-               "rounds": len(times), "passes": len(passes), "local_ranks": local_ranks,
+               "rounds": len(times), "passes": len(passes), "machines": machines, "local_ranks": local_ranks,
                "pass_medians": [results[label]["median_s"] for results in passes],
                "tcp_per_round": passes[0][label].get("tcp_per_round")}
         if nic:  # machine 0's NIC, both directions, per round (as the PS rows' link_*_per_worker)

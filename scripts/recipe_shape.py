@@ -17,8 +17,10 @@ Server s runs on host s mod hosts (two per host at full shape: co-located, as By
 Each rank push_pulls small tensors (TENSORS: sizes that place them on different servers and
 owners) for --steps rounds, half averaged, half summed; inputs are small integers, so every
 order of summation gives the same float32 sum and numpy's expectation is exact: the sum of
-all ranks' inputs, divided by float32(ranks) for an average. Exit status 1 on any mismatch
-or failed process, naming it; 0 when every rank got every value.
+all ranks' inputs, divided by float32(ranks) for an average. Each host's ranks together must
+also have sent their servers one copy of every tensor per step (bps.metrics().pushed_wire):
+the recipe's environment runs two levels, not every rank pushing its own copy. Exit status 1
+on any mismatch or failed process, naming it; 0 when every rank got every value.
 
     sudo python scripts/recipe_shape.py                                # 8 x 8, 16 servers
     sudo python scripts/recipe_shape.py --hosts 3 --local-ranks 4 --servers 6
@@ -99,7 +101,8 @@ def worker_main(argv):
                    for t, n in enumerate(TENSORS)]
         for t, h in handles:
             got[f"{t}/{step}"] = np.asarray(h.wait()).copy()
-    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), size=np.int64(size), **got)
+    pushed = bps.metrics().pushed_wire  # since init: what this rank sent its servers (its share)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), size=np.int64(size), pushed=np.int64(pushed), **got)
     bps.shutdown()
 
 
@@ -140,6 +143,13 @@ def check(out_dir, args):
         got = np.load(path)
         if int(got["size"]) != ranks:
             problems.append(f"rank {r}: bps.size() = {int(got['size'])}, expected {ranks}")
+        host_files = [os.path.join(out_dir, f"rank{q}.npz") for q in range(r - r % args.local_ranks, r + 1)]
+        if r % args.local_ranks == args.local_ranks - 1 and "pushed" in got and all(map(os.path.exists, host_files)):
+            host = sum(int(np.load(path)["pushed"]) for path in host_files)
+            one_copy = 4 * sum(TENSORS) * args.steps
+            if host != one_copy:  # two levels: each host pushes every tensor once
+                problems.append(f"host {r // args.local_ranks} pushed {host} bytes, not one copy of "
+                                f"every tensor per step ({one_copy})")
         for (t, s), value in wanted.items():
             mine = got[f"{t}/{s}"]
             if mine.dtype != value.dtype or mine.tobytes() != value.tobytes():

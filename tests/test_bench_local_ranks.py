@@ -71,15 +71,18 @@ def test_recipe_shape_reduced(tmp_path):
 
 
 def test_recipe_shape_checker_catches_one_wrong_value(tmp_path):
-    """recipe_shape.check against results written here: exact ones pass, one value off by one
-    ulp in one rank's file is named, and a missing rank is named."""
+    """recipe_shape.check against results written here: exact ones pass; one value off by one
+    ulp in one rank's file, a missing rank, and a host whose ranks pushed a copy each (flat,
+    not two levels) are named."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import recipe_shape
     from types import SimpleNamespace
     args = SimpleNamespace(hosts=2, local_ranks=2, steps=2)
+    one_copy = 4 * sum(recipe_shape.TENSORS) * 2
     for r in range(4):
         got = {f"{t}/{s}": recipe_shape.expected(t, s, n, 4) for t, n in enumerate(recipe_shape.TENSORS) for s in range(2)}
-        np.savez(tmp_path / f"rank{r}.npz", size=np.int64(4), **got)
+        shares = [one_copy // 3, one_copy - one_copy // 3]  # the host's owners split the pushes
+        np.savez(tmp_path / f"rank{r}.npz", size=np.int64(4), pushed=np.int64(shares[r % 2]), **got)
     assert recipe_shape.check(str(tmp_path), args) == []
     # numpy's oracle is the plain mean of the small-integer inputs
     manual = np.mean([recipe_shape.rank_input(r, 2, 1, recipe_shape.TENSORS[2]) for r in range(4)], axis=0)
@@ -87,8 +90,10 @@ def test_recipe_shape_checker_catches_one_wrong_value(tmp_path):
     got = dict(np.load(tmp_path / "rank3.npz"))
     got["4/1"] = got["4/1"].copy()
     got["4/1"][7] = np.nextafter(got["4/1"][7], np.float32(np.inf))
+    got["pushed"] = np.int64(one_copy)  # with rank 2's share: more than one copy
     np.savez(tmp_path / "rank3.npz", **got)
-    os.remove(tmp_path / "rank1.npz")
+    os.remove(tmp_path / "rank0.npz")
     problems = recipe_shape.check(str(tmp_path), args)
-    assert problems[0] == "rank 1 wrote no results" and len(problems) == 2
-    assert problems[1].startswith("rank 3 tensor 4 (64 elements) step 1: max difference"), problems
+    assert problems[0] == "rank 0 wrote no results" and len(problems) == 3, problems
+    assert problems[1] == f"host 1 pushed {one_copy + one_copy // 3} bytes, not one copy of every tensor per step ({one_copy})"
+    assert problems[2].startswith("rank 3 tensor 4 (64 elements) step 1: max difference"), problems

@@ -206,7 +206,7 @@ def main(argv=None):
         failed = bool(problems)
         for line in problems[:20]:
             print(f"recipe_shape: MISMATCH {line}", file=sys.stderr)
-        verdict = "MISMATCH" if problems else "exact"
+        verdict = "MISMATCH" if problems else "exact, each host pushing one copy of every tensor,"
         print(f"recipe_shape: {what} ({args.hosts * args.local_ranks} ranks, {net.describe()}); "
               f"{len(TENSORS)} tensors x {args.steps} steps on every rank: {verdict} against numpy; "
               f"{report['seconds']:.1f} s from the first launch to the last exit; {machine_info()}")

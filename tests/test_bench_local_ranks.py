@@ -67,7 +67,7 @@ def test_recipe_shape_reduced(tmp_path):
     assert data["ranks_checked"] == 12 and data["problems"] == []
     assert data["recipe_env"]["worker"]["BYTEPS_PARTITION_BYTES"] == "4096000"
     assert "BYTEPS_LOCAL_SIZE" not in json.dumps(data["recipe_env"])  # the recipe never sets it
-    assert "exact against numpy" in result.stdout
+    assert "exact, each host pushing one copy of every tensor, against numpy" in result.stdout
 
 
 def test_recipe_shape_checker_catches_one_wrong_value(tmp_path):

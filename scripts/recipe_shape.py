@@ -56,7 +56,8 @@ TENSORS = [1, 3, 8, 17, 64, 100, 255, 256, 257, 500, 1000, 1023, 1024, 2049, 300
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", type=int, default=8, help="worker hosts (namespaces) (8)")
-    p.add_argument("--local-ranks", type=int, default=8, help="ranks per host: NVIDIA_VISIBLE_DEVICES (8)")
+    p.add_argument("--local-ranks", "--local-size", type=int, default=8,
+                   help="ranks per host: NVIDIA_VISIBLE_DEVICES (8)")
     p.add_argument("--servers", type=int, default=16, help="servers, on host s mod hosts (16)")
     p.add_argument("--steps", type=int, default=3, help="rounds of push_pull (3)")
     p.add_argument("--rate", default="10gbit", help="each host's NIC (10gbit: this checks results, not speed)")

@@ -68,7 +68,7 @@ class HostsJob(Job):
             threading.Thread(target=self.collect, args=(name,), daemon=True).start()
 
 
-def run_spec(net, spec, tmp_path, hosts, local_size, servers, env=None, bound=90):
+def run_spec(net, spec, tmp_path, hosts, local_size, servers, env=None, bound=90, worker_env=None):
     """Run tests/cluster_job.py with ``spec`` on every rank; returns each rank's results."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -77,7 +77,7 @@ def run_spec(net, spec, tmp_path, hosts, local_size, servers, env=None, bound=90
                "BYTEPS_MIN_COMPRESS_BYTES": str(spec["min_compress_bytes"]), **(env or {})}
     job = HostsJob(net, hosts, [local_size] * hosts, servers,
                    [sys.executable, os.path.join(TESTS, "cluster_job.py"), str(spec_path), str(tmp_path)],
-                   env=job_env)
+                   env=job_env, worker_env=worker_env)
     statuses, _ = job.wait_all(bound)
     assert set(statuses.values()) == {0}, job.report(statuses)
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(hosts * local_size)]

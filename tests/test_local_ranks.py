@@ -5,9 +5,16 @@ namespaces), and hosts with different numbers of local ranks are refused at join
 import sys
 
 import numpy as np
+import pytest
 
-from local_ranks import TESTS, HostsJob, expected_results, machines, run_spec  # noqa: F401
+from bps_gc.config import Config, ConfigError
+from bps_gc.roles.hosts import WorkerHosts
+from local_ranks import HostsJob, expected_results, machines, run_spec  # noqa: F401
+from reference import gradient
 
+# worker.sh's settings, as written (BYTEPS_PARTITION_BYTES aside: tiny tensors need partitions)
+RECIPE_WORKER = {"BYTEPS_LOG_LEVEL": "WARNING", "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "4",
+                 "BYTEPS_THREADPOOL_SIZE": "16", "BYTEPS_NUMA_ON": "1"}
 SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 1024, "min_compress_bytes": 0,
         "tensors": [{"name": "small", "shape": [5], "dtype": "float32", "params": {}},
                     {"name": "parts", "shape": [700], "dtype": "float32", "params": {}},
@@ -17,7 +24,7 @@ SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 1024, "min_compress_b
 def test_recipe_environment_reduced(machines, tmp_path):  # noqa: F811
     """The recipe's shape at reduced size: 3 hosts x 4 local ranks, 6 servers; every rank
     pulls the exact average (sum) of all 12 ranks' inputs."""
-    results = run_spec(machines, SPEC, tmp_path, hosts=3, local_size=4, servers=6)
+    results = run_spec(machines, SPEC, tmp_path, hosts=3, local_size=4, servers=6, worker_env=RECIPE_WORKER)
     expected = expected_results(SPEC, 3, 4)
     for rank, got in enumerate(results):
         for key, value in expected.items():
@@ -26,7 +33,6 @@ def test_recipe_environment_reduced(machines, tmp_path):  # noqa: F811
     for key, value in expected.items():
         name = key.split("/")[0]
         t = next(t for t in SPEC["tensors"] if t["name"] == name)
-        from reference import gradient
         step = int(key.split("/")[1])
         flat = sum(gradient(r, step, t).astype(np.float64) for r in range(12))
         flat /= 12 if t.get("average", True) else 1
@@ -47,8 +53,6 @@ def test_hosts_with_different_local_sizes_are_refused(machines):  # noqa: F811
 
 
 def test_hierarchy_setting_is_validated():
-    import pytest
-    from bps_gc.config import Config, ConfigError
     base = dict(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="10.0.0.1",
                 DMLC_PS_ROOT_PORT="1234", DMLC_WORKER_ID="1", BYTEPS_LOCAL_SIZE="4", BYTEPS_LOCAL_RANK="3")
     assert Config.from_env(base).hierarchy == "auto"
@@ -60,7 +64,6 @@ def test_hierarchy_setting_is_validated():
 
 def test_scheduler_checks_each_hosts_registration():
     """The scheduler's rules (roles/hosts.py), registration by registration."""
-    from bps_gc.roles.hosts import WorkerHosts
 
     def reg(worker_id, local_rank, local_size, hierarchy="auto"):
         return {"worker_id": worker_id, "local_rank": local_rank, "local_size": local_size,

@@ -3,10 +3,17 @@
 bit for bit, what tests/local_ranks.py's HostModel computes: each host's sum compressed once by
 its owner, the servers' reduction of one push per host (a majority vote is one vote per host).
 BPS_GC_HIERARCHY=flat keeps the old path: reference.py's model of 6 separate pushers."""
+import json
+import os
+import sys
+
 import numpy as np
+import pytest
 
 import reference
+from cluster import TESTS, run_job, run_local
 from local_ranks import expected_results, machines, run_spec  # noqa: F401
+from test_granularity import layers, topk
 
 CODECS = {
     "dense": ({}, None),
@@ -71,8 +78,6 @@ bps.shutdown()
 
 def test_async_mode():
     """BYTEPS_ENABLE_ASYNC: each owner's push of its host's sum goes into the servers' stores."""
-    from cluster import run_local
-    import sys
     result = run_local([sys.executable, "-c", ASYNC], workers=2, servers=2, local_size=2, timeout=120,
                        env={"BYTEPS_ENABLE_ASYNC": "1", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -83,12 +88,7 @@ def test_local_sgd_h1_is_synchronous_sgd_bit_for_bit(tmp_path):
     """Local SGD with two levels (one host of 2 ranks, pushing once: torch's import is what
     costs here): syncing every step equals synchronous SGD, bit for bit on the exact grid of
     tests/test_local_sgd.py, on every rank."""
-    import json
-    import os
-    import sys
-    import pytest
     pytest.importorskip("torch")
-    from cluster import TESTS, run_local
     exact = {"lr": 1 / 64, "momentum": 0.5}
     configs = [{"name": "sync-exact", "algorithm": "sync", "model": "exact", "optimizer": exact, "steps": 4},
                {"name": "h1-exact", "algorithm": "local", "model": "exact", "optimizer": exact, "steps": 4,
@@ -117,7 +117,6 @@ def test_one_host_local_reduce_keeps_its_flat_path(tmp_path):
     """BPS_GC_LOCAL_REDUCE=1 with every rank on one host (2 hosts x 2 ranks on loopback): dense
     sums stay in shared memory, compressed tensors are pushed by every rank (the flat model),
     although the hosts run several local ranks."""
-    from cluster import run_job
     names = ("dense", "recompress", "majority")
     spec = dict(SPEC, tensors=[t for t in SPEC["tensors"] if t["name"] in names])
     results, metrics = run_job(spec, tmp_path, workers=2, servers=1, local_size=2,
@@ -146,9 +145,6 @@ def test_entire_model_is_pushed_by_every_rank(tmp_path):
     binding over each rank's whole gradient, so every rank pushes its chunks (the servers count
     one push per rank for those keys) while layer-wise tensors push once per host: the result
     is the sum of every rank's top-k of its whole vector (numpy), averaged."""
-    import sys
-    from cluster import run_local
-    from test_granularity import layers, topk
     result = run_local([sys.executable, "-c", ENTIRE, str(tmp_path)], workers=2, servers=2, local_size=2,
                        timeout=120, env={"BYTEPS_PARTITION_BYTES": "1024", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

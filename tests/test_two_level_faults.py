@@ -62,7 +62,8 @@ def test_a_local_rank_failing_stops_the_job(machines, mode):  # noqa: F811
     assert all(status != 0 for status in statuses.values()), report
     survivors = job.text("worker0")
     failures = [line for line in survivors.splitlines() if "NodeFailure" in line]
-    assert len(failures) == 2 and all("worker 2" in line or "worker 3" in line for line in failures), report
+    # one line per rank of host 0 (its bpslaunch may stop the second before it prints)
+    assert 1 <= len(failures) <= 2 and all("worker 2" in line or "worker 3" in line for line in failures), report
     assert "Traceback" not in survivors, report
     assert shm_files() == before
     print(f"two levels, local rank {mode}: every launcher exited after {elapsed:.2f} s; {failures[0]}",

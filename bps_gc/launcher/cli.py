@@ -21,6 +21,8 @@ Start the processes of a bps_gc job on this host and supervise them.
   DMLC_ROLE=worker  bpslaunch CMD [ARGS...]
       runs CMD once per entry of NVIDIA_VISIBLE_DEVICES (unset: once), each with
       BYTEPS_LOCAL_RANK=i and BYTEPS_LOCAL_SIZE=count. CMD runs as given, no shell.
+      DMLC_NUM_WORKER counts worker hosts, as in BytePS; the scheduler and servers learn
+      each host's local ranks when they join (BPS_GC_HIERARCHY: docs/local_ranks.md).
   bpslaunch --local [--workers W] [--servers S] [--local-size L] [--port P] -- CMD [ARGS...]
       a whole job on 127.0.0.1: a scheduler, S servers and W worker machines of L ranks;
       output lines are labelled [scheduler], [server0], [worker1] ([worker1.0] when L > 1)."""

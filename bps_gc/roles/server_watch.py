@@ -72,6 +72,7 @@ class RoundWatch:
                 self.warned.add((key, state.round))
                 pushed = [r for r in range(state.workers) if state.pending[r]]
                 missing = [r for r in range(state.workers) if not state.pending[r]]
-                log.warning("stall: tensor %r (key %d) round %d waited %.0f s: ranks %s pushed it, "
-                            "ranks %s did not", self.tensor(state), key, state.round, now - seen[1],
-                            pushed, missing)
+                who = "hosts" if state.per_host > 1 else "ranks"  # two levels: one pusher per host
+                log.warning("stall: tensor %r (key %d) round %d waited %.0f s: %s %s pushed it, "
+                            "%s %s did not", self.tensor(state), key, state.round, now - seen[1],
+                            who, pushed, who, missing)

@@ -102,10 +102,10 @@ class HostReduce(LocalReduce):
     def push_pull(self, tensor, flat, out, average, ctx, priority):
         """Start a push_pull of ``tensor`` (its input ``flat``); returns its Handle."""
         wire = out.reshape(-1)
-        tensor.busy = True
-        handle = Handle(self.worker, tensor, out, wire, 1, average, ctx)
         local, rnd = self.prepare(tensor, flat)
         local.priority = priority
+        tensor.busy = True
+        handle = Handle(self.worker, tensor, out, wire, 1, average, ctx)
         self.worker.io.post("local", local, rnd, handle, wire, average)
         return handle
 

@@ -38,11 +38,12 @@ if __name__ == "__main__":
     flat = np.concatenate([gradient(rank, 0, t).astype(np.float32).reshape(-1) for t in coded])
     parts, start = [], 0
     for position, t in enumerate(coded):
-        n, index, params = int(np.prod(t["shape"])), HOOK_INDEX + position, compress.CompressionParams.from_dict(t["params"])
-        key = index << 16
+        n, index = int(np.prod(t["shape"])), HOOK_INDEX + position
+        params, key = compress.CompressionParams.from_dict(t["params"]), index << 16
+        reducer = COMPRESSORS[params.compressor].reducers[0]
         parts.append((start, start + n, partition_owner(index, 0, levels.local_size),
                       compress.build_chain(params, n, np.float32, key=key, role="worker"),
-                      compress.make_reducer(COMPRESSORS[params.compressor].reducers[0], params, n, np.float32, key), ctx))
+                      compress.make_reducer(reducer, params, n, np.float32, key), ctx))
         start += n
     levels.reduce_coded(flat, parts)
     np.savez(os.path.join(sys.argv[2], f"levels{rank}.npz"), **{"hook-dense": dense.numpy(), "coded": flat})

@@ -1,13 +1,12 @@
 """torch.distributed with several ranks per host (BPS_GC_HIERARCHY=host, the default): 2 hosts
 (network namespaces) x 3 local ranks, started per host by bpslaunch (DMLC_NUM_SERVER=0,
 NVIDIA_VISIBLE_DEVICES=0,1,2) or by torchrun (--nnodes 2 --nproc-per-node 3, static rendezvous
-at host 0). Dense, onebit + EF, topk, majority pull, bit for bit, what local_ranks.py's HostModel
+at host 0). Dense, onebit + EF, topk, majority, fp16 (dense and topk) pull, bit for bit, what local_ranks.py's HostModel
 says the parameter server's two levels pull (each host's sum compressed once by its owner, the
 server's reducer over one payload per host); PowerSGD, whose ranks each compress their own
 gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
 rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
 import os
-import signal
 import sys
 import textwrap
 import time
@@ -33,6 +32,9 @@ SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 2048, "min_compress_b
              "params": {"compressor": "topk", "k": 0.05, "ef": "vanilla"}, "reducer": "recompress"},
             {"name": "majority", "shape": [1100], "dtype": "float32",
              "params": {"compressor": "onebit", "scaling": True}, "reducer": "majority"},
+            {"name": "fp16", "shape": [1100], "dtype": "float32", "params": {"fp16": True}},
+            {"name": "topk-fp16", "shape": [1100], "dtype": "float32",
+             "params": {"compressor": "topk", "k": 0.05, "fp16": True}},
             {"name": "sum", "shape": [7, 3], "dtype": "float32", "average": False, "params": {}}]}
 POWERSGD = {"name": "powersgd", "shape": [24, 16], "dtype": "float32", "params": {"compressor": "powersgd", "rank": 2}}
 BOUND = 15.0  # seconds from the kill to the last launcher gone (heartbeat timeout: 2 s)

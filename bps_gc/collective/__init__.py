@@ -7,6 +7,7 @@ BPS_GC_TRANSPORT=collective. Like ``roles.worker.Worker`` it is handed the codec
 """
 from .communicator import Collective
 from .exchange import all_gather_bytes
+from .levels import HostLevels, levels_from_env
 from .rendezvous import collective_config
 
-__all__ = ["Collective", "all_gather_bytes", "collective_config"]
+__all__ = ["Collective", "HostLevels", "all_gather_bytes", "collective_config", "levels_from_env"]

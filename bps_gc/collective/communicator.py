@@ -150,8 +150,9 @@ class Collective(TwoLevels, Messages, api.Communicator):
             time.sleep(0 if spins < 100 else 0.001)
         try:
             work.wait()
-        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who
-            deadline = time.monotonic() + self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval
+        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who (its
+            # thread may run late on a busy host: twice its bound)
+            deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
             while time.monotonic() < deadline:
                 self._check_departures(what, message)
                 self.check_alive()
@@ -208,16 +209,19 @@ class Collective(TwoLevels, Messages, api.Communicator):
         # dense: the bucket's concatenation is the one copy, made when the bucket goes out (like
         # the parameter server's push, the caller leaves the array alone until wait());
         # compressed: a copy the reduction then overwrites with the result
-        wire = np.ascontiguousarray(array).reshape(-1).astype(tensor.wire_dtype, copy=tensor.compressed)
+        # two levels sum a host in the tensor's dtype, then cast the host's sum for the wire (as
+        # the parameter server's do); PowerSGD's phases start from each rank's own wire copy
+        carried = tensor.dtype if self.levels is not None and phases(tensor) == 1 else tensor.wire_dtype
+        wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed)
         self.counters.pushed_raw += wire.nbytes
         self.counters.pulled_raw += wire.nbytes
+        if phases(tensor) == 1 and self.levels is not None:  # two levels, dense or not (two_level.py)
+            return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None),
+                             wire.nbytes, tensor.name)
         if not tensor.compressed:
             return self._reduce_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:
             return self._reduce_in_phases(tensor, wire, out, average, ctx)
-        if self.levels is not None:  # the owner compresses the host's sum at the flush
-            return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None),
-                             wire.nbytes, tensor.name)
         if tensor.reducer != "majority":
             return self._queue_payloads(tensor, wire, out, average, ctx)
         start = time.perf_counter()
@@ -329,10 +333,6 @@ class Collective(TwoLevels, Messages, api.Communicator):
         for dtype, entries in by_dtype.items():
             fused = torch.from_numpy(np.concatenate([w for w, _, _ in entries]))
             bucket.buffers.append((fused, entries))
-            if self.levels is not None:  # two levels: summed now (the host's ranks in step)
-                self.levels.all_reduce(fused.numpy(), f"all_reduce of {_listed(bucket.names)}")
-        if self.levels is not None:
-            return
         bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
     def finish(self, bucket):

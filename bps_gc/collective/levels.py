@@ -137,8 +137,9 @@ class HostLevels:
         flag = torch.tensor([problem is not None], dtype=torch.int32)  # every local rank fails alike
         self.wait(dist.all_reduce(flag, group=self.host_group, async_op=True), "all_reduce of shared memory checks")
         if int(flag):
-            raise NodeFailure(f"bps_gc: rank {self.rank}: two levels: {problem or 'a local rank cannot map the memory of another'}"
-                              f"; the local ranks of a host must run on it (or set BPS_GC_HIERARCHY=flat)")
+            problem = problem or "a local rank cannot map the memory of another"
+            raise NodeFailure(f"bps_gc: rank {self.rank}: two levels: {problem}; the local ranks of a host "
+                              f"must run on it (or set BPS_GC_HIERARCHY=flat)")
         self.buffers[capacity] = (slots, results)
         return slots, results
 
@@ -155,50 +156,58 @@ class HostLevels:
         mine = slots[self.local_rank]
         mine[:flat.size] = flat
         mine[flat.size:] = 0  # the padding is summed too: no stale NaN
-        self._sync("the host's sync before its sums")
+        self._sync("host sync before the sums")
         return slots, results
 
     # ------------------------------------------------------------------ reductions
 
-    def all_reduce(self, array, what="all_reduce"):
-        """Sum a host array (numpy) over every rank, in place; returns it."""
+    def all_reduce(self, array, what="all_reduce", wire_dtype=None):
+        """Sum a host array (numpy) over every rank, in place; returns it. ``wire_dtype``: the
+        host's sums cross in it (float16 with fp16), cast back after."""
         flat = array.reshape(-1)
         slots, results = self._load(flat)
         start, stop = self.share(flat.size, self.local_rank)
         out = results[self.local_rank][start:stop]
         add_in_order([slot[start:stop] for slot in slots], out)
+        carried = out if wire_dtype is None or np.dtype(wire_dtype) == out.dtype else out.astype(wire_dtype)
         if self.hosts > 1:
-            self.wait(dist.all_reduce(torch.from_numpy(out), group=self.cross_group, async_op=True),
+            self.wait(dist.all_reduce(torch.from_numpy(carried), group=self.cross_group, async_op=True),
                       f"{what} across hosts")
-        self._sync("the host's sync after its sums")
+        if carried is not out:
+            out[...] = carried
+        self._sync("host sync after the sums")
         self._copy_out(flat, results, [(self.share(flat.size, i), i) for i in range(self.local_size)])
         return array
 
-    def reduce_coded(self, flat, parts, what="all_gather of payloads"):
+    def reduce_coded(self, flat, parts, what="all_gather of payloads", wire_dtype=None):
         """The two levels of compressed partitions, in place in ``flat`` (this rank's wire array):
-        ``parts`` [(start, stop, owner local rank, codec, reducer, step context)].  The owner sums its parts
-        over the host, compresses each once, the owners of every host exchange payloads and run
-        the reducer; each part ends as the reducer's decoded reply (the sum, not averaged).
-        Returns this rank's payload bytes (sent, received)."""
+        ``parts`` [(start, stop, owner local rank, codec, reducer, step context)]. The owner sums
+        its parts over the host, compresses each once, the owners of every host exchange
+        payloads and run the reducer; each part ends as the reducer's decoded reply (the sum, not averaged).
+        ``wire_dtype``: the codecs' dtype, when not ``flat``'s (fp16: the host's sum is cast for
+        them). Returns this rank's payload bytes (sent, received)."""
+        wire_dtype = flat.dtype if wire_dtype is None else np.dtype(wire_dtype)
         slots, results = self._load(flat)
         mine = [part for part in parts if part[2] == self.local_rank]
         result = results[self.local_rank]
         payloads = []
         for start, stop, _, codec, _, ctx in mine:
             add_in_order([slot[start:stop] for slot in slots], result[start:stop])
-            payloads.append(codec.compress(result[start:stop], ctx))
-        if not mine:  # the host's same local rank everywhere owns nothing: nothing crosses
-            self.wait(None, what)
-            self.wait(None, what)
-            gathered = [[]]
-        elif self.hosts > 1:
+            payloads.append(codec.compress(result[start:stop].astype(wire_dtype, copy=False), ctx))
+        if mine and self.hosts > 1:
             gathered = all_gather_bytes(payloads, self.wait, self.cross_group)
-        else:
+        else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
+            self.wait(None, what)  # rank counts the all_gather's two collectives alike
+            self.wait(None, what)
             gathered = [payloads]
         for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
             reply = reducer.reduce([host[k] for host in gathered], True, ctx)
-            reducer.decode(reply, result[start:stop], ctx)
-        self._sync("the host's sync after its sums")
+            cast = wire_dtype != flat.dtype
+            target = np.empty(stop - start, wire_dtype) if cast else result[start:stop]
+            reducer.decode(reply, target, ctx)
+            if cast:
+                result[start:stop] = target
+        self._sync("host sync after the sums")
         self._copy_out(flat, results, [((start, stop), owner) for start, stop, owner, *_ in parts])
         sent = sum(p.nbytes for p in payloads)
         return sent, sum(p.nbytes for host in gathered for p in host) - sent

@@ -31,7 +31,6 @@ class Heartbeat:
     def start(self):
         if self.store is not None and self.size > 1:
             self.thread.start()
-            self.catch_sigterm()
         return self
 
     def announce(self, ending):
@@ -101,7 +100,9 @@ class Heartbeat:
     def catch_sigterm(self):
         """A launcher stopping this rank (SIGTERM, because a rank beside it failed) is noted in
         the store before the signal takes its course, so the other hosts name the rank that
-        failed, not the ones stopped after it. Main thread only (Python's rule for handlers)."""
+        failed, not the ones stopped after it. Main thread only (Python's rule for handlers);
+        installed with two levels only (a Python handler runs once the main thread is back in
+        Python: a rank alone on its host keeps dying at the signal itself)."""
         if self.store is None or self.size == 1 or threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)

@@ -1,9 +1,10 @@
 """The communicator's side of two levels (levels.py): joining them at start, and a bucket's
-compressed tensors (every reducer, majority included) reduced as the parameter server's two
-levels do: partition p of the tensor declared i-th is owned by local rank (i + p) mod L
-(roles/worker_host.py's rule), which compresses the host's sum of it once with that
-partition's chain; the owners of every host exchange payloads and run the server's reducer.
-Dense buckets and the plain all_reduce (PowerSGD's two phases, local SGD) are levels.py's sum.
+single-phase tensors reduced as the parameter server's two levels do: dense ones summed
+(levels.py's all_reduce), compressed ones (every reducer, majority included) so: partition p
+of the tensor declared i-th is owned by local rank (i + p) mod L (roles/worker_host.py's
+rule), which compresses the host's sum of it once with that partition's chain; the owners of
+every host exchange payloads and run the server's reducer.
+The plain all_reduce (PowerSGD's two phases, local SGD) is levels.py's sum too.
 """
 import time
 
@@ -22,6 +23,8 @@ class TwoLevels:
     def join_levels(self):
         self.levels = HostLevels.join(self.rank, self.size, host_key(self.cfg), self.local_rank,
                                       self.local_size, self.cfg.hierarchy, wait=self.level_wait)
+        if self.levels is not None and self.heartbeat is not None:
+            self.heartbeat.catch_sigterm()  # a host's launcher stops the siblings of a failed rank
         return self.levels
 
     def level_wait(self, work, what):
@@ -33,22 +36,23 @@ class TwoLevels:
         self.wait(self._issue(work), what)
 
     def reduce_coded_on_hosts(self, coded):
-        """Two levels of a bucket's compressed tensors ``coded``: [(tensor, wire, out, average,
-        ctx, None)], one round per wire dtype (their wires back to back)."""
-        by_dtype = {}
+        """Two levels of a bucket's single-phase tensors ``coded``: [(tensor, wire, out, average,
+        ctx, None)] (``wire`` in the tensor's dtype), dense and compressed apart, one round per
+        dtype and wire dtype (their buffers back to back)."""
+        groups = {}
         for entry in coded:
-            by_dtype.setdefault(entry[1].dtype, []).append(entry)
-        for entries in by_dtype.values():
+            tensor = entry[0]
+            groups.setdefault((tensor.compressed, entry[1].dtype, tensor.wire_dtype), []).append(entry)
+        for (compressed, _, wire_dtype), entries in groups.items():
             start = time.perf_counter()
             flat = np.concatenate([entry[1] for entry in entries])
-            parts, offset = [], 0
-            for tensor, wire, _, _, ctx, _ in entries:
-                parts += [(offset + part.start, offset + part.stop,
-                           partition_owner(tensor.index, p, self.local_size), part.codec, part.reducer, ctx)
-                          for p, part in enumerate(tensor.partitions)]
-                offset += wire.size
-            names = ", ".join(repr(entry[0].name) for entry in entries[:3])
-            sent, received = self.levels.reduce_coded(flat, parts, f"all_gather of {names}'s payloads")
+            names = ", ".join(repr(entry[0].name) for entry in entries[:3]) + (" ..." if len(entries) > 3 else "")
+            if compressed:
+                sent, received = self.levels.reduce_coded(flat, self._owned_parts(entries),
+                                                          f"all_gather of {names}'s payloads", wire_dtype)
+            else:
+                self.levels.all_reduce(flat, f"all_reduce of {names}", wire_dtype)
+                sent = received = flat.size * wire_dtype.itemsize // self.local_size  # this rank's share
             self.counters.pushed_wire += sent
             self.counters.pulled_wire += received
             self.counters.communicate_seconds += time.perf_counter() - start
@@ -56,4 +60,13 @@ class TwoLevels:
             for tensor, wire, out, average, _, _ in entries:
                 total = flat[offset:offset + wire.size]
                 offset += wire.size
-                self._deliver(total, out, average and tensor.partitions[0].reducer.summed)
+                self._deliver(total, out, average and (not compressed or tensor.partitions[0].reducer.summed))
+
+    def _owned_parts(self, entries):
+        """[(start, stop, owner, codec, reducer, ctx)] of the entries' partitions, back to back."""
+        parts, offset = [], 0
+        for tensor, wire, _, _, ctx, _ in entries:
+            parts += [(offset + part.start, offset + part.stop, partition_owner(tensor.index, p, self.local_size),
+                       part.codec, part.reducer, ctx) for p, part in enumerate(tensor.partitions)]
+            offset += wire.size
+        return parts

@@ -155,8 +155,12 @@ def cluster_env(topo, workers, servers, port):
             "DMLC_PS_ROOT_URI": topo.host(0), "DMLC_PS_ROOT_PORT": str(port), "BYTEPS_NUMA_ON": "0"}
 
 
-def worker_env(topo, common, w):
+def worker_env(topo, common, w, local_ranks=1):
+    """Machine ``w``'s worker launcher; with ``local_ranks`` > 1 bpslaunch starts that many
+    processes, one per entry of NVIDIA_VISIBLE_DEVICES, as BytePS's recipe runs its GPUs."""
     env = {**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(w), "DMLC_NODE_HOST": topo.host(w)}
+    if local_ranks > 1:
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(local_ranks))
     if topo.veth(w):
         env["BENCH_VETH"] = topo.veth(w)
     return env
@@ -173,10 +177,12 @@ def node_plan(topo, common, servers, node_cmd, server_cmd=None):
 
 
 def bps_plan(config, topo, args, result_dir, rounds, warmup, workers, placement):
-    """bps_gc: `workers` workers on machines 0..workers-1, servers placed by ``placement``."""
+    """bps_gc: `workers` worker machines 0..workers-1 of args.local_ranks ranks each (the
+    scheduler and servers are not told: they learn it at join), servers placed by ``placement``."""
+    local = getattr(args, "local_ranks", 1)
     worker_cmd = [PY, SCRIPT, "_bps-worker", "--config", config, "--warmup", str(warmup),
                   "--rounds", str(rounds), "--result-dir", result_dir,
-                  "--tensors", str(args.tensors)]
+                  "--tensors", str(args.tensors), "--elements", str(getattr(args, "elements", 0))]
     if args.profile:
         worker_cmd.append("--profile")
     servers = server_machines(workers, placement)
@@ -184,7 +190,7 @@ def bps_plan(config, topo, args, result_dir, rounds, warmup, workers, placement)
     extra = CONFIG_ENV.get(config, {})
     if isinstance(topo, Loopback) and not args.profile:
         argv = [PY, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers),
-                "--servers", str(len(servers)), "--", *worker_cmd]
+                "--servers", str(len(servers)), "--local-size", str(local), "--", *worker_cmd]
         return [("bpslaunch-local", argv, child_env(extra))], {"bpslaunch-local"}
     common = dict(cluster_env(topo, workers, len(servers), topo.port()), **extra)
     launch = [PY, "-m", "bps_gc.launcher.cli"]
@@ -193,7 +199,8 @@ def bps_plan(config, topo, args, result_dir, rounds, warmup, workers, placement)
         server_cmd = [PY, SCRIPT, "_profiled-node", os.path.join(result_dir, "server-profile.txt")]
     plan = node_plan(topo, common, servers, launch, server_cmd)
     for w in range(workers):
-        plan.append((f"worker{w}", topo.wrap(w, launch + worker_cmd), child_env(worker_env(topo, common, w))))
+        plan.append((f"worker{w}", topo.wrap(w, launch + worker_cmd),
+                     child_env(worker_env(topo, common, w, local))))
     return plan, names
 
 
@@ -204,7 +211,8 @@ def mx_plan(config, topo, args, result_dir, rounds, warmup, workers, placement):
     del common["BYTEPS_NUMA_ON"]
     plan = node_plan(topo, common, servers, [PY, "-c", "import mxnet"])
     worker_cmd = [PY, SCRIPT, "_mx-worker", "--config", config, "--warmup", str(warmup),
-                  "--rounds", str(rounds), "--result-dir", result_dir, "--tensors", str(args.tensors)]
+                  "--rounds", str(rounds), "--result-dir", result_dir, "--tensors", str(args.tensors),
+                  "--elements", str(getattr(args, "elements", 0))]
     for w in range(workers):
         env = worker_env(topo, common, w)
         del env["DMLC_WORKER_ID"]  # ps-lite numbers its workers itself

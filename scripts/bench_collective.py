@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="only rows whose label contains one of these "
                    "comma-separated words (e.g. PowerSGD,topk)")
     p.add_argument("--tensors", type=int, default=0, help="only the first N tensors (0: all)")
+    p.add_argument("--elements", type=int, default=0, help="one float32 tensor of N elements "
+                   "instead of ResNet-50's (a matrix: bench_common.matrix_shape)")
     p.add_argument("--json", default=None, help="default: out/bench_collective.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # set for the ranks
     return p.parse_args(argv)
@@ -71,7 +73,7 @@ def rank_main(args):
     os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
     bps.init()  # the collective transport: also the default process group DDP uses
     rank = bps.rank()
-    shapes = load_shapes(args.tensors)
+    shapes = load_shapes(args.tensors, args.elements)
     rng = np.random.default_rng(rank)
     grads = [(rng.standard_normal(s) * 1e-3).astype(np.float32) for s in shapes]
 
@@ -163,7 +165,9 @@ def rank_main(args):
         bps.metrics()
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
                         "max_s": max(times), "rounds": len(times), "times": times,
-                        "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()}})
+                        "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()},
+                        "nic_tx_per_round": link and link["tx_bytes"] / len(times),
+                        "nic_rx_per_round": link and link["rx_bytes"] / len(times)})
         if rank == 0:
             print(f"ROW {json.dumps(results[-1])}", flush=True)
     if rank == 0:
@@ -180,23 +184,28 @@ def select_rows(rows, args):
     return picked
 
 
-def rank_plan(topo, ranks, raw, args):
-    """One rank per machine of ``topo`` (bench_cluster's Loopback or Switched), started with
-    torchrun's variables, rank 0 hosting the rendezvous; gloo bound to each machine's NIC."""
+def rank_plan(topo, machines, raw, args, local_ranks=1):
+    """``local_ranks`` ranks on each of ``machines`` machines of ``topo`` (bench_cluster's
+    Loopback or Switched), started with the variables torchrun gives them (RANK, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK = the machine), rank 0 hosting the rendezvous; gloo bound to
+    each machine's NIC."""
     from bench_cluster import child_env
     port = topo.port()
     cmd = [PY, os.path.abspath(__file__), "--worker", raw, "--warmup", str(args.warmup),
-           "--rounds", str(args.rounds), "--tensors", str(args.tensors)]
+           "--rounds", str(args.rounds), "--tensors", str(args.tensors),
+           "--elements", str(getattr(args, "elements", 0))]
     if args.rows:
         cmd += ["--rows", args.rows]
-    plan = []
+    plan, ranks = [], machines * local_ranks
     for r in range(ranks):
-        env = child_env({"RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0",
-                         "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port),
-                         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "OMP_NUM_THREADS": "1",
-                         "BENCH_VETH": topo.veth(r) or "",
+        m = r // local_ranks
+        env = child_env({"RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r % local_ranks),
+                         "LOCAL_WORLD_SIZE": str(local_ranks), "GROUP_RANK": str(m),
+                         "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port),
+                         "GLOO_SOCKET_IFNAME": topo.veth(m) or "lo", "OMP_NUM_THREADS": "1",
+                         "BENCH_VETH": topo.veth(m) or "",
                          "BPS_GC_TRANSPORT": "collective"})
-        plan.append((f"rank{r}", topo.wrap(r, cmd), env))
+        plan.append((f"rank{r}", topo.wrap(m, cmd), env))
     return plan, {f"rank{r}" for r in range(ranks)}
 
 
@@ -213,7 +222,7 @@ def main(argv=None):
     raw = out + ".ranks"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
             os.path.abspath(__file__), "--worker", raw, "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            "--tensors", str(args.tensors)]
+            "--tensors", str(args.tensors), "--elements", str(args.elements)]
     if args.quick:
         argv.append("--quick")
     if args.rows:

@@ -23,6 +23,7 @@ BPS_CONFIGS = {
     "dense": {},
     "dense (local reduce)": {},  # CONFIG_ENV: the workers sum in shared memory when on one host
     "dense (host's TCP congestion control)": {},  # CONFIG_ENV: bps_gc's links keep the machines' default
+    "dense (flat)": {},  # CONFIG_ENV: every local rank pushes its own copy (the path before two levels)
     "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
     "topk 0.1%": {"compressor": "topk", "k": 0.001},
     "topk 1%": {"compressor": "topk", "k": 0.01},
@@ -40,9 +41,11 @@ BPS_CONFIGS = {
 }
 # Settings a configuration runs its whole cluster with (every role: they must agree).
 CONFIG_ENV = {"dense (local reduce)": {"BPS_GC_LOCAL_REDUCE": "1"},
-              "dense (host's TCP congestion control)": {"BPS_GC_TCP_CONGESTION": "system"}}
+              "dense (host's TCP congestion control)": {"BPS_GC_TCP_CONGESTION": "system"},
+              "dense (flat)": {"BPS_GC_HIERARCHY": "flat"}}
 ONE_HOST_ONLY = ("dense (local reduce)",)  # the same as dense when the workers are on other hosts
 SHAPED_ONLY = ("dense (host's TCP congestion control)",)  # on loopback the links are unix sockets
+LOCAL_RANKS_ONLY = ("dense (flat)",)  # the same as dense with one rank per machine
 PSLITE_CONFIGS = {"dense": None, "2bit": {"type": "2bit", "threshold": 0.5}}
 QUICK_BPS = ("dense", "onebit+EF")
 QUICK_PSLITE = ("dense",)
@@ -82,11 +85,46 @@ def check_tcp_congestion(parser, args):
                      f"{', '.join(have) or 'none'}")
 
 
-def load_shapes(tensors=0):
-    """ResNet-50 v1b's gradient shapes; the first ``tensors`` of them if > 0 (smoke runs)."""
+def load_shapes(tensors=0, elements=0):
+    """ResNet-50 v1b's gradient shapes; the first ``tensors`` of them if > 0 (smoke runs); or,
+    with ``elements`` > 0, one float32 tensor of that many elements (matrix_shape's)."""
+    if elements > 0:
+        return [matrix_shape(elements)]
     with open(SHAPES_FILE) as f:
         shapes = [tuple(int(d) for d in s) for s in json.load(f)[MODEL]]
     return shapes[:tensors] if tensors > 0 else shapes
+
+
+def matrix_shape(elements):
+    """The most nearly square (rows, columns) with rows * columns = elements: a matrix, as a
+    layer's weight is, so PowerSGD (torch's and ours) compresses it (both send 1-D tensors
+    dense)."""
+    rows = max(d for d in range(1, int(elements ** 0.5) + 1) if elements % d == 0)
+    return (elements // rows, rows)
+
+
+def shapes_description(shapes, elements):
+    floats = sum(int(np.prod(s)) for s in shapes)
+    if elements:
+        return f"one float32 tensor of {floats:,} elements ({'x'.join(map(str, shapes[0]))}, {floats * 4 / 1e6:.1f} MB)"
+    return f"{MODEL} gradients ({len(shapes)} tensors, {floats * 4 / 1e6:.1f} MB)"
+
+
+def machine_info():
+    """'CPU model, N cores, AVX2/AVX-512' from /proc/cpuinfo (what docs/ must say of a number)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    simd = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f")) if flag in flags]
+    return f"{model}, {os.cpu_count()} cores, {'/'.join(simd) or 'no AVX2'}"
 
 
 def make_grad(shape, rank, index):

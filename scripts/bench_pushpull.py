@@ -21,7 +21,19 @@ Rows:
                          BPS_GC_TCP_CONGESTION=system: its links keep the machines' default
                          instead of cubic (--shaped only)
   ps-lite X              mx.kv.create('dist_sync'), dense and 2bit
-Topologies (the `topology` column): one rank per machine; parameter-server servers either one
+Several ranks per machine (--local-ranks L, issue 25): each worker machine runs L ranks, started
+the way users start them: one bpslaunch per machine with NVIDIA_VISIBLE_DEVICES=0..L-1 and
+DMLC_WORKER_ID = the machine (DMLC_NUM_WORKER counts machines; the scheduler and servers get no
+BYTEPS_LOCAL_SIZE), torch's ranks with torchrun's RANK/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK.
+gloo's all_reduce and DDP run flat over all M*L ranks; bps_gc's collective and parameter
+server run two levels (`dense (flat)`: BPS_GC_HIERARCHY=flat, every rank pushes its own copy).
+--elements N / --tensor-mb MB replace ResNet-50's gradients by one float32 matrix (issue 25:
+--tensor-mb 25.6). --baseline JSON prints each row's ratio to the same row of an earlier run
+(e.g. --local-ranks 1 against 4: compressed rows within 1.5x).
+
+    python scripts/bench_pushpull.py --shaped 1gbit --ranks 2 --local-ranks 4 --tensor-mb 25.6
+
+Topologies (the `topology` column): L ranks per machine; parameter-server servers either one
 per worker machine (`colocated`, BytePS's mode; default) or each on its own machine
 (`separate`); the scheduler on machine 0. On loopback every machine is 127.0.0.1. With
 --shaped RATE (root) each machine is a network namespace whose NIC (a veth on a bridge) is
@@ -34,7 +46,10 @@ shaped with tc tbf to RATE in both directions (scripts/netns.py SwitchedMachines
 
 Columns: s/round (min, max), push/pull MB/w (bytes per round per worker as bps_gc counts them),
 NIC MB/m0 (--shaped: bytes through machine 0's NIC per round, both directions, with its
-co-located server's), CPU% (whole machine during rank 0's timed rounds; 100 = CPU-bound or
+co-located server's), floor s (--shaped: the line rate's time for the bytes a parameter-server
+row's design moves through a machine's NIC: 2 x (M-1)/M x what the machine's ranks push, with
+two levels one copy of the tensor, flat one per rank; other rows, marked *: for the bytes
+machine 0's NIC moved, its busier direction), CPU% (whole machine during rank 0's timed rounds; 100 = CPU-bound or
 other jobs running), vs gloo and vs PSGD r1 (ratios to torch's gloo all_reduce and DDP PowerSGD
 rank 1 of the same run). Then the issues' targets with their ratios. JSON goes to
 out/bench_pushpull_<link>_<ranks>.json unless --json says otherwise. Every child process is
@@ -51,6 +66,7 @@ plots them.
 """
 import argparse
 import datetime
+import json
 import os
 import platform
 import shutil
@@ -61,21 +77,30 @@ import tempfile
 import numpy as np
 
 from bench_cluster import PLACEMENTS, Children, Loopback, Switched, machines_needed
-from bench_common import BPS_CONFIGS, MODEL, bps_gc_congestion, check_tcp_congestion, ONE_HOST_ONLY, PSLITE_CONFIGS, SHAPED_ONLY, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, write_json_atomic
-from bench_report import print_table, targets
+from bench_common import BPS_CONFIGS, LOCAL_RANKS_ONLY, MODEL, bps_gc_congestion, check_tcp_congestion, ONE_HOST_ONLY, PSLITE_CONFIGS, SHAPED_ONLY, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, machine_info, shapes_description, write_json_atomic
+from bench_report import print_table, same_rows, targets
 from bench_run import run_all
 from bench_workers import bps_worker, mx_worker, profiled_node
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2, help="workers / ranks, one per machine (2)")
+    p.add_argument("--ranks", type=int, default=2, help="worker machines (2); each runs --local-ranks ranks")
+    p.add_argument("--local-ranks", type=int, default=1, metavar="L", help="ranks per worker machine "
+                   "(1): the parameter server's bpslaunch gets NVIDIA_VISIBLE_DEVICES=0..L-1 (the "
+                   "scheduler and servers are not told), torch's ranks LOCAL_RANK/LOCAL_WORLD_SIZE")
     p.add_argument("--placement", default="colocated",
                    help=f"comma-separated server placements: {', '.join(PLACEMENTS)} (colocated)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (loopback 5, --shaped 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (loopback 2, --shaped 1)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up + 2 rounds, a few rows")
     p.add_argument("--tensors", type=int, default=0, help="only the first N tensors (0: all 161)")
+    p.add_argument("--elements", type=int, default=0, metavar="N", help="one float32 tensor of N "
+                   "elements (a matrix) instead of ResNet-50's gradients")
+    p.add_argument("--tensor-mb", type=float, default=0, metavar="MB",
+                   help="as --elements, given in MB of float32 (25.6: 6.4M elements)")
+    p.add_argument("--baseline", metavar="JSON", help="an earlier run's JSON (e.g. at --local-ranks "
+                   "1): print each row's ratio to the same row there")
     p.add_argument("--shaped", metavar="RATE", help="one network namespace per machine, NICs shaped "
                    "to RATE (1gbit, 100mbit, ...) instead of loopback; needs root")
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: every machine's default TCP "
@@ -103,16 +128,36 @@ def parse_args(argv):
         args.rounds = 2 if args.shaped or args.quick else 5
     if args.quick and args.collective_rows is None:
         args.collective_rows = "all_reduce,PowerSGD rank 1,collective topk"
-    if args.ranks < 2 or args.rounds < 1 or args.passes < 1 or args.warmup < 0:
-        p.error("--ranks must be >= 2, --rounds and --passes >= 1, --warmup >= 0")
+    if args.ranks < 2 or args.rounds < 1 or args.passes < 1 or args.warmup < 0 or args.local_ranks < 1:
+        p.error("--ranks must be >= 2, --rounds and --passes >= 1, --local-ranks >= 1, --warmup >= 0")
+    if args.tensor_mb:
+        if args.elements:
+            p.error("give --elements or --tensor-mb, not both")
+        args.elements = int(round(args.tensor_mb * 1e6 / 4))
+    if args.elements < 0 or (args.elements and args.tensors):
+        p.error("--elements must be >= 0 and does not go with --tensors")
+    if args.baseline:
+        try:
+            with open(args.baseline) as f:
+                args.baseline_rows = json.load(f)["results"]
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--baseline {args.baseline}: not a bench_pushpull JSON ({e})")
     args.placements = pick(p, args.placement, PLACEMENTS, None, "--placement")
     args.bps = pick(p, args.configs, BPS_CONFIGS, QUICK_BPS if args.quick else None, "--configs")
     if args.configs is None:  # one machine per worker: nothing to sum locally; on loopback: no TCP
-        drop = ONE_HOST_ONLY if args.shaped else SHAPED_ONLY
+        drop = ONE_HOST_ONLY if args.shaped or args.local_ranks > 1 else SHAPED_ONLY
+        if args.local_ranks == 1:
+            drop += LOCAL_RANKS_ONLY
         if args.shaped and machines_congestion(args) == bps_gc_congestion():  # the same as dense
             drop += SHAPED_ONLY
         args.bps = [c for c in args.bps if c not in drop]
+    if args.local_ranks == 1 and any(c in LOCAL_RANKS_ONLY for c in args.bps):
+        print(f"bench_pushpull: {', '.join(LOCAL_RANKS_ONLY)} is dense with one rank per machine: skipped", flush=True)
+        args.bps = [c for c in args.bps if c not in LOCAL_RANKS_ONLY]
     args.mx = pick(p, args.pslite, PSLITE_CONFIGS, QUICK_PSLITE if args.quick else None, "--pslite")
+    if args.mx and args.local_ranks > 1:
+        print("bench_pushpull: ps-lite rows run one rank per machine only: skipped", flush=True)
+        args.mx = []
     if args.mx:
         try:
             import mxnet  # noqa: F401  (ps-lite rows only where MXNet is installed)
@@ -166,12 +211,13 @@ def main(argv=None):
     signal.signal(signal.SIGHUP, on_signal)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     log_root = tempfile.mkdtemp(prefix="bench_pushpull-")
-    shapes = load_shapes(args.tensors)
+    shapes = load_shapes(args.tensors, args.elements)
     floats = sum(int(np.prod(s)) for s in shapes)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": sys.argv,
             "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "model": MODEL, "tensors": len(shapes), "floats": floats, "bytes": floats * 4,
-            "ranks": args.ranks, "placements": args.placements, "rounds": args.rounds,
+            "ranks": args.ranks, "local_ranks": args.local_ranks, "elements": args.elements,
+            "machine": machine_info(), "placements": args.placements, "rounds": args.rounds,
             "warmup": args.warmup, "passes": args.passes, "loadavg_before": os.getloadavg(),
             "env": {k: v for k, v in os.environ.items() if k.startswith(("BYTEPS_", "BPS_GC_"))}}
     try:
@@ -197,21 +243,27 @@ def main(argv=None):
             meta["qdisc_stats"] = {m: net.qdisc_stats(m) for m in range(len(net.ns))}
         meta["loadavg_after"] = os.getloadavg()
         passes = f" x {args.passes} interleaved passes" if args.passes > 1 else ""
-        title = (f"\n{topo.name}, {args.ranks} ranks (one per machine), {MODEL} gradients "
-                 f"({len(shapes)} tensors, {floats * 4 / 1e6:.1f} MB); rank 0's median of "
+        ranks = (f"{args.ranks} machines x {args.local_ranks} ranks" if args.local_ranks > 1
+                 else f"{args.ranks} ranks (one per machine)")
+        title = (f"\n{topo.name}, {ranks}, {shapes_description(shapes, args.elements)}; "
+                 f"{meta['machine']}; rank 0's median of "
                  f"{args.rounds} rounds after {args.warmup} warm-up{passes}; "
                  f"load average {meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f} "
                  f"on {os.cpu_count()} CPUs")
-        table = print_table(title, rows, topo.name, net is not None)
+        table = print_table(title, rows, topo.name, net is not None, getattr(args, "baseline_rows", None))
         for r in rows:
             for key in ("worker0_profile", "server_profile"):
                 if r.get(key) and r["system"] == "bps_gc PS":
                     print(f"\n=== profile: {r['system']} {r['config']} "
                           f"{key.replace('_profile', '')}\n{r[key]}")
-        path = args.json or os.path.join(ROOT, "out", f"bench_pushpull_{topo.name}_{args.ranks}.json")
+        shape = f"{args.ranks}x{args.local_ranks}" if args.local_ranks > 1 else f"{args.ranks}"
+        path = args.json or os.path.join(ROOT, "out", f"bench_pushpull_{topo.name}_{shape}.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_json_atomic(path, {"meta": meta, "table": table, "results": rows,
-                                 "targets": targets(rows, topo.name)})
+        report = {"meta": meta, "table": table, "results": rows, "targets": targets(rows, topo.name)}
+        if getattr(args, "baseline_rows", None) is not None:
+            report["against_baseline"] = {"baseline": args.baseline,
+                                          "rows": same_rows(rows, args.baseline_rows)}
+        write_json_atomic(path, report)
         print(f"wrote {path}")
         return 1 if args.failed else 0
     except KeyboardInterrupt as e:

@@ -8,10 +8,10 @@ import time
 from types import SimpleNamespace
 
 from bench_cluster import ClusterFailed, bps_plan, log_tail, mx_plan, run_cluster
-from bench_common import ONE_HOST_ONLY, cpu_counters
+from bench_common import CONFIG_ENV, ONE_HOST_ONLY, cpu_counters
 from bench_report import collective_rows, load_results, summarize
 
-COLLECTIVE = ("collective", "all rows", "one rank per machine")
+COLLECTIVE = ("collective", "all rows", "torch.distributed")
 
 
 def machine_busy(seconds=1.0):
@@ -52,8 +52,8 @@ def run_one(key, topo, args, children, result_dir, timeout, say):
         from bench_collective import rank_plan
         raw = os.path.join(result_dir, "collective.json")
         opts = SimpleNamespace(warmup=args.warmup, rounds=args.rounds, tensors=args.tensors,
-                               rows=args.collective_rows)
-        plan, workers = rank_plan(topo, args.ranks, raw, opts)
+                               elements=args.elements, rows=args.collective_rows)
+        plan, workers = rank_plan(topo, args.ranks, raw, opts, args.local_ranks)
     elif system == "bps_gc PS":
         plan, workers = bps_plan(config, topo, args, result_dir, args.rounds, args.warmup,
                                  args.ranks, placement)
@@ -73,7 +73,8 @@ def run_one(key, topo, args, children, result_dir, timeout, say):
         if system == "collective":
             results = collective_rows(os.path.join(result_dir, "collective.json"))
         else:
-            results = load_results(result_dir, "bps" if system == "bps_gc PS" else "mx", args.ranks)
+            results = load_results(result_dir, "bps" if system == "bps_gc PS" else "mx",
+                                   args.ranks * args.local_ranks)
     except ClusterFailed as e:
         started = e.args[1] if len(e.args) > 1 else []
         say(f"{system} {config}: FAILED: {e.args[0]} (logs in {result_dir})")
@@ -118,7 +119,7 @@ def run_all(args, topo, children, log_root):
     errors = {}
     from tqdm import tqdm
     work = [(p, key) for p in range(args.passes) for key in keys]
-    bar = tqdm(work, desc=f"{topo.name}, {args.ranks} ranks", unit="config", file=sys.stderr)
+    bar = tqdm(work, desc=f"{topo.name}, {topology_name(args)}", unit="config", file=sys.stderr)
     for p, key in bar:
         bar.set_postfix_str(" ".join(key[:2]) + (f" (pass {p + 1})" if args.passes > 1 else ""))
         if key in errors:
@@ -144,11 +145,15 @@ def run_all(args, topo, children, log_root):
         if key in errors:
             rows.append({"system": key[0], "config": key[1], "topology": key[2], "error": errors[key]})
         elif key == COLLECTIVE:
-            rows += pooled_collective(runs[key], infos[key])
+            rows += pooled_collective(runs[key], infos[key], topology_name(args), args.ranks, args.local_ranks)
         elif runs[key]:
-            row = summarize(key[0], key[1], runs[key])
-            row["topology"] = f"{args.ranks} workers, servers {key[2]}"
+            row = summarize(key[0], key[1], runs[key], args.local_ranks)
+            row["topology"] = f"{topology_name(args)}, servers {key[2]}"
             row["workers"], row["placement"] = args.ranks, key[2]
+            row["machines"], row["local_ranks"] = args.ranks, args.local_ranks
+            if key[0] == "bps_gc PS" and args.local_ranks > 1:
+                flat = CONFIG_ENV.get(key[1], {}).get("BPS_GC_HIERARCHY") == "flat"
+                row["topology"] += ", flat" if flat else ", two levels"
             if key[1] in ONE_HOST_ONLY:  # BPS_GC_LOCAL_REDUCE: the dense sums skip the servers
                 row["topology"] = f"{args.ranks} workers summing in shared memory, servers {key[2]} (idle)"
             add_info(row, infos[key])
@@ -169,7 +174,13 @@ def add_info(row, info):
         row["server_profile"] = info[0]["server_profile"]
 
 
-def pooled_collective(passes, info):
+def topology_name(args):
+    if args.local_ranks > 1:
+        return f"{args.ranks} machines x {args.local_ranks} ranks"
+    return f"{args.ranks} workers"
+
+
+def pooled_collective(passes, info, topology, machines, local_ranks):
     """The collective block's rows, each with rank 0's round times of every pass pooled."""
     rows = []
     for label in passes[0]:
@@ -181,11 +192,16 @@ def pooled_collective(passes, info):
             system, config = "bps_gc DDP hook", label[len("DDP bps_gc hook "):]
         else:
             system, config = "torch", label
-        row = {"system": system, "config": config, "topology": "one rank per machine",
+        nic = [(results[label].get("nic_tx_per_round"), results[label].get("nic_rx_per_round")) for results in passes]
+        nic = [pair for pair in nic if None not in pair]
+        row = {"system": system, "config": config, "topology": topology,
                "seconds": med, "min": min(times), "max": max(times), "times": times,
-               "rounds": len(times), "passes": len(passes),
+               "rounds": len(times), "passes": len(passes), "machines": machines, "local_ranks": local_ranks,
                "pass_medians": [results[label]["median_s"] for results in passes],
                "tcp_per_round": passes[0][label].get("tcp_per_round")}
+        if nic:  # machine 0's NIC, both directions, per round (as the PS rows' link_*_per_worker)
+            row["link_tx_per_worker"] = statistics.fmean(tx for tx, _ in nic)
+            row["link_rx_per_worker"] = statistics.fmean(rx for _, rx in nic)
         add_info(row, info)
         rows.append(row)
     return rows

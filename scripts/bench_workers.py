@@ -18,12 +18,13 @@ def bps_worker(argv):
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     parser.add_argument("--tensors", type=int, default=0, help="only the first N tensors (0: all)")
+    parser.add_argument("--elements", type=int, default=0, help="one tensor of N floats instead")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     profiler = ThreadProfiler() if args.profile and os.environ.get("DMLC_WORKER_ID") == "0" else None
 
     import bps_gc.core as bps
-    shapes = load_shapes(args.tensors)
+    shapes = load_shapes(args.tensors, args.elements)
     compression = BPS_CONFIGS[args.config]
     t_start = time.perf_counter()
     bps.init()
@@ -119,10 +120,11 @@ def mx_worker(argv):
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     parser.add_argument("--tensors", type=int, default=0, help="only the first N tensors (0: all)")
+    parser.add_argument("--elements", type=int, default=0, help="one tensor of N floats instead")
     args = parser.parse_args(argv)
 
     import mxnet as mx
-    shapes = load_shapes(args.tensors)
+    shapes = load_shapes(args.tensors, args.elements)
     t_start = time.perf_counter()
     kv = mx.kv.create("dist_sync")
     compression = PSLITE_CONFIGS[args.config]

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Time to accuracy on the MNIST demo's task (MLP 784-128-10, the 4,000 real training digits
-of example/demo, 1,000 held out), 2 ranks, batch 32 per rank, SGD lr 0.1 momentum 0.9:
+of example/demo, 1,000 held out), 2 machines x --local-ranks ranks, batch 32 per rank, SGD lr 0.1 momentum 0.9:
 PyTorch's DDP (dense, fp16 hook, PowerSGD rank 1 and 4, torch's own hooks) against bps_gc on
 the collective transport (its DDP hook; DistributedOptimizer with the demo's onebit recipe)
 and on the parameter server (the same recipe; one server per worker machine, co-located).
 
-One rank per machine: on loopback both are 127.0.0.1; with --shaped RATE (root) each is a
-network namespace whose NIC is shaped to RATE both ways (scripts/netns.py SwitchedMachines).
-The torch.distributed configurations train one after the other in the same 2 rank processes;
+Two machines of --local-ranks ranks each (1): on loopback both are 127.0.0.1; with --shaped
+RATE (root) each is a network namespace whose NIC is shaped to RATE both ways
+(scripts/netns.py SwitchedMachines). With several local ranks the torch.distributed ranks get
+torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK (bps_gc's collective then runs two levels)
+and each machine's parameter-server workers are one bpslaunch with NVIDIA_VISIBLE_DEVICES=0..L-1
+(the scheduler and servers are not told; the servers sum one push per machine).
+The torch.distributed configurations train one after the other in the same rank processes;
 the parameter-server one in a second cluster (scheduler, 2 servers, 2 workers) on the same
 link. Rank 0 evaluates every --eval-every steps with the clock stopped. The table gives, for
 each, the wall time to first reach the dense run's final accuracy (minus --slack), its final
@@ -26,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PY, ROOT, bps_gc_congestion, check_tcp_congestion, import_netns  # noqa: E402  (puts this checkout first)
+from bench_common import PY, ROOT, bps_gc_congestion, check_tcp_congestion, import_netns, machine_info  # noqa: E402  (puts this checkout first)
 
 # bps_gc's DistributedOptimizer recipes (the momentum moves into the codec chain, as in the demo)
 RECIPES = {"onebit + EF + nesterov": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"},
@@ -34,12 +38,14 @@ RECIPES = {"onebit + EF + nesterov": {"compressor": "onebit", "scaling": True, "
 COLLECTIVE = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
               "bps_gc hook topk 10% + EF", *(f"bps_gc collective {r}" for r in RECIPES))
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
+MACHINES = 2
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--local-ranks", type=int, default=1, metavar="L", help="ranks per machine (1)")
     p.add_argument("--slack", type=float, default=0.0, help="target = dense final accuracy - slack")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion "
@@ -51,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
     args = p.parse_args(argv)
     check_tcp_congestion(p, args)
+    if args.local_ranks < 1:
+        p.error("--local-ranks must be >= 1")
     return args
 
 
@@ -132,20 +140,22 @@ def run_clusters(args, topo, log_dir):
             raw = os.path.join(log_dir, f"{transport}.json")
             cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--epochs", str(args.epochs),
                    "--eval-every", str(args.eval_every), "--configs", ",".join(configs)]
-            port = topo.port()
+            port, local = topo.port(), args.local_ranks
             if transport == "collective":
-                plan = [(f"rank{r}", topo.wrap(r, cmd), child_env(
-                    {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                plan = [(f"rank{r}", topo.wrap(r // local, cmd), child_env(
+                    {"RANK": str(r), "WORLD_SIZE": str(MACHINES * local), "LOCAL_RANK": str(r % local),
+                     "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(r // local),
                      "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                     "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective"}))
-                    for r in range(2)]
-            else:
-                common = {**cluster_env(topo, 2, 2, port), "OMP_NUM_THREADS": "1", "BPS_GC_TRANSPORT": "ps"}
-                plan = node_plan(topo, common, [0, 1], [PY, "-m", "bps_gc.launcher.cli"])
+                     "GLOO_SOCKET_IFNAME": topo.veth(r // local) or "lo", "BPS_GC_TRANSPORT": "collective"}))
+                    for r in range(MACHINES * local)]
+            else:  # one bpslaunch per machine, as on a cluster; its ranks are its children
+                common = {**cluster_env(topo, MACHINES, MACHINES, port), "OMP_NUM_THREADS": "1",
+                          "BPS_GC_TRANSPORT": "ps"}
+                plan = node_plan(topo, common, list(range(MACHINES)), [PY, "-m", "bps_gc.launcher.cli"])
                 plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
-                          child_env(worker_env(topo, common, w))) for w in range(2)]
+                          child_env(worker_env(topo, common, w, local))) for w in range(MACHINES)]
             try:
-                run_cluster(children, plan, {"rank0", "rank1"}, 3600, log_dir)
+                run_cluster(children, plan, {name for name, _, _ in plan if name.startswith("rank")}, 3600, log_dir)
             except ClusterFailed as e:
                 tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
                 sys.exit(f"time_to_accuracy: the {transport} run failed: {e.args[0]}\n{tails[-3000:]}")
@@ -169,8 +179,8 @@ def main(argv=None):
     if args.shaped:
         netns = import_netns()
         try:
-            net = netns.SwitchedMachines(args.shaped, 2, congestion=args.tcp_congestion).__enter__()
-            where = (f"{args.shaped} shaped (one namespace per rank; {net.describe()}; bps_gc's links: "
+            net = netns.SwitchedMachines(args.shaped, MACHINES, congestion=args.tcp_congestion).__enter__()
+            where = (f"{args.shaped} shaped (one namespace per machine; {net.describe()}; bps_gc's links: "
                      f"{bps_gc_congestion() or 'the default'})")
         except netns.NetnsUnavailable as e:
             print(f"time_to_accuracy: cannot shape a link here ({e}); running on loopback")
@@ -188,7 +198,8 @@ def report(args, curves, where):
     rows = {name: {"seconds_to_target": time_to(c, target), "final_accuracy": c[-1][1], "train_seconds": c[-1][0]}
             for name, c in curves.items()}
     ddp_times = [r["seconds_to_target"] for n, r in rows.items() if n.startswith("DDP") and r["seconds_to_target"]]
-    print(f"2 ranks, {where}, {args.epochs} epochs; target = dense DDP's final accuracy {target:.4f}")
+    ranks = f"{MACHINES} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{MACHINES} ranks"
+    print(f"{ranks}, {where}, {args.epochs} epochs; {machine_info()}; target = dense DDP's final accuracy {target:.4f}")
     print(f"{'':42} {'s to target':>11} {'final acc':>9} {'train s':>8} {'vs fastest DDP':>14}")
     for name, r in rows.items():
         t = r["seconds_to_target"]
@@ -197,6 +208,7 @@ def report(args, curves, where):
         speed = f"{r['speedup_vs_fastest_ddp']:.2f}x" if r["speedup_vs_fastest_ddp"] else "-"
         print(f"{name:42} {shown} {r['final_accuracy']:9.4f} {r['train_seconds']:8.2f} {speed:>14}")
     json.dump({"target": target, "epochs": args.epochs, "link": where, "command": sys.argv,
+               "machines": MACHINES, "local_ranks": args.local_ranks, "machine": machine_info(),
                "rows": rows, "curves": curves},
               open(os.path.join(args.out, "time_to_accuracy.json"), "w"), indent=1)
     import matplotlib
@@ -208,7 +220,7 @@ def report(args, curves, where):
     ax.axhline(target, color="grey", linestyle=":", label="target")
     ax.set_xlabel("training wall time (s), rank 0")
     ax.set_ylabel("validation accuracy")
-    ax.set_title(f"MNIST MLP, 2 ranks, {args.shaped or 'loopback'}", fontsize=9)
+    ax.set_title(f"MNIST MLP, {ranks}, {args.shaped or 'loopback'}", fontsize=9)
     ax.set_ylim(0.8, 1.0)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -53,7 +53,7 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import PayloadsMissing, all_gather_tensors
 from ..collective.levels import levels_from_env
-from ..roles.worker_host import partition_owner
+from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
 from .device_codecs import chain_for, device_reduction, uses_device_chain
 
 log = logging.getLogger("bps_gc.torch")

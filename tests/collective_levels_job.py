@@ -2,7 +2,9 @@
 ``python collective_levels_job.py SPEC.json OUT_DIR``. The hook's levels are its own
 (levels_from_env: groups and memory apart from the communicator's): a dense torch tensor summed
 by reduce_tensor, and one bucket of two compressed gradients by reduce_coded, each gradient's
-owner local rank compressing its host's sum once. Saves OUT_DIR/levels<rank>.npz."""
+owner local rank compressing its host's sum once. Then the DDP hook (bps_gc.torch.comm_hook) on a
+small network, dense and topk + EF (HOOK_MODES), recording every bucket it saw: index, gradient
+sizes, this rank's gradients in and the averaged bucket out. Saves OUT_DIR/levels<rank>.npz."""
 import json
 import os
 import runpy
@@ -25,6 +27,35 @@ HOOK_TENSORS = [{"name": "hook-dense", "shape": [500], "dtype": "float32", "para
                 {"name": "hook-topk", "shape": [200], "dtype": "float32",
                  "params": {"compressor": "topk", "k": 0.1}}]
 HOOK_INDEX = 100  # the gradients' keys: (HOOK_INDEX + position) << 16, one partition each
+HOOK_MODES = {"ddp-dense": {}, "ddp-topk-ef": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
+HOOK_STEPS, HOOK_LR = 3, 0.1  # DDP regroups its buckets after the first step
+
+
+def run_hook(params, rank):
+    """HOOK_STEPS steps of DDP with the hook; {name: array} of every bucket it saw, in call order."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from bps_gc.torch import comm_hook
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 10)),
+                bucket_cap_mb=0.001)  # a few buckets of ~250 floats
+    opt = torch.optim.SGD(model.parameters(), lr=HOOK_LR)
+    hook, seen = comm_hook(params, optimizer=opt), []
+
+    def recording(state, bucket):  # stays asynchronous: the result is read when the future completes
+        entry = [bucket.index(), [g.numel() for g in bucket.gradients()], bucket.buffer().detach().clone().numpy()]
+        seen.append(entry)
+        return hook(state, bucket).then(lambda f: entry.append(f.value().detach().clone().numpy()) or f.value())
+    model.register_comm_hook(None, recording)
+    for step in range(HOOK_STEPS):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 10, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for k, (index, sizes, grads, result) in enumerate(seen):
+        out.update({f"index{k}": np.array(index), f"sizes{k}": np.array(sizes), f"in{k}": grads, f"out{k}": result})
+    return out
 
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
@@ -46,7 +77,10 @@ if __name__ == "__main__":
                       compress.make_reducer(reducer, params, n, np.float32, key), ctx))
         start += n
     levels.reduce_coded(flat, parts)
-    np.savez(os.path.join(sys.argv[2], f"levels{rank}.npz"), **{"hook-dense": dense.numpy(), "coded": flat})
     levels.close()
+    saved = {"hook-dense": dense.numpy(), "coded": flat}
+    for mode, params in HOOK_MODES.items():
+        saved.update({f"{mode}/{name}": value for name, value in run_hook(params, rank).items()})
+    np.savez(os.path.join(sys.argv[2], f"levels{rank}.npz"), **saved)
     sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_job.py"), *sys.argv[1:]]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from bps_gc.collective.levels import host_layout
 from collective_hosts import CollectiveHostsJob, powersgd_expected, run_spec
-from collective_levels_job import HOOK_INDEX, HOOK_TENSORS
+from collective_levels_job import HOOK_INDEX, HOOK_LR, HOOK_MODES, HOOK_STEPS, HOOK_TENSORS
 from local_ranks import HostModel, expected_results, machines  # noqa: F401
 from multihost import processes_with
 from reference import gradient, step_ctx
@@ -74,6 +74,35 @@ def check_hook_levels(spec, tmp_path):
         assert got["hook-dense"].tobytes() == expected[0].tobytes(), f"rank {rank}: reduce_tensor"
         coded = np.concatenate([e.reshape(-1) for e in expected[1:]])
         assert got["coded"].tobytes() == coded.tobytes(), f"rank {rank}: reduce_coded"
+    check_ddp_hook([np.load(tmp_path / f"levels{rank}.npz") for rank in range(HOSTS * LOCAL)])
+
+
+def check_ddp_hook(runs):
+    """The DDP hook's buckets under two levels (every rank's gradients in, averaged bucket out,
+    in call order): each gradient of a bucket is HostModel's tensor of its own, its state per
+    bucket index renewed when DDP regroups the bucket (the hook's rule), step counted per bucket.
+    Topk and error feedback draw nothing random, so the codecs' keys need not be the hook's."""
+    for mode, params in HOOK_MODES.items():
+        calls = sum(1 for name in runs[0].files if name.startswith(f"{mode}/index"))
+        state, carried = {}, 0
+        for k in range(calls):
+            index, sizes = int(runs[0][f"{mode}/index{k}"]), [int(n) for n in runs[0][f"{mode}/sizes{k}"]]
+            assert all(int(run[f"{mode}/index{k}"]) == index for run in runs), f"{mode} call {k}: bucket order"
+            if index not in state or state[index][0] != sizes:
+                state[index] = [sizes, [HostModel(params, [n], "float32", HOOK_INDEX, HOSTS, LOCAL, 1 << 30, 0)
+                                        for n in sizes], 0]
+            ctx = {"lr": HOOK_LR, "step": state[index][2]}
+            carried += state[index][2] > 0  # error feedback's state carried from an earlier step
+            state[index][2] += 1
+            bounds = np.cumsum([0] + sizes)
+            inputs = [run[f"{mode}/in{k}"] for run in runs]
+            expected = np.concatenate([model.step([x[bounds[i]:bounds[i + 1]] for x in inputs], ctx)
+                                       for i, model in enumerate(state[index][1])])
+            for rank, run in enumerate(runs):
+                got = run[f"{mode}/out{k}"]
+                assert got.tobytes() == expected.tobytes(), \
+                    f"{mode} rank {rank} call {k} (bucket {index}): max diff {np.abs(got - expected).max()}"
+        assert calls >= HOOK_STEPS + 1 and carried, f"{mode}: {calls} buckets, {carried} with earlier state"
 
 
 TRAIN = textwrap.dedent("""

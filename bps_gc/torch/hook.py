@@ -29,8 +29,17 @@ raises it from backward().
 Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduce_hook and
 fp16_compress_hook. The learning rate that error feedback rescales by is read from
 ``optimizer`` when given, when the hook is called.
+
+Several ranks per host (bps_gc.collective.levels, docs/local_ranks.md): where the job runs two
+levels, a DDP group of every rank reduces through them, on the exchanging thread: a dense bucket
+is summed over the host's ranks (shared memory; NCCL for CUDA), once per host across hosts, and
+shared on the host; a compressed host bucket's gradient ``position`` is owned by local rank
+``partition_owner(index, position, L)``, which compresses the host's sum once (its codec state
+stays there), so the result is the parameter server's two levels'. Device-chain buckets stay
+flat, as the communicator's device tensors do.
 """
 import contextlib
+import logging
 import queue
 import threading
 
@@ -43,9 +52,15 @@ import bps_gc.core as core
 from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import PayloadsMissing, all_gather_tensors
+from ..collective.levels import levels_from_env
+from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
 from .device_codecs import chain_for, device_reduction, uses_device_chain
 
+log = logging.getLogger("bps_gc.torch")
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
+
+
+HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
 
 
 def bucket_key(index, position):
@@ -92,28 +107,80 @@ class CompressionHook:
         self.exchanger = SerialWorker("bps_gc-comm-hook-exchange")
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
+        self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
+        levels = self._levels(group)
         if not self.params.compressed:
-            return self._all_reduce(group, buffer)
+            if levels is None or buffer.device.type not in ("cpu", "cuda"):
+                return self._all_reduce(group, buffer)
+            future, stream = self._future(buffer)
+            self.exchanger.submit(lambda: self._levels_all_reduce(levels, group, bucket.index(), buffer,
+                                                                  future, stream))
+            return future.then(_value)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         parts = self._state(index, sizes, buffer)
         on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
                "step": self._count_step(index)}
-        side = self._side_group(group)
-        job = (side, index, buffer, parts, ctx, on_device)
-        if buffer.device.type == "cpu":
-            future, stream = torch.futures.Future(), None
-        else:
-            future, stream = self._on_side_stream(buffer)
+        levels = None if on_device else levels  # device payloads stay flat (as DeviceTensors')
+        side = group if levels is not None else self._side_group(group)
+        job = (side, index, buffer, parts, ctx, on_device, levels)
+        future, stream = self._future(buffer)
         self.compressor.submit(lambda: self._compress_stage(job, future, stream))
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
         return future.then(_value)
+
+    def _future(self, buffer):
+        """(the bucket's pending future, its CUDA side stream and event or None)."""
+        if buffer.device.type == "cpu":
+            return torch.futures.Future(), None
+        return self._on_side_stream(buffer)
+
+    def _levels(self, group):
+        """The two levels that DDP's ``group`` reduces through, or None (flat): joined by the
+        first call, which every rank makes at the same point. On backward's thread, before the
+        hook returns: joining gathers on the default group, which DDP's own collectives use too,
+        so they never interleave differently on different ranks."""
+        if group not in self.levels:
+            levels = None
+            backend = dist.get_backend_config() if hasattr(dist, "get_backend_config") else dist.get_backend()
+            if dist.get_world_size(group) != dist.get_world_size():
+                log.info("comm_hook: DDP's group is not every rank: one level")
+            elif "gloo" not in backend and "mpi" not in backend:  # the host level's syncs are CPU collectives
+                log.info("comm_hook: default backend %s has no CPU collectives: one level", backend)
+            else:
+                levels = levels_from_env(self._level_waiter(group, "the first"))
+            self.levels[group] = levels
+        return self.levels[group]
+
+    def _levels_all_reduce(self, levels, group, index, buffer, future, stream):
+        """On the exchanging thread: a dense bucket summed through the two levels, averaged."""
+        with _current(stream):
+            def reduce():
+                if stream is not None:
+                    stream[0].wait_event(stream[1])
+                levels.wait = self._level_waiter(group, index)
+                size, what = dist.get_world_size(group), f"all_reduce of DDP bucket {index}"
+                if buffer.is_cuda:
+                    sent = buffer.to(torch.float16) if self.params.fp16 else buffer
+                    sent.div_(size)  # first, so float16 does not overflow
+                    levels.reduce_tensor(sent, what)
+                    if sent is not buffer:
+                        buffer.copy_(sent)
+                    return buffer
+                # host sums in the bucket's dtype (numpy has no bfloat16: float32), float16 across hosts with fp16
+                host = buffer.detach() if buffer.dtype in HOST_DTYPES else buffer.detach().float()
+                total = levels.all_reduce(host.numpy(), what, np.float16 if self.params.fp16 else None)
+                total /= total.dtype.type(size)
+                if host.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(host)
+                return buffer
+            _settle(future, reduce)
 
     def _on_side_stream(self, buffer):
         """A CUDA bucket: (its future, (side stream, event)). The event, recorded now on
@@ -132,15 +199,18 @@ class CompressionHook:
     def _compress_stage(self, job, future, stream):
         """On the compressing thread: the bucket's payloads (None and the error if compressing
         failed), handed on to the exchanging thread in the same order."""
-        _, _, buffer, parts, ctx, on_device = job
+        _, _, buffer, parts, ctx, on_device, levels = job
         with _current(stream):
             try:
                 if stream is not None:
                     stream[0].wait_event(stream[1])
-                grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)  # float32: a view
-                bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-                payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
-                            in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
+                if levels is not None:  # its owners compress the host's sums, on the exchanging thread
+                    grad, payloads = buffer.detach().to("cpu", torch.float32), None  # float32 on CPU: a view
+                else:
+                    grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)  # float32: a view
+                    bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
+                    payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
+                                in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
                 failure = None
             except Exception as e:  # the others still gather (and learn that this rank failed)
                 grad, payloads, failure = None, None, e
@@ -153,8 +223,12 @@ class CompressionHook:
     def _exchange(self, job, grad, payloads, failure):
         """On the exchanging thread (the only one issuing the hook's collectives): gather,
         reduce and decode bucket ``index``; the averaged bucket, in its buffer."""
-        group, index, buffer, parts, ctx, on_device = job
+        group, index, buffer, parts, ctx, on_device, levels = job
         wait = self._waiter(group, index)
+        if levels is not None:
+            if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
+                raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {type(failure).__name__}: {failure}")
+            return self._exchange_levels(levels, job, grad)
         try:
             if on_device:  # the payloads stay where they are (NCCL for CUDA)
                 gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
@@ -185,6 +259,30 @@ class CompressionHook:
             result = torch.from_numpy(total)
         buffer.copy_(result)
         return buffer
+
+    def _exchange_levels(self, levels, job, grad):
+        """A host bucket's gradients through the two levels (levels.reduce_coded): each one's
+        owner local rank sums it over the host and compresses the sum once; the owners of every
+        host gather payloads and run the reducer; the host shares the decoded results."""
+        group, index, buffer, parts, ctx, _, _ = job
+        levels.wait = self._level_waiter(group, index)
+        flat = grad.numpy()
+        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
+        owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
+                 for i, (chain, reducer) in enumerate(parts)]
+        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype)
+        size = flat.dtype.type(dist.get_world_size(group))
+        for start, stop, _, _, reducer, _ in owned:
+            if reducer.summed:  # a majority vote is not averaged
+                flat[start:stop] /= size
+        if grad.data_ptr() != buffer.data_ptr():
+            buffer.copy_(grad)
+        return buffer
+
+    def _level_waiter(self, group, index):
+        """The wait of the levels' collectives for bucket ``index`` (None: one this rank skips)."""
+        wait = self._waiter(group, index)
+        return lambda work, what: None if work is None else wait(work, what)
 
     def _waiter(self, group, index):
         """How the worker waits for a collective: through bps_gc's collective communicator when

@@ -73,6 +73,21 @@ class Bucket:
         self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
 
 
+class Compressed:
+    """One compressed reduction's payloads (or its codec's error), made on the exchange thread."""
+    payloads = error = None
+
+    def run(self, tensor, wire, ctx, counters):
+        start = time.perf_counter()
+        try:
+            self.payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
+        except Exception as e:  # noqa: BLE001 -- the bucket's error, raised by its waits
+            self.error = e
+            return
+        counters.compress_seconds += time.perf_counter() - start
+        counters.pushed_wire += sum(p.nbytes for p in self.payloads)
+
+
 class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
@@ -259,23 +274,23 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
 
     def _queue_payloads(self, tensor, wire, out, average, ctx):
-        """Compressed and exchanged with the bucket, on the exchange thread (``wire`` is our
-        copy; a tensor's steps go out in order, so error feedback sees each step in turn)."""
-        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None), wire.nbytes,
-                         tensor.name)
+        """Compressed now on the exchange thread (while backward goes on), exchanged with the
+        bucket (``wire`` is our copy; the thread takes a tensor's steps in order, so error
+        feedback sees each step in turn)."""
+        compressed = Compressed()
+        self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.counters))
+        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, compressed),
+                         wire.nbytes, tensor.name)
 
-    def _compress_coded(self, coded):
-        """This rank's payloads of the bucket's compressed tensors, in order; (None, the error)
-        when a codec raised: the rank still takes part in the exchange (exchange.py)."""
-        start = time.perf_counter()
-        try:
-            payloads = [part.codec.compress(wire[part.start:part.stop], ctx)
-                        for tensor, wire, _, _, ctx, _ in coded for part in tensor.partitions]
-        except Exception as e:  # noqa: BLE001 -- the bucket's error, raised by its waits
-            return None, e
-        self.counters.compress_seconds += time.perf_counter() - start
-        self.counters.pushed_wire += sum(p.nbytes for p in payloads)
-        return payloads, None
+    @staticmethod
+    def _compress_coded(coded):
+        """This rank's payloads of the bucket's compressed tensors (made by their jobs, which
+        ran before the bucket's on the same thread), in order; (None, the error) when a codec
+        raised: the rank still takes part in the exchange (exchange.py)."""
+        failures = [entry[5].error for entry in coded if entry[5].error is not None]
+        if failures:
+            return None, failures[0]
+        return [p for entry in coded for p in entry[5].payloads], None
 
     def _reduce_coded(self, coded):
         """Compress, one all_gather for the bucket's payloads, then every partition's reduction."""

@@ -1,19 +1,24 @@
 """``Collective``: the communicator (roles/communicator.py) on torch.distributed.
 
 Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
-goes out when full or when a handle waiting on it is waited for. Its dense tensors are summed
-by one all_reduce (per dtype), its two-phase tensors' phases by one all_reduce each. Its
-compressed tensors, cut into the parameter server's
-partitions (same keys, so the same codec seeds) and compressed when reduce() is called, send
-their payloads in one all_gather, and every rank runs the server's reduction (exchange.py).
-Every rank issues the same collectives in the same order because every rank declares, reduces
-and waits in the same order (the contract of the interface).
+goes out when full or when a handle waiting on it is waited for. Going out hands it to the
+exchange thread (exchange_thread.py), so reduce() returns at once: a gradient hook never holds
+backward for an exchange. There its dense tensors are summed by one all_reduce (per dtype), its
+two-phase tensors' phases by one all_reduce each, and its compressed tensors, cut into the
+parameter server's partitions (same keys, so the same codec seeds) and compressed there, send
+their payloads in one all_gather, and every rank runs the server's reduction (exchange.py); the
+handles' wait() delivers the results. Every rank issues the same collectives in the same order
+because every rank declares, reduces and waits in the same order (the contract of the
+interface), the thread takes buckets in the order they were flushed, and the collectives the
+caller issues itself wait until the thread is idle (``drain``). A bucket's error (a codec's, a
+failed peer's) is raised by every wait on its handles.
 
 Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
 heartbeat bound, and one that shut down (departure.py) as soon as this rank waits on anything it
 never issued; so every collective and message is counted. ``all_reduce`` is the plain-sum phase PowerSGD's P and Q steps call.
 """
 import logging
+import threading
 import time
 
 import numpy as np
@@ -27,7 +32,8 @@ from ..roles.worker_handle import Metrics
 from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .departure import Ending, await_end, departure, described
 from .device_tensors import DeviceTensors
-from .exchange import all_gather_bytes
+from .exchange import PayloadsMissing, all_gather_bytes
+from .exchange_thread import ExchangeThread
 from .liveness import Heartbeat
 from .messages import Messages
 from .rendezvous import backend_from_env, connect
@@ -41,7 +47,9 @@ class Handle(api.Handle):
         self.comm, self.result, self.bucket = comm, result, bucket
 
     def poll(self):
-        return self.bucket is None or (self.bucket.flushed and all(w.is_completed() for w in self.bucket.works))
+        bucket = self.bucket
+        return bucket is None or (bucket.sent.is_set() and (bucket.error is not None or
+                                                            all(w.is_completed() for w in bucket.works)))
 
     def wait(self, timeout=None):
         if self.bucket is not None:
@@ -62,6 +70,22 @@ class Bucket:
         self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
         self.gathered = []
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
+        self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
+
+
+class Compressed:
+    """One compressed reduction's payloads (or its codec's error), made on the exchange thread."""
+    payloads = error = None
+
+    def run(self, tensor, wire, ctx, counters):
+        start = time.perf_counter()
+        try:
+            self.payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
+        except Exception as e:  # noqa: BLE001 -- the bucket's error, raised by its waits
+            self.error = e
+            return
+        counters.compress_seconds += time.perf_counter() - start
+        counters.pushed_wire += sum(p.nbytes for p in self.payloads)
 
 
 class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
@@ -83,6 +107,7 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         self.awaiting = None  # the message this rank last told the store it waits for
         self.failure = None
         self.abandoned = None  # the uncaught exception the script ends on, if any
+        self.exchanger = ExchangeThread(f"bps_gc-collective-exchange-{self.rank}")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,8 +132,10 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         if not failed:
             try:
                 self.flush()
+                self.drain()  # every collective issued before the count is published
             except (NodeFailure, RuntimeError):  # a peer failed while the last bucket went out
                 failed = True
+        self.exchanger.stop()  # after a failure it may still wait on the dead peer: a daemon
         self.closed = True
         clean = not failed
         if self.heartbeat is not None and self.heartbeat.store is not None and self.size > 1:
@@ -133,6 +160,15 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
             raise RuntimeError("bps_gc: the collective communicator was shut down")
         if self.heartbeat is not None and self.heartbeat.failure is not None:
             self.failure = self.heartbeat.failure
+            raise self.failure
+
+    def drain(self):
+        """Wait until the exchange thread issued every flushed bucket (before this thread issues
+        a collective itself: the order every rank issues them in), watching the heartbeat; a
+        failure the thread met is raised here too."""
+        while not self.exchanger.wait_idle(0.05):
+            self.check_alive()
+        if self.failure is not None:
             raise self.failure
 
     def wait(self, work, what, message=None):
@@ -238,20 +274,36 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
 
     def _queue_payloads(self, tensor, wire, out, average, ctx):
-        """Compress now (error feedback sees this step), exchange with the bucket."""
-        start = time.perf_counter()
-        payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
-        self.counters.compress_seconds += time.perf_counter() - start
-        self.counters.pushed_wire += sum(p.nbytes for p in payloads)
-        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, payloads), wire.nbytes,
-                         tensor.name)
+        """Compressed now on the exchange thread (while backward goes on), exchanged with the
+        bucket (``wire`` is our copy; the thread takes a tensor's steps in order, so error
+        feedback sees each step in turn)."""
+        compressed = Compressed()
+        self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.counters))
+        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, compressed),
+                         wire.nbytes, tensor.name)
+
+    @staticmethod
+    def _compress_coded(coded):
+        """This rank's payloads of the bucket's compressed tensors (made by their jobs, which
+        ran before the bucket's on the same thread), in order; (None, the error) when a codec
+        raised: the rank still takes part in the exchange (exchange.py)."""
+        failures = [entry[5].error for entry in coded if entry[5].error is not None]
+        if failures:
+            return None, failures[0]
+        return [p for entry in coded for p in entry[5].payloads], None
 
     def _reduce_coded(self, coded):
-        """One all_gather for the bucket's payloads, then every partition's reduction."""
+        """Compress, one all_gather for the bucket's payloads, then every partition's reduction."""
+        mine, failure = self._compress_coded(coded)
         start = time.perf_counter()
-        mine = [p for entry in coded for p in entry[5]]
-        gathered = all_gather_bytes(mine, lambda work, what: self.wait(
-            self._issue(work), lambda: f"{what} of {_listed(entry[0].name for entry in coded)}"))
+        try:
+            gathered = all_gather_bytes(mine, lambda work, what: self.wait(
+                self._issue(work), lambda: f"{what} of {_listed(entry[0].name for entry in coded)}"),
+                parts=sum(len(entry[0].partitions) for entry in coded))
+        except PayloadsMissing:
+            if failure is not None:  # this rank's own codec error says more
+                raise failure from None
+            raise
         self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
         self.counters.communicate_seconds += time.perf_counter() - start
         index = 0
@@ -263,18 +315,18 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
             self._deliver(wire, out, average and tensor.partitions[0].reducer.summed)
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
-        """Two phases (roles/phased.py): the first phase's buffer is made now (error feedback
-        sees this step), the sums go with the bucket."""
+        """Two phases (roles/phased.py), both with the bucket on the exchange thread (a tensor's
+        steps in order there, so error feedback sees each step in turn)."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
-        start = time.perf_counter()
-        first = reduction.first()
-        self.counters.compress_seconds += time.perf_counter() - start
-        return self._add(Handle(self, out, self.pending), "phased", (reduction, first, wire, out, average),
+        return self._add(Handle(self, out, self.pending), "phased", (reduction, None, wire, out, average),
                          wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
-        p_sums = self._sum_phase([first for _, first, _, _, _ in phased])
+        start = time.perf_counter()
+        firsts = [entry[0].first() for entry in phased]
+        self.counters.compress_seconds += time.perf_counter() - start
+        p_sums = self._sum_phase(firsts)
         q_sums = self._sum_phase([entry[0].second(p_sum) for entry, p_sum in zip(phased, p_sums)])
         for (reduction, _, wire, out, average), q_sum in zip(phased, q_sums):
             reduction.finish(q_sum)
@@ -285,7 +337,7 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         in order."""
         start = time.perf_counter()
         fused = np.concatenate(buffers)
-        self.all_reduce(fused)
+        self._sum(fused)
         self.counters.communicate_seconds += time.perf_counter() - start
         self.counters.pushed_wire += fused.nbytes
         self.counters.pulled_wire += fused.nbytes
@@ -302,6 +354,7 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         votes[:-1] = (wire > 0).astype(np.int32) - (wire < 0)
         votes[-1] = not np.isfinite(wire).all()
         votes = torch.from_numpy(votes)
+        self.drain()
         self.counters.pushed_wire += votes.numel() // 8 + 1
         self.counters.pulled_wire += votes.numel() // 8 + 1
         self.wait(self._issue(dist.all_reduce(votes, async_op=True)), f"all_reduce of {tensor.name!r}'s signs")
@@ -323,10 +376,30 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         return handle
 
     def flush(self):
-        """Send the pending bucket: its payloads' all_gather (waited for), its dense all_reduce
-        (started)."""
+        """Hand the pending bucket to the exchange thread (``_send``)."""
         bucket, self.pending = self.pending, Bucket()
         bucket.flushed = True
+        if not bucket.names:
+            bucket.sent.set()
+            bucket.done = True
+            return
+        self.exchanger.submit(lambda: self._send(bucket))
+
+    def _send(self, bucket):
+        """On the exchange thread: the bucket's payloads' all_gather and phases (waited for),
+        its dense all_reduce (started). Its error is the bucket's; after a peer failed, every
+        later bucket fails with it at once."""
+        try:
+            self.check_alive()
+            if self.failure is not None:
+                raise self.failure
+            self._exchange(bucket)
+        except BaseException as e:  # noqa: BLE001 -- raised by the bucket's waits
+            bucket.error = e
+        finally:
+            bucket.sent.set()
+
+    def _exchange(self, bucket):
         if bucket.coded:
             (self.reduce_coded_on_hosts if self.levels is not None else self._reduce_coded)(bucket.coded)
         if bucket.gathered:
@@ -349,6 +422,10 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         if bucket is self.pending:
             self.flush()
         start = time.perf_counter()
+        while not bucket.sent.wait(0.05):  # the thread's waits watch the heartbeat too
+            self.check_alive()
+        if bucket.error is not None:
+            raise bucket.error
         for work in bucket.works:
             self.wait(work, lambda: f"all_reduce of {_listed(bucket.names)}")
         self.counters.communicate_seconds += time.perf_counter() - start
@@ -373,6 +450,11 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
         """A plain in-place sum over ranks now (PowerSGD's P and Q phases, local SGD's model
         difference); no codec, no bucket."""
         self.check_alive()
+        self.drain()
+        return self._sum(array, average)
+
+    def _sum(self, array, average=False):
+        """``all_reduce`` on the thread that runs it (the exchange thread for a bucket's phases)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.levels is not None:
             self.levels.all_reduce(tensor.numpy())
@@ -389,17 +471,27 @@ class Collective(TwoLevels, Messages, DeviceTensors, api.Communicator):
     def barrier(self):
         self.check_alive()
         self.flush()
+        self.drain()
         self.wait(self._issue(dist.barrier(async_op=True)), "barrier")
 
     def broadcast(self, array, root_rank, name):
         if not 0 <= root_rank < self.size:
             raise ValueError(f"broadcast: root_rank {root_rank} outside [0, {self.size})")
         self.check_alive()
+        self.drain()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         self.wait(self._issue(dist.broadcast(tensor, root_rank, async_op=True)), f"broadcast of {name!r}")
         if not np.shares_memory(tensor.numpy(), array):
             np.copyto(array, tensor.numpy())
         return array
+
+    def send(self, rank, name, payload):
+        self.drain()
+        return Messages.send(self, rank, name, payload)
+
+    def recv(self, rank, name, timeout=None):
+        self.drain()
+        return Messages.recv(self, rank, name, timeout)
 
     def metrics(self):
         current, self.counters = self.counters, Metrics()

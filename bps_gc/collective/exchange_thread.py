@@ -1,0 +1,56 @@
+"""The collective communicator's exchange thread: flushed buckets are compressed and exchanged
+there, in the order they were flushed, so a gradient hook that fills a bucket returns at once.
+
+Why the order of collectives stays the same on every rank: only the caller's thread flushes
+buckets (at the same point on every rank: the interface's contract), and this one thread runs
+them first in, first out; a collective the caller issues itself (all_reduce, broadcast,
+barrier, majority's vote, send/recv) first waits until this thread is idle (``drain``). So
+every rank issues its collectives on the default group in exactly the sequence it would issue
+them on one thread, and gloo sees them from one thread at a time.
+"""
+import queue
+import threading
+
+
+class ExchangeThread:
+    """One daemon thread running jobs in submission order; ``idle()`` when all have run. A
+    daemon: a job blocked on a dead peer never keeps the process alive (its waits poll the
+    heartbeat, so it ends anyway within the heartbeat's bound)."""
+
+    def __init__(self, name):
+        self.name, self.jobs, self.thread = name, queue.SimpleQueue(), None
+        self.submitted = self.completed = 0
+        self.changed = threading.Condition()
+
+    def submit(self, job):
+        with self.changed:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.thread.start()
+            self.submitted += 1
+        self.jobs.put(job)
+
+    def idle(self):
+        return self.completed == self.submitted
+
+    def wait_idle(self, seconds):
+        """True once every submitted job ran; False after ``seconds`` otherwise."""
+        with self.changed:
+            return self.changed.wait_for(self.idle, seconds)
+
+    def stop(self):
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.thread = None
+
+    def _run(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                job()  # a job records its own errors (on its bucket)
+            finally:
+                with self.changed:
+                    self.completed += 1
+                    self.changed.notify_all()

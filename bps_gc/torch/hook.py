@@ -40,8 +40,6 @@ flat, as the communicator's device tensors do.
 """
 import contextlib
 import logging
-import queue
-import threading
 
 import numpy as np
 import torch
@@ -52,6 +50,7 @@ import bps_gc.core as core
 from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import PayloadsMissing, all_gather_tensors
+from ..collective.exchange_thread import ExchangeThread
 from ..collective.levels import levels_from_env
 from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
 from .device_codecs import chain_for, device_reduction, uses_device_chain
@@ -66,26 +65,6 @@ HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the
 def bucket_key(index, position):
     """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
     return KEY_BASE | index << 16 | position
-
-
-class SerialWorker:
-    """One daemon thread running jobs in the order they were submitted; ``job()`` completes
-    its own future. A daemon: a job blocked on a dead peer never keeps the process alive."""
-
-    def __init__(self, name):
-        self.name, self.jobs, self.thread = name, queue.SimpleQueue(), None
-        self.lock = threading.Lock()
-
-    def submit(self, job):
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self.thread.start()
-        self.jobs.put(job)
-
-    def _run(self):
-        while True:
-            self.jobs.get()()
 
 
 class CompressionHook:
@@ -103,8 +82,8 @@ class CompressionHook:
         self.buckets = {}
         # two stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, and one thread issues every collective of the hook
-        self.compressor = SerialWorker("bps_gc-comm-hook-compress")
-        self.exchanger = SerialWorker("bps_gc-comm-hook-exchange")
+        self.compressor = ExchangeThread("bps_gc-comm-hook-compress")
+        self.exchanger = ExchangeThread("bps_gc-comm-hook-exchange")
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
         self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat

@@ -50,6 +50,17 @@ def warmup_density(final, epoch, warmup_epochs=0, densities=()):
     return final
 
 
+def step_density(codec, ctx):
+    """The kept fraction of this step: the step context's ``density`` when it gives one, else
+    ``codec``'s warm-up schedule at the context's epoch (the numpy and device chains alike)."""
+    if "density" in ctx:
+        r = float(ctx["density"])
+        if not 0 < r <= 1:
+            raise ValueError(f"dgc: step context density must be in (0, 1], got {r!r}")
+        return r
+    return warmup_density(codec.final, int(ctx["epoch"]), codec.warmup_epochs, codec.warmup_densities)
+
+
 @register_compressor("dgc", options=CODEC_OPTIONS["dgc"])
 class DGC(SortedSparse):
     owns_momentum = True  # build_chain adds no momentum decorator
@@ -74,12 +85,7 @@ class DGC(SortedSparse):
         self.last = {}  # how the latest selection went (density, threshold, rounds, fallback)
 
     def density(self, ctx):
-        if "density" in ctx:
-            r = float(ctx["density"])
-            if not 0 < r <= 1:
-                raise ValueError(f"dgc: step context density must be in (0, 1], got {r!r}")
-            return r
-        return warmup_density(self.final, int(ctx["epoch"]), self.warmup_epochs, self.warmup_densities)
+        return step_density(self, ctx)
 
     def compress(self, x, ctx=None):
         ctx = step_context(ctx)

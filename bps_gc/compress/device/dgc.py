@@ -17,7 +17,7 @@ import torch
 from .._native import lib, ptr
 from ..chain import mixed_state
 from ..context import step_context
-from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, sampling_plan, warmup_density
+from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, sampling_plan, step_density
 from .registry import register_device_compressor
 from .sparse import magnitude_keys
 from .threshold import DeviceSortedSparse
@@ -50,12 +50,7 @@ class DeviceDGC(DeviceSortedSparse):
         self.last = {}
 
     def density(self, ctx):
-        if "density" in ctx:
-            r = float(ctx["density"])
-            if not 0 < r <= 1:
-                raise ValueError(f"dgc: step context density must be in (0, 1], got {r!r}")
-            return r
-        return warmup_density(self.final, int(ctx["epoch"]), self.warmup_epochs, self.warmup_densities)
+        return step_density(self, ctx)
 
     def compress(self, x, ctx=None):
         ctx = step_context(ctx)

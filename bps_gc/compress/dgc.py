@@ -50,6 +50,18 @@ def warmup_density(final, epoch, warmup_epochs=0, densities=()):
     return final
 
 
+def read_settings(codec, params, options):
+    """The DGC settings of ``params`` on ``codec`` (the numpy and device chains alike)."""
+    codec.final = float(params.k) if params.k < 1 else min(1.0, params.k / codec.n)
+    codec.sample_ratio = options.get("sample_ratio", 0.01)
+    codec.warmup_epochs = options.get("warmup_epochs", 0)
+    codec.warmup_densities = options.get("warmup_densities", ())
+    codec.clip_norm = options.get("clip_norm")
+    codec.masking = options.get("momentum_masking", True)
+    codec.mu = params.mu
+    codec.nesterov = params.momentum == "nesterov"
+
+
 def step_density(codec, ctx):
     """The kept fraction of this step: the step context's ``density`` when it gives one, else
     ``codec``'s warm-up schedule at the context's epoch (the numpy and device chains alike)."""
@@ -70,14 +82,7 @@ class DGC(SortedSparse):
         options = dict(params.options)
         fp16 = options.get("fp16_values", False) or np.dtype(dtype) == np.float16
         super().__init__(params, n, dtype, np.float16 if fp16 else np.float32)
-        self.final = float(params.k) if params.k < 1 else min(1.0, params.k / self.n)
-        self.sample_ratio = options.get("sample_ratio", 0.01)
-        self.warmup_epochs = options.get("warmup_epochs", 0)
-        self.warmup_densities = options.get("warmup_densities", ())
-        self.clip_norm = options.get("clip_norm")
-        self.masking = options.get("momentum_masking", True)
-        self.mu = params.mu
-        self.nesterov = params.momentum == "nesterov"
+        read_settings(self, params, options)
         self.u = np.zeros(self.n, np.float32) if self.mu else None
         self.v = np.zeros(self.n, np.float32)
         self.rng_state = mixed_state(seed)

@@ -17,7 +17,7 @@ import torch
 from .._native import lib, ptr
 from ..chain import mixed_state
 from ..context import step_context
-from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, sampling_plan, step_density
+from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, read_settings, sampling_plan, step_density
 from .registry import register_device_compressor
 from .sparse import magnitude_keys
 from .threshold import DeviceSortedSparse
@@ -34,14 +34,7 @@ class DeviceDGC(DeviceSortedSparse):
         options = dict(params.options)
         fp16 = options.get("fp16_values", False) or np.dtype(dtype) == np.float16
         super().__init__(params, n, dtype, seed, device, np.float16 if fp16 else np.float32)
-        self.final = float(params.k) if params.k < 1 else min(1.0, params.k / self.n)
-        self.sample_ratio = options.get("sample_ratio", 0.01)
-        self.warmup_epochs = options.get("warmup_epochs", 0)
-        self.warmup_densities = options.get("warmup_densities", ())
-        self.clip_norm = options.get("clip_norm")
-        self.masking = options.get("momentum_masking", True)
-        self.mu = params.mu
-        self.nesterov = params.momentum == "nesterov"
+        read_settings(self, params, options)
         zeros = dict(dtype=torch.float32, device=self.device)
         self.u = torch.zeros(self.n, **zeros) if self.mu else None
         self.v = torch.zeros(self.n, **zeros)

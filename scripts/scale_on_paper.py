@@ -278,7 +278,7 @@ def ps_counts(design, hosts, local, tensors_for, sizes, cfg, servers_per_host=(2
 
 
 def buckets(tensors, bucket_bytes):
-    """The collective transport's buckets (collective/communicator.py ``_add``): tensors in
+    """The collective transport's buckets (collective/buckets.py ``_add``): tensors in
     declaration order, a bucket goes out once its input bytes reach BPS_GC_BUCKET_BYTES."""
     out, current, size = [], [], 0
     for tensor in tensors:

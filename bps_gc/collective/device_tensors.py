@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from .buckets import Handle, listed
 from .exchange import all_gather_tensors
 
 
@@ -37,14 +38,12 @@ class DeviceTensors:
         self.counters.pushed_raw += raw
         self.counters.pulled_raw += raw
         self.counters.pushed_wire += sum(p.numel() for p in payloads)
-        from .communicator import Handle  # the mixin's class: imported once both exist
         result = []
         return self._add(Handle(self, result, self.pending), "gathered", (payloads, result, name), raw, name)
 
     def _gather_payloads(self, gathered):
         """One all_gather per device for the bucket's device payloads (in the order their
         devices first appear, alike on every rank)."""
-        from .communicator import _listed
         by_device = {}
         for entry in gathered:
             by_device.setdefault(entry[0][0].device, []).append(entry)
@@ -52,7 +51,7 @@ class DeviceTensors:
             start = time.perf_counter()
             mine = [p for payloads, _, _ in entries for p in payloads]
             ranks = all_gather_tensors(mine, lambda work, what: self.wait(
-                self._issue(work), lambda: f"{what} of {_listed(entry[2] for entry in entries)}"))
+                self._issue(work), lambda: f"{what} of {listed(entry[2] for entry in entries)}"))
             self.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
                 sum(p.numel() for p in mine)
             self.counters.communicate_seconds += time.perf_counter() - start
@@ -89,7 +88,6 @@ class DeviceTensors:
         wire_dtype = torch.from_numpy(np.empty(0, declared.wire_dtype)).dtype
         wire = tensor.detach().reshape(-1).to(wire_dtype)
         nbytes = wire.numel() * wire.element_size()
-        from .communicator import Handle
         for counter in ("pushed_raw", "pulled_raw", "pushed_wire", "pulled_wire"):
             setattr(self.counters, counter, getattr(self.counters, counter) + nbytes)
         return self._add(Handle(self, tensor, self.pending), "entries", (wire, tensor, average), nbytes, name)

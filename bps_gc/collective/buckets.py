@@ -1,0 +1,201 @@
+"""The collective communicator's buckets (a mixin of ``Collective``): reductions fused like
+DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when a handle
+waiting on one is waited for. There the bucket's compressed tensors send their payloads in one
+all_gather and every rank runs the server's reduction (exchange.py), its two-phase ones run
+their phases (reductions.py), its dense ones start one all_reduce per dtype; ``finish`` (a
+handle's wait) waits for those and delivers the results. A bucket's error (a codec's, a failed
+peer's) is raised by every wait on its handles.
+"""
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..roles import communicator as api
+from .exchange import PayloadsMissing, all_gather_bytes
+
+
+class Handle(api.Handle):
+    def __init__(self, comm, result=None, bucket=None):
+        self.comm, self.result, self.bucket = comm, result, bucket
+
+    def poll(self):
+        bucket = self.bucket
+        return bucket is None or (bucket.sent.is_set() and (bucket.error is not None or
+                                                            all(w.is_completed() for w in bucket.works)))
+
+    def wait(self, timeout=None):
+        if self.bucket is not None:
+            self.comm.finish(self.bucket)
+        return self.result
+
+
+class Bucket:
+    """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
+    [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
+    [(tensor, wire, out, average, lr, payloads)]; two-phase ones (PowerSGD) in one all_reduce
+    per phase ``phased``: [(PhasedReduction, first phase buffer, wire, out, average)], as
+    torch's PowerSGD hook sums a whole bucket's matrices at once. ``gathered``: [(payload
+    tensors, the list every rank's payloads land in, name)] of ``push_payloads`` (device chains),
+    one all_gather per device."""
+
+    def __init__(self):
+        self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
+        self.gathered = []
+        self.works, self.buffers, self.flushed, self.done = [], [], False, False
+        self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
+
+
+class Compressed:
+    """One compressed reduction's payloads (or its codec's error), made on the exchange thread."""
+    payloads = error = None
+
+    def run(self, tensor, wire, ctx, counters):
+        start = time.perf_counter()
+        try:
+            self.payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
+        except Exception as e:  # noqa: BLE001 -- the bucket's error, raised by its waits
+            self.error = e
+            return
+        counters.compress_seconds += time.perf_counter() - start
+        counters.pushed_wire += sum(p.nbytes for p in self.payloads)
+
+
+class Buckets:
+    """Mixed into Collective (which provides check_alive, wait, drain, _issue, counters, size,
+    levels, exchanger, ``pending``: the bucket being filled, and ``bucket_bytes``)."""
+
+    def _reduce_dense(self, name, wire, out, average):
+        self.counters.pushed_wire += wire.nbytes
+        self.counters.pulled_wire += wire.nbytes
+        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes, name)
+
+    def _queue_payloads(self, tensor, wire, out, average, ctx):
+        """Compressed now on the exchange thread (while backward goes on), exchanged with the
+        bucket (``wire`` is our copy; the thread takes a tensor's steps in order, so error
+        feedback sees each step in turn)."""
+        compressed = Compressed()
+        self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.counters))
+        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, compressed),
+                         wire.nbytes, tensor.name)
+
+    def _add(self, handle, kind, entry, nbytes, name):
+        bucket = self.pending
+        getattr(bucket, kind).append(entry)
+        bucket.names.append(name)
+        bucket.bytes += nbytes
+        if bucket.bytes >= self.bucket_bytes:  # the same tensors reach it alike on every rank
+            self.flush()
+        return handle
+
+    def flush(self):
+        """Hand the pending bucket to the exchange thread (``_send``)."""
+        bucket, self.pending = self.pending, Bucket()
+        bucket.flushed = True
+        if not bucket.names:
+            bucket.sent.set()
+            bucket.done = True
+            return
+        self.exchanger.submit(lambda: self._send(bucket))
+
+    def _send(self, bucket):
+        """On the exchange thread: the bucket's payloads' all_gather and phases (waited for),
+        its dense all_reduce (started). Its error is the bucket's; after a peer failed, every
+        later bucket fails with it at once."""
+        try:
+            self.check_alive()
+            if self.failure is not None:
+                raise self.failure
+            self._exchange(bucket)
+        except BaseException as e:  # noqa: BLE001 -- raised by the bucket's waits
+            bucket.error = e
+        finally:
+            bucket.sent.set()
+
+    def _exchange(self, bucket):
+        if bucket.coded:
+            (self.reduce_coded_on_hosts if self.levels is not None else self._reduce_coded)(bucket.coded)
+        if bucket.gathered:
+            self._gather_payloads(bucket.gathered)
+        if bucket.phased:
+            self._reduce_phased(bucket.phased)
+        by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
+        for entry in bucket.entries:
+            wire = entry[0]
+            by_dtype.setdefault((wire.dtype, getattr(wire, "device", None)), []).append(entry)
+        for (_, device), entries in by_dtype.items():
+            wires = [w for w, _, _ in entries]
+            fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)
+            bucket.buffers.append((fused, entries))
+        bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
+
+    @staticmethod
+    def _compress_coded(coded):
+        """This rank's payloads of the bucket's compressed tensors (made by their jobs, which
+        ran before the bucket's on the same thread), in order; (None, the error) when a codec
+        raised: the rank still takes part in the exchange (exchange.py)."""
+        failures = [entry[5].error for entry in coded if entry[5].error is not None]
+        if failures:
+            return None, failures[0]
+        return [p for entry in coded for p in entry[5].payloads], None
+
+    def _reduce_coded(self, coded):
+        """Compress, one all_gather for the bucket's payloads, then every partition's reduction."""
+        mine, failure = self._compress_coded(coded)
+        start = time.perf_counter()
+        try:
+            gathered = all_gather_bytes(mine, lambda work, what: self.wait(
+                self._issue(work), lambda: f"{what} of {listed(entry[0].name for entry in coded)}"),
+                parts=sum(len(entry[0].partitions) for entry in coded))
+        except PayloadsMissing:
+            if failure is not None:  # this rank's own codec error says more
+                raise failure from None
+            raise
+        self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        index = 0
+        for tensor, wire, out, average, ctx, _ in coded:
+            for part in tensor.partitions:
+                reply = part.reducer.reduce([rank[index] for rank in gathered], True, ctx)
+                part.reducer.decode(reply, wire[part.start:part.stop], ctx)
+                index += 1
+            self._deliver(wire, out, average and tensor.partitions[0].reducer.summed)
+
+    def finish(self, bucket):
+        if bucket.done:
+            return
+        if bucket is self.pending:
+            self.flush()
+        start = time.perf_counter()
+        while not bucket.sent.wait(0.05):  # the thread's waits watch the heartbeat too
+            self.check_alive()
+        if bucket.error is not None:
+            raise bucket.error
+        for work in bucket.works:
+            self.wait(work, lambda: f"all_reduce of {listed(bucket.names)}")
+        self.counters.communicate_seconds += time.perf_counter() - start
+        for fused, entries in bucket.buffers:
+            if isinstance(entries[0][0], torch.Tensor):
+                self._deliver_tensors(fused, entries)
+                continue
+            flat, offset = fused.numpy(), 0
+            for wire, out, average in entries:
+                self._deliver(flat[offset:offset + wire.size], out, average)
+                offset += wire.size
+        bucket.done = True
+
+    def _deliver(self, total, out, average):
+        """The reduced flat ``total`` into the caller's ``out`` (divided by the ranks first when
+        averaging: in place, ``total`` is ours)."""
+        if average:
+            total /= total.dtype.type(self.size)
+        np.copyto(out.reshape(-1), total, casting="unsafe")
+
+
+def listed(names, most=3):
+    """The first ``most`` distinct names, quoted, and how many more: for an error's message."""
+    names = list(dict.fromkeys(names))
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -1,0 +1,124 @@
+"""The collective communicator's start, end and waits (a mixin of ``Collective``).
+
+Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
+heartbeat bound, and one that shut down (departure.py) as soon as this rank waits on anything it
+never issued; so every collective and message is counted (``_issue``).
+"""
+import logging
+import time
+
+import torch.distributed as dist
+
+from ..roles import NodeFailure
+from .departure import Ending, await_end, departure, described
+from .liveness import Heartbeat
+from .rendezvous import backend_from_env, connect
+
+log = logging.getLogger("bps_gc.collective")
+
+
+class Lifecycle:
+    """Mixed into Collective (which provides cfg, rank, size, join_levels, levels, barrier,
+    flush, exchanger, and the counts ``issued``, ``sent`` and ``received``)."""
+
+    def start(self):
+        backend = backend_from_env()
+        store, self.hosts_store = connect(self.cfg, backend)
+        where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
+        self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
+                                   self.cfg.heartbeat_timeout, where).start()
+        self.join_levels()
+        self.barrier()
+        log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
+                 "two levels" if self.levels else "one level")
+        return self
+
+    def shutdown(self, timeout=10.0):
+        """Publish what this rank did, wait for the others to end (departure.py); a last
+        barrier and the group's teardown only when all ended at the same point."""
+        if self.closed:
+            return
+        failed = self.failure is not None or (self.heartbeat is not None and self.heartbeat.failure is not None)
+        if not failed:
+            try:
+                self.flush()
+                self.drain()  # every collective issued before the count is published
+            except (NodeFailure, RuntimeError):  # a peer failed while the last bucket went out
+                failed = True
+        self.exchanger.stop()  # after a failure it may still wait on the dead peer: a daemon
+        self.closed = True
+        clean = not failed
+        if self.heartbeat is not None and self.heartbeat.store is not None and self.size > 1:
+            mine = Ending(self.issued, tuple(self.sent), tuple(self.received), failed, self.abandoned)
+            self.heartbeat.announce(mine)
+            clean = await_end(self.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
+            self.heartbeat.leave()
+        if self.levels is not None:
+            self.levels.close()
+        if clean and dist.is_initialized():
+            try:
+                dist.barrier()  # nobody tears down its pairs while a peer still sends
+                dist.destroy_process_group()
+            except RuntimeError as e:
+                log.warning("rank %d: the process group's teardown failed: %s", self.rank, e)
+
+    def abandon(self, reason):
+        self.abandoned = reason
+
+    def check_alive(self):
+        if self.closed:
+            raise RuntimeError("bps_gc: the collective communicator was shut down")
+        if self.heartbeat is not None and self.heartbeat.failure is not None:
+            self.failure = self.heartbeat.failure
+            raise self.failure
+
+    def drain(self):
+        """Wait until the exchange thread issued every flushed bucket (before this thread issues
+        a collective itself: the order every rank issues them in), watching the heartbeat; a
+        failure the thread met is raised here too."""
+        while not self.exchanger.wait_idle(0.05):
+            self.check_alive()
+        if self.failure is not None:
+            raise self.failure
+
+    def wait(self, work, what, message=None):
+        """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
+        shut down meanwhile. ``what`` names it in an error: a string, or a function making one
+        (only called then). Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
+        only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
+        socket error, which the heartbeat names."""
+        spins = 0
+        if message is not None and self.heartbeat is not None:
+            self._check_departures(what, message)
+            if message != self.awaiting:  # a message's two works: one note in the store
+                self.heartbeat.waiting_for(*message)
+                self.awaiting = message
+        while message is None and not work.is_completed():
+            self._check_departures(what)
+            self.check_alive()
+            spins += 1
+            time.sleep(0 if spins < 100 else 0.001)
+        try:
+            work.wait()
+        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who (its
+            # thread may run late on a busy host: twice its bound)
+            deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
+            while time.monotonic() < deadline:
+                self._check_departures(what, message)
+                self.check_alive()
+                time.sleep(self.cfg.heartbeat_interval / 4)
+            self.failure = NodeFailure(f"bps_gc: {described(what)} failed on rank {self.rank}: {e}")
+            raise self.failure from None
+
+    def _check_departures(self, what, message=None):
+        if self.heartbeat is None or not self.heartbeat.ended:  # the usual case, on every spin
+            return
+        failure = departure(self.heartbeat.ended, self.rank, self.issued, what, message)
+        if failure:
+            self.failure = failure
+            raise failure
+
+    def _issue(self, work):
+        """Count a collective as it is issued (every rank issues them in the same order)."""
+        self.issued += 1
+        return work

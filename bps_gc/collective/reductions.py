@@ -1,0 +1,64 @@
+"""The collective communicator's reductions that are not one codec's payload exchange (a mixin
+of ``Collective``): PowerSGD-like two-phase reductions (roles/phased.py), run with the bucket,
+one all_reduce per phase for all of its matrices; and majority's sign vote, summed now.
+"""
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..roles.phased import PhasedReduction
+from .buckets import Handle
+
+
+class PhasesAndVotes:
+    """Mixed into Collective (which provides _add, _deliver, _sum, drain, wait, _issue, counters,
+    size and ``pending``)."""
+
+    def _reduce_in_phases(self, tensor, wire, out, average, ctx):
+        """Two phases (roles/phased.py), both with the bucket on the exchange thread (a tensor's
+        steps in order there, so error feedback sees each step in turn)."""
+        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
+        return self._add(Handle(self, out, self.pending), "phased", (reduction, None, wire, out, average),
+                         wire.nbytes, tensor.name)
+
+    def _reduce_phased(self, phased):
+        """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
+        start = time.perf_counter()
+        firsts = [entry[0].first() for entry in phased]
+        self.counters.compress_seconds += time.perf_counter() - start
+        p_sums = self._sum_phase(firsts)
+        q_sums = self._sum_phase([entry[0].second(p_sum) for entry, p_sum in zip(phased, p_sums)])
+        for (reduction, _, wire, out, average), q_sum in zip(phased, q_sums):
+            reduction.finish(q_sum)
+            self._deliver(wire, out, average)
+
+    def _sum_phase(self, buffers):
+        """The buffers summed over ranks by one all_reduce of their concatenation; the sums,
+        in order."""
+        start = time.perf_counter()
+        fused = np.concatenate(buffers)
+        self._sum(fused)
+        self.counters.communicate_seconds += time.perf_counter() - start
+        self.counters.pushed_wire += fused.nbytes
+        self.counters.pulled_wire += fused.nbytes
+        return np.split(fused, np.cumsum([b.size for b in buffers])[:-1])
+
+    def _reduce_signs(self, tensor, wire, ctx):
+        """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).
+        The last element counts ranks whose push held a non-finite value: then the result is
+        NaN everywhere, as the parameter server's majority reply says (reducers.py)."""
+        for part in tensor.partitions:
+            chunk = wire[part.start:part.stop]
+            part.codec.decompress(part.codec.compress(chunk, ctx), chunk)
+        votes = np.empty(wire.size + 1, np.int32)
+        votes[:-1] = (wire > 0).astype(np.int32) - (wire < 0)
+        votes[-1] = not np.isfinite(wire).all()
+        votes = torch.from_numpy(votes)
+        self.drain()
+        self.counters.pushed_wire += votes.numel() // 8 + 1
+        self.counters.pulled_wire += votes.numel() // 8 + 1
+        self.wait(self._issue(dist.all_reduce(votes, async_op=True)), f"all_reduce of {tensor.name!r}'s signs")
+        tally = votes.numpy()
+        wire[...] = np.nan if tally[-1] else np.where(tally[:-1] < 0, -1, 1)

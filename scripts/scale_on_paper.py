@@ -37,7 +37,7 @@ from bps_gc.bindings.gossip import codec_for, gossip_params, pack  # noqa: E402
 from bps_gc.bindings.topology import Topology, ring_edges, torus_edges  # noqa: E402
 from bps_gc.config import Config, ConfigError  # noqa: E402
 from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
-from bps_gc.roles.worker_io import Push, fusable, fusion_buckets  # noqa: E402
+from bps_gc.roles.worker_push import Push, fusable, fusion_buckets  # noqa: E402
 from bps_gc.roles.worker_host import partition_owner  # noqa: E402
 from bps_gc.roles.worker_tensors import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
 from bps_gc.transport.wire import HEADER, encode_context, pack_fused  # noqa: E402

@@ -5,7 +5,7 @@ ENGINE_THREAD, each key always on the same one) decode, sum, apply error feedbac
 recompress, then hand the replies back through an inproc socket that wakes the I/O thread.
 The codec library is passed in (roles never import it): anything with ``CompressionParams``,
 ``choose_reducer`` and ``make_reducer`` as in ``bps_gc.compress``. A FUSED push (several small
-dense keys in one message, see worker_io) is split into its keys; the rounds it completes are
+dense keys in one message, see worker_push.py) is split into its keys; the rounds it completes are
 answered together, one fused reply per worker.
 """
 import logging

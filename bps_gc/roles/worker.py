@@ -20,7 +20,8 @@ from .membership import Membership
 from .peers import Peers
 from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
-from .worker_io import Push, WorkerIO
+from .worker_io import WorkerIO
+from .worker_push import Push
 from . import worker_host
 from .worker_payloads import push_payloads
 from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call

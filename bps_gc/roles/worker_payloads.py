@@ -11,7 +11,7 @@ import numpy as np
 from ..transport.wire import encode_context
 from .phased import phases
 from .worker_handle import Handle
-from .worker_io import Push
+from .worker_push import Push
 from .worker_tensors import MAX_PARTITIONS
 
 

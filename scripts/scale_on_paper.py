@@ -33,8 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from bps_gc import compress  # noqa: E402
-from bps_gc.bindings.gossip import pack  # noqa: E402
-from bps_gc.bindings.topology import Topology, ring_edges, torus_edges  # noqa: E402
 from bps_gc.config import Config, ConfigError  # noqa: E402
 from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
 from bps_gc.roles.worker_push import Push, fusable, fusion_buckets  # noqa: E402
@@ -43,6 +41,7 @@ from bps_gc.roles.worker_tensors import Placement, declare_tensor, dense_partiti
 from bps_gc.transport.wire import encode_context, pack_fused  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale_on_paper_gossip import gossip_counts  # noqa: E402
 from scale_on_paper_report import markdown, nic_ms, plot, print_table, summary  # noqa: E402
 from scale_on_paper_sizes import (CONTEXT, GRADIENT_STD, MEASURED_PUSHES, PUSH_HEADER,  # noqa: E402
                                   REPLY_HEADER, Sizes, variable)
@@ -262,39 +261,6 @@ def ring_counts(design, hosts, local, tensors, sizes, cfg):
                 b, m = all_gather(nbytes / rings)  # two-level: each share's ring gathers its share
                 sent, msgs = sent + b * rings, msgs + m
     return {"out": sent, "in": sent, "msgs": 2 * msgs, "reply": sorted(how)}
-
-
-def gossip_counts(design, hosts, local, shapes, params, sizes):
-    """One gossip round: every rank sends its packed message (bindings/gossip.pack of each
-    tensor's Q payload) to each neighbour of the real graph; counted where the edge crosses
-    hosts (ranks host-major: rank r on host r // L)."""
-    n = hosts * local
-    message = REPLY_HEADER + len(pack([sizes.gossip(params, int(np.prod(s)), s, GRADIENT_STD, key)
-                                       for key, s in enumerate(shapes)]))
-    edges = ring_edges(n) if design == "gossip-ring" else torus_edges(n)
-    pairs = {(min(i, j), max(i, j)) for i, j in edges if i != j}  # as Topology dedups them
-    out = np.zeros(hosts, np.int64)
-    for i, j in pairs:
-        if i // local != j // local:
-            out[i // local] += 1
-            out[j // local] += 1
-    busiest = int(out.max())
-    return {"out": float(busiest * message), "in": float(busiest * message), "msgs": 2 * busiest,
-            "message": message, "reply": ["held" if variable(params) else "exact"],
-            "spectral_gap": spectral_gap(design, n)}
-
-
-_gaps = {}
-
-
-def spectral_gap(design, n, largest=1024):
-    """The graph's consensus rate (Topology.spectral_gap; its n x n eigenproblem: n <= largest)."""
-    if n > largest:
-        return None
-    if (design, n) not in _gaps:
-        edges = ring_edges(n) if design == "gossip-ring" else torus_edges(n)
-        _gaps[design, n] = Topology(n, edges).spectral_gap()
-    return _gaps[design, n]
 
 
 def reducers_of(params):

@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="only rows containing one of these comma-separated words")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion control")
+    p.add_argument("--timeline", action="store_true",
+                   help=f"after the rounds, print one step of the {TARGET} hook and reduction-alone rows on rank 0: "
+                        "per bucket, when each stage started and ended (bps_gc.torch.hook.TIMELINE)")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench_hook.json"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks
     p.add_argument("--rank-rows", default=None, help=argparse.SUPPRESS)  # their rows, as JSON
@@ -115,11 +118,15 @@ def rank_main(args):
         return torch.nn.Sequential(*layers[:-1])
 
     in_step = []  # seconds inside opt.step(): a DistributedOptimizer's exchanges wait there
+    marks = []  # --timeline: (event, perf_counter) of the step being traced
 
     def stepper(model, opt):
         def step():
             opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), target).backward()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            marks.append(("forward end", time.perf_counter()))
+            loss.backward()
+            marks.append(("backward end", time.perf_counter()))
             began = time.perf_counter()
             opt.step()
             in_step.append(time.perf_counter() - began)
@@ -216,20 +223,36 @@ def rank_main(args):
             step()
         if clock is not None:
             clock.held = clock.total = 0.0
-        rows[label] = (step, clock, [], [])
+        rows[label] = (step, clock, [], [], [])
     for _ in range(args.rounds):  # the rows take turns: a load that comes and goes hits all alike
-        for step, _, times, waits in rows.values():
-            in_step[:] = []
+        for step, _, times, waits, cpu in rows.values():
+            in_step[:], marks[:] = [], []
             barrier()
-            began = time.perf_counter()
+            began, used = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - began)
+            cpu.append(time.process_time() - used)  # every thread of this rank: backward, the hook's, gloo's
             waits.extend(in_step)
     ops.push_pull_async, ops.synchronize = original  # the optimizer row timed them
+    traced = {}
+    if args.timeline:
+        from bps_gc.torch import hook as hook_module
+        for label in (f"bps_gc hook {TARGET}", f"{TARGET} reduction alone"):
+            if label in rows:
+                for _ in range(3):  # the last of 3, so the first's effects (a new list) are gone
+                    hook_module.TIMELINE, marks[:] = [], []
+                    barrier()
+                    began, used = time.perf_counter(), time.process_time()
+                    rows[label][0]()
+                    marks.append(("step end", time.perf_counter()))
+                    cpu = time.process_time() - used
+                stamps, hook_module.TIMELINE = hook_module.TIMELINE, None
+                traced[label] = {"began": began, "cpu_s": cpu, "marks": list(marks), "stamps": stamps}
     results = [{"row": label, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
                 "times": times, "held": clock and clock.fraction(),
-                "in_step_s": statistics.median(waits) if waits else None}
-               for label, (_, clock, times, waits) in rows.items()]
+                "in_step_s": statistics.median(waits) if waits else None, "cpu_s": statistics.median(cpu),
+                "timeline": traced.get(label)}
+               for label, (_, clock, times, waits, cpu) in rows.items()]
     if rank == 0:
         json.dump(results, open(args.rank_out, "w"))
     bps.shutdown()
@@ -267,7 +290,8 @@ def run_ranks(args, topo, log_dir):
         raw = os.path.join(log_dir, f"{transport}.json")
         cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--rank-rows", json.dumps(mine), "--width",
                str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--bucket-mb",
-               str(args.bucket_mb), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+               str(args.bucket_mb), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+               *(["--timeline"] if args.timeline else [])]
         port = topo.port()
         if transport == "collective":
             plan = [(f"rank{r}", topo.wrap(r, cmd), child_env(
@@ -320,16 +344,16 @@ def report(args, results, where):
           f"{args.bucket_mb:g} MB; rank 0's median of {args.rounds} steps after {args.warmup} warm-up, rows "
           "taking turns")
     width = max(len(r["row"]) for r in results)
-    print(f"{'':{width}} {'step s':>8} {'min':>7} {'max':>7} {'in step()':>9} {'held':>6} {'vs no comm':>10} "
-          f"{'vs PowerSGD r1':>14}")
+    print(f"{'':{width}} {'step s':>8} {'min':>7} {'max':>7} {'cpu s':>7} {'in step()':>9} {'held':>6} "
+          f"{'vs no comm':>10} {'vs PowerSGD r1':>14}")
     for r in results:
         r["vs_no_communication"] = r["median_s"] / floor if floor else None
         r["vs_powersgd_rank1"] = r["median_s"] / psgd if psgd else None
         held = f"{r['held']:.3f}" if r["held"] is not None else "-"
         ratios = [f"{v:.2f}x" if v else "-" for v in (r["vs_no_communication"], r["vs_powersgd_rank1"])]
         in_step = f"{r['in_step_s']:.4f}" if r["in_step_s"] is not None else "-"
-        print(f"{r['row']:{width}} {r['median_s']:8.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {in_step:>9} {held:>6} "
-              f"{ratios[0]:>10} {ratios[1]:>14}")
+        print(f"{r['row']:{width}} {r['median_s']:8.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['cpu_s']:7.4f} "
+              f"{in_step:>9} {held:>6} {ratios[0]:>10} {ratios[1]:>14}")
     targets = []
     row, alone = by.get(f"bps_gc hook {TARGET}"), by.get(f"{TARGET} reduction alone")
     held = next((r["held"] for r in results if r["row"] == f"bps_gc hook {TARGET}"), None)
@@ -341,12 +365,43 @@ def report(args, results, where):
         targets.append((f"step / PowerSGD rank 1's, {TARGET}", row / psgd, 1.0))
     for what, value, bound in targets:
         print(f"target: {what} = {value:.3f} (<= {bound:g}: {'met' if value <= bound else 'NOT met'})")
+    for r in results:
+        if r.get("timeline"):
+            print_timeline(r["row"], r["timeline"])
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     write_json_atomic(args.json, {"link": where, "command": sys.argv, "model": {
         "width": args.width, "layers": args.layers, "batch": args.batch, "bucket_mb": args.bucket_mb},
         "warmup": args.warmup, "rounds": args.rounds, "rows": results,
         "targets": [{"what": w, "value": v, "at_most": b} for w, v, b in targets]})
     print(f"JSON: {args.json}")
+
+
+SPANS = (("compress", "compress start", "compress end"), ("sizes", "all_gather of payload sizes start",
+         "all_gather of payload sizes end"), ("payloads", "all_gather of payloads start", "all_gather of payloads end"))
+
+
+def print_timeline(label, trace):
+    """One traced step of ``label`` on rank 0: ms from the step's start per bucket, and the CPU
+    seconds of each of the hook's threads on it (time.thread_time between its stamps)."""
+    began = trace["began"]
+    ms = lambda t: f"{(t - began) * 1e3:6.1f}"  # noqa: E731
+    marks = dict(trace["marks"])
+    print(f"\ntimeline, {label}, rank 0, one step (ms from its start; process CPU {trace['cpu_s'] * 1e3:.1f} ms "
+          f"in a {(marks['step end'] - began) * 1e3:.1f} ms step): "
+          + ", ".join(f"{event} {ms(t).strip()}" for event, t in trace["marks"]))
+    buckets = {}
+    for index, event, wall, cpu in trace["stamps"]:
+        buckets.setdefault(index, {})[event] = (wall, cpu)
+    print(f"{'bucket':>6} {'called':>6} {'return':>6} {'compress':>13} {'exch':>6} {'sizes':>13} {'payloads':>13} "
+          f"{'reduced':>7} {'done':>6} {'cpu compress':>12} {'cpu exchange':>12}")
+    for index in sorted(buckets, key=lambda i: buckets[i].get("called", (0,))[0]):
+        b = buckets[index]
+        at = lambda e: ms(b[e][0]) if e in b else "     -"  # noqa: E731
+        spans = [f"{at(start)}-{at(end).strip():>6}" for _, start, end in SPANS]
+        cpu = [f"{(b[end][1] - b[start][1]) * 1e3:12.2f}" if start in b and end in b else f"{'-':>12}"
+               for start, end in (("compress start", "compress end"), ("exchange start", "completed"))]
+        print(f"{index:6d} {at('called')} {at('returned')} {spans[0]} {at('exchange start')} {spans[1]} {spans[2]} "
+              f"{at('reduced'):>7} {at('completed')} {cpu[0]} {cpu[1]}")
 
 
 if __name__ == "__main__":

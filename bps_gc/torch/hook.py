@@ -40,6 +40,7 @@ flat, as the communicator's device tensors do.
 """
 import contextlib
 import logging
+import time
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ import bps_gc.core as core
 
 from .. import compress
 from ..collective import Collective, all_gather_bytes
-from ..collective.exchange import PayloadsMissing, all_gather_tensors
+from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
 from ..collective.levels import levels_from_env
 from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
@@ -60,6 +61,16 @@ KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | pa
 
 
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
+
+# Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
+# (bucket index, event, time.perf_counter(), time.thread_time()) of every compressed bucket.
+# Off, a stamp costs one global lookup and a None check.
+TIMELINE = None
+
+
+def _stamp(index, event):
+    if TIMELINE is not None:
+        TIMELINE.append((index, event, time.perf_counter(), time.thread_time()))
 
 
 def bucket_key(index, position):
@@ -78,12 +89,16 @@ class CompressionHook:
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
         self.wire_dtype = np.float16 if self.params.fp16 else np.float32
+        self.wire_torch = torch.float16 if self.params.fp16 else torch.float32
         # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
         self.buckets = {}
-        # two stages, each one thread taking buckets in call order: compressing the next bucket
-        # overlaps gathering this one, and one thread issues every collective of the hook
+        # three stages, each one thread taking buckets in call order: compressing the next bucket
+        # overlaps gathering this one, gathering it overlaps reducing the one before, and one
+        # thread issues every collective of the hook
         self.compressor = ExchangeThread("bps_gc-comm-hook-compress")
         self.exchanger = ExchangeThread("bps_gc-comm-hook-exchange")
+        self.reducing = ExchangeThread("bps_gc-comm-hook-reduce")
+        self.capacities = {}  # bucket index -> its payloads' exchange.Capacity (the exchanging thread's)
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
         self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat
@@ -100,6 +115,7 @@ class CompressionHook:
                                                                   future, stream))
             return future.then(_value)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
+        _stamp(index, "called")
         parts = self._state(index, sizes, buffer)
         on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
@@ -109,6 +125,7 @@ class CompressionHook:
         job = (side, index, buffer, parts, ctx, on_device, levels)
         future, stream = self._future(buffer)
         self.compressor.submit(lambda: self._compress_stage(job, future, stream))
+        _stamp(index, "returned")
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
@@ -178,7 +195,8 @@ class CompressionHook:
     def _compress_stage(self, job, future, stream):
         """On the compressing thread: the bucket's payloads (None and the error if compressing
         failed), handed on to the exchanging thread in the same order."""
-        _, _, buffer, parts, ctx, on_device, levels = job
+        _, index, buffer, parts, ctx, on_device, levels = job
+        _stamp(index, "compress start")
         with _current(stream):
             try:
                 if stream is not None:
@@ -186,39 +204,67 @@ class CompressionHook:
                 if levels is not None:  # its owners compress the host's sums, on the exchanging thread
                     grad, payloads = buffer.detach().to("cpu", torch.float32), None  # float32 on CPU: a view
                 else:
-                    grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)  # float32: a view
+                    grad = buffer.detach().to(self.wire_torch)  # float32: a view
                     bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
                     payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
                                 in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
                 failure = None
             except Exception as e:  # the others still gather (and learn that this rank failed)
                 grad, payloads, failure = None, None, e
-        self.exchanger.submit(lambda: self._exchange_stage(job, future, stream, grad, payloads, failure))
+        _stamp(index, "compress end")
+        self.exchanger.submit(lambda: self._gather_stage(job, future, stream, grad, payloads, failure))
 
-    def _exchange_stage(self, job, future, stream, grad, payloads, failure):
-        with _current(stream):
-            _settle(future, lambda: self._exchange(job, grad, payloads, failure))
-
-    def _exchange(self, job, grad, payloads, failure):
-        """On the exchanging thread (the only one issuing the hook's collectives): gather,
-        reduce and decode bucket ``index``; the averaged bucket, in its buffer."""
+    def _gather_stage(self, job, future, stream, grad, payloads, failure):
+        """On the exchanging thread (the only one issuing the hook's collectives): every rank's
+        payloads of the bucket (or the error), handed to the reducing thread in the same order,
+        so the next bucket's gather overlaps this one's reduction. A two-level bucket is
+        reduced here, where its collectives are."""
         group, index, buffer, parts, ctx, on_device, levels = job
+        _stamp(index, "exchange start")
+        with _current(stream):
+            try:
+                if levels is not None:
+                    if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
+                        raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {type(failure).__name__}: {failure}")
+                    result = self._exchange_levels(levels, job, grad)
+                    finish = lambda: result  # noqa: E731
+                else:
+                    gathered = self._gather(job, payloads, failure)
+                    finish = lambda: self._reduce(job, grad, gathered)  # noqa: E731
+            except BaseException as e:  # noqa: B036 (the bucket's future is its way out)
+                finish = _raiser(e)
+        self.reducing.submit(lambda: self._reduce_stage(job, future, stream, finish))
+
+    def _reduce_stage(self, job, future, stream, finish):
+        def done():
+            result = finish()
+            _stamp(job[1], "completed")  # before the future's result: DDP may go on to the next step
+            return result
+        with _current(stream):
+            _settle(future, done)
+
+    def _gather(self, job, payloads, failure):
+        """Every rank's payloads of the bucket, in rank order; a rank that could not make its
+        own names itself (or the others stop too, naming it)."""
+        group, index, buffer, parts, ctx, on_device, _ = job
         wait = self._waiter(group, index)
-        if levels is not None:
-            if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
-                raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {type(failure).__name__}: {failure}")
-            return self._exchange_levels(levels, job, grad)
         try:
             if on_device:  # the payloads stay where they are (NCCL for CUDA)
-                gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
-            else:
-                gathered = all_gather_bytes(payloads, wait, group, len(parts))
+                return all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
+            # one all_gather per bucket once its payloads' size is known (exchange.Capacity)
+            capacity = self.capacities.setdefault(index, Capacity())
+            return all_gather_bytes(payloads, wait, group, len(parts), capacity)
         except PayloadsMissing as missing:
             if failure is not None:
                 raise RuntimeError(f"bps_gc comm_hook: compressing DDP bucket {index} failed: "
                                    f"{type(failure).__name__}: {failure}") from failure
             raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {missing} (their errors name "
                                "the cause); this rank stops too") from None
+
+    def _reduce(self, job, grad, gathered):
+        """On the reducing thread: run the reducer on every gradient's payloads and decode its
+        reply, averaged, into the bucket's buffer."""
+        group, index, buffer, parts, ctx, on_device, _ = job
         size = dist.get_world_size(group)
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         if on_device:
@@ -229,14 +275,19 @@ class CompressionHook:
                 if reducer.summed:  # a majority vote is not averaged
                     chunk /= size
         else:
-            total = np.empty(grad.numel(), self.wire_dtype)
+            # decoded straight into the buffer where it holds the wire dtype (the compressing
+            # thread is done with it); else into a host array, then copied
+            direct = buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.dtype == self.wire_torch
+            total = buffer.detach().numpy() if direct else np.empty(grad.numel(), self.wire_dtype)
             for i, (_, reducer) in enumerate(parts):
                 chunk = total[bounds[i]:bounds[i + 1]]
                 reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
                 if reducer.summed:
                     chunk /= chunk.dtype.type(size)
-            result = torch.from_numpy(total)
-        buffer.copy_(result)
+            result = None if direct else torch.from_numpy(total)
+        _stamp(index, "reduced")
+        if result is not None:
+            buffer.copy_(result)
         return buffer
 
     def _exchange_levels(self, levels, job, grad):
@@ -269,14 +320,20 @@ class CompressionHook:
         NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
         comm = core.worker() if core.is_initialized() else None
         if isinstance(comm, Collective):
-            return lambda work, what: comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+            def through(work, what):
+                comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+        else:
+            def through(work, what):
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    raise core.NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
+                                           f"{dist.get_rank()}: {e}") from None
 
         def wait(work, what):
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise core.NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
-                                       f"{dist.get_rank()}: {e}") from None
+            _stamp(index, what + " start")
+            through(work, what)
+            _stamp(index, what + " end")
         return wait
 
     def _side_group(self, group):
@@ -328,6 +385,12 @@ class CompressionHook:
 def _current(stream):
     """The side stream as the current stream (a CUDA bucket's ``(stream, event)``), or nothing."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream[0])
+
+
+def _raiser(error):
+    def raise_it():
+        raise error
+    return raise_it
 
 
 def _value(future):

@@ -382,7 +382,7 @@ SPANS = (("compress", "compress start", "compress end"), ("sizes", "all_gather o
 
 def print_timeline(label, trace):
     """One traced step of ``label`` on rank 0: ms from the step's start per bucket, and the CPU
-    seconds of each of the hook's threads on it (time.thread_time between its stamps)."""
+    ms each of the hook's three threads spent on it (time.thread_time between its stamps)."""
     began = trace["began"]
     ms = lambda t: f"{(t - began) * 1e3:6.1f}"  # noqa: E731
     marks = dict(trace["marks"])
@@ -393,15 +393,16 @@ def print_timeline(label, trace):
     for index, event, wall, cpu in trace["stamps"]:
         buckets.setdefault(index, {})[event] = (wall, cpu)
     print(f"{'bucket':>6} {'called':>6} {'return':>6} {'compress':>13} {'exch':>6} {'sizes':>13} {'payloads':>13} "
-          f"{'reduced':>7} {'done':>6} {'cpu compress':>12} {'cpu exchange':>12}")
+          f"{'reduce':>6} {'reduced':>7} {'done':>6}   CPU ms: {'compress':>8} {'exchange':>8} {'reduce':>6}")
     for index in sorted(buckets, key=lambda i: buckets[i].get("called", (0,))[0]):
         b = buckets[index]
         at = lambda e: ms(b[e][0]) if e in b else "     -"  # noqa: E731
         spans = [f"{at(start)}-{at(end).strip():>6}" for _, start, end in SPANS]
-        cpu = [f"{(b[end][1] - b[start][1]) * 1e3:12.2f}" if start in b and end in b else f"{'-':>12}"
-               for start, end in (("compress start", "compress end"), ("exchange start", "completed"))]
+        cpu = [f"{(b[end][1] - b[start][1]) * 1e3:8.2f}" if start in b and end in b else f"{'-':>8}"
+               for start, end in (("compress start", "compress end"), ("exchange start", "exchange end"),
+                                  ("reduce start", "completed"))]
         print(f"{index:6d} {at('called')} {at('returned')} {spans[0]} {at('exchange start')} {spans[1]} {spans[2]} "
-              f"{at('reduced'):>7} {at('completed')} {cpu[0]} {cpu[1]}")
+              f"{at('reduce start')} {at('reduced'):>7} {at('completed')}           {cpu[0]} {cpu[1]} {cpu[2][2:]}")
 
 
 if __name__ == "__main__":

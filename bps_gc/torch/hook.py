@@ -40,6 +40,7 @@ flat, as the communicator's device tensors do.
 """
 import contextlib
 import logging
+import threading
 import time
 
 import numpy as np
@@ -58,6 +59,7 @@ from .device_codecs import chain_for, device_reduction, uses_device_chain
 
 log = logging.getLogger("bps_gc.torch")
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
+WOKEN_WAIT_S = 0.25  # how long a gather is waited for by its future before the communicator polls it
 
 
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
@@ -233,9 +235,12 @@ class CompressionHook:
                     finish = lambda: self._reduce(job, grad, gathered)  # noqa: E731
             except BaseException as e:  # noqa: B036 (the bucket's future is its way out)
                 finish = _raiser(e)
+        _stamp(index, "exchange end")
         self.reducing.submit(lambda: self._reduce_stage(job, future, stream, finish))
 
     def _reduce_stage(self, job, future, stream, finish):
+        _stamp(job[1], "reduce start")
+
         def done():
             result = finish()
             _stamp(job[1], "completed")  # before the future's result: DDP may go on to the next step
@@ -321,6 +326,12 @@ class CompressionHook:
         comm = core.worker() if core.is_initialized() else None
         if isinstance(comm, Collective):
             def through(work, what):
+                # the communicator's wait polls the work each millisecond; the work's future wakes
+                # this thread when it completes. One that takes longer than WOKEN_WAIT_S goes to
+                # the communicator's wait, which names a dead or departed peer as before.
+                done = threading.Event()
+                work.get_future().add_done_callback(lambda _: done.set())
+                done.wait(WOKEN_WAIT_S)
                 comm.wait(work, lambda: f"{what} of DDP bucket {index}")
         else:
             def through(work, what):

@@ -239,15 +239,18 @@ def rank_main(args):
         from bps_gc.torch import hook as hook_module
         for label in (f"bps_gc hook {TARGET}", f"{TARGET} reduction alone"):
             if label in rows:
-                for _ in range(3):  # the last of 3, so the first's effects (a new list) are gone
+                threads = thread_cpu()
+                for _ in range(TRACED):  # the stamps of the last, the threads' CPU of all
                     hook_module.TIMELINE, marks[:] = [], []
                     barrier()
                     began, used = time.perf_counter(), time.process_time()
                     rows[label][0]()
                     marks.append(("step end", time.perf_counter()))
                     cpu = time.process_time() - used
+                threads = {name: (ns - threads.get(name, 0)) / TRACED / 1e9 for name, ns in thread_cpu().items()}
                 stamps, hook_module.TIMELINE = hook_module.TIMELINE, None
-                traced[label] = {"began": began, "cpu_s": cpu, "marks": list(marks), "stamps": stamps}
+                traced[label] = {"began": began, "cpu_s": cpu, "marks": list(marks), "stamps": stamps,
+                                 "thread_cpu_s": threads}
     results = [{"row": label, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
                 "times": times, "held": clock and clock.fraction(),
                 "in_step_s": statistics.median(waits) if waits else None, "cpu_s": statistics.median(cpu),
@@ -256,6 +259,25 @@ def rank_main(args):
     if rank == 0:
         json.dump(results, open(args.rank_out, "w"))
     bps.shutdown()
+
+
+TRACED = 5  # --timeline: steps traced per row
+
+
+def thread_cpu():
+    """CPU ns so far of this process's threads (/proc's schedstat), summed by name: a Python
+    thread's, else the OS's (torch's and gloo's threads)."""
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    cpu = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            ns = int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0])
+            name = names.get(int(tid)) or f"{open(f'/proc/self/task/{tid}/comm').read().strip()} (not Python's)"
+        except OSError:  # it ended meanwhile
+            continue
+        cpu[name] = cpu.get(name, 0) + ns
+    return cpu
 
 
 class Bucket:
@@ -389,6 +411,9 @@ def print_timeline(label, trace):
     print(f"\ntimeline, {label}, rank 0, one step (ms from its start; process CPU {trace['cpu_s'] * 1e3:.1f} ms "
           f"in a {(marks['step end'] - began) * 1e3:.1f} ms step): "
           + ", ".join(f"{event} {ms(t).strip()}" for event, t in trace["marks"]))
+    print(f"CPU ms per step by thread (mean of {TRACED} steps): " + ", ".join(
+        f"{name} {seconds * 1e3:.1f}" for name, seconds in sorted(trace["thread_cpu_s"].items(), key=lambda i: -i[1])
+        if seconds >= 5e-5))
     buckets = {}
     for index, event, wall, cpu in trace["stamps"]:
         buckets.setdefault(index, {})[event] = (wall, cpu)

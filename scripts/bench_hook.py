@@ -7,7 +7,8 @@ shaped to RATE both ways (scripts/netns.py SwitchedMachines); else both are on l
 
 Rows (rank 0's median step over --rounds after --warmup, the rows taking turns each round; a
 step is forward, backward, SGD;
-"in step()" is the median time inside the optimizer's step(), where DistributedOptimizer waits):
+"in step()" is the median time inside the optimizer's step(), where DistributedOptimizer waits;
+"cpu s" the median CPU seconds of rank 0's process per step, every thread):
   DDP no communication        a hook that returns the bucket unchanged: the floor
   DDP dense / fp16 hook       PyTorch's all_reduce and fp16_compress_hook
   DDP PowerSGD rank 1         PyTorch's powerSGD_hook (compressed from step 3 on, one bucket:
@@ -25,6 +26,12 @@ step is forward, backward, SGD;
 
     python scripts/bench_hook.py --quick                       # loopback smoke run
     sudo python scripts/bench_hook.py --shaped 100mbit
+    sudo python scripts/bench_hook.py --shaped 100mbit --rows "no comm,hook topk,alone" --timeline
+
+--timeline: after the rounds, 5 more steps of the bps_gc hook's topk row and of its reduction
+alone, rank 0 printing the last one's stamps per bucket (bps_gc.torch.hook.TIMELINE: hook call,
+compressing, gathering, reducing; ms from the step's start) and the CPU per step of each of its
+threads (/proc schedstat).
 
 Targets (issue 26): held <= 0.2 for topk 1% + EF; its step <= 1.15x max(no communication,
 its reduction alone) and below PowerSGD rank 1. JSON goes to out/bench_hook.json unless --json.
@@ -57,7 +64,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--batch", type=int, default=48, help="samples per rank and step")
+    # 112: the step without communication takes about as long as topk 1% + EF's reduction alone
+    # at 100 Mbit/s (both about 0.05 s on the 2-core box of docs/ddp_hook.md; at 48 the reduction took 2x)
+    p.add_argument("--batch", type=int, default=112, help="samples per rank and step")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="DDP's bucket_cap_mb")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)

@@ -76,8 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion control")
     p.add_argument("--timeline", action="store_true",
-                   help=f"after the rounds, print one step of the {TARGET} hook and reduction-alone rows on rank 0: "
-                        "per bucket, when each stage started and ended (bps_gc.torch.hook.TIMELINE)")
+                   help="after the rounds, print one step of the bps_gc hook's topk row and of its reduction "
+                        "alone on rank 0: per bucket, when each stage started and ended "
+                        "(bps_gc.torch.hook.TIMELINE), and each thread's CPU per step")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench_hook.json"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks
     p.add_argument("--rank-rows", default=None, help=argparse.SUPPRESS)  # their rows, as JSON

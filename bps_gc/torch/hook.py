@@ -2,41 +2,27 @@
 
     ddp_model.register_comm_hook(None, bps_gc.torch.comm_hook({"compressor": "onebit", "ef": "vanilla"}))
 
-Like torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks), the hook is
-``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average; the state DDP
-hands it is the process group (None: the default group). Each gradient in a bucket is its own
-partition, compressed layer-wise as a declared tensor would be (one onebit scale over a whole
-bucket would mix layers of very different magnitudes); its codec chain (error feedback and
-momentum state included) is kept per bucket index and position, keyed so seeds agree on every
-rank. One all_gather carries a bucket's payloads. Payloads are all_gathered and every
-rank runs the codec's reducer (bps_gc.collective.exchange), so the result is what the parameter
-server would return for the same gradients. DDP regroups its buckets after the first step; a
-bucket whose size changed starts with fresh codec state (PowerSGD's hook waits out the same
-regrouping with ``start_powerSGD_iter``).
+``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average, as torch's own
+hooks. Each gradient of a bucket is its own partition (one onebit scale over a whole bucket
+would mix layers), with a codec chain (error feedback, momentum) kept per bucket index and
+position and keyed so seeds agree on every rank; a bucket whose size changed (DDP regroups
+after the first step) starts with fresh state. Every rank gathers every rank's payloads and runs
+the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
+server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
+error feedback rescales by is ``optimizer``'s when the hook is called.
 
-The hook does not hold backward (docs/ddp_hook.md): it returns a pending future at once. Two
-threads per hook take the buckets in the order DDP handed them over: one compresses, the other
-gathers, reduces and decodes them and completes their futures, so a bucket's steps never
-overlap and compressing the next bucket overlaps gathering this one (for CUDA buckets, on a
-side stream that first waits for the gradients). DDP waits for the futures at the end of
-backward. Ordering across ranks: DDP calls the hook in bucket order on every rank, the one
-exchanging thread issues the collectives in that order, and on a process group of their own
-(made at the first call, on every rank), so collectives DDP itself issues meanwhile
-(find_unused_parameters' bitmap) on its group never interleave with them differently on
-different ranks. An error on these threads (a codec's, a failed peer's) is the future's: DDP
-raises it from backward().
-
-Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduce_hook and
-fp16_compress_hook. The learning rate that error feedback rescales by is read from
-``optimizer`` when given, when the hook is called.
+It does not hold backward (docs/ddp_hook.md): it returns a pending future at once, and three
+threads per hook take the buckets in call order: one compresses, one gathers (the only one
+issuing the hook's collectives, on a process group of the hook's own, made at the first call on
+every rank), one reduces, decodes and completes the futures. So a bucket's steps never overlap,
+every rank issues the same collectives in the same order, and compressing, gathering and
+reducing consecutive buckets overlap (CUDA buckets run on a side stream that first waits for the
+gradients). An error on these threads (a codec's, a failed peer's) is the future's: DDP raises
+it from backward().
 
 Several ranks per host (bps_gc.collective.levels, docs/local_ranks.md): where the job runs two
-levels, a DDP group of every rank reduces through them, on the exchanging thread: a dense bucket
-is summed over the host's ranks (shared memory; NCCL for CUDA), once per host across hosts, and
-shared on the host; a compressed host bucket's gradient ``position`` is owned by local rank
-``partition_owner(index, position, L)``, which compresses the host's sum once (its codec state
-stays there), so the result is the parameter server's two levels'. Device-chain buckets stay
-flat, as the communicator's device tensors do.
+levels, a DDP group of every rank reduces through them on the exchanging thread, so the result
+is the parameter server's two levels'. Device-chain buckets stay flat.
 """
 import contextlib
 import logging

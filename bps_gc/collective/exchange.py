@@ -85,7 +85,8 @@ def all_gather_bytes(payloads, wait, group=None, parts=None, capacity=None):
     if capacity is not None:
         capacity.learn(longest)
     flats = [h.numpy()[head:] for h in heads]
-    if longest > first:  # the rest, padded to the longest rest
+    if longest > first or capacity is None:  # the rest, padded to the longest rest (without a
+        # capacity always: its callers count two collectives, even for empty payloads)
         rest = torch.zeros(longest - first, dtype=torch.uint8)
         if flat is not None:
             rest.numpy()[:total - first] = flat[first:]

@@ -7,7 +7,8 @@ shaped to RATE both ways (scripts/netns.py SwitchedMachines); else both are on l
 
 Rows (rank 0's median step over --rounds after --warmup, the rows taking turns each round; a
 step is forward, backward, SGD;
-"in step()" is the median time inside the optimizer's step(), where DistributedOptimizer waits):
+"in step()" is the median time inside the optimizer's step(), where DistributedOptimizer waits;
+"cpu s" the median CPU seconds of rank 0's process per step, every thread):
   DDP no communication        a hook that returns the bucket unchanged: the floor
   DDP dense / fp16 hook       PyTorch's all_reduce and fp16_compress_hook
   DDP PowerSGD rank 1         PyTorch's powerSGD_hook (compressed from step 3 on, one bucket:
@@ -25,6 +26,12 @@ step is forward, backward, SGD;
 
     python scripts/bench_hook.py --quick                       # loopback smoke run
     sudo python scripts/bench_hook.py --shaped 100mbit
+    sudo python scripts/bench_hook.py --shaped 100mbit --rows "no comm,hook topk,alone" --timeline
+
+--timeline: after the rounds, 5 more steps of the bps_gc hook's topk row and of its reduction
+alone, rank 0 printing the last one's stamps per bucket (bps_gc.torch.hook.TIMELINE: hook call,
+compressing, gathering, reducing; ms from the step's start) and the CPU per step of each of its
+threads (/proc schedstat).
 
 Targets (issue 26): held <= 0.2 for topk 1% + EF; its step <= 1.15x max(no communication,
 its reduction alone) and below PowerSGD rank 1. JSON goes to out/bench_hook.json unless --json.
@@ -39,6 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import PY, ROOT, check_tcp_congestion, import_netns, write_json_atomic  # noqa: E402
+from bench_hook_timeline import TRACED, print_timeline, thread_cpu  # noqa: E402
 
 CODECS = {"topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
           "onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
@@ -57,7 +65,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--batch", type=int, default=48, help="samples per rank and step")
+    # 112: the step without communication takes about as long as topk 1% + EF's reduction alone
+    # at 100 Mbit/s (both about 0.05 s on the 2-core box of docs/ddp_hook.md; at 48 the reduction took 2x)
+    p.add_argument("--batch", type=int, default=112, help="samples per rank and step")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="DDP's bucket_cap_mb")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)
@@ -65,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="only rows containing one of these comma-separated words")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion control")
+    p.add_argument("--timeline", action="store_true",
+                   help="after the rounds, print one step of the bps_gc hook's topk row and of its reduction "
+                        "alone on rank 0: per bucket, when each stage started and ended "
+                        "(bps_gc.torch.hook.TIMELINE), and each thread's CPU per step")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench_hook.json"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks
     p.add_argument("--rank-rows", default=None, help=argparse.SUPPRESS)  # their rows, as JSON
@@ -115,11 +129,15 @@ def rank_main(args):
         return torch.nn.Sequential(*layers[:-1])
 
     in_step = []  # seconds inside opt.step(): a DistributedOptimizer's exchanges wait there
+    marks = []  # --timeline: (event, perf_counter) of the step being traced
 
     def stepper(model, opt):
         def step():
             opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), target).backward()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            marks.append(("forward end", time.perf_counter()))
+            loss.backward()
+            marks.append(("backward end", time.perf_counter()))
             began = time.perf_counter()
             opt.step()
             in_step.append(time.perf_counter() - began)
@@ -216,20 +234,39 @@ def rank_main(args):
             step()
         if clock is not None:
             clock.held = clock.total = 0.0
-        rows[label] = (step, clock, [], [])
+        rows[label] = (step, clock, [], [], [])
     for _ in range(args.rounds):  # the rows take turns: a load that comes and goes hits all alike
-        for step, _, times, waits in rows.values():
-            in_step[:] = []
+        for step, _, times, waits, cpu in rows.values():
+            in_step[:], marks[:] = [], []
             barrier()
-            began = time.perf_counter()
+            began, used = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - began)
+            cpu.append(time.process_time() - used)  # every thread of this rank: backward, the hook's, gloo's
             waits.extend(in_step)
     ops.push_pull_async, ops.synchronize = original  # the optimizer row timed them
+    traced = {}
+    if args.timeline:
+        from bps_gc.torch import hook as hook_module
+        for label in (f"bps_gc hook {TARGET}", f"{TARGET} reduction alone"):
+            if label in rows:
+                threads = thread_cpu()
+                for _ in range(TRACED):  # the stamps of the last, the threads' CPU of all
+                    hook_module.TIMELINE, marks[:] = [], []
+                    barrier()
+                    began, used = time.perf_counter(), time.process_time()
+                    rows[label][0]()
+                    marks.append(("step end", time.perf_counter()))
+                    cpu = time.process_time() - used
+                threads = {name: (ns - threads.get(name, 0)) / TRACED / 1e9 for name, ns in thread_cpu().items()}
+                stamps, hook_module.TIMELINE = hook_module.TIMELINE, None
+                traced[label] = {"began": began, "cpu_s": cpu, "marks": list(marks), "stamps": stamps,
+                                 "thread_cpu_s": threads}
     results = [{"row": label, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
                 "times": times, "held": clock and clock.fraction(),
-                "in_step_s": statistics.median(waits) if waits else None}
-               for label, (_, clock, times, waits) in rows.items()]
+                "in_step_s": statistics.median(waits) if waits else None, "cpu_s": statistics.median(cpu),
+                "timeline": traced.get(label)}
+               for label, (_, clock, times, waits, cpu) in rows.items()]
     if rank == 0:
         json.dump(results, open(args.rank_out, "w"))
     bps.shutdown()
@@ -267,7 +304,8 @@ def run_ranks(args, topo, log_dir):
         raw = os.path.join(log_dir, f"{transport}.json")
         cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--rank-rows", json.dumps(mine), "--width",
                str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--bucket-mb",
-               str(args.bucket_mb), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+               str(args.bucket_mb), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+               *(["--timeline"] if args.timeline else [])]
         port = topo.port()
         if transport == "collective":
             plan = [(f"rank{r}", topo.wrap(r, cmd), child_env(
@@ -320,16 +358,16 @@ def report(args, results, where):
           f"{args.bucket_mb:g} MB; rank 0's median of {args.rounds} steps after {args.warmup} warm-up, rows "
           "taking turns")
     width = max(len(r["row"]) for r in results)
-    print(f"{'':{width}} {'step s':>8} {'min':>7} {'max':>7} {'in step()':>9} {'held':>6} {'vs no comm':>10} "
-          f"{'vs PowerSGD r1':>14}")
+    print(f"{'':{width}} {'step s':>8} {'min':>7} {'max':>7} {'cpu s':>7} {'in step()':>9} {'held':>6} "
+          f"{'vs no comm':>10} {'vs PowerSGD r1':>14}")
     for r in results:
         r["vs_no_communication"] = r["median_s"] / floor if floor else None
         r["vs_powersgd_rank1"] = r["median_s"] / psgd if psgd else None
         held = f"{r['held']:.3f}" if r["held"] is not None else "-"
         ratios = [f"{v:.2f}x" if v else "-" for v in (r["vs_no_communication"], r["vs_powersgd_rank1"])]
         in_step = f"{r['in_step_s']:.4f}" if r["in_step_s"] is not None else "-"
-        print(f"{r['row']:{width}} {r['median_s']:8.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {in_step:>9} {held:>6} "
-              f"{ratios[0]:>10} {ratios[1]:>14}")
+        print(f"{r['row']:{width}} {r['median_s']:8.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['cpu_s']:7.4f} "
+              f"{in_step:>9} {held:>6} {ratios[0]:>10} {ratios[1]:>14}")
     targets = []
     row, alone = by.get(f"bps_gc hook {TARGET}"), by.get(f"{TARGET} reduction alone")
     held = next((r["held"] for r in results if r["row"] == f"bps_gc hook {TARGET}"), None)
@@ -341,6 +379,9 @@ def report(args, results, where):
         targets.append((f"step / PowerSGD rank 1's, {TARGET}", row / psgd, 1.0))
     for what, value, bound in targets:
         print(f"target: {what} = {value:.3f} (<= {bound:g}: {'met' if value <= bound else 'NOT met'})")
+    for r in results:
+        if r.get("timeline"):
+            print_timeline(r["row"], r["timeline"])
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     write_json_atomic(args.json, {"link": where, "command": sys.argv, "model": {
         "width": args.width, "layers": args.layers, "batch": args.batch, "bucket_mb": args.bucket_mb},

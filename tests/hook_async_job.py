@@ -3,7 +3,8 @@
 spec "overlap": DDP on a model with large buckets (their reduction takes tens of milliseconds),
 timing each hook call (until it returns) and its future (until it completes); then the hook
 called directly on two buckets, several steps each, interleaved and none waited for before the
-last, saving inputs, outputs and the order the futures completed in.
+last, saving inputs, outputs and the order the futures completed in; the same with a threshold
+codec, whose payloads' lengths vary.
 spec "error": a codec that raises at step 1 on rank ``refuser`` only; every rank saves what
 backward() raised.
 spec "overlap_and_error": both, one after the other (one start-up for three tests), then a
@@ -32,6 +33,7 @@ from bps_gc.compress import register_compressor, step_context  # noqa: E402
 from bps_gc.compress.sparse import TopK  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
+THRESHOLD = {"compressor": "threshold", "threshold": 1.0}  # payloads of varying length
 if spec.get("init"):
     bps.init()  # the collective communicator (torchrun's environment): its heartbeat watches waits
 else:
@@ -85,7 +87,8 @@ def overlap(spec):
     # while the hook's thread may still gather (on the hook's own group)
     train(DDP(mlp(1024, 4), bucket_cap_mb=4, find_unused_parameters=True), timed, spec["steps"], 1024)
     json.dump(calls, open(os.path.join(out, f"calls{rank}.json"), "w"))
-    order(spec)
+    order(spec["compression_params"], "order")
+    order(THRESHOLD, "order_threshold")
 
 
 class Bucket:
@@ -105,14 +108,16 @@ class Bucket:
         return self._gradients
 
 
-def order(spec):
-    hook, done, saved = bps.comm_hook(spec["compression_params"]), [], {}
+def order(params, name):
+    hook, done, saved = bps.comm_hook(params), [], {}
     sizes = {0: [3000, 500], 1: [2000]}
     pending = []
     for step in range(3):
         for index in (0, 1):
             g = torch.Generator().manual_seed(1000 * rank + 10 * step + index)
-            buffer = torch.randn(sum(sizes[index]), generator=g) * (1 + index)
+            # scaled by step, so that a threshold codec's payloads outgrow the last step's
+            # (the exchange's second all_gather) and then shrink (padded into the first)
+            buffer = torch.randn(sum(sizes[index]), generator=g) * (1 + index) * (1, 2, 0.5)[step]
             saved[f"in{len(pending)}"] = buffer.clone().numpy()
             future = hook(None, Bucket(index, sizes[index], buffer))
             future.then(lambda f, n=len(pending): done.append(n))
@@ -120,7 +125,7 @@ def order(spec):
     for n, future in enumerate(pending):
         saved[f"out{n}"] = future.wait().clone().numpy()
     time.sleep(0.1)  # the last then() callback runs after its future's waiters wake
-    np.savez(os.path.join(out, f"order{rank}.npz"), done=np.array(done), **saved)
+    np.savez(os.path.join(out, f"{name}{rank}.npz"), done=np.array(done), **saved)
 
 
 def error(spec):

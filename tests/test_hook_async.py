@@ -21,6 +21,7 @@ from test_collective_hook import expected_buckets
 
 JOB = os.path.join(TESTS, "hook_async_job.py")
 TOPK_EF = {"compressor": "topk", "k": 0.01, "ef": "vanilla"}
+THRESHOLD = {"compressor": "threshold", "threshold": 1.0}  # as hook_async_job.py's
 
 
 def run(spec, tmp_path, timeout=180):
@@ -47,15 +48,18 @@ def test_hook_returns_before_its_reduction_ends_and_keeps_each_buckets_steps_in_
         held = sum(h for h, _ in later) / sum(d for _, d in later)
         # the old hook returned only when the reduction was over: held fraction 1
         assert held < 0.5, f"rank {rank}: the hook call took {held:.0%} of its reduction ({calls})"
-    # the hook called directly: buckets 0, 1, 0, 1, 0, 1, waited for only after the last call
-    saved = [np.load(tmp_path / f"order{r}.npz") for r in range(2)]
-    sizes = {0: [3000, 500], 1: [2000]}
-    calls = [[(n % 2, sizes[n % 2], s[f"in{n}"]) for n in range(6)] for s in saved]
-    expected = expected_buckets(TOPK_EF, calls, 2, 0.0, "recompress")  # topk's default reducer
-    for rank, s in enumerate(saved):
-        assert list(s["done"]) == list(range(6)), f"rank {rank}: futures completed in order {list(s['done'])}"
-        for n, value in enumerate(expected):
-            assert s[f"out{n}"].tobytes() == value.tobytes(), f"rank {rank} call {n}"
+    # the hook called directly: buckets 0, 1, 0, 1, 0, 1, waited for only after the last call;
+    # with topk (payloads of one length: one all_gather per bucket after its first) and with
+    # threshold (lengths that vary by rank and step: the exchange's second all_gather)
+    for name, params in (("order", TOPK_EF), ("order_threshold", THRESHOLD)):
+        saved = [np.load(tmp_path / f"{name}{r}.npz") for r in range(2)]
+        sizes = {0: [3000, 500], 1: [2000]}
+        calls = [[(n % 2, sizes[n % 2], s[f"in{n}"]) for n in range(6)] for s in saved]
+        expected = expected_buckets(params, calls, 2, 0.0, "recompress")  # both codecs' default reducer
+        for rank, s in enumerate(saved):
+            assert list(s["done"]) == list(range(6)), f"{name}, rank {rank}: futures completed in {list(s['done'])}"
+            for n, value in enumerate(expected):
+                assert s[f"out{n}"].tobytes() == value.tobytes(), f"{name}, rank {rank} call {n}"
 
 
 def test_codec_error_on_one_rank_reaches_backward_on_every_rank(overlap_and_error):

@@ -38,22 +38,67 @@ def gather_lengths(payloads, wait, group, parts, device=None):
     return counts
 
 
-def all_gather_bytes(payloads, wait, group=None, parts=None):
+class Capacity:
+    """How many payload bytes each rank sends in the same all_gather as its lengths
+    (``all_gather_bytes(..., capacity=)``): the largest total any rank sent in the last few
+    gathers of the same payloads. Every rank learns it from the same gathered lengths, so it
+    agrees on every rank. Fixed-size payloads (topk, onebit...) then need one all_gather;
+    longer ones than that send the rest in a second."""
+
+    REMEMBERED = 4  # gathers: payloads whose size varies (DGC) pad to the recent longest
+
+    def __init__(self):
+        self.bytes, self.recent = 0, []
+
+    def learn(self, longest):
+        self.recent = self.recent[-(self.REMEMBERED - 1):] + [longest]
+        self.bytes = max(self.recent)
+
+
+def all_gather_bytes(payloads, wait, group=None, parts=None, capacity=None):
     """``payloads``: this rank's uint8 arrays (one per partition), or None when this rank
     failed to make them (then ``parts`` says how many there would have been). Returns, for
-    every rank in order, its list of payloads. Lengths travel first; the bytes are padded to
-    the longest."""
-    counts = gather_lengths(payloads, wait, group, parts)
+    every rank in order, its list of payloads. One all_gather carries each rank's lengths (int64,
+    -1 when it failed) and the first ``capacity.bytes`` of its payloads (zero-padded); a second
+    the rest of the longest, when there is any. Without ``capacity`` the first carries the
+    lengths only (two collectives, always)."""
+    parts = len(payloads) if payloads is not None else parts
+    sizes = [-1] * parts if payloads is None else [int(p.size) for p in payloads]
+    head, first = 8 * parts, capacity.bytes if capacity is not None else 0
+    mine = torch.zeros(head + first, dtype=torch.uint8)
+    mine.numpy()[:head].view(np.int64)[:] = sizes
+    total = sum(sizes) if payloads is not None else 0
+    if payloads and total <= first:  # all of it goes with the lengths
+        np.concatenate(payloads, out=mine.numpy()[head:head + total])
+    flat = None
+    if payloads and 0 < first < total:  # split over the two gathers
+        flat = np.concatenate(payloads)
+        mine.numpy()[head:] = flat[:first]
+    heads = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    wait(dist.all_gather(heads, mine, group=group, async_op=True),
+         "all_gather of payloads" if first else "all_gather of payload sizes")
+    counts = [h.numpy()[:head].view(np.int64).tolist() for h in heads]
+    missing = [r for r, c in enumerate(counts) if any(n < 0 for n in c)]
+    if missing:
+        raise PayloadsMissing(missing)
     longest = max(sum(c) for c in counts)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    if payloads:
-        np.concatenate(payloads, out=mine.numpy()[:sum(counts[dist.get_rank(group)])])
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in counts]
-    wait(dist.all_gather(gathered, mine, group=group, async_op=True), "all_gather of payloads")
+    if capacity is not None:
+        capacity.learn(longest)
+    flats = [h.numpy()[head:] for h in heads]
+    if longest > first or capacity is None:  # the rest, padded to the longest rest (without a
+        # capacity always: its callers count two collectives, even for empty payloads)
+        rest = torch.zeros(longest - first, dtype=torch.uint8)
+        if flat is not None:
+            rest.numpy()[:total - first] = flat[first:]
+        elif payloads and not first:
+            np.concatenate(payloads, out=rest.numpy()[:total])
+        tails = [torch.empty_like(rest) for _ in heads]
+        wait(dist.all_gather(tails, rest, group=group, async_op=True), "all_gather of payloads")
+        flats = [t.numpy() if not first else np.concatenate([f, t.numpy()]) for f, t in zip(flats, tails)]
     result = []
-    for buffer, c in zip(gathered, counts):
-        flat, offsets = buffer.numpy(), np.concatenate([[0], np.cumsum(c)])
-        result.append([flat[offsets[i]:offsets[i + 1]] for i in range(len(c))])
+    for buffer, c in zip(flats, counts):
+        offsets = np.concatenate([[0], np.cumsum(c)])
+        result.append([buffer[offsets[i]:offsets[i + 1]] for i in range(len(c))])
     return result
 
 

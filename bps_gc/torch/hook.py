@@ -2,44 +2,32 @@
 
     ddp_model.register_comm_hook(None, bps_gc.torch.comm_hook({"compressor": "onebit", "ef": "vanilla"}))
 
-Like torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks), the hook is
-``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average; the state DDP
-hands it is the process group (None: the default group). Each gradient in a bucket is its own
-partition, compressed layer-wise as a declared tensor would be (one onebit scale over a whole
-bucket would mix layers of very different magnitudes); its codec chain (error feedback and
-momentum state included) is kept per bucket index and position, keyed so seeds agree on every
-rank. One all_gather carries a bucket's payloads. Payloads are all_gathered and every
-rank runs the codec's reducer (bps_gc.collective.exchange), so the result is what the parameter
-server would return for the same gradients. DDP regroups its buckets after the first step; a
-bucket whose size changed starts with fresh codec state (PowerSGD's hook waits out the same
-regrouping with ``start_powerSGD_iter``).
+``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average, as torch's own
+hooks. Each gradient of a bucket is its own partition (one onebit scale over a whole bucket
+would mix layers), with a codec chain (error feedback, momentum) kept per bucket index and
+position and keyed so seeds agree on every rank; a bucket whose size changed (DDP regroups
+after the first step) starts with fresh state. Every rank gathers every rank's payloads and runs
+the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
+server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
+error feedback rescales by is ``optimizer``'s when the hook is called.
 
-The hook does not hold backward (docs/ddp_hook.md): it returns a pending future at once. Two
-threads per hook take the buckets in the order DDP handed them over: one compresses, the other
-gathers, reduces and decodes them and completes their futures, so a bucket's steps never
-overlap and compressing the next bucket overlaps gathering this one (for CUDA buckets, on a
-side stream that first waits for the gradients). DDP waits for the futures at the end of
-backward. Ordering across ranks: DDP calls the hook in bucket order on every rank, the one
-exchanging thread issues the collectives in that order, and on a process group of their own
-(made at the first call, on every rank), so collectives DDP itself issues meanwhile
-(find_unused_parameters' bitmap) on its group never interleave with them differently on
-different ranks. An error on these threads (a codec's, a failed peer's) is the future's: DDP
-raises it from backward().
-
-Without a compressor it is an all_reduce (in float16 with ``fp16``), as allreduce_hook and
-fp16_compress_hook. The learning rate that error feedback rescales by is read from
-``optimizer`` when given, when the hook is called.
+It does not hold backward (docs/ddp_hook.md): it returns a pending future at once, and three
+threads per hook take the buckets in call order: one compresses, one gathers (the only one
+issuing the hook's collectives, on a process group of the hook's own, made at the first call on
+every rank), one reduces, decodes and completes the futures. So a bucket's steps never overlap,
+every rank issues the same collectives in the same order, and compressing, gathering and
+reducing consecutive buckets overlap (CUDA buckets run on a side stream that first waits for the
+gradients). An error on these threads (a codec's, a failed peer's) is the future's: DDP raises
+it from backward().
 
 Several ranks per host (bps_gc.collective.levels, docs/local_ranks.md): where the job runs two
-levels, a DDP group of every rank reduces through them, on the exchanging thread: a dense bucket
-is summed over the host's ranks (shared memory; NCCL for CUDA), once per host across hosts, and
-shared on the host; a compressed host bucket's gradient ``position`` is owned by local rank
-``partition_owner(index, position, L)``, which compresses the host's sum once (its codec state
-stays there), so the result is the parameter server's two levels'. Device-chain buckets stay
-flat, as the communicator's device tensors do.
+levels, a DDP group of every rank reduces through them on the exchanging thread, so the result
+is the parameter server's two levels'. Device-chain buckets stay flat.
 """
 import contextlib
 import logging
+import threading
+import time
 
 import numpy as np
 import torch
@@ -49,7 +37,7 @@ import bps_gc.core as core
 
 from .. import compress
 from ..collective import Collective, all_gather_bytes
-from ..collective.exchange import PayloadsMissing, all_gather_tensors
+from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
 from ..collective.levels import levels_from_env
 from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
@@ -57,9 +45,20 @@ from .device_codecs import chain_for, device_reduction, uses_device_chain
 
 log = logging.getLogger("bps_gc.torch")
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
+WOKEN_WAIT_S = 0.25  # how long a gather is waited for by its future before the communicator polls it
 
 
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
+
+# Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
+# (bucket index, event, time.perf_counter(), time.thread_time()) of every compressed bucket.
+# Off, a stamp costs one global lookup and a None check.
+TIMELINE = None
+
+
+def _stamp(index, event):
+    if TIMELINE is not None:
+        TIMELINE.append((index, event, time.perf_counter(), time.thread_time()))
 
 
 def bucket_key(index, position):
@@ -78,12 +77,16 @@ class CompressionHook:
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
         self.wire_dtype = np.float16 if self.params.fp16 else np.float32
+        self.wire_torch = torch.float16 if self.params.fp16 else torch.float32
         # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
         self.buckets = {}
-        # two stages, each one thread taking buckets in call order: compressing the next bucket
-        # overlaps gathering this one, and one thread issues every collective of the hook
+        # three stages, each one thread taking buckets in call order: compressing the next bucket
+        # overlaps gathering this one, gathering it overlaps reducing the one before, and one
+        # thread issues every collective of the hook
         self.compressor = ExchangeThread("bps_gc-comm-hook-compress")
         self.exchanger = ExchangeThread("bps_gc-comm-hook-exchange")
+        self.reducing = ExchangeThread("bps_gc-comm-hook-reduce")
+        self.capacities = {}  # bucket index -> its payloads' exchange.Capacity (the exchanging thread's)
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
         self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat
@@ -100,6 +103,7 @@ class CompressionHook:
                                                                   future, stream))
             return future.then(_value)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
+        _stamp(index, "called")
         parts = self._state(index, sizes, buffer)
         on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
@@ -109,6 +113,7 @@ class CompressionHook:
         job = (side, index, buffer, parts, ctx, on_device, levels)
         future, stream = self._future(buffer)
         self.compressor.submit(lambda: self._compress_stage(job, future, stream))
+        _stamp(index, "returned")
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
@@ -178,7 +183,8 @@ class CompressionHook:
     def _compress_stage(self, job, future, stream):
         """On the compressing thread: the bucket's payloads (None and the error if compressing
         failed), handed on to the exchanging thread in the same order."""
-        _, _, buffer, parts, ctx, on_device, levels = job
+        _, index, buffer, parts, ctx, on_device, levels = job
+        _stamp(index, "compress start")
         with _current(stream):
             try:
                 if stream is not None:
@@ -186,39 +192,70 @@ class CompressionHook:
                 if levels is not None:  # its owners compress the host's sums, on the exchanging thread
                     grad, payloads = buffer.detach().to("cpu", torch.float32), None  # float32 on CPU: a view
                 else:
-                    grad = buffer.detach().to(torch.float16 if self.params.fp16 else torch.float32)  # float32: a view
+                    grad = buffer.detach().to(self.wire_torch)  # float32: a view
                     bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
                     payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
                                 in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
                 failure = None
             except Exception as e:  # the others still gather (and learn that this rank failed)
                 grad, payloads, failure = None, None, e
-        self.exchanger.submit(lambda: self._exchange_stage(job, future, stream, grad, payloads, failure))
+        _stamp(index, "compress end")
+        self.exchanger.submit(lambda: self._gather_stage(job, future, stream, grad, payloads, failure))
 
-    def _exchange_stage(self, job, future, stream, grad, payloads, failure):
-        with _current(stream):
-            _settle(future, lambda: self._exchange(job, grad, payloads, failure))
-
-    def _exchange(self, job, grad, payloads, failure):
-        """On the exchanging thread (the only one issuing the hook's collectives): gather,
-        reduce and decode bucket ``index``; the averaged bucket, in its buffer."""
+    def _gather_stage(self, job, future, stream, grad, payloads, failure):
+        """On the exchanging thread (the only one issuing the hook's collectives): every rank's
+        payloads of the bucket (or the error), handed to the reducing thread in the same order,
+        so the next bucket's gather overlaps this one's reduction. A two-level bucket is
+        reduced here, where its collectives are."""
         group, index, buffer, parts, ctx, on_device, levels = job
+        _stamp(index, "exchange start")
+        with _current(stream):
+            try:
+                if levels is not None:
+                    if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
+                        raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {type(failure).__name__}: {failure}")
+                    result = self._exchange_levels(levels, job, grad)
+                    finish = lambda: result  # noqa: E731
+                else:
+                    gathered = self._gather(job, payloads, failure)
+                    finish = lambda: self._reduce(job, grad, gathered)  # noqa: E731
+            except BaseException as e:  # noqa: B036 (the bucket's future is its way out)
+                finish = _raiser(e)
+        _stamp(index, "exchange end")
+        self.reducing.submit(lambda: self._reduce_stage(job, future, stream, finish))
+
+    def _reduce_stage(self, job, future, stream, finish):
+        _stamp(job[1], "reduce start")
+
+        def done():
+            result = finish()
+            _stamp(job[1], "completed")  # before the future's result: DDP may go on to the next step
+            return result
+        with _current(stream):
+            _settle(future, done)
+
+    def _gather(self, job, payloads, failure):
+        """Every rank's payloads of the bucket, in rank order; a rank that could not make its
+        own names itself (or the others stop too, naming it)."""
+        group, index, buffer, parts, ctx, on_device, _ = job
         wait = self._waiter(group, index)
-        if levels is not None:
-            if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
-                raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {type(failure).__name__}: {failure}")
-            return self._exchange_levels(levels, job, grad)
         try:
             if on_device:  # the payloads stay where they are (NCCL for CUDA)
-                gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
-            else:
-                gathered = all_gather_bytes(payloads, wait, group, len(parts))
+                return all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
+            # one all_gather per bucket once its payloads' size is known (exchange.Capacity)
+            capacity = self.capacities.setdefault(index, Capacity())
+            return all_gather_bytes(payloads, wait, group, len(parts), capacity)
         except PayloadsMissing as missing:
             if failure is not None:
                 raise RuntimeError(f"bps_gc comm_hook: compressing DDP bucket {index} failed: "
                                    f"{type(failure).__name__}: {failure}") from failure
             raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {missing} (their errors name "
                                "the cause); this rank stops too") from None
+
+    def _reduce(self, job, grad, gathered):
+        """On the reducing thread: run the reducer on every gradient's payloads and decode its
+        reply, averaged, into the bucket's buffer."""
+        group, index, buffer, parts, ctx, on_device, _ = job
         size = dist.get_world_size(group)
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         if on_device:
@@ -229,14 +266,19 @@ class CompressionHook:
                 if reducer.summed:  # a majority vote is not averaged
                     chunk /= size
         else:
-            total = np.empty(grad.numel(), self.wire_dtype)
+            # decoded straight into the buffer where it holds the wire dtype (the compressing
+            # thread is done with it); else into a host array, then copied
+            direct = buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.dtype == self.wire_torch
+            total = buffer.detach().numpy() if direct else np.empty(grad.numel(), self.wire_dtype)
             for i, (_, reducer) in enumerate(parts):
                 chunk = total[bounds[i]:bounds[i + 1]]
                 reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
                 if reducer.summed:
                     chunk /= chunk.dtype.type(size)
-            result = torch.from_numpy(total)
-        buffer.copy_(result)
+            result = None if direct else torch.from_numpy(total)
+        _stamp(index, "reduced")
+        if result is not None:
+            buffer.copy_(result)
         return buffer
 
     def _exchange_levels(self, levels, job, grad):
@@ -269,14 +311,26 @@ class CompressionHook:
         NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
         comm = core.worker() if core.is_initialized() else None
         if isinstance(comm, Collective):
-            return lambda work, what: comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+            def through(work, what):
+                # the communicator's wait polls the work each millisecond; the work's future wakes
+                # this thread when it completes. One that takes longer than WOKEN_WAIT_S goes to
+                # the communicator's wait, which names a dead or departed peer as before.
+                done = threading.Event()
+                work.get_future().add_done_callback(lambda _: done.set())
+                done.wait(WOKEN_WAIT_S)
+                comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+        else:
+            def through(work, what):
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    raise core.NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
+                                           f"{dist.get_rank()}: {e}") from None
 
         def wait(work, what):
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise core.NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
-                                       f"{dist.get_rank()}: {e}") from None
+            _stamp(index, what + " start")
+            through(work, what)
+            _stamp(index, what + " end")
         return wait
 
     def _side_group(self, group):
@@ -328,6 +382,12 @@ class CompressionHook:
 def _current(stream):
     """The side stream as the current stream (a CUDA bucket's ``(stream, event)``), or nothing."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream[0])
+
+
+def _raiser(error):
+    def raise_it():
+        raise error
+    return raise_it
 
 
 def _value(future):

@@ -6,6 +6,7 @@ import torch
 
 from bps_gc.compress import CompressionParams, build_chain
 from bps_gc.compress.device import DeviceCodec, HostBridge, host_array
+from nan_bits import assert_equal_but_nan_bits
 
 CUDA_SKIP = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="no CUDA device: torch.cuda.is_available() is False here")
@@ -44,7 +45,7 @@ def run_side_by_side(params, n, dtype, device, steps=4, role="worker", key=7, re
         assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8 and got.dim() == 1
         assert got.device.type == torch.device(device).type
         expected = sorted_records(want, dtype) if records else want.tobytes()
-        assert host_array(got).tobytes() == expected, f"step {step}: payloads differ"
+        assert_equal_but_nan_bits(host_array(got).tobytes(), expected, f"step {step}")
         decoded = dev.decompress(got)
         assert decoded.device.type == torch.device(device).type and decoded.dtype == TORCH[dtype]
         np.testing.assert_array_equal(decoded.cpu().numpy(), host.decompress(want))
@@ -307,3 +308,15 @@ def test_payload_forms_decode_alike(device):
         warnings.simplefilter("error")
         for form in (raw, np.frombuffer(raw, np.uint8), bytearray(raw), payload.cpu()):
             np.testing.assert_array_equal(chain.decompress(form).cpu().numpy(), want)
+
+
+def test_nan_bits_are_the_only_difference_allowed():
+    one, gpu_nan, numpy_nan = (np.array(v, np.uint32).tobytes() for v in (0x3F800000, 0x7FFFFFFF, 0x7FC00000))
+    header = np.array([5, 7], np.uint32).tobytes()
+    assert_equal_but_nan_bits(header + gpu_nan + one, header + numpy_nan + one)
+    with pytest.raises(AssertionError, match="byte 8"):
+        assert_equal_but_nan_bits(header + gpu_nan + one, header + one + one)
+    with pytest.raises(AssertionError, match="byte 0"):  # a differing integer field stays a difference
+        assert_equal_but_nan_bits(np.array([6, 7], np.uint32).tobytes() + one, header + one)
+    half_gpu, half_numpy = np.array([0x7FFF], np.uint16).tobytes(), np.array([0x7E00], np.uint16).tobytes()
+    assert_equal_but_nan_bits(header + half_gpu, header + half_numpy)

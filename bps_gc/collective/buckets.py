@@ -124,7 +124,8 @@ class Buckets:
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
             wire = entry[0]
-            by_dtype.setdefault((wire.dtype, getattr(wire, "device", None)), []).append(entry)
+            # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
+            by_dtype.setdefault((wire.dtype, wire.device if isinstance(wire, torch.Tensor) else None), []).append(entry)
         for (_, device), entries in by_dtype.items():
             wires = [w for w, _, _ in entries]
             fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)

@@ -182,3 +182,38 @@ def test_host_layout_decides_alike_on_every_rank():
     assert size is None and "different numbers of local ranks" in problem
     size, problem = host_layout([(1, 0, 2), (1, 1, 2), (0, 0, 2), (0, 1, 2)], "host")
     assert size is None and "rank 0 is local rank 0 of host 1" in problem
+
+
+@pytest.mark.parametrize("local_size", [2, 3, 4])
+def test_dense_stripes_cover_the_buffer_and_copy_out_divides(local_size):
+    """The dense pipeline's layout: every element in one share of one stripe, shares at most
+    PIPELINE_BYTES, padding under one element per share; _copy_out puts each piece of the joined
+    buffer into the outs it overlaps, divided where asked (numpy slicing is the oracle)."""
+    import types
+    from bps_gc.collective import levels
+    host = types.SimpleNamespace(local_size=local_size)
+    for n in (1, 5, 1000, levels.PIPELINE_BYTES // 4 * local_size, levels.PIPELINE_BYTES // 4 * local_size + 1,
+              6_400_000):
+        share, count = levels.HostLevels.stripes(host, n, 4)
+        assert count * local_size * share >= n > (count * local_size) * (share - 1)
+        assert count == 1 or share * 4 <= levels.PIPELINE_BYTES
+    rng = np.random.default_rng(local_size)
+    share, count, n = 7, 3, 41  # 3 stripes of L shares of 7 (42 to 84 elements), outs of 41 in all
+    padded = count * local_size * share
+    results = [rng.standard_normal(padded).astype(np.float32) for _ in range(local_size)]
+    sizes = [7, 1, 20, 13]
+    outs = [(np.zeros(s, np.float32), None if k % 2 else np.float32(3)) for k, s in enumerate(sizes)]
+    pieces = [(k * local_size * share + i * share, k * local_size * share + (i + 1) * share, i)
+              for k in range(count) for i in range(local_size)]
+    levels.HostLevels._copy_out(results, pieces, outs)
+    joined = np.empty(padded, np.float32)
+    for start, stop, owner in pieces:
+        joined[start:stop] = results[owner][start:stop]
+    offset = 0
+    for dest, divisor in outs:
+        expected = joined[offset:offset + dest.size]
+        if divisor is not None:
+            expected = expected / divisor
+        assert dest.tobytes() == expected.astype(np.float32).tobytes()
+        offset += dest.size
+    assert offset == n

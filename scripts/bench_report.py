@@ -191,8 +191,10 @@ def same_rows(rows, baseline):
 
 def host_floor_lines(rows, baseline):
     """What the host-level floor row (bench_host_floor.py) means for the compressed rows: the
-    baseline's row (one rank per machine) plus the floor is the least time two levels can take
-    on these cores; its ratio to the baseline shows whether SAME_ROW_LIMIT is reachable."""
+    baseline's row (one rank per machine) plus the floor is the time two levels take on these
+    cores if they add only their memory work (a little less where the cores do it while the
+    baseline's round waits on the network); its ratio to the baseline shows whether
+    SAME_ROW_LIMIT is within reach."""
     floor = next((r for r in rows if r.get("host_floor")), None)
     if floor is None:
         return []

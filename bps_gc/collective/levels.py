@@ -19,9 +19,11 @@ keep compressing each rank's own gradient, as single-machine torchrun jobs alway
 
 Host memory: per size class, every local rank offers a slot (its input) and a result (its
 shares' sums) from its memfd arena once, in an all_gather on the host's group; a round is copy
-in, sync, sum and cross-host step, sync, copy out. A peer reads this rank's slot only before the
-second sync and its result only before the next round's first sync, so one slot and one result
-suffice (worker_local.py's argument). The memory is freed by the kernel with its last user.
+in, sync, sum and cross-host step, sync, copy out (dense: the sums and cross-host steps stripe
+by stripe, then per stripe a wait, a sync and its copy out; see ``reduce_dense``). A peer reads
+this rank's slot only before its first sync after the sums and its result only before the next
+round's first sync, so one slot and one result suffice (worker_local.py's argument). The memory
+is freed by the kernel with its last user.
 """
 import json
 import logging

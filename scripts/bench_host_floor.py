@@ -16,6 +16,7 @@ no polling).
 """
 import mmap
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -49,9 +50,17 @@ def _rank(memory, n, local_size, local_rank, rank, ranks, host_barrier, all_barr
 
 def measure_host_floor(machines, local_ranks, elements, rounds, warmup):
     """{"seconds", "min", "max", "rounds": [...], ...}: the host level's memory work per round
-    (see the module's note) for ``machines`` x ``local_ranks`` ranks of ``elements`` float32."""
+    (see the module's note) for ``machines`` x ``local_ranks`` ranks of ``elements`` float32;
+    None (saying why) where it would need more than half of this box's free memory."""
+    ranks = machines * local_ranks
+    needed = (machines * (local_ranks + 1) + 2 * ranks) * elements * 4  # shared, inputs, outputs
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > free / 2:
+        print(f"host-level floor skipped: it needs {needed / 1e9:.1f} GB, this box has "
+              f"{free / 1e9:.1f} GB free", flush=True)
+        return None
     ctx = multiprocessing.get_context("fork")  # the shared mappings travel by fork
-    ranks, total = machines * local_ranks, warmup + rounds
+    total = warmup + rounds
     all_barrier = ctx.Barrier(ranks, timeout=BARRIER_TIMEOUT)
     results, procs = ctx.Queue(), []
     try:
@@ -101,5 +110,6 @@ if __name__ == "__main__":
     p.add_argument("--warmup", type=int, default=1)
     a = p.parse_args()
     row = measure_host_floor(a.machines, a.local_ranks, int(round(a.tensor_mb * 1e6 / 4)), a.rounds, a.warmup)
-    print(f"host-level floor, {row['topology']}, {row['bytes'] / 1e6:.1f} MB: {row['seconds']:.4f} s/round "
-          f"(min {row['min']:.4f}, max {row['max']:.4f})")
+    if row is not None:
+        print(f"host-level floor, {row['topology']}, {row['bytes'] / 1e6:.1f} MB: {row['seconds']:.4f} s/round "
+              f"(min {row['min']:.4f}, max {row['max']:.4f})")

@@ -247,8 +247,10 @@ def main(argv=None):
         rows = run_all(args, topo, children, log_root)
         if args.local_ranks > 1 and not args.no_host_floor:  # the memory work of two levels alone
             from bench_host_floor import measure_host_floor
-            rows.append(measure_host_floor(args.ranks, args.local_ranks, floats, args.rounds, args.warmup))
-            meta["host_level_floor"] = {k: rows[-1][k] for k in ("seconds", "min", "max", "rounds")}
+            floor = measure_host_floor(args.ranks, args.local_ranks, floats, args.rounds, args.warmup)
+            if floor is not None:
+                rows.append(floor)
+                meta["host_level_floor"] = {k: floor[k] for k in ("seconds", "min", "max", "rounds")}
         if net is not None:
             meta["qdisc_stats"] = {m: net.qdisc_stats(m) for m in range(len(net.ns))}
         meta["loadavg_after"] = os.getloadavg()

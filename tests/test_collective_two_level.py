@@ -7,6 +7,7 @@ server's reducer over one payload per host); PowerSGD, whose ranks each compress
 gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
 rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
 import os
+import queue
 import sys
 import textwrap
 import time
@@ -217,3 +218,52 @@ def test_dense_stripes_cover_the_buffer_and_copy_out_divides(local_size):
         assert dest.tobytes() == expected.astype(np.float32).tobytes()
         offset += dest.size
     assert offset == n
+
+
+def _device_path_rank(rank, size, local_size, port, results):
+    import torch
+    from bps_gc.collective.levels import HostLevels
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        levels = HostLevels(rank, size, local_size)
+        tensor = torch.arange(7, dtype=torch.float32) * (rank + 1)
+        levels.all_reduce_cuda(tensor)  # its collectives on CPU tensors: gloo runs them too
+        results.put((rank, tensor.numpy().tolist()))
+        levels.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_nccl_paths_steps_on_cpu_tensors():
+    """all_reduce_cuda's three steps (reduce_scatter on the host, all_reduce of the share across
+    hosts, all_gather on the host) with gloo on CPU tensors, 2 hosts x 2 ranks in processes on
+    loopback: every rank ends with the sum (small integers: exact), as numpy adds it."""
+    import multiprocessing
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results, size = ctx.Queue(), 4
+    procs = [ctx.Process(target=_device_path_rank, args=(r, size, 2, port, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + 60
+    try:
+        while len(got) < size:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed and time.monotonic() < deadline, f"a rank failed or hung: exit codes {failed}"
+            try:
+                rank, values = results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            got[rank] = values
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    expected = sum(np.arange(7, dtype=np.float32) * (r + 1) for r in range(size))
+    assert all(got[r] == expected.tolist() for r in range(size)), got

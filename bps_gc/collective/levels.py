@@ -161,6 +161,12 @@ class HostLevels:
         self._sync("host sync before the sums")
         return slots, results
 
+    def share(self, n, index):
+        """The elements [start, stop) of an ``n``-element buffer that local rank ``index`` owns in
+        the NCCL path: an equal cut of the buffer padded to a multiple of L (no share is empty)."""
+        step = max(1, -(-n // self.local_size))
+        return index * step, (index + 1) * step
+
     def stripes(self, n, itemsize):
         """(share, count): the dense layout of an ``n``-element buffer, ``count`` stripes of L
         shares of ``share`` elements each; local rank i owns the i-th share of every stripe. A

@@ -141,8 +141,10 @@ def rank_main(args):
         for n, g in zip(names, grads):
             bps.declare(n, shape=g.shape, dtype=g.dtype, **params)
 
+        outs = [np.empty_like(g) for g in grads]  # as the parameter server's rows (bench_workers.py)
+
         def step():
-            handles = [bps.push_pull(g.copy(), n, priority=-i, lr=0.1) for i, (n, g) in enumerate(zip(names, grads))]
+            handles = [bps.push_pull(g, n, priority=-i, lr=0.1, out=o) for i, (n, g, o) in enumerate(zip(names, grads, outs))]
             for h in handles:
                 h.wait()
         return step

@@ -27,6 +27,10 @@ DMLC_WORKER_ID = the machine (DMLC_NUM_WORKER counts machines; the scheduler and
 BYTEPS_LOCAL_SIZE), torch's ranks with torchrun's RANK/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK.
 gloo's all_reduce and DDP run flat over all M*L ranks; bps_gc's collective and parameter
 server run two levels (`dense (flat)`: BPS_GC_HIERARCHY=flat, every rank pushes its own copy).
+With L > 1 a last row, `host level floor`, is the host level's memory work alone on this box
+(scripts/bench_host_floor.py: M x L processes copying in, summing and copying out the same bytes
+in shared memory, no codec, no network); with --baseline each compressed row's baseline plus
+that floor is printed: the least two levels can take on these cores.
 --elements N / --tensor-mb MB replace ResNet-50's gradients by one float32 matrix (issue 25:
 --tensor-mb 25.6). --baseline JSON prints each row's ratio to the same row of an earlier run
 (e.g. --local-ranks 1 against 4: compressed rows within 1.5x).
@@ -121,6 +125,8 @@ def parse_args(argv):
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="S", help="before each "
                    "configuration wait up to S s until the CPUs are <= 25%% busy (0)")
     p.add_argument("--keep-logs", action="store_true", help="keep the children's logs")
+    p.add_argument("--no-host-floor", action="store_true", help="--local-ranks > 1: skip the "
+                   "host-level floor row (bench_host_floor.py: the host level's memory work alone)")
     args = p.parse_args(argv)
     if args.warmup is None:
         args.warmup = 1 if args.shaped or args.quick else 2
@@ -239,6 +245,12 @@ def main(argv=None):
             topo = Loopback()
         meta["topology"] = topo.name
         rows = run_all(args, topo, children, log_root)
+        if args.local_ranks > 1 and not args.no_host_floor:  # the memory work of two levels alone
+            from bench_host_floor import measure_host_floor
+            floor = measure_host_floor(args.ranks, args.local_ranks, floats, args.rounds, args.warmup)
+            if floor is not None:
+                rows.append(floor)
+                meta["host_level_floor"] = {k: floor[k] for k in ("seconds", "min", "max", "rounds")}
         if net is not None:
             meta["qdisc_stats"] = {m: net.qdisc_stats(m) for m in range(len(net.ns))}
         meta["loadavg_after"] = os.getloadavg()

@@ -189,6 +189,29 @@ def same_rows(rows, baseline):
     return out
 
 
+def host_floor_lines(rows, baseline):
+    """What the host-level floor row (bench_host_floor.py) means for the compressed rows: the
+    baseline's row (one rank per machine) plus the floor is the time two levels take on these
+    cores if they add only their memory work (a little less where the cores do it while the
+    baseline's round waits on the network); its ratio to the baseline shows whether
+    SAME_ROW_LIMIT is within reach."""
+    floor = next((r for r in rows if r.get("host_floor")), None)
+    if floor is None:
+        return []
+    out = [f"\nhost-level floor ({floor['topology']}): {floor['seconds']:.3f} s/round, the memory work of "
+           f"two levels alone (bench_host_floor.py: copy in, sum, copy out of {floor['bytes'] / 1e6:.1f} MB "
+           f"per rank in shared memory)"]
+    for r in rows:
+        compressed = r["system"].startswith("bps_gc") and r["config"] not in DENSE and not r.get("error")
+        theirs = find(baseline or [], r["system"], r["config"]) if compressed else None
+        if theirs is not None:
+            least = theirs["seconds"] + floor["seconds"]
+            out.append(f"  {r['system']} {r['config']}: baseline {theirs['seconds']:.3f} s + floor = "
+                       f"{least:.3f} s = {least / theirs['seconds']:.2f}x the baseline (measured "
+                       f"{r['seconds']:.3f} s = {r['seconds'] / least:.2f}x that)")
+    return out
+
+
 def print_table(title, rows, topo_name, shaped, baseline=None):
     gloo = find(rows, "torch", "torch all_reduce dense")
     r1 = find(rows, "torch", "DDP PowerSGD rank 1")
@@ -234,6 +257,7 @@ def print_table(title, rows, topo_name, shaped, baseline=None):
                    f"{SAME_ROW_LIMIT:g}x):")
         for what, ratio, limit, ok in same_rows(rows, baseline):
             out.append(f"  {what}: {ratio:.2f} {'' if limit is None else f'<= {limit:g}'} {ok}".rstrip())
+    out += host_floor_lines(rows, baseline)
     text = "\n".join(out)
     print(text, flush=True)
     return text

@@ -4,7 +4,10 @@
 by reduce_tensor, and one bucket of two compressed gradients by reduce_coded, each gradient's
 owner local rank compressing its host's sum once. Then the DDP hook (bps_gc.torch.comm_hook) on a
 small network, dense and topk + EF (HOOK_MODES), recording every bucket it saw: index, gradient
-sizes, this rank's gradients in and the averaged bucket out. Saves OUT_DIR/levels<rank>.npz."""
+sizes, this rank's gradients in and the averaged bucket out. Saves OUT_DIR/levels<rank>.npz.
+Every dense two-level sum of this process (the hook's and then cluster_job.py's communicator's)
+runs in stripes of PIPELINE_BYTES (levels.py's pipeline), many stripes per tensor here.
+"""
 import json
 import os
 import runpy
@@ -16,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.core as bps  # noqa: E402
 from bps_gc import compress  # noqa: E402
+from bps_gc.collective import levels as levels_module  # noqa: E402
 from bps_gc.collective.levels import levels_from_env  # noqa: E402
 from bps_gc.compress.registry import COMPRESSORS  # noqa: E402
 from bps_gc.roles.worker_host import partition_owner  # noqa: E402
@@ -29,6 +33,7 @@ HOOK_TENSORS = [{"name": "hook-dense", "shape": [500], "dtype": "float32", "para
 HOOK_INDEX = 100  # the gradients' keys: (HOOK_INDEX + position) << 16, one partition each
 HOOK_MODES = {"ddp-dense": {}, "ddp-topk-ef": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
 HOOK_STEPS, HOOK_LR = 3, 0.1  # DDP regroups its buckets after the first step
+PIPELINE_BYTES = 64  # 16 floats a share: the 1,100-float tensors cross hosts in 23 stripes
 
 
 def run_hook(params, rank):
@@ -59,6 +64,7 @@ def run_hook(params, rank):
 
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
+    levels_module.PIPELINE_BYTES = PIPELINE_BYTES
     bps.init()
     rank, ctx = bps.rank(), step_ctx(spec, 0)
     levels = levels_from_env()

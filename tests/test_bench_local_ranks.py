@@ -1,7 +1,7 @@
 """The benchmarks with several ranks per machine (issue 25), end to end at tiny sizes in network
 namespaces: scripts/bench_pushpull.py --local-ranks 2 on 2 machines (its rows, the exact dense
 sums, one copy of the tensor per machine with two levels against one per rank flat, the floors,
-the targets and a --baseline's ratios), and scripts/recipe_shape.py at a reduced shape (3 hosts
+the host-level floor row, the targets and a --baseline's ratios), and scripts/recipe_shape.py at a reduced shape (3 hosts
 x 4 ranks, 6 servers: exact against numpy), whose checker must also catch a wrong value.
 Timings are never asserted. Skipped where namespaces cannot be made (not root)."""
 import json
@@ -37,6 +37,10 @@ def test_bench_pushpull_two_machines_of_two_ranks(tmp_path):
     assert data["meta"]["local_ranks"] == 2 and data["meta"]["elements"] == ELEMENTS
     assert data["meta"]["bytes"] == 4 * ELEMENTS and "cores" in data["meta"]["machine"]
     rows = {(r["system"], r["config"]): r for r in data["results"]}
+    # the host level's memory work alone (bench_host_floor.py), measured, beside the rows
+    host_floor = rows.pop(("host level", "floor: copy in, sum, copy out"))
+    assert host_floor["topology"] == "2 machines x 2 ranks, numpy, no network" and len(host_floor["rounds"]) == 2
+    assert 0 < host_floor["seconds"] == data["meta"]["host_level_floor"]["seconds"]
     assert set(rows) == {("torch", "torch all_reduce dense"), ("bps_gc collective", "dense"),
                          ("bps_gc collective", "onebit+EF"), ("bps_gc PS", "dense"), ("bps_gc PS", "dense (flat)")}
     two, flat = rows[("bps_gc PS", "dense")], rows[("bps_gc PS", "dense (flat)")]
@@ -56,6 +60,9 @@ def test_bench_pushpull_two_machines_of_two_ranks(tmp_path):
     assert what == "bps_gc collective onebit+EF: 2 machines x 2 ranks / 2 workers" and limit == 1.5
     assert ratio == pytest.approx(rows[("bps_gc collective", "onebit+EF")]["seconds"] / 1000.0) and verdict == "ok"
     assert "floor s" in result.stdout and "2 machines x 2 ranks" in result.stdout
+    least = 1000.0 + host_floor["seconds"]
+    assert (f"bps_gc collective onebit+EF: baseline 1000.000 s + floor = {least:.3f} s = "
+            f"{least / 1000.0:.2f}x the baseline") in result.stdout
 
 
 def test_recipe_shape_reduced(tmp_path):

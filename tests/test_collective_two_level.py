@@ -7,6 +7,7 @@ server's reducer over one payload per host); PowerSGD, whose ranks each compress
 gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
 rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
 import os
+import queue
 import sys
 import textwrap
 import time
@@ -182,3 +183,87 @@ def test_host_layout_decides_alike_on_every_rank():
     assert size is None and "different numbers of local ranks" in problem
     size, problem = host_layout([(1, 0, 2), (1, 1, 2), (0, 0, 2), (0, 1, 2)], "host")
     assert size is None and "rank 0 is local rank 0 of host 1" in problem
+
+
+@pytest.mark.parametrize("local_size", [2, 3, 4])
+def test_dense_stripes_cover_the_buffer_and_copy_out_divides(local_size):
+    """The dense pipeline's layout: every element in one share of one stripe, shares at most
+    PIPELINE_BYTES, padding under one element per share; _copy_out puts each piece of the joined
+    buffer into the outs it overlaps, divided where asked (numpy slicing is the oracle)."""
+    import types
+    from bps_gc.collective import levels
+    host = types.SimpleNamespace(local_size=local_size)
+    for n in (1, 5, 1000, levels.PIPELINE_BYTES // 4 * local_size, levels.PIPELINE_BYTES // 4 * local_size + 1,
+              6_400_000):
+        share, count = levels.HostLevels.stripes(host, n, 4)
+        assert count * local_size * share >= n > (count * local_size) * (share - 1)
+        assert count == 1 or share * 4 <= levels.PIPELINE_BYTES
+    rng = np.random.default_rng(local_size)
+    share, count, n = 7, 3, 41  # 3 stripes of L shares of 7 (42 to 84 elements), outs of 41 in all
+    padded = count * local_size * share
+    results = [rng.standard_normal(padded).astype(np.float32) for _ in range(local_size)]
+    sizes = [7, 1, 20, 13]
+    outs = [(np.zeros(s, np.float32), None if k % 2 else np.float32(3)) for k, s in enumerate(sizes)]
+    pieces = [(k * local_size * share + i * share, k * local_size * share + (i + 1) * share, i)
+              for k in range(count) for i in range(local_size)]
+    levels.HostLevels._copy_out(results, pieces, outs)
+    joined = np.empty(padded, np.float32)
+    for start, stop, owner in pieces:
+        joined[start:stop] = results[owner][start:stop]
+    offset = 0
+    for dest, divisor in outs:
+        expected = joined[offset:offset + dest.size]
+        if divisor is not None:
+            expected = expected / divisor
+        assert dest.tobytes() == expected.astype(np.float32).tobytes()
+        offset += dest.size
+    assert offset == n
+
+
+def _device_path_rank(rank, size, local_size, port, results):
+    import torch
+    from bps_gc.collective.levels import HostLevels
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        levels = HostLevels(rank, size, local_size)
+        tensor = torch.arange(7, dtype=torch.float32) * (rank + 1)
+        levels.all_reduce_cuda(tensor)  # its collectives on CPU tensors: gloo runs them too
+        results.put((rank, tensor.numpy().tolist()))
+        levels.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_nccl_paths_steps_on_cpu_tensors():
+    """all_reduce_cuda's three steps (reduce_scatter on the host, all_reduce of the share across
+    hosts, all_gather on the host) with gloo on CPU tensors, 2 hosts x 2 ranks in processes on
+    loopback: every rank ends with the sum (small integers: exact), as numpy adds it."""
+    import multiprocessing
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results, size = ctx.Queue(), 4
+    procs = [ctx.Process(target=_device_path_rank, args=(r, size, 2, port, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + 60
+    try:
+        while len(got) < size:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed and time.monotonic() < deadline, f"a rank failed or hung: exit codes {failed}"
+            try:
+                rank, values = results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            got[rank] = values
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    expected = sum(np.arange(7, dtype=np.float32) * (r + 1) for r in range(size))
+    assert all(got[r] == expected.tolist() for r in range(size)), got

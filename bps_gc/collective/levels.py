@@ -19,9 +19,11 @@ keep compressing each rank's own gradient, as single-machine torchrun jobs alway
 
 Host memory: per size class, every local rank offers a slot (its input) and a result (its
 shares' sums) from its memfd arena once, in an all_gather on the host's group; a round is copy
-in, sync, sum and cross-host step, sync, copy out. A peer reads this rank's slot only before the
-second sync and its result only before the next round's first sync, so one slot and one result
-suffice (worker_local.py's argument). The memory is freed by the kernel with its last user.
+in, sync, sum and cross-host step, sync, copy out (dense: the sums and cross-host steps stripe
+by stripe, then per stripe a wait, a sync and its copy out; see ``reduce_dense``). A peer reads
+this rank's slot only before its first sync after the sums and its result only before the next
+round's first sync, so one slot and one result suffice (worker_local.py's argument). The memory
+is freed by the kernel with its last user.
 """
 import json
 import logging
@@ -37,6 +39,9 @@ from .exchange import all_gather_bytes
 
 log = logging.getLogger("bps_gc.collective")
 MIN_CAPACITY = 1 << 16  # size classes: powers of two from 64 KiB (few distinct buffers)
+# dense sums cross hosts in stripes of L shares of this many bytes each, so that the network
+# carries one stripe while the host sums the next and copies earlier ones out
+PIPELINE_BYTES = 1 << 20
 
 
 def plain_wait(work, what):
@@ -107,12 +112,6 @@ class HostLevels:
 
     # ------------------------------------------------------------------ host memory
 
-    def share(self, n, index):
-        """The elements [start, stop) of an ``n``-element buffer that local rank ``index`` owns:
-        an equal cut of the buffer padded to a multiple of L (no share is empty)."""
-        step = max(1, -(-n // self.local_size))
-        return index * step, (index + 1) * step
-
     def _buffers(self, nbytes):
         capacity = max(MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
         found = self.buffers.get(capacity)
@@ -146,18 +145,34 @@ class HostLevels:
     def _sync(self, what):
         self.wait(dist.all_reduce(self.sync_flag, group=self.host_group, async_op=True), what)
 
-    def _load(self, flat):
-        """Copy ``flat`` into this rank's slot and wait for the host's other ranks to do so;
-        returns (slots, results) as arrays of ``flat``'s dtype, padded to L shares."""
-        padded = self.share(flat.size, self.local_size - 1)[1]
-        slots, results = self._buffers(padded * flat.itemsize)
-        view = (lambda b: b[:padded * flat.itemsize].view(flat.dtype))
+    def _load(self, sources, padded):
+        """Copy ``sources`` (flat arrays of one dtype) back to back into this rank's slot, zero
+        the rest up to ``padded`` elements and wait for the host's other ranks to do so;
+        returns (slots, results) as arrays of that dtype, ``padded`` long."""
+        dtype = sources[0].dtype
+        slots, results = self._buffers(padded * dtype.itemsize)
+        view = (lambda b: b[:padded * dtype.itemsize].view(dtype))
         slots, results = [view(s) for s in slots], [view(r) for r in results]
-        mine = slots[self.local_rank]
-        mine[:flat.size] = flat
-        mine[flat.size:] = 0  # the padding is summed too: no stale NaN
+        mine, offset = slots[self.local_rank], 0
+        for source in sources:
+            mine[offset:offset + source.size] = source
+            offset += source.size
+        mine[offset:] = 0  # the padding is summed too: no stale NaN
         self._sync("host sync before the sums")
         return slots, results
+
+    def share(self, n, index):
+        """The elements [start, stop) of an ``n``-element buffer that local rank ``index`` owns in
+        the NCCL path: an equal cut of the buffer padded to a multiple of L (no share is empty)."""
+        step = max(1, -(-n // self.local_size))
+        return index * step, (index + 1) * step
+
+    def stripes(self, n, itemsize):
+        """(share, count): the dense layout of an ``n``-element buffer, ``count`` stripes of L
+        shares of ``share`` elements each; local rank i owns the i-th share of every stripe. A
+        buffer of up to L x PIPELINE_BYTES is one stripe: an equal cut, padded to L shares."""
+        count = max(1, -(-n // (max(1, PIPELINE_BYTES // itemsize) * self.local_size)))
+        return max(1, -(-n // (count * self.local_size))), count  # padding: < count x L elements
 
     # ------------------------------------------------------------------ reductions
 
@@ -165,29 +180,60 @@ class HostLevels:
         """Sum a host array (numpy) over every rank, in place; returns it. ``wire_dtype``: the
         host's sums cross in it (float16 with fp16), cast back after."""
         flat = array.reshape(-1)
-        slots, results = self._load(flat)
-        start, stop = self.share(flat.size, self.local_rank)
-        out = results[self.local_rank][start:stop]
-        add_in_order([slot[start:stop] for slot in slots], out)
-        carried = out if wire_dtype is None or np.dtype(wire_dtype) == out.dtype else out.astype(wire_dtype)
-        if self.hosts > 1:
-            self.wait(dist.all_reduce(torch.from_numpy(carried), group=self.cross_group, async_op=True),
-                      f"{what} across hosts")
-        if carried is not out:
-            out[...] = carried
-        self._sync("host sync after the sums")
-        self._copy_out(flat, results, [(self.share(flat.size, i), i) for i in range(self.local_size)])
+        self.reduce_dense([flat], [(flat, None)], what, wire_dtype)
         return array
+
+    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None):
+        """The sum over every rank of ``sources`` (flat arrays of one dtype, back to back) into
+        ``outs``: [(flat array, divisor or None)] of the same sizes, divided on the way out.
+        Pipelined by stripes (``stripes``): the host sums of every share are issued across hosts
+        as they are made, so stripe k crosses the network while stripe k+1 is summed, and the
+        host copies stripe k out while later ones cross. Each element is summed as without
+        stripes: over the host's ranks in local-rank order, then across hosts by one all_reduce
+        (two hosts: the same bits; more: gloo's ring order within the stripe's share)."""
+        dtype = sources[0].dtype
+        wire = dtype if wire_dtype is None else np.dtype(wire_dtype)
+        share, count = self.stripes(sum(s.size for s in sources), dtype.itemsize)
+        stripe = share * self.local_size
+        slots, results = self._load(sources, count * stripe)
+        mine, crossing = results[self.local_rank], []
+        for k in range(count):
+            start = k * stripe + self.local_rank * share
+            out = mine[start:start + share]
+            add_in_order([slot[start:start + share] for slot in slots], out)
+            carried = out if wire == dtype else out.astype(wire)
+            work = None
+            if self.hosts > 1:
+                work = dist.all_reduce(torch.from_numpy(carried), group=self.cross_group, async_op=True)
+            crossing.append((work, carried, out))
+        for k, (work, carried, out) in enumerate(crossing):
+            if work is not None:
+                self.wait(work, f"{what} across hosts")
+            if carried is not out:
+                out[...] = carried
+            self._sync("host sync after the sums")
+            base = k * stripe
+            self._copy_out(results, [(base + i * share, base + (i + 1) * share, i)
+                                     for i in range(self.local_size)], outs)
 
     def reduce_coded(self, flat, parts, what="all_gather of payloads", wire_dtype=None):
         """The two levels of compressed partitions, in place in ``flat`` (this rank's wire array):
-        ``parts`` [(start, stop, owner local rank, codec, reducer, step context)]. The owner sums
-        its parts over the host, compresses each once, the owners of every host exchange
-        payloads and run the reducer; each part ends as the reducer's decoded reply (the sum, not averaged).
-        ``wire_dtype``: the codecs' dtype, when not ``flat``'s (fp16: the host's sum is cast for
-        them). Returns this rank's payload bytes (sent, received)."""
-        wire_dtype = flat.dtype if wire_dtype is None else np.dtype(wire_dtype)
-        slots, results = self._load(flat)
+        see ``reduce_coded_into``. Returns this rank's payload bytes (sent, received)."""
+        return self.reduce_coded_into([flat], [(flat, None)], parts, what, wire_dtype)
+
+    def reduce_coded_into(self, sources, outs, parts, what="all_gather of payloads", wire_dtype=None):
+        """The two levels of compressed partitions of ``sources`` (flat arrays of one dtype, back
+        to back), into ``outs`` ([(flat array, divisor or None)], as ``reduce_dense``): ``parts``
+        [(start, stop, owner local rank, codec, reducer, step context)] of the joined buffer.
+        The owner sums its parts over the host, compresses each once, the owners of every host
+        exchange payloads and run the reducer; each part ends as the reducer's decoded reply (the
+        sum, divided only where ``outs`` says). ``wire_dtype``: the codecs' dtype, when not the
+        sources' (fp16: the host's sum is cast for them). Returns this rank's payload bytes
+        (sent, received)."""
+        dtype = sources[0].dtype
+        wire_dtype = dtype if wire_dtype is None else np.dtype(wire_dtype)
+        n = sum(s.size for s in sources)
+        slots, results = self._load(sources, self.local_size * max(1, -(-n // self.local_size)))
         mine = [part for part in parts if part[2] == self.local_rank]
         result = results[self.local_rank]
         payloads = []
@@ -202,22 +248,34 @@ class HostLevels:
             gathered = [payloads]
         for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
             reply = reducer.reduce([host[k] for host in gathered], True, ctx)
-            cast = wire_dtype != flat.dtype
+            cast = wire_dtype != dtype
             target = np.empty(stop - start, wire_dtype) if cast else result[start:stop]
             reducer.decode(reply, target, ctx)
             if cast:
                 result[start:stop] = target
         self._sync("host sync after the sums")
-        self._copy_out(flat, results, [((start, stop), owner) for start, stop, owner, *_ in parts])
+        self._copy_out(results, [(start, stop, owner) for start, stop, owner, *_ in parts], outs)
         sent = sum(p.nbytes for p in payloads)
         return sent, sum(p.nbytes for host in gathered for p in host) - sent
 
     @staticmethod
-    def _copy_out(flat, results, pieces):
-        for (start, stop), owner in pieces:
-            stop = min(stop, flat.size)
-            if start < stop:
-                flat[start:stop] = results[owner][start:stop]
+    def _copy_out(results, pieces, outs):
+        """Each piece (start, stop, owner) of the joined buffer, from its owner's result into the
+        ``outs`` it overlaps (padding beyond them is dropped), divided where they say so (one
+        pass; the same bits as copying, then dividing). ``pieces`` ascend, as ``outs`` do."""
+        ends = np.cumsum([dest.size for dest, _ in outs])
+        for start, stop, owner in pieces:
+            first = int(np.searchsorted(ends, start, side="right"))
+            for index in range(first, len(outs)):
+                dest, divisor = outs[index]
+                base = int(ends[index]) - dest.size
+                if base >= stop:
+                    break
+                a, b = max(start, base), min(stop, base + dest.size)
+                if divisor is None:
+                    dest[a - base:b - base] = results[owner][a:b]
+                else:
+                    np.divide(results[owner][a:b], divisor, out=dest[a - base:b - base])
 
     def all_reduce_cuda(self, tensor, what="all_reduce"):
         """Sum a CUDA tensor over every rank, in place, with NCCL: reduce_scatter on the host's

@@ -6,6 +6,7 @@ rule), which compresses the host's sum of it once with that partition's chain; t
 every host exchange payloads and run the server's reducer.
 The plain all_reduce (PowerSGD's two phases, local SGD) is levels.py's sum too.
 """
+import threading
 import time
 
 import numpy as np
@@ -13,6 +14,8 @@ import numpy as np
 from ..roles.worker_host import partition_owner
 from .levels import HostLevels
 from .rendezvous import host_key
+
+POLL_SECONDS = 0.02  # how often a wait of the levels checks the heartbeat
 
 
 class TwoLevels:
@@ -29,38 +32,54 @@ class TwoLevels:
 
     def level_wait(self, work, what):
         """Wait for one of the levels' collectives; None counts one this rank skips (every rank
-        counts the same collectives, which departure.py compares)."""
+        counts the same collectives, which departure.py compares). It sleeps until the work's
+        future is done, checking the heartbeat every POLL_SECONDS, instead of the communicator's
+        polling: a host runs L ranks waiting at once, on cores the sums need."""
         if work is None:
             self.issued += 1
             return
-        self.wait(self._issue(work), what)
+        self._issue(work)
+        if not work.is_completed():
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            while not done.wait(POLL_SECONDS):
+                self._check_departures(what)
+                self.check_alive()
+        self.wait(work, what)  # done: raises its error, naming a failed peer
 
     def reduce_coded_on_hosts(self, coded):
         """Two levels of a bucket's single-phase tensors ``coded``: [(tensor, wire, out, average,
         ctx, None)] (``wire`` in the tensor's dtype), dense and compressed apart, one round per
-        dtype and wire dtype (their buffers back to back)."""
+        dtype and wire dtype (their buffers back to back in shared memory): each ``wire`` is
+        copied into the host's memory and each result straight into its ``out``, divided on the
+        way when averaging."""
         groups = {}
         for entry in coded:
             tensor = entry[0]
             groups.setdefault((tensor.compressed, entry[1].dtype, tensor.wire_dtype), []).append(entry)
-        for (compressed, _, wire_dtype), entries in groups.items():
+        for (compressed, dtype, wire_dtype), entries in groups.items():
             start = time.perf_counter()
-            flat = np.concatenate([entry[1] for entry in entries])
             names = ", ".join(repr(entry[0].name) for entry in entries[:3]) + (" ..." if len(entries) > 3 else "")
+            sources = [entry[1] for entry in entries]
+            outs, spills = [], []
+            for tensor, wire, out, average, _, _ in entries:
+                divide = average and (not compressed or tensor.partitions[0].reducer.summed)
+                target = out.reshape(-1) if out.dtype == dtype and out.flags.c_contiguous else None
+                if target is None:  # another dtype or layout: through a copy, as _deliver does
+                    target = np.empty(wire.size, dtype)
+                    spills.append((target, out))
+                outs.append((target, dtype.type(self.size) if divide else None))
             if compressed:
-                sent, received = self.levels.reduce_coded(flat, self._owned_parts(entries),
-                                                          f"all_gather of {names}'s payloads", wire_dtype)
+                sent, received = self.levels.reduce_coded_into(sources, outs, self._owned_parts(entries),
+                                                               f"all_gather of {names}'s payloads", wire_dtype)
             else:
-                self.levels.all_reduce(flat, f"all_reduce of {names}", wire_dtype)
-                sent = received = flat.size * wire_dtype.itemsize // self.local_size  # this rank's share
+                self.levels.reduce_dense(sources, outs, f"all_reduce of {names}", wire_dtype)
+                sent = received = sum(w.size for w in sources) * wire_dtype.itemsize // self.local_size
+            for target, out in spills:
+                np.copyto(out, target.reshape(out.shape), casting="unsafe")
             self.counters.pushed_wire += sent
             self.counters.pulled_wire += received
             self.counters.communicate_seconds += time.perf_counter() - start
-            offset = 0
-            for tensor, wire, out, average, _, _ in entries:
-                total = flat[offset:offset + wire.size]
-                offset += wire.size
-                self._deliver(total, out, average and (not compressed or tensor.partitions[0].reducer.summed))
 
     def _owned_parts(self, entries):
         """[(start, stop, owner, codec, reducer, ctx)] of the entries' partitions, back to back."""

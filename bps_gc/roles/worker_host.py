@@ -17,7 +17,7 @@ from ..transport.sockets import host_of
 from ..transport.wire import encode_context
 from . import NodeFailure
 from .worker_handle import Handle
-from .worker_io import Push
+from .worker_push import Push
 from .worker_local import LocalReduce
 
 

@@ -18,7 +18,7 @@ from ..transport.sockets import DropLog, peer_endpoint, send
 from ..transport.wire import Header, Msg, encode_json
 from . import NodeFailure
 from .event_loop import EventLoop
-from .worker_push import Push, PushSending  # noqa: F401 -- Push: worker_host.py imports it from here
+from .worker_push import PushSending
 from .worker_replies import Replies
 from .worker_shm import SharedSlots
 

@@ -33,12 +33,12 @@ def chains(params, n, dtype, device, shape=None):
 
 
 def decoding_paths(dev):
-    """``dev`` once per decoding path: dithering decodes with the numpy kernel on a CPU device
-    and with its parallel parse elsewhere, so on CPU both run (the parse is what a GPU runs)."""
+    """``dev`` once per decoding path: dithering decodes with the numpy kernel (on the host) by
+    default and with its parallel parse on the device where ``parallel_decode`` is set: both run."""
     if not hasattr(dev, "parallel_decode"):
         yield dev
         return
-    for parallel in (False, True) if dev.device.type == "cpu" else (True,):
+    for parallel in (False, True):
         dev.parallel_decode = parallel
         yield dev
 
@@ -248,7 +248,7 @@ def test_dithering_device_decoder_accepts_and_rejects_what_numpy_does(device, dt
     n, rng = 200, np.random.default_rng(8)
     params = {"compressor": "dithering", "k": 6, "partition": "natural"}
     host, dev = chains(params, n, dtype, device)
-    dev.parallel_decode = True  # the numpy kernel itself decodes on a CPU device otherwise
+    dev.parallel_decode = True  # the numpy kernel decodes by default
     outcomes = set()
     for case in range(120):
         payload = host.compress((rng.standard_normal(n) * (rng.random(n) < 0.3)).astype(dtype)).copy()

@@ -98,8 +98,11 @@ class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, Device
         # compressed: a copy the reduction then overwrites with the result
         # two levels sum a host in the tensor's dtype, then cast the host's sum for the wire (as
         # the parameter server's do); PowerSGD's phases start from each rank's own wire copy
-        carried = tensor.dtype if self.levels is not None and phases(tensor) == 1 else tensor.wire_dtype
-        wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed)
+        # (with two levels every source is copied into the host's shared memory before any result
+        # is written, so a compressed tensor needs no copy of its own there either)
+        two_levels = self.levels is not None and phases(tensor) == 1
+        carried = tensor.dtype if two_levels else tensor.wire_dtype
+        wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed and not two_levels)
         self.counters.pushed_raw += wire.nbytes
         self.counters.pulled_raw += wire.nbytes
         if phases(tensor) == 1 and self.levels is not None:  # two levels, dense or not (two_level.py)

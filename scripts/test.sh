@@ -2,8 +2,11 @@
 # The test command: sets up .venv (first run only) and runs the whole suite.
 #   ./scripts/test.sh            all tests
 #   ./scripts/test.sh -k vectors extra pytest arguments
+#   BPS_GC_TEST_WORKERS=0 ./scripts/test.sh   one pytest process (default: 2, pytest-xdist)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$("$root/scripts/setup_env.sh")
 cd "$root"
-exec "$venv/bin/python" -m pytest -q "$@"
+# Two pytest processes, each taking a whole test file at a time (module fixtures run once): much
+# of the suite is clusters starting up and waiting on sockets, timeouts and heartbeats.
+exec "$venv/bin/python" -m pytest -q -n "${BPS_GC_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -63,10 +63,15 @@ def measure_host_floor(machines, local_ranks, elements, rounds, warmup):
     total = warmup + rounds
     all_barrier = ctx.Barrier(ranks, timeout=BARRIER_TIMEOUT)
     results, procs = ctx.Queue(), []
+    # Every host's barrier stays referenced here until the end: a barrier's state lives in
+    # multiprocessing's shared heap, and a block the parent frees is handed to the next barrier
+    # made, which would then share its state with the first host's ranks (3 hosts hung so).
+    host_barriers = []
     try:
         for host in range(machines):
             memory = mmap.mmap(-1, (local_ranks + 1) * elements * 4)  # L slots and the result
             host_barrier = ctx.Barrier(local_ranks, timeout=BARRIER_TIMEOUT)
+            host_barriers.append(host_barrier)
             for local_rank in range(local_ranks):
                 rank = host * local_ranks + local_rank
                 proc = ctx.Process(target=_rank, daemon=True, name=f"host-floor-{rank}",

@@ -104,3 +104,13 @@ def test_recipe_shape_checker_catches_one_wrong_value(tmp_path):
     assert problems[0] == "rank 0 wrote no results" and len(problems) == 3, problems
     assert problems[1] == f"host 1 pushed {one_copy + one_copy // 3} bytes, not one copy of every tensor per step ({one_copy})"
     assert problems[2].startswith("rank 3 tensor 4 (64 elements) step 1: max difference"), problems
+
+
+def test_host_floor_on_three_hosts():
+    """Three hosts of two ranks: every host's barrier its own (the third host's once took the
+    first's freed state and hung). The floor is a time, positive, per timed round."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_host_floor.py"), "--machines", "3",
+                             "--local-ranks", "2", "--tensor-mb", "0.012", "--rounds", "2"],
+                            capture_output=True, text=True, timeout=100, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "host-level floor, 3 machines x 2 ranks" in result.stdout and " s/round" in result.stdout

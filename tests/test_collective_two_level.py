@@ -151,8 +151,8 @@ def test_a_local_rank_that_ends_stops_every_host(machines, fault):  # noqa: F811
     job = CollectiveHostsJob(machines, HOSTS, LOCAL, [sys.executable, "-c", TRAIN], env=env)
     try:
         job.wait_output(["worker0", "worker1"], "RUNNING", 90)
-        fault = time.monotonic()
-        statuses, elapsed = job.wait_all(BOUND, since=fault)
+        faulted_at = time.monotonic()
+        statuses, elapsed = job.wait_all(BOUND, since=faulted_at)
     finally:
         job.kill_all()
     report = job.report(statuses)

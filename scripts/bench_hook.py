@@ -180,13 +180,14 @@ def rank_main(args):
 
     def reduction_alone(codec):
         """The hook on buckets of the sizes DDP gave the codec's row (or one per layer)."""
+        from bps_gc.torch.grad_bucket import GradBucket
         from bps_gc.torch.hook import CompressionHook
         layout = layouts.get(codec) or {i: [args.width * args.width, args.width] for i in range(args.layers)}
         hook = CompressionHook(CODECS[codec])
         buffers = {i: torch.randn(sum(sizes), generator=g) for i, sizes in layout.items()}
 
         def step():
-            futures = [hook(None, Bucket(i, layout[i], buffers[i].clone())) for i in sorted(layout)]
+            futures = [hook(None, GradBucket(i, layout[i], buffers[i].clone())) for i in sorted(layout)]
             torch.futures.wait_all(futures)
         return step, None
 
@@ -270,23 +271,6 @@ def rank_main(args):
     if rank == 0:
         json.dump(results, open(args.rank_out, "w"))
     bps.shutdown()
-
-
-class Bucket:
-    """What the hook reads of DDP's GradBucket (which has no Python constructor)."""
-
-    def __init__(self, index, sizes, buffer):
-        self._index, self._buffer = index, buffer
-        self._gradients = list(buffer.split(sizes))
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
-
-    def gradients(self):
-        return self._gradients
 
 
 # ---------------------------------------------------------------------------- driver

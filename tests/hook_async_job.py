@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
+from bps_gc.torch.grad_bucket import GradBucket  # noqa: E402
 from bps_gc.compress import register_compressor, step_context  # noqa: E402
 from bps_gc.compress.sparse import TopK  # noqa: E402
 
@@ -91,23 +92,6 @@ def overlap(spec):
     order(THRESHOLD, "order_threshold")
 
 
-class Bucket:
-    """What the hook reads of DDP's GradBucket (which has no Python constructor)."""
-
-    def __init__(self, index, sizes, buffer):
-        self._index, self._buffer = index, buffer
-        self._gradients = list(torch.split(buffer, sizes))
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
-
-    def gradients(self):
-        return self._gradients
-
-
 def order(params, name):
     hook, done, saved = bps.comm_hook(params), [], {}
     sizes = {0: [3000, 500], 1: [2000]}
@@ -119,7 +103,7 @@ def order(params, name):
             # (the exchange's second all_gather) and then shrink (padded into the first)
             buffer = torch.randn(sum(sizes[index]), generator=g) * (1 + index) * (1, 2, 0.5)[step]
             saved[f"in{len(pending)}"] = buffer.clone().numpy()
-            future = hook(None, Bucket(index, sizes[index], buffer))
+            future = hook(None, GradBucket(index, sizes[index], buffer))
             future.then(lambda f, n=len(pending): done.append(n))
             pending.append(future)
     for n, future in enumerate(pending):

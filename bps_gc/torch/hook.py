@@ -20,12 +20,11 @@ reducing consecutive buckets overlap (CUDA buckets run on a side stream that fir
 gradients). An error on these threads (a codec's, a failed peer's) is the future's: DDP raises
 it from backward().
 
-Several ranks per host (bps_gc.collective.levels, docs/local_ranks.md): where the job runs two
-levels, a DDP group of every rank reduces through them on the exchanging thread, so the result
-is the parameter server's two levels'. Device-chain buckets stay flat.
+Several ranks per host (hook_levels.py, docs/local_ranks.md): where the job runs two levels, a
+DDP group of every rank reduces through them on the exchanging thread, so the result is the
+parameter server's two levels'. Device-chain buckets stay flat. Futures and CUDA side streams:
+hook_futures.py.
 """
-import contextlib
-import logging
 import threading
 import time
 
@@ -39,16 +38,12 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
-from ..collective.levels import levels_from_env
-from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
 from .device_codecs import chain_for, device_reduction, uses_device_chain
+from .hook_futures import current, on_side_stream, raiser, settle, value
+from .hook_levels import HookLevels
 
-log = logging.getLogger("bps_gc.torch")
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 WOKEN_WAIT_S = 0.25  # how long a gather is waited for by its future before the communicator polls it
-
-
-HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
 
 # Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
 # (bucket index, event, time.perf_counter(), time.thread_time()) of every compressed bucket.
@@ -66,7 +61,7 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook:
+class CompressionHook(HookLevels):
     def __init__(self, compression_params=None, reducer=None, optimizer=None):
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
@@ -101,7 +96,7 @@ class CompressionHook:
             future, stream = self._future(buffer)
             self.exchanger.submit(lambda: self._levels_all_reduce(levels, group, bucket.index(), buffer,
                                                                   future, stream))
-            return future.then(_value)
+            return future.then(value)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
         parts = self._state(index, sizes, buffer)
@@ -117,75 +112,20 @@ class CompressionHook:
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
-        return future.then(_value)
+        return future.then(value)
 
     def _future(self, buffer):
         """(the bucket's pending future, its CUDA side stream and event or None)."""
         if buffer.device.type == "cpu":
             return torch.futures.Future(), None
-        return self._on_side_stream(buffer)
-
-    def _levels(self, group):
-        """The two levels that DDP's ``group`` reduces through, or None (flat): joined by the
-        first call, which every rank makes at the same point. On backward's thread, before the
-        hook returns: joining gathers on the default group, which DDP's own collectives use too,
-        so they never interleave differently on different ranks."""
-        if group not in self.levels:
-            levels = None
-            backend = dist.get_backend_config() if hasattr(dist, "get_backend_config") else dist.get_backend()
-            if dist.get_world_size(group) != dist.get_world_size():
-                log.info("comm_hook: DDP's group is not every rank: one level")
-            elif "gloo" not in backend and "mpi" not in backend:  # the host level's syncs are CPU collectives
-                log.info("comm_hook: default backend %s has no CPU collectives: one level", backend)
-            else:
-                levels = levels_from_env(self._level_waiter(group, "the first"))
-            self.levels[group] = levels
-        return self.levels[group]
-
-    def _levels_all_reduce(self, levels, group, index, buffer, future, stream):
-        """On the exchanging thread: a dense bucket summed through the two levels, averaged."""
-        with _current(stream):
-            def reduce():
-                if stream is not None:
-                    stream[0].wait_event(stream[1])
-                levels.wait = self._level_waiter(group, index)
-                size, what = dist.get_world_size(group), f"all_reduce of DDP bucket {index}"
-                if buffer.is_cuda:
-                    sent = buffer.to(torch.float16) if self.params.fp16 else buffer
-                    sent.div_(size)  # first, so float16 does not overflow
-                    levels.reduce_tensor(sent, what)
-                    if sent is not buffer:
-                        buffer.copy_(sent)
-                    return buffer
-                # host sums in the bucket's dtype (numpy has no bfloat16: float32), float16 across hosts with fp16
-                host = buffer.detach() if buffer.dtype in HOST_DTYPES else buffer.detach().float()
-                total = levels.all_reduce(host.numpy(), what, np.float16 if self.params.fp16 else None)
-                total /= total.dtype.type(size)
-                if host.data_ptr() != buffer.data_ptr():
-                    buffer.copy_(host)
-                return buffer
-            _settle(future, reduce)
-
-    def _on_side_stream(self, buffer):
-        """A CUDA bucket: (its future, (side stream, event)). The event, recorded now on
-        backward's stream, is what the side stream waits for before its work on the bucket;
-        the future carries the device, so whoever waits on it (DDP) waits for the side stream's
-        work, not the host."""
-        device = buffer.device
-        stream = self.streams.get(device)
-        if stream is None:
-            stream = self.streams[device] = torch.cuda.Stream(device)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        buffer.record_stream(stream)  # its memory stays DDP's until the side stream is done with it
-        return torch.futures.Future(devices=[device]), (stream, ready)
+        return on_side_stream(self.streams, buffer)
 
     def _compress_stage(self, job, future, stream):
         """On the compressing thread: the bucket's payloads (None and the error if compressing
         failed), handed on to the exchanging thread in the same order."""
         _, index, buffer, parts, ctx, on_device, levels = job
         _stamp(index, "compress start")
-        with _current(stream):
+        with current(stream):
             try:
                 if stream is not None:
                     stream[0].wait_event(stream[1])
@@ -209,7 +149,7 @@ class CompressionHook:
         reduced here, where its collectives are."""
         group, index, buffer, parts, ctx, on_device, levels = job
         _stamp(index, "exchange start")
-        with _current(stream):
+        with current(stream):
             try:
                 if levels is not None:
                     if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
@@ -220,7 +160,7 @@ class CompressionHook:
                     gathered = self._gather(job, payloads, failure)
                     finish = lambda: self._reduce(job, grad, gathered)  # noqa: E731
             except BaseException as e:  # noqa: B036 (the bucket's future is its way out)
-                finish = _raiser(e)
+                finish = raiser(e)
         _stamp(index, "exchange end")
         self.reducing.submit(lambda: self._reduce_stage(job, future, stream, finish))
 
@@ -231,8 +171,8 @@ class CompressionHook:
             result = finish()
             _stamp(job[1], "completed")  # before the future's result: DDP may go on to the next step
             return result
-        with _current(stream):
-            _settle(future, done)
+        with current(stream):
+            settle(future, done)
 
     def _gather(self, job, payloads, failure):
         """Every rank's payloads of the bucket, in rank order; a rank that could not make its
@@ -280,30 +220,6 @@ class CompressionHook:
         if result is not None:
             buffer.copy_(result)
         return buffer
-
-    def _exchange_levels(self, levels, job, grad):
-        """A host bucket's gradients through the two levels (levels.reduce_coded): each one's
-        owner local rank sums it over the host and compresses the sum once; the owners of every
-        host gather payloads and run the reducer; the host shares the decoded results."""
-        group, index, buffer, parts, ctx, _, _ = job
-        levels.wait = self._level_waiter(group, index)
-        flat = grad.numpy()
-        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-        owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
-                 for i, (chain, reducer) in enumerate(parts)]
-        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype)
-        size = flat.dtype.type(dist.get_world_size(group))
-        for start, stop, _, _, reducer, _ in owned:
-            if reducer.summed:  # a majority vote is not averaged
-                flat[start:stop] /= size
-        if grad.data_ptr() != buffer.data_ptr():
-            buffer.copy_(grad)
-        return buffer
-
-    def _level_waiter(self, group, index):
-        """The wait of the levels' collectives for bucket ``index`` (None: one this rank skips)."""
-        wait = self._waiter(group, index)
-        return lambda work, what: None if work is None else wait(work, what)
 
     def _waiter(self, group, index):
         """How the worker waits for a collective: through bps_gc's collective communicator when
@@ -377,30 +293,6 @@ class CompressionHook:
                 buffer.copy_(future.value()[0])
             return buffer
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
-
-
-def _current(stream):
-    """The side stream as the current stream (a CUDA bucket's ``(stream, event)``), or nothing."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream[0])
-
-
-def _raiser(error):
-    def raise_it():
-        raise error
-    return raise_it
-
-
-def _value(future):
-    return future.value()
-
-
-def _settle(future, work):
-    try:
-        result = work()
-    except BaseException as e:  # noqa: B036 (the future is its only way out of this thread)
-        future.set_exception(e)
-        return
-    future.set_result(result)
 
 
 def comm_hook(compression_params=None, reducer=None, optimizer=None):

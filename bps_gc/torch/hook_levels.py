@@ -1,0 +1,85 @@
+"""The DDP hook's two levels (several ranks per host; bps_gc.collective.levels,
+docs/ddp_hook.md "Several ranks per host"): which levels DDP's group reduces through, and a
+dense or compressed host bucket through them, on the hook's exchanging thread."""
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..collective.levels import levels_from_env
+from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
+from .hook_futures import current, settle
+
+log = logging.getLogger("bps_gc.torch")
+HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
+
+
+class HookLevels:
+    """CompressionHook's two-level part: ``self.levels`` {group: HostLevels or None}, ``self.params``,
+    ``self.wire_dtype`` and ``self._waiter`` are the hook's."""
+
+    def _levels(self, group):
+        """The two levels that DDP's ``group`` reduces through, or None (flat): joined by the
+        first call, which every rank makes at the same point. On backward's thread, before the
+        hook returns: joining gathers on the default group, which DDP's own collectives use too,
+        so they never interleave differently on different ranks."""
+        if group not in self.levels:
+            levels = None
+            backend = dist.get_backend_config() if hasattr(dist, "get_backend_config") else dist.get_backend()
+            if dist.get_world_size(group) != dist.get_world_size():
+                log.info("comm_hook: DDP's group is not every rank: one level")
+            elif "gloo" not in backend and "mpi" not in backend:  # the host level's syncs are CPU collectives
+                log.info("comm_hook: default backend %s has no CPU collectives: one level", backend)
+            else:
+                levels = levels_from_env(self._level_waiter(group, "the first"))
+            self.levels[group] = levels
+        return self.levels[group]
+
+    def _levels_all_reduce(self, levels, group, index, buffer, future, stream):
+        """On the exchanging thread: a dense bucket summed through the two levels, averaged."""
+        with current(stream):
+            def reduce():
+                if stream is not None:
+                    stream[0].wait_event(stream[1])
+                levels.wait = self._level_waiter(group, index)
+                size, what = dist.get_world_size(group), f"all_reduce of DDP bucket {index}"
+                if buffer.is_cuda:
+                    sent = buffer.to(torch.float16) if self.params.fp16 else buffer
+                    sent.div_(size)  # first, so float16 does not overflow
+                    levels.reduce_tensor(sent, what)
+                    if sent is not buffer:
+                        buffer.copy_(sent)
+                    return buffer
+                # host sums in the bucket's dtype (numpy has no bfloat16: float32), float16 across hosts with fp16
+                host = buffer.detach() if buffer.dtype in HOST_DTYPES else buffer.detach().float()
+                total = levels.all_reduce(host.numpy(), what, np.float16 if self.params.fp16 else None)
+                total /= total.dtype.type(size)
+                if host.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(host)
+                return buffer
+            settle(future, reduce)
+
+    def _exchange_levels(self, levels, job, grad):
+        """A host bucket's gradients through the two levels (levels.reduce_coded): each one's
+        owner local rank sums it over the host and compresses the sum once; the owners of every
+        host gather payloads and run the reducer; the host shares the decoded results."""
+        group, index, buffer, parts, ctx, _, _ = job
+        levels.wait = self._level_waiter(group, index)
+        flat = grad.numpy()
+        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
+        owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
+                 for i, (chain, reducer) in enumerate(parts)]
+        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype)
+        size = flat.dtype.type(dist.get_world_size(group))
+        for start, stop, _, _, reducer, _ in owned:
+            if reducer.summed:  # a majority vote is not averaged
+                flat[start:stop] /= size
+        if grad.data_ptr() != buffer.data_ptr():
+            buffer.copy_(grad)
+        return buffer
+
+    def _level_waiter(self, group, index):
+        """The wait of the levels' collectives for bucket ``index`` (None: one this rank skips)."""
+        wait = self._waiter(group, index)
+        return lambda work, what: None if work is None else wait(work, what)

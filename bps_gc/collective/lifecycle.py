@@ -5,6 +5,7 @@ heartbeat bound, and one that shut down (departure.py) as soon as this rank wait
 never issued; so every collective and message is counted (``_issue``).
 """
 import logging
+import threading
 import time
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from .liveness import Heartbeat
 from .rendezvous import backend_from_env, connect
 
 log = logging.getLogger("bps_gc.collective")
+WATCH_SECONDS = 0.02  # how often a wait sleeping on its work checks the heartbeat and departures
 
 
 class Lifecycle:
@@ -87,17 +89,22 @@ class Lifecycle:
         (only called then). Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
         only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
         socket error, which the heartbeat names."""
-        spins = 0
         if message is not None and self.heartbeat is not None:
             self._check_departures(what, message)
             if message != self.awaiting:  # a message's two works: one note in the store
                 self.heartbeat.waiting_for(*message)
                 self.awaiting = message
-        while message is None and not work.is_completed():
-            self._check_departures(what)
-            self.check_alive()
-            spins += 1
-            time.sleep(0 if spins < 100 else 0.001)
+        if message is None and not work.is_completed():
+            # sleep until the work's future wakes this thread, checking the heartbeat and the
+            # departed ranks each WATCH_SECONDS (polling would take the cores that several ranks
+            # of a host, or the hook's threads beside backward, need)
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            while True:
+                self._check_departures(what)
+                self.check_alive()
+                if done.wait(WATCH_SECONDS):
+                    break
         try:
             work.wait()
         except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who (its

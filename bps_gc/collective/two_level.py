@@ -6,7 +6,6 @@ rule), which compresses the host's sum of it once with that partition's chain; t
 every host exchange payloads and run the server's reducer.
 The plain all_reduce (PowerSGD's two phases, local SGD) is levels.py's sum too.
 """
-import threading
 import time
 
 import numpy as np
@@ -14,8 +13,6 @@ import numpy as np
 from ..roles.worker_host import partition_owner
 from .levels import HostLevels
 from .rendezvous import host_key
-
-POLL_SECONDS = 0.02  # how often a wait of the levels checks the heartbeat
 
 
 class TwoLevels:
@@ -32,20 +29,11 @@ class TwoLevels:
 
     def level_wait(self, work, what):
         """Wait for one of the levels' collectives; None counts one this rank skips (every rank
-        counts the same collectives, which departure.py compares). It sleeps until the work's
-        future is done, checking the heartbeat every POLL_SECONDS, instead of the communicator's
-        polling: a host runs L ranks waiting at once, on cores the sums need."""
+        counts the same collectives, which departure.py compares)."""
         if work is None:
             self.issued += 1
             return
-        self._issue(work)
-        if not work.is_completed():
-            done = threading.Event()
-            work.get_future().add_done_callback(lambda _: done.set())
-            while not done.wait(POLL_SECONDS):
-                self._check_departures(what)
-                self.check_alive()
-        self.wait(work, what)  # done: raises its error, naming a failed peer
+        self.wait(self._issue(work), what)
 
     def reduce_coded_on_hosts(self, coded):
         """Two levels of a bucket's single-phase tensors ``coded``: [(tensor, wire, out, average,

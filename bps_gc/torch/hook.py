@@ -25,7 +25,6 @@ DDP group of every rank reduces through them on the exchanging thread, so the re
 parameter server's two levels'. Device-chain buckets stay flat. Futures and CUDA side streams:
 hook_futures.py.
 """
-import threading
 import time
 
 import numpy as np
@@ -43,7 +42,6 @@ from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
-WOKEN_WAIT_S = 0.25  # how long a gather is waited for by its future before the communicator polls it
 
 # Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
 # (bucket index, event, time.perf_counter(), time.thread_time()) of every compressed bucket.
@@ -228,12 +226,6 @@ class CompressionHook(HookLevels):
         comm = core.worker() if core.is_initialized() else None
         if isinstance(comm, Collective):
             def through(work, what):
-                # the communicator's wait polls the work each millisecond; the work's future wakes
-                # this thread when it completes. One that takes longer than WOKEN_WAIT_S goes to
-                # the communicator's wait, which names a dead or departed peer as before.
-                done = threading.Event()
-                work.get_future().add_done_callback(lambda _: done.set())
-                done.wait(WOKEN_WAIT_S)
                 comm.wait(work, lambda: f"{what} of DDP bucket {index}")
         else:
             def through(work, what):

@@ -3,6 +3,7 @@ the thread profiler) and the benchmark's constants."""
 import io
 import json
 import os
+import signal
 import sys
 import time
 
@@ -261,3 +262,21 @@ class ThreadProfiler:
         return out.getvalue()
 
 
+def interrupt_on_signals():
+    """SIGTERM, SIGHUP and SIGINT (also when started in the background) raise KeyboardInterrupt
+    in the main thread, so a benchmark's finally: clean-up runs."""
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def tear_down(children, net):
+    """A benchmark's clean-up: the signals are ignored meanwhile (so it finishes), every child
+    process stops and the namespaces (``net``, or None) go."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    children.stop_all()
+    if net is not None:
+        net.delete()

@@ -74,14 +74,13 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 
 import numpy as np
 
 from bench_cluster import PLACEMENTS, Children, Loopback, Switched, machines_needed
-from bench_common import BPS_CONFIGS, LOCAL_RANKS_ONLY, MODEL, bps_gc_congestion, check_tcp_congestion, ONE_HOST_ONLY, PSLITE_CONFIGS, SHAPED_ONLY, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, load_shapes, machine_info, shapes_description, write_json_atomic
+from bench_common import BPS_CONFIGS, LOCAL_RANKS_ONLY, MODEL, bps_gc_congestion, check_tcp_congestion, ONE_HOST_ONLY, PSLITE_CONFIGS, SHAPED_ONLY, QUICK_BPS, QUICK_PSLITE, ROOT, import_netns, interrupt_on_signals, load_shapes, machine_info, shapes_description, tear_down, write_json_atomic
 from bench_report import print_table, same_rows, targets
 from bench_run import run_all
 from bench_workers import bps_worker, mx_worker, profiled_node
@@ -210,12 +209,7 @@ def main(argv=None):
     children = Children()
     net = None
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
+    interrupt_on_signals()
     log_root = tempfile.mkdtemp(prefix="bench_pushpull-")
     shapes = load_shapes(args.tensors, args.elements)
     floats = sum(int(np.prod(s)) for s in shapes)
@@ -282,11 +276,7 @@ def main(argv=None):
         print(f"\nbench_pushpull: interrupted ({str(e) or 'Ctrl-C'}); stopping", file=sys.stderr)
         return 130
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # let the clean-up finish
-            signal.signal(signum, signal.SIG_IGN)
-        children.stop_all()
-        if net is not None:
-            net.delete()
+        tear_down(children, net)
         if args.failed or args.keep_logs:
             print(f"logs kept in {log_root}", file=sys.stderr)
         else:

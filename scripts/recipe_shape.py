@@ -27,10 +27,8 @@ on any mismatch or failed process, naming it; 0 when every rank got every value.
 """
 import argparse
 import datetime
-import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PY, ROOT, import_netns, machine_info, write_json_atomic  # noqa: E402  (puts this checkout first)
+from bench_common import PY, ROOT, import_netns, interrupt_on_signals, machine_info, tear_down, write_json_atomic  # noqa: E402  (puts this checkout first)
 
 SCRIPT = os.path.abspath(__file__)
 PORT = 1234  # the recipe's DMLC_PS_ROOT_PORT (each namespace is fresh: nothing else listens)
@@ -162,11 +160,7 @@ def check(out_dir, args):
 def main(argv=None):
     args = parse_args(argv)
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    interrupt_on_signals()
     from bench_cluster import Children, ClusterFailed, log_tail, run_cluster
     netns = import_netns()
     log_dir = tempfile.mkdtemp(prefix="recipe_shape-")
@@ -216,11 +210,7 @@ def main(argv=None):
         print("recipe_shape: interrupted", file=sys.stderr)
         return 130
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # let the clean-up finish
-            signal.signal(signum, signal.SIG_IGN)
-        children.stop_all()
-        if net is not None:
-            net.delete()
+        tear_down(children, net)
         report["loadavg_after"] = os.getloadavg()
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         write_json_atomic(args.json, report)

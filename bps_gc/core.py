@@ -5,9 +5,12 @@
     bps.declare("w", compressor="onebit", scaling=True, ef="vanilla")
     bps.push_pull(grad, "w", average=True, ctx={"lr": 0.1, "step": 7, "epoch": 0}).wait()
 
-The built-in codec library (bps_gc.compress, plus BPS_GC_PLUGINS) is wired in here; the roles
-below never import it. These functions are the whole API the bindings (bps_gc.torch,
-bps_gc.mxnet) use: they forward to this process's Communicator (roles.communicator).
+The facade that picks a transport: the parameter server's Worker (bps_gc.ps) or, with
+BPS_GC_TRANSPORT=collective, the torch.distributed Collective (bps_gc.collective); both implement
+comm.communicator.Communicator. The built-in codec library (bps_gc.compress, plus BPS_GC_PLUGINS)
+is wired in here; the transports never import it. The algorithms and the bindings call these
+functions; the torch binding's DDP hook and device chains also reach the collective and the
+communicator's interface (comm/) directly (docs/runtime.md, the layer map).
 """
 import atexit
 import logging
@@ -16,14 +19,14 @@ import sys
 
 from . import compress
 from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
-from .roles import NodeFailure
-from .roles.communicator import Declaration
-from .roles.membership import abort_job
-from .roles.worker import Worker
+from .comm import NodeFailure
+from .comm.communicator import Declaration
+from .ps.membership.membership import abort_job
+from .ps.worker.worker import Worker
 
 _worker = None
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics",
+           "communicator", "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics",
            "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "worker"]
 
 
@@ -71,11 +74,14 @@ def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
         default(kind, error, trace)
 
 
-def worker():
-    """This process's Communicator (the parameter-server Worker)."""
+def communicator():
+    """This process's Communicator: the parameter-server Worker or the Collective."""
     if _worker is None:
         raise RuntimeError("bps_gc is not initialized: call init() first")
     return _worker
+
+
+worker = communicator  # the name the bindings and users knew first
 
 
 def device_codecs():
@@ -150,5 +156,5 @@ def broadcast(array, root_rank, name):
 
 
 def metrics():
-    """Bytes, messages and seconds since the last call (and reset): see roles.worker_handle.Metrics."""
+    """Bytes, messages and seconds since the last call (and reset): see comm.metrics.Metrics."""
     return worker().metrics()

@@ -8,10 +8,10 @@ import sys
 
 from . import compress
 from .config import Config, ConfigError
-from .roles import NodeFailure
-from .roles.membership import abort_job
-from .roles.scheduler import Scheduler
-from .roles.server import Server
+from .comm import NodeFailure
+from .ps.membership.membership import abort_job
+from .ps.scheduler.scheduler import Scheduler
+from .ps.server.server import Server
 from .transport.sockets import BindError
 
 

@@ -19,7 +19,7 @@ PY = sys.executable
 LOOPBACK = "127.0.0.1"
 
 # The codecs both transports run (parameter server and collective): BytePS's, then issue 11's
-# (powersgd reduces in two phases of plain sums, roles/phased.py).
+# (powersgd reduces in two phases of plain sums, comm/phased.py).
 BPS_CONFIGS = {
     "dense": {},
     "dense (local reduce)": {},  # CONFIG_ENV: the workers sum in shared memory when on one host

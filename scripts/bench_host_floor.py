@@ -4,7 +4,7 @@ M machines x L ranks as processes on this box, all at once (as the benchmark's r
 cores), each rank with its own input of the benchmark's bytes and its own output. One round,
 from a start common to every rank: each rank copies its input into its slot of its host's shared
 memory; the host's ranks wait for each other; each sums its share (an L-th) over the host's
-slots in local-rank order into the host's result (roles/worker_local.add_in_order, the code both
+slots in local-rank order into the host's result (comm/host_sum.add_in_order, the code both
 transports' two levels use); they wait again; each copies the whole result out into its output,
 divided by the ranks (averaging). No codec, no network, no messages: the copy in, sum and copy
 out that two levels cannot avoid, timed with numpy on the same cores. A round's time is its
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from bps_gc.roles.worker_local import add_in_order
+from bps_gc.comm.host_sum import add_in_order
 
 BARRIER_TIMEOUT = 120.0  # seconds: a rank that died breaks its peers' barriers instead of hanging them
 

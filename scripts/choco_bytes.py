@@ -3,7 +3,7 @@
 for the CIFAR-10 ResNet-20 of example/pytorch/train_cifar10_choco.py, per Q, beside the
 published figures of algorithms.md section 5 (ring of 8).
 
-The message is bps_gc's (bps_gc.bindings.gossip.pack): uint32 count, uint32 lengths, then each
+The message is bps_gc's (bps_gc.algorithms.gossip.pack): uint32 count, uint32 lengths, then each
 tensor's payload from its codec chain. Sizes do not depend on the values but for qsgd's
 variable-length codes (input: N(0, 1e-3) floats, seed 0).
 
@@ -18,7 +18,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "pytorch")]
-from bps_gc.bindings.gossip import codec_for, gossip_params, pack  # noqa: E402
+from bps_gc.algorithms.gossip import codec_for, gossip_params, pack  # noqa: E402
 
 # Q name -> (compression_params or None for the float model itself, the published MB)
 QS = {

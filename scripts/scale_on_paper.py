@@ -34,10 +34,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from bps_gc import compress  # noqa: E402
 from bps_gc.config import Config, ConfigError  # noqa: E402
-from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
-from bps_gc.roles.worker_push import Push, fusable, fusion_buckets  # noqa: E402
-from bps_gc.roles.worker_host import partition_owner  # noqa: E402
-from bps_gc.roles.worker_tensors import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
+from bps_gc.comm.phased import phase_lengths, phase_names, phases  # noqa: E402
+from bps_gc.ps.worker.push import Push, fusable, fusion_buckets  # noqa: E402
+from bps_gc.comm.placement import partition_owner  # noqa: E402
+from bps_gc.comm.placement import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
 from bps_gc.transport.wire import encode_context, pack_fused  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,9 +88,9 @@ def worker_settings(environ=None):
 
 
 def plan(shapes, params, reducer, num_servers, cfg):
-    """The worker's tensors, declared and placed by the real code (worker_tensors.Placement;
+    """The worker's tensors, declared and placed by the real code (comm.placement.Placement;
     a two-phase tensor's phase buffers declared after it as dense auxiliaries, as
-    roles/worker.py ``_place`` does). Returns [TensorPlan]."""
+    ps/worker/worker.py ``_place`` does). Returns [TensorPlan]."""
     tensors = {}
     placement = Placement(num_servers, cfg.partition_bytes, cfg.min_compress_bytes,
                           dense_partition_bytes(cfg, MULTI_HOST_BOOK))
@@ -122,7 +122,7 @@ def owner(tensor, part, local):
 
 
 def messages(tensors, sizes, scale, pushes, cfg, local=1):
-    """The PUSH messages of one round and their replies, as worker_io sends them: compressed
+    """The PUSH messages of one round and their replies, as ps/worker/io.py sends them: compressed
     and large dense partitions alone, small dense ones FUSED per server (every fusable push of
     the round in one fusion window: the fewest messages). With ``local`` > 1 (two-level) each
     partition is pushed once, by its owner, whose pushes fuse among themselves.

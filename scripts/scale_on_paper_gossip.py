@@ -3,8 +3,8 @@ one message per rank per neighbour per round on the real graph, and the graph's 
 Imported by scale_on_paper.py (which puts the repository on sys.path first)."""
 import numpy as np
 
-from bps_gc.bindings.gossip import pack
-from bps_gc.bindings.topology import Topology, ring_edges, torus_edges
+from bps_gc.algorithms.gossip import pack
+from bps_gc.algorithms.topology import Topology, ring_edges, torus_edges
 
 from scale_on_paper_sizes import GRADIENT_STD, REPLY_HEADER, variable
 
@@ -15,7 +15,7 @@ def edges_of(design, n):
 
 
 def gossip_counts(design, hosts, local, shapes, params, sizes):
-    """One gossip round: every rank sends its packed message (bindings/gossip.pack of each
+    """One gossip round: every rank sends its packed message (algorithms/gossip.pack of each
     tensor's Q payload) to each neighbour of the real graph; counted where the edge crosses
     hosts (ranks host-major: rank r on host r // L)."""
     n = hosts * local

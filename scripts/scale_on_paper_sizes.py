@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from bps_gc import compress
-from bps_gc.bindings.gossip import codec_for, gossip_params
+from bps_gc.algorithms.gossip import codec_for, gossip_params
 from bps_gc.transport.wire import HEADER, encode_context
 
 GRADIENT_STD = 1e-3  # the gradients' N(0, std) of scripts/bench_common.py
@@ -52,7 +52,7 @@ class Sizes:
         return int(self.payloads(params, n, shape, scale, 1)[0].nbytes)
 
     def gossip(self, params, n, shape, scale, key):
-        """One tensor's CHOCO Q payload (or D-PSGD's raw floats): bindings/gossip.codec_for."""
+        """One tensor's CHOCO Q payload (or D-PSGD's raw floats): algorithms/gossip.codec_for."""
         cache_key = ("gossip", json.dumps(params, sort_keys=True), n, shape, scale)
         if cache_key not in self.cache:
             q = codec_for(gossip_params(params) if params else None, n, np.float32, key)

@@ -22,7 +22,7 @@ from bps_gc import compress  # noqa: E402
 from bps_gc.collective import levels as levels_module  # noqa: E402
 from bps_gc.collective.levels import levels_from_env  # noqa: E402
 from bps_gc.compress.registry import COMPRESSORS  # noqa: E402
-from bps_gc.roles.worker_host import partition_owner  # noqa: E402
+from bps_gc.comm.placement import partition_owner  # noqa: E402
 from reference import gradient, step_ctx  # noqa: E402
 
 HOOK_TENSORS = [{"name": "hook-dense", "shape": [500], "dtype": "float32", "params": {}},

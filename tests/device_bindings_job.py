@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.torch as bps  # noqa: E402
-from bps_gc.torch import device_codecs  # noqa: E402
+from bps_gc.torch import device as device_codecs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import gradient, step_ctx  # noqa: E402

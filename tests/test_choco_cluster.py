@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from bps_gc.bindings.topology import topology
+from bps_gc.algorithms.topology import topology
 from cluster import run_local
 from conftest import ROOT
 from test_choco_math import oracle_choco

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from bps_gc.bindings.topology import ring, topology, torus
+from bps_gc.algorithms.topology import ring, topology, torus
 from bps_gc.compress import CompressionParams, ParamError, build_chain
 
 torch = pytest.importorskip("torch")

@@ -16,7 +16,7 @@ def test_defaults_and_ranks():
     cfg = Config.from_env(dict(BASE, BYTEPS_LOCAL_SIZE="4", BYTEPS_LOCAL_RANK="2"))
     assert (cfg.rank, cfg.size, cfg.distributed) == (6, 8, True)
     assert (cfg.partition_bytes, cfg.min_compress_bytes, cfg.enable_async) == (4_096_000, 65_536, False)
-    assert cfg.dense_partition_bytes is None  # chosen from the address book (worker_tensors.py)
+    assert cfg.dense_partition_bytes is None  # chosen from the address book (comm/placement.py)
     assert cfg.agreement()["BPS_GC_DENSE_PARTITION_BYTES"] == "unset"
     assert cfg.threadpool_size >= 1 and cfg.server_engine_threads >= 1
     single = Config.from_env(dict(BASE, DMLC_NUM_WORKER="1", DMLC_WORKER_ID="0"))

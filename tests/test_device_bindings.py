@@ -178,7 +178,7 @@ def test_device_reductions_give_the_numpy_reducers_bits(reducer, params, dtype):
     the collective does) against compress.reducers, in one process."""
     from bps_gc.compress import CompressionParams, build_chain, make_reducer
     from bps_gc.compress.reducers import REDUCERS, register_reducer
-    from bps_gc.torch.device_codecs import device_reduction
+    from bps_gc.compress.device.reducers import device_reduction
     if "test_device_mean" not in REDUCERS:
         register_reducer("test_device_mean")(MeanOfDecoded)
     nan = reducer.endswith("-nan")

@@ -327,7 +327,7 @@ def test_dgc_clipping_close_to_numpy(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rank,shape", [(1, (60, 50)), (2, None), (4, (30, 100))])
 def test_powersgd_two_workers_follow_numpy(device, rank, shape):
-    # two workers' phases summed by hand, as roles/phased.py drives them; float32 products in
+    # two workers' phases summed by hand, as comm/phased.py drives them; float32 products in
     # another order: equal to a float32 rounding over the steps, with the same start Q exactly
     n, params, rng = 3000, {"compressor": "powersgd", "rank": rank}, np.random.default_rng(7)
     pairs = [chains(params, n, np.float32, device, shape) for _ in range(2)]

@@ -1,12 +1,12 @@
-"""The event loop's wake-up (roles/event_loop.py): a post from another thread is always seen,
+"""The event loop's wake-up (ps/membership/event_loop.py): a post from another thread is always seen,
 however posts and the loop's drain interleave; a lost wake-up would strand work forever."""
 import os
 import queue
 import threading
 import time
 
-from bps_gc.roles import event_loop
-from bps_gc.roles.event_loop import EventLoop
+from bps_gc.ps.membership import event_loop
+from bps_gc.ps.membership.event_loop import EventLoop
 
 
 def make_loop(total):

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from bps_gc.bindings.entire_model import chunk_bounds
+from bps_gc.algorithms.entire_model import chunk_bounds
 from bps_gc.compress import CompressionParams, build_chain
 from bps_gc.config import Config
-from bps_gc.compress.entiremodel import WholeVectorCodec, check_splittable
-from bps_gc.roles.worker_tensors import Placement, TensorPlan, dense_partition_bytes
+from bps_gc.compress.entire_model import WholeVectorCodec, check_splittable
+from bps_gc.comm.placement import Placement, TensorPlan, dense_partition_bytes
 from test_codecs2_quantizers import qsgd_oracle, terngrad_oracle
 from xorshift import XorShift128Plus
 

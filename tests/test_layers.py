@@ -1,9 +1,11 @@
-"""Lower layers never import higher ones: config -> transport -> roles -> codecs -> bindings ->
-launcher; the codec library and the server never need a framework. ``collective`` sits beside
-roles (layer 3) and is the one lower layer that uses torch (torch.distributed carries its bytes);
-core reaches it only when the environment asks for it. ``compress/device`` (codec chains over
-torch tensors) is the one part of compress that imports torch; ``build_chain`` reaches it only
-when it is given a device."""
+"""The layer map of docs/runtime.md, enforced: lower layers never import higher ones. Bottom-up:
+config -> transport -> compress -> comm -> {ps, collective} -> core -> algorithms -> {torch, mxnet};
+node (the PS roles' entry) sits beside core, the launcher imports only config. ps/ and collective/
+are siblings that never import each other; no import circle among bps_gc's modules. The codec
+library and the server never need a framework: ``collective`` (torch.distributed carries its bytes)
+and ``compress/device`` (codec chains over torch tensors) are the only lower parts that import
+torch; core reaches the collective only when the environment asks for it, ``build_chain`` reaches
+compress/device only when it is given a device."""
 import ast
 import os
 import subprocess
@@ -18,15 +20,16 @@ PACKAGE = os.path.join(ROOT, "bps_gc")
 ALLOWED = {
     "config": set(),
     "transport": {"config"},
-    "roles": {"config", "transport"},
-    "collective": {"config", "transport", "roles"},
-    "compress": set(),
+    "compress": set(),  # the codec library stands alone (numpy, and torch in compress/device)
+    "comm": {"config", "transport", "compress"},  # the interface every transport implements
+    "ps": {"config", "transport", "compress", "comm"},  # the parameter server
+    "collective": {"config", "transport", "compress", "comm"},  # torch.distributed
+    "core": {"config", "transport", "compress", "comm", "ps", "collective"},  # picks a transport
+    "node": {"config", "transport", "compress", "comm", "ps"},  # python -m bps_gc.node
+    "algorithms": {"config", "compress", "comm", "core"},  # algorithms over the communicator
+    "torch": {"core", "algorithms", "compress", "comm", "collective"},
+    "mxnet": {"core", "algorithms", "compress", "comm", "config"},
     "launcher": {"config"},
-    "core": {"config", "transport", "roles", "compress", "collective"},
-    "node": {"config", "transport", "roles", "compress"},
-    "bindings": {"config", "core", "compress"},  # algorithms over the communicator (core)
-    "torch": {"core", "bindings", "compress", "collective"},
-    "mxnet": {"core", "bindings", "compress", "config"},
 }
 FRAMEWORKS = {"torch", "mxnet", "gluoncv"}
 DEVICE_CODECS = os.path.join(PACKAGE, "compress", "device")
@@ -117,3 +120,56 @@ def test_server_runs_without_frameworks():
             "assert not bad, bad\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def module_name(path):
+    rel = os.path.relpath(path, ROOT).removesuffix(".py").split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def load_time_graph():
+    """bps_gc module -> the bps_gc modules its top-level statements import (a name imported from
+    a package counts as the package's __init__ unless it is a submodule)."""
+    modules = {module_name(p): p for p in sources()}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in module_level_imports(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_circle():
+    # a package's __init__ importing its own submodules is how packages work, not a circle
+    graph = load_time_graph()
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    state, stack = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(edges[module]):
+            if state.get(target) == "open":
+                circle = stack[stack.index(target):] + [target]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+def test_ps_and_collective_never_import_each_other():
+    for path in sources():
+        layer = layer_of(path)
+        if layer in ("ps", "collective"):
+            other = {"ps": "collective", "collective": "ps"}[layer]
+            for name in imports(path):  # function-level imports too
+                assert not name.startswith(f"bps_gc.{other}"), f"{path} imports {name}"

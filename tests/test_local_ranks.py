@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bps_gc.config import Config, ConfigError
-from bps_gc.roles.hosts import WorkerHosts
+from bps_gc.ps.scheduler.hosts import WorkerHosts
 from local_ranks import HostsJob, expected_results, machines, run_spec  # noqa: F401
 from reference import gradient
 
@@ -66,7 +66,7 @@ def test_hierarchy_setting_is_validated():
 
 
 def test_scheduler_checks_each_hosts_registration():
-    """The scheduler's rules (roles/hosts.py), registration by registration."""
+    """The scheduler's rules (ps/scheduler/hosts.py), registration by registration."""
 
     def reg(worker_id, local_rank, local_size, hierarchy="auto"):
         return {"worker_id": worker_id, "local_rank": local_rank, "local_size": local_size,

@@ -1,5 +1,5 @@
 """BPS_GC_LOCAL_REDUCE=1: workers on one host sum dense tensors in shared memory, no server in
-the path (roles/worker_local.py).
+the path (ps/worker/local.py).
 
 * Every pull equals the numpy re-computation bit for bit, on 2 and 4 workers, for float16/32/64,
   averaged or summed, in place or not, with a compressed tensor beside them that still goes

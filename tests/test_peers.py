@@ -1,4 +1,4 @@
-"""Worker-to-worker messages (bps_gc/roles/peers.py): a ring of 4 workers, and a killed peer.
+"""Worker-to-worker messages (bps_gc/ps/worker/peers.py): a ring of 4 workers, and a killed peer.
 
 Multi-host mode (one bpslaunch per role), so a dead peer is found by the job's heartbeats."""
 import os

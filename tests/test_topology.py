@@ -3,7 +3,7 @@ for any user graph), symmetric and doubly stochastic; bad graphs fail naming the
 import numpy as np
 import pytest
 
-from bps_gc.bindings.topology import Topology, complete, ring, topology, torus
+from bps_gc.algorithms.topology import Topology, complete, ring, topology, torus
 
 
 def check_mixing(topo):

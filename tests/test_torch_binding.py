@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from bps_gc.bindings.momentum import MomentumPlan
+from bps_gc.algorithms.momentum import MomentumPlan
 from cluster import run_local
 from conftest import ROOT
 from reference import PushPullModel

@@ -129,7 +129,7 @@ def test_one_host_local_reduce_keeps_its_flat_path(tmp_path):
 
 ENTIRE = """
 import json, sys, numpy as np, bps_gc.core as bps
-from bps_gc.bindings.entire_model import EntireModel
+from bps_gc.algorithms.entire_model import EntireModel
 from test_granularity import SHAPES, layers
 bps.init()
 model = EntireModel("em", SHAPES, np.float32, {"compressor": "topk", "k": 0.05})

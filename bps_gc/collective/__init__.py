@@ -3,7 +3,7 @@ MPI where torch was built with it) instead of the ZeroMQ parameter server.
 
 Started by ``bps_gc.core.init()`` when the environment asks for it (``config.transport_from_env``):
 under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), under bpslaunch with DMLC_NUM_SERVER=0, or with
-BPS_GC_TRANSPORT=collective. Like ``roles.worker.Worker`` it is handed the codec library.
+BPS_GC_TRANSPORT=collective. Like ``ps.worker.worker.Worker`` it is handed the codec library.
 """
 from .communicator import Collective
 from .exchange import all_gather_bytes

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..roles import communicator as api
+from ..comm import communicator as api
 from .exchange import PayloadsMissing, all_gather_bytes
 
 

@@ -1,4 +1,4 @@
-"""``Collective``: the communicator (roles/communicator.py) on torch.distributed.
+"""``Collective``: the communicator (comm/communicator.py) on torch.distributed.
 
 Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
 goes out when full or when a handle waiting on it is waited for. Going out hands it to the
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..roles import communicator as api
-from ..roles.phased import phases
-from ..roles.worker_handle import Metrics
-from ..roles.worker_tensors import Placement, check_dtype, declare_tensor, resolve_reduce_call
+from ..comm import communicator as api
+from ..comm.phased import phases
+from ..comm.metrics import Metrics
+from ..comm.placement import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .buckets import Bucket, Buckets, Handle
 from .device_tensors import DeviceTensors
 from .exchange_thread import ExchangeThread

@@ -18,7 +18,7 @@ other rank has ended, died, or is blocked on it and has read its Ending (``seen`
 import time
 from dataclasses import dataclass
 
-from ..roles import NodeFailure
+from ..comm import NodeFailure
 
 
 @dataclass(frozen=True)

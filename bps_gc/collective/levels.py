@@ -1,5 +1,5 @@
 """Two levels on torch.distributed (BPS_GC_HIERARCHY=host, the default with several local ranks
-per host), as the parameter server's two levels (roles/worker_host.py) do it:
+per host), as the parameter server's two levels (ps/worker/host.py) do it:
 
 1. the host's ranks reduce-scatter: each local rank owns a share of the buffer and sums it over
    the host's ranks, in local-rank order (host tensors: in shared memory, transport/shm.py;
@@ -22,7 +22,7 @@ shares' sums) from its memfd arena once, in an all_gather on the host's group; a
 in, sync, sum and cross-host step, sync, copy out (dense: the sums and cross-host steps stripe
 by stripe, then per stripe a wait, a sync and its copy out; see ``reduce_dense``). A peer reads
 this rank's slot only before its first sync after the sums and its result only before the next
-round's first sync, so one slot and one result suffice (worker_local.py's argument). The memory
+round's first sync, so one slot and one result suffice (ps/worker/local.py's argument). The memory
 is freed by the kernel with its last user.
 """
 import json
@@ -32,10 +32,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..roles import NodeFailure
-from ..roles.worker_local import add_in_order
+from ..config import ConfigError
+from ..comm import NodeFailure
+from ..comm.host_sum import add_in_order
 from ..transport import shm
 from .exchange import all_gather_bytes
+from .rendezvous import collective_config, host_key
 
 log = logging.getLogger("bps_gc.collective")
 MIN_CAPACITY = 1 << 16  # size classes: powers of two from 64 KiB (few distinct buffers)
@@ -315,8 +317,6 @@ def levels_from_env(wait=plain_wait, environ=None):
     """Two levels for a caller beside the communicator (the DDP hook): its own groups and
     memory on the initialized default group, or None where the job runs flat (or the
     environment names no local ranks). Every rank calls it at the same point."""
-    from ..config import ConfigError
-    from .rendezvous import collective_config, host_key
     try:
         cfg, local_rank, local_size = collective_config(environ)
     except ConfigError:

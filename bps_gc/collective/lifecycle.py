@@ -10,7 +10,7 @@ import time
 
 import torch.distributed as dist
 
-from ..roles import NodeFailure
+from ..comm import NodeFailure
 from .departure import Ending, await_end, departure, described
 from .liveness import Heartbeat
 from .rendezvous import backend_from_env, connect

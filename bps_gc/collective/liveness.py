@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from ..roles import NodeFailure
+from ..comm import NodeFailure
 from .departure import Ending
 
 log = logging.getLogger("bps_gc.collective")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..roles import communicator as api
+from ..comm import communicator as api
 
 
 class SendHandle(api.Handle):

@@ -1,5 +1,5 @@
 """The collective communicator's reductions that are not one codec's payload exchange (a mixin
-of ``Collective``): PowerSGD-like two-phase reductions (roles/phased.py), run with the bucket,
+of ``Collective``): PowerSGD-like two-phase reductions (comm/phased.py), run with the bucket,
 one all_reduce per phase for all of its matrices; and majority's sign vote, summed now.
 """
 import time
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..roles.phased import PhasedReduction
+from ..comm.phased import PhasedReduction
 from .buckets import Handle
 
 
@@ -17,7 +17,7 @@ class PhasesAndVotes:
     size and ``pending``)."""
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
-        """Two phases (roles/phased.py), both with the bucket on the exchange thread (a tensor's
+        """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
         steps in order there, so error feedback sees each step in turn)."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
         return self._add(Handle(self, out, self.pending), "phased", (reduction, None, wire, out, average),

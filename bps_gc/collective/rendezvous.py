@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, EnvReader
-from ..roles import NodeFailure
+from ..comm import NodeFailure
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl", "mpi")

@@ -1,7 +1,7 @@
 """The communicator's side of two levels (levels.py): joining them at start, and a bucket's
 single-phase tensors reduced as the parameter server's two levels do: dense ones summed
 (levels.py's all_reduce), compressed ones (every reducer, majority included) so: partition p
-of the tensor declared i-th is owned by local rank (i + p) mod L (roles/worker_host.py's
+of the tensor declared i-th is owned by local rank (i + p) mod L (ps/worker/host.py's
 rule), which compresses the host's sum of it once with that partition's chain; the owners of
 every host exchange payloads and run the server's reducer.
 The plain all_reduce (PowerSGD's two phases, local SGD) is levels.py's sum too.
@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ..roles.worker_host import partition_owner
+from ..comm.placement import partition_owner
 from .levels import HostLevels
 from .rendezvous import host_key
 

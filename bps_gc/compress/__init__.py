@@ -6,7 +6,8 @@ is needed, so servers run them with numpy alone. See docs/codecs.md for the wire
 from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the built-ins)
 from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
 from .base import Codec
-from .chain import build_chain, derive_seed
+from .chain import build_chain
+from .seeds import derive_seed
 from .context import step_context
 from .params import CompressionParams, ParamError
 from .reducers import REDUCERS, choose_reducer, make_reducer, register_reducer

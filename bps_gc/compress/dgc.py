@@ -18,7 +18,7 @@ from ._native import check, lib, ptr
 from .params import CODEC_OPTIONS
 from .registry import register_compressor
 from .context import step_context
-from .chain import mixed_state
+from .seeds import mixed_state
 from .threshold import SortedSparse
 
 UPPER, LOWER, ROUNDS = 1.3, 0.8, 10  # DGC's adaptation bounds and its number of rounds

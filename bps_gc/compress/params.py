@@ -11,7 +11,7 @@ from typing import Optional
 from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, OPTIONS, load_plugins
 
 PARTITIONS = ("linear", "natural")
-GRANULARITIES = ("layerwise", "entiremodel")  # algorithms.md section 3; see compress/entiremodel.py
+GRANULARITIES = ("layerwise", "entiremodel")  # algorithms.md section 3; see compress/entire_model.py
 NORMALIZES = ("max", "l2")
 NEEDS_K = ("topk", "randomk", "dithering", "dgc")
 FRIENDLY_KEYS = ("compressor", "ef", "momentum", "scaling", "k", "seed", "partition",

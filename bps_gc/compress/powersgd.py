@@ -3,7 +3,7 @@
 The partition is viewed as a rows x cols float32 matrix M: the tensor's first dimension by the
 rest when the partition holds whole rows of a tensor of two or more dimensions, else near-square
 (cols = ceil(sqrt(n)), rows = ceil(n / cols), zero-padded). One step takes two reduce phases,
-each a plain sum over the workers, which the communicator drives (bps_gc/roles/phased.py):
+each a plain sum over the workers, which the communicator drives (bps_gc/comm/phased.py):
 
 1. ``compress(x, ctx)``: M = x + error; payload P = M Q (rows x r float32, row-major);
 2. ``compress_q(p_sum)``: P^ = orthogonalize(sum of P); payload Q = M^T P^ (cols x r);
@@ -134,7 +134,7 @@ class PowerSGD(Codec):
 class PowerSGDSums(Reducer):
     """PowerSGD's reduction: two phases, each a plain float32 sum over the workers (P, then Q).
     The communicator drives them with dense reduces of one buffer per phase
-    (bps_gc/roles/phased.py), so no server ever holds a PowerSGD key or payload."""
+    (bps_gc/comm/phased.py), so no server ever holds a PowerSGD key or payload."""
 
     phases = 2
 

@@ -1,7 +1,7 @@
 """TernGrad and QSGD: unbiased stochastic quantizers with a float32 scale in front.
 
 Both draw one Bernoulli per element (32 random bits, two per xorshift128+ output, high half
-first) from a generator seeded through splitmix64 (``chain.mixed_state``); the state carries
+first) from a generator seeded through splitmix64 (``seeds.mixed_state``); the state carries
 over between steps. float16 partitions are quantized in float32 (exact) and decoded back.
 """
 import math
@@ -12,7 +12,7 @@ from ._native import check, lib, ptr
 from .base import Codec
 from .params import CODEC_OPTIONS
 from .registry import register_compressor
-from .chain import mixed_state
+from .seeds import mixed_state
 
 F32_MAX = float(np.finfo(np.float32).max)
 

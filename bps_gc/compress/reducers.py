@@ -17,7 +17,9 @@ import dataclasses
 
 import numpy as np
 
+from .chain import build_chain
 from .context import step_context
+from .registry import COMPRESSORS, load_plugins
 
 REDUCERS = {}
 DEFAULT_DENSE = "sum"  # what an uncompressed key does; not a registered reducer
@@ -39,7 +41,6 @@ def register_reducer(name):
 def choose_reducer(params, reducer=None):
     """The reducer name a tensor with these CompressionParams uses: ``reducer`` when its codec
     supports it, the codec's default when None. A ValueError names both when they do not fit."""
-    from .registry import COMPRESSORS, load_plugins
     if reducer is not None and not isinstance(reducer, str):
         raise TypeError(f"reducer must be a name (str), got {type(reducer).__name__}")
     if not params.compressed:
@@ -63,7 +64,6 @@ def choose_reducer(params, reducer=None):
 
 def chain_factory(params, n, dtype, key):
     """The ``codecs(role)`` argument of a reducer for partition ``key``."""
-    from .chain import build_chain
 
     def codecs(role):
         if role == "decode":  # a payload decodes without the decorators' state
@@ -80,7 +80,7 @@ def make_reducer(name, params, n, dtype, key=0):
 class Reducer:
     summed = True
     # sum phases per reduce: 1 is one push and one reply; more (PowerSGD's P then Q) means the
-    # communicator drives the phases itself as dense sums (bps_gc/roles/phased.py)
+    # communicator drives the phases itself as dense sums (bps_gc/comm/phased.py)
     phases = 1
 
     def __init__(self, params, n, dtype, codecs):

@@ -8,6 +8,7 @@ import importlib
 import os
 from importlib import metadata
 
+from .base import Codec
 COMPRESSORS = {}
 ERROR_FEEDBACKS = {}
 MOMENTUMS = {}
@@ -34,7 +35,6 @@ def register_compressor(name, options=None):
     (e.g. ``{"alpha": float}``); they reach the codec as ``params.options[key]``.
     """
     def wrap(cls):
-        from .base import Codec
         if not (isinstance(cls, type) and issubclass(cls, Codec)):
             raise TypeError(f"compressor {name!r} must subclass bps_gc.compress.Codec")
         OPTIONS[name] = dict(options or {})

@@ -8,17 +8,17 @@ rate for error feedback), applies the post-pull momentum / weight-decay adapters
 optimizer update with ``rescale_grad == 1``.
 
 Beyond BytePS: ``granularity: entiremodel`` reduces the compressed gradients of a step as one
-vector (``<prefix>gradient_entiremodel.<c>``, bps_gc.bindings.entire_model); DGC sends 1-D
-gradients dense and keeps weight decay local (bps_gc.bindings.momentum); ``set_epoch(e)``
+vector (``<prefix>gradient_entiremodel.<c>``, bps_gc.algorithms.entire_model); DGC sends 1-D
+gradients dense and keeps weight decay local (bps_gc.algorithms.momentum); ``set_epoch(e)``
 sets the step context's epoch (DGC's sparsity warm-up).
 """
 import mxnet as mx
 import numpy as np
 
 from .. import core
-from ..bindings.entire_model import EntireModel, is_entire_model, one_dtype
-from ..bindings.momentum import MomentumPlan, split_reducer
-from ..bindings.step import binding_context, checked_epoch
+from ..algorithms.entire_model import EntireModel, is_entire_model, one_dtype
+from ..algorithms.momentum import MomentumPlan, split_reducer
+from ..algorithms.step import binding_context, checked_epoch
 from .tensors import HostArray
 
 

@@ -23,9 +23,9 @@ import torch
 
 import bps_gc.core as core
 
-from ..bindings.gossip import ChocoGossip, DPSGDGossip, _Neighbourhood, gossip_params, pack
-from ..bindings.topology import topology as make_topology
-from .device_codecs import chain_for, uses_device_chain
+from ..algorithms.gossip import ChocoGossip, DPSGDGossip, _Neighbourhood, gossip_params, pack
+from ..algorithms.topology import topology as make_topology
+from .device import chain_for, uses_device_chain
 from .ops import SUPPORTED
 from .wrapper import WrappingOptimizer
 
@@ -135,7 +135,7 @@ class RawDeviceCodec:
 
 
 class DeviceChocoGossip(ChocoGossip):
-    """ChocoGossip (bindings/gossip.py) on flat torch tensors, its Q a device codec chain:
+    """ChocoGossip (algorithms/gossip.py) on flat torch tensors, its Q a device codec chain:
     the same rounds and messages, each step's arithmetic in the same order and dtype."""
 
     def __init__(self, tensors, topology, comm, gamma, compression_params=None, tag="choco"):
@@ -199,7 +199,7 @@ def _check_tensor(name, a):
 
 
 class DeviceDPSGDGossip(DPSGDGossip):
-    """DPSGDGossip (bindings/gossip.py) on flat torch tensors: the same messages and mixing,
+    """DPSGDGossip (algorithms/gossip.py) on flat torch tensors: the same messages and mixing,
     in the same order and dtype, on the device."""
 
     def _check_array(self, name, a):

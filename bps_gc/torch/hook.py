@@ -37,7 +37,8 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
-from .device_codecs import chain_for, device_reduction, uses_device_chain
+from .device import chain_for, uses_device_chain
+from ..compress.device.reducers import device_reduction
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
 
@@ -223,7 +224,7 @@ class CompressionHook(HookLevels):
         """How the worker waits for a collective: through bps_gc's collective communicator when
         it runs (its heartbeat names a dead or departed rank within its bound, as a
         NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
-        comm = core.worker() if core.is_initialized() else None
+        comm = core.communicator() if core.is_initialized() else None
         if isinstance(comm, Collective):
             def through(work, what):
                 comm.wait(work, lambda: f"{what} of DDP bucket {index}")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..collective.levels import levels_from_env
-from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
+from ..comm.placement import partition_owner  # ps/worker/host's rule, as the communicator uses it
 from .hook_futures import current, settle
 
 log = logging.getLogger("bps_gc.torch")

@@ -13,7 +13,8 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
-from .device_codecs import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
+from .compression import Compression
+from .device import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
 SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 _handles = {}
@@ -66,7 +67,7 @@ def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=N
         _handles[key] = (DevicePushPull(tensor, name, parts, average, priority, ctx), tensor, None)
         return key
     if parts is not None and reduces_dense_on_device(name):  # torch.distributed: on the device
-        _handles[key] = (core.worker().reduce_tensor(tensor, name, average), tensor, None)
+        _handles[key] = (core.communicator().reduce_tensor(tensor, name, average), tensor, None)
         return key
     array, staged = host_view(tensor)
     handle = core.push_pull(array, name, average=average, priority=priority, lr=lr, ctx=ctx)
@@ -99,7 +100,6 @@ def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, lr
 
 def push_pull(tensor, average=True, name=None, compression=None, priority=0, lr=None, ctx=None):
     """A new tensor with the sum (or mean) of ``tensor`` over all workers."""
-    from .compression import Compression
     compression = compression or Compression.none
     _check(tensor, "push_pull")
     sent, restore = compression.compress(tensor.detach().clone())

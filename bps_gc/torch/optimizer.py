@@ -1,9 +1,9 @@
 """DistributedOptimizer: gradient hooks push_pull each gradient as soon as backward produced it
 (communication overlaps the rest of the backward pass); ``step()`` waits for them, applies what
-moved out of the optimizer (bps_gc.bindings.momentum), then runs the wrapped optimizer.
+moved out of the optimizer (bps_gc.algorithms.momentum), then runs the wrapped optimizer.
 
 With ``compression_params["granularity"] = "entiremodel"`` the gradients are reduced together in
-``step()``, compressed as one vector (bps_gc.bindings.entire_model). The step context every
+``step()``, compressed as one vector (bps_gc.algorithms.entire_model). The step context every
 codec sees is ``{"lr", "step", "epoch"}``: ``step`` counts ``step()`` calls, ``epoch`` is what
 ``set_epoch(e)`` set last (DGC's sparsity warm-up reads it; default 0).
 
@@ -11,15 +11,15 @@ Each gradient goes through ``ops.push_pull_async``, so the codec chain that runs
 BPS_GC_DEVICE_CODECS (docs/device_codecs.md): device chains for CUDA gradients by default.
 What still runs on host copies of a device gradient: the entire-model vector
 (``granularity="entiremodel"``) and the post-pull momentum/weight-decay step of
-``compression_params["momentum"]`` (bindings.momentum, numpy).
+``compression_params["momentum"]`` (algorithms.momentum, numpy).
 """
 import torch
 
 import bps_gc.core as core
 
-from ..bindings.entire_model import EntireModel, is_entire_model, one_dtype
-from ..bindings.momentum import MomentumPlan, split_reducer, tensor_compression
-from ..bindings.step import binding_context, checked_epoch
+from ..algorithms.entire_model import EntireModel, is_entire_model, one_dtype
+from ..algorithms.momentum import MomentumPlan, split_reducer, tensor_compression
+from ..algorithms.step import binding_context, checked_epoch
 from ..compress import CompressionParams
 from . import ops
 
@@ -149,7 +149,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 ops.synchronize(self._handles.pop(id(p)))
             self._counts[id(p)] = 0
             adapter = self._post_pull.get(id(p))
-            if adapter is not None:  # numpy (bindings.momentum): off the CPU, on host copies
+            if adapter is not None:  # numpy (algorithms.momentum): off the CPU, on host copies
                 g, staged = ops.host_view(p.grad)
                 x, _ = ops.host_view(p.data)
                 adapter(g, x)

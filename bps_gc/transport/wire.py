@@ -47,7 +47,7 @@ class Msg(enum.IntEnum):
     PUSH = 22          # payload: tensor bytes or compressed payload; step context in the header
     PUSH_REPLY = 23    # payload: the round's result
     ERROR = 30         # JSON {message}
-    # worker <-> worker (roles/peers.py)
+    # worker <-> worker (ps/worker/peers.py)
     PEER = 40          # key: the message's channel; round: its sequence number on that channel
 
 

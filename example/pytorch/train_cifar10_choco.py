@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import bps_gc.core
-from bps_gc.bindings.topology import topology
+from bps_gc.algorithms.topology import topology
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))

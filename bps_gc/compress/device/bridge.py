@@ -11,6 +11,7 @@ avoid; on a CPU device the copies are views.
 import numpy as np
 import torch
 
+from ..registry import COMPRESSORS
 from .base import DeviceCodec, host_array
 
 
@@ -21,7 +22,6 @@ class HostBridge(DeviceCodec):
     def __init__(self, codec, device):
         super().__init__(codec.params, codec.n, codec.dtype, None, device)
         self.inner = codec
-        from ..registry import COMPRESSORS
         self.reducers = tuple(getattr(COMPRESSORS.get(codec.params.compressor), "reducers",
                                       DeviceCodec.reducers))
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .._native import lib, ptr
-from ..chain import mixed_state
+from ..seeds import mixed_state
 from ..context import step_context
 from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, read_settings, sampling_plan, step_density
 from .registry import register_device_compressor

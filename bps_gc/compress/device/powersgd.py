@@ -1,7 +1,7 @@
 """PowerSGD on the device: compress/powersgd.py's algorithm and phase payloads (P, then Q, as
 row-major float32), with M, Q, P^ and the error kept as tensors on the device.
 
-The two phases (bps_gc/roles/phased.py): ``compress(x)`` gives P = M Q, ``compress_q(p_sum)``
+The two phases (bps_gc/comm/phased.py): ``compress(x)`` gives P = M Q, ``compress_q(p_sum)``
 orthogonalizes the summed P and gives Q = M^T P^, ``finish(q_sum, out, workers)`` writes
 P^ (sum Q)^T and keeps the error and the warm start. The summed buffers may be tensors on any
 device, numpy arrays or bytes.

@@ -15,7 +15,8 @@ Plugins register theirs the same way from the modules ``BPS_GC_PLUGINS`` names. 
 compressor, error feedback or momentum has no device implementation runs the whole numpy chain
 behind a ``HostBridge`` (bridge.py).
 """
-from ..chain import build_chain, derive_seed
+from ..chain import build_chain
+from ..seeds import derive_seed
 from ..registry import COMPRESSORS, _register
 from .base import DeviceCodec, resolve_device
 from .bridge import HostBridge
@@ -56,7 +57,7 @@ def build_device_chain(params, n, dtype, key, role, shape, device):
     device = resolve_device(device)
     if params.granularity == "entiremodel" and role == "worker":
         raise ValueError("build_chain(device=...): a worker's 'entiremodel' chunk codec only hands "
-                         "over the payload cut from the whole-model codec (compress/entiremodel.py) "
+                         "over the payload cut from the whole-model codec (compress/entire_model.py) "
                          "and has nothing to run on a device; build the whole vector's chain with "
                          "granularity 'layerwise' on the device, or the chunk's without a device")
     cls = DEVICE_COMPRESSORS.get(params.compressor)

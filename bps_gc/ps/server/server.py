@@ -5,7 +5,7 @@ ENGINE_THREAD, each key always on the same one) decode, sum, apply error feedbac
 recompress, then hand the replies back through an inproc socket that wakes the I/O thread.
 The codec library is passed in (roles never import it): anything with ``CompressionParams``,
 ``choose_reducer`` and ``make_reducer`` as in ``bps_gc.compress``. A FUSED push (several small
-dense keys in one message, see worker_push.py) is split into its keys; the rounds it completes are
+dense keys in one message, see ps/worker/push.py) is split into its keys; the rounds it completes are
 answered together, one fused reply per worker.
 """
 import logging
@@ -15,15 +15,15 @@ import threading
 import numpy as np
 import zmq
 
-from ..transport import congestion, shm
-from ..transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
-from ..transport.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
+from ...transport import congestion, shm
+from ...transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
+from ...transport.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
                               Msg, decode_json, encode_json, pack_fused, unpack_fused)
-from . import NodeFailure
-from .event_loop import EventLoop
-from .membership import Membership
-from .server_keys import KeyError_, KeyState
-from .server_watch import RoundWatch
+from ...comm import NodeFailure
+from ..membership.event_loop import EventLoop
+from ..membership.membership import Membership
+from .keys import KeyConflict, KeyState
+from .watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
 WAKE = "inproc://bps_gc-server-wake"
@@ -191,7 +191,7 @@ class Server:
                 state.engine.load += state.n * state.dtype.itemsize
                 self.keys[h.key] = state
             state.check_declaration(decl, h.dtype, state.slot(rank))
-        except (KeyError_, ValueError, TypeError, KeyError) as e:
+        except (KeyConflict, ValueError, TypeError, KeyError) as e:
             return self.error(msg.identity, h.key, str(e))
         ack = self.share(state, state.slot(rank), decl.get("shm"))
         send(self.router, Header(Msg.INIT_ACK, self.node_id, key=h.key), ack and encode_json(ack),
@@ -331,7 +331,7 @@ class Engine:
     def complete(state, round_, ranks, identities, node_id):
         try:
             result = state.compute(round_, ranks)
-        except KeyError_ as e:
+        except KeyConflict as e:
             log.error("key %d round %d: %s", state.key, round_, e)
             payload = encode_json({"message": str(e)})
             return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=rnd), payload)

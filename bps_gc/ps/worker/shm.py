@@ -10,8 +10,8 @@ import logging
 
 import numpy as np
 
-from ..transport import shm
-from ..transport.wire import MalformedMessage, decode_json
+from ...transport import shm
+from ...transport.wire import MalformedMessage, decode_json
 
 log = logging.getLogger("bps_gc.worker")
 

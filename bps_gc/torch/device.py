@@ -19,7 +19,6 @@ on the device by torch.distributed (``Collective.reduce_tensor``) and staged thr
 the parameter server, whose servers sum them; reducers summed in phases (PowerSGD) and the
 entire-model granularity keep the host path.
 """
-import dataclasses
 import weakref
 
 import numpy as np
@@ -29,6 +28,7 @@ import bps_gc.core as core
 
 from .. import compress
 from ..compress.device import torch_dtype
+from ..compress.device.reducers import device_reduction
 
 _partitions = weakref.WeakKeyDictionary()  # communicator -> {(name, device): [DevicePartition]}
 
@@ -46,121 +46,6 @@ def chain_for(params, n, dtype, key, role, tensor, shape=None):
     return compress.build_chain(params, n, dtype, key=key, role=role, shape=shape, **device)
 
 
-# ---------------------------------------------------------------- reductions on the device
-
-
-class DeviceRecompress:
-    """compress.reducers.Recompress on the device: decode every push, sum them in rank order,
-    re-encode with the server's chain (its error feedback included), decode that."""
-    summed = True
-
-    def __init__(self, params, n, dtype, key, device):
-        self.params, self.n, self.dtype, self.key, self.device = params, n, dtype, key, device
-        self._decoder = self._server = None
-
-    def _chain(self, params):
-        return compress.build_chain(params, self.n, self.dtype, key=self.key, role="server",
-                                    device=self.device)
-
-    @property
-    def decoder(self):  # a payload decodes without the decorators' state
-        if self._decoder is None:
-            self._decoder = self._chain(dataclasses.replace(self.params, ef=None, momentum=None, mu=None))
-        return self._decoder
-
-    def total(self, payloads, chain):
-        acc = torch.zeros(self.n, dtype=torch_dtype(self.dtype), device=self.device)
-        for payload in payloads:
-            chain.decompress_add(payload, acc)
-        return acc
-
-    def decode(self, reply, out, ctx):
-        self.decoder.decompress(reply, out=out)
-
-    def reduce(self, payloads, out, ctx):
-        if self._server is None:
-            self._server = self._chain(self.params)
-        self.decode(self._server.compress(self.total(payloads, self._server), ctx), out, ctx)
-
-
-class DeviceLossless(DeviceRecompress):
-    """compress.reducers.Lossless: the exact sum of the decoded pushes. Its reply is the dense
-    sum, or (uint32 index, value) records of its nonzero elements."""
-
-    def decode(self, reply, out, ctx):
-        itemsize = self.dtype.itemsize
-        if reply.numel() == self.n * itemsize:
-            out.copy_(reply.view(torch_dtype(self.dtype)))
-            return
-        record = 4 + itemsize
-        if reply.numel() > self.n * itemsize or reply.numel() % record:
-            raise ValueError(f"lossless reply of {reply.numel()} bytes is neither {self.n * itemsize} "
-                             f"dense bytes nor whole {record}-byte records")
-        records = reply.view(-1, record)
-        index = records[:, :4].contiguous().view(torch.int32).reshape(-1).long() & 0xFFFFFFFF
-        if index.numel() and int(index.max()) >= self.n:
-            raise ValueError("lossless reply: index out of range")
-        out.zero_()
-        out[index] = records[:, 4:].contiguous().view(torch_dtype(self.dtype)).reshape(-1)
-
-    def reduce(self, payloads, out, ctx):  # the reply would be this sum, exactly
-        out.copy_(self.total(payloads, self.decoder))
-
-
-class DeviceMajority(DeviceRecompress):
-    """compress.reducers.Majority: the sign of the sum of the decoded pushes' signs (+1 on a
-    tie), NaN everywhere when a push held a non-finite value; never averaged."""
-    summed = False
-
-    def decode(self, reply, out, ctx):
-        size = -(-self.n // 8) + 1
-        if reply.numel() != size:
-            raise ValueError(f"majority reply of {reply.numel()} bytes, expected {size} for {self.n} elements")
-        shifts = torch.arange(7, -1, -1, device=reply.device, dtype=torch.uint8)
-        negative = ((reply[:-1, None] >> shifts) & 1).reshape(-1)[:self.n]
-        signs = 1 - 2 * negative.to(out.dtype)
-        out.copy_(torch.where(reply[-1] > 0, torch.full_like(signs, float("nan")), signs))
-
-    def reduce(self, payloads, out, ctx):
-        votes = torch.zeros(self.n, dtype=torch.int32, device=self.device)
-        finite = torch.ones((), dtype=torch.bool, device=self.device)
-        for payload in payloads:
-            x = self.decoder.decompress(payload)
-            votes += (x > 0).int() - (x < 0).int()
-            finite &= torch.isfinite(x).all()
-        signs = torch.where(votes < 0, -1.0, 1.0).to(out.dtype)
-        out.copy_(torch.where(finite, signs, torch.full_like(signs, float("nan"))))
-
-
-class HostReduction:
-    """Any other reducer (a plugin's): its numpy implementation on host copies; the one place
-    where a device partition's decoded values cross to the host and back."""
-
-    def __init__(self, name, params, n, dtype, key, device):
-        self.reducer = compress.make_reducer(name, params, n, dtype, key)
-        self.summed, self.n, self.dtype = self.reducer.summed, n, dtype
-
-    def decode(self, reply, out, ctx):
-        host = np.empty(self.n, self.dtype)
-        self.reducer.decode(reply.cpu().numpy(), host, ctx)
-        out.copy_(torch.from_numpy(host))
-
-    def reduce(self, payloads, out, ctx):
-        reply = self.reducer.reduce([p.cpu().numpy() for p in payloads], True, ctx)
-        self.decode(torch.from_numpy(np.ascontiguousarray(reply, np.uint8)), out, ctx)
-
-
-DEVICE_REDUCERS = {"recompress": DeviceRecompress, "lossless": DeviceLossless, "majority": DeviceMajority}
-
-
-def device_reduction(name, params, n, dtype, key, device):
-    """The reducer ``name`` of one partition, decoding (and, for the collective, reducing) on
-    ``device``; reducers without a device implementation run on host copies."""
-    if name in DEVICE_REDUCERS:
-        return DEVICE_REDUCERS[name](params, n, np.dtype(dtype), key, device)
-    return HostReduction(name, params, n, dtype, key, device)
-
-
 # ---------------------------------------------------------------- push_pull
 
 
@@ -176,7 +61,7 @@ class DevicePartition:
 def device_partitions(name, tensor):
     """[DevicePartition] of ``name`` on ``tensor``'s device, made once; empty when ``name``
     keeps the host path (see the module's docstring)."""
-    comm = core.worker()
+    comm = core.communicator()
     cached = _partitions.setdefault(comm, {})
     where = (name, tensor.device)
     if where not in cached:
@@ -189,7 +74,7 @@ def device_partitions(name, tensor):
 def reduces_dense_on_device(name):
     """Whether the communicator sums uncompressed ``name`` where its tensor lives (the
     collective's ``reduce_tensor``; the parameter server's servers sum dense bytes on the host)."""
-    comm = core.worker()
+    comm = core.communicator()
     declaration = comm.declaration(name)
     return hasattr(comm, "reduce_tensor") and declaration is not None and not declaration.compressed \
         and declaration.shape is not None
@@ -197,7 +82,7 @@ def reduces_dense_on_device(name):
 
 def device_chain_names():
     """The tensors this process has pushed through device chains so far (sorted names)."""
-    cached = _partitions.get(core.worker(), {}) if core.is_initialized() else {}
+    cached = _partitions.get(core.communicator(), {}) if core.is_initialized() else {}
     return sorted({name for (name, _), parts in cached.items() if parts})
 
 
@@ -206,7 +91,7 @@ class DevicePushPull:
     decoded on the device by ``wait()``."""
 
     def __init__(self, tensor, name, parts, average, priority, ctx):
-        self.comm = core.worker()
+        self.comm = core.communicator()
         declaration = self.comm.declaration(name)
         if tuple(tensor.shape) != declaration.shape or torch_dtype(declaration.dtype) != tensor.dtype:
             raise ValueError(f"push_pull({name!r}): got {tuple(tensor.shape)} {tensor.dtype}, but it "

@@ -66,7 +66,7 @@ class WorkerHosts:
 
     def book(self, cfg, workers):
         """What the address book says about the workers' hosts. ``workers``: their Members.
-        BPS_GC_LOCAL_REDUCE with every worker on one host keeps its own path (worker_local.py:
+        BPS_GC_LOCAL_REDUCE with every worker on one host keeps its own path (ps/worker/local.py:
         dense sums never reach a server, compressed pushes come from every rank): flat."""
         hierarchy = self.hierarchy()
         if hierarchy == "host" and cfg.local_reduce and not cfg.enable_async and \

@@ -6,19 +6,20 @@ of the tensor's partitions (partition p of the tensor declared i-th belongs to l
 sum once with its own codec chain (so error feedback and momentum live with the owner),
 pushes it to the partition's server, and receives the result into its shared result buffer;
 then every rank of the host copies every partition out of its owner's result (an all-gather).
-Servers count one push per host. The protocol is worker_local.py's (READY, sum, SUMMED, copy
+Servers count one push per host. The protocol is local.py's (READY, sum, SUMMED, copy
 out) among the host's ranks, with the push and pull between the sum and SUMMED; see
 docs/local_ranks.md for what changes when a codec sees the host's sum.
 """
 import numpy as np
 
-from ..transport import shm
-from ..transport.sockets import host_of
-from ..transport.wire import encode_context
-from . import NodeFailure
-from .worker_handle import Handle
-from .worker_push import Push
-from .worker_local import LocalReduce
+from ...transport import shm
+from ...transport.sockets import host_of
+from ...transport.wire import encode_context
+from ...comm import NodeFailure
+from ...comm.placement import partition_owner
+from .handle import Handle
+from .push import Push
+from .local import LocalReduce, one_host
 
 
 def may_use(cfg):
@@ -40,12 +41,6 @@ def host_members(book, cfg, host):
                 f"{host}; the local ranks of a worker host must run on it (set BPS_GC_HIERARCHY=flat "
                 f"to push from every rank)")
     return members
-
-
-def partition_owner(index, p, local_size):
-    """The local rank that sums, compresses and sends partition ``p`` of the tensor declared
-    ``index``-th (both transports' two levels: the same owner keeps the same codec state)."""
-    return (index + p) % local_size
 
 
 class InnerTensor:
@@ -178,7 +173,6 @@ def connect(worker, local, book, host):
     """After the join: (local, host level) for this job: the one-host sums (BPS_GC_LOCAL_REDUCE,
     every worker on this host), or two levels (the address book's hierarchy is "host"), or
     neither (``local`` is closed)."""
-    from .worker_local import one_host
     if local is None:
         if book.get("hierarchy") == "host":
             raise NodeFailure("BPS_GC_HIERARCHY=host needs shared memory (memfd), which this host "
@@ -201,4 +195,4 @@ def connect(worker, local, book, host):
     return None, None
 
 
-__all__ = ["HostReduce", "connect", "may_use", "open_local", "partition_owner"]
+__all__ = ["HostReduce", "connect", "may_use", "open_local"]

@@ -17,11 +17,11 @@ may mix both ways (a fused push carries its data).
 """
 import numpy as np
 
-from ..transport.shm import ShmUnavailable
-from ..transport.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
+from ...transport.shm import ShmUnavailable
+from ...transport.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
 
 
-class KeyError_(ValueError):
+class KeyConflict(ValueError):
     """A worker's request conflicts with the key's declaration; sent back as an ERROR."""
 
 
@@ -75,7 +75,7 @@ class KeyState:
         if decl.get("reducer") != self.decl.get("reducer"):
             problems.append(f"reducer {decl.get('reducer')!r} != {self.decl.get('reducer')!r}")
         if problems:
-            raise KeyError_(f"worker {rank} declared key {self.key} ({self.decl.get('name')!r}) "
+            raise KeyConflict(f"worker {rank} declared key {self.key} ({self.decl.get('name')!r}) "
                             f"differently from the first worker: {'; '.join(problems)}")
         self.declared.add(rank)
 
@@ -158,7 +158,7 @@ class KeyState:
         try:
             self.reducer.decoder.decompress_add(self.payload(rank), acc)
         except ValueError as e:
-            raise KeyError_(f"worker {rank} sent a malformed {self.params.compressor} payload "
+            raise KeyConflict(f"worker {rank} sent a malformed {self.params.compressor} payload "
                             f"for key {self.key}: {e}") from None
 
     def compute(self, round_, ranks):
@@ -171,7 +171,7 @@ class KeyState:
             try:
                 return self.reducer.reduce([self.payload(r) for r in ranks], True, self.ctxs[ranks[0]])
             except ValueError as e:
-                raise KeyError_(f"key {self.key} ({self.params.compressor}, reducer "
+                raise KeyConflict(f"key {self.key} ({self.params.compressor}, reducer "
                                 f"{self.reducer_name}): a malformed payload: {e}") from None
         if self.results is None:
             self.results = [np.empty(self.n, self.dtype), np.empty(self.n, self.dtype)]

@@ -10,9 +10,9 @@ import time
 
 import zmq
 
-from ..transport.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, recv, send
-from ..transport.wire import Header, Msg, decode_json, encode_json
-from . import NodeFailure
+from ...comm import NodeFailure
+from ...transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, recv, send
+from ...transport.wire import Header, Msg, decode_json, encode_json
 
 log = logging.getLogger("bps_gc.membership")
 # a joining node waits this long past BPS_GC_JOIN_TIMEOUT for the scheduler's verdict on it
@@ -45,7 +45,6 @@ def abort_job(cfg, role, rank, reason):
     """This node cannot start (e.g. a plugin module is missing here): tell the scheduler, which
     stops every node at once naming ``reason``, instead of letting them wait out the join
     timeout for this one. Returns a NodeFailure to raise."""
-    from ..transport.sockets import Auth
     ctx = zmq.Context()
     auth = Auth(ctx, cfg.auth_token, cfg.encrypt)
     link = Membership(ctx, cfg, auth, role, rank)

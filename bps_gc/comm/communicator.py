@@ -1,6 +1,6 @@
 """The communicator: the one interface bindings and algorithms call, whatever carries the bytes.
 
-Two implementations: the ZeroMQ parameter server (``roles.worker.Worker``) and torch.distributed
+Two implementations: the ZeroMQ parameter server (``ps.worker.worker.Worker``) and torch.distributed
 collectives (``bps_gc.collective``). Codecs and reducers are written once above this layer: an
 implementation is handed the codec library (``bps_gc.compress``) and never imports it.
 
@@ -67,7 +67,7 @@ class Communicator(abc.ABC):
         compresses with its own chains builds them with these keys (the keys seed the codecs)
         and pushes their payloads with ``push_payloads``. Empty when ``name`` is not placed or
         not compressed (sent dense, or nothing leaves this process), and for reducers summed
-        in phases (PowerSGD's, roles/phased.py), which the communicator drives itself."""
+        in phases (PowerSGD's, comm/phased.py), which the communicator drives itself."""
         tensor = getattr(self, "tensors", {}).get(name)
         if tensor is None or not tensor.compressed or phases(tensor) > 1:
             return []

@@ -1,38 +1,19 @@
-"""A push_pull in flight (Handle) and the worker's traffic counters (Metrics).
+"""A push_pull in flight (Handle) and the live traffic counters (Counters, of comm.metrics.Metrics).
 
 Counters are bumped from the caller's thread, the codec pool and the I/O thread at once: every
 update goes through ``Metrics.add`` under one lock, so no increment is lost.
 """
-import dataclasses
 import threading
 import time
 
 import numpy as np
 
-from .communicator import Handle as HandleABC
+from ...comm.communicator import Handle as HandleABC
+from ...comm.metrics import Metrics
 
 # a small dense reply is copied out on the I/O thread: handing it to the codec pool costs more
 # than the copy (the fused replies of a ResNet-50 round hold about a hundred such entries)
 INLINE_DECODE_BYTES = 64 * 1024
-
-
-@dataclasses.dataclass
-class Metrics:
-    """Counters since the last ``Worker.metrics()`` (bytes and seconds)."""
-    pushed_raw: int = 0
-    pushed_wire: int = 0
-    pulled_raw: int = 0
-    pulled_wire: int = 0
-    compress_seconds: float = 0.0
-    communicate_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    messages: int = 0  # push messages sent (a fused bucket counts once)
-    shared_bytes: int = 0  # pushed through shared memory to a server on this host (no socket)
-
-    @property
-    def ratio(self):
-        wire = self.pushed_wire + self.pulled_wire
-        return (self.pushed_raw + self.pulled_raw) / wire if wire else 1.0
 
 
 class Counters:

@@ -1,7 +1,7 @@
 """Entire-model granularity (algorithms.md section 3): one codec run over all of a step's
 gradients, its payload cut into per-chunk payloads of the same codec.
 
-The bindings (``bps_gc.bindings.entire_model``) concatenate the gradients into one vector,
+The bindings (``bps_gc.algorithms.entire_model``) concatenate the gradients into one vector,
 declare it as chunks (tensors of at most one partition each, which the placement spreads over
 the servers), and run ``WholeVectorCodec.compress`` over the vector: the codec chain (momentum,
 error feedback, codec) sees the whole vector once, so there is one top-k, one threshold, one
@@ -213,7 +213,7 @@ class EntireModelSlice(Forwarding, Codec):
             raise ValueError("granularity 'entiremodel': no whole-model payload waits for this "
                              f"chunk (group, chunk) = {slot}; entire-model tensors are pushed by "
                              "the bindings (DistributedOptimizer, DistributedTrainer, "
-                             "bps_gc.bindings.entire_model.EntireModel), not by push_pull")
+                             "bps_gc.algorithms.entire_model.EntireModel), not by push_pull")
         if n != self.n:
             raise ValueError(f"granularity 'entiremodel': chunk {slot[1]} of {n} elements was cut "
                              f"into partitions of {self.n}; the binding sized chunks for another "

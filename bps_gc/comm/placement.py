@@ -56,8 +56,8 @@ class TensorPlan:
         self.partitions = []
         self.compressed = False
         self.busy = False
-        self.auxiliary = False  # a phase buffer of another tensor (roles/phased.py): no raw bytes
-        self.local = False  # summed by the workers in shared memory (roles/worker_local.py)
+        self.auxiliary = False  # a phase buffer of another tensor (comm/phased.py): no raw bytes
+        self.local = False  # summed by the workers in shared memory (ps/worker/local.py)
 
     def declaration(self):
         return Declaration(self.name, self.shape, self.dtype, self.params, self.reducer,
@@ -167,3 +167,9 @@ def resolve_reduce_call(tensors, name, array, out):
         raise ValueError(f"push_pull({name!r}): got {array.shape} {array.dtype}, but it was first "
                          f"used as {tensor.shape} {tensor.dtype}")
     return tensor, array, out, tensor.shape is None
+
+
+def partition_owner(index, p, local_size):
+    """The local rank that sums, compresses and sends partition ``p`` of the tensor declared
+    ``index``-th (both transports' two levels: the same owner keeps the same codec state)."""
+    return (index + p) % local_size

@@ -1,7 +1,7 @@
 """The worker core, the parameter-server Communicator: numpy in, numpy out, no framework.
 
 Each worker process (one per local rank) joins the cluster. With several local ranks per host
-(two levels, roles/worker_host.py) a host's ranks sum in shared memory and the servers sum one
+(two levels, ps/worker/host.py) a host's ranks sum in shared memory and the servers sum one
 push per host; with BPS_GC_HIERARCHY=flat every rank pushes its own tensors. With
 one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the process.
 """
@@ -13,18 +13,18 @@ import time
 import numpy as np
 import zmq
 
-from ..transport.sockets import Auth
-from ..transport.wire import encode_context
-from .communicator import Communicator
-from .membership import Membership
+from ...transport.sockets import Auth
+from ...transport.wire import encode_context
+from ...comm.communicator import Communicator
+from ..membership.membership import Membership
 from .peers import Peers
-from .phased import PhasedReduction, phase_lengths, phase_names, phases
-from .worker_handle import Counters, Handle
-from .worker_io import WorkerIO
-from .worker_push import Push
-from . import worker_host
-from .worker_payloads import push_payloads
-from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
+from ...comm.phased import PhasedReduction, phase_lengths, phase_names, phases
+from .handle import Counters, Handle
+from .io import WorkerIO
+from .push import Push
+from . import host as host_level
+from .payloads import push_payloads
+from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -39,9 +39,9 @@ class Worker(Communicator):
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
         self.tensors = {}
         self.counters = Counters()
-        self.peers = None  # worker-to-worker links (roles.peers), made at start()
-        self.local = None  # the shared-memory sums of a one-host job (roles.worker_local)
-        self.host = None  # two levels: this host's ranks sum first, push once (roles.worker_host)
+        self.peers = None  # worker-to-worker links (ps.worker.peers), made at start()
+        self.local = None  # the shared-memory sums of a one-host job (ps.worker.local)
+        self.host = None  # two levels: this host's ranks sum first, push once (ps.worker.host)
         self.io = None
         self.pool = None
         self.placement = None
@@ -61,13 +61,13 @@ class Worker(Communicator):
         self.peers = Peers(self.ctx, self.cfg, self.auth, self.rank, self.size, self.membership.host, log)
         self.membership.port = self.peers.port
         # its unix socket travels in REGISTER too
-        local = worker_host.open_local(self, self.membership.host, self.peers.port)
+        local = host_level.open_local(self, self.membership.host, self.peers.port)
         if local is not None:
             self.membership.local = local.endpoint
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
-        local, self.host = worker_host.connect(self, local, book, self.membership.host)
+        local, self.host = host_level.connect(self, local, book, self.membership.host)
         self.local = None if self.host is not None else local
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters, local)
@@ -214,11 +214,11 @@ class Worker(Communicator):
     def push_payloads(self, name, payloads, ctx=None, priority=0):
         """Push ``name``'s partitions compressed by the caller (a binding's device chains, one
         uint8 array per partition of ``partitions(name)``); ``wait()`` returns each partition's
-        reply undecoded, as [(reply, compressed)] (worker_payloads.py)."""
+        reply undecoded, as [(reply, compressed)] (payloads.py)."""
         return push_payloads(self, name, payloads, ctx, priority)
 
     def _reduce_in_phases(self, tensor, array, out, average, ctx, priority):
-        """A two-phase reduce (roles/phased.py): each phase a dense reduce of the tensor's phase
+        """A two-phase reduce (comm/phased.py): each phase a dense reduce of the tensor's phase
         buffer; when one phase's sum arrives, its completion queues the next on the codec pool,
         so no thread waits and workers need not wait for their handles in the same order."""
         source = np.ascontiguousarray(array).reshape(-1)
@@ -301,11 +301,11 @@ class Worker(Communicator):
         self.check_alive()
         if self.peers is None:
             raise RuntimeError("bps_gc: worker-to-worker send/recv needs the peer links "
-                               "(roles.peers), which this worker does not have")
+                               "(ps.worker.peers), which this worker does not have")
         return self.peers
 
     def metrics(self):
-        """The metrics since the last call (a worker_handle.Metrics), and reset them."""
+        """The metrics since the last call (a comm/metrics.Metrics), and reset them."""
         current = self.counters.take()
         log.info("worker %d: pushed %d B (%d on the wire), pulled %d B (%d), ratio %.1f, "
                  "compress %.3f s, communicate %.3f s, wait %.3f s", self.rank, current.pushed_raw,

@@ -8,15 +8,15 @@ fusion buffer and DDP's buckets do. A fusable push waits at most FUSION_CYCLE fo
 posted with it; the server answers their rounds with fused replies. Each
 key keeps its own round, so workers need not fuse alike.
 
-Shared memory (worker_shm.py): a dense push to a server on this host that is not fused with
+Shared memory (shm.py): a dense push to a server on this host that is not fused with
 small ones goes as a bare SHM header once its data is in the key's shared slot; the headers
 that leave together go to each server as one message (fused entries without bytes).
 """
 import heapq
 import time
 
-from ..transport.sockets import send
-from ..transport.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
+from ...transport.sockets import send
+from ...transport.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
 
 FUSABLE_BYTES = 64 * 1024  # larger pushes are sent alone, zero-copy
 FUSION_CYCLE = 0.001  # seconds a fusable push may wait for others to fill its message (Horovod's cycle)

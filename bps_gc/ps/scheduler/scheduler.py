@@ -15,9 +15,9 @@ import time
 
 import zmq
 
-from ..transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
-from ..transport.wire import Header, Msg, decode_json, encode_json
-from .event_loop import EventLoop
+from ...transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
+from ...transport.wire import Header, Msg, decode_json, encode_json
+from ..membership.event_loop import EventLoop
 from .hosts import WorkerHosts
 
 log = logging.getLogger("bps_gc.scheduler")
@@ -44,7 +44,7 @@ class Member:
 class Scheduler:
     def __init__(self, config):
         self.cfg = config
-        # DMLC_NUM_WORKER counts worker hosts; their local ranks are learned at join (roles/hosts.py)
+        # DMLC_NUM_WORKER counts worker hosts; their local ranks are learned at join (ps/scheduler/hosts.py)
         self.hosts = WorkerHosts(config.num_worker)
         self.expected = {"server": config.num_server, "worker": None}
         self.join_timeout = config.join_timeout

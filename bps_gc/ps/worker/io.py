@@ -1,8 +1,8 @@
 """The worker's I/O thread: the only thread touching its sockets.
 
 Other threads post commands (declare a key, push a partition, barrier, goodbye) and wake it
-through a pipe. Its mixins send the pushes (worker_push.py: the priority window, fusion, shared
-memory) and take the servers' replies (worker_replies.py).
+through a pipe. Its mixins send the pushes (push.py: the priority window, fusion, shared
+memory) and take the servers' replies (replies.py).
 """
 import collections
 import itertools
@@ -13,21 +13,21 @@ import time
 
 import zmq
 
-from ..transport import congestion
-from ..transport.sockets import DropLog, peer_endpoint, send
-from ..transport.wire import Header, Msg, encode_json
-from . import NodeFailure
-from .event_loop import EventLoop
-from .worker_push import PushSending
-from .worker_replies import Replies
-from .worker_shm import SharedSlots
+from ...transport import congestion
+from ...transport.sockets import DropLog, peer_endpoint, send
+from ...transport.wire import Header, Msg, encode_json
+from ...comm import NodeFailure
+from ..membership.event_loop import EventLoop
+from .push import PushSending
+from .replies import Replies
+from .shm import SharedSlots
 
 log = logging.getLogger("bps_gc.worker")
 
 
 class WorkerIO(PushSending, Replies):
     def __init__(self, ctx, cfg, auth, membership, servers, rank, window, counters, local_reduce=None):
-        """``local_reduce``: the workers' shared-memory sums (worker_local.py), if this job has them."""
+        """``local_reduce``: the workers' shared-memory sums (local.py), if this job has them."""
         self.cfg, self.membership, self.rank, self.window = cfg, membership, rank, window
         self.counters = counters
         self.fusion_bytes = cfg.fusion_bytes

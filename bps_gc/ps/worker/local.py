@@ -30,10 +30,11 @@ import time
 import numpy as np
 import zmq
 
-from ..transport import shm
-from ..transport.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, host_of, recv, send
-from ..transport.wire import Header, Msg, decode_json, encode_json
-from . import NodeFailure
+from ...transport import shm
+from ...transport.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, host_of, recv, send
+from ...transport.wire import Header, Msg, decode_json, encode_json
+from ...comm import NodeFailure
+from ...comm.host_sum import add_in_order
 from .peers import channel
 
 log = logging.getLogger("bps_gc.worker")
@@ -46,17 +47,6 @@ NOTE = np.dtype([("id", "<u8"), ("round", "<u4"), ("kind", "<u4")])
 def endpoint(host, port):
     """The unix socket of the worker whose peer socket is host:port (abstract: nothing on disk)."""
     return f"ipc://@bps_gc/reduce/{host}:{port}"
-
-
-def add_in_order(sources, out):
-    """``out`` = the sum of ``sources``, added in their order: every rank and run gets the same
-    bits (the collective's host level uses it too)."""
-    if len(sources) == 1:
-        return np.copyto(out, sources[0]) or out
-    np.add(sources[0], sources[1], out=out)
-    for source in sources[2:]:
-        out += source
-    return out
 
 
 def one_host(cfg, book, host):
@@ -89,7 +79,7 @@ class LocalTensor:
         self.rounds = 0  # the caller's: rounds started
         self.plan = None  # the tensor's TensorPlan (partitions, codecs)
         self.shares = None  # member rank -> the slices of the tensor it sums (see LocalReduce.share)
-        self.priority, self.wire = 0, None  # two levels (worker_host.py): the push's priority, fp16 copy
+        self.priority, self.wire = 0, None  # two levels (host.py): the push's priority, fp16 copy
 
 
 class LocalReduce:
@@ -114,7 +104,7 @@ class LocalReduce:
         self.dropped = DropLog(log)
         self.next_scan = 0.0
         self.summed = None  # set by WorkerIO: queues after_sum(local, rnd) on the I/O thread
-        self.members = list(range(size))  # the ranks that sum together (worker_host.py: a host's)
+        self.members = list(range(size))  # the ranks that sum together (host.py: a host's)
 
     def connect(self, workers, membership):
         """``workers``: the address book's entries of the members; the membership keeps ``left``
@@ -356,4 +346,4 @@ class LocalReduce:
         self.arena.close()
 
 
-__all__ = ["LocalReduce", "add_in_order", "endpoint", "one_host"]
+__all__ = ["LocalReduce", "endpoint", "one_host"]

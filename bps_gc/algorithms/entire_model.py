@@ -2,7 +2,7 @@
 are reduced as one vector, compressed once.
 
 ``EntireModel`` concatenates the arrays, runs the codec chain once over the whole vector
-(``compress.entiremodel.WholeVectorCodec``: one top-k, threshold, norm or max; momentum and error
+(``compress.entire_model.WholeVectorCodec``: one top-k, threshold, norm or max; momentum and error
 feedback over the whole vector too), cuts the payload at chunk boundaries and push_pulls each
 chunk as its own declared tensor ``<name>.<c>``. A chunk fits in one partition
 (``BYTEPS_PARTITION_BYTES``, rounded down to 64 elements) and the chunks are about equally
@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import core
 from ..compress import CompressionParams, choose_reducer
-from ..compress.entiremodel import (ALIGN, CHUNK_KEY, GROUP_KEY, WholeVectorCodec, check_splittable,
+from ..compress.entire_model import (ALIGN, CHUNK_KEY, GROUP_KEY, WholeVectorCodec, check_splittable,
                                     discard, leave)
 from ..config import EnvReader
 

@@ -11,6 +11,7 @@ import os
 
 import zmq
 
+from ...comm import NodeFailure
 
 class EventLoop:
     def __init__(self, interval):
@@ -64,7 +65,6 @@ class EventLoop:
     def run(self, on_failure=None):
         """Poll until a handler or tick returns a status; returns it. A NodeFailure is passed to
         ``on_failure`` (whose return value is the status), or raised without one."""
-        from . import NodeFailure
         try:
             while True:
                 ready = dict(self.poller.poll(min(self.timeout_ms, self.poll_timeout(self.timeout_ms))))

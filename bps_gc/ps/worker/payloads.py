@@ -8,11 +8,11 @@ on its device. The numpy path (``Worker.reduce``) is untouched.
 """
 import numpy as np
 
-from ..transport.wire import encode_context
-from .phased import phases
-from .worker_handle import Handle
-from .worker_push import Push
-from .worker_tensors import MAX_PARTITIONS
+from ...transport.wire import encode_context
+from ...comm.phased import phases
+from .handle import Handle
+from .push import Push
+from ...comm.placement import MAX_PARTITIONS
 
 
 class PulledPayloads(Handle):

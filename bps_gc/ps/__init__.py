@@ -1,0 +1,1 @@
+"""The parameter server transport (ZeroMQ): scheduler, servers, workers and the membership they share."""

@@ -80,7 +80,9 @@ def host_layout(table, hierarchy):
 
 class HostLevels:
     """The groups and shared memory of two levels; ``wait(work, what)`` waits for a collective
-    (the communicator's watches the heartbeat; None: a skipped one, for its count)."""
+    (the communicator's watches the heartbeat; None: a skipped one, for its count). Each
+    reduction takes the wait of its caller (``wait=``; the one given here when None), so a
+    HostLevels shared by callers with different waits (the DDP hook's buckets) needs no swap."""
 
     def __init__(self, rank, size, local_size, wait=plain_wait):
         self.rank, self.size, self.local_size, self.wait = rank, size, local_size, wait
@@ -114,7 +116,7 @@ class HostLevels:
 
     # ------------------------------------------------------------------ host memory
 
-    def _buffers(self, nbytes):
+    def _buffers(self, nbytes, wait):
         capacity = max(MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
         found = self.buffers.get(capacity)
         if found is not None:
@@ -122,7 +124,7 @@ class HostLevels:
         slot_offer, slot = self.arena.allocate(capacity)
         result_offer, result = self.arena.allocate(capacity)
         offer = np.frombuffer(json.dumps({"slot": slot_offer, "result": result_offer}).encode(), np.uint8)
-        gathered = all_gather_bytes([offer], self.wait, self.host_group)
+        gathered = all_gather_bytes([offer], wait, self.host_group)
         slots, results, problem = [], [], None
         for index, (blob,) in enumerate(gathered):
             if index == self.local_rank:
@@ -136,7 +138,7 @@ class HostLevels:
             except (shm.ShmUnavailable, ValueError, KeyError, TypeError) as e:
                 problem = f"cannot map local rank {index}'s memory ({e})"
         flag = torch.tensor([problem is not None], dtype=torch.int32)  # every local rank fails alike
-        self.wait(dist.all_reduce(flag, group=self.host_group, async_op=True), "all_reduce of shared memory checks")
+        wait(dist.all_reduce(flag, group=self.host_group, async_op=True), "all_reduce of shared memory checks")
         if int(flag):
             problem = problem or "a local rank cannot map the memory of another"
             raise NodeFailure(f"bps_gc: rank {self.rank}: two levels: {problem}; the local ranks of a host "
@@ -144,15 +146,15 @@ class HostLevels:
         self.buffers[capacity] = (slots, results)
         return slots, results
 
-    def _sync(self, what):
-        self.wait(dist.all_reduce(self.sync_flag, group=self.host_group, async_op=True), what)
+    def _sync(self, what, wait):
+        wait(dist.all_reduce(self.sync_flag, group=self.host_group, async_op=True), what)
 
-    def _load(self, sources, padded):
+    def _load(self, sources, padded, wait):
         """Copy ``sources`` (flat arrays of one dtype) back to back into this rank's slot, zero
         the rest up to ``padded`` elements and wait for the host's other ranks to do so;
         returns (slots, results) as arrays of that dtype, ``padded`` long."""
         dtype = sources[0].dtype
-        slots, results = self._buffers(padded * dtype.itemsize)
+        slots, results = self._buffers(padded * dtype.itemsize, wait)
         view = (lambda b: b[:padded * dtype.itemsize].view(dtype))
         slots, results = [view(s) for s in slots], [view(r) for r in results]
         mine, offset = slots[self.local_rank], 0
@@ -160,7 +162,7 @@ class HostLevels:
             mine[offset:offset + source.size] = source
             offset += source.size
         mine[offset:] = 0  # the padding is summed too: no stale NaN
-        self._sync("host sync before the sums")
+        self._sync("host sync before the sums", wait)
         return slots, results
 
     def share(self, n, index):
@@ -178,14 +180,14 @@ class HostLevels:
 
     # ------------------------------------------------------------------ reductions
 
-    def all_reduce(self, array, what="all_reduce", wire_dtype=None):
+    def all_reduce(self, array, what="all_reduce", wire_dtype=None, wait=None):
         """Sum a host array (numpy) over every rank, in place; returns it. ``wire_dtype``: the
         host's sums cross in it (float16 with fp16), cast back after."""
         flat = array.reshape(-1)
-        self.reduce_dense([flat], [(flat, None)], what, wire_dtype)
+        self.reduce_dense([flat], [(flat, None)], what, wire_dtype, wait)
         return array
 
-    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None):
+    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None, wait=None):
         """The sum over every rank of ``sources`` (flat arrays of one dtype, back to back) into
         ``outs``: [(flat array, divisor or None)] of the same sizes, divided on the way out.
         Pipelined by stripes (``stripes``): the host sums of every share are issued across hosts
@@ -193,11 +195,12 @@ class HostLevels:
         host copies stripe k out while later ones cross. Each element is summed as without
         stripes: over the host's ranks in local-rank order, then across hosts by one all_reduce
         (two hosts: the same bits; more: gloo's ring order within the stripe's share)."""
+        wait = wait or self.wait
         dtype = sources[0].dtype
         wire = dtype if wire_dtype is None else np.dtype(wire_dtype)
         share, count = self.stripes(sum(s.size for s in sources), dtype.itemsize)
         stripe = share * self.local_size
-        slots, results = self._load(sources, count * stripe)
+        slots, results = self._load(sources, count * stripe, wait)
         mine, crossing = results[self.local_rank], []
         for k in range(count):
             start = k * stripe + self.local_rank * share
@@ -210,20 +213,21 @@ class HostLevels:
             crossing.append((work, carried, out))
         for k, (work, carried, out) in enumerate(crossing):
             if work is not None:
-                self.wait(work, f"{what} across hosts")
+                wait(work, f"{what} across hosts")
             if carried is not out:
                 out[...] = carried
-            self._sync("host sync after the sums")
+            self._sync("host sync after the sums", wait)
             base = k * stripe
             self._copy_out(results, [(base + i * share, base + (i + 1) * share, i)
                                      for i in range(self.local_size)], outs)
 
-    def reduce_coded(self, flat, parts, what="all_gather of payloads", wire_dtype=None):
+    def reduce_coded(self, flat, parts, what="all_gather of payloads", wire_dtype=None, wait=None):
         """The two levels of compressed partitions, in place in ``flat`` (this rank's wire array):
         see ``reduce_coded_into``. Returns this rank's payload bytes (sent, received)."""
-        return self.reduce_coded_into([flat], [(flat, None)], parts, what, wire_dtype)
+        return self.reduce_coded_into([flat], [(flat, None)], parts, what, wire_dtype, wait)
 
-    def reduce_coded_into(self, sources, outs, parts, what="all_gather of payloads", wire_dtype=None):
+    def reduce_coded_into(self, sources, outs, parts, what="all_gather of payloads", wire_dtype=None,
+                          wait=None):
         """The two levels of compressed partitions of ``sources`` (flat arrays of one dtype, back
         to back), into ``outs`` ([(flat array, divisor or None)], as ``reduce_dense``): ``parts``
         [(start, stop, owner local rank, codec, reducer, step context)] of the joined buffer.
@@ -232,10 +236,11 @@ class HostLevels:
         sum, divided only where ``outs`` says). ``wire_dtype``: the codecs' dtype, when not the
         sources' (fp16: the host's sum is cast for them). Returns this rank's payload bytes
         (sent, received)."""
+        wait = wait or self.wait
         dtype = sources[0].dtype
         wire_dtype = dtype if wire_dtype is None else np.dtype(wire_dtype)
         n = sum(s.size for s in sources)
-        slots, results = self._load(sources, self.local_size * max(1, -(-n // self.local_size)))
+        slots, results = self._load(sources, self.local_size * max(1, -(-n // self.local_size)), wait)
         mine = [part for part in parts if part[2] == self.local_rank]
         result = results[self.local_rank]
         payloads = []
@@ -243,10 +248,10 @@ class HostLevels:
             add_in_order([slot[start:stop] for slot in slots], result[start:stop])
             payloads.append(codec.compress(result[start:stop].astype(wire_dtype, copy=False), ctx))
         if mine and self.hosts > 1:
-            gathered = all_gather_bytes(payloads, self.wait, self.cross_group)
+            gathered = all_gather_bytes(payloads, wait, self.cross_group)
         else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
-            self.wait(None, what)  # rank counts the all_gather's two collectives alike
-            self.wait(None, what)
+            wait(None, what)  # rank counts the all_gather's two collectives alike
+            wait(None, what)
             gathered = [payloads]
         for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
             reply = reducer.reduce([host[k] for host in gathered], True, ctx)
@@ -255,7 +260,7 @@ class HostLevels:
             reducer.decode(reply, target, ctx)
             if cast:
                 result[start:stop] = target
-        self._sync("host sync after the sums")
+        self._sync("host sync after the sums", wait)
         self._copy_out(results, [(start, stop, owner) for start, stop, owner, *_ in parts], outs)
         sent = sum(p.nbytes for p in payloads)
         return sent, sum(p.nbytes for host in gathered for p in host) - sent
@@ -279,33 +284,34 @@ class HostLevels:
                 else:
                     np.divide(results[owner][a:b], divisor, out=dest[a - base:b - base])
 
-    def all_reduce_cuda(self, tensor, what="all_reduce"):
+    def all_reduce_cuda(self, tensor, what="all_reduce", wait=None):
         """Sum a CUDA tensor over every rank, in place, with NCCL: reduce_scatter on the host's
         group, all_reduce of the share across hosts, all_gather on the host's group."""
+        wait = wait or self.wait
         flat = tensor.view(-1)
         start, stop = self.share(flat.numel(), self.local_rank)
         step = stop - start
         padded = torch.zeros(step * self.local_size, dtype=flat.dtype, device=flat.device)
         padded[:flat.numel()] = flat
         share = torch.empty(step, dtype=flat.dtype, device=flat.device)
-        self.wait(dist.reduce_scatter_tensor(share, padded, group=self.host_group, async_op=True),
+        wait(dist.reduce_scatter_tensor(share, padded, group=self.host_group, async_op=True),
                   f"{what}: reduce_scatter on the host")
         if self.hosts > 1:
-            self.wait(dist.all_reduce(share, group=self.cross_group, async_op=True), f"{what} across hosts")
-        self.wait(dist.all_gather_into_tensor(padded, share, group=self.host_group, async_op=True),
+            wait(dist.all_reduce(share, group=self.cross_group, async_op=True), f"{what} across hosts")
+        wait(dist.all_gather_into_tensor(padded, share, group=self.host_group, async_op=True),
                   f"{what}: all_gather on the host")
         flat.copy_(padded[:flat.numel()])
         return tensor
 
-    def reduce_tensor(self, tensor, what="all_reduce"):
+    def reduce_tensor(self, tensor, what="all_reduce", wait=None):
         """The sum of a torch tensor over every rank, in place: CUDA with NCCL, else in shared
         memory (the DDP hook's dense buckets)."""
         if tensor.is_cuda:
-            return self.all_reduce_cuda(tensor, what)
+            return self.all_reduce_cuda(tensor, what, wait)
         if tensor.is_contiguous():
-            self.all_reduce(tensor.numpy(), what)
+            self.all_reduce(tensor.numpy(), what, wait=wait)
         else:
-            tensor.copy_(torch.from_numpy(self.all_reduce(tensor.contiguous().numpy(), what)))
+            tensor.copy_(torch.from_numpy(self.all_reduce(tensor.contiguous().numpy(), what, wait=wait)))
         return tensor
 
     def close(self):

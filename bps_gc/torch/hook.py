@@ -23,7 +23,7 @@ it from backward().
 Several ranks per host (hook_levels.py, docs/local_ranks.md): where the job runs two levels, a
 DDP group of every rank reduces through them on the exchanging thread, so the result is the
 parameter server's two levels'. Device-chain buckets stay flat. Futures and CUDA side streams:
-hook_futures.py.
+hook_futures.py; the per-bucket state and a call's job, in named fields: hook_state.py.
 """
 import time
 
@@ -37,10 +37,11 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
-from .device import chain_for, uses_device_chain
 from ..compress.device.reducers import device_reduction
+from .device import chain_for, uses_device_chain
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
+from .hook_state import BucketJob, BucketState
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -60,7 +61,7 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook(HookLevels):
+class CompressionHook:
     def __init__(self, compression_params=None, reducer=None, optimizer=None):
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
@@ -72,8 +73,7 @@ class CompressionHook(HookLevels):
                              "torch's powerSGD_hook)")
         self.wire_dtype = np.float16 if self.params.fp16 else np.float32
         self.wire_torch = torch.float16 if self.params.fp16 else torch.float32
-        # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
-        self.buckets = {}
+        self.buckets = {}  # bucket index -> its BucketState
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
         # thread issues every collective of the hook
@@ -83,28 +83,29 @@ class CompressionHook(HookLevels):
         self.capacities = {}  # bucket index -> its payloads' exchange.Capacity (the exchanging thread's)
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
-        self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat
+        self.two_levels = HookLevels(self.params, self.wire_dtype, self._waiter)  # several ranks per host
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
-        levels = self._levels(group)
+        levels = self.two_levels.for_group(group)
         if not self.params.compressed:
             if levels is None or buffer.device.type not in ("cpu", "cuda"):
                 return self._all_reduce(group, buffer)
             future, stream = self._future(buffer)
-            self.exchanger.submit(lambda: self._levels_all_reduce(levels, group, bucket.index(), buffer,
-                                                                  future, stream))
+            self.exchanger.submit(lambda: self.two_levels.all_reduce(levels, group, bucket.index(), buffer,
+                                                                     future, stream))
             return future.then(value)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
-        parts = self._state(index, sizes, buffer)
-        on_device = self.buckets[index][4]
+        state = self._state(index, sizes, buffer)
+        on_device = state.on_device
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self._count_step(index)}
+               "step": state.steps}
+        state.steps += 1
         levels = None if on_device else levels  # device payloads stay flat (as DeviceTensors')
         side = group if levels is not None else self._side_group(group)
-        job = (side, index, buffer, parts, ctx, on_device, levels)
+        job = BucketJob(side, index, buffer, state.parts, ctx, on_device, levels)
         future, stream = self._future(buffer)
         self.compressor.submit(lambda: self._compress_stage(job, future, stream))
         _stamp(index, "returned")
@@ -122,13 +123,13 @@ class CompressionHook(HookLevels):
     def _compress_stage(self, job, future, stream):
         """On the compressing thread: the bucket's payloads (None and the error if compressing
         failed), handed on to the exchanging thread in the same order."""
-        _, index, buffer, parts, ctx, on_device, levels = job
+        index, buffer, parts, ctx, on_device = job.index, job.buffer, job.parts, job.ctx, job.on_device
         _stamp(index, "compress start")
         with current(stream):
             try:
                 if stream is not None:
                     stream[0].wait_event(stream[1])
-                if levels is not None:  # its owners compress the host's sums, on the exchanging thread
+                if job.levels is not None:  # its owners compress the host's sums, on the exchanging thread
                     grad, payloads = buffer.detach().to("cpu", torch.float32), None  # float32 on CPU: a view
                 else:
                     grad = buffer.detach().to(self.wire_torch)  # float32: a view
@@ -146,14 +147,14 @@ class CompressionHook(HookLevels):
         payloads of the bucket (or the error), handed to the reducing thread in the same order,
         so the next bucket's gather overlaps this one's reduction. A two-level bucket is
         reduced here, where its collectives are."""
-        group, index, buffer, parts, ctx, on_device, levels = job
+        index = job.index
         _stamp(index, "exchange start")
         with current(stream):
             try:
-                if levels is not None:
+                if job.levels is not None:
                     if failure is not None:  # the host's other ranks stop at this rank's exit (their waits name it)
                         raise RuntimeError(f"bps_gc comm_hook: DDP bucket {index}: {type(failure).__name__}: {failure}")
-                    result = self._exchange_levels(levels, job, grad)
+                    result = self.two_levels.exchange(job, grad)
                     finish = lambda: result  # noqa: E731
                 else:
                     gathered = self._gather(job, payloads, failure)
@@ -164,11 +165,11 @@ class CompressionHook(HookLevels):
         self.reducing.submit(lambda: self._reduce_stage(job, future, stream, finish))
 
     def _reduce_stage(self, job, future, stream, finish):
-        _stamp(job[1], "reduce start")
+        _stamp(job.index, "reduce start")
 
         def done():
             result = finish()
-            _stamp(job[1], "completed")  # before the future's result: DDP may go on to the next step
+            _stamp(job.index, "completed")  # before the future's result: DDP may go on to the next step
             return result
         with current(stream):
             settle(future, done)
@@ -176,10 +177,10 @@ class CompressionHook(HookLevels):
     def _gather(self, job, payloads, failure):
         """Every rank's payloads of the bucket, in rank order; a rank that could not make its
         own names itself (or the others stop too, naming it)."""
-        group, index, buffer, parts, ctx, on_device, _ = job
+        group, index, buffer, parts = job.group, job.index, job.buffer, job.parts
         wait = self._waiter(group, index)
         try:
-            if on_device:  # the payloads stay where they are (NCCL for CUDA)
+            if job.on_device:  # the payloads stay where they are (NCCL for CUDA)
                 return all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
             # one all_gather per bucket once its payloads' size is known (exchange.Capacity)
             capacity = self.capacities.setdefault(index, Capacity())
@@ -194,10 +195,10 @@ class CompressionHook(HookLevels):
     def _reduce(self, job, grad, gathered):
         """On the reducing thread: run the reducer on every gradient's payloads and decode its
         reply, averaged, into the bucket's buffer."""
-        group, index, buffer, parts, ctx, on_device, _ = job
-        size = dist.get_world_size(group)
+        index, buffer, parts, ctx = job.index, job.buffer, job.parts, job.ctx
+        size = dist.get_world_size(job.group)
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-        if on_device:
+        if job.on_device:
             result = torch.empty_like(grad)
             for i, (_, reducer) in enumerate(parts):
                 chunk = result[bounds[i]:bounds[i + 1]]
@@ -252,11 +253,11 @@ class CompressionHook(HookLevels):
         return side
 
     def _state(self, index, sizes, buffer):
-        """[(worker chain, reducer)] for the gradients of bucket ``index``: device chains and
-        reducers on the bucket's device when ``uses_device_chain`` (BPS_GC_DEVICE_CODECS: by
-        default for buckets off the CPU), else numpy chains and reducers."""
+        """The BucketState of bucket ``index``, its parts [(worker chain, reducer)] one per
+        gradient: device chains and reducers on the bucket's device when ``uses_device_chain``
+        (BPS_GC_DEVICE_CODECS: by default for buckets off the CPU), else numpy ones."""
         state = self.buckets.get(index)
-        if state is None or state[0] != sizes or state[1] != buffer.device:
+        if state is None or state.sizes != sizes or state.device != buffer.device:
             on_device = uses_device_chain(buffer)
             keys = [bucket_key(index, position) for position in range(len(sizes))]
             if on_device:
@@ -267,15 +268,9 @@ class CompressionHook(HookLevels):
                 parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker"),
                           compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
                          for n, key in zip(sizes, keys)]
-            state = [sizes, buffer.device, parts, 0, on_device]
+            state = BucketState(sizes, buffer.device, parts, on_device)
             self.buckets[index] = state
-        return state[2]
-
-    def _count_step(self, index):
-        """The step context's ``step``: how many times bucket ``index`` was reduced before."""
-        state = self.buckets[index]
-        state[3] += 1
-        return state[3] - 1
+        return state
 
     def _all_reduce(self, group, buffer):
         sent = buffer.to(torch.float16) if self.params.fp16 else buffer

@@ -16,10 +16,15 @@ HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the
 
 
 class HookLevels:
-    """CompressionHook's two-level part: ``self.levels`` {group: HostLevels or None}, ``self.params``,
-    ``self.wire_dtype`` and ``self._waiter`` are the hook's."""
+    """CompressionHook's part for two levels: the HostLevels of each DDP group (or None where it
+    runs flat), and a bucket reduced through them. ``waiter(group, index)`` gives the wait of a
+    bucket's collectives (the hook's); it goes with each call into the shared HostLevels."""
 
-    def _levels(self, group):
+    def __init__(self, params, wire_dtype, waiter):
+        self.params, self.wire_dtype, self.waiter = params, wire_dtype, waiter
+        self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat
+
+    def for_group(self, group):
         """The two levels that DDP's ``group`` reduces through, or None (flat): joined by the
         first call, which every rank makes at the same point. On backward's thread, before the
         hook returns: joining gathers on the default group, which DDP's own collectives use too,
@@ -32,45 +37,46 @@ class HookLevels:
             elif "gloo" not in backend and "mpi" not in backend:  # the host level's syncs are CPU collectives
                 log.info("comm_hook: default backend %s has no CPU collectives: one level", backend)
             else:
-                levels = levels_from_env(self._level_waiter(group, "the first"))
+                levels = levels_from_env(self._wait(group, "the first"))
             self.levels[group] = levels
         return self.levels[group]
 
-    def _levels_all_reduce(self, levels, group, index, buffer, future, stream):
+    def all_reduce(self, levels, group, index, buffer, future, stream):
         """On the exchanging thread: a dense bucket summed through the two levels, averaged."""
         with current(stream):
             def reduce():
                 if stream is not None:
                     stream[0].wait_event(stream[1])
-                levels.wait = self._level_waiter(group, index)
+                wait = self._wait(group, index)  # this bucket's, given with each call
                 size, what = dist.get_world_size(group), f"all_reduce of DDP bucket {index}"
                 if buffer.is_cuda:
                     sent = buffer.to(torch.float16) if self.params.fp16 else buffer
                     sent.div_(size)  # first, so float16 does not overflow
-                    levels.reduce_tensor(sent, what)
+                    levels.reduce_tensor(sent, what, wait)
                     if sent is not buffer:
                         buffer.copy_(sent)
                     return buffer
                 # host sums in the bucket's dtype (numpy has no bfloat16: float32), float16 across hosts with fp16
                 host = buffer.detach() if buffer.dtype in HOST_DTYPES else buffer.detach().float()
-                total = levels.all_reduce(host.numpy(), what, np.float16 if self.params.fp16 else None)
+                total = levels.all_reduce(host.numpy(), what, np.float16 if self.params.fp16 else None, wait)
                 total /= total.dtype.type(size)
                 if host.data_ptr() != buffer.data_ptr():
                     buffer.copy_(host)
                 return buffer
             settle(future, reduce)
 
-    def _exchange_levels(self, levels, job, grad):
-        """A host bucket's gradients through the two levels (levels.reduce_coded): each one's
-        owner local rank sums it over the host and compresses the sum once; the owners of every
-        host gather payloads and run the reducer; the host shares the decoded results."""
-        group, index, buffer, parts, ctx, _, _ = job
-        levels.wait = self._level_waiter(group, index)
+    def exchange(self, job, grad):
+        """A host bucket's gradients (a hook_state.BucketJob) through the two levels
+        (levels.reduce_coded): each one's owner local rank sums it over the host and compresses
+        the sum once; the owners of every host gather payloads and run the reducer; the host
+        shares the decoded results."""
+        levels, group, index, buffer, parts, ctx = job.levels, job.group, job.index, job.buffer, job.parts, job.ctx
         flat = grad.numpy()
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
                  for i, (chain, reducer) in enumerate(parts)]
-        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype)
+        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype,
+                            self._wait(group, index))
         size = flat.dtype.type(dist.get_world_size(group))
         for start, stop, _, _, reducer, _ in owned:
             if reducer.summed:  # a majority vote is not averaged
@@ -79,7 +85,7 @@ class HookLevels:
             buffer.copy_(grad)
         return buffer
 
-    def _level_waiter(self, group, index):
+    def _wait(self, group, index):
         """The wait of the levels' collectives for bucket ``index`` (None: one this rank skips)."""
-        wait = self._waiter(group, index)
+        wait = self.waiter(group, index)
         return lambda work, what: None if work is None else wait(work, what)

@@ -3,7 +3,7 @@
 The I/O thread owns every socket and the per-key bookkeeping; engine threads (BYTEPS_SERVER_
 ENGINE_THREAD, each key always on the same one) decode, sum, apply error feedback and
 recompress, then hand the replies back through an inproc socket that wakes the I/O thread.
-The codec library is passed in (roles never import it): anything with ``CompressionParams``,
+The codec library is passed in (the parameter server never imports it): anything with ``CompressionParams``,
 ``choose_reducer`` and ``make_reducer`` as in ``bps_gc.compress``. A FUSED push (several small
 dense keys in one message, see ps/worker/push.py) is split into its keys; the rounds it completes are
 answered together, one fused reply per worker.

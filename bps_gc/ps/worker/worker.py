@@ -31,7 +31,7 @@ log = logging.getLogger("bps_gc.worker")
 
 class Worker(Communicator):
     """``codecs`` is the codec library (``bps_gc.compress``: CompressionParams, build_chain,
-    choose_reducer, make_reducer, step_context); roles never import it."""
+    choose_reducer, make_reducer, step_context); the parameter server never imports it."""
 
     def __init__(self, cfg, codecs):
         self.cfg, self.codecs = cfg, codecs

@@ -18,9 +18,9 @@ import os
 import sys
 
 from . import compress
-from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
 from .comm import NodeFailure
 from .comm.communicator import Declaration
+from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
 from .ps.membership.membership import abort_job
 from .ps.worker.worker import Worker
 

@@ -7,8 +7,8 @@ import signal
 import sys
 
 from . import compress
-from .config import Config, ConfigError
 from .comm import NodeFailure
+from .config import Config, ConfigError
 from .ps.membership.membership import abort_job
 from .ps.scheduler.scheduler import Scheduler
 from .ps.server.server import Server

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import communicator as api
-from ..comm.phased import phases
 from ..comm.metrics import Metrics
+from ..comm.phased import phases
 from ..comm.placement import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .buckets import Bucket, Buckets, Handle
 from .device_tensors import DeviceTensors

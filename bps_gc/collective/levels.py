@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
 from ..comm import NodeFailure
 from ..comm.host_sum import add_in_order
+from ..config import ConfigError
 from ..transport import shm
 from .exchange import all_gather_bytes
 from .rendezvous import collective_config, host_key

@@ -12,8 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ConfigError, EnvReader
 from ..comm import NodeFailure
+from ..config import Config, ConfigError, EnvReader
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl", "mpi")

@@ -7,10 +7,10 @@ from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the 
 from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
 from .base import Codec
 from .chain import build_chain
-from .seeds import derive_seed
 from .context import step_context
 from .params import CompressionParams, ParamError
 from .reducers import REDUCERS, choose_reducer, make_reducer, register_reducer
+from .seeds import derive_seed
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
 from .sparse import resolve_k

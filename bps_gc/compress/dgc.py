@@ -15,9 +15,9 @@ import math
 import numpy as np
 
 from ._native import check, lib, ptr
+from .context import step_context
 from .params import CODEC_OPTIONS
 from .registry import register_compressor
-from .context import step_context
 from .seeds import mixed_state
 from .threshold import SortedSparse
 

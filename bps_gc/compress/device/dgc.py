@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from .._native import lib, ptr
-from ..seeds import mixed_state
 from ..context import step_context
 from ..dgc import CANDIDATES, LOWER, NONFINITE_KEY, ROUNDS, UPPER, read_settings, sampling_plan, step_density
+from ..seeds import mixed_state
 from .registry import register_device_compressor
 from .sparse import magnitude_keys
 from .threshold import DeviceSortedSparse

@@ -16,8 +16,8 @@ compressor, error feedback or momentum has no device implementation runs the who
 behind a ``HostBridge`` (bridge.py).
 """
 from ..chain import build_chain
-from ..seeds import derive_seed
 from ..registry import COMPRESSORS, _register
+from ..seeds import derive_seed
 from .base import DeviceCodec, resolve_device
 from .bridge import HostBridge
 

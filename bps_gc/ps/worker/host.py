@@ -12,14 +12,14 @@ docs/local_ranks.md for what changes when a codec sees the host's sum.
 """
 import numpy as np
 
+from ...comm import NodeFailure
+from ...comm.placement import partition_owner
 from ...transport import shm
 from ...transport.sockets import host_of
 from ...transport.wire import encode_context
-from ...comm import NodeFailure
-from ...comm.placement import partition_owner
 from .handle import Handle
-from .push import Push
 from .local import LocalReduce, one_host
+from .push import Push
 
 
 def may_use(cfg):

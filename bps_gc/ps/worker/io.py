@@ -13,10 +13,10 @@ import time
 
 import zmq
 
+from ...comm import NodeFailure
 from ...transport import congestion
 from ...transport.sockets import DropLog, peer_endpoint, send
 from ...transport.wire import Header, Msg, encode_json
-from ...comm import NodeFailure
 from ..membership.event_loop import EventLoop
 from .push import PushSending
 from .replies import Replies

@@ -30,11 +30,11 @@ import time
 import numpy as np
 import zmq
 
+from ...comm import NodeFailure
+from ...comm.host_sum import add_in_order
 from ...transport import shm
 from ...transport.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, host_of, recv, send
 from ...transport.wire import Header, Msg, decode_json, encode_json
-from ...comm import NodeFailure
-from ...comm.host_sum import add_in_order
 from .peers import channel
 
 log = logging.getLogger("bps_gc.worker")

@@ -8,11 +8,11 @@ on its device. The numpy path (``Worker.reduce``) is untouched.
 """
 import numpy as np
 
-from ...transport.wire import encode_context
 from ...comm.phased import phases
+from ...comm.placement import MAX_PARTITIONS
+from ...transport.wire import encode_context
 from .handle import Handle
 from .push import Push
-from ...comm.placement import MAX_PARTITIONS
 
 
 class PulledPayloads(Handle):

@@ -19,10 +19,10 @@ import time
 import numpy as np
 import zmq
 
+from ...comm import NodeFailure
 from ...transport import congestion
 from ...transport.sockets import DropLog, MalformedMessage, bind, recv, send
 from ...transport.wire import HEADER, Header, Msg
-from ...comm import NodeFailure
 
 POLL_SECONDS = 0.05  # how often a waiting recv looks at the cluster's health
 

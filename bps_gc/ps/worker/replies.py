@@ -5,9 +5,9 @@ keys, shared-memory ones read from the key's slot) and their errors.
 import logging
 import time
 
+from ...comm import NodeFailure
 from ...transport.sockets import MalformedMessage, recv
 from ...transport.wire import COMPRESSED_BIT, FUSED_BIT, SHM_BIT, Msg, decode_json, unpack_fused
-from ...comm import NodeFailure
 
 log = logging.getLogger("bps_gc.worker")
 

@@ -13,18 +13,18 @@ import time
 import numpy as np
 import zmq
 
+from ...comm.communicator import Communicator
+from ...comm.phased import PhasedReduction, phase_lengths, phase_names, phases
+from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 from ...transport.sockets import Auth
 from ...transport.wire import encode_context
-from ...comm.communicator import Communicator
 from ..membership.membership import Membership
-from .peers import Peers
-from ...comm.phased import PhasedReduction, phase_lengths, phase_names, phases
+from . import host as host_level
 from .handle import Counters, Handle
 from .io import WorkerIO
-from .push import Push
-from . import host as host_level
 from .payloads import push_payloads
-from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
+from .peers import Peers
+from .push import Push
 
 log = logging.getLogger("bps_gc.worker")
 

@@ -1,4 +1,4 @@
-"""The collective communicator's buckets (a mixin of ``Collective``): reductions fused like
+"""The collective communicator's buckets (a part of ``Collective``): reductions fused like
 DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when a handle
 waiting on one is waited for. There the bucket's compressed tensors send their payloads in one
 all_gather and every rank runs the server's reduction (exchange.py), its two-phase ones run
@@ -19,6 +19,7 @@ from .exchange import PayloadsMissing, all_gather_bytes
 
 class Handle(api.Handle):
     def __init__(self, comm, result=None, bucket=None):
+        """``comm``: what finishes ``bucket`` (the Buckets part) when waited for."""
         self.comm, self.result, self.bucket = comm, result, bucket
 
     def poll(self):
@@ -64,12 +65,31 @@ class Compressed:
 
 
 class Buckets:
-    """Mixed into Collective (which provides check_alive, wait, drain, _issue, counters, size,
-    levels, exchanger, ``pending``: the bucket being filled, and ``bucket_bytes``)."""
+    """Reductions fused into buckets: ``_add`` (into ``pending``, the bucket being filled),
+    ``flush`` (to the exchange thread, which runs ``_send``), ``finish`` (a handle's wait) and
+    ``_deliver`` (a result into the caller's array); the dense and the one-level compressed
+    kinds are its own (``_reduce_dense``, ``_queue_payloads``). The other kinds' exchanges are
+    their parts' (``exchanges``)."""
+
+    def __init__(self, shared, lifecycle, exchanger, bucket_bytes):
+        """``shared``: shared.Shared; ``lifecycle``: its waits (lifecycle.py); ``exchanger``: the
+        exchange thread; ``bucket_bytes``: a bucket goes out once it holds that much input."""
+        self.shared, self.exchanger, self.bucket_bytes = shared, exchanger, bucket_bytes
+        self.size = shared.size
+        self.check_alive, self.wait, self._issue = lifecycle.check_alive, lifecycle.wait, lifecycle._issue
+        self.pending = Bucket()
+        self.reduce_coded_on_hosts = self._reduce_phased = self._gather_payloads = self._deliver_tensors = None
+
+    def exchanges(self, coded_on_hosts, phased, gathered, deliver_tensors):
+        """The exchanges of the kinds other parts add to a bucket (those parts take the buckets,
+        so they are made after them, and give these once): two levels' ``coded`` (two_level.py),
+        ``phased`` (reductions.py), device ``gathered`` and device ``entries`` (device_tensors.py)."""
+        self.reduce_coded_on_hosts, self._reduce_phased = coded_on_hosts, phased
+        self._gather_payloads, self._deliver_tensors = gathered, deliver_tensors
 
     def _reduce_dense(self, name, wire, out, average):
-        self.counters.pushed_wire += wire.nbytes
-        self.counters.pulled_wire += wire.nbytes
+        self.shared.counters.pushed_wire += wire.nbytes
+        self.shared.counters.pulled_wire += wire.nbytes
         return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes, name)
 
     def _queue_payloads(self, tensor, wire, out, average, ctx):
@@ -77,7 +97,7 @@ class Buckets:
         bucket (``wire`` is our copy; the thread takes a tensor's steps in order, so error
         feedback sees each step in turn)."""
         compressed = Compressed()
-        self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.counters))
+        self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.shared.counters))
         return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, compressed),
                          wire.nbytes, tensor.name)
 
@@ -106,8 +126,8 @@ class Buckets:
         later bucket fails with it at once."""
         try:
             self.check_alive()
-            if self.failure is not None:
-                raise self.failure
+            if self.shared.failure is not None:
+                raise self.shared.failure
             self._exchange(bucket)
         except BaseException as e:  # noqa: BLE001 -- raised by the bucket's waits
             bucket.error = e
@@ -116,7 +136,7 @@ class Buckets:
 
     def _exchange(self, bucket):
         if bucket.coded:
-            (self.reduce_coded_on_hosts if self.levels is not None else self._reduce_coded)(bucket.coded)
+            (self.reduce_coded_on_hosts if self.shared.levels is not None else self._reduce_coded)(bucket.coded)
         if bucket.gathered:
             self._gather_payloads(bucket.gathered)
         if bucket.phased:
@@ -154,8 +174,8 @@ class Buckets:
             if failure is not None:  # this rank's own codec error says more
                 raise failure from None
             raise
-        self.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
-        self.counters.communicate_seconds += time.perf_counter() - start
+        self.shared.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
+        self.shared.counters.communicate_seconds += time.perf_counter() - start
         index = 0
         for tensor, wire, out, average, ctx, _ in coded:
             for part in tensor.partitions:
@@ -176,7 +196,7 @@ class Buckets:
             raise bucket.error
         for work in bucket.works:
             self.wait(work, lambda: f"all_reduce of {listed(bucket.names)}")
-        self.counters.communicate_seconds += time.perf_counter() - start
+        self.shared.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
             if isinstance(entries[0][0], torch.Tensor):
                 self._deliver_tensors(fused, entries)

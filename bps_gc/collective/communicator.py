@@ -16,9 +16,13 @@ failed peer's) is raised by every wait on its handles.
 Every wait polls the heartbeat (lifecycle.py). ``all_reduce`` is the plain-sum phase
 PowerSGD's P and Q steps call.
 
-This file holds the interface's calls (declare, reduce, the plain collectives); its mixins the
-rest: buckets.py (fusing and exchanging reductions), reductions.py (two-phase and majority),
-lifecycle.py (start, shutdown, waits), two_level.py, messages.py, device_tensors.py.
+This file holds the interface's calls (declare, reduce, the plain collectives); its parts, each
+made with what it needs and holding no other part's state, the rest: ``lifecycle``
+(lifecycle.py: start, shutdown, waits), ``buckets`` (buckets.py: fusing and exchanging
+reductions), ``phases`` (reductions.py: two-phase and majority), ``two_levels`` (two_level.py),
+``messages`` (messages.py), ``device`` (device_tensors.py). What they share (the counters, the
+failure, the heartbeat, the levels, the counts of collectives and messages) is one
+``shared.Shared``.
 """
 import time
 
@@ -30,16 +34,19 @@ from ..comm import communicator as api
 from ..comm.metrics import Metrics
 from ..comm.phased import phases
 from ..comm.placement import Placement, check_dtype, declare_tensor, resolve_reduce_call
-from .buckets import Bucket, Buckets, Handle
+from .buckets import Buckets, Handle
 from .device_tensors import DeviceTensors
 from .exchange_thread import ExchangeThread
 from .lifecycle import Lifecycle
 from .messages import Messages
 from .reductions import PhasesAndVotes
+from .shared import Shared
 from .two_level import TwoLevels
 
 
-class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, DeviceTensors, api.Communicator):
+class Collective(api.Communicator):
+    gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
+
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size
@@ -47,18 +54,39 @@ class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, Device
         self.local_size = cfg.local_size if local_size is None else local_size
         self.tensors = {}
         self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
-        self.bucket_bytes = cfg.bucket_bytes
-        self.pending = Bucket()
-        self.counters = Metrics()
-        self.heartbeat = None
-        self.closed = False
-        self.hosts_store = False
-        self.issued = 0  # collectives, and messages per peer: what a rank that left compares
-        self.sent, self.received = [0] * self.size, [0] * self.size
-        self.awaiting = None  # the message this rank last told the store it waits for
-        self.failure = None
-        self.abandoned = None  # the uncaught exception the script ends on, if any
+        self.shared = Shared(self.rank, self.size)
         self.exchanger = ExchangeThread(f"bps_gc-collective-exchange-{self.rank}")
+        self.lifecycle = Lifecycle(cfg, self.shared, self.exchanger)
+        self.two_levels = TwoLevels(cfg, self.shared, self.lifecycle, self.local_rank, self.local_size)
+        self.buckets = Buckets(self.shared, self.lifecycle, self.exchanger, cfg.bucket_bytes)
+        self.phases = PhasesAndVotes(self.shared, self.lifecycle, self.buckets, self._sum)
+        self.messages = Messages(self.shared, self.lifecycle)
+        self.device = DeviceTensors(self.shared, self.lifecycle, self.buckets, self.tensors, self.partitions)
+        self.buckets.exchanges(self.two_levels.reduce_coded_on_hosts, self.phases._reduce_phased,
+                               self.device._gather_payloads, self.device._deliver_tensors)
+        # the calls other layers make straight to a part: bound here, so a call costs no more
+        # than it did (check_alive, wait and flush: torch/hook.py, tests; the device calls:
+        # torch/device.py, torch/ops.py)
+        self.check_alive, self.wait, self.drain = self.lifecycle.check_alive, self.lifecycle.wait, self.lifecycle.drain
+        self.flush = self.buckets.flush
+        self.push_payloads, self.reduce_tensor = self.device.push_payloads, self.device.reduce_tensor
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self):
+        self.lifecycle.start(self.two_levels.join_levels, self.barrier)
+        return self
+
+    def shutdown(self, timeout=10.0):
+        self.lifecycle.shutdown(timeout, self.buckets.flush)
+
+    def abandon(self, reason):
+        self.lifecycle.abandon(reason)
+
+    @property
+    def levels(self):
+        """levels.HostLevels when two levels run (after start), else None."""
+        return self.shared.levels
 
     # ------------------------------------------------------------------ tensors
 
@@ -100,25 +128,26 @@ class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, Device
         # the parameter server's do); PowerSGD's phases start from each rank's own wire copy
         # (with two levels every source is copied into the host's shared memory before any result
         # is written, so a compressed tensor needs no copy of its own there either)
-        two_levels = self.levels is not None and phases(tensor) == 1
+        levels, buckets, counters = self.shared.levels, self.buckets, self.shared.counters
+        two_levels = levels is not None and phases(tensor) == 1
         carried = tensor.dtype if two_levels else tensor.wire_dtype
         wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed and not two_levels)
-        self.counters.pushed_raw += wire.nbytes
-        self.counters.pulled_raw += wire.nbytes
-        if phases(tensor) == 1 and self.levels is not None:  # two levels, dense or not (two_level.py)
-            return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, None),
-                             wire.nbytes, tensor.name)
+        counters.pushed_raw += wire.nbytes
+        counters.pulled_raw += wire.nbytes
+        if phases(tensor) == 1 and levels is not None:  # two levels, dense or not (two_level.py)
+            return buckets._add(Handle(buckets, out, buckets.pending), "coded", (tensor, wire, out, average, ctx, None),
+                                wire.nbytes, tensor.name)
         if not tensor.compressed:
-            return self._reduce_dense(tensor.name, wire, out, average)
+            return buckets._reduce_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:
-            return self._reduce_in_phases(tensor, wire, out, average, ctx)
+            return self.phases._reduce_in_phases(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
-            return self._queue_payloads(tensor, wire, out, average, ctx)
+            return buckets._queue_payloads(tensor, wire, out, average, ctx)
         start = time.perf_counter()
-        self._reduce_signs(tensor, wire, ctx)
-        self.counters.communicate_seconds += time.perf_counter() - start
-        self._deliver(wire, out, False)  # a vote: never averaged
-        return Handle(self, out)
+        self.phases._reduce_signs(tensor, wire, ctx)
+        counters.communicate_seconds += time.perf_counter() - start
+        buckets._deliver(wire, out, False)  # a vote: never averaged
+        return Handle(buckets, out)
 
     def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
@@ -135,10 +164,10 @@ class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, Device
     def _sum(self, array, average=False):
         """``all_reduce`` on the thread that runs it (the exchange thread for a bucket's phases)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.levels is not None:
-            self.levels.all_reduce(tensor.numpy())
+        if self.shared.levels is not None:
+            self.shared.levels.all_reduce(tensor.numpy())
         else:
-            self.wait(self._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
+            self.wait(self.lifecycle._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
         if average:
             tensor /= self.size
         if not np.shares_memory(tensor.numpy(), array):
@@ -149,7 +178,7 @@ class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, Device
         self.check_alive()
         self.flush()
         self.drain()
-        self.wait(self._issue(dist.barrier(async_op=True)), "barrier")
+        self.wait(self.lifecycle._issue(dist.barrier(async_op=True)), "barrier")
 
     def broadcast(self, array, root_rank, name):
         if not 0 <= root_rank < self.size:
@@ -157,21 +186,21 @@ class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, Device
         self.check_alive()
         self.drain()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.wait(self._issue(dist.broadcast(tensor, root_rank, async_op=True)), f"broadcast of {name!r}")
+        self.wait(self.lifecycle._issue(dist.broadcast(tensor, root_rank, async_op=True)), f"broadcast of {name!r}")
         if not np.shares_memory(tensor.numpy(), array):
             np.copyto(array, tensor.numpy())
         return array
 
     def send(self, rank, name, payload):
         self.drain()
-        return Messages.send(self, rank, name, payload)
+        return self.messages.send(rank, name, payload)
 
     def recv(self, rank, name, timeout=None):
         self.drain()
-        return Messages.recv(self, rank, name, timeout)
+        return self.messages.recv(rank, name, timeout)
 
     def metrics(self):
-        current, self.counters = self.counters, Metrics()
+        current, self.shared.counters = self.shared.counters, Metrics()
         return current
 
     step_metrics = metrics  # the parameter-server worker's name, which core.metrics() calls

@@ -1,5 +1,5 @@
 """The collective's calls for torch tensors that stay on their device (bps_gc.torch with device
-codec chains, docs/device_codecs.md): a mixin of ``Collective``, whose buckets carry them.
+codec chains, docs/device_codecs.md): a part of ``Collective``, whose buckets carry them.
 
 * ``push_payloads``: a tensor's partitions compressed on the device by the binding; their
   payloads are all_gathered as device tensors with the bucket (one all_gather per device), and
@@ -19,7 +19,17 @@ from .exchange import all_gather_tensors
 
 
 class DeviceTensors:
-    gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
+    """``push_payloads`` and ``reduce_tensor`` into the pending bucket; ``_gather_payloads`` and
+    ``_deliver_tensors``, their exchange and delivery (given to the buckets)."""
+
+    def __init__(self, shared, lifecycle, buckets, tensors, partitions):
+        """``shared``: shared.Shared; ``lifecycle``: its checks and waits; ``buckets``: where the
+        tensors go (buckets.py); ``tensors``: the communicator's declared tensors by name
+        (read only); ``partitions``: the communicator's ``partitions(name)``."""
+        self.shared, self.buckets, self.size = shared, buckets, shared.size
+        self.tensors, self.partitions = tensors, partitions
+        self.check_alive, self.wait, self._issue = lifecycle.check_alive, lifecycle.wait, lifecycle._issue
+        self._add = buckets._add
 
     def push_payloads(self, name, payloads, ctx=None, priority=0):
         """Payloads a binding compressed on its device (uint8 tensors, one per partition of
@@ -35,11 +45,12 @@ class DeviceTensors:
         if len({p.device for p in payloads}) > 1:
             raise ValueError(f"push_payloads({name!r}): the payloads are on several devices")
         raw = tensor.size * tensor.wire_dtype.itemsize
-        self.counters.pushed_raw += raw
-        self.counters.pulled_raw += raw
-        self.counters.pushed_wire += sum(p.numel() for p in payloads)
+        counters = self.shared.counters
+        counters.pushed_raw += raw
+        counters.pulled_raw += raw
+        counters.pushed_wire += sum(p.numel() for p in payloads)
         result = []
-        return self._add(Handle(self, result, self.pending), "gathered", (payloads, result, name), raw, name)
+        return self._add(Handle(self.buckets, result, self.buckets.pending), "gathered", (payloads, result, name), raw, name)
 
     def _gather_payloads(self, gathered):
         """One all_gather per device for the bucket's device payloads (in the order their
@@ -52,9 +63,9 @@ class DeviceTensors:
             mine = [p for payloads, _, _ in entries for p in payloads]
             ranks = all_gather_tensors(mine, lambda work, what: self.wait(
                 self._issue(work), lambda: f"{what} of {listed(entry[2] for entry in entries)}"))
-            self.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
+            self.shared.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
                 sum(p.numel() for p in mine)
-            self.counters.communicate_seconds += time.perf_counter() - start
+            self.shared.counters.communicate_seconds += time.perf_counter() - start
             index = 0
             for payloads, result, _ in entries:
                 result.extend(rank[index:index + len(payloads)] for rank in ranks)
@@ -89,5 +100,5 @@ class DeviceTensors:
         wire = tensor.detach().reshape(-1).to(wire_dtype)
         nbytes = wire.numel() * wire.element_size()
         for counter in ("pushed_raw", "pulled_raw", "pushed_wire", "pulled_wire"):
-            setattr(self.counters, counter, getattr(self.counters, counter) + nbytes)
-        return self._add(Handle(self, tensor, self.pending), "entries", (wire, tensor, average), nbytes, name)
+            setattr(self.shared.counters, counter, getattr(self.shared.counters, counter) + nbytes)
+        return self._add(Handle(self.buckets, tensor, self.buckets.pending), "entries", (wire, tensor, average), nbytes, name)

@@ -1,4 +1,4 @@
-"""The collective communicator's start, end and waits (a mixin of ``Collective``).
+"""The collective communicator's start, end and waits (a part of ``Collective``).
 
 Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
 heartbeat bound, and one that shut down (departure.py) as soon as this rank waits on anything it
@@ -20,43 +20,58 @@ WATCH_SECONDS = 0.02  # how often a wait sleeping on its work checks the heartbe
 
 
 class Lifecycle:
-    """Mixed into Collective (which provides cfg, rank, size, join_levels, levels, barrier,
-    flush, exchanger, and the counts ``issued``, ``sent`` and ``received``)."""
+    """The rank's life in the job: ``start`` (rendezvous, heartbeat), ``shutdown`` (publish what
+    this rank did, wait for the others: departure.py), ``check_alive``, and the waits every
+    other part calls: ``wait`` (a torch.distributed work, watching the heartbeat and departures),
+    ``drain`` (the exchange thread idle) and ``_issue`` (count a collective as it goes out).
+    Writes ``shared.heartbeat``, ``shared.failure`` and ``shared.issued``; keeps ``closed``,
+    ``abandoned``, ``awaiting`` and ``hosts_store`` to itself."""
 
-    def start(self):
+    def __init__(self, cfg, shared, exchanger):
+        """``shared``: shared.Shared; ``exchanger``: the exchange thread (exchange_thread.py)."""
+        self.cfg, self.shared, self.exchanger = cfg, shared, exchanger
+        self.rank, self.size = shared.rank, shared.size
+        self.closed = False
+        self.hosts_store = False
+        self.awaiting = None  # the message this rank last told the store it waits for
+        self.abandoned = None  # the uncaught exception the script ends on, if any
+
+    def start(self, join_levels, barrier):
+        """Rendezvous and heartbeat, then ``join_levels`` (TwoLevels') and a first ``barrier``."""
         backend = backend_from_env()
         store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
-        self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
-                                   self.cfg.heartbeat_timeout, where).start()
-        self.join_levels()
-        self.barrier()
+        self.shared.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
+                                          self.cfg.heartbeat_timeout, where).start()
+        join_levels()
+        barrier()
         log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
-                 "two levels" if self.levels else "one level")
-        return self
+                 "two levels" if self.shared.levels else "one level")
 
-    def shutdown(self, timeout=10.0):
+    def shutdown(self, timeout, flush):
         """Publish what this rank did, wait for the others to end (departure.py); a last
-        barrier and the group's teardown only when all ended at the same point."""
+        barrier and the group's teardown only when all ended at the same point. ``flush``:
+        the buckets' (the last one goes out first)."""
         if self.closed:
             return
-        failed = self.failure is not None or (self.heartbeat is not None and self.heartbeat.failure is not None)
+        shared = self.shared
+        failed = shared.failure is not None or (shared.heartbeat is not None and shared.heartbeat.failure is not None)
         if not failed:
             try:
-                self.flush()
+                flush()
                 self.drain()  # every collective issued before the count is published
             except (NodeFailure, RuntimeError):  # a peer failed while the last bucket went out
                 failed = True
         self.exchanger.stop()  # after a failure it may still wait on the dead peer: a daemon
         self.closed = True
         clean = not failed
-        if self.heartbeat is not None and self.heartbeat.store is not None and self.size > 1:
-            mine = Ending(self.issued, tuple(self.sent), tuple(self.received), failed, self.abandoned)
-            self.heartbeat.announce(mine)
-            clean = await_end(self.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
-            self.heartbeat.leave()
-        if self.levels is not None:
-            self.levels.close()
+        if shared.heartbeat is not None and shared.heartbeat.store is not None and self.size > 1:
+            mine = Ending(shared.issued, tuple(shared.sent), tuple(shared.received), failed, self.abandoned)
+            shared.heartbeat.announce(mine)
+            clean = await_end(shared.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
+            shared.heartbeat.leave()
+        if shared.levels is not None:
+            shared.levels.close()
         if clean and dist.is_initialized():
             try:
                 dist.barrier()  # nobody tears down its pairs while a peer still sends
@@ -70,9 +85,10 @@ class Lifecycle:
     def check_alive(self):
         if self.closed:
             raise RuntimeError("bps_gc: the collective communicator was shut down")
-        if self.heartbeat is not None and self.heartbeat.failure is not None:
-            self.failure = self.heartbeat.failure
-            raise self.failure
+        heartbeat = self.shared.heartbeat
+        if heartbeat is not None and heartbeat.failure is not None:
+            self.shared.failure = heartbeat.failure
+            raise heartbeat.failure
 
     def drain(self):
         """Wait until the exchange thread issued every flushed bucket (before this thread issues
@@ -80,8 +96,8 @@ class Lifecycle:
         failure the thread met is raised here too."""
         while not self.exchanger.wait_idle(0.05):
             self.check_alive()
-        if self.failure is not None:
-            raise self.failure
+        if self.shared.failure is not None:
+            raise self.shared.failure
 
     def wait(self, work, what, message=None):
         """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
@@ -89,10 +105,10 @@ class Lifecycle:
         (only called then). Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
         only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
         socket error, which the heartbeat names."""
-        if message is not None and self.heartbeat is not None:
+        if message is not None and self.shared.heartbeat is not None:
             self._check_departures(what, message)
             if message != self.awaiting:  # a message's two works: one note in the store
-                self.heartbeat.waiting_for(*message)
+                self.shared.heartbeat.waiting_for(*message)
                 self.awaiting = message
         if message is None and not work.is_completed():
             # sleep until the work's future wakes this thread, checking the heartbeat and the
@@ -114,18 +130,19 @@ class Lifecycle:
                 self._check_departures(what, message)
                 self.check_alive()
                 time.sleep(self.cfg.heartbeat_interval / 4)
-            self.failure = NodeFailure(f"bps_gc: {described(what)} failed on rank {self.rank}: {e}")
-            raise self.failure from None
+            self.shared.failure = NodeFailure(f"bps_gc: {described(what)} failed on rank {self.rank}: {e}")
+            raise self.shared.failure from None
 
     def _check_departures(self, what, message=None):
-        if self.heartbeat is None or not self.heartbeat.ended:  # the usual case, on every spin
+        heartbeat = self.shared.heartbeat
+        if heartbeat is None or not heartbeat.ended:  # the usual case, on every spin
             return
-        failure = departure(self.heartbeat.ended, self.rank, self.issued, what, message)
+        failure = departure(heartbeat.ended, self.rank, self.shared.issued, what, message)
         if failure:
-            self.failure = failure
+            self.shared.failure = failure
             raise failure
 
     def _issue(self, work):
         """Count a collective as it is issued (every rank issues them in the same order)."""
-        self.issued += 1
+        self.shared.issued += 1
         return work

@@ -25,8 +25,12 @@ class SendHandle(api.Handle):
 
 
 class Messages:
-    """The communicator's send/recv; the class using it provides check_alive(), wait() and the
-    per-peer counts ``sent`` and ``received``."""
+    """The communicator's send/recv, counted per peer in ``shared.sent`` and ``shared.received``."""
+
+    def __init__(self, shared, lifecycle):
+        """``shared``: shared.Shared; ``lifecycle``: its checks and waits (lifecycle.py)."""
+        self.sent, self.received = shared.sent, shared.received  # lists, counted in place
+        self.check_alive, self.wait = lifecycle.check_alive, lifecycle.wait
 
     def send(self, rank, name, payload):
         """Length, then bytes, to ``rank`` under a tag derived from ``name`` (gloo keeps their

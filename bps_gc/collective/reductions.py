@@ -1,4 +1,4 @@
-"""The collective communicator's reductions that are not one codec's payload exchange (a mixin
+"""The collective communicator's reductions that are not one codec's payload exchange (a part
 of ``Collective``): PowerSGD-like two-phase reductions (comm/phased.py), run with the bucket,
 one all_reduce per phase for all of its matrices; and majority's sign vote, summed now.
 """
@@ -13,21 +13,29 @@ from .buckets import Handle
 
 
 class PhasesAndVotes:
-    """Mixed into Collective (which provides _add, _deliver, _sum, drain, wait, _issue, counters,
-    size and ``pending``)."""
+    """``_reduce_in_phases`` (a two-phase tensor into the pending bucket) and ``_reduce_phased``
+    (the bucket's phases, on the exchange thread); ``_reduce_signs`` (majority's vote, now)."""
+
+    def __init__(self, shared, lifecycle, buckets, sum_ranks):
+        """``shared``: shared.Shared; ``lifecycle``: its waits; ``buckets``: where two-phase
+        tensors go (buckets.py); ``sum_ranks``: the plain in-place sum over ranks
+        (``Collective._sum``: one level or two)."""
+        self.shared, self.buckets, self.size = shared, buckets, shared.size
+        self.drain, self.wait, self._issue = lifecycle.drain, lifecycle.wait, lifecycle._issue
+        self._add, self._deliver, self._sum = buckets._add, buckets._deliver, sum_ranks
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
         """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
         steps in order there, so error feedback sees each step in turn)."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
-        return self._add(Handle(self, out, self.pending), "phased", (reduction, None, wire, out, average),
+        return self._add(Handle(self.buckets, out, self.buckets.pending), "phased", (reduction, None, wire, out, average),
                          wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
         start = time.perf_counter()
         firsts = [entry[0].first() for entry in phased]
-        self.counters.compress_seconds += time.perf_counter() - start
+        self.shared.counters.compress_seconds += time.perf_counter() - start
         p_sums = self._sum_phase(firsts)
         q_sums = self._sum_phase([entry[0].second(p_sum) for entry, p_sum in zip(phased, p_sums)])
         for (reduction, _, wire, out, average), q_sum in zip(phased, q_sums):
@@ -40,9 +48,10 @@ class PhasesAndVotes:
         start = time.perf_counter()
         fused = np.concatenate(buffers)
         self._sum(fused)
-        self.counters.communicate_seconds += time.perf_counter() - start
-        self.counters.pushed_wire += fused.nbytes
-        self.counters.pulled_wire += fused.nbytes
+        counters = self.shared.counters
+        counters.communicate_seconds += time.perf_counter() - start
+        counters.pushed_wire += fused.nbytes
+        counters.pulled_wire += fused.nbytes
         return np.split(fused, np.cumsum([b.size for b in buffers])[:-1])
 
     def _reduce_signs(self, tensor, wire, ctx):
@@ -57,8 +66,8 @@ class PhasesAndVotes:
         votes[-1] = not np.isfinite(wire).all()
         votes = torch.from_numpy(votes)
         self.drain()
-        self.counters.pushed_wire += votes.numel() // 8 + 1
-        self.counters.pulled_wire += votes.numel() // 8 + 1
+        self.shared.counters.pushed_wire += votes.numel() // 8 + 1
+        self.shared.counters.pulled_wire += votes.numel() // 8 + 1
         self.wait(self._issue(dist.all_reduce(votes, async_op=True)), f"all_reduce of {tensor.name!r}'s signs")
         tally = votes.numpy()
         wire[...] = np.nan if tally[-1] else np.where(tally[:-1] < 0, -1, 1)

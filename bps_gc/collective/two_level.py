@@ -16,22 +16,28 @@ from .rendezvous import host_key
 
 
 class TwoLevels:
-    """Mixed into Collective (which provides wait, _issue, counters, cfg, rank, size)."""
+    """``join_levels`` (at start: sets ``shared.levels`` when two levels run) and
+    ``reduce_coded_on_hosts`` (a bucket's single-phase tensors, on the exchange thread)."""
 
-    levels = None  # HostLevels when two levels run
+    def __init__(self, cfg, shared, lifecycle, local_rank, local_size):
+        """``shared``: shared.Shared; ``lifecycle``: its waits (lifecycle.py); this rank's place
+        on its host."""
+        self.cfg, self.shared, self.rank, self.size = cfg, shared, shared.rank, shared.size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.wait, self._issue = lifecycle.wait, lifecycle._issue
 
     def join_levels(self):
-        self.levels = HostLevels.join(self.rank, self.size, host_key(self.cfg), self.local_rank,
-                                      self.local_size, self.cfg.hierarchy, wait=self.level_wait)
-        if self.levels is not None and self.heartbeat is not None:
-            self.heartbeat.catch_sigterm()  # a host's launcher stops the siblings of a failed rank
-        return self.levels
+        levels = self.shared.levels = HostLevels.join(self.rank, self.size, host_key(self.cfg), self.local_rank,
+                                                      self.local_size, self.cfg.hierarchy, wait=self.level_wait)
+        if levels is not None and self.shared.heartbeat is not None:
+            self.shared.heartbeat.catch_sigterm()  # a host's launcher stops the siblings of a failed rank
+        return levels
 
     def level_wait(self, work, what):
         """Wait for one of the levels' collectives; None counts one this rank skips (every rank
         counts the same collectives, which departure.py compares)."""
         if work is None:
-            self.issued += 1
+            self.shared.issued += 1
             return
         self.wait(self._issue(work), what)
 
@@ -58,16 +64,17 @@ class TwoLevels:
                     spills.append((target, out))
                 outs.append((target, dtype.type(self.size) if divide else None))
             if compressed:
-                sent, received = self.levels.reduce_coded_into(sources, outs, self._owned_parts(entries),
+                sent, received = self.shared.levels.reduce_coded_into(sources, outs, self._owned_parts(entries),
                                                                f"all_gather of {names}'s payloads", wire_dtype)
             else:
-                self.levels.reduce_dense(sources, outs, f"all_reduce of {names}", wire_dtype)
+                self.shared.levels.reduce_dense(sources, outs, f"all_reduce of {names}", wire_dtype)
                 sent = received = sum(w.size for w in sources) * wire_dtype.itemsize // self.local_size
             for target, out in spills:
                 np.copyto(out, target.reshape(out.shape), casting="unsafe")
-            self.counters.pushed_wire += sent
-            self.counters.pulled_wire += received
-            self.counters.communicate_seconds += time.perf_counter() - start
+            counters = self.shared.counters
+            counters.pushed_wire += sent
+            counters.pulled_wire += received
+            counters.communicate_seconds += time.perf_counter() - start
 
     def _owned_parts(self, entries):
         """[(start, stop, owner, codec, reducer, ctx)] of the entries' partitions, back to back."""

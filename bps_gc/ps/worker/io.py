@@ -1,11 +1,11 @@
 """The worker's I/O thread: the only thread touching its sockets.
 
 Other threads post commands (declare a key, push a partition, barrier, goodbye) and wake it
-through a pipe. Its mixins send the pushes (push.py: the priority window, fusion, shared
-memory) and take the servers' replies (replies.py).
+through a pipe. Its parts send the pushes (``sending``, push.py: the priority window, fusion,
+shared memory) and take the servers' replies (``replies``, replies.py); what both touch, the
+pushes awaiting their replies, is one ``inflight.InFlight`` (``flight``).
 """
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -18,6 +18,7 @@ from ...transport import congestion
 from ...transport.sockets import DropLog, peer_endpoint, send
 from ...transport.wire import Header, Msg, encode_json
 from ..membership.event_loop import EventLoop
+from .inflight import InFlight
 from .push import PushSending
 from .replies import Replies
 from .shm import SharedSlots
@@ -25,14 +26,15 @@ from .shm import SharedSlots
 log = logging.getLogger("bps_gc.worker")
 
 
-class WorkerIO(PushSending, Replies):
+class WorkerIO:
+    """Any thread: ``post``/``queue`` a command, ``prefill`` a push's shared slot; ``failure``
+    (set once the thread failed), ``done`` (set once it ended), ``close``. The I/O thread
+    (``thread``) runs the event loop over the servers' sockets, the scheduler's and the local
+    sums' router."""
+
     def __init__(self, ctx, cfg, auth, membership, servers, rank, window, counters, local_reduce=None):
         """``local_reduce``: the workers' shared-memory sums (local.py), if this job has them."""
-        self.cfg, self.membership, self.rank, self.window = cfg, membership, rank, window
-        self.counters = counters
-        self.fusion_bytes = cfg.fusion_bytes
-        self.fusable_bytes = 0  # queued in the heap
-        self.fusion_due = None  # when queued fusable pushes go even if their message is not full
+        self.cfg, self.membership, self.rank = cfg, membership, rank
         self.links, self.local = [], []
         for server in servers:
             sock = auth.client(ctx.socket(zmq.DEALER))
@@ -50,6 +52,11 @@ class WorkerIO(PushSending, Replies):
             self.local.append(local)
         self.shm = SharedSlots(cfg, self.local)
         self.servers = servers
+        self.dropped = DropLog(log)
+        self.flight = InFlight()
+        self.sending = PushSending(self.links, self.shm, counters, rank, window, cfg.fusion_bytes, self.flight)
+        self.replies = Replies(self.shm, self.flight, self.dropped)
+        self.prefill = self.sending.prefill  # on the pushing thread: bound, a call costs no more
         self.commands = queue.SimpleQueue()
         self.loop = EventLoop(cfg.heartbeat_interval)
         self.loop.wakeable(lambda: True if self.run_commands() else None)
@@ -61,17 +68,12 @@ class WorkerIO(PushSending, Replies):
             local_reduce.summed = lambda local, rnd: self.queue("local_summed", local, rnd)
             self.loop.on_readable(local_reduce.router, self.receive_local)
         self.loop.on_tick(membership.tick)
-        self.loop.on_tick(self.send_ready)
+        self.loop.on_tick(self.sending.send_ready)
         if local_reduce is not None:  # after every handler of the pass: its notes go out together
             self.loop.on_tick(local_reduce.flush)
             self.loop.on_tick(local_reduce.check)
-        self.loop.poll_timeout = self.poll_timeout
-        self.heap, self.seq = [], itertools.count()
-        self.inflight = {}  # key -> Push awaiting its reply
-        self.inflight_bytes = 0
-        self.failed_keys = {}  # key -> the server's error for its declaration
+        self.loop.poll_timeout = self.sending.poll_timeout
         self.failure = None
-        self.dropped = DropLog(log)
         self.barriers_wanted = 0
         self.barrier_waiters = collections.deque()  # (barrier number, its Event), oldest first
         self.done = threading.Event()
@@ -109,7 +111,7 @@ class WorkerIO(PushSending, Replies):
 
     def receive_some(self, sock):
         for _ in range(256):  # bounded so heartbeats and other links keep flowing
-            self.receive(sock)
+            self.replies.receive(sock)
             if not sock.poll(0):
                 break
 
@@ -126,7 +128,7 @@ class WorkerIO(PushSending, Replies):
                 return False
             kind = command[0]
             if kind == "push":
-                self.enqueue(command[1])
+                self.sending.enqueue(command[1])
             elif kind == "local":
                 self.local_reduce.start(*command[1:])
             elif kind == "local_summed":
@@ -165,12 +167,12 @@ class WorkerIO(PushSending, Replies):
     def fail_all(self, error):
         self.failure = error
         log.error("%s", error)
-        for push in self.inflight.values():
+        for push in self.flight.inflight.values():
             push.handle.fail(error)
-        for _, _, push in self.heap:
+        for _, _, push in self.sending.heap:
             push.handle.fail(error)
-        self.inflight.clear()
-        self.heap.clear()
+        self.flight.inflight.clear()
+        self.sending.heap.clear()
         if self.local_reduce is not None:
             self.local_reduce.fail_all(error)
         for _, event in self.barrier_waiters:  # their callers raise self.failure

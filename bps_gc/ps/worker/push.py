@@ -1,4 +1,4 @@
-"""The worker I/O thread's sending side (a mixin of ``WorkerIO``): ``Push``, one partition of
+"""The worker I/O thread's sending side (a part of ``WorkerIO``): ``Push``, one partition of
 one push_pull, waits in a priority heap and is sent while the bytes in flight stay under a
 window, so high-priority tensors overtake queued ones.
 
@@ -13,6 +13,7 @@ small ones goes as a bare SHM header once its data is in the key's shared slot; 
 that leave together go to each server as one message (fused entries without bytes).
 """
 import heapq
+import itertools
 import time
 
 from ...transport.sockets import send
@@ -60,8 +61,21 @@ class Push:
 
 
 class PushSending:
-    """Mixed into WorkerIO (which provides links, shm, counters, rank, window, fusion_bytes,
-    ``heap`` with its counter ``seq``, ``inflight``, ``inflight_bytes`` and ``failed_keys``)."""
+    """The pushes' way out, on the I/O thread: ``enqueue`` (a posted push into the priority
+    heap), ``send_ready`` (every tick: send while the window allows, fused, alone or through
+    shared memory), ``poll_timeout`` (how long the loop may sleep with fusable pushes queued);
+    ``prefill`` on the pushing thread. Records what it sent in ``flight`` (inflight.py)."""
+
+    def __init__(self, links, shm, counters, rank, window, fusion_bytes, flight):
+        """``links``: a DEALER socket per server; ``shm``: shm.SharedSlots; ``counters``: the
+        worker's (handle.Counters); ``window``: bytes in flight before pushes wait;
+        ``fusion_bytes``: a FUSED message's most (0: no fusion); ``flight``: inflight.InFlight."""
+        self.links, self.shm, self.counters, self.rank = links, shm, counters, rank
+        self.window, self.fusion_bytes, self.flight = window, fusion_bytes, flight
+        self.inflight, self.failed_keys = flight.inflight, flight.failed_keys  # dicts, changed in place
+        self.fusable_bytes = 0  # queued in the heap
+        self.fusion_due = None  # when queued fusable pushes go even if their message is not full
+        self.heap, self.seq = [], itertools.count()
 
     def enqueue(self, push):
         """A posted push into the heap (on the I/O thread); a fusable one starts the fusion
@@ -86,7 +100,7 @@ class PushSending:
 
     def send_ready(self):
         shared = {}  # (server, dtype, context) -> pushes whose data is in shared memory
-        while self.heap and (self.inflight_bytes < self.window or not self.inflight):
+        while self.heap and (self.flight.inflight_bytes < self.window or not self.inflight):
             if self.fusable(self.heap[0][2]):
                 if self.fusable_bytes < self.fusion_bytes and time.perf_counter() < self.fusion_due:
                     break  # let the pushes posted with it join its message
@@ -112,7 +126,7 @@ class PushSending:
     def sent(self, push):
         push.sent_at = time.perf_counter()
         self.inflight[push.part.key] = push
-        self.inflight_bytes += push.nbytes
+        self.flight.inflight_bytes += push.nbytes
 
     def send_fused(self):
         """Send every queued fusable push (the priority window), in priority order, one

@@ -1,4 +1,4 @@
-"""The worker I/O thread's receiving side (a mixin of ``WorkerIO``): the servers' replies to
+"""The worker I/O thread's receiving side (a part of ``WorkerIO``): the servers' replies to
 pushes (dense replies straight into the caller's output buffer, fused ones split into their
 keys, shared-memory ones read from the key's slot) and their errors.
 """
@@ -13,8 +13,15 @@ log = logging.getLogger("bps_gc.worker")
 
 
 class Replies:
-    """Mixed into WorkerIO (which provides shm, ``inflight``, ``inflight_bytes``,
-    ``failed_keys`` and ``dropped``)."""
+    """The servers' answers, on the I/O thread: ``receive`` (one message from a server's
+    socket) hands each reply to its push's handle and takes it off ``flight`` (inflight.py);
+    an error for a key fails its push and is kept for the key's later pushes."""
+
+    def __init__(self, shm, flight, dropped):
+        """``shm``: shm.SharedSlots; ``flight``: inflight.InFlight; ``dropped``: where an
+        unexpected message is logged (sockets.DropLog)."""
+        self.shm, self.flight, self.dropped = shm, flight, dropped
+        self.inflight, self.failed_keys = flight.inflight, flight.failed_keys  # dicts, changed in place
 
     def receive(self, sock):
         def buffer_for(header):
@@ -44,7 +51,7 @@ class Replies:
                 self.dropped("a malformed reply: %s", e)
                 return
             # the reply this push waits for is unusable: fail it rather than wait forever
-            self.inflight_bytes -= push.nbytes
+            self.flight.inflight_bytes -= push.nbytes
             push.handle.fail(ValueError(f"invalid reply from server {push.part.server} for "
                                         f"{push.handle.tensor.name!r}: {e}"))
             return
@@ -55,7 +62,7 @@ class Replies:
             self.failed_keys.setdefault(h.key, message)
             push = self.inflight.pop(h.key, None)
             if push is not None:
-                self.inflight_bytes -= push.nbytes
+                self.flight.inflight_bytes -= push.nbytes
                 # a round the job can never finish (a worker left) vs. this worker's mistake
                 push.handle.fail(NodeFailure(message) if info.get("job_failed") else ValueError(message))
             return
@@ -69,7 +76,7 @@ class Replies:
         if push is None or h.type != Msg.PUSH_REPLY:
             self.dropped("an unexpected %s for key %d", h.type.name, h.key)
             return
-        self.inflight_bytes -= push.nbytes
+        self.flight.inflight_bytes -= push.nbytes
         payload = msg.payload
         if h.flags & SHM_BIT:
             if not push.shared or h.round != push.round:
@@ -96,7 +103,7 @@ class Replies:
                 log.warning("dropped an unexpected fused reply entry for key %d round %d", key, rnd)
                 continue
             del self.inflight[key]
-            self.inflight_bytes -= push.nbytes
+            self.flight.inflight_bytes -= push.nbytes
             # the codec pool copies the entry out (a view into the message, or shared memory)
             result = self.shm.result(push) if shared else data
             push.part.round += 1

@@ -174,8 +174,9 @@ class Buckets:
             if failure is not None:  # this rank's own codec error says more
                 raise failure from None
             raise
-        self.shared.counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
-        self.shared.counters.communicate_seconds += time.perf_counter() - start
+        counters = self.shared.counters
+        counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
+        counters.communicate_seconds += time.perf_counter() - start
         index = 0
         for tensor, wire, out, average, ctx, _ in coded:
             for part in tensor.partitions:

@@ -50,7 +50,8 @@ class DeviceTensors:
         counters.pulled_raw += raw
         counters.pushed_wire += sum(p.numel() for p in payloads)
         result = []
-        return self._add(Handle(self.buckets, result, self.buckets.pending), "gathered", (payloads, result, name), raw, name)
+        handle = Handle(self.buckets, result, self.buckets.pending)
+        return self._add(handle, "gathered", (payloads, result, name), raw, name)
 
     def _gather_payloads(self, gathered):
         """One all_gather per device for the bucket's device payloads (in the order their
@@ -101,4 +102,5 @@ class DeviceTensors:
         nbytes = wire.numel() * wire.element_size()
         for counter in ("pushed_raw", "pulled_raw", "pushed_wire", "pulled_wire"):
             setattr(self.shared.counters, counter, getattr(self.shared.counters, counter) + nbytes)
-        return self._add(Handle(self.buckets, tensor, self.buckets.pending), "entries", (wire, tensor, average), nbytes, name)
+        handle = Handle(self.buckets, tensor, self.buckets.pending)
+        return self._add(handle, "entries", (wire, tensor, average), nbytes, name)

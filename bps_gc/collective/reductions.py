@@ -28,7 +28,8 @@ class PhasesAndVotes:
         """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
         steps in order there, so error feedback sees each step in turn)."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
-        return self._add(Handle(self.buckets, out, self.buckets.pending), "phased", (reduction, None, wire, out, average),
+        handle = Handle(self.buckets, out, self.buckets.pending)
+        return self._add(handle, "phased", (reduction, None, wire, out, average),
                          wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):

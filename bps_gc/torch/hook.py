@@ -37,6 +37,7 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
+from ..collective.security import refuse_security_settings
 from .device_codecs import chain_for, device_reduction, uses_device_chain
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
@@ -61,6 +62,7 @@ def bucket_key(index, position):
 
 class CompressionHook(HookLevels):
     def __init__(self, compression_params=None, reducer=None, optimizer=None):
+        refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit

@@ -132,3 +132,21 @@ def test_ps_warns_once_when_listening_beyond_loopback_without_token(monkeypatch,
             sock.close()
     finally:
         ctx.term()
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"], ids=["no-token", "token"])
+def test_a_scheduler_on_every_interface_warns_once_without_a_token(token):
+    """A real scheduler process (bpslaunch, DMLC_ROLE=scheduler) bound to 0.0.0.0: one warning
+    line without a token, none with one (it then gives up waiting for the missing nodes)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, DMLC_ROLE="scheduler", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1",
+               DMLC_PS_ROOT_URI="0.0.0.0", DMLC_PS_ROOT_PORT=str(free_port()), BPS_GC_JOIN_TIMEOUT="1")
+    env.pop("BPS_GC_AUTH_TOKEN", None)
+    if token:
+        env["BPS_GC_AUTH_TOKEN"] = token
+    result = subprocess.run([sys.executable, "-m", "bps_gc.launcher.cli"], env=env, capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    out = result.stdout + result.stderr
+    assert "did not assemble" in out, out[-3000:]  # it did start and listen
+    warnings = [line for line in out.splitlines() if "with no BPS_GC_AUTH_TOKEN" in line]
+    assert len(warnings) == (0 if token else 1), out[-3000:]
+    assert token or "listening on 0.0.0.0:" in warnings[0]

@@ -83,8 +83,11 @@ def test_vectors_cover_every_chain_the_issue_names():
 def test_every_step_matches_byteps(case):
     want_payloads, want_decoded = expected(case)
     got_payloads, got_decoded = our_steps(case)
+    how = f" ({TOPK_HEAP_ORDER})" if case["params"]["compressor"] == "topk" else ""
+    if case["params"].get("momentum"):
+        how += f" ({NO_FMA})"
     for s, (got, want) in enumerate(zip(got_payloads, want_payloads)):
-        assert same_payload(case["params"], got, want), f"{case['name']}: payload differs at step {s}"
+        assert same_payload(case["params"], got, want), f"{case['name']}: payload differs at step {s}{how}"
     for s, (got, want) in enumerate(zip(got_decoded, want_decoded)):
         assert got.tobytes() == want.tobytes(), f"{case['name']}: decoding differs at step {s}"
 

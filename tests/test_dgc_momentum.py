@@ -71,9 +71,19 @@ def test_post_pull_momentum_of_uncompressed_tensors_follows_the_form(nesterov):
         assert got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("device", [None, "cpu"], ids=["numpy", "device-cpu"])
+def cuda_missing():
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", [None, "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    cuda_missing(), reason="no CUDA device: torch.cuda.is_available() is False here"))],
+    ids=["numpy", "device-cpu", "device-cuda"])
 def test_plain_momentum_decorator_before_another_codec(device):
-    """The ``plain`` decorator (numpy, and the device chain's on the CPU) before topk."""
+    """The ``plain`` decorator (numpy, and the device chain's) before topk."""
     if device:
         pytest.importorskip("torch")
         from bps_gc.compress.device.feedback import DevicePlainMomentum
@@ -88,7 +98,7 @@ def test_plain_momentum_decorator_before_another_codec(device):
         m = m * MU + g
         if device:
             import torch
-            payload = codec.compress(torch.from_numpy(g.copy())).cpu().numpy()
+            payload = codec.compress(torch.from_numpy(g.copy()).to(device)).cpu().numpy()
         else:
             payload = codec.compress(g)
         rec = np.frombuffer(payload.tobytes(), RECORD[np.float32])

@@ -150,3 +150,10 @@ def test_a_scheduler_on_every_interface_warns_once_without_a_token(token):
     warnings = [line for line in out.splitlines() if "with no BPS_GC_AUTH_TOKEN" in line]
     assert len(warnings) == (0 if token else 1), out[-3000:]
     assert token or "listening on 0.0.0.0:" in warnings[0]
+
+
+def test_an_address_not_of_this_host_falls_back_with_a_warning(caplog):
+    from bps_gc.collective.security import store_listener
+    with caplog.at_level(logging.WARNING, logger="bps_gc.collective.security"):
+        assert store_listener("192.0.2.1", free_port()) is None  # TEST-NET-1: never a local address
+    assert any("192.0.2.1 is not one of this host's" in r.getMessage() for r in caplog.records)

@@ -7,12 +7,13 @@ gave: the store bps_gc hosts is bound to the rendezvous address (torch's own TCP
 every interface whatever host name it is given).
 """
 import errno
+import logging
 import os
 import socket
 
 from ..config import ConfigError, EnvReader
 
-SETTINGS = ("BPS_GC_AUTH_TOKEN", "BPS_GC_ENCRYPT")
+log = logging.getLogger(__name__)
 
 
 def refuse_security_settings(environ=None):
@@ -45,6 +46,8 @@ def store_listener(host, port):
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRNOTAVAIL:
+            log.warning("the rendezvous address %s is not one of this host's: the store listens on "
+                        "every interface (torch's TCPStore's own way)", host)
             return None
         raise
     return sock.detach()

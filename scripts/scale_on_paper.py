@@ -8,8 +8,9 @@ Designs (docs/scale.md says what each models):
   ps-colocated-flat / ps-separate-flat: today's parameter server, every rank pushes its copy;
     co-located: --colocated-servers (2) per worker host (BytePS's recipe: 16 servers, 8 hosts),
     server s on host s % H; separate: --separate-servers (1) machines per worker host.
-  ps-colocated-2level / ps-separate-2level: issue 25 item 2 (being built on another branch:
-    modelled here): the host's ranks reduce-scatter in shared memory, each partition's owner
+  ps-colocated-2level / ps-separate-2level: the parameter server's two levels
+    (BPS_GC_HIERARCHY=host, docs/local_ranks.md; counted here with partition_owner, its rule):
+    the host's ranks reduce-scatter in shared memory, each partition's owner
     ((tensor index + partition index) mod L) compresses the host's sum once and pushes it.
   ring-flat / ring-2level: torch.distributed (gloo/NCCL ring) over N = H*L ranks, or within the
     host then L rings of H hosts; codecs go as the collective transport carries them (all_gather

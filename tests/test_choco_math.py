@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bps_gc.algorithms.topology import ring, topology, torus
-from bps_gc.compress import CompressionParams, ParamError, build_chain
+from bps_gc.compress import CompressionParams, build_chain
 
 torch = pytest.importorskip("torch")
 import bps_gc.torch.choco as choco  # noqa: E402
@@ -84,19 +84,10 @@ def round_of(nodes, grads=None):
         raise errors[0]
 
 
-def available(params, fallback):
-    """``params`` where this bps_gc has the codec, else the same format under an older name."""
-    try:
-        CompressionParams.from_dict(params)
-        return params
-    except ParamError:
-        return fallback
-
-
 CODECS = {  # (Q, consensus step size that converges for it on these tiny tensors)
-    "signnorm": (available({"compressor": "signnorm"}, {"compressor": "onebit", "scaling": True}), 0.2),
+    "signnorm": ({"compressor": "signnorm"}, 0.2),
     "topk": ({"compressor": "topk", "k": 1}, 0.05),
-    "qsgd": (available({"compressor": "qsgd", "levels": 4}, {"compressor": "dithering", "k": 2}), 0.3),
+    "qsgd": ({"compressor": "qsgd", "levels": 4}, 0.3),
 }
 
 

@@ -56,7 +56,7 @@ def test_the_readme_commands_resolve_as_described(tmp_path):
     assert c["train"]["save_path"] == "runs/[cifar.resnet20+dgc.[wm5+fp16+int32]].np1"
     assert c["bps_gc"]["compression_params"] == {
         "compressor": "dgc", "k": 0.001, "sample_ratio": 0.01, "momentum_masking": True, "warmup_densities": WM5,
-        "fp16_values": True, "momentum": "nesterov"}
+        "fp16_values": True, "momentum": "plain"}  # the CIFAR configs' memory.nesterov = False
     assert c["bps_gc"]["wire"] == {"value_bytes": 2, "index_bytes": 4, "dgc_index_bytes": 4}
 
     c = dry_run(SEED_IMAGENET.split(), tmp_path)  # "fp32 values, int64 indices, no warmup"
@@ -68,6 +68,7 @@ def test_the_readme_commands_resolve_as_described(tmp_path):
     assert c["bps_gc"]["wire"] == {"value_bytes": 4, "index_bytes": 4, "dgc_index_bytes": 8}
     assert any("int64" in note for note in c["bps_gc"]["notes"])
     assert c["train"]["optimizer"]["nesterov"] is True
+    assert c["bps_gc"]["compression_params"]["momentum"] == "nesterov"
     assert c["train"]["save_path"] == "runs/[imagenet.resnet50+dgc.wm0].np1"
 
     c = dry_run(SEED_E500.split(), tmp_path)

@@ -133,7 +133,5 @@ def test_quickstart(name, tmp_path):
     blocks = quickstart_blocks()
     if name not in blocks:
         pytest.fail(f"README has no quickstart block {name!r}")
-    if name == "seeds" and not os.path.exists(os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")):
-        pytest.skip("example/pytorch/dgc/train.py not built yet")
     assert shutil.which("bash")
     REDUCED[name](blocks[name], tmp_path)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..comm import NodeFailure
 from ..config import Config, ConfigError, EnvReader
+from .security import refuse_security_settings, store_listener
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -32,6 +33,7 @@ def collective_config(environ=None):
     else:
         local = None
     env["DMLC_NUM_SERVER"] = "0"
+    refuse_security_settings(env)
     cfg = Config.from_env(env, role="worker")
     return cfg, *(local or (cfg.local_rank, cfg.local_size))
 
@@ -75,8 +77,9 @@ def connect(cfg, backend):
         return None, False
     host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
+        listener = store_listener(cfg.root_uri, cfg.root_port) if host_store else None
         store = dist.TCPStore(cfg.root_uri, cfg.root_port, cfg.size, is_master=host_store,
-                              timeout=timeout, wait_for_workers=False)
+                              timeout=timeout, wait_for_workers=False, master_listen_fd=listener)
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"bps_gc: cannot reach the rendezvous at {cfg.root_uri}:{cfg.root_port} "
                               f"as rank {cfg.rank}: {e}") from None

@@ -1,5 +1,5 @@
-"""Decorators around a codec: vanilla error feedback (workers and servers), nesterov momentum
-(workers only). Order on a worker: momentum -> error feedback -> codec."""
+"""Decorators around a codec: vanilla error feedback (workers and servers), nesterov or plain
+momentum (workers only). Order on a worker: momentum -> error feedback -> codec."""
 import numpy as np
 
 from ._native import lib, ptr
@@ -92,6 +92,21 @@ class NesterovMomentum(Decorator):
         m = self._spare
         if _scale_add(self.momentum, self.mu, x, m) and _scale_add(m, self.mu, x, self._grad):
             self.momentum, self._spare = m, self.momentum
+        else:
+            self._grad.fill(np.nan)
+        return self.inner.compress(self._grad, ctx)
+
+
+@register_momentum("plain")
+class PlainMomentum(NesterovMomentum):
+    """Heavy-ball momentum: m = g + mu*m; g = m; then the inner chain (the plain form of DGC's
+    momentum correction, and of SGD's momentum moved into the chain). Non-finite: as nesterov."""
+
+    def compress(self, x, ctx=None):
+        m = self._spare
+        if _scale_add(self.momentum, self.mu, _flat(x, self.dtype), m):
+            self.momentum, self._spare = m, self.momentum
+            np.copyto(self._grad, m)
         else:
             self._grad.fill(np.nan)
         return self.inner.compress(self._grad, ctx)

@@ -37,6 +37,7 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
+from ..collective.security import refuse_security_settings
 from ..compress.device.reducers import device_reduction
 from .device import chain_for, uses_device_chain
 from .hook_futures import current, on_side_stream, raiser, settle, value
@@ -63,6 +64,7 @@ def bucket_key(index, position):
 
 class CompressionHook:
     def __init__(self, compression_params=None, reducer=None, optimizer=None):
+        refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit

@@ -1,4 +1,4 @@
-"""Error feedback (vanilla) and nesterov momentum around any device codec (HostBridge too),
+"""Error feedback (vanilla) and momentum (nesterov, plain) around any device codec (HostBridge too),
 with the numpy decorators' arithmetic (compress/feedback.py): ``out = a * s + x`` in two
 roundings of the partition's dtype, state kept only when every result is finite."""
 import math
@@ -97,6 +97,21 @@ class DeviceNesterovMomentum(DeviceDecorator):
         scale_add(m, self.mu, x, self._grad)
         if all_finite(m, self._grad):
             self.momentum, self._spare = m, self.momentum
+        else:
+            self._grad.fill_(math.nan)
+        return self.inner.compress(self._grad, ctx)
+
+
+@register_device_momentum("plain")
+class DevicePlainMomentum(DeviceNesterovMomentum):
+    """m = g + mu*m; g = m; then the inner chain, as compress/feedback.py's PlainMomentum."""
+
+    def compress(self, x, ctx=None):
+        m = self._spare
+        scale_add(self.momentum, self.mu, self._input(x), m)
+        if all_finite(m):
+            self.momentum, self._spare = m, self.momentum
+            self._grad.copy_(m)
         else:
             self._grad.fill_(math.nan)
         return self.inner.compress(self._grad, ctx)

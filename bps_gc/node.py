@@ -9,7 +9,7 @@ import sys
 from . import compress
 from .config import Config, ConfigError
 from .roles import NodeFailure
-from .roles.membership import abort_job
+from .roles.membership import JobEnded, abort_job
 from .roles.scheduler import Scheduler
 from .roles.server import Server
 from .transport.sockets import BindError
@@ -41,6 +41,9 @@ def main(argv=None):
             except ImportError as e:
                 raise abort_job(cfg, "server", -1, str(e)) from None
             return Server(cfg, compress).run()
+    except JobEnded as e:  # its only worker trains alone (roles/lone_worker.py)
+        print(f"bps_gc.node: {e}; this {cfg.role} exits", file=sys.stderr)
+        return 0
     except (BindError, NodeFailure) as e:
         print(f"bps_gc.node: {e}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ import zmq
 from ..transport.sockets import Auth
 from ..transport.wire import encode_context
 from .communicator import Communicator
+from .lone_worker import LoneWorker
 from .membership import Membership
 from .peers import Peers
 from .phased import PhasedReduction, phase_lengths, phase_names, phases
@@ -46,12 +47,14 @@ class Worker(Communicator):
         self.pool = None
         self.placement = None
         self.closed = False
+        self.alone = None  # roles.lone_worker: one process that never reaches the servers
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.threadpool_size, "bps_gc-codec")
         if not self.cfg.distributed and self.size == 1:
+            self.alone = LoneWorker(self.cfg)  # says so; ends a scheduler and servers started for it
             self.peers = Peers(None, self.cfg, None, self.rank, self.size, None, log)
             return self
         self.ctx = zmq.Context()
@@ -93,6 +96,8 @@ class Worker(Communicator):
             self.ctx.term()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        if self.alone is not None:
+            self.alone.close()
 
     def check_alive(self):
         if self.closed:

@@ -10,6 +10,7 @@ below never import it. These functions are the whole API the bindings (bps_gc.to
 bps_gc.mxnet) use: they forward to this process's Communicator (roles.communicator).
 """
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -20,10 +21,12 @@ from .roles import NodeFailure
 from .roles.communicator import Declaration
 from .roles.membership import abort_job
 from .roles.worker import Worker
+from .roles.worker_handle import Counters, Metrics
 
 _worker = None
+_hook_traffic = None  # Counters of the DDP hook's buckets (hook_traffic()), or None without a hook
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics",
+           "device_codecs", "hook_traffic", "init", "is_initialized", "local_rank", "local_size", "metrics",
            "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "worker"]
 
 
@@ -150,5 +153,22 @@ def broadcast(array, root_rank, name):
 
 
 def metrics():
-    """Bytes, messages and seconds since the last call (and reset): see roles.worker_handle.Metrics."""
-    return worker().metrics()
+    """Bytes, messages and seconds since the last call (and reset): see roles.worker_handle.Metrics.
+    The DDP hook's buckets (bps_gc.torch.comm_hook) count too, with or without init()."""
+    if _worker is None and _hook_traffic is None:
+        worker()  # raises "not initialized"
+    current = _worker.metrics() if _worker is not None else Metrics()
+    if _hook_traffic is not None:
+        hooked = _hook_traffic.take()
+        for field in dataclasses.fields(Metrics):
+            setattr(current, field.name, getattr(current, field.name) + getattr(hooked, field.name))
+    return current
+
+
+def hook_traffic():
+    """The Counters a DDP hook adds its buckets' bytes and seconds to (made by the first hook);
+    metrics() reports them, added to the communicator's when init() ran."""
+    global _hook_traffic
+    if _hook_traffic is None:
+        _hook_traffic = Counters()
+    return _hook_traffic

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..collective.levels import levels_from_env
 from ..collective.two_level import partition_owner  # roles/worker_host's rule, as the communicator uses it
+from .hook_dtypes import wire_dtype
 from .hook_futures import current, settle
 
 log = logging.getLogger("bps_gc.torch")
@@ -17,7 +18,7 @@ HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the
 
 class HookLevels:
     """CompressionHook's two-level part: ``self.levels`` {group: HostLevels or None}, ``self.params``,
-    ``self.wire_dtype`` and ``self._waiter`` are the hook's."""
+    ``self.traffic`` (core.hook_traffic) and ``self._waiter`` are the hook's."""
 
     def _levels(self, group):
         """The two levels that DDP's ``group`` reduces through, or None (flat): joined by the
@@ -44,6 +45,9 @@ class HookLevels:
                     stream[0].wait_event(stream[1])
                 levels.wait = self._level_waiter(group, index)
                 size, what = dist.get_world_size(group), f"all_reduce of DDP bucket {index}"
+                raw = buffer.numel() * buffer.element_size()  # the wire: this rank's share of the host's
+                wire = buffer.numel() * (2 if self.params.fp16 else buffer.element_size()) // levels.local_size
+                self.traffic.add(pushed_raw=raw, pulled_raw=raw, pushed_wire=wire, pulled_wire=wire)
                 if buffer.is_cuda:
                     sent = buffer.to(torch.float16) if self.params.fp16 else buffer
                     sent.div_(size)  # first, so float16 does not overflow
@@ -70,7 +74,9 @@ class HookLevels:
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
                  for i, (chain, reducer) in enumerate(parts)]
-        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype)
+        sent, received = levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads",
+                                             wire_dtype(buffer, self.params.fp16))
+        self.traffic.add(pushed_wire=sent, pulled_wire=received)
         size = flat.dtype.type(dist.get_world_size(group))
         for start, stop, _, _, reducer, _ in owned:
             if reducer.summed:  # a majority vote is not averaged

@@ -76,9 +76,17 @@ def test_every_quickstart_has_a_reduced_run():
 
 def reduced_mxnet_local(block, tmp_path):
     write_cifar(tmp_path / "data" / "cifar100", train=65, test=33)  # $HOME is tmp_path
+    name = "cifar100-2-cpu-onebit.log"  # from the repository root: under out/, not beside README.md
+    for stale in (os.path.join(ROOT, name), os.path.join(ROOT, "out", name)):
+        if os.path.exists(stale):
+            os.remove(stale)
     out = run_block(append_to(block, "train_cifar100_byteps_gc.py", TINY_MXNET), tmp_path)
     assert re.search(r"^\[worker0\] \[Epoch 0\] validation: accuracy=[0-9.]+$", out, re.M), out[-3000:]
     assert re.search(r"traffic per worker: pushed .*ratio", out), out[-3000:]
+    assert not os.path.exists(os.path.join(ROOT, name))
+    log = open(os.path.join(ROOT, "out", name)).read()
+    os.remove(os.path.join(ROOT, "out", name))
+    assert re.search(r"^\[Epoch 0\] validation: accuracy=[0-9.]+$", log, re.M), log
 
 
 def reduced_roles(block, tmp_path):

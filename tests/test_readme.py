@@ -104,7 +104,7 @@ def reduced_pssh(block, tmp_path):
     config = open(os.path.join(ROOT, "launch", "config.example")).read()
     config = config.replace("10.0.0.1", "127.0.0.1").replace("1234", str(free_port()))
     config = config.replace("$HOME/data/cifar100", str(tmp_path / "data"))
-    config = re.sub(r'BPS_GC_TRAIN_ARGS:=[^}]*', f"BPS_GC_TRAIN_ARGS:={TINY_MXNET}", config)
+    config = re.sub(r'BPS_GC_TRAIN_ARGS:=[^}]*', f"BPS_GC_TRAIN_ARGS:={TINY_MXNET} --log-dir {tmp_path / 'out'}", config)
     (tmp_path / "config").write_text(config)
     (tmp_path / "hosts").write_text("127.0.0.1\n")
     write_cifar(tmp_path / "data", train=65, test=33)
@@ -115,6 +115,7 @@ def reduced_pssh(block, tmp_path):
     out = run_block(remote, tmp_path, env)
     assert "worker exited with status 0" in out, out[-3000:]
     assert re.search(r"traffic per worker: pushed ", (tmp_path / "logs" / "worker.log").read_text())
+    assert re.search(r"traffic per worker: pushed ", (tmp_path / "out" / "cifar100-1-cpu-onebit.log").read_text())
 
 
 def reduced_hook(block, tmp_path):

@@ -105,6 +105,18 @@ def test_bad_settings_are_one_line(argv, message, tmp_path):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_missing_cifar_names_the_flag_that_sets_it(tmp_path):
+    """The data folder comes from --configs.dataset.root (the seed's flag), and the error says so."""
+    argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "1", "--servers", "0", "--",
+            sys.executable, TRAIN, "--configs", "configs/cifar/resnet20.py", "--configs.dataset.root", "nowhere"]
+    result = subprocess.run(argv, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert ("no CIFAR-10 train file at nowhere/cifar-10-batches-py/data_batch_1 (want the python version, "
+            "cifar-10-python.tar.gz, unpacked in --configs.dataset.root; nothing is downloaded)") in result.stderr, \
+        result.stderr[-2000:]
+    assert "--data_dir" not in result.stderr and "Traceback" not in result.stderr
+
+
 def record_bounds(model, density, value_bytes=2):
     """(least, most) bytes a worker pushes per step at ``density`` (the module docstring)."""
     most = least = 0

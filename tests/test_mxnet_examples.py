@@ -98,7 +98,7 @@ def test_cifar100_onebit_ef_nesterov(tmp_path):
                         "--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla",
                         "--compress-momentum", "nesterov", "--logging-file", "test",
                         "--save-dir", str(tmp_path / "params"), "--save-period", "1"], tmp_path)
-    log = (tmp_path / "cifar100-2-cpu-test.log").read_text()
+    log = (tmp_path / "out" / "cifar100-2-cpu-test.log").read_text()  # --log-dir's default: out/
     assert [int(e) for e in SPEED.findall(log)] == [0], log
     train = values(rf"^\[Epoch 0\] training: accuracy=({NUMBER})$", log)
     val = values(rf"^\[Epoch 0\] validation: accuracy=({NUMBER})$", log)

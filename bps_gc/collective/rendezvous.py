@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..comm import NodeFailure
 from ..config import Config, ConfigError, EnvReader
+from ..transport.waiting import WaitLines
 from .security import refuse_security_settings, store_listener
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -90,3 +91,10 @@ def connect(cfg, backend):
         raise NodeFailure(f"bps_gc: the job did not assemble within {cfg.join_timeout:g} s "
                           f"(BPS_GC_JOIN_TIMEOUT; rank {cfg.rank} of {cfg.size} waited): {e}") from None
     return dist.PrefixStore("bps_gc/live", store), host_store
+
+
+def waiting_at_rendezvous(cfg):
+    """Lines naming the rendezvous while connect() waits there (transport/waiting.py)."""
+    where = f"{cfg.root_uri}:{cfg.root_port}"
+    return WaitLines(lambda: f"rank {cfg.rank} of {cfg.size} waiting for the other ranks at the "
+                             f"rendezvous at {where}", cfg.join_timeout)

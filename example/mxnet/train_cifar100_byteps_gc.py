@@ -26,7 +26,8 @@ random horizontal flip; all are normalized with the CIFAR-100 mean/std. Each epo
 training set is shuffled the same way on every worker and each worker takes every size()-th
 image; the test set is split the same way.
 
-Log (stdout and cifar100-<size>-<cpu|gpu>-<logging-file>.log in the working directory, rank 0):
+Log (stdout and <log-dir>/cifar100-<size>-<cpu|gpu>-<logging-file>.log, rank 0; --log-dir is out/
+under the working directory unless given):
     [Epoch N] speed: X samples/sec<TAB>time cost: Y      (X: all workers together)
     [Epoch N] training: accuracy=A
     [Epoch N] validation: accuracy=B
@@ -89,7 +90,8 @@ def build_parser():
     parser.add_argument("--resume-epoch", type=int, default=0,
                         help="epoch to start at (with --resume-from; the schedule starts there)")
     parser.add_argument("--logging-file", type=str, default="baseline",
-                        help="log file: cifar100-<size>-<device>-<logging-file>.log")
+                        help="log file: <log-dir>/cifar100-<size>-<device>-<logging-file>.log")
+    parser.add_argument("--log-dir", type=str, default="out", help="directory of the log file (made if missing)")
     parser.add_argument("--max-iters", type=int, default=0,
                         help="at most this many steps per epoch (0: the whole training set)")
     add_compression_args(parser)
@@ -121,7 +123,8 @@ def main(argv=None):
     bps.init()
     rank, size = bps.rank(), bps.size()
     ctx, device_name, device_note = common.device(args.num_gpus)
-    logger = make_logger("cifar100", f"cifar100-{size}-{device_name}-{args.logging_file}.log", rank)
+    logger = make_logger("cifar100", os.path.join(args.log_dir, f"cifar100-{size}-{device_name}-{args.logging_file}.log"),
+                         rank)
     for note in (device_note, common.mode_note(args.mode)):
         if note:
             logger.info(note)

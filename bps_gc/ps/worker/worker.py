@@ -22,6 +22,7 @@ from ..membership.membership import Membership
 from . import host as host_level
 from .handle import Counters, Handle
 from .io import WorkerIO
+from .lone_worker import LoneWorker
 from .payloads import push_payloads
 from .peers import Peers
 from .push import Push
@@ -46,12 +47,14 @@ class Worker(Communicator):
         self.pool = None
         self.placement = None
         self.closed = False
+        self.alone = None  # lone_worker.py: one process that never reaches the servers
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.threadpool_size, "bps_gc-codec")
         if not self.cfg.distributed and self.size == 1:
+            self.alone = LoneWorker(self.cfg)  # says so; ends a scheduler and servers started for it
             self.peers = Peers(None, self.cfg, None, self.rank, self.size, None, log)
             return self
         self.ctx = zmq.Context()
@@ -93,6 +96,8 @@ class Worker(Communicator):
             self.ctx.term()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        if self.alone is not None:
+            self.alone.close()
 
     def check_alive(self):
         if self.closed:

@@ -10,7 +10,9 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * ``compress(x, ctx)``: the first phase's payload (float32 bytes) from the input;
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
-* ``phase_sizes``: the float32 elements of each phase's payload.
+* ``phase_sizes``: the float32 elements of each phase's payload;
+* optionally ``set_summands(workers)``: called first, when the payload's size depends on how
+  many pushes the sum adds (thc's lanes).
 """
 import numpy as np
 
@@ -33,8 +35,16 @@ def phase_names(tensor):
     return [f"{tensor.name}|phase{i}" for i in range(PHASES)]
 
 
-def phase_lengths(tensor):
-    """float32 elements of each phase's buffer."""
+def size_for(tensor, workers):
+    """Tell codecs whose phase sizes depend on it how many pushes each sum adds."""
+    for part in tensor.partitions:
+        if hasattr(part.codec, "set_summands"):
+            part.codec.set_summands(workers)
+
+
+def phase_lengths(tensor, workers=1):
+    """float32 elements of each phase's buffer, for sums of ``workers`` pushes."""
+    size_for(tensor, workers)
     return [sum(int(part.codec.phase_sizes[i]) for part in tensor.partitions) for i in range(PHASES)]
 
 
@@ -47,6 +57,7 @@ class PhasedReduction:
     def __init__(self, tensor, source, target, ctx, workers):
         self.parts, self.source, self.target = tensor.partitions, source, target
         self.ctx, self.workers = ctx, workers
+        size_for(tensor, workers)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
                        for i in range(PHASES)]
 

@@ -128,7 +128,7 @@ class Worker(Communicator):
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor, self.size)):
                 self.declare(name, shape=(length,), dtype=np.float32)
                 self.tensors[name].auxiliary = True
             return

@@ -1,0 +1,156 @@
+"""thc on the device: compress/thc.py's two phases and payloads (the exponent histogram; the
+header and packed lanes as float32 words), with the rotation, codes and error as tensors.
+
+Cross-rank agreement: the histogram bin, the header, the lanes and the rotation's signs (drawn
+by numpy's generator from the same seed, ``block`` values, copied to the device) are the numpy
+chain's exactly; with ``feedback`` (round to nearest) the codes are too, up to the float32
+Hadamard sums' order. Stochastic rounding draws torch's generator, so the codes differ from the
+numpy chain's draw for draw, with the same distribution; every worker's draws differ anyway.
+"""
+import math
+
+import numpy as np
+import torch
+
+from .. import thc
+from .base import DeviceCodec
+from .registry import register_device_compressor
+
+
+def hadamard(x):
+    """compress/thc.py's ``hadamard`` on a (rows, 2^m) tensor."""
+    rows, size = x.shape
+    h = 1
+    while h < size:
+        x = x.reshape(rows, size // (2 * h), 2, h)
+        x = torch.cat([x[:, :, :1] + x[:, :, 1:], x[:, :, :1] - x[:, :, 1:]], dim=2)
+        h *= 2
+    return x.reshape(rows, size) * (1 / math.sqrt(size))
+
+
+def pack_lanes(codes, width):
+    """compress/thc.py's ``pack_lanes`` for an int64 tensor of codes (checked by the caller)."""
+    k = thc.lanes_per_word(width)
+    padded = torch.zeros(thc.words_for(codes.numel(), width) * k, dtype=torch.int64, device=codes.device)
+    padded[:codes.numel()] = codes
+    shifts = torch.arange(k, device=codes.device, dtype=torch.int64) * width
+    return (padded.view(-1, k) << shifts).sum(dim=1).to(torch.float32)
+
+
+def unpack_lanes(words, width, count):
+    k, mask = thc.lanes_per_word(width), (1 << width) - 1
+    if words.numel() and (words.min() < 0 or words.max() >= 2.0 ** thc.CARRIER_BITS
+                          or not torch.equal(words, torch.floor(words))):
+        raise ValueError("thc: a summed word is not an integer in [0, 2^24): a lane overflowed")
+    shifts = torch.arange(k, device=words.device, dtype=torch.int64) * width
+    return ((words.to(torch.int64).view(-1, 1) >> shifts) & mask).reshape(-1)[:count]
+
+
+@register_device_compressor("thc")
+class DeviceTHC(DeviceCodec):
+    reducers = thc.THC.reducers
+
+    def __init__(self, params, n, dtype, seed, device, **extra):
+        super().__init__(params, n, dtype, seed, device)
+        self.host = thc.THC(params, n, dtype, seed)  # options, sizes and checks
+        self.bits, self.rotate, self.feedback = self.host.bits, self.host.rotate, self.host.feedback
+        self.block, self.codes, self.levels = self.host.block, self.host.codes, self.host.levels
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.error = torch.zeros(self.n, **f32) if self.feedback else None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()  # each worker its own draws
+        self.y = self.signs = None
+
+    def set_summands(self, summands):
+        self.host.set_summands(summands)
+
+    @property
+    def summands(self):
+        return self.host.summands
+
+    @property
+    def width(self):
+        return self.host.width
+
+    @property
+    def phase_sizes(self):
+        return self.host.phase_sizes
+
+    def _rotate(self, x, inverse=False):
+        blocks = x.reshape(-1, self.block)
+        if inverse:
+            return (hadamard(blocks) * self.signs).reshape(-1)
+        return hadamard(blocks * self.signs).reshape(-1)
+
+    def compress(self, x, ctx=None):
+        x = self._input(x).to(torch.float32)
+        if self.feedback:
+            x = x + self.error
+        if self.rotate:
+            step = ctx.get("step", 0) if isinstance(ctx, dict) else 0
+            rng = np.random.default_rng(thc.rotation_seed(self.seed, step))
+            signs = (rng.integers(0, 2, self.block, np.int8) * 2 - 1).astype(np.float32)
+            self.signs = torch.from_numpy(signs).to(self.device)
+            padded = torch.zeros(self.codes, dtype=torch.float32, device=self.device)
+            padded[:self.n] = x
+            self.y = self._rotate(padded)
+        else:
+            self.y = x
+        peak = float(self.y.abs().max()) if self.y.numel() else 0.0  # NaN propagates through max
+        hist = torch.zeros(thc.HIST, dtype=torch.float32, device=self.device)
+        hist[thc.exponent_bin(peak)] = 1
+        return hist.view(torch.uint8)
+
+    def _floats(self, buffer):
+        if isinstance(buffer, torch.Tensor):
+            return buffer.reshape(-1).view(torch.float32).to(self.device) \
+                if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float32)
+        return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(np.float32))).to(self.device)
+
+    def compress_q(self, hist_sum):
+        hist = self._floats(hist_sum).cpu().numpy()
+        summands, exponent, nonfinite = thc.agreed_scale(hist)
+        if summands != self.summands:
+            raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
+                             f"{self.summands}: their codes would overflow (or waste) the lanes")
+        self.host.agreed = (exponent, nonfinite)
+        header = torch.tensor([self.bits, exponent, 1], dtype=torch.float32, device=self.device)
+        if nonfinite:
+            codes = torch.zeros(self.codes, dtype=torch.int64, device=self.device)
+        else:
+            scaled = (self.y.to(torch.float64) * 2.0 ** -exponent + 1) * (self.levels / 2)
+            if self.feedback:
+                codes = torch.round(scaled)
+            else:
+                noise = torch.rand(scaled.shape, generator=self.generator, device=self.device,
+                                   dtype=torch.float64)
+                codes = torch.floor(scaled + noise)
+            codes = codes.clamp_(0, self.levels).to(torch.int64)
+            if self.feedback:
+                own = self._dequantize(codes, 1, exponent)
+                base = self.y
+                if self.rotate:
+                    own, base = self._rotate(own, True)[:self.n], self._rotate(base, True)[:self.n]
+                self.error = base - own
+        return torch.cat([header, pack_lanes(codes, self.width)]).view(torch.uint8)
+
+    def _dequantize(self, code_sum, summands, exponent):
+        return (2.0 ** exponent * (2.0 * code_sum.to(torch.float64) / self.levels - summands)).to(torch.float32)
+
+    def finish(self, code_sum, out=None, workers=1):
+        buf = self._floats(code_sum)
+        self.host.check_sum(buf.numel(), buf[:thc.HEADER].cpu().numpy())
+        exponent, nonfinite = self.host.agreed
+        total = unpack_lanes(buf[thc.HEADER:], self.width, self.codes)
+        out = self._output(out)
+        if nonfinite:
+            out.fill_(math.nan)
+            return out
+        values = self._dequantize(total, self.summands, exponent)
+        if self.rotate:
+            values = self._rotate(values, inverse=True)[:self.n]
+        out.copy_(values)
+        return out
+
+    def decompress(self, payload, out=None):
+        return self.finish(payload, out, self.summands)

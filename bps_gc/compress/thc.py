@@ -1,0 +1,287 @@
+"""thc: summable b-bit codes. Phase 1 a 160-float32 exponent histogram; phase 2 three float32 header values (bits, scale exponent, 1) then float32 words of packed unsigned lanes.
+
+THC (Li et al., NSDI'24): every worker quantizes against one *shared* scale, so the servers (or
+an all_reduce) add the integer codes without decoding them, and each worker decodes the sum
+once. One reduce takes two plain-sum phases, which the communicators drive like PowerSGD's
+(bps_gc/roles/phased.py), so parameter servers and collectives only ever sum float32:
+
+1. ``compress(x, ctx)``: y = x (or its randomized Hadamard rotation); the histogram has a 1 in
+   the bin of e = ceil(log2 max|y|) (clipped to [-126, 32]; the last bin for a non-finite
+   input). Its sum counts the summands, and its highest nonzero bin is the shared exponent.
+2. ``compress_q(hist_sum)``: the scale s = 2^e; each element's code q in [0, M], M = 2^b - 1,
+   is (y/s + 1) M/2 rounded stochastically (unbiased: E q = that) or, with ``feedback``, to the
+   nearest and the error kept for the next step. Codes are packed k = floor(24 / w) to a
+   float32 word in lanes of w = b + ceil(log2 N) bits (N summands), so the sum of N words is
+   an integer below 2^24, exact in float32, and no lane carries into the next.
+3. ``finish(code_sum, out, workers)``: the summed header must say N pushes of this bit width
+   and scale (else ValueError, and ``out`` is untouched); out = s (2 Q / M - N), rotated back.
+
+The rotation: per block of B = min(4096, next power of two >= n) elements, H D with D a random
++-1 diagonal and H the orthonormal Walsh-Hadamard matrix; D's seed derives from the partition's
+seed and the step (``chain.derive_seed``), so every worker rotates alike. The scale agreement
+is phase 1: one extra sum of 640 bytes per partition (one more all_reduce per bucket, or one
+more push and pull of a dense key per partition on the parameter server).
+"""
+import math
+import os
+from itertools import count
+
+import numpy as np
+
+from .base import Codec
+from .chain import MASK64, derive_seed
+from .params import CODEC_OPTIONS
+from .reducers import Reducer, register_reducer
+from .registry import register_compressor
+
+BITS = (2, 4, 8)
+E_MIN, E_MAX = -126, 32  # scale exponents the histogram holds
+HIST = E_MAX - E_MIN + 2  # one bin per exponent, then the non-finite bin
+HEADER = 3  # float32: bits, exponent, count (each summed over the pushes)
+CARRIER_BITS = 24  # integers below 2^24 add exactly in float32
+BLOCK = 4096  # largest Hadamard block
+_instances = count()
+
+
+def lane_bits(bits, summands):
+    """Lane width for the sum of ``summands`` codes of ``bits`` bits: b + ceil(log2 N)."""
+    if bits not in BITS:
+        raise ValueError(f"thc: bits must be one of {BITS}, got {bits!r}")
+    if int(summands) < 1:
+        raise ValueError(f"thc: the sum needs >= 1 summand, got {summands!r}")
+    width = bits + math.ceil(math.log2(int(summands)))
+    if width > CARRIER_BITS:
+        raise ValueError(f"thc: {summands} summands of {bits}-bit codes need {width}-bit lanes, "
+                         f"more than the {CARRIER_BITS} bits a float32 word adds exactly; "
+                         f"use fewer bits or fewer summands")
+    return width
+
+
+def lanes_per_word(width):
+    return CARRIER_BITS // width
+
+
+def words_for(count_, width):
+    return -(-count_ // lanes_per_word(width))
+
+
+def pack_lanes(codes, width):
+    """Unsigned integer codes -> float32 words, k = floor(24 / width) codes each, code j of a
+    word at bit width * j. Refuses a code that does not fit its lane."""
+    codes = np.asarray(codes)
+    if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= 1 << width):
+        raise ValueError(f"thc: a code outside [0, 2^{width}) would overflow its {width}-bit lane")
+    k = lanes_per_word(width)
+    padded = np.zeros(words_for(codes.size, width) * k, np.int64)
+    padded[:codes.size] = codes
+    lanes = padded.reshape(-1, k)
+    words = np.zeros(lanes.shape[0], np.int64)
+    for j in range(k):
+        words |= lanes[:, j] << (width * j)
+    return words.astype(np.float32)
+
+
+def unpack_lanes(words, width, count_):
+    """float32 words (sums of packed words) -> the ``count_`` integer lane values (int64)."""
+    words = np.asarray(words, np.float32)
+    if words.size and (words.min() < 0 or words.max() >= 2.0 ** CARRIER_BITS
+                       or not np.array_equal(words, np.floor(words))):
+        raise ValueError("thc: a summed word is not an integer in [0, 2^24): a lane overflowed")
+    k, mask = lanes_per_word(width), (1 << width) - 1
+    ints = words.astype(np.int64)
+    lanes = np.empty((ints.size, k), np.int64)
+    for j in range(k):
+        lanes[:, j] = (ints >> (width * j)) & mask
+    return lanes.reshape(-1)[:count_]
+
+
+def hadamard(x):
+    """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of 2^m); its own inverse."""
+    rows, size = x.shape
+    h = 1
+    while h < size:
+        x = x.reshape(rows, size // (2 * h), 2, h)
+        x = np.concatenate([x[:, :, :1] + x[:, :, 1:], x[:, :, :1] - x[:, :, 1:]], axis=2)
+        h *= 2
+    return x.reshape(rows, size) * np.float32(1 / math.sqrt(size))
+
+
+def block_size(n):
+    return min(BLOCK, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def rotation_seed(seed, step):
+    """The rotation's seed at ``step``: every worker derives the same one from the key's seed."""
+    return derive_seed((int(seed) + int(step) * 0x9E3779B97F4A7C15) & MASK64)
+
+
+def exponent_bin(peak):
+    """Histogram bin of a partition's max |y|: its exponent ceil(log2), or the last bin."""
+    if not math.isfinite(peak):
+        return HIST - 1
+    if peak <= 0:
+        return 0
+    mantissa, exp = math.frexp(peak)  # peak = mantissa 2^exp, mantissa in [0.5, 1)
+    exp = exp - 1 if mantissa == 0.5 else exp  # an exact power of two is its own scale
+    return min(max(exp, E_MIN), E_MAX) - E_MIN
+
+
+def agreed_scale(hist_sum):
+    """(summands, exponent, any non-finite push) from the summed histogram."""
+    hist = np.asarray(hist_sum, np.float32)
+    if hist.size != HIST or (hist < 0).any() or not np.array_equal(hist, np.floor(hist)):
+        raise ValueError(f"thc: a summed histogram must be {HIST} whole counts, got {hist.size} values")
+    summands = int(hist.sum())
+    if summands < 1:
+        raise ValueError("thc: the summed histogram counts no push")
+    nonzero = np.flatnonzero(hist[:-1])
+    exponent = int(nonzero[-1]) + E_MIN if nonzero.size else E_MIN
+    return summands, exponent, bool(hist[-1])
+
+
+@register_compressor("thc", options=CODEC_OPTIONS["thc"])
+class THC(Codec):
+    reducers = ("thc",)  # two plain-sum phases (the reducer below)
+
+    def __init__(self, params, n, dtype, seed):
+        super().__init__(params, n, dtype)
+        if self.dtype not in (np.float32, np.float16):
+            raise TypeError(f"thc: float32 or float16 partitions only, got {self.dtype}")
+        options = dict(params.options)
+        self.bits = int(options.get("bits", 4))
+        lane_bits(self.bits, 1)
+        self.rotate = bool(options.get("rotate", False))
+        self.feedback = bool(options.get("feedback", False))
+        self.levels = (1 << self.bits) - 1
+        self.seed = int(seed)
+        self.block = block_size(self.n) if self.rotate else 1
+        self.codes = -(-self.n // self.block) * self.block if self.rotate else self.n
+        # stochastic rounding must differ between workers (their errors then average out)
+        self.rng = np.random.default_rng([self.seed, os.getpid(), next(_instances)])
+        self.error = np.zeros(self.n, np.float32) if self.feedback else None
+        self.summands = 1
+        self.y = self.signs = self.agreed = None
+
+    def set_summands(self, summands):
+        """Size the code lanes for ``summands`` pushes (the communicator's worker count)."""
+        lane_bits(self.bits, summands)
+        self.summands = int(summands)
+
+    @property
+    def width(self):
+        return lane_bits(self.bits, self.summands)
+
+    @property
+    def phase_sizes(self):
+        """float32 elements of each phase's payload: the histogram, then header and words."""
+        return HIST, HEADER + words_for(self.codes, self.width)
+
+    def _rotate(self, x, inverse=False):
+        """x (``codes`` float32 elements) rotated by this step's H D (or back by D H)."""
+        blocks = x.reshape(-1, self.block)
+        if inverse:
+            return (hadamard(blocks) * self.signs).reshape(-1)
+        return hadamard(blocks * self.signs).reshape(-1)
+
+    def compress(self, x, ctx=None):
+        x = self._input(x).astype(np.float32)
+        if self.feedback:
+            x = x + self.error
+        if self.rotate:
+            step = (ctx or {}).get("step", 0) if isinstance(ctx, dict) else 0
+            rng = np.random.default_rng(rotation_seed(self.seed, step))
+            self.signs = (rng.integers(0, 2, self.block, np.int8) * 2 - 1).astype(np.float32)
+            padded = np.zeros(self.codes, np.float32)
+            padded[:self.n] = x
+            self.y = self._rotate(padded)
+        else:
+            self.y = x
+        with np.errstate(invalid="ignore"):
+            peak = float(np.max(np.abs(self.y))) if self.y.size else 0.0
+        hist = np.zeros(HIST, np.float32)
+        hist[exponent_bin(peak)] = 1
+        return hist.view(np.uint8)
+
+    def compress_q(self, hist_sum):
+        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(np.float32))
+        if summands != self.summands:
+            raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
+                             f"{self.summands}: their codes would overflow (or waste) the lanes")
+        self.agreed = (exponent, nonfinite)
+        header = np.array([self.bits, exponent, 1], np.float32)
+        if nonfinite:  # the sum is NaN anyway; zeros keep the lanes valid
+            codes = np.zeros(self.codes, np.int64)
+        else:
+            scaled = (self.y.astype(np.float64) * 2.0 ** -exponent + 1) * (self.levels / 2)
+            if self.feedback:
+                codes = np.rint(scaled)
+            else:
+                codes = np.floor(scaled + self.rng.random(scaled.size))
+            codes = np.clip(codes, 0, self.levels).astype(np.int64)
+            if self.feedback:
+                own = self.dequantize(codes, 1, exponent)
+                own = self._rotate(own, inverse=True)[:self.n] if self.rotate else own
+                base = self._rotate(self.y, inverse=True)[:self.n] if self.rotate else self.y
+                self.error = (base - own).astype(np.float32)
+        return np.concatenate([header, pack_lanes(codes, self.width)]).view(np.uint8)
+
+    def dequantize(self, code_sum, summands, exponent):
+        """The sum of ``summands`` decoded codes from their integer sum."""
+        return (2.0 ** exponent * (2.0 * code_sum / self.levels - summands)).astype(np.float32)
+
+    def check_sum(self, size, header):
+        """Refuse a summed phase-2 buffer of ``size`` words whose ``header`` (its first three
+        summed values) disagrees with this round: ValueError naming what disagrees."""
+        if self.agreed is None:
+            raise ValueError("thc: finish() before compress_q()")
+        expected = self.phase_sizes[1]
+        if size != expected:
+            raise ValueError(f"thc: a summed code buffer of {size} words, expected {expected} "
+                             f"({self.bits}-bit codes in {self.width}-bit lanes)")
+        exponent = self.agreed[0]
+        bits_sum, exp_sum, pushes = (float(v) for v in header[:HEADER])
+        if pushes != self.summands:
+            raise ValueError(f"thc: the sum holds {pushes:g} pushes, its lanes hold {self.summands}")
+        if bits_sum != self.bits * self.summands:
+            raise ValueError(f"thc: a push with another bit width (bit widths sum to {bits_sum:g}, "
+                             f"expected {self.summands} x {self.bits})")
+        if exp_sum != exponent * self.summands:
+            raise ValueError(f"thc: a push with another scale (exponents sum to {exp_sum:g}, "
+                             f"expected {self.summands} x {exponent})")
+
+    def finish(self, code_sum, out=None, workers=1):
+        buf = np.asarray(code_sum).reshape(-1).view(np.float32)
+        self.check_sum(buf.size, buf[:HEADER])
+        exponent, nonfinite = self.agreed
+        total = unpack_lanes(buf[HEADER:], self.width, self.codes)  # raises before anything is written
+        out = self._output(out)
+        if nonfinite:
+            out[:] = np.nan
+            return out
+        values = self.dequantize(total, self.summands, exponent)
+        if self.rotate:
+            values = self._rotate(values, inverse=True)[:self.n]
+        with np.errstate(over="ignore"):
+            out[:] = values
+        return out
+
+    def decompress(self, payload, out=None):
+        """A summed phase-2 buffer of this step, decoded (``finish``)."""
+        return self.finish(self._payload(payload), out, self.summands)
+
+
+@register_reducer("thc")
+class CodeSums(Reducer):
+    """thc's reduction: two phases of plain float32 sums (the scale histogram, then the packed
+    codes), which the communicator drives; servers add the codes as dense float32 words, exact
+    below 2^24, and never decode them."""
+
+    phases = 2
+
+    def reduce(self, payloads, compressed, ctx=None):
+        raise ValueError("thc: its histogram and code phases are sums that the communicator "
+                         "drives (phases = 2); there are no payloads to reduce in one round")
+
+    def decode(self, reply, out, ctx=None):
+        raise ValueError("thc: its histogram and code phases are sums that the communicator "
+                         "drives (phases = 2); there is no one-round reply to decode")

@@ -277,6 +277,7 @@ class CodeSums(Reducer):
     below 2^24, and never decode them."""
 
     phases = 2
+    in_hook = True  # the DDP hook runs its phases too (bps_gc/torch/hook_phased.py)
 
     def reduce(self, payloads, compressed, ctx=None):
         raise ValueError("thc: its histogram and code phases are sums that the communicator "

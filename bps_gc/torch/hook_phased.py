@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compress
-from ..roles.phased import PhasedReduction
+from ..collective.reductions import PhasedReduction  # roles.phased, via the layer torch may import
 from .hook_futures import current, settle, value
 
 

@@ -95,15 +95,31 @@ def unpack_lanes(words, width, count_):
     return lanes.reshape(-1)[:count_]
 
 
-def hadamard(x):
-    """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of 2^m); its own inverse."""
+def hadamard(x, cat=np.concatenate):
+    """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of 2^m); its own inverse.
+    ``cat``: numpy's concatenate, or torch.cat for tensors (the device chain)."""
     rows, size = x.shape
     h = 1
     while h < size:
         x = x.reshape(rows, size // (2 * h), 2, h)
-        x = np.concatenate([x[:, :, :1] + x[:, :, 1:], x[:, :, :1] - x[:, :, 1:]], axis=2)
+        x = cat([x[:, :, :1] + x[:, :, 1:], x[:, :, :1] - x[:, :, 1:]], 2)
         h *= 2
-    return x.reshape(rows, size) * np.float32(1 / math.sqrt(size))
+    return x.reshape(rows, size) * (1 / math.sqrt(size))
+
+
+def rotation_signs(seed, ctx, block):
+    """This step's +-1 diagonal D (``block`` float32 values): every worker draws the same."""
+    step = ctx.get("step", 0) if isinstance(ctx, dict) else 0
+    rng = np.random.default_rng(rotation_seed(seed, step))
+    return (rng.integers(0, 2, block, np.int8) * 2 - 1).astype(np.float32)
+
+
+def rotated(x, signs, block, inverse=False, cat=np.concatenate):
+    """x (a multiple of ``block`` elements) rotated by H D per block, or back by D H."""
+    blocks = x.reshape(-1, block)
+    if inverse:
+        return (hadamard(blocks, cat) * signs).reshape(-1)
+    return hadamard(blocks * signs, cat).reshape(-1)
 
 
 def block_size(n):
@@ -177,20 +193,14 @@ class THC(Codec):
         return HIST, HEADER + words_for(self.codes, self.width)
 
     def _rotate(self, x, inverse=False):
-        """x (``codes`` float32 elements) rotated by this step's H D (or back by D H)."""
-        blocks = x.reshape(-1, self.block)
-        if inverse:
-            return (hadamard(blocks) * self.signs).reshape(-1)
-        return hadamard(blocks * self.signs).reshape(-1)
+        return rotated(x, self.signs, self.block, inverse)
 
     def compress(self, x, ctx=None):
         x = self._input(x).astype(np.float32)
         if self.feedback:
             x = x + self.error
         if self.rotate:
-            step = (ctx or {}).get("step", 0) if isinstance(ctx, dict) else 0
-            rng = np.random.default_rng(rotation_seed(self.seed, step))
-            self.signs = (rng.integers(0, 2, self.block, np.int8) * 2 - 1).astype(np.float32)
+            self.signs = rotation_signs(self.seed, ctx, self.block)
             padded = np.zeros(self.codes, np.float32)
             padded[:self.n] = x
             self.y = self._rotate(padded)

@@ -17,17 +17,6 @@ from .base import DeviceCodec
 from .registry import register_device_compressor
 
 
-def hadamard(x):
-    """compress/thc.py's ``hadamard`` on a (rows, 2^m) tensor."""
-    rows, size = x.shape
-    h = 1
-    while h < size:
-        x = x.reshape(rows, size // (2 * h), 2, h)
-        x = torch.cat([x[:, :, :1] + x[:, :, 1:], x[:, :, :1] - x[:, :, 1:]], dim=2)
-        h *= 2
-    return x.reshape(rows, size) * (1 / math.sqrt(size))
-
-
 def pack_lanes(codes, width):
     """compress/thc.py's ``pack_lanes`` for an int64 tensor of codes (checked by the caller)."""
     k = thc.lanes_per_word(width)
@@ -77,20 +66,14 @@ class DeviceTHC(DeviceCodec):
         return self.host.phase_sizes
 
     def _rotate(self, x, inverse=False):
-        blocks = x.reshape(-1, self.block)
-        if inverse:
-            return (hadamard(blocks) * self.signs).reshape(-1)
-        return hadamard(blocks * self.signs).reshape(-1)
+        return thc.rotated(x, self.signs, self.block, inverse, torch.cat)
 
     def compress(self, x, ctx=None):
         x = self._input(x).to(torch.float32)
         if self.feedback:
             x = x + self.error
         if self.rotate:
-            step = ctx.get("step", 0) if isinstance(ctx, dict) else 0
-            rng = np.random.default_rng(thc.rotation_seed(self.seed, step))
-            signs = (rng.integers(0, 2, self.block, np.int8) * 2 - 1).astype(np.float32)
-            self.signs = torch.from_numpy(signs).to(self.device)
+            self.signs = torch.from_numpy(thc.rotation_signs(self.seed, ctx, self.block)).to(self.device)
             padded = torch.zeros(self.codes, dtype=torch.float32, device=self.device)
             padded[:self.n] = x
             self.y = self._rotate(padded)

@@ -2,12 +2,13 @@
 hook (``in_hook``: thc's scale histogram, then its packed codes): each phase of the whole
 bucket is one all_reduce of float32 over the hook's own group, on the exchanging thread (the
 one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
-(keys as hook.py's ``bucket_key``) with a numpy chain on the host; the bucket's average is
-written back into DDP's buffer. Every rank runs the phases flat: the sums are the same sums
-whatever the host layout.
+(keys as hook.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
+wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. Every
+rank runs the phases flat: the sums are the same sums whatever the host layout.
 """
 import types
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -17,7 +18,7 @@ from .hook_futures import current, settle, value
 
 
 class PhasedBuckets:
-    """Mixed into CompressionHook (which provides params, optimizer, wire_dtype, exchanger,
+    """Mixed into CompressionHook (which provides params, optimizer, exchanger,
     _future, _side_group and _waiter)."""
 
     def _phased_call(self, group, bucket, buffer):
@@ -28,7 +29,7 @@ class PhasedBuckets:
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
-            parts = [types.SimpleNamespace(codec=compress.build_chain(self.params, n, self.wire_dtype,
+            parts = [types.SimpleNamespace(codec=compress.build_chain(self.params, n, np.float32,
                                                                       key=bucket_key(index, i), role="worker"),
                                            start=bounds[i], stop=bounds[i + 1]) for i, n in enumerate(sizes)]
             state = self.phased_buckets[index] = [sizes, types.SimpleNamespace(partitions=parts), 0]

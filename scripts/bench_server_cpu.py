@@ -8,7 +8,7 @@ buffers are more bytes to receive than onebit's payloads; that I/O is not counte
   onebit+EF (recompress): each 4 MB partition's N payloads decoded, summed, error feedback
                           and re-encoded (BytePS's server).
   thc 4-bit (+EF):        each partition's two phase buffers (the scale histogram, then the
-                          packed codes for N summands) are uncompressed float32 keys of
+                          packed codes for N summands) are uncompressed float64 keys of
                           BPS_GC_DENSE_PARTITION_BYTES (1 MB across hosts): the server adds them.
 
     python scripts/bench_server_cpu.py --workers 2 --rounds 5
@@ -61,7 +61,7 @@ def keys_for(config, shapes, workers):
             for c in chains:
                 c.set_summands(workers)
             hists = [c.compress(p, {"step": 0}) for c, p in zip(chains, pieces)]
-            hist = np.sum([h.view(np.float32) for h in hists], axis=0).view(np.uint8)
+            hist = np.sum([h.view(chains[0].phase_dtype) for h in hists], axis=0).view(np.uint8)
             for r, c in enumerate(chains):
                 phases[0][r].append(hists[r])
                 phases[1][r].append(c.compress_q(hist))
@@ -72,8 +72,8 @@ def keys_for(config, shapes, workers):
         for start in range(0, buffers[0].size, DENSE_PARTITION_BYTES):
             key += 1
             pushes = [b[start:start + DENSE_PARTITION_BYTES] for b in buffers]
-            decl = {"n": pushes[0].size // 4, "name": f"phase{key}"}
-            out.append((KeyState(key, decl, np.float32, workers, compress, False), pushes))
+            decl = {"n": pushes[0].size // 8, "name": f"phase{key}"}
+            out.append((KeyState(key, decl, np.float64, workers, compress, False), pushes))
     return out
 
 

@@ -34,7 +34,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from bps_gc import compress  # noqa: E402
 from bps_gc.config import Config, ConfigError  # noqa: E402
-from bps_gc.roles.phased import phase_lengths, phase_names, phases  # noqa: E402
+from bps_gc.roles.phased import phase_dtype, phase_lengths, phase_names, phases  # noqa: E402
 from bps_gc.roles.worker_push import Push, fusable, fusion_buckets  # noqa: E402
 from bps_gc.roles.worker_host import partition_owner  # noqa: E402
 from bps_gc.roles.worker_tensors import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
@@ -114,7 +114,7 @@ def plan(shapes, params, reducer, num_servers, cfg, summands=1):
         if phases(tensor) > 1:
             for name, length in zip(phase_names(tensor), phase_lengths(tensor, summands)):
                 aux, aux_shape, aux_dtype = declare_tensor(tensors, compress, name, (length,),
-                                                           np.float32, None, {})
+                                                           phase_dtype(tensor), None, {})
                 placement.plan(aux, aux_shape, aux_dtype, build_codec, balanced=True)
                 aux.auxiliary = True
     return list(tensors.values())
@@ -250,8 +250,8 @@ def ring_counts(design, hosts, local, tensors, sizes, cfg):
                 sent, msgs = sent + b, msgs + m
             else:
                 coded.append(t)
-        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, hosts * local)[i] for t in phased) * 4
-                                                        for i in range(2) if phased]:
+        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, hosts * local)[i] * phase_dtype(t).itemsize
+                                                            for t in phased) for i in range(2) if phased]:
             b, m = all_reduce(part_bytes)
             sent, msgs = sent + b, msgs + m
         if coded:  # lengths (int64 per partition), then the payloads padded to the longest rank

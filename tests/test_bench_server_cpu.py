@@ -31,4 +31,4 @@ def test_thc_keys_are_dense_phase_sums():
         state.buffers[r], state.lengths[r], state.via_shm[r] = push, push.size, False
     import numpy as np
     total = state.compute(0, [0, 1, 2])
-    assert np.array_equal(total, np.sum([p.view(np.float32) for p in pushes], axis=0))
+    assert np.array_equal(total, np.sum([p.view(np.float64) for p in pushes], axis=0))

@@ -23,10 +23,10 @@ def chains(n, workers, key=7, **options):
 
 
 def phases(codecs, inputs, ctx=CTX):
-    """Both phases summed as the transports do (float32 adds), and every worker's finish."""
-    hist = np.sum([c.compress(x, ctx).view(np.float32) for c, x in zip(codecs, inputs)], axis=0, dtype=np.float32)
-    payloads = [c.compress_q(hist.view(np.uint8)).view(np.float32) for c in codecs]
-    summed = np.sum(payloads, axis=0, dtype=np.float32)
+    """Both phases summed as the transports do (float64 adds), and every worker's finish."""
+    hist = np.sum([c.compress(x, ctx).view(thc.CARRIER) for c, x in zip(codecs, inputs)], axis=0)
+    payloads = [c.compress_q(hist.view(np.uint8)).view(thc.CARRIER) for c in codecs]
+    summed = np.sum(payloads, axis=0)
     return payloads, summed, [c.finish(summed.view(np.uint8), None, len(codecs)) for c in codecs]
 
 
@@ -34,11 +34,11 @@ def inputs(n, workers, scale=1e-3, seed=0):
     return [np.random.default_rng([seed, w]).standard_normal(n).astype(np.float32) * scale for w in range(workers)]
 
 
-def test_lane_widths_and_refusal_past_float32s_exact_integers():
+def test_lane_widths_and_refusal_past_float64s_exact_integers():
     assert [thc.lane_bits(4, n) for n in (1, 2, 3, 8, 9, 1024)] == [4, 5, 6, 7, 8, 14]
-    assert thc.lanes_per_word(5) == 4 and thc.lanes_per_word(7) == 3 and thc.lanes_per_word(13) == 1
-    with pytest.raises(ValueError, match="need 25-bit lanes"):
-        thc.lane_bits(8, 2**16 + 1)
+    assert thc.lanes_per_word(5) == 10 and thc.lanes_per_word(7) == 7 and thc.lanes_per_word(17) == 3
+    with pytest.raises(ValueError, match="need 54-bit lanes"):
+        thc.lane_bits(8, 2**45 + 1)
     with pytest.raises(ValueError, match="bits must be one of"):
         thc.lane_bits(3, 2)
 
@@ -48,10 +48,10 @@ def test_packing_round_trips_and_sums_lane_by_lane():
     width, workers = thc.lane_bits(4, 5), 5
     codes = [rng.integers(0, 16, 1001) for _ in range(workers)]
     words = [thc.pack_lanes(c, width) for c in codes]
-    assert words[0].dtype == np.float32 and words[0].size == math.ceil(1001 / (24 // width))
+    assert words[0].dtype == np.float64 and words[0].size == math.ceil(1001 / (53 // width))
     np.testing.assert_array_equal(thc.unpack_lanes(words[0], width, 1001), codes[0])
-    # the float32 sum of the words holds numpy's integer sum of the codes, lane by lane
-    summed = np.sum(words, axis=0, dtype=np.float32)
+    # the float64 sum of the words holds numpy's integer sum of the codes, lane by lane
+    summed = np.sum(words, axis=0)
     np.testing.assert_array_equal(thc.unpack_lanes(summed, width, 1001), np.sum(codes, axis=0))
 
 
@@ -59,11 +59,11 @@ def test_codes_that_would_overflow_their_lane_are_refused():
     with pytest.raises(ValueError, match="overflow its 5-bit lane"):
         thc.pack_lanes(np.array([0, 32]), 5)
     with pytest.raises(ValueError, match="a lane overflowed"):
-        thc.unpack_lanes(np.array([2.0**24], np.float32), 8, 3)
+        thc.unpack_lanes(np.array([2.0**53]), 8, 3)
     # a push more than the lanes were sized for: phase 1 counts it, and refuses
     codecs = chains(300, 2)
     extra = chains(300, 2)[0]
-    hist = sum(c.compress(x, CTX).view(np.float32) for c, x in zip(codecs + [extra], inputs(300, 3)))
+    hist = sum(c.compress(x, CTX).view(thc.CARRIER) for c, x in zip(codecs + [extra], inputs(300, 3)))
     with pytest.raises(ValueError, match="counted 3 pushes, but the lanes are sized for 2"):
         codecs[0].compress_q(hist.view(np.uint8))
 
@@ -172,7 +172,7 @@ def test_parameters():
     with pytest.raises(ParamError, match="thc keeps the momentum"):
         CompressionParams.from_dict({"compressor": "thc", "momentum": "nesterov", "mu": 0.9})
     codec = chains(10_000, 8, bits=4)[0]
-    assert codec.phase_sizes == (thc.HIST, thc.HEADER + math.ceil(10_000 / 3))
+    assert codec.phase_sizes == (thc.HIST, thc.HEADER + math.ceil(10_000 / 7))  # 7-bit lanes, 7 a word
 
 
 def test_device_chain_on_cpu_torch_matches_numpys_payloads():
@@ -188,9 +188,9 @@ def test_device_chain_on_cpu_torch_matches_numpys_payloads():
     hist_h = [c.compress(x, CTX) for c, x in zip(host, xs)]
     hist_d = [c.compress(torch.from_numpy(x), CTX).numpy() for c, x in zip(dev, xs)]
     assert all(h.tobytes() == d.tobytes() for h, d in zip(hist_h, hist_d))
-    hist = (hist_h[0].view(np.float32) + hist_h[1].view(np.float32)).view(np.uint8)
-    q_h = [c.compress_q(hist).view(np.float32) for c in host]
-    q_d = [c.compress_q(torch.from_numpy(hist.copy())).view(torch.float32).numpy() for c in dev]
+    hist = (hist_h[0].view(np.float64) + hist_h[1].view(np.float64)).view(np.uint8)
+    q_h = [c.compress_q(hist).view(np.float64) for c in host]
+    q_d = [c.compress_q(torch.from_numpy(hist.copy())).view(torch.float64).numpy() for c in dev]
     for h, d in zip(q_h, q_d):  # the Hadamard sums' order may move a code at a rounding tie
         assert (h[:thc.HEADER] == d[:thc.HEADER]).all() and np.mean(h == d) > 0.99
     summed = (q_h[0] + q_h[1]).view(np.uint8)

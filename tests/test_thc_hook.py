@@ -1,5 +1,5 @@
 """thc through bps_gc.torch.comm_hook under DDP on 3 gloo ranks (torchrun): each bucket is two
-all_reduces of float32 (the scale histograms, then the packed codes; hook_phased.py), no
+all_reduces of float64 (the scale histograms, then the packed codes; hook_phased.py), no
 all_gather, and every bucket's result equals the re-computation here from the three ranks'
 bucket gradients: per-gradient chains (keys as the hook's), both phases summed with numpy."""
 import numpy as np
@@ -28,8 +28,8 @@ def expected_buckets(calls):
         result = np.empty(bounds[-1], np.float32)
         for i, chains in enumerate(state[index][1]):
             pieces = [grads[bounds[i]:bounds[i + 1]] for _, _, grads in per_rank]
-            hist = np.sum([c.compress(x, ctx).view(np.float32) for c, x in zip(chains, pieces)], axis=0)
-            codes = np.sum([c.compress_q(hist.view(np.uint8)).view(np.float32) for c in chains], axis=0)
+            hist = np.sum([c.compress(x, ctx).view(np.float64) for c, x in zip(chains, pieces)], axis=0)
+            codes = np.sum([c.compress_q(hist.view(np.uint8)).view(np.float64) for c in chains], axis=0)
             result[bounds[i]:bounds[i + 1]] = chains[0].finish(codes.view(np.uint8), None, RANKS) / np.float32(RANKS)
         results.append(result)
     return results

@@ -1,25 +1,25 @@
-"""thc: summable b-bit codes. Phase 1 a 160-float32 exponent histogram; phase 2 three float32 header values (bits, scale exponent, 1) then float32 words of packed unsigned lanes.
+"""thc: summable b-bit codes. Phase 1 a 160-float64 exponent histogram; phase 2 three float64 header values (bits, scale exponent, 1) then float64 words of packed unsigned lanes.
 
 THC (Li et al., NSDI'24): every worker quantizes against one *shared* scale, so the servers (or
 an all_reduce) add the integer codes without decoding them, and each worker decodes the sum
 once. One reduce takes two plain-sum phases, which the communicators drive like PowerSGD's
-(bps_gc/roles/phased.py), so parameter servers and collectives only ever sum float32:
+(bps_gc/roles/phased.py), so parameter servers and collectives only ever sum dense float64:
 
 1. ``compress(x, ctx)``: y = x (or its randomized Hadamard rotation); the histogram has a 1 in
    the bin of e = ceil(log2 max|y|) (clipped to [-126, 32]; the last bin for a non-finite
    input). Its sum counts the summands, and its highest nonzero bin is the shared exponent.
 2. ``compress_q(hist_sum)``: the scale s = 2^e; each element's code q in [0, M], M = 2^b - 1,
    is (y/s + 1) M/2 rounded stochastically (unbiased: E q = that) or, with ``feedback``, to the
-   nearest and the error kept for the next step. Codes are packed k = floor(24 / w) to a
-   float32 word in lanes of w = b + ceil(log2 N) bits (N summands), so the sum of N words is
-   an integer below 2^24, exact in float32, and no lane carries into the next.
+   nearest and the error kept for the next step. Codes are packed k = floor(53 / w) to a
+   float64 word in lanes of w = b + ceil(log2 N) bits (N summands), so the sum of N words is
+   an integer below 2^53, exact in float64 in any order, and no lane carries into the next.
 3. ``finish(code_sum, out, workers)``: the summed header must say N pushes of this bit width
    and scale (else ValueError, and ``out`` is untouched); out = s (2 Q / M - N), rotated back.
 
 The rotation: per block of B = min(4096, next power of two >= n) elements, H D with D a random
 +-1 diagonal and H the orthonormal Walsh-Hadamard matrix; D's seed derives from the partition's
 seed and the step (``chain.derive_seed``), so every worker rotates alike. The scale agreement
-is phase 1: one extra sum of 640 bytes per partition (one more all_reduce per bucket, or one
+is phase 1: one extra sum of 1,280 bytes per partition (one more all_reduce per bucket, or one
 more push and pull of a dense key per partition on the parameter server).
 """
 import math
@@ -37,8 +37,9 @@ from .registry import register_compressor
 BITS = (2, 4, 8)
 E_MIN, E_MAX = -126, 32  # scale exponents the histogram holds
 HIST = E_MAX - E_MIN + 2  # one bin per exponent, then the non-finite bin
-HEADER = 3  # float32: bits, exponent, count (each summed over the pushes)
-CARRIER_BITS = 24  # integers below 2^24 add exactly in float32
+HEADER = 3  # bits, exponent, count (each summed over the pushes)
+CARRIER = np.dtype(np.float64)  # the words summed: the transports add dense float64 exactly
+CARRIER_BITS = 53  # integers below 2^53 add exactly in float64
 BLOCK = 4096  # largest Hadamard block
 _instances = count()
 
@@ -52,7 +53,7 @@ def lane_bits(bits, summands):
     width = bits + math.ceil(math.log2(int(summands)))
     if width > CARRIER_BITS:
         raise ValueError(f"thc: {summands} summands of {bits}-bit codes need {width}-bit lanes, "
-                         f"more than the {CARRIER_BITS} bits a float32 word adds exactly; "
+                         f"more than the {CARRIER_BITS} bits a float64 word adds exactly; "
                          f"use fewer bits or fewer summands")
     return width
 
@@ -66,7 +67,7 @@ def words_for(count_, width):
 
 
 def pack_lanes(codes, width):
-    """Unsigned integer codes -> float32 words, k = floor(24 / width) codes each, code j of a
+    """Unsigned integer codes -> float64 words, k = floor(53 / width) codes each, code j of a
     word at bit width * j. Refuses a code that does not fit its lane."""
     codes = np.asarray(codes)
     if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= 1 << width):
@@ -78,15 +79,15 @@ def pack_lanes(codes, width):
     words = np.zeros(lanes.shape[0], np.int64)
     for j in range(k):
         words |= lanes[:, j] << (width * j)
-    return words.astype(np.float32)
+    return words.astype(CARRIER)
 
 
 def unpack_lanes(words, width, count_):
-    """float32 words (sums of packed words) -> the ``count_`` integer lane values (int64)."""
-    words = np.asarray(words, np.float32)
+    """float64 words (sums of packed words) -> the ``count_`` integer lane values (int64)."""
+    words = np.asarray(words, CARRIER)
     if words.size and (words.min() < 0 or words.max() >= 2.0 ** CARRIER_BITS
                        or not np.array_equal(words, np.floor(words))):
-        raise ValueError("thc: a summed word is not an integer in [0, 2^24): a lane overflowed")
+        raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
     k, mask = lanes_per_word(width), (1 << width) - 1
     ints = words.astype(np.int64)
     lanes = np.empty((ints.size, k), np.int64)
@@ -144,7 +145,7 @@ def exponent_bin(peak):
 
 def agreed_scale(hist_sum):
     """(summands, exponent, any non-finite push) from the summed histogram."""
-    hist = np.asarray(hist_sum, np.float32)
+    hist = np.asarray(hist_sum, CARRIER)
     if hist.size != HIST or (hist < 0).any() or not np.array_equal(hist, np.floor(hist)):
         raise ValueError(f"thc: a summed histogram must be {HIST} whole counts, got {hist.size} values")
     summands = int(hist.sum())
@@ -158,6 +159,7 @@ def agreed_scale(hist_sum):
 @register_compressor("thc", options=CODEC_OPTIONS["thc"])
 class THC(Codec):
     reducers = ("thc",)  # two plain-sum phases (the reducer below)
+    phase_dtype = CARRIER
 
     def __init__(self, params, n, dtype, seed):
         super().__init__(params, n, dtype)
@@ -189,7 +191,7 @@ class THC(Codec):
 
     @property
     def phase_sizes(self):
-        """float32 elements of each phase's payload: the histogram, then header and words."""
+        """float64 elements of each phase's payload: the histogram, then header and words."""
         return HIST, HEADER + words_for(self.codes, self.width)
 
     def _rotate(self, x, inverse=False):
@@ -208,17 +210,17 @@ class THC(Codec):
             self.y = x
         with np.errstate(invalid="ignore"):
             peak = float(np.max(np.abs(self.y))) if self.y.size else 0.0
-        hist = np.zeros(HIST, np.float32)
+        hist = np.zeros(HIST, CARRIER)
         hist[exponent_bin(peak)] = 1
         return hist.view(np.uint8)
 
     def compress_q(self, hist_sum):
-        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(np.float32))
+        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER))
         if summands != self.summands:
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
                              f"{self.summands}: their codes would overflow (or waste) the lanes")
         self.agreed = (exponent, nonfinite)
-        header = np.array([self.bits, exponent, 1], np.float32)
+        header = np.array([self.bits, exponent, 1], CARRIER)
         if nonfinite:  # the sum is NaN anyway; zeros keep the lanes valid
             codes = np.zeros(self.codes, np.int64)
         else:
@@ -260,7 +262,7 @@ class THC(Codec):
                              f"expected {self.summands} x {exponent})")
 
     def finish(self, code_sum, out=None, workers=1):
-        buf = np.asarray(code_sum).reshape(-1).view(np.float32)
+        buf = np.asarray(code_sum).reshape(-1).view(CARRIER)
         self.check_sum(buf.size, buf[:HEADER])
         exponent, nonfinite = self.agreed
         total = unpack_lanes(buf[HEADER:], self.width, self.codes)  # raises before anything is written
@@ -282,9 +284,9 @@ class THC(Codec):
 
 @register_reducer("thc")
 class CodeSums(Reducer):
-    """thc's reduction: two phases of plain float32 sums (the scale histogram, then the packed
-    codes), which the communicator drives; servers add the codes as dense float32 words, exact
-    below 2^24, and never decode them."""
+    """thc's reduction: two phases of plain float64 sums (the scale histogram, then the packed
+    codes), which the communicator drives; servers add the codes as dense float64 words, exact
+    below 2^53, and never decode them."""
 
     phases = 2
     in_hook = True  # the DDP hook runs its phases too (bps_gc/torch/hook_phased.py)

@@ -10,7 +10,9 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * ``compress(x, ctx)``: the first phase's payload (float32 bytes) from the input;
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
-* ``phase_sizes``: the float32 elements of each phase's payload;
+* ``phase_sizes``: the elements of each phase's payload;
+* optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's float64
+  words hold more exact integer lanes);
 * optionally ``set_summands(workers)``: called first, when the payload's size depends on how
   many pushes the sum adds (thc's lanes).
 """
@@ -42,8 +44,13 @@ def size_for(tensor, workers):
             part.codec.set_summands(workers)
 
 
+def phase_dtype(tensor):
+    """The element type every phase buffer of ``tensor`` is summed in."""
+    return np.dtype(getattr(tensor.partitions[0].codec, "phase_dtype", np.float32))
+
+
 def phase_lengths(tensor, workers=1):
-    """float32 elements of each phase's buffer, for sums of ``workers`` pushes."""
+    """Elements (of ``phase_dtype``) of each phase's buffer, for sums of ``workers`` pushes."""
     size_for(tensor, workers)
     return [sum(int(part.codec.phase_sizes[i]) for part in tensor.partitions) for i in range(PHASES)]
 
@@ -58,6 +65,7 @@ class PhasedReduction:
         self.parts, self.source, self.target = tensor.partitions, source, target
         self.ctx, self.workers = ctx, workers
         size_for(tensor, workers)
+        self.dtype = phase_dtype(tensor)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
                        for i in range(PHASES)]
 
@@ -67,15 +75,15 @@ class PhasedReduction:
             yield part, buffer[bounds[i]:bounds[i + 1]]
 
     def first(self):
-        buffer = np.empty(self.bounds[0][-1], np.float32)
+        buffer = np.empty(self.bounds[0][-1], self.dtype)
         for part, piece in self._pieces(0, buffer):
-            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(np.float32)
+            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(self.dtype)
         return buffer
 
     def second(self, p_sum):
-        buffer = np.empty(self.bounds[1][-1], np.float32)
+        buffer = np.empty(self.bounds[1][-1], self.dtype)
         for (part, piece), (_, summed) in zip(self._pieces(1, buffer), self._pieces(0, p_sum)):
-            piece[:] = part.codec.compress_q(summed).view(np.float32)
+            piece[:] = part.codec.compress_q(summed).view(self.dtype)
         return buffer
 
     def finish(self, q_sum):

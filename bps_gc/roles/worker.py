@@ -18,7 +18,7 @@ from ..transport.wire import encode_context
 from .communicator import Communicator
 from .membership import Membership
 from .peers import Peers
-from .phased import PhasedReduction, phase_lengths, phase_names, phases
+from .phased import PhasedReduction, phase_dtype, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import WorkerIO
 from .worker_push import Push
@@ -129,7 +129,7 @@ class Worker(Communicator):
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
             for name, length in zip(phase_names(tensor), phase_lengths(tensor, self.size)):
-                self.declare(name, shape=(length,), dtype=np.float32)
+                self.declare(name, shape=(length,), dtype=phase_dtype(tensor))
                 self.tensors[name].auxiliary = True
             return
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:

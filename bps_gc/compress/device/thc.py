@@ -1,5 +1,5 @@
 """thc on the device: compress/thc.py's two phases and payloads (the exponent histogram; the
-header and packed lanes as float32 words), with the rotation, codes and error as tensors.
+header and packed lanes as float64 words), with the rotation, codes and error as tensors.
 
 Cross-rank agreement: the histogram bin, the header, the lanes and the rotation's signs (drawn
 by numpy's generator from the same seed, ``block`` values, copied to the device) are the numpy
@@ -23,14 +23,14 @@ def pack_lanes(codes, width):
     padded = torch.zeros(thc.words_for(codes.numel(), width) * k, dtype=torch.int64, device=codes.device)
     padded[:codes.numel()] = codes
     shifts = torch.arange(k, device=codes.device, dtype=torch.int64) * width
-    return (padded.view(-1, k) << shifts).sum(dim=1).to(torch.float32)
+    return (padded.view(-1, k) << shifts).sum(dim=1).to(torch.float64)
 
 
 def unpack_lanes(words, width, count):
     k, mask = thc.lanes_per_word(width), (1 << width) - 1
     if words.numel() and (words.min() < 0 or words.max() >= 2.0 ** thc.CARRIER_BITS
                           or not torch.equal(words, torch.floor(words))):
-        raise ValueError("thc: a summed word is not an integer in [0, 2^24): a lane overflowed")
+        raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
     shifts = torch.arange(k, device=words.device, dtype=torch.int64) * width
     return ((words.to(torch.int64).view(-1, 1) >> shifts) & mask).reshape(-1)[:count]
 
@@ -38,6 +38,7 @@ def unpack_lanes(words, width, count):
 @register_device_compressor("thc")
 class DeviceTHC(DeviceCodec):
     reducers = thc.THC.reducers
+    phase_dtype = thc.CARRIER
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         super().__init__(params, n, dtype, seed, device)
@@ -80,15 +81,16 @@ class DeviceTHC(DeviceCodec):
         else:
             self.y = x
         peak = float(self.y.abs().max()) if self.y.numel() else 0.0  # NaN propagates through max
-        hist = torch.zeros(thc.HIST, dtype=torch.float32, device=self.device)
+        hist = torch.zeros(thc.HIST, dtype=torch.float64, device=self.device)
         hist[thc.exponent_bin(peak)] = 1
         return hist.view(torch.uint8)
 
     def _floats(self, buffer):
+        """A summed phase buffer (bytes, numpy or a tensor) as float64 words on the device."""
         if isinstance(buffer, torch.Tensor):
-            return buffer.reshape(-1).view(torch.float32).to(self.device) \
-                if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float32)
-        return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(np.float32))).to(self.device)
+            return buffer.reshape(-1).view(torch.float64).to(self.device) \
+                if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float64)
+        return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(thc.CARRIER))).to(self.device)
 
     def compress_q(self, hist_sum):
         hist = self._floats(hist_sum).cpu().numpy()
@@ -97,7 +99,7 @@ class DeviceTHC(DeviceCodec):
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
                              f"{self.summands}: their codes would overflow (or waste) the lanes")
         self.host.agreed = (exponent, nonfinite)
-        header = torch.tensor([self.bits, exponent, 1], dtype=torch.float32, device=self.device)
+        header = torch.tensor([self.bits, exponent, 1], dtype=torch.float64, device=self.device)
         if nonfinite:
             codes = torch.zeros(self.codes, dtype=torch.int64, device=self.device)
         else:

@@ -1,13 +1,13 @@
 """Reductions in two phases of plain sums (PowerSGD: the sum of P = M Q, then the sum of
-Q = M^T P^), driven here above the transport, so servers and collectives only ever sum dense
-float32 buffers: each phase of a tensor is one buffer, every partition's phase payload back to
+Q = M^T P^; thc: a scale histogram, then packed integer codes), driven here above the
+transport, so servers and collectives only ever sum dense float buffers: each phase of a tensor is one buffer, every partition's phase payload back to
 back. The parameter server sums it as an uncompressed auxiliary tensor declared per phase
 (``phase_names``); the collective all_reduces it.
 
 Nothing here knows a codec by name: a partition's reducer says how many phases it takes
 (``Reducer.phases``), and its codec provides
 
-* ``compress(x, ctx)``: the first phase's payload (float32 bytes) from the input;
+* ``compress(x, ctx)``: the first phase's payload (bytes of ``phase_dtype``) from the input;
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
 * ``phase_sizes``: the elements of each phase's payload;

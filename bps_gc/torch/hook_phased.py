@@ -1,7 +1,7 @@
 """The DDP hook's buckets of a codec whose reducer sums in plain phases and says it runs in the
 hook (``in_hook``: thc's scale histogram, then its packed codes): each phase of the whole
-bucket is one all_reduce of float32 over the hook's own group, on the exchanging thread (the
-one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
+bucket is one all_reduce (thc: of float64 words) over the hook's own group, on the exchanging
+thread (the one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
 (keys as hook.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
 wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. Every
 rank runs the phases flat: the sums are the same sums whatever the host layout.

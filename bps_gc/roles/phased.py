@@ -1,8 +1,9 @@
 """Reductions in two phases of plain sums (PowerSGD: the sum of P = M Q, then the sum of
 Q = M^T P^; thc: a scale histogram, then packed integer codes), driven here above the
 transport, so servers and collectives only ever sum dense float buffers: each phase of a
-tensor is one buffer, every partition's phase payload back to back. The parameter server sums it as an uncompressed auxiliary tensor declared per phase
-(``phase_names``); the collective all_reduces it.
+tensor is one buffer, every partition's phase payload back to back. The parameter server
+sums it as an uncompressed auxiliary tensor declared per phase (``phase_names``); the
+collective all_reduces it.
 
 Nothing here knows a codec by name: a partition's reducer says how many phases it takes
 (``Reducer.phases``), and its codec provides

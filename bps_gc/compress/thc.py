@@ -178,7 +178,7 @@ class THC(Codec):
         self.rng = np.random.default_rng([self.seed, os.getpid(), next(_instances)])
         self.error = np.zeros(self.n, np.float32) if self.feedback else None
         self.summands = 1
-        self.y = self.signs = self.agreed = None
+        self.x = self.y = self.signs = self.agreed = None
 
     def set_summands(self, summands):
         """Size the code lanes for ``summands`` pushes (the communicator's worker count)."""
@@ -201,6 +201,7 @@ class THC(Codec):
         x = self._input(x).astype(np.float32)
         if self.feedback:
             x = x + self.error
+        self.x = x  # what the codes stand for (error feedback's base)
         if self.rotate:
             self.signs = rotation_signs(self.seed, ctx, self.block)
             padded = np.zeros(self.codes, np.float32)
@@ -233,8 +234,7 @@ class THC(Codec):
             if self.feedback:
                 own = self.dequantize(codes, 1, exponent)
                 own = self._rotate(own, inverse=True)[:self.n] if self.rotate else own
-                base = self._rotate(self.y, inverse=True)[:self.n] if self.rotate else self.y
-                self.error = (base - own).astype(np.float32)
+                self.error = (self.x - own).astype(np.float32)
         return np.concatenate([header, pack_lanes(codes, self.width)]).view(np.uint8)
 
     def dequantize(self, code_sum, summands, exponent):

@@ -49,7 +49,7 @@ class DeviceTHC(DeviceCodec):
         self.error = torch.zeros(self.n, **f32) if self.feedback else None
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()  # each worker its own draws
-        self.y = self.signs = None
+        self.x = self.y = self.signs = None
 
     def set_summands(self, summands):
         self.host.set_summands(summands)
@@ -73,6 +73,7 @@ class DeviceTHC(DeviceCodec):
         x = self._input(x).to(torch.float32)
         if self.feedback:
             x = x + self.error
+        self.x = x
         if self.rotate:
             self.signs = torch.from_numpy(thc.rotation_signs(self.seed, ctx, self.block)).to(self.device)
             padded = torch.zeros(self.codes, dtype=torch.float32, device=self.device)
@@ -113,10 +114,7 @@ class DeviceTHC(DeviceCodec):
             codes = codes.clamp_(0, self.levels).to(torch.int64)
             if self.feedback:
                 own = self._dequantize(codes, 1, exponent)
-                base = self.y
-                if self.rotate:
-                    own, base = self._rotate(own, True)[:self.n], self._rotate(base, True)[:self.n]
-                self.error = base - own
+                self.error = self.x - (self._rotate(own, True)[:self.n] if self.rotate else own)
         return torch.cat([header, pack_lanes(codes, self.width)]).view(torch.uint8)
 
     def _dequantize(self, code_sum, summands, exponent):

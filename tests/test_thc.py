@@ -30,6 +30,25 @@ def phases(codecs, inputs, ctx=CTX):
     return payloads, summed, [c.finish(summed.view(np.uint8), None, len(codecs)) for c in codecs]
 
 
+def pack(codes, width):
+    """The oracle's packing (docs/codecs.md): code j of a word at bit width * j, floor(53 / width)
+    codes a float64 word, written here with Python integers."""
+    k = 53 // width
+    codes = [int(c) for c in codes] + [0] * (-len(codes) % k)
+    return np.array([float(sum(c << (width * j) for j, c in enumerate(codes[i:i + k])))
+                     for i in range(0, len(codes), k)])
+
+
+def unpack(words, width, count):
+    k, mask = 53 // width, (1 << width) - 1
+    return np.array([(int(w) >> (width * j)) & mask for w in words for j in range(k)][:count], np.int64)
+
+
+def nearest(x, exponent, levels):
+    """Codes rounded to the nearest, ties up (the C kernel's floor(u + 1/2))."""
+    return np.clip(np.floor((x.astype(np.float64) / 2.0**exponent + 1) * levels / 2 + 0.5), 0, levels).astype(np.int64)
+
+
 def inputs(n, workers, scale=1e-3, seed=0):
     return [np.random.default_rng([seed, w]).standard_normal(n).astype(np.float32) * scale for w in range(workers)]
 
@@ -43,23 +62,31 @@ def test_lane_widths_and_refusal_past_float64s_exact_integers():
         thc.lane_bits(3, 2)
 
 
-def test_packing_round_trips_and_sums_lane_by_lane():
-    rng = np.random.default_rng(1)
-    width, workers = thc.lane_bits(4, 5), 5
-    codes = [rng.integers(0, 16, 1001) for _ in range(workers)]
-    words = [thc.pack_lanes(c, width) for c in codes]
-    assert words[0].dtype == np.float64 and words[0].size == math.ceil(1001 / (53 // width))
-    np.testing.assert_array_equal(thc.unpack_lanes(words[0], width, 1001), codes[0])
-    # the float64 sum of the words holds numpy's integer sum of the codes, lane by lane
-    summed = np.sum(words, axis=0)
-    np.testing.assert_array_equal(thc.unpack_lanes(summed, width, 1001), np.sum(codes, axis=0))
+def test_each_push_is_its_codes_packed_as_stated():
+    """One worker's phase-2 payload: the header, then its nearest-rounded codes packed by the
+    oracle's own packing, word for word."""
+    for n, bits, workers in ((1001, 4, 5), (7, 2, 1), (300, 8, 3)):
+        xs = inputs(n, workers, seed=n)
+        payloads, _, _ = phases(chains(n, workers, bits=bits, feedback=True), xs)
+        exponent = max(math.ceil(math.log2(np.abs(x).max())) for x in xs)
+        width = thc.lane_bits(bits, workers)
+        for x, payload in zip(xs, payloads):
+            assert payload[:thc.HEADER].tolist() == [bits, exponent, 1]
+            assert payload[thc.HEADER:].tobytes() == pack(nearest(x, exponent, 2**bits - 1), width).tobytes()
 
 
 def test_codes_that_would_overflow_their_lane_are_refused():
-    with pytest.raises(ValueError, match="overflow its 5-bit lane"):
-        thc.pack_lanes(np.array([0, 32]), 5)
+    codecs = chains(300, 2)
+    payloads, summed, _ = phases(codecs, inputs(300, 2))
+    out = np.full(300, 7.0, np.float32)
+    broken = summed.copy()
+    broken[thc.HEADER + 3] = 2.0**53  # a word past float64's exact integers
     with pytest.raises(ValueError, match="a lane overflowed"):
-        thc.unpack_lanes(np.array([2.0**53]), 8, 3)
+        codecs[0].finish(broken.view(np.uint8), out, 2)
+    broken[thc.HEADER + 3] = 0.5  # not a sum of whole words
+    with pytest.raises(ValueError, match="a lane overflowed"):
+        codecs[0].finish(broken.view(np.uint8), out, 2)
+    assert (out == 7.0).all()
     # a push more than the lanes were sized for: phase 1 counts it, and refuses
     codecs = chains(300, 2)
     extra = chains(300, 2)[0]
@@ -77,10 +104,8 @@ def test_decoded_sum_is_numpys_integer_sum_of_the_codes(bits):
     _, summed, outs = phases(chains(n, workers, bits=bits, feedback=True), xs)
     exponent = max(math.ceil(math.log2(np.abs(x).max())) for x in xs)
     levels = 2**bits - 1
-    codes = [np.clip(np.rint((x.astype(np.float64) / 2.0**exponent + 1) * levels / 2), 0, levels).astype(np.int64)
-             for x in xs]
-    total = np.sum(codes, axis=0)
-    np.testing.assert_array_equal(thc.unpack_lanes(summed[thc.HEADER:], thc.lane_bits(bits, workers), n), total)
+    total = np.sum([nearest(x, exponent, levels) for x in xs], axis=0)
+    np.testing.assert_array_equal(unpack(summed[thc.HEADER:], thc.lane_bits(bits, workers), n), total)
     expected = (2.0**exponent * (2.0 * total / levels - workers)).astype(np.float32)
     for out in outs:
         assert out.tobytes() == expected.tobytes()

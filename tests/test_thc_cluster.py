@@ -2,7 +2,7 @@
 bpslaunch per role) and torch.distributed (2 hosts x 3 ranks, one bpslaunch per host), each
 host a network namespace. The servers and the all_reduce add the packed codes as float32 words;
 every rank's pull is decoded from those sums. The oracle recomputes every rank's codes here with
-numpy (nearest rounding with error feedback, so they are deterministic), sums them as int64 and
+numpy (nearest rounding, ties up, with error feedback, so they are deterministic), sums them as int64 and
 decodes by the stated formula: the pulls must equal it bit for bit, and the integer sums read
 back from the pulls must equal numpy's. A stochastic 2-bit tensor rides along: every rank pulls
 the same values, within the stated bound of the true mean."""
@@ -40,7 +40,8 @@ def integer_sums(tensor, ranks, steps, partition_bytes):
         for _, start, stop in partitions(size, np.float32, partition_bytes):
             part = xs[:, start:stop]
             exponent = max(math.ceil(math.log2(float(np.abs(p).max()))) for p in part)
-            codes = np.clip(np.rint((part.astype(np.float64) / 2.0**exponent + 1) * levels / 2), 0, levels).astype(np.int64)
+            codes = np.clip(np.floor((part.astype(np.float64) / 2.0**exponent + 1) * levels / 2 + 0.5), 0,
+                            levels).astype(np.int64)  # to the nearest, ties up
             errors[:, start:stop] = part - (2.0**exponent * (2.0 * codes / levels - 1)).astype(np.float32)
             total[start:stop] = codes.sum(axis=0)
             pulled[start:stop] = (2.0**exponent * (2.0 * total[start:stop] / levels - ranks)).astype(np.float32)

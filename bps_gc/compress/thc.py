@@ -10,7 +10,7 @@ once. One reduce takes two plain-sum phases, which the communicators drive like 
    input). Its sum counts the summands, and its highest nonzero bin is the shared exponent.
 2. ``compress_q(hist_sum)``: the scale s = 2^e; each element's code q in [0, M], M = 2^b - 1,
    is (y/s + 1) M/2 rounded stochastically (unbiased: E q = that) or, with ``feedback``, to the
-   nearest and the error kept for the next step. Codes are packed k = floor(53 / w) to a
+   nearest (ties up) and the error kept for the next step (the C kernel kernels/thc.c). Codes are packed k = floor(53 / w) to a
    float64 word in lanes of w = b + ceil(log2 N) bits (N summands), so the sum of N words is
    an integer below 2^53, exact in float64 in any order, and no lane carries into the next.
 3. ``finish(code_sum, out, workers)``: the summed header must say N pushes of this bit width
@@ -28,8 +28,9 @@ from itertools import count
 
 import numpy as np
 
+from ._native import ERRORS, lib, ptr
 from .base import Codec
-from .chain import MASK64, derive_seed
+from .chain import MASK64, derive_seed, mixed_state
 from .params import CODEC_OPTIONS
 from .reducers import Reducer, register_reducer
 from .registry import register_compressor
@@ -64,36 +65,6 @@ def lanes_per_word(width):
 
 def words_for(count_, width):
     return -(-count_ // lanes_per_word(width))
-
-
-def pack_lanes(codes, width):
-    """Unsigned integer codes -> float64 words, k = floor(53 / width) codes each, code j of a
-    word at bit width * j. Refuses a code that does not fit its lane."""
-    codes = np.asarray(codes)
-    if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= 1 << width):
-        raise ValueError(f"thc: a code outside [0, 2^{width}) would overflow its {width}-bit lane")
-    k = lanes_per_word(width)
-    padded = np.zeros(words_for(codes.size, width) * k, np.int64)
-    padded[:codes.size] = codes
-    lanes = padded.reshape(-1, k)
-    words = np.zeros(lanes.shape[0], np.int64)
-    for j in range(k):
-        words |= lanes[:, j] << (width * j)
-    return words.astype(CARRIER)
-
-
-def unpack_lanes(words, width, count_):
-    """float64 words (sums of packed words) -> the ``count_`` integer lane values (int64)."""
-    words = np.asarray(words, CARRIER)
-    if words.size and (words.min() < 0 or words.max() >= 2.0 ** CARRIER_BITS
-                       or not np.array_equal(words, np.floor(words))):
-        raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
-    k, mask = lanes_per_word(width), (1 << width) - 1
-    ints = words.astype(np.int64)
-    lanes = np.empty((ints.size, k), np.int64)
-    for j in range(k):
-        lanes[:, j] = (ints >> (width * j)) & mask
-    return lanes.reshape(-1)[:count_]
 
 
 def hadamard(x, cat=np.concatenate):
@@ -175,7 +146,7 @@ class THC(Codec):
         self.block = block_size(self.n) if self.rotate else 1
         self.codes = -(-self.n // self.block) * self.block if self.rotate else self.n
         # stochastic rounding must differ between workers (their errors then average out)
-        self.rng = np.random.default_rng([self.seed, os.getpid(), next(_instances)])
+        self.rng_state = mixed_state(derive_seed(self.seed ^ os.getpid() << 24 ^ next(_instances) << 48))
         self.error = np.zeros(self.n, np.float32) if self.feedback else None
         self.summands = 1
         self.x = self.y = self.signs = self.agreed = None
@@ -221,25 +192,18 @@ class THC(Codec):
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
                              f"{self.summands}: their codes would overflow (or waste) the lanes")
         self.agreed = (exponent, nonfinite)
-        header = np.array([self.bits, exponent, 1], CARRIER)
-        if nonfinite:  # the sum is NaN anyway; zeros keep the lanes valid
-            codes = np.zeros(self.codes, np.int64)
-        else:
-            scaled = (self.y.astype(np.float64) * 2.0 ** -exponent + 1) * (self.levels / 2)
+        width = self.width
+        words = np.zeros(HEADER + words_for(self.codes, width), CARRIER)
+        words[:HEADER] = (self.bits, exponent, 1)
+        if not nonfinite:  # else the sum is NaN anyway; zeros keep the lanes valid
+            own = np.empty(self.codes, np.float32) if self.feedback else None
+            y = np.ascontiguousarray(self.y, np.float32)
+            lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width),
+                             None if self.feedback else ptr(self.rng_state),
+                             None if own is None else ptr(own), ptr(words[HEADER:]))
             if self.feedback:
-                codes = np.rint(scaled)
-            else:
-                codes = np.floor(scaled + self.rng.random(scaled.size))
-            codes = np.clip(codes, 0, self.levels).astype(np.int64)
-            if self.feedback:
-                own = self.dequantize(codes, 1, exponent)
-                own = self._rotate(own, inverse=True)[:self.n] if self.rotate else own
-                self.error = (self.x - own).astype(np.float32)
-        return np.concatenate([header, pack_lanes(codes, self.width)]).view(np.uint8)
-
-    def dequantize(self, code_sum, summands, exponent):
-        """The sum of ``summands`` decoded codes from their integer sum."""
-        return (2.0 ** exponent * (2.0 * code_sum / self.levels - summands)).astype(np.float32)
+                self.error = self.x - (self._rotate(own, inverse=True)[:self.n] if self.rotate else own)
+        return words.view(np.uint8)
 
     def check_sum(self, size, header):
         """Refuse a summed phase-2 buffer of ``size`` words whose ``header`` (its first three
@@ -265,16 +229,24 @@ class THC(Codec):
         buf = np.asarray(code_sum).reshape(-1).view(CARRIER)
         self.check_sum(buf.size, buf[:HEADER])
         exponent, nonfinite = self.agreed
-        total = unpack_lanes(buf[HEADER:], self.width, self.codes)  # raises before anything is written
         out = self._output(out)
+        direct = out.dtype == np.float32 and not self.rotate
+        values = out if direct else np.empty(self.codes, np.float32)
+        words = np.require(buf[HEADER:], CARRIER, ["C", "A"])
+        width = self.width
+        code = lib.thc_unpack_f64(ptr(words), words.size, self.codes, width, lanes_per_word(width),
+                                  2.0 ** exponent, self.levels, float(self.summands), ptr(values))
+        if code < 0:  # checked before anything was written
+            raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed"
+                             if code == -3 else f"thc: {ERRORS.get(code, code)}")
         if nonfinite:
             out[:] = np.nan
             return out
-        values = self.dequantize(total, self.summands, exponent)
         if self.rotate:
             values = self._rotate(values, inverse=True)[:self.n]
-        with np.errstate(over="ignore"):
-            out[:] = values
+        if not direct:
+            with np.errstate(over="ignore"):
+                out[:] = values
         return out
 
     def decompress(self, payload, out=None):

@@ -18,7 +18,8 @@ from .registry import register_device_compressor
 
 
 def pack_lanes(codes, width):
-    """compress/thc.py's ``pack_lanes`` for an int64 tensor of codes (checked by the caller)."""
+    """int64 codes -> float64 words, code j of a word at bit width * j (kernels/thc.c's layout;
+    the codes are clamped to their lane by the caller)."""
     k = thc.lanes_per_word(width)
     padded = torch.zeros(thc.words_for(codes.numel(), width) * k, dtype=torch.int64, device=codes.device)
     padded[:codes.numel()] = codes
@@ -106,7 +107,7 @@ class DeviceTHC(DeviceCodec):
         else:
             scaled = (self.y.to(torch.float64) * 2.0 ** -exponent + 1) * (self.levels / 2)
             if self.feedback:
-                codes = torch.round(scaled)
+                codes = torch.floor(scaled + 0.5)  # ties up, as the C kernel
             else:
                 noise = torch.rand(scaled.shape, generator=self.generator, device=self.device,
                                    dtype=torch.float64)

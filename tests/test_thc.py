@@ -154,6 +154,11 @@ def test_rotation_is_inverted_and_agrees_on_every_worker():
     b.compress(x, CTX)
     np.testing.assert_array_equal(a.signs, b.signs)  # the same seed: key and step
     np.testing.assert_allclose(a._rotate(a.y, inverse=True)[:5000], x, atol=1e-9)
+    # the C kernel does numpy's float32 operations in numpy's order (thc.rotated: the device's)
+    padded = np.zeros(a.codes, np.float32)
+    padded[:5000] = x
+    assert a.y.tobytes() == thc.rotated(padded, a.signs, a.block).tobytes()
+    assert a._rotate(a.y, True).tobytes() == thc.rotated(a.y, a.signs, a.block, inverse=True).tobytes()
     assert a.block == 4096 and a.codes == 8192
     a.compress(x, dict(CTX, step=4))
     assert not np.array_equal(a.signs, b.signs)  # a new rotation each step

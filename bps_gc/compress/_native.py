@@ -112,6 +112,7 @@ def _load():
         # thc.c (summable codes)
         "thc_pack_f32": (None, [P, I, ctypes.c_double, C, C, C, P, P, P]),
         "thc_unpack_f64": (I, [P, I, I, C, C, ctypes.c_double, C, ctypes.c_double, P]),
+        "thc_rotate_f32": (None, [P, I, I, P, C, F]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

@@ -166,7 +166,11 @@ class THC(Codec):
         return HIST, HEADER + words_for(self.codes, self.width)
 
     def _rotate(self, x, inverse=False):
-        return rotated(x, self.signs, self.block, inverse)
+        """A rotated copy of x (float32, ``codes`` long): ``rotated``'s operations in C."""
+        out = np.array(x, np.float32)
+        lib.thc_rotate_f32(ptr(out), out.size // self.block, self.block, ptr(self.signs), int(inverse),
+                           1 / math.sqrt(self.block))
+        return out
 
     def compress(self, x, ctx=None):
         x = self._input(x).astype(np.float32)

@@ -68,3 +68,26 @@ EXPORT HOT int64_t thc_unpack_f64(const double *words, int64_t nwords, int64_t n
     }
     return n;
 }
+
+/* The rotation, in place: each of `rows` blocks of `block` (a power of two) float32 values
+ * becomes H D x (inverse 0) or D H x (inverse 1), H the Walsh-Hadamard butterflies scaled by
+ * float32(1 / sqrt(block)) at the end, D the +-1 `signs`: the same float32 operations, in the
+ * same order, as compress/thc.py's ``hadamard``. */
+EXPORT HOT void thc_rotate_f32(float *x, int64_t rows, int64_t block, const float *signs, int inverse,
+                               float norm) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *b = x + r * block;
+        if (!inverse)
+            for (int64_t i = 0; i < block; i++)
+                b[i] *= signs[i];
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t g = 0; g < block; g += 2 * h)
+                for (int64_t i = g; i < g + h; i++) {
+                    float a = b[i], c = b[i + h];
+                    b[i] = a + c;
+                    b[i + h] = a - c;
+                }
+        for (int64_t i = 0; i < block; i++)
+            b[i] = inverse ? b[i] * norm * signs[i] : b[i] * norm;
+    }
+}

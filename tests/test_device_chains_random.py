@@ -367,7 +367,7 @@ def test_powersgd_two_workers_follow_numpy(device, rank, shape):
 
 # ---------------------------------------------------------------- what the chains declare
 
-@pytest.mark.parametrize("name", ["randomk", "dithering", "terngrad", "qsgd", "dgc", "powersgd"])
+@pytest.mark.parametrize("name", ["randomk", "dithering", "terngrad", "qsgd", "dgc", "powersgd", "thc"])
 def test_device_classes_declare_what_numpy_codecs_do(name):
     # servers pick reducers and build_chain decorators from these: they must agree
     from bps_gc.compress.device import DEVICE_COMPRESSORS

@@ -5,6 +5,7 @@ is needed, so servers run them with numpy alone. See docs/codecs.md for the wire
 """
 from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the built-ins)
 from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
+from . import thc  # noqa: F401  (issue 35: summable codes)
 from .base import Codec
 from .chain import build_chain
 from .context import step_context

@@ -43,6 +43,7 @@ from .device import chain_for, uses_device_chain
 from .hook_dtypes import TORCH_OF, built_or_refused, wire_dtype, wire_torch
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
+from .hook_phased import PhasedBuckets
 from .hook_state import BucketJob, BucketState
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
@@ -63,14 +64,16 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook:
+class CompressionHook(PhasedBuckets):
     def __init__(self, compression_params=None, reducer=None, optimizer=None):
         refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
         phases = getattr(compress.REDUCERS.get(self.reducer), "phases", 1)  # "sum" is no class
-        if phases > 1:
+        self.phased = phases > 1  # thc: each phase one all_reduce (hook_phased.py)
+        self.phased_buckets = {}  # bucket index -> [sizes, its partitions, steps so far]
+        if self.phased and not getattr(compress.REDUCERS[self.reducer], "in_hook", False):
             raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
@@ -98,6 +101,8 @@ class CompressionHook:
             self.exchanger.submit(lambda: self.two_levels.all_reduce(levels, group, bucket.index(), buffer,
                                                                      future, stream))
             return future.then(value)
+        if self.phased:
+            return self._phased_call(group, bucket, buffer)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
         state = self._state(index, sizes, buffer)

@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from ...comm.communicator import Communicator
-from ...comm.phased import PhasedReduction, phase_lengths, phase_names, phases
+from ...comm.phased import PhasedReduction, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 from ...transport.sockets import Auth
 from ...transport.wire import encode_context
@@ -133,8 +133,8 @@ class Worker(Communicator):
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):
-                self.declare(name, shape=(length,), dtype=np.float32)
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor, self.size)):
+                self.declare(name, shape=(length,), dtype=phase_dtype(tensor))
                 self.tensors[name].auxiliary = True
             return
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:

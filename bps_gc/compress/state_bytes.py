@@ -39,11 +39,10 @@ def encode_state(sd):
             raise StateError(f"state keys must be str, got {key!r}")
         array = as_numpy(value)
         if array is not None:
-            array = np.ascontiguousarray(array)
             dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
             if dtype.str not in DTYPES:
                 raise StateError(f"state key {key!r}: cannot encode dtype {array.dtype}")
-            blob = array.astype(dtype, copy=False).tobytes()
+            blob = array.astype(dtype, copy=False).tobytes()  # C order whatever the strides
             arrays.append([key, dtype.str, list(array.shape), len(blob)])
             blobs.append(blob)
         elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
@@ -91,7 +90,7 @@ def decode_state(data):
         if nbytes > len(buf) - offset:
             raise StateError(f"bps_gc state: array {key!r} needs {nbytes} bytes, "
                              f"{len(buf) - offset} are left (truncated)")
-        out[key] = np.frombuffer(buf, dtype, math.prod(shape), offset).reshape(shape).copy()
+        out[key] = np.frombuffer(buf, dtype, math.prod(shape), offset).reshape(tuple(shape)).copy()
         offset += nbytes
     if offset != len(buf):
         raise StateError(f"bps_gc state: {len(buf) - offset} bytes after the last array")

@@ -144,7 +144,7 @@ class PostPull(Stateful):
 
     def state_identity(self):
         holder = self.nag if self.nag is not None else self.wd_mom
-        return {"mu": float(self.mu), "wd": float(self.wd), "wd_rule": self.wd_rule or "",
+        return {"mu": str(self.mu), "wd": str(self.wd), "wd_rule": self.wd_rule or "",
                 "compressed": int(self.nag is None),
                 "shape": str(tuple(holder.shape)) if holder is not None else ""}
 

@@ -222,3 +222,25 @@ def test_loaded_arrays_are_copied_into_the_native_buffers():
     words = first.rng_state
     first.load_state_dict(used_chain(params).state_dict())
     assert first.rng_state is words and not np.array_equal(words, build_chain(params, N, np.float32).rng_state)
+
+
+def test_a_plugins_numpy_generator_resumes():
+    """A plugin codec that keeps a numpy Generator declares it like any state attribute."""
+    from bps_gc.compress import Codec
+
+    class Noisy(Codec):
+        state_attrs = ("rng",)
+
+        def __init__(self):
+            super().__init__(CompressionParams.from_dict({"compressor": "topk", "k": 1}), 4, np.float32)
+            self.rng = np.random.default_rng(5)
+
+        def compress(self, x, ctx=None):
+            return self.rng.integers(0, 256, 8, dtype=np.uint8)
+    first = Noisy()
+    first.compress(None)
+    fresh = Noisy()
+    fresh.load_state_dict(through_bytes(first.state_dict()))
+    assert fresh.compress(None).tobytes() == first.compress(None).tobytes()
+    with pytest.raises(StateError, match="'codec.rng': expected the JSON state of a PCG64"):
+        fresh.load_state_dict({**first.state_dict(), "codec.rng": "{}"})

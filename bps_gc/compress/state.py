@@ -106,6 +106,8 @@ def _is_generator(v):
 
 
 def _snapshot(v):
+    if isinstance(v, np.random.Generator):  # a plugin's; its state as JSON (ints of any size)
+        return json.dumps(v.bit_generator.state, sort_keys=True)
     if isinstance(v, np.ndarray):
         return v.copy()
     if _is_tensor(v):
@@ -164,6 +166,17 @@ def _show(v):
 
 def _converted(key, current, value):
     """``value`` checked against the slot's current value and made ready to assign."""
+    if isinstance(current, np.random.Generator):
+        kind = current.bit_generator.state["bit_generator"]
+        try:
+            state = json.loads(value) if isinstance(value, str) else None
+            ok = isinstance(state, dict) and state.get("bit_generator") == kind
+        except ValueError:
+            ok = False
+        if not ok:
+            raise StateError(f"state key {key!r}: expected the JSON state of a {kind} generator, "
+                             f"got {_describe(value)[:80]}")
+        return state
     if _is_generator(current):
         target = current.get_state()
         got = as_numpy(value)
@@ -211,6 +224,8 @@ def load(obj, sd):
             current.copy_(value)
         elif _is_generator(current):
             current.set_state(value)
+        elif isinstance(current, np.random.Generator):
+            current.bit_generator.state = value
         elif isinstance(owner, dict):
             owner[name] = value
         else:

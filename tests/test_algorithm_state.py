@@ -2,10 +2,6 @@
 count, the momentum plan's post-pull adapters. K nodes in one process over an in-process
 mailbox; N rounds straight equal N/2, save every node, encode, decode, FRESH nodes from the
 models at N/2, load, N/2 more: the models and every message byte for byte."""
-import collections
-import queue
-import threading
-
 import numpy as np
 import pytest
 
@@ -14,36 +10,10 @@ from bps_gc.bindings.momentum import MomentumPlan, PostPull
 from bps_gc.bindings.topology import ring
 from bps_gc.compress.state import StateError
 from bps_gc.compress.state_bytes import decode_state, encode_state
+from mailbox import Mailbox, in_threads
 
 K, ROUNDS = 4, 6
 SHAPES = {"w": 40, "b": 7}
-
-
-class Mailbox:
-    """Queues between in-process nodes; every message is also logged per sender."""
-
-    def __init__(self):
-        self.queues = collections.defaultdict(queue.Queue)
-        self.log = collections.defaultdict(list)
-
-    def comm(self, rank):
-        box = self
-
-        class Comm:
-            def rank(self):
-                return rank
-
-            def size(self):
-                return K
-
-            def send(self, to, name, payload):
-                data = np.array(payload, np.uint8).copy()
-                box.log[rank].append(data.tobytes())
-                box.queues[(rank, to, name)].put(data)
-
-            def recv(self, frm, name, timeout=None):
-                return box.queues[(frm, rank, name)].get(timeout=30)
-        return Comm()
 
 
 def models(seed=0):
@@ -59,8 +29,8 @@ def gradient(rank, step, name):
 
 def make(algorithm, arrays, box, params):
     if algorithm == "choco":
-        return [ChocoGossip(arrays[r], ring(K), box.comm(r), 0.4, params) for r in range(K)]
-    return [DPSGDGossip(arrays[r], ring(K), box.comm(r)) for r in range(K)]
+        return [ChocoGossip(arrays[r], ring(K), box.node(r, K), 0.4, params) for r in range(K)]
+    return [DPSGDGossip(arrays[r], ring(K), box.node(r, K)) for r in range(K)]
 
 
 def rounds(nodes, arrays, first, count):
@@ -69,20 +39,7 @@ def rounds(nodes, arrays, first, count):
         for r in range(K):
             for name, x in arrays[r].items():
                 x -= np.float32(0.1) * gradient(r, step, name)
-        errors = []
-
-        def node_round(node):
-            try:
-                node.step(0.1)
-            except BaseException as e:  # re-raised here
-                errors.append(e)
-        threads = [threading.Thread(target=node_round, args=(n,)) for n in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        in_threads([lambda n=n: n.step(0.1) for n in nodes])
     return [{n: x.copy() for n, x in a.items()} for a in arrays]
 
 
@@ -129,14 +86,14 @@ def test_gossip_refusals():
     sd = nodes[1].state_dict()
     with pytest.raises(StateError, match="setting 'rank' is 1 in the state, 0 here"):
         nodes[0].load_state_dict(sd)
-    other = ChocoGossip(models()[1], ring(K), Mailbox().comm(1), 0.5, {"compressor": "topk", "k": 0.25})
+    other = ChocoGossip(models()[1], ring(K), Mailbox().node(1, K), 0.5, {"compressor": "topk", "k": 0.25})
     with pytest.raises(StateError, match="setting 'gamma' is 0.4 in the state, 0.5 here"):
         other.load_state_dict(sd)
     smaller = {"w": np.zeros(40, np.float32), "b": np.zeros(6, np.float32)}
     with pytest.raises(StateError, match="'models'"):
-        ChocoGossip(smaller, ring(K), Mailbox().comm(1), 0.4, {"compressor": "topk", "k": 0.25}
+        ChocoGossip(smaller, ring(K), Mailbox().node(1, K), 0.4, {"compressor": "topk", "k": 0.25}
                     ).load_state_dict(sd)
-    dpsgd = DPSGDGossip(models()[1], ring(K), Mailbox().comm(1))
+    dpsgd = DPSGDGossip(models()[1], ring(K), Mailbox().node(1, K))
     with pytest.raises(StateError, match="'algorithm' is 'choco' in the state, 'dpsgd' here"):
         dpsgd.load_state_dict(sd)
 

@@ -244,3 +244,18 @@ def test_a_plugins_numpy_generator_resumes():
     assert fresh.compress(None).tobytes() == first.compress(None).tobytes()
     with pytest.raises(StateError, match="'codec.rng': expected the JSON state of a PCG64"):
         fresh.load_state_dict({**first.state_dict(), "codec.rng": "{}"})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("params", [BASE, {"compressor": "onebit", "ef": "vanilla"},
+                                    {"compressor": "randomk", "k": 0.1, "ef": "vanilla"}], ids=name)
+def test_other_dtypes_resume(params, dtype):
+    xs = [x.astype(dtype) for x in inputs()]
+    want = run(build_chain(params, N, dtype, key=4), xs, 0)
+    first = build_chain(params, N, dtype, key=4)
+    got = run(first, xs[:3], 0)
+    sd = through_bytes(first.state_dict())
+    assert sd["ef.error"].dtype == dtype
+    fresh = build_chain(params, N, dtype, key=4)
+    fresh.load_state_dict(sd)
+    assert_runs_equal(want, got + run(fresh, xs[3:], 3))

@@ -93,6 +93,8 @@ def test_gossip_refusals():
     with pytest.raises(StateError, match="'models'"):
         ChocoGossip(smaller, ring(K), Mailbox().node(1, K), 0.4, {"compressor": "topk", "k": 0.25}
                     ).load_state_dict(sd)
+    with pytest.raises(StateError, match="'rounds': expected int, got float 2.5"):
+        nodes[1].load_state_dict({**sd, "rounds": 2.5})
     dpsgd = DPSGDGossip(models()[1], ring(K), Mailbox().node(1, K))
     with pytest.raises(StateError, match="'algorithm' is 'choco' in the state, 'dpsgd' here"):
         dpsgd.load_state_dict(sd)

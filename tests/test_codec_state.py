@@ -195,8 +195,9 @@ def corrupt(sd, key, value):
     ("ef.error", None, r"lacks key 'ef\.error'"),
     ("momentum.momentum", np.zeros(N + 1, np.float32), r"'momentum\.momentum'.*shape \(300,\).*got an array of shape \(301,\)"),
     ("ef.error", np.zeros(N, np.float64), r"'ef\.error'.*dtype float32.*dtype float64"),
-    ("ef.lr_prev", "fast", r"'ef\.lr_prev': expected a float"),
-    ("ef.lr_prev", np.zeros(2), r"'ef\.lr_prev': expected a float"),
+    ("ef.lr_prev", "fast", r"'ef\.lr_prev': expected float"),
+    ("ef.lr_prev", np.zeros(2), r"'ef\.lr_prev': expected float"),
+    ("ef.lr_prev", True, r"'ef\.lr_prev': expected float"),
     ("codec.rng_state", np.zeros(2, np.uint64), r"has key 'codec\.rng_state'"),
     ("identity.codec.params", "{not json", r"not the JSON"),
 ])

@@ -95,3 +95,33 @@ def test_device_refusals_name_the_key():
     gen = build_chain({"compressor": "terngrad"}, N, np.float32, device="cpu")
     with pytest.raises(StateError, match=r"'codec\.generator': expected a generator state"):
         gen.load_state_dict({**gen.state_dict(), "codec.generator": torch.zeros(3, dtype=torch.uint8)})
+
+
+def test_choco_state_moves_to_the_device_variant(monkeypatch):
+    """A numpy CHOCO node's state resumes in bps_gc.torch's DeviceChocoGossip (CPU tensors,
+    device codec chains): the models after the restart are the numpy straight run's."""
+    monkeypatch.setenv("BPS_GC_DEVICE_CODECS", "torch")  # device chains on CPU tensors too
+    from bps_gc.torch.choco import DeviceChocoGossip
+    from test_algorithm_state import K, ROUNDS, SHAPES, gradient, make, models, rounds
+    from mailbox import Mailbox, in_threads
+    from bps_gc.bindings.topology import ring
+    params = {"compressor": "topk", "k": 0.25}
+    arrays = models()
+    want = rounds(make("choco", arrays, Mailbox(), params), arrays, 0, ROUNDS)
+    arrays = models()
+    nodes = make("choco", arrays, Mailbox(), params)
+    rounds(nodes, arrays, 0, ROUNDS // 2)
+    saved = [through_bytes(n.state_dict()) for n in nodes]
+    tensors = [{n: torch.from_numpy(x.copy()) for n, x in a.items()} for a in arrays]
+    box = Mailbox()
+    fresh = [DeviceChocoGossip(tensors[r], ring(K), box.node(r, K), 0.4, params) for r in range(K)]
+    for node, sd in zip(fresh, saved):
+        node.load_state_dict(sd)
+    for step in range(ROUNDS // 2, ROUNDS):
+        for r in range(K):
+            for name, x in tensors[r].items():
+                x -= torch.from_numpy(np.float32(0.1) * gradient(r, step, name))
+        in_threads([lambda n=n: n.step(0.1) for n in fresh])
+    for r in range(K):
+        for name in SHAPES:
+            np.testing.assert_array_equal(tensors[r][name].numpy(), want[r][name], err_msg=f"{r} {name}")

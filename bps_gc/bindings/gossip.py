@@ -86,7 +86,9 @@ class _Neighbourhood(Stateful):
     algorithm = None  # "choco" or "dpsgd": a state moves only to the same algorithm
 
     def state_identity(self):
-        models = {n: [int(a.size), str(a.dtype)] for n, a in self.x.items()}
+        # numpy arrays here, torch tensors in bps_gc.torch's variant: the same identity
+        models = {n: [int(np.prod(a.shape)), str(a.dtype).removeprefix("torch.")]
+                  for n, a in self.x.items()}
         return {"algorithm": self.algorithm, "rank": self.rank, "size": self.size,
                 "topology": self.topology.name, "models": json.dumps(models, sort_keys=True)}
 

@@ -195,9 +195,9 @@ def _converted(key, current, value):
             return got
         return value if _is_tensor(value) else sys.modules["torch"].from_numpy(np.array(got))
     kind = type(_plain(current))
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, str, np.number)) \
-            or (kind is str) != isinstance(value, str):
-        raise StateError(f"state key {key!r}: expected a {kind.__name__}, got {_describe(value)}")
+    accepted = {int: (int, np.integer), float: (int, float, np.integer, np.floating), str: (str,)}
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, accepted[kind]):
+        raise StateError(f"state key {key!r}: expected {kind.__name__}, got {_describe(value)}")
     return kind(value)
 
 

@@ -260,3 +260,29 @@ def test_other_dtypes_resume(params, dtype):
     fresh = build_chain(params, N, dtype, key=4)
     fresh.load_state_dict(sd)
     assert_runs_equal(want, got + run(fresh, xs[3:], 3))
+
+
+def test_state_group_checks_every_object_before_loading_any():
+    from bps_gc.compress.state import StateGroup
+    params = {"topk": BASE, "dgc": {"compressor": "dgc", "k": 0.05, "mu": 0.9}}
+    group = StateGroup({name: used_chain(p) for name, p in params.items()})
+    sd = through_bytes(group.state_dict())
+    assert "topk/ef.error" in sd and "identity.dgc/codec.name" in sd
+    fresh = StateGroup({name: build_chain(p, N, np.float32) for name, p in params.items()})
+    before = fresh.state_dict()
+    bad = {**sd, "dgc/codec.v": np.zeros(3, np.float32)}  # the second object's part is wrong
+    with pytest.raises(StateError, match=r"'dgc/codec\.v'"):
+        fresh.load_state_dict(bad)
+    assert_states_equal(before, fresh.state_dict())  # topk's part was not loaded either
+    with pytest.raises(StateError, match="holds 1 object.*'fc.weight'"):
+        fresh.load_state_dict({**sd, "fc.weight/ef.error": np.zeros(1)})
+    with pytest.raises(StateError, match="lacks 1 object.*'dgc'"):
+        fresh.load_state_dict({k: v for k, v in sd.items() if "dgc/" not in k})
+    fresh.load_state_dict(sd)
+    assert_states_equal(group.state_dict(), fresh.state_dict())
+    nested = StateGroup({"fc.weight": StateGroup({"0": build_chain(BASE, N, np.float32),
+                                                  "1": build_chain(BASE, N, np.float32)})})
+    saved = nested.state_dict()
+    with pytest.raises(StateError, match="holds 1 object.*'fc.weight/2'"):
+        nested.load_state_dict({k.replace("fc.weight/1/", "fc.weight/2/"): v for k, v in saved.items()})
+    nested.load_state_dict(saved)

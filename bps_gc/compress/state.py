@@ -65,6 +65,7 @@ def _walk(obj, prefix=""):
 
 
 def identity(obj):
+    """The identity of obj and its children: {key without "identity.": int | float | str}."""
     out = {}
     for prefix, o in _walk(obj):
         out.update({prefix + k: _plain(v) for k, v in o.state_identity().items()})
@@ -237,3 +238,42 @@ def codec_identity(codec, **extra):
     setting of the chain, element count and dtype, and ``extra`` (e.g. the generator kind)."""
     return {"name": codec.params.compressor, "params": codec.params.to_json().decode(),
             "n": codec.n, "dtype": str(codec.dtype), **extra}
+
+
+class StateGroup(Stateful):
+    """Many named objects (a binding's chains, by tensor name) saved as one flat state, keys
+    ``<name>/<key>``: loading checks every object's part before it assigns any, and names the
+    objects the state has and this group lacks (and the other way round)."""
+
+    SEP = "/"
+
+    def __init__(self, objects):
+        self.objects = dict(objects)
+
+    def state_children(self):
+        return tuple((f"{name}{self.SEP}", obj) for name, obj in self.objects.items())
+
+    def load_state_dict(self, sd):
+        if not isinstance(sd, Mapping):
+            raise StateError(f"a state dict must be a mapping, got {type(sd).__name__}")
+        self._check_members({k[len(IDENTITY):] if k.startswith(IDENTITY) else k for k in sd}, "")
+        super().load_state_dict(sd)
+
+    def _check_members(self, keys, prefix):
+        """Every name of this group (and of the groups in it) has keys, and only those."""
+        keys = {k[len(prefix):] for k in keys if k.startswith(prefix)}
+        theirs = set()
+        for key in keys:
+            name = next((n for n in self.objects if key.startswith(n + self.SEP)), None)
+            theirs.add(name if name is not None else key.split(self.SEP, 1)[0])
+        unknown = sorted(n for n in theirs if n not in self.objects)
+        if unknown:
+            raise StateError(f"the state holds {len(unknown)} object(s) not here, e.g. "
+                             f"{prefix + unknown[0]!r}")
+        absent = sorted(set(self.objects) - theirs)
+        if absent:
+            raise StateError(f"the state lacks {len(absent)} object(s) here, e.g. "
+                             f"{prefix + absent[0]!r}")
+        for name, obj in self.objects.items():
+            if isinstance(obj, StateGroup):
+                obj._check_members(keys, name + self.SEP)

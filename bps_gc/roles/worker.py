@@ -22,7 +22,7 @@ from .phased import PhasedReduction, phase_lengths, phase_names, phases
 from .worker_handle import Counters, Handle
 from .worker_io import WorkerIO
 from .worker_push import Push
-from . import worker_host
+from . import worker_host, worker_state
 from .worker_payloads import push_payloads
 from .worker_tensors import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 
@@ -263,6 +263,14 @@ class Worker(Communicator):
             self.io.post("push", Push(handle, part, payload, True, context, priority, dtype, None))
         except Exception as e:
             handle.fail(e)
+
+    def state_dict(self):
+        """This rank's codec state and the servers' it restores (roles/worker_state.py)."""
+        return worker_state.state_dict(self)
+
+    def load_state_dict(self, sd):
+        """Restore ``state_dict()``'s result, after declaring, before the first push_pull."""
+        worker_state.load_state_dict(self, sd)
 
     # ------------------------------------------------------------------ collectives
 

@@ -250,6 +250,10 @@ def check_names(worker, tensors, workers_sd, servers_sd, keep_rank_state):
                          + (f" ({len(undeclared) - 1} more)" if len(undeclared) > 1 else ""))
     if not keep_rank_state:
         return
+    absent = sorted(set(tensors) - _names(workers_sd))
+    if absent:
+        raise StateError(f"the state lacks tensor {absent[0]!r}, which is declared here with "
+                         "codec state" + (f" ({len(absent) - 1} more)" if len(absent) > 1 else ""))
     for name, t in tensors.items():
         saved = {_bare(k).rsplit("/", 2)[1] for k in workers_sd if _bare(k).startswith(name + "/")}
         if saved and len(saved) != len(t.partitions):

@@ -112,3 +112,17 @@ def test_restart_bit_for_bit_two_levels(machines, tmp_path):  # noqa: F811
     """2 hosts x 2 ranks, the two levels (each partition's owner keeps its chain), 2 servers."""
     restart_matches_straight(lambda cmd: HostsJob(machines, 2, [2, 2], 2, cmd, env=ENV),
                              tmp_path, 4, None)
+
+
+def test_resume_with_another_server_count(tmp_path):
+    """Saved with 2 servers, resumed with 1 (each key's state goes to its server now): the
+    parameters of a straight run on 2 servers, bit for bit."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    job = lambda servers: lambda cmd: Job(2, None, servers=servers, env=ENV, command=cmd)  # noqa: E731
+    run(job(2), make_spec(), straight, 2)
+    spec = make_spec(save_at=STEPS // 2 - 1, hang_after_save=True)
+    run(job(2), spec, resumed, 2, kill_after_save=True)
+    run(job(1), spec, resumed, 2)
+    assert_same(finals(resumed, 2), finals(straight, 2), "resumed on 1 server vs straight on 2")

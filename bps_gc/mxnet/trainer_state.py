@@ -10,6 +10,7 @@ then the side file when there is one (without it: one warning line, the codec st
 fresh, as before issue 33); every part is checked before any is loaded.
 """
 import os
+import sys
 
 import numpy as np
 
@@ -71,7 +72,7 @@ def load(trainer, fname, load_gluon):
     if not os.path.exists(path):
         load_gluon(fname)
         print(f"bps_gc: warning: {path} not found: the codec state (error feedback, momentum, "
-              "the servers' state) starts fresh", flush=True)
+              "the servers' state) starts fresh", file=sys.stderr, flush=True)
         return
     with open(path, "rb") as f:
         data = f.read()

@@ -16,10 +16,11 @@ The codec library is ``worker.codecs`` (roles never import it).
 """
 import logging
 import os
+import sys
 import threading
 
 from ..transport.sockets import send
-from ..transport.wire import Header, Msg, decode_json
+from ..transport.wire import MAX_JSON, Header, Msg, decode_json
 from .phased import phases
 
 log = logging.getLogger("bps_gc.worker")
@@ -84,6 +85,13 @@ def stateful_tensors(worker):
             if not t.auxiliary and any(part.codec is not None for part in t.partitions)}
 
 
+def chain_group(codecs, tensors):
+    """The worker chains of ``tensors`` as one StateGroup: name -> partition index -> chain."""
+    return codecs.StateGroup({name: codecs.StateGroup({str(p): part.codec for p, part
+                                                       in enumerate(t.partitions)})
+                              for name, t in tensors.items()})
+
+
 def restores(worker, tensor):
     """The partitions of ``tensor`` whose server state this rank saves and restores."""
     if phases(tensor) > 1:  # its servers only sum dense phase buffers
@@ -118,10 +126,7 @@ def state_dict(worker):
     """This rank's codec state and the servers' state it restores (module doc)."""
     check_idle(worker, "state_dict()")
     codecs, tensors = worker.codecs, stateful_tensors(worker)
-    chains = codecs.StateGroup({name: codecs.StateGroup({str(p): part.codec for p, part
-                                                         in enumerate(t.partitions)})
-                                for name, t in tensors.items()})
-    sd = {**meta(worker), **prefixed("worker/", chains.state_dict())}
+    sd = {**meta(worker), **prefixed("worker/", chain_group(codecs, tensors).state_dict())}
     wanted = [(name, t.partitions.index(part), part) for name, t in tensors.items()
               for part in restores(worker, t)]
     if wanted and worker.io is not None:
@@ -191,16 +196,13 @@ def load_state_dict(worker, sd):
             except StateError as e:
                 raise StateError(f"the servers' state of {name!r} partition {p}: {e}") from None
             todo.append(StateRequest(part.key, part.server, codecs.encode_state(reducer.state_dict())))
-    limit = 4 * worker.cfg.partition_bytes  # what a server takes in one message (server.py)
+    limit = max(4 * worker.cfg.partition_bytes, MAX_JSON)  # a server takes more (server.py)
     for request in todo:
         if len(request.payload) > limit:
             raise StateError(f"the server state of key {request.key} is {len(request.payload)} "
                              f"bytes, more than a server takes ({limit}: 4 x BYTEPS_PARTITION_BYTES)")
     if keep_rank_state:
-        chains = codecs.StateGroup({name: codecs.StateGroup({str(p): part.codec for p, part
-                                                             in enumerate(t.partitions)})
-                                    for name, t in tensors.items()})
-        chains.load_state_dict(workers_sd)
+        chain_group(codecs, tensors).load_state_dict(workers_sd)
     if todo and worker.io is not None:
         exchange(worker, todo)
     if dropped:
@@ -226,10 +228,9 @@ def check_meta(worker, sd):
             "meta.hierarchy": "hierarchy"}[differs[0]]
     saved, now = sd.get(differs[0]), here[differs[0]]
     if os.environ.get(DROP_RANK_STATE) == "1":
-        log.warning("%s=1: the state was saved with %s %s, this job has %s: each rank's codec "
-                    "state is dropped, the servers' is kept", DROP_RANK_STATE, what, saved, now)
         print(f"bps_gc: warning: the state was saved with {what} {saved}, this job has {now}: "
-              f"dropped rank {worker.rank}'s codec state ({DROP_RANK_STATE}=1)", flush=True)
+              f"dropped rank {worker.rank}'s codec state ({DROP_RANK_STATE}=1)", file=sys.stderr,
+              flush=True)
         return False
     raise StateError(f"the state was saved by a job with {what} {saved}; this job has {now} "
                      f"(set {DROP_RANK_STATE}=1 to drop each rank's codec state)")

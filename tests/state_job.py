@@ -5,7 +5,8 @@ parameters ``w`` of the spec's tensors with SGD on ``grad = gradient(rank, step)
 averaged by push_pull, for ``steps`` steps. With ``save_at``, after that step each rank writes
 OUT_DIR/ckpt{rank}.bin (encode_state of the step, the parameters and bps_gc.core.state_dict(),
 written to a temporary file, then renamed); with ``hang_after_save`` the first run then waits to
-be killed. A run that finds its checkpoint loads it and goes on from the step after. The final
+be killed. A run that finds its checkpoint loads it (after ``load_delay[rank]`` seconds) and
+goes on from the step after. The final
 parameters go to OUT_DIR/final{rank}.npz.
 """
 import json
@@ -36,6 +37,8 @@ if os.path.exists(ckpt):
     start = int(saved["step"]) + 1
     for name in params:
         params[name][...] = saved[f"param/{name}"]
+    # the other ranks' first pushes reach the servers before this rank's restore: it must win
+    time.sleep(spec.get("load_delay", {}).get(str(rank), 0))
     bps.load_state_dict({k[len("bps/"):]: v for k, v in saved.items() if k.startswith("bps/")})
     print(f"rank {rank} resumed at step {start}", flush=True)
 for step in range(start, spec["steps"]):

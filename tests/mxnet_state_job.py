@@ -1,8 +1,9 @@
-"""Worker side of tests/test_mxnet_state.py: a tiny gluon model trained with DistributedTrainer
-that checkpoints (save_parameters + save_states on every rank) and resumes.
+"""Worker side of tests/test_mxnet_state.py: tiny gluon models trained with DistributedTrainer
+(one per compression configuration of the spec, each its own trainer and tensor prefix) that
+checkpoint (save_parameters + save_states on every rank) and resume.
 
 ``python tests/mxnet_state_job.py SPEC.json OUT_DIR``: trains ``steps`` steps; with ``stop_at``
-it saves after that step and exits; a run that finds OUT_DIR/ckpt<rank>.params resumes from it.
+it saves after that step and exits; a run that finds OUT_DIR/ckpt<rank>.json resumes from it.
 The final parameters go to OUT_DIR/final<rank>.npz.
 """
 import json
@@ -21,32 +22,38 @@ spec_path, out_dir = sys.argv[1], sys.argv[2]
 spec = json.load(open(spec_path))
 bps.init()
 rank = bps.rank()
-net = make_net(7)
-params = net.collect_params()
-trainer = bps.DistributedTrainer(params, "sgd", dict(spec["optimizer"]),
-                                 compression_params=spec["compression"])
-stem = os.path.join(out_dir, f"ckpt{rank}")
+models = []
+for j, (compression, optimizer) in enumerate(spec["configs"]):
+    net = make_net(7)
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", dict(optimizer, learning_rate=0.1),
+                                     compression_params=compression, prefix=f"c{j}.")
+    models.append((net, trainer, os.path.join(out_dir, f"ckpt{rank}-{j}")))
+mark = os.path.join(out_dir, f"ckpt{rank}.json")
 start = 0
-if os.path.exists(stem + ".params"):
-    net.load_parameters(stem + ".params")
-    trainer.load_states(stem + ".states")
-    start = json.load(open(stem + ".json"))["step"] + 1
+if os.path.exists(mark):
+    for net, trainer, stem in models:
+        net.load_parameters(stem + ".params")
+        trainer.load_states(stem + ".states")
+    start = json.load(open(mark))["step"] + 1
     print(f"rank {rank} resumed at step {start}", flush=True)
 loss_fn = gluon.loss.L2Loss()
 for step in range(start, spec["steps"]):
-    trainer.set_learning_rate(spec["lrs"][step])
     x, y = batch(rank, step, spec["batch"])
-    with autograd.record():
-        loss = loss_fn(net(x), y)
-    loss.backward()
-    trainer.step(spec["batch"])
+    for net, trainer, _ in models:
+        trainer.set_learning_rate(spec["lrs"][step])
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(spec["batch"])
     if step == spec.get("stop_at") and start == 0:
-        net.save_parameters(stem + ".params")
-        trainer.save_states(stem + ".states")
-        json.dump({"step": step}, open(stem + ".json", "w"))
+        for net, trainer, stem in models:
+            net.save_parameters(stem + ".params")
+            trainer.save_states(stem + ".states")
+        json.dump({"step": step}, open(mark, "w"))
         break
 else:
     np.savez(os.path.join(out_dir, f"final{rank}.npz"),
-             **{name: p.data().asnumpy() for name, p in params.items()})
+             **{f"{j}/{name}": p.data().asnumpy() for j, (net, _, _) in enumerate(models)
+                for name, p in net.collect_params().items()})
 mx.nd.waitall()
 bps.shutdown()

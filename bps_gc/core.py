@@ -30,8 +30,9 @@ from .ps.worker.worker import Worker
 _worker = None
 _hook_traffic = None  # Counters of the DDP hook's buckets (hook_traffic()), or None without a hook
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "communicator", "device_codecs", "hook_traffic", "init", "is_initialized", "local_rank", "local_size", "metrics",
-           "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "worker"]
+           "communicator", "device_codecs", "hook_traffic", "init", "is_initialized", "local_rank", "local_size",
+           "load_state_dict", "metrics", "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size",
+           "state_dict", "worker"]
 
 
 def _setup_logging(level):
@@ -157,6 +158,17 @@ def barrier():
 
 def broadcast(array, root_rank, name):
     return worker().broadcast(array, root_rank, name)
+
+
+def state_dict():
+    """The codec state of this process's communicator: every chain of the declared tensors,
+    keyed by tensor name and partition (docs/checkpoint.md)."""
+    return worker().state_dict()
+
+
+def load_state_dict(sd):
+    """Restore ``state_dict()``'s result: after declaring, before the first push_pull."""
+    worker().load_state_dict(sd)
 
 
 def metrics():

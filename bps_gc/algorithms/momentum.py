@@ -24,10 +24,16 @@ import copy
 import numpy as np
 
 from ..compress import CompressionParams, choose_reducer
+from ..compress.state import Stateful
 
 
-class MomentumPlan:
-    """The optimizer changes and per-tensor codec parameters for one training job."""
+class MomentumPlan(Stateful):
+    """The optimizer changes and per-tensor codec parameters for one training job. It keeps no
+    state between steps (its ``PostPull`` adapters do): its state dict is its identity, which
+    a binding checks before it loads the adapters'."""
+
+    def state_identity(self):
+        return {"params": self.params.to_json().decode(), "mu": self.mu, "wd": self.wd}
 
     def __init__(self, compression_params, momentum, weight_decay):
         params = CompressionParams.from_dict(
@@ -132,9 +138,17 @@ def tensor_compression(compression_params, ndim):
     return params
 
 
-class PostPull:
+class PostPull(Stateful):
     """Per-tensor state applied to the pulled gradient ``g`` (in place) given the weights ``x``.
     ``wd_rule``: None, "onebit" or "dgc" (whose weight decay moved out of the optimizer)."""
+
+    state_attrs = ("nag", "wd_mom")  # each None where this tensor keeps none
+
+    def state_identity(self):
+        holder = self.nag if self.nag is not None else self.wd_mom
+        return {"mu": str(self.mu), "wd": str(self.wd), "wd_rule": self.wd_rule or "",
+                "compressed": int(self.nag is None), "nesterov": int(self.nesterov),
+                "shape": str(tuple(holder.shape)) if holder is not None else ""}
 
     def __init__(self, shape, dtype, mu, wd, compressed, wd_rule, nesterov=True):
         self.mu, self.wd = np.dtype(dtype).type(mu), np.dtype(dtype).type(wd)

@@ -15,8 +15,10 @@ from .seeds import derive_seed
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
 from .sparse import resolve_k
+from .state import StateError, StateGroup
+from .state_bytes import decode_state, encode_state
 
 __all__ = ["Codec", "CompressionParams", "ParamError", "REDUCERS", "build_chain",
            "choose_reducer", "derive_seed", "load_plugins", "make_reducer", "register_compressor",
            "register_error_feedback", "register_momentum", "register_reducer", "resolve_k",
-           "step_context"]
+           "step_context", "StateError", "StateGroup", "decode_state", "encode_state"]

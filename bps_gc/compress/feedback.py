@@ -5,6 +5,7 @@ import numpy as np
 from ._native import lib, ptr
 from .context import step_context
 from .registry import register_error_feedback, register_momentum
+from .state import Stateful
 
 
 class Forwarding:
@@ -20,8 +21,17 @@ class Forwarding:
         self.inner.residual(payload, x)
 
 
-class Decorator(Forwarding):
-    """Forwards everything but compress to the wrapped codec."""
+class Decorator(Forwarding, Stateful):
+    """Forwards everything but compress to the wrapped codec; its state is saved before the
+    wrapped codec's (``state_label`` and ``state_name``, the registered name, per subclass)."""
+
+    state_name = None
+
+    def state_identity(self):
+        return {"name": self.state_name}
+
+    def state_children(self):
+        return (("", self.inner),)
 
     def __init__(self, inner, params):
         self.inner, self.params = inner, params
@@ -54,6 +64,8 @@ class VanillaErrorFeedback(Decorator):
     so that keeping e costs no copy.
     """
 
+    state_label, state_name, state_attrs = "ef.", "vanilla", ("error", "lr_prev")
+
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.error = np.zeros(self.n, self.dtype)
@@ -79,6 +91,8 @@ class VanillaErrorFeedback(Decorator):
 class NesterovMomentum(Decorator):
     """m = g + mu*m; g = g + mu*m; then the inner chain. A non-finite step leaves m as it was
     and goes down the chain as all NaN (as in error feedback)."""
+
+    state_label, state_name, state_attrs = "momentum.", "nesterov", ("momentum",)
 
     def __init__(self, inner, params):
         super().__init__(inner, params)

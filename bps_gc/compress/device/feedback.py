@@ -29,7 +29,16 @@ def all_finite(*tensors):
 
 
 class DeviceDecorator(DeviceCodec):
-    """Forwards everything but compress to the wrapped device codec."""
+    """Forwards everything but compress to the wrapped device codec; state keys and identity
+    as the numpy decorators' (compress/feedback.py)."""
+
+    state_name = None
+
+    def state_identity(self):
+        return {"name": self.state_name}
+
+    def state_children(self):
+        return (("", self.inner),)
 
     def __init__(self, inner, params):
         self.inner, self.params = inner, params
@@ -55,6 +64,8 @@ class DeviceDecorator(DeviceCodec):
 class DeviceVanillaErrorFeedback(DeviceDecorator):
     """g = x + (lr_prev / lr) * e; c = C(g); e = g - D(c), as compress/feedback.py (a non-finite
     g is sent as all NaN and leaves e and lr_prev as they were)."""
+
+    state_label, state_name, state_attrs = "ef.", "vanilla", ("error", "lr_prev")
 
     def __init__(self, inner, params):
         super().__init__(inner, params)
@@ -82,6 +93,8 @@ class DeviceVanillaErrorFeedback(DeviceDecorator):
 class DeviceNesterovMomentum(DeviceDecorator):
     """m = g + mu*m; g = g + mu*m; then the inner chain (a non-finite step leaves m as it was and
     goes down the chain as all NaN), as compress/feedback.py."""
+
+    state_label, state_name, state_attrs = "momentum.", "nesterov", ("momentum",)
 
     def __init__(self, inner, params):
         super().__init__(inner, params)

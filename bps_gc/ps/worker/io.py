@@ -21,6 +21,7 @@ from ..membership.event_loop import EventLoop
 from .push import PushSending
 from .replies import Replies
 from .shm import SharedSlots
+from .state import StateRequests
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -70,6 +71,7 @@ class WorkerIO(PushSending, Replies):
         self.inflight = {}  # key -> Push awaiting its reply
         self.inflight_bytes = 0
         self.failed_keys = {}  # key -> the server's error for its declaration
+        self.state_requests = StateRequests()  # checkpoints: a key's server state
         self.failure = None
         self.dropped = DropLog(log)
         self.barriers_wanted = 0
@@ -135,6 +137,8 @@ class WorkerIO(PushSending, Replies):
                 _, key, server, dtype, decl = command
                 decl = self.shm.offer(key, server, dtype, decl)
                 send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
+            elif kind == "state":
+                self.state_requests.send(self, command[1])
             elif kind == "barrier":
                 self.barriers_wanted += 1
                 self.barrier_waiters.append((self.barriers_wanted, command[1]))

@@ -49,6 +49,8 @@ class Replies:
                                         f"{push.handle.tensor.name!r}: {e}"))
             return
         h = msg.header
+        if h.type in (Msg.STATE_REPLY, Msg.STATE_ERROR):
+            return self.state_requests.reply(h, msg.payload)
         if h.type == Msg.ERROR:
             info = decode_json(msg.payload or b"{}")
             message = info.get("message", "server error")

@@ -20,6 +20,7 @@ from ...transport.sockets import Auth
 from ...transport.wire import encode_context
 from ..membership.membership import Membership
 from . import host as host_level
+from . import state as worker_state
 from .handle import Counters, Handle
 from .io import WorkerIO
 from .lone_worker import LoneWorker
@@ -268,6 +269,14 @@ class Worker(Communicator):
             self.io.post("push", Push(handle, part, payload, True, context, priority, dtype, None))
         except Exception as e:
             handle.fail(e)
+
+    def state_dict(self):
+        """This rank's codec state and the servers' it restores (ps/worker/state.py)."""
+        return worker_state.state_dict(self)
+
+    def load_state_dict(self, sd):
+        """Restore ``state_dict()``'s result, after declaring, before the first push_pull."""
+        worker_state.load_state_dict(self, sd)
 
     # ------------------------------------------------------------------ collectives
 

@@ -22,6 +22,7 @@ COMPRESSORS = [
     {"compressor": "dgc", "k": 0.05, "mu": 0.9}, {"compressor": "dgc", "k": 0.05},
     {"compressor": "dgc", "k": 0.05, "mu": 0.9, "momentum": "nesterov"},
     {"compressor": "powersgd", "rank": 2},
+    {"compressor": "thc", "bits": 4}, {"compressor": "thc", "bits": 2, "rotate": True, "feedback": True},
 ]
 
 
@@ -34,7 +35,7 @@ def valid(params):
 
 
 CHAINS = [p for c, ef, mom in itertools.product(
-    COMPRESSORS, [None, "vanilla"], [None, "nesterov"])
+    COMPRESSORS, [None, "vanilla"], [None, "nesterov", "plain"])
     for p in [{**c, **({"ef": ef} if ef else {}), **({"momentum": mom, "mu": 0.9} if mom else {})}]
     if valid(p) and not (mom and c["compressor"] == "dgc")]
 
@@ -95,8 +96,11 @@ def assert_states_equal(a, b):
 def test_resume_equals_straight(params):
     xs = inputs()
     straight = build_chain(params, N, np.float32, key=11)
+    start = straight.state_dict()
     want = run(straight, xs, 0)
     first = build_chain(params, N, np.float32, key=11)
+    if params["compressor"] == "thc":  # it seeds each instance apart (every worker its own draws)
+        first.load_state_dict(start)
     got = run(first, xs[:STEPS // 2], 0)
     fresh = build_chain(params, N, np.float32, key=11)
     fresh.load_state_dict(through_bytes(first.state_dict()))
@@ -177,6 +181,7 @@ def used_chain(params=BASE, n=N, dtype=np.float32, role="worker"):
     (dict(n=N + 1), rf"'codec\.n' is {N} in the state, {N + 1} here"),
     (dict(dtype=np.float64), r"'codec\.dtype' is 'float32' in the state, 'float64' here"),
     (dict(role="server"), r"'momentum\.name' is 'nesterov' in the state, absent here"),
+    (dict(params={**BASE, "momentum": "plain"}), r"'momentum(\.name)?' is 'nesterov' in the state, 'plain' here"),
 ])
 def test_other_settings_are_refused(change, pattern):
     sd = used_chain().state_dict()

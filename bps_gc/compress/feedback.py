@@ -116,6 +116,8 @@ class PlainMomentum(NesterovMomentum):
     """Heavy-ball momentum: m = g + mu*m; g = m; then the inner chain (the plain form of DGC's
     momentum correction, and of SGD's momentum moved into the chain). Non-finite: as nesterov."""
 
+    state_name = "plain"  # its state is not a nesterov chain's: loading one into the other is refused
+
     def compress(self, x, ctx=None):
         m = self._spare
         if _scale_add(self.momentum, self.mu, _flat(x, self.dtype), m):

@@ -131,6 +131,10 @@ def agreed_scale(hist_sum):
 class THC(Codec):
     reducers = ("thc",)  # two plain-sum phases (the reducer below)
     phase_dtype = CARRIER
+    state_attrs = ("rng_state", "error")  # stochastic rounding's words; feedback's residual (None without)
+
+    def state_identity(self):  # the device codec draws from torch's generator instead
+        return {**super().state_identity(), "rng": "xorshift128+"}
 
     def __init__(self, params, n, dtype, seed):
         super().__init__(params, n, dtype)

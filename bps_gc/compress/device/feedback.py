@@ -119,6 +119,8 @@ class DeviceNesterovMomentum(DeviceDecorator):
 class DevicePlainMomentum(DeviceNesterovMomentum):
     """m = g + mu*m; g = m; then the inner chain, as compress/feedback.py's PlainMomentum."""
 
+    state_name = "plain"
+
     def compress(self, x, ctx=None):
         m = self._spare
         scale_add(self.momentum, self.mu, self._input(x), m)

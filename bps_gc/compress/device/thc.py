@@ -14,6 +14,7 @@ import torch
 
 from .. import thc
 from .base import DeviceCodec
+from .quantize import generator_kind
 from .registry import register_device_compressor
 
 
@@ -40,6 +41,10 @@ def unpack_lanes(words, width, count):
 class DeviceTHC(DeviceCodec):
     reducers = thc.THC.reducers
     phase_dtype = thc.CARRIER
+    state_attrs = ("generator", "error")  # as the other device codecs: torch's generator, not numpy's words
+
+    def state_identity(self):
+        return {**super().state_identity(), "rng": generator_kind(self.device)}
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         super().__init__(params, n, dtype, seed, device)

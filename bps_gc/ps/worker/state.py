@@ -12,7 +12,7 @@ A rank's state (docs/checkpoint.md, "On the parameter server") is one flat dict 
 State is keyed by tensor name and partition index, not by server, so a job may resume with
 another server count (each key's state goes to the server that owns it now); partitions
 depend on BYTEPS_PARTITION_BYTES only, and another partition count is refused naming both.
-The codec library is ``worker.codecs`` (roles never import it).
+The codec library is ``worker.codecs`` (the parameter server never imports it).
 """
 import logging
 import os

@@ -123,7 +123,7 @@ def test_cifar100_onebit_ef_nesterov(tmp_path):
                                  "--resume-states", str(params / "cifar100-cifar_resnet20_v1-0.states")],
                          tmp_path)
     assert "starts fresh" not in result.stdout + result.stderr
-    log = (tmp_path / "cifar100-2-cpu-resumed.log").read_text()
+    log = (tmp_path / "out" / "cifar100-2-cpu-resumed.log").read_text()  # --log-dir's default: out/
     assert [int(e) for e in SPEED.findall(log)] == [1], log
     assert (params / "cifar100-cifar_resnet20_v1-1.states.bps_gc.rank1").is_file()
 

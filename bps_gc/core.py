@@ -13,6 +13,7 @@ functions; the torch binding's DDP hook and device chains also reach the collect
 communicator's interface (comm/) directly (docs/runtime.md, the layer map).
 """
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -20,14 +21,18 @@ import sys
 from . import compress
 from .comm import NodeFailure
 from .comm.communicator import Declaration
+from .comm.metrics import Metrics
 from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
 from .ps.membership.membership import abort_job
+from .ps.worker.handle import Counters
 from .ps.worker.worker import Worker
 
 _worker = None
+_hook_traffic = None  # Counters of the DDP hook's buckets (hook_traffic()), or None without a hook
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "communicator", "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics",
-           "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "worker"]
+           "communicator", "device_codecs", "hook_traffic", "init", "is_initialized", "local_rank", "local_size",
+           "load_state_dict", "metrics", "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size",
+           "state_dict", "worker"]
 
 
 def _setup_logging(level):
@@ -155,6 +160,34 @@ def broadcast(array, root_rank, name):
     return worker().broadcast(array, root_rank, name)
 
 
+def state_dict():
+    """The codec state of this process's communicator: every chain of the declared tensors,
+    keyed by tensor name and partition (docs/checkpoint.md)."""
+    return worker().state_dict()
+
+
+def load_state_dict(sd):
+    """Restore ``state_dict()``'s result: after declaring, before the first push_pull."""
+    worker().load_state_dict(sd)
+
+
 def metrics():
-    """Bytes, messages and seconds since the last call (and reset): see comm.metrics.Metrics."""
-    return worker().metrics()
+    """Bytes, messages and seconds since the last call (and reset): see comm.metrics.Metrics.
+    The DDP hook's buckets (bps_gc.torch.comm_hook) count too, with or without init()."""
+    if _worker is None and _hook_traffic is None:
+        worker()  # raises "not initialized"
+    current = _worker.metrics() if _worker is not None else Metrics()
+    if _hook_traffic is not None:
+        hooked = _hook_traffic.take()
+        for field in dataclasses.fields(Metrics):
+            setattr(current, field.name, getattr(current, field.name) + getattr(hooked, field.name))
+    return current
+
+
+def hook_traffic():
+    """The Counters a DDP hook adds its buckets' bytes and seconds to (made by the first hook);
+    metrics() reports them, added to the communicator's when init() ran."""
+    global _hook_traffic
+    if _hook_traffic is None:
+        _hook_traffic = Counters()
+    return _hook_traffic

@@ -9,7 +9,7 @@ import sys
 from . import compress
 from .comm import NodeFailure
 from .config import Config, ConfigError
-from .ps.membership.membership import abort_job
+from .ps.membership.membership import JobEnded, abort_job
 from .ps.scheduler.scheduler import Scheduler
 from .ps.server.server import Server
 from .transport.sockets import BindError
@@ -41,6 +41,9 @@ def main(argv=None):
             except ImportError as e:
                 raise abort_job(cfg, "server", -1, str(e)) from None
             return Server(cfg, compress).run()
+    except JobEnded as e:  # its only worker trains alone (ps/worker/lone_worker.py)
+        print(f"bps_gc.node: {e}; this {cfg.role} exits", file=sys.stderr)
+        return 0
     except (BindError, NodeFailure) as e:
         print(f"bps_gc.node: {e}", file=sys.stderr)
         return 1

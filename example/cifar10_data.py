@@ -15,18 +15,19 @@ MEAN = np.array([0.4914, 0.4822, 0.4465], np.float32).reshape(1, 3, 1, 1)
 STD = np.array([0.2470, 0.2435, 0.2616], np.float32).reshape(1, 3, 1, 1)
 
 
-def load_split(data_dir, split):
-    """(uint8 N x 3 x 32 x 32 images, int64 labels) of 'train' (the five batches) or 'test'."""
+def load_split(data_dir, split, flag="--data_dir"):
+    """(uint8 N x 3 x 32 x 32 images, int64 labels) of 'train' (the five batches) or 'test';
+    ``flag``: the script's option that gave ``data_dir``, named when a file is missing."""
     root = os.path.expanduser(data_dir)
     folder = os.path.join(root, FOLDER)
     if not os.path.isdir(folder) and os.path.isfile(os.path.join(root, SPLITS[split][0])):
-        folder = root  # --data_dir is cifar-10-batches-py itself
+        folder = root  # the directory given is cifar-10-batches-py itself
     images, labels = [], []
     for name in SPLITS[split]:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             raise SystemExit(f"no CIFAR-10 {split} file at {path} (want the python version, "
-                             "cifar-10-python.tar.gz, unpacked in --data_dir; nothing is downloaded)")
+                             f"cifar-10-python.tar.gz, unpacked in {flag}; nothing is downloaded)")
         with open(path, "rb") as f:
             data = pickle.load(f, encoding="bytes")
         images.append(np.asarray(data[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))

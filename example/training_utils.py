@@ -1,19 +1,21 @@
 """What the example training scripts share whatever their framework: the rank-0 log, the
 learning-rate decay epochs, the per-epoch traffic line and the steps every worker runs."""
 import logging
+import os
 import sys
 
 import bps_gc.core
 
 
 def make_logger(name, path, rank):
-    """Rank 0 logs to stdout and ``path``; the other ranks log nothing."""
+    """Rank 0 logs to stdout and ``path`` (its folder made if missing); the other ranks log nothing."""
     logger = logging.getLogger(name)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # bps_gc.core gives the root logger its own format
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     if rank == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(path)]
     else:
         handlers = [logging.NullHandler()]

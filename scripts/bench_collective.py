@@ -21,6 +21,11 @@ Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
     python scripts/bench_collective.py                 # 2 ranks, 3 warm-up + 5 timed rounds
     python scripts/bench_collective.py --quick         # smoke run: a few rows, 1 + 2 rounds
     python scripts/bench_collective.py --ranks 4 --json out/bench_collective_4.json
+    python scripts/bench_collective.py --ranks 8 --rows "collective thc,collective onebit" \
+        --warmup 1 --rounds 1 --tensors 20      # the wire column only (bytes are deterministic)
+
+wire MB/round: the bytes one bps_gc rank hands torch.distributed per round and gets back (an
+all_reduce's buffer each way; an all_gather's own payloads out, every other rank's in).
 
 Ratios are to DDP PowerSGD rank 1 measured in the same run. JSON goes to
 out/bench_collective.json unless --json says otherwise.
@@ -91,6 +96,7 @@ def rank_main(args):
         for _ in range(warmup):
             step()
         times = []
+        bps.metrics()  # resets bps_gc's counters: the wire bytes below are the timed rounds'
         before = link_counters()
         for _ in range(args.rounds):
             dist.barrier()
@@ -164,8 +170,12 @@ def rank_main(args):
     for label, build in select_rows(rows, args).items():
         # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
         times, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
-        bps.metrics()
+        counted = bps.metrics()
+        # bytes this rank handed to torch.distributed and got back per round (bps_gc rows only):
+        # an all_reduce's buffer each way, an all_gather's own payloads out and the others' in
+        wire = (counted.pushed_wire + counted.pulled_wire) / len(times)
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
+                        "wire_per_round": wire if label.startswith("bps_gc collective") else None,
                         "max_s": max(times), "rounds": len(times), "times": times,
                         "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()},
                         "nic_tx_per_round": link and link["tx_bytes"] / len(times),
@@ -238,11 +248,12 @@ def main(argv=None):
     reference = next((r["median_s"] for r in results if r["row"] == "DDP PowerSGD rank 1"), None)
     print(f"{args.ranks} ranks, loopback (gloo), ResNet-50 v1b gradients; worker 0's median of "
           f"{args.rounds} rounds after {args.warmup} warm-up")
-    print(f"{'':34} {'s/round':>8} {'min':>7} {'max':>7} {'vs PowerSGD r1':>15}")
+    print(f"{'':34} {'s/round':>8} {'min':>7} {'max':>7} {'vs PowerSGD r1':>15} {'wire MB/round':>14}")
     for r in results:
         ratio = f"{r['median_s'] / reference:.2f}x" if reference else "-"
         r["vs_powersgd_rank1"] = r["median_s"] / reference if reference else None
-        print(f"{r['row']:34} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {ratio:>15}")
+        wire = f"{r['wire_per_round'] / 1e6:.3f}" if r.get("wire_per_round") is not None else "-"
+        print(f"{r['row']:34} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {ratio:>15} {wire:>14}")
     json.dump({"ranks": args.ranks, "transport": "loopback", "warmup": args.warmup, "rounds": args.rounds,
                "rows": results}, open(out, "w"), indent=1)
     print(f"JSON: {out}")

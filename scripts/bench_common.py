@@ -39,6 +39,8 @@ BPS_CONFIGS = {
     "dgc 0.1%": {"compressor": "dgc", "k": 0.001},
     "powersgd rank 1": {"compressor": "powersgd", "rank": 1},
     "powersgd rank 4": {"compressor": "powersgd", "rank": 4},
+    "thc 4-bit": {"compressor": "thc", "bits": 4},  # issue 35: summed codes, stochastic rounding
+    "thc 4-bit+EF": {"compressor": "thc", "bits": 4, "feedback": True},
 }
 # Settings a configuration runs its whole cluster with (every role: they must agree).
 CONFIG_ENV = {"dense (local reduce)": {"BPS_GC_LOCAL_REDUCE": "1"},

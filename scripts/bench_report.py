@@ -134,6 +134,7 @@ BEST_CODEC_LIMIT = {"loopback": 1.0, "1gbit": 0.8}  # issue 12: best codec / DDP
 DENSE = ("dense", "dense (local reduce)", "dense (host's TCP congestion control)", "dense (flat)")  # not codecs
 # issue 25, 2 machines of several ranks: two-level dense rows / gloo's flat all_reduce of every rank
 LOCAL_RANKS_LIMIT = {("bps_gc PS", "dense"): 0.65, ("bps_gc collective", "dense"): 0.8}
+THC_LIMIT = 1.0  # issue 35: thc 4-bit rounds / onebit+EF's on the same transport, same run
 SAME_ROW_LIMIT = 1.5  # issue 25: a compressed row at L ranks per machine / the same row at 1
 
 def targets(rows, topo_name):
@@ -167,6 +168,11 @@ def targets(rows, topo_name):
             ours = find(rows, system, f"powersgd rank {rank}")
             ratio = ours["seconds"] / theirs["seconds"] if ours and theirs else None
             out.append((f"our powersgd rank {rank} ({system}) / torch's", ratio, 1.0))
+    for system in ("bps_gc PS", "bps_gc collective"):  # issue 35: summed 4-bit codes no slower
+        ours, theirs = find(rows, system, "thc 4-bit"), find(rows, system, "onebit+EF")
+        if ours or theirs:
+            ratio = ours["seconds"] / theirs["seconds"] if ours and theirs else None
+            out.append((f"thc 4-bit / onebit+EF ({system})", ratio, THC_LIMIT))
     return [(what, ratio, limit, "n/a" if ratio is None else "" if limit is None
              else "ok" if ratio <= limit else "MISS") for what, ratio, limit in out]
 
@@ -247,7 +253,7 @@ def print_table(title, rows, topo_name, shaped, baseline=None):
         out.append("floor s: the line rate's time for the bytes the parameter server's design moves "
                    "through a machine's NIC (bench_report.link_floor); *: for the bytes machine 0's "
                    "NIC moved (busier direction)")
-    out.append("\ntargets (issues 10, 12 and 25):")
+    out.append("\ntargets (issues 10, 12, 25 and 35):")
     for what, ratio, limit, ok in targets(rows, topo_name):
         shown = "n/a" if ratio is None else f"{ratio:.2f}"
         bound = f"<= {limit:g}" if limit is not None else "(no target here)"

@@ -8,8 +8,9 @@ Designs (docs/scale.md says what each models):
   ps-colocated-flat / ps-separate-flat: today's parameter server, every rank pushes its copy;
     co-located: --colocated-servers (2) per worker host (BytePS's recipe: 16 servers, 8 hosts),
     server s on host s % H; separate: --separate-servers (1) machines per worker host.
-  ps-colocated-2level / ps-separate-2level: issue 25 item 2 (being built on another branch:
-    modelled here): the host's ranks reduce-scatter in shared memory, each partition's owner
+  ps-colocated-2level / ps-separate-2level: the parameter server's two levels
+    (BPS_GC_HIERARCHY=host, docs/local_ranks.md; counted here with partition_owner, its rule):
+    the host's ranks reduce-scatter in shared memory, each partition's owner
     ((tensor index + partition index) mod L) compresses the host's sum once and pushes it.
   ring-flat / ring-2level: torch.distributed (gloo/NCCL ring) over N = H*L ranks, or within the
     host then L rings of H hosts; codecs go as the collective transport carries them (all_gather
@@ -34,7 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from bps_gc import compress  # noqa: E402
 from bps_gc.config import Config, ConfigError  # noqa: E402
-from bps_gc.comm.phased import phase_lengths, phase_names, phases  # noqa: E402
+from bps_gc.comm.phased import phase_dtype, phase_lengths, phase_names, phases  # noqa: E402
 from bps_gc.ps.worker.push import Push, fusable, fusion_buckets  # noqa: E402
 from bps_gc.comm.placement import partition_owner  # noqa: E402
 from bps_gc.comm.placement import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
@@ -63,9 +64,12 @@ CODECS = {
     "dgc 0.1%": {"compressor": "dgc", "k": 0.001},
     "powersgd rank 1": {"compressor": "powersgd", "rank": 1},
     "powersgd rank 4": {"compressor": "powersgd", "rank": 4},
+    "thc 4-bit": {"compressor": "thc", "bits": 4},
+    "thc 2-bit": {"compressor": "thc", "bits": 2},
 }
 SUMMARY = (("dense", "sum"), ("onebit+scaling", "recompress"), ("topk 0.1%", "recompress"),
-           ("powersgd rank 4", "powersgd"))
+           ("powersgd rank 4", "powersgd"), ("thc 4-bit", "thc"))
+PHASED = ("powersgd", "thc")  # codecs whose phases are plain sums (no gossip Q of one shot)
 PS_DESIGNS = ("ps-colocated-flat", "ps-colocated-2level", "ps-separate-flat", "ps-separate-2level")
 RING_DESIGNS = ("ring-flat", "ring-2level")
 GOSSIP_DESIGNS = ("gossip-ring", "gossip-torus")
@@ -87,10 +91,11 @@ def worker_settings(environ=None):
 
 
 
-def plan(shapes, params, reducer, num_servers, cfg):
+def plan(shapes, params, reducer, num_servers, cfg, summands=1):
     """The worker's tensors, declared and placed by the real code (comm.placement.Placement;
-    a two-phase tensor's phase buffers declared after it as dense auxiliaries, as
-    ps/worker/worker.py ``_place`` does). Returns [TensorPlan]."""
+    a two-phase tensor's phase buffers, sized for sums of ``summands`` pushes (thc's lanes),
+    declared after it as dense auxiliaries, as ps/worker/worker.py ``_place`` does). Returns
+    [TensorPlan]."""
     tensors = {}
     placement = Placement(num_servers, cfg.partition_bytes, cfg.min_compress_bytes,
                           dense_partition_bytes(cfg, MULTI_HOST_BOOK))
@@ -108,9 +113,9 @@ def plan(shapes, params, reducer, num_servers, cfg):
                                               reducer, params)
         placement.plan(tensor, shape, dtype, build_codec, balanced=True)
         if phases(tensor) > 1:
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor, summands)):
                 aux, aux_shape, aux_dtype = declare_tensor(tensors, compress, name, (length,),
-                                                           np.float32, None, {})
+                                                           phase_dtype(tensor), None, {})
                 placement.plan(aux, aux_shape, aux_dtype, build_codec, balanced=True)
                 aux.auxiliary = True
     return list(tensors.values())
@@ -246,8 +251,8 @@ def ring_counts(design, hosts, local, tensors, sizes, cfg):
                 sent, msgs = sent + b, msgs + m
             else:
                 coded.append(t)
-        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t)[i] for t in phased) * 4
-                                                        for i in range(2) if phased]:
+        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, hosts * local)[i] * phase_dtype(t).itemsize
+                                                            for t in phased) for i in range(2) if phased]:
             b, m = all_reduce(part_bytes)
             sent, msgs = sent + b, msgs + m
         if coded:  # lengths (int64 per partition), then the payloads padded to the longest rank
@@ -278,27 +283,29 @@ def count_all(hosts=HOSTS, local=LOCAL, codecs=CODECS, designs=PS_DESIGNS + RING
     sizes, cfg = sizes or Sizes(), cfg or worker_settings()
     plans, rows = {}, []
 
-    def tensors_for(params, reducer):
-        def of(num_servers):
-            key = (json.dumps(params, sort_keys=True), reducer, num_servers)
+    def tensors_for(params, reducer, summands):
+        summands = summands if params.get("compressor") == "thc" else 1  # only thc's sizes depend on it
+        def of(num_servers):  # noqa: E306
+            key = (json.dumps(params, sort_keys=True), reducer, num_servers, summands)
             if key not in plans:
-                plans[key] = plan(shapes, params, None if reducer == "sum" else reducer, num_servers, cfg)
+                plans[key] = plan(shapes, params, None if reducer == "sum" else reducer, num_servers, cfg,
+                                  summands)
             return plans[key]
         return of
     for design in designs:
         for codec, params in codecs.items():
             for reducer in reducers_of(params):
                 if design.startswith("gossip") and (reducer != reducers_of(params)[0]
-                                                    or params.get("compressor") == "powersgd"):
-                    continue  # gossip: Q's payload, no reducer; PowerSGD is no one-shot Q
+                                                    or params.get("compressor") in PHASED):
+                    continue  # gossip: Q's payload, no reducer; PowerSGD and thc are no one-shot Q
                 if design.startswith("ring") and reducer == "lossless":
                     continue  # the collective gathers payloads: each rank reduces them itself
                 for h in hosts:
                     if design.startswith("ps"):
-                        counts = ps_counts(design, h, local, tensors_for(params, reducer), sizes, cfg,
+                        counts = ps_counts(design, h, local, tensors_for(params, reducer, h * local), sizes, cfg,
                                            servers_per_host)
                     elif design.startswith("ring"):
-                        counts = ring_counts(design, h, local, tensors_for(params, reducer)(1), sizes, cfg)
+                        counts = ring_counts(design, h, local, tensors_for(params, reducer, h * local)(1), sizes, cfg)
                     else:
                         counts = gossip_counts(design, h, local, shapes, params, sizes)
                     shown = "Q" if design.startswith("gossip") and params else reducer

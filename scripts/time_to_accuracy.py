@@ -20,6 +20,7 @@ against wall time.
 
     python scripts/time_to_accuracy.py                     # loopback, 10 epochs
     sudo python scripts/time_to_accuracy.py --shaped 100mbit
+    sudo python scripts/time_to_accuracy.py --shaped 100mbit --rows PowerSGD,fp16,thc   # issue 35
     python scripts/time_to_accuracy.py --epochs 1 --out /tmp/tta
 """
 import argparse
@@ -34,9 +35,14 @@ from bench_common import PY, ROOT, bps_gc_congestion, check_tcp_congestion, impo
 
 # bps_gc's DistributedOptimizer recipes (the momentum moves into the codec chain, as in the demo)
 RECIPES = {"onebit + EF + nesterov": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"},
-           "topk 1% + EF + nesterov": {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov"}}
+           "topk 1% + EF + nesterov": {"compressor": "topk", "k": 0.01, "ef": "vanilla", "momentum": "nesterov"},
+           # issue 35: summed 4-bit codes; the optimizer keeps its momentum (thc takes no decorator)
+           "thc 4-bit + EF": {"compressor": "thc", "bits": 4, "feedback": True}}
+# bps_gc's DDP hook rows
+HOOKS = {"bps_gc hook topk 10% + EF": {"compressor": "topk", "k": 0.1, "ef": "vanilla"},
+         "bps_gc hook thc 4-bit + EF": {"compressor": "thc", "bits": 4, "feedback": True}}
 COLLECTIVE = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
-              "bps_gc hook topk 10% + EF", *(f"bps_gc collective {r}" for r in RECIPES))
+              *HOOKS, *(f"bps_gc collective {r}" for r in RECIPES))
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 MACHINES = 2
 
@@ -96,8 +102,7 @@ def rank_main(args):
                                                     start_powerSGD_iter=2)
                 net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             elif config.startswith("bps_gc hook"):
-                net.register_comm_hook(None, bps.comm_hook({"compressor": "topk", "k": 0.1, "ef": "vanilla"},
-                                                           optimizer=opt))
+                net.register_comm_hook(None, bps.comm_hook(HOOKS[config], optimizer=opt))
         curve, clock, step = [(0.0, accuracy(model, xv, yv))], 0.0, 0
         bps.barrier()
         for epoch in range(args.epochs):

@@ -1,7 +1,9 @@
 """DDP with bps_gc.torch.comm_hook, under torchrun. ``python ddp_hook_job.py SPEC.json OUT``.
 
-spec "record": a small network for a few steps, saving every bucket the hook saw (index, this
-rank's gradients in, the averaged result out) for the numpy re-computation.
+spec "record": a small network for a few steps (in spec["dtype"], float32 by default), saving
+every bucket the hook saw (index, this rank's gradients in, the averaged result out, as float64
+when the bucket is bfloat16: numpy has none) for the numpy re-computation, and what
+bps_gc.core.metrics() reports without init().
 spec "mnist": the demo's MLP on its real digits (example/demo/mnist_worker.py's data and model),
 dense DDP or the hook, saving the final validation accuracy.
 """
@@ -17,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "demo")]
+import bps_gc.core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -26,15 +29,18 @@ rank, size = dist.get_rank(), dist.get_world_size()
 
 def record(spec):
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)),
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)).to(dtype),
                 bucket_cap_mb=0.004)  # a few buckets of ~1000 floats
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hook = bps.comm_hook(spec["compression_params"], reducer=spec.get("reducer"), optimizer=opt)
     seen = []
 
     def recording(state, bucket):
-        grads = bucket.buffer().detach().clone().numpy()
+        grads = bucket.buffer().detach().double().numpy() if dtype == torch.bfloat16 else \
+            bucket.buffer().detach().clone().numpy()
         result = hook(state, bucket).wait()
+        result = result.double() if dtype == torch.bfloat16 else result
         sizes = np.array([g.numel() for g in bucket.gradients()])
         seen.append((bucket.index(), grads, result.detach().clone().numpy(), sizes))
         fut = torch.futures.Future()
@@ -44,13 +50,14 @@ def record(spec):
     model.register_comm_hook(None, recording)
     for step in range(spec["steps"]):
         g = torch.Generator().manual_seed(100 * rank + step)
-        x, y = torch.randn(8, 20, generator=g), torch.randn(8, 40, generator=g)
+        x, y = torch.randn(8, 20, generator=g).to(dtype), torch.randn(8, 40, generator=g).to(dtype)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     np.savez(os.path.join(out, f"hook{rank}.npz"), index=np.array([s[0] for s in seen]),
              **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
              **{f"sizes{i}": s[3] for i, s in enumerate(seen)})
+    json.dump(vars(bps_gc.core.metrics()), open(os.path.join(out, f"metrics{rank}.json"), "w"))
 
 
 def mnist(spec):

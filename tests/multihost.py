@@ -16,9 +16,10 @@ LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli"]
 
 class Job:
     """``workers``: one script per worker (a string for all); ``env``: for every role;
-    ``role_env``: per launcher name (scheduler, server0.., worker0..) overrides."""
+    ``role_env``: per launcher name (scheduler, server0.., worker0..) overrides; ``command``: the
+    workers' command (argv) instead of ``python -c script``."""
 
-    def __init__(self, workers, script, servers=1, env=None, role_env=None):
+    def __init__(self, workers, script, servers=1, env=None, role_env=None, command=None):
         port = self.port = free_port()
         scripts = script if isinstance(script, list) else [script] * workers
         base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
@@ -31,7 +32,7 @@ class Job:
         for s in range(servers):
             plan[f"server{s}"] = ([], dict(base, DMLC_ROLE="server"))
         for w in range(workers):
-            plan[f"worker{w}"] = ([sys.executable, "-c", scripts[w]],
+            plan[f"worker{w}"] = (command or [sys.executable, "-c", scripts[w]],
                                   dict(base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(w)))
         self.started = time.monotonic()
         self.launchers, self.output = {}, {}

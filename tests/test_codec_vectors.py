@@ -59,7 +59,8 @@ def test_decompress_matches_byteps(case):
         if reference is None:
             pytest.skip("no plain case of the same size in the lean vector set")
         expected = load(reference["decompressed"], np.float32)
-        # first step, zero error: BytePS's EF payload is its plain payload
+        # first step, zero error: BytePS's EF payload is its plain payload (the later steps,
+        # with the error no longer zero: tests/test_byteps_steps.py)
         ef_payload, plain_payload = load(case["compressed"], np.uint8), load(reference["compressed"], np.uint8)
         if params["compressor"] == "topk":
             assert record_set(ef_payload) == record_set(plain_payload)

@@ -114,16 +114,33 @@ def test_malformed_payloads_raise_value_error(params, dtype):
 
 @pytest.mark.parametrize("params", VALID, ids=lambda p: "-".join(f"{v}" for v in p.values()))
 def test_random_bytes_never_crash(params):
+    """Random bytes, real payloads and real payloads with two bytes overwritten: a ValueError or
+    a well-formed decoding, never a crash; every real payload decodes, something is rejected."""
     n = 50
+    sender = build_chain(dict(params, seed=3), n, np.float32)
     codec = build_chain(dict(params, seed=3), n, np.float32)
     rng = np.random.default_rng(1)
-    for _ in range(300):
-        payload = rng.integers(0, 256, rng.integers(0, 600), dtype=np.uint8)
+    real = accepted = rejected = 0
+    for trial in range(300):
+        kind = ("random", "real", "damaged")[trial % 3]
+        if kind == "random":
+            payload = rng.integers(0, 256, rng.integers(0, 600), dtype=np.uint8)
+        else:
+            payload = sender.compress(rng.standard_normal(n).astype(np.float32)).copy()
+            if params["compressor"] == "powersgd":
+                payload = np.concatenate([payload, sender.compress_q(payload)])
+            if kind == "damaged" and payload.size:
+                payload[rng.integers(0, payload.size, 2)] = rng.integers(0, 256, 2, dtype=np.uint8)
+            real += kind == "real"
         try:
             y = codec.decompress(payload)
         except ValueError:
+            assert kind != "real", f"trial {trial}: a payload {params['compressor']} made was rejected"
+            rejected += 1
             continue
+        accepted += 1
         assert y.shape == (n,) and y.dtype == np.float32
+    assert accepted >= real == 100 and rejected > 0
 
 
 @pytest.mark.parametrize("n", [1, 7, 4095, 4096, 4097, 1_000_003, 2**31 - 1, 2**32 - 1])

@@ -26,10 +26,11 @@ def run(spec, tmp_path, ranks=2, timeout=240):
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
-def expected_buckets(params, calls, ranks, lr, reducer):
+def expected_buckets(params, calls, ranks, lr, reducer, wire=None, sent=None):
     """[result] per hook call: calls[r] = [(index, sizes, gradients)] of rank r, in call order;
-    each gradient of a bucket is compressed on its own (layer-wise)."""
-    wire = np.float16 if params.get("fp16") else np.float32
+    each gradient of a bucket is compressed on its own (layer-wise), in ``wire`` (float32, or
+    float16 with fp16). ``sent``: a list of ranks' payload bytes, each added to."""
+    wire = wire or (np.float16 if params.get("fp16") else np.float32)
     state, results = {}, []
     for per_rank in zip(*calls):
         index, sizes = int(per_rank[0][0]), list(per_rank[0][1])
@@ -42,8 +43,11 @@ def expected_buckets(params, calls, ranks, lr, reducer):
         result = np.empty(bounds[-1], wire)
         for i, (chains, server) in enumerate(state[index][1]):
             acc = np.zeros(sizes[i], wire)
-            for chain, (_, _, grads) in zip(chains, per_rank):
-                acc += chain.decompress(chain.compress(grads[bounds[i]:bounds[i + 1]].astype(wire), lr))
+            for rank, (chain, (_, _, grads)) in enumerate(zip(chains, per_rank)):
+                payload = chain.compress(grads[bounds[i]:bounds[i + 1]].astype(wire), lr)
+                acc += chain.decompress(payload)
+                if sent is not None:
+                    sent[rank] += payload.nbytes
             if reducer == "recompress":
                 acc = server.decompress(server.compress(acc, lr))
             result[bounds[i]:bounds[i + 1]] = acc / acc.dtype.type(ranks)

@@ -108,3 +108,17 @@ def test_unknown_configuration_is_refused():
         result = subprocess.run([sys.executable, DEMO, flag, value], capture_output=True, text=True,
                                 timeout=60, cwd=ROOT)
         assert result.returncode == 2 and flag in result.stderr, result.stderr
+
+
+def test_demo_sh_says_what_it_installs_before_installing(tmp_path):
+    """A fresh clone's first ./scripts/demo.sh spends minutes installing: its first line says
+    what and how big. Here the interpreter that would make the venv is `false`, so the install
+    stops at once, after that line."""
+    env = dict(os.environ, BPS_GC_VENV=str(tmp_path / "venv"), PYTHON="false")
+    result = subprocess.run([os.path.join(ROOT, "scripts", "demo.sh")], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode != 0 and not (tmp_path / "venv").exists()
+    first = result.stderr.splitlines()[0]
+    assert first == (f"demo.sh: first run: installing torch 2.13.0 (CPU wheel), MXNet 1.9.1, numpy, pyzmq and "
+                     f"the test tools into {tmp_path / 'venv'} (about 1.8 GB; a minute or more), then the demo "
+                     "starts"), result.stderr

@@ -56,7 +56,7 @@ def test_the_readme_commands_resolve_as_described(tmp_path):
     assert c["train"]["save_path"] == "runs/[cifar.resnet20+dgc.[wm5+fp16+int32]].np1"
     assert c["bps_gc"]["compression_params"] == {
         "compressor": "dgc", "k": 0.001, "sample_ratio": 0.01, "momentum_masking": True, "warmup_densities": WM5,
-        "fp16_values": True, "momentum": "nesterov"}
+        "fp16_values": True, "momentum": "plain"}  # the CIFAR configs' memory.nesterov = False
     assert c["bps_gc"]["wire"] == {"value_bytes": 2, "index_bytes": 4, "dgc_index_bytes": 4}
 
     c = dry_run(SEED_IMAGENET.split(), tmp_path)  # "fp32 values, int64 indices, no warmup"
@@ -68,6 +68,7 @@ def test_the_readme_commands_resolve_as_described(tmp_path):
     assert c["bps_gc"]["wire"] == {"value_bytes": 4, "index_bytes": 4, "dgc_index_bytes": 8}
     assert any("int64" in note for note in c["bps_gc"]["notes"])
     assert c["train"]["optimizer"]["nesterov"] is True
+    assert c["bps_gc"]["compression_params"]["momentum"] == "nesterov"
     assert c["train"]["save_path"] == "runs/[imagenet.resnet50+dgc.wm0].np1"
 
     c = dry_run(SEED_E500.split(), tmp_path)
@@ -102,6 +103,18 @@ def test_bad_settings_are_one_line(argv, message, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_cifar_names_the_flag_that_sets_it(tmp_path):
+    """The data folder comes from --configs.dataset.root (the seed's flag), and the error says so."""
+    argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "1", "--servers", "0", "--",
+            sys.executable, TRAIN, "--configs", "configs/cifar/resnet20.py", "--configs.dataset.root", "nowhere"]
+    result = subprocess.run(argv, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert ("no CIFAR-10 train file at nowhere/cifar-10-batches-py/data_batch_1 (want the python version, "
+            "cifar-10-python.tar.gz, unpacked in --configs.dataset.root; nothing is downloaded)") in result.stderr, \
+        result.stderr[-2000:]
+    assert "--data_dir" not in result.stderr and "Traceback" not in result.stderr
 
 
 def record_bounds(model, density, value_bytes=2):

@@ -1,7 +1,7 @@
 """bps_gc.mxnet on a local cluster of real processes: after every DistributedTrainer step the
-parameters equal a numpy re-computation (each rank's autograd gradient -> 1/(batch*size) ->
-worker codec chain -> the server's rank-ordered sum, its chain -> post-pull momentum / weight
-decay adapters -> MXNet's sgd rule), for every codec with and without error feedback and
+parameters equal a numpy re-computation to float32 rounding (each rank's autograd gradient ->
+1/(batch*size) -> worker codec chain -> the server's rank-ordered sum, its chain -> post-pull
+momentum / weight decay adapters -> MXNet's sgd rule), for every codec with and without error feedback and
 momentum, and fp16; broadcasts from a non-zero root; a BytePS gluon script runs unchanged; the
 errors are clear."""
 import json
@@ -108,7 +108,15 @@ def expected_params(config, results, meta, workers):
     return out
 
 
-def check_exact(results, metas, workers):
+# Not byte-exact, on purpose: MXNet's sgd kernels apply lr, wd, rescale_grad and momentum in
+# their own float32 expression order, so a parameter can differ from numpy's re-computation in
+# its last bits (1 ulp per step measured here, for the dense configuration too: at most 9e-8
+# after 4 steps on parameters of magnitude < 1). The bound is a few float32 ulps at magnitude 1,
+# far below anything a wrong codec, reducer or adapter would produce.
+ROUNDING = 4e-7
+
+
+def check_to_rounding(results, metas, workers):
     failures = []
     for j, config in enumerate(CONFIGS):
         meta = metas[0]["configs"][j]
@@ -119,7 +127,7 @@ def check_exact(results, metas, workers):
         for (step, name), want in expected.items():
             for rank in range(workers):
                 got = results[rank][f"{j}/param/{step}/{name}"]
-                if not np.allclose(got, want, rtol=1e-5, atol=1e-6):
+                if not np.abs(got.astype(np.float64) - want).max() <= ROUNDING:
                     failures.append(f"{label(config)} rank {rank} step {step} {name}: "
                                     f"max diff {np.abs(got - want).max():.3g}")
         # the updates did something, and compressed configs differ from the dense one
@@ -128,14 +136,14 @@ def check_exact(results, metas, workers):
     assert not failures, "\n".join(failures[:20])
 
 
-def test_every_codec_exact_on_one_worker(one_worker):
+def test_every_codec_to_float32_rounding_on_one_worker(one_worker):
     results, metas = one_worker
-    check_exact(results, metas, workers=1)
+    check_to_rounding(results, metas, workers=1)
 
 
-def test_every_codec_exact_on_two_workers(two_workers):
+def test_every_codec_to_float32_rounding_on_two_workers(two_workers):
     results, metas = two_workers
-    check_exact(results, metas, workers=2)
+    check_to_rounding(results, metas, workers=2)
     # compressed and uncompressed configurations really differ
     dense, onebit = (results[0][f"{j}/param/3/{metas[0]['configs'][j]['names'][-1]}"] for j in (0, 1))
     assert not np.allclose(onebit, dense)

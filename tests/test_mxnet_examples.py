@@ -98,7 +98,7 @@ def test_cifar100_onebit_ef_nesterov(tmp_path):
                         "--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla",
                         "--compress-momentum", "nesterov", "--logging-file", "test",
                         "--save-dir", str(tmp_path / "params"), "--save-period", "1"], tmp_path)
-    log = (tmp_path / "cifar100-2-cpu-test.log").read_text()
+    log = (tmp_path / "out" / "cifar100-2-cpu-test.log").read_text()  # --log-dir's default: out/
     assert [int(e) for e in SPEED.findall(log)] == [0], log
     train = values(rf"^\[Epoch 0\] training: accuracy=({NUMBER})$", log)
     val = values(rf"^\[Epoch 0\] validation: accuracy=({NUMBER})$", log)
@@ -107,7 +107,25 @@ def test_cifar100_onebit_ef_nesterov(tmp_path):
     assert abs(train[0] * 64 - round(train[0] * 64)) < 1e-4
     assert abs(val[0] * 33 - round(val[0] * 33)) < 1e-4
     assert re.search(r"^\[Epoch 0\] traffic per worker: pushed ", log, re.M), log
-    assert (tmp_path / "params" / "cifar100-cifar_resnet20_v1-0.params").is_file()
+    params = tmp_path / "params"
+    assert (params / "cifar100-cifar_resnet20_v1-0.params").is_file()
+    for r in range(2):  # each rank's codec state beside gluon's states; no temporary file left
+        assert (params / f"cifar100-cifar_resnet20_v1-0.states.bps_gc.rank{r}").is_file()
+    assert not list(params.glob("*.tmp*"))
+    # resume at epoch 1 with the optimizer's and the codec state
+    result = run_example(CIFAR, ["--data-dir", str(tmp_path / "data"), "--model", "cifar_resnet20_v1",
+                                 "--num-gpus", "0", "--batch-size", "16", "--num-epochs", "2", "-j", "2",
+                                 "--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla",
+                                 "--compress-momentum", "nesterov", "--logging-file", "resumed",
+                                 "--max-iters", "1", "--save-dir", str(params), "--save-period", "1",
+                                 "--resume-epoch", "1",
+                                 "--resume-from", str(params / "cifar100-cifar_resnet20_v1-0.params"),
+                                 "--resume-states", str(params / "cifar100-cifar_resnet20_v1-0.states")],
+                         tmp_path)
+    assert "starts fresh" not in result.stdout + result.stderr
+    log = (tmp_path / "out" / "cifar100-2-cpu-resumed.log").read_text()  # --log-dir's default: out/
+    assert [int(e) for e in SPEED.findall(log)] == [1], log
+    assert (params / "cifar100-cifar_resnet20_v1-1.states.bps_gc.rank1").is_file()
 
 
 def test_imagenet_recordio_topk_fp16(imagenet, tmp_path):
@@ -136,12 +154,15 @@ def test_imagenet_recordio_topk_fp16(imagenet, tmp_path):
     params = tmp_path / "params"
     assert (params / "imagenet-resnet18_v1-1.params").is_file()
     assert (params / "imagenet-resnet18_v1-1.states").is_file()
+    for r in range(2):  # each rank's codec state beside gluon's states
+        assert (params / f"imagenet-resnet18_v1-1.states.bps_gc.rank{r}").is_file()
 
     # resume at epoch 2 from epoch 1's parameters and trainer states; decay at epoch 2
-    run_example(IMAGENET, [*args, "--num-epochs", "3", "--max-iters", "1", "--lr-decay-epoch", "2",
+    result = run_example(IMAGENET, [*args, "--num-epochs", "3", "--max-iters", "1", "--lr-decay-epoch", "2",
                            "--resume-epoch", "2", "--resume-params", str(params / "imagenet-resnet18_v1-1.params"),
                            "--resume-states", str(params / "imagenet-resnet18_v1-1.states"),
                            "--logging-file", str(tmp_path / "resumed.log")], tmp_path)
+    assert "starts fresh" not in result.stdout + result.stderr  # the codec state was loaded
     log = (tmp_path / "resumed.log").read_text()
     assert [int(e) for e in SPEED.findall(log)] == [2], log
     assert values(rf"\tlr=({NUMBER})$", log) == [0.02], log

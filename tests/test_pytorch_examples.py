@@ -148,7 +148,7 @@ def test_cifar100_script_trains_with_compression(tmp_path, job, flags):
     result = run_job([TRAIN, "--data-dir", data_dir, "--batch-size", "8", "-j", "1", "--logging-file", job,
                       "--save-dir", str(tmp_path / "params")] + flags, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    log = tmp_path / f"cifar100-2-cpu-{job}.log"
+    log = tmp_path / "out" / f"cifar100-2-cpu-{job}.log"  # --log-dir's default: out/
     assert log.exists()
     lines = log.read_text().splitlines()
     epochs = 1 if "onebit" in job else 2

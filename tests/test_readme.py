@@ -4,7 +4,8 @@ Each ```sh block after a ``<!-- quickstart: NAME -->`` marker runs in bash from 
 root with the venv's ``bin`` first on PATH (``python``, ``bpslaunch``, ``torchrun``). The only
 changes are the reductions in ``REDUCED``: a data path pointed at tiny files in the official
 format, a free port instead of 1234, and flags appended to a command (argparse keeps the last
-value). A README block without an entry here fails, so a new quickstart gets a test.
+value). A ```python block after such a marker is a script, run as the README says (torchrun).
+A README block without an entry here fails, so a new quickstart gets a test.
 """
 import json
 import os
@@ -27,7 +28,7 @@ TINY_MXNET = "--model cifar_resnet20_v1 --num-epochs 1 --batch-size 16 --save-pe
 
 def quickstart_blocks():
     text = open(README).read()
-    return dict(re.findall(r"<!-- quickstart: ([\w-]+) -->\n```sh\n(.*?)```", text, re.S))
+    return dict(re.findall(r"<!-- quickstart: ([\w-]+) -->\n```(?:sh|python)\n(.*?)```", text, re.S))
 
 
 def commands(block):
@@ -75,9 +76,17 @@ def test_every_quickstart_has_a_reduced_run():
 
 def reduced_mxnet_local(block, tmp_path):
     write_cifar(tmp_path / "data" / "cifar100", train=65, test=33)  # $HOME is tmp_path
+    name = "cifar100-2-cpu-onebit.log"  # from the repository root: under out/, not beside README.md
+    for stale in (os.path.join(ROOT, name), os.path.join(ROOT, "out", name)):
+        if os.path.exists(stale):
+            os.remove(stale)
     out = run_block(append_to(block, "train_cifar100_byteps_gc.py", TINY_MXNET), tmp_path)
     assert re.search(r"^\[worker0\] \[Epoch 0\] validation: accuracy=[0-9.]+$", out, re.M), out[-3000:]
     assert re.search(r"traffic per worker: pushed .*ratio", out), out[-3000:]
+    assert not os.path.exists(os.path.join(ROOT, name))
+    log = open(os.path.join(ROOT, "out", name)).read()
+    os.remove(os.path.join(ROOT, "out", name))
+    assert re.search(r"^\[Epoch 0\] validation: accuracy=[0-9.]+$", log, re.M), log
 
 
 def reduced_roles(block, tmp_path):
@@ -85,6 +94,8 @@ def reduced_roles(block, tmp_path):
     out = run_block(append_to(block, "ddp_quickstart.py", "--epochs 1"), tmp_path)
     found = re.search(r"done: 2 workers, api optimizer, .*'onebit'.*, (\d+) bytes raw, (\d+) on the wire", out)
     assert found, out[-3000:]
+    # one host of two ranks: two levels, and the printed bytes say they are rank 0's share
+    assert "(two levels: this host's 2 ranks sum in shared memory and push once" in out, out[-3000:]
     assert 0 < int(found.group(2)) < int(found.group(1)) / 10  # compressed, through the server
 
 
@@ -93,7 +104,7 @@ def reduced_pssh(block, tmp_path):
     config = open(os.path.join(ROOT, "launch", "config.example")).read()
     config = config.replace("10.0.0.1", "127.0.0.1").replace("1234", str(free_port()))
     config = config.replace("$HOME/data/cifar100", str(tmp_path / "data"))
-    config = re.sub(r'BPS_GC_TRAIN_ARGS:=[^}]*', f"BPS_GC_TRAIN_ARGS:={TINY_MXNET}", config)
+    config = re.sub(r'BPS_GC_TRAIN_ARGS:=[^}]*', f"BPS_GC_TRAIN_ARGS:={TINY_MXNET} --log-dir {tmp_path / 'out'}", config)
     (tmp_path / "config").write_text(config)
     (tmp_path / "hosts").write_text("127.0.0.1\n")
     write_cifar(tmp_path / "data", train=65, test=33)
@@ -104,6 +115,23 @@ def reduced_pssh(block, tmp_path):
     out = run_block(remote, tmp_path, env)
     assert "worker exited with status 0" in out, out[-3000:]
     assert re.search(r"traffic per worker: pushed ", (tmp_path / "logs" / "worker.log").read_text())
+    assert re.search(r"traffic per worker: pushed ", (tmp_path / "out" / "cifar100-1-cpu-onebit.log").read_text())
+
+
+def reduced_hook(block, tmp_path):
+    """The hook's script under torchrun, as written and with torch's own init instead of
+    bps.init(): both print each rank's bytes, the raw ones re-computed here (100 steps of a
+    784 x 10 + 10 float32 model, pushed and pulled)."""
+    without_init, count = re.subn(r"^bps\.init\(\).*$", 'torch.distributed.init_process_group("gloo")', block, flags=re.M)
+    assert count == 1
+    for name, script in (("with_init", block), ("without_init", without_init)):
+        (tmp_path / f"{name}.py").write_text(script)
+        out = run_block(f"torchrun --standalone --nproc-per-node 2 {tmp_path / name}.py", tmp_path)
+        found = sorted(re.findall(r"^rank (\d): (\d+) bytes raw, (\d+) on the wire$", out, re.M))
+        assert [rank for rank, _, _ in found] == ["0", "1"], f"{name}: {out[-3000:]}"
+        for _, raw, wire in found:
+            assert int(raw) == 2 * 100 * (784 * 10 + 10) * 4, f"{name}: {out[-3000:]}"
+            assert 0 < int(wire) < int(raw) / 10, f"{name}: {out[-3000:]}"  # top 1 %: compressed
 
 
 def reduced_ddp(block, tmp_path):
@@ -125,7 +153,7 @@ def reduced_seeds(block, tmp_path):
 
 
 REDUCED = {"mxnet-local": reduced_mxnet_local, "roles": reduced_roles, "pssh": reduced_pssh,
-           "ddp": reduced_ddp, "seeds": reduced_seeds}
+           "hook": reduced_hook, "ddp": reduced_ddp, "seeds": reduced_seeds}
 
 
 @pytest.mark.parametrize("name", sorted(REDUCED))
@@ -133,7 +161,5 @@ def test_quickstart(name, tmp_path):
     blocks = quickstart_blocks()
     if name not in blocks:
         pytest.fail(f"README has no quickstart block {name!r}")
-    if name == "seeds" and not os.path.exists(os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")):
-        pytest.skip("example/pytorch/dgc/train.py not built yet")
     assert shutil.which("bash")
     REDUCED[name](blocks[name], tmp_path)

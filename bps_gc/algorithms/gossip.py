@@ -21,11 +21,13 @@ between neighbours and vanish at consensus.
 A message is one per neighbour per round, every tensor's payload concatenated:
 uint32 count, uint32 payload lengths, the payloads (no pickle).
 """
+import json
 import threading
 
 import numpy as np
 
 from ..compress import CompressionParams, build_chain
+from ..compress.state import StateError, Stateful
 
 
 def pack(payloads):
@@ -76,7 +78,26 @@ def gossip_params(compression_params):
     return params
 
 
-class _Neighbourhood:
+class _Neighbourhood(Stateful):
+    """What CHOCO and D-PSGD share; its state is per rank (``rounds``, and CHOCO's copies and
+    codec states, keyed by tensor name)."""
+
+    state_attrs = ("rounds",)
+    algorithm = None  # "choco" or "dpsgd": a state moves only to the same algorithm
+
+    def state_identity(self):
+        # numpy arrays here, torch tensors in bps_gc.torch's variant: the same identity
+        models = {n: [int(np.prod(a.shape)), str(a.dtype).removeprefix("torch.")]
+                  for n, a in self.x.items()}
+        return {"algorithm": self.algorithm, "rank": self.rank, "size": self.size,
+                "topology": self.topology.name, "models": json.dumps(models, sort_keys=True)}
+
+    def load_state_dict(self, sd):
+        if getattr(self, "pending", False):
+            raise StateError(f"{self.tag}: load_state_dict after a gossip round started (its "
+                             "messages are in flight); load the state before the first step")
+        super().load_state_dict(sd)
+
     def __init__(self, arrays, topology, comm, tag):
         self.names = list(arrays)
         self.x = {n: arrays[n] for n in self.names}
@@ -131,6 +152,22 @@ class _Neighbourhood:
 
 
 class ChocoGossip(_Neighbourhood):
+    algorithm = "choco"
+    state_attrs = ("rounds", "xhat", "u")
+
+    def state_identity(self):
+        return {**super().state_identity(), "gamma": float(self.gamma)}
+
+    def state_children(self):
+        return tuple((f"codec.{name}.", codec) for name, codec in self.codecs.items()
+                     if isinstance(codec, Stateful))
+
+    def state_dict(self):
+        """The state after the neighbours' last messages are in (``collect``, which the next
+        step would do first): x-hat, u = s - x-hat, the codecs' states and the round count."""
+        self.collect()
+        return super().state_dict()
+
     def __init__(self, arrays, topology, comm, gamma, compression_params=None, tag="choco"):
         super().__init__(arrays, topology, comm, tag)
         if not 0 < gamma <= 1:
@@ -182,6 +219,8 @@ class ChocoGossip(_Neighbourhood):
 
 class DPSGDGossip(_Neighbourhood):
     """Plain D-PSGD: ``x_i <- sum_j w_ij x_j`` with the neighbours' full models, uncompressed."""
+
+    algorithm = "dpsgd"
 
     def __init__(self, arrays, topology, comm, tag="dpsgd"):
         super().__init__(arrays, topology, comm, tag)

@@ -4,13 +4,14 @@ one home of momentum handling for every binding. ``MomentumPlan.from_torch`` /
 it into the declared codec chain (the ``nesterov`` decorator registered in compress/feedback.py
 applies it before compression), and ``adapter`` does what is left after the pull.
 
-With ``compression_params={"momentum": "nesterov"}`` BytePS takes ``momentum`` (and for onebit
+With ``compression_params={"momentum": "nesterov"}`` (or ``"plain"``) BytePS takes ``momentum`` (and for onebit
 ``wd``) out of the optimizer: compressed gradients get nesterov momentum inside the worker's
 codec chain, before compression. What is left happens after the pull, per tensor:
 
-* a tensor too small to be compressed gets NAG here instead: ``m = mu*(m + g); g = g + m``;
-* onebit's weight decay: ``c = wd*x``; compressed tensors ``m = mu*(m + c); g += m + c``,
-  small ones ``g += c``.
+* a tensor too small to be compressed gets NAG here instead: ``m = mu*(m + g); g = g + m``
+  (with ``"momentum": "plain"``: ``m = mu*m + g; g = m``);
+* onebit's weight decay: ``c = wd*x``; compressed tensors ``m = mu*(m + c); g += m + c``
+  (plain: ``m = mu*m + c; g += m``), small ones ``g += c``.
 * DGC's weight decay (algorithms.md section 2.6: local, uncompressed, with its own momentum
   buffer): ``c = wd*x``; compressed tensors ``b = mu*b + c; g += b`` (the codec's momentum
   correction never sees it); dense ones (1-D, or too small) ``g += c`` before their NAG, i.e.
@@ -23,10 +24,16 @@ import copy
 import numpy as np
 
 from ..compress import CompressionParams, choose_reducer
+from ..compress.state import Stateful
 
 
-class MomentumPlan:
-    """The optimizer changes and per-tensor codec parameters for one training job."""
+class MomentumPlan(Stateful):
+    """The optimizer changes and per-tensor codec parameters for one training job. It keeps no
+    state between steps (its ``PostPull`` adapters do): its state dict is its identity, which
+    a binding checks before it loads the adapters'."""
+
+    def state_identity(self):
+        return {"params": self.params.to_json().decode(), "mu": self.mu, "wd": self.wd}
 
     def __init__(self, compression_params, momentum, weight_decay):
         params = CompressionParams.from_dict(
@@ -38,6 +45,7 @@ class MomentumPlan:
         self.params = params
         self.mu = float(momentum or 0.0)
         self.moves_momentum = bool(params.momentum)
+        self.nesterov = params.momentum != "plain"
         # BytePS: only onebit takes weight decay into the adapter; DGC keeps it local (its own rule)
         self.wd_rule = params.compressor if params.compressor in ("onebit", "dgc") else None
         self.moves_weight_decay = self.moves_momentum and bool(self.wd_rule) and bool(weight_decay)
@@ -105,7 +113,7 @@ class MomentumPlan:
         if not self.moves_momentum:
             return None
         wd_rule = self.wd_rule if self.moves_weight_decay else None
-        return PostPull(shape, dtype, self.mu, self.wd, compressed, wd_rule)
+        return PostPull(shape, dtype, self.mu, self.wd, compressed, wd_rule, self.nesterov)
 
 
 def split_reducer(compression_params):
@@ -130,13 +138,21 @@ def tensor_compression(compression_params, ndim):
     return params
 
 
-class PostPull:
+class PostPull(Stateful):
     """Per-tensor state applied to the pulled gradient ``g`` (in place) given the weights ``x``.
     ``wd_rule``: None, "onebit" or "dgc" (whose weight decay moved out of the optimizer)."""
 
-    def __init__(self, shape, dtype, mu, wd, compressed, wd_rule):
+    state_attrs = ("nag", "wd_mom")  # each None where this tensor keeps none
+
+    def state_identity(self):
+        holder = self.nag if self.nag is not None else self.wd_mom
+        return {"mu": str(self.mu), "wd": str(self.wd), "wd_rule": self.wd_rule or "",
+                "compressed": int(self.nag is None), "nesterov": int(self.nesterov),
+                "shape": str(tuple(holder.shape)) if holder is not None else ""}
+
+    def __init__(self, shape, dtype, mu, wd, compressed, wd_rule, nesterov=True):
         self.mu, self.wd = np.dtype(dtype).type(mu), np.dtype(dtype).type(wd)
-        self.wd_rule = wd_rule
+        self.wd_rule, self.nesterov = wd_rule, nesterov
         self.nag = None if compressed else np.zeros(shape, dtype)
         self.wd_mom = np.zeros(shape, dtype) if wd_rule and compressed else None
         self.cache = np.empty(shape, dtype) if wd_rule else None
@@ -145,17 +161,31 @@ class PostPull:
         if self.wd_rule == "dgc":
             return self._dgc(g, x)
         if self.nag is not None:  # the codec chain did not see this tensor
-            self.nag += g
-            self.nag *= self.mu
-            g += self.nag
+            self._momentum(self.nag, g, g)
         if self.wd_rule:
             np.multiply(x, self.wd, out=self.cache)
-            if self.wd_mom is not None:
-                self.wd_mom += self.cache
-                self.wd_mom *= self.mu
-                g += self.wd_mom
-            g += self.cache
+            if self.wd_mom is None:
+                g += self.cache
+            elif self.nesterov:
+                self._momentum(self.wd_mom, self.cache, g, add=True)
+                g += self.cache
+            else:
+                self._momentum(self.wd_mom, self.cache, g, add=True)
         return g
+
+    def _momentum(self, m, c, g, add=False):
+        """Nesterov: m = mu*(m + c); g = c + m (or g += m). Plain: m = mu*m + c; g = m (or
+        g += m). ``c`` may be ``g`` itself."""
+        if self.nesterov:
+            m += c
+            m *= self.mu
+        else:
+            m *= self.mu
+            m += c
+        if add or self.nesterov:
+            g += m
+        else:
+            np.copyto(g, m)
 
     def _dgc(self, g, x):
         np.multiply(x, self.wd, out=self.cache)
@@ -165,7 +195,5 @@ class PostPull:
             g += self.wd_mom
             return g
         g += self.cache  # dense: ordinary momentum SGD of the averaged gradient
-        self.nag += g
-        self.nag *= self.mu
-        g += self.nag
+        self._momentum(self.nag, g, g)
         return g

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..comm import NodeFailure
 from .departure import Ending, await_end, departure, described
 from .liveness import Heartbeat
-from .rendezvous import backend_from_env, connect
+from .rendezvous import backend_from_env, connect, waiting_at_rendezvous
 
 log = logging.getLogger("bps_gc.collective")
 WATCH_SECONDS = 0.02  # how often a wait sleeping on its work checks the heartbeat and departures
@@ -39,7 +39,8 @@ class Lifecycle:
     def start(self, join_levels, barrier):
         """Rendezvous and heartbeat, then ``join_levels`` (TwoLevels') and a first ``barrier``."""
         backend = backend_from_env()
-        store, self.hosts_store = connect(self.cfg, backend)
+        with waiting_at_rendezvous(self.cfg):
+            store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
         self.shared.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
                                           self.cfg.heartbeat_timeout, where).start()

@@ -44,16 +44,21 @@ class PhasesAndVotes:
             self._deliver(wire, out, average)
 
     def _sum_phase(self, buffers):
-        """The buffers summed over ranks by one all_reduce of their concatenation; the sums,
-        in order."""
+        """The buffers summed over ranks by one all_reduce of their concatenation per element
+        type (PowerSGD's float32, thc's float64); the sums, in order."""
         start = time.perf_counter()
-        fused = np.concatenate(buffers)
-        self._sum(fused)
         counters = self.shared.counters
+        sums = [None] * len(buffers)
+        for dtype in dict.fromkeys(b.dtype for b in buffers):
+            picked = [i for i, b in enumerate(buffers) if b.dtype == dtype]
+            fused = np.concatenate([buffers[i] for i in picked])
+            self._sum(fused)
+            counters.pushed_wire += fused.nbytes
+            counters.pulled_wire += fused.nbytes
+            for i, summed in zip(picked, np.split(fused, np.cumsum([buffers[i].size for i in picked])[:-1])):
+                sums[i] = summed
         counters.communicate_seconds += time.perf_counter() - start
-        counters.pushed_wire += fused.nbytes
-        counters.pulled_wire += fused.nbytes
-        return np.split(fused, np.cumsum([b.size for b in buffers])[:-1])
+        return sums
 
     def _reduce_signs(self, tensor, wire, ctx):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from ..comm import NodeFailure
 from ..config import Config, ConfigError, EnvReader
+from ..transport.waiting import WaitLines
+from .security import refuse_security_settings, store_listener
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -32,6 +34,7 @@ def collective_config(environ=None):
     else:
         local = None
     env["DMLC_NUM_SERVER"] = "0"
+    refuse_security_settings(env)
     cfg = Config.from_env(env, role="worker")
     return cfg, *(local or (cfg.local_rank, cfg.local_size))
 
@@ -75,8 +78,9 @@ def connect(cfg, backend):
         return None, False
     host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
+        listener = store_listener(cfg.root_uri, cfg.root_port) if host_store else None
         store = dist.TCPStore(cfg.root_uri, cfg.root_port, cfg.size, is_master=host_store,
-                              timeout=timeout, wait_for_workers=False)
+                              timeout=timeout, wait_for_workers=False, master_listen_fd=listener)
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"bps_gc: cannot reach the rendezvous at {cfg.root_uri}:{cfg.root_port} "
                               f"as rank {cfg.rank}: {e}") from None
@@ -87,3 +91,10 @@ def connect(cfg, backend):
         raise NodeFailure(f"bps_gc: the job did not assemble within {cfg.join_timeout:g} s "
                           f"(BPS_GC_JOIN_TIMEOUT; rank {cfg.rank} of {cfg.size} waited): {e}") from None
     return dist.PrefixStore("bps_gc/live", store), host_store
+
+
+def waiting_at_rendezvous(cfg):
+    """Lines naming the rendezvous while connect() waits there (transport/waiting.py)."""
+    where = f"{cfg.root_uri}:{cfg.root_port}"
+    return WaitLines(lambda: f"rank {cfg.rank} of {cfg.size} waiting for the other ranks at the "
+                             f"rendezvous at {where}", cfg.join_timeout)

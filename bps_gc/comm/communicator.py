@@ -57,6 +57,17 @@ class Communicator(abc.ABC):
         """The Declaration of ``name``, None if it was not declared."""
         raise NotImplementedError(f"{type(self).__name__} does not implement declaration()")
 
+    def state_dict(self):
+        """The codec state this rank holds for its declared tensors, keyed by tensor name and
+        partition, never by bucket or server (docs/checkpoint.md): a flat dict that
+        ``compress.state_bytes.encode_state`` writes."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement state_dict()")
+
+    def load_state_dict(self, sd):
+        """Restore ``state_dict()``'s result after declaring, before the first reduce; a
+        ``StateError`` names the first problem, and then nothing was loaded."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict()")
+
     # how ``push_payloads`` answers (bindings that compress themselves: bps_gc.torch's device
     # chains): False, the reduced reply of each partition (a server reduced them); True, every
     # rank's payloads of each partition (the caller runs the reducer, as the collective does)

@@ -1,16 +1,21 @@
 """Reductions in two phases of plain sums (PowerSGD: the sum of P = M Q, then the sum of
-Q = M^T P^), driven here above the transport, so servers and collectives only ever sum dense
-float32 buffers: each phase of a tensor is one buffer, every partition's phase payload back to
-back. The parameter server sums it as an uncompressed auxiliary tensor declared per phase
-(``phase_names``); the collective all_reduces it.
+Q = M^T P^; thc: a scale histogram, then packed integer codes), driven here above the
+transport, so servers and collectives only ever sum dense float buffers: each phase of a
+tensor is one buffer, every partition's phase payload back to back. The parameter server
+sums it as an uncompressed auxiliary tensor declared per phase (``phase_names``); the
+collective all_reduces it.
 
 Nothing here knows a codec by name: a partition's reducer says how many phases it takes
 (``Reducer.phases``), and its codec provides
 
-* ``compress(x, ctx)``: the first phase's payload (float32 bytes) from the input;
+* ``compress(x, ctx)``: the first phase's payload (bytes of ``phase_dtype``) from the input;
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
-* ``phase_sizes``: the float32 elements of each phase's payload.
+* ``phase_sizes``: the elements of each phase's payload;
+* optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's float64
+  words hold more exact integer lanes);
+* optionally ``set_summands(workers)``: called first, when the payload's size depends on how
+  many pushes the sum adds (thc's lanes).
 """
 import numpy as np
 
@@ -33,8 +38,21 @@ def phase_names(tensor):
     return [f"{tensor.name}|phase{i}" for i in range(PHASES)]
 
 
-def phase_lengths(tensor):
-    """float32 elements of each phase's buffer."""
+def size_for(tensor, workers):
+    """Tell codecs whose phase sizes depend on it how many pushes each sum adds."""
+    for part in tensor.partitions:
+        if hasattr(part.codec, "set_summands"):
+            part.codec.set_summands(workers)
+
+
+def phase_dtype(tensor):
+    """The element type every phase buffer of ``tensor`` is summed in."""
+    return np.dtype(getattr(tensor.partitions[0].codec, "phase_dtype", np.float32))
+
+
+def phase_lengths(tensor, workers=1):
+    """Elements (of ``phase_dtype``) of each phase's buffer, for sums of ``workers`` pushes."""
+    size_for(tensor, workers)
     return [sum(int(part.codec.phase_sizes[i]) for part in tensor.partitions) for i in range(PHASES)]
 
 
@@ -47,6 +65,8 @@ class PhasedReduction:
     def __init__(self, tensor, source, target, ctx, workers):
         self.parts, self.source, self.target = tensor.partitions, source, target
         self.ctx, self.workers = ctx, workers
+        size_for(tensor, workers)
+        self.dtype = phase_dtype(tensor)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
                        for i in range(PHASES)]
 
@@ -56,15 +76,15 @@ class PhasedReduction:
             yield part, buffer[bounds[i]:bounds[i + 1]]
 
     def first(self):
-        buffer = np.empty(self.bounds[0][-1], np.float32)
+        buffer = np.empty(self.bounds[0][-1], self.dtype)
         for part, piece in self._pieces(0, buffer):
-            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(np.float32)
+            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(self.dtype)
         return buffer
 
     def second(self, p_sum):
-        buffer = np.empty(self.bounds[1][-1], np.float32)
+        buffer = np.empty(self.bounds[1][-1], self.dtype)
         for (part, piece), (_, summed) in zip(self._pieces(1, buffer), self._pieces(0, p_sum)):
-            piece[:] = part.codec.compress_q(summed).view(np.float32)
+            piece[:] = part.codec.compress_q(summed).view(self.dtype)
         return buffer
 
     def finish(self, q_sum):

@@ -5,6 +5,7 @@ is needed, so servers run them with numpy alone. See docs/codecs.md for the wire
 """
 from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the built-ins)
 from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
+from . import thc  # noqa: F401  (issue 35: summable codes)
 from .base import Codec
 from .chain import build_chain
 from .context import step_context
@@ -14,8 +15,10 @@ from .seeds import derive_seed
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
 from .sparse import resolve_k
+from .state import StateError, StateGroup
+from .state_bytes import decode_state, encode_state
 
 __all__ = ["Codec", "CompressionParams", "ParamError", "REDUCERS", "build_chain",
            "choose_reducer", "derive_seed", "load_plugins", "make_reducer", "register_compressor",
            "register_error_feedback", "register_momentum", "register_reducer", "resolve_k",
-           "step_context"]
+           "step_context", "StateError", "StateGroup", "decode_state", "encode_state"]

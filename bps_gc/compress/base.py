@@ -1,10 +1,12 @@
 """The interface every codec implements: one stateful object per tensor partition."""
 import numpy as np
 
+from .state import Stateful, codec_identity
+
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
 
 
-class Codec:
+class Codec(Stateful):
     """Compresses one partition of ``n`` elements of ``dtype``.
 
     ``compress(x, ctx)`` returns the payload as a fresh uint8 array; ``ctx`` is the step
@@ -17,6 +19,7 @@ class Codec:
 
     # server reducers this codec works with (``compress.reducers``); the first is the default
     reducers = ("recompress", "lossless")
+    state_label = "codec."  # compressors name their state attributes in ``state_attrs``
 
     def __init__(self, params, n, dtype):
         dtype = np.dtype(dtype)
@@ -27,6 +30,9 @@ class Codec:
             raise ValueError(f"{type(self).__name__}: partition must have >= 1 element, got {n}")
         self.params, self.n, self.dtype = params, int(n), dtype
         self._scratch = None
+
+    def state_identity(self):
+        return codec_identity(self)
 
     def compress(self, x, ctx=None):
         raise NotImplementedError

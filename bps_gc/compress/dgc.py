@@ -77,6 +77,7 @@ def step_density(codec, ctx):
 class DGC(SortedSparse):
     owns_momentum = True  # build_chain adds no momentum decorator
     reducers = ("lossless",)  # the pull is the exact sum of the sparse pushes
+    state_attrs = ("u", "v", "rng_state")  # u is None without momentum (mu = 0)
 
     def __init__(self, params, n, dtype, seed):
         options = dict(params.options)

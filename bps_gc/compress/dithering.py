@@ -12,6 +12,11 @@ from .registry import register_compressor
 
 @register_compressor("dithering")
 class Dithering(Codec):
+    state_attrs = ("rng_state",)
+
+    def state_identity(self):  # the device codec draws from torch's generator instead
+        return {**super().state_identity(), "rng": "xorshift128+"}
+
     def __init__(self, params, n, dtype, seed):
         super().__init__(params, n, dtype)
         self.s = int(params.k)

@@ -36,6 +36,7 @@ from .onebit import WORD_BITS, Onebit
 from .quantize import QSGD, TernGrad
 from .registry import COMPRESSORS, load_plugins
 from .sparse import SparseCodec
+from .state import Stateful
 from .threshold import SortedSparse
 
 ALIGN = 64  # chunk starts: whole 64-bit words of sign bits, whole bytes of 2-bit or qsgd codes
@@ -63,10 +64,13 @@ def check_splittable(params):
                          "granularity 'layerwise'")
 
 
-class WholeVectorCodec:
+class WholeVectorCodec(Stateful):
     """The codec chain of a whole flattened model (``total`` elements of ``dtype``), and the
     cutting of its payloads at ``bounds`` (a list of (start, stop), starts multiples of
-    ALIGN)."""
+    ALIGN). Its state is the chain's (the decoder keeps none)."""
+
+    def state_children(self):
+        return (("", self.chain),)
 
     def __init__(self, params, total, dtype, bounds, key):
         from .chain import build_chain

@@ -1,10 +1,11 @@
-"""Decorators around a codec: vanilla error feedback (workers and servers), nesterov momentum
-(workers only). Order on a worker: momentum -> error feedback -> codec."""
+"""Decorators around a codec: vanilla error feedback (workers and servers), nesterov or plain
+momentum (workers only). Order on a worker: momentum -> error feedback -> codec."""
 import numpy as np
 
 from ._native import lib, ptr
 from .context import step_context
 from .registry import register_error_feedback, register_momentum
+from .state import Stateful
 
 
 class Forwarding:
@@ -20,8 +21,17 @@ class Forwarding:
         self.inner.residual(payload, x)
 
 
-class Decorator(Forwarding):
-    """Forwards everything but compress to the wrapped codec."""
+class Decorator(Forwarding, Stateful):
+    """Forwards everything but compress to the wrapped codec; its state is saved before the
+    wrapped codec's (``state_label`` and ``state_name``, the registered name, per subclass)."""
+
+    state_name = None
+
+    def state_identity(self):
+        return {"name": self.state_name}
+
+    def state_children(self):
+        return (("", self.inner),)
 
     def __init__(self, inner, params):
         self.inner, self.params = inner, params
@@ -54,6 +64,8 @@ class VanillaErrorFeedback(Decorator):
     so that keeping e costs no copy.
     """
 
+    state_label, state_name, state_attrs = "ef.", "vanilla", ("error", "lr_prev")
+
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.error = np.zeros(self.n, self.dtype)
@@ -80,6 +92,8 @@ class NesterovMomentum(Decorator):
     """m = g + mu*m; g = g + mu*m; then the inner chain. A non-finite step leaves m as it was
     and goes down the chain as all NaN (as in error feedback)."""
 
+    state_label, state_name, state_attrs = "momentum.", "nesterov", ("momentum",)
+
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.mu = self.dtype.type(params.mu)
@@ -92,6 +106,23 @@ class NesterovMomentum(Decorator):
         m = self._spare
         if _scale_add(self.momentum, self.mu, x, m) and _scale_add(m, self.mu, x, self._grad):
             self.momentum, self._spare = m, self.momentum
+        else:
+            self._grad.fill(np.nan)
+        return self.inner.compress(self._grad, ctx)
+
+
+@register_momentum("plain")
+class PlainMomentum(NesterovMomentum):
+    """Heavy-ball momentum: m = g + mu*m; g = m; then the inner chain (the plain form of DGC's
+    momentum correction, and of SGD's momentum moved into the chain). Non-finite: as nesterov."""
+
+    state_name = "plain"  # its state is not a nesterov chain's: loading one into the other is refused
+
+    def compress(self, x, ctx=None):
+        m = self._spare
+        if _scale_add(self.momentum, self.mu, _flat(x, self.dtype), m):
+            self.momentum, self._spare = m, self.momentum
+            np.copyto(self._grad, m)
         else:
             self._grad.fill(np.nan)
         return self.inner.compress(self._grad, ctx)

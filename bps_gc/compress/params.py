@@ -51,6 +51,14 @@ def _real(lo, hi, lo_open=False):
     return convert
 
 
+def _one_of(*allowed):
+    def convert(value):
+        if isinstance(value, bool) or value not in allowed:
+            raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
+        return int(value)
+    return convert
+
+
 def _densities(value):
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError("must be a list of kept fractions in (0, 1], one per warm-up epoch")
@@ -69,10 +77,13 @@ CODEC_OPTIONS = {
             "warmup_densities": _densities, "fp16_values": _bool,
             "clip_norm": _real(0, math.inf, lo_open=True), "momentum_masking": _bool},
     "powersgd": {"rank": _whole(1, 4096)},
+    "thc": {"bits": _one_of(2, 4, 8), "rotate": _bool, "feedback": _bool},
 }
 REQUIRED_OPTIONS = {"threshold": ("threshold",)}
 # these carry their own error feedback (DGC's accumulation, PowerSGD's residual)
-OWN_ERROR_FEEDBACK = ("dgc", "powersgd")
+OWN_ERROR_FEEDBACK = ("dgc", "powersgd", "thc")  # thc: its option 'feedback'
+# compressors whose later phases bypass a momentum decorator (the optimizer keeps momentum)
+PHASED = ("powersgd", "thc")
 
 
 class ParamError(ValueError):
@@ -245,8 +256,8 @@ def _validate(raw):
         raise ParamError("warmup_densities", "give either 'warmup_epochs' or 'warmup_densities'")
     if ef is not None and compressor in OWN_ERROR_FEEDBACK:
         raise ParamError("ef", f"{compressor} has its own error feedback; remove 'ef'")
-    if momentum is not None and compressor == "powersgd":  # its later phases bypass a decorator
-        raise ParamError("momentum", "powersgd keeps the momentum in the optimizer; remove 'momentum'")
+    if momentum is not None and compressor in PHASED:  # its later phases bypass a decorator
+        raise ParamError("momentum", f"{compressor} keeps the momentum in the optimizer; remove 'momentum'")
     return CompressionParams(compressor=compressor, ef=ef, momentum=momentum,
                              scaling=_flag(raw, "scaling"), k=k, seed=seed, partition=partition,
                              normalize=normalize, mu=None if mu is None else float(mu),

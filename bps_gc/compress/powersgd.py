@@ -37,6 +37,11 @@ def matrix_shape(n, shape=None):
     return -(-n // cols), cols
 
 
+def matrix_identity(codec, base):
+    """A PowerSGD codec's state identity (numpy and device): ``base`` and its matrix view."""
+    return {**base, "matrix": f"{codec.rows}x{codec.cols}", "rank": codec.rank}
+
+
 def orthogonalize(p):
     """Orthonormal columns spanning those of p (Householder QR, float32): stable at full rank,
     where Gram-Schmidt in float32 loses orthogonality."""
@@ -50,6 +55,11 @@ class PowerSGD(Codec):
     reducers = ("powersgd",)
 
     takes_shape = True  # build_chain passes the tensor's shape (the matrix view)
+    # M and P^ are rebuilt each step; Q (the warm start) and the error carry over
+    state_attrs = ("q", "error")
+
+    def state_identity(self):
+        return matrix_identity(self, super().state_identity())
 
     def __init__(self, params, n, dtype, seed, shape=None):
         super().__init__(params, n, dtype)

@@ -21,6 +21,10 @@ class StochasticQuantizer(Codec):
     """Shared: float32/float16 only, the generator, the float32 header, float16 decoding."""
 
     HEADER = 4  # float32 scale
+    state_attrs = ("rng_state",)
+
+    def state_identity(self):  # the device codecs draw from torch's generator instead
+        return {**super().state_identity(), "rng": "xorshift128+"}
 
     def __init__(self, params, n, dtype, seed):
         super().__init__(params, n, dtype)

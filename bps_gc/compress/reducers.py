@@ -20,6 +20,7 @@ import numpy as np
 from .chain import build_chain
 from .context import step_context
 from .registry import COMPRESSORS, load_plugins
+from .state import Stateful
 
 REDUCERS = {}
 DEFAULT_DENSE = "sum"  # what an uncompressed key does; not a registered reducer
@@ -77,7 +78,10 @@ def make_reducer(name, params, n, dtype, key=0):
     return REDUCERS[name](params, n, dtype, chain_factory(params, n, dtype, key))
 
 
-class Reducer:
+class Reducer(Stateful):
+    """Base of the reducers; its state (``state_dict``) is the server chain's where it keeps
+    one (recompress), else only its identity."""
+
     summed = True
     # sum phases per reduce: 1 is one push and one reply; more (PowerSGD's P then Q) means the
     # communicator drives the phases itself as dense sums (bps_gc/comm/phased.py)
@@ -87,6 +91,10 @@ class Reducer:
         self.params, self.n, self.dtype = params, int(n), np.dtype(dtype)
         self.codecs = codecs
         self._decoder = None
+
+    def state_identity(self):
+        return {"reducer": self.name, "params": self.params.to_json().decode(), "n": self.n,
+                "dtype": str(self.dtype)}
 
     @property
     def decoder(self):
@@ -122,12 +130,20 @@ class Recompress(Reducer):
         self._chain = None
         self._acc = np.empty(self.n, self.dtype)
 
-    def reduce(self, payloads, compressed, ctx=None):
+    @property
+    def chain(self):
+        """The server's codec chain (server error feedback included), made on first use."""
         if self._chain is None:
             self._chain = self.codecs("server")
+        return self._chain
+
+    def state_children(self):
+        return (("chain.", self.chain),)
+
+    def reduce(self, payloads, compressed, ctx=None):
         self._acc.fill(0)
-        acc = self.total(payloads, compressed, self._acc, self._chain)
-        return self._chain.compress(acc, step_context(ctx))
+        acc = self.total(payloads, compressed, self._acc, self.chain)
+        return self.chain.compress(acc, step_context(ctx))
 
     def decode(self, reply, out, ctx=None):
         return self.decoder.decompress(reply, out)

@@ -106,6 +106,8 @@ class TopK(SparseCodec):
 class RandomK(SparseCodec):
     """k positions drawn with replacement from xorshift128+ (state carried across steps)."""
 
+    state_attrs = ("rng_state",)
+
     def __init__(self, params, n, dtype, seed):
         super().__init__(params, n, dtype)
         self.rng_state = np.array([seed, seed], np.uint64)

@@ -10,8 +10,8 @@ from .output import say
 from .settings import LauncherSettings
 
 USAGE_ERROR = 2
-USAGE = ("%(prog)s [-h] [--local [--workers W] [--servers S] [--local-size L] [--port P]] "
-         "[--] [CMD [ARGS...]]")
+USAGE = ("%(prog)s [-h] [--local [--workers W] [--servers S] [--local-size L] [--port P] "
+         "[--max-restarts N]] [--] [CMD [ARGS...]]")
 
 DESCRIPTION = """\
 Start the processes of a bps_gc job on this host and supervise them.
@@ -25,7 +25,10 @@ Start the processes of a bps_gc job on this host and supervise them.
       each host's local ranks when they join (BPS_GC_HIERARCHY: docs/local_ranks.md).
   bpslaunch --local [--workers W] [--servers S] [--local-size L] [--port P] -- CMD [ARGS...]
       a whole job on 127.0.0.1: a scheduler, S servers and W worker machines of L ranks;
-      output lines are labelled [scheduler], [server0], [worker1] ([worker1.0] when L > 1)."""
+      output lines are labelled [scheduler], [server0], [worker1] ([worker1.0] when L > 1).
+      --max-restarts N: when a process fails, stop all of them and start the job again,
+      up to N times (torchrun's option); the script resumes from its checkpoint
+      (docs/checkpoint.md). Each start sees BPS_GC_RESTART_COUNT=0, 1, ..."""
 
 EPILOG = """\
 The job's DMLC_*, BYTEPS_* and BPS_GC_* variables are validated first; a bad one is
@@ -56,6 +59,8 @@ def build_parser():
                         help="--local: processes per worker machine (1)")
     parser.add_argument("--port", type=_port, metavar="P",
                         help="--local: scheduler port (default: a free one)")
+    parser.add_argument("--max-restarts", type=_count, metavar="N",
+                        help="--local: restart the whole job up to N times when a process fails (0)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD [ARGS...]",
                         help="the training command (workers)")
     return parser
@@ -67,7 +72,7 @@ def main(argv=None, environ=None):
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not args.local:
-        for name in ("workers", "servers", "local_size", "port"):
+        for name in ("workers", "servers", "local_size", "port", "max_restarts"):
             if getattr(args, name) is not None:
                 parser.error(f"--{name.replace('_', '-')} only goes with --local")
     try:
@@ -76,7 +81,8 @@ def main(argv=None, environ=None):
             if not command:
                 fail("--local needs a command: bpslaunch --local [options] -- CMD [ARGS...]")
             sys.exit(run_local(command, args.workers or 1, 1 if args.servers is None else args.servers,
-                               args.local_size or 1, args.port, environ, settings))
+                               args.local_size or 1, args.port, environ, settings,
+                               max_restarts=args.max_restarts or 0))
         config = validate(environ)
     except ConfigError as error:
         if not args.local:

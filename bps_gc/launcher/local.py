@@ -88,10 +88,29 @@ def plan_cluster(command, workers, servers, local_size, port, environ, settings,
 
 
 def run_local(command, workers, servers, local_size, port, environ, settings,
-              node_command=NODE_COMMAND):
-    """Run the job; returns the launcher's exit status. Raises ConfigError before starting."""
-    plan = plan_cluster(command, workers, servers, local_size, port or free_port(), environ,
-                        settings, node_command)
+              node_command=NODE_COMMAND, max_restarts=0):
+    """Run the job; returns the launcher's exit status. Raises ConfigError before starting.
+    When a process fails (not after our signal), the whole group is stopped and started again,
+    up to ``max_restarts`` times, as torchrun's --max-restarts; each start sees
+    BPS_GC_RESTART_COUNT (0 first) and a fresh scheduler port unless ``port`` is given."""
+    for attempt in range(max_restarts + 1):
+        env = dict(environ, BPS_GC_RESTART_COUNT=str(attempt))
+        plan = plan_cluster(command, workers, servers, local_size, port or free_port(), env,
+                            settings, node_command)
+        status, failed = _run_once(plan, settings)
+        if failed is None:
+            return status
+        if attempt == max_restarts:
+            if max_restarts:
+                say(f"{failed} failed again after {max_restarts} restart(s) (--max-restarts "
+                    f"{max_restarts}); giving up with status {status}")
+            return status
+        say(f"restarting the job ({attempt + 1} of {max_restarts}) after {failed} failed")
+    return status
+
+
+def _run_once(plan, settings):
+    """(exit status, the name of the process that failed or None) of one start of the job."""
     supervisor = Supervisor(settings.kill_grace)
     supervisor.forward_signals()
     readers = []
@@ -100,8 +119,9 @@ def run_local(command, workers, servers, local_size, port, environ, settings,
             plan, lambda child: readers.extend(start_labelled_readers(child.proc, child.name)),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if cannot_run is not None:
-            return cannot_run
-        return _wait_for_job(supervisor, settings.shutdown_timeout)
+            return cannot_run, None
+        status, failed = _wait_for_job(supervisor, settings.shutdown_timeout)
+        return status, failed if supervisor.received is None else None
     finally:
         supervisor.stop_all()
         supervisor.sweep()
@@ -111,6 +131,7 @@ def run_local(command, workers, servers, local_size, port, environ, settings,
 
 
 def _wait_for_job(supervisor, shutdown_timeout):
+    """(exit status, name of the failed process or None)."""
     workers = [child for child in supervisor.children if child.name.startswith("worker")]
     workers_done = lambda: not any(child.running for child in workers)  # noqa: E731
     failed = supervisor.wait(until=workers_done)
@@ -122,8 +143,8 @@ def _wait_for_job(supervisor, shutdown_timeout):
             names = ", ".join(child.name for child in supervisor.still_running())
             say(f"{names} still running {shutdown_timeout:g} s after the workers finished; "
                 "stopping them")
-            return 1
+            return 1, None
     if failed is not None and supervisor.received is None:  # dying of our signal is no news
         say(f"{failed.name} exited with status {failed.status}; stopping the job")
-    return supervisor.exit_status(failed)
+    return supervisor.exit_status(failed), None if failed is None else failed.name
 

@@ -20,6 +20,7 @@ from ..algorithms.entire_model import EntireModel, is_entire_model, one_dtype
 from ..algorithms.momentum import MomentumPlan, split_reducer
 from ..algorithms.step import binding_context, checked_epoch
 from .tensors import HostArray
+from . import trainer_state
 
 
 def known_shape(param):
@@ -172,11 +173,23 @@ class DistributedTrainer(mx.gluon.Trainer):
             host.commit()
 
     def _reduce_entire_model(self, hosts, ctx):
-        if self._entire is None:
-            self._entire = EntireModel(self._name("gradient", "entiremodel"), [h.array.shape for h in hosts],
-                                       one_dtype(h.array.dtype for h in hosts), self._entire_params,
-                                       self._reducer)
+        self._make_entire_model([h.array for h in hosts])
         self._entire.reduce([h.array for h in hosts], ctx, average=False)
+
+    def _make_entire_model(self, arrays):
+        if self._entire is None:
+            self._entire = EntireModel(self._name("gradient", "entiremodel"), [a.shape for a in arrays],
+                                       one_dtype(a.dtype for a in arrays), self._entire_params,
+                                       self._reducer)
+
+    def save_states(self, fname):
+        """gluon's optimizer states to ``fname`` and this rank's codec state beside it, both
+        written atomically (mxnet/trainer_state.py); call it on every rank."""
+        trainer_state.save(self, fname, super().save_states)
+
+    def load_states(self, fname):
+        """What ``save_states`` wrote; before the first step (mxnet/trainer_state.py)."""
+        trainer_state.load(self, fname, super().load_states)
 
     def _adapter(self, i, grad):
         if i not in self._adapters:

@@ -6,6 +6,7 @@
                                          compression_params={"compressor": "onebit", "ef": "vanilla"})
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
 """
+from ..core import metrics
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .hook import comm_hook
@@ -16,7 +17,7 @@ from .local_sgd import LocalSGD
 from .choco import DecentralizedOptimizer
 
 __all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
-           "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "poll",
+           "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "metrics", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
 __all__ += ["DecentralizedOptimizer", "LocalSGD"]

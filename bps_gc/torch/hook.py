@@ -37,10 +37,13 @@ from .. import compress
 from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
+from ..collective.security import refuse_security_settings
 from ..compress.device.reducers import device_reduction
 from .device import chain_for, uses_device_chain
+from .hook_dtypes import TORCH_OF, built_or_refused, wire_dtype, wire_torch
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
+from .hook_phased import PhasedBuckets
 from .hook_state import BucketJob, BucketState
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
@@ -61,18 +64,19 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook:
+class CompressionHook(PhasedBuckets):
     def __init__(self, compression_params=None, reducer=None, optimizer=None):
+        refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
         phases = getattr(compress.REDUCERS.get(self.reducer), "phases", 1)  # "sum" is no class
-        if phases > 1:
+        self.phased = phases > 1  # thc: each phase one all_reduce (hook_phased.py)
+        self.phased_buckets = {}  # bucket index -> [sizes, its partitions, steps so far]
+        if self.phased and not getattr(compress.REDUCERS[self.reducer], "in_hook", False):
             raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
-        self.wire_dtype = np.float16 if self.params.fp16 else np.float32
-        self.wire_torch = torch.float16 if self.params.fp16 else torch.float32
         self.buckets = {}  # bucket index -> its BucketState
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
@@ -83,7 +87,8 @@ class CompressionHook:
         self.capacities = {}  # bucket index -> its payloads' exchange.Capacity (the exchanging thread's)
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
-        self.two_levels = HookLevels(self.params, self.wire_dtype, self._waiter)  # several ranks per host
+        self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
+        self.two_levels = HookLevels(self.params, self.traffic, self._waiter)  # several ranks per host
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
@@ -96,6 +101,8 @@ class CompressionHook:
             self.exchanger.submit(lambda: self.two_levels.all_reduce(levels, group, bucket.index(), buffer,
                                                                      future, stream))
             return future.then(value)
+        if self.phased:
+            return self._phased_call(group, bucket, buffer)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
         state = self._state(index, sizes, buffer)
@@ -130,12 +137,16 @@ class CompressionHook:
                 if stream is not None:
                     stream[0].wait_event(stream[1])
                 if job.levels is not None:  # its owners compress the host's sums, on the exchanging thread
-                    grad, payloads = buffer.detach().to("cpu", torch.float32), None  # float32 on CPU: a view
+                    # float32 (float64 for a float64 bucket) on CPU: a view
+                    grad, payloads = buffer.detach().to("cpu", wire_torch(buffer, False)), None
                 else:
-                    grad = buffer.detach().to(self.wire_torch)  # float32: a view
+                    grad = buffer.detach().to(wire_torch(buffer, self.params.fp16))  # its own dtype: a view
                     bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
                     payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
                                 in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
+                    self.traffic.add(pushed_wire=sum(p.nbytes for p in payloads))
+                raw = buffer.numel() * buffer.element_size()
+                self.traffic.add(pushed_raw=raw, pulled_raw=raw)
                 failure = None
             except Exception as e:  # the others still gather (and learn that this rank failed)
                 grad, payloads, failure = None, None, e
@@ -179,12 +190,16 @@ class CompressionHook:
         own names itself (or the others stop too, naming it)."""
         group, index, buffer, parts = job.group, job.index, job.buffer, job.parts
         wait = self._waiter(group, index)
+        start = time.perf_counter()
         try:
             if job.on_device:  # the payloads stay where they are (NCCL for CUDA)
-                return all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
-            # one all_gather per bucket once its payloads' size is known (exchange.Capacity)
-            capacity = self.capacities.setdefault(index, Capacity())
-            return all_gather_bytes(payloads, wait, group, len(parts), capacity)
+                gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
+            else:  # one all_gather per bucket once its payloads' size is known (exchange.Capacity)
+                capacity = self.capacities.setdefault(index, Capacity())
+                gathered = all_gather_bytes(payloads, wait, group, len(parts), capacity)
+            received = sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in payloads)
+            self.traffic.add(pulled_wire=received, communicate_seconds=time.perf_counter() - start)
+            return gathered
         except PayloadsMissing as missing:
             if failure is not None:
                 raise RuntimeError(f"bps_gc comm_hook: compressing DDP bucket {index} failed: "
@@ -208,8 +223,9 @@ class CompressionHook:
         else:
             # decoded straight into the buffer where it holds the wire dtype (the compressing
             # thread is done with it); else into a host array, then copied
-            direct = buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.dtype == self.wire_torch
-            total = buffer.detach().numpy() if direct else np.empty(grad.numel(), self.wire_dtype)
+            wire = wire_dtype(buffer, self.params.fp16)
+            direct = buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.dtype == TORCH_OF[wire]
+            total = buffer.detach().numpy() if direct else np.empty(grad.numel(), wire)
             for i, (_, reducer) in enumerate(parts):
                 chunk = total[bounds[i]:bounds[i + 1]]
                 reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
@@ -257,24 +273,29 @@ class CompressionHook:
         gradient: device chains and reducers on the bucket's device when ``uses_device_chain``
         (BPS_GC_DEVICE_CODECS: by default for buckets off the CPU), else numpy ones."""
         state = self.buckets.get(index)
-        if state is None or state.sizes != sizes or state.device != buffer.device:
+        if state is None or state.sizes != sizes or (state.device, state.dtype) != (buffer.device, buffer.dtype):
             on_device = uses_device_chain(buffer)
             keys = [bucket_key(index, position) for position in range(len(sizes))]
+            wire = wire_dtype(buffer, self.params.fp16)  # a codec that cannot carry it refuses here
             if on_device:
-                parts = [(chain_for(self.params, n, self.wire_dtype, key, "worker", buffer),
-                          device_reduction(self.reducer, self.params, n, self.wire_dtype, key, buffer.device))
-                         for n, key in zip(sizes, keys)]
+                parts = built_or_refused(lambda: [
+                    (chain_for(self.params, n, wire, key, "worker", buffer),
+                     device_reduction(self.reducer, self.params, n, wire, key, buffer.device))
+                    for n, key in zip(sizes, keys)], self.params, index, buffer)
             else:
-                parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker"),
-                          compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
-                         for n, key in zip(sizes, keys)]
-            state = BucketState(sizes, buffer.device, parts, on_device)
+                parts = built_or_refused(lambda: [
+                    (compress.build_chain(self.params, n, wire, key=key, role="worker"),
+                     compress.make_reducer(self.reducer, self.params, n, wire, key))
+                    for n, key in zip(sizes, keys)], self.params, index, buffer)
+            state = BucketState(sizes, buffer.device, buffer.dtype, parts, on_device)
             self.buckets[index] = state
         return state
 
     def _all_reduce(self, group, buffer):
         sent = buffer.to(torch.float16) if self.params.fp16 else buffer
         sent.div_(dist.get_world_size(group))  # first, so float16 does not overflow
+        raw, wire = buffer.numel() * buffer.element_size(), sent.numel() * sent.element_size()
+        self.traffic.add(pushed_raw=raw, pulled_raw=raw, pushed_wire=wire, pulled_wire=wire)
 
         def written_back(future):
             if sent is not buffer:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..collective.levels import levels_from_env
 from ..comm.placement import partition_owner  # ps/worker/host's rule, as the communicator uses it
+from .hook_dtypes import wire_dtype
 from .hook_futures import current, settle
 
 log = logging.getLogger("bps_gc.torch")
@@ -17,11 +18,12 @@ HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the
 
 class HookLevels:
     """CompressionHook's part for two levels: the HostLevels of each DDP group (or None where it
-    runs flat), and a bucket reduced through them. ``waiter(group, index)`` gives the wait of a
-    bucket's collectives (the hook's); it goes with each call into the shared HostLevels."""
+    runs flat), and a bucket reduced through them. ``traffic`` (core.hook_traffic) counts its
+    bytes; ``waiter(group, index)`` gives the wait of a bucket's collectives (the hook's); it goes
+    with each call into the shared HostLevels."""
 
-    def __init__(self, params, wire_dtype, waiter):
-        self.params, self.wire_dtype, self.waiter = params, wire_dtype, waiter
+    def __init__(self, params, traffic, waiter):
+        self.params, self.traffic, self.waiter = params, traffic, waiter
         self.levels = {}  # DDP's process group -> its HostLevels, or None where it runs flat
 
     def for_group(self, group):
@@ -49,6 +51,9 @@ class HookLevels:
                     stream[0].wait_event(stream[1])
                 wait = self._wait(group, index)  # this bucket's, given with each call
                 size, what = dist.get_world_size(group), f"all_reduce of DDP bucket {index}"
+                raw = buffer.numel() * buffer.element_size()  # the wire: this rank's share of the host's
+                wire = buffer.numel() * (2 if self.params.fp16 else buffer.element_size()) // levels.local_size
+                self.traffic.add(pushed_raw=raw, pulled_raw=raw, pushed_wire=wire, pulled_wire=wire)
                 if buffer.is_cuda:
                     sent = buffer.to(torch.float16) if self.params.fp16 else buffer
                     sent.div_(size)  # first, so float16 does not overflow
@@ -75,8 +80,9 @@ class HookLevels:
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
                  for i, (chain, reducer) in enumerate(parts)]
-        levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype,
-                            self._wait(group, index))
+        sent, received = levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads",
+                                             wire_dtype(buffer, self.params.fp16), self._wait(group, index))
+        self.traffic.add(pushed_wire=sent, pulled_wire=received)
         size = flat.dtype.type(dist.get_world_size(group))
         for start, stop, _, _, reducer, _ in owned:
             if reducer.summed:  # a majority vote is not averaged

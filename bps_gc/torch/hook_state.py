@@ -7,9 +7,10 @@ from typing import Any
 @dataclasses.dataclass
 class BucketState:
     """What the hook keeps for DDP bucket ``index`` across steps; made again when the bucket's
-    ``sizes`` or ``device`` change (DDP regroups after the first step)."""
+    ``sizes``, ``device`` or ``dtype`` change (DDP regroups after the first step)."""
     sizes: list  # the numel of each gradient of the bucket
     device: Any  # the bucket's torch.device
+    dtype: Any  # the bucket's torch dtype (its codecs' wire dtype follows it: hook_dtypes.py)
     parts: list  # [(worker chain, reducer)], one per gradient
     on_device: bool  # device chains and reducers (BPS_GC_DEVICE_CODECS), else numpy ones
     steps: int = 0  # how many times the bucket was reduced: the step context's ``step``

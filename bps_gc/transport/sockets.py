@@ -6,7 +6,9 @@ straight into caller-provided buffers (``recv_into``), so a 100 MB push costs no
 """
 import errno
 import hashlib
+import ipaddress
 import logging
+import socket
 import time
 
 import zmq
@@ -35,12 +37,37 @@ def bind(sock, host, port, max_bytes, what):
     try:
         if port:
             sock.bind(f"tcp://{host}:{port}")
-            return port
-        return sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        warn_if_open(sock, host, port)
+        return port
     except zmq.ZMQError as e:
         if e.errno == errno.EADDRINUSE:
             raise BindError(f"{what}: port {port} on {host} is already in use") from None
         raise BindError(f"{what}: cannot bind {host}:{port}: {e.strerror}") from None
+
+
+_warned_open = []
+
+
+def warn_if_open(sock, host, port):
+    """Warn once per process when a socket listens beyond loopback with no token: anyone who
+    reaches the address can join the job, push and pull (docs/settings.md, "Security")."""
+    if _warned_open or sock.getsockopt(zmq.MECHANISM) != zmq.NULL or _loopback(host):
+        return
+    _warned_open.append(host)
+    log.warning("listening on %s:%s with no BPS_GC_AUTH_TOKEN: anyone who can reach it can join "
+                "this job and read or change its tensors (set BPS_GC_AUTH_TOKEN, and "
+                "BPS_GC_ENCRYPT=1 to encrypt; see docs/settings.md)", host, port)
+
+
+def _loopback(host):
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def bind_local(sock, host, port):

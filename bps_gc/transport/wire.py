@@ -46,6 +46,11 @@ class Msg(enum.IntEnum):
     INIT_ACK = 21
     PUSH = 22          # payload: tensor bytes or compressed payload; step context in the header
     PUSH_REPLY = 23    # payload: the round's result
+    # a key's server-side codec state (checkpoints: ps/worker/state.py, ps/server/state.py)
+    STATE_GET = 24     # no payload: the key's state, in STATE_REPLY
+    STATE_PUT = 25     # payload: the key's state (compress/state_bytes.py), before its first round
+    STATE_REPLY = 26   # payload: the state (after STATE_GET), empty (after STATE_PUT)
+    STATE_ERROR = 27   # JSON {message}: the request was refused
     ERROR = 30         # JSON {message}
     # worker <-> worker (ps/worker/peers.py)
     PEER = 40          # key: the message's channel; round: its sequence number on that channel

@@ -9,7 +9,7 @@ weights, two biases) all go through the codec, where the other rows compress onl
 weight. DGC sends its 1-D tensors (the biases) dense and warms its sparsity up over the first
 5 epochs (k^((e+1)/5): 25%, 6.3%, 1.6%, 0.4%, 0.1%); the worker tells it the epoch.
 
-Every row's servers reduce with ``lossless``: the pull is the exact sum of the workers'
+Every row's servers but thc's reduce with ``lossless`` (thc's add its integer codes, exactly): the pull is the exact sum of the workers'
 decoded messages, as the study's and DGC's allgather (the layer-wise rows set ``reducer``;
 BytePS's default ``recompress`` would compress the sum again, a second top-k, threshold or
 quantization on the pull, and so favour the entire-model rows).
@@ -32,4 +32,8 @@ CODEC_ROWS = {
     "topk-em-1": ("top-1% entire-model", {"compressor": "topk", "k": 0.01, "granularity": "entiremodel"}),
     "topk-lw-10": ("top-10% layer-wise", {"compressor": "topk", "k": 0.1, "reducer": "lossless"}),
     "topk-em-10": ("top-10% entire-model", {"compressor": "topk", "k": 0.1, "granularity": "entiremodel"}),
+    # issue 35: summed codes (reducer thc: the servers add them, nothing is decoded there)
+    "thc": ("thc 4-bit, stochastic rounding", {"compressor": "thc", "bits": 4}),
+    "thc-ef": ("thc 4-bit, error feedback, rotated", {"compressor": "thc", "bits": 4, "feedback": True,
+                                                      "rotate": True}),
 }

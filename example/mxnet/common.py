@@ -103,3 +103,14 @@ def take(iterable, steps, what):
         except StopIteration:
             raise OutOfData(f"{what}: {count} batches where every worker needs {steps}") from None
         yield item
+
+
+def save_checkpoint(net, trainer, stem):
+    """``<stem>.params`` (rank 0) and ``<stem>.states`` with each rank's codec state beside it
+    (DistributedTrainer.save_states: call it on every rank), each written to a temporary file
+    and renamed, so a job killed while saving leaves the previous checkpoint whole."""
+    from bps_gc.mxnet.trainer_state import write_atomically
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    if bps.rank() == 0:
+        write_atomically(stem + ".params", net.save_parameters)
+    trainer.save_states(stem + ".states")

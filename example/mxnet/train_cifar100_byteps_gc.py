@@ -26,7 +26,8 @@ random horizontal flip; all are normalized with the CIFAR-100 mean/std. Each epo
 training set is shuffled the same way on every worker and each worker takes every size()-th
 image; the test set is split the same way.
 
-Log (stdout and cifar100-<size>-<cpu|gpu>-<logging-file>.log in the working directory, rank 0):
+Log (stdout and <log-dir>/cifar100-<size>-<cpu|gpu>-<logging-file>.log, rank 0; --log-dir is out/
+under the working directory unless given):
     [Epoch N] speed: X samples/sec<TAB>time cost: Y      (X: all workers together)
     [Epoch N] training: accuracy=A
     [Epoch N] validation: accuracy=B
@@ -43,6 +44,7 @@ from mxnet import autograd, gluon
 
 import bps_gc.core
 import bps_gc.mxnet as bps
+from bps_gc.mxnet.trainer_state import write_atomically
 import common  # also puts example/ on sys.path
 from compression_flags import add_compression_args, compression_params
 from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch
@@ -86,10 +88,14 @@ def build_parser():
     parser.add_argument("--save-dir", type=str, default="params", help="directory of saved models")
     parser.add_argument("--resume-from", type=str, default="",
                         help="parameters (.params) to start from")
+    parser.add_argument("--resume-states", type=str, default="",
+                        help="trainer states (.states) to resume: the optimizer's, and this "
+                             "rank's codec state saved beside it (<file>.bps_gc.rank<r>)")
     parser.add_argument("--resume-epoch", type=int, default=0,
                         help="epoch to start at (with --resume-from; the schedule starts there)")
     parser.add_argument("--logging-file", type=str, default="baseline",
-                        help="log file: cifar100-<size>-<device>-<logging-file>.log")
+                        help="log file: <log-dir>/cifar100-<size>-<device>-<logging-file>.log")
+    parser.add_argument("--log-dir", type=str, default="out", help="directory of the log file (made if missing)")
     parser.add_argument("--max-iters", type=int, default=0,
                         help="at most this many steps per epoch (0: the whole training set)")
     add_compression_args(parser)
@@ -121,7 +127,8 @@ def main(argv=None):
     bps.init()
     rank, size = bps.rank(), bps.size()
     ctx, device_name, device_note = common.device(args.num_gpus)
-    logger = make_logger("cifar100", f"cifar100-{size}-{device_name}-{args.logging_file}.log", rank)
+    logger = make_logger("cifar100", os.path.join(args.log_dir, f"cifar100-{size}-{device_name}-{args.logging_file}.log"),
+                         rank)
     for note in (device_note, common.mode_note(args.mode)):
         if note:
             logger.info(note)
@@ -153,11 +160,13 @@ def main(argv=None):
     # rank 0's parameters are broadcast at the first step
     trainer = bps.DistributedTrainer(net.collect_params(), common.optimizer_name(args),
                                      optimizer_params, compression_params=comp_params)
+    if args.resume_states:
+        schedule = trainer.optimizer.lr_scheduler  # this run's, made for its --num-epochs
+        trainer.load_states(args.resume_states)
+        trainer.optimizer.lr_scheduler = schedule
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
     save_dir = args.save_dir if args.save_dir and args.save_period > 0 else ""
-    if save_dir and rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
 
     def batch(item):
         epoch, i, indices = item
@@ -192,15 +201,15 @@ def main(argv=None):
             val_acc = val_correct / val_seen if val_seen else 0.0
             logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_acc)
             log_traffic(logger, epoch)
-            if rank == 0 and save_dir:
-                if val_acc > best_val:
+            if save_dir:  # the metrics are sums over all workers: every rank decides alike
+                if val_acc > best_val and rank == 0:
                     best_val = val_acc
-                    net.save_parameters(os.path.join(
-                        save_dir, f"{best_val:.4f}-cifar100-{args.model}-{epoch}-best.params"))
-                if (epoch + 1) % args.save_period == 0:
-                    net.save_parameters(os.path.join(save_dir, f"cifar100-{args.model}-{epoch}.params"))
-        if rank == 0 and save_dir and args.num_epochs > args.resume_epoch:
-            net.save_parameters(os.path.join(save_dir, f"cifar100-{args.model}-{args.num_epochs - 1}.params"))
+                    write_atomically(os.path.join(
+                        save_dir, f"{best_val:.4f}-cifar100-{args.model}-{epoch}-best.params"), net.save_parameters)
+                if (epoch + 1) % args.save_period == 0:  # parameters, optimizer and codec state
+                    common.save_checkpoint(net, trainer, os.path.join(save_dir, f"cifar100-{args.model}-{epoch}"))
+        if save_dir and args.num_epochs > args.resume_epoch:
+            common.save_checkpoint(net, trainer, os.path.join(save_dir, f"cifar100-{args.model}-{args.num_epochs - 1}"))
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)

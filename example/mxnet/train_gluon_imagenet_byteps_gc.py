@@ -105,8 +105,9 @@ def build_parser():
     parser.add_argument("--resume-epoch", type=int, default=0, help="epoch to resume from")
     parser.add_argument("--resume-params", type=str, default="", help="parameters to load")
     parser.add_argument("--resume-states", type=str, default="",
-                        help="trainer states to load (optimizer state; codec state such as error "
-                             "feedback residuals is not saved and restarts from zero)")
+                        help="trainer states to load: the optimizer's, and this rank's codec "
+                             "state (error feedback, momentum, the servers' state) saved beside "
+                             "it as <file>.bps_gc.rank<r>")
     parser.add_argument("--log-interval", type=int, default=50,
                         help="log every this many batches (0: never)")
     parser.add_argument("--logging-file", type=str, default="train_imagenet.log",
@@ -199,12 +200,9 @@ def main(argv=None):
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
     save_dir = args.save_dir if args.save_dir and args.save_frequency > 0 else ""
-    if save_dir and rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
 
-    def save(stem):
-        net.save_parameters(os.path.join(save_dir, stem + ".params"))
-        trainer.save_states(os.path.join(save_dir, stem + ".states"))
+    def save(stem):  # every rank: each saves its own codec state
+        common.save_checkpoint(net, trainer, os.path.join(save_dir, stem))
 
     def validate():
         top1 = top5 = seen = 0
@@ -247,13 +245,13 @@ def main(argv=None):
                     epoch, int(train_seen / elapsed), elapsed)
         logger.info("[Epoch %d] validation: err-top1=%f err-top5=%f", epoch, err_top1, err_top5)
         log_traffic(logger, epoch)
-        if rank == 0 and save_dir:
+        if save_dir:  # the metrics are sums over all workers: every rank decides alike
             if err_top1 < best_err:
                 best_err = err_top1
                 save(f"{best_err:.4f}-imagenet-{args.model}-{epoch}-best")
             if (epoch + 1) % args.save_frequency == 0:
                 save(f"imagenet-{args.model}-{epoch}")
-    if rank == 0 and save_dir and args.num_epochs > args.resume_epoch:
+    if save_dir and args.num_epochs > args.resume_epoch:
         save(f"imagenet-{args.model}-{args.num_epochs - 1}")
     bps.shutdown()
 

@@ -10,7 +10,12 @@ with bps_gc compressing the gradients.
 (torchrun, or ``bpslaunch --servers 0``). ``--api optimizer`` wraps the optimizer instead
 (``bps.DistributedOptimizer``) and runs on either transport: torch.distributed under torchrun,
 bps_gc's parameter server under ``bpslaunch`` with servers. Rank 0 prints one line per epoch
-and the bytes each worker sent.
+and the bytes it pushed and pulled (bps.metrics(), which counts the hook's buckets too).
+
+With several ranks on a host (``NVIDIA_VISIBLE_DEVICES=0,1 bpslaunch ...``) the parameter
+server runs two levels: the host's ranks sum in shared memory and the host pushes once, each
+rank pushing the partitions it owns; rank 0's bytes are then its share of its host's, not a
+whole model's (docs/local_ranks.md).
 """
 import argparse
 import os
@@ -45,6 +50,15 @@ def compression_params(args):
     return params or None
 
 
+def share_note():
+    """Why rank 0's bytes are a fraction of a model's under two levels (the docstring)."""
+    communicator = bps_gc.core.worker()
+    if getattr(communicator, "host", None) is None and getattr(communicator, "levels", None) is None:
+        return ""
+    return (f" (two levels: this host's {bps.local_size()} ranks sum in shared memory and push once, "
+            "each rank the partitions it owns: these are rank 0's)")
+
+
 def main():
     args = parse_args()
     bps.init()  # torchrun: torch.distributed (gloo on CPU); bpslaunch with servers: the parameter server
@@ -64,7 +78,7 @@ def main():
         opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression_params=params)
     shard = np.arange(bps.rank(), len(x), bps.size())
-    raw = wire = 0  # bytes pushed + pulled by this worker (optimizer api: bps_gc's counters)
+    raw = wire = 0  # bytes pushed + pulled by this rank (bps_gc's counters)
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(shard)
         for start in range(0, len(order) - args.batch_size + 1, args.batch_size):
@@ -72,14 +86,13 @@ def main():
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             opt.step()
-        if args.api == "optimizer":
-            m = bps_gc.core.metrics()
-            raw, wire = raw + m.pushed_raw + m.pulled_raw, wire + m.pushed_wire + m.pulled_wire
+        m = bps.metrics()
+        raw, wire = raw + m.pushed_raw + m.pulled_raw, wire + m.pushed_wire + m.pulled_wire
         if bps.rank() == 0:
             print(f"epoch {epoch}: validation accuracy {accuracy(model, x_val, y_val):.4f}", flush=True)
     if bps.rank() == 0:
-        traffic = f", {raw} bytes raw, {wire} on the wire per worker" if args.api == "optimizer" else ""
-        print(f"done: {bps.size()} workers, api {args.api}, compression {params or 'none'}{traffic}", flush=True)
+        print(f"done: {bps.size()} workers, api {args.api}, compression {params or 'none'}, {raw} bytes raw, "
+              f"{wire} on the wire by rank 0{share_note()}", flush=True)
     bps.shutdown()
 
 

@@ -127,11 +127,6 @@ def study_compression(args, parser):
     try:
         CompressionParams.from_dict(check)
     except ParamError as e:
-        if e.key == "granularity":
-            parser.error(f"--compress entiremodel: this bps_gc has no entire-model granularity ({e})")
-        if e.key == "momentum":
-            parser.error(f"--compressor dgc with --momentum: add --nesterov (DGC's nesterov momentum "
-                         f"correction; this bps_gc has no plain one: {e})")
         parser.error(str(e))
     return params
 

@@ -15,8 +15,8 @@ local files are trusted input; nothing received over the network is unpickled. A
 -j threads. Each epoch every worker takes its own equal share of a shuffled training set;
 the last partial batch is dropped, so all workers run the same number of steps.
 
-Log lines (stdout and cifar100-<workers>-cpu-<logging-file>.log in the working directory,
-rank 0 only):
+Log lines (stdout and <log-dir>/cifar100-<workers>-cpu-<logging-file>.log, --log-dir out/ under
+the working directory unless given; rank 0 only):
     [Epoch N] speed: X samples/sec<TAB>time cost: Y     (X: all workers together)
     [Epoch N] training: accuracy=A                      (over all workers)
     [Epoch N] validation: accuracy=A                    (test set sharded over workers,
@@ -69,6 +69,7 @@ def build_parser():
     parser.add_argument("--resume-from", type=str, help="model parameters to start from")
     parser.add_argument("--resume-epoch", type=int, default=0, help="epoch to resume from")
     parser.add_argument("--logging-file", type=str, default="baseline", help="name part of the log file")
+    parser.add_argument("--log-dir", type=str, default="out", help="directory of the log file (made if missing)")
     parser.add_argument("--max-iters", type=int, default=0, help="at most this many steps per epoch (0: all)")
     add_compression_args(parser)
     return parser
@@ -176,7 +177,7 @@ def main(argv=None):
 
     bps.init()
     rank, size = bps.rank(), bps.size()
-    logger = make_logger("cifar100", f"cifar100-{size}-cpu-{args.logging_file}.log", rank)
+    logger = make_logger("cifar100", os.path.join(args.log_dir, f"cifar100-{size}-cpu-{args.logging_file}.log"), rank)
     logger.info(args)
 
     torch.manual_seed(args.seed)

@@ -133,8 +133,8 @@ def main(argv=None):
     if args.batch_size < 1 or args.epochs < 1:
         parser.error("--batch-size and --epochs must be >= 1")
     params = study_compression(args, parser)
-    train_x, train_y = load_split(args.data_dir, "train")
-    test_x, test_y = load_split(args.data_dir, "test")
+    train_x, train_y = load_split(args.data_dir, "train", "--data-dir")
+    test_x, test_y = load_split(args.data_dir, "test", "--data-dir")
     rank, size, logger = start_job(args, os.path.basename(__file__), "cifar10_resnet9")
     logger.info("compression_params: %s on %d workers", params, size)
 

@@ -34,7 +34,7 @@ UPSTREAM = ["logging.h", "logging.cc", "half.h", "cpu_reducer.h", "cpu_reducer.c
     f"compressor/impl/{name}.{ext}" for name in (
         "onebit", "topk", "randomk", "dithering", "vanilla_error_feedback", "nesterov_momentum")
     for ext in ("h", "cc")]
-OURS = ["bench.cc", "stubs/common.h", "stubs/common_stub.cc"]
+STUBS = ["stubs/common.h", "stubs/common_stub.cc"]
 # As BytePS's setup.py builds them (-march=native -mno-avx512f; compressor/common.h defines
 # half_t only under __F16C__), server variant: Decompress writes into the compressor's buffer.
 CXXFLAGS = "-O3 -fopenmp -DBYTEPS_BUILDING_SERVER -march=native -mno-avx512f -std=c++14 -w"
@@ -136,15 +136,17 @@ def _cpu_identity():
     return "\n".join(pick[:2])
 
 
-def build():
-    """Path of the reference binary, built (and cached) on first use; raises Unavailable."""
+def build(harness="bench.cc", cxxflags=CXXFLAGS):
+    """Path of the reference binary, built (and cached) on first use; raises Unavailable.
+    ``harness``: the file beside this one holding main() (bench.cc: timings; multistep.cc:
+    multi-step vectors)."""
     try:
-        return _build()
+        return _build(harness, cxxflags)
     except OSError as e:  # e.g. a read-only cache or a full disk
         raise Unavailable("unavailable", f"building BytePS's codecs in {cache_dir()}: {e}") from None
 
 
-def _build():
+def _build(harness, cxxflags):
     cache = cache_dir()
     try:
         os.makedirs(cache, exist_ok=True)
@@ -152,13 +154,15 @@ def _build():
         raise Unavailable("unavailable", f"cannot create the cache {cache}: {e}") from None
     cxx, cxx_version = _compiler()
     files = _read_sources(os.environ.get("BPS_GC_BYTEPS_SDIST") or _download(cache))
-    for rel in OURS:
+    for rel in [harness, *STUBS]:
         with open(os.path.join(HERE, rel), "rb") as f:
             files[rel] = f.read()
-    h = hashlib.sha256("\n".join([CXXFLAGS, cxx, cxx_version, _cpu_identity()]).encode())
+    h = hashlib.sha256("\n".join([cxxflags, cxx, cxx_version, _cpu_identity()]).encode())
     for rel in sorted(files):
         h.update(rel.encode() + b"\0" + files[rel])
-    binary = os.path.join(cache, f"byteps_ref-{h.hexdigest()[:16]}")
+    stem = os.path.splitext(harness)[0]
+    name = "byteps_ref" if harness == "bench.cc" else f"byteps_ref-{stem}"
+    binary = os.path.join(cache, f"{name}-{h.hexdigest()[:16]}")
     if os.path.exists(binary):
         return binary
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -171,8 +175,8 @@ def _build():
                 f.write(blob)
         common = os.path.join(src, "byteps", "common")
         sources = [os.path.join(src, rel) for rel in files if rel.endswith(".cc")]
-        out = os.path.join(tmp, "bench")
-        cmd = [*shlex.split(cxx), *CXXFLAGS.split(), "-I", common, "-o", out, *sorted(sources)]
+        out = os.path.join(tmp, stem)
+        cmd = [*shlex.split(cxx), *cxxflags.split(), "-I", common, "-o", out, *sorted(sources)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -23,7 +23,7 @@ from .registry import (DEVICE_COMPRESSORS, DEVICE_ERROR_FEEDBACKS, DEVICE_MOMENT
 # The built-in device implementations, imported (so they register) where their module exists:
 # each is one file here, so adding one touches no other file.
 BUILTIN = ("feedback", "onebit", "signs", "sparse", "threshold",
-           "randomk", "dithering", "quantize", "dgc", "powersgd")
+           "randomk", "dithering", "quantize", "dgc", "powersgd", "thc")
 for _name in BUILTIN:
     if importlib.util.find_spec(f"{__name__}.{_name}") is not None:
         importlib.import_module(f"{__name__}.{_name}")

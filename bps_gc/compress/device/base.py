@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..base import DTYPES
+from ..state import Stateful, codec_identity
 
 TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
                 np.dtype(np.float16): torch.float16}
@@ -45,7 +46,7 @@ def torch_dtype(dtype):
     return TORCH_DTYPES[dtype]
 
 
-class DeviceCodec:
+class DeviceCodec(Stateful):
     """Compresses one partition of ``n`` elements of numpy ``dtype`` held on ``device``.
 
     Subclasses implement ``compress`` and ``decompress``; ``decompress_add`` and ``residual``
@@ -54,6 +55,10 @@ class DeviceCodec:
     """
 
     reducers = ("recompress", "lossless")
+    state_label = "codec."  # the numpy codec's keys, so that states move between the two
+
+    def state_identity(self):
+        return codec_identity(self)
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         dtype = np.dtype(dtype)

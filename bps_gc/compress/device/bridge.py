@@ -17,7 +17,16 @@ from .base import DeviceCodec, host_array
 
 class HostBridge(DeviceCodec):
     """Runs ``codec`` (a numpy codec or chain of n elements of its dtype) for tensors on
-    ``device``; bytes and state evolve exactly as the numpy chain's."""
+    ``device``; bytes and state evolve exactly as the numpy chain's (its state dict is the
+    numpy chain's)."""
+
+    state_label = ""
+
+    def state_identity(self):
+        return {}
+
+    def state_children(self):
+        return (("", self.inner),)
 
     def __init__(self, codec, device):
         super().__init__(codec.params, codec.n, codec.dtype, None, device)

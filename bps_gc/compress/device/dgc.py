@@ -29,6 +29,7 @@ ABS_BITS = 0x7FFFFFFF  # |x| of a float32 as its bits: the sign bit cleared
 class DeviceDGC(DeviceSortedSparse):
     owns_momentum = True  # as the numpy codec: build_chain adds no momentum decorator
     reducers = ("lossless",)
+    state_attrs = ("u", "v", "rng_state")  # as the numpy codec's; rng_state on the host
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         options = dict(params.options)

@@ -21,7 +21,7 @@ import torch
 
 from ..dithering import Dithering
 from .base import DeviceCodec, host_array
-from .quantize import device_generator
+from .quantize import device_generator, generator_kind
 from .registry import register_device_compressor
 
 
@@ -56,6 +56,11 @@ def write_bits(codes, lengths):
 class DeviceDithering(DeviceCodec):
     """Linear (``s`` levels) or natural (powers of two up to 2^(s-1)) stochastic levels of
     |x| / S, S the max or the l2 norm; see the module doc for where each part runs."""
+
+    state_attrs = ("generator",)  # self.host's generator is never drawn from
+
+    def state_identity(self):
+        return {**super().state_identity(), "rng": generator_kind(self.device)}
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         super().__init__(params, n, dtype, seed, device)

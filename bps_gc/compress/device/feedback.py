@@ -1,4 +1,4 @@
-"""Error feedback (vanilla) and nesterov momentum around any device codec (HostBridge too),
+"""Error feedback (vanilla) and momentum (nesterov, plain) around any device codec (HostBridge too),
 with the numpy decorators' arithmetic (compress/feedback.py): ``out = a * s + x`` in two
 roundings of the partition's dtype, state kept only when every result is finite."""
 import math
@@ -29,7 +29,16 @@ def all_finite(*tensors):
 
 
 class DeviceDecorator(DeviceCodec):
-    """Forwards everything but compress to the wrapped device codec."""
+    """Forwards everything but compress to the wrapped device codec; state keys and identity
+    as the numpy decorators' (compress/feedback.py)."""
+
+    state_name = None
+
+    def state_identity(self):
+        return {"name": self.state_name}
+
+    def state_children(self):
+        return (("", self.inner),)
 
     def __init__(self, inner, params):
         self.inner, self.params = inner, params
@@ -55,6 +64,8 @@ class DeviceDecorator(DeviceCodec):
 class DeviceVanillaErrorFeedback(DeviceDecorator):
     """g = x + (lr_prev / lr) * e; c = C(g); e = g - D(c), as compress/feedback.py (a non-finite
     g is sent as all NaN and leaves e and lr_prev as they were)."""
+
+    state_label, state_name, state_attrs = "ef.", "vanilla", ("error", "lr_prev")
 
     def __init__(self, inner, params):
         super().__init__(inner, params)
@@ -83,6 +94,8 @@ class DeviceNesterovMomentum(DeviceDecorator):
     """m = g + mu*m; g = g + mu*m; then the inner chain (a non-finite step leaves m as it was and
     goes down the chain as all NaN), as compress/feedback.py."""
 
+    state_label, state_name, state_attrs = "momentum.", "nesterov", ("momentum",)
+
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.mu = float(self.dtype.type(params.mu))
@@ -97,6 +110,23 @@ class DeviceNesterovMomentum(DeviceDecorator):
         scale_add(m, self.mu, x, self._grad)
         if all_finite(m, self._grad):
             self.momentum, self._spare = m, self.momentum
+        else:
+            self._grad.fill_(math.nan)
+        return self.inner.compress(self._grad, ctx)
+
+
+@register_device_momentum("plain")
+class DevicePlainMomentum(DeviceNesterovMomentum):
+    """m = g + mu*m; g = m; then the inner chain, as compress/feedback.py's PlainMomentum."""
+
+    state_name = "plain"
+
+    def compress(self, x, ctx=None):
+        m = self._spare
+        scale_add(self.momentum, self.mu, self._input(x), m)
+        if all_finite(m):
+            self.momentum, self._spare = m, self.momentum
+            self._grad.copy_(m)
         else:
             self._grad.fill_(math.nan)
         return self.inner.compress(self._grad, ctx)

@@ -17,7 +17,7 @@ should run one kind of chain (numpy or device) for PowerSGD tensors.
 import numpy as np
 import torch
 
-from ..powersgd import matrix_shape
+from ..powersgd import matrix_identity, matrix_shape
 from .base import DeviceCodec
 from .registry import register_device_compressor
 
@@ -26,6 +26,10 @@ from .registry import register_device_compressor
 class DevicePowerSGD(DeviceCodec):
     reducers = ("powersgd",)
     takes_shape = True
+    state_attrs = ("q", "error")  # as the numpy codec's
+
+    def state_identity(self):
+        return matrix_identity(self, super().state_identity())
 
     def __init__(self, params, n, dtype, seed, device, shape=None, **extra):
         super().__init__(params, n, dtype, seed, device)

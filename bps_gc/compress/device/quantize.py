@@ -29,6 +29,12 @@ def device_generator(seed, device):
     return gen
 
 
+def generator_kind(device):
+    """The identity of a device generator's state (its layout differs per device type, and
+    from the numpy codecs' xorshift128+)."""
+    return f"torch.Generator({device.type})"
+
+
 def float32_bytes(value):
     """A float32 scalar tensor's 4 bytes (uint8, same device)."""
     return value.reshape(1).to(torch.float32).view(torch.uint8)
@@ -36,6 +42,11 @@ def float32_bytes(value):
 
 class DeviceStochasticQuantizer(DeviceCodec):
     """Shared: float32/float16 only, the generator, the float32 header, decoding into float16."""
+
+    state_attrs = ("generator",)
+
+    def state_identity(self):
+        return {**super().state_identity(), "rng": generator_kind(self.device)}
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         super().__init__(params, n, dtype, seed, device)

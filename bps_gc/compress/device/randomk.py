@@ -23,6 +23,8 @@ class DeviceRandomK(DeviceSparseCodec):
     """randomk's indices from the host's xorshift128+ (see the module doc), values gathered and
     scattered on the device (a repeated index counts once, as numpy)."""
 
+    state_attrs = ("rng_state",)  # host words, as the numpy codec's
+
     def __init__(self, params, n, dtype, seed, device, **extra):
         super().__init__(params, n, dtype, seed, device)
         self.rng_state = np.array([seed, seed], np.uint64)  # as compress/sparse.py's RandomK

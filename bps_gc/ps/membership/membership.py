@@ -12,6 +12,7 @@ import zmq
 
 from ...comm import NodeFailure
 from ...transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, recv, send
+from ...transport.waiting import WaitLines
 from ...transport.wire import Header, Msg, decode_json, encode_json
 
 log = logging.getLogger("bps_gc.membership")
@@ -41,21 +42,40 @@ def advertised_host(cfg):
             return "127.0.0.1"
 
 
+class JobEnded(Exception):
+    """The scheduler ended the job before it assembled, for a reason that is no failure (its
+    only worker trains alone): the node exits 0, printing the reason."""
+
+
 def abort_job(cfg, role, rank, reason):
     """This node cannot start (e.g. a plugin module is missing here): tell the scheduler, which
     stops every node at once naming ``reason``, instead of letting them wait out the join
     timeout for this one. Returns a NodeFailure to raise."""
+    tell_scheduler(cfg, role, rank, min(cfg.join_timeout, 3.0), error=reason)  # the refusal confirms delivery
+    return NodeFailure(f"this {role} could not start: {reason}")
+
+
+def tell_scheduler(cfg, role, rank, wait, stop=None, **news):
+    """Register with ``news`` added (the scheduler reads them instead of a join) and wait up to
+    ``wait`` seconds for its answer, which confirms delivery; ``stop`` (an Event) ends the
+    wait early. Returns the type of the scheduler's answer (a Msg), None without one."""
     ctx = zmq.Context()
     auth = Auth(ctx, cfg.auth_token, cfg.encrypt)
     link = Membership(ctx, cfg, auth, role, rank)
+    deadline = time.monotonic() + wait
     try:
-        link.abort(reason)
-        link.sock.poll(int(min(cfg.join_timeout, 3.0) * 1000))  # the refusal confirms delivery
+        link.send(Msg.REGISTER, obj=dict(link.registration(), **news))
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            if link.sock.poll(200):
+                try:
+                    return recv(link.sock, router=False).header.type
+                except MalformedMessage:
+                    return None
+        return None
     finally:
         link.close()
         auth.stop()
         ctx.term()
-    return NodeFailure(f"this {role} could not start: {reason}")
 
 
 def describe(info):
@@ -80,6 +100,7 @@ class Membership:
         self.shutdown_requested = False
         self.barriers_done = {}
         self.said_goodbye = False
+        self.registered = False  # join(): heard from the scheduler
         self.left = {}  # worker rank -> {role, rank, id}: workers that said goodbye before us
         self.dropped = DropLog(log)
 
@@ -96,18 +117,15 @@ class Membership:
             info["local"] = self.local  # the same-host endpoint (sockets.bind_local)
         return info
 
-    def abort(self, reason):
-        """This node cannot start (e.g. a plugin is missing): register the reason, so that the
-        scheduler stops the whole job at once instead of letting it wait for this node."""
-        self.send(Msg.REGISTER, obj=dict(self.registration(), error=reason))
-
     def join(self, timeout):
         """Register and wait for the address book (blocking; used before the I/O loop runs)."""
         self.send(Msg.REGISTER, obj=self.registration())
         # the scheduler enforces the same timeout and then tells every registered node what is
         # missing: wait a little past it for that verdict before blaming the scheduler
         deadline = time.monotonic() + timeout + JOIN_VERDICT_GRACE
+        lines = WaitLines(self.awaited, timeout)
         while True:
+            lines.tick()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NodeFailure(f"could not join the cluster: no answer from the scheduler at "
@@ -119,12 +137,22 @@ class Membership:
             except MalformedMessage as e:
                 self.dropped("a malformed message from the scheduler: %s", e)
                 continue
+            self.registered = True  # the scheduler acknowledges a registration (HEARTBEAT_ACK)
+            if msg.header.type == Msg.SHUTDOWN and msg.payload:  # the job ends before it assembled
+                raise JobEnded(decode_json(msg.payload).get("reason", "the scheduler ended the job"))
             if msg.header.type == Msg.ADDRESS_BOOK:
                 self.book = decode_json(msg.payload)
                 self.node_id = self.book["you"]
                 self.last_ack = time.monotonic()
                 return self.book
             self.handle(msg)
+
+    def awaited(self):
+        """What join() is waiting for, for its WaitLines."""
+        where = f"the scheduler at {self.cfg.root_uri}:{self.cfg.root_port}"
+        if not self.registered:
+            return f"waiting for {where}"
+        return f"joined {where}; waiting for the other nodes (the scheduler's lines name them)"
 
     def handle(self, msg):
         """Process a scheduler message; raises NodeFailure when the job must stop."""

@@ -7,7 +7,9 @@ A registration that cannot be part of the job (a duplicate worker rank, settings
 with the scheduler's, a node that could not start) stops the whole job at once; the scheduler
 then stays up for REFUSE_SECONDS to tell late registrants why, so nobody waits out the join
 timeout. A worker that says goodbye while other workers still run is announced (NODE_LEFT), so
-servers fail the rounds that still need it at once instead of waiting for it.
+servers fail the rounds that still need it at once instead of waiting for it. A worker that
+trains alone (ps/worker/lone_worker.py) ends the job: every node exits 0, told why. Until the cluster
+is complete the scheduler prints who joined and who has not (assembly.py).
 """
 import collections
 import logging
@@ -16,8 +18,10 @@ import time
 import zmq
 
 from ...transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
+from ...transport.waiting import WaitLines
 from ...transport.wire import Header, Msg, decode_json, encode_json
 from ..membership.event_loop import EventLoop
+from .assembly import assembling, lone_worker_notice
 from .hosts import WorkerHosts
 
 log = logging.getLogger("bps_gc.scheduler")
@@ -65,12 +69,15 @@ class Scheduler:
         self.dropped = DropLog(log)
         self.refusal = None  # why the job was stopped at registration
         self.stop_at = None  # when the scheduler exits after such a refusal
+        self.ended = None  # why the job ended before it assembled, with status 0 (a lone worker)
+        self.told_servers = set()  # identities of the servers told so
 
     # ------------------------------------------------------------------ main loop
 
     def run(self):
         """Serve until every node said goodbye (returns 0) or a node failed (returns 1)."""
         self.started = time.monotonic()
+        self.waiting = WaitLines(lambda: assembling(self.cfg, self.members.values(), self.hosts), self.join_timeout)
         loop = EventLoop(self.cfg.heartbeat_interval)
         loop.on_readable(self.sock, self.receive)
         loop.on_tick(self.check_time)
@@ -92,7 +99,9 @@ class Scheduler:
         """Deadlines: the refusal window, the join timeout, every member's heartbeat."""
         now = time.monotonic()
         if self.stop_at is not None:
-            return 1 if now >= self.stop_at else None
+            return (0 if self.ended else 1) if now >= self.stop_at else None
+        if not self.ready:
+            self.waiting.tick()
         if not self.ready and now - self.started > self.join_timeout:
             # before any worker joined, its local size is unknown: this node's BYTEPS_LOCAL_SIZE
             # (usually unset: 1) stands in for it
@@ -169,6 +178,9 @@ class Scheduler:
             return None  # a retried registration
         if self.ready:  # a late or hostile registration must not stop a running job
             return self.refuse(msg.identity, "the cluster is already complete")
+        notice = self.ended or lone_worker_notice(info, who)
+        if notice:
+            return self.end_job(msg.identity, role, notice)
         fatal = self.fatal_registration(info, role, rank, who)
         if fatal:
             return self.stop_job(msg.identity, fatal)
@@ -187,6 +199,7 @@ class Scheduler:
             return self.refuse(msg.identity, problem)
         self.members[msg.identity] = Member(msg.identity, role, rank, host, port, local)
         log.info("%s %s joined from %s:%s", role, rank, host, port)
+        self.reply(self.members[msg.identity], Msg.HEARTBEAT_ACK)  # it now waits for the others, not for us
         if all(self.count(r) == n for r, n in self.expected.items()):
             self.publish_address_book()
         return None
@@ -197,6 +210,22 @@ class Scheduler:
         self.refuse(identity, fatal)
         self.fail(None, fatal)
         self.stop_at = time.monotonic() + REFUSE_SECONDS
+        return None
+
+    def end_job(self, identity, role, notice):
+        """The job's only worker trains alone: every node started for it exits 0 now, told why;
+        the scheduler too, once every server was told (else after REFUSE_SECONDS more)."""
+        if self.ended is None:
+            self.ended = notice
+            log.warning("%s; the scheduler exits", notice)
+            for m in self.members.values():
+                self.reply(m, Msg.SHUTDOWN, obj={"reason": notice})
+            self.told_servers = {m.identity for m in self.members.values() if m.role == "server"}
+        send(self.sock, Header(Msg.SHUTDOWN, SCHEDULER_ID), encode_json({"reason": notice}), identity=identity)
+        if role == "server":
+            self.told_servers.add(identity)
+        told_all = len(self.told_servers) >= self.expected["server"]
+        self.stop_at = time.monotonic() + (0.0 if told_all else REFUSE_SECONDS)
         return None
 
     def fatal_registration(self, info, role, rank, who):

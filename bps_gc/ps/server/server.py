@@ -23,6 +23,7 @@ from ...comm import NodeFailure
 from ..membership.event_loop import EventLoop
 from ..membership.membership import Membership
 from .keys import KeyConflict, KeyState
+from .state import STATE_MESSAGES, answer as answer_state
 from .watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
@@ -158,6 +159,8 @@ class Server:
                 self.declare(rank, msg)
             elif msg.header.type == Msg.PUSH:
                 self.push(rank, msg)
+            elif msg.header.type in STATE_MESSAGES:
+                answer_state(self, rank, msg)
             else:
                 raise MalformedMessage(f"unexpected {msg.header.type.name}")
         except MalformedMessage as e:
@@ -292,6 +295,10 @@ class Engine:
         push, dense keys) are answered with one fused reply per worker."""
         self.tasks.put((jobs, node_id))
 
+    def submit_call(self, call):
+        """Run ``call()`` (it returns replies) after the rounds already submitted."""
+        self.tasks.put(call)
+
     def stop(self):
         self.tasks.put(None)
         self.thread.join(timeout=5)
@@ -304,6 +311,10 @@ class Engine:
                 task = self.tasks.get()
                 if task is None:
                     return
+                if callable(task):  # state.py's fetch or restore of a key's state
+                    self.replies.put(task())
+                    wake.send(b"", copy=True)
+                    continue
                 jobs, node_id = task
                 replies = [r for job in jobs for r in self.complete(*job, node_id)]
                 self.replies.put(self.fuse(replies, node_id) if len(jobs) > 1 else replies)

@@ -22,6 +22,7 @@ from .inflight import InFlight
 from .push import PushSending
 from .replies import Replies
 from .shm import SharedSlots
+from .state import StateRequests
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -55,7 +56,8 @@ class WorkerIO:
         self.dropped = DropLog(log)
         self.flight = InFlight()
         self.sending = PushSending(self.links, self.shm, counters, rank, window, cfg.fusion_bytes, self.flight)
-        self.replies = Replies(self.shm, self.flight, self.dropped)
+        self.state_requests = StateRequests()  # checkpoints: a key's server state
+        self.replies = Replies(self.shm, self.flight, self.dropped, self.state_requests)
         self.prefill = self.sending.prefill  # on the pushing thread: bound, a call costs no more
         self.commands = queue.SimpleQueue()
         self.loop = EventLoop(cfg.heartbeat_interval)
@@ -137,6 +139,8 @@ class WorkerIO:
                 _, key, server, dtype, decl = command
                 decl = self.shm.offer(key, server, dtype, decl)
                 send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
+            elif kind == "state":
+                self.state_requests.send(self, command[1])
             elif kind == "barrier":
                 self.barriers_wanted += 1
                 self.barrier_waiters.append((self.barriers_wanted, command[1]))

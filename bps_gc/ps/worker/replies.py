@@ -17,10 +17,11 @@ class Replies:
     socket) hands each reply to its push's handle and takes it off ``flight`` (inflight.py);
     an error for a key fails its push and is kept for the key's later pushes."""
 
-    def __init__(self, shm, flight, dropped):
+    def __init__(self, shm, flight, dropped, state_requests):
         """``shm``: shm.SharedSlots; ``flight``: inflight.InFlight; ``dropped``: where an
-        unexpected message is logged (sockets.DropLog)."""
-        self.shm, self.flight, self.dropped = shm, flight, dropped
+        unexpected message is logged (sockets.DropLog); ``state_requests``: the checkpoint
+        requests awaiting their STATE_REPLY (state.StateRequests)."""
+        self.shm, self.flight, self.dropped, self.state_requests = shm, flight, dropped, state_requests
         self.inflight, self.failed_keys = flight.inflight, flight.failed_keys  # dicts, changed in place
 
     def receive(self, sock):
@@ -56,6 +57,8 @@ class Replies:
                                         f"{push.handle.tensor.name!r}: {e}"))
             return
         h = msg.header
+        if h.type in (Msg.STATE_REPLY, Msg.STATE_ERROR):
+            return self.state_requests.reply(h, msg.payload)
         if h.type == Msg.ERROR:
             info = decode_json(msg.payload or b"{}")
             message = info.get("message", "server error")

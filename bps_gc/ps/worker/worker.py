@@ -14,14 +14,16 @@ import numpy as np
 import zmq
 
 from ...comm.communicator import Communicator
-from ...comm.phased import PhasedReduction, phase_lengths, phase_names, phases
+from ...comm.phased import PhasedReduction, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 from ...transport.sockets import Auth
 from ...transport.wire import encode_context
 from ..membership.membership import Membership
 from . import host as host_level
+from . import state as worker_state
 from .handle import Counters, Handle
 from .io import WorkerIO
+from .lone_worker import LoneWorker
 from .payloads import push_payloads
 from .peers import Peers
 from .push import Push
@@ -46,12 +48,14 @@ class Worker(Communicator):
         self.pool = None
         self.placement = None
         self.closed = False
+        self.alone = None  # lone_worker.py: one process that never reaches the servers
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.threadpool_size, "bps_gc-codec")
         if not self.cfg.distributed and self.size == 1:
+            self.alone = LoneWorker(self.cfg)  # says so; ends a scheduler and servers started for it
             self.peers = Peers(None, self.cfg, None, self.rank, self.size, None, log)
             return self
         self.ctx = zmq.Context()
@@ -93,6 +97,8 @@ class Worker(Communicator):
             self.ctx.term()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        if self.alone is not None:
+            self.alone.close()
 
     def check_alive(self):
         if self.closed:
@@ -128,8 +134,8 @@ class Worker(Communicator):
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor)):
-                self.declare(name, shape=(length,), dtype=np.float32)
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor, self.size)):
+                self.declare(name, shape=(length,), dtype=phase_dtype(tensor))
                 self.tensors[name].auxiliary = True
             return
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
@@ -263,6 +269,14 @@ class Worker(Communicator):
             self.io.post("push", Push(handle, part, payload, True, context, priority, dtype, None))
         except Exception as e:
             handle.fail(e)
+
+    def state_dict(self):
+        """This rank's codec state and the servers' it restores (ps/worker/state.py)."""
+        return worker_state.state_dict(self)
+
+    def load_state_dict(self, sd):
+        """Restore ``state_dict()``'s result, after declaring, before the first push_pull."""
+        worker_state.load_state_dict(self, sd)
 
     # ------------------------------------------------------------------ collectives
 

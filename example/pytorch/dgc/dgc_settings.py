@@ -100,11 +100,8 @@ def dgc_params(c, notes):
         raise ConfigError(f"configs.train.compression.memory.momentum ({mem.momentum}) differs from "
                           f"configs.train.optimizer.momentum ({opt.momentum}): set both (the codec takes the "
                           "optimizer's)")
-    if opt.momentum:
-        params["momentum"] = "nesterov"
-        if not mem.nesterov:
-            notes.append("memory.nesterov False: bps_gc's DGC has only the nesterov momentum correction "
-                         "(u = m(u + g); v += u + g), used here instead of u = m u + g; v += u")
+    if opt.momentum:  # DGC's momentum correction, in the form its memory names
+        params["momentum"] = "nesterov" if mem.nesterov else "plain"
     if not comp.int32_indices:
         notes.append("int32_indices False (DGC's int64): bps_gc's sparse records carry uint32 indices "
                      "(exact below 2^32 elements per partition), 4 bytes each, not 8")

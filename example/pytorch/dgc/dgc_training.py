@@ -34,8 +34,8 @@ class Data:
         root, name = c.dataset.root, c.dataset.name
         if name == "cifar10":
             from cifar10_data import load_split
-            self.train_x, self.train_y = load_split(root, "train")
-            self.test_x, self.test_y = load_split(root, "test")
+            self.train_x, self.train_y = load_split(root, "train", "--configs.dataset.root")
+            self.test_x, self.test_y = load_split(root, "test", "--configs.dataset.root")
             self.classes = 10
             self.count = len(self.train_y)
         else:

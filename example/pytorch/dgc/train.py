@@ -25,7 +25,7 @@ How DGC's settings map onto bps_gc (the resolved JSON's "bps_gc" entry lists the
 parameters and every note): the `dgc` codec with `k` = compress_ratio, warm-up densities
 (warmup_coeff; without a list DGC's own r^((e+1)/(W+1))), `fp16_values`, `clip_norm` =
 memory.gradient_clipping, `momentum_masking`, and the optimizer's momentum moved into its
-nesterov momentum correction; weight decay stays local (docs/codecs.md "DGC in the bindings").
+momentum correction, plain or nesterov as memory.nesterov says; weight decay stays local (docs/codecs.md "DGC in the bindings").
 """
 import argparse
 import json

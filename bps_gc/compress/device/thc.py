@@ -1,0 +1,145 @@
+"""thc on the device: compress/thc.py's two phases and payloads (the exponent histogram; the
+header and packed lanes as float64 words), with the rotation, codes and error as tensors.
+
+Cross-rank agreement: the histogram bin, the header, the lanes and the rotation's signs (drawn
+by numpy's generator from the same seed, ``block`` values, copied to the device) are the numpy
+chain's exactly; with ``feedback`` (round to nearest) the codes are too, up to the float32
+Hadamard sums' order. Stochastic rounding draws torch's generator, so the codes differ from the
+numpy chain's draw for draw, with the same distribution; every worker's draws differ anyway.
+"""
+import math
+
+import numpy as np
+import torch
+
+from .. import thc
+from .base import DeviceCodec
+from .quantize import generator_kind
+from .registry import register_device_compressor
+
+
+def pack_lanes(codes, width):
+    """int64 codes -> float64 words, code j of a word at bit width * j (kernels/thc.c's layout;
+    the codes are clamped to their lane by the caller)."""
+    k = thc.lanes_per_word(width)
+    padded = torch.zeros(thc.words_for(codes.numel(), width) * k, dtype=torch.int64, device=codes.device)
+    padded[:codes.numel()] = codes
+    shifts = torch.arange(k, device=codes.device, dtype=torch.int64) * width
+    return (padded.view(-1, k) << shifts).sum(dim=1).to(torch.float64)
+
+
+def unpack_lanes(words, width, count):
+    k, mask = thc.lanes_per_word(width), (1 << width) - 1
+    if words.numel() and (words.min() < 0 or words.max() >= 2.0 ** thc.CARRIER_BITS
+                          or not torch.equal(words, torch.floor(words))):
+        raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
+    shifts = torch.arange(k, device=words.device, dtype=torch.int64) * width
+    return ((words.to(torch.int64).view(-1, 1) >> shifts) & mask).reshape(-1)[:count]
+
+
+@register_device_compressor("thc")
+class DeviceTHC(DeviceCodec):
+    reducers = thc.THC.reducers
+    phase_dtype = thc.CARRIER
+    state_attrs = ("generator", "error")  # as the other device codecs: torch's generator, not numpy's words
+
+    def state_identity(self):
+        return {**super().state_identity(), "rng": generator_kind(self.device)}
+
+    def __init__(self, params, n, dtype, seed, device, **extra):
+        super().__init__(params, n, dtype, seed, device)
+        self.host = thc.THC(params, n, dtype, seed)  # options, sizes and checks
+        self.bits, self.rotate, self.feedback = self.host.bits, self.host.rotate, self.host.feedback
+        self.block, self.codes, self.levels = self.host.block, self.host.codes, self.host.levels
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.error = torch.zeros(self.n, **f32) if self.feedback else None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()  # each worker its own draws
+        self.x = self.y = self.signs = None
+
+    def set_summands(self, summands):
+        self.host.set_summands(summands)
+
+    @property
+    def summands(self):
+        return self.host.summands
+
+    @property
+    def width(self):
+        return self.host.width
+
+    @property
+    def phase_sizes(self):
+        return self.host.phase_sizes
+
+    def _rotate(self, x, inverse=False):
+        return thc.rotated(x, self.signs, self.block, inverse, torch.cat)
+
+    def compress(self, x, ctx=None):
+        x = self._input(x).to(torch.float32)
+        if self.feedback:
+            x = x + self.error
+        self.x = x
+        if self.rotate:
+            self.signs = torch.from_numpy(thc.rotation_signs(self.seed, ctx, self.block)).to(self.device)
+            padded = torch.zeros(self.codes, dtype=torch.float32, device=self.device)
+            padded[:self.n] = x
+            self.y = self._rotate(padded)
+        else:
+            self.y = x
+        peak = float(self.y.abs().max()) if self.y.numel() else 0.0  # NaN propagates through max
+        hist = torch.zeros(thc.HIST, dtype=torch.float64, device=self.device)
+        hist[thc.exponent_bin(peak)] = 1
+        return hist.view(torch.uint8)
+
+    def _floats(self, buffer):
+        """A summed phase buffer (bytes, numpy or a tensor) as float64 words on the device."""
+        if isinstance(buffer, torch.Tensor):
+            return buffer.reshape(-1).view(torch.float64).to(self.device) \
+                if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float64)
+        return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(thc.CARRIER))).to(self.device)
+
+    def compress_q(self, hist_sum):
+        hist = self._floats(hist_sum).cpu().numpy()
+        summands, exponent, nonfinite = thc.agreed_scale(hist)
+        if summands != self.summands:
+            raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
+                             f"{self.summands}: their codes would overflow (or waste) the lanes")
+        self.host.agreed = (exponent, nonfinite)
+        header = torch.tensor([self.bits, exponent, 1], dtype=torch.float64, device=self.device)
+        if nonfinite:
+            codes = torch.zeros(self.codes, dtype=torch.int64, device=self.device)
+        else:
+            scaled = (self.y.to(torch.float64) * 2.0 ** -exponent + 1) * (self.levels / 2)
+            if self.feedback:
+                codes = torch.floor(scaled + 0.5)  # ties up, as the C kernel
+            else:
+                noise = torch.rand(scaled.shape, generator=self.generator, device=self.device,
+                                   dtype=torch.float64)
+                codes = torch.floor(scaled + noise)
+            codes = codes.clamp_(0, self.levels).to(torch.int64)
+            if self.feedback:
+                own = self._dequantize(codes, 1, exponent)
+                self.error = self.x - (self._rotate(own, True)[:self.n] if self.rotate else own)
+        return torch.cat([header, pack_lanes(codes, self.width)]).view(torch.uint8)
+
+    def _dequantize(self, code_sum, summands, exponent):
+        return (2.0 ** exponent * (2.0 * code_sum.to(torch.float64) / self.levels - summands)).to(torch.float32)
+
+    def finish(self, code_sum, out=None, workers=1):
+        buf = self._floats(code_sum)
+        self.host.check_sum(buf.numel(), buf[:thc.HEADER].cpu().numpy())
+        exponent, nonfinite = self.host.agreed
+        total = unpack_lanes(buf[thc.HEADER:], self.width, self.codes)
+        out = self._output(out)
+        if nonfinite:
+            out.fill_(math.nan)
+            return out
+        values = self._dequantize(total, self.summands, exponent)
+        if self.rotate:
+            values = self._rotate(values, inverse=True)[:self.n]
+        out.copy_(values)
+        return out
+
+    def decompress(self, payload, out=None):
+        return self.finish(payload, out, self.summands)

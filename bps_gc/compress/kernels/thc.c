@@ -1,0 +1,93 @@
+/* thc (docs/codecs.md, compress/thc.py): b-bit codes against a shared power-of-two scale,
+ * packed k to a float64 word in lanes of `width` bits, and the decoding of their sums. */
+#include "common.h"
+
+/* Code of one element: u = (y * inv_scale + 1) * half in [0, levels] for |y| <= scale, rounded
+ * down after adding r in [0, 1) (stochastic: E = u) or to the nearest (r = 0.5), clamped. */
+static inline int64_t thc_code(float y, double inv_scale, double half, double r, int levels) {
+    double u = floor(((double)y * inv_scale + 1.0) * half + r);
+    return u < 0 ? 0 : u > levels ? levels : (int64_t)u;
+}
+
+/* y: n float32 (the rotated or plain input). state: xorshift128+ for stochastic rounding (32
+ * random bits per element, two per output, high half first), or NULL for the nearest.
+ * decoded (or NULL): each code decoded alone, scale * (2 q / levels - 1) as float32 (error
+ * feedback's own share). words: ceil(n / k) float64, code j of a word at bit width * j. */
+EXPORT HOT void thc_pack_f32(const float *y, int64_t n, double inv_scale, int levels, int width,
+                             int k, uint64_t *state, float *decoded, double *words) {
+    uint64_t st[2] = {state ? state[0] : 0, state ? state[1] : 0};
+    const double half = levels / 2.0, scale = 1.0 / inv_scale;
+    uint64_t bits = 0;
+    int have = 0;
+    int64_t nwords = (n + k - 1) / k;
+    for (int64_t w = 0; w < nwords; w++) {
+        uint64_t word = 0;
+        int64_t base = w * k;
+        for (int j = 0; j < k && base + j < n; j++) {
+            double r = 0.5;
+            if (state) {
+                if (!have) {
+                    bits = xs_next(st);
+                    have = 2;
+                }
+                r = (double)(uint32_t)(bits >> 32) * (1.0 / 4294967296.0);
+                bits <<= 32;
+                have--;
+            }
+            int64_t q = thc_code(y[base + j], inv_scale, half, r, levels);
+            if (decoded)
+                decoded[base + j] = (float)(scale * (2.0 * (double)q / levels - 1.0));
+            word |= (uint64_t)q << (width * j);
+        }
+        words[w] = (double)word; /* below 2^53: exact */
+    }
+    if (state) {
+        state[0] = st[0];
+        state[1] = st[1];
+    }
+}
+
+/* out[i] = scale * (2 Q_i / levels - summands) in float64, stored as float32, for the n lane
+ * sums Q_i of `nwords` summed words; ERR_CODE when a word is not an integer in [0, 2^53) (a
+ * lane overflowed, or not thc's sums), before anything is written. */
+EXPORT HOT int64_t thc_unpack_f64(const double *words, int64_t nwords, int64_t n, int width, int k,
+                                  double scale, int levels, double summands, float *out) {
+    if (nwords * k < n)
+        return ERR_TRUNCATED;
+    const uint64_t mask = (1ull << width) - 1; /* width <= 53 */
+    for (int64_t w = 0; w < nwords; w++) {
+        double v = words[w];
+        if (!(v >= 0.0 && v < 9007199254740992.0) || v != floor(v))
+            return ERR_CODE;
+    }
+    for (int64_t w = 0; w < nwords; w++) {
+        uint64_t word = (uint64_t)words[w];
+        int64_t base = w * k;
+        for (int j = 0; j < k && base + j < n; j++)
+            out[base + j] = (float)(scale * (2.0 * (double)((word >> (width * j)) & mask) / levels - summands));
+    }
+    return n;
+}
+
+/* The rotation, in place: each of `rows` blocks of `block` (a power of two) float32 values
+ * becomes H D x (inverse 0) or D H x (inverse 1), H the Walsh-Hadamard butterflies scaled by
+ * float32(1 / sqrt(block)) at the end, D the +-1 `signs`: the same float32 operations, in the
+ * same order, as compress/thc.py's ``hadamard``. */
+EXPORT HOT void thc_rotate_f32(float *x, int64_t rows, int64_t block, const float *signs, int inverse,
+                               float norm) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *b = x + r * block;
+        if (!inverse)
+            for (int64_t i = 0; i < block; i++)
+                b[i] *= signs[i];
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t g = 0; g < block; g += 2 * h)
+                for (int64_t i = g; i < g + h; i++) {
+                    float a = b[i], c = b[i + h];
+                    b[i] = a + c;
+                    b[i + h] = a - c;
+                }
+        for (int64_t i = 0; i < block; i++)
+            b[i] = inverse ? b[i] * norm * signs[i] : b[i] * norm;
+    }
+}

@@ -1,0 +1,280 @@
+"""thc: summable b-bit codes. Phase 1 a 160-float64 exponent histogram; phase 2 three float64 header values (bits, scale exponent, 1) then float64 words of packed unsigned lanes.
+
+THC (Li et al., NSDI'24): every worker quantizes against one *shared* scale, so the servers (or
+an all_reduce) add the integer codes without decoding them, and each worker decodes the sum
+once. One reduce takes two plain-sum phases, which the communicators drive like PowerSGD's
+(bps_gc/comm/phased.py), so parameter servers and collectives only ever sum dense float64:
+
+1. ``compress(x, ctx)``: y = x (or its randomized Hadamard rotation); the histogram has a 1 in
+   the bin of e = ceil(log2 max|y|) (clipped to [-126, 32]; the last bin for a non-finite
+   input). Its sum counts the summands, and its highest nonzero bin is the shared exponent.
+2. ``compress_q(hist_sum)``: the scale s = 2^e; each element's code q in [0, M], M = 2^b - 1,
+   is (y/s + 1) M/2 rounded stochastically (unbiased: E q = that) or, with ``feedback``, to the
+   nearest (ties up) and the error kept for the next step (the C kernel kernels/thc.c). Codes are packed k = floor(53 / w) to a
+   float64 word in lanes of w = b + ceil(log2 N) bits (N summands), so the sum of N words is
+   an integer below 2^53, exact in float64 in any order, and no lane carries into the next.
+3. ``finish(code_sum, out, workers)``: the summed header must say N pushes of this bit width
+   and scale (else ValueError, and ``out`` is untouched); out = s (2 Q / M - N), rotated back.
+
+The rotation: per block of B = min(4096, next power of two >= n) elements, H D with D a random
++-1 diagonal and H the orthonormal Walsh-Hadamard matrix; D's seed derives from the partition's
+seed and the step (``chain.derive_seed``), so every worker rotates alike. The scale agreement
+is phase 1: one extra sum of 1,280 bytes per partition (one more all_reduce per bucket, or one
+more push and pull of a dense key per partition on the parameter server).
+"""
+import math
+import os
+from itertools import count
+
+import numpy as np
+
+from ._native import ERRORS, lib, ptr
+from .base import Codec
+from .params import CODEC_OPTIONS
+from .reducers import Reducer, register_reducer
+from .registry import register_compressor
+from .seeds import MASK64, derive_seed, mixed_state
+
+BITS = (2, 4, 8)
+E_MIN, E_MAX = -126, 32  # scale exponents the histogram holds
+HIST = E_MAX - E_MIN + 2  # one bin per exponent, then the non-finite bin
+HEADER = 3  # bits, exponent, count (each summed over the pushes)
+CARRIER = np.dtype(np.float64)  # the words summed: the transports add dense float64 exactly
+CARRIER_BITS = 53  # integers below 2^53 add exactly in float64
+BLOCK = 4096  # largest Hadamard block
+_instances = count()
+
+
+def lane_bits(bits, summands):
+    """Lane width for the sum of ``summands`` codes of ``bits`` bits: b + ceil(log2 N)."""
+    if bits not in BITS:
+        raise ValueError(f"thc: bits must be one of {BITS}, got {bits!r}")
+    if int(summands) < 1:
+        raise ValueError(f"thc: the sum needs >= 1 summand, got {summands!r}")
+    width = bits + math.ceil(math.log2(int(summands)))
+    if width > CARRIER_BITS:
+        raise ValueError(f"thc: {summands} summands of {bits}-bit codes need {width}-bit lanes, "
+                         f"more than the {CARRIER_BITS} bits a float64 word adds exactly; "
+                         f"use fewer bits or fewer summands")
+    return width
+
+
+def lanes_per_word(width):
+    return CARRIER_BITS // width
+
+
+def words_for(count_, width):
+    return -(-count_ // lanes_per_word(width))
+
+
+def hadamard(x, cat=np.concatenate):
+    """Orthonormal Walsh-Hadamard transform of each row of ``x`` (rows of 2^m); its own inverse.
+    ``cat``: numpy's concatenate, or torch.cat for tensors (the device chain)."""
+    rows, size = x.shape
+    h = 1
+    while h < size:
+        x = x.reshape(rows, size // (2 * h), 2, h)
+        x = cat([x[:, :, :1] + x[:, :, 1:], x[:, :, :1] - x[:, :, 1:]], 2)
+        h *= 2
+    return x.reshape(rows, size) * (1 / math.sqrt(size))
+
+
+def rotation_signs(seed, ctx, block):
+    """This step's +-1 diagonal D (``block`` float32 values): every worker draws the same."""
+    step = ctx.get("step", 0) if isinstance(ctx, dict) else 0
+    rng = np.random.default_rng(rotation_seed(seed, step))
+    return (rng.integers(0, 2, block, np.int8) * 2 - 1).astype(np.float32)
+
+
+def rotated(x, signs, block, inverse=False, cat=np.concatenate):
+    """x (a multiple of ``block`` elements) rotated by H D per block, or back by D H."""
+    blocks = x.reshape(-1, block)
+    if inverse:
+        return (hadamard(blocks, cat) * signs).reshape(-1)
+    return hadamard(blocks * signs, cat).reshape(-1)
+
+
+def block_size(n):
+    return min(BLOCK, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def rotation_seed(seed, step):
+    """The rotation's seed at ``step``: every worker derives the same one from the key's seed."""
+    return derive_seed((int(seed) + int(step) * 0x9E3779B97F4A7C15) & MASK64)
+
+
+def exponent_bin(peak):
+    """Histogram bin of a partition's max |y|: its exponent ceil(log2), or the last bin."""
+    if not math.isfinite(peak):
+        return HIST - 1
+    if peak <= 0:
+        return 0
+    mantissa, exp = math.frexp(peak)  # peak = mantissa 2^exp, mantissa in [0.5, 1)
+    exp = exp - 1 if mantissa == 0.5 else exp  # an exact power of two is its own scale
+    return min(max(exp, E_MIN), E_MAX) - E_MIN
+
+
+def agreed_scale(hist_sum):
+    """(summands, exponent, any non-finite push) from the summed histogram."""
+    hist = np.asarray(hist_sum, CARRIER)
+    if hist.size != HIST or (hist < 0).any() or not np.array_equal(hist, np.floor(hist)):
+        raise ValueError(f"thc: a summed histogram must be {HIST} whole counts, got {hist.size} values")
+    summands = int(hist.sum())
+    if summands < 1:
+        raise ValueError("thc: the summed histogram counts no push")
+    nonzero = np.flatnonzero(hist[:-1])
+    exponent = int(nonzero[-1]) + E_MIN if nonzero.size else E_MIN
+    return summands, exponent, bool(hist[-1])
+
+
+@register_compressor("thc", options=CODEC_OPTIONS["thc"])
+class THC(Codec):
+    reducers = ("thc",)  # two plain-sum phases (the reducer below)
+    phase_dtype = CARRIER
+    state_attrs = ("rng_state", "error")  # stochastic rounding's words; feedback's residual (None without)
+
+    def state_identity(self):  # the device codec draws from torch's generator instead
+        return {**super().state_identity(), "rng": "xorshift128+"}
+
+    def __init__(self, params, n, dtype, seed):
+        super().__init__(params, n, dtype)
+        if self.dtype not in (np.float32, np.float16):
+            raise TypeError(f"thc: float32 or float16 partitions only, got {self.dtype}")
+        options = dict(params.options)
+        self.bits = int(options.get("bits", 4))
+        lane_bits(self.bits, 1)
+        self.rotate = bool(options.get("rotate", False))
+        self.feedback = bool(options.get("feedback", False))
+        self.levels = (1 << self.bits) - 1
+        self.seed = int(seed)
+        self.block = block_size(self.n) if self.rotate else 1
+        self.codes = -(-self.n // self.block) * self.block if self.rotate else self.n
+        # stochastic rounding must differ between workers (their errors then average out)
+        self.rng_state = mixed_state(derive_seed(self.seed ^ os.getpid() << 24 ^ next(_instances) << 48))
+        self.error = np.zeros(self.n, np.float32) if self.feedback else None
+        self.summands = 1
+        self.x = self.y = self.signs = self.agreed = None
+
+    def set_summands(self, summands):
+        """Size the code lanes for ``summands`` pushes (the communicator's worker count)."""
+        lane_bits(self.bits, summands)
+        self.summands = int(summands)
+
+    @property
+    def width(self):
+        return lane_bits(self.bits, self.summands)
+
+    @property
+    def phase_sizes(self):
+        """float64 elements of each phase's payload: the histogram, then header and words."""
+        return HIST, HEADER + words_for(self.codes, self.width)
+
+    def _rotate(self, x, inverse=False):
+        """A rotated copy of x (float32, ``codes`` long): ``rotated``'s operations in C."""
+        out = np.array(x, np.float32)
+        lib.thc_rotate_f32(ptr(out), out.size // self.block, self.block, ptr(self.signs), int(inverse),
+                           1 / math.sqrt(self.block))
+        return out
+
+    def compress(self, x, ctx=None):
+        x = self._input(x).astype(np.float32)
+        if self.feedback:
+            x = x + self.error
+        self.x = x  # what the codes stand for (error feedback's base)
+        if self.rotate:
+            self.signs = rotation_signs(self.seed, ctx, self.block)
+            padded = np.zeros(self.codes, np.float32)
+            padded[:self.n] = x
+            self.y = self._rotate(padded)
+        else:
+            self.y = x
+        with np.errstate(invalid="ignore"):
+            peak = float(np.max(np.abs(self.y))) if self.y.size else 0.0
+        hist = np.zeros(HIST, CARRIER)
+        hist[exponent_bin(peak)] = 1
+        return hist.view(np.uint8)
+
+    def compress_q(self, hist_sum):
+        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER))
+        if summands != self.summands:
+            raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
+                             f"{self.summands}: their codes would overflow (or waste) the lanes")
+        self.agreed = (exponent, nonfinite)
+        width = self.width
+        words = np.zeros(HEADER + words_for(self.codes, width), CARRIER)
+        words[:HEADER] = (self.bits, exponent, 1)
+        if not nonfinite:  # else the sum is NaN anyway; zeros keep the lanes valid
+            own = np.empty(self.codes, np.float32) if self.feedback else None
+            y = np.ascontiguousarray(self.y, np.float32)
+            lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width),
+                             None if self.feedback else ptr(self.rng_state),
+                             None if own is None else ptr(own), ptr(words[HEADER:]))
+            if self.feedback:
+                self.error = self.x - (self._rotate(own, inverse=True)[:self.n] if self.rotate else own)
+        return words.view(np.uint8)
+
+    def check_sum(self, size, header):
+        """Refuse a summed phase-2 buffer of ``size`` words whose ``header`` (its first three
+        summed values) disagrees with this round: ValueError naming what disagrees."""
+        if self.agreed is None:
+            raise ValueError("thc: finish() before compress_q()")
+        expected = self.phase_sizes[1]
+        if size != expected:
+            raise ValueError(f"thc: a summed code buffer of {size} words, expected {expected} "
+                             f"({self.bits}-bit codes in {self.width}-bit lanes)")
+        exponent = self.agreed[0]
+        bits_sum, exp_sum, pushes = (float(v) for v in header[:HEADER])
+        if pushes != self.summands:
+            raise ValueError(f"thc: the sum holds {pushes:g} pushes, its lanes hold {self.summands}")
+        if bits_sum != self.bits * self.summands:
+            raise ValueError(f"thc: a push with another bit width (bit widths sum to {bits_sum:g}, "
+                             f"expected {self.summands} x {self.bits})")
+        if exp_sum != exponent * self.summands:
+            raise ValueError(f"thc: a push with another scale (exponents sum to {exp_sum:g}, "
+                             f"expected {self.summands} x {exponent})")
+
+    def finish(self, code_sum, out=None, workers=1):
+        buf = np.asarray(code_sum).reshape(-1).view(CARRIER)
+        self.check_sum(buf.size, buf[:HEADER])
+        exponent, nonfinite = self.agreed
+        out = self._output(out)
+        direct = out.dtype == np.float32 and not self.rotate
+        values = out if direct else np.empty(self.codes, np.float32)
+        words = np.require(buf[HEADER:], CARRIER, ["C", "A"])
+        width = self.width
+        code = lib.thc_unpack_f64(ptr(words), words.size, self.codes, width, lanes_per_word(width),
+                                  2.0 ** exponent, self.levels, float(self.summands), ptr(values))
+        if code < 0:  # checked before anything was written
+            raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed"
+                             if code == -3 else f"thc: {ERRORS.get(code, code)}")
+        if nonfinite:
+            out[:] = np.nan
+            return out
+        if self.rotate:
+            values = self._rotate(values, inverse=True)[:self.n]
+        if not direct:
+            with np.errstate(over="ignore"):
+                out[:] = values
+        return out
+
+    def decompress(self, payload, out=None):
+        """A summed phase-2 buffer of this step, decoded (``finish``)."""
+        return self.finish(self._payload(payload), out, self.summands)
+
+
+@register_reducer("thc")
+class CodeSums(Reducer):
+    """thc's reduction: two phases of plain float64 sums (the scale histogram, then the packed
+    codes), which the communicator drives; servers add the codes as dense float64 words, exact
+    below 2^53, and never decode them."""
+
+    phases = 2
+    in_hook = True  # the DDP hook runs its phases too (bps_gc/torch/hook_phased.py)
+
+    def reduce(self, payloads, compressed, ctx=None):
+        raise ValueError("thc: its histogram and code phases are sums that the communicator "
+                         "drives (phases = 2); there are no payloads to reduce in one round")
+
+    def decode(self, reply, out, ctx=None):
+        raise ValueError("thc: its histogram and code phases are sums that the communicator "
+                         "drives (phases = 2); there is no one-round reply to decode")

@@ -1,0 +1,244 @@
+"""thc (compress/thc.py): summable b-bit codes. Each check has an independent numpy oracle:
+lane widths and packing against integer arithmetic, the decoded sum against numpy's integer
+sum of the codes, the stochastic decoded mean against its stated bound, the error feedback's
+residual against half a quantization step, the rotation against its inverse; and the refusals
+(a lane overflow, a push with another scale or bit width) leave the output untouched."""
+import math
+
+import numpy as np
+import pytest
+
+from bps_gc.compress import CompressionParams, ParamError, build_chain
+from bps_gc.compress import thc
+
+CTX = {"lr": 0.1, "step": 3, "epoch": 0}
+
+
+def chains(n, workers, key=7, **options):
+    params = CompressionParams.from_dict({"compressor": "thc", **options})
+    out = [build_chain(params, n, np.float32, key=key) for _ in range(workers)]
+    for c in out:
+        c.set_summands(workers)
+    return out
+
+
+def phases(codecs, inputs, ctx=CTX):
+    """Both phases summed as the transports do (float64 adds), and every worker's finish."""
+    hist = np.sum([c.compress(x, ctx).view(thc.CARRIER) for c, x in zip(codecs, inputs)], axis=0)
+    payloads = [c.compress_q(hist.view(np.uint8)).view(thc.CARRIER) for c in codecs]
+    summed = np.sum(payloads, axis=0)
+    return payloads, summed, [c.finish(summed.view(np.uint8), None, len(codecs)) for c in codecs]
+
+
+def pack(codes, width):
+    """The oracle's packing (docs/codecs.md): code j of a word at bit width * j, floor(53 / width)
+    codes a float64 word, written here with Python integers."""
+    k = 53 // width
+    codes = [int(c) for c in codes] + [0] * (-len(codes) % k)
+    return np.array([float(sum(c << (width * j) for j, c in enumerate(codes[i:i + k])))
+                     for i in range(0, len(codes), k)])
+
+
+def unpack(words, width, count):
+    k, mask = 53 // width, (1 << width) - 1
+    return np.array([(int(w) >> (width * j)) & mask for w in words for j in range(k)][:count], np.int64)
+
+
+def nearest(x, exponent, levels):
+    """Codes rounded to the nearest, ties up (the C kernel's floor(u + 1/2))."""
+    return np.clip(np.floor((x.astype(np.float64) / 2.0**exponent + 1) * levels / 2 + 0.5), 0, levels).astype(np.int64)
+
+
+def inputs(n, workers, scale=1e-3, seed=0):
+    return [np.random.default_rng([seed, w]).standard_normal(n).astype(np.float32) * scale for w in range(workers)]
+
+
+def test_lane_widths_and_refusal_past_float64s_exact_integers():
+    assert [thc.lane_bits(4, n) for n in (1, 2, 3, 8, 9, 1024)] == [4, 5, 6, 7, 8, 14]
+    assert thc.lanes_per_word(5) == 10 and thc.lanes_per_word(7) == 7 and thc.lanes_per_word(17) == 3
+    with pytest.raises(ValueError, match="need 54-bit lanes"):
+        thc.lane_bits(8, 2**45 + 1)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        thc.lane_bits(3, 2)
+
+
+def test_each_push_is_its_codes_packed_as_stated():
+    """One worker's phase-2 payload: the header, then its nearest-rounded codes packed by the
+    oracle's own packing, word for word."""
+    for n, bits, workers in ((1001, 4, 5), (7, 2, 1), (300, 8, 3)):
+        xs = inputs(n, workers, seed=n)
+        payloads, _, _ = phases(chains(n, workers, bits=bits, feedback=True), xs)
+        exponent = max(math.ceil(math.log2(np.abs(x).max())) for x in xs)
+        width = thc.lane_bits(bits, workers)
+        for x, payload in zip(xs, payloads):
+            assert payload[:thc.HEADER].tolist() == [bits, exponent, 1]
+            assert payload[thc.HEADER:].tobytes() == pack(nearest(x, exponent, 2**bits - 1), width).tobytes()
+
+
+def test_codes_that_would_overflow_their_lane_are_refused():
+    codecs = chains(300, 2)
+    payloads, summed, _ = phases(codecs, inputs(300, 2))
+    out = np.full(300, 7.0, np.float32)
+    broken = summed.copy()
+    broken[thc.HEADER + 3] = 2.0**53  # a word past float64's exact integers
+    with pytest.raises(ValueError, match="a lane overflowed"):
+        codecs[0].finish(broken.view(np.uint8), out, 2)
+    broken[thc.HEADER + 3] = 0.5  # not a sum of whole words
+    with pytest.raises(ValueError, match="a lane overflowed"):
+        codecs[0].finish(broken.view(np.uint8), out, 2)
+    assert (out == 7.0).all()
+    # a push more than the lanes were sized for: phase 1 counts it, and refuses
+    codecs = chains(300, 2)
+    extra = chains(300, 2)[0]
+    hist = sum(c.compress(x, CTX).view(thc.CARRIER) for c, x in zip(codecs + [extra], inputs(300, 3)))
+    with pytest.raises(ValueError, match="counted 3 pushes, but the lanes are sized for 2"):
+        codecs[0].compress_q(hist.view(np.uint8))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_decoded_sum_is_numpys_integer_sum_of_the_codes(bits):
+    """Nearest rounding (``feedback``): every code is recomputed here from the agreed scale,
+    summed as integers, and decoded by the stated formula s (2 Q / M - N)."""
+    workers, n = 3, 1000
+    xs = inputs(n, workers)
+    _, summed, outs = phases(chains(n, workers, bits=bits, feedback=True), xs)
+    exponent = max(math.ceil(math.log2(np.abs(x).max())) for x in xs)
+    levels = 2**bits - 1
+    total = np.sum([nearest(x, exponent, levels) for x in xs], axis=0)
+    np.testing.assert_array_equal(unpack(summed[thc.HEADER:], thc.lane_bits(bits, workers), n), total)
+    expected = (2.0**exponent * (2.0 * total / levels - workers)).astype(np.float32)
+    for out in outs:
+        assert out.tobytes() == expected.tobytes()
+    # each element within N half-steps of the true sum
+    assert np.abs(outs[0] - np.sum(xs, axis=0)).max() <= workers * 2.0**exponent / levels * 1.0001
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_stochastic_rounding_is_unbiased_within_six_sigma(rotate):
+    """Each code is floor(u + U[0,1)): E = u, variance <= 1/4 code steps of 2 s / M, so a
+    decoded sum of N pushes has per-element variance <= N (s / M)^2 (also after the orthonormal
+    rotation). Over T rounds the mean error is within 6 sqrt(N / T) s / M of zero everywhere."""
+    workers, n, rounds, bits = 2, 500, 400, 4
+    xs = inputs(n, workers, seed=3)
+    codecs = chains(n, workers, bits=bits, rotate=rotate)
+    total, scales = np.zeros(n), []
+    for t in range(rounds):
+        _, _, outs = phases(codecs, xs, dict(CTX, step=t))
+        total += outs[0]
+        scales.append(2.0 ** codecs[0].agreed[0])
+    sigma = math.sqrt(workers / rounds) * max(scales) / (2**bits - 1)
+    err = np.abs(total / rounds - np.sum(xs, axis=0, dtype=np.float64))
+    assert err.max() < 6 * sigma, (err.max(), sigma)
+    assert err.max() > 0.05 * sigma  # it is random, not exact
+
+
+def test_error_feedback_residual_stays_within_half_a_step():
+    """One worker, nearest rounding: each step's error is at most s / M per element, and the
+    decoded values summed over the steps differ from the inputs' sum only by the last error."""
+    codecs = chains(800, 1, bits=2, feedback=True)
+    decoded, given = np.zeros(800), np.zeros(800)
+    for t in range(20):
+        x = inputs(800, 1, seed=t)[0]
+        _, _, outs = phases(codecs, [x], dict(CTX, step=t))
+        decoded += outs[0]
+        given += x
+        step = 2.0 ** codecs[0].agreed[0] / 3
+        assert np.abs(codecs[0].error).max() <= step * 1.0001
+    np.testing.assert_allclose(given - decoded, codecs[0].error, atol=1e-6)
+
+
+def test_rotation_is_inverted_and_agrees_on_every_worker():
+    a, b = chains(5000, 2, rotate=True)
+    x = inputs(5000, 1)[0]
+    a.compress(x, CTX)
+    b.compress(x, CTX)
+    np.testing.assert_array_equal(a.signs, b.signs)  # the same seed: key and step
+    np.testing.assert_allclose(a._rotate(a.y, inverse=True)[:5000], x, atol=1e-9)
+    # the C kernel does numpy's float32 operations in numpy's order (thc.rotated: the device's)
+    padded = np.zeros(a.codes, np.float32)
+    padded[:5000] = x
+    assert a.y.tobytes() == thc.rotated(padded, a.signs, a.block).tobytes()
+    assert a._rotate(a.y, True).tobytes() == thc.rotated(a.y, a.signs, a.block, inverse=True).tobytes()
+    assert a.block == 4096 and a.codes == 8192
+    a.compress(x, dict(CTX, step=4))
+    assert not np.array_equal(a.signs, b.signs)  # a new rotation each step
+    np.testing.assert_allclose(np.linalg.norm(a.y), np.linalg.norm(x), rtol=1e-5)
+
+
+def test_a_push_with_another_scale_or_bit_width_is_refused_and_nothing_written():
+    workers, n = 2, 300
+    codecs = chains(n, workers, bits=4)
+    payloads, summed, _ = phases(codecs, inputs(n, workers))
+    out = np.full(n, 7.0, np.float32)
+    other = payloads[1].copy()
+    other[1] -= 1  # this push quantized against half the scale
+    with pytest.raises(ValueError, match="a push with another scale"):
+        codecs[0].finish((payloads[0] + other).view(np.uint8), out, workers)
+    other = payloads[1].copy()
+    other[0] = 2  # a 2-bit push of the same length
+    with pytest.raises(ValueError, match="a push with another bit width"):
+        codecs[0].finish((payloads[0] + other).view(np.uint8), out, workers)
+    two_bit = chains(n, workers, bits=2)
+    phases(two_bit, inputs(n, workers))
+    with pytest.raises(ValueError, match="a summed code buffer of"):
+        two_bit[0].finish(summed.view(np.uint8), out, workers)
+    with pytest.raises(ValueError, match="holds 3 pushes"):
+        codecs[0].finish((summed + payloads[0]).view(np.uint8), out, workers)
+    assert (out == 7.0).all()
+
+
+def test_non_finite_push_gives_nan_everywhere():
+    xs = inputs(100, 2)
+    xs[1][5] = np.inf
+    _, _, outs = phases(chains(100, 2), xs)
+    assert np.isnan(outs[0]).all()
+
+
+def test_parameters():
+    with pytest.raises(ParamError, match="must be one of 2, 4, 8"):
+        CompressionParams.from_dict({"compressor": "thc", "bits": 3})
+    with pytest.raises(ParamError, match="thc has its own error feedback"):
+        CompressionParams.from_dict({"compressor": "thc", "ef": "vanilla"})
+    with pytest.raises(ParamError, match="thc keeps the momentum"):
+        CompressionParams.from_dict({"compressor": "thc", "momentum": "nesterov", "mu": 0.9})
+    codec = chains(10_000, 8, bits=4)[0]
+    assert codec.phase_sizes == (thc.HIST, thc.HEADER + math.ceil(10_000 / 7))  # 7-bit lanes, 7 a word
+
+
+def test_device_chain_on_cpu_torch_matches_numpys_payloads():
+    """The torch chain (compress/device/thc.py, here on the CPU): the same histogram, header and
+    lanes as numpy's with nearest rounding (rotation included), and it decodes numpy's sums."""
+    torch = pytest.importorskip("torch")
+    params = CompressionParams.from_dict({"compressor": "thc", "bits": 4, "rotate": True, "feedback": True})
+    xs = inputs(3000, 2, seed=5)
+    host = [build_chain(params, 3000, np.float32, key=9) for _ in range(2)]
+    dev = [build_chain(params, 3000, np.float32, key=9, device="cpu") for _ in range(2)]
+    for c in host + dev:
+        c.set_summands(2)
+    hist_h = [c.compress(x, CTX) for c, x in zip(host, xs)]
+    hist_d = [c.compress(torch.from_numpy(x), CTX).numpy() for c, x in zip(dev, xs)]
+    assert all(h.tobytes() == d.tobytes() for h, d in zip(hist_h, hist_d))
+    hist = (hist_h[0].view(np.float64) + hist_h[1].view(np.float64)).view(np.uint8)
+    q_h = [c.compress_q(hist).view(np.float64) for c in host]
+    q_d = [c.compress_q(torch.from_numpy(hist.copy())).view(torch.float64).numpy() for c in dev]
+    for h, d in zip(q_h, q_d):  # the Hadamard sums' order may move a code at a rounding tie
+        assert (h[:thc.HEADER] == d[:thc.HEADER]).all() and np.mean(h == d) > 0.99
+    summed = (q_h[0] + q_h[1]).view(np.uint8)
+    np.testing.assert_allclose(dev[0].finish(torch.from_numpy(summed.copy()), None, 2).numpy(),
+                               host[0].finish(summed, None, 2), atol=1e-7)
+    np.testing.assert_allclose(dev[0].error.numpy(), host[0].error, atol=1e-6)
+
+
+def test_device_chain_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    params = CompressionParams.from_dict({"compressor": "thc", "bits": 4, "rotate": True})
+    codec = build_chain(params, 5000, np.float32, key=1, device="cuda")
+    codec.set_summands(1)
+    x = torch.randn(5000, device="cuda") * 1e-3
+    hist = codec.compress(x, CTX)
+    out = codec.finish(codec.compress_q(hist), None, 1)
+    # each rotated code errs by under one code step 2 s / M; the rotation keeps the 2-norm
+    step = 2 * 2.0 ** codec.host.agreed[0] / 15
+    assert float((out - x).norm()) <= step * codec.codes ** 0.5

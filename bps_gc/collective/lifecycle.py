@@ -24,14 +24,16 @@ class Lifecycle:
     flush, exchanger, and the counts ``issued``, ``sent`` and ``received``)."""
 
     def start(self):
-        backend = backend_from_env()
+        backend, why = backend_from_env(local_size=self.local_size)
+        if self.rank == 0 and backend == "gloo" and "share" in why:  # a GPU shared: say so
+            log.warning("bps_gc: %s", why)
         store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
         self.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
                                    self.cfg.heartbeat_timeout, where).start()
         self.join_levels()
         self.barrier()
-        log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
+        log.info("rank %d/%d joined over torch.distributed (%s: %s; %s)", self.rank, self.size, backend, why,
                  "two levels" if self.levels else "one level")
         return self
 

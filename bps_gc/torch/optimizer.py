@@ -13,6 +13,8 @@ What still runs on host copies of a device gradient: the entire-model vector
 (``granularity="entiremodel"``) and the post-pull momentum/weight-decay step of
 ``compression_params["momentum"]`` (bindings.momentum, numpy).
 """
+import contextlib
+
 import torch
 
 import bps_gc.core as core
@@ -158,8 +160,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.copy_(torch.from_numpy(g))
         self._steps += 1
 
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """step() without synchronize() (Horovod's): for a caller that synchronized itself, e.g.
+        to unscale the reduced gradients of a float16 loss scaler before stepping."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
     def step(self, closure=None):
-        self.synchronize()
+        if not getattr(self, "_skip_sync", False):
+            self.synchronize()
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none=True):

@@ -16,6 +16,11 @@ from .. import compress
 from .device_codecs import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
 SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+# numpy has no bfloat16: the hook takes bfloat16 buckets (its codecs run in float32); here one
+# says what to do instead
+UNSUPPORTED_HINT = ("float16, float32 and float64 only; for bfloat16 keep the parameters float32 and train "
+                    "under torch.autocast(dtype=torch.bfloat16), or use bps_gc.torch.comm_hook with DDP, "
+                    "which takes bfloat16 gradients")
 _handles = {}
 _next_handle = itertools.count()
 _noname = itertools.count()
@@ -28,7 +33,7 @@ def _check(tensor, what):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED:
-        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported (float16, float32, float64)")
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported: {UNSUPPORTED_HINT}")
 
 
 def host_view(tensor):
@@ -41,6 +46,8 @@ def host_view(tensor):
 
 def declare(name, shape=None, dtype=None, **compression_params):
     """Declare a tensor name (in the same order on every worker) with its compression."""
+    if isinstance(dtype, torch.dtype) and dtype not in SUPPORTED:
+        raise TypeError(f"declare({name!r}): dtype {dtype} is not supported: {UNSUPPORTED_HINT}")
     np_dtype = SUPPORTED[dtype] if isinstance(dtype, torch.dtype) else dtype
     return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
                         **compression_params)

@@ -1,0 +1,230 @@
+"""Training where the gradient lives (issue 32), the parts a CPU box checks: which device a rank
+takes (--device and the seeds' flags, decided from given device counts), which backend its ranks
+use (NCCL refuses two ranks on one GPU), float16/bfloat16 gradients through the comm hook
+(numpy re-computation) and the optimizer's clear refusal of bfloat16, mixed precision with
+DistributedOptimizer (an independent re-computation of autocast + loss scaling, an overflowing
+step skipped on every rank), DGC's ResNet-20 with 2 ranks on one host on both transports (ranks
+bit-identical, loss falling), and the synthetic benchmark's suite at tiny size. The same checks
+on a GPU: scripts/gpu_checks.sh."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from collective_cluster import TESTS, job_env, torchrun_argv
+from conftest import ROOT
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(ROOT, "example", "pytorch"))
+import torch_device as td  # noqa: E402
+from test_collective_hook import expected_buckets  # noqa: E402
+
+from bps_gc.collective.backend_choice import NCCL, backend_for_devices  # noqa: E402
+
+NO_CUDA = "needs CUDA (torch.cuda.is_available() is False here): scripts/gpu_checks.sh runs it on a GPU"
+
+
+@pytest.mark.parametrize("requested, local_rank, cuda, count, expected", [
+    ("auto", 3, True, 2, ("cuda:1", None)),  # LOCAL_RANK % device_count
+    ("auto", 1, True, 1, ("cuda:0", None)),  # two ranks share the one GPU
+    ("auto", 0, False, 0, ("cpu", None)),
+    ("cuda", 5, True, 8, ("cuda:5", None)),
+    ("cpu", 0, True, 8, ("cpu", None)),
+    ("cuda:1", 0, True, 2, ("cuda:1", None)),
+])
+def test_device_choice(requested, local_rank, cuda, count, expected):
+    assert td.choose_device(requested, local_rank, cuda, count) == expected
+
+
+@pytest.mark.parametrize("requested", ["cuda", "cuda:3"])
+def test_cuda_asked_where_there_is_none_is_a_note_and_the_cpu(requested):
+    device, note = td.choose_device(requested, 0, False, 0)
+    assert device == "cpu" and "no CUDA device" in note and requested in note
+
+
+def test_a_gpu_the_host_lacks_is_one_line():
+    with pytest.raises(td.DeviceError) as e:
+        td.choose_device("cuda:2", 0, True, 2)
+    assert str(e.value) == "device cuda:2: this host has 2 CUDA device(s), cuda:0 to cuda:1"
+
+
+def test_device_words_and_bytepss_num_gpus():
+    import argparse
+    assert [td.parse_device(w) for w in ("AUTO", "cpu", "gpu", "cuda:7")] == ["auto", "cpu", "cuda", "cuda:7"]
+    for bad in ("tpu", "cuda:x", "cuda:"):
+        with pytest.raises(argparse.ArgumentTypeError, match="want auto, cpu, cuda or cuda:N"):
+            td.parse_device(bad)
+    assert td.from_num_gpus(None, "auto") == ("auto", None)
+    assert td.from_num_gpus(0, "auto") == ("cpu", None)
+    assert td.from_num_gpus(1, "auto") == ("cuda", None)
+    word, note = td.from_num_gpus(8, "auto")
+    assert word == "cuda" and "one GPU per worker process" in note
+    assert td.local_rank_from_env({"LOCAL_RANK": "3"}) == 3
+    assert td.local_rank_from_env({"BYTEPS_LOCAL_RANK": "2"}) == 2 and td.local_rank_from_env({}) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this box has CUDA: the CPU fallback is not what runs")
+def test_pick_device_on_this_cpu_box():
+    device, lines = td.pick_device("cuda", local_rank=1)
+    assert device.type == "cpu" and lines == ["note: cuda asked for, but this host has no CUDA device: training "
+                                              "on the CPU", "device: cpu (asked: cuda)"]
+    batch = (torch.ones(2), torch.zeros(2))
+    assert td.moved(td.pinned(batch, device), device) is batch  # nothing to pin or copy on the CPU
+
+
+@pytest.mark.parametrize("cuda, nccl, count, local, backend, why", [
+    (False, True, 0, 2, "gloo", "no CUDA device"),
+    (True, True, 1, 1, NCCL, "NCCL for CUDA tensors"),
+    (True, True, 8, 8, NCCL, "NCCL for CUDA tensors"),
+    (True, True, 1, 2, "gloo", "2 local ranks share 1 GPU(s) and NCCL refuses two ranks on one device"),
+    (True, True, 4, 8, "gloo", "8 local ranks share 4 GPU(s)"),
+    (True, False, 2, 2, "gloo", "this torch has no NCCL"),
+])
+def test_backend_for_devices(cuda, nccl, count, local, backend, why):
+    chosen, reason = backend_for_devices(cuda, nccl, count, local)
+    assert chosen == backend and why in reason
+
+
+def run_job(spec, tmp_path, timeout=240):
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    result = subprocess.run(torchrun_argv([os.path.join(TESTS, "low_precision_job.py"), str(tmp_path / "spec.json"),
+                                           str(tmp_path)], 2), env=job_env(), capture_output=True, text=True,
+                            timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("params, reducer", [
+    ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, "recompress"),
+    ({"compressor": "topk", "k": 0.1, "ef": "vanilla"}, "lossless"),
+])
+def test_hook_takes_low_precision_buckets(params, reducer, tmp_path):
+    """A float16/bfloat16 bucket's result is the float32 numpy re-computation (codecs and their
+    error feedback in float32) on its values, rounded to the bucket's dtype."""
+    run_job({"mode": "hook", "compression_params": params, "reducer": reducer}, tmp_path)
+    for dtype in ("float16", "bfloat16"):
+        saved = [np.load(tmp_path / f"hook{r}_{dtype}.npz") for r in range(2)]
+        count = len(saved[0]["index"])
+        calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+        expected = expected_buckets(params, calls, 2, 0.1, reducer)
+        for rank, s in enumerate(saved):
+            assert set(s["dtype"]) == {f"torch.{dtype}"}
+            for i, value in enumerate(expected):
+                rounded = torch.from_numpy(value.astype(np.float32)).to(getattr(torch, dtype)).float().numpy()
+                assert np.array_equal(s[f"out{i}"], rounded), f"{dtype} rank {rank} call {i}"
+    message = str(saved[0]["optimizer_bfloat16"])
+    assert "torch.bfloat16 is not supported" in message and "autocast" in message and "comm_hook" in message
+
+
+def amp_oracle(steps, init_scale, inf_step, lr=0.1):
+    """Autocast float16 + loss scaling re-computed in one process: each rank's gradient of the
+    scaled loss, averaged, unscaled; a non-finite average skips the step and halves the scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    scale, out = init_scale, []
+    for step in range(steps):
+        grads = []
+        for rank in range(2):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if rank == 1 and step == inf_step:
+                x[0, 0] = float("inf")
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            (loss.float() * scale).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        mean = [(a + b) / 2 for a, b in zip(*grads)]
+        if all(torch.isfinite(m).all() for m in mean):
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), mean):
+                    p -= lr * (m / scale)
+        else:
+            scale /= 2
+        out.append((scale, [p.detach().clone() for p in model.parameters()]))
+    return out
+
+
+def test_mixed_precision_with_distributed_optimizer(tmp_path):
+    run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1}, tmp_path)
+    ranks = [json.loads((tmp_path / f"amp{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]  # the same parameters and scale on both ranks, every step
+    assert ranks[0]["precision"] == "mixed precision: autocast float16 on cpu, gradient scaler"
+    expected = amp_oracle(4, 256.0, 1)
+    for step, (got, (scale, params)) in enumerate(zip(ranks[0]["steps"], expected)):
+        assert got["scale"] == scale and got["grad_dtype"] == "torch.float32", step
+        for p, q in zip(got["params"], params):
+            np.testing.assert_allclose(np.array(p), q.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    assert ranks[0]["steps"][1]["params"] == ranks[0]["steps"][0]["params"]  # the overflowing step: skipped
+    assert ranks[0]["steps"][2]["params"] != ranks[0]["steps"][1]["params"]
+
+
+def test_mixed_precision_skips_with_error_feedback_codec(tmp_path):
+    """onebit + error feedback: the inf step is skipped on both ranks and training goes on finite
+    (the codec keeps its residual through a non-finite round: docs/codecs.md)."""
+    run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1,
+             "compression_params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}, tmp_path)
+    ranks = [json.loads((tmp_path / f"amp{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    steps = ranks[0]["steps"]
+    assert [s["scale"] for s in steps] == [256.0, 128.0, 128.0, 128.0]
+    assert steps[1]["params"] == steps[0]["params"] and steps[3]["params"] != steps[2]["params"]
+    assert all(np.isfinite(np.array(p)).all() for p in steps[3]["params"])
+
+
+def test_dgc_two_ranks_on_one_host_both_transports(tmp_path):
+    """What gpu_checks.sh runs with 2 ranks sharing the GPU, here 2 CPU processes at tiny size."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "dgc_shared_gpu.py"), "--device", "cpu",
+                             "--images", "80", "--batch", "8", "--epochs", "2", "--out", str(tmp_path)],
+                            env=job_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "dgc_shared_gpu.json").read_text())
+    assert [r["transport"] for r in rows] == ["collective", "ps"]
+    for r in rows:
+        assert r["identical"] and r["loss_fell"] and r["steps"] == 10, r
+        assert r["device"] == "device: cpu (asked: cpu)"
+
+
+def test_benchmark_suite_at_tiny_size(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "example", "pytorch", "benchmark_synthetic.py"),
+                             "--model", "mlp", "--hidden", "32", "--image-size", "8", "--batch-size", "4",
+                             "--num-iters", "2", "--num-warmup", "1", "--codec-repeats", "1", "--json", str(out)],
+                            env=job_env({"BYTEPS_MIN_COMPRESS_BYTES": "0"}), capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    import benchmark_rows
+    rows = {r["row"]: r for r in report["results"]}
+    assert list(rows) == list(benchmark_rows.ROWS)
+    assert report["device"] == "device: cpu (asked: auto)" and report["gpu"] is None
+    for name, r in rows.items():
+        assert r["images_per_sec_per_gpu"] > 0 and r["ms_per_step"] > 0, r
+        has_codec = name not in ("DDP no communication", "DDP allreduce")
+        assert (r["codec_ms_per_step"] is not None) == has_codec, r
+        assert r["transport"] == ("ps" if name == benchmark_rows.PS_ROW else "collective")
+    # the codec time covers every gradient: DDP's one bucket of the MLP's 6 for the hook, the
+    # optimizer's 6 tensors (one partition each; no size floor: BYTEPS_MIN_COMPRESS_BYTES 0)
+    assert rows["bps_gc hook topk 1%+EF"]["gradients"] == 6 and rows["bps_gc hook topk 1%+EF"]["buckets"] == 1
+    assert rows[benchmark_rows.PS_ROW]["gradients"] == 6
+    lines = result.stdout.splitlines()
+    assert lines[1].split()[:2] == ["row", "img/s/proc"] and len(lines) == 3 + len(rows)
+
+
+def test_benchmark_suite_rejects_an_unknown_row(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "example", "pytorch", "benchmark_synthetic.py"),
+                             "--rows", "DDP allreduce,nope"], env=job_env(), capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and "--rows: unknown nope" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_dgc_two_ranks_share_the_gpu(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "dgc_shared_gpu.py"), "--device", "cuda",
+                             "--images", "160", "--batch", "8", "--epochs", "2", "--out", str(tmp_path)],
+                            env=job_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "dgc_shared_gpu.json").read_text())
+    assert all(r["identical"] and r["loss_fell"] and r["device"].startswith("device: cuda:0") for r in rows)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import bps_gc.core
 import bps_gc.torch as bps
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compression_flags import add_compression_args, compression_params  # noqa: E402
 from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch  # noqa: E402
 from torch_device import add_device_arg, from_num_gpus, on_device, pick_device, pinned  # noqa: E402

@@ -174,43 +174,46 @@ def test_mixed_precision_skips_with_error_feedback_codec(tmp_path):
     assert all(np.isfinite(np.array(p)).all() for p in steps[3]["params"])
 
 
-def test_dgc_two_ranks_on_one_host_both_transports(tmp_path):
-    """What gpu_checks.sh runs with 2 ranks sharing the GPU, here 2 CPU processes at tiny size."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "dgc_shared_gpu.py"), "--device", "cpu",
-                             "--images", "80", "--batch", "8", "--epochs", "2", "--out", str(tmp_path)],
-                            env=job_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads((tmp_path / "dgc_shared_gpu.json").read_text())
+def test_gpu_checks_cpu_dry_run(tmp_path):
+    """scripts/gpu_checks.sh's steps on the CPU at tiny size: the tests collect, the device codecs
+    run, the synthetic suite runs every row with 1 rank and 2 ranks, DGC's ResNet-20 trains on 2
+    ranks on one host on both transports with the ranks bit-identical and the loss falling, and
+    the summary table names every check."""
+    out = tmp_path / "gpu"
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_checks.sh"), "--cpu-dry-run", str(out)],
+                            env=job_env({"PYTHON": sys.executable, "BYTEPS_MIN_COMPRESS_BYTES": "0"}),
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    assert "tests collected" in (out / "tests_chains.txt").read_text()
+    assert "test_gpu_paths.py::test_cuda_device_and_batches" in (out / "tests_cuda.txt").read_text()
+    assert json.loads((out / "bench_device_codecs_cuda.json").read_text())["rows"]
+
+    rows = json.loads((out / "dgc" / "dgc_shared_gpu.json").read_text())
     assert [r["transport"] for r in rows] == ["collective", "ps"]
-    for r in rows:
+    for r in rows:  # 80 images, 2 ranks, batch 8: 5 steps per epoch, 2 epochs
         assert r["identical"] and r["loss_fell"] and r["steps"] == 10, r
         assert r["device"] == "device: cpu (asked: cpu)"
 
-
-def test_benchmark_suite_at_tiny_size(tmp_path):
-    out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "example", "pytorch", "benchmark_synthetic.py"),
-                             "--model", "mlp", "--hidden", "32", "--image-size", "8", "--batch-size", "4",
-                             "--num-iters", "2", "--num-warmup", "1", "--codec-repeats", "1", "--json", str(out)],
-                            env=job_env({"BYTEPS_MIN_COMPRESS_BYTES": "0"}), capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
     import benchmark_rows
-    rows = {r["row"]: r for r in report["results"]}
-    assert list(rows) == list(benchmark_rows.ROWS)
-    assert report["device"] == "device: cpu (asked: auto)" and report["gpu"] is None
-    for name, r in rows.items():
-        assert r["images_per_sec_per_gpu"] > 0 and r["ms_per_step"] > 0, r
-        has_codec = name not in ("DDP no communication", "DDP allreduce")
-        assert (r["codec_ms_per_step"] is not None) == has_codec, r
-        assert r["transport"] == ("ps" if name == benchmark_rows.PS_ROW else "collective")
-    # the codec time covers every gradient: DDP's one bucket of the MLP's 6 for the hook, the
-    # optimizer's 6 tensors (one partition each; no size floor: BYTEPS_MIN_COMPRESS_BYTES 0)
-    assert rows["bps_gc hook topk 1%+EF"]["gradients"] == 6 and rows["bps_gc hook topk 1%+EF"]["buckets"] == 1
-    assert rows[benchmark_rows.PS_ROW]["gradients"] == 6
-    lines = result.stdout.splitlines()
-    assert lines[1].split()[:2] == ["row", "img/s/proc"] and len(lines) == 3 + len(rows)
+    for ranks in (1, 2):
+        report = json.loads((out / f"synthetic_{ranks}rank.json").read_text())
+        assert report["ranks"] == ranks and report["device"] == "device: cpu (asked: cpu)" and report["gpu"] is None
+        got = {r["row"]: r for r in report["results"]}
+        assert list(got) == list(benchmark_rows.ROWS)
+        for name, r in got.items():
+            assert r["images_per_sec_per_gpu"] > 0 and r["ms_per_step"] > 0, r
+            assert (r["codec_ms_per_step"] is not None) == (name not in ("DDP no communication", "DDP allreduce"))
+            assert r["transport"] == ("ps" if name == benchmark_rows.PS_ROW else "collective")
+        # the codec time covers every gradient: DDP's one bucket of the MLP's 6 for the hook,
+        # the optimizer's 6 tensors (one partition each; no size floor here)
+        hook = got["bps_gc hook topk 1%+EF"]
+        assert hook["gradients"] == 6 and hook["buckets"] == 1 and got[benchmark_rows.PS_ROW]["gradients"] == 6
+    table = (out / "summary.md").read_text()
+    assert table == result.stdout[result.stdout.index("# scripts/gpu_checks.sh summary"):]
+    for check in ("pytest tests_chains", "synthetic benchmark, 2 rank(s)", "2r bps_gc hook DGC 0.1%",
+                  "DGC ResNet-20 2 ranks, collective", "DGC ResNet-20 2 ranks, ps"):
+        assert any(line.startswith(f"| {check} ") and "| ok |" in line for line in table.splitlines()), check
+    assert "onebit scaling compress_gbps >= 500 GB/s (25M)" in table  # not run at 64K on the CPU
 
 
 def test_benchmark_suite_rejects_an_unknown_row(tmp_path):

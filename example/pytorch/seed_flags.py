@@ -115,7 +115,7 @@ def build_parser():
     g.add_argument("--world", default=None,
                    help="GPU ids of the processes (n_mpi_process * n_sub_process of them; a shorter list repeats, "
                         "as the seed's 8 ids for 16 processes): with --on_cuda True process r trains on GPU "
-                        "world[r % len]")
+                        "world[r %% len]")
     g.add_argument("--on_cuda", type=str2bool, default=False,
                    help="train on CUDA (the seeds' flag): GPU --world[rank], else the local rank's; no GPU "
                         "here: a note and the CPU")

@@ -65,6 +65,15 @@ def amp_run():
                                    named_parameters=model.named_parameters(),
                                    compression_params=spec.get("compression_params"))
     amp = MixedPrecision(torch.device("cpu"), torch.float16, init_scale=spec["init_scale"])
+    pushed = []  # the first layer's weight gradient as the codec gets it, each step
+    from bps_gc.torch import ops
+    push = ops.push_pull_async
+
+    def recording(tensor, *a, name=None, **k):
+        if name and name.endswith("0.weight"):
+            pushed.append(tensor.detach().clone().tolist())
+        return push(tensor, *a, name=name, **k)
+    ops.push_pull_async = recording
     steps = []
     for step in range(spec["steps"]):
         g = torch.Generator().manual_seed(100 * rank + step)
@@ -76,6 +85,7 @@ def amp_run():
             loss = torch.nn.functional.mse_loss(model(x), y)
         amp.backward_and_step(loss, opt)
         steps.append({"scale": amp.scaler.get_scale(), "grad_dtype": str(model[0].weight.grad.dtype),
+                      "pushed": pushed.pop(),
                       "params": [p.detach().tolist() for p in model.parameters()]})
     json.dump({"steps": steps, "precision": amp.describe()}, open(os.path.join(out, f"amp{rank}.json"), "w"))
 

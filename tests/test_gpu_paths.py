@@ -136,6 +136,7 @@ def amp_oracle(steps, init_scale, inf_step, lr=0.1):
                 loss = torch.nn.functional.mse_loss(model(x), y)
             (loss.float() * scale).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
+        pushed = grads[0][0] / scale  # rank 0's first weight gradient, unscaled: what its codec gets
         mean = [(a + b) / 2 for a, b in zip(*grads)]
         if all(torch.isfinite(m).all() for m in mean):
             with torch.no_grad():
@@ -143,18 +144,27 @@ def amp_oracle(steps, init_scale, inf_step, lr=0.1):
                     p -= lr * (m / scale)
         else:
             scale /= 2
-        out.append((scale, [p.detach().clone() for p in model.parameters()]))
+        out.append((scale, [p.detach().clone() for p in model.parameters()], pushed))
     return out
+
+
+def same_steps(ranks):
+    """Whether the ranks agree on every step's parameters and scale (each pushed its own gradient)."""
+    def agreed(rank):
+        return [{k: v for k, v in step.items() if k != "pushed"} for step in rank["steps"]]
+    return agreed(ranks[0]) == agreed(ranks[1])
 
 
 def test_mixed_precision_with_distributed_optimizer(tmp_path):
     run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1}, tmp_path)
     ranks = [json.loads((tmp_path / f"amp{r}.json").read_text()) for r in range(2)]
-    assert ranks[0] == ranks[1]  # the same parameters and scale on both ranks, every step
+    assert same_steps(ranks)  # the same parameters and scale on both ranks, every step
     assert ranks[0]["precision"] == "mixed precision: autocast float16 on cpu, gradient scaler"
     expected = amp_oracle(4, 256.0, 1)
-    for step, (got, (scale, params)) in enumerate(zip(ranks[0]["steps"], expected)):
+    for step, (got, (scale, params, pushed)) in enumerate(zip(ranks[0]["steps"], expected)):
         assert got["scale"] == scale and got["grad_dtype"] == "torch.float32", step
+        # the codec sees the true gradient (1/scale applied before the push), not the scaled one
+        np.testing.assert_allclose(np.array(got["pushed"]), pushed.numpy(), rtol=1e-6, atol=1e-9)
         for p, q in zip(got["params"], params):
             np.testing.assert_allclose(np.array(p), q.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
     assert ranks[0]["steps"][1]["params"] == ranks[0]["steps"][0]["params"]  # the overflowing step: skipped
@@ -167,7 +177,7 @@ def test_mixed_precision_skips_with_error_feedback_codec(tmp_path):
     run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1,
              "compression_params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}, tmp_path)
     ranks = [json.loads((tmp_path / f"amp{r}.json").read_text()) for r in range(2)]
-    assert ranks[0] == ranks[1]
+    assert same_steps(ranks)
     steps = ranks[0]["steps"]
     assert [s["scale"] for s in steps] == [256.0, 128.0, 128.0, 128.0]
     assert steps[1]["params"] == steps[0]["params"] and steps[3]["params"] != steps[2]["params"]

@@ -5,6 +5,7 @@ where several local ranks share one (NCCL refuses two ranks of a communicator on
 memory. Every host of a job is assumed alike (the same ranks per host and GPUs)."""
 
 NCCL = "cpu:gloo,cuda:nccl"
+SHARED = "NCCL refuses two ranks on one device"
 
 
 def backend_for_devices(cuda_available, nccl_available, device_count, local_size):
@@ -14,7 +15,7 @@ def backend_for_devices(cuda_available, nccl_available, device_count, local_size
     if not nccl_available:
         return "gloo", "this torch has no NCCL: gloo, CUDA tensors through host memory"
     if local_size > device_count:
-        return "gloo", (f"{local_size} local ranks share {device_count} GPU(s) and NCCL refuses two ranks on "
-                        "one device: gloo for every tensor (CUDA ones through host memory)")
+        return "gloo", (f"{local_size} local ranks share {device_count} GPU(s) and {SHARED}: gloo for every "
+                        "tensor (CUDA ones through host memory)")
     return NCCL, (f"{local_size} local rank(s), {device_count} GPU(s): NCCL for CUDA tensors, "
                   "gloo for host arrays")

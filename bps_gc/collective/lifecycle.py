@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..roles import NodeFailure
 from .departure import Ending, await_end, departure, described
 from .liveness import Heartbeat
+from .backend_choice import SHARED
 from .rendezvous import backend_from_env, connect
 
 log = logging.getLogger("bps_gc.collective")
@@ -25,7 +26,7 @@ class Lifecycle:
 
     def start(self):
         backend, why = backend_from_env(local_size=self.local_size)
-        if self.rank == 0 and backend == "gloo" and "share" in why:  # a GPU shared: say so
+        if self.rank == 0 and SHARED in why:  # ranks share a GPU: gloo where NCCL was expected
             log.warning("bps_gc: %s", why)
         store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"

@@ -144,19 +144,38 @@ class MixedPrecision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward_and_step(self, loss, optimizer):
-        """Backward of the scaled loss; the reduced gradients are unscaled and the step skipped
-        when they hold inf/NaN (the codecs let non-finite values through: docs/codecs.md)."""
+        """Backward of the scaled loss, then the step, skipped when a reduced gradient holds
+        inf/NaN (the codecs let non-finite values through: docs/codecs.md), and the scale
+        updated as torch.amp's. bps_gc's DistributedOptimizer unscales each gradient before
+        its codec (set_gradient_factor): codec state and weight decay stay in true units."""
         if not self.scaler.is_enabled():
             loss.backward()
             optimizer.step()
             return
-        self.scaler.scale(loss).backward()
-        synchronize = getattr(optimizer, "synchronize", None)
-        if synchronize is None:  # a plain optimizer (DDP reduced in backward)
+        if not hasattr(optimizer, "set_gradient_factor"):  # a plain optimizer (DDP reduced in backward)
+            self.scaler.scale(loss).backward()
             self.scaler.step(optimizer)
-        else:  # bps_gc's: reduce once, then unscale the sums and step without reducing again
-            synchronize()
-            self.scaler.unscale_(optimizer)
+            self.scaler.update()
+            return
+        import torch
+        scale = self.scaler.get_scale()
+        optimizer.set_gradient_factor(1.0 / scale)
+        self.scaler.scale(loss).backward()
+        optimizer.synchronize()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if finite:
             with optimizer.skip_synchronize():
-                self.scaler.step(optimizer)
-        self.scaler.update()
+                optimizer.step()
+        self.scaler.update(self.next_scale(scale, finite))
+
+    def next_scale(self, scale, finite):
+        """torch.amp's rule: back off after a non-finite step, grow after growth_interval finite ones."""
+        if not finite:
+            self.growth = 0
+            return scale * self.scaler.get_backoff_factor()
+        self.growth = getattr(self, "growth", 0) + 1
+        if self.growth < self.scaler.get_growth_interval():
+            return scale
+        self.growth = 0
+        return scale * self.scaler.get_growth_factor()

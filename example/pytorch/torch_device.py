@@ -130,6 +130,7 @@ class MixedPrecision:
         self.enabled = dtype is not None
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale,
                                            enabled=self.enabled and dtype == torch.float16)
+        self.growth = 0  # finite steps since the scale last changed (bps_gc optimizers: next_scale)
 
     def describe(self):
         if not self.enabled:
@@ -174,7 +175,7 @@ class MixedPrecision:
         if not finite:
             self.growth = 0
             return scale * self.scaler.get_backoff_factor()
-        self.growth = getattr(self, "growth", 0) + 1
+        self.growth += 1
         if self.growth < self.scaler.get_growth_interval():
             return scale
         self.growth = 0

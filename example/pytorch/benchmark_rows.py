@@ -55,7 +55,7 @@ class DeviceTimer:
 def bps_codec_work(params, tensors):
     """compress + decode of one gradient per tensor of ``tensors`` with the chains the hook and
     ops.push_pull build for it (device chains on CUDA, numpy ones on the CPU by default)."""
-    from bps_gc.torch.device_codecs import chain_for, uses_device_chain
+    from bps_gc.torch.hook import chain_for, uses_device_chain  # the hook's own choice of chain
     ctx = {"lr": 0.01, "step": 1}
     jobs = []
     for i, x in enumerate(tensors):

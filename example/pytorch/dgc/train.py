@@ -16,6 +16,9 @@ bps_gc: the same config files and flags, torchrun or bpslaunch in front instead.
 --devices gpu|cpu     DGC's flag: gpu trains on cuda:LOCAL_RANK (a note and the CPU where there is
                       no GPU), cpu on the CPU; unset: configs.device (auto: the GPU if any)
 --device D            auto, cpu, cuda or cuda:N; replaces --devices and configs.device
+--configs.train.mixed_precision float16|bfloat16
+                      autocast (float16 with a gradient scaler), bps_gc's setting; DGC's
+                      configs/dgc/fp16.py is float16 values on the wire, float32 training
 
 The run folder is runs/<name from the config files><suffix>.np<workers> in the working
 directory; each worker keeps checkpoints/e<epoch>-r<rank>.pth (the last train.keep_checkpoints

@@ -128,7 +128,7 @@ class MixedPrecision:
         import torch
         self.device, self.dtype = device, dtype
         self.enabled = dtype is not None
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale,
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=float(init_scale),
                                            enabled=self.enabled and dtype == torch.float16)
         self.growth = 0  # finite steps since the scale last changed (bps_gc optimizers: next_scale)
 
@@ -168,7 +168,7 @@ class MixedPrecision:
         if finite:
             with optimizer.skip_synchronize():
                 optimizer.step()
-        self.scaler.update(self.next_scale(scale, finite))
+        self.scaler.update(float(self.next_scale(scale, finite)))  # update() takes a float or a tensor
 
     def next_scale(self, scale, finite):
         """torch.amp's rule: back off after a non-finite step, grow after growth_interval finite ones."""

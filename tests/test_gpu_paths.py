@@ -96,26 +96,27 @@ def run_job(spec, tmp_path, timeout=240):
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("params, reducer", [
-    ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, "recompress"),
-    ({"compressor": "topk", "k": 0.1, "ef": "vanilla"}, "lossless"),
-])
-def test_hook_takes_low_precision_buckets(params, reducer, tmp_path):
+HOOK_CASES = {"onebit-ef": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, "recompress"),
+              "topk-ef": ({"compressor": "topk", "k": 0.1, "ef": "vanilla"}, "lossless")}
+
+
+def test_hook_takes_low_precision_buckets(tmp_path):
     """A float16/bfloat16 bucket's result is the float32 numpy re-computation (codecs and their
     error feedback in float32) on its values, rounded to the bucket's dtype."""
-    run_job({"mode": "hook", "compression_params": params, "reducer": reducer}, tmp_path)
-    for dtype in ("float16", "bfloat16"):
-        saved = [np.load(tmp_path / f"hook{r}_{dtype}.npz") for r in range(2)]
-        count = len(saved[0]["index"])
-        calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
-        expected = expected_buckets(params, calls, 2, 0.1, reducer)
-        for rank, s in enumerate(saved):
-            assert set(s["dtype"]) == {f"torch.{dtype}"}
-            for i, value in enumerate(expected):
-                rounded = torch.from_numpy(value.astype(np.float32)).to(getattr(torch, dtype)).float().numpy()
-                assert np.array_equal(s[f"out{i}"], rounded), f"{dtype} rank {rank} call {i}"
-    message = str(saved[0]["optimizer_bfloat16"])
-    assert "torch.bfloat16 is not supported" in message and "autocast" in message and "comm_hook" in message
+    run_job({"mode": "hook", "cases": HOOK_CASES}, tmp_path)
+    for case, (params, reducer) in HOOK_CASES.items():
+        for dtype in ("float16", "bfloat16"):
+            saved = [np.load(tmp_path / f"hook{r}_{case}_{dtype}.npz") for r in range(2)]
+            count = len(saved[0]["index"])
+            calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+            expected = expected_buckets(params, calls, 2, 0.1, reducer)
+            for rank, s in enumerate(saved):
+                assert set(s["dtype"]) == {f"torch.{dtype}"}
+                for i, value in enumerate(expected):
+                    rounded = torch.from_numpy(value.astype(np.float32)).to(getattr(torch, dtype)).float().numpy()
+                    assert np.array_equal(s[f"out{i}"], rounded), f"{case} {dtype} rank {rank} call {i}"
+            message = str(saved[0]["optimizer_bfloat16"])
+            assert "torch.bfloat16 is not supported" in message and "autocast" in message and "comm_hook" in message
 
 
 def amp_oracle(steps, init_scale, inf_step, lr=0.1):
@@ -156,8 +157,13 @@ def same_steps(ranks):
 
 
 def test_mixed_precision_with_distributed_optimizer(tmp_path):
-    run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1}, tmp_path)
-    ranks = [json.loads((tmp_path / f"amp{r}.json").read_text()) for r in range(2)]
+    """Dense: every step against the re-computation; onebit + error feedback: the inf step is
+    skipped on both ranks and training goes on finite (the codec keeps its residual through a
+    non-finite round: docs/codecs.md)."""
+    run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1,
+             "cases": {"dense": None, "onebit": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}},
+            tmp_path)
+    ranks = [json.loads((tmp_path / f"amp{r}_dense.json").read_text()) for r in range(2)]
     assert same_steps(ranks)  # the same parameters and scale on both ranks, every step
     assert ranks[0]["precision"] == "mixed precision: autocast float16 on cpu, gradient scaler"
     expected = amp_oracle(4, 256.0, 1)
@@ -170,13 +176,7 @@ def test_mixed_precision_with_distributed_optimizer(tmp_path):
     assert ranks[0]["steps"][1]["params"] == ranks[0]["steps"][0]["params"]  # the overflowing step: skipped
     assert ranks[0]["steps"][2]["params"] != ranks[0]["steps"][1]["params"]
 
-
-def test_mixed_precision_skips_with_error_feedback_codec(tmp_path):
-    """onebit + error feedback: the inf step is skipped on both ranks and training goes on finite
-    (the codec keeps its residual through a non-finite round: docs/codecs.md)."""
-    run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1,
-             "compression_params": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}, tmp_path)
-    ranks = [json.loads((tmp_path / f"amp{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp_path / f"amp{r}_onebit.json").read_text()) for r in range(2)]
     assert same_steps(ranks)
     steps = ranks[0]["steps"]
     assert [s["scale"] for s in steps] == [256.0, 128.0, 128.0, 128.0]

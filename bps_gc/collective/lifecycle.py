@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..comm import NodeFailure
 from .departure import Ending, await_end, departure, described
 from .liveness import Heartbeat
+from .backend_choice import SHARED
 from .rendezvous import backend_from_env, connect, waiting_at_rendezvous
 
 log = logging.getLogger("bps_gc.collective")
@@ -24,7 +25,9 @@ class Lifecycle:
     flush, exchanger, and the counts ``issued``, ``sent`` and ``received``)."""
 
     def start(self):
-        backend = backend_from_env()
+        backend, why = backend_from_env(local_size=self.local_size)
+        if self.rank == 0 and SHARED in why:  # ranks share a GPU: gloo where NCCL was expected
+            log.warning("bps_gc: %s", why)
         with waiting_at_rendezvous(self.cfg):
             store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
@@ -32,7 +35,7 @@ class Lifecycle:
                                    self.cfg.heartbeat_timeout, where).start()
         self.join_levels()
         self.barrier()
-        log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
+        log.info("rank %d/%d joined over torch.distributed (%s: %s; %s)", self.rank, self.size, backend, why,
                  "two levels" if self.levels else "one level")
         return self
 

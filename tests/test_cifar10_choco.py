@@ -201,4 +201,7 @@ def test_the_choco_seed_command_runs_as_pasted(tmp_path):
     log = (tmp_path / "demo.log").read_text()
     assert "parallel_choco on 4 workers" in log and "ring of 4" in log
     assert "note: --hostfile not read" in log and "averaged model accuracy" in log
+    # --on_cuda True on GPU --world[rank] = 0; this box has none: a note, then the CPU
+    assert "note: cuda:0 asked for, but this host has no CUDA device: training on the CPU" in log
+    assert "device: cpu (asked: cuda:0)" in log
     assert "final: every worker holds the averaged model" in log

@@ -77,6 +77,19 @@ def test_the_readme_commands_resolve_as_described(tmp_path):
     assert c["train"]["save_path"] == "runs/[cifar.resnet20+dgc.wm5].e500.np1"
 
 
+def test_device_flags_resolve():
+    """DGC's --devices gpu|cpu, --device, configs.device (default auto), and mixed precision
+    (bps_gc's setting: DGC's fp16.py is float16 values on the wire, float32 training)."""
+    assert dry_run(SEED_CIFAR.split(), ROOT)["device"] == "auto"
+    assert dry_run(SEED_CIFAR.split() + ["--devices", "gpu"], ROOT)["device"] == "cuda"
+    assert dry_run(SEED_CIFAR.split() + ["--devices", "cpu"], ROOT)["device"] == "cpu"
+    assert dry_run(SEED_CIFAR.split() + ["--devices", "gpu", "--device", "cuda:1"], ROOT)["device"] == "cuda:1"
+    assert dry_run(SEED_CIFAR.split() + ["--configs.device", "GPU"], ROOT)["device"] == "cuda"
+    c = dry_run(SEED_CIFAR.split() + ["--configs.train.mixed_precision", "bfloat16"], ROOT)
+    assert c["train"]["mixed_precision"] == "bfloat16"
+    assert dry_run(SEED_CIFAR.split(), ROOT)["train"]["mixed_precision"] is None
+
+
 def test_dgc_without_a_list_warms_up_as_dgc_code_and_overrides_are_typed(tmp_path):
     c = dry_run(["--configs", "configs/cifar/resnet110.py", "configs/dgc/wm0.py",
                  "--configs.train.compression.warmup_epochs", "3", "--configs.train.optimizer.lr=1",
@@ -97,6 +110,10 @@ def test_dgc_without_a_list_warms_up_as_dgc_code_and_overrides_are_typed(tmp_pat
       "--configs.train.compression.compress_ratio", "2"], "compress_ratio is the kept fraction"),
     (["--configs", "configs/cifar/resnet20.py", "configs/dgc/wm5.py",
       "--configs.train.compression.max_adaptation_iters", "3"], "implements 10 only"),
+    (["--configs", "configs/cifar/resnet20.py", "--configs.device", "tpu"], "configs.device: want auto, cpu, cuda"),
+    (["--configs", "configs/cifar/resnet20.py", "--device", "tpu"], "argument --device: want auto, cpu, cuda"),
+    (["--configs", "configs/cifar/resnet20.py", "--configs.train.mixed_precision", "int8"],
+     "configs.train.mixed_precision: None, float16 or bfloat16"),
 ])
 def test_bad_settings_are_one_line(argv, message, tmp_path):
     result = subprocess.run([sys.executable, TRAIN, *argv, "--dry-run"], cwd=tmp_path, env=clean_env(),
@@ -162,6 +179,7 @@ def test_cifar_one_epoch_on_the_parameter_server_then_resumed_on_the_collective(
     assert row["acc/test_top1"] * 24 / 100 == pytest.approx(round(row["acc/test_top1"] * 24 / 100))
     log = (run_dir / "train.log").read_text()
     assert "[acc/test_top1] = " in log and "(ps)" in log and "==> train from scratch" in log
+    assert "device: cpu (asked: auto)" in log and "precision: float32" in log
     for rank in (0, 1):
         assert (run_dir / "checkpoints" / f"latest-r{rank}.pth").is_file()
         assert (run_dir / "checkpoints" / f"e0-r{rank}.pth").is_file()

@@ -20,3 +20,22 @@ def test_help(script):
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout and "Traceback" not in result.stderr
+
+
+# every PyTorch script picks its device (docs/gpu.md): --device, besides its seed's own flag
+TORCH_SCRIPTS = ["example/pytorch/dgc/train.py", "example/pytorch/train_cifar10_choco.py",
+                 "example/pytorch/train_imagenet_nv.py", "example/pytorch/train_cifar100_byteps_gc.py",
+                 "example/pytorch/train_cifar10_resnet9.py", "example/pytorch/ddp_quickstart.py",
+                 "example/pytorch/benchmark_synthetic.py", "example/demo/mnist_worker.py"]
+SEED_DEVICE_FLAGS = {"example/pytorch/dgc/train.py": "--devices", "example/pytorch/train_cifar10_choco.py": "--on_cuda",
+                     "example/pytorch/train_cifar100_byteps_gc.py": "--num-gpus"}
+
+
+@pytest.mark.parametrize("script", TORCH_SCRIPTS)
+def test_torch_scripts_offer_a_device(script):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())
+    assert "--device" in text and "cuda" in text
+    assert SEED_DEVICE_FLAGS.get(script, "--device") in text

@@ -141,7 +141,7 @@ EPOCH_LINES = [r"\[Epoch (\d+)\] speed: \d+ samples/sec\ttime cost: \d+\.\d+",
     ("onebit", ["--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla", "--compress-momentum", "nesterov",
                 "--num-epochs", "1", "--save-period", "1"]),
     ("dithering_fp16", ["--compressor", "dithering", "--k", "2", "--fp16-pushpull", "--num-epochs", "2",
-                        "--max-iters", "1", "--save-period", "0", "--warmup-epochs", "1"]),
+                        "--max-iters", "1", "--save-period", "0", "--warmup-epochs", "1", "--num-gpus", "0"]),
 ])
 def test_cifar100_script_trains_with_compression(tmp_path, job, flags):
     data_dir = write_cifar100(str(tmp_path / "data"))
@@ -167,11 +167,13 @@ def test_cifar100_script_trains_with_compression(tmp_path, job, flags):
         assert abs(train - round(train)) < 1e-4
     # compressed traffic is reported; rank 0 alone writes the log and the lines reach stdout
     assert any("traffic per worker" in line and "ratio" in line for line in lines)
+    device = "device: cpu (asked: cpu)" if "--num-gpus" in flags else "device: cpu (asked: auto)"
+    assert device in lines, lines[:5]  # --device auto (or BytePS's --num-gpus 0) on this CPU box
     assert "[worker0] [Epoch 0] speed:" in result.stdout and "[worker1] [Epoch" not in result.stdout
     saved = sorted(os.listdir(tmp_path / "params")) if (tmp_path / "params").exists() else []
     if "onebit" in job:
         assert saved == ["cifar100-resnet20-0.params"]
-        state = torch.load(tmp_path / "params" / saved[0])
+        state = torch.load(tmp_path / "params" / saved[0], weights_only=True)
         cifar.resnet("resnet20").load_state_dict(state)
     else:
         assert saved == []

@@ -205,6 +205,9 @@ def test_cifar10_script_runs(name, tmp_path):
     assert row["ratio"] >= least_ratio, row
     log = (tmp_path / "logs" / f"{name}.log").read_text()
     assert "validation: accuracy=" in log and "compression ratio" in log
+    # the study trains on CUDA (--device cuda by default): on this CPU box a note, then the CPU
+    assert "note: cuda asked for, but this host has no CUDA device: training on the CPU" in log
+    assert "device: cpu (asked: cuda)" in log
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
@@ -229,5 +232,7 @@ def test_imagenet_script_runs(launcher, tmp_path):
     if launcher == "torchrun":
         assert result["compression_params"] == {"compressor": "topk", "k": 0.3} and row["ratio"] > 1.2
     else:
-        assert "note: --fp16" in log and "note: --distributed not given" in log
+        # --fp16: autocast float16 and a gradient scaler (on the CPU here), float16 on the wire
+        assert "precision: mixed precision: autocast float16 on cpu, gradient scaler" in log
+        assert "note: --distributed not given" in log and "device: cpu (asked: cuda)" in log
         assert result["compression_params"] == {"compressor": "terngrad", "fp16": True} and row["ratio"] > 4

@@ -56,7 +56,7 @@ class Collective(api.Communicator):
         self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
         self.shared = Shared(self.rank, self.size)
         self.exchanger = ExchangeThread(f"bps_gc-collective-exchange-{self.rank}")
-        self.lifecycle = Lifecycle(cfg, self.shared, self.exchanger)
+        self.lifecycle = Lifecycle(cfg, self.shared, self.exchanger, self.local_size)
         self.two_levels = TwoLevels(cfg, self.shared, self.lifecycle, self.local_rank, self.local_size)
         self.buckets = Buckets(self.shared, self.lifecycle, self.exchanger, cfg.bucket_bytes)
         self.phases = PhasesAndVotes(self.shared, self.lifecycle, self.buckets, self._sum)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..comm import NodeFailure
 from .departure import Ending, await_end, departure, described
 from .liveness import Heartbeat
+from .backend_choice import SHARED
 from .rendezvous import backend_from_env, connect, waiting_at_rendezvous
 
 log = logging.getLogger("bps_gc.collective")
@@ -27,9 +28,10 @@ class Lifecycle:
     Writes ``shared.heartbeat``, ``shared.failure`` and ``shared.issued``; keeps ``closed``,
     ``abandoned``, ``awaiting`` and ``hosts_store`` to itself."""
 
-    def __init__(self, cfg, shared, exchanger):
-        """``shared``: shared.Shared; ``exchanger``: the exchange thread (exchange_thread.py)."""
-        self.cfg, self.shared, self.exchanger = cfg, shared, exchanger
+    def __init__(self, cfg, shared, exchanger, local_size):
+        """``shared``: shared.Shared; ``exchanger``: the exchange thread (exchange_thread.py);
+        ``local_size``: the ranks on this host (they may share a GPU: backend_choice.py)."""
+        self.cfg, self.shared, self.exchanger, self.local_size = cfg, shared, exchanger, local_size
         self.rank, self.size = shared.rank, shared.size
         self.closed = False
         self.hosts_store = False
@@ -38,7 +40,9 @@ class Lifecycle:
 
     def start(self, join_levels, barrier):
         """Rendezvous and heartbeat, then ``join_levels`` (TwoLevels') and a first ``barrier``."""
-        backend = backend_from_env()
+        backend, why = backend_from_env(local_size=self.local_size)
+        if self.rank == 0 and SHARED in why:  # ranks share a GPU: gloo where NCCL was expected
+            log.warning("bps_gc: %s", why)
         with waiting_at_rendezvous(self.cfg):
             store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
@@ -46,8 +50,8 @@ class Lifecycle:
                                           self.cfg.heartbeat_timeout, where).start()
         join_levels()
         barrier()
-        log.info("rank %d/%d joined over torch.distributed (%s, %s)", self.rank, self.size, backend,
-                 "two levels" if self.shared.levels else "one level")
+        log.info("rank %d/%d joined over torch.distributed (%s: %s; %s)", self.rank, self.size, backend,
+                 why, "two levels" if self.shared.levels else "one level")
 
     def shutdown(self, timeout, flush):
         """Publish what this rank did, wait for the others to end (departure.py); a last

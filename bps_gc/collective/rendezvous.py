@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..comm import NodeFailure
 from ..config import Config, ConfigError, EnvReader
 from ..transport.waiting import WaitLines
+from .backend_choice import backend_for_devices
 from .security import refuse_security_settings, store_listener
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -51,17 +52,17 @@ def host_key(cfg, environ=None):
     return int(env["RANK"]) // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def backend_from_env(environ=None):
-    """BPS_GC_BACKEND, else gloo for host arrays plus NCCL for CUDA tensors when there is a GPU."""
+def backend_from_env(environ=None, local_size=1):
+    """(backend, why): BPS_GC_BACKEND, else gloo for host arrays plus NCCL for CUDA tensors when
+    each of the host's ``local_size`` ranks has a GPU of its own (backend_choice.py)."""
     env = os.environ if environ is None else environ
     chosen = EnvReader(env).choice("BPS_GC_BACKEND", BACKENDS, "")
     if chosen:
         if chosen == "mpi" and not dist.is_mpi_available():
             raise ConfigError("BPS_GC_BACKEND", "mpi: this torch was built without MPI")
-        return chosen
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
+        return chosen, "BPS_GC_BACKEND"
+    cuda = torch.cuda.is_available()
+    return backend_for_devices(cuda, dist.is_nccl_available(), torch.cuda.device_count() if cuda else 0, local_size)
 
 
 def connect(cfg, backend):

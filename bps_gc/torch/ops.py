@@ -1,6 +1,6 @@
 """push_pull for torch tensors on top of the worker core.
 
-Compressed tensors whose codecs run on their device (BPS_GC_DEVICE_CODECS, device_codecs.py)
+Compressed tensors whose codecs run on their device (BPS_GC_DEVICE_CODECS, device.py)
 are compressed and decoded there; only payloads reach the communicator. Otherwise CPU tensors
 are handed to the core as numpy views of their own memory (no copy); other devices are staged
 through a host copy and copied back when the handle is synchronized.
@@ -17,6 +17,11 @@ from .compression import Compression
 from .device import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
 SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+# numpy has no bfloat16: the hook takes bfloat16 buckets (its codecs run in float32); here one
+# says what to do instead
+UNSUPPORTED_HINT = ("float16, float32 and float64 only; for bfloat16 keep the parameters float32 and train "
+                    "under torch.autocast(dtype=torch.bfloat16), or use bps_gc.torch.comm_hook with DDP, "
+                    "which takes bfloat16 gradients")
 _handles = {}
 _next_handle = itertools.count()
 _noname = itertools.count()
@@ -29,7 +34,7 @@ def _check(tensor, what):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED:
-        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported (float16, float32, float64)")
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported: {UNSUPPORTED_HINT}")
 
 
 def host_view(tensor):
@@ -42,6 +47,8 @@ def host_view(tensor):
 
 def declare(name, shape=None, dtype=None, **compression_params):
     """Declare a tensor name (in the same order on every worker) with its compression."""
+    if isinstance(dtype, torch.dtype) and dtype not in SUPPORTED:
+        raise TypeError(f"declare({name!r}): dtype {dtype} is not supported: {UNSUPPORTED_HINT}")
     np_dtype = SUPPORTED[dtype] if isinstance(dtype, torch.dtype) else dtype
     return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
                         **compression_params)

@@ -13,6 +13,8 @@ What still runs on host copies of a device gradient: the entire-model vector
 (``granularity="entiremodel"``) and the post-pull momentum/weight-decay step of
 ``compression_params["momentum"]`` (algorithms.momentum, numpy).
 """
+import contextlib
+
 import torch
 
 import bps_gc.core as core
@@ -62,6 +64,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                             compressed[id(p)])
         self._handles = {}
         self._steps = 0  # the step context's step: synchronize() calls so far
+        self._grad_factor = None  # set_gradient_factor: loss scaling's 1/scale
         self._epoch = 0
         self._dgc_workers = core.size() if compression_params.get("compressor") == "dgc" else None
         self._counts = {id(p): 0 for p in self._params}
@@ -113,10 +116,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._counts[id(p)] == self._passes and id(p) not in self._in_entire:
             self._start(p)
 
+    def set_gradient_factor(self, factor):
+        """Multiply each gradient by ``factor`` before it is pushed (None: as it is). A float16
+        loss scaler sets 1/scale, so that the codecs (error feedback, DGC's momentum, thresholds)
+        and the post-pull weight decay see true gradients, not scaled ones."""
+        self._grad_factor = None if factor is None else float(factor)
+
+    def _unscaled(self, p):
+        if self._grad_factor is not None:
+            with torch.no_grad():
+                p.grad.mul_(self._grad_factor)
+
     def _start(self, p):
         if id(p) in self._handles:
             raise RuntimeError(f"{self._names[id(p)]}: gradient computed twice before step(); raise "
                                "backward_passes_per_step or call synchronize()")
+        self._unscaled(p)
         ctx = self._context(self._group_of[id(p)]["lr"])
         self._handles[id(p)] = ops.push_pull_async(p.grad, average=True, name=self._names[id(p)],
                                                    priority=self._priority[id(p)], ctx=ctx)
@@ -128,6 +143,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            self._unscaled(p)
             views.append(ops.host_view(p.grad))
         self._entire.reduce([array for array, _ in views], self._context(self.param_groups[0]["lr"]))
         with torch.no_grad():
@@ -158,8 +174,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.copy_(torch.from_numpy(g))
         self._steps += 1
 
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """step() without synchronize() (Horovod's): for a caller that synchronized itself, e.g.
+        to unscale the reduced gradients of a float16 loss scaler before stepping."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
     def step(self, closure=None):
-        self.synchronize()
+        if not getattr(self, "_skip_sync", False):
+            self.synchronize()
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none=True):

@@ -25,8 +25,10 @@ import bps_gc.core as core
 import bps_gc.torch as bps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pytorch"))
 import algorithms  # noqa: E402
 from digits import load_digits  # noqa: E402
+from torch_device import add_device_arg, pick_device  # noqa: E402
 
 VALIDATION = 1000     # held out, the same digits for every configuration
 SPLIT_SEED = 1234     # which digits are held out: fixed, so that runs of any --seed compare
@@ -52,6 +54,7 @@ def parse_args(argv=None):
                    help="initial weights, batch order and codec draws (the held-out split is fixed)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker; a different count can change the last bits")
+    add_device_arg(p, default="cpu")  # the demo's curves are CPU runs' (its bits depend on the device)
     return p.parse_args(argv)
 
 
@@ -87,9 +90,10 @@ def main(argv=None):
         # every worker and server draws from this seed (bps_gc's default seeds by partition key;
         # one seed for all partitions is fine here: the demo compresses one partition)
         compression["seed"] = args.seed + 1  # codec seeds are >= 1
-    x_train, y_train, x_val, y_val = load_data(args.train_samples)
+    device, device_lines = pick_device(args.device)
+    x_train, y_train, x_val, y_val = (t.to(device) for t in load_data(args.train_samples))
 
-    model = network(args.hidden, args.seed)
+    model = network(args.hidden, args.seed).to(device)
     # before init(): the first torch optimizer imports torch._dynamo (about a second), which
     # then overlaps with the cluster assembling
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -112,6 +116,8 @@ def main(argv=None):
                                        compression_params=compression)
     core.metrics()  # reset: count the training steps only
 
+    if rank == 0:
+        print("\n".join(device_lines), flush=True)
     rng = np.random.default_rng([args.seed, rank])  # this rank's batch order
     curve = [(0, accuracy(model, x_val, y_val))] if rank == 0 else []
     order, cursor = rng.permutation(len(x_mine)), 0
@@ -119,7 +125,7 @@ def main(argv=None):
     for step in range(1, total + 1):
         if cursor + args.batch > len(order):
             order, cursor = rng.permutation(len(x_mine)), 0
-        idx = torch.from_numpy(order[cursor:cursor + args.batch])
+        idx = torch.from_numpy(order[cursor:cursor + args.batch]).to(device)
         cursor += args.batch
         loss = torch.nn.functional.cross_entropy(model(x_mine[idx]), y_mine[idx])
         opt.zero_grad()

@@ -1,5 +1,20 @@
 #!/usr/bin/env python3
-"""Training throughput on synthetic data, dense vs each compressor, with bps_gc.torch.
+"""Training throughput on synthetic data, with bps_gc.torch: in the form of Horovod's
+pytorch_synthetic_benchmark.py and BytePS's benchmark_byteps.py.
+
+Started without a launcher it is the suite (issue 32): it launches --ranks ranks itself, under
+torchrun for DDP's allreduce, fp16 and PowerSGD (rank 1, 4) hooks and bps_gc's comm hook
+(onebit+EF, topk 1%+EF, DGC 0.1%), then under bpslaunch for DistributedOptimizer on the parameter
+server (topk 1%+EF), all on the same devices, and prints one table: images/sec per GPU (per
+process on the CPU), ms per step, and each row's codec time per step (compress and decode of
+every bucket on the device's own timer: benchmark_rows.py), also against the step of the row
+without communication; --json writes it.
+
+    python example/pytorch/benchmark_synthetic.py --model resnet50 --batch-size 64 --device cuda
+    python example/pytorch/benchmark_synthetic.py --model mlp --ranks 2 --num-iters 5 --json out/bench.json
+
+Started under a launcher it runs dense and the compressors through DistributedOptimizer on the
+transport the launcher chose:
 
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/benchmark_synthetic.py
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/benchmark_synthetic.py \\
@@ -28,6 +43,8 @@ import bps_gc.torch as bps
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compression_flags import add_compression_args, compression_params  # noqa: E402
+from imagenet_resnet import LAYOUTS, ResNet  # noqa: E402
+from torch_device import add_device_arg, pick_device  # noqa: E402
 from train_cifar100_byteps_gc import resnet  # noqa: E402
 
 # what launch/run.sh's job names select
@@ -42,7 +59,10 @@ PRESETS = {
 
 def build_parser():
     parser = argparse.ArgumentParser(description="Synthetic-data training throughput, dense vs compressed.")
-    parser.add_argument("--model", default="resnet20", help="resnet20 ... resnet110, or mlp")
+    parser.add_argument("--model", default="resnet20",
+                        help=f"resnet20 ... resnet110 (CIFAR), {', '.join(LAYOUTS)} (ImageNet), or mlp")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="input height and width (default 224 for the ImageNet ResNets, else 32)")
     parser.add_argument("--hidden", type=int, default=1024, help="mlp: width of its two hidden layers")
     parser.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
     parser.add_argument("--num-iters", type=int, default=20, help="timed steps per configuration")
@@ -52,6 +72,14 @@ def build_parser():
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--json", help="also write the results here (rank 0)")
+    add_device_arg(parser)
+    suite = parser.add_argument_group("the suite (started without a launcher)")
+    suite.add_argument("--ranks", type=int, default=1, help="ranks on this host (several may share a GPU)")
+    suite.add_argument("--rows", default=None, help="comma-separated rows to run (default: all)")
+    suite.add_argument("--codec-repeats", type=int, default=5, help="timed repeats of each row's codec work")
+    suite.add_argument("--timeout", type=float, default=600, help="seconds each launch may take")
+    suite.add_argument("--suite-rows", default=None, help=argparse.SUPPRESS)  # the driver to its ranks
+    suite.add_argument("--suite-out", default=None, help=argparse.SUPPRESS)
     add_compression_args(parser)  # --compressor: dense and that one, set by the other flags
     return parser
 
@@ -79,17 +107,24 @@ def describe(params):
     return " ".join(words)
 
 
+def image_size(args):
+    return args.image_size or (224 if args.model in LAYOUTS else 32)
+
+
 def model_for(args):
     if args.model == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, args.hidden), nn.ReLU(),
+        size = image_size(args)
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * size * size, args.hidden), nn.ReLU(),
                              nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 100))
+    if args.model in LAYOUTS:
+        return ResNet(args.model, 1000)
     return resnet(args.model)
 
 
 def run(args, name, params, x, y):
     """Per-worker (images/sec, seconds/step, bytes pushed/step on the wire, uncompressed)."""
     torch.manual_seed(0)
-    model = model_for(args)
+    model = model_for(args).to(x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=1e-4)
     # names unique per configuration: every declared tensor keeps its compression for good
     optimizer = bps.DistributedOptimizer(
@@ -121,12 +156,22 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if min(args.batch_size, args.num_iters) < 1 or args.num_warmup < 0:
         parser.error("--batch-size and --num-iters must be >= 1, --num-warmup >= 0")
-    configs = configurations(args, parser)
+    if not (os.environ.get("DMLC_NUM_WORKER") or os.environ.get("WORLD_SIZE")):
+        from benchmark_suite import drive
+        return drive(args, parser)
+    configs = None if args.suite_rows else configurations(args, parser)
+    device, device_lines = pick_device(args.device)
     bps.init()
     rank, size = bps.rank(), bps.size()
     g = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
-    y = torch.randint(0, 100, (args.batch_size,), generator=g)
+    x = torch.randn(args.batch_size, 3, image_size(args), image_size(args), generator=g).to(device)
+    y = torch.randint(0, 1000 if args.model in LAYOUTS else 100, (args.batch_size,), generator=g).to(device)
+    if args.suite_rows:
+        from benchmark_suite import rank_main
+        return rank_main(args, lambda: model_for(args), device, device_lines, x, y)
+    if rank == 0:  # a note only where CUDA was asked for and is missing; the device is in the header
+        for line in device_lines[:-1]:
+            print(line, flush=True)
 
     results = []
     for name, params in configs:
@@ -141,7 +186,7 @@ def main(argv=None):
     if rank == 0:
         n_params = sum(p.numel() for p in model_for(args).parameters())
         print(f"model {args.model} ({n_params / 1e6:.2f} M parameters), batch {args.batch_size} per worker, "
-              f"{size} workers, {args.num_iters} steps after {args.num_warmup} warm-up"
+              f"{size} workers, {args.num_iters} steps after {args.num_warmup} warm-up, {device_lines[-1]}"
               + (", fp16 push_pull" if args.fp16_pushpull else ""))
         header = f"{'config':<10} {'compression':<44} {'img/s/worker':>12} {'ms/step':>9} {'pushed MB/step':>14} {'ratio':>6}"
         print(header)

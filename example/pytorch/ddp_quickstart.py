@@ -27,9 +27,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bps_gc.core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
 from mnist_worker import accuracy, load_data, network  # noqa: E402  (the demo's split and MLP)
+from torch_device import add_device_arg, pick_device  # noqa: E402
 
 
 def parse_args():
@@ -41,6 +43,7 @@ def parse_args():
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
+    add_device_arg(parser)
     return parser.parse_args()
 
 
@@ -61,16 +64,22 @@ def share_note():
 
 def main():
     args = parse_args()
-    bps.init()  # torchrun: torch.distributed (gloo on CPU); bpslaunch with servers: the parameter server
+    device, device_lines = pick_device(args.device)
+    # torchrun: torch.distributed (gloo; NCCL for CUDA tensors where each local rank has its own
+    # GPU); bpslaunch with servers: the parameter server
+    bps.init()
     if args.api == "hook" and not dist.is_initialized():
         sys.exit("--api hook needs torch.distributed: start with torchrun or 'bpslaunch --servers 0', "
                  "or use --api optimizer")
-    x, y, x_val, y_val = load_data(4000)
-    model = network(128, seed=0)
+    if bps.rank() == 0:
+        print("\n".join(device_lines), flush=True)
+    # the whole data set on the device: 5,000 small digits
+    x, y, x_val, y_val = (t.to(device) for t in load_data(4000))
+    model = network(128, seed=0).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     params = compression_params(args)
     if args.api == "hook":
-        model = DDP(model)  # DDP broadcasts rank 0's weights
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's
         if params:
             model.register_comm_hook(None, bps.comm_hook(params, optimizer=opt))
     else:
@@ -82,7 +91,7 @@ def main():
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(shard)
         for start in range(0, len(order) - args.batch_size + 1, args.batch_size):
-            batch = torch.from_numpy(order[start:start + args.batch_size])
+            batch = torch.from_numpy(order[start:start + args.batch_size]).to(device)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             opt.step()

@@ -8,6 +8,7 @@ started, the others are explained in --help and logged at start; none is silentl
 import argparse
 
 from bps_gc.compress import CompressionParams, ParamError
+from torch_device import parse_device
 
 OPTIMIZERS = ("sgd", "local_sgd", "post_local_sgd", "parallel_choco", "dpsgd",
               "local_sign_sgd", "local_ef_sign_sgd")
@@ -87,8 +88,8 @@ def build_parser():
     a("--batch_size", "-b", type=int, default=128, help="mini-batch size per worker")
     a("--num_workers", "-j", type=int, default=2, help="threads preparing batches (0: in the training loop)")
     a("--pin_memory", type=str2bool, default=True,
-      help="page-locked batches for CUDA copies; this script trains on CPU, so there is nothing to pin "
-           "(logged)")
+      help="page-locked batches for the copies to the GPU (training on CUDA pins them either way; on the "
+           "CPU there is nothing to pin)")
     a("--partition_data", default="random", choices=["random", "none"],
       help="random: each worker a disjoint random share of the training set; none: every worker samples all of it")
     a("--reshuffle_per_epoch", type=str2bool, default=False, help="draw a new partition/order every epoch")
@@ -113,11 +114,16 @@ def build_parser():
                    help="GPUs per worker process: only 1 (start more workers instead)")
     g.add_argument("--world", default=None,
                    help="GPU ids of the processes (n_mpi_process * n_sub_process of them; a shorter list repeats, "
-                        "as the seed's 8 ids for 16 processes): checked to be ids, unused (CPU training)")
+                        "as the seed's 8 ids for 16 processes): with --on_cuda True process r trains on GPU "
+                        "world[r %% len]")
     g.add_argument("--on_cuda", type=str2bool, default=False,
-                   help="the seeds train on CUDA; this script trains on CPU whatever it says (logged)")
+                   help="train on CUDA (the seeds' flag): GPU --world[rank], else the local rank's; no GPU "
+                        "here: a note and the CPU")
+    g.add_argument("--device", type=parse_device, default=None,
+                   help="auto, cpu, cuda or cuda:N: overrides --on_cuda/--world (default: what they say)")
     g.add_argument("--comm_device", default="cpu",
-                   help="where messages are staged: always host memory here (ZeroMQ), logged when cuda")
+                   help="where messages are staged: cuda keeps compression on the GPU (device codec chains, "
+                        "the default for CUDA tensors); payloads cross host memory to be sent (logged)")
     g.add_argument("--use_ipc", type=str2bool, default=False,
                    help="MPI shared-memory transport: bps_gc's ZeroMQ sockets are used whatever it says")
     g.add_argument("--hostfile", default=None,

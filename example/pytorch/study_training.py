@@ -18,6 +18,7 @@ import bps_gc.core
 import bps_gc.torch as bps
 from bps_gc.config import transport_from_env
 from study_flags import compress_every_layer, require_launcher
+from torch_device import MixedPrecision, on_device, pick_device
 from training_utils import make_logger
 
 
@@ -26,12 +27,12 @@ def summed(values, name):
     return bps.push_pull(torch.tensor(values, dtype=torch.float64), average=False, name=name).tolist()
 
 
-def evaluate(model, batches):
-    """(correct, count) of the model over ``batches`` of (images, labels)."""
+def evaluate(model, batches, device=torch.device("cpu")):
+    """(correct, count) of the model over ``batches`` of (images, labels), on ``device``."""
     model.eval()
     correct = count = 0
     with torch.no_grad():
-        for x, y in batches:
+        for x, y in on_device(batches, device):
             correct += int((model(x).argmax(1) == y).sum())
             count += len(y)
     model.train()
@@ -56,10 +57,14 @@ def check_epoch_support(opt, params):
                          "the codec (no set_epoch); use --warmup-epochs 0")
 
 
-def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, print_freq=0):
+def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, print_freq=0, device=None,
+          amp=None):
     """Run ``epochs``; ``train_batches(epoch)`` gives (steps, iterable of that many (x, y)
     batches), the same number of steps on every worker; ``val_batches(epoch)`` this worker's
-    validation share; ``lr_at(fractional epoch)`` the rate. Returns one dict per epoch."""
+    validation share; ``lr_at(fractional epoch)`` the rate; ``device`` where the model is,
+    ``amp`` its MixedPrecision. Returns one dict per epoch."""
+    device = device or torch.device("cpu")
+    amp = amp or MixedPrecision(device)
     history = []
     for epoch in range(epochs):
         tell_epoch(opt, epoch)
@@ -69,15 +74,15 @@ def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, prin
         loss_sum = correct = seen = 0.0
         done = 0
         steps, batches = train_batches(epoch)
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y) in enumerate(on_device(batches, device)):
             lr = lr_at(epoch + i / steps)
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad()
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            opt.step()
+            with amp.autocast():
+                out = model(x)
+                loss = F.cross_entropy(out, y)
+            amp.backward_and_step(loss, opt)
             loss_sum += loss.item() * len(y)
             correct += int((out.argmax(1) == y).sum())
             seen += len(y)
@@ -87,7 +92,7 @@ def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, prin
         elapsed = time.perf_counter() - tic
         m = bps_gc.core.metrics()
         loss_sum, correct, seen = summed([loss_sum, correct, seen], "metric.train")
-        val_correct, val_seen = summed(list(evaluate(model, val_batches(epoch))), "metric.val")
+        val_correct, val_seen = summed(list(evaluate(model, val_batches(epoch), device)), "metric.val")
         row = {"epoch": epoch, "steps": done, "time_s": elapsed, "train_loss": loss_sum / max(seen, 1),
                "train_accuracy": correct / max(seen, 1), "val_accuracy": val_correct / max(val_seen, 1),
                "pushed_bytes_per_step": m.pushed_wire / max(done, 1),
@@ -138,13 +143,16 @@ def train_and_summarize(args, params, model, opt, logger, threads, train_batches
 
 
 def start_job(args, script, log_name):
-    """Checks the launcher, joins the job; (rank, size, logger), the logger in <logdir>/<name>.log
-    with the flags logged first."""
+    """Checks the launcher, picks the device (--device), joins the job; (rank, size, logger,
+    device), the logger in <logdir>/<name>.log with the flags and the device logged first."""
     require_launcher(script)
     compress_every_layer(args)
+    device, device_lines = pick_device(args.device)  # a GPU this host lacks: before joining
     bps.init()
     rank, size = bps.rank(), bps.size()
     os.makedirs(args.logdir, exist_ok=True)
     logger = make_logger(log_name, os.path.join(args.logdir, f"{args.name}.log"), rank)
     logger.info(args)
-    return rank, size, logger
+    for line in device_lines:
+        logger.info(line)
+    return rank, size, logger, device

@@ -36,8 +36,10 @@ import torch.nn.functional as F
 import bps_gc.core
 import bps_gc.torch as bps
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compression_flags import add_compression_args, compression_params  # noqa: E402
 from cifar100_data import CLASSES, augment, epoch_batches, load_split, normalize, prefetch  # noqa: E402
+from torch_device import add_device_arg, from_num_gpus, on_device, pick_device, pinned  # noqa: E402
 from training_utils import decay_epochs, log_traffic, make_logger, steps_per_epoch  # noqa: E402
 
 DEPTHS = (20, 32, 44, 56, 110)
@@ -71,6 +73,10 @@ def build_parser():
     parser.add_argument("--logging-file", type=str, default="baseline", help="name part of the log file")
     parser.add_argument("--log-dir", type=str, default="out", help="directory of the log file (made if missing)")
     parser.add_argument("--max-iters", type=int, default=0, help="at most this many steps per epoch (0: all)")
+    add_device_arg(parser)
+    parser.add_argument("--num-gpus", type=int, default=None,
+                        help="BytePS's flag: 0 trains on the CPU, 1 on GPU local_rank (one GPU per worker "
+                             "process); unset: --device")
     add_compression_args(parser)
     return parser
 
@@ -152,14 +158,14 @@ def summed(values, name):
     return bps.push_pull(t, average=False, name=name).tolist()
 
 
-def evaluate(model, images, labels, batch_size):
+def evaluate(model, images, labels, batch_size, device=torch.device("cpu")):
     """(correct, count) of the model on these images."""
     model.eval()
     correct = 0
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
-            x = torch.from_numpy(normalize(images[start:start + batch_size]))
-            y = torch.from_numpy(labels[start:start + batch_size])
+            x, y = next(on_device([(torch.from_numpy(normalize(images[start:start + batch_size])),
+                                    torch.from_numpy(labels[start:start + batch_size]))], device))
             correct += int((model(x).argmax(1) == y).sum())
     return correct, len(images)
 
@@ -175,15 +181,22 @@ def main(argv=None):
     train_x, train_y = load_split(args.data_dir, "train")
     test_x, test_y = load_split(args.data_dir, "test")
 
+    requested, gpus_note = from_num_gpus(args.num_gpus, args.device)
+    device, device_lines = pick_device(requested)
     bps.init()
     rank, size = bps.rank(), bps.size()
-    logger = make_logger("cifar100", os.path.join(args.log_dir, f"cifar100-{size}-cpu-{args.logging_file}.log"), rank)
+    kind = "gpu" if device.type == "cuda" else "cpu"
+    logger = make_logger("cifar100", os.path.join(args.log_dir, f"cifar100-{size}-{kind}-{args.logging_file}.log"),
+                         rank)
     logger.info(args)
+    for line in ([f"note: {gpus_note}"] if gpus_note else []) + device_lines:
+        logger.info(line)
 
     torch.manual_seed(args.seed)
     model = resnet(args.model)
     if args.resume_from:
-        model.load_state_dict(torch.load(args.resume_from, map_location="cpu"))
+        model.load_state_dict(torch.load(args.resume_from, map_location="cpu", weights_only=True))
+    model.to(device)
     # BytePS's choice: plain momentum SGD when compressing (--compress-momentum moves the momentum
     # into the codec chain), NAG otherwise
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
@@ -200,7 +213,7 @@ def main(argv=None):
         epoch, i, indices = item
         rng = np.random.default_rng([args.seed, rank, epoch, i])
         x = normalize(augment(train_x[indices], rng))
-        return torch.from_numpy(x), torch.from_numpy(train_y[indices])
+        return pinned((torch.from_numpy(x), torch.from_numpy(train_y[indices])), device)
 
     executor = ThreadPoolExecutor(args.num_workers) if args.num_workers > 0 else None
     bps_gc.core.metrics()  # reset: traffic is reported per epoch
@@ -210,7 +223,7 @@ def main(argv=None):
             items = epoch_batches(args.seed, epoch, len(train_x), rank, size, steps, args.batch_size)
             model.train()
             correct = seen = 0
-            for i, (x, y) in enumerate(prefetch(executor, batch, items, max(1, args.num_workers))):
+            for i, (x, y) in enumerate(on_device(prefetch(executor, batch, items, max(1, args.num_workers)), device)):
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(args, epoch + i / steps, decays)
                 optimizer.zero_grad()
@@ -224,7 +237,8 @@ def main(argv=None):
             train_correct, train_seen = summed([correct, seen], "metric.train")
             logger.info("[Epoch %d] speed: %d samples/sec\ttime cost: %f", epoch, int(train_seen / elapsed), elapsed)
             logger.info("[Epoch %d] training: accuracy=%f", epoch, train_correct / train_seen)
-            val_correct, val_seen = summed(list(evaluate(model, val_x, val_y, 2 * args.batch_size)), "metric.val")
+            val_correct, val_seen = summed(list(evaluate(model, val_x, val_y, 2 * args.batch_size, device)),
+                                           "metric.val")
             logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_correct / val_seen)
             log_traffic(logger, epoch)
             if rank == 0 and args.save_period and (epoch + 1) % args.save_period == 0:

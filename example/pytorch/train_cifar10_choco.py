@@ -39,6 +39,7 @@ sys.path.insert(0, HERE)
 from cifar100_data import augment, epoch_batches, prefetch  # noqa: E402
 from cifar10_data import CLASSES, load_split, normalize  # noqa: E402
 from seed_flags import algorithm, build_parser, compression, unused_flag_notes  # noqa: E402
+from torch_device import on_device, pick_device, pinned  # noqa: E402
 from training_utils import make_logger  # noqa: E402
 
 torch = F = bps = resnet = None  # import_torch(): a --dry-run joins the job without them
@@ -77,14 +78,30 @@ def world_notes(args, processes):
         raise SystemExit(f"--world lists {len(ids)} devices for {processes} worker processes: the extra ones would "
                          "have no process")
     repeat = "" if len(ids) == processes else f", repeated over the {processes} processes"
-    return [f"--world {args.world}: {len(ids)} GPU ids{repeat}; unused (CPU training)"]
+    use = "each process trains on its id's GPU" if on_cuda(args) else "unused (--on_cuda False: the CPU)"
+    return [f"--world {args.world}: {len(ids)} GPU ids{repeat}; {use}"]
+
+
+def on_cuda(args):
+    return args.device.startswith("cuda") if args.device else args.on_cuda
+
+
+def requested_device(args, rank):
+    """The --device word the seed's flags mean for worker ``rank``: --on_cuda True trains on
+    CUDA, on GPU --world[rank] (the ids repeat) if given, else local rank's; --device overrides."""
+    if args.device:
+        return args.device
+    if not args.on_cuda:
+        return "cpu"
+    ids = [w.strip() for w in args.world.split(",")] if args.world else []
+    return f"cuda:{ids[rank % len(ids)]}" if ids else "cuda"
 
 
 def cluster_notes(args):
     notes = []
-    if args.on_cuda or args.comm_device == "cuda" or args.pin_memory:
-        notes.append("training and messages stay on the CPU (--on_cuda/--comm_device/--pin_memory have "
-                     "nothing to do here)")
+    if args.comm_device == "cuda":
+        notes.append("--comm_device cuda: the codecs run on the GPU where the model is there (device chains); "
+                     "the payloads cross host memory to be sent (ZeroMQ or gloo)")
     if args.use_ipc:
         notes.append("--use_ipc: bps_gc's ZeroMQ sockets carry the messages")
     for flag in ("hostfile", "mpi_path", "python_path"):
@@ -142,10 +159,12 @@ def summed(values, name):
 def accuracy(model, images, labels, batch_size=256):
     model.eval()
     correct = 0
+    device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
-            x = torch.from_numpy(normalize(images[start:start + batch_size]))
-            correct += int((model(x).argmax(1) == torch.from_numpy(labels[start:start + batch_size])).sum())
+            x, y = next(on_device([(torch.from_numpy(normalize(images[start:start + batch_size])),
+                                    torch.from_numpy(labels[start:start + batch_size]))], device))
+            correct += int((model(x).argmax(1) == y).sum())
     model.train()
     return correct
 
@@ -217,9 +236,12 @@ def main(argv=None):
         bps_gc.core.shutdown()
         return
     import_torch()
+    device, device_lines = pick_device(requested_device(args, rank))
+    for line in device_lines:
+        logger.info(line)
     torch.manual_seed(args.manual_seed)
     try:  # a bad --arch, --graph_topology or codec flag: its message, no traceback
-        model = resnet(args.arch, classes=CLASSES)
+        model = resnet(args.arch, classes=CLASSES).to(device)
         peak = peak_lr(args, size)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum_factor,
                               nesterov=args.use_nesterov and args.momentum_factor > 0, weight_decay=args.weight_decay)
@@ -247,7 +269,8 @@ def main(argv=None):
     def batch(item):
         epoch, i, indices = item
         rng = np.random.default_rng([args.manual_seed, rank, epoch, i])
-        return torch.from_numpy(normalize(augment(train_x[indices], rng))), torch.from_numpy(train_y[indices])
+        batch = torch.from_numpy(normalize(augment(train_x[indices], rng))), torch.from_numpy(train_y[indices])
+        return pinned(batch, device)
 
     executor = ThreadPoolExecutor(args.num_workers) if args.num_workers > 0 else None
     history, total_steps, done = [], 0, False
@@ -260,7 +283,8 @@ def main(argv=None):
                 opt.set_epoch(epoch)
             bps_gc.core.metrics()  # count this epoch's training traffic only
             tic = time.perf_counter()
-            for i, (x, y) in enumerate(prefetch(executor, batch, batches(epoch), max(1, args.num_workers))):
+            for i, (x, y) in enumerate(on_device(prefetch(executor, batch, batches(epoch), max(1, args.num_workers)),
+                                                 device)):
                 t0 = time.perf_counter()
                 times["data"] += t0 - tic
                 for group in opt.param_groups:

@@ -33,6 +33,7 @@ from cifar100_data import augment, epoch_batches, prefetch  # noqa: E402
 from cifar10_data import CLASSES, load_split, normalize  # noqa: E402
 from study_flags import OneLineParser, add_study_args, study_compression  # noqa: E402
 from study_training import distribute, start_job, train_and_summarize  # noqa: E402
+from torch_device import add_device_arg, pinned  # noqa: E402
 from training_utils import steps_per_epoch  # noqa: E402
 
 NETWORKS = ("resnet9", "alexnet")
@@ -58,6 +59,7 @@ def build_parser():
     p.add_argument("--max-iters", type=int, default=0, help="at most this many steps per epoch (0: all)")
     p.add_argument("--logdir", default=".", help="where NAME.log and NAME.json go")
     p.add_argument("--name", default="cifar10", help="name of the run")
+    add_device_arg(p, default="cuda")  # the study trains on CUDA; without a GPU: a note, the CPU
     add_study_args(p)
     return p
 
@@ -135,11 +137,11 @@ def main(argv=None):
     params = study_compression(args, parser)
     train_x, train_y = load_split(args.data_dir, "train", "--data-dir")
     test_x, test_y = load_split(args.data_dir, "test", "--data-dir")
-    rank, size, logger = start_job(args, os.path.basename(__file__), "cifar10_resnet9")
+    rank, size, logger, device = start_job(args, os.path.basename(__file__), "cifar10_resnet9")
     logger.info("compression_params: %s on %d workers", params, size)
 
     torch.manual_seed(args.seed)
-    model = build_model(args.network, args.width)
+    model = build_model(args.network, args.width).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd,
                           nesterov=args.nesterov and args.momentum > 0)
     opt = distribute(opt, model, params, "train_cifar10_resnet9")
@@ -150,7 +152,8 @@ def main(argv=None):
     def batch(item):
         epoch, i, indices = item
         rng = np.random.default_rng([args.seed, rank, epoch, i])
-        return torch.from_numpy(normalize(augment(train_x[indices], rng))), torch.from_numpy(train_y[indices])
+        return pinned((torch.from_numpy(normalize(augment(train_x[indices], rng))),
+                       torch.from_numpy(train_y[indices])), device)
 
     def val_batches(epoch):
         for start in range(0, len(val_y), 2 * args.batch_size):
@@ -161,7 +164,7 @@ def main(argv=None):
                         train_batches=lambda epoch, executor: (steps, prefetch(executor, batch, epoch_batches(
                             args.seed, epoch, len(train_x), rank, size, steps, args.batch_size),
                             max(1, args.num_workers))),
-                        val_batches=val_batches, lr_at=lambda e: blog_lr(args, e))
+                        val_batches=val_batches, lr_at=lambda e: blog_lr(args, e), device=device)
 
 
 if __name__ == "__main__":

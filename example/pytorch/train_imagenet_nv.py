@@ -16,8 +16,11 @@ pair over the range, 'mode' linear or cos). The run lasts until the latest range
 epoch past the latest start). Keys the imagenet18 schedules use for their file layout
 ('trndir', 'rect_val', 'keep_dl') are accepted and logged as unused here.
 
-Training runs on the CPU in float32. The seed's GPU and cluster flags are accepted and each is
-explained by --help and logged when given; none is silently ignored.
+Training runs on the GPU (--device, default cuda as the study's: cuda:LOCAL_RANK; a note and
+the CPU where there is none). --fp16 trains in mixed precision as the seed does: autocast float16
+and a gradient scaler starting at --loss-scale, the gradients pushed and pulled as float16. The
+seed's other GPU and cluster flags are accepted and each is explained by --help and logged when
+given; none is silently ignored.
 """
 import argparse
 import ast
@@ -36,6 +39,7 @@ from imagenet_folder import normalize, scan, train_image, val_image  # noqa: E40
 from imagenet_resnet import LAYOUTS, ResNet, batchnorm_parameters  # noqa: E402
 from study_flags import OneLineParser, add_study_args, study_compression  # noqa: E402
 from study_training import distribute, start_job, train_and_summarize  # noqa: E402
+from torch_device import MixedPrecision, add_device_arg, pinned  # noqa: E402
 
 DEFAULT_PHASES = ("[{'ep': 0, 'sz': 128, 'bs': 64}, {'ep': (0, 5), 'lr': (0.1, 0.4)}, "
                   "{'ep': (5, 14), 'lr': (0.4, 0.04)}, {'ep': 14, 'sz': 224, 'bs': 32}, "
@@ -78,13 +82,15 @@ def build_parser():
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=0,
                    help="given by torch.distributed.launch; LOCAL_RANK is what is read")
     g.add_argument("--fp16", action="store_true",
-                   help="the model trains in float32 on the CPU; the gradients are pushed and pulled as float16")
+                   help="mixed precision: the forward pass under autocast float16, a gradient scaler, the "
+                        "gradients pushed and pulled as float16 (parameters and codec state stay float32)")
     g.add_argument("--loss-scale", type=float, default=1024,
-                   help="fp16 loss scaling: not needed, the model's arithmetic is float32 (logged)")
+                   help="--fp16: the gradient scaler's first scale (it then adapts, as torch.amp's does)")
     g.add_argument("--skip-auto-shutdown", action="store_true",
                    help="imagenet18 shut its cloud instance down after training; nothing is shut down here")
     g.add_argument("--auto-shutdown-success-delay-mins", type=int, default=10, help="see --skip-auto-shutdown")
     g.add_argument("--auto-shutdown-failure-delay-mins", type=int, default=60, help="see --skip-auto-shutdown")
+    add_device_arg(g, default="cuda")  # the study trains on CUDA; without a GPU: a note, the CPU
     add_study_args(p)
     return p
 
@@ -155,8 +161,6 @@ def notes(args, phases):
     if args.dist_backend != "nccl" or args.dist_url != "env://":
         out.append(f"--dist-backend {args.dist_backend} / --dist-url {args.dist_url}: the launcher's variables "
                    "pick the transport")
-    if args.fp16:
-        out.append("--fp16: gradients travel as float16; the model trains in float32 (--loss-scale unused)")
     if args.skip_auto_shutdown:
         out.append("--skip-auto-shutdown: nothing is shut down here")
     unused = sorted({k for ph in phases for k in ph} & UNUSED_PHASE_KEYS)
@@ -183,14 +187,16 @@ def main(argv=None):
         params = dict(params or {}, fp16=True)
     classes, train_items = scan(args.data, "train")
     _, val_items = scan(args.data, "val", classes)
-    rank, size, logger = start_job(args, os.path.basename(__file__), "imagenet_nv")
+    rank, size, logger, device = start_job(args, os.path.basename(__file__), "imagenet_nv")
+    amp = MixedPrecision(device, torch.float16 if args.fp16 else None, args.loss_scale)
+    logger.info("precision: %s", amp.describe())
     for note in notes(args, phases):
         logger.info("note: %s", note)
     logger.info("%s (width %d), %d classes, %d training and %d validation images; compression_params %s on "
                 "%d workers", args.arch, args.width, len(classes), len(train_items), len(val_items), params, size)
 
     torch.manual_seed(args.seed)
-    model = ResNet(args.arch, len(classes), args.width, args.init_bn0)
+    model = ResNet(args.arch, len(classes), args.width, args.init_bn0).to(device)
     opt = torch.optim.SGD(parameter_groups(model, args), lr=phase_lr(phases, 0), momentum=args.momentum,
                           weight_decay=args.wd, nesterov=args.nesterov and args.momentum > 0)
     opt = distribute(opt, model, params, "train_imagenet_nv")
@@ -209,7 +215,8 @@ def main(argv=None):
             _, i, indices = item
             rng = np.random.default_rng([args.seed, rank, epoch, i])
             x = np.stack([train_image(train_items[j][0], sz, rng, min_scale) for j in indices])
-            return torch.from_numpy(normalize(x)), torch.tensor([train_items[j][1] for j in indices])
+            return pinned((torch.from_numpy(normalize(x)), torch.tensor([train_items[j][1] for j in indices])),
+                          device)
         items = epoch_batches(args.seed, epoch, len(train_items), rank, size, steps, bs)
         return steps, prefetch(executor, batch, items, max(1, args.workers))
 
@@ -224,7 +231,7 @@ def main(argv=None):
 
     train_and_summarize(args, params, model, opt, logger, args.workers, epochs=total_epochs(phases),
                         train_batches=train_batches, val_batches=val_batches,
-                        lr_at=lambda e: phase_lr(phases, e), print_freq=args.print_freq)
+                        lr_at=lambda e: phase_lr(phases, e), print_freq=args.print_freq, device=device, amp=amp)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import bps_gc.torch as bps
 from cifar100_data import augment, epoch_batches, prefetch
 from imagenet_resnet import ResNet, batchnorm_parameters
 from study_training import distribute, summed, tell_epoch
+from torch_device import MixedPrecision, on_device, pick_device, pinned
 from training_utils import make_logger
 
 # DGC compresses every tensor of more than one dimension, whatever its size: no BytePS size
@@ -55,17 +56,19 @@ class Data:
         limit = self.c.train.max_steps_per_epoch
         return min(steps, limit) if limit else steps
 
-    def train_batch(self, item, rank):
+    def train_batch(self, item, rank, device):
+        """The batch in page-locked memory when it goes to a GPU (loader threads pin it)."""
         epoch, i, indices = item
         rng = np.random.default_rng([self.c.seed, rank, epoch, i])
         if self.c.dataset.name == "cifar10":
             from cifar10_data import normalize
             x = normalize(augment(self.train_x[indices], rng))
-            return torch.from_numpy(x), torch.from_numpy(self.train_y[indices])
+            return pinned((torch.from_numpy(x), torch.from_numpy(self.train_y[indices])), device)
         from imagenet_folder import normalize, train_image
         size = self.c.dataset.image_size
         x = np.stack([train_image(self.train_items[j][0], size, rng) for j in indices])
-        return torch.from_numpy(normalize(x)), torch.tensor([self.train_items[j][1] for j in indices])
+        return pinned((torch.from_numpy(normalize(x)), torch.tensor([self.train_items[j][1] for j in indices])),
+                      device)
 
     def test_batches(self, rank, size):
         bs = self.c.train.batch_size
@@ -118,12 +121,12 @@ def learning_rate(c, epoch, step, steps, size):
     return peak * (1 + math.cos(math.pi * t / max(1, c.train.num_epochs - warm))) / 2
 
 
-def evaluate(model, batches):
+def evaluate(model, batches, device):
     """{meter: percent} of top-1 and top-5 accuracy over all workers' shares."""
     model.eval()
     top1 = top5 = count = 0
     with torch.no_grad():
-        for x, y in batches:
+        for x, y in on_device(batches, device):
             out = model(x)
             best = out.topk(min(5, out.shape[1]), 1).indices
             top1 += int((best[:, 0] == y).sum())
@@ -138,7 +141,7 @@ def resume(c, rank, model, logger):
     """(last epoch, best metric, optimizer state or None) from this worker's latest checkpoint;
     every worker takes rank 0's epoch."""
     path = c.train.latest_pth_path.format(rank=rank)
-    state = torch.load(path, weights_only=True) if os.path.isfile(path) else None
+    state = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
     if state is not None:
         model.load_state_dict(state["model"])
         logger.info("[resume_path] = %s", path)
@@ -171,6 +174,7 @@ def run(c, args, set_paths):
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(c.data.num_threads_per_worker)
     data = Data(c)  # a missing data set stops here, before joining the job
+    device, device_lines = pick_device(c.device)  # a GPU this host lacks: before joining too
     bps.init()
     rank, size = bps.rank(), bps.size()
     set_paths(size)
@@ -180,6 +184,10 @@ def run(c, args, set_paths):
     logger.info(json.dumps(c.to_plain(), sort_keys=True))
     for note in c.bps_gc.notes:
         logger.info("note: %s", note)
+    for line in device_lines:
+        logger.info(line)
+    amp = MixedPrecision(device, getattr(torch, c.train.mixed_precision) if c.train.get("mixed_precision") else None)
+    logger.info("precision: %s", amp.describe())
     params = c.bps_gc.compression_params
     torch.manual_seed(c.seed)
     model = build_model(c)
@@ -189,13 +197,14 @@ def run(c, args, set_paths):
     if args.evaluate:  # DGC's --evaluate: the best checkpoint
         c.train.latest_pth_path = c.train.best_pth_path
     last, best_metric, optimizer_state = resume(c, rank, model, logger)
+    model.to(device)  # after loading: the optimizer's state follows its parameters' device
     optimizer = distribute(optimizer, model, params, SCRIPT_NAME)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     logger.info("%s on %s, %d workers (%s), compression_params %s", c.model.name, c.dataset.name, size,
                 bps_gc.config.transport_from_env(), params)
     if args.evaluate:
-        for key, value in evaluate(model, data.test_batches(rank, size)).items():
+        for key, value in evaluate(model, data.test_batches(rank, size), device).items():
             logger.info("[%s] = %f", key, value)
         bps.shutdown()
         return 0
@@ -205,7 +214,7 @@ def run(c, args, set_paths):
         for epoch in range(last + 1, c.train.num_epochs):
             logger.info("==> training epoch %d/%d", epoch, c.train.num_epochs)
             meters, best_metric, best = train_epoch(c, data, model, optimizer, executor, epoch, steps, rank, size,
-                                                    best_metric, logger)
+                                                    best_metric, logger, amp)
             state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "meters": meters, "best_metric": best_metric}
             logger.info("[save_path] = %s", save_checkpoint(c, rank, epoch, state, best))
@@ -216,7 +225,7 @@ def run(c, args, set_paths):
     return 0
 
 
-def train_epoch(c, data, model, optimizer, executor, epoch, steps, rank, size, best_metric, logger):
+def train_epoch(c, data, model, optimizer, executor, epoch, steps, rank, size, best_metric, logger, amp):
     tell_epoch(optimizer, epoch)  # DGC's sparsity warm-up
     bps_gc.core.metrics()  # reset: traffic per epoch
     model.train()
@@ -224,19 +233,20 @@ def train_epoch(c, data, model, optimizer, executor, epoch, steps, rank, size, b
     loss_sum = seen = 0.0
     items = epoch_batches(c.seed, epoch, data.count, rank, size, steps, c.train.batch_size)
     depth = max(1, c.data.num_threads_per_worker)
-    for i, (x, y) in enumerate(prefetch(executor, lambda item: data.train_batch(item, rank), items, depth)):
+    batches = prefetch(executor, lambda item: data.train_batch(item, rank, amp.device), items, depth)
+    for i, (x, y) in enumerate(on_device(batches, amp.device)):
         lr = learning_rate(c, epoch, i, steps, size)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
+        with amp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        amp.backward_and_step(loss, optimizer)
         loss_sum, seen = loss_sum + loss.item() * len(y), seen + len(y)
     elapsed = time.perf_counter() - tic
     m = bps_gc.core.metrics()
     loss_sum, seen = summed([loss_sum, seen], "meters.train")
-    meters = evaluate(model, data.test_batches(rank, size))
+    meters = evaluate(model, data.test_batches(rank, size), amp.device)
     meters["loss/train"] = loss_sum / max(seen, 1)
     metric = meters[c.train.metric]
     best = best_metric is None or metric > best_metric

@@ -13,7 +13,12 @@ bps_gc: the same config files and flags, torchrun or bpslaunch in front instead.
 --suffix S            appended to the run folder's name
 --dry-run             print the resolved settings as one JSON object (last line) and exit 0
 --evaluate            evaluate the best checkpoint and exit
---devices gpu|cpu     DGC's flag: training runs on the CPU here whatever it says (logged)
+--devices gpu|cpu     DGC's flag: gpu trains on cuda:LOCAL_RANK (a note and the CPU where there is
+                      no GPU), cpu on the CPU; unset: configs.device (auto: the GPU if any)
+--device D            auto, cpu, cuda or cuda:N; replaces --devices and configs.device
+--configs.train.mixed_precision float16|bfloat16
+                      autocast (float16 with a gradient scaler), bps_gc's setting; DGC's
+                      configs/dgc/fp16.py is float16 values on the wire, float32 training
 
 The run folder is runs/<name from the config files><suffix>.np<workers> in the working
 directory; each worker keeps checkpoints/e<epoch>-r<rank>.pth (the last train.keep_checkpoints
@@ -37,6 +42,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HER
 from dgc_config import ConfigError, Config, configs, load, override, reset, run_name  # noqa: E402
 from dgc_settings import bps_gc_settings, checked, env_workers  # noqa: E402
 from study_flags import OneLineParser, require_launcher  # noqa: E402
+from torch_device import DEVICE_HELP, parse_device  # noqa: E402
 
 SCRIPT = "example/pytorch/dgc/train.py"
 
@@ -55,7 +61,9 @@ def build_parser():
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
     p.add_argument("--evaluate", action="store_true", help="evaluate the best checkpoint and exit")
     p.add_argument("--devices", default=None, choices=["gpu", "cpu"],
-                   help="DGC's device flag: this script trains on the CPU either way (logged)")
+                   help="DGC's device flag: gpu trains on cuda:LOCAL_RANK (no GPU here: a note and the CPU), cpu "
+                        "on the CPU; unset: configs.device (auto)")
+    p.add_argument("--device", type=parse_device, default=None, help=DEVICE_HELP + "; replaces --devices")
     return p
 
 
@@ -98,8 +106,15 @@ def resolve(args, overrides, workers):
     checked(configs)
     set_run_paths(configs, run_name(args.configs), args.suffix, workers)
     configs.bps_gc = Config(bps_gc_settings(configs, workers))
-    if args.devices == "gpu":
-        configs.bps_gc.notes.append("--devices gpu: this script trains on the CPU")
+    if args.device or args.devices:
+        configs.device = args.device or {"gpu": "cuda", "cpu": "cpu"}[args.devices]
+    try:
+        configs.device = parse_device(configs.device)
+    except Exception as e:
+        raise ConfigError(f"configs.device: {e}") from None
+    if configs.train.get("mixed_precision") not in (None, "float16", "bfloat16"):
+        raise ConfigError(f"configs.train.mixed_precision: None, float16 or bfloat16, got "
+                          f"{configs.train.mixed_precision!r}")
     return configs
 
 

@@ -4,7 +4,9 @@ DGC from configs/dgc."""
 from dgc_config import Config, configs
 
 configs.seed = 42
-configs.device = "cpu"  # this script trains on the CPU (--devices gpu is accepted with a note)
+# auto: cuda:LOCAL_RANK where CUDA is available, else the CPU; --devices gpu|cpu (DGC's flag) and
+# --device (auto, cpu, cuda, cuda:N) replace it
+configs.device = "auto"
 configs.data = Config(num_threads_per_worker=4)  # loader threads (and torch threads unless OMP_NUM_THREADS)
 
 configs.train = Config()
@@ -23,4 +25,7 @@ configs.train.schedule_lr_per_epoch = True  # after warm-up: the cosine steps on
 configs.train.scheduler = Config(name="cosine")  # over num_epochs - warmup_lr_epochs epochs, to 0
 configs.train.metric = "acc/test_top1"
 configs.train.meters = ["acc/{}_top1", "acc/{}_top5"]
+# bps_gc's addition: None (float32), "float16" (autocast and a gradient scaler) or "bfloat16"
+# (autocast); DGC's configs/dgc/fp16.py is its fp16 *values* on the wire, which this does not change
+configs.train.mixed_precision = None
 configs.train.keep_checkpoints = 3  # e<epoch>-r<rank>.pth files kept besides latest and best

@@ -24,7 +24,8 @@ from .roles.worker import Worker
 _worker = None
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
            "device_codecs", "init", "is_initialized", "local_rank", "local_size", "metrics",
-           "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "worker"]
+           "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size", "state_dict",
+           "load_state_dict", "worker"]
 
 
 def _setup_logging(level):
@@ -147,6 +148,26 @@ def barrier():
 
 def broadcast(array, root_rank, name):
     return worker().broadcast(array, root_rank, name)
+
+
+def state_dict():
+    """The codec state of every declared tensor of this rank, keyed by tensor name and
+    partition (docs/checkpoint.md); save and load it between steps."""
+    return _state_call("state_dict")()
+
+
+def load_state_dict(sd):
+    """Restore ``state_dict()``'s result (after declaring the same tensors, before their first
+    push_pull); bps_gc.compress.state.StateError names a state that does not fit."""
+    return _state_call("load_state_dict")(sd)
+
+
+def _state_call(name):
+    call = getattr(worker(), name, None)
+    if call is None:
+        raise NotImplementedError(f"bps_gc: this communicator ({type(worker()).__name__}) cannot "
+                                  f"{name.replace('_', ' ')} yet")
+    return call
 
 
 def metrics():

@@ -6,6 +6,7 @@
                                          compression_params={"compressor": "onebit", "ef": "vanilla"})
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
 """
+from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .hook import comm_hook
@@ -19,4 +20,5 @@ __all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimize
            "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
-__all__ += ["DecentralizedOptimizer", "LocalSGD"]
+__all__ += ["DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
+            "state_dict"]

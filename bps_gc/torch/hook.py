@@ -4,9 +4,9 @@
 
 ``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average, as torch's own
 hooks. Each gradient of a bucket is its own partition (one onebit scale over a whole bucket
-would mix layers), with a codec chain (error feedback, momentum) kept per bucket index and
-position and keyed so seeds agree on every rank; a bucket whose size changed (DDP regroups
-after the first step) starts with fresh state. Every rank gathers every rank's payloads and runs
+would mix layers), with a codec chain (error feedback, momentum) kept per gradient
+(hook_state.py: it stays when DDP regroups its buckets after the first step), seeded by the
+bucket index and position where it was first seen, so seeds agree on every rank. Every rank gathers every rank's payloads and runs
 the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
 server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
 error feedback rescales by is ``optimizer``'s when the hook is called.
@@ -40,6 +40,8 @@ from ..collective.exchange_thread import ExchangeThread
 from .device_codecs import chain_for, device_reduction, uses_device_chain
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
+from .hook_state import HookState
+from .checkpoint import register
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -59,8 +61,8 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook(HookLevels):
-    def __init__(self, compression_params=None, reducer=None, optimizer=None):
+class CompressionHook(HookLevels, HookState):
+    def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None):
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
@@ -71,8 +73,10 @@ class CompressionHook(HookLevels):
                              "torch's powerSGD_hook)")
         self.wire_dtype = np.float16 if self.params.fp16 else np.float32
         self.wire_torch = torch.float16 if self.params.fp16 else torch.float32
-        # bucket index -> [sizes, device, [(worker chain, reducer)], steps so far, device chains?]
-        self.buckets = {}
+        # bucket index -> [sizes, device, [(worker chain, reducer)], [GradientCodec], device chains?,
+        # gradient ids]; the codecs by gradient (hook_state.py), named for checkpoints by ``named``
+        self.buckets, self.gradients = {}, {}
+        self.named = None if named_parameters is None else list(named_parameters)
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
         # thread issues every collective of the hook
@@ -97,7 +101,7 @@ class CompressionHook(HookLevels):
             return future.then(value)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
-        parts = self._state(index, sizes, buffer)
+        parts = self._state(index, sizes, buffer, self._gradient_ids(bucket, index, len(sizes)))
         on_device = self.buckets[index][4]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
                "step": self._count_step(index)}
@@ -250,31 +254,23 @@ class CompressionHook(HookLevels):
             self.side_groups[group] = side
         return side
 
-    def _state(self, index, sizes, buffer):
-        """[(worker chain, reducer)] for the gradients of bucket ``index``: device chains and
-        reducers on the bucket's device when ``uses_device_chain`` (BPS_GC_DEVICE_CODECS: by
-        default for buckets off the CPU), else numpy chains and reducers."""
+    def _state(self, index, sizes, buffer, gradients):
+        """[(worker chain, reducer)] for the gradients of bucket ``index`` (their ids
+        ``gradients``: hook_state.py keeps each one's codec across DDP's regrouping): device
+        chains and reducers on the bucket's device when ``uses_device_chain`` (BPS_GC_DEVICE_CODECS:
+        by default for buckets off the CPU), else numpy chains and reducers."""
         state = self.buckets.get(index)
-        if state is None or state[0] != sizes or state[1] != buffer.device:
+        if state is None or state[0] != sizes or state[1] != buffer.device or state[5] != gradients:
             on_device = uses_device_chain(buffer)
-            keys = [bucket_key(index, position) for position in range(len(sizes))]
-            if on_device:
-                parts = [(chain_for(self.params, n, self.wire_dtype, key, "worker", buffer),
-                          device_reduction(self.reducer, self.params, n, self.wire_dtype, key, buffer.device))
-                         for n, key in zip(sizes, keys)]
-            else:
-                parts = [(compress.build_chain(self.params, n, self.wire_dtype, key=key, role="worker"),
-                          compress.make_reducer(self.reducer, self.params, n, self.wire_dtype, key))
-                         for n, key in zip(sizes, keys)]
-            state = [sizes, buffer.device, parts, 0, on_device]
+            codecs = [self._codec_for(g, n, buffer, on_device, bucket_key(index, position))
+                      for position, (g, n) in enumerate(zip(gradients, sizes))]
+            state = [sizes, buffer.device, [(c.chain, c.reducer) for c in codecs], codecs, on_device, gradients]
             self.buckets[index] = state
         return state[2]
 
     def _count_step(self, index):
-        """The step context's ``step``: how many times bucket ``index`` was reduced before."""
-        state = self.buckets[index]
-        state[3] += 1
-        return state[3] - 1
+        """The step context's ``step``: how many times the bucket's gradients were reduced before."""
+        return self._next_step(self.buckets[index][3])
 
     def _all_reduce(self, group, buffer):
         sent = buffer.to(torch.float16) if self.params.fp16 else buffer
@@ -287,11 +283,12 @@ class CompressionHook(HookLevels):
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
 
 
-def comm_hook(compression_params=None, reducer=None, optimizer=None):
+def comm_hook(compression_params=None, reducer=None, optimizer=None, named_parameters=None):
     """A hook for ``DistributedDataParallel.register_comm_hook(process_group_or_None, hook)``;
-    a plain function (DDP logs and checks hooks by their function name), its per-bucket codec
-    state in ``hook.compression``."""
-    compression = CompressionHook(compression_params, reducer, optimizer)
+    a plain function (DDP logs and checks hooks by their function name), its per-gradient codec
+    state in ``hook.compression``, saved by bps_gc.torch.state_dict() under the names of
+    ``named_parameters`` (model.named_parameters(); else ``optimizer``'s parameter order)."""
+    compression = register(CompressionHook(compression_params, reducer, optimizer, named_parameters), "comm_hook")
 
     def bps_gc_comm_hook(process_group, bucket):
         return compression(process_group, bucket)

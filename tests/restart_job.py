@@ -68,7 +68,7 @@ def binding(name, case):
 
 
 runs = {name: binding(name, case) for name, case in spec["cases"].items()}
-checkpoint = os.path.join(out, f"checkpoint-rank{rank}.pt")
+checkpoint = os.path.join(out, f"checkpoint-{'elastic' if phase == 'elastic' else 'run'}-rank{rank}.pt")
 first = 0
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if phase == "second" or (phase == "elastic" and os.path.exists(checkpoint)):

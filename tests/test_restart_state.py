@@ -119,7 +119,7 @@ def test_states_that_do_not_fit_are_refused_by_name(tmp_path):
     spec = {"cases": {"topk_ef_hook": CASES["topk_ef_hook"]}, "steps": 1, "save_at": 1}
     run_phase(spec, tmp_path, "first")  # a 2-rank checkpoint
     argv = torchrun_argv([os.path.join(TESTS, "state_errors_job.py"), str(tmp_path),
-                          str(tmp_path / "checkpoint-rank0.pt")], 1)
+                          str(tmp_path / "checkpoint-run-rank0.pt")], 1)
     result = subprocess.run(argv, env=job_env(SMALL), capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     got = json.loads((tmp_path / "errors.json").read_text())

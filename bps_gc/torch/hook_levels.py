@@ -68,7 +68,11 @@ class HookLevels:
         levels.wait = self._level_waiter(group, index)
         flat = grad.numpy()
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-        owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
+        # each gradient's owner by where it was first seen (its seed key, hook_state.py), so the
+        # rank keeping its chain stays when DDP regroups the buckets, or after a restart
+        keys = [codec.key for codec in self.buckets[index][3]]
+        owned = [(bounds[i], bounds[i + 1], partition_owner(keys[i] >> 16 & 0xFFFFFF, keys[i] & 0xFFFF,
+                                                            levels.local_size), chain, reducer, ctx)
                  for i, (chain, reducer) in enumerate(parts)]
         levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads", self.wire_dtype)
         size = flat.dtype.type(dist.get_world_size(group))

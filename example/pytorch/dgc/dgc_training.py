@@ -138,7 +138,7 @@ def resume(c, rank, model, logger):
     """(last epoch, best metric, optimizer state or None) from this worker's latest checkpoint;
     every worker takes rank 0's epoch."""
     path = c.train.latest_pth_path.format(rank=rank)
-    state = torch.load(path, weights_only=True) if os.path.isfile(path) else None
+    state = bps.load_checkpoint(path) if os.path.isfile(path) else None  # a corrupt file: named
     if state is not None:
         model.load_state_dict(state["model"])
         logger.info("[resume_path] = %s", path)
@@ -153,12 +153,15 @@ def resume(c, rank, model, logger):
 
 
 def save_checkpoint(c, rank, epoch, state, best):
+    """Every file written atomically (a temporary file, then renamed), so a worker killed
+    mid-save leaves the previous latest checkpoint whole; ``state["optimizer"]`` holds this
+    rank's codec state (DGC's memory) under "bps_gc"."""
     path = c.train.checkpoint_path.format(epoch=epoch, rank=rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(state, path)
-    shutil.copyfile(path, c.train.latest_pth_path.format(rank=rank))
-    if best:
-        shutil.copyfile(path, c.train.best_pth_path.format(rank=rank))
+    bps.save_checkpoint(state, path)
+    for copy in [c.train.latest_pth_path.format(rank=rank)] + ([c.train.best_pth_path.format(rank=rank)] if best else []):
+        shutil.copyfile(path, copy + ".tmp")
+        os.replace(copy + ".tmp", copy)
     old = c.train.checkpoint_path.format(epoch=epoch - c.train.keep_checkpoints, rank=rank)
     if epoch >= c.train.keep_checkpoints and os.path.isfile(old):
         os.remove(old)

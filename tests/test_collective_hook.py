@@ -27,16 +27,18 @@ def run(spec, tmp_path, ranks=2, timeout=240):
 
 
 def expected_buckets(params, calls, ranks, lr, reducer):
-    """[result] per hook call: calls[r] = [(index, sizes, gradients, parameters)] of rank r, in
+    """[result] per hook call: calls[r] = [(index, sizes, gradients[, parameters])] of rank r, in
     call order; each gradient of a bucket is compressed on its own (layer-wise), by its
     parameter's chains, made (seeded by the bucket index and position) where it was first seen:
-    they stay when DDP regroups the buckets."""
+    they stay when DDP regroups the buckets. Without parameters (the hook called on stand-in
+    buckets) a gradient is its bucket index and position, and gets new chains when its size changes."""
     wire = np.float16 if params.get("fp16") else np.float32
     chains, results = {}, []
     for per_rank in zip(*calls):
-        index, sizes, owners = int(per_rank[0][0]), list(per_rank[0][1]), list(per_rank[0][3])
+        index, sizes = int(per_rank[0][0]), list(per_rank[0][1])
+        owners = [int(p) for p in per_rank[0][3]] if len(per_rank[0]) > 3 else [(index, i) for i in range(len(sizes))]
         for position, (n, owner) in enumerate(zip(sizes, owners)):
-            if owner not in chains:
+            if owner not in chains or chains[owner][1].n != n:
                 key = bucket_key(index, position)
                 chains[owner] = ([build_chain(params, n, wire, key=key) for _ in range(ranks)],
                                  build_chain(params, n, wire, key=key, role="server"))
@@ -45,7 +47,7 @@ def expected_buckets(params, calls, ranks, lr, reducer):
         for i, owner in enumerate(owners):
             workers, server = chains[owner]
             acc = np.zeros(sizes[i], wire)
-            for chain, (_, _, grads, _) in zip(workers, per_rank):
+            for chain, (_, _, grads, *_) in zip(workers, per_rank):
                 acc += chain.decompress(chain.compress(grads[bounds[i]:bounds[i + 1]].astype(wire), lr))
             if reducer == "recompress":
                 acc = server.decompress(server.compress(acc, lr))

@@ -58,7 +58,7 @@ def test_dgc_train_resumes_with_dgcs_memory(tmp_path):
     argv = ["--configs", "configs/cifar/resnet20.py", "configs/dgc/wm5.py", "--configs.dataset.root", "data",
             "--configs.train.batch_size", "8", "--configs.data.num_threads_per_worker", "0",
             "--configs.train.num_epochs", "2"]
-    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "dgc", "train.py"), argv, "e0-r:1",
+    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "dgc", "train.py"), argv, "latest-r:1",
                                              lambda folder: write_cifar10(str(folder / "data"), n_train=80, n_test=8))
     run_dir = "runs/[cifar.resnet20+dgc.wm5].np2/checkpoints"
     log = (resumed / "runs" / "[cifar.resnet20+dgc.wm5].np2" / "train.log").read_text()

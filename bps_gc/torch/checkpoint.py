@@ -16,9 +16,11 @@ Another world size or rank is refused, naming both, unless ``drop_rank_state=Tru
 BPS_GC_RESUME_DROP_RANK_STATE=1: then nothing is loaded (the codecs start afresh) and one
 warning line says so. Everything is checked before anything is assigned.
 """
+import contextlib
 import itertools
 import os
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -95,9 +97,12 @@ def _objects_state():
                        for name, obj in _live()})
 
 
-def _as_saved(flat):
-    """Numpy arrays as tensors (torch.save with weights_only reads tensors, not arrays)."""
-    return {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in flat.items()}
+def _as_saved(value):
+    """Numpy arrays as tensors, in dicts at any depth (torch.save with weights_only reads
+    tensors, not arrays)."""
+    if isinstance(value, dict):
+        return {k: _as_saved(v) for k, v in value.items()}
+    return torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
 
 
 def state_dict():
@@ -120,10 +125,11 @@ def _drop_setting(drop_rank_state):
     return value in ("1", "true")
 
 
-def _moved(flat, map_location):
-    if map_location is None:
-        return dict(flat)
-    return {k: v.to(map_location) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+def _moved(value, map_location):
+    """``value``'s tensors on ``map_location`` (None: where they are), in dicts at any depth."""
+    if isinstance(value, dict):
+        return {k: _moved(v, map_location) for k, v in value.items()}
+    return value.to(map_location) if map_location is not None and isinstance(value, torch.Tensor) else value
 
 
 def _checked(sd):
@@ -158,7 +164,8 @@ def load_state_dict(sd, map_location=None, drop_rank_state=None):
         print(f"bps_gc: warning: rank {here[1]}: dropping the saved codec state ({what}; "
               f"{DROP_SETTING}): the codecs start afresh", file=sys.stderr, flush=True)
         return False
-    before = core.state_dict()
+    before, made = core.state_dict(), dict(_partitions.get(core.worker(), {}))
+    device_before = _device_state(None).state_dict()
     core.load_state_dict(_moved(sd["communicator"], map_location))
     try:
         device = _moved(sd["device"], map_location)
@@ -180,8 +187,11 @@ def load_state_dict(sd, map_location=None, drop_rank_state=None):
             if name not in parts and loading.pop(name).state_dict():
                 raise StateError(f"bps_gc.torch state: it lacks {name}, which this process made")
         StateGroup(loading).load_state_dict(objects_sd)
-    except BaseException:
-        core.load_state_dict(before)  # the communicator as it was: nothing half-loaded
+    except BaseException:  # the communicator and device chains as they were: nothing half-loaded
+        core.load_state_dict(before)
+        if core.worker() in _partitions:
+            _partitions[core.worker()] = made
+        _device_state(None).load_state_dict(device_before)
         raise
     for install in installs:
         install()
@@ -219,9 +229,26 @@ def _split(flat):
 # ---------------------------------------------------------------- optimizers' state_dict
 
 
+_left_out = threading.local()
+
+
+@contextlib.contextmanager
+def codec_state_left_out():
+    """Optimizers' ``state_dict()`` without the codec state, within (broadcast_optimizer_state:
+    the codec state is per rank)."""
+    _left_out.active = True
+    try:
+        yield
+    finally:
+        _left_out.active = False
+
+
 def with_codec_state(sd):
     """A wrapping optimizer's ``state_dict()`` with this rank's codec state under ``"bps_gc"``
-    (a communicator that cannot save its state yet: without, and one warning line)."""
+    (a communicator that cannot save its state yet: without, and one warning line; none without
+    bps_gc.torch.init(), e.g. CHOCO on a communicator of its own)."""
+    if getattr(_left_out, "active", False) or not core.is_initialized():
+        return sd
     try:
         codec = state_dict()
     except NotImplementedError as e:
@@ -232,12 +259,13 @@ def with_codec_state(sd):
     return {**sd, KEY: codec}
 
 
-def without_codec_state(sd):
-    """(the optimizer's own part of ``sd``, the codec state or None), for load_state_dict."""
-    if not isinstance(sd, dict) or KEY not in sd:
-        return sd, None
-    own = dict(sd)
-    return own, own.pop(KEY)
+def load_with_codec_state(sd, load_own):
+    """A wrapping optimizer's ``load_state_dict(sd)``: the codec state under "bps_gc" first (a
+    refused one leaves the optimizer as it was), then ``load_own`` of the rest."""
+    if isinstance(sd, dict) and KEY in sd:
+        sd = dict(sd)
+        load_state_dict(sd.pop(KEY))
+    return load_own(sd)
 
 
 def save_checkpoint(obj, path):

@@ -22,7 +22,7 @@ from ..bindings.momentum import MomentumPlan, split_reducer, tensor_compression
 from ..bindings.step import binding_context, checked_epoch
 from ..compress import CompressionParams
 from . import ops
-from .checkpoint import register, with_codec_state, without_codec_state, load_state_dict as load_codec_state
+from .checkpoint import load_with_codec_state, register, with_codec_state
 
 ENTIRE_MODEL_NAME = "__entiremodel__"
 
@@ -170,10 +170,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return with_codec_state(super(self.__class__, self).state_dict())
 
     def load_state_dict(self, state_dict):
-        own, codec = without_codec_state(state_dict)
-        if codec is not None:  # first: a refused codec state leaves the optimizer as it was
-            load_codec_state(codec)
-        return super(self.__class__, self).load_state_dict(own)
+        return load_with_codec_state(state_dict, super(self.__class__, self).load_state_dict)
 
     def zero_grad(self, set_to_none=True):
         if self._handles:

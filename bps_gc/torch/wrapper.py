@@ -4,7 +4,7 @@ schedulers and checkpoints see the wrapped optimizer; its state_dict() adds the 
 under "bps_gc"), and it delegates the rest."""
 import torch
 
-from .checkpoint import load_state_dict as load_codec_state, with_codec_state, without_codec_state
+from .checkpoint import load_with_codec_state, with_codec_state
 
 
 class WrappingOptimizer(torch.optim.Optimizer):
@@ -20,7 +20,4 @@ class WrappingOptimizer(torch.optim.Optimizer):
         return with_codec_state(self.optimizer.state_dict())
 
     def load_state_dict(self, state_dict):
-        own, codec = without_codec_state(state_dict)
-        if codec is not None:  # first: a refused codec state leaves the optimizer as it was
-            load_codec_state(codec)
-        return self.optimizer.load_state_dict(own)
+        return load_with_codec_state(state_dict, self.optimizer.load_state_dict)

@@ -156,11 +156,11 @@ def save_checkpoint(c, rank, epoch, state, best):
     """Every file written atomically (a temporary file, then renamed), so a worker killed
     mid-save leaves the previous latest checkpoint whole; ``state["optimizer"]`` holds this
     rank's codec state (DGC's memory) under "bps_gc"."""
-    path = c.train.checkpoint_path.format(epoch=epoch, rank=rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    bps.save_checkpoint(state, path)
-    for copy in [c.train.latest_pth_path.format(rank=rank)] + ([c.train.best_pth_path.format(rank=rank)] if best else []):
-        shutil.copyfile(path, copy + ".tmp")
+    path, latest = c.train.checkpoint_path.format(epoch=epoch, rank=rank), c.train.latest_pth_path.format(rank=rank)
+    os.makedirs(os.path.dirname(latest), exist_ok=True)
+    bps.save_checkpoint(state, latest)  # the one a run resumes from, first
+    for copy in [path] + ([c.train.best_pth_path.format(rank=rank)] if best else []):
+        shutil.copyfile(latest, copy + ".tmp")
         os.replace(copy + ".tmp", copy)
     old = c.train.checkpoint_path.format(epoch=epoch - c.train.keep_checkpoints, rank=rank)
     if epoch >= c.train.keep_checkpoints and os.path.isfile(old):

@@ -36,10 +36,12 @@ from .exchange_thread import ExchangeThread
 from .lifecycle import Lifecycle
 from .messages import Messages
 from .reductions import PhasesAndVotes
+from .state import CommunicatorState
 from .two_level import TwoLevels
 
 
-class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, DeviceTensors, api.Communicator):
+class Collective(Lifecycle, Buckets, PhasesAndVotes, TwoLevels, Messages, DeviceTensors, CommunicatorState,
+                 api.Communicator):
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size

@@ -1,6 +1,6 @@
 """push_pull for torch tensors on top of the worker core.
 
-Compressed tensors whose codecs run on their device (BPS_GC_DEVICE_CODECS, device_codecs.py)
+Compressed tensors whose codecs run on their device (BPS_GC_DEVICE_CODECS, device.py)
 are compressed and decoded there; only payloads reach the communicator. Otherwise CPU tensors
 are handed to the core as numpy views of their own memory (no copy); other devices are staged
 through a host copy and copied back when the handle is synchronized.

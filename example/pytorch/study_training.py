@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import bps_gc.core
 import bps_gc.torch as bps
+import epoch_checkpoint
 from bps_gc.config import transport_from_env
 from study_flags import compress_every_layer, require_launcher
 from training_utils import make_logger
@@ -56,12 +57,18 @@ def check_epoch_support(opt, params):
                          "the codec (no set_epoch); use --warmup-epochs 0")
 
 
-def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, print_freq=0):
+def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, print_freq=0, checkpoint=""):
     """Run ``epochs``; ``train_batches(epoch)`` gives (steps, iterable of that many (x, y)
     batches), the same number of steps on every worker; ``val_batches(epoch)`` this worker's
-    validation share; ``lr_at(fractional epoch)`` the rate. Returns one dict per epoch."""
-    history = []
-    for epoch in range(epochs):
+    validation share; ``lr_at(fractional epoch)`` the rate. Returns one dict per epoch.
+    ``checkpoint``: a folder where each rank saves its state after every epoch (codec state
+    included, epoch_checkpoint.py), resumed from when it holds one."""
+    history, first = [], 0
+    saved = epoch_checkpoint.resume(checkpoint, bps.rank(), bps.size(), model, opt, summed)
+    if saved is not None:
+        history, first = saved["history"], saved["epoch"] + 1
+        logger.info("resumed from %s after epoch %d", checkpoint, saved["epoch"])
+    for epoch in range(first, epochs):
         tell_epoch(opt, epoch)
         bps_gc.core.metrics()  # reset: traffic is reported per epoch
         model.train()
@@ -98,6 +105,8 @@ def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, prin
         logger.info("[Epoch %d] traffic per worker: %.0f bytes/step pushed, compression ratio %.1f",
                     epoch, row["pushed_bytes_per_step"], row["ratio"])
         history.append(row)
+        if checkpoint:
+            epoch_checkpoint.save(checkpoint, bps.rank(), model, opt, epoch, history=history)
     return history
 
 
@@ -128,7 +137,7 @@ def train_and_summarize(args, params, model, opt, logger, threads, train_batches
     executor = ThreadPoolExecutor(threads) if threads > 0 else None
     try:
         history = train(model, opt, logger, train_batches=lambda epoch: train_batches(epoch, executor),
-                        **train_args)
+                        checkpoint=args.checkpoint, **train_args)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)

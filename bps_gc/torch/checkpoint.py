@@ -144,6 +144,13 @@ def _checked(sd):
     return sd
 
 
+def _transport(communicator):
+    """The transport of a communicator, or of its saved state (the PS's has meta.transport)."""
+    ps = "meta.transport" in communicator if isinstance(communicator, dict) else \
+        type(communicator).__module__.startswith("bps_gc.ps.")
+    return "the parameter server" if ps else "torch.distributed"
+
+
 def load_state_dict(sd, map_location=None, drop_rank_state=None):
     """Restore ``state_dict()``'s result into this rank's objects (make them, and declare the
     tensors, first; load before the first step). Tensors are copied into the objects' own,
@@ -153,11 +160,12 @@ def load_state_dict(sd, map_location=None, drop_rank_state=None):
     if not core.is_initialized():
         raise RuntimeError("bps_gc.torch.load_state_dict(): call bps_gc.torch.init() first")
     sd = _checked(sd)
-    here = (core.size(), core.rank())
-    saved = (sd.get("world_size"), sd.get("rank"))
+    here = (core.size(), core.rank(), _transport(core.worker()))
+    saved = (sd.get("world_size"), sd.get("rank"), _transport(sd["communicator"]))
     if saved != here:
         what = (f"world size {saved[0]} in the state, {here[0]} here" if saved[0] != here[0] else
-                f"rank {saved[1]} in the state, {here[1]} here")
+                f"rank {saved[1]} in the state, {here[1]} here" if saved[1] != here[1] else
+                f"saved on {saved[2]}, here {here[2]}")
         if not _drop_setting(drop_rank_state):
             raise StateError(f"bps_gc.torch state: saved by another job ({what}); its per-rank codec "
                              f"state does not apply (set {DROP_SETTING}=1 to start the codecs afresh)")

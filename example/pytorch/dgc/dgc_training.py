@@ -192,10 +192,13 @@ def run(c, args, set_paths):
     if args.evaluate:  # DGC's --evaluate: the best checkpoint
         c.train.latest_pth_path = c.train.best_pth_path
     last, best_metric, optimizer_state = resume(c, rank, model, logger)
-    resumed = {k: v.clone() for k, v in model.state_dict().items()} if optimizer_state is not None else None
+    # a resumed rank keeps its own BatchNorm statistics; --evaluate runs rank 0's broadcast ones (DGC's)
+    own = optimizer_state is not None and not args.evaluate
+    resumed = {k: v.clone() for k, v in model.state_dict().items()} if own else None
     optimizer = distribute(optimizer, model, params, SCRIPT_NAME)
     if optimizer_state is not None:
-        model.load_state_dict(resumed)  # this rank's own BatchNorm statistics, not rank 0's broadcast ones
+        if resumed is not None:
+            model.load_state_dict(resumed)  # this rank's own BatchNorm statistics, not rank 0's broadcast ones
         optimizer.load_state_dict(optimizer_state)
     logger.info("%s on %s, %d workers (%s), compression_params %s", c.model.name, c.dataset.name, size,
                 bps_gc.config.transport_from_env(), params)

@@ -45,9 +45,11 @@ def run_hook(params, rank):
                 bucket_cap_mb=0.001)  # a few buckets of ~250 floats
     opt = torch.optim.SGD(model.parameters(), lr=HOOK_LR)
     hook, seen = comm_hook(params, optimizer=opt), []
+    position = {id(p): i for i, p in enumerate(model.parameters())}
 
     def recording(state, bucket):  # stays asynchronous: the result is read when the future completes
-        entry = [bucket.index(), [g.numel() for g in bucket.gradients()], bucket.buffer().detach().clone().numpy()]
+        entry = [bucket.index(), [g.numel() for g in bucket.gradients()], bucket.buffer().detach().clone().numpy(),
+                 [position[id(p)] for p in bucket.parameters()]]
         seen.append(entry)
         return hook(state, bucket).then(lambda f: entry.append(f.value().detach().clone().numpy()) or f.value())
     model.register_comm_hook(None, recording)
@@ -58,8 +60,9 @@ def run_hook(params, rank):
         opt.step()
         opt.zero_grad()
     out = {}
-    for k, (index, sizes, grads, result) in enumerate(seen):
-        out.update({f"index{k}": np.array(index), f"sizes{k}": np.array(sizes), f"in{k}": grads, f"out{k}": result})
+    for k, (index, sizes, grads, params, result) in enumerate(seen):
+        out.update({f"index{k}": np.array(index), f"sizes{k}": np.array(sizes), f"in{k}": grads, f"out{k}": result,
+                    f"params{k}": np.array(params)})
     return out
 
 if __name__ == "__main__":

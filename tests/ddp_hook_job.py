@@ -35,6 +35,7 @@ def record(spec):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hook = bps.comm_hook(spec["compression_params"], reducer=spec.get("reducer"), optimizer=opt)
     seen = []
+    position = {id(p): i for i, p in enumerate(model.parameters())}
 
     def recording(state, bucket):
         grads = bucket.buffer().detach().double().numpy() if dtype == torch.bfloat16 else \
@@ -42,7 +43,8 @@ def record(spec):
         result = hook(state, bucket).wait()
         result = result.double() if dtype == torch.bfloat16 else result
         sizes = np.array([g.numel() for g in bucket.gradients()])
-        seen.append((bucket.index(), grads, result.detach().clone().numpy(), sizes))
+        params = np.array([position[id(p)] for p in bucket.parameters()])  # whose gradients these are
+        seen.append((bucket.index(), grads, result.detach().clone().numpy(), sizes, params))
         fut = torch.futures.Future()
         fut.set_result(result)
         return fut
@@ -56,8 +58,11 @@ def record(spec):
         opt.zero_grad()
     np.savez(os.path.join(out, f"hook{rank}.npz"), index=np.array([s[0] for s in seen]),
              **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
-             **{f"sizes{i}": s[3] for i, s in enumerate(seen)})
+             **{f"sizes{i}": s[3] for i, s in enumerate(seen)}, **{f"params{i}": s[4] for i, s in enumerate(seen)})
     json.dump(vars(bps_gc.core.metrics()), open(os.path.join(out, f"metrics{rank}.json"), "w"))
+    codec_state = hook.compression.codec_state().state_dict()  # by parameter name (hook_state.py)
+    json.dump({k: v if isinstance(v, (int, float, str)) else type(v).__name__ for k, v in codec_state.items()},
+              open(os.path.join(out, f"codec_state{rank}.json"), "w"))
 
 
 def mnist(spec):

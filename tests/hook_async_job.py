@@ -134,11 +134,13 @@ def record(spec, device, name):
     model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)).to(device),
                 device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=0.004)
     hook, seen = bps.comm_hook(spec["compression_params"]), []
+    position = {id(p): i for i, p in enumerate(model.parameters())}
 
     def recording(state, bucket):
         grads = bucket.buffer().detach().cpu().numpy()
         result = hook(state, bucket).wait()  # a CUDA future: this stream waits for the side stream
-        seen.append((bucket.index(), grads, result.detach().cpu().numpy(), [g.numel() for g in bucket.gradients()]))
+        seen.append((bucket.index(), grads, result.detach().cpu().numpy(), [g.numel() for g in bucket.gradients()],
+                     [position[id(p)] for p in bucket.parameters()]))
         future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         future.set_result(result)
         return future
@@ -150,7 +152,8 @@ def record(spec, device, name):
     np.savez(os.path.join(out, f"{name}{rank}.npz"), index=np.array([s[0] for s in seen]),
              device_chains=np.array([state.on_device for state in hook.compression.buckets.values()]),
              **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
-             **{f"sizes{i}": np.array(s[3]) for i, s in enumerate(seen)})
+             **{f"sizes{i}": np.array(s[3]) for i, s in enumerate(seen)},
+             **{f"params{i}": np.array(s[4]) for i, s in enumerate(seen)})
 
 
 def cuda(spec):

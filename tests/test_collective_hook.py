@@ -1,7 +1,7 @@
 """bps_gc.torch.comm_hook under DDP on 2 gloo ranks (torchrun): every bucket's result equals the
-numpy re-computation from both ranks' bucket gradients (per-bucket chains with error feedback,
-rank-ordered decode-and-sum, the reducer, the average), and the hook trains the MNIST demo model
-to within 1 point of dense DDP."""
+numpy re-computation from both ranks' bucket gradients (per-gradient chains with error feedback,
+kept when DDP regroups the buckets, rank-ordered decode-and-sum, the reducer, the average), and
+the hook trains the MNIST demo model to within 1 point of dense DDP."""
 import json
 import os
 import subprocess
@@ -27,23 +27,28 @@ def run(spec, tmp_path, ranks=2, timeout=240):
 
 
 def expected_buckets(params, calls, ranks, lr, reducer, wire=None, sent=None):
-    """[result] per hook call: calls[r] = [(index, sizes, gradients)] of rank r, in call order;
-    each gradient of a bucket is compressed on its own (layer-wise), in ``wire`` (float32, or
-    float16 with fp16). ``sent``: a list of ranks' payload bytes, each added to."""
+    """[result] per hook call: calls[r] = [(index, sizes, gradients[, parameters])] of rank r, in
+    call order; each gradient of a bucket is compressed on its own (layer-wise), in ``wire``
+    (float32, or float16 with fp16), by its parameter's chains, made (seeded by the bucket index
+    and position) where it was first seen: they stay when DDP regroups the buckets. Without
+    parameters (the hook called on stand-in buckets) a gradient is its bucket index and position,
+    and gets new chains when its size changes. ``sent``: a list of ranks' payload bytes, each added to."""
     wire = wire or (np.float16 if params.get("fp16") else np.float32)
-    state, results = {}, []
+    chains, results = {}, []
     for per_rank in zip(*calls):
         index, sizes = int(per_rank[0][0]), list(per_rank[0][1])
-        if index not in state or state[index][0] != sizes:
-            keys = [bucket_key(index, i) for i in range(len(sizes))]
-            state[index] = (sizes, [([build_chain(params, n, wire, key=k) for _ in range(ranks)],
-                                     build_chain(params, n, wire, key=k, role="server"))
-                                    for n, k in zip(sizes, keys)])
+        owners = [int(p) for p in per_rank[0][3]] if len(per_rank[0]) > 3 else [(index, i) for i in range(len(sizes))]
+        for position, (n, owner) in enumerate(zip(sizes, owners)):
+            if owner not in chains or chains[owner][1].n != n:
+                key = bucket_key(index, position)
+                chains[owner] = ([build_chain(params, n, wire, key=key) for _ in range(ranks)],
+                                 build_chain(params, n, wire, key=key, role="server"))
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         result = np.empty(bounds[-1], wire)
-        for i, (chains, server) in enumerate(state[index][1]):
+        for i, owner in enumerate(owners):
+            workers, server = chains[owner]
             acc = np.zeros(sizes[i], wire)
-            for rank, (chain, (_, _, grads)) in enumerate(zip(chains, per_rank)):
+            for rank, (chain, (_, _, grads, *_)) in enumerate(zip(workers, per_rank)):
                 payload = chain.compress(grads[bounds[i]:bounds[i + 1]].astype(wire), lr)
                 acc += chain.decompress(payload)
                 if sent is not None:
@@ -70,7 +75,7 @@ def test_hook_equals_numpy_recomputation(case, tmp_path):
     saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(2)]
     count = len(saved[0]["index"])
     assert len(set(saved[0]["index"])) >= 2  # several buckets (after DDP regroups them)
-    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"], s[f"params{i}"]) for i in range(count)] for s in saved]
     expected = expected_buckets(params, calls, 2, 0.1, reducer)
     for rank, s in enumerate(saved):
         for i, value in enumerate(expected):

@@ -80,25 +80,28 @@ def check_hook_levels(spec, tmp_path):
 
 def check_ddp_hook(runs):
     """The DDP hook's buckets under two levels (every rank's gradients in, averaged bucket out,
-    in call order): each gradient of a bucket is HostModel's tensor of its own, its state per
-    bucket index renewed when DDP regroups the bucket (the hook's rule), step counted per bucket.
-    Topk and error feedback draw nothing random, so the codecs' keys need not be the hook's."""
+    in call order): each gradient of a bucket is HostModel's tensor of its own, its state kept
+    per parameter when DDP regroups the buckets (the hook's rule: one owner and chain per
+    gradient), its step counted per parameter. Topk and error feedback draw nothing random, so
+    the codecs' keys need not be the hook's."""
     for mode, params in HOOK_MODES.items():
         calls = sum(1 for name in runs[0].files if name.startswith(f"{mode}/index"))
         state, carried = {}, 0
         for k in range(calls):
             index, sizes = int(runs[0][f"{mode}/index{k}"]), [int(n) for n in runs[0][f"{mode}/sizes{k}"]]
+            owners = [int(p) for p in runs[0][f"{mode}/params{k}"]]
             assert all(int(run[f"{mode}/index{k}"]) == index for run in runs), f"{mode} call {k}: bucket order"
-            if index not in state or state[index][0] != sizes:
-                state[index] = [sizes, [HostModel(params, [n], "float32", HOOK_INDEX, HOSTS, LOCAL, 1 << 30, 0)
-                                        for n in sizes], 0]
-            ctx = {"lr": HOOK_LR, "step": state[index][2]}
-            carried += state[index][2] > 0  # error feedback's state carried from an earlier step
-            state[index][2] += 1
+            for n, owner in zip(sizes, owners):
+                state.setdefault(owner, [HostModel(params, [n], "float32", HOOK_INDEX, HOSTS, LOCAL, 1 << 30, 0), 0])
+            step = max(state[owner][1] for owner in owners)
+            ctx = {"lr": HOOK_LR, "step": step}
+            carried += step > 0  # error feedback's state carried from an earlier step
+            for owner in owners:
+                state[owner][1] = step + 1
             bounds = np.cumsum([0] + sizes)
             inputs = [run[f"{mode}/in{k}"] for run in runs]
-            expected = np.concatenate([model.step([x[bounds[i]:bounds[i + 1]] for x in inputs], ctx)
-                                       for i, model in enumerate(state[index][1])])
+            expected = np.concatenate([state[owner][0].step([x[bounds[i]:bounds[i + 1]] for x in inputs], ctx)
+                                       for i, owner in enumerate(owners)])
             for rank, run in enumerate(runs):
                 got = run[f"{mode}/out{k}"]
                 assert got.tobytes() == expected.tobytes(), \

@@ -99,7 +99,7 @@ def check_recorded(saved, ranks, exact):
     assert all(s["device_chains"].all() for s in saved)  # every bucket took the device path
     count = len(saved[0]["index"])
     assert len(set(saved[0]["index"])) >= 2  # several buckets (after DDP regroups them)
-    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"], s[f"params{i}"]) for i in range(count)] for s in saved]
     expected = expected_buckets(TOPK_EF, calls, ranks, 0.0, "recompress")
     for rank, s in enumerate(saved):
         for i, value in enumerate(expected):

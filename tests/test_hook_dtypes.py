@@ -28,7 +28,7 @@ def record(tmp_path, params, dtype, reducer="lossless"):
 def saved_calls(tmp_path):
     saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(2)]
     count = len(saved[0]["index"])
-    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"]) for i in range(count)] for s in saved]
+    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"], s[f"params{i}"]) for i in range(count)] for s in saved]
     return saved, calls
 
 
@@ -46,7 +46,7 @@ def test_float64_model_is_reduced_in_float64_and_counted(tmp_path):
     # metrics() without init(): the hook's own counts, against the bytes re-computed here
     for rank in range(2):
         m = json.load(open(tmp_path / f"metrics{rank}.json"))
-        raw = sum(grads.nbytes for _, _, grads in calls[rank])
+        raw = sum(grads.nbytes for _, _, grads, _ in calls[rank])
         assert m["pushed_raw"] == m["pulled_raw"] == raw
         assert m["pushed_wire"] == sent[rank] and m["pulled_wire"] == sent[1 - rank]
         assert 0 < m["pushed_wire"] < raw / 3  # top 10 %: (index, value) records
@@ -70,5 +70,5 @@ def test_bfloat16_model_is_widened_to_float32_and_rounded_back(tmp_path):
         for i, value in enumerate(expected):
             rounded = torch.from_numpy(value).to(torch.bfloat16).double().numpy()
             assert s[f"out{i}"].tobytes() == rounded.tobytes(), f"rank {rank} call {i}"
-    raw = sum(grads.size * 2 for _, _, grads in calls[0])  # bfloat16: 2 bytes an element
+    raw = sum(grads.size * 2 for _, _, grads, _ in calls[0])  # bfloat16: 2 bytes an element
     assert json.load(open(tmp_path / "metrics0.json"))["pushed_raw"] == raw

@@ -172,7 +172,8 @@ def test_cifar100_script_trains_with_compression(tmp_path, job, flags):
     assert "[worker0] [Epoch 0] speed:" in result.stdout and "[worker1] [Epoch" not in result.stdout
     saved = sorted(os.listdir(tmp_path / "params")) if (tmp_path / "params").exists() else []
     if "onebit" in job:
-        assert saved == ["cifar100-resnet20-0.params"]
+        # rank 0's parameters, and every rank's whole state for --resume-state
+        assert saved == ["cifar100-resnet20-0.params", "cifar100-resnet20-0.r0.state", "cifar100-resnet20-0.r1.state"]
         state = torch.load(tmp_path / "params" / saved[0], weights_only=True)
         cifar.resnet("resnet20").load_state_dict(state)
     else:

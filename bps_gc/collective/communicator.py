@@ -41,6 +41,7 @@ from .lifecycle import Lifecycle
 from .messages import Messages
 from .reductions import PhasesAndVotes
 from .shared import Shared
+from .state import CommunicatorState
 from .two_level import TwoLevels
 
 
@@ -70,6 +71,8 @@ class Collective(api.Communicator):
         self.check_alive, self.wait, self.drain = self.lifecycle.check_alive, self.lifecycle.wait, self.lifecycle.drain
         self.flush = self.buckets.flush
         self.push_payloads, self.reduce_tensor = self.device.push_payloads, self.device.reduce_tensor
+        self.checkpoint = CommunicatorState(codecs, self.tensors, self.rank, self.flush, self.drain)
+        self.state_dict, self.load_state_dict = self.checkpoint.state_dict, self.checkpoint.load_state_dict
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -85,13 +85,16 @@ def connect(cfg, backend):
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"bps_gc: cannot reach the rendezvous at {cfg.root_uri}:{cfg.root_port} "
                               f"as rank {cfg.rank}: {e}") from None
+    # torch elastic keeps its agent's store over restarts: each attempt's keys apart
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = "bps_gc" if attempt == "0" else f"bps_gc/attempt{attempt}"
     try:
-        dist.init_process_group(backend, store=dist.PrefixStore("bps_gc/group", store), rank=cfg.rank,
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{prefix}/group", store), rank=cfg.rank,
                                 world_size=cfg.size, timeout=timeout)
     except dist.DistStoreError as e:  # a rank that never came: the store waited out the timeout
         raise NodeFailure(f"bps_gc: the job did not assemble within {cfg.join_timeout:g} s "
                           f"(BPS_GC_JOIN_TIMEOUT; rank {cfg.rank} of {cfg.size} waited): {e}") from None
-    return dist.PrefixStore("bps_gc/live", store), host_store
+    return dist.PrefixStore(f"{prefix}/live", store), host_store
 
 
 def waiting_at_rendezvous(cfg):

@@ -7,6 +7,7 @@
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 from ..core import metrics
+from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .hook import comm_hook
@@ -20,4 +21,5 @@ __all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimize
            "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "metrics", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
-__all__ += ["DecentralizedOptimizer", "LocalSGD"]
+__all__ += ["DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
+            "state_dict"]

@@ -6,6 +6,7 @@ import torch
 
 import bps_gc.core as core
 
+from .checkpoint import codec_state_left_out
 from .ops import host_view
 
 
@@ -46,7 +47,8 @@ def broadcast_optimizer_state(optimizer, root_rank):
     ranks may hold different entries: the root's layout is broadcast first, the others create
     what they lack (zeros of root's shape and dtype) and drop what root does not have, and then
     every rank broadcasts the same values in the same order."""
-    state_dict = optimizer.state_dict()
+    with codec_state_left_out():  # the codec state is per rank
+        state_dict = optimizer.state_dict()
     layout = {"groups": [sorted(k for k, v in g.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
                          for g in state_dict["param_groups"]],
               "state": [[pid, key, _describe(value)] for pid, entry in sorted(state_dict["state"].items())

@@ -25,6 +25,7 @@ import bps_gc.core as core
 
 from ..algorithms.gossip import ChocoGossip, DPSGDGossip, _Neighbourhood, gossip_params, pack
 from ..algorithms.topology import topology as make_topology
+from .checkpoint import register
 from .device import chain_for, uses_device_chain
 from .ops import SUPPORTED
 from .wrapper import WrappingOptimizer
@@ -92,6 +93,7 @@ class DecentralizedOptimizer(WrappingOptimizer):
                 raise ValueError("D-PSGD exchanges uncompressed models; use algorithm='choco' to compress")
             gossip = DeviceDPSGDGossip if on_device else DPSGDGossip
             self.gossip = gossip(arrays, self.topology, self.comm, tag=name or "dpsgd")
+        register(self, "DecentralizedOptimizer")
 
     def step(self, closure=None):
         with torch.no_grad():

@@ -4,9 +4,9 @@
 
 ``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average, as torch's own
 hooks. Each gradient of a bucket is its own partition (one onebit scale over a whole bucket
-would mix layers), with a codec chain (error feedback, momentum) kept per bucket index and
-position and keyed so seeds agree on every rank; a bucket whose size changed (DDP regroups
-after the first step) starts with fresh state. Every rank gathers every rank's payloads and runs
+would mix layers), with a codec chain (error feedback, momentum) kept per gradient
+(hook_state.py: it stays when DDP regroups its buckets after the first step), seeded by the
+bucket index and position where it was first seen, so seeds agree on every rank. Every rank gathers every rank's payloads and runs
 the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
 server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
 error feedback rescales by is ``optimizer``'s when the hook is called.
@@ -38,13 +38,12 @@ from ..collective import Collective, all_gather_bytes
 from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
 from ..collective.exchange_thread import ExchangeThread
 from ..collective.security import refuse_security_settings
-from ..compress.device.reducers import device_reduction
-from .device import chain_for, uses_device_chain
-from .hook_dtypes import TORCH_OF, built_or_refused, wire_dtype, wire_torch
+from .checkpoint import register
+from .hook_dtypes import TORCH_OF, wire_dtype, wire_torch
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
 from .hook_phased import PhasedBuckets
-from .hook_state import BucketJob, BucketState
+from .hook_state import BucketJob, BucketState, HookState
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -64,20 +63,23 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook(PhasedBuckets):
-    def __init__(self, compression_params=None, reducer=None, optimizer=None):
+class CompressionHook(PhasedBuckets, HookState):
+    def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None):
         refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
         phases = getattr(compress.REDUCERS.get(self.reducer), "phases", 1)  # "sum" is no class
         self.phased = phases > 1  # thc: each phase one all_reduce (hook_phased.py)
-        self.phased_buckets = {}  # bucket index -> [sizes, its partitions, steps so far]
+        self.phased_buckets = {}  # bucket index -> [sizes, gradient ids, its partitions, [GradientCodec]]
         if self.phased and not getattr(compress.REDUCERS[self.reducer], "in_hook", False):
             raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
         self.buckets = {}  # bucket index -> its BucketState
+        # the codecs by gradient (hook_state.py), named for checkpoints by ``named``
+        self.gradients = {}
+        self.named = None if named_parameters is None else list(named_parameters)
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
         # thread issues every collective of the hook
@@ -105,14 +107,14 @@ class CompressionHook(PhasedBuckets):
             return self._phased_call(group, bucket, buffer)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
-        state = self._state(index, sizes, buffer)
+        state = self._state(index, sizes, buffer, self._gradient_ids(bucket, index, len(sizes)))
         on_device = state.on_device
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": state.steps}
-        state.steps += 1
+               "step": self._next_step(state.codecs)}
         levels = None if on_device else levels  # device payloads stay flat (as DeviceTensors')
         side = group if levels is not None else self._side_group(group)
-        job = BucketJob(side, index, buffer, state.parts, ctx, on_device, levels)
+        job = BucketJob(side, index, buffer, state.parts, ctx, on_device, levels,
+                        tuple(codec.key for codec in state.codecs))
         future, stream = self._future(buffer)
         self.compressor.submit(lambda: self._compress_stage(job, future, stream))
         _stamp(index, "returned")
@@ -268,26 +270,17 @@ class CompressionHook(PhasedBuckets):
             self.side_groups[group] = side
         return side
 
-    def _state(self, index, sizes, buffer):
-        """The BucketState of bucket ``index``, its parts [(worker chain, reducer)] one per
-        gradient: device chains and reducers on the bucket's device when ``uses_device_chain``
+    def _state(self, index, sizes, buffer, gradients):
+        """The BucketState of bucket ``index``, from the codecs of its gradients (their ids
+        ``gradients``: hook_state.py keeps each one's codec across DDP's regrouping): device
+        chains and reducers on the bucket's device when ``uses_device_chain``
         (BPS_GC_DEVICE_CODECS: by default for buckets off the CPU), else numpy ones."""
         state = self.buckets.get(index)
-        if state is None or state.sizes != sizes or (state.device, state.dtype) != (buffer.device, buffer.dtype):
-            on_device = uses_device_chain(buffer)
-            keys = [bucket_key(index, position) for position in range(len(sizes))]
-            wire = wire_dtype(buffer, self.params.fp16)  # a codec that cannot carry it refuses here
-            if on_device:
-                parts = built_or_refused(lambda: [
-                    (chain_for(self.params, n, wire, key, "worker", buffer),
-                     device_reduction(self.reducer, self.params, n, wire, key, buffer.device))
-                    for n, key in zip(sizes, keys)], self.params, index, buffer)
-            else:
-                parts = built_or_refused(lambda: [
-                    (compress.build_chain(self.params, n, wire, key=key, role="worker"),
-                     compress.make_reducer(self.reducer, self.params, n, wire, key))
-                    for n, key in zip(sizes, keys)], self.params, index, buffer)
-            state = BucketState(sizes, buffer.device, buffer.dtype, parts, on_device)
+        if (state is None or state.sizes != sizes or (state.device, state.dtype) != (buffer.device, buffer.dtype)
+                or state.gradients != gradients):
+            codecs, on_device = self._codecs_for(index, gradients, sizes, buffer,
+                                                 lambda position: bucket_key(index, position))
+            state = BucketState(sizes, buffer.device, buffer.dtype, codecs, on_device, gradients)
             self.buckets[index] = state
         return state
 
@@ -304,11 +297,12 @@ class CompressionHook(PhasedBuckets):
         return dist.all_reduce(sent, group=group, async_op=True).get_future().then(written_back)
 
 
-def comm_hook(compression_params=None, reducer=None, optimizer=None):
+def comm_hook(compression_params=None, reducer=None, optimizer=None, named_parameters=None):
     """A hook for ``DistributedDataParallel.register_comm_hook(process_group_or_None, hook)``;
-    a plain function (DDP logs and checks hooks by their function name), its per-bucket codec
-    state in ``hook.compression``."""
-    compression = CompressionHook(compression_params, reducer, optimizer)
+    a plain function (DDP logs and checks hooks by their function name), its per-gradient codec
+    state in ``hook.compression``, saved by bps_gc.torch.state_dict() under the names of
+    ``named_parameters`` (model.named_parameters(); else ``optimizer``'s parameter order)."""
+    compression = register(CompressionHook(compression_params, reducer, optimizer, named_parameters), "comm_hook")
 
     def bps_gc_comm_hook(process_group, bucket):
         return compression(process_group, bucket)

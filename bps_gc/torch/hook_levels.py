@@ -78,7 +78,11 @@ class HookLevels:
         levels, group, index, buffer, parts, ctx = job.levels, job.group, job.index, job.buffer, job.parts, job.ctx
         flat = grad.numpy()
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-        owned = [(bounds[i], bounds[i + 1], partition_owner(index, i, levels.local_size), chain, reducer, ctx)
+        # each gradient's owner by where it was first seen (its seed key, hook_state.py), so the
+        # rank keeping its chain stays when DDP regroups the buckets, or after a restart
+        keys = job.keys
+        owned = [(bounds[i], bounds[i + 1], partition_owner(keys[i] >> 16 & 0xFFFFFF, keys[i] & 0xFFFF,
+                                                            levels.local_size), chain, reducer, ctx)
                  for i, (chain, reducer) in enumerate(parts)]
         sent, received = levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads",
                                              wire_dtype(buffer, self.params.fp16), self._wait(group, index))

@@ -19,26 +19,27 @@ from .hook_futures import current, settle, value
 
 class PhasedBuckets:
     """Mixed into CompressionHook (which provides params, optimizer, exchanger, traffic,
-    _future, _side_group and _waiter)."""
+    _future, _side_group, _waiter and hook_state.HookState's per-gradient codecs)."""
 
     def _phased_call(self, group, bucket, buffer):
         from .hook import bucket_key
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
+        gradients = self._gradient_ids(bucket, index, len(sizes))
         state = self.phased_buckets.get(index)
-        if state is None or state[0] != sizes:
+        if state is None or state[0] != sizes or state[1] != gradients:
+            # each gradient's chain is its own (hook_state.py), kept when DDP regroups and saved by name
+            codecs, _ = self._codecs_for(index, gradients, sizes, buffer, lambda i: bucket_key(index, i))
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
-            parts = [types.SimpleNamespace(codec=compress.build_chain(self.params, n, np.float32,
-                                                                      key=bucket_key(index, i), role="worker"),
-                                           start=bounds[i], stop=bounds[i + 1]) for i, n in enumerate(sizes)]
-            state = self.phased_buckets[index] = [sizes, types.SimpleNamespace(partitions=parts), 0]
+            parts = [types.SimpleNamespace(codec=codec.chain, start=bounds[i], stop=bounds[i + 1])
+                     for i, codec in enumerate(codecs)]
+            state = self.phased_buckets[index] = [sizes, gradients, types.SimpleNamespace(partitions=parts), codecs]
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": state[2]}
-        state[2] += 1
+               "step": self._next_step(state[3])}
         side = self._side_group(group)
         future, stream = self._future(buffer)
-        self.exchanger.submit(lambda: self._phased_stage(side, index, buffer, state[1], ctx, future, stream))
+        self.exchanger.submit(lambda: self._phased_stage(side, index, buffer, state[2], ctx, future, stream))
         return future.then(value)
 
     def _phased_stage(self, group, index, buffer, tensor, ctx, future, stream):

@@ -1,19 +1,39 @@
-"""The DDP hook's per-bucket state, in named fields (as torch's PowerSGDState): what it keeps
-for a bucket index across steps (BucketState) and what one call hands its three threads (BucketJob)."""
+"""The DDP hook's state, in named fields (as torch's PowerSGDState): its codec per gradient,
+keyed by parameter (GradientCodec; docs/checkpoint.md), what it keeps for a bucket index across
+steps (BucketState) and what one call hands its three threads (BucketJob).
+
+Each gradient keeps its chain, reducer and step count when DDP regroups its buckets (after the
+first step, or with another ``bucket_cap_mb`` after a restart), and its state is saved under
+the parameter's name. Names come from ``comm_hook(..., named_parameters=)``, else from the
+order of ``optimizer``'s parameters (``param.<i>``, as torch's optimizer state names them)."""
 import dataclasses
 from typing import Any
+
+import numpy as np
+
+from .. import compress
+from ..compress.device.reducers import device_reduction
+from ..compress.state import StateError, StateGroup, Stateful
+from .device import chain_for, uses_device_chain
+from .hook_dtypes import built_or_refused, wire_dtype
 
 
 @dataclasses.dataclass
 class BucketState:
     """What the hook keeps for DDP bucket ``index`` across steps; made again when the bucket's
-    ``sizes``, ``device`` or ``dtype`` change (DDP regroups after the first step)."""
+    ``sizes``, ``device``, ``dtype`` or gradients change (DDP regroups after the first step),
+    from the gradients' own codecs."""
     sizes: list  # the numel of each gradient of the bucket
     device: Any  # the bucket's torch.device
     dtype: Any  # the bucket's torch dtype (its codecs' wire dtype follows it: hook_dtypes.py)
-    parts: list  # [(worker chain, reducer)], one per gradient
+    codecs: list  # [GradientCodec], one per gradient, in bucket order
     on_device: bool  # device chains and reducers (BPS_GC_DEVICE_CODECS), else numpy ones
-    steps: int = 0  # how many times the bucket was reduced: the step context's ``step``
+    gradients: list  # the ids its gradients' codecs are kept under (HookState._gradient_ids)
+
+    @property
+    def parts(self):
+        """[(worker chain, reducer)], one per gradient."""
+        return [(codec.chain, codec.reducer) for codec in self.codecs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,3 +46,122 @@ class BucketJob:
     ctx: dict  # the step context (lr, step)
     on_device: bool  # BucketState.on_device
     levels: Any  # the HostLevels it reduces through, or None (flat)
+    keys: tuple = ()  # each gradient's seed key (where it was first seen): its two-level owner
+
+
+class GradientCodec(Stateful):
+    """One gradient's worker chain and reducer (None in a phased bucket: hook_phased.py);
+    ``key`` seeds both (the bucket index and position where it was first seen), ``steps``
+    counts its reductions (the step context)."""
+
+    state_attrs = ("key", "steps")
+
+    def __init__(self, key, n, device, on_device, wire, chain, reducer):
+        self.key, self.n, self.device, self.on_device, self.wire = key, n, device, on_device, wire
+        self.chain, self.reducer, self.steps = chain, reducer, 0
+
+    def state_children(self):
+        return (("worker/", self.chain),) + ((("reducer/", self.reducer),) if self.reducer is not None else ())
+
+    def fits(self, n, device, on_device, wire):
+        return (self.n, self.device, self.on_device, self.wire) == (n, device, on_device, wire)
+
+
+class HookState:
+    """Mixed into CompressionHook (which provides params, reducer, optimizer, phased,
+    ``named``: [(name, parameter)] or None, ``gradients``: {id(parameter) or (bucket index,
+    position): GradientCodec}, ``buckets`` and ``phased_buckets``)."""
+
+    def _gradient_ids(self, bucket, index, count):
+        """The ids the gradients of ``bucket`` keep their codecs under: their parameters (DDP's
+        buckets), or their bucket index and position (a bucket without parameters())."""
+        if hasattr(bucket, "parameters"):
+            return [id(p) for p in bucket.parameters()]
+        return [(index, position) for position in range(count)]
+
+    def _codec_kind(self, tensor):
+        """(on device, wire dtype) of a gradient's codec: phased buckets run float32 numpy
+        chains (hook_phased.py); others follow the bucket (hook_dtypes.py, BPS_GC_DEVICE_CODECS)."""
+        if self.phased:
+            return False, np.dtype(np.float32)
+        return uses_device_chain(tensor), wire_dtype(tensor, self.params.fp16)
+
+    def _make_codec(self, key, n, tensor, on_device, wire):
+        """A fresh GradientCodec of ``n`` elements where ``tensor`` lives."""
+        if self.phased:  # its reducer runs as the phases of hook_phased.py
+            chain = compress.build_chain(self.params, n, wire, key=key, role="worker")
+            return GradientCodec(key, n, tensor.device, on_device, wire, chain, None)
+        if on_device:
+            chain = chain_for(self.params, n, wire, key, "worker", tensor)
+            reducer = device_reduction(self.reducer, self.params, n, wire, key, tensor.device)
+        else:
+            chain = compress.build_chain(self.params, n, wire, key=key, role="worker")
+            reducer = compress.make_reducer(self.reducer, self.params, n, wire, key)
+        return GradientCodec(key, n, tensor.device, on_device, wire, chain, reducer)
+
+    def _codecs_for(self, index, gradients, sizes, buffer, key_of):
+        """The codecs of a bucket's gradients: each one's own when it was seen before with this
+        size, device and wire dtype, else a fresh one seeded by ``key_of(position)``."""
+        on_device, wire = self._codec_kind(buffer)
+
+        def build():
+            codecs = []
+            for position, (gradient, n) in enumerate(zip(gradients, sizes)):
+                codec = self.gradients.get(gradient)
+                if codec is None or not codec.fits(n, buffer.device, on_device, wire):
+                    codec = self.gradients[gradient] = self._make_codec(key_of(position), n, buffer,
+                                                                        on_device, wire)
+                codecs.append(codec)
+            return codecs
+        return built_or_refused(build, self.params, index, buffer), on_device
+
+    def _next_step(self, codecs):
+        """The step context's ``step`` of a bucket of ``codecs``: how many times they were reduced."""
+        step = max(codec.steps for codec in codecs)
+        for codec in codecs:
+            codec.steps = step + 1
+        return step
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _named(self):
+        """{name: parameter} of the hook's parameters."""
+        if self.named is not None:
+            return dict(self.named)
+        if self.optimizer is None:
+            raise StateError("comm_hook: its state is keyed by parameter name; pass "
+                             "named_parameters=model.named_parameters() (or optimizer=) to comm_hook")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return {f"param.{i}": p for i, p in enumerate(params)}
+
+    def codec_state(self):
+        """A Stateful of every gradient's codec, by parameter name."""
+        names = {id(p): name for name, p in self._named().items()}
+        unnamed = [g for g in self.gradients if g not in names]
+        if unnamed:
+            raise StateError(f"comm_hook: {len(unnamed)} gradient(s) of its buckets are not among the "
+                             "parameters it was given (named_parameters= or optimizer=)")
+        return StateGroup({names[g]: codec for g, codec in self.gradients.items()})
+
+    def codec_state_to_load(self, sd):
+        """(a Stateful of fresh codecs for the parameters ``sd`` holds, made with their saved
+        keys; a function that installs them once loaded). Parameters this model lacks are
+        refused, named."""
+        named = self._named()
+        saved = sorted({key.split("/", 1)[0].removeprefix("identity.") for key in sd})
+        unknown = [name for name in saved if name not in named]
+        if unknown:
+            raise StateError(f"comm_hook: the state holds parameters this model does not have: "
+                             f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}")
+        fresh = {}
+        for name in saved:
+            p, key = named[name], sd.get(f"{name}/key")
+            if isinstance(key, bool) or not isinstance(key, int) and not hasattr(key, "__index__"):
+                raise StateError(f"comm_hook: the state of {name!r} has no integer key")
+            fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p))
+
+        def install():
+            self.gradients.update((id(named[name]), codec) for name, codec in fresh.items())
+            self.buckets.clear()  # rebuilt from the installed codecs at the next call
+            self.phased_buckets.clear()
+        return StateGroup(fresh), install

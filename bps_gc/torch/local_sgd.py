@@ -33,6 +33,7 @@ import bps_gc.core as core
 
 from . import ops
 from .ops import SUPPORTED
+from .checkpoint import register
 from .wrapper import WrappingOptimizer
 
 SIGN_PARAMS = {"compressor": "onebit", "scaling": False}  # 1 bit per element, decoded to +-1
@@ -83,6 +84,7 @@ class LocalSGD(WrappingOptimizer):
             self.scales_key = f"{prefix}.sign_scales"
             self.scales = torch.zeros(len(self.params), dtype=torch.float32)
             ops.declare(self.scales_key, shape=tuple(self.scales.shape), dtype=torch.float32)
+        register(self, "LocalSGD")
 
     def set_epoch(self, epoch):
         """The training loop's epoch (post-local SGD switches at ``local_from_epoch``)."""

@@ -24,6 +24,7 @@ from ..algorithms.momentum import MomentumPlan, split_reducer, tensor_compressio
 from ..algorithms.step import binding_context, checked_epoch
 from ..compress import CompressionParams
 from . import ops
+from .checkpoint import load_with_codec_state, register, with_codec_state
 
 ENTIRE_MODEL_NAME = "__entiremodel__"
 
@@ -71,6 +72,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._priority = {id(p): -i for i, p in enumerate(self._params)}
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
+        register(self, "DistributedOptimizer")
 
     def _declare(self, compression_params, fp16):
         """Declares the gradients; returns (EntireModel or None, {id(p): compressed})."""
@@ -188,6 +190,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_skip_sync", False):
             self.synchronize()
         return super(self.__class__, self).step(closure)
+
+    def state_dict(self):
+        """The wrapped optimizer's state, and this rank's codec state under "bps_gc"
+        (bps_gc.torch.state_dict(): every hook and optimizer of the process)."""
+        return with_codec_state(super(self.__class__, self).state_dict())
+
+    def load_state_dict(self, state_dict):
+        return load_with_codec_state(state_dict, super(self.__class__, self).load_state_dict)
 
     def zero_grad(self, set_to_none=True):
         if self._handles:

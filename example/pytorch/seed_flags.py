@@ -99,6 +99,8 @@ def build_parser():
     a("--num_iterations", type=int, default=32000)
     a("--max_iters", type=int, default=0, help="at most this many steps per epoch (0: all; for quick runs)")
     a("--eval_freq", type=int, default=1, help="evaluate every this many epochs (and after the last)")
+    a("--checkpoint", default="", help="a folder: each rank saves its state there after every epoch (model, "
+                                        "optimizer, bps_gc's codec state), and a run with the same folder resumes")
     a("--avg_model", type=str2bool, default=False,
       help="at the end, every worker takes the average of all workers' models (the model reported)")
     a("--evaluate_avg", type=str2bool, default=False,

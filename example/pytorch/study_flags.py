@@ -68,6 +68,9 @@ def add_study_args(parser, momentum=0.0):
     g.add_argument("--min-compress-bytes", type=int, default=None,
                    help="tensors smaller than this go dense (default 0: the study compresses every layer; "
                         "BytePS's 65536 is BYTEPS_MIN_COMPRESS_BYTES's default)")
+    parser.add_argument("--checkpoint", default="",
+                        help="a folder: each rank saves its state there after every epoch (model, optimizer, "
+                             "bps_gc's codec state), and a run with the same folder resumes")
     return g
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import bps_gc.core
 import bps_gc.torch as bps
+import epoch_checkpoint
 from bps_gc.config import transport_from_env
 from study_flags import compress_every_layer, require_launcher
 from torch_device import MixedPrecision, on_device, pick_device
@@ -58,15 +59,21 @@ def check_epoch_support(opt, params):
 
 
 def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, print_freq=0, device=None,
-          amp=None):
+          amp=None, checkpoint=""):
     """Run ``epochs``; ``train_batches(epoch)`` gives (steps, iterable of that many (x, y)
     batches), the same number of steps on every worker; ``val_batches(epoch)`` this worker's
     validation share; ``lr_at(fractional epoch)`` the rate; ``device`` where the model is,
-    ``amp`` its MixedPrecision. Returns one dict per epoch."""
+    ``amp`` its MixedPrecision. Returns one dict per epoch.
+    ``checkpoint``: a folder where each rank saves its state after every epoch (codec state
+    included, epoch_checkpoint.py), resumed from when it holds one."""
     device = device or torch.device("cpu")
     amp = amp or MixedPrecision(device)
-    history = []
-    for epoch in range(epochs):
+    history, first = [], 0
+    saved = epoch_checkpoint.resume(checkpoint, bps.rank(), bps.size(), model, opt, summed)
+    if saved is not None:
+        history, first = saved["history"], saved["epoch"] + 1
+        logger.info("resumed from %s after epoch %d", checkpoint, saved["epoch"])
+    for epoch in range(first, epochs):
         tell_epoch(opt, epoch)
         bps_gc.core.metrics()  # reset: traffic is reported per epoch
         model.train()
@@ -103,6 +110,8 @@ def train(model, opt, logger, *, epochs, train_batches, val_batches, lr_at, prin
         logger.info("[Epoch %d] traffic per worker: %.0f bytes/step pushed, compression ratio %.1f",
                     epoch, row["pushed_bytes_per_step"], row["ratio"])
         history.append(row)
+        if checkpoint:
+            epoch_checkpoint.save(checkpoint, bps.rank(), model, opt, epoch, history=history)
     return history
 
 
@@ -133,7 +142,7 @@ def train_and_summarize(args, params, model, opt, logger, threads, train_batches
     executor = ThreadPoolExecutor(threads) if threads > 0 else None
     try:
         history = train(model, opt, logger, train_batches=lambda epoch: train_batches(epoch, executor),
-                        **train_args)
+                        checkpoint=args.checkpoint, **train_args)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)

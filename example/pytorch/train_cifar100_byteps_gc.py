@@ -70,6 +70,9 @@ def build_parser():
     parser.add_argument("--save-dir", type=str, default="params", help="directory of saved models")
     parser.add_argument("--resume-from", type=str, help="model parameters to start from")
     parser.add_argument("--resume-epoch", type=int, default=0, help="epoch to resume from")
+    parser.add_argument("--resume-state", type=str,
+                        help="a rank's whole state to resume from ({rank} in the path: each rank's own), as saved "
+                             "every --save-period epochs: model, optimizer, bps_gc's codec state; sets --resume-epoch")
     parser.add_argument("--logging-file", type=str, default="baseline", help="name part of the log file")
     parser.add_argument("--log-dir", type=str, default="out", help="directory of the log file (made if missing)")
     parser.add_argument("--max-iters", type=int, default=0, help="at most this many steps per epoch (0: all)")
@@ -205,6 +208,12 @@ def main(argv=None):
         optimizer, named_parameters=model.named_parameters(),
         compression_params=comp_params)  # --fp16-pushpull: {"fp16": True}, as Compression.fp16 would
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    if args.resume_state:  # after the broadcast: each rank its own state (error feedback differs per rank)
+        state = bps.load_checkpoint(args.resume_state.format(rank=rank))
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])  # bps_gc's codec state rides in it
+        args.resume_epoch = state["epoch"] + 1
+        logger.info("resumed from %s at epoch %d", args.resume_state.format(rank=rank), args.resume_epoch)
 
     steps = steps_per_epoch(len(train_x) // size, len(train_x), size, args.batch_size, args.max_iters)
     val_x, val_y = test_x[rank::size], test_y[rank::size]
@@ -241,20 +250,25 @@ def main(argv=None):
                                            "metric.val")
             logger.info("[Epoch %d] validation: accuracy=%f", epoch, val_correct / val_seen)
             log_traffic(logger, epoch)
-            if rank == 0 and args.save_period and (epoch + 1) % args.save_period == 0:
-                save(model, args, epoch)
-        if rank == 0 and args.save_period and args.num_epochs > args.resume_epoch:
-            save(model, args, args.num_epochs - 1)
+            if args.save_period and (epoch + 1) % args.save_period == 0:
+                save(model, args, epoch, rank, optimizer)
+        if args.save_period and args.num_epochs > args.resume_epoch:
+            save(model, args, args.num_epochs - 1, rank, optimizer)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)
     bps.shutdown()
 
 
-def save(model, args, epoch):
+def save(model, args, epoch, rank, optimizer):
+    """Rank 0: the model's parameters (``.params``); every rank: its whole state (``.r<rank>.state``:
+    model, optimizer with bps_gc's codec state, epoch) for --resume-state. Both atomically."""
     os.makedirs(args.save_dir, exist_ok=True)
-    path = os.path.join(args.save_dir, f"cifar100-{args.model}-{epoch}.params")
-    torch.save(model.state_dict(), path)
+    base = os.path.join(args.save_dir, f"cifar100-{args.model}-{epoch}")
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}  # every rank calls
+    if rank == 0:
+        bps.save_checkpoint(state["model"], base + ".params")
+    bps.save_checkpoint(state, f"{base}.r{rank}.state")
 
 
 if __name__ == "__main__":

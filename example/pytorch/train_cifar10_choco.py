@@ -274,9 +274,14 @@ def main(argv=None):
 
     executor = ThreadPoolExecutor(args.num_workers) if args.num_workers > 0 else None
     history, total_steps, done = [], 0, False
-    gossip_before = 0
+    gossip_before, first = 0, 0
+    import epoch_checkpoint  # torch: not for a --dry-run
+    saved = epoch_checkpoint.resume(args.checkpoint, rank, size, model, opt, summed)
+    if saved is not None:
+        history, total_steps, gossip_before, first = saved["history"], saved["steps"], saved["gossip"], saved["epoch"] + 1
+        logger.info("resumed from %s after epoch %d", args.checkpoint, saved["epoch"])
     try:
-        for epoch in range(args.num_epochs if args.stop_criteria == "epoch" else 10 ** 9):
+        for epoch in range(first, args.num_epochs if args.stop_criteria == "epoch" else 10 ** 9):
             times = {"data": 0.0, "compute": 0.0, "communicate": 0.0}
             correct = seen = 0
             if hasattr(opt, "set_epoch"):
@@ -328,6 +333,9 @@ def main(argv=None):
                     row["averaged_model_accuracy"] = result["average"]
                     logger.info("[Epoch %d] validation: averaged model accuracy=%f", epoch, result["average"])
             history.append(row)
+            if args.checkpoint:
+                epoch_checkpoint.save(args.checkpoint, rank, model, opt, epoch, history=history, steps=total_steps,
+                                      gossip=gossip_before)
             if last:
                 break
         if args.avg_model:

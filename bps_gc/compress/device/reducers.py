@@ -8,13 +8,28 @@ import torch
 
 from ..chain import build_chain
 from ..reducers import make_reducer
+from ..state import Stateful
 from .base import torch_dtype
 
 
-class DeviceRecompress:
+class DeviceRecompress(Stateful):
     """compress.reducers.Recompress on the device: decode every push, sum them in rank order,
-    re-encode with the server's chain (its error feedback included), decode that."""
+    re-encode with the server's chain (its error feedback included), decode that. Its state
+    (checkpoints) is the server chain's, as the numpy reducer's."""
     summed = True
+
+    def state_identity(self):
+        return {"reducer": type(self).__name__.removeprefix("Device").lower(), "n": self.n, "dtype": str(self.dtype),
+                "params": self.params.to_json().decode()}
+
+    def state_children(self):
+        return (("chain.", self.server),) if type(self) is DeviceRecompress else ()
+
+    @property
+    def server(self):
+        if self._server is None:
+            self._server = self._chain(self.params)
+        return self._server
 
     def __init__(self, params, n, dtype, key, device):
         self.params, self.n, self.dtype, self.key, self.device = params, n, dtype, key, device
@@ -40,9 +55,7 @@ class DeviceRecompress:
         self.decoder.decompress(reply, out=out)
 
     def reduce(self, payloads, out, ctx):
-        if self._server is None:
-            self._server = self._chain(self.params)
-        self.decode(self._server.compress(self.total(payloads, self._server), ctx), out, ctx)
+        self.decode(self.server.compress(self.total(payloads, self.server), ctx), out, ctx)
 
 
 class DeviceLossless(DeviceRecompress):
@@ -94,9 +107,12 @@ class DeviceMajority(DeviceRecompress):
         out.copy_(torch.where(finite, signs, torch.full_like(signs, float("nan"))))
 
 
-class HostReduction:
+class HostReduction(Stateful):
     """Any other reducer (a plugin's): its numpy implementation on host copies; the one place
     where a device partition's decoded values cross to the host and back."""
+
+    def state_children(self):
+        return (("", self.reducer),)
 
     def __init__(self, name, params, n, dtype, key, device):
         self.reducer = make_reducer(name, params, n, dtype, key)

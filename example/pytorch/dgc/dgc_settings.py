@@ -121,8 +121,8 @@ def bps_gc_settings(c, workers):
     notes = []
     if c.train.dgc:
         params = dgc_params(c, notes)
-        notes.append("a resumed run restores the model, optimizer, epoch and best metric; DGC's accumulated "
-                     "gradients and momentum live inside bps_gc's codecs and start again from zero")
+        notes.append("a resumed run restores the model, optimizer, epoch and best metric, and DGC's accumulated "
+                     "gradients and momentum (bps_gc's codec state rides in optimizer.state_dict())")
         value_bytes = 2 if params.get("fp16_values") else 4
         wire = {"value_bytes": value_bytes, "index_bytes": 4,
                 "dgc_index_bytes": 4 if c.train.compression.int32_indices else 8}

@@ -141,7 +141,8 @@ def resume(c, rank, model, logger):
     """(last epoch, best metric, optimizer state or None) from this worker's latest checkpoint;
     every worker takes rank 0's epoch."""
     path = c.train.latest_pth_path.format(rank=rank)
-    state = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
+    # a corrupt file: named; on the CPU first, the model moves to its device after loading
+    state = bps.load_checkpoint(path, map_location="cpu") if os.path.isfile(path) else None
     if state is not None:
         model.load_state_dict(state["model"])
         logger.info("[resume_path] = %s", path)
@@ -156,12 +157,15 @@ def resume(c, rank, model, logger):
 
 
 def save_checkpoint(c, rank, epoch, state, best):
-    path = c.train.checkpoint_path.format(epoch=epoch, rank=rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(state, path)
-    shutil.copyfile(path, c.train.latest_pth_path.format(rank=rank))
-    if best:
-        shutil.copyfile(path, c.train.best_pth_path.format(rank=rank))
+    """Every file written atomically (a temporary file, then renamed), so a worker killed
+    mid-save leaves the previous latest checkpoint whole; ``state["optimizer"]`` holds this
+    rank's codec state (DGC's memory) under "bps_gc"."""
+    path, latest = c.train.checkpoint_path.format(epoch=epoch, rank=rank), c.train.latest_pth_path.format(rank=rank)
+    os.makedirs(os.path.dirname(latest), exist_ok=True)
+    bps.save_checkpoint(state, latest)  # the one a run resumes from, first
+    for copy in [path] + ([c.train.best_pth_path.format(rank=rank)] if best else []):
+        shutil.copyfile(latest, copy + ".tmp")
+        os.replace(copy + ".tmp", copy)
     old = c.train.checkpoint_path.format(epoch=epoch - c.train.keep_checkpoints, rank=rank)
     if epoch >= c.train.keep_checkpoints and os.path.isfile(old):
         os.remove(old)
@@ -198,8 +202,13 @@ def run(c, args, set_paths):
         c.train.latest_pth_path = c.train.best_pth_path
     last, best_metric, optimizer_state = resume(c, rank, model, logger)
     model.to(device)  # after loading: the optimizer's state follows its parameters' device
+    # a resumed rank keeps its own BatchNorm statistics; --evaluate runs rank 0's broadcast ones (DGC's)
+    own = optimizer_state is not None and not args.evaluate
+    resumed = {k: v.clone() for k, v in model.state_dict().items()} if own else None
     optimizer = distribute(optimizer, model, params, SCRIPT_NAME)
     if optimizer_state is not None:
+        if resumed is not None:
+            model.load_state_dict(resumed)  # this rank's own BatchNorm statistics, not rank 0's broadcast ones
         optimizer.load_state_dict(optimizer_state)
     logger.info("%s on %s, %d workers (%s), compression_params %s", c.model.name, c.dataset.name, size,
                 bps_gc.config.transport_from_env(), params)

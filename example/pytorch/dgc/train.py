@@ -22,8 +22,8 @@ bps_gc: the same config files and flags, torchrun or bpslaunch in front instead.
 
 The run folder is runs/<name from the config files><suffix>.np<workers> in the working
 directory; each worker keeps checkpoints/e<epoch>-r<rank>.pth (the last train.keep_checkpoints
-epochs), latest-r<rank>.pth and best-r<rank>.pth, and a run with the same folder resumes from
-latest. Rank 0 logs each epoch's loss, test top-1/top-5 accuracy and traffic to stdout and
+epochs), latest-r<rank>.pth and best-r<rank>.pth (written atomically), and a run with the same
+folder resumes from latest, DGC's memory included (the optimizer's state_dict holds it). Rank 0 logs each epoch's loss, test top-1/top-5 accuracy and traffic to stdout and
 train.log, and appends the numbers to metrics.jsonl.
 
 How DGC's settings map onto bps_gc (the resolved JSON's "bps_gc" entry lists the codec

@@ -1,0 +1,185 @@
+"""Issue 33: N steps straight equal N/2 steps, a checkpoint, new processes resuming from it,
+N/2 more: the same parameters, bit for bit, on every rank, on torch.distributed (2 gloo ranks
+under torchrun; 2 hosts x 2 ranks with two levels). tests/restart_job.py trains every case side
+by side; the oracle is the straight run (which wrote the checkpoint on its way)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from collective_cluster import TESTS, job_env, torchrun_argv
+from collective_hosts import CollectiveHostsJob
+from conftest import ROOT
+from local_ranks import machines  # noqa: F401
+from multihost import Job
+
+JOB = os.path.join(TESTS, "restart_job.py")
+TOPK_EF = {"compressor": "topk", "k": 0.2, "ef": "vanilla"}
+CASES = {
+    "dense_hook": {"case": "hook"},
+    "topk_ef_hook": {"case": "hook", "compression_params": TOPK_EF, "bucket_cap_mb_second": 0.05},
+    "randomk_ef_hook": {"case": "hook", "compression_params": {"compressor": "randomk", "k": 0.2, "ef": "vanilla"}},
+    "dithering": {"case": "optimizer", "compression_params": {"compressor": "dithering", "k": 4}},
+    "dgc": {"case": "optimizer", "momentum": 0.0, "compression_params": {"compressor": "dgc", "k": 0.1, "mu": 0.9}},
+    "powersgd": {"case": "optimizer", "momentum": 0.0, "compression_params": {"compressor": "powersgd", "rank": 1}},
+    "onebit_ef_nesterov": {"case": "optimizer", "compression_params": {
+        "compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"}},
+    "choco": {"case": "choco", "compression_params": {"compressor": "topk", "k": 0.2}},
+    "local_sgd": {"case": "local_sgd", "compression_params": {"compressor": "signnorm", "ef": "vanilla"}},
+}
+SMALL = {"BYTEPS_MIN_COMPRESS_BYTES": "0", "BYTEPS_PARTITION_BYTES": "1024"}  # several partitions
+
+
+def run_phase(spec, tmp_path, phase, ranks=2, env=None):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    result = subprocess.run(torchrun_argv([JOB, str(spec_path), str(tmp_path), phase], ranks),
+                            env=job_env({**SMALL, **(env or {})}), capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, f"{phase}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def parameters(tmp_path, phase, ranks=2):
+    return [dict(np.load(tmp_path / f"{phase}-rank{r}.npz")) for r in range(ranks)]
+
+
+def check_resumed(tmp_path, cases, ranks=2):
+    """Every case's parameters, resumed == straight on every rank (and alike on every rank
+    where the binding averages every step: CHOCO's nodes hold their own models, and local SGD's
+    last step is a local one)."""
+    straight, resumed = parameters(tmp_path, "first", ranks), parameters(tmp_path, "second", ranks)
+    for rank in range(ranks):
+        for key, value in straight[rank].items():
+            assert resumed[rank][key].tobytes() == value.tobytes(), f"rank {rank} {key}"
+            if cases[key.split("/")[0]]["case"] in ("hook", "optimizer"):
+                assert value.tobytes() == straight[0][key].tobytes(), f"rank {rank} {key} differs from rank 0"
+    assert {key.split("/")[0] for key in straight[0]} == set(cases)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The straight run of every case on numpy chains, 6 steps with a checkpoint after 3: shared
+    by the tests that resume from it (with and without the codec state) and the refusals."""
+    out = tmp_path_factory.mktemp("straight")
+    run_phase({"cases": CASES, "steps": 6, "save_at": 3}, out, "first")
+    return out
+
+
+@pytest.mark.parametrize("env", [{}, {"BPS_GC_DEVICE_CODECS": "torch"}], ids=["numpy_chains", "device_chains"])
+def test_resumed_equals_straight(env, straight, tmp_path):
+    spec = {"cases": CASES, "steps": 6, "save_at": 3}
+    out = straight if not env else tmp_path
+    if env:
+        run_phase(spec, out, "first", env=env)
+    run_phase(spec, out, "second", env=env)
+    check_resumed(out, CASES)
+
+
+def test_resumed_without_codec_state_differs(straight):
+    """The test above can fail: resuming without the codec state changes the result."""
+    run_phase({"cases": CASES, "steps": 6, "save_at": 3}, straight, "without_state")
+    first, resumed = parameters(straight, "first"), parameters(straight, "without_state")
+    for name in ("topk_ef_hook", "dgc", "choco"):
+        assert first[0][f"{name}/{name}.0.weight"].tobytes() != resumed[0][f"{name}/{name}.0.weight"].tobytes(), name
+
+
+def test_torch_elastic_restart_resumes_with_codec_state(straight, tmp_path):
+    """torchrun --max-restarts 1: rank 1 is killed (SIGKILL) at step 5 of 6 on the first attempt;
+    torch elastic restarts both ranks, which resume from the step-4 checkpoint (every 2 steps)
+    with their codec state: the final parameters equal a run never killed (``straight``)."""
+    spec = {"cases": CASES, "steps": 6, "save_at": 4, "every": 2, "kill_rank": 1, "kill_step": 5}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    argv = torchrun_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path), "elastic"], 2)
+    argv[argv.index("--standalone") + 1:argv.index("--standalone") + 1] = ["--max-restarts", "1"]
+    result = subprocess.run(argv, env=job_env(SMALL), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    for rank in range(2):  # the first attempt started at 0, the second from the checkpoint
+        assert (tmp_path / f"elastic-attempt0-rank{rank}.txt").read_text() == "0"
+        assert (tmp_path / f"elastic-attempt1-rank{rank}.txt").read_text() == "4"
+    first, elastic = parameters(straight, "first"), parameters(tmp_path, "elastic")
+    for rank in range(2):
+        for key, value in first[rank].items():
+            assert elastic[rank][key].tobytes() == value.tobytes(), f"rank {rank} {key}"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
+def test_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_path, launcher):  # noqa: F811
+    """2 hosts x 2 ranks (network namespaces, one launcher per host), two levels: the owners'
+    chains compress the host sums (CHOCO gossips over a ring of the 4 ranks); every case,
+    resumed == straight on all 4 ranks."""
+    spec = {"cases": CASES, "steps": 4, "save_at": 2}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    for phase in ("first", "second"):
+        job = CollectiveHostsJob(machines, 2, 2, [sys.executable, JOB, str(tmp_path / "spec.json"), str(tmp_path), phase],
+                                 launcher, dict(SMALL, BPS_GC_HIERARCHY="host"))
+        statuses, _ = job.wait_all(180)
+        assert set(statuses.values()) == {0}, job.report(statuses)
+    check_resumed(tmp_path, spec["cases"], ranks=4)
+
+
+def test_parameter_server_optimizer_resumes_bit_for_bit(tmp_path):
+    """On the parameter server (one bpslaunch per role: scheduler, a server, 2 workers; every
+    process new for the second phase), a DistributedOptimizer with onebit + EF + nesterov and
+    the servers' recompress reducer: ``optimizer.state_dict()["bps_gc"]`` and
+    bps_gc.torch.state_dict() hold the workers' chains and the servers' state (their EF), and
+    the resumed run equals the straight one bit for bit."""
+    import torch
+    cases = {"onebit_ef_nesterov": CASES["onebit_ef_nesterov"]}
+    spec = {"cases": cases, "steps": 4, "save_at": 2}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    for phase in ("first", "second"):
+        job = Job(2, None, servers=1, env=SMALL, command=[sys.executable, JOB, str(tmp_path / "spec.json"),
+                                                          str(tmp_path), phase])
+        statuses, _ = job.wait_all(120)
+        assert set(statuses.values()) == {0}, job.report(statuses)
+    check_resumed(tmp_path, cases)
+    saved = torch.load(tmp_path / "checkpoint-run-rank0.pt", weights_only=True)
+    for state in (saved["bps_gc"], saved["optimizers"]["onebit_ef_nesterov"]["bps_gc"]):
+        communicator = state["communicator"]
+        assert communicator["meta.transport"] == "ps" and state["world_size"] == 2
+        assert any(k.startswith("server/") and "ef.error" in k for k in communicator), sorted(communicator)[:20]
+        assert any(k.startswith("worker/") and "momentum" in k for k in communicator), sorted(communicator)[:20]
+
+
+def test_states_that_do_not_fit_are_refused_by_name(straight, tmp_path):
+    """Another world size (refused naming both sizes; dropped with one warning line when asked),
+    a parameter the model lacks, another codec setting, a bad array, not a state at all: a clear
+    error, and the communicator's state is unchanged after each refusal."""
+    argv = torchrun_argv([os.path.join(TESTS, "state_errors_job.py"), str(tmp_path),
+                          str(straight / "checkpoint-run-rank0.pt")], 1)  # a 2-rank checkpoint
+    result = subprocess.run(argv, env=job_env(SMALL), capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    got = json.loads((tmp_path / "errors.json").read_text())
+    assert "parameters this model does not have: 'encoder.weight'" in got["unknown parameter"]
+    assert "another codec setting" in got["another setting"] and "'k' is 0.5 in the state, 0.2 here" in got["another setting"]
+    assert "ef.error" in got["bad communicator array"] and "shape" in got["bad communicator array"]
+    assert "not a bps_gc.torch state" in got["not a state"]
+    assert got["map_location"] == "loaded: True"
+    assert "world size 2 in the state, 1 here" in got["world size"]
+    assert "BPS_GC_RESUME_DROP_RANK_STATE=1" in got["world size"]
+    assert got["world size dropped"] == "loaded: False"
+    assert all(value for key, value in got.items() if key.endswith("unchanged"))
+    warnings = [line for line in result.stderr.splitlines() if "dropping the saved codec state" in line]
+    assert len(warnings) == 1 and "world size 2 in the state, 1 here" in warnings[0]
+
+
+def test_truncated_or_corrupt_checkpoint_is_named(tmp_path):
+    import torch
+
+    from bps_gc.compress.state import StateError
+    from bps_gc.torch import load_checkpoint, save_checkpoint
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"bps_gc": {"format": "x", "t": torch.arange(1000.0)}}, str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+    assert load_checkpoint(str(path))["bps_gc"]["t"].sum() == 499500
+    data = path.read_bytes()
+    for cut in (len(data) // 2, 10):
+        path.write_bytes(data[:cut])
+        with pytest.raises(StateError, match="truncated or corrupt"):
+            load_checkpoint(str(path))
+    path.write_bytes(data[:100] + bytes(len(data) - 100))
+    with pytest.raises(StateError, match="truncated or corrupt"):
+        load_checkpoint(str(path))

@@ -1,0 +1,118 @@
+"""Issue 33: the seeds' PyTorch scripts resume with their codec state. Each runs twice on 2
+gloo ranks (torchrun) at a tiny size: straight, and interrupted right after its first checkpoint
+(every process ends at once, tests/interrupted_run.py), then started again with the same
+command, resuming. The scripts are deterministic: both end with the same parameters on every
+rank, bit for bit (without the codec state they would not: test_restart_state.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from collective_cluster import job_env, torchrun_argv
+from conftest import ROOT
+from test_cifar10_choco import write_cifar10
+from test_pytorch_examples import write_cifar100
+from test_study_scripts import write_imagenet
+
+torch = pytest.importorskip("torch")
+EXAMPLES = os.path.join(ROOT, "example", "pytorch")
+INTERRUPT = os.path.join(ROOT, "tests", "interrupted_run.py")
+
+
+def run(script, argv, cwd, interrupt=None):
+    command = [INTERRUPT, script, *argv] if interrupt else [script, *argv]
+    env = job_env({"INTERRUPT_AFTER": interrupt} if interrupt else {})
+    env = {k: v for k, v in env.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL"))}
+    result = subprocess.run(torchrun_argv(command, 2), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def straight_and_resumed(tmp_path, script, argv, interrupt, data=None):
+    """(straight run's folder, resumed run's folder): ``argv`` run in each, the second interrupted
+    then run again; ``data(folder)`` writes the data set first."""
+    folders = []
+    for name in ("straight", "resumed"):
+        folder = tmp_path / name
+        folder.mkdir()
+        if data:
+            data(folder)
+        if name == "resumed":
+            run(script, argv, folder, interrupt)
+        run(script, argv, folder)
+        folders.append(folder)
+    return folders
+
+
+def same_models(a, b, key="model"):
+    """Two checkpoints' models (or state dicts): bit for bit."""
+    a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    a, b = (a[key], b[key]) if key else (a, b)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_dgc_train_resumes_with_dgcs_memory(tmp_path):
+    argv = ["--configs", "configs/cifar/resnet20.py", "configs/dgc/wm5.py", "--configs.dataset.root", "data",
+            "--configs.train.batch_size", "8", "--configs.data.num_threads_per_worker", "0",
+            "--configs.train.num_epochs", "2"]
+    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "dgc", "train.py"), argv, "latest-r:1",
+                                             lambda folder: write_cifar10(str(folder / "data"), n_train=80, n_test=8))
+    run_dir = "runs/[cifar.resnet20+dgc.wm5].np2/checkpoints"
+    log = (resumed / "runs" / "[cifar.resnet20+dgc.wm5].np2" / "train.log").read_text()
+    assert "[resume_path] = " in log and "DGC's accumulated gradients and momentum (bps_gc's codec state" in log
+    for rank in range(2):
+        same_models(straight / run_dir / f"latest-r{rank}.pth", resumed / run_dir / f"latest-r{rank}.pth")
+        assert "bps_gc" in torch.load(resumed / run_dir / f"latest-r{rank}.pth", weights_only=True)["optimizer"]
+
+
+def test_cifar100_script_resumes_every_ranks_state(tmp_path):
+    script = os.path.join(EXAMPLES, "train_cifar100_byteps_gc.py")
+    common = ["--data-dir", "data", "--batch-size", "8", "-j", "0", "--save-dir", "params", "--save-period", "1",
+              "--num-epochs", "2", "--compressor", "topk", "--k", "0.05", "--ef", "vanilla"]
+    folders = []
+    for name in ("straight", "resumed"):
+        folder = tmp_path / name
+        folder.mkdir()
+        write_cifar100(str(folder / "data"))
+        if name == "resumed":  # the first epoch, then the second from every rank's state
+            run(script, common, folder, interrupt=".state:1")
+            run(script, [*common, "--resume-state", "params/cifar100-resnet20-0.r{rank}.state"], folder)
+        else:
+            run(script, common, folder)
+        folders.append(folder)
+    straight, resumed = folders
+    same_models(straight / "params" / "cifar100-resnet20-1.params", resumed / "params" / "cifar100-resnet20-1.params",
+                key=None)
+    for rank in range(2):
+        same_models(straight / "params" / f"cifar100-resnet20-1.r{rank}.state",
+                    resumed / "params" / f"cifar100-resnet20-1.r{rank}.state")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--optimizer", "parallel_choco", "--graph_topology", "ring", "--comm_op", "compress_top_k",
+     "--compress_ratio", "0.9", "--choco_consenus_stepsize", "0.1"],
+    ["--optimizer", "local_sgd", "--local_step", "3", "--comm_op", "sign+norm"],
+], ids=["choco", "local_sgd"])
+def test_choco_script_resumes_from_its_checkpoint_folder(tmp_path, flags):
+    argv = ["--arch", "resnet20", "--data", "cifar10", "--data_dir", "data", "--batch_size", "8", "--num_epochs", "2",
+            "--max_iters", "2", "--num_workers", "0", "--lr", "0.05", "--checkpoint", "ckpt", *flags]
+    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "train_cifar10_choco.py"), argv,
+                                             "rank:1", lambda folder: write_cifar10(str(folder / "data"), 40, 8))
+    assert "resumed from ckpt after epoch 0" in (resumed / f"{flags[1]}.log").read_text()
+    for rank in range(2):
+        same_models(straight / "ckpt" / f"rank{rank}.pth", resumed / "ckpt" / f"rank{rank}.pth")
+
+
+def test_study_imagenet_script_resumes_from_its_checkpoint_folder(tmp_path):
+    phases = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 2), 'lr': (0.01, 0.02)}]"
+    argv = ["--logdir", "logs", "--name", "run", "--compress", "layerwise", "--method", "Topk", "--ratio", "0.3",
+            "imagenet", "--arch", "resnet18", "--width", "4", "--phases", phases, "--short-epoch",
+            "--checkpoint", "ckpt"]
+    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "train_imagenet_nv.py"), argv, "rank:1",
+                                             lambda folder: write_imagenet(str(folder / "imagenet")))
+    assert "resumed from ckpt after epoch 0" in (resumed / "logs" / "run.log").read_text()
+    for rank in range(2):
+        same_models(straight / "ckpt" / f"rank{rank}.pth", resumed / "ckpt" / f"rank{rank}.pth")

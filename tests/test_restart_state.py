@@ -123,11 +123,11 @@ def test_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_path, launcher): 
 def test_parameter_server_optimizer_resumes_bit_for_bit(tmp_path):
     """On the parameter server (one bpslaunch per role: scheduler, a server, 2 workers; every
     process new for the second phase), a DistributedOptimizer with onebit + EF + nesterov and
-    the servers' recompress reducer: ``optimizer.state_dict()["bps_gc"]`` and
-    bps_gc.torch.state_dict() hold the workers' chains and the servers' state (their EF), and
-    the resumed run equals the straight one bit for bit."""
+    the servers' recompress reducer, CHOCO (its copies travel worker to worker) and local SGD:
+    ``optimizer.state_dict()["bps_gc"]`` and bps_gc.torch.state_dict() hold the workers' chains
+    and the servers' state (their EF), and the resumed run equals the straight one bit for bit."""
     import torch
-    cases = {"onebit_ef_nesterov": CASES["onebit_ef_nesterov"]}
+    cases = {name: CASES[name] for name in ("onebit_ef_nesterov", "choco", "local_sgd")}
     spec = {"cases": cases, "steps": 4, "save_at": 2}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     for phase in ("first", "second"):

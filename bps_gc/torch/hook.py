@@ -5,7 +5,7 @@
 ``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average, as torch's own
 hooks. Each gradient of a bucket is its own partition (one onebit scale over a whole bucket
 would mix layers), with a codec chain (error feedback, momentum) kept per gradient
-(hook_state.py: it stays when DDP regroups its buckets after the first step), seeded by the
+(hook_state.GradientCodecs: it stays when DDP regroups its buckets after the first step), seeded by the
 bucket index and position where it was first seen, so seeds agree on every rank. Every rank gathers every rank's payloads and runs
 the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
 server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
@@ -24,6 +24,12 @@ Several ranks per host (hook_levels.py, docs/local_ranks.md): where the job runs
 DDP group of every rank reduces through them on the exchanging thread, so the result is the
 parameter server's two levels'. Device-chain buckets stay flat. Futures and CUDA side streams:
 hook_futures.py; the per-bucket state and a call's job, in named fields: hook_state.py.
+
+CompressionHook is built from parts, each a class with its own constructor, held by name:
+``codecs`` (hook_state.GradientCodecs: each gradient's codec, keyed by parameter, and its
+checkpoints), ``phased`` (hook_phased.PhasedBuckets, thc's buckets; None for other codecs) and
+``two_levels`` (hook_levels.HookLevels). The hook keeps the threads, side groups and streams
+they are given, and its own BucketState per bucket index.
 """
 import time
 
@@ -43,7 +49,7 @@ from .hook_dtypes import TORCH_OF, wire_dtype, wire_torch
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
 from .hook_phased import PhasedBuckets
-from .hook_state import BucketJob, BucketState, HookState
+from .hook_state import BucketJob, BucketState, GradientCodecs
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
@@ -63,23 +69,21 @@ def bucket_key(index, position):
     return KEY_BASE | index << 16 | position
 
 
-class CompressionHook(PhasedBuckets, HookState):
+class CompressionHook:
     def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None):
         refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
         phases = getattr(compress.REDUCERS.get(self.reducer), "phases", 1)  # "sum" is no class
-        self.phased = phases > 1  # thc: each phase one all_reduce (hook_phased.py)
-        self.phased_buckets = {}  # bucket index -> [sizes, gradient ids, its partitions, [GradientCodec]]
-        if self.phased and not getattr(compress.REDUCERS[self.reducer], "in_hook", False):
+        phased = phases > 1  # thc: each phase one all_reduce (hook_phased.py)
+        if phased and not getattr(compress.REDUCERS[self.reducer], "in_hook", False):
             raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
         self.buckets = {}  # bucket index -> its BucketState
-        # the codecs by gradient (hook_state.py), named for checkpoints by ``named``
-        self.gradients = {}
-        self.named = None if named_parameters is None else list(named_parameters)
+        # the codecs by gradient (hook_state.py), named for checkpoints by ``named_parameters``
+        self.codecs = GradientCodecs(self.params, self.reducer, optimizer, named_parameters, phased)
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
         # thread issues every collective of the hook
@@ -91,6 +95,8 @@ class CompressionHook(PhasedBuckets, HookState):
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
         self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
         self.two_levels = HookLevels(self.params, self.traffic, self._waiter)  # several ranks per host
+        self.phased = PhasedBuckets(self.codecs, optimizer, self.exchanger, self.traffic, self._future,
+                                    self._side_group, self._waiter) if phased else None
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
@@ -103,14 +109,14 @@ class CompressionHook(PhasedBuckets, HookState):
             self.exchanger.submit(lambda: self.two_levels.all_reduce(levels, group, bucket.index(), buffer,
                                                                      future, stream))
             return future.then(value)
-        if self.phased:
-            return self._phased_call(group, bucket, buffer)
+        if self.phased is not None:
+            return self.phased.call(group, bucket, buffer)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
-        state = self._state(index, sizes, buffer, self._gradient_ids(bucket, index, len(sizes)))
+        state = self._state(index, sizes, buffer, self.codecs.gradient_ids(bucket, index, len(sizes)))
         on_device = state.on_device
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self._next_step(state.codecs)}
+               "step": self.codecs.next_step(state.codecs)}
         levels = None if on_device else levels  # device payloads stay flat (as DeviceTensors')
         side = group if levels is not None else self._side_group(group)
         job = BucketJob(side, index, buffer, state.parts, ctx, on_device, levels,
@@ -278,11 +284,28 @@ class CompressionHook(PhasedBuckets, HookState):
         state = self.buckets.get(index)
         if (state is None or state.sizes != sizes or (state.device, state.dtype) != (buffer.device, buffer.dtype)
                 or state.gradients != gradients):
-            codecs, on_device = self._codecs_for(index, gradients, sizes, buffer,
+            codecs, on_device = self.codecs.codecs_for(index, gradients, sizes, buffer,
                                                  lambda position: bucket_key(index, position))
             state = BucketState(sizes, buffer.device, buffer.dtype, codecs, on_device, gradients)
             self.buckets[index] = state
         return state
+
+    def codec_state(self):
+        """A Stateful of every gradient's codec, by parameter name (bps_gc/torch/checkpoint.py)."""
+        return self.codecs.codec_state()
+
+    def codec_state_to_load(self, sd):
+        """(the fresh codecs ``sd`` loads into, a function installing them once loaded):
+        GradientCodecs', whose install also forgets the buckets, rebuilt from the installed
+        codecs at the next call."""
+        fresh, install = self.codecs.codec_state_to_load(sd)
+
+        def install_and_forget():
+            install()
+            self.buckets.clear()
+            if self.phased is not None:
+                self.phased.forget()
+        return fresh, install_and_forget
 
     def _all_reduce(self, group, buffer):
         sent = buffer.to(torch.float16) if self.params.fp16 else buffer

@@ -6,43 +6,67 @@ thread (the one issuing the hook's collectives), so no payload is gathered. Each
 wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. Every
 rank runs the phases flat: the sums are the same sums whatever the host layout.
 """
+import dataclasses
 import types
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import compress
 from ..comm.phased import PhasedReduction
 from .hook_futures import current, settle, value
 
 
-class PhasedBuckets:
-    """Mixed into CompressionHook (which provides params, optimizer, exchanger, traffic,
-    _future, _side_group, _waiter and hook_state.HookState's per-gradient codecs)."""
+@dataclasses.dataclass
+class PhasedBucket:
+    """What the phased part keeps for DDP bucket ``index`` across steps; made again when its
+    ``sizes`` or gradients change (DDP regroups after the first step)."""
+    sizes: list  # the numel of each gradient of the bucket
+    gradients: list  # the ids its gradients' codecs are kept under (GradientCodecs.gradient_ids)
+    codecs: list  # [hook_state.GradientCodec], one per gradient, in bucket order (reducer None)
+    partitions: list  # [namespace(codec=worker chain, start, stop)]: what comm.phased.PhasedReduction reads
 
-    def _phased_call(self, group, bucket, buffer):
+
+class PhasedBuckets:
+    """CompressionHook's part for a codec whose reducer sums in plain phases in the hook (thc).
+
+    Made from ``codecs`` (the hook's hook_state.GradientCodecs), ``optimizer`` (the learning
+    rate's source, or None), ``exchanger`` (the hook's exchanging ExchangeThread), ``traffic``
+    (core.hook_traffic), and the hook's ``future(buffer)`` (pending future, CUDA side stream),
+    ``side_group(group)`` (its own process group of DDP's) and ``waiter(group, index)`` (the
+    wait of a bucket's collectives). ``call(group, bucket, buffer)`` is the hook's call for a
+    bucket: a future of its average; ``forget()`` drops the buckets (made again from the
+    codecs, as after loading a checkpoint)."""
+
+    def __init__(self, codecs, optimizer, exchanger, traffic, future, side_group, waiter):
+        self.codecs, self.optimizer, self.exchanger, self.traffic = codecs, optimizer, exchanger, traffic
+        self._future, self._side_group, self._waiter = future, side_group, waiter
+        self.buckets = {}  # bucket index -> its PhasedBucket
+
+    def forget(self):
+        self.buckets.clear()
+
+    def call(self, group, bucket, buffer):
         from .hook import bucket_key
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
-        gradients = self._gradient_ids(bucket, index, len(sizes))
-        state = self.phased_buckets.get(index)
-        if state is None or state[0] != sizes or state[1] != gradients:
+        gradients = self.codecs.gradient_ids(bucket, index, len(sizes))
+        state = self.buckets.get(index)
+        if state is None or state.sizes != sizes or state.gradients != gradients:
             # each gradient's chain is its own (hook_state.py), kept when DDP regroups and saved by name
-            codecs, _ = self._codecs_for(index, gradients, sizes, buffer, lambda i: bucket_key(index, i))
+            codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, lambda i: bucket_key(index, i))
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
             parts = [types.SimpleNamespace(codec=codec.chain, start=bounds[i], stop=bounds[i + 1])
                      for i, codec in enumerate(codecs)]
-            state = self.phased_buckets[index] = [sizes, gradients, types.SimpleNamespace(partitions=parts), codecs]
+            state = self.buckets[index] = PhasedBucket(sizes, gradients, codecs, parts)
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self._next_step(state[3])}
+               "step": self.codecs.next_step(state.codecs)}
         side = self._side_group(group)
         future, stream = self._future(buffer)
-        self.exchanger.submit(lambda: self._phased_stage(side, index, buffer, state[2], ctx, future, stream))
+        self.exchanger.submit(lambda: self._stage(side, index, buffer, state, ctx, future, stream))
         return future.then(value)
 
-    def _phased_stage(self, group, index, buffer, tensor, ctx, future, stream):
+    def _stage(self, group, index, buffer, tensor, ctx, future, stream):
         wait = self._waiter(group, index)
 
         def summed(array, what):

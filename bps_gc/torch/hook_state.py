@@ -1,5 +1,5 @@
 """The DDP hook's state, in named fields (as torch's PowerSGDState): its codec per gradient,
-keyed by parameter (GradientCodec; docs/checkpoint.md), what it keeps for a bucket index across
+keyed by parameter (GradientCodec, held by the hook's GradientCodecs part; docs/checkpoint.md), what it keeps for a bucket index across
 steps (BucketState) and what one call hands its three threads (BucketJob).
 
 Each gradient keeps its chain, reducer and step count when DDP regroups its buckets (after the
@@ -28,7 +28,7 @@ class BucketState:
     dtype: Any  # the bucket's torch dtype (its codecs' wire dtype follows it: hook_dtypes.py)
     codecs: list  # [GradientCodec], one per gradient, in bucket order
     on_device: bool  # device chains and reducers (BPS_GC_DEVICE_CODECS), else numpy ones
-    gradients: list  # the ids its gradients' codecs are kept under (HookState._gradient_ids)
+    gradients: list  # the ids its gradients' codecs are kept under (GradientCodecs.gradient_ids)
 
     @property
     def parts(self):
@@ -67,12 +67,28 @@ class GradientCodec(Stateful):
         return (self.n, self.device, self.on_device, self.wire) == (n, device, on_device, wire)
 
 
-class HookState:
-    """Mixed into CompressionHook (which provides params, reducer, optimizer, phased,
-    ``named``: [(name, parameter)] or None, ``gradients``: {id(parameter) or (bucket index,
-    position): GradientCodec}, ``buckets`` and ``phased_buckets``)."""
+class GradientCodecs:
+    """CompressionHook's part that keeps each gradient's GradientCodec, keyed by its parameter
+    (or its bucket index and position), and saves and loads them by parameter name.
 
-    def _gradient_ids(self, bucket, index, count):
+    Made from the hook's ``params`` (CompressionParams), ``reducer`` (the reducer's name),
+    ``optimizer`` (the learning rate's and, without names, the parameters' source, or None),
+    ``named_parameters`` ([(name, parameter)] or None) and ``phased`` (thc's phased buckets,
+    hook_phased.py: float32 numpy chains without reducers). Its interface:
+
+    * ``gradient_ids(bucket, index, count)``: the ids a bucket's gradients keep codecs under;
+    * ``codecs_for(index, gradients, sizes, buffer, key_of)``: ([GradientCodec], on device);
+    * ``next_step(codecs)``: the step context's ``step`` of a bucket, counted;
+    * ``codec_state()`` / ``codec_state_to_load(sd)``: checkpoints (bps_gc/torch/checkpoint.py,
+      through the hook's own methods of the same names, which also forget its buckets).
+    """
+
+    def __init__(self, params, reducer, optimizer, named_parameters, phased):
+        self.params, self.reducer, self.optimizer, self.phased = params, reducer, optimizer, phased
+        self.named = None if named_parameters is None else list(named_parameters)
+        self.gradients = {}  # id(parameter) or (bucket index, position) -> GradientCodec
+
+    def gradient_ids(self, bucket, index, count):
         """The ids the gradients of ``bucket`` keep their codecs under: their parameters (DDP's
         buckets), or their bucket index and position (a bucket without parameters())."""
         if hasattr(bucket, "parameters"):
@@ -99,7 +115,7 @@ class HookState:
             reducer = compress.make_reducer(self.reducer, self.params, n, wire, key)
         return GradientCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 
-    def _codecs_for(self, index, gradients, sizes, buffer, key_of):
+    def codecs_for(self, index, gradients, sizes, buffer, key_of):
         """The codecs of a bucket's gradients: each one's own when it was seen before with this
         size, device and wire dtype, else a fresh one seeded by ``key_of(position)``."""
         on_device, wire = self._codec_kind(buffer)
@@ -115,7 +131,7 @@ class HookState:
             return codecs
         return built_or_refused(build, self.params, index, buffer), on_device
 
-    def _next_step(self, codecs):
+    def next_step(self, codecs):
         """The step context's ``step`` of a bucket of ``codecs``: how many times they were reduced."""
         step = max(codec.steps for codec in codecs)
         for codec in codecs:
@@ -162,6 +178,4 @@ class HookState:
 
         def install():
             self.gradients.update((id(named[name]), codec) for name, codec in fresh.items())
-            self.buckets.clear()  # rebuilt from the installed codecs at the next call
-            self.phased_buckets.clear()
         return StateGroup(fresh), install

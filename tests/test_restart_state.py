@@ -13,7 +13,7 @@ import pytest
 from collective_cluster import TESTS, job_env, torchrun_argv
 from collective_hosts import CollectiveHostsJob
 from conftest import ROOT
-from local_ranks import machines  # noqa: F401
+from local_ranks import HostsJob, machines  # noqa: F401
 from multihost import Job
 
 JOB = os.path.join(TESTS, "restart_job.py")
@@ -142,6 +142,21 @@ def test_parameter_server_optimizer_resumes_bit_for_bit(tmp_path):
         assert communicator["meta.transport"] == "ps" and state["world_size"] == 2
         assert any(k.startswith("server/") and "ef.error" in k for k in communicator), sorted(communicator)[:20]
         assert any(k.startswith("worker/") and "momentum" in k for k in communicator), sorted(communicator)[:20]
+
+
+def test_parameter_server_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_path):  # noqa: F811
+    """2 hosts x 2 ranks on the parameter server (network namespaces, one bpslaunch per host and
+    role, two levels: each partition's owner keeps its chain, a server on each host), every
+    process new for the second phase: the torch bindings' cases resume bit for bit on all 4 ranks."""
+    cases = {name: CASES[name] for name in ("onebit_ef_nesterov", "dithering", "dgc", "powersgd", "choco", "local_sgd")}
+    spec = {"cases": cases, "steps": 4, "save_at": 2}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    for phase in ("first", "second"):
+        job = HostsJob(machines, 2, [2, 2], 2, [sys.executable, JOB, str(tmp_path / "spec.json"), str(tmp_path), phase],
+                       env=dict(SMALL, BPS_GC_HIERARCHY="host"))
+        statuses, _ = job.wait_all(180)
+        assert set(statuses.values()) == {0}, job.report(statuses)
+    check_resumed(tmp_path, cases, ranks=4)
 
 
 def test_states_that_do_not_fit_are_refused_by_name(straight, tmp_path):

@@ -131,7 +131,10 @@ def test_a_dead_neighbour_stops_the_job_naming_it():
     try:
         job.wait_output([f"worker{w}" for w in range(4)], "RUNNING")
         os.kill(job.child_of("worker2"), signal.SIGKILL)
-        statuses, elapsed = job.wait_all(TIMEOUT + 2 * INTERVAL + 5.0, since=time.monotonic())
+        # the heartbeats end it in about 3 s on a quiet box and 4.5 s beside three busy cores; the
+        # slack is for the suite's other pytest process, whose clusters start beside this one
+        # (without the heartbeats the job would wait for the 300 s join timeout)
+        statuses, elapsed = job.wait_all(TIMEOUT + 2 * INTERVAL + 10.0, since=time.monotonic())
     finally:
         job.kill_all()
     report = job.report(statuses)

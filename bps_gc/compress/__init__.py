@@ -8,6 +8,7 @@ from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11
 from . import thc  # noqa: F401  (issue 35: summable codes)
 from .base import Codec
 from .chain import build_chain
+from . import entire_model  # noqa: F401  (registers the entiremodel partition codec with build_chain)
 from .context import step_context
 from .params import CompressionParams, ParamError
 from .reducers import REDUCERS, choose_reducer, make_reducer, register_reducer

@@ -1,8 +1,12 @@
 """Builds the codec chain for one partition from validated parameters."""
-from .entire_model import EntireModelSlice
 from .params import CompressionParams
 from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, load_plugins
 from .seeds import derive_seed
+
+# granularity -> the codec class of a worker's partition of a tensor cut from one whole-model
+# vector; entire_model.py registers ``entiremodel`` when the package loads (it builds its own
+# chains with build_chain, so this module cannot import it)
+SLICE_CODECS = {}
 
 
 def build_chain(params, n, dtype, key=0, role="worker", shape=None, device=None):
@@ -23,8 +27,8 @@ def build_chain(params, n, dtype, key=0, role="worker", shape=None, device=None)
     if device is not None:
         from .device import build_device_chain  # the only import of torch in compress
         return build_device_chain(params, n, dtype, key, role, shape, device)
-    if params.granularity == "entiremodel" and role == "worker":
-        return EntireModelSlice(params, n, dtype, key)
+    if params.granularity in SLICE_CODECS and role == "worker":
+        return SLICE_CODECS[params.granularity](params, n, dtype, key)
     seed = params.seed if params.seed is not None else derive_seed(key)
     cls = COMPRESSORS[params.compressor]
     # ``shape``, the whole tensor's, goes to a compressor that views its partition as a matrix

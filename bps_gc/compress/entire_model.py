@@ -30,6 +30,7 @@ import numpy as np
 
 from ._native import check, ptr
 from .base import Codec
+from .chain import SLICE_CODECS, build_chain
 from .dithering import Dithering
 from .feedback import Forwarding
 from .onebit import WORD_BITS, Onebit
@@ -73,7 +74,6 @@ class WholeVectorCodec(Stateful):
         return (("", self.chain),)
 
     def __init__(self, params, total, dtype, bounds, key):
-        from .chain import build_chain
         check_splittable(params)
         self.params, self.total, self.dtype = params, int(total), np.dtype(dtype)
         self.bounds = list(bounds)
@@ -203,7 +203,6 @@ class EntireModelSlice(Forwarding, Codec):
     step context's group and chunk; it decodes as the ordinary codec of the chunk."""
 
     def __init__(self, params, n, dtype, key):
-        from .chain import build_chain
         super().__init__(params, n, dtype)
         self.inner = build_chain(layerwise(params, ef=None, momentum=None, mu=None), n, dtype,
                                  key=key, role="server")
@@ -238,3 +237,6 @@ def discard(group):
     with _pending_lock:
         for slot in [s for s in PENDING if s[0] == group]:
             del PENDING[slot]
+
+
+SLICE_CODECS["entiremodel"] = EntireModelSlice

@@ -49,9 +49,8 @@ from .hook_dtypes import TORCH_OF, wire_dtype, wire_torch
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
 from .hook_phased import PhasedBuckets
-from .hook_state import BucketJob, BucketState, GradientCodecs
+from .hook_state import BucketJob, BucketState, GradientCodecs, bucket_key
 
-KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 
 # Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
 # (bucket index, event, time.perf_counter(), time.thread_time()) of every compressed bucket.
@@ -62,11 +61,6 @@ TIMELINE = None
 def _stamp(index, event):
     if TIMELINE is not None:
         TIMELINE.append((index, event, time.perf_counter(), time.thread_time()))
-
-
-def bucket_key(index, position):
-    """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
-    return KEY_BASE | index << 16 | position
 
 
 class CompressionHook:

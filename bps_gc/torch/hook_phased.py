@@ -2,7 +2,7 @@
 hook (``in_hook``: thc's scale histogram, then its packed codes): each phase of the whole
 bucket is one all_reduce (thc: of float64 words) over the hook's own group, on the exchanging
 thread (the one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
-(keys as hook.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
+(keys as hook_state.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
 wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. Every
 rank runs the phases flat: the sums are the same sums whatever the host layout.
 """
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction
 from .hook_futures import current, settle, value
+from .hook_state import bucket_key
 
 
 @dataclasses.dataclass
@@ -46,7 +47,6 @@ class PhasedBuckets:
         self.buckets.clear()
 
     def call(self, group, bucket, buffer):
-        from .hook import bucket_key
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         gradients = self.codecs.gradient_ids(bucket, index, len(sizes))
         state = self.buckets.get(index)

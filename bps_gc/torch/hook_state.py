@@ -18,6 +18,14 @@ from .device import chain_for, uses_device_chain
 from .hook_dtypes import built_or_refused, wire_dtype
 
 
+KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
+
+
+def bucket_key(index, position):
+    """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
+    return KEY_BASE | index << 16 | position
+
+
 @dataclasses.dataclass
 class BucketState:
     """What the hook keeps for DDP bucket ``index`` across steps; made again when the bucket's

@@ -187,6 +187,10 @@ class ChocoGossip(_Neighbourhood):
         a = self.x[name]
         return self.codecs[name].decompress(payload, self._scratch[a.dtype][:a.size])
 
+    def _weighted(self, name, payload, w):
+        """A neighbour's decoded q_j times its weight ``w``, in the model's dtype."""
+        return self.x[name].dtype.type(w) * self._decoded(name, payload)
+
     def collect(self):
         """Add the neighbours' last q_j into s, i.e. u (blocks until every neighbour's message
         is in), and wait for this node's last sends."""
@@ -195,7 +199,7 @@ class ChocoGossip(_Neighbourhood):
         for j in self.neighbours:
             w = self.topology.weight(self.rank, j)
             for name, payload in zip(self.names, self._receive(j)):
-                self.u[name] += self.x[name].dtype.type(w) * self._decoded(name, payload)
+                self.u[name] += self._weighted(name, payload, w)
         self._wait_sent()
         self.pending = False
 

@@ -164,16 +164,9 @@ class DeviceChocoGossip(ChocoGossip):
         a = self.x[name]
         return self.codecs[name].decompress(payload, self._scratch[a.dtype, a.device][:a.numel()])
 
-    def collect(self):
-        """ChocoGossip.collect: the neighbours' q_j (host payloads) decoded on the device."""
-        if not self.pending:
-            return
-        for j in self.neighbours:
-            w = self.topology.weight(self.rank, j)
-            for name, payload in zip(self.names, self._receive(j)):
-                self.u[name] += self._decoded(name, payload) * w
-        self._wait_sent()
-        self.pending = False
+    def _weighted(self, name, payload, w):
+        """ChocoGossip.collect's term: the neighbour's q_j (a host payload) decoded on the device."""
+        return self._decoded(name, payload) * w
 
     def step(self, lr=0.0):
         """ChocoGossip.step on the device; only the payloads come to the host, to be sent."""

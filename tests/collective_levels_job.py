@@ -3,7 +3,7 @@
 (levels_from_env: groups and memory apart from the communicator's): a dense torch tensor summed
 by reduce_tensor, and one bucket of two compressed gradients by reduce_coded, each gradient's
 owner local rank compressing its host's sum once. Then the DDP hook (bps_gc.torch.comm_hook) on a
-small network, dense and topk + EF (HOOK_MODES), recording every bucket it saw: index, gradient
+small network, dense, topk + EF and thc (HOOK_MODES), recording every bucket it saw: index, gradient
 sizes, this rank's gradients in and the averaged bucket out. Saves OUT_DIR/levels<rank>.npz.
 Every dense two-level sum of this process (the hook's and then cluster_job.py's communicator's)
 runs in stripes of PIPELINE_BYTES (levels.py's pipeline), many stripes per tensor here.
@@ -31,7 +31,8 @@ HOOK_TENSORS = [{"name": "hook-dense", "shape": [500], "dtype": "float32", "para
                 {"name": "hook-topk", "shape": [200], "dtype": "float32",
                  "params": {"compressor": "topk", "k": 0.1}}]
 HOOK_INDEX = 100  # the gradients' keys: (HOOK_INDEX + position) << 16, one partition each
-HOOK_MODES = {"ddp-dense": {}, "ddp-topk-ef": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
+HOOK_MODES = {"ddp-dense": {}, "ddp-topk-ef": {"compressor": "topk", "k": 0.1, "ef": "vanilla"},
+              "ddp-thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}}  # host sums first
 HOOK_STEPS, HOOK_LR = 3, 0.1  # DDP regroups its buckets after the first step
 PIPELINE_BYTES = 64  # 16 floats a share: the 1,100-float tensors cross hosts in 23 stripes
 

@@ -6,6 +6,7 @@ says the parameter server's two levels pull (each host's sum compressed once by 
 server's reducer over one payload per host); PowerSGD, whose ranks each compress their own
 gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
 rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
+import math
 import os
 import queue
 import sys
@@ -78,6 +79,31 @@ def check_hook_levels(spec, tmp_path):
     check_ddp_hook([np.load(tmp_path / f"levels{rank}.npz") for rank in range(HOSTS * LOCAL)])
 
 
+class HostThc:
+    """What the hook's thc gives for one gradient under two levels (hook_phased.py): each host's
+    float32 sum in local-rank order plus that host's residual, 4-bit codes to the nearest (ties
+    up) against the shared exponent, summed over the hosts as int64, decoded and averaged."""
+
+    def __init__(self, params, n):
+        self.levels = 2 ** params["bits"] - 1
+        self.errors = np.zeros((HOSTS, n), np.float32)
+
+    def step(self, inputs, ctx):
+        sums = []
+        for h in range(HOSTS):
+            total = inputs[h * LOCAL].astype(np.float32).copy()
+            for x in inputs[h * LOCAL + 1:(h + 1) * LOCAL]:
+                total += x
+            sums.append(total)
+        ys = np.array(sums, np.float32) + self.errors
+        exponent = max(math.ceil(math.log2(float(np.abs(y).max()))) for y in ys)
+        codes = np.clip(np.floor((ys.astype(np.float64) / 2.0**exponent + 1) * self.levels / 2 + 0.5), 0,
+                        self.levels).astype(np.int64)
+        self.errors = ys - (2.0**exponent * (2.0 * codes / self.levels - 1)).astype(np.float32)
+        total = codes.sum(axis=0)
+        return (2.0**exponent * (2.0 * total / self.levels - HOSTS)).astype(np.float32) / np.float32(HOSTS * LOCAL)
+
+
 def check_ddp_hook(runs):
     """The DDP hook's buckets under two levels (every rank's gradients in, averaged bucket out,
     in call order): each gradient of a bucket is HostModel's tensor of its own, its state kept
@@ -92,7 +118,8 @@ def check_ddp_hook(runs):
             owners = [int(p) for p in runs[0][f"{mode}/params{k}"]]
             assert all(int(run[f"{mode}/index{k}"]) == index for run in runs), f"{mode} call {k}: bucket order"
             for n, owner in zip(sizes, owners):
-                state.setdefault(owner, [HostModel(params, [n], "float32", HOOK_INDEX, HOSTS, LOCAL, 1 << 30, 0), 0])
+                state.setdefault(owner, [HostThc(params, n) if params.get("compressor") == "thc" else
+                                         HostModel(params, [n], "float32", HOOK_INDEX, HOSTS, LOCAL, 1 << 30, 0), 0])
             step = max(state[owner][1] for owner in owners)
             ctx = {"lr": HOOK_LR, "step": step}
             carried += step > 0  # error feedback's state carried from an earlier step

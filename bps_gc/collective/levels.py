@@ -187,14 +187,15 @@ class HostLevels:
         self.reduce_dense([flat], [(flat, None)], what, wire_dtype, wait)
         return array
 
-    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None, wait=None):
+    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None, wait=None, across_hosts=True):
         """The sum over every rank of ``sources`` (flat arrays of one dtype, back to back) into
         ``outs``: [(flat array, divisor or None)] of the same sizes, divided on the way out.
         Pipelined by stripes (``stripes``): the host sums of every share are issued across hosts
         as they are made, so stripe k crosses the network while stripe k+1 is summed, and the
         host copies stripe k out while later ones cross. Each element is summed as without
         stripes: over the host's ranks in local-rank order, then across hosts by one all_reduce
-        (two hosts: the same bits; more: gloo's ring order within the stripe's share)."""
+        (two hosts: the same bits; more: gloo's ring order within the stripe's share).
+        ``across_hosts=False``: the host's sum only (thc encodes it: comm/phased.py)."""
         wait = wait or self.wait
         dtype = sources[0].dtype
         wire = dtype if wire_dtype is None else np.dtype(wire_dtype)
@@ -208,7 +209,7 @@ class HostLevels:
             add_in_order([slot[start:start + share] for slot in slots], out)
             carried = out if wire == dtype else out.astype(wire)
             work = None
-            if self.hosts > 1:
+            if self.hosts > 1 and across_hosts:
                 work = dist.all_reduce(torch.from_numpy(carried), group=self.cross_group, async_op=True)
             crossing.append((work, carried, out))
         for k, (work, carried, out) in enumerate(crossing):

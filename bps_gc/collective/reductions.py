@@ -8,7 +8,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm.phased import PhasedReduction
+from ..comm.phased import PhasedReduction, host_first, summands
+from ..comm.placement import partition_owner
 from .buckets import Handle
 
 
@@ -26,14 +27,25 @@ class PhasesAndVotes:
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
         """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
-        steps in order there, so error feedback sees each step in turn)."""
-        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
+        steps in order there, so error feedback sees each step in turn). With two levels and
+        ``host_first`` (thc) the host's ranks sum ``wire`` first and each partition's owner
+        encodes that sum: one summand per host."""
+        levels = self.shared.levels
+        on_host = levels is not None and host_first(tensor)
+        local = levels.local_size if levels is not None else 1
+        owns = (lambda p: partition_owner(tensor.index, p, local) == levels.local_rank) if on_host else None
+        reduction = PhasedReduction(tensor, wire, wire, ctx, summands(tensor, self.size, local), owns)
         handle = Handle(self.buckets, out, self.buckets.pending)
         return self._add(handle, "phased", (reduction, None, wire, out, average),
                          wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
+        on_host = [entry[2] for entry in phased if entry[0].on_host]
+        for dtype in dict.fromkeys(w.dtype for w in on_host):  # the host's sums, in shared memory
+            wires = [w for w in on_host if w.dtype == dtype]  # only (levels.py), before any encoding
+            self.shared.levels.reduce_dense(wires, [(w, None) for w in wires], "host sum before thc",
+                                            across_hosts=False)
         start = time.perf_counter()
         firsts = [entry[0].first() for entry in phased]
         self.shared.counters.compress_seconds += time.perf_counter() - start
@@ -53,8 +65,11 @@ class PhasesAndVotes:
             picked = [i for i, b in enumerate(buffers) if b.dtype == dtype]
             fused = np.concatenate([buffers[i] for i in picked])
             self._sum(fused)
-            counters.pushed_wire += fused.nbytes
-            counters.pulled_wire += fused.nbytes
+            # with two levels each rank hands torch.distributed its 1/L share of the host's sum
+            levels = self.shared.levels
+            handed = fused.nbytes // (levels.local_size if levels is not None else 1)
+            counters.pushed_wire += handed
+            counters.pulled_wire += handed
             for i, summed in zip(picked, np.split(fused, np.cumsum([buffers[i].size for i in picked])[:-1])):
                 sums[i] = summed
         counters.communicate_seconds += time.perf_counter() - start

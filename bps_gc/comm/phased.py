@@ -12,10 +12,17 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
 * ``phase_sizes``: the elements of each phase's payload;
+* with ``host_first``, ``agree(summed, ctx)``: what ``compress`` and ``compress_q`` learn of the
+  step and the first sum, on a rank that does not encode the partition;
 * optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's float64
   words hold more exact integer lanes);
 * optionally ``set_summands(workers)``: called first, when the payload's size depends on how
   many pushes the sum adds (thc's lanes).
+
+A reducer with ``host_first`` (thc) has two-level jobs sum each host's gradient (floats, in
+shared memory) before its phases: one local rank per partition encodes the host's sum and the
+others send zeros, which every sum adds exactly, so each phase sums one push per host and thc's
+lanes are sized for H hosts, not H x L ranks (``summands``).
 """
 import numpy as np
 
@@ -31,6 +38,16 @@ def phases(tensor):
         raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} asks for {count} phases; "
                          f"the communicators drive 1 or {PHASES}")
     return count
+
+
+def host_first(tensor):
+    """Whether two levels sum a host's gradient before ``tensor``'s phases (its reducer says so)."""
+    return bool(tensor.partitions) and bool(getattr(tensor.partitions[0].reducer, "host_first", False))
+
+
+def summands(tensor, ranks, local_size=1):
+    """Pushes each phase sum of ``tensor`` adds: one per host where the host sums first."""
+    return ranks // local_size if local_size > 1 and host_first(tensor) else ranks
 
 
 def phase_names(tensor):
@@ -60,11 +77,14 @@ class PhasedReduction:
     """One reduce of a two-phase tensor on this worker: ``first()`` and ``second(p_sum)`` are
     the buffers to sum, ``finish(q_sum)`` writes the sum over ``workers`` into ``target``.
     ``source`` and ``target`` are flat arrays of the wire dtype (they may be one array: the input
-    is read by ``first`` before ``finish`` writes)."""
+    is read by ``first`` before ``finish`` writes). ``owns(i)``: whether this rank encodes
+    partition i (None: all); the others' phase payloads are zeros (``host_first``)."""
 
-    def __init__(self, tensor, source, target, ctx, workers):
+    def __init__(self, tensor, source, target, ctx, workers, owns=None):
         self.parts, self.source, self.target = tensor.partitions, source, target
         self.ctx, self.workers = ctx, workers
+        self.owned = [owns is None or bool(owns(i)) for i in range(len(self.parts))]
+        self.on_host = owns is not None  # the transport sums the host's input before ``first``
         size_for(tensor, workers)
         self.dtype = phase_dtype(tensor)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
@@ -77,14 +97,19 @@ class PhasedReduction:
 
     def first(self):
         buffer = np.empty(self.bounds[0][-1], self.dtype)
-        for part, piece in self._pieces(0, buffer):
-            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(self.dtype)
+        for owned, (part, piece) in zip(self.owned, self._pieces(0, buffer)):
+            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(self.dtype) \
+                if owned else 0
         return buffer
 
     def second(self, p_sum):
         buffer = np.empty(self.bounds[1][-1], self.dtype)
-        for (part, piece), (_, summed) in zip(self._pieces(1, buffer), self._pieces(0, p_sum)):
-            piece[:] = part.codec.compress_q(summed).view(self.dtype)
+        for owned, (part, piece), (_, summed) in zip(self.owned, self._pieces(1, buffer), self._pieces(0, p_sum)):
+            if owned:
+                piece[:] = part.codec.compress_q(summed).view(self.dtype)
+            else:  # header included: the owner's push is the host's one; ``agree`` readies finish
+                part.codec.agree(summed, self.ctx)
+                piece[:] = 0
         return buffer
 
     def finish(self, q_sum):

@@ -194,12 +194,20 @@ class THC(Codec):
         hist[exponent_bin(peak)] = 1
         return hist.view(np.uint8)
 
-    def compress_q(self, hist_sum):
+    def agree(self, hist_sum, ctx=None):
+        """The scale from the summed histogram (phase 1); (exponent, any non-finite push).
+        ``ctx``: on a rank that did not encode (comm/phased.py), this step's rotation too."""
+        if ctx is not None and self.rotate:
+            self.signs = rotation_signs(self.seed, ctx, self.block)
         summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER))
         if summands != self.summands:
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
                              f"{self.summands}: their codes would overflow (or waste) the lanes")
         self.agreed = (exponent, nonfinite)
+        return self.agreed
+
+    def compress_q(self, hist_sum):
+        exponent, nonfinite = self.agree(hist_sum)
         width = self.width
         words = np.zeros(HEADER + words_for(self.codes, width), CARRIER)
         words[:HEADER] = (self.bits, exponent, 1)
@@ -270,6 +278,7 @@ class CodeSums(Reducer):
 
     phases = 2
     in_hook = True  # the DDP hook runs its phases too (bps_gc/torch/hook_phased.py)
+    host_first = True  # two levels sum the host's floats, then one code per host (comm/phased.py)
 
     def reduce(self, payloads, compressed, ctx=None):
         raise ValueError("thc: its histogram and code phases are sums that the communicator "

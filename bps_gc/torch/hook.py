@@ -104,7 +104,7 @@ class CompressionHook:
                                                                      future, stream))
             return future.then(value)
         if self.phased is not None:
-            return self.phased.call(group, bucket, buffer)
+            return self.phased.call(group, bucket, buffer, levels)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
         state = self._state(index, sizes, buffer, self.codecs.gradient_ids(bucket, index, len(sizes)))

@@ -3,8 +3,10 @@ hook (``in_hook``: thc's scale histogram, then its packed codes): each phase of 
 bucket is one all_reduce (thc: of float64 words) over the hook's own group, on the exchanging
 thread (the one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
 (keys as hook_state.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
-wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. Every
-rank runs the phases flat: the sums are the same sums whatever the host layout.
+wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. With two
+levels (hook_levels.py) the host's ranks first sum the bucket in shared memory, each gradient's
+owner local rank (by its seed key, as hook_levels.py's) encodes that sum, and the phases are
+summed through the levels: one summand per host (comm/phased.py ``host_first``).
 """
 import dataclasses
 import types
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction
+from ..comm.placement import partition_owner
 from .hook_futures import current, settle, value
 from .hook_state import bucket_key
 
@@ -46,7 +49,7 @@ class PhasedBuckets:
     def forget(self):
         self.buckets.clear()
 
-    def call(self, group, bucket, buffer):
+    def call(self, group, bucket, buffer, levels=None):
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         gradients = self.codecs.gradient_ids(bucket, index, len(sizes))
         state = self.buckets.get(index)
@@ -63,16 +66,21 @@ class PhasedBuckets:
                "step": self.codecs.next_step(state.codecs)}
         side = self._side_group(group)
         future, stream = self._future(buffer)
-        self.exchanger.submit(lambda: self._stage(side, index, buffer, state, ctx, future, stream))
+        self.exchanger.submit(lambda: self._stage(side, index, buffer, state, ctx, future, stream, levels))
         return future.then(value)
 
-    def _stage(self, group, index, buffer, tensor, ctx, future, stream):
+    def _stage(self, group, index, buffer, tensor, ctx, future, stream, levels):
         wait = self._waiter(group, index)
+        level_wait = (lambda work, what: None if work is None else wait(work, what))  # None: skipped
+        local = levels.local_size if levels is not None else 1
 
         def summed(array, what):
-            sent = torch.from_numpy(array)
-            wait(dist.all_reduce(sent, group=group, async_op=True), what)
-            self.traffic.add(pushed_wire=array.nbytes, pulled_wire=array.nbytes)  # core.metrics()
+            if levels is not None:  # the host's sum, then its 1/L share across hosts
+                levels.all_reduce(array, what, None, level_wait)
+            else:
+                wait(dist.all_reduce(torch.from_numpy(array), group=group, async_op=True), what)
+            handed = array.nbytes // local
+            self.traffic.add(pushed_wire=handed, pulled_wire=handed)  # core.metrics()
             return array
 
         def work():
@@ -82,7 +90,14 @@ class PhasedBuckets:
             raw = buffer.numel() * buffer.element_size()
             self.traffic.add(pushed_raw=raw, pulled_raw=raw)
             size = dist.get_world_size(group)
-            reduction = PhasedReduction(tensor, grad, grad, ctx, size)
+            owns = None
+            if levels is not None:
+                levels.reduce_dense([grad], [(grad, None)], f"host sum of DDP bucket {index}", None, level_wait,
+                                    across_hosts=False)
+                keys = [codec.key for codec in tensor.codecs]
+                owns = (lambda i: partition_owner(keys[i] >> 16 & 0xFFFFFF, keys[i] & 0xFFFF, local)
+                        == levels.local_rank)
+            reduction = PhasedReduction(tensor, grad, grad, ctx, size // local, owns)
             first = summed(reduction.first(), "all_reduce of the first phase")
             reduction.finish(summed(reduction.second(first), "all_reduce of the second phase"))
             grad /= grad.dtype.type(size)

@@ -99,13 +99,13 @@ class DeviceTHC(DeviceCodec):
                 if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float64)
         return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(thc.CARRIER))).to(self.device)
 
+    def agree(self, hist_sum, ctx=None):
+        if ctx is not None and self.rotate:
+            self.signs = torch.from_numpy(thc.rotation_signs(self.seed, ctx, self.block)).to(self.device)
+        return self.host.agree(self._floats(hist_sum).cpu().numpy())
+
     def compress_q(self, hist_sum):
-        hist = self._floats(hist_sum).cpu().numpy()
-        summands, exponent, nonfinite = thc.agreed_scale(hist)
-        if summands != self.summands:
-            raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
-                             f"{self.summands}: their codes would overflow (or waste) the lanes")
-        self.host.agreed = (exponent, nonfinite)
+        exponent, nonfinite = self.agree(hist_sum)
         header = torch.tensor([self.bits, exponent, 1], dtype=torch.float64, device=self.device)
         if nonfinite:
             codes = torch.zeros(self.codes, dtype=torch.int64, device=self.device)

@@ -51,6 +51,14 @@ class InnerTensor:
         self.name, self.busy, self.auxiliary = name, False, True
 
 
+class HostOnly(InnerTensor):
+    """A tensor the host's ranks sum among themselves and never push (``sum_on_host``)."""
+
+    def __init__(self, name, size, dtype):
+        super().__init__(name)
+        self.size, self.dtype, self.partitions = size, np.dtype(dtype), []
+
+
 class HostReduce(LocalReduce):
     def __init__(self, worker, *args):
         super().__init__(*args)
@@ -58,6 +66,7 @@ class HostReduce(LocalReduce):
         self.local_size = worker.cfg.local_size
         self.two_level = True  # False: BPS_GC_LOCAL_REDUCE's one-host sums (the base class)
         self.per_rank = set()  # names of the tensors every rank pushes itself (see ``place``)
+        self.host_only = {}  # name -> HostOnly: sums that stay on the host (``sum_on_host``)
 
     def owner(self, tensor, p):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
@@ -81,7 +90,7 @@ class HostReduce(LocalReduce):
         return [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == self.worker.local_rank]
 
     def share(self, tensor, index):
-        if not self.two_level:
+        if not self.two_level or tensor.name in self.host_only:
             return super().share(tensor, index)
         return [slice(part.start, part.stop) for p, part in enumerate(tensor.partitions)
                 if self.owner(tensor, p) == index]
@@ -104,12 +113,25 @@ class HostReduce(LocalReduce):
         self.worker.io.post("local", local, rnd, handle, wire, average)
         return handle
 
+    def sum_on_host(self, name, flat):
+        """Start the sum of ``flat`` over this host's ranks, written back into ``flat``; no
+        server takes part (thc sums the host's gradient before encoding it: comm/phased.py).
+        Returns a Handle; every rank of the host calls it for ``name`` in the same order."""
+        key = f"{name}|host"
+        tensor = self.host_only.get(key)
+        if tensor is None:  # a declared tensor's size and dtype never change
+            tensor = self.host_only[key] = HostOnly(key, flat.size, flat.dtype)
+        local, rnd = self.prepare(tensor, flat)
+        handle = Handle(self.worker, tensor, flat, flat, 1, False, {})
+        self.worker.io.post("local", local, rnd, handle, flat, False)
+        return handle
+
     # ------------------------------------------------------------------ any thread
 
     def forward(self, local, rnd, handle):
         """This rank's share of the host's sum is in its result buffer: push each of its
         partitions (compressed once, here), pull the job's sum into the same place, then SUMMED."""
-        if not self.two_level:
+        if not self.two_level or local.name in self.host_only:
             return super().forward(local, rnd, handle)
         tensor = local.plan
         owned = self.owned(tensor)

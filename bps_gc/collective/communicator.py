@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..comm import communicator as api
 from ..comm.metrics import Metrics
-from ..comm.phased import phases
+from ..comm.phased import host_first, phases
 from ..comm.placement import Placement, check_dtype, declare_tensor, resolve_reduce_call
 from .buckets import Buckets, Handle
 from .device_tensors import DeviceTensors
@@ -132,12 +132,13 @@ class Collective(api.Communicator):
         # (with two levels every source is copied into the host's shared memory before any result
         # is written, so a compressed tensor needs no copy of its own there either)
         levels, buckets, counters = self.shared.levels, self.buckets, self.shared.counters
-        two_levels = levels is not None and phases(tensor) == 1
+        # thc's phases cross hosts between the host's sums too (two_level.py), PowerSGD's do not
+        two_levels = levels is not None and (phases(tensor) == 1 or host_first(tensor))
         carried = tensor.dtype if two_levels else tensor.wire_dtype
         wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed and not two_levels)
         counters.pushed_raw += wire.nbytes
         counters.pulled_raw += wire.nbytes
-        if phases(tensor) == 1 and levels is not None:  # two levels, dense or not (two_level.py)
+        if two_levels:  # dense or not (two_level.py)
             return buckets._add(Handle(buckets, out, buckets.pending), "coded", (tensor, wire, out, average, ctx, None),
                                 wire.nbytes, tensor.name)
         if not tensor.compressed:

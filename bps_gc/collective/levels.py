@@ -187,15 +187,14 @@ class HostLevels:
         self.reduce_dense([flat], [(flat, None)], what, wire_dtype, wait)
         return array
 
-    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None, wait=None, across_hosts=True):
+    def reduce_dense(self, sources, outs, what="all_reduce", wire_dtype=None, wait=None):
         """The sum over every rank of ``sources`` (flat arrays of one dtype, back to back) into
         ``outs``: [(flat array, divisor or None)] of the same sizes, divided on the way out.
         Pipelined by stripes (``stripes``): the host sums of every share are issued across hosts
         as they are made, so stripe k crosses the network while stripe k+1 is summed, and the
         host copies stripe k out while later ones cross. Each element is summed as without
         stripes: over the host's ranks in local-rank order, then across hosts by one all_reduce
-        (two hosts: the same bits; more: gloo's ring order within the stripe's share).
-        ``across_hosts=False``: the host's sum only (thc encodes it: comm/phased.py)."""
+        (two hosts: the same bits; more: gloo's ring order within the stripe's share)."""
         wait = wait or self.wait
         dtype = sources[0].dtype
         wire = dtype if wire_dtype is None else np.dtype(wire_dtype)
@@ -209,7 +208,7 @@ class HostLevels:
             add_in_order([slot[start:start + share] for slot in slots], out)
             carried = out if wire == dtype else out.astype(wire)
             work = None
-            if self.hosts > 1 and across_hosts:
+            if self.hosts > 1:
                 work = dist.all_reduce(torch.from_numpy(carried), group=self.cross_group, async_op=True)
             crossing.append((work, carried, out))
         for k, (work, carried, out) in enumerate(crossing):
@@ -240,31 +239,46 @@ class HostLevels:
         wait = wait or self.wait
         dtype = sources[0].dtype
         wire_dtype = dtype if wire_dtype is None else np.dtype(wire_dtype)
+        traffic = []
+
+        def exchange(result, mine):
+            payloads = [codec.compress(result[start:stop].astype(wire_dtype, copy=False), ctx)
+                        for start, stop, _, codec, _, ctx in mine]
+            if mine and self.hosts > 1:
+                gathered = all_gather_bytes(payloads, wait, self.cross_group)
+            else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
+                wait(None, what)  # rank counts the all_gather's two collectives alike
+                wait(None, what)
+                gathered = [payloads]
+            for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
+                reply = reducer.reduce([host[k] for host in gathered], True, ctx)
+                cast = wire_dtype != dtype
+                target = np.empty(stop - start, wire_dtype) if cast else result[start:stop]
+                reducer.decode(reply, target, ctx)
+                if cast:
+                    result[start:stop] = target
+            sent = sum(p.nbytes for p in payloads)
+            traffic.extend([sent, sum(p.nbytes for host in gathered for p in host) - sent])
+        self.reduce_owned_into(sources, outs, parts, exchange, wait)
+        return tuple(traffic)
+
+    def reduce_owned_into(self, sources, outs, parts, across, wait=None):
+        """Two levels with the step across hosts given: ``parts`` [(start, stop, owner local rank,
+        ...)] of ``sources`` (flat arrays of one dtype, back to back). Each owner sums its parts
+        over the host (local-rank order) into its result; ``across(result, mine)`` (``mine``:
+        this rank's parts) turns those into the sums over every rank, in place; then each part is
+        copied from its owner's result into ``outs`` (as ``reduce_dense``). Used by
+        ``reduce_coded_into`` (payloads gathered) and by thc (its phases summed across hosts)."""
+        wait = wait or self.wait
         n = sum(s.size for s in sources)
         slots, results = self._load(sources, self.local_size * max(1, -(-n // self.local_size)), wait)
         mine = [part for part in parts if part[2] == self.local_rank]
         result = results[self.local_rank]
-        payloads = []
-        for start, stop, _, codec, _, ctx in mine:
+        for start, stop, *_ in mine:
             add_in_order([slot[start:stop] for slot in slots], result[start:stop])
-            payloads.append(codec.compress(result[start:stop].astype(wire_dtype, copy=False), ctx))
-        if mine and self.hosts > 1:
-            gathered = all_gather_bytes(payloads, wait, self.cross_group)
-        else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
-            wait(None, what)  # rank counts the all_gather's two collectives alike
-            wait(None, what)
-            gathered = [payloads]
-        for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
-            reply = reducer.reduce([host[k] for host in gathered], True, ctx)
-            cast = wire_dtype != dtype
-            target = np.empty(stop - start, wire_dtype) if cast else result[start:stop]
-            reducer.decode(reply, target, ctx)
-            if cast:
-                result[start:stop] = target
+        across(result, mine)
         self._sync("host sync after the sums", wait)
         self._copy_out(results, [(start, stop, owner) for start, stop, owner, *_ in parts], outs)
-        sent = sum(p.nbytes for p in payloads)
-        return sent, sum(p.nbytes for host in gathered for p in host) - sent
 
     @staticmethod
     def _copy_out(results, pieces, outs):

@@ -8,8 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm.phased import PhasedReduction, host_first, summands
-from ..comm.placement import partition_owner
+from ..comm.phased import PhasedReduction, run_phases
 from .buckets import Handle
 
 
@@ -27,53 +26,33 @@ class PhasesAndVotes:
 
     def _reduce_in_phases(self, tensor, wire, out, average, ctx):
         """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
-        steps in order there, so error feedback sees each step in turn). With two levels and
-        ``host_first`` (thc) the host's ranks sum ``wire`` first and each partition's owner
-        encodes that sum: one summand per host."""
-        levels = self.shared.levels
-        on_host = levels is not None and host_first(tensor)
-        local = levels.local_size if levels is not None else 1
-        owns = (lambda p: partition_owner(tensor.index, p, local) == levels.local_rank) if on_host else None
-        reduction = PhasedReduction(tensor, wire, wire, ctx, summands(tensor, self.size, local), owns)
+        steps in order there, so error feedback sees each step in turn). One level here; thc
+        with two levels goes through the host's sums instead (two_level.py)."""
+        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
         handle = Handle(self.buckets, out, self.buckets.pending)
         return self._add(handle, "phased", (reduction, None, wire, out, average),
                          wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
-        on_host = [entry[2] for entry in phased if entry[0].on_host]
-        for dtype in dict.fromkeys(w.dtype for w in on_host):  # the host's sums, in shared memory
-            wires = [w for w in on_host if w.dtype == dtype]  # only (levels.py), before any encoding
-            self.shared.levels.reduce_dense(wires, [(w, None) for w in wires], "host sum before thc",
-                                            across_hosts=False)
-        start = time.perf_counter()
-        firsts = [entry[0].first() for entry in phased]
-        self.shared.counters.compress_seconds += time.perf_counter() - start
-        p_sums = self._sum_phase(firsts)
-        q_sums = self._sum_phase([entry[0].second(p_sum) for entry, p_sum in zip(phased, p_sums)])
-        for (reduction, _, wire, out, average), q_sum in zip(phased, q_sums):
-            reduction.finish(q_sum)
+        start, counters = time.perf_counter(), self.shared.counters
+        summing = counters.communicate_seconds
+        run_phases([entry[0] for entry in phased], self._sum_phase)
+        counters.compress_seconds += time.perf_counter() - start - (counters.communicate_seconds - summing)
+        for _, _, wire, out, average in phased:
             self._deliver(wire, out, average)
 
-    def _sum_phase(self, buffers):
-        """The buffers summed over ranks by one all_reduce of their concatenation per element
-        type (PowerSGD's float32, thc's float64); the sums, in order."""
+    def _sum_phase(self, fused):
+        """One phase's buffers (comm/phased.py ``fused_sums``) summed over ranks, counted."""
         start = time.perf_counter()
+        self._sum(fused)
+        # with two levels each rank hands torch.distributed its 1/L share of the host's sum
+        levels = self.shared.levels
+        handed = fused.nbytes // (levels.local_size if levels is not None else 1)
         counters = self.shared.counters
-        sums = [None] * len(buffers)
-        for dtype in dict.fromkeys(b.dtype for b in buffers):
-            picked = [i for i, b in enumerate(buffers) if b.dtype == dtype]
-            fused = np.concatenate([buffers[i] for i in picked])
-            self._sum(fused)
-            # with two levels each rank hands torch.distributed its 1/L share of the host's sum
-            levels = self.shared.levels
-            handed = fused.nbytes // (levels.local_size if levels is not None else 1)
-            counters.pushed_wire += handed
-            counters.pulled_wire += handed
-            for i, summed in zip(picked, np.split(fused, np.cumsum([buffers[i].size for i in picked])[:-1])):
-                sums[i] = summed
+        counters.pushed_wire += handed
+        counters.pulled_wire += handed
         counters.communicate_seconds += time.perf_counter() - start
-        return sums
 
     def _reduce_signs(self, tensor, wire, ctx):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).

@@ -3,13 +3,18 @@ single-phase tensors reduced as the parameter server's two levels do: dense ones
 (levels.py's all_reduce), compressed ones (every reducer, majority included) so: partition p
 of the tensor declared i-th is owned by local rank (i + p) mod L (ps/worker/host.py's
 rule), which compresses the host's sum of it once with that partition's chain; the owners of
-every host exchange payloads and run the server's reducer.
+every host exchange payloads and run the server's reducer. thc (comm/phased.py ``host_first``)
+alike, its owners' phases summed across hosts instead of payloads gathered.
 The plain all_reduce (PowerSGD's two phases, local SGD) is levels.py's sum too.
 """
 import time
+import types
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from ..comm.phased import PhasedReduction, phases, run_phases
 from ..comm.placement import partition_owner
 from .levels import HostLevels
 from .rendezvous import host_key
@@ -50,8 +55,9 @@ class TwoLevels:
         groups = {}
         for entry in coded:
             tensor = entry[0]
-            groups.setdefault((tensor.compressed, entry[1].dtype, tensor.wire_dtype), []).append(entry)
-        for (compressed, dtype, wire_dtype), entries in groups.items():
+            key = (tensor.compressed, phases(tensor) > 1, entry[1].dtype, tensor.wire_dtype)
+            groups.setdefault(key, []).append(entry)
+        for (compressed, phased, dtype, wire_dtype), entries in groups.items():
             start = time.perf_counter()
             names = ", ".join(repr(entry[0].name) for entry in entries[:3]) + (" ..." if len(entries) > 3 else "")
             sources = [entry[1] for entry in entries]
@@ -63,7 +69,9 @@ class TwoLevels:
                     target = np.empty(wire.size, dtype)
                     spills.append((target, out))
                 outs.append((target, dtype.type(self.size) if divide else None))
-            if compressed:
+            if phased:
+                sent, received = self._phases_across_hosts(entries, sources, outs, wire_dtype, names)
+            elif compressed:
                 sent, received = self.shared.levels.reduce_coded_into(sources, outs, self._owned_parts(entries),
                                                                f"all_gather of {names}'s payloads", wire_dtype)
             else:
@@ -75,6 +83,40 @@ class TwoLevels:
             counters.pushed_wire += sent
             counters.pulled_wire += received
             counters.communicate_seconds += time.perf_counter() - start
+
+    def _phases_across_hosts(self, entries, sources, outs, wire_dtype, names):
+        """thc's two levels (comm/phased.py ``host_first``): each partition's owner sums it over
+        the host, the owners' phase buffers (their own partitions only) are summed across hosts
+        by one all_reduce per phase on the owners' group, one summand per host, and each owner
+        decodes its partitions before the host copies them out. Returns (sent, received) bytes."""
+        levels, wait = self.shared.levels, self.level_wait
+        parts = self._owned_parts(entries)
+        handed = []
+
+        def across(result, mine):
+            cast = wire_dtype != result.dtype
+            source = result.astype(wire_dtype) if cast else result
+            reductions, offset = [], 0
+            for tensor, wire, _, _, ctx, _ in entries:
+                owned = [types.SimpleNamespace(codec=part.codec, start=offset + part.start, stop=offset + part.stop)
+                         for p, part in enumerate(tensor.partitions)
+                         if partition_owner(tensor.index, p, self.local_size) == self.local_rank]
+                reductions.append(PhasedReduction(tensor, source, source, ctx, self.size // self.local_size, owned))
+                offset += wire.size
+
+            def summed(fused):
+                what = f"all_reduce of {names}'s thc phase across hosts"
+                if levels.hosts > 1 and fused.size:
+                    wait(dist.all_reduce(torch.from_numpy(fused), group=levels.cross_group, async_op=True), what)
+                else:  # every rank counts the collective alike
+                    wait(None, what)
+                handed.append(fused.nbytes if levels.hosts > 1 else 0)
+            run_phases(reductions, summed)
+            if cast:
+                for start, stop, *_ in mine:
+                    result[start:stop] = source[start:stop]
+        levels.reduce_owned_into(sources, outs, parts, across, wait)
+        return sum(handed), sum(handed)
 
     def _owned_parts(self, entries):
         """[(start, stop, owner, codec, reducer, ctx)] of the entries' partitions, back to back."""

@@ -12,17 +12,16 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
 * ``phase_sizes``: the elements of each phase's payload;
-* with ``host_first``, ``agree(summed, ctx)``: what ``compress`` and ``compress_q`` learn of the
-  step and the first sum, on a rank that does not encode the partition;
 * optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's float64
   words hold more exact integer lanes);
 * optionally ``set_summands(workers)``: called first, when the payload's size depends on how
   many pushes the sum adds (thc's lanes).
 
-A reducer with ``host_first`` (thc) has two-level jobs sum each host's gradient (floats, in
-shared memory) before its phases: one local rank per partition encodes the host's sum and the
-others send zeros, which every sum adds exactly, so each phase sums one push per host and thc's
-lanes are sized for H hosts, not H x L ranks (``summands``).
+A reducer with ``host_first`` (thc) runs its phases inside two levels, as a single-phase codec
+runs its push and pull: each partition's owner local rank sums it over the host (floats, in
+shared memory), encodes that sum, and sums its own partitions' phase buffers with the owners of
+the other hosts; then the host copies the decoded sums out. Each phase sum adds one push per
+host, so thc's lanes are sized for H hosts, not H x L ranks (``summands``).
 """
 import numpy as np
 
@@ -45,14 +44,15 @@ def host_first(tensor):
     return bool(tensor.partitions) and bool(getattr(tensor.partitions[0].reducer, "host_first", False))
 
 
-def summands(tensor, ranks, local_size=1):
-    """Pushes each phase sum of ``tensor`` adds: one per host where the host sums first."""
-    return ranks // local_size if local_size > 1 and host_first(tensor) else ranks
-
-
 def phase_names(tensor):
     """The auxiliary tensors a parameter-server worker sums the phases of ``tensor`` in."""
     return [f"{tensor.name}|phase{i}" for i in range(PHASES)]
+
+
+def owner_phase_names(tensor, local_rank):
+    """The parameter server's phase tensors of ``tensor``'s partitions owned by ``local_rank``
+    (two levels, ``host_first``: ps/worker/host.py)."""
+    return [f"{name}|owner{local_rank}" for name in phase_names(tensor)]
 
 
 def size_for(tensor, workers):
@@ -73,18 +73,39 @@ def phase_lengths(tensor, workers=1):
     return [sum(int(part.codec.phase_sizes[i]) for part in tensor.partitions) for i in range(PHASES)]
 
 
+def fused_sums(buffers, sum_in_place):
+    """``buffers`` summed over the job: their concatenation per element type (PowerSGD's float32,
+    thc's float64) goes to ``sum_in_place(array)`` once; the sums, in order."""
+    sums = [None] * len(buffers)
+    for dtype in dict.fromkeys(b.dtype for b in buffers):
+        picked = [i for i, b in enumerate(buffers) if b.dtype == dtype]
+        fused = np.concatenate([buffers[i] for i in picked])
+        sum_in_place(fused)
+        for i, summed in zip(picked, np.split(fused, np.cumsum([buffers[i].size for i in picked])[:-1])):
+            sums[i] = summed
+    return sums
+
+
+def run_phases(reductions, sum_in_place):
+    """Both phases of ``reductions`` (PhasedReduction), each phase one ``fused_sums``, then each
+    one's ``finish``."""
+    p_sums = fused_sums([r.first() for r in reductions], sum_in_place)
+    q_sums = fused_sums([r.second(p) for r, p in zip(reductions, p_sums)], sum_in_place)
+    for reduction, q_sum in zip(reductions, q_sums):
+        reduction.finish(q_sum)
+
+
 class PhasedReduction:
     """One reduce of a two-phase tensor on this worker: ``first()`` and ``second(p_sum)`` are
     the buffers to sum, ``finish(q_sum)`` writes the sum over ``workers`` into ``target``.
     ``source`` and ``target`` are flat arrays of the wire dtype (they may be one array: the input
-    is read by ``first`` before ``finish`` writes). ``owns(i)``: whether this rank encodes
-    partition i (None: all); the others' phase payloads are zeros (``host_first``)."""
+    is read by ``first`` before ``finish`` writes). ``parts``: the partitions this rank
+    encodes, when not all of ``tensor``'s (two levels: a host's owner; ``start`` and ``stop``
+    index ``source`` and ``target``)."""
 
-    def __init__(self, tensor, source, target, ctx, workers, owns=None):
-        self.parts, self.source, self.target = tensor.partitions, source, target
-        self.ctx, self.workers = ctx, workers
-        self.owned = [owns is None or bool(owns(i)) for i in range(len(self.parts))]
-        self.on_host = owns is not None  # the transport sums the host's input before ``first``
+    def __init__(self, tensor, source, target, ctx, workers, parts=None):
+        self.parts = tensor.partitions if parts is None else parts
+        self.source, self.target, self.ctx, self.workers = source, target, ctx, workers
         size_for(tensor, workers)
         self.dtype = phase_dtype(tensor)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
@@ -97,19 +118,14 @@ class PhasedReduction:
 
     def first(self):
         buffer = np.empty(self.bounds[0][-1], self.dtype)
-        for owned, (part, piece) in zip(self.owned, self._pieces(0, buffer)):
-            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(self.dtype) \
-                if owned else 0
+        for part, piece in self._pieces(0, buffer):
+            piece[:] = part.codec.compress(self.source[part.start:part.stop], self.ctx).view(self.dtype)
         return buffer
 
     def second(self, p_sum):
         buffer = np.empty(self.bounds[1][-1], self.dtype)
-        for owned, (part, piece), (_, summed) in zip(self.owned, self._pieces(1, buffer), self._pieces(0, p_sum)):
-            if owned:
-                piece[:] = part.codec.compress_q(summed).view(self.dtype)
-            else:  # header included: the owner's push is the host's one; ``agree`` readies finish
-                part.codec.agree(summed, self.ctx)
-                piece[:] = 0
+        for (part, piece), (_, summed) in zip(self._pieces(1, buffer), self._pieces(0, p_sum)):
+            piece[:] = part.codec.compress_q(summed).view(self.dtype)
         return buffer
 
     def finish(self, q_sum):

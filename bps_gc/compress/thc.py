@@ -194,11 +194,8 @@ class THC(Codec):
         hist[exponent_bin(peak)] = 1
         return hist.view(np.uint8)
 
-    def agree(self, hist_sum, ctx=None):
-        """The scale from the summed histogram (phase 1); (exponent, any non-finite push).
-        ``ctx``: on a rank that did not encode (comm/phased.py), this step's rotation too."""
-        if ctx is not None and self.rotate:
-            self.signs = rotation_signs(self.seed, ctx, self.block)
+    def agree(self, hist_sum):
+        """The scale from the summed histogram (phase 1); (exponent, any non-finite push)."""
         summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER))
         if summands != self.summands:
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "

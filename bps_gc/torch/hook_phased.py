@@ -4,9 +4,10 @@ bucket is one all_reduce (thc: of float64 words) over the hook's own group, on t
 thread (the one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
 (keys as hook_state.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
 wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. With two
-levels (hook_levels.py) the host's ranks first sum the bucket in shared memory, each gradient's
-owner local rank (by its seed key, as hook_levels.py's) encodes that sum, and the phases are
-summed through the levels: one summand per host (comm/phased.py ``host_first``).
+levels (hook_levels.py) each gradient's owner local rank (by its seed key, as hook_levels.py's)
+sums it over the host in shared memory, encodes that sum, and sums its phase buffers with the
+owners of the other hosts (one summand per host: comm/phased.py ``host_first``); then the host
+copies the decoded gradients out.
 """
 import dataclasses
 import types
@@ -14,7 +15,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from ..comm.phased import PhasedReduction
+from ..comm.phased import PhasedReduction, run_phases
 from ..comm.placement import partition_owner
 from .hook_futures import current, settle, value
 from .hook_state import bucket_key
@@ -72,16 +73,18 @@ class PhasedBuckets:
     def _stage(self, group, index, buffer, tensor, ctx, future, stream, levels):
         wait = self._waiter(group, index)
         level_wait = (lambda work, what: None if work is None else wait(work, what))  # None: skipped
-        local = levels.local_size if levels is not None else 1
+        what = f"all_reduce of DDP bucket {index}'s thc phase"
 
-        def summed(array, what):
-            if levels is not None:  # the host's sum, then its 1/L share across hosts
-                levels.all_reduce(array, what, None, level_wait)
-            else:
-                wait(dist.all_reduce(torch.from_numpy(array), group=group, async_op=True), what)
-            handed = array.nbytes // local
-            self.traffic.add(pushed_wire=handed, pulled_wire=handed)  # core.metrics()
-            return array
+        def summed(fused):  # one level: every rank's phase buffers
+            wait(dist.all_reduce(torch.from_numpy(fused), group=group, async_op=True), what)
+            self.traffic.add(pushed_wire=fused.nbytes, pulled_wire=fused.nbytes)  # core.metrics()
+
+        def across_hosts(fused):  # two levels: the owners' buffers, with those of the other hosts
+            if levels.hosts > 1 and fused.size:
+                level_wait(dist.all_reduce(torch.from_numpy(fused), group=levels.cross_group, async_op=True), what)
+                self.traffic.add(pushed_wire=fused.nbytes, pulled_wire=fused.nbytes)
+            else:  # every rank counts the collective alike
+                level_wait(None, what)
 
         def work():
             if stream is not None:
@@ -90,16 +93,19 @@ class PhasedBuckets:
             raw = buffer.numel() * buffer.element_size()
             self.traffic.add(pushed_raw=raw, pulled_raw=raw)
             size = dist.get_world_size(group)
-            owns = None
-            if levels is not None:
-                levels.reduce_dense([grad], [(grad, None)], f"host sum of DDP bucket {index}", None, level_wait,
-                                    across_hosts=False)
-                keys = [codec.key for codec in tensor.codecs]
-                owns = (lambda i: partition_owner(keys[i] >> 16 & 0xFFFFFF, keys[i] & 0xFFFF, local)
-                        == levels.local_rank)
-            reduction = PhasedReduction(tensor, grad, grad, ctx, size // local, owns)
-            first = summed(reduction.first(), "all_reduce of the first phase")
-            reduction.finish(summed(reduction.second(first), "all_reduce of the second phase"))
+            if levels is None:
+                run_phases([PhasedReduction(tensor, grad, grad, ctx, size)], summed)
+            else:  # each gradient's owner by its seed key, as hook_levels.py's
+                parts = [(part.start, part.stop, partition_owner(codec.key >> 16 & 0xFFFFFF, codec.key & 0xFFFF,
+                                                                 levels.local_size))
+                         for part, codec in zip(tensor.partitions, tensor.codecs)]
+
+                def across(result, mine):
+                    owned = [part for part, (_, _, owner) in zip(tensor.partitions, parts)
+                             if owner == levels.local_rank]
+                    run_phases([PhasedReduction(tensor, result, result, ctx, size // levels.local_size, owned)],
+                               across_hosts)
+                levels.reduce_owned_into([grad], [(grad, None)], parts, across, level_wait)
             grad /= grad.dtype.type(size)
             buffer.copy_(torch.from_numpy(grad))
             return buffer

@@ -99,9 +99,7 @@ class DeviceTHC(DeviceCodec):
                 if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float64)
         return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(thc.CARRIER))).to(self.device)
 
-    def agree(self, hist_sum, ctx=None):
-        if ctx is not None and self.rotate:
-            self.signs = torch.from_numpy(thc.rotation_signs(self.seed, ctx, self.block)).to(self.device)
+    def agree(self, hist_sum):
         return self.host.agree(self._floats(hist_sum).cpu().numpy())
 
     def compress_q(self, hist_sum):

@@ -8,11 +8,14 @@ pushes it to the partition's server, and receives the result into its shared res
 then every rank of the host copies every partition out of its owner's result (an all-gather).
 Servers count one push per host. The protocol is local.py's (READY, sum, SUMMED, copy
 out) among the host's ranks, with the push and pull between the sum and SUMMED; see
-docs/local_ranks.md for what changes when a codec sees the host's sum.
+docs/local_ranks.md for what changes when a codec sees the host's sum. thc runs its two phases
+there instead (``forward_phases``): the owners of a partition on every host sum its scale
+histogram and codes through phase tensors of their own (``declare_phases``).
 """
 import numpy as np
 
 from ...comm import NodeFailure
+from ...comm.phased import PhasedReduction, owner_phase_names, phase_dtype, phases, size_for
 from ...comm.placement import partition_owner
 from ...transport import shm
 from ...transport.sockets import host_of
@@ -51,14 +54,6 @@ class InnerTensor:
         self.name, self.busy, self.auxiliary = name, False, True
 
 
-class HostOnly(InnerTensor):
-    """A tensor the host's ranks sum among themselves and never push (``sum_on_host``)."""
-
-    def __init__(self, name, size, dtype):
-        super().__init__(name)
-        self.size, self.dtype, self.partitions = size, np.dtype(dtype), []
-
-
 class HostReduce(LocalReduce):
     def __init__(self, worker, *args):
         super().__init__(*args)
@@ -66,17 +61,36 @@ class HostReduce(LocalReduce):
         self.local_size = worker.cfg.local_size
         self.two_level = True  # False: BPS_GC_LOCAL_REDUCE's one-host sums (the base class)
         self.per_rank = set()  # names of the tensors every rank pushes itself (see ``place``)
-        self.host_only = {}  # name -> HostOnly: sums that stay on the host (``sum_on_host``)
+        self.pushed_by = {}  # thc's phase tensors -> the local rank that pushes them (``declare_phases``)
 
     def owner(self, tensor, p):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
         return partition_owner(tensor.index, p, self.local_size)
+
+    def declare_phases(self, tensor):
+        """thc under two levels (comm/phased.py ``host_first``): for each local rank, a pair of
+        dense tensors holding the phase buffers of the partitions it owns, declared alike on
+        every rank, placed (INIT) and pushed by that local rank of every host: one push per host
+        a key, as the servers count, and lanes sized for the hosts."""
+        worker = self.worker
+        size_for(tensor, worker.size // self.local_size)
+        for rank in range(self.local_size):
+            owned = [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == rank]
+            for i, name in enumerate(owner_phase_names(tensor, rank)):
+                length = sum(int(part.codec.phase_sizes[i]) for part in owned)
+                if length:
+                    self.pushed_by[name] = rank
+                    worker.declare(name, shape=(length,), dtype=phase_dtype(tensor))
+                    worker.tensors[name].auxiliary = True
 
     def place(self, tensor):
         """[(partition, INIT declaration)] this rank sends the servers: those it owns. A
         compressed tensor of granularity 'entiremodel' is compressed by the binding over each
         rank's whole gradient, before any host sum: every rank pushes it, as in a flat job, and
         its declaration tells the servers to count one push per rank."""
+        if tensor.name in self.pushed_by:  # thc's phase tensor: its local rank pushes it
+            return [(part, tensor.describe(part)) for part in tensor.partitions] \
+                if self.pushed_by[tensor.name] == self.worker.local_rank else []
         if tensor.compressed and tensor.params.granularity == "entiremodel":
             self.per_rank.add(tensor.name)
             return [(part, dict(tensor.describe(part), pushers="rank")) for part in tensor.partitions]
@@ -84,13 +98,13 @@ class HostReduce(LocalReduce):
 
     def carries(self, tensor):
         """Whether the host level reduces ``tensor`` (else every rank pushes it)."""
-        return tensor.name not in self.per_rank
+        return tensor.name not in self.per_rank and tensor.name not in self.pushed_by
 
     def owned(self, tensor):
         return [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == self.worker.local_rank]
 
     def share(self, tensor, index):
-        if not self.two_level or tensor.name in self.host_only:
+        if not self.two_level:
             return super().share(tensor, index)
         return [slice(part.start, part.stop) for p, part in enumerate(tensor.partitions)
                 if self.owner(tensor, p) == index]
@@ -113,40 +127,22 @@ class HostReduce(LocalReduce):
         self.worker.io.post("local", local, rnd, handle, wire, average)
         return handle
 
-    def sum_on_host(self, name, flat):
-        """Start the sum of ``flat`` over this host's ranks, written back into ``flat``; no
-        server takes part (thc sums the host's gradient before encoding it: comm/phased.py).
-        Returns a Handle; every rank of the host calls it for ``name`` in the same order."""
-        key = f"{name}|host"
-        tensor = self.host_only.get(key)
-        if tensor is None:  # a declared tensor's size and dtype never change
-            tensor = self.host_only[key] = HostOnly(key, flat.size, flat.dtype)
-        local, rnd = self.prepare(tensor, flat)
-        handle = Handle(self.worker, tensor, flat, flat, 1, False, {})
-        self.worker.io.post("local", local, rnd, handle, flat, False)
-        return handle
-
     # ------------------------------------------------------------------ any thread
 
     def forward(self, local, rnd, handle):
         """This rank's share of the host's sum is in its result buffer: push each of its
         partitions (compressed once, here), pull the job's sum into the same place, then SUMMED."""
-        if not self.two_level or local.name in self.host_only:
+        if not self.two_level:
             return super().forward(local, rnd, handle)
         tensor = local.plan
         owned = self.owned(tensor)
         if not owned:
             return self.summed(local, rnd)
         worker = self.worker
+        if phases(tensor) > 1:
+            return self.forward_phases(local, rnd, handle, owned)
         try:
-            if tensor.wire_dtype != tensor.dtype:  # fp16 on the wire: push and pull a cast copy
-                if local.wire is None:
-                    local.wire = np.empty(local.result.size, tensor.wire_dtype)
-                for part in owned:
-                    local.wire[part.start:part.stop] = local.result[part.start:part.stop]
-                buf = local.wire
-            else:
-                buf = local.result
+            buf = self._wire_copy(local, owned)  # fp16 on the wire: push and pull a cast copy
             ctx, context = handle.ctx, encode_context(handle.ctx)
             inner = Handle(worker, InnerTensor(tensor.name), buf, buf, len(owned), False, ctx)
         except Exception as e:
@@ -167,6 +163,29 @@ class HostReduce(LocalReduce):
                                        tensor.wire_dtype)
                 except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
                     return inner.fail(e)
+
+    def forward_phases(self, local, rnd, handle, owned):
+        """thc: the phases of this rank's partitions of the host's sum, with this local rank of
+        every host (``declare_phases``), decoded into its result buffer, then SUMMED."""
+        tensor, worker = local.plan, self.worker
+        try:
+            buf = self._wire_copy(local, owned)
+            reduction = PhasedReduction(tensor, buf, buf, handle.ctx, worker.size // self.local_size, owned)
+        except Exception as e:
+            return handle.fail(e)
+        worker.run_phases(reduction, owner_phase_names(tensor, worker.local_rank), local.priority, handle.ctx,
+                          handle, lambda: self.pulled(local, rnd, handle, owned))
+
+    def _wire_copy(self, local, owned):
+        """The buffer the owned partitions cross in: the result, or a cast copy (fp16)."""
+        tensor = local.plan
+        if tensor.wire_dtype == tensor.dtype:
+            return local.result
+        if local.wire is None:
+            local.wire = np.empty(local.result.size, tensor.wire_dtype)
+        for part in owned:
+            local.wire[part.start:part.stop] = local.result[part.start:part.stop]
+        return local.wire
 
     def pulled(self, local, rnd, handle, owned):
         try:

@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from ...comm.communicator import Communicator
-from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases, summands
+from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 from ...transport.sockets import Auth
 from ...transport.wire import encode_context
@@ -134,7 +134,9 @@ class Worker(Communicator):
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor, self._summands(tensor))):
+            if self.host is not None and host_first(tensor):  # thc: its owners' own phase tensors
+                return self.host.declare_phases(tensor)
+            for name, length in zip(phase_names(tensor), phase_lengths(tensor, self.size)):
                 self.declare(name, shape=(length,), dtype=phase_dtype(tensor))
                 self.tensors[name].auxiliary = True
             return
@@ -170,10 +172,11 @@ class Worker(Communicator):
             if out is not array:
                 np.copyto(out, array)
             return Handle(self, tensor, out, out.reshape(-1), 0, average, ctx)
-        if phases(tensor) > 1:
+        host_level = self.host is not None and self.host.carries(tensor)
+        if phases(tensor) > 1 and not (host_level and host_first(tensor)):
             return self._reduce_in_phases(tensor, array, out, average, ctx, priority)
         flat = np.ascontiguousarray(array).reshape(-1)
-        if self.host is not None and self.host.carries(tensor):
+        if host_level:  # thc's phases run there too, between the host's sum and its copy out
             return self.host.push_pull(tensor, flat, out, average, ctx, priority)
         if tensor.local:
             wire = out.reshape(-1)
@@ -223,56 +226,44 @@ class Worker(Communicator):
         reply undecoded, as [(reply, compressed)] (payloads.py)."""
         return push_payloads(self, name, payloads, ctx, priority)
 
-    def _summands(self, tensor):
-        """Pushes each phase sum of ``tensor`` adds (comm/phased.py ``summands``)."""
-        return summands(tensor, self.size, self.cfg.local_size if self.host is not None else 1)
-
     def _reduce_in_phases(self, tensor, array, out, average, ctx, priority):
-        """A two-phase reduce (comm/phased.py): each phase a dense reduce of the tensor's phase
-        buffer; when one phase's sum arrives, its completion queues the next on the codec pool,
-        so no thread waits and workers need not wait for their handles in the same order. With
-        two levels and ``host_first`` (thc), the host's ranks first sum the input in shared
-        memory (host.py ``sum_on_host``) and each partition's owner encodes that sum."""
+        """A two-phase reduce (comm/phased.py) of every rank's own input (one level; thc's two
+        levels run their phases in host.py): each phase a dense reduce of the tensor's phase
+        buffer, so workers need not wait for their handles in the same order."""
         source = np.ascontiguousarray(array).reshape(-1)
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: compress and finish a cast copy
             source = source.astype(tensor.wire_dtype)
         # the Handle copies (and casts) the result into ``out`` unless it is written there
         target = out.reshape(-1) if out.dtype == tensor.wire_dtype else np.empty_like(source)
-        on_host = self.host is not None and host_first(tensor)
-        owns = (lambda p: self.host.owner(tensor, p) == self.local_rank) if on_host else None
-        reduction = PhasedReduction(tensor, source, target, ctx, self._summands(tensor), owns)
+        reduction = PhasedReduction(tensor, source, target, ctx, self.size)
         tensor.busy = True
         handle = Handle(self, tensor, out, target, 1, average, ctx)
         raw = source.size * tensor.wire_dtype.itemsize
         self.counters.add(pushed_raw=raw, pulled_raw=raw)
-        names = phase_names(tensor)
 
+        def done():
+            if average:
+                target[:] /= target.dtype.type(self.size)
+            handle.partition_done()
+        self.run_phases(reduction, phase_names(tensor), priority, ctx, handle, done)
+        return handle
+
+    def run_phases(self, reduction, names, priority, ctx, handle, done):
+        """``reduction``'s phases (comm/phased.py), phase i a dense reduce of tensor ``names[i]``;
+        when one phase's sum arrives, its completion queues the next on the codec pool, so no
+        thread waits. ``done()`` after the finish; any failure fails ``handle``."""
         def phase(index, summed):
             try:
                 if index == len(names):
                     reduction.finish(summed)
-                    if average:
-                        target[:] /= target.dtype.type(self.size)
-                    return handle.partition_done()
+                    return done()
                 buffer = reduction.first() if index == 0 else reduction.second(summed)
                 sent = self.reduce(buffer, names[index], average=False, priority=priority, ctx=ctx)
-                sent.then(lambda done: handle.fail(done.error) if done.error is not None
+                sent.then(lambda result: handle.fail(result.error) if result.error is not None
                           else self._submit(handle, phase, index + 1, buffer))
             except Exception as e:
                 handle.fail(e)
-        if not on_host:
-            self._submit(handle, phase, 0, None)
-            return handle
-        try:  # the phases encode the host's sum, written over ``source`` (a copy of the input)
-            if source is array or np.shares_memory(source, array):
-                reduction.source = source = source.copy()
-            host_sum = self.host.sum_on_host(tensor.name, source)
-        except Exception as e:
-            handle.fail(e)
-            return handle
-        host_sum.then(lambda done: handle.fail(done.error) if done.error is not None
-                      else self._submit(handle, phase, 0, None))
-        return handle
+        self._submit(handle, phase, 0, None)
 
     def _submit(self, handle, fn, *args):
         try:

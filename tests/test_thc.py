@@ -202,7 +202,33 @@ def test_parameters():
     with pytest.raises(ParamError, match="thc keeps the momentum"):
         CompressionParams.from_dict({"compressor": "thc", "momentum": "nesterov", "mu": 0.9})
     codec = chains(10_000, 8, bits=4)[0]
-    assert codec.phase_sizes == (thc.HIST, thc.HEADER + math.ceil(10_000 / 7))  # 7-bit lanes, 7 a word
+    # 8 pushes: histogram counts in 4-bit lanes, 13 to a word; codes in 7-bit lanes, 7 to a word
+    assert codec.phase_sizes == (math.ceil(thc.HIST / 13), thc.HEADER + math.ceil(10_000 / 7))
+
+
+@pytest.mark.parametrize("pushes", [1, 2, 3, 8, 1000, 8192])
+def test_histogram_counts_add_in_their_lanes(pushes):
+    """Each push's histogram is one 1 in its exponent's bin, packed in lanes of bit_length(N)
+    bits; the float64 sum of N such pushes unpacks to numpy's counts per bin."""
+    rng = np.random.default_rng(pushes)
+    bins = rng.integers(0, thc.HIST, pushes)
+    total = np.sum([thc.histogram_words(int(b), pushes) for b in bins], axis=0)
+    width = thc.count_bits(pushes)
+    assert total.size == math.ceil(thc.HIST / (53 // width))
+    np.testing.assert_array_equal(thc.unpack_counts(total, width, thc.HIST), np.bincount(bins, minlength=thc.HIST))
+    summands, exponent, nonfinite = thc.agreed_scale(total, pushes)
+    top = int(bins[bins < thc.HIST - 1].max()) if (bins < thc.HIST - 1).any() else 0
+    assert (summands, exponent, nonfinite) == (pushes, top + thc.E_MIN, bool((bins == thc.HIST - 1).any()))
+
+
+def test_a_histogram_of_another_size_or_an_overflowed_word_is_refused():
+    words = thc.histogram_words(5, 2)
+    with pytest.raises(ValueError, match="must be 7 words"):
+        thc.agreed_scale(np.concatenate([words, words]), 2)
+    with pytest.raises(ValueError, match="not an integer in"):
+        thc.agreed_scale(words + 0.5, 2)
+    with pytest.raises(ValueError, match="counts no push"):
+        thc.agreed_scale(np.zeros_like(words), 2)
 
 
 def test_device_chain_on_cpu_torch_matches_numpys_payloads():

@@ -1,4 +1,4 @@
-"""thc: summable b-bit codes. Phase 1 a 160-float64 exponent histogram; phase 2 three float64 header values (bits, scale exponent, 1) then float64 words of packed unsigned lanes.
+"""thc: summable b-bit codes. Phase 1 the exponent histogram's 160 counts packed in float64 words; phase 2 three float64 header values (bits, scale exponent, 1) then float64 words of packed unsigned lanes.
 
 THC (Li et al., NSDI'24): every worker quantizes against one *shared* scale, so the servers (or
 an all_reduce) add the integer codes without decoding them, and each worker decodes the sum
@@ -8,6 +8,8 @@ once. One reduce takes two plain-sum phases, which the communicators drive like 
 1. ``compress(x, ctx)``: y = x (or its randomized Hadamard rotation); the histogram has a 1 in
    the bin of e = ceil(log2 max|y|) (clipped to [-126, 32]; the last bin for a non-finite
    input). Its sum counts the summands, and its highest nonzero bin is the shared exponent.
+   The 160 counts travel packed like the codes: lanes of c = bit_length(N) bits (a count is
+   at most N), floor(53 / c) to a float64 word (7 words for N = 2, 54 for N = 8,192).
 2. ``compress_q(hist_sum)``: the scale s = 2^e; each element's code q in [0, M], M = 2^b - 1,
    is (y/s + 1) M/2 rounded stochastically (unbiased: E q = that) or, with ``feedback``, to the
    nearest (ties up) and the error kept for the next step (the C kernel kernels/thc.c). Codes are packed k = floor(53 / w) to a
@@ -19,8 +21,9 @@ once. One reduce takes two plain-sum phases, which the communicators drive like 
 The rotation: per block of B = min(4096, next power of two >= n) elements, H D with D a random
 +-1 diagonal and H the orthonormal Walsh-Hadamard matrix; D's seed derives from the partition's
 seed and the step (``chain.derive_seed``), so every worker rotates alike. The scale agreement
-is phase 1: one extra sum of 1,280 bytes per partition (one more all_reduce per bucket, or one
-more push and pull of a dense key per partition on the parameter server).
+is phase 1: one extra sum of 56-432 bytes per partition for 2 to 8,192 summands (one more
+all_reduce per bucket, or one more push and pull of a dense key per partition on the parameter
+server).
 """
 import math
 import os
@@ -57,6 +60,32 @@ def lane_bits(bits, summands):
                          f"more than the {CARRIER_BITS} bits a float64 word adds exactly; "
                          f"use fewer bits or fewer summands")
     return width
+
+
+def count_bits(summands):
+    """Lane width of a summed histogram count (0 to N): bit_length(N)."""
+    return max(1, int(summands).bit_length())
+
+
+def histogram_words(bin_, summands):
+    """One push's histogram (a 1 in ``bin_``) packed for ``summands`` pushes: float64 words."""
+    width = count_bits(summands)
+    k = lanes_per_word(width)
+    words = np.zeros(words_for(HIST, width), CARRIER)
+    words[bin_ // k] = float(1 << (bin_ % k) * width)
+    return words
+
+
+def unpack_counts(words, width, count_):
+    """The first ``count_`` lanes of ``width`` bits of summed float64 ``words``, as int64; a
+    ValueError for a word that is not an integer in [0, 2^53) (an overflowed or foreign sum)."""
+    words = np.asarray(words, CARRIER)
+    if not np.all((words >= 0) & (words < 2.0 ** CARRIER_BITS) & (words == np.floor(words))):
+        raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
+    k = lanes_per_word(width)
+    shifts = np.arange(k, dtype=np.uint64) * np.uint64(width)
+    lanes = (words.astype(np.uint64)[:, None] >> shifts) & np.uint64((1 << width) - 1)
+    return lanes.reshape(-1)[:count_].astype(np.int64)
 
 
 def lanes_per_word(width):
@@ -114,11 +143,14 @@ def exponent_bin(peak):
     return min(max(exp, E_MIN), E_MAX) - E_MIN
 
 
-def agreed_scale(hist_sum):
-    """(summands, exponent, any non-finite push) from the summed histogram."""
-    hist = np.asarray(hist_sum, CARRIER)
-    if hist.size != HIST or (hist < 0).any() or not np.array_equal(hist, np.floor(hist)):
-        raise ValueError(f"thc: a summed histogram must be {HIST} whole counts, got {hist.size} values")
+def agreed_scale(hist_sum, lanes_for):
+    """(summands, exponent, any non-finite push) from the summed histogram words, packed for
+    ``lanes_for`` pushes."""
+    width, words = count_bits(lanes_for), np.asarray(hist_sum, CARRIER).reshape(-1)
+    if words.size != words_for(HIST, width):
+        raise ValueError(f"thc: a summed histogram must be {words_for(HIST, width)} words ({HIST} counts "
+                         f"in {width}-bit lanes), got {words.size}")
+    hist = unpack_counts(words, width, HIST)
     summands = int(hist.sum())
     if summands < 1:
         raise ValueError("thc: the summed histogram counts no push")
@@ -167,7 +199,7 @@ class THC(Codec):
     @property
     def phase_sizes(self):
         """float64 elements of each phase's payload: the histogram, then header and words."""
-        return HIST, HEADER + words_for(self.codes, self.width)
+        return words_for(HIST, count_bits(self.summands)), HEADER + words_for(self.codes, self.width)
 
     def _rotate(self, x, inverse=False):
         """A rotated copy of x (float32, ``codes`` long): ``rotated``'s operations in C."""
@@ -190,13 +222,11 @@ class THC(Codec):
             self.y = x
         with np.errstate(invalid="ignore"):
             peak = float(np.max(np.abs(self.y))) if self.y.size else 0.0
-        hist = np.zeros(HIST, CARRIER)
-        hist[exponent_bin(peak)] = 1
-        return hist.view(np.uint8)
+        return histogram_words(exponent_bin(peak), self.summands).view(np.uint8)
 
     def agree(self, hist_sum):
         """The scale from the summed histogram (phase 1); (exponent, any non-finite push)."""
-        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER))
+        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER), self.summands)
         if summands != self.summands:
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
                              f"{self.summands}: their codes would overflow (or waste) the lanes")

@@ -88,9 +88,8 @@ class DeviceTHC(DeviceCodec):
         else:
             self.y = x
         peak = float(self.y.abs().max()) if self.y.numel() else 0.0  # NaN propagates through max
-        hist = torch.zeros(thc.HIST, dtype=torch.float64, device=self.device)
-        hist[thc.exponent_bin(peak)] = 1
-        return hist.view(torch.uint8)
+        words = thc.histogram_words(thc.exponent_bin(peak), self.summands)
+        return torch.from_numpy(words).to(self.device).view(torch.uint8)
 
     def _floats(self, buffer):
         """A summed phase buffer (bytes, numpy or a tensor) as float64 words on the device."""

@@ -258,6 +258,11 @@ def _validate(raw):
         raise ParamError("ef", f"{compressor} has its own error feedback; remove 'ef'")
     if momentum is not None and compressor in PHASED:  # its later phases bypass a decorator
         raise ParamError("momentum", f"{compressor} keeps the momentum in the optimizer; remove 'momentum'")
+    if compressor == "thc" and raw.get("bits") == 2 and raw.get("rotate") and raw.get("feedback"):
+        # 2-bit codes err by up to s/3 a rotated coordinate, and rotating back gathers those
+        # errors into the residual faster than the scale shrinks: it grows (docs/codecs.md)
+        raise ParamError("feedback", "thc: 2-bit rotated codes with 'feedback' diverge (the residual "
+                         "grows each step); use bits 4 or 8, or drop 'rotate' or 'feedback'")
     return CompressionParams(compressor=compressor, ef=ef, momentum=momentum,
                              scaling=_flag(raw, "scaling"), k=k, seed=seed, partition=partition,
                              normalize=normalize, mu=None if mu is None else float(mu),

@@ -251,7 +251,8 @@ def ring_counts(design, hosts, local, tensors, sizes, cfg):
                 sent, msgs = sent + b, msgs + m
             else:
                 coded.append(t)
-        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, hosts * local)[i] * phase_dtype(t).itemsize
+        # thc's lanes: one summand per rank flat, per host with two levels (comm/phased.py host_first)
+        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, ranks)[i] * phase_dtype(t).itemsize
                                                             for t in phased) for i in range(2) if phased]:
             b, m = all_reduce(part_bytes)
             sent, msgs = sent + b, msgs + m
@@ -301,11 +302,12 @@ def count_all(hosts=HOSTS, local=LOCAL, codecs=CODECS, designs=PS_DESIGNS + RING
                 if design.startswith("ring") and reducer == "lossless":
                     continue  # the collective gathers payloads: each rank reduces them itself
                 for h in hosts:
+                    summands = h if design.endswith("2level") else h * local  # thc: the host sums first
                     if design.startswith("ps"):
-                        counts = ps_counts(design, h, local, tensors_for(params, reducer, h * local), sizes, cfg,
+                        counts = ps_counts(design, h, local, tensors_for(params, reducer, summands), sizes, cfg,
                                            servers_per_host)
                     elif design.startswith("ring"):
-                        counts = ring_counts(design, h, local, tensors_for(params, reducer, h * local)(1), sizes, cfg)
+                        counts = ring_counts(design, h, local, tensors_for(params, reducer, summands)(1), sizes, cfg)
                     else:
                         counts = gossip_counts(design, h, local, shapes, params, sizes)
                     shown = "Q" if design.startswith("gossip") and params else reducer

@@ -113,6 +113,34 @@ def test_decoded_sum_is_numpys_integer_sum_of_the_codes(bits):
     assert np.abs(outs[0] - np.sum(xs, axis=0)).max() <= workers * 2.0**exponent / levels * 1.0001
 
 
+@pytest.mark.parametrize("bits, workers", [(4, 3), (8, 256), (2, 2)])
+def test_int64_words_add_64_bit_lanes_exactly(bits, workers):
+    """torch.distributed's words (``set_summands(N, int64)``): floor(64 / w) lanes to a word,
+    summed by numpy's int64 addition as gloo and NCCL sum them (wrapping modulo 2^64): the lanes
+    read back unsigned are numpy's integer sums of the recomputed codes, the decoded values
+    are the float64 words' bit for bit, and 8-bit codes of 256 summands fill bit 63."""
+    n = 700
+    xs = inputs(n, workers, seed=bits)
+    words = chains(n, workers, bits=bits, feedback=True)
+    for c in words:
+        c.set_summands(workers, np.int64)
+    hist = np.sum([c.compress(x, CTX).view(np.int64) for c, x in zip(words, xs)], axis=0)
+    summed = np.sum([c.compress_q(hist.view(np.uint8)).view(np.int64) for c in words], axis=0)
+    width = thc.lane_bits(bits, workers)
+    k = 64 // width
+    assert words[0].phase_sizes == (math.ceil(thc.HIST / (64 // thc.count_bits(workers))), thc.HEADER + math.ceil(n / k))
+    exponent = max(math.ceil(math.log2(np.abs(x).max())) for x in xs)
+    total = np.sum([nearest(x, exponent, 2**bits - 1) for x in xs], axis=0)
+    mask = (1 << width) - 1
+    lanes = [(int(w) >> (width * j)) & mask for w in summed[thc.HEADER:].view(np.uint64) for j in range(k)][:n]
+    np.testing.assert_array_equal(np.array(lanes, np.int64), total)
+    floats = [o for o in phases(chains(n, workers, bits=bits, feedback=True), xs)[2]]
+    out = words[0].finish(summed.view(np.uint8), None, workers)
+    assert out.tobytes() == floats[0].tobytes()
+    if (bits, workers) == (8, 256):
+        assert (summed[thc.HEADER:] < 0).any()  # the top lane reaches the sign bit
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_stochastic_rounding_is_unbiased_within_six_sigma(rotate):
     """Each code is floor(u + U[0,1)): E = u, variance <= 1/4 code steps of 2 s / M, so a

@@ -1,5 +1,5 @@
 """thc through bps_gc.torch.comm_hook under DDP on 3 gloo ranks (torchrun): each bucket is two
-all_reduces of float64 (the scale histograms, then the packed codes; hook_phased.py), no
+all_reduces of int64 words (the scale histograms, then the packed codes; hook_phased.py), no
 all_gather, and every bucket's result equals the re-computation here from the three ranks'
 bucket gradients: per-parameter chains (keys as the hook's, kept when DDP regroups), both
 phases summed with numpy."""

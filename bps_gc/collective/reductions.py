@@ -11,6 +11,10 @@ import torch.distributed as dist
 from ..comm.phased import PhasedReduction, run_phases
 from .buckets import Handle
 
+# the words two-phase codecs sum in here (thc): gloo and NCCL add int64 exactly (modulo 2^64),
+# all 64 bits of a word where float64 adds 53
+WORDS = np.dtype(np.int64)
+
 
 class PhasesAndVotes:
     """``_reduce_in_phases`` (a two-phase tensor into the pending bucket) and ``_reduce_phased``
@@ -28,7 +32,7 @@ class PhasesAndVotes:
         """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
         steps in order there, so error feedback sees each step in turn). One level here; thc
         with two levels goes through the host's sums instead (two_level.py)."""
-        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size)
+        reduction = PhasedReduction(tensor, wire, wire, ctx, self.size, carrier=WORDS)
         handle = Handle(self.buckets, out, self.buckets.pending)
         return self._add(handle, "phased", (reduction, None, wire, out, average),
                          wire.nbytes, tensor.name)

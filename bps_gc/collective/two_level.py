@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..comm.phased import PhasedReduction, phases, run_phases
 from ..comm.placement import partition_owner
 from .levels import HostLevels
+from .reductions import WORDS
 from .rendezvous import host_key
 
 
@@ -101,7 +102,8 @@ class TwoLevels:
                 owned = [types.SimpleNamespace(codec=part.codec, start=offset + part.start, stop=offset + part.stop)
                          for p, part in enumerate(tensor.partitions)
                          if partition_owner(tensor.index, p, self.local_size) == self.local_rank]
-                reductions.append(PhasedReduction(tensor, source, source, ctx, self.size // self.local_size, owned))
+                reductions.append(PhasedReduction(tensor, source, source, ctx, self.size // self.local_size, owned,
+                                                  WORDS))
                 offset += wire.size
 
             def summed(fused):

@@ -14,8 +14,9 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * ``phase_sizes``: the elements of each phase's payload;
 * optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's float64
   words hold more exact integer lanes);
-* optionally ``set_summands(workers)``: called first, when the payload's size depends on how
-  many pushes the sum adds (thc's lanes).
+* optionally ``set_summands(workers, carrier)``: called first, when the payload's size depends
+  on how many pushes the sum adds (thc's lanes) and on the element type the transport sums
+  them in (``carrier``: None for the codec's own; torch.distributed passes int64).
 
 A reducer with ``host_first`` (thc) runs its phases inside two levels, as a single-phase codec
 runs its push and pull: each partition's owner local rank sums it over the host (floats, in
@@ -55,11 +56,11 @@ def owner_phase_names(tensor, local_rank):
     return [f"{name}|owner{local_rank}" for name in phase_names(tensor)]
 
 
-def size_for(tensor, workers):
-    """Tell codecs whose phase sizes depend on it how many pushes each sum adds."""
+def size_for(tensor, workers, carrier=None):
+    """Tell codecs whose phase sizes depend on it how many pushes each sum adds, and in what."""
     for part in tensor.partitions:
         if hasattr(part.codec, "set_summands"):
-            part.codec.set_summands(workers)
+            part.codec.set_summands(workers, carrier)
 
 
 def phase_dtype(tensor):
@@ -67,9 +68,9 @@ def phase_dtype(tensor):
     return np.dtype(getattr(tensor.partitions[0].codec, "phase_dtype", np.float32))
 
 
-def phase_lengths(tensor, workers=1):
+def phase_lengths(tensor, workers=1, carrier=None):
     """Elements (of ``phase_dtype``) of each phase's buffer, for sums of ``workers`` pushes."""
-    size_for(tensor, workers)
+    size_for(tensor, workers, carrier)
     return [sum(int(part.codec.phase_sizes[i]) for part in tensor.partitions) for i in range(PHASES)]
 
 
@@ -101,12 +102,13 @@ class PhasedReduction:
     ``source`` and ``target`` are flat arrays of the wire dtype (they may be one array: the input
     is read by ``first`` before ``finish`` writes). ``parts``: the partitions this rank
     encodes, when not all of ``tensor``'s (two levels: a host's owner; ``start`` and ``stop``
-    index ``source`` and ``target``)."""
+    index ``source`` and ``target``). ``carrier``: the element type the transport sums the
+    phases in, when not the codec's own (``set_summands``)."""
 
-    def __init__(self, tensor, source, target, ctx, workers, parts=None):
+    def __init__(self, tensor, source, target, ctx, workers, parts=None, carrier=None):
         self.parts = tensor.partitions if parts is None else parts
         self.source, self.target, self.ctx, self.workers = source, target, ctx, workers
-        size_for(tensor, workers)
+        size_for(tensor, workers, carrier)
         self.dtype = phase_dtype(tensor)
         self.bounds = [np.cumsum([0] + [int(part.codec.phase_sizes[i]) for part in self.parts])
                        for i in range(PHASES)]

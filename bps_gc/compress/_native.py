@@ -110,8 +110,8 @@ def _load():
         "powersgd_p_f32": (None, [P, P, I, I, I, P, I, P, P]),
         "powersgd_q_f32": (None, [P, I, I, P, I, P]),
         # thc.c (summable codes)
-        "thc_pack_f32": (None, [P, I, ctypes.c_double, C, C, C, P, P, P]),
-        "thc_unpack_f64": (I, [P, I, I, C, C, ctypes.c_double, C, ctypes.c_double, P]),
+        "thc_pack_f32": (None, [P, I, ctypes.c_double, C, C, C, P, P, P, C]),
+        "thc_unpack_f64": (I, [P, I, I, C, C, ctypes.c_double, C, ctypes.c_double, P, C]),
         "thc_rotate_f32": (None, [P, I, I, P, C, F]),
     }
     for name, (restype, argtypes) in sigs.items():

@@ -42,8 +42,11 @@ BITS = (2, 4, 8)
 E_MIN, E_MAX = -126, 32  # scale exponents the histogram holds
 HIST = E_MAX - E_MIN + 2  # one bin per exponent, then the non-finite bin
 HEADER = 3  # bits, exponent, count (each summed over the pushes)
-CARRIER = np.dtype(np.float64)  # the words summed: the transports add dense float64 exactly
+CARRIER = np.dtype(np.float64)  # the parameter server's words: its servers add dense float64 exactly
 CARRIER_BITS = 53  # integers below 2^53 add exactly in float64
+# the bits of a word each carrier adds exactly: int64 (torch.distributed's words) wraps modulo
+# 2^64, which leaves every bit of a sum below 2^64 right when the word is read unsigned
+WORD_BITS = {CARRIER: CARRIER_BITS, np.dtype(np.int64): 64}
 BLOCK = 4096  # largest Hadamard block
 _instances = count()
 
@@ -67,33 +70,48 @@ def count_bits(summands):
     return max(1, int(summands).bit_length())
 
 
-def histogram_words(bin_, summands):
-    """One push's histogram (a 1 in ``bin_``) packed for ``summands`` pushes: float64 words."""
-    width = count_bits(summands)
-    k = lanes_per_word(width)
-    words = np.zeros(words_for(HIST, width), CARRIER)
-    words[bin_ // k] = float(1 << (bin_ % k) * width)
-    return words
+def word_bits(carrier):
+    """Bits a word of ``carrier`` (float64 or int64) adds exactly; ValueError for another."""
+    bits = WORD_BITS.get(np.dtype(carrier))
+    if bits is None:
+        raise ValueError(f"thc: words are float64 or int64, not {np.dtype(carrier)}")
+    return bits
+
+
+def histogram_words(bin_, summands, carrier=CARRIER):
+    """One push's histogram (a 1 in ``bin_``) packed for ``summands`` pushes: words of ``carrier``."""
+    width, bits = count_bits(summands), word_bits(carrier)
+    k = lanes_per_word(width, bits)
+    words = np.zeros(words_for(HIST, width, bits), np.uint64)
+    words[bin_ // k] = np.uint64(1 << (bin_ % k) * width)
+    return words.astype(CARRIER) if bits == CARRIER_BITS else words.view(np.int64)
 
 
 def unpack_counts(words, width, count_):
-    """The first ``count_`` lanes of ``width`` bits of summed float64 ``words``, as int64; a
-    ValueError for a word that is not an integer in [0, 2^53) (an overflowed or foreign sum)."""
-    words = np.asarray(words, CARRIER)
-    if not np.all((words >= 0) & (words < 2.0 ** CARRIER_BITS) & (words == np.floor(words))):
-        raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
-    k = lanes_per_word(width)
+    """The first ``count_`` lanes of ``width`` bits of summed ``words`` (float64 or int64), as
+    int64; a ValueError for a float64 word that is not an integer in [0, 2^53) (an overflowed
+    or foreign sum)."""
+    words = np.asarray(words)
+    bits = word_bits(words.dtype)
+    if bits == CARRIER_BITS:
+        if not np.all((words >= 0) & (words < 2.0 ** CARRIER_BITS) & (words == np.floor(words))):
+            raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
+        unsigned = words.astype(np.uint64)
+    else:
+        unsigned = words.view(np.uint64)
+    k = lanes_per_word(width, bits)
     shifts = np.arange(k, dtype=np.uint64) * np.uint64(width)
-    lanes = (words.astype(np.uint64)[:, None] >> shifts) & np.uint64((1 << width) - 1)
+    lanes = (unsigned[:, None] >> shifts) & np.uint64((1 << width) - 1)
     return lanes.reshape(-1)[:count_].astype(np.int64)
 
 
-def lanes_per_word(width):
-    return CARRIER_BITS // width
+def lanes_per_word(width, bits=CARRIER_BITS):
+    """Lanes of ``width`` bits a word adds exactly (``bits``: word_bits of its carrier)."""
+    return bits // width
 
 
-def words_for(count_, width):
-    return -(-count_ // lanes_per_word(width))
+def words_for(count_, width, bits=CARRIER_BITS):
+    return -(-count_ // lanes_per_word(width, bits))
 
 
 def hadamard(x, cat=np.concatenate):
@@ -144,11 +162,12 @@ def exponent_bin(peak):
 
 
 def agreed_scale(hist_sum, lanes_for):
-    """(summands, exponent, any non-finite push) from the summed histogram words, packed for
-    ``lanes_for`` pushes."""
-    width, words = count_bits(lanes_for), np.asarray(hist_sum, CARRIER).reshape(-1)
-    if words.size != words_for(HIST, width):
-        raise ValueError(f"thc: a summed histogram must be {words_for(HIST, width)} words ({HIST} counts "
+    """(summands, exponent, any non-finite push) from the summed histogram words (float64 or
+    int64), packed for ``lanes_for`` pushes."""
+    width, words = count_bits(lanes_for), np.asarray(hist_sum).reshape(-1)
+    expected = words_for(HIST, width, word_bits(words.dtype))
+    if words.size != expected:
+        raise ValueError(f"thc: a summed histogram must be {expected} words ({HIST} counts "
                          f"in {width}-bit lanes), got {words.size}")
     hist = unpack_counts(words, width, HIST)
     summands = int(hist.sum())
@@ -162,7 +181,6 @@ def agreed_scale(hist_sum, lanes_for):
 @register_compressor("thc", options=CODEC_OPTIONS["thc"])
 class THC(Codec):
     reducers = ("thc",)  # two plain-sum phases (the reducer below)
-    phase_dtype = CARRIER
     state_attrs = ("rng_state", "error")  # stochastic rounding's words; feedback's residual (None without)
 
     def state_identity(self):  # the device codec draws from torch's generator instead
@@ -184,13 +202,21 @@ class THC(Codec):
         # stochastic rounding must differ between workers (their errors then average out)
         self.rng_state = mixed_state(derive_seed(self.seed ^ os.getpid() << 24 ^ next(_instances) << 48))
         self.error = np.zeros(self.n, np.float32) if self.feedback else None
-        self.summands = 1
+        self.summands, self.phase_dtype = 1, CARRIER
         self.x = self.y = self.signs = self.agreed = None
 
-    def set_summands(self, summands):
-        """Size the code lanes for ``summands`` pushes (the communicator's worker count)."""
+    def set_summands(self, summands, carrier=None):
+        """Size the code lanes for ``summands`` pushes (the communicator's worker count), in
+        words of ``carrier`` (float64, the default; torch.distributed's int64 add 64 bits)."""
         lane_bits(self.bits, summands)
+        if carrier is not None:
+            word_bits(carrier)
+            self.phase_dtype = np.dtype(carrier)
         self.summands = int(summands)
+
+    @property
+    def word_bits(self):
+        return WORD_BITS[self.phase_dtype]
 
     @property
     def width(self):
@@ -199,7 +225,8 @@ class THC(Codec):
     @property
     def phase_sizes(self):
         """float64 elements of each phase's payload: the histogram, then header and words."""
-        return words_for(HIST, count_bits(self.summands)), HEADER + words_for(self.codes, self.width)
+        return (words_for(HIST, count_bits(self.summands), self.word_bits),
+                HEADER + words_for(self.codes, self.width, self.word_bits))
 
     def _rotate(self, x, inverse=False):
         """A rotated copy of x (float32, ``codes`` long): ``rotated``'s operations in C."""
@@ -222,11 +249,11 @@ class THC(Codec):
             self.y = x
         with np.errstate(invalid="ignore"):
             peak = float(np.max(np.abs(self.y))) if self.y.size else 0.0
-        return histogram_words(exponent_bin(peak), self.summands).view(np.uint8)
+        return histogram_words(exponent_bin(peak), self.summands, self.phase_dtype).view(np.uint8)
 
     def agree(self, hist_sum):
         """The scale from the summed histogram (phase 1); (exponent, any non-finite push)."""
-        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(CARRIER), self.summands)
+        summands, exponent, nonfinite = agreed_scale(np.asarray(hist_sum).view(self.phase_dtype), self.summands)
         if summands != self.summands:
             raise ValueError(f"thc: phase 1 counted {summands} pushes, but the lanes are sized for "
                              f"{self.summands}: their codes would overflow (or waste) the lanes")
@@ -235,15 +262,15 @@ class THC(Codec):
 
     def compress_q(self, hist_sum):
         exponent, nonfinite = self.agree(hist_sum)
-        width = self.width
-        words = np.zeros(HEADER + words_for(self.codes, width), CARRIER)
+        width, bits = self.width, self.word_bits
+        words = np.zeros(HEADER + words_for(self.codes, width, bits), self.phase_dtype)
         words[:HEADER] = (self.bits, exponent, 1)
         if not nonfinite:  # else the sum is NaN anyway; zeros keep the lanes valid
             own = np.empty(self.codes, np.float32) if self.feedback else None
             y = np.ascontiguousarray(self.y, np.float32)
-            lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width),
+            lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width, bits),
                              None if self.feedback else ptr(self.rng_state),
-                             None if own is None else ptr(own), ptr(words[HEADER:]))
+                             None if own is None else ptr(own), ptr(words[HEADER:]), int(bits != CARRIER_BITS))
             if self.feedback:
                 self.error = self.x - (self._rotate(own, inverse=True)[:self.n] if self.rotate else own)
         return words.view(np.uint8)
@@ -269,16 +296,17 @@ class THC(Codec):
                              f"expected {self.summands} x {exponent})")
 
     def finish(self, code_sum, out=None, workers=1):
-        buf = np.asarray(code_sum).reshape(-1).view(CARRIER)
+        buf = np.asarray(code_sum).reshape(-1).view(self.phase_dtype)
         self.check_sum(buf.size, buf[:HEADER])
         exponent, nonfinite = self.agreed
         out = self._output(out)
         direct = out.dtype == np.float32 and not self.rotate
         values = out if direct else np.empty(self.codes, np.float32)
-        words = np.require(buf[HEADER:], CARRIER, ["C", "A"])
-        width = self.width
-        code = lib.thc_unpack_f64(ptr(words), words.size, self.codes, width, lanes_per_word(width),
-                                  2.0 ** exponent, self.levels, float(self.summands), ptr(values))
+        words = np.require(buf[HEADER:], self.phase_dtype, ["C", "A"])
+        width, bits = self.width, self.word_bits
+        code = lib.thc_unpack_f64(ptr(words), words.size, self.codes, width, lanes_per_word(width, bits),
+                                  2.0 ** exponent, self.levels, float(self.summands), ptr(values),
+                                  int(bits != CARRIER_BITS))
         if code < 0:  # checked before anything was written
             raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed"
                              if code == -3 else f"thc: {ERRORS.get(code, code)}")
@@ -299,9 +327,9 @@ class THC(Codec):
 
 @register_reducer("thc")
 class CodeSums(Reducer):
-    """thc's reduction: two phases of plain float64 sums (the scale histogram, then the packed
-    codes), which the communicator drives; servers add the codes as dense float64 words, exact
-    below 2^53, and never decode them."""
+    """thc's reduction: two phases of plain sums (the scale histogram, then the packed codes),
+    which the communicator drives; servers add the codes as dense float64 words, exact below
+    2^53 (torch.distributed: int64 words, 64 bits), and never decode them."""
 
     phases = 2
     in_hook = True  # the DDP hook runs its phases too (bps_gc/torch/hook_phased.py)

@@ -1,6 +1,6 @@
 """The DDP hook's buckets of a codec whose reducer sums in plain phases and says it runs in the
 hook (``in_hook``: thc's scale histogram, then its packed codes): each phase of the whole
-bucket is one all_reduce (thc: of float64 words) over the hook's own group, on the exchanging
+bucket is one all_reduce (thc: of int64 words) over the hook's own group, on the exchanging
 thread (the one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
 (keys as hook_state.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
 wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. With two
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction, run_phases
+from ..collective.reductions import WORDS
 from ..comm.placement import partition_owner
 from .hook_futures import current, settle, value
 from .hook_state import bucket_key
@@ -94,7 +95,7 @@ class PhasedBuckets:
             self.traffic.add(pushed_raw=raw, pulled_raw=raw)
             size = dist.get_world_size(group)
             if levels is None:
-                run_phases([PhasedReduction(tensor, grad, grad, ctx, size)], summed)
+                run_phases([PhasedReduction(tensor, grad, grad, ctx, size, carrier=WORDS)], summed)
             else:  # each gradient's owner by its seed key, as hook_levels.py's
                 parts = [(part.start, part.stop, partition_owner(codec.key >> 16 & 0xFFFFFF, codec.key & 0xFFFF,
                                                                  levels.local_size))
@@ -103,8 +104,8 @@ class PhasedBuckets:
                 def across(result, mine):
                     owned = [part for part, (_, _, owner) in zip(tensor.partitions, parts)
                              if owner == levels.local_rank]
-                    run_phases([PhasedReduction(tensor, result, result, ctx, size // levels.local_size, owned)],
-                               across_hosts)
+                    run_phases([PhasedReduction(tensor, result, result, ctx, size // levels.local_size, owned,
+                                                WORDS)], across_hosts)
                 levels.reduce_owned_into([grad], [(grad, None)], parts, across, level_wait)
             grad /= grad.dtype.type(size)
             buffer.copy_(torch.from_numpy(grad))

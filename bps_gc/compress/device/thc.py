@@ -1,5 +1,5 @@
 """thc on the device: compress/thc.py's two phases and payloads (the exponent histogram; the
-header and packed lanes as float64 words), with the rotation, codes and error as tensors.
+header and packed lanes as float64 or int64 words), with the rotation, codes and error as tensors.
 
 Cross-rank agreement: the histogram bin, the header, the lanes and the rotation's signs (drawn
 by numpy's generator from the same seed, ``block`` values, copied to the device) are the numpy
@@ -18,29 +18,34 @@ from .quantize import generator_kind
 from .registry import register_device_compressor
 
 
-def pack_lanes(codes, width):
-    """int64 codes -> float64 words, code j of a word at bit width * j (kernels/thc.c's layout;
-    the codes are clamped to their lane by the caller)."""
-    k = thc.lanes_per_word(width)
-    padded = torch.zeros(thc.words_for(codes.numel(), width) * k, dtype=torch.int64, device=codes.device)
+def pack_lanes(codes, width, bits=thc.CARRIER_BITS):
+    """int64 codes -> words, code j of a word at bit width * j (kernels/thc.c's layout; the
+    codes are clamped to their lane by the caller): float64 words, or int64 ones for
+    ``bits`` = 64 (the lanes are disjoint, so their sum is their bitwise or, wrapping into the
+    sign bit as the C kernel's unsigned words do)."""
+    k = thc.lanes_per_word(width, bits)
+    padded = torch.zeros(thc.words_for(codes.numel(), width, bits) * k, dtype=torch.int64, device=codes.device)
     padded[:codes.numel()] = codes
     shifts = torch.arange(k, device=codes.device, dtype=torch.int64) * width
-    return (padded.view(-1, k) << shifts).sum(dim=1).to(torch.float64)
+    words = (padded.view(-1, k) << shifts).sum(dim=1)
+    return words if bits != thc.CARRIER_BITS else words.to(torch.float64)
 
 
 def unpack_lanes(words, width, count):
-    k, mask = thc.lanes_per_word(width), (1 << width) - 1
-    if words.numel() and (words.min() < 0 or words.max() >= 2.0 ** thc.CARRIER_BITS
-                          or not torch.equal(words, torch.floor(words))):
+    """Summed words (float64 or int64) -> the int64 lane sums."""
+    bits = thc.CARRIER_BITS if words.dtype == torch.float64 else 64
+    k, mask = thc.lanes_per_word(width, bits), (1 << width) - 1
+    if bits == thc.CARRIER_BITS and words.numel() and (
+            words.min() < 0 or words.max() >= 2.0 ** thc.CARRIER_BITS or not torch.equal(words, torch.floor(words))):
         raise ValueError("thc: a summed word is not an integer in [0, 2^53): a lane overflowed")
     shifts = torch.arange(k, device=words.device, dtype=torch.int64) * width
+    # an arithmetic shift of a word read as signed keeps the lane's low bits: the mask takes them
     return ((words.to(torch.int64).view(-1, 1) >> shifts) & mask).reshape(-1)[:count]
 
 
 @register_device_compressor("thc")
 class DeviceTHC(DeviceCodec):
     reducers = thc.THC.reducers
-    phase_dtype = thc.CARRIER
     state_attrs = ("generator", "error")  # as the other device codecs: torch's generator, not numpy's words
 
     def state_identity(self):
@@ -57,8 +62,16 @@ class DeviceTHC(DeviceCodec):
         self.generator.seed()  # each worker its own draws
         self.x = self.y = self.signs = None
 
-    def set_summands(self, summands):
-        self.host.set_summands(summands)
+    def set_summands(self, summands, carrier=None):
+        self.host.set_summands(summands, carrier)
+
+    @property
+    def phase_dtype(self):
+        return self.host.phase_dtype
+
+    @property
+    def _words_dtype(self):
+        return torch.float64 if self.host.phase_dtype == thc.CARRIER else torch.int64
 
     @property
     def summands(self):
@@ -88,22 +101,23 @@ class DeviceTHC(DeviceCodec):
         else:
             self.y = x
         peak = float(self.y.abs().max()) if self.y.numel() else 0.0  # NaN propagates through max
-        words = thc.histogram_words(thc.exponent_bin(peak), self.summands)
+        words = thc.histogram_words(thc.exponent_bin(peak), self.summands, self.host.phase_dtype)
         return torch.from_numpy(words).to(self.device).view(torch.uint8)
 
     def _floats(self, buffer):
-        """A summed phase buffer (bytes, numpy or a tensor) as float64 words on the device."""
+        """A summed phase buffer (bytes, numpy or a tensor) as words (float64 or int64) on the device."""
+        dtype = self._words_dtype
         if isinstance(buffer, torch.Tensor):
-            return buffer.reshape(-1).view(torch.float64).to(self.device) \
-                if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, torch.float64)
-        return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(thc.CARRIER))).to(self.device)
+            return buffer.reshape(-1).view(dtype).to(self.device) \
+                if buffer.dtype == torch.uint8 else buffer.reshape(-1).to(self.device, dtype)
+        return torch.from_numpy(np.array(np.asarray(buffer).reshape(-1).view(self.host.phase_dtype))).to(self.device)
 
     def agree(self, hist_sum):
         return self.host.agree(self._floats(hist_sum).cpu().numpy())
 
     def compress_q(self, hist_sum):
         exponent, nonfinite = self.agree(hist_sum)
-        header = torch.tensor([self.bits, exponent, 1], dtype=torch.float64, device=self.device)
+        header = torch.tensor([self.bits, exponent, 1], dtype=self._words_dtype, device=self.device)
         if nonfinite:
             codes = torch.zeros(self.codes, dtype=torch.int64, device=self.device)
         else:
@@ -118,7 +132,7 @@ class DeviceTHC(DeviceCodec):
             if self.feedback:
                 own = self._dequantize(codes, 1, exponent)
                 self.error = self.x - (self._rotate(own, True)[:self.n] if self.rotate else own)
-        return torch.cat([header, pack_lanes(codes, self.width)]).view(torch.uint8)
+        return torch.cat([header, pack_lanes(codes, self.width, self.host.word_bits)]).view(torch.uint8)
 
     def _dequantize(self, code_sum, summands, exponent):
         return (2.0 ** exponent * (2.0 * code_sum.to(torch.float64) / self.levels - summands)).to(torch.float32)

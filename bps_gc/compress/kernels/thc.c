@@ -1,5 +1,7 @@
 /* thc (docs/codecs.md, compress/thc.py): b-bit codes against a shared power-of-two scale,
- * packed k to a float64 word in lanes of `width` bits, and the decoding of their sums. */
+ * packed k to a word in lanes of `width` bits, and the decoding of their sums. A word is a
+ * float64 holding an integer below 2^53 (the parameter server's), or with `as_int` an int64
+ * read unsigned (torch.distributed's, whose sums wrap modulo 2^64). */
 #include "common.h"
 
 /* Code of one element: u = (y * inv_scale + 1) * half in [0, levels] for |y| <= scale, rounded
@@ -12,9 +14,10 @@ static inline int64_t thc_code(float y, double inv_scale, double half, double r,
 /* y: n float32 (the rotated or plain input). state: xorshift128+ for stochastic rounding (32
  * random bits per element, two per output, high half first), or NULL for the nearest.
  * decoded (or NULL): each code decoded alone, scale * (2 q / levels - 1) as float32 (error
- * feedback's own share). words: ceil(n / k) float64, code j of a word at bit width * j. */
+ * feedback's own share). words: ceil(n / k) float64 (or int64), code j of a word at bit
+ * width * j. */
 EXPORT HOT void thc_pack_f32(const float *y, int64_t n, double inv_scale, int levels, int width,
-                             int k, uint64_t *state, float *decoded, double *words) {
+                             int k, uint64_t *state, float *decoded, void *words, int as_int) {
     uint64_t st[2] = {state ? state[0] : 0, state ? state[1] : 0};
     const double half = levels / 2.0, scale = 1.0 / inv_scale;
     uint64_t bits = 0;
@@ -39,7 +42,10 @@ EXPORT HOT void thc_pack_f32(const float *y, int64_t n, double inv_scale, int le
                 decoded[base + j] = (float)(scale * (2.0 * (double)q / levels - 1.0));
             word |= (uint64_t)q << (width * j);
         }
-        words[w] = (double)word; /* below 2^53: exact */
+        if (as_int)
+            ((uint64_t *)words)[w] = word;
+        else
+            ((double *)words)[w] = (double)word; /* below 2^53: exact */
     }
     if (state) {
         state[0] = st[0];
@@ -48,20 +54,21 @@ EXPORT HOT void thc_pack_f32(const float *y, int64_t n, double inv_scale, int le
 }
 
 /* out[i] = scale * (2 Q_i / levels - summands) in float64, stored as float32, for the n lane
- * sums Q_i of `nwords` summed words; ERR_CODE when a word is not an integer in [0, 2^53) (a
- * lane overflowed, or not thc's sums), before anything is written. */
-EXPORT HOT int64_t thc_unpack_f64(const double *words, int64_t nwords, int64_t n, int width, int k,
-                                  double scale, int levels, double summands, float *out) {
+ * sums Q_i of `nwords` summed words; for float64 words, ERR_CODE when one is not an integer in
+ * [0, 2^53) (a lane overflowed, or not thc's sums), before anything is written. */
+EXPORT HOT int64_t thc_unpack_f64(const void *words, int64_t nwords, int64_t n, int width, int k,
+                                  double scale, int levels, double summands, float *out, int as_int) {
     if (nwords * k < n)
         return ERR_TRUNCATED;
     const uint64_t mask = (1ull << width) - 1; /* width <= 53 */
-    for (int64_t w = 0; w < nwords; w++) {
-        double v = words[w];
+    const double *floats = (const double *)words;
+    for (int64_t w = 0; w < nwords && !as_int; w++) {
+        double v = floats[w];
         if (!(v >= 0.0 && v < 9007199254740992.0) || v != floor(v))
             return ERR_CODE;
     }
     for (int64_t w = 0; w < nwords; w++) {
-        uint64_t word = (uint64_t)words[w];
+        uint64_t word = as_int ? ((const uint64_t *)words)[w] : (uint64_t)floats[w];
         int64_t base = w * k;
         for (int j = 0; j < k && base + j < n; j++)
             out[base + j] = (float)(scale * (2.0 * (double)((word >> (width * j)) & mask) / levels - summands));

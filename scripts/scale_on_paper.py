@@ -36,6 +36,7 @@ if ROOT not in sys.path:
 from bps_gc import compress  # noqa: E402
 from bps_gc.config import Config, ConfigError  # noqa: E402
 from bps_gc.comm.phased import phase_dtype, phase_lengths, phase_names, phases  # noqa: E402
+WORDS = np.dtype(np.int64)  # the words torch.distributed sums thc's lanes in (collective/reductions.py)
 from bps_gc.ps.worker.push import Push, fusable, fusion_buckets  # noqa: E402
 from bps_gc.comm.placement import partition_owner  # noqa: E402
 from bps_gc.comm.placement import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
@@ -251,8 +252,9 @@ def ring_counts(design, hosts, local, tensors, sizes, cfg):
                 sent, msgs = sent + b, msgs + m
             else:
                 coded.append(t)
-        # thc's lanes: one summand per rank flat, per host with two levels (comm/phased.py host_first)
-        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, ranks)[i] * phase_dtype(t).itemsize
+        # thc's lanes: one summand per rank flat, per host with two levels (comm/phased.py host_first),
+        # in torch.distributed's int64 words (collective/reductions.py WORDS)
+        for part_bytes in ([dense] if dense else []) + [sum(phase_lengths(t, ranks, WORDS)[i] * phase_dtype(t).itemsize
                                                             for t in phased) for i in range(2) if phased]:
             b, m = all_reduce(part_bytes)
             sent, msgs = sent + b, msgs + m

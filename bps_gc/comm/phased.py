@@ -12,8 +12,8 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * ``compress_q(summed)``: the second phase's payload from the first phase's sum;
 * ``finish(summed, out, workers)``: writes the reduced partition (the sum) from the second sum;
 * ``phase_sizes``: the elements of each phase's payload;
-* optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's float64
-  words hold more exact integer lanes);
+* optionally ``phase_dtype``: the payloads' element type (float32 when absent; thc's words,
+  float64 or int64, hold exact integer lanes);
 * optionally ``set_summands(workers, carrier)``: called first, when the payload's size depends
   on how many pushes the sum adds (thc's lanes) and on the element type the transport sums
   them in (``carrier``: None for the codec's own; torch.distributed passes int64).
@@ -22,7 +22,7 @@ A reducer with ``host_first`` (thc) runs its phases inside two levels, as a sing
 runs its push and pull: each partition's owner local rank sums it over the host (floats, in
 shared memory), encodes that sum, and sums its own partitions' phase buffers with the owners of
 the other hosts; then the host copies the decoded sums out. Each phase sum adds one push per
-host, so thc's lanes are sized for H hosts, not H x L ranks (``summands``).
+host, so thc's lanes are sized for H hosts, not H x L ranks (``set_summands``).
 """
 import numpy as np
 
@@ -76,7 +76,7 @@ def phase_lengths(tensor, workers=1, carrier=None):
 
 def fused_sums(buffers, sum_in_place):
     """``buffers`` summed over the job: their concatenation per element type (PowerSGD's float32,
-    thc's float64) goes to ``sum_in_place(array)`` once; the sums, in order."""
+    thc's float64 or int64) goes to ``sum_in_place(array)`` once; the sums, in order."""
     sums = [None] * len(buffers)
     for dtype in dict.fromkeys(b.dtype for b in buffers):
         picked = [i for i, b in enumerate(buffers) if b.dtype == dtype]

@@ -14,7 +14,9 @@ from collective_cluster import TESTS, free_port, job_env, torchrun_argv
 from conftest import ROOT, alive
 
 JOB = os.path.join(TESTS, "collective_fault_job.py")
-BOUND = 3.2 + 3.0  # heartbeat bound, plus process start-up/teardown slack on 2 shared cores
+# heartbeat bound, plus teardown slack on 2 shared cores: beside another cluster test the
+# torchrun survivor took up to 6.5 s (alone 3.4-4.0 s); gloo's own timeout would be 30 minutes
+BOUND = 3.2 + 5.0
 
 
 def wait_for_pids(out, ranks, procs, timeout=90):

@@ -236,9 +236,9 @@ class THC(Codec):
         return out
 
     def compress(self, x, ctx=None):
-        x = self._input(x).astype(np.float32)
+        x = self._input(x).astype(np.float32)  # a copy: the residual is added in place
         if self.feedback:
-            x = x + self.error
+            x += self.error
         self.x = x  # what the codes stand for (error feedback's base)
         if self.rotate:
             self.signs = rotation_signs(self.seed, ctx, self.block)
@@ -271,8 +271,9 @@ class THC(Codec):
             lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width, bits),
                              None if self.feedback else ptr(self.rng_state),
                              None if own is None else ptr(own), ptr(words[HEADER:]), int(bits != CARRIER_BITS))
-            if self.feedback:
-                self.error = self.x - (self._rotate(own, inverse=True)[:self.n] if self.rotate else own)
+            if self.feedback:  # the residual, written over the decoded copy it no longer needs
+                decoded = self._rotate(own, inverse=True)[:self.n] if self.rotate else own
+                self.error = np.subtract(self.x, decoded, out=decoded)
         return words.view(np.uint8)
 
     def check_sum(self, size, header):

@@ -95,6 +95,29 @@ def test_codes_that_would_overflow_their_lane_are_refused():
         codecs[0].compress_q(hist.view(np.uint8))
 
 
+def test_int64_words_refuse_a_push_their_lanes_were_not_sized_for():
+    """int64 words carry no integer check (every bit pattern is a sum modulo 2^64), so the
+    headers' push count is what refuses a third push into lanes sized for two, in either
+    phase, before anything is written."""
+    def sized(n):
+        codecs = chains(300, n, bits=4, feedback=True)
+        for c in codecs:
+            c.set_summands(2, np.int64)
+        return codecs
+    codecs, extra = sized(2), sized(1)[0]
+    xs = inputs(300, 3)
+    hist = sum(c.compress(x, CTX).view(np.int64) for c, x in zip(codecs + [extra], xs))
+    with pytest.raises(ValueError, match="counted 3 pushes, but the lanes are sized for 2"):
+        codecs[0].compress_q(hist.view(np.uint8))
+    hist = sum(c.compress(x, CTX).view(np.int64) for c, x in zip(codecs, xs))
+    extra.compress(xs[2], CTX)
+    payloads = [c.compress_q(hist.view(np.uint8)).view(np.int64) for c in codecs + [extra]]
+    out = np.full(300, 7.0, np.float32)
+    with pytest.raises(ValueError, match="the sum holds 3 pushes, its lanes hold 2"):
+        codecs[0].finish(np.sum(payloads, axis=0).view(np.uint8), out, 2)
+    assert (out == 7.0).all()
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_decoded_sum_is_numpys_integer_sum_of_the_codes(bits):
     """Nearest rounding (``feedback``): every code is recomputed here from the agreed scale,

@@ -7,7 +7,8 @@ one per rank when flat; with two levels one per host, of the host's float32 sum 
 order (comm/phased.py ``host_first``). It sums them as int64 and decodes by the stated formula:
 the pulls must equal it bit for bit, and the integer sums read back from the pulls must equal
 numpy's. A stochastic 2-bit tensor rides along: every rank pulls the same values, within the
-stated bound of the true mean."""
+stated bound of the true mean; so does an 8-bit one with float16 on the wire (the host's sum
+cast for its owner's codec and the decoded sum cast back), within a code step of the mean."""
 import math
 
 import numpy as np
@@ -23,8 +24,10 @@ EIGHT = {"name": "thc8", "shape": [700], "dtype": "float32",
          "params": {"compressor": "thc", "bits": 8, "feedback": True}}
 RANDOM = {"name": "thc2", "shape": [900], "dtype": "float32",
           "params": {"compressor": "thc", "bits": 2, "rotate": True}}
+HALF = {"name": "thc16", "shape": [600], "dtype": "float32",  # float16 on the wire
+        "params": {"compressor": "thc", "bits": 8, "feedback": True, "fp16": True}}
 SPEC = {"steps": 2, "lrs": [0.1, 0.05], "partition_bytes": 2048, "min_compress_bytes": 0,
-        "tensors": [EXACT, EIGHT, RANDOM,
+        "tensors": [EXACT, EIGHT, RANDOM, HALF,
                     {"name": "dense", "shape": [300], "dtype": "float32", "params": {}}]}
 
 
@@ -94,6 +97,14 @@ def check(got, ranks, local_size=1):
         # with host sums, H codes err, s < 2 L max ||x||_2, and the mean divides by H L: the same bound
         scale = 2 * max(np.linalg.norm(gradient(r, step, RANDOM)) for r in range(ranks))
         assert 0 < np.linalg.norm(got[0][key] - mean) < 2 * scale / 3 * math.sqrt(1024)
+        # float16 on the wire: every rank pulls the same values, each within the float16
+        # rounding of the inputs plus N half-steps of 8-bit codes of the mean
+        key = f"thc16/{step}"
+        grads = [gradient(r, step, HALF).reshape(-1) for r in range(ranks)]
+        mean = np.mean(grads, axis=0)
+        assert all(got[r][key].tobytes() == got[0][key].tobytes() for r in range(ranks))
+        step_size = 2 * 2.0 ** math.ceil(math.log2(ranks * max(np.abs(g).max() for g in grads))) / 255
+        assert np.abs(got[0][key] - mean).max() < step_size + 1e-3 * np.abs(mean).max() + 1e-6
 
 
 @pytest.mark.parametrize("hierarchy", ["host", "flat"])

@@ -119,11 +119,13 @@ def reduced_pssh(block, tmp_path):
 
 
 def reduced_hook(block, tmp_path):
-    """The hook's script under torchrun, as written and with torch's own init instead of
-    bps.init(): both print each rank's bytes, the raw ones re-computed here (100 steps of a
-    784 x 10 + 10 float32 model, pushed and pulled)."""
+    """The hook's script under torchrun, as written and with torch's own init and teardown
+    instead of bps.init() (as the README says to end it: a barrier, then
+    destroy_process_group): both print each rank's bytes, the raw ones re-computed here (100
+    steps of a 784 x 10 + 10 float32 model, pushed and pulled), and exit 0."""
     without_init, count = re.subn(r"^bps\.init\(\).*$", 'torch.distributed.init_process_group("gloo")', block, flags=re.M)
     assert count == 1
+    without_init += "torch.distributed.barrier()\ntorch.distributed.destroy_process_group()\n"
     for name, script in (("with_init", block), ("without_init", without_init)):
         (tmp_path / f"{name}.py").write_text(script)
         out = run_block(f"torchrun --standalone --nproc-per-node 2 {tmp_path / name}.py", tmp_path)

@@ -152,8 +152,10 @@ def test_parameter_server_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_
     spec = {"cases": cases, "steps": 4, "save_at": 2}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     for phase in ("first", "second"):
+        # a 10 s heartbeat: this checks results, not fault detection (beside the rest of the
+        # suite a 2 s one once timed out on every process at the same moment)
         job = HostsJob(machines, 2, [2, 2], 2, [sys.executable, JOB, str(tmp_path / "spec.json"), str(tmp_path), phase],
-                       env=dict(SMALL, BPS_GC_HIERARCHY="host"))
+                       env=dict(SMALL, BPS_GC_HIERARCHY="host", BPS_GC_HEARTBEAT_TIMEOUT="10"))
         statuses, _ = job.wait_all(180)
         assert set(statuses.values()) == {0}, job.report(statuses)
     check_resumed(tmp_path, cases, ranks=4)

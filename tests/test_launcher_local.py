@@ -41,6 +41,20 @@ def test_copy_labelled_keeps_draining_after_the_destination_breaks():
     assert source.read() == b""
 
 
+def test_free_port_is_below_the_ephemeral_range(tmp_path):
+    """Outgoing connections and binds to port 0 take ports from the kernel's ephemeral range:
+    the scheduler's port is drawn below it, where none of them can take it first."""
+    start = local.ephemeral_start()
+    if start <= local.LOW_PORTS:
+        pytest.skip(f"the ephemeral range starts at {start}: no room below it")
+    ports = {local.free_port() for _ in range(20)}
+    assert all(local.LOW_PORTS <= p < start for p in ports), sorted(ports)
+    assert len(ports) > 1  # drawn, not one fixed port
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert local.ephemeral_start(str(tmp_path / "range")) == 40000
+    assert local.ephemeral_start(str(tmp_path / "missing")) == 0
+
+
 def test_free_port_can_be_bound():
     port = local.free_port()
     assert 1 <= port <= 65535

@@ -25,6 +25,7 @@ subprocess timeout:
   * SIGINT to the launcher: everything stops, exit status non-zero;
   * --port P is used (the scheduler listens there).
 """
+import random
 import socket
 import subprocess
 import sys
@@ -42,8 +43,32 @@ NOT_INHERITED = ("DMLC_WORKER_ID", "DMLC_INTERFACE", "BPS_GC_PORT", "BYTEPS_LOCA
 READER_JOIN_SECONDS = 5.0
 
 
-def free_port(host=LOOPBACK):
-    """A TCP port nobody listens on right now (another process may still take it first)."""
+LOW_PORTS = 10000  # the scheduler's port is drawn from [LOW_PORTS, the ephemeral range's start)
+
+
+def ephemeral_start(path="/proc/sys/net/ipv4/ip_local_port_range"):
+    """The first port the kernel hands out to sockets that ask for none (0 where unknown)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_port(host=LOOPBACK, tries=50):
+    """A TCP port nobody listens on right now. Drawn below the kernel's ephemeral range where
+    there is room: every outgoing connection and every bind to port 0 takes its port from that
+    range, so none of them (a busy machine's, or another job's probe like this one) can take
+    the port between this check and the scheduler's bind; it happened in a loaded test run.
+    Else, or when no drawn port is free, one the kernel picks."""
+    start = ephemeral_start()
+    for port in random.sample(range(LOW_PORTS, start), min(tries, start - LOW_PORTS)) if start > LOW_PORTS else ():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+                return port
+            except OSError:
+                continue
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]

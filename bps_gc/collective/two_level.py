@@ -96,7 +96,10 @@ class TwoLevels:
 
         def across(result, mine):
             cast = wire_dtype != result.dtype
-            source = result.astype(wire_dtype) if cast else result
+            source = np.empty(result.size, wire_dtype) if cast else result
+            if cast:  # fp16: only this rank's parts are encoded, so only they are cast
+                for start, stop, *_ in mine:
+                    source[start:stop] = result[start:stop]
             reductions, offset = [], 0
             for tensor, wire, _, _, ctx, _ in entries:
                 owned = [types.SimpleNamespace(codec=part.codec, start=offset + part.start, stop=offset + part.stop)

@@ -61,8 +61,8 @@ def free_port(host=LOOPBACK, tries=50):
     range, so none of them (a busy machine's, or another job's probe like this one) can take
     the port between this check and the scheduler's bind; it happened in a loaded test run.
     Else, or when no drawn port is free, one the kernel picks."""
-    start = ephemeral_start()
-    for port in random.sample(range(LOW_PORTS, start), min(tries, start - LOW_PORTS)) if start > LOW_PORTS else ():
+    below = range(LOW_PORTS, max(LOW_PORTS, ephemeral_start()))
+    for port in random.sample(below, min(tries, len(below))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((host, port))

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from ..collective.levels import levels_from_env
-from ..comm.placement import partition_owner  # ps/worker/host's rule, as the communicator uses it
 from .hook_dtypes import wire_dtype
 from .hook_futures import current, settle
+from .hook_state import key_owner
 
 log = logging.getLogger("bps_gc.torch")
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
@@ -78,11 +78,7 @@ class HookLevels:
         levels, group, index, buffer, parts, ctx = job.levels, job.group, job.index, job.buffer, job.parts, job.ctx
         flat = grad.numpy()
         bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-        # each gradient's owner by where it was first seen (its seed key, hook_state.py), so the
-        # rank keeping its chain stays when DDP regroups the buckets, or after a restart
-        keys = job.keys
-        owned = [(bounds[i], bounds[i + 1], partition_owner(keys[i] >> 16 & 0xFFFFFF, keys[i] & 0xFFFF,
-                                                            levels.local_size), chain, reducer, ctx)
+        owned = [(bounds[i], bounds[i + 1], key_owner(job.keys[i], levels.local_size), chain, reducer, ctx)
                  for i, (chain, reducer) in enumerate(parts)]
         sent, received = levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads",
                                              wire_dtype(buffer, self.params.fp16), self._wait(group, index))

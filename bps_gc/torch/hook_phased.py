@@ -17,9 +17,8 @@ import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction, run_phases
 from ..collective.reductions import WORDS
-from ..comm.placement import partition_owner
 from .hook_futures import current, settle, value
-from .hook_state import bucket_key
+from .hook_state import bucket_key, key_owner
 
 
 @dataclasses.dataclass
@@ -96,9 +95,8 @@ class PhasedBuckets:
             size = dist.get_world_size(group)
             if levels is None:
                 run_phases([PhasedReduction(tensor, grad, grad, ctx, size, carrier=WORDS)], summed)
-            else:  # each gradient's owner by its seed key, as hook_levels.py's
-                parts = [(part.start, part.stop, partition_owner(codec.key >> 16 & 0xFFFFFF, codec.key & 0xFFFF,
-                                                                 levels.local_size))
+            else:  # each gradient's owner by its seed key (hook_state.key_owner)
+                parts = [(part.start, part.stop, key_owner(codec.key, levels.local_size))
                          for part, codec in zip(tensor.partitions, tensor.codecs)]
 
                 def across(result, mine):

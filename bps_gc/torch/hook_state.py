@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import compress
+from ..comm.placement import partition_owner
 from ..compress.device.reducers import device_reduction
 from ..compress.state import StateError, StateGroup, Stateful
 from .device import chain_for, uses_device_chain
@@ -24,6 +25,13 @@ KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | pa
 def bucket_key(index, position):
     """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
     return KEY_BASE | index << 16 | position
+
+
+def key_owner(key, local_size):
+    """Two levels: the local rank that keeps the chain of the gradient keyed ``key`` (where it
+    was first seen, so the owner stays when DDP regroups the buckets, or after a restart), by
+    ps/worker/host's rule."""
+    return partition_owner(key >> 16 & 0xFFFFFF, key & 0xFFFF, local_size)
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.core as bps  # noqa: E402
 from bps_gc import compress  # noqa: E402
+from bps_gc.collective.coded import CodedPart  # noqa: E402
 from bps_gc.collective import levels as levels_module  # noqa: E402
 from bps_gc.collective.levels import levels_from_env  # noqa: E402
 from bps_gc.compress.registry import COMPRESSORS  # noqa: E402
@@ -82,9 +83,9 @@ if __name__ == "__main__":
         n, index = int(np.prod(t["shape"])), HOOK_INDEX + position
         params, key = compress.CompressionParams.from_dict(t["params"]), index << 16
         reducer = COMPRESSORS[params.compressor].reducers[0]
-        parts.append((start, start + n, partition_owner(index, 0, levels.local_size),
-                      compress.build_chain(params, n, np.float32, key=key, role="worker"),
-                      compress.make_reducer(reducer, params, n, np.float32, key), ctx))
+        parts.append(CodedPart(start, start + n, compress.build_chain(params, n, np.float32, key=key, role="worker"),
+                               compress.make_reducer(reducer, params, n, np.float32, key), ctx,
+                               owner=partition_owner(index, 0, levels.local_size)))
         start += n
     levels.reduce_coded(flat, parts)
     levels.close()

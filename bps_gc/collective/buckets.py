@@ -6,15 +6,17 @@ their phases (reductions.py), its dense ones start one all_reduce per dtype; ``f
 handle's wait) waits for those and delivers the results. A bucket's error (a codec's, a failed
 peer's) is raised by every wait on its handles.
 """
+import dataclasses
 import threading
 import time
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..comm import communicator as api
-from .exchange import PayloadsMissing, all_gather_bytes
+from .coded import PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
 
 
 class Handle(api.Handle):
@@ -33,20 +35,13 @@ class Handle(api.Handle):
         return self.result
 
 
-class Bucket:
-    """Reductions sent together: dense ones fused into one all_reduce per dtype ``entries``:
-    [(flat wire array, out, average)]; compressed ones' payloads in one all_gather ``coded``:
-    [(tensor, wire, out, average, lr, payloads)]; two-phase ones (PowerSGD) in one all_reduce
-    per phase ``phased``: [(PhasedReduction, first phase buffer, wire, out, average)], as
-    torch's PowerSGD hook sums a whole bucket's matrices at once. ``gathered``: [(payload
-    tensors, the list every rank's payloads land in, name)] of ``push_payloads`` (device chains),
-    one all_gather per device."""
-
-    def __init__(self):
-        self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
-        self.gathered = []
-        self.works, self.buffers, self.flushed, self.done = [], [], False, False
-        self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
+@dataclasses.dataclass
+class DenseEntry:
+    """A dense reduction: ``wire`` (flat numpy array, or tensor of ``reduce_tensor``) is summed
+    by the bucket's all_reduce of its dtype, then delivered into ``out``."""
+    wire: Any
+    out: Any
+    average: bool
 
 
 class Compressed:
@@ -56,12 +51,56 @@ class Compressed:
     def run(self, tensor, wire, ctx, counters):
         start = time.perf_counter()
         try:
-            self.payloads = [part.codec.compress(wire[part.start:part.stop], ctx) for part in tensor.partitions]
+            self.payloads = compress_parts(tensor.partitions, wire, ctx)
         except Exception as e:  # noqa: BLE001 -- the bucket's error, raised by its waits
             self.error = e
             return
         counters.compress_seconds += time.perf_counter() - start
-        counters.pushed_wire += sum(p.nbytes for p in self.payloads)
+        counters.pushed_wire += payload_bytes(self.payloads)
+
+
+@dataclasses.dataclass
+class CodedEntry:
+    """A compressed reduction: ``wire`` (flat, this rank's copy; the result is decoded into
+    it) of declared ``tensor``, delivered into ``out``. ``compressed``: its payloads, made on
+    the exchange thread (None under two levels, whose owners compress the host's sums)."""
+    tensor: Any
+    wire: Any
+    out: Any
+    average: bool
+    ctx: dict
+    compressed: Optional[Compressed] = None
+
+
+@dataclasses.dataclass
+class PhasedEntry:
+    """A two-phase reduction (comm/phased.py), its result written into ``wire``, then ``out``."""
+    reduction: Any
+    wire: Any
+    out: Any
+    average: bool
+
+
+@dataclasses.dataclass
+class GatheredEntry:
+    """Device payloads of ``push_payloads``: every rank's land in ``result`` (rank order)."""
+    payloads: list
+    result: list
+    name: str
+
+
+class Bucket:
+    """Reductions sent together: dense ones fused into one all_reduce per dtype (``entries``:
+    [DenseEntry]); compressed ones' payloads in one all_gather (``coded``: [CodedEntry]);
+    two-phase ones (PowerSGD) in one all_reduce per phase (``phased``: [PhasedEntry]), as
+    torch's PowerSGD hook sums a whole bucket's matrices at once; device payloads
+    (``gathered``: [GatheredEntry]) in one all_gather per device."""
+
+    def __init__(self):
+        self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
+        self.gathered = []
+        self.works, self.buffers, self.flushed, self.done = [], [], False, False
+        self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
 
 
 class Buckets:
@@ -90,7 +129,7 @@ class Buckets:
     def _reduce_dense(self, name, wire, out, average):
         self.shared.counters.pushed_wire += wire.nbytes
         self.shared.counters.pulled_wire += wire.nbytes
-        return self._add(Handle(self, out, self.pending), "entries", (wire, out, average), wire.nbytes, name)
+        return self._add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average), wire.nbytes, name)
 
     def _queue_payloads(self, tensor, wire, out, average, ctx):
         """Compressed now on the exchange thread (while backward goes on), exchanged with the
@@ -98,8 +137,8 @@ class Buckets:
         feedback sees each step in turn)."""
         compressed = Compressed()
         self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.shared.counters))
-        return self._add(Handle(self, out, self.pending), "coded", (tensor, wire, out, average, ctx, compressed),
-                         wire.nbytes, tensor.name)
+        return self._add(Handle(self, out, self.pending), "coded",
+                         CodedEntry(tensor, wire, out, average, ctx, compressed), wire.nbytes, tensor.name)
 
     def _add(self, handle, kind, entry, nbytes, name):
         bucket = self.pending
@@ -143,11 +182,11 @@ class Buckets:
             self._reduce_phased(bucket.phased)
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
-            wire = entry[0]
+            wire = entry.wire
             # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
             by_dtype.setdefault((wire.dtype, wire.device if isinstance(wire, torch.Tensor) else None), []).append(entry)
         for (_, device), entries in by_dtype.items():
-            wires = [w for w, _, _ in entries]
+            wires = [entry.wire for entry in entries]
             fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)
             bucket.buffers.append((fused, entries))
         bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
@@ -157,33 +196,32 @@ class Buckets:
         """This rank's payloads of the bucket's compressed tensors (made by their jobs, which
         ran before the bucket's on the same thread), in order; (None, the error) when a codec
         raised: the rank still takes part in the exchange (exchange.py)."""
-        failures = [entry[5].error for entry in coded if entry[5].error is not None]
+        failures = [entry.compressed.error for entry in coded if entry.compressed.error is not None]
         if failures:
             return None, failures[0]
-        return [p for entry in coded for p in entry[5].payloads], None
+        return [p for entry in coded for p in entry.compressed.payloads], None
 
     def _reduce_coded(self, coded):
-        """Compress, one all_gather for the bucket's payloads, then every partition's reduction."""
+        """One all_gather for the bucket's payloads, then every partition's reduction."""
         mine, failure = self._compress_coded(coded)
         start = time.perf_counter()
         try:
-            gathered = all_gather_bytes(mine, lambda work, what: self.wait(
-                self._issue(work), lambda: f"{what} of {listed(entry[0].name for entry in coded)}"),
-                parts=sum(len(entry[0].partitions) for entry in coded))
+            gathered = exchange_payloads(mine, lambda work, what: self.wait(
+                self._issue(work), lambda: f"{what} of {listed(entry.tensor.name for entry in coded)}"),
+                parts=sum(len(entry.tensor.partitions) for entry in coded))
         except PayloadsMissing:
             if failure is not None:  # this rank's own codec error says more
                 raise failure from None
             raise
         counters = self.shared.counters
-        counters.pulled_wire += sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in mine)
+        counters.pulled_wire += payload_bytes(p for rank in gathered for p in rank) - payload_bytes(mine)
         counters.communicate_seconds += time.perf_counter() - start
         index = 0
-        for tensor, wire, out, average, ctx, _ in coded:
-            for part in tensor.partitions:
-                reply = part.reducer.reduce([rank[index] for rank in gathered], True, ctx)
-                part.reducer.decode(reply, wire[part.start:part.stop], ctx)
-                index += 1
-            self._deliver(wire, out, average and tensor.partitions[0].reducer.summed)
+        for entry in coded:
+            parts = entry.tensor.partitions
+            reduce_parts(parts, [rank[index:index + len(parts)] for rank in gathered], entry.wire, entry.ctx)
+            index += len(parts)
+            self._deliver(entry.wire, entry.out, entry.average and parts[0].reducer.summed)
 
     def finish(self, bucket):
         if bucket.done:
@@ -199,13 +237,13 @@ class Buckets:
             self.wait(work, lambda: f"all_reduce of {listed(bucket.names)}")
         self.shared.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
-            if isinstance(entries[0][0], torch.Tensor):
+            if isinstance(entries[0].wire, torch.Tensor):
                 self._deliver_tensors(fused, entries)
                 continue
             flat, offset = fused.numpy(), 0
-            for wire, out, average in entries:
-                self._deliver(flat[offset:offset + wire.size], out, average)
-                offset += wire.size
+            for entry in entries:
+                self._deliver(flat[offset:offset + entry.wire.size], entry.out, entry.average)
+                offset += entry.wire.size
         bucket.done = True
 
     def _deliver(self, total, out, average):

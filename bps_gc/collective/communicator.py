@@ -34,7 +34,7 @@ from ..comm import communicator as api
 from ..comm.metrics import Metrics
 from ..comm.phased import host_first, phases
 from ..comm.placement import Placement, check_dtype, declare_tensor, resolve_reduce_call
-from .buckets import Buckets, Handle
+from .buckets import Buckets, CodedEntry, Handle
 from .device_tensors import DeviceTensors
 from .exchange_thread import ExchangeThread
 from .lifecycle import Lifecycle
@@ -139,7 +139,7 @@ class Collective(api.Communicator):
         counters.pushed_raw += wire.nbytes
         counters.pulled_raw += wire.nbytes
         if two_levels:  # dense or not (two_level.py)
-            return buckets._add(Handle(buckets, out, buckets.pending), "coded", (tensor, wire, out, average, ctx, None),
+            return buckets._add(Handle(buckets, out, buckets.pending), "coded", CodedEntry(tensor, wire, out, average, ctx),
                                 wire.nbytes, tensor.name)
         if not tensor.compressed:
             return buckets._reduce_dense(tensor.name, wire, out, average)

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
-from .buckets import Handle, listed
-from .exchange import all_gather_tensors
+from .buckets import DenseEntry, GatheredEntry, Handle, listed
+from .coded import exchange_payloads, payload_bytes
 
 
 class DeviceTensors:
@@ -51,37 +51,36 @@ class DeviceTensors:
         counters.pushed_wire += sum(p.numel() for p in payloads)
         result = []
         handle = Handle(self.buckets, result, self.buckets.pending)
-        return self._add(handle, "gathered", (payloads, result, name), raw, name)
+        return self._add(handle, "gathered", GatheredEntry(payloads, result, name), raw, name)
 
     def _gather_payloads(self, gathered):
         """One all_gather per device for the bucket's device payloads (in the order their
         devices first appear, alike on every rank)."""
         by_device = {}
         for entry in gathered:
-            by_device.setdefault(entry[0][0].device, []).append(entry)
+            by_device.setdefault(entry.payloads[0].device, []).append(entry)
         for entries in by_device.values():
             start = time.perf_counter()
-            mine = [p for payloads, _, _ in entries for p in payloads]
-            ranks = all_gather_tensors(mine, lambda work, what: self.wait(
-                self._issue(work), lambda: f"{what} of {listed(entry[2] for entry in entries)}"))
-            self.shared.counters.pulled_wire += sum(p.numel() for rank in ranks for p in rank) - \
-                sum(p.numel() for p in mine)
+            mine = [p for entry in entries for p in entry.payloads]
+            ranks = exchange_payloads(mine, lambda work, what: self.wait(
+                self._issue(work), lambda: f"{what} of {listed(entry.name for entry in entries)}"))
+            self.shared.counters.pulled_wire += payload_bytes(p for rank in ranks for p in rank) - payload_bytes(mine)
             self.shared.counters.communicate_seconds += time.perf_counter() - start
             index = 0
-            for payloads, result, _ in entries:
-                result.extend(rank[index:index + len(payloads)] for rank in ranks)
-                index += len(payloads)
+            for entry in entries:
+                entry.result.extend(rank[index:index + len(entry.payloads)] for rank in ranks)
+                index += len(entry.payloads)
 
     @torch.no_grad()
     def _deliver_tensors(self, fused, entries):
         """``_deliver`` for the tensors of ``reduce_tensor``, on their device."""
         offset = 0
-        for wire, out, average in entries:
-            total = fused[offset:offset + wire.numel()]
-            if average:
+        for entry in entries:
+            total = fused[offset:offset + entry.wire.numel()]
+            if entry.average:
                 total /= self.size
-            out.copy_(total.view(out.shape))
-            offset += wire.numel()
+            entry.out.copy_(total.view(entry.out.shape))
+            offset += entry.wire.numel()
 
     def reduce_tensor(self, tensor, name, average=True):
         """Sum (or average) an uncompressed tensor over all ranks in place, where it lives: it
@@ -103,4 +102,4 @@ class DeviceTensors:
         for counter in ("pushed_raw", "pulled_raw", "pushed_wire", "pulled_wire"):
             setattr(self.shared.counters, counter, getattr(self.shared.counters, counter) + nbytes)
         handle = Handle(self.buckets, tensor, self.buckets.pending)
-        return self._add(handle, "entries", (wire, tensor, average), nbytes, name)
+        return self._add(handle, "entries", DenseEntry(wire, tensor, average), nbytes, name)

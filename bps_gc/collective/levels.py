@@ -36,6 +36,7 @@ from ..comm import NodeFailure
 from ..comm.host_sum import add_in_order
 from ..config import ConfigError
 from ..transport import shm
+from .coded import compress_parts, in_wire_dtype, payload_bytes, reduce_parts
 from .exchange import all_gather_bytes
 from .rendezvous import collective_config, host_key
 
@@ -230,7 +231,7 @@ class HostLevels:
                           wait=None):
         """The two levels of compressed partitions of ``sources`` (flat arrays of one dtype, back
         to back), into ``outs`` ([(flat array, divisor or None)], as ``reduce_dense``): ``parts``
-        [(start, stop, owner local rank, codec, reducer, step context)] of the joined buffer.
+        [coded.CodedPart] of the joined buffer, each with its owner local rank and step context.
         The owner sums its parts over the host, compresses each once, the owners of every host
         exchange payloads and run the reducer; each part ends as the reducer's decoded reply (the
         sum, divided only where ``outs`` says). ``wire_dtype``: the codecs' dtype, when not the
@@ -242,29 +243,23 @@ class HostLevels:
         traffic = []
 
         def exchange(result, mine):
-            payloads = [codec.compress(result[start:stop].astype(wire_dtype, copy=False), ctx)
-                        for start, stop, _, codec, _, ctx in mine]
+            wired, back = in_wire_dtype(result, mine, wire_dtype)  # fp16: only the owned parts are cast
+            payloads = compress_parts(mine, wired)
             if mine and self.hosts > 1:
                 gathered = all_gather_bytes(payloads, wait, self.cross_group)
             else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
                 wait(None, what)  # rank counts the all_gather's two collectives alike
                 wait(None, what)
                 gathered = [payloads]
-            for k, (start, stop, _, _, reducer, ctx) in enumerate(mine):
-                reply = reducer.reduce([host[k] for host in gathered], True, ctx)
-                cast = wire_dtype != dtype
-                target = np.empty(stop - start, wire_dtype) if cast else result[start:stop]
-                reducer.decode(reply, target, ctx)
-                if cast:
-                    result[start:stop] = target
-            sent = sum(p.nbytes for p in payloads)
-            traffic.extend([sent, sum(p.nbytes for host in gathered for p in host) - sent])
+            back(reduce_parts(mine, gathered, wired))
+            sent = payload_bytes(payloads)
+            traffic.extend([sent, payload_bytes(p for host in gathered for p in host) - sent])
         self.reduce_owned_into(sources, outs, parts, exchange, wait)
         return tuple(traffic)
 
     def reduce_owned_into(self, sources, outs, parts, across, wait=None):
-        """Two levels with the step across hosts given: ``parts`` [(start, stop, owner local rank,
-        ...)] of ``sources`` (flat arrays of one dtype, back to back). Each owner sums its parts
+        """Two levels with the step across hosts given: ``parts`` (coded.CodedPart, or anything
+        with ``start``, ``stop`` and ``owner``: the owner local rank) of ``sources`` (flat arrays of one dtype, back to back). Each owner sums its parts
         over the host (local-rank order) into its result; ``across(result, mine)`` (``mine``:
         this rank's parts) turns those into the sums over every rank, in place; then each part is
         copied from its owner's result into ``outs`` (as ``reduce_dense``). Used by
@@ -272,13 +267,13 @@ class HostLevels:
         wait = wait or self.wait
         n = sum(s.size for s in sources)
         slots, results = self._load(sources, self.local_size * max(1, -(-n // self.local_size)), wait)
-        mine = [part for part in parts if part[2] == self.local_rank]
+        mine = [part for part in parts if part.owner == self.local_rank]
         result = results[self.local_rank]
-        for start, stop, *_ in mine:
-            add_in_order([slot[start:stop] for slot in slots], result[start:stop])
+        for part in mine:
+            add_in_order([slot[part.start:part.stop] for slot in slots], result[part.start:part.stop])
         across(result, mine)
         self._sync("host sync after the sums", wait)
-        self._copy_out(results, [(start, stop, owner) for start, stop, owner, *_ in parts], outs)
+        self._copy_out(results, [(part.start, part.stop, part.owner) for part in parts], outs)
 
     @staticmethod
     def _copy_out(results, pieces, outs):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction, run_phases
-from .buckets import Handle
+from .buckets import Handle, PhasedEntry
 
 # the words two-phase codecs sum in here (thc): gloo and NCCL add int64 exactly (modulo 2^64),
 # all 64 bits of a word where float64 adds 53
@@ -34,17 +34,16 @@ class PhasesAndVotes:
         with two levels goes through the host's sums instead (two_level.py)."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size, carrier=WORDS)
         handle = Handle(self.buckets, out, self.buckets.pending)
-        return self._add(handle, "phased", (reduction, None, wire, out, average),
-                         wire.nbytes, tensor.name)
+        return self._add(handle, "phased", PhasedEntry(reduction, wire, out, average), wire.nbytes, tensor.name)
 
     def _reduce_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
         start, counters = time.perf_counter(), self.shared.counters
         summing = counters.communicate_seconds
-        run_phases([entry[0] for entry in phased], self._sum_phase)
+        run_phases([entry.reduction for entry in phased], self._sum_phase)
         counters.compress_seconds += time.perf_counter() - start - (counters.communicate_seconds - summing)
-        for _, _, wire, out, average in phased:
-            self._deliver(wire, out, average)
+        for entry in phased:
+            self._deliver(entry.wire, entry.out, entry.average)
 
     def _sum_phase(self, fused):
         """One phase's buffers (comm/phased.py ``fused_sums``) summed over ranks, counted."""

@@ -8,7 +8,6 @@ alike, its owners' phases summed across hosts instead of payloads gathered.
 The plain all_reduce (PowerSGD's two phases, local SGD) is levels.py's sum too.
 """
 import time
-import types
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction, phases, run_phases
 from ..comm.placement import partition_owner
+from .coded import CodedPart, in_wire_dtype
 from .levels import HostLevels
 from .reductions import WORDS
 from .rendezvous import host_key
@@ -48,23 +48,24 @@ class TwoLevels:
         self.wait(self._issue(work), what)
 
     def reduce_coded_on_hosts(self, coded):
-        """Two levels of a bucket's single-phase tensors ``coded``: [(tensor, wire, out, average,
-        ctx, None)] (``wire`` in the tensor's dtype), dense and compressed apart, one round per
+        """Two levels of a bucket's single-phase tensors ``coded``: [buckets.CodedEntry] (``wire``
+        in the tensor's dtype), dense and compressed apart, one round per
         dtype and wire dtype (their buffers back to back in shared memory): each ``wire`` is
         copied into the host's memory and each result straight into its ``out``, divided on the
         way when averaging."""
         groups = {}
         for entry in coded:
-            tensor = entry[0]
-            key = (tensor.compressed, phases(tensor) > 1, entry[1].dtype, tensor.wire_dtype)
+            tensor = entry.tensor
+            key = (tensor.compressed, phases(tensor) > 1, entry.wire.dtype, tensor.wire_dtype)
             groups.setdefault(key, []).append(entry)
         for (compressed, phased, dtype, wire_dtype), entries in groups.items():
             start = time.perf_counter()
-            names = ", ".join(repr(entry[0].name) for entry in entries[:3]) + (" ..." if len(entries) > 3 else "")
-            sources = [entry[1] for entry in entries]
+            names = ", ".join(repr(entry.tensor.name) for entry in entries[:3]) + (" ..." if len(entries) > 3 else "")
+            sources = [entry.wire for entry in entries]
             outs, spills = [], []
-            for tensor, wire, out, average, _, _ in entries:
-                divide = average and (not compressed or tensor.partitions[0].reducer.summed)
+            for entry in entries:
+                tensor, wire, out = entry.tensor, entry.wire, entry.out
+                divide = entry.average and (not compressed or tensor.partitions[0].reducer.summed)
                 target = out.reshape(-1) if out.dtype == dtype and out.flags.c_contiguous else None
                 if target is None:  # another dtype or layout: through a copy, as _deliver does
                     target = np.empty(wire.size, dtype)
@@ -95,19 +96,16 @@ class TwoLevels:
         handed = []
 
         def across(result, mine):
-            cast = wire_dtype != result.dtype
-            source = np.empty(result.size, wire_dtype) if cast else result
-            if cast:  # fp16: only this rank's parts are encoded, so only they are cast
-                for start, stop, *_ in mine:
-                    source[start:stop] = result[start:stop]
+            source, back = in_wire_dtype(result, mine, wire_dtype)  # fp16: only this rank's parts are cast
             reductions, offset = [], 0
-            for tensor, wire, _, _, ctx, _ in entries:
-                owned = [types.SimpleNamespace(codec=part.codec, start=offset + part.start, stop=offset + part.stop)
+            for entry in entries:
+                tensor = entry.tensor
+                owned = [CodedPart(offset + part.start, offset + part.stop, part.codec, part.reducer)
                          for p, part in enumerate(tensor.partitions)
                          if partition_owner(tensor.index, p, self.local_size) == self.local_rank]
-                reductions.append(PhasedReduction(tensor, source, source, ctx, self.size // self.local_size, owned,
-                                                  WORDS))
-                offset += wire.size
+                reductions.append(PhasedReduction(tensor, source, source, entry.ctx, self.size // self.local_size,
+                                                  owned, WORDS))
+                offset += entry.wire.size
 
             def summed(fused):
                 what = f"all_reduce of {names}'s thc phase across hosts"
@@ -117,17 +115,17 @@ class TwoLevels:
                     wait(None, what)
                 handed.append(fused.nbytes if levels.hosts > 1 else 0)
             run_phases(reductions, summed)
-            if cast:
-                for start, stop, *_ in mine:
-                    result[start:stop] = source[start:stop]
+            back(source)
         levels.reduce_owned_into(sources, outs, parts, across, wait)
         return sum(handed), sum(handed)
 
     def _owned_parts(self, entries):
-        """[(start, stop, owner, codec, reducer, ctx)] of the entries' partitions, back to back."""
+        """[coded.CodedPart] of the entries' partitions, back to back, each with its owner."""
         parts, offset = [], 0
-        for tensor, wire, _, _, ctx, _ in entries:
-            parts += [(offset + part.start, offset + part.stop, partition_owner(tensor.index, p, self.local_size),
-                       part.codec, part.reducer, ctx) for p, part in enumerate(tensor.partitions)]
-            offset += wire.size
+        for entry in entries:
+            tensor = entry.tensor
+            parts += [CodedPart(offset + part.start, offset + part.stop, part.codec, part.reducer, entry.ctx,
+                                partition_owner(tensor.index, p, self.local_size), f"{tensor.name}#{p}")
+                      for p, part in enumerate(tensor.partitions)]
+            offset += entry.wire.size
         return parts

@@ -220,7 +220,7 @@ def _device_state(sd, map_location=None):
             if core.declaration(name) is None:
                 raise StateError(f"bps_gc.torch state: device chains of {name!r}, which this rank did not declare")
             chains[where] = device_partitions(name, torch.empty(0, device=map_location or device))
-    return StateGroup({where: StateGroup({str(p): StateGroup({"worker": part.chain, "reducer": part.reduction})
+    return StateGroup({where: StateGroup({str(p): StateGroup({"worker": part.codec, "reducer": part.reducer})
                                           for p, part in enumerate(parts)}) for where, parts in chains.items()})
 
 

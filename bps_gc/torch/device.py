@@ -27,6 +27,7 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
+from ..collective.coded import compress_parts, reduce_parts
 from ..compress.device import torch_dtype
 from ..compress.device.reducers import device_reduction
 
@@ -50,12 +51,14 @@ def chain_for(params, n, dtype, key, role, tensor, shape=None):
 
 
 class DevicePartition:
+    """A partition's device chain (``codec``) and reduction (``reducer``): a collective.coded part."""
+
     def __init__(self, declaration, key, start, stop, device):
         self.key, self.start, self.stop = key, start, stop
         n, dtype = stop - start, declaration.wire_dtype
-        self.chain = compress.build_chain(declaration.params, n, dtype, key=key, role="worker",
+        self.codec = compress.build_chain(declaration.params, n, dtype, key=key, role="worker",
                                           shape=declaration.shape, device=device)
-        self.reduction = device_reduction(declaration.reducer, declaration.params, n, dtype, key, device)
+        self.reducer = device_reduction(declaration.reducer, declaration.params, n, dtype, key, device)
 
 
 def device_partitions(name, tensor):
@@ -103,7 +106,7 @@ class DevicePushPull:
         # the result is decoded into the tensor itself when it can hold the wire values
         self.direct = wire.data_ptr() == tensor.data_ptr() and tensor.is_contiguous()
         self.result = wire if self.direct else torch.empty_like(wire)
-        payloads = [part.chain.compress(wire[part.start:part.stop], ctx) for part in parts]
+        payloads = compress_parts(parts, wire, ctx)
         if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross,
             # in one copy (one wait for the device) per tensor
             host = torch.cat(payloads).cpu().numpy() if len(payloads) > 1 else payloads[0].cpu().numpy()
@@ -116,20 +119,19 @@ class DevicePushPull:
     @torch.no_grad()
     def wait(self):
         replies = self.handle.wait()
-        device = self.tensor.device
-        for index, part in enumerate(self.parts):
-            dest = self.result[part.start:part.stop]
-            if self.comm.gathers_payloads:
-                part.reduction.reduce([rank[index] for rank in replies], dest, self.ctx)
-                continue
-            reply, compressed = replies[index]
-            reply = torch.from_numpy(reply if reply.flags.writeable else reply.copy()).to(device)
-            if compressed:
-                part.reduction.decode(reply, dest, self.ctx)
-            else:  # a dense reply (an asynchronous server's snapshot)
-                dest.copy_(reply.view(dest.dtype))
-        if self.average and self.parts[0].reduction.summed:
-            self.result /= self.comm.size
+        divisor = self.comm.size if self.average else None
+        if self.comm.gathers_payloads:  # every rank's payloads: the server's reduction, here
+            reduce_parts(self.parts, replies, self.result, self.ctx, divisor)
+        else:  # the servers' replies
+            for part, (reply, compressed) in zip(self.parts, replies):
+                dest = self.result[part.start:part.stop]
+                reply = torch.from_numpy(reply if reply.flags.writeable else reply.copy()).to(self.tensor.device)
+                if compressed:
+                    part.reducer.decode(reply, dest, self.ctx)
+                else:  # a dense reply (an asynchronous server's snapshot)
+                    dest.copy_(reply.view(dest.dtype))
+            if divisor is not None and self.parts[0].reducer.summed:
+                self.result /= divisor
         if not self.direct:
             self.tensor.copy_(self.result.view(self.tensor.shape))
         return self.tensor

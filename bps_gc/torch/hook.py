@@ -40,8 +40,8 @@ import torch.distributed as dist
 import bps_gc.core as core
 
 from .. import compress
-from ..collective import Collective, all_gather_bytes
-from ..collective.exchange import Capacity, PayloadsMissing, all_gather_tensors
+from ..collective import Collective
+from ..collective.coded import Capacity, PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
 from ..collective.exchange_thread import ExchangeThread
 from ..collective.security import refuse_security_settings
 from .checkpoint import register
@@ -143,10 +143,8 @@ class CompressionHook:
                     grad, payloads = buffer.detach().to("cpu", wire_torch(buffer, False)), None
                 else:
                     grad = buffer.detach().to(wire_torch(buffer, self.params.fp16))  # its own dtype: a view
-                    bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-                    payloads = [chain.compress(piece if on_device else piece.cpu().numpy(), ctx) for (chain, _), piece
-                                in zip(parts, (grad[bounds[i]:bounds[i + 1]] for i in range(len(parts))))]
-                    self.traffic.add(pushed_wire=sum(p.nbytes for p in payloads))
+                    payloads = compress_parts(parts, grad if on_device else grad.cpu().numpy(), ctx)
+                    self.traffic.add(pushed_wire=payload_bytes(payloads))
                 raw = buffer.numel() * buffer.element_size()
                 self.traffic.add(pushed_raw=raw, pulled_raw=raw)
                 failure = None
@@ -194,12 +192,12 @@ class CompressionHook:
         wait = self._waiter(group, index)
         start = time.perf_counter()
         try:
-            if job.on_device:  # the payloads stay where they are (NCCL for CUDA)
-                gathered = all_gather_tensors(payloads, wait, group, len(parts), buffer.device)
-            else:  # one all_gather per bucket once its payloads' size is known (exchange.Capacity)
-                capacity = self.capacities.setdefault(index, Capacity())
-                gathered = all_gather_bytes(payloads, wait, group, len(parts), capacity)
-            received = sum(p.nbytes for rank in gathered for p in rank) - sum(p.nbytes for p in payloads)
+            # device payloads stay where they are (NCCL for CUDA); host ones go in one all_gather
+            # per bucket once their size is known (exchange.Capacity)
+            capacity = None if job.on_device else self.capacities.setdefault(index, Capacity())
+            gathered = exchange_payloads(payloads, wait, group, len(parts), capacity,
+                                         buffer.device if job.on_device else None)
+            received = payload_bytes(p for rank in gathered for p in rank) - payload_bytes(payloads)
             self.traffic.add(pulled_wire=received, communicate_seconds=time.perf_counter() - start)
             return gathered
         except PayloadsMissing as missing:
@@ -214,25 +212,15 @@ class CompressionHook:
         reply, averaged, into the bucket's buffer."""
         index, buffer, parts, ctx = job.index, job.buffer, job.parts, job.ctx
         size = dist.get_world_size(job.group)
-        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
         if job.on_device:
-            result = torch.empty_like(grad)
-            for i, (_, reducer) in enumerate(parts):
-                chunk = result[bounds[i]:bounds[i + 1]]
-                reducer.reduce([rank[i] for rank in gathered], chunk, ctx)
-                if reducer.summed:  # a majority vote is not averaged
-                    chunk /= size
+            result = reduce_parts(parts, gathered, torch.empty_like(grad), ctx, size)
         else:
             # decoded straight into the buffer where it holds the wire dtype (the compressing
             # thread is done with it); else into a host array, then copied
             wire = wire_dtype(buffer, self.params.fp16)
             direct = buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.dtype == TORCH_OF[wire]
-            total = buffer.detach().numpy() if direct else np.empty(grad.numel(), wire)
-            for i, (_, reducer) in enumerate(parts):
-                chunk = total[bounds[i]:bounds[i + 1]]
-                reducer.decode(reducer.reduce([rank[i] for rank in gathered], True, ctx), chunk, ctx)
-                if reducer.summed:
-                    chunk /= chunk.dtype.type(size)
+            total = reduce_parts(parts, gathered, buffer.detach().numpy() if direct else np.empty(grad.numel(), wire),
+                                 ctx, size)
             result = None if direct else torch.from_numpy(total)
         _stamp(index, "reduced")
         if result is not None:

@@ -77,16 +77,14 @@ class HookLevels:
         shares the decoded results."""
         levels, group, index, buffer, parts, ctx = job.levels, job.group, job.index, job.buffer, job.parts, job.ctx
         flat = grad.numpy()
-        bounds = np.cumsum([0] + [reducer.n for _, reducer in parts])
-        owned = [(bounds[i], bounds[i + 1], key_owner(job.keys[i], levels.local_size), chain, reducer, ctx)
-                 for i, (chain, reducer) in enumerate(parts)]
+        owned = [part._replace(ctx=ctx, owner=key_owner(key, levels.local_size)) for part, key in zip(parts, job.keys)]
         sent, received = levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {index}'s payloads",
                                              wire_dtype(buffer, self.params.fp16), self._wait(group, index))
         self.traffic.add(pushed_wire=sent, pulled_wire=received)
         size = flat.dtype.type(dist.get_world_size(group))
-        for start, stop, _, _, reducer, _ in owned:
-            if reducer.summed:  # a majority vote is not averaged
-                flat[start:stop] /= size
+        for part in owned:
+            if part.reducer.summed:  # a majority vote is not averaged
+                flat[part.start:part.stop] /= size
         if grad.data_ptr() != buffer.data_ptr():
             buffer.copy_(grad)
         return buffer

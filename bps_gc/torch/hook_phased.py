@@ -10,7 +10,6 @@ owners of the other hosts (one summand per host: comm/phased.py ``host_first``);
 copies the decoded gradients out.
 """
 import dataclasses
-import types
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from ..comm.phased import PhasedReduction, run_phases
 from ..collective.reductions import WORDS
 from .hook_futures import current, settle, value
-from .hook_state import bucket_key, key_owner
+from .hook_state import bucket_key, coded_parts, key_owner
 
 
 @dataclasses.dataclass
@@ -28,7 +27,7 @@ class PhasedBucket:
     sizes: list  # the numel of each gradient of the bucket
     gradients: list  # the ids its gradients' codecs are kept under (GradientCodecs.gradient_ids)
     codecs: list  # [hook_state.GradientCodec], one per gradient, in bucket order (reducer None)
-    partitions: list  # [namespace(codec=worker chain, start, stop)]: what comm.phased.PhasedReduction reads
+    partitions: list  # [coded.CodedPart] (codec: the worker chain): what comm.phased.PhasedReduction reads
 
 
 class PhasedBuckets:
@@ -57,12 +56,7 @@ class PhasedBuckets:
         if state is None or state.sizes != sizes or state.gradients != gradients:
             # each gradient's chain is its own (hook_state.py), kept when DDP regroups and saved by name
             codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, lambda i: bucket_key(index, i))
-            bounds = [0]
-            for n in sizes:
-                bounds.append(bounds[-1] + n)
-            parts = [types.SimpleNamespace(codec=codec.chain, start=bounds[i], stop=bounds[i + 1])
-                     for i, codec in enumerate(codecs)]
-            state = self.buckets[index] = PhasedBucket(sizes, gradients, codecs, parts)
+            state = self.buckets[index] = PhasedBucket(sizes, gradients, codecs, coded_parts(codecs))
         ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
                "step": self.codecs.next_step(state.codecs)}
         side = self._side_group(group)
@@ -96,12 +90,11 @@ class PhasedBuckets:
             if levels is None:
                 run_phases([PhasedReduction(tensor, grad, grad, ctx, size, carrier=WORDS)], summed)
             else:  # each gradient's owner by its seed key (hook_state.key_owner)
-                parts = [(part.start, part.stop, key_owner(codec.key, levels.local_size))
+                parts = [part._replace(owner=key_owner(codec.key, levels.local_size))
                          for part, codec in zip(tensor.partitions, tensor.codecs)]
 
                 def across(result, mine):
-                    owned = [part for part, (_, _, owner) in zip(tensor.partitions, parts)
-                             if owner == levels.local_rank]
+                    owned = [part for part in parts if part.owner == levels.local_rank]
                     run_phases([PhasedReduction(tensor, result, result, ctx, size // levels.local_size, owned,
                                                 WORDS)], across_hosts)
                 levels.reduce_owned_into([grad], [(grad, None)], parts, across, level_wait)

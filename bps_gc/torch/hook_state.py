@@ -7,11 +7,13 @@ first step, or with another ``bucket_cap_mb`` after a restart), and its state is
 the parameter's name. Names come from ``comm_hook(..., named_parameters=)``, else from the
 order of ``optimizer``'s parameters (``param.<i>``, as torch's optimizer state names them)."""
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
 
 from .. import compress
+from ..collective.coded import CodedPart
 from ..comm.placement import partition_owner
 from ..compress.device.reducers import device_reduction
 from ..compress.state import StateError, StateGroup, Stateful
@@ -46,10 +48,10 @@ class BucketState:
     on_device: bool  # device chains and reducers (BPS_GC_DEVICE_CODECS), else numpy ones
     gradients: list  # the ids its gradients' codecs are kept under (GradientCodecs.gradient_ids)
 
-    @property
+    @functools.cached_property
     def parts(self):
-        """[(worker chain, reducer)], one per gradient."""
-        return [(codec.chain, codec.reducer) for codec in self.codecs]
+        """[coded.CodedPart], one per gradient, back to back in the bucket."""
+        return coded_parts(self.codecs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,15 @@ class BucketJob:
     on_device: bool  # BucketState.on_device
     levels: Any  # the HostLevels it reduces through, or None (flat)
     keys: tuple = ()  # each gradient's seed key (where it was first seen): its two-level owner
+
+
+def coded_parts(codecs):
+    """[coded.CodedPart] of gradients' ``codecs`` (GradientCodec) laid back to back."""
+    parts, start = [], 0
+    for codec in codecs:
+        parts.append(CodedPart(start, start + codec.n, codec.chain, codec.reducer))
+        start += codec.n
+    return parts
 
 
 class GradientCodec(Stateful):

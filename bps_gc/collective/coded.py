@@ -1,0 +1,105 @@
+"""The compressed exchange's stages, written once for every caller on torch.distributed: the
+collective's buckets and its two levels, the DDP hook (on its three threads) and push_pull
+through device chains.
+
+    compress_parts    each named part of a flat buffer -> its payload (the part's worker chain)
+    exchange_payloads every rank's payloads, in rank order (one all_gather on the given group)
+    reduce_parts      each part's reducer over every rank's payloads, decoded into the buffer,
+                      divided where the reducer sums
+
+A part is anything with ``start``, ``stop``, ``codec`` (the worker chain) and ``reducer`` (the
+reduction the parameter server would run): the collective's placement partitions, or
+``CodedPart`` where the caller names its pieces itself (a DDP bucket's gradients, two levels'
+owned pieces). Flat buffers are numpy arrays (numpy chains and reducers) or torch tensors
+(device chains, whose reducers reduce straight into the buffer).
+"""
+import time
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from .exchange import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors
+
+
+class CodedPart(NamedTuple):
+    """Elements [start, stop) of a flat buffer, compressed by ``codec`` and reduced by
+    ``reducer``; ``ctx`` the step context its codec sees (None: the caller's); ``owner`` the
+    local rank that sums, encodes and decodes it under two levels; ``name`` what its codec
+    state is kept under (for messages)."""
+    start: int
+    stop: int
+    codec: Any
+    reducer: Any
+    ctx: Optional[dict] = None
+    owner: int = 0
+    name: str = ""
+
+
+def compress_parts(parts, flat, ctx=None):
+    """This rank's payload of each part of ``flat``, in order."""
+    return [part.codec.compress(flat[part.start:part.stop], part.ctx if ctx is None else ctx) for part in parts]
+
+
+def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, device=None):
+    """Every rank's payloads in rank order (``payloads`` None: this rank failed to make its
+    ``parts`` payloads; every rank then raises PayloadsMissing). Host payloads travel as bytes
+    (``capacity``: exchange.Capacity, one all_gather once the sizes are known), device ones
+    stay on their ``device``."""
+    on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
+    if on_device:
+        return all_gather_tensors(payloads, wait, group, parts, device)
+    return all_gather_bytes(payloads, wait, group, parts, capacity)
+
+
+def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
+    """Each part's reduction of every rank's payloads (``gathered``: per rank, a payload per
+    part, in order) decoded into its slice of ``flat``, then divided by ``divisor`` where the
+    reducer's result is a sum (a majority vote is not averaged)."""
+    on_device = isinstance(flat, torch.Tensor)
+    for index, part in enumerate(parts):
+        chunk, step = flat[part.start:part.stop], part.ctx if ctx is None else ctx
+        payloads = [rank[index] for rank in gathered]
+        if on_device:
+            part.reducer.reduce(payloads, chunk, step)
+        else:
+            part.reducer.decode(part.reducer.reduce(payloads, True, step), chunk, step)
+        if divisor is not None and part.reducer.summed:
+            chunk /= divisor if on_device else chunk.dtype.type(divisor)
+    return flat
+
+
+def exchange_and_reduce(parts, payloads, flat, wait, group=None, ctx=None, divisor=None, counters=None):
+    """The two last stages at once: every rank's payloads, reduced into ``flat``. ``counters``
+    (comm.metrics.Metrics) count the bytes received and the seconds spent exchanging."""
+    start = time.perf_counter()
+    gathered = exchange_payloads(payloads, wait, group, len(parts))
+    if counters is not None:
+        counters.pulled_wire += payload_bytes(p for rank in gathered for p in rank) - payload_bytes(payloads)
+        counters.communicate_seconds += time.perf_counter() - start
+    return reduce_parts(parts, gathered, flat, ctx, divisor)
+
+
+def payload_bytes(payloads):
+    """The bytes of numpy or torch payloads."""
+    return sum(p.numel() if isinstance(p, torch.Tensor) else p.nbytes for p in payloads or ())
+
+
+def in_wire_dtype(flat, parts, wire_dtype):
+    """``flat`` (numpy) as the codecs' ``wire_dtype``: itself when it is already, else a copy in
+    which only ``parts`` are cast (fp16 codecs see the host's float32 sums; only this rank's
+    parts are encoded and decoded). ``back(wired)`` copies the parts' results into ``flat``."""
+    if flat.dtype == wire_dtype:
+        return flat, lambda wired: None
+    wired = np.empty(flat.size, wire_dtype)
+    for part in parts:
+        wired[part.start:part.stop] = flat[part.start:part.stop]
+
+    def back(result):
+        for part in parts:
+            flat[part.start:part.stop] = result[part.start:part.stop]
+    return wired, back
+
+
+__all__ = ["Capacity", "CodedPart", "PayloadsMissing", "compress_parts", "exchange_and_reduce", "exchange_payloads",
+           "in_wire_dtype", "payload_bytes", "reduce_parts"]

@@ -20,7 +20,7 @@ import sys
 
 from . import compress
 from .comm import NodeFailure
-from .comm.communicator import Declaration
+from .comm.declaration import Declaration
 from .comm.metrics import Metrics
 from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
 from .ps.membership.membership import abort_job

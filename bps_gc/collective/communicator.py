@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..comm import communicator as api
 from ..comm.metrics import Metrics
 from ..comm.phased import host_first, phases
-from ..comm.placement import Placement, check_dtype, declare_tensor, resolve_reduce_call
+from ..comm.placement import Placement, check_dtype
 from .buckets import Buckets, CodedEntry, Handle
 from .device_tensors import DeviceTensors
 from .exchange_thread import ExchangeThread
@@ -47,6 +47,7 @@ from .two_level import TwoLevels
 
 class Collective(api.Communicator):
     gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
+    watches_works = sums_tensors_on_device = True
 
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
@@ -93,37 +94,15 @@ class Collective(api.Communicator):
 
     # ------------------------------------------------------------------ tensors
 
-    def declare(self, name, shape=None, dtype=None, reducer=None, **compression):
-        self.check_alive()
-        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer,
-                                              compression)
-        if shape is not None:
-            self._place(tensor, shape, dtype)
-        return tensor.declaration()
-
-    def declaration(self, name):
-        tensor = self.tensors.get(name)
-        return None if tensor is None else tensor.declaration()
-
-    def _place(self, tensor, shape, dtype):
+    def _place(self, tensor, shape, dtype, late):
+        """Balanced by bytes, declared or placed late: every rank runs the server's reducer
+        (``_build_codec``), so no server's load depends on it."""
         check_dtype(tensor, dtype)
         self.placement.plan(tensor, shape, dtype, self._build_codec, balanced=True)
 
-    def _build_codec(self, tensor, n, dtype, key):
-        """(worker chain, reducer): every rank runs the reducer the server would have run."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
-                                        shape=tensor.shape),
-                self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
-
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         """Sum (or average) over all ranks into ``out`` (default: ``array``, in place)."""
-        self.check_alive()
-        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
-        if lr is not None:
-            ctx["lr"] = float(lr)
-        tensor, array, out, place = resolve_reduce_call(self.tensors, name, array, out)
-        if place:
-            self._place(tensor, array.shape, array.dtype)
+        tensor, array, out, ctx = self._open_reduce(array, name, ctx, out, lr)
         # dense: the bucket's concatenation is the one copy, made when the bucket goes out (like
         # the parameter server's push, the caller leaves the array alone until wait());
         # compressed: a copy the reduction then overwrites with the result
@@ -152,9 +131,6 @@ class Collective(api.Communicator):
         counters.communicate_seconds += time.perf_counter() - start
         buckets._deliver(wire, out, False)  # a vote: never averaged
         return Handle(buckets, out)
-
-    def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
-        return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
 
     # ------------------------------------------------------------------ collectives
 
@@ -206,5 +182,3 @@ class Collective(api.Communicator):
     def metrics(self):
         current, self.shared.counters = self.shared.counters, Metrics()
         return current
-
-    step_metrics = metrics  # the parameter-server worker's name, which core.metrics() calls

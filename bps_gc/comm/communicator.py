@@ -10,22 +10,10 @@ with no server in the path. Errors a user can cause (bad names, shapes, paramete
 call that caused them; a dead peer raises ``NodeFailure`` naming it.
 """
 import abc
-import dataclasses
-from typing import Optional
 
+from .declaration import Declaration
 from .phased import phases
-
-
-@dataclasses.dataclass(frozen=True)
-class Declaration:
-    """What ``declare`` decided for a tensor: the public result bindings may rely on."""
-    name: str
-    shape: Optional[tuple]          # None until the first reduce when declared without a shape
-    dtype: Optional[object]         # numpy dtype of the caller's arrays
-    params: object                  # compress.CompressionParams
-    reducer: str                    # the reducer its reductions use
-    compressed: bool                # whether any partition is compressed on the wire
-    wire_dtype: Optional[object] = None  # dtype on the wire (float16 with fp16)
+from .placement import declare_tensor, resolve_reduce_call
 
 
 class Handle(abc.ABC):
@@ -42,20 +30,59 @@ class Handle(abc.ABC):
 
 
 class Communicator(abc.ABC):
+    """What a transport implements. It keeps ``tensors`` (name -> placement.TensorPlan, in
+    declaration order), ``codecs`` (the codec library, bps_gc.compress) and ``_place(tensor,
+    shape, dtype, late)``, which cuts a tensor into partitions (``late``: its shape came with
+    its first reduce); the openings of ``declare`` and ``reduce`` are written here, once."""
     rank: int
     size: int
     local_rank: int
     local_size: int
+    tensors: dict
+    codecs: object
 
-    @abc.abstractmethod
+    def check_alive(self):
+        """Raise the job's failure (a NodeFailure naming the node), or that it was shut down."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement check_alive()")
+
     def declare(self, name, shape=None, dtype=None, reducer=None, **compression) -> Declaration:
         """Register ``name`` with its compression and reducer (the codec's default when None).
-        Re-declaring it alike returns the same Declaration; differently is a ValueError naming
-        the tensor. An unsupported codec/reducer pair is a ValueError naming both."""
+        Every worker declares the same names in the same order. With ``shape`` (and ``dtype``,
+        default float32) its partitions are placed now, else at its first reduce. Re-declaring it
+        alike returns the same Declaration; differently is a ValueError naming the tensor. An
+        unsupported codec/reducer pair is a ValueError naming both."""
+        self.check_alive()
+        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer, compression)
+        if shape is not None:
+            self._place(tensor, shape, dtype, late=False)
+        return tensor.declaration()
 
-    def declaration(self, name) -> Optional[Declaration]:
+    def declaration(self, name):
         """The Declaration of ``name``, None if it was not declared."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement declaration()")
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.declaration()
+
+    @abc.abstractmethod
+    def _place(self, tensor, shape, dtype, late):
+        """Cut ``tensor`` into partitions with their codecs (``_build_codec``)."""
+
+    def _build_codec(self, tensor, n, dtype, key):
+        """(worker chain, reducer) of a compressed partition: the reducer decodes the servers'
+        replies, or, where every rank reduces every rank's payloads, runs the server's reduction."""
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker", shape=tensor.shape),
+                self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
+
+    def _open_reduce(self, array, name, ctx, out, lr):
+        """The checks and step context every reduce starts with: (tensor, array, out, ctx), the
+        tensor placed on its first use, ``ctx`` a copy with ``lr`` set."""
+        self.check_alive()
+        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
+        if lr is not None:
+            ctx["lr"] = float(lr)
+        tensor, array, out, place = resolve_reduce_call(self.tensors, name, array, out)
+        if place:
+            self._place(tensor, array.shape, array.dtype, late=True)
+        return tensor, array, out, ctx
 
     def state_dict(self):
         """The codec state this rank holds for its declared tensors, keyed by tensor name and
@@ -91,14 +118,44 @@ class Communicator(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not take compressed payloads")
 
     @abc.abstractmethod
-    def reduce(self, array, name, average=True, priority=0, ctx=None, out=None) -> Handle:
-        """Sum (or average) ``array`` over all workers into ``out`` (default: in place).
-        ``ctx`` is the step context (lr, step, epoch, per-step codec keys) every codec and
-        reducer of this round sees, on every worker and server."""
+    def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None) -> Handle:
+        """Sum (or average) ``array`` over all workers into ``out`` (default: in place), through
+        ``name``'s codec and reducer. ``ctx`` is the step context (lr, step, epoch, per-step codec
+        keys) every codec and reducer of this round sees, on every worker and server; ``lr`` sets
+        its learning rate (error feedback rescales by it). Returns at once; ``wait()`` gives the
+        result. One reduce of a name at a time."""
 
-    def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None) -> Handle:
+    def push_pull(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None) -> Handle:
         """BytePS's name for ``reduce``."""
-        return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out)
+        return self.reduce(array, name, average=average, priority=priority, ctx=ctx, out=out, lr=lr)
+
+    @abc.abstractmethod
+    def all_reduce(self, array, average=False):
+        """A plain in-place sum (or average) of ``array`` over all workers, now: no codec, no
+        declaration (PowerSGD's phases, local SGD's model difference). Returns ``array``."""
+
+    def drain(self):
+        """Returns once every reduce this rank started has gone out: after it, the caller may
+        issue its own collectives on the same links. A transport whose reductions never share
+        a channel with the caller's needs nothing here."""
+        self.check_alive()
+
+    # whether ``wait(work, what)`` watches torch.distributed works issued beside this
+    # communicator (a DDP hook's): only a communicator on torch.distributed does
+    watches_works = False
+
+    def wait(self, work, what):
+        """Wait for a torch.distributed ``work`` issued beside this communicator, watching the
+        job's liveness: a dead or departed peer raises NodeFailure naming it (``what`` names the
+        work, or is a function making the name)."""
+        raise NotImplementedError(f"{type(self).__name__} does not watch torch.distributed works")
+
+    # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
+    sums_tensors_on_device = False
+
+    def reduce_tensor(self, tensor, name, average=True) -> Handle:
+        """Sum (or average) an uncompressed torch tensor over all workers in place, on its device."""
+        raise NotImplementedError(f"{type(self).__name__} sums dense tensors on the host")
 
     @abc.abstractmethod
     def broadcast(self, array, root_rank, name):

@@ -14,7 +14,7 @@ A zero-size tensor has no partitions: its push_pull completes at once on every w
 import numpy as np
 
 from ..transport.sockets import host_of
-from .communicator import Declaration
+from .declaration import Declaration
 
 MAX_PARTITIONS = 1 << 16
 DENSE_PARTITION_BYTES = 1_024_000  # uncompressed partitions of a job that spans hosts (unless set)

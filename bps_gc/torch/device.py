@@ -79,7 +79,7 @@ def reduces_dense_on_device(name):
     collective's ``reduce_tensor``; the parameter server's servers sum dense bytes on the host)."""
     comm = core.communicator()
     declaration = comm.declaration(name)
-    return hasattr(comm, "reduce_tensor") and declaration is not None and not declaration.compressed \
+    return comm.sums_tensors_on_device and declaration is not None and not declaration.compressed \
         and declaration.shape is not None
 
 

@@ -40,7 +40,6 @@ import torch.distributed as dist
 import bps_gc.core as core
 
 from .. import compress
-from ..collective import Collective
 from ..collective.coded import Capacity, PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
 from ..collective.exchange_thread import ExchangeThread
 from ..collective.security import refuse_security_settings
@@ -232,7 +231,7 @@ class CompressionHook:
         it runs (its heartbeat names a dead or departed rank within its bound, as a
         NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
         comm = core.communicator() if core.is_initialized() else None
-        if isinstance(comm, Collective):
+        if comm is not None and comm.watches_works:
             def through(work, what):
                 comm.wait(work, lambda: f"{what} of DDP bucket {index}")
         else:

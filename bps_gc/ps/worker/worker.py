@@ -15,7 +15,7 @@ import zmq
 
 from ...comm.communicator import Communicator
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
-from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
+from ...comm.placement import Placement, check_dtype, dense_partition_bytes
 from ...transport.sockets import Auth
 from ...transport.wire import encode_context
 from ..membership.membership import Membership
@@ -108,23 +108,11 @@ class Worker(Communicator):
 
     # ------------------------------------------------------------------ tensors
 
-    def declare(self, name, shape=None, dtype=None, reducer=None, **compression):
-        """Register ``name`` with its compression and reducer; every worker must declare the
-        same names in the same order. With ``shape`` and ``dtype`` its partitions are placed now
-        (balanced by bytes), else at its first push_pull. Returns its Declaration."""
-        self.check_alive()
-        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer,
-                                              compression)
-        if shape is not None:
-            self._place(tensor, shape, dtype, balanced=True)
-        return tensor.declaration()
-
-    def declaration(self, name):
-        tensor = self.tensors.get(name)
-        return None if tensor is None else tensor.declaration()
-
-    def _place(self, tensor, shape, dtype, balanced):
+    def _place(self, tensor, shape, dtype, late):
+        """Declared with a shape: balanced over the servers by bytes; placed at its first
+        push_pull (``late``): by key, round-robin (the servers' loads are no longer known alike)."""
         check_dtype(tensor, dtype)
+        balanced = not late
         if self.placement is None:  # not distributed: nothing to place
             tensor.shape, tensor.dtype = tuple(shape), dtype
             return
@@ -148,24 +136,12 @@ class Worker(Communicator):
         for part, decl in inits:
             self.io.post("init", part.key, part.server, tensor.wire_dtype, decl)
 
-    def _build_codec(self, tensor, n, dtype, key):
-        """(codec chain, reducer) of a compressed partition."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
-                                        shape=tensor.shape),
-                self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
-
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         """Sum (or average) ``array`` over all workers; returns a Handle whose ``wait()`` gives
         the result, written into ``out`` (default: ``array`` itself, in place). ``ctx`` is the
         step context every codec and reducer of the round sees (``lr`` sets its learning rate)."""
-        self.check_alive()
-        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
-        if lr is not None:
-            ctx["lr"] = float(lr)
+        tensor, array, out, ctx = self._open_reduce(array, name, ctx, out, lr)
         context = encode_context(ctx)  # a bad entry is the caller's error, raised here
-        tensor, array, out, place = resolve_reduce_call(self.tensors, name, array, out)
-        if place:
-            self._place(tensor, array.shape, array.dtype, balanced=False)
         if tensor.busy:
             raise RuntimeError(f"push_pull({name!r}) while the previous one is still running; wait for it first")
         if self.io is None or array.size == 0:  # single process, or nothing to sum
@@ -209,7 +185,14 @@ class Worker(Communicator):
                                  tensor.wire_dtype)
         return handle
 
-    push_pull = reduce
+    def all_reduce(self, array, average=False):
+        """A plain sum through the servers, under a name of its own for each shape and dtype,
+        declared by the first call (alike on every worker: they call it in the same order)."""
+        array = np.asarray(array)
+        name = f"all_reduce.{array.dtype}.{'x'.join(map(str, array.shape))}"
+        if name not in self.tensors:
+            self.declare(name, shape=array.shape, dtype=array.dtype)
+        return self.reduce(array, name, average=average).wait()
 
     def partitions(self, name):
         """None of them where the host level carries ``name``: its owner compresses the host's

@@ -1,5 +1,5 @@
 """The layer map of docs/runtime.md, enforced: lower layers never import higher ones. Bottom-up:
-config -> transport -> compress -> comm -> {ps, collective} -> core -> algorithms -> {torch, mxnet};
+config -> wire -> compress -> comm -> {ps, collective} -> core -> algorithms -> {torch, mxnet};
 node (the PS roles' entry) sits beside core, the launcher imports only config. ps/ and collective/
 are siblings that never import each other; no import circle among bps_gc's modules. The codec
 library and the server never need a framework: ``collective`` (torch.distributed carries its bytes)
@@ -19,13 +19,13 @@ PACKAGE = os.path.join(ROOT, "bps_gc")
 # layer -> bps_gc subpackages/modules it may import (besides itself)
 ALLOWED = {
     "config": set(),
-    "transport": {"config"},
+    "wire": {"config"},
     "compress": set(),  # the codec library stands alone (numpy, and torch in compress/device)
-    "comm": {"config", "transport", "compress"},  # the interface every transport implements
-    "ps": {"config", "transport", "compress", "comm"},  # the parameter server
-    "collective": {"config", "transport", "compress", "comm"},  # torch.distributed
-    "core": {"config", "transport", "compress", "comm", "ps", "collective"},  # picks a transport
-    "node": {"config", "transport", "compress", "comm", "ps"},  # python -m bps_gc.node
+    "comm": {"config", "wire", "compress"},  # the interface every transport implements
+    "ps": {"config", "wire", "compress", "comm"},  # the parameter server
+    "collective": {"config", "wire", "compress", "comm"},  # torch.distributed
+    "core": {"config", "wire", "compress", "comm", "ps", "collective"},  # picks a transport
+    "node": {"config", "wire", "compress", "comm", "ps"},  # python -m bps_gc.node
     "algorithms": {"config", "compress", "comm", "core"},  # algorithms over the communicator
     "torch": {"core", "algorithms", "compress", "comm", "collective"},
     "mxnet": {"core", "algorithms", "compress", "comm", "config"},

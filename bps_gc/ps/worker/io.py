@@ -14,9 +14,9 @@ import time
 import zmq
 
 from ...comm import NodeFailure
-from ...transport import congestion
-from ...transport.sockets import DropLog, peer_endpoint, send
-from ...transport.wire import Header, Msg, encode_json
+from ...wire import congestion
+from ...wire.sockets import DropLog, peer_endpoint, send
+from ...wire.wire import Header, Msg, encode_json
 from ..membership.event_loop import EventLoop
 from .inflight import InFlight
 from .push import PushSending

@@ -16,8 +16,8 @@ import heapq
 import itertools
 import time
 
-from ...transport.sockets import send
-from ...transport.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
+from ...wire.sockets import send
+from ...wire.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
 
 FUSABLE_BYTES = 64 * 1024  # larger pushes are sent alone, zero-copy
 FUSION_CYCLE = 0.001  # seconds a fusable push may wait for others to fill its message (Horovod's cycle)

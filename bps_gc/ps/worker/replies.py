@@ -6,8 +6,8 @@ import logging
 import time
 
 from ...comm import NodeFailure
-from ...transport.sockets import MalformedMessage, recv
-from ...transport.wire import COMPRESSED_BIT, FUSED_BIT, SHM_BIT, Msg, decode_json, unpack_fused
+from ...wire.sockets import MalformedMessage, recv
+from ...wire.wire import COMPRESSED_BIT, FUSED_BIT, SHM_BIT, Msg, decode_json, unpack_fused
 
 log = logging.getLogger("bps_gc.worker")
 

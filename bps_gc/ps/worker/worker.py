@@ -16,8 +16,8 @@ import zmq
 from ...comm.communicator import Communicator
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
-from ...transport.sockets import Auth
-from ...transport.wire import encode_context
+from ...wire.sockets import Auth
+from ...wire.wire import encode_context
 from ..membership.membership import Membership
 from . import host as host_level
 from . import state as worker_state

@@ -60,7 +60,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     COMPRESSED = 1     # payload is a codec payload, not raw elements
     FUSED = 2          # payload holds several keys' dense pushes or replies (pack_fused)
-    SHM = 4            # no payload: the data is in shared memory set up at INIT (transport/shm.py)
+    SHM = 4            # no payload: the data is in shared memory set up at INIT (wire/shm.py)
 
 
 FUSED_BIT = int(Flag.FUSED)  # for the hot paths: received headers carry flags as a plain int

@@ -14,6 +14,7 @@ import numpy as np
 import zmq
 
 from ...comm.communicator import Communicator
+from ...comm.metrics import Counters
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes, resolve_reduce_call
 from ...wire.sockets import Auth
@@ -21,7 +22,7 @@ from ...wire.wire import encode_context
 from ..membership.membership import Membership
 from . import host as host_level
 from . import state as worker_state
-from .handle import Counters, Handle
+from .handle import Handle
 from .io import WorkerIO
 from .lone_worker import LoneWorker
 from .payloads import push_payloads

@@ -98,8 +98,8 @@ def module_level_imports(path):
                                   and not p.startswith(DEVICE_CODECS + os.sep)],
                          ids=lambda p: os.path.relpath(p, ROOT))
 def test_compress_reaches_device_codecs_only_on_demand(path):
-    # compress/device imports torch: the rest of compress may import it inside a function
-    # (build_chain, when given a device), never when the module loads
+    # compress/device imports torch: build_chain loads it by name when given a device (and the
+    # package registers its chains), never when a module of compress loads
     for name in module_level_imports(path):
         assert not name.startswith("bps_gc.compress.device"), f"{path} imports {name} at load"
 

@@ -22,8 +22,8 @@ from ...wire.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, M
 from ...comm import NodeFailure
 from ..membership.event_loop import EventLoop
 from ..membership.membership import Membership
+from .key_state import STATE_MESSAGES, answer as answer_state
 from .keys import KeyConflict, KeyState
-from .state import STATE_MESSAGES, answer as answer_state
 from .watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
@@ -311,7 +311,7 @@ class Engine:
                 task = self.tasks.get()
                 if task is None:
                     return
-                if callable(task):  # state.py's fetch or restore of a key's state
+                if callable(task):  # key_state.py's fetch or restore of a key's state
                     self.replies.put(task())
                     wake.send(b"", copy=True)
                     continue

@@ -18,11 +18,11 @@ from ...wire import congestion
 from ...wire.sockets import DropLog, peer_endpoint, send
 from ...wire.wire import Header, Msg, encode_json
 from ..membership.event_loop import EventLoop
+from .codec_state import StateRequests
 from .inflight import InFlight
 from .push import PushSending
 from .replies import Replies
 from .shm import SharedSlots
-from .state import StateRequests
 
 log = logging.getLogger("bps_gc.worker")
 

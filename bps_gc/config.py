@@ -174,7 +174,7 @@ def transport_from_env(environ=None):
 
 
 TCP_AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
-DEFAULT_TCP_CONGESTION = "cubic"  # loss-based: why, in transport/congestion.py
+DEFAULT_TCP_CONGESTION = "cubic"  # loss-based: why, in wire/congestion.py
 
 
 def available_congestion_controls():

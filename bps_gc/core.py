@@ -21,10 +21,9 @@ import sys
 from . import compress
 from .comm import NodeFailure
 from .comm.declaration import Declaration
-from .comm.metrics import Metrics
+from .comm.metrics import Counters, Metrics
 from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
 from .ps.membership.membership import abort_job
-from .ps.worker.handle import Counters
 from .ps.worker.worker import Worker
 
 _worker = None

@@ -12,7 +12,7 @@ from .config import Config, ConfigError
 from .ps.membership.membership import JobEnded, abort_job
 from .ps.scheduler.scheduler import Scheduler
 from .ps.server.server import Server
-from .transport.sockets import BindError
+from .wire.sockets import BindError
 
 
 def _exit_on_signal(signum, frame):

@@ -40,7 +40,7 @@ WORDS = np.dtype(np.int64)  # the words torch.distributed sums thc's lanes in (c
 from bps_gc.ps.worker.push import Push, fusable, fusion_buckets  # noqa: E402
 from bps_gc.comm.placement import partition_owner  # noqa: E402
 from bps_gc.comm.placement import Placement, declare_tensor, dense_partition_bytes  # noqa: E402
-from bps_gc.transport.wire import encode_context, pack_fused  # noqa: E402
+from bps_gc.wire.wire import encode_context, pack_fused  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scale_on_paper_gossip import gossip_counts  # noqa: E402

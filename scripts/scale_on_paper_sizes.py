@@ -8,7 +8,7 @@ import numpy as np
 
 from bps_gc import compress
 from bps_gc.algorithms.gossip import codec_for, gossip_params
-from bps_gc.transport.wire import HEADER, encode_context
+from bps_gc.wire.wire import HEADER, encode_context
 
 GRADIENT_STD = 1e-3  # the gradients' N(0, std) of scripts/bench_common.py
 MEASURED_PUSHES = 16  # replies are measured by reducing this many pushes at most

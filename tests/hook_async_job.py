@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
-from bps_gc.torch.grad_bucket import GradBucket  # noqa: E402
+from grad_bucket import GradBucket  # noqa: E402
 from bps_gc.compress import register_compressor, step_context  # noqa: E402
 from bps_gc.compress.sparse import TopK  # noqa: E402
 

@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "pytorch")]
 import bps_gc.torch as bps  # noqa: E402
-from bps_gc.torch.grad_bucket import GradBucket  # noqa: E402
+from grad_bucket import GradBucket  # noqa: E402
 from torch_device import MixedPrecision  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]

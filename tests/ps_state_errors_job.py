@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.core as bps  # noqa: E402
 from bps_gc.compress import StateError  # noqa: E402
 from bps_gc.compress.state_bytes import decode_state, encode_state  # noqa: E402
-from bps_gc.ps.worker import state as worker_state  # noqa: E402
+from bps_gc.ps.worker import codec_state  # noqa: E402
 
 out_dir = sys.argv[1]
 bps.init()
@@ -81,18 +81,18 @@ if rank == 0:  # the rank that restores the servers' state: a bad server part st
     # a malformed STATE_PUT reaching a server is refused by it
     part = bps.worker().tensors["x"].partitions[0]
     try:
-        worker_state.exchange(bps.worker(), [worker_state.StateRequest(part.key, part.server, b"junk")])
+        codec_state.exchange(bps.worker(), [codec_state.StateRequest(part.key, part.server, b"junk")])
     except StateError as e:
         errors["server_refuses_junk"] = str(e)
 # drop mode: another world size, this rank's chains dropped, the servers' state kept
-os.environ[worker_state.DROP_RANK_STATE] = "1"
+os.environ[codec_state.DROP_RANK_STATE] = "1"
 bps.load_state_dict(dict(good, **{"meta.size": 3}))
 now = bps.state_dict()
 errors["drop_kept_worker"] = all(np.array_equal(now[k], before[k]) for k in before
                                  if k.startswith("worker/") and isinstance(before[k], np.ndarray))
 errors["drop_loaded_server"] = all(np.array_equal(now[k], good[k]) for k in good
                                    if k.startswith("server/") and isinstance(good[k], np.ndarray))
-del os.environ[worker_state.DROP_RANK_STATE]
+del os.environ[codec_state.DROP_RANK_STATE]
 bps.load_state_dict(good)
 errors["loaded"] = all(np.array_equal(v, bps.state_dict()[k]) for k, v in good.items() if isinstance(v, np.ndarray))
 g = np.ones(N, np.float32)
@@ -104,7 +104,7 @@ except StateError as e:
 if rank == 0:
     part = bps.worker().tensors["x"].partitions[0]
     try:
-        worker_state.exchange(bps.worker(), [worker_state.StateRequest(
+        codec_state.exchange(bps.worker(), [codec_state.StateRequest(
             part.key, part.server, encode_state({}))])
     except StateError as e:
         errors["server_after_round"] = str(e)

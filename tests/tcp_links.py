@@ -1,5 +1,5 @@
 """This process's TCP connections and their congestion control, read from its own sockets
-(an independent look at what transport/congestion.py set)."""
+(an independent look at what wire/congestion.py set)."""
 import os
 import socket
 

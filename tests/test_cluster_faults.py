@@ -17,7 +17,7 @@ from multihost import INTERVAL, TIMEOUT, Job
 BOUND = TIMEOUT + 2 * INTERVAL + 5.0  # detection + broadcast + process exit, on a loaded CI box
 
 # COMPRESSION: onebit (over the socket), or none: a dense tensor of 800 KB, which goes through
-# the shared memory of the worker and its server on the same host (transport/shm.py)
+# the shared memory of the worker and its server on the same host (wire/shm.py)
 LOOP = textwrap.dedent("""
     import os, numpy as np, bps_gc.core as bps, time
     bps.init()

@@ -6,7 +6,7 @@ from cluster import run_local
 
 FUZZ = textwrap.dedent("""
     import json, struct, numpy as np, zmq, bps_gc.core as bps
-    from bps_gc.transport.wire import HEADER, MAGIC, Msg
+    from bps_gc.wire.wire import HEADER, MAGIC, Msg
     w = bps.init()
     r = w.rank
     bps.declare("g", shape=(1000,), dtype=np.float32)
@@ -72,8 +72,8 @@ FUZZ = textwrap.dedent("""
 
 TOKEN = textwrap.dedent("""
     import json, numpy as np, zmq, bps_gc.core as bps
-    from bps_gc.transport.wire import Header, Msg, encode_json
-    from bps_gc.transport.sockets import recv, send
+    from bps_gc.wire.wire import Header, Msg, encode_json
+    from bps_gc.wire.sockets import recv, send
     w = bps.init()
     bps.declare("g", shape=(10,), dtype=np.float32)
     if w.rank == 0:

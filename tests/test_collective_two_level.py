@@ -161,7 +161,7 @@ TRAIN = textwrap.dedent("""
 
 
 def memfds(port):
-    """memfd arenas (transport/shm.py) held by processes of the job on ``port``: the kernel frees
+    """memfd arenas (wire/shm.py) held by processes of the job on ``port``: the kernel frees
     each with its last holder, so none may remain once the job's processes are gone; and nothing
     of ours is ever made in /dev/shm."""
     found = [name for name in os.listdir("/dev/shm") if "bps_gc" in name]

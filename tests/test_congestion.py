@@ -1,4 +1,4 @@
-"""BPS_GC_TCP_CONGESTION (transport/congestion.py): a node sets the congestion control of its own
+"""BPS_GC_TCP_CONGESTION (wire/congestion.py): a node sets the congestion control of its own
 TCP data links, on both ends, and leaves everything else to the host's default."""
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from bps_gc.config import Config, ConfigError, available_congestion_controls
-from bps_gc.transport import congestion
+from bps_gc.wire import congestion
 from cluster import TESTS, run_local
 from tcp_links import own_tcp_connections
 

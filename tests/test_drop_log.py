@@ -1,8 +1,8 @@
-"""Bad messages are logged rate-limited by one helper (bps_gc.transport.sockets.DropLog) that
+"""Bad messages are logged rate-limited by one helper (bps_gc.wire.sockets.DropLog) that
 every role uses: the first few in full, then one line per interval with the running count."""
 import logging
 
-from bps_gc.transport.sockets import DropLog
+from bps_gc.wire.sockets import DropLog
 
 
 class Lines(logging.Handler):

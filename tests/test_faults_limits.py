@@ -39,7 +39,7 @@ PROBE = textwrap.dedent("""
     import json, os, sys, numpy as np, zmq, bps_gc.core as bps
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
     from test_faults_limits import announce_a_gigabyte
-    from bps_gc.transport.wire import HEADER, MAGIC, Msg
+    from bps_gc.wire.wire import HEADER, MAGIC, Msg
     w = bps.init()
     bps.declare("g", shape=(1000,), dtype=np.float32)
     bps.barrier()

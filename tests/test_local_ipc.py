@@ -1,11 +1,11 @@
-"""A server's same-host endpoint (transport/sockets.py bind_local, peer_endpoint): a worker on
+"""A server's same-host endpoint (wire/sockets.py bind_local, peer_endpoint): a worker on
 the server's host reaches it over the unix socket, any other over TCP."""
 import sys
 
 import pytest
 import zmq
 
-from bps_gc.transport.sockets import bind, bind_local, peer_endpoint
+from bps_gc.wire.sockets import bind, bind_local, peer_endpoint
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract unix sockets are Linux's")
 

@@ -1,4 +1,4 @@
-"""Shared memory between a worker and a server on its host (transport/shm.py, BPS_GC_SHM):
+"""Shared memory between a worker and a server on its host (wire/shm.py, BPS_GC_SHM):
 the same sums as over the socket, exact against numpy, with the dense bytes moved through
 memory; offers that cannot be used fall back to the socket. Real processes."""
 import json
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from bps_gc.transport import shm
+from bps_gc.wire import shm
 from cluster import run_job
 from conftest import ROOT
 from reference import expected_results
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd a
 
 PEER = """
 import json, sys
-from bps_gc.transport.shm import PeerMaps, ShmUnavailable
+from bps_gc.wire.shm import PeerMaps, ShmUnavailable
 offer, nbytes = json.loads(sys.argv[1]), int(sys.argv[2])
 try:
     view = PeerMaps().view(offer, nbytes)

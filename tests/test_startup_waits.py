@@ -13,7 +13,7 @@ import threading
 import time
 
 from bps_gc.launcher.local import free_port
-from bps_gc.transport import waiting
+from bps_gc.wire import waiting
 from conftest import ROOT
 from multihost import Job
 

@@ -14,7 +14,7 @@ import zmq
 
 from bps_gc.config import ConfigError
 from bps_gc.launcher.local import free_port
-from bps_gc.transport import sockets
+from bps_gc.wire import sockets
 from collective_cluster import job_env, torchrun_argv
 from conftest import ROOT
 

@@ -6,9 +6,9 @@ import threading
 import numpy as np
 import pytest
 
-from bps_gc.ps.worker.handle import Counters
-from bps_gc.transport.wire import (HEADER, MAX_CONTEXT_ENTRIES, Flag, Header, MalformedMessage, Msg,
-                                   encode_context, pack_fused, unpack_fused)
+from bps_gc.comm.metrics import Counters
+from bps_gc.wire.wire import (HEADER, MAX_CONTEXT_ENTRIES, Flag, Header, MalformedMessage, Msg,
+                              encode_context, pack_fused, unpack_fused)
 
 
 def push_header(ctx):

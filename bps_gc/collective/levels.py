@@ -2,7 +2,7 @@
 per host), as the parameter server's two levels (ps/worker/host.py) do it:
 
 1. the host's ranks reduce-scatter: each local rank owns a share of the buffer and sums it over
-   the host's ranks, in local-rank order (host tensors: in shared memory, transport/shm.py;
+   the host's ranks, in local-rank order (host tensors: in shared memory, wire/shm.py;
    CUDA tensors: NCCL's reduce_scatter on the host's group);
 2. across hosts, local rank i of every host forms group i (gloo or NCCL), which reduces share i:
    a sum (dense), or, for a compressed share, an all_gather of each host's payload, compressed
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..comm import NodeFailure
 from ..comm.host_sum import add_in_order
 from ..config import ConfigError
-from ..transport import shm
+from ..wire import shm
 from .coded import compress_parts, in_wire_dtype, payload_bytes, reduce_parts
 from .exchange import all_gather_bytes
 from .rendezvous import collective_config, host_key

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..comm import NodeFailure
 from ..config import Config, ConfigError, EnvReader
-from ..transport.waiting import WaitLines
+from ..wire.waiting import WaitLines
 from .backend_choice import backend_for_devices
 from .security import refuse_security_settings, store_listener
 
@@ -98,7 +98,7 @@ def connect(cfg, backend):
 
 
 def waiting_at_rendezvous(cfg):
-    """Lines naming the rendezvous while connect() waits there (transport/waiting.py)."""
+    """Lines naming the rendezvous while connect() waits there (wire/waiting.py)."""
     where = f"{cfg.root_uri}:{cfg.root_port}"
     return WaitLines(lambda: f"rank {cfg.rank} of {cfg.size} waiting for the other ranks at the "
                              f"rendezvous at {where}", cfg.join_timeout)

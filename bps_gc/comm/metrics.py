@@ -1,5 +1,11 @@
-"""A communicator's traffic counters, as ``metrics()`` returns them (both transports)."""
+"""A communicator's traffic counters, as ``metrics()`` returns them (both transports), and
+``Counters``, the live ones that several threads add to.
+
+Counters are bumped from several threads at once (a parameter-server worker's caller thread, codec
+pool and I/O thread; the DDP hook's threads): every update goes through ``Counters.add`` under one
+lock, so no increment is lost."""
 import dataclasses
+import threading
 
 
 @dataclasses.dataclass
@@ -19,3 +25,23 @@ class Metrics:
     def ratio(self):
         wire = self.pushed_wire + self.pulled_wire
         return (self.pushed_raw + self.pulled_raw) / wire if wire else 1.0
+
+
+class Counters:
+    """The live Metrics, safe to update from several threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._current = Metrics()
+
+    def add(self, **amounts):
+        with self._lock:
+            m = self._current
+            for name, amount in amounts.items():
+                setattr(m, name, getattr(m, name) + amount)
+
+    def take(self):
+        """The counters so far; they restart from zero."""
+        with self._lock:
+            current, self._current = self._current, Metrics()
+        return current

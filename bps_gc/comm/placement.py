@@ -13,7 +13,7 @@ A zero-size tensor has no partitions: its push_pull completes at once on every w
 """
 import numpy as np
 
-from ..transport.sockets import host_of
+from ..wire.sockets import host_of
 from .declaration import Declaration
 
 MAX_PARTITIONS = 1 << 16

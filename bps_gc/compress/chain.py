@@ -1,4 +1,6 @@
 """Builds the codec chain for one partition from validated parameters."""
+import importlib
+
 from .params import CompressionParams
 from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, load_plugins
 from .seeds import derive_seed
@@ -7,6 +9,19 @@ from .seeds import derive_seed
 # vector; entire_model.py registers ``entiremodel`` when the package loads (it builds its own
 # chains with build_chain, so this module cannot import it)
 SLICE_CODECS = {}
+
+# compress/device registers its chain builder here once it has loaded (register_device_chains). It
+# imports torch, so build_chain loads it by name only when a chain is asked for on a device; it
+# builds its host-bridged chains with build_chain, so this module cannot import it
+DEVICE_PACKAGE = f"{__package__}.device"
+_device_chains = None
+
+
+def register_device_chains(builder):
+    """``builder(params, n, dtype, key, role, shape, device)`` becomes what ``build_chain`` returns
+    when it is given a device (compress/device/registry.py's ``build_device_chain``)."""
+    global _device_chains
+    _device_chains = builder
 
 
 def build_chain(params, n, dtype, key=0, role="worker", shape=None, device=None):
@@ -25,8 +40,9 @@ def build_chain(params, n, dtype, key=0, role="worker", shape=None, device=None)
         raise ValueError("build_chain: these parameters compress nothing (no 'compressor')")
     load_plugins()
     if device is not None:
-        from .device import build_device_chain  # the only import of torch in compress
-        return build_device_chain(params, n, dtype, key, role, shape, device)
+        if _device_chains is None:
+            importlib.import_module(DEVICE_PACKAGE)  # registers its builder; the only torch in compress
+        return _device_chains(params, n, dtype, key, role, shape, device)
     if params.granularity in SLICE_CODECS and role == "worker":
         return SLICE_CODECS[params.granularity](params, n, dtype, key)
     seed = params.seed if params.seed is not None else derive_seed(key)

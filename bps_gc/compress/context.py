@@ -1,6 +1,6 @@
 """The step context: what codecs and reducers learn about the step a push belongs to.
 
-It is a small flat mapping that travels with every push (``bps_gc.transport.wire`` encodes and
+It is a small flat mapping that travels with every push (``bps_gc.wire.wire`` encodes and
 validates it), so workers and servers agree on per-step schedules. Keys every node may rely on:
 ``lr`` (float), ``step`` (int, counted by the caller), ``epoch`` (int); a codec may read its own
 per-step keys too (DGC's ``density``). Values are finite numbers or booleans.

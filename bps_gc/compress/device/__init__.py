@@ -14,6 +14,7 @@ except ImportError as e:
     raise ImportError("bps_gc.compress.device (build_chain with a device) needs torch, which "
                       f"this Python cannot import: {e}") from e
 
+from ..chain import register_device_chains
 from .base import DeviceCodec, host_array, resolve_device, torch_dtype
 from .bridge import HostBridge
 from .registry import (DEVICE_COMPRESSORS, DEVICE_ERROR_FEEDBACKS, DEVICE_MOMENTUMS,
@@ -27,6 +28,10 @@ BUILTIN = ("feedback", "onebit", "signs", "sparse", "threshold",
 for _name in BUILTIN:
     if importlib.util.find_spec(f"{__name__}.{_name}") is not None:
         importlib.import_module(f"{__name__}.{_name}")
+
+# build_chain(..., device=...) loads this package by name; with every built-in registered, its
+# chains are these
+register_device_chains(build_device_chain)
 
 __all__ = ["DEVICE_COMPRESSORS", "DEVICE_ERROR_FEEDBACKS", "DEVICE_MOMENTUMS", "DeviceCodec",
            "HostBridge", "build_device_chain", "host_array", "register_device_compressor",

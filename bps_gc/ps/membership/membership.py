@@ -11,9 +11,9 @@ import time
 import zmq
 
 from ...comm import NodeFailure
-from ...transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, recv, send
-from ...transport.waiting import WaitLines
-from ...transport.wire import Header, Msg, decode_json, encode_json
+from ...wire.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, recv, send
+from ...wire.waiting import WaitLines
+from ...wire.wire import Header, Msg, decode_json, encode_json
 
 log = logging.getLogger("bps_gc.membership")
 # a joining node waits this long past BPS_GC_JOIN_TIMEOUT for the scheduler's verdict on it

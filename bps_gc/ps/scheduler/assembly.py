@@ -1,5 +1,5 @@
 """The scheduler's account of a cluster still assembling: who joined and who has not (for its
-WaitLines, transport/waiting.py), and the notice of a worker that trains alone, which ends the
+WaitLines, wire/waiting.py), and the notice of a worker that trains alone, which ends the
 job for the scheduler and servers that were started for it (ps/worker/lone_worker.py)."""
 
 SHOWN = 8  # members named in a waiting line; the rest are counted

@@ -17,9 +17,9 @@ import time
 
 import zmq
 
-from ...transport.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
-from ...transport.waiting import WaitLines
-from ...transport.wire import Header, Msg, decode_json, encode_json
+from ...wire.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, bind, recv, send
+from ...wire.waiting import WaitLines
+from ...wire.wire import Header, Msg, decode_json, encode_json
 from ..membership.event_loop import EventLoop
 from .assembly import assembling, lone_worker_notice
 from .hosts import WorkerHosts

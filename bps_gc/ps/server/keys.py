@@ -9,7 +9,7 @@ buffers: round r+2 cannot start before every worker has received round r+1, henc
 round r, so a reply is never overwritten while a worker can still be reading it.
 Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
 
-Shared memory (transport/shm.py): a worker on the server's host may offer, at INIT, a slot it
+Shared memory (wire/shm.py): a worker on the server's host may offer, at INIT, a slot it
 writes its pushes into; its pushes then carry the SHM flag and no payload, the sum reads the
 slot in place, and the reply names the result buffer (the two alternating buffers, kept in the
 server's shared arena) instead of carrying it. Each push says where its data is, so a worker
@@ -17,8 +17,8 @@ may mix both ways (a fused push carries its data).
 """
 import numpy as np
 
-from ...transport.shm import ShmUnavailable
-from ...transport.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
+from ...wire.shm import ShmUnavailable
+from ...wire.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
 
 
 class KeyConflict(ValueError):

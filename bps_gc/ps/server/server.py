@@ -15,15 +15,15 @@ import threading
 import numpy as np
 import zmq
 
-from ...transport import congestion, shm
-from ...transport.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
-from ...transport.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
-                              Msg, decode_json, encode_json, pack_fused, unpack_fused)
+from ...wire import congestion, shm
+from ...wire.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
+from ...wire.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
+                         Msg, decode_json, encode_json, pack_fused, unpack_fused)
 from ...comm import NodeFailure
 from ..membership.event_loop import EventLoop
 from ..membership.membership import Membership
+from .key_state import STATE_MESSAGES, answer as answer_state
 from .keys import KeyConflict, KeyState
-from .state import STATE_MESSAGES, answer as answer_state
 from .watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
@@ -59,7 +59,7 @@ class Server:
         self.engines = []
         self.dropped = DropLog(log)
         self.watch = RoundWatch(self)
-        # shared memory with workers on this host (transport/shm.py), if they offer it
+        # shared memory with workers on this host (wire/shm.py), if they offer it
         self.arena = shm.Arena() if cfg.shm and shm.supported() else None
         self.peer_maps = shm.PeerMaps()
 
@@ -311,7 +311,7 @@ class Engine:
                 task = self.tasks.get()
                 if task is None:
                     return
-                if callable(task):  # state.py's fetch or restore of a key's state
+                if callable(task):  # key_state.py's fetch or restore of a key's state
                     self.replies.put(task())
                     wake.send(b"", copy=True)
                     continue

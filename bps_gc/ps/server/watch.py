@@ -11,8 +11,8 @@
 import logging
 import time
 
-from ...transport.sockets import send
-from ...transport.wire import Header, Msg, encode_json
+from ...wire.sockets import send
+from ...wire.wire import Header, Msg, encode_json
 
 log = logging.getLogger("bps_gc.server")
 

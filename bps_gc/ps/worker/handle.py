@@ -1,39 +1,14 @@
-"""A push_pull in flight (Handle) and the live traffic counters (Counters, of comm.metrics.Metrics).
-
-Counters are bumped from the caller's thread, the codec pool and the I/O thread at once: every
-update goes through ``Metrics.add`` under one lock, so no increment is lost.
-"""
+"""A push_pull in flight (Handle); it adds what it moved to the worker's Counters (comm/metrics.py)."""
 import threading
 import time
 
 import numpy as np
 
 from ...comm.communicator import Handle as HandleABC
-from ...comm.metrics import Metrics
 
 # a small dense reply is copied out on the I/O thread: handing it to the codec pool costs more
 # than the copy (the fused replies of a ResNet-50 round hold about a hundred such entries)
 INLINE_DECODE_BYTES = 64 * 1024
-
-
-class Counters:
-    """The live Metrics, safe to update from several threads."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._current = Metrics()
-
-    def add(self, **amounts):
-        with self._lock:
-            m = self._current
-            for name, amount in amounts.items():
-                setattr(m, name, getattr(m, name) + amount)
-
-    def take(self):
-        """The counters so far; they restart from zero."""
-        with self._lock:
-            current, self._current = self._current, Metrics()
-        return current
 
 
 class Handle(HandleABC):

@@ -17,9 +17,9 @@ import numpy as np
 from ...comm import NodeFailure
 from ...comm.phased import PhasedReduction, owner_phase_names, phase_dtype, phases, size_for
 from ...comm.placement import partition_owner
-from ...transport import shm
-from ...transport.sockets import host_of
-from ...transport.wire import encode_context
+from ...wire import shm
+from ...wire.sockets import host_of
+from ...wire.wire import encode_context
 from .handle import Handle
 from .local import LocalReduce, one_host
 from .push import Push

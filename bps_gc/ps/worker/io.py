@@ -14,15 +14,15 @@ import time
 import zmq
 
 from ...comm import NodeFailure
-from ...transport import congestion
-from ...transport.sockets import DropLog, peer_endpoint, send
-from ...transport.wire import Header, Msg, encode_json
+from ...wire import congestion
+from ...wire.sockets import DropLog, peer_endpoint, send
+from ...wire.wire import Header, Msg, encode_json
 from ..membership.event_loop import EventLoop
+from .codec_state import StateRequests
 from .inflight import InFlight
 from .push import PushSending
 from .replies import Replies
 from .shm import SharedSlots
-from .state import StateRequests
 
 log = logging.getLogger("bps_gc.worker")
 

@@ -5,7 +5,7 @@ machine, nothing goes to a server at all. This is that single-machine path for w
 processes: when every worker of the job runs on one host, an uncompressed tensor's push_pull
 never reaches a server (compressed tensors still go through the servers, as before).
 
-Per tensor, each worker owns two buffers in its own memfd arena (transport/shm.py): a slot
+Per tensor, each worker owns two buffers in its own memfd arena (wire/shm.py): a slot
 holding its input, and a result of which it writes only its own slice
 ``[rank * step, (rank + 1) * step)``. A round of a tensor:
   1. the caller copies its input into its slot; the I/O thread tells every peer READY;
@@ -32,9 +32,9 @@ import zmq
 
 from ...comm import NodeFailure
 from ...comm.host_sum import add_in_order
-from ...transport import shm
-from ...transport.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, host_of, recv, send
-from ...transport.wire import Header, Msg, decode_json, encode_json
+from ...wire import shm
+from ...wire.sockets import CONTROL_MAX_BYTES, DropLog, MalformedMessage, host_of, recv, send
+from ...wire.wire import Header, Msg, decode_json, encode_json
 from .peers import channel
 
 log = logging.getLogger("bps_gc.worker")

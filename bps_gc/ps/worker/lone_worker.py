@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from ...transport.wire import Msg
+from ...wire.wire import Msg
 from ..membership.membership import tell_scheduler
 
 AT_EXIT = 3.0  # seconds shutdown() gives an unanswered notice (the scheduler may start late)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...comm.phased import phases
 from ...comm.placement import MAX_PARTITIONS
-from ...transport.wire import encode_context
+from ...wire.wire import encode_context
 from .handle import Handle
 from .push import Push
 

@@ -20,9 +20,9 @@ import numpy as np
 import zmq
 
 from ...comm import NodeFailure
-from ...transport import congestion
-from ...transport.sockets import DropLog, MalformedMessage, bind, recv, send
-from ...transport.wire import HEADER, Header, Msg
+from ...wire import congestion
+from ...wire.sockets import DropLog, MalformedMessage, bind, recv, send
+from ...wire.wire import HEADER, Header, Msg
 
 POLL_SECONDS = 0.05  # how often a waiting recv looks at the cluster's health
 

@@ -16,8 +16,8 @@ import heapq
 import itertools
 import time
 
-from ...transport.sockets import send
-from ...transport.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
+from ...wire.sockets import send
+from ...wire.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
 
 FUSABLE_BYTES = 64 * 1024  # larger pushes are sent alone, zero-copy
 FUSION_CYCLE = 0.001  # seconds a fusable push may wait for others to fill its message (Horovod's cycle)
@@ -68,7 +68,7 @@ class PushSending:
 
     def __init__(self, links, shm, counters, rank, window, fusion_bytes, flight):
         """``links``: a DEALER socket per server; ``shm``: shm.SharedSlots; ``counters``: the
-        worker's (handle.Counters); ``window``: bytes in flight before pushes wait;
+        worker's (comm.metrics.Counters); ``window``: bytes in flight before pushes wait;
         ``fusion_bytes``: a FUSED message's most (0: no fusion); ``flight``: inflight.InFlight."""
         self.links, self.shm, self.counters, self.rank = links, shm, counters, rank
         self.window, self.fusion_bytes, self.flight = window, fusion_bytes, flight

@@ -6,8 +6,8 @@ import logging
 import time
 
 from ...comm import NodeFailure
-from ...transport.sockets import MalformedMessage, recv
-from ...transport.wire import COMPRESSED_BIT, FUSED_BIT, SHM_BIT, Msg, decode_json, unpack_fused
+from ...wire.sockets import MalformedMessage, recv
+from ...wire.wire import COMPRESSED_BIT, FUSED_BIT, SHM_BIT, Msg, decode_json, unpack_fused
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -20,7 +20,7 @@ class Replies:
     def __init__(self, shm, flight, dropped, state_requests):
         """``shm``: shm.SharedSlots; ``flight``: inflight.InFlight; ``dropped``: where an
         unexpected message is logged (sockets.DropLog); ``state_requests``: the checkpoint
-        requests awaiting their STATE_REPLY (state.StateRequests)."""
+        requests awaiting their STATE_REPLY (codec_state.StateRequests)."""
         self.shm, self.flight, self.dropped, self.state_requests = shm, flight, dropped, state_requests
         self.inflight, self.failed_keys = flight.inflight, flight.failed_keys  # dicts, changed in place
 

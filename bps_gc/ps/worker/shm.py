@@ -1,4 +1,4 @@
-"""A worker's shared memory with the servers on its host (transport/shm.py; BPS_GC_SHM).
+"""A worker's shared memory with the servers on its host (wire/shm.py; BPS_GC_SHM).
 
 Each dense key for a server reached over its unix socket gets, at INIT, a slot in this worker's
 arena, offered in the declaration; once the server's INIT_ACK names the key's two alternating
@@ -10,8 +10,8 @@ import logging
 
 import numpy as np
 
-from ...transport import shm
-from ...transport.wire import MalformedMessage, decode_json
+from ...wire import shm
+from ...wire.wire import MalformedMessage, decode_json
 
 log = logging.getLogger("bps_gc.worker")
 

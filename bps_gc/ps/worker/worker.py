@@ -14,14 +14,15 @@ import numpy as np
 import zmq
 
 from ...comm.communicator import Communicator
+from ...comm.metrics import Counters
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, dense_partition_bytes
-from ...transport.sockets import Auth
-from ...transport.wire import encode_context
+from ...wire.sockets import Auth
+from ...wire.wire import encode_context
 from ..membership.membership import Membership
+from . import codec_state
 from . import host as host_level
-from . import state as worker_state
-from .handle import Counters, Handle
+from .handle import Handle
 from .io import WorkerIO
 from .lone_worker import LoneWorker
 from .payloads import push_payloads
@@ -264,12 +265,12 @@ class Worker(Communicator):
             handle.fail(e)
 
     def state_dict(self):
-        """This rank's codec state and the servers' it restores (ps/worker/state.py)."""
-        return worker_state.state_dict(self)
+        """This rank's codec state and the servers' it restores (ps/worker/codec_state.py)."""
+        return codec_state.state_dict(self)
 
     def load_state_dict(self, sd):
         """Restore ``state_dict()``'s result, after declaring, before the first push_pull."""
-        worker_state.load_state_dict(self, sd)
+        codec_state.load_state_dict(self, sd)
 
     # ------------------------------------------------------------------ collectives
 

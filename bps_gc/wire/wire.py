@@ -46,7 +46,7 @@ class Msg(enum.IntEnum):
     INIT_ACK = 21
     PUSH = 22          # payload: tensor bytes or compressed payload; step context in the header
     PUSH_REPLY = 23    # payload: the round's result
-    # a key's server-side codec state (checkpoints: ps/worker/state.py, ps/server/state.py)
+    # a key's server-side codec state (checkpoints: ps/worker/codec_state.py, ps/server/key_state.py)
     STATE_GET = 24     # no payload: the key's state, in STATE_REPLY
     STATE_PUT = 25     # payload: the key's state (compress/state_bytes.py), before its first round
     STATE_REPLY = 26   # payload: the state (after STATE_GET), empty (after STATE_PUT)
@@ -60,7 +60,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     COMPRESSED = 1     # payload is a codec payload, not raw elements
     FUSED = 2          # payload holds several keys' dense pushes or replies (pack_fused)
-    SHM = 4            # no payload: the data is in shared memory set up at INIT (transport/shm.py)
+    SHM = 4            # no payload: the data is in shared memory set up at INIT (wire/shm.py)
 
 
 FUSED_BIT = int(Flag.FUSED)  # for the hot paths: received headers carry flags as a plain int

@@ -10,8 +10,8 @@ restores which key, and why the server count may change: docs/checkpoint.md.
 """
 import logging
 
-from ...transport.sockets import send
-from ...transport.wire import Header, Msg, encode_json
+from ...wire.sockets import send
+from ...wire.wire import Header, Msg, encode_json
 
 log = logging.getLogger("bps_gc.server")
 STATE_MESSAGES = (Msg.STATE_GET, Msg.STATE_PUT)

@@ -19,8 +19,8 @@ import os
 import sys
 import threading
 
-from ...transport.sockets import send
-from ...transport.wire import MAX_JSON, Header, Msg, decode_json
+from ...wire.sockets import send
+from ...wire.wire import MAX_JSON, Header, Msg, decode_json
 from ...comm.phased import phases
 
 log = logging.getLogger("bps_gc.worker")

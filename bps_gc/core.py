@@ -167,7 +167,7 @@ def state_dict():
 
 def load_state_dict(sd):
     """Restore ``state_dict()``'s result: after declaring, before the first push_pull;
-    bps_gc.compress.state.StateError names a state that does not fit."""
+    bps_gc.compress.stateful.StateError names a state that does not fit."""
     worker().load_state_dict(sd)
 
 

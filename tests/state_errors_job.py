@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
-from bps_gc.compress.state import StateError  # noqa: E402
+from bps_gc.compress.stateful import StateError  # noqa: E402
 
 out = sys.argv[1]
 bps.init()

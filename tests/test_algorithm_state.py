@@ -8,7 +8,7 @@ import pytest
 from bps_gc.algorithms.gossip import ChocoGossip, DPSGDGossip
 from bps_gc.algorithms.momentum import MomentumPlan, PostPull
 from bps_gc.algorithms.topology import ring
-from bps_gc.compress.state import StateError
+from bps_gc.compress.stateful import StateError
 from bps_gc.compress.state_bytes import decode_state, encode_state
 from mailbox import Mailbox, in_threads
 

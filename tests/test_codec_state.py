@@ -1,4 +1,4 @@
-"""Codec chain state (compress/state.py) through its byte encoding (compress/state_bytes.py):
+"""Codec chain state (compress/stateful.py) through its byte encoding (compress/state_bytes.py):
 N steps straight equal N/2 steps, save, encode, decode, load into a FRESH chain, N/2 more, byte
 for byte; and every wrong state is refused, naming the problem, with nothing loaded. The oracle
 is the straight run of an independent chain object."""
@@ -9,7 +9,7 @@ import pytest
 
 from bps_gc.compress import CompressionParams, ParamError, build_chain, make_reducer
 from bps_gc.compress.entire_model import WholeVectorCodec
-from bps_gc.compress.state import StateError
+from bps_gc.compress.stateful import StateError
 from bps_gc.compress.state_bytes import decode_state, encode_state
 
 N, STEPS = 300, 6
@@ -268,7 +268,7 @@ def test_other_dtypes_resume(params, dtype):
 
 
 def test_state_group_checks_every_object_before_loading_any():
-    from bps_gc.compress.state import StateGroup
+    from bps_gc.compress.stateful import StateGroup
     params = {"topk": BASE, "dgc": {"compressor": "dgc", "k": 0.05, "mu": 0.9}}
     group = StateGroup({name: used_chain(p) for name, p in params.items()})
     sd = through_bytes(group.state_dict())

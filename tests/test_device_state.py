@@ -7,7 +7,7 @@ import pytest
 
 from bps_gc.compress import build_chain
 from bps_gc.compress.device import HostBridge
-from bps_gc.compress.state import StateError
+from bps_gc.compress.stateful import StateError
 from test_codec_state import CHAINS, N, STEPS, assert_runs_equal, inputs, name, run, through_bytes
 
 torch = pytest.importorskip("torch")

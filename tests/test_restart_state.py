@@ -186,7 +186,7 @@ def test_states_that_do_not_fit_are_refused_by_name(straight, tmp_path):
 def test_truncated_or_corrupt_checkpoint_is_named(tmp_path):
     import torch
 
-    from bps_gc.compress.state import StateError
+    from bps_gc.compress.stateful import StateError
     from bps_gc.torch import load_checkpoint, save_checkpoint
     path = tmp_path / "ckpt.pt"
     save_checkpoint({"bps_gc": {"format": "x", "t": torch.arange(1000.0)}}, str(path))

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from bps_gc.compress.state import StateError
+from bps_gc.compress.stateful import StateError
 from bps_gc.compress.state_bytes import MAGIC, decode_state, encode_state
 
 

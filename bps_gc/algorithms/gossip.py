@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from ..compress import CompressionParams, build_chain
-from ..compress.state import StateError, Stateful
+from ..compress.stateful import StateError, Stateful
 
 
 def pack(payloads):

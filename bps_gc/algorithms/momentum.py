@@ -24,7 +24,7 @@ import copy
 import numpy as np
 
 from ..compress import CompressionParams, choose_reducer
-from ..compress.state import Stateful
+from ..compress.stateful import Stateful
 
 
 class MomentumPlan(Stateful):

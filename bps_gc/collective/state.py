@@ -18,7 +18,7 @@ class CommunicatorState:
         self.codecs, self.tensors, self.rank, self.flush, self.drain = codecs, tensors, rank, flush, drain
 
     def _state_group(self):
-        group = self.codecs.state.StateGroup  # the codec library's (collective never imports it)
+        group = self.codecs.StateGroup  # the codec library's (collective never imports it)
         return group({name: group({str(p): group({"worker": part.codec, "reducer": part.reducer})
                                    for p, part in enumerate(tensor.partitions)})
                       for name, tensor in self.tensors.items() if tensor.compressed and tensor.partitions})
@@ -37,5 +37,5 @@ class CommunicatorState:
         self.drain()
         try:
             self._state_group().load_state_dict(sd)
-        except self.codecs.state.StateError as e:
-            raise self.codecs.state.StateError(f"bps_gc communicator (rank {self.rank}): {e}") from None
+        except self.codecs.StateError as e:
+            raise self.codecs.StateError(f"bps_gc communicator (rank {self.rank}): {e}") from None

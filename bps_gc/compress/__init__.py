@@ -16,7 +16,7 @@ from .seeds import derive_seed
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
 from .sparse import resolve_k
-from .state import StateError, StateGroup
+from .stateful import StateError, StateGroup
 from .state_bytes import decode_state, encode_state
 
 __all__ = ["Codec", "CompressionParams", "ParamError", "REDUCERS", "build_chain",

@@ -1,7 +1,7 @@
 """The interface every codec implements: one stateful object per tensor partition."""
 import numpy as np
 
-from .state import Stateful, codec_identity
+from .stateful import Stateful, codec_identity
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
 

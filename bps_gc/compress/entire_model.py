@@ -37,7 +37,7 @@ from .onebit import WORD_BITS, Onebit
 from .quantize import QSGD, TernGrad
 from .registry import COMPRESSORS, load_plugins
 from .sparse import SparseCodec
-from .state import Stateful
+from .stateful import Stateful
 from .threshold import SortedSparse
 
 ALIGN = 64  # chunk starts: whole 64-bit words of sign bits, whole bytes of 2-bit or qsgd codes

@@ -5,7 +5,7 @@ import numpy as np
 from ._native import lib, ptr
 from .context import step_context
 from .registry import register_error_feedback, register_momentum
-from .state import Stateful
+from .stateful import Stateful
 
 
 class Forwarding:

@@ -20,7 +20,7 @@ import numpy as np
 from .chain import build_chain
 from .context import step_context
 from .registry import COMPRESSORS, load_plugins
-from .state import Stateful
+from .stateful import Stateful
 
 REDUCERS = {}
 DEFAULT_DENSE = "sum"  # what an uncompressed key does; not a registered reducer

@@ -1,4 +1,4 @@
-"""A state dict (compress/state.py) as bytes, for files and the network: no pickle.
+"""A state dict (compress/stateful.py) as bytes, for files and the network: no pickle.
 
 Layout (docs/checkpoint.md):
 
@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from .state import StateError, as_numpy
+from .stateful import StateError, as_numpy
 
 MAGIC = b"BPSGCST1"
 MAX_HEADER = 64 << 20  # a header past this is corrupt (it lists names and shapes only)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .. import core
-from ..compress.state import StateError, StateGroup
+from ..compress.stateful import StateError, StateGroup
 from ..compress.state_bytes import decode_state, encode_state
 
 

@@ -28,7 +28,7 @@ import torch
 
 import bps_gc.core as core
 
-from ..compress.state import StateError, StateGroup, Stateful
+from ..compress.stateful import StateError, StateGroup, Stateful
 from .device import _partitions, device_partitions
 
 FORMAT = "bps_gc.torch.state/1"

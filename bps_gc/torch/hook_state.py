@@ -16,7 +16,7 @@ from .. import compress
 from ..collective.coded import CodedPart
 from ..comm.placement import partition_owner
 from ..compress.device.reducers import device_reduction
-from ..compress.state import StateError, StateGroup, Stateful
+from ..compress.stateful import StateError, StateGroup, Stateful
 from .device import chain_for, uses_device_chain
 from .hook_dtypes import built_or_refused, wire_dtype
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..base import DTYPES
-from ..state import Stateful, codec_identity
+from ..stateful import Stateful, codec_identity
 
 TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
                 np.dtype(np.float16): torch.float16}

@@ -8,7 +8,7 @@ import torch
 
 from ..chain import build_chain
 from ..reducers import make_reducer
-from ..state import Stateful
+from ..stateful import Stateful
 from .base import torch_dtype
 
 

@@ -112,7 +112,7 @@ class Collective(api.Communicator):
     def _build_codec(self, tensor, n, dtype, key):
         """(worker chain, reducer): every rank runs the reducer the server would have run."""
         return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
-                                        shape=tensor.shape),
+                                        shape=tensor.shape, rank=self.rank),
                 self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):

@@ -22,8 +22,8 @@ HEADER = 4  # the float32 scale
 
 
 def device_generator(seed, device):
-    """A generator on ``device`` seeded from the codec's seed (the same on every rank, as the
-    numpy chain's xorshift128+)."""
+    """A generator on ``device`` seeded with ``seed``: the codec's (the same on every rank, as
+    the numpy chain's xorshift128+), or thc's ``worker_seed`` (its rank's own)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
     return gen

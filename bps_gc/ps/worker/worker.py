@@ -151,7 +151,7 @@ class Worker(Communicator):
     def _build_codec(self, tensor, n, dtype, key):
         """(codec chain, reducer) of a compressed partition."""
         return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker",
-                                        shape=tensor.shape),
+                                        shape=tensor.shape, rank=self.rank),
                 self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):

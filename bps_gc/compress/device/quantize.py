@@ -63,7 +63,8 @@ class DeviceStochasticQuantizer(DeviceCodec):
 
     def _split(self, payload):
         buf = self._payload(payload, HEADER + self.body_bytes)
-        return buf[:HEADER].view(torch.float32), buf[HEADER:]
+        # clone: a payload cut from a gathered buffer may start off a float32's alignment
+        return buf[:HEADER].clone().view(torch.float32), buf[HEADER:]
 
     def _finish_decode(self, out, values, bad):
         """out = values (float32, converted to float16 partitions); ``bad``: a device bool,

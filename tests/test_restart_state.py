@@ -31,7 +31,8 @@ CASES = {
     "local_sgd": {"case": "local_sgd", "compression_params": {"compressor": "signnorm", "ef": "vanilla"}},
     "thc_hook": {"case": "hook", "compression_params": {"compressor": "thc", "bits": 4, "rotate": True}},
     "thc": {"case": "optimizer", "momentum": 0.0, "compression_params": {"compressor": "thc", "bits": 2}},
-    # the other codecs, so that every one runs twice below (test_two_launches_repeat)
+    # the other codecs, so that every one is launched twice (runs repeat: the elastic test, the
+    # parameter server's)
     "randomk": {"case": "optimizer", "compression_params": {"compressor": "randomk", "k": 0.3}},
     "terngrad": {"case": "optimizer", "compression_params": {"compressor": "terngrad"}},
     "qsgd": {"case": "optimizer", "compression_params": {"compressor": "qsgd", "levels": 4}},
@@ -103,15 +104,6 @@ def test_resumed_equals_straight(env, straight, tmp_path):
     check_resumed(out, CASES)
 
 
-def test_two_launches_repeat(straight, tmp_path):
-    """Runs repeat: new processes (other process ids) running the straight run again end with
-    its parameters bit for bit, every codec (thc's rounding among them: seeded by the seed, the
-    key and the rank, docs/codecs.md)."""
-    every_compressor(CASES)
-    run_phase({"cases": CASES, "steps": 6, "save_at": 3}, tmp_path, "first")
-    same_parameters(straight, tmp_path)
-
-
 def test_resumed_without_codec_state_differs(straight):
     """The test above can fail: resuming without the codec state changes the result."""
     run_phase({"cases": CASES, "steps": 6, "save_at": 3}, straight, "without_state")
@@ -123,7 +115,10 @@ def test_resumed_without_codec_state_differs(straight):
 def test_torch_elastic_restart_resumes_with_codec_state(straight, tmp_path):
     """torchrun --max-restarts 1: rank 1 is killed (SIGKILL) at step 5 of 6 on the first attempt;
     torch elastic restarts both ranks, which resume from the step-4 checkpoint (every 2 steps)
-    with their codec state: the final parameters equal a run never killed (``straight``)."""
+    with their codec state: the final parameters equal a run never killed (``straight``). So
+    runs repeat too: the first attempt, new processes (other process ids) from step 0, trained
+    every codec as the straight run did (thc's rounding seeded by the seed, key and rank)."""
+    every_compressor(CASES)
     spec = {"cases": CASES, "steps": 6, "save_at": 4, "every": 2, "kill_rank": 1, "kill_step": 5}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     argv = torchrun_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path), "elastic"], 2)

@@ -3,6 +3,7 @@ N steps straight equal N/2 steps, save, encode, decode, load into a FRESH chain,
 for byte; and every wrong state is refused, naming the problem, with nothing loaded. The oracle
 is the straight run of an independent chain object."""
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from bps_gc.compress import CompressionParams, ParamError, build_chain, make_red
 from bps_gc.compress.entire_model import WholeVectorCodec
 from bps_gc.compress.stateful import StateError
 from bps_gc.compress.state_bytes import decode_state, encode_state
+from conftest import DATA
 
 N, STEPS = 300, 6
 COMPRESSORS = [
@@ -96,17 +98,29 @@ def assert_states_equal(a, b):
 def test_resume_equals_straight(params):
     xs = inputs()
     straight = build_chain(params, N, np.float32, key=11)
-    start = straight.state_dict()
     want = run(straight, xs, 0)
     first = build_chain(params, N, np.float32, key=11)
-    if params["compressor"] == "thc":  # it seeds each instance apart (every worker its own draws)
-        first.load_state_dict(start)
     got = run(first, xs[:STEPS // 2], 0)
     fresh = build_chain(params, N, np.float32, key=11)
     fresh.load_state_dict(through_bytes(first.state_dict()))
     got += run(fresh, xs[STEPS // 2:], STEPS // 2)
     assert_runs_equal(want, got)
     assert_states_equal(straight.state_dict(), fresh.state_dict())
+
+
+def test_thc_state_saved_before_its_seeding_change_loads():
+    """A thc state from before issue 43 (its generator then seeded from the process id), written
+    by 2ed851b's numpy and device chains after two steps, loads into a chain of another rank (the
+    saved stream wins), and the third step's payload is the one that process sent."""
+    import torch
+    saved = np.load(os.path.join(DATA, "thc_state_before_issue43.npz"))
+    x = (np.random.default_rng(0).standard_normal(64) * 1e-3).astype(np.float32)
+    for kind, device in (("numpy", {}), ("device", {"device": "cpu"})):
+        codec = build_chain({"compressor": "thc", "bits": 4}, 64, np.float32, key=3, rank=1, **device)
+        codec.set_summands(2)
+        codec.load_state_dict(decode_state(saved[f"{kind}_state"].tobytes()))
+        hist = np.asarray(codec.compress(torch.from_numpy(x) if device else x, ctx(2))).view(np.float64) * 2
+        assert np.asarray(codec.compress_q(hist.view(np.uint8))).tobytes() == saved[f"{kind}_payload"].tobytes(), kind
 
 
 def test_resume_without_state_differs():

@@ -296,17 +296,21 @@ def test_device_without_torch_says_so():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_payload_forms_decode_alike(device):
-    # a payload as received from the network (read-only bytes view), as bytes, or a tensor
+@pytest.mark.parametrize("codec", [{"compressor": "topk", "k": 9}, {"compressor": "terngrad"},
+                                   {"compressor": "qsgd", "levels": 4}, {"compressor": "onebit", "scaling": True}])
+def test_payload_forms_decode_alike(device, codec):
+    # a payload as received from the network (read-only bytes view), as bytes, a tensor, or a
+    # tensor cut from a gathered buffer at an odd byte (its float32 header unaligned)
     import warnings
     x = gradients(300, np.float32, 1)[0]
-    chain = build_chain({"compressor": "topk", "k": 9}, 300, np.float32, device=device)
+    chain = build_chain(codec, 300, np.float32, device=device)
     payload = chain.compress(torch.from_numpy(x).to(device))
     raw = host_array(payload).tobytes()
     want = chain.decompress(payload).cpu().numpy()
+    odd = torch.cat([torch.zeros(1, dtype=torch.uint8, device=payload.device), payload])[1:]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for form in (raw, np.frombuffer(raw, np.uint8), bytearray(raw), payload.cpu()):
+        for form in (raw, np.frombuffer(raw, np.uint8), bytearray(raw), payload.cpu(), odd):
             np.testing.assert_array_equal(chain.decompress(form).cpu().numpy(), want)
 
 

@@ -29,7 +29,18 @@ CASES = {
         "compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov"}},
     "choco": {"case": "choco", "compression_params": {"compressor": "topk", "k": 0.2}},
     "local_sgd": {"case": "local_sgd", "compression_params": {"compressor": "signnorm", "ef": "vanilla"}},
+    "thc_hook": {"case": "hook", "compression_params": {"compressor": "thc", "bits": 4, "rotate": True}},
+    "thc": {"case": "optimizer", "momentum": 0.0, "compression_params": {"compressor": "thc", "bits": 2}},
+    # the other codecs, so that every one is launched twice (runs repeat: the elastic test, the
+    # parameter server's)
+    "randomk": {"case": "optimizer", "compression_params": {"compressor": "randomk", "k": 0.3}},
+    "terngrad": {"case": "optimizer", "compression_params": {"compressor": "terngrad"}},
+    "qsgd": {"case": "optimizer", "compression_params": {"compressor": "qsgd", "levels": 4}},
+    "sign_ef": {"case": "optimizer", "compression_params": {"compressor": "sign", "ef": "vanilla"}},
+    "threshold": {"case": "optimizer", "compression_params": {"compressor": "threshold", "threshold": 0.01}},
+    "adaptive_threshold": {"case": "optimizer", "compression_params": {"compressor": "adaptive_threshold"}},
 }
+PS_CASES = {name: case for name, case in CASES.items() if case["case"] != "hook"}  # the hook is torch.distributed's
 SMALL = {"BYTEPS_MIN_COMPRESS_BYTES": "0", "BYTEPS_PARTITION_BYTES": "1024"}  # several partitions
 
 
@@ -57,6 +68,21 @@ def check_resumed(tmp_path, cases, ranks=2):
             if cases[key.split("/")[0]]["case"] in ("hook", "optimizer"):
                 assert value.tobytes() == straight[0][key].tobytes(), f"rank {rank} {key} differs from rank 0"
     assert {key.split("/")[0] for key in straight[0]} == set(cases)
+
+
+def same_parameters(a, b, ranks=2, phase="first"):
+    """Two launches' parameters, bit for bit on every rank."""
+    for rank, (left, right) in enumerate(zip(parameters(a, phase, ranks), parameters(b, phase, ranks))):
+        assert left.keys() == right.keys()
+        for key, value in left.items():
+            assert right[key].tobytes() == value.tobytes(), f"rank {rank} {key}"
+
+
+def every_compressor(cases):
+    """The cases run every registered compressor (a new one must join them)."""
+    from bps_gc.compress.registry import COMPRESSORS
+    assert {c["compression_params"]["compressor"] for c in cases.values() if c.get("compression_params")} \
+        == set(COMPRESSORS)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +115,10 @@ def test_resumed_without_codec_state_differs(straight):
 def test_torch_elastic_restart_resumes_with_codec_state(straight, tmp_path):
     """torchrun --max-restarts 1: rank 1 is killed (SIGKILL) at step 5 of 6 on the first attempt;
     torch elastic restarts both ranks, which resume from the step-4 checkpoint (every 2 steps)
-    with their codec state: the final parameters equal a run never killed (``straight``)."""
+    with their codec state: the final parameters equal a run never killed (``straight``). So
+    runs repeat too: the first attempt, new processes (other process ids) from step 0, trained
+    every codec as the straight run did (thc's rounding seeded by the seed, key and rank)."""
+    every_compressor(CASES)
     spec = {"cases": CASES, "steps": 6, "save_at": 4, "every": 2, "kill_rank": 1, "kill_step": 5}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     argv = torchrun_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path), "elastic"], 2)
@@ -122,20 +151,23 @@ def test_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_path, launcher): 
 
 def test_parameter_server_optimizer_resumes_bit_for_bit(tmp_path):
     """On the parameter server (one bpslaunch per role: scheduler, a server, 2 workers; every
-    process new for the second phase), a DistributedOptimizer with onebit + EF + nesterov and
-    the servers' recompress reducer, CHOCO (its copies travel worker to worker) and local SGD:
-    ``optimizer.state_dict()["bps_gc"]`` and bps_gc.torch.state_dict() hold the workers' chains
-    and the servers' state (their EF), and the resumed run equals the straight one bit for bit."""
+    process new for each launch), every codec: DistributedOptimizers (onebit + EF + nesterov
+    with the servers' recompress reducer, thc's phases, ...), CHOCO (its copies travel worker to
+    worker) and local SGD. ``optimizer.state_dict()["bps_gc"]`` and bps_gc.torch.state_dict()
+    hold the workers' chains and the servers' state (their EF); the resumed run equals the
+    straight one bit for bit, and so does a second launch of the straight one (runs repeat)."""
     import torch
-    cases = {name: CASES[name] for name in ("onebit_ef_nesterov", "choco", "local_sgd")}
-    spec = {"cases": cases, "steps": 4, "save_at": 2}
+    every_compressor(PS_CASES)
+    spec = {"cases": PS_CASES, "steps": 4, "save_at": 2}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    for phase in ("first", "second"):
+    (tmp_path / "repeat").mkdir()
+    for phase, out in (("first", tmp_path), ("second", tmp_path), ("first", tmp_path / "repeat")):
         job = Job(2, None, servers=1, env=SMALL, command=[sys.executable, JOB, str(tmp_path / "spec.json"),
-                                                          str(tmp_path), phase])
+                                                          str(out), phase])
         statuses, _ = job.wait_all(120)
         assert set(statuses.values()) == {0}, job.report(statuses)
-    check_resumed(tmp_path, cases)
+    check_resumed(tmp_path, PS_CASES)
+    same_parameters(tmp_path, tmp_path / "repeat")
     saved = torch.load(tmp_path / "checkpoint-run-rank0.pt", weights_only=True)
     for state in (saved["bps_gc"], saved["optimizers"]["onebit_ef_nesterov"]["bps_gc"]):
         communicator = state["communicator"]
@@ -148,7 +180,8 @@ def test_parameter_server_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_
     """2 hosts x 2 ranks on the parameter server (network namespaces, one bpslaunch per host and
     role, two levels: each partition's owner keeps its chain, a server on each host), every
     process new for the second phase: the torch bindings' cases resume bit for bit on all 4 ranks."""
-    cases = {name: CASES[name] for name in ("onebit_ef_nesterov", "dithering", "dgc", "powersgd", "choco", "local_sgd")}
+    cases = {name: CASES[name] for name in ("onebit_ef_nesterov", "dithering", "dgc", "powersgd", "thc", "choco",
+                                            "local_sgd")}
     spec = {"cases": cases, "steps": 4, "save_at": 2}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     for phase in ("first", "second"):

@@ -10,13 +10,15 @@ import pytest
 
 from bps_gc.compress import CompressionParams, ParamError, build_chain
 from bps_gc.compress import thc
+from xorshift import XorShift128Plus, mixed_state, worker_seed
 
 CTX = {"lr": 0.1, "step": 3, "epoch": 0}
 
 
 def chains(n, workers, key=7, **options):
+    """One chain per worker, each with its rank (its own rounding draws)."""
     params = CompressionParams.from_dict({"compressor": "thc", **options})
-    out = [build_chain(params, n, np.float32, key=key) for _ in range(workers)]
+    out = [build_chain(params, n, np.float32, key=key, rank=rank) for rank in range(workers)]
     for c in out:
         c.set_summands(workers)
     return out
@@ -181,6 +183,47 @@ def test_stochastic_rounding_is_unbiased_within_six_sigma(rotate):
     err = np.abs(total / rounds - np.sum(xs, axis=0, dtype=np.float64))
     assert err.max() < 6 * sigma, (err.max(), sigma)
     assert err.max() > 0.05 * sigma  # it is random, not exact
+
+
+def rounded_codes(codec, x, ctx, workers=2):
+    """One worker's codes of ``x`` (its phase-2 payload unpacked), the histogram its alone."""
+    hist = codec.compress(x, ctx)
+    summed = np.asarray(hist).view(thc.CARRIER) * workers  # as if every worker pushed that bin
+    return unpack(np.asarray(codec.compress_q(summed.view(np.uint8))).view(thc.CARRIER)[thc.HEADER:],
+                  codec.width, codec.codes)
+
+
+def test_rounding_draws_follow_seed_key_and_rank_alone():
+    """Runs repeat: fresh chains of one (seed, key, rank) give the same codes at every step (no
+    process id or OS entropy); another rank or key draws apart. The codes are numpy's
+    floor(u + r), r from xorshift128+ seeded by the rank's seed (tests/xorshift.py, high 32
+    bits first), and the torch chain's r is torch's generator under that seed."""
+    torch = pytest.importorskip("torch")
+    n, params = 600, CompressionParams.from_dict({"compressor": "thc", "bits": 4, "seed": 11})
+    x = inputs(n, 1, seed=1)[0]
+
+    def codes(rank=1, key=5, steps=3, **device):
+        codec = build_chain(params, n, np.float32, key=key, rank=rank, **device)
+        codec.set_summands(2)
+        given = torch.from_numpy(x) if device else x
+        return [rounded_codes(codec, given, dict(CTX, step=t)) for t in range(steps)], codec
+
+    runs, codec = codes()
+    assert all((a == b).all() for a, b in zip(runs, codes()[0]))  # a second launch
+    assert (runs[0] != runs[1]).any()  # the stream goes on across steps
+    for other in (codes(rank=0)[0], codes(key=6)[0]):
+        assert np.mean(other[0] != runs[0]) > 0.2
+    u = (x.astype(np.float64) * 2.0 ** -codec.agreed[0] + 1) * 15 / 2
+    gen = XorShift128Plus(1)
+    gen.a, gen.b = (int(w) for w in mixed_state(worker_seed(11, 5, 1)))
+    r = np.array([[w >> 32, w & 0xFFFFFFFF] for w in (gen.next() for _ in range(n // 2))]).reshape(-1) / 2.0**32
+    np.testing.assert_array_equal(runs[0], np.clip(np.floor(u + r), 0, 15))
+    on_torch, dev = codes(steps=1, device="cpu")
+    generator = torch.Generator().manual_seed(worker_seed(11, 5, 1) & 2**63 - 1)
+    r = torch.rand(n, dtype=torch.float64, generator=generator).numpy()
+    np.testing.assert_array_equal(on_torch[0], np.clip(np.floor(u + r), 0, 15))
+    assert (on_torch[0] == codes(steps=1, device="cpu")[0][0]).all()
+    assert (codes(rank=0, steps=1, device="cpu")[0][0] != on_torch[0]).any()
 
 
 def test_error_feedback_residual_stays_within_half_a_step():

@@ -36,16 +36,26 @@ def native_outputs(seed, count):
     return out
 
 
+def splitmix(value):
+    """One splitmix64 output after ``value`` (0 read as 1, as a seed must not be 0)."""
+    z = (int(value) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) or 1
+
+
 def mixed_state(seed):
     """xorshift128+ state for our own codecs: the seed goes through splitmix64 first (two
     outputs, one per state word). Seeded raw, as BytePS does (a = b = seed), small seeds give
     nearly the same first draws; BytePS's codecs keep that for byte-exactness, ours do not."""
     if not 0 < int(seed) < 2**64:
         raise ValueError(f"seed must be in [1, 2**64), got {seed!r}")
-    words, z = [], int(seed)
-    for _ in range(2):
-        z = (z + 0x9E3779B97F4A7C15) & MASK64
-        w = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        w = ((w ^ (w >> 27)) * 0x94D049BB133111EB) & MASK64
-        words.append((w ^ (w >> 31)) or 1)
-    return np.array(words, np.uint64)
+    return np.array([splitmix(seed), splitmix((int(seed) + 0x9E3779B97F4A7C15) & MASK64)], np.uint64)
+
+
+def worker_seed(seed, key, rank):
+    """thc's rounding seed as docs/codecs.md states it: the seed, then the key, then the rank,
+    each folded in as seed = splitmix(seed xor splitmix(value))."""
+    for value in (key, rank):
+        seed = splitmix(int(seed) ^ splitmix(value))
+    return seed

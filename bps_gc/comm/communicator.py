@@ -68,8 +68,10 @@ class Communicator(abc.ABC):
 
     def _build_codec(self, tensor, n, dtype, key):
         """(worker chain, reducer) of a compressed partition: the reducer decodes the servers'
-        replies, or, where every rank reduces every rank's payloads, runs the server's reduction."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker", shape=tensor.shape),
+        replies, or, where every rank reduces every rank's payloads, runs the server's reduction.
+        The chain draws this rank's own random numbers (``rank``: thc's rounding)."""
+        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker", shape=tensor.shape,
+                                        rank=self.rank),
                 self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
 
     def _open_reduce(self, array, name, ctx, out, lr):

@@ -29,7 +29,9 @@ def _register(table, kind, name, cls):
 
 
 def register_compressor(name, options=None):
-    """Class decorator: ``cls(params, n, dtype, seed)`` becomes compressor ``name``.
+    """Class decorator: ``cls(params, n, dtype, seed)`` becomes compressor ``name`` (a class
+    with ``takes_shape`` also gets ``shape=``, one with ``draws_per_worker`` ``worker_seed=``:
+    chain.compressor_inputs).
 
     ``options`` maps extra ``compression_params`` keys this compressor accepts to converters
     (e.g. ``{"alpha": float}``); they reach the codec as ``params.options[key]``.

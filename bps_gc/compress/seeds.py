@@ -21,3 +21,12 @@ def mixed_state(seed):
         raise ValueError(f"seed must be in [1, 2**64), got {seed!r}")
     return np.array([derive_seed(seed), derive_seed((int(seed) + 0x9E3779B97F4A7C15) & MASK64)],
                     np.uint64)
+
+
+def worker_seed(seed, key, rank):
+    """The seed of one worker's own draws for one partition (thc's stochastic rounding): the
+    chain's seed, the partition key and the worker's rank folded through splitmix64, so every
+    launch repeats them, while two ranks (or two partitions under one ``seed``) draw apart."""
+    for value in (key, rank):
+        seed = derive_seed(int(seed) ^ derive_seed(value))
+    return seed

@@ -26,11 +26,10 @@ all_reduce per bucket, or one more push and pull of a dense key per partition on
 server).
 """
 import math
-import os
-from itertools import count
 
 import numpy as np
 
+from . import seeds
 from ._native import ERRORS, lib, ptr
 from .base import Codec
 from .params import CODEC_OPTIONS
@@ -48,7 +47,6 @@ CARRIER_BITS = 53  # integers below 2^53 add exactly in float64
 # 2^64, which leaves every bit of a sum below 2^64 right when the word is read unsigned
 WORD_BITS = {CARRIER: CARRIER_BITS, np.dtype(np.int64): 64}
 BLOCK = 4096  # largest Hadamard block
-_instances = count()
 
 
 def lane_bits(bits, summands):
@@ -181,12 +179,13 @@ def agreed_scale(hist_sum, lanes_for):
 @register_compressor("thc", options=CODEC_OPTIONS["thc"])
 class THC(Codec):
     reducers = ("thc",)  # two plain-sum phases (the reducer below)
+    draws_per_worker = True  # build_chain passes worker_seed: the rounding's, from seed, key and rank
     state_attrs = ("rng_state", "error")  # stochastic rounding's words; feedback's residual (None without)
 
     def state_identity(self):  # the device codec draws from torch's generator instead
         return {**super().state_identity(), "rng": "xorshift128+"}
 
-    def __init__(self, params, n, dtype, seed):
+    def __init__(self, params, n, dtype, seed, worker_seed=None):
         super().__init__(params, n, dtype)
         if self.dtype not in (np.float32, np.float16):
             raise TypeError(f"thc: float32 or float16 partitions only, got {self.dtype}")
@@ -199,8 +198,12 @@ class THC(Codec):
         self.seed = int(seed)
         self.block = block_size(self.n) if self.rotate else 1
         self.codes = -(-self.n // self.block) * self.block if self.rotate else self.n
-        # stochastic rounding must differ between workers (their errors then average out)
-        self.rng_state = mixed_state(derive_seed(self.seed ^ os.getpid() << 24 ^ next(_instances) << 48))
+        # stochastic rounding must differ between workers (their errors then average out) and
+        # repeat between launches: its stream is the worker's (build_chain: seed, key, rank),
+        # carried across steps (and checkpoints) as randomk's and dithering's are; a codec made
+        # without build_chain draws rank 0's stream of key 0
+        self.worker_seed = int(worker_seed) if worker_seed is not None else seeds.worker_seed(seed, 0, 0)
+        self.rng_state = mixed_state(self.worker_seed)
         self.error = np.zeros(self.n, np.float32) if self.feedback else None
         self.summands, self.phase_dtype = 1, CARRIER
         self.x = self.y = self.signs = self.agreed = None

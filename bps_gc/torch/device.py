@@ -40,11 +40,12 @@ def uses_device_chain(tensor):
     return mode == "torch" or (mode == "auto" and tensor.device.type != "cpu")
 
 
-def chain_for(params, n, dtype, key, role, tensor, shape=None):
+def chain_for(params, n, dtype, key, role, tensor, shape=None, rank=0):
     """The codec chain of one partition of ``tensor``: a device chain on its device when
-    ``uses_device_chain(tensor)``, else the numpy chain (``dtype``: a numpy dtype)."""
+    ``uses_device_chain(tensor)``, else the numpy chain (``dtype``: a numpy dtype; ``rank``:
+    the worker's, for build_chain)."""
     device = {"device": tensor.device} if uses_device_chain(tensor) else {}
-    return compress.build_chain(params, n, dtype, key=key, role=role, shape=shape, **device)
+    return compress.build_chain(params, n, dtype, key=key, role=role, shape=shape, rank=rank, **device)
 
 
 # ---------------------------------------------------------------- push_pull
@@ -57,7 +58,7 @@ class DevicePartition:
         self.key, self.start, self.stop = key, start, stop
         n, dtype = stop - start, declaration.wire_dtype
         self.codec = compress.build_chain(declaration.params, n, dtype, key=key, role="worker",
-                                          shape=declaration.shape, device=device)
+                                          shape=declaration.shape, device=device, rank=core.rank())
         self.reducer = device_reduction(declaration.reducer, declaration.params, n, dtype, key, device)
 
 

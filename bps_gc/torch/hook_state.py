@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from .. import compress
 from ..collective.coded import CodedPart
@@ -130,15 +131,17 @@ class GradientCodecs:
         return uses_device_chain(tensor), wire_dtype(tensor, self.params.fp16)
 
     def _make_codec(self, key, n, tensor, on_device, wire):
-        """A fresh GradientCodec of ``n`` elements where ``tensor`` lives."""
+        """A fresh GradientCodec of ``n`` elements where ``tensor`` lives (its draws this
+        process's own: build_chain's ``rank`` is its torch.distributed rank)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
         if self.phased:  # its reducer runs as the phases of hook_phased.py
-            chain = compress.build_chain(self.params, n, wire, key=key, role="worker")
+            chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank)
             return GradientCodec(key, n, tensor.device, on_device, wire, chain, None)
         if on_device:
-            chain = chain_for(self.params, n, wire, key, "worker", tensor)
+            chain = chain_for(self.params, n, wire, key, "worker", tensor, rank=rank)
             reducer = device_reduction(self.reducer, self.params, n, wire, key, tensor.device)
         else:
-            chain = compress.build_chain(self.params, n, wire, key=key, role="worker")
+            chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank)
             reducer = compress.make_reducer(self.reducer, self.params, n, wire, key)
         return GradientCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 

@@ -22,8 +22,8 @@ HEADER = 4  # the float32 scale
 
 
 def device_generator(seed, device):
-    """A generator on ``device`` seeded from the codec's seed (the same on every rank, as the
-    numpy chain's xorshift128+)."""
+    """A generator on ``device`` seeded with ``seed``: the codec's (the same on every rank, as
+    the numpy chain's xorshift128+), or thc's ``worker_seed`` (its rank's own)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
     return gen
@@ -63,7 +63,8 @@ class DeviceStochasticQuantizer(DeviceCodec):
 
     def _split(self, payload):
         buf = self._payload(payload, HEADER + self.body_bytes)
-        return buf[:HEADER].view(torch.float32), buf[HEADER:]
+        # clone: a payload cut from a gathered buffer may start off a float32's alignment
+        return buf[:HEADER].clone().view(torch.float32), buf[HEADER:]
 
     def _finish_decode(self, out, values, bad):
         """out = values (float32, converted to float16 partitions); ``bad``: a device bool,

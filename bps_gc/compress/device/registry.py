@@ -15,9 +15,8 @@ Plugins register theirs the same way from the modules ``BPS_GC_PLUGINS`` names. 
 compressor, error feedback or momentum has no device implementation runs the whole numpy chain
 behind a ``HostBridge`` (bridge.py).
 """
-from ..chain import build_chain
+from ..chain import build_chain, compressor_inputs
 from ..registry import COMPRESSORS, _register
-from ..seeds import derive_seed
 from .base import DeviceCodec, resolve_device
 from .bridge import HostBridge
 
@@ -29,7 +28,7 @@ DEVICE_MOMENTUMS = {}
 def register_device_compressor(name):
     """Class decorator: ``cls(params, n, dtype, seed, device, **extra)`` (a DeviceCodec) becomes
     the device implementation of compressor ``name``; ``extra`` is ``shape`` for a class with
-    ``takes_shape`` (as for numpy codecs)."""
+    ``takes_shape`` and ``worker_seed`` for one with ``draws_per_worker`` (as for numpy codecs)."""
     def wrap(cls):
         if not (isinstance(cls, type) and issubclass(cls, DeviceCodec)):
             raise TypeError(f"device compressor {name!r} must subclass "
@@ -50,10 +49,10 @@ def register_device_momentum(name):
     return lambda cls: _register(DEVICE_MOMENTUMS, "device momentum", name, cls)
 
 
-def build_device_chain(params, n, dtype, key, role, shape, device):
+def build_device_chain(params, n, dtype, key, role, shape, device, rank=0):
     """The device chain of ``bps_gc.compress.build_chain(..., device=...)``: [momentum ->]
     [error feedback ->] compressor, by the numpy chain's rules (servers never apply momentum;
-    the seed is ``params.seed`` or ``derive_seed(key)``). ``params`` are validated already."""
+    seeds and extras from ``compressor_inputs``). ``params`` are validated already."""
     device = resolve_device(device)
     if params.granularity == "entiremodel" and role == "worker":
         raise ValueError("build_chain(device=...): a worker's 'entiremodel' chunk codec only hands "
@@ -66,9 +65,8 @@ def build_device_chain(params, n, dtype, key, role, shape, device):
     momentum = params.momentum if role == "worker" and not owns_momentum else None
     if cls is None or (params.ef and params.ef not in DEVICE_ERROR_FEEDBACKS) \
             or (momentum and momentum not in DEVICE_MOMENTUMS):
-        return HostBridge(build_chain(params, n, dtype, key=key, role=role, shape=shape), device)
-    seed = params.seed if params.seed is not None else derive_seed(key)
-    extra = {"shape": tuple(shape)} if shape is not None and getattr(cls, "takes_shape", False) else {}
+        return HostBridge(build_chain(params, n, dtype, key=key, role=role, shape=shape, rank=rank), device)
+    seed, extra = compressor_inputs(cls, params, key, shape, rank)
     codec = cls(params, n, dtype, seed, device, **extra)
     if params.ef:
         codec = DEVICE_ERROR_FEEDBACKS[params.ef](codec, params)

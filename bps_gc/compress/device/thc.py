@@ -4,8 +4,9 @@ header and packed lanes as float64 or int64 words), with the rotation, codes and
 Cross-rank agreement: the histogram bin, the header, the lanes and the rotation's signs (drawn
 by numpy's generator from the same seed, ``block`` values, copied to the device) are the numpy
 chain's exactly; with ``feedback`` (round to nearest) the codes are too, up to the float32
-Hadamard sums' order. Stochastic rounding draws torch's generator, so the codes differ from the
-numpy chain's draw for draw, with the same distribution; every worker's draws differ anyway.
+Hadamard sums' order. Stochastic rounding draws torch's generator, seeded with the numpy chain's
+``worker_seed`` (the seed, key and rank), so the codes differ from the numpy chain's draw for
+draw, with the same distribution; each worker draws its own, and every launch the same.
 """
 import math
 
@@ -14,7 +15,7 @@ import torch
 
 from .. import thc
 from .base import DeviceCodec
-from .quantize import generator_kind
+from .quantize import device_generator, generator_kind
 from .registry import register_device_compressor
 
 
@@ -46,6 +47,7 @@ def unpack_lanes(words, width, count):
 @register_device_compressor("thc")
 class DeviceTHC(DeviceCodec):
     reducers = thc.THC.reducers
+    draws_per_worker = True
     state_attrs = ("generator", "error")  # as the other device codecs: torch's generator, not numpy's words
 
     def state_identity(self):
@@ -53,13 +55,12 @@ class DeviceTHC(DeviceCodec):
 
     def __init__(self, params, n, dtype, seed, device, **extra):
         super().__init__(params, n, dtype, seed, device)
-        self.host = thc.THC(params, n, dtype, seed)  # options, sizes and checks
+        self.host = thc.THC(params, n, dtype, seed, extra.get("worker_seed"))  # options, sizes and checks
         self.bits, self.rotate, self.feedback = self.host.bits, self.host.rotate, self.host.feedback
         self.block, self.codes, self.levels = self.host.block, self.host.codes, self.host.levels
         f32 = dict(dtype=torch.float32, device=self.device)
         self.error = torch.zeros(self.n, **f32) if self.feedback else None
-        self.generator = torch.Generator(device=self.device)
-        self.generator.seed()  # each worker its own draws
+        self.generator = device_generator(self.host.worker_seed, self.device)
         self.x = self.y = self.signs = None
 
     def set_summands(self, summands, carrier=None):

@@ -41,7 +41,7 @@ for step in range(spec["steps"]):
     for t, h in zip(spec["tensors"], handles):
         results[f"{t['name']}/{step}"] = bps.synchronize(h).cpu().numpy().copy()
 # the class of each tensor's first device chain (HostBridge: its numpy chain behind it)
-chains = {t["name"]: type(parts[0].chain).__name__ for t, x in zip(spec["tensors"], tensors)
+chains = {t["name"]: type(parts[0].codec).__name__ for t, x in zip(spec["tensors"], tensors)
           if device_codecs.uses_device_chain(x) for parts in [device_codecs.device_partitions(t["name"], x)]
           if parts}
 

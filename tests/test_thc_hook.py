@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from bps_gc.compress import build_chain
-from bps_gc.torch.hook import bucket_key
+from bps_gc.torch.hook_state import bucket_key
 from test_collective_hook import run
 
 RANKS = 3

@@ -10,6 +10,7 @@ from ..core import metrics
 from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
+from .exchange import CompressedExchange
 from .hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
@@ -17,7 +18,7 @@ from .optimizer import DistributedOptimizer
 from .local_sgd import LocalSGD
 from .choco import DecentralizedOptimizer
 
-__all__ = ["Compression", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
+__all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
            "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "metrics", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]

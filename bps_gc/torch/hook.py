@@ -48,7 +48,7 @@ from .hook_dtypes import TORCH_OF, wire_dtype, wire_torch
 from .hook_futures import current, on_side_stream, raiser, settle, value
 from .hook_levels import HookLevels
 from .hook_phased import PhasedBuckets
-from .hook_state import BucketJob, BucketState, GradientCodecs, bucket_key
+from .hook_state import BucketJob, BucketState, GradientCodecs, key_maker
 
 
 # Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
@@ -75,6 +75,7 @@ class CompressionHook:
                              "this one-gather hook does not run; use DistributedOptimizer (or "
                              "torch's powerSGD_hook)")
         self.buckets = {}  # bucket index -> its BucketState
+        self.lr = 0.0  # without an optimizer: the learning rate of the next call (current_lr)
         # the codecs by gradient (hook_state.py), named for checkpoints by ``named_parameters``
         self.codecs = GradientCodecs(self.params, self.reducer, optimizer, named_parameters, phased)
         # three stages, each one thread taking buckets in call order: compressing the next bucket
@@ -88,7 +89,7 @@ class CompressionHook:
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
         self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
         self.two_levels = HookLevels(self.params, self.traffic, self._waiter)  # several ranks per host
-        self.phased = PhasedBuckets(self.codecs, optimizer, self.exchanger, self.traffic, self._future,
+        self.phased = PhasedBuckets(self.codecs, self.current_lr, self.exchanger, self.traffic, self._future,
                                     self._side_group, self._waiter) if phased else None
 
     def __call__(self, process_group, bucket):
@@ -106,10 +107,10 @@ class CompressionHook:
             return self.phased.call(group, bucket, buffer, levels)
         index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
         _stamp(index, "called")
-        state = self._state(index, sizes, buffer, self.codecs.gradient_ids(bucket, index, len(sizes)))
+        state = self._state(index, sizes, buffer, self.codecs.gradient_ids(bucket, index, len(sizes)),
+                            key_maker(bucket, index))
         on_device = state.on_device
-        ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self.codecs.next_step(state.codecs)}
+        ctx = {"lr": self.current_lr(), "step": self.codecs.next_step(state.codecs)}
         levels = None if on_device else levels  # device payloads stay flat (as DeviceTensors')
         side = group if levels is not None else self._side_group(group)
         job = BucketJob(side, index, buffer, state.parts, ctx, on_device, levels,
@@ -257,7 +258,12 @@ class CompressionHook:
             self.side_groups[group] = side
         return side
 
-    def _state(self, index, sizes, buffer, gradients):
+    def current_lr(self):
+        """The learning rate error feedback rescales by: the optimizer's now, else ``lr`` (set
+        by the caller of a named exchange, torch/exchange.py)."""
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else float(self.lr)
+
+    def _state(self, index, sizes, buffer, gradients, key_of):
         """The BucketState of bucket ``index``, from the codecs of its gradients (their ids
         ``gradients``: hook_state.py keeps each one's codec across DDP's regrouping): device
         chains and reducers on the bucket's device when ``uses_device_chain``
@@ -265,8 +271,7 @@ class CompressionHook:
         state = self.buckets.get(index)
         if (state is None or state.sizes != sizes or (state.device, state.dtype) != (buffer.device, buffer.dtype)
                 or state.gradients != gradients):
-            codecs, on_device = self.codecs.codecs_for(index, gradients, sizes, buffer,
-                                                 lambda position: bucket_key(index, position))
+            codecs, on_device = self.codecs.codecs_for(index, gradients, sizes, buffer, key_of)
             state = BucketState(sizes, buffer.device, buffer.dtype, codecs, on_device, gradients)
             self.buckets[index] = state
         return state

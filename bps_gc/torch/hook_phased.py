@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..comm.phased import PhasedReduction, run_phases
 from ..collective.reductions import WORDS
 from .hook_futures import current, settle, value
-from .hook_state import bucket_key, coded_parts, key_owner
+from .hook_state import coded_parts, key_maker, key_owner
 
 
 @dataclasses.dataclass
@@ -33,16 +33,16 @@ class PhasedBucket:
 class PhasedBuckets:
     """CompressionHook's part for a codec whose reducer sums in plain phases in the hook (thc).
 
-    Made from ``codecs`` (the hook's hook_state.GradientCodecs), ``optimizer`` (the learning
-    rate's source, or None), ``exchanger`` (the hook's exchanging ExchangeThread), ``traffic``
+    Made from ``codecs`` (the hook's hook_state.GradientCodecs), ``current_lr()`` (the learning
+    rate of a call), ``exchanger`` (the hook's exchanging ExchangeThread), ``traffic``
     (core.hook_traffic), and the hook's ``future(buffer)`` (pending future, CUDA side stream),
     ``side_group(group)`` (its own process group of DDP's) and ``waiter(group, index)`` (the
     wait of a bucket's collectives). ``call(group, bucket, buffer)`` is the hook's call for a
     bucket: a future of its average; ``forget()`` drops the buckets (made again from the
     codecs, as after loading a checkpoint)."""
 
-    def __init__(self, codecs, optimizer, exchanger, traffic, future, side_group, waiter):
-        self.codecs, self.optimizer, self.exchanger, self.traffic = codecs, optimizer, exchanger, traffic
+    def __init__(self, codecs, current_lr, exchanger, traffic, future, side_group, waiter):
+        self.codecs, self.current_lr, self.exchanger, self.traffic = codecs, current_lr, exchanger, traffic
         self._future, self._side_group, self._waiter = future, side_group, waiter
         self.buckets = {}  # bucket index -> its PhasedBucket
 
@@ -55,10 +55,9 @@ class PhasedBuckets:
         state = self.buckets.get(index)
         if state is None or state.sizes != sizes or state.gradients != gradients:
             # each gradient's chain is its own (hook_state.py), kept when DDP regroups and saved by name
-            codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, lambda i: bucket_key(index, i))
+            codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, key_maker(bucket, index))
             state = self.buckets[index] = PhasedBucket(sizes, gradients, codecs, coded_parts(codecs))
-        ctx = {"lr": float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0,
-               "step": self.codecs.next_step(state.codecs)}
+        ctx = {"lr": self.current_lr(), "step": self.codecs.next_step(state.codecs)}
         side = self._side_group(group)
         future, stream = self._future(buffer)
         self.exchanger.submit(lambda: self._stage(side, index, buffer, state, ctx, future, stream, levels))

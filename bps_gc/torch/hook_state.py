@@ -8,6 +8,7 @@ the parameter's name. Names come from ``comm_hook(..., named_parameters=)``, els
 order of ``optimizer``'s parameters (``param.<i>``, as torch's optimizer state names them)."""
 import dataclasses
 import functools
+import zlib
 from typing import Any
 
 import numpy as np
@@ -23,11 +24,27 @@ from .hook_dtypes import built_or_refused, wire_dtype
 
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
+NAME_KEY_BASE = 1 << 41  # named parts' keys, apart from both
 
 
 def bucket_key(index, position):
     """The codec key (seed source) of the ``position``-th gradient of DDP bucket ``index``."""
     return KEY_BASE | index << 16 | position
+
+
+def name_key(name):
+    """The codec key of a part named ``name`` (torch/exchange.py): from the name alone, so it is
+    the same on every rank and wherever the part stands in its batch."""
+    return NAME_KEY_BASE | (zlib.crc32(name.encode()) & 0xFFFFFF) << 16
+
+
+def key_maker(bucket, index):
+    """``key_of(position)`` for ``bucket``'s gradients: by name where the bucket names its parts,
+    else by the DDP bucket index and position where each was first seen."""
+    names = bucket.names() if hasattr(bucket, "names") else None
+    if names is not None:
+        return lambda position: name_key(names[position])
+    return lambda position: bucket_key(index, position)
 
 
 def key_owner(key, local_size):
@@ -118,9 +135,13 @@ class GradientCodecs:
 
     def gradient_ids(self, bucket, index, count):
         """The ids the gradients of ``bucket`` keep their codecs under: their parameters (DDP's
-        buckets), or their bucket index and position (a bucket without parameters())."""
-        if hasattr(bucket, "parameters"):
-            return [id(p) for p in bucket.parameters()]
+        buckets, named ones given their parameters), their names (named buckets), or their
+        bucket index and position (a bucket with neither)."""
+        parameters = bucket.parameters() if hasattr(bucket, "parameters") else None
+        if parameters is not None:
+            return [id(p) for p in parameters]
+        if hasattr(bucket, "names"):
+            return list(bucket.names())
         return [(index, position) for position in range(count)]
 
     def _codec_kind(self, tensor):
@@ -182,7 +203,9 @@ class GradientCodecs:
 
     def codec_state(self):
         """A Stateful of every gradient's codec, by parameter name."""
-        names = {id(p): name for name, p in self._named().items()}
+        by_name = {g: g for g in self.gradients if isinstance(g, str)}  # named parts without parameters
+        names = {**({id(p): name for name, p in self._named().items()} if len(by_name) < len(self.gradients) else {}),
+                 **by_name}
         unnamed = [g for g in self.gradients if g not in names]
         if unnamed:
             raise StateError(f"comm_hook: {len(unnamed)} gradient(s) of its buckets are not among the "

@@ -1,0 +1,104 @@
+"""The compressed exchange for callers that are not DDP: named tensors averaged over any process
+group, through the same pipeline as the DDP hook (torch/hook.py: compress each named part,
+exchange payloads or summable phases, reduce, decode, divide; two levels and device chains
+included). FSDP2's shards on a replicate group, DiLoCo's pseudo-gradients every H steps, or a
+script's own tensors call it:
+
+    exchange = bps_gc.torch.CompressedExchange({"compressor": "topk", "k": 0.01, "ef": "vanilla"})
+    exchange({"fc.weight": g1, "fc.bias": g2}, group=replicate_group).wait()  # averaged in place
+
+Each tensor is a part, its codec state kept under its name (its seed key comes from the name,
+so a part's codec follows its name, not its place in the call). Every rank of ``group`` calls
+with the same names in the same order, as every DDP rank reduces the same buckets. Its state is
+part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (tensors of the
+parts' sizes, on their devices), as the DDP hook's does.
+"""
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import register
+from .hook import CompressionHook
+
+
+class NamedBucket:
+    """A batch of named parts in the shape the pipeline takes (DDP's GradBucket's calls)."""
+
+    def __init__(self, index, buffer, names, sizes, parameters=None):
+        self._index, self._buffer, self._names, self._parameters = index, buffer, list(names), parameters
+        self._gradients = list(torch.split(buffer, list(sizes)))
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._gradients
+
+    def names(self):
+        return self._names
+
+    def parameters(self):
+        """The parts' parameters (their codecs are kept by parameter, as DDP's), or None."""
+        return self._parameters
+
+
+class CompressedExchange:
+    """Named tensors averaged over a process group with one codec (``compression_params``, as
+    ``comm_hook`` takes them); ``named_parameters``: [(name, tensor)] that the parts are the
+    gradients of, where checkpoints are to be loaded."""
+
+    def __init__(self, compression_params=None, reducer=None, named_parameters=None):
+        named = None if named_parameters is None else list(named_parameters)
+        self.pipeline = register(CompressionHook(compression_params, reducer, None, named), "exchange")
+        self.parameters = None if named is None else dict(named)
+        self.batches = {}  # the names of a call -> its batch index (made in call order, alike on every rank)
+
+    def __call__(self, tensors, group=None, lr=0.0):
+        """Average ``tensors`` ({name: tensor} or [(name, tensor)], one dtype and device) over
+        ``group``'s ranks (default: every rank), in place; a torch Future of the same mapping.
+        ``lr``: the learning rate error feedback rescales by."""
+        named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        names = tuple(name for name, _ in named)
+        problem = check_parts(named)
+        if problem:
+            raise ValueError(f"CompressedExchange: {problem}")
+        index = self.batches.setdefault(names, len(self.batches))
+        buffer = torch.cat([t.detach().reshape(-1) for _, t in named])  # the pipeline writes the average here
+        parameters = None if self.parameters is None else [self.parameters.get(name) for name in names]
+        if parameters is not None and any(p is None for p in parameters):
+            missing = [n for n, p in zip(names, parameters) if p is None]
+            raise ValueError(f"CompressedExchange: {missing[:3]} are not among its named_parameters")
+        self.pipeline.lr = lr
+        bucket = NamedBucket(index, buffer, names, [t.numel() for _, t in named], parameters)
+        future = self.pipeline(group if group is not None else dist.group.WORLD, bucket)
+
+        def written_back(done):
+            average, offset = done.value(), 0
+            with torch.no_grad():
+                for _, tensor in named:
+                    tensor.copy_(average[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+            return dict(named)
+        return future.then(written_back)
+
+
+def check_parts(named):
+    """What is wrong with the named tensors of a call, or None."""
+    if not named:
+        return "no tensors to exchange"
+    names = [name for name, _ in named]
+    if not all(isinstance(name, str) and name for name in names):
+        return f"every part needs a non-empty string name, got {[n for n in names if not isinstance(n, str) or not n][:3]}"
+    if len(set(names)) != len(names):
+        return f"names repeat: {sorted({n for n in names if names.count(n) > 1})[:3]}"
+    tensors = [t for _, t in named]
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        return "every part must be a floating-point torch tensor"
+    kinds = {(t.dtype, t.device) for t in tensors}
+    if len(kinds) > 1:
+        return f"the parts mix dtypes or devices: {sorted(map(str, kinds))}"
+    return None

@@ -13,7 +13,7 @@ from collective_cluster import TESTS, job_env, torchrun_argv
 from conftest import ROOT
 
 from bps_gc.compress import build_chain
-from bps_gc.torch.hook_state import bucket_key
+from bps_gc.torch.ddp.gradient_codecs import bucket_key
 
 JOB = os.path.join(TESTS, "ddp_hook_job.py")
 
@@ -80,6 +80,53 @@ def test_hook_equals_numpy_recomputation(case, tmp_path):
     for rank, s in enumerate(saved):
         for i, value in enumerate(expected):
             assert s[f"out{i}"].tobytes() == value.astype(np.float32).tobytes(), f"rank {rank} call {i}"
+
+
+RECORD_SHAPES = [(64, 20), (64,), (40, 64), (40,)]  # ddp_hook_job.py's "record" model, by parameter
+
+
+def expected_phased_buckets(params, calls, ranks, lr):
+    """PowerSGD through the hook: per gradient (its chains kept by parameter, seeded where first
+    seen, viewed in the parameter's shape), every rank's P payload summed, then every rank's Q
+    payload, and each rank's finish; the average. Each bucket's step is one more than the most
+    its gradients were reduced."""
+    chains, steps, results = {}, {}, []
+    for per_rank in zip(*calls):
+        index, sizes, owners = int(per_rank[0][0]), list(per_rank[0][1]), [int(p) for p in per_rank[0][3]]
+        for position, (n, owner) in enumerate(zip(sizes, owners)):
+            if owner not in chains:
+                chains[owner] = [build_chain(params, n, np.float32, key=bucket_key(index, position), rank=r,
+                                             shape=RECORD_SHAPES[owner]) for r in range(ranks)]
+        step = max(steps.get(owner, 0) for owner in owners)
+        steps.update((owner, step + 1) for owner in owners)
+        ctx = {"lr": lr, "step": step}
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        result = np.empty(bounds[-1], np.float32)
+        for i, owner in enumerate(owners):
+            inputs = [grads[bounds[i]:bounds[i + 1]] for _, _, grads, _ in per_rank]
+            p_sum = sum(c.compress(x, ctx).view(np.float32) for c, x in zip(chains[owner], inputs))
+            q_sum = sum(c.compress_q(p_sum.astype(np.float32)).view(np.float32) for c in chains[owner])
+            outs = [np.empty(sizes[i], np.float32) for _ in range(ranks)]
+            for c, out in zip(chains[owner], outs):
+                c.finish(q_sum.astype(np.float32), out, ranks)
+            assert all(np.array_equal(out, outs[0]) for out in outs)
+            result[bounds[i]:bounds[i + 1]] = outs[0] / np.float32(ranks)
+        results.append(result)
+    return results
+
+
+def test_hook_runs_powersgd_as_numpy_recomputes_it(tmp_path):
+    """PowerSGD's two phases through the DDP hook (each one all_reduce of the bucket), as DDP's
+    own powerSGD_hook would run them, equal the codec's phases done by hand over both ranks."""
+    params = {"compressor": "powersgd", "rank": 2}
+    run({"mode": "record", "steps": 3, "compression_params": params}, tmp_path)
+    saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(2)]
+    count = len(saved[0]["index"])
+    calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"], s[f"params{i}"]) for i in range(count)] for s in saved]
+    expected = expected_phased_buckets(params, calls, 2, 0.1)
+    for rank, s in enumerate(saved):
+        for i, value in enumerate(expected):
+            np.testing.assert_array_equal(s[f"out{i}"], value, err_msg=f"rank {rank} call {i}")
 
 
 def test_hook_trains_mnist_within_one_point_of_dense(tmp_path):

@@ -16,12 +16,13 @@ from conftest import ROOT
 
 from bps_gc.compress import build_chain
 from bps_gc.torch.exchange import CompressedExchange
-from bps_gc.torch.hook_state import name_key
+from bps_gc.torch.ddp.gradient_codecs import name_key
 
 GROUPS = [[0, 1], [2, 3]]
 SHAPES = {"fc.weight": [30, 20], "fc.bias": [30], "out.weight": [7, 30]}
 CODECS = {"topk": {"compressor": "topk", "k": 0.25, "ef": "vanilla"},
-          "onebit": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}
+          "onebit": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+          "powersgd": {"compressor": "powersgd", "rank": 2}}
 STEPS, LR = 3, 0.1
 
 
@@ -31,17 +32,27 @@ def gradient(rank, name, step, shape):
 
 def expected(params, ranks, name, shape):
     """Each step's average over ``ranks`` of ``name``: every rank's worker chain (seeded by the
-    name), decoded and summed in rank order, re-compressed by the server's chain, divided."""
+    name), decoded and summed in rank order, re-compressed by the server's chain, divided;
+    PowerSGD (viewing the tensor in its shape): every rank's P summed, then every rank's Q, and
+    the finish."""
     n, key = int(np.prod(shape)), name_key(name)
-    workers = [build_chain(params, n, np.float32, key=key, rank=r) for r in ranks]
-    server = build_chain(params, n, np.float32, key=key, role="server")
+    workers = [build_chain(params, n, np.float32, key=key, rank=r, shape=shape) for r in ranks]
+    server = build_chain(params, n, np.float32, key=key, role="server", shape=shape)
     results = []
     for step in range(STEPS):
         ctx = {"lr": LR, "step": step}
-        acc = np.zeros(n, np.float32)
-        for chain, r in zip(workers, ranks):
-            acc += chain.decompress(chain.compress(gradient(r, name, step, shape).reshape(-1), ctx))
-        acc = server.decompress(server.compress(acc, ctx))
+        inputs = [gradient(r, name, step, shape).reshape(-1) for r in ranks]
+        if params["compressor"] == "powersgd":
+            p_sum = sum(chain.compress(x, ctx).view(np.float32) for chain, x in zip(workers, inputs))
+            q_sum = sum(chain.compress_q(p_sum).view(np.float32) for chain in workers)
+            acc = np.empty(n, np.float32)
+            for chain in workers:  # each rank's finish keeps its own error for the next step
+                chain.finish(q_sum, acc, len(ranks))
+        else:
+            acc = np.zeros(n, np.float32)
+            for chain, x in zip(workers, inputs):
+                acc += chain.decompress(chain.compress(x, ctx))
+            acc = server.decompress(server.compress(acc, ctx))
         results.append((acc / np.float32(len(ranks))).reshape(shape))
     return results
 

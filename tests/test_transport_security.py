@@ -40,7 +40,7 @@ def test_torchrun_refuses_security_settings_at_start(setting, tmp_path):
 
 
 def test_ddp_hook_refuses_the_token(monkeypatch):
-    from bps_gc.torch.hook import comm_hook
+    from bps_gc.torch.ddp.hook import comm_hook
     monkeypatch.setenv("BPS_GC_AUTH_TOKEN", "s3cret")
     with pytest.raises(ConfigError, match="BPS_GC_AUTH_TOKEN: the torch.distributed transport cannot"):
         comm_hook({"compressor": "onebit", "ef": "vanilla"})

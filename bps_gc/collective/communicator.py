@@ -67,7 +67,7 @@ class Collective(api.Communicator):
         self.buckets.exchanges(self.two_levels.reduce_coded_on_hosts, self.phases._reduce_phased,
                                self.device._gather_payloads, self.device._deliver_tensors)
         # the calls other layers make straight to a part: bound here, so a call costs no more
-        # than it did (check_alive, wait and flush: torch/hook.py, tests; the device calls:
+        # than it did (check_alive, wait and flush: torch/ddp/hook.py, tests; the device calls:
         # torch/device.py, torch/ops.py)
         self.check_alive, self.wait, self.drain = self.lifecycle.check_alive, self.lifecycle.wait, self.lifecycle.drain
         self.flush = self.buckets.flush

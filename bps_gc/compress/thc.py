@@ -336,7 +336,6 @@ class CodeSums(Reducer):
     2^53 (torch.distributed: int64 words, 64 bits), and never decode them."""
 
     phases = 2
-    in_hook = True  # the DDP hook runs its phases too (bps_gc/torch/hook_phased.py)
     host_first = True  # two levels sum the host's floats, then one code per host (comm/phased.py)
 
     def reduce(self, payloads, compressed, ctx=None):

@@ -11,7 +11,7 @@ from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .exchange import CompressedExchange
-from .hook import comm_hook
+from .ddp.hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
 from .optimizer import DistributedOptimizer

@@ -1,5 +1,5 @@
 """The compressed exchange for callers that are not DDP: named tensors averaged over any process
-group, through the same pipeline as the DDP hook (torch/hook.py: compress each named part,
+group, through the same pipeline as the DDP hook (torch/ddp/hook.py: compress each named part,
 exchange payloads or summable phases, reduce, decode, divide; two levels and device chains
 included). FSDP2's shards on a replicate group, DiLoCo's pseudo-gradients every H steps, or a
 script's own tensors call it:
@@ -13,21 +13,23 @@ with the same names in the same order, as every DDP rank reduces the same bucket
 part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (tensors of the
 parts' sizes, on their devices), as the DDP hook's does.
 """
+import math
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from .checkpoint import register
-from .hook import CompressionHook
+from .ddp.hook import CompressionHook
 
 
 class NamedBucket:
     """A batch of named parts in the shape the pipeline takes (DDP's GradBucket's calls)."""
 
-    def __init__(self, index, buffer, names, sizes, parameters=None):
+    def __init__(self, index, buffer, names, shapes, parameters=None):
         self._index, self._buffer, self._names, self._parameters = index, buffer, list(names), parameters
-        self._gradients = list(torch.split(buffer, list(sizes)))
+        pieces = torch.split(buffer, [math.prod(shape) for shape in shapes])
+        self._gradients = [piece.view(shape) for piece, shape in zip(pieces, shapes)]  # PowerSGD's matrices
 
     def index(self):
         return self._index
@@ -73,7 +75,7 @@ class CompressedExchange:
             missing = [n for n, p in zip(names, parameters) if p is None]
             raise ValueError(f"CompressedExchange: {missing[:3]} are not among its named_parameters")
         self.pipeline.lr = lr
-        bucket = NamedBucket(index, buffer, names, [t.numel() for _, t in named], parameters)
+        bucket = NamedBucket(index, buffer, names, [tuple(t.shape) for _, t in named], parameters)
         future = self.pipeline(group if group is not None else dist.group.WORLD, bucket)
 
         def written_back(done):

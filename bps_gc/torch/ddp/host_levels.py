@@ -7,10 +7,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..collective.levels import levels_from_env
-from .hook_dtypes import wire_dtype
-from .hook_futures import current, settle
-from .hook_state import key_owner
+from ...collective.levels import levels_from_env
+from .dtypes import wire_dtype
+from .futures import current, settle
+from .gradient_codecs import key_owner
 
 log = logging.getLogger("bps_gc.torch")
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
@@ -71,7 +71,7 @@ class HookLevels:
             settle(future, reduce)
 
     def exchange(self, job, grad):
-        """A host bucket's gradients (a hook_state.BucketJob) through the two levels
+        """A host bucket's gradients (a gradient_codecs.BucketJob) through the two levels
         (levels.reduce_coded): each one's owner local rank sums it over the host and compresses
         the sum once; the owners of every host gather payloads and run the reducer; the host
         shares the decoded results."""

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from .. import compress
-from ..collective.coded import CodedPart
-from ..comm.placement import partition_owner
-from ..compress.device.reducers import device_reduction
-from ..compress.stateful import StateError, StateGroup, Stateful
-from .device import chain_for, uses_device_chain
-from .hook_dtypes import built_or_refused, wire_dtype
+from ... import compress
+from ...collective.coded import CodedPart
+from ...comm.placement import partition_owner
+from ...compress.device.reducers import device_reduction
+from ...compress.stateful import StateError, StateGroup, Stateful
+from ..device import chain_for, uses_device_chain
+from .dtypes import built_or_refused, wire_dtype
 
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
@@ -61,7 +61,7 @@ class BucketState:
     from the gradients' own codecs."""
     sizes: list  # the numel of each gradient of the bucket
     device: Any  # the bucket's torch.device
-    dtype: Any  # the bucket's torch dtype (its codecs' wire dtype follows it: hook_dtypes.py)
+    dtype: Any  # the bucket's torch dtype (its codecs' wire dtype follows it: dtypes.py)
     codecs: list  # [GradientCodec], one per gradient, in bucket order
     on_device: bool  # device chains and reducers (BPS_GC_DEVICE_CODECS), else numpy ones
     gradients: list  # the ids its gradients' codecs are kept under (GradientCodecs.gradient_ids)
@@ -95,7 +95,7 @@ def coded_parts(codecs):
 
 
 class GradientCodec(Stateful):
-    """One gradient's worker chain and reducer (None in a phased bucket: hook_phased.py);
+    """One gradient's worker chain and reducer (None in a phased bucket: phased_buckets.py);
     ``key`` seeds both (the bucket index and position where it was first seen), ``steps``
     counts its reductions (the step context)."""
 
@@ -119,7 +119,7 @@ class GradientCodecs:
     Made from the hook's ``params`` (CompressionParams), ``reducer`` (the reducer's name),
     ``optimizer`` (the learning rate's and, without names, the parameters' source, or None),
     ``named_parameters`` ([(name, parameter)] or None) and ``phased`` (thc's phased buckets,
-    hook_phased.py: float32 numpy chains without reducers). Its interface:
+    phased_buckets.py: float32 numpy chains without reducers). Its interface:
 
     * ``gradient_ids(bucket, index, count)``: the ids a bucket's gradients keep codecs under;
     * ``codecs_for(index, gradients, sizes, buffer, key_of)``: ([GradientCodec], on device);
@@ -146,17 +146,18 @@ class GradientCodecs:
 
     def _codec_kind(self, tensor):
         """(on device, wire dtype) of a gradient's codec: phased buckets run float32 numpy
-        chains (hook_phased.py); others follow the bucket (hook_dtypes.py, BPS_GC_DEVICE_CODECS)."""
+        chains (phased_buckets.py); others follow the bucket (dtypes.py, BPS_GC_DEVICE_CODECS)."""
         if self.phased:
             return False, np.dtype(np.float32)
         return uses_device_chain(tensor), wire_dtype(tensor, self.params.fp16)
 
-    def _make_codec(self, key, n, tensor, on_device, wire):
+    def _make_codec(self, key, n, tensor, on_device, wire, shape=None):
         """A fresh GradientCodec of ``n`` elements where ``tensor`` lives (its draws this
-        process's own: build_chain's ``rank`` is its torch.distributed rank)."""
+        process's own: build_chain's ``rank`` is its torch.distributed rank); ``shape``: the
+        gradient's, for a codec that views it as a matrix (PowerSGD)."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.phased:  # its reducer runs as the phases of hook_phased.py
-            chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank)
+        if self.phased:  # its reducer runs as the phases of phased_buckets.py
+            chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, shape=shape)
             return GradientCodec(key, n, tensor.device, on_device, wire, chain, None)
         if on_device:
             chain = chain_for(self.params, n, wire, key, "worker", tensor, rank=rank)
@@ -166,9 +167,10 @@ class GradientCodecs:
             reducer = compress.make_reducer(self.reducer, self.params, n, wire, key)
         return GradientCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 
-    def codecs_for(self, index, gradients, sizes, buffer, key_of):
+    def codecs_for(self, index, gradients, sizes, buffer, key_of, shapes=None):
         """The codecs of a bucket's gradients: each one's own when it was seen before with this
-        size, device and wire dtype, else a fresh one seeded by ``key_of(position)``."""
+        size, device and wire dtype, else a fresh one seeded by ``key_of(position)`` (``shapes``:
+        the gradients', where the codec views them as matrices)."""
         on_device, wire = self._codec_kind(buffer)
 
         def build():
@@ -176,8 +178,8 @@ class GradientCodecs:
             for position, (gradient, n) in enumerate(zip(gradients, sizes)):
                 codec = self.gradients.get(gradient)
                 if codec is None or not codec.fits(n, buffer.device, on_device, wire):
-                    codec = self.gradients[gradient] = self._make_codec(key_of(position), n, buffer,
-                                                                        on_device, wire)
+                    codec = self.gradients[gradient] = self._make_codec(key_of(position), n, buffer, on_device, wire,
+                                                                        shapes and shapes[position])
                 codecs.append(codec)
             return codecs
         return built_or_refused(build, self.params, index, buffer), on_device
@@ -227,7 +229,7 @@ class GradientCodecs:
             p, key = named[name], sd.get(f"{name}/key")
             if isinstance(key, bool) or not isinstance(key, int) and not hasattr(key, "__index__"):
                 raise StateError(f"comm_hook: the state of {name!r} has no integer key")
-            fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p))
+            fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p), tuple(p.shape))
 
         def install():
             self.gradients.update((id(named[name]), codec) for name, codec in fresh.items())

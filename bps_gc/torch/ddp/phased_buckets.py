@@ -1,10 +1,11 @@
-"""The DDP hook's buckets of a codec whose reducer sums in plain phases and says it runs in the
-hook (``in_hook``: thc's scale histogram, then its packed codes): each phase of the whole
-bucket is one all_reduce (thc: of int64 words) over the hook's own group, on the exchanging
-thread (the one issuing the hook's collectives), so no payload is gathered. Each gradient is a partition
-(keys as hook_state.py's ``bucket_key``) with a float32 numpy chain on the host (the codes are the
-wire: ``fp16`` changes nothing); the bucket's average is written back into DDP's buffer. With two
-levels (hook_levels.py) each gradient's owner local rank (by its seed key, as hook_levels.py's)
+"""The DDP hook's buckets of a codec whose reducer sums in plain phases (comm/phased.py: thc's
+scale histogram, then its packed codes; PowerSGD's P, then Q): each phase of the whole bucket
+is one all_reduce (thc: of int64 words; PowerSGD: float32) over the hook's own group, on the
+exchanging thread (the one issuing the hook's collectives), so no payload is gathered. Each
+gradient is a partition (keys as gradient_codecs.py's ``bucket_key``; PowerSGD views it in its
+parameter's shape) with a float32 numpy chain on the host (the codes are the wire: ``fp16``
+changes nothing); the bucket's average is written back into DDP's buffer. With two levels
+(host_levels.py), for thc (``host_first``), each gradient's owner local rank (by its seed key)
 sums it over the host in shared memory, encodes that sum, and sums its phase buffers with the
 owners of the other hosts (one summand per host: comm/phased.py ``host_first``); then the host
 copies the decoded gradients out.
@@ -14,10 +15,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..comm.phased import PhasedReduction, run_phases
-from ..collective.reductions import WORDS
-from .hook_futures import current, settle, value
-from .hook_state import coded_parts, key_maker, key_owner
+from ...comm.phased import PhasedReduction, run_phases
+from ...collective.reductions import WORDS
+from .futures import current, settle, value
+from .gradient_codecs import coded_parts, key_maker, key_owner
 
 
 @dataclasses.dataclass
@@ -26,14 +27,14 @@ class PhasedBucket:
     ``sizes`` or gradients change (DDP regroups after the first step)."""
     sizes: list  # the numel of each gradient of the bucket
     gradients: list  # the ids its gradients' codecs are kept under (GradientCodecs.gradient_ids)
-    codecs: list  # [hook_state.GradientCodec], one per gradient, in bucket order (reducer None)
+    codecs: list  # [gradient_codecs.GradientCodec], one per gradient, in bucket order (reducer None)
     partitions: list  # [coded.CodedPart] (codec: the worker chain): what comm.phased.PhasedReduction reads
 
 
 class PhasedBuckets:
     """CompressionHook's part for a codec whose reducer sums in plain phases in the hook (thc).
 
-    Made from ``codecs`` (the hook's hook_state.GradientCodecs), ``current_lr()`` (the learning
+    Made from ``codecs`` (the hook's gradient_codecs.GradientCodecs), ``current_lr()`` (the learning
     rate of a call), ``exchanger`` (the hook's exchanging ExchangeThread), ``traffic``
     (core.hook_traffic), and the hook's ``future(buffer)`` (pending future, CUDA side stream),
     ``side_group(group)`` (its own process group of DDP's) and ``waiter(group, index)`` (the
@@ -41,8 +42,9 @@ class PhasedBuckets:
     bucket: a future of its average; ``forget()`` drops the buckets (made again from the
     codecs, as after loading a checkpoint)."""
 
-    def __init__(self, codecs, current_lr, exchanger, traffic, future, side_group, waiter):
+    def __init__(self, codecs, current_lr, exchanger, traffic, future, side_group, waiter, host_first):
         self.codecs, self.current_lr, self.exchanger, self.traffic = codecs, current_lr, exchanger, traffic
+        self.host_first = host_first  # thc: two levels sum the host first; PowerSGD's phases run flat
         self._future, self._side_group, self._waiter = future, side_group, waiter
         self.buckets = {}  # bucket index -> its PhasedBucket
 
@@ -50,16 +52,18 @@ class PhasedBuckets:
         self.buckets.clear()
 
     def call(self, group, bucket, buffer, levels=None):
-        index, sizes = bucket.index(), [g.numel() for g in bucket.gradients()]
+        index, shapes = bucket.index(), [tuple(g.shape) for g in bucket.gradients()]
+        sizes = [g.numel() for g in bucket.gradients()]
         gradients = self.codecs.gradient_ids(bucket, index, len(sizes))
         state = self.buckets.get(index)
         if state is None or state.sizes != sizes or state.gradients != gradients:
-            # each gradient's chain is its own (hook_state.py), kept when DDP regroups and saved by name
-            codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, key_maker(bucket, index))
+            # each gradient's chain is its own (gradient_codecs.py), kept when DDP regroups and saved by name
+            codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, key_maker(bucket, index), shapes)
             state = self.buckets[index] = PhasedBucket(sizes, gradients, codecs, coded_parts(codecs))
         ctx = {"lr": self.current_lr(), "step": self.codecs.next_step(state.codecs)}
         side = self._side_group(group)
         future, stream = self._future(buffer)
+        levels = levels if self.host_first else None
         self.exchanger.submit(lambda: self._stage(side, index, buffer, state, ctx, future, stream, levels))
         return future.then(value)
 
@@ -88,7 +92,7 @@ class PhasedBuckets:
             size = dist.get_world_size(group)
             if levels is None:
                 run_phases([PhasedReduction(tensor, grad, grad, ctx, size, carrier=WORDS)], summed)
-            else:  # each gradient's owner by its seed key (hook_state.key_owner)
+            else:  # each gradient's owner by its seed key (gradient_codecs.key_owner)
                 parts = [part._replace(owner=key_owner(codec.key, levels.local_size))
                          for part, codec in zip(tensor.partitions, tensor.codecs)]
 

@@ -5,7 +5,7 @@
 ``hook(process_group, bucket) -> Future[Tensor]`` returning the bucket's average, as torch's own
 hooks. Each gradient of a bucket is its own partition (one onebit scale over a whole bucket
 would mix layers), with a codec chain (error feedback, momentum) kept per gradient
-(hook_state.GradientCodecs: it stays when DDP regroups its buckets after the first step), seeded by the
+(gradient_codecs.GradientCodecs: it stays when DDP regroups its buckets after the first step), seeded by the
 bucket index and position where it was first seen, so seeds agree on every rank. Every rank gathers every rank's payloads and runs
 the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
 server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
@@ -20,15 +20,15 @@ reducing consecutive buckets overlap (CUDA buckets run on a side stream that fir
 gradients). An error on these threads (a codec's, a failed peer's) is the future's: DDP raises
 it from backward().
 
-Several ranks per host (hook_levels.py, docs/local_ranks.md): where the job runs two levels, a
+Several ranks per host (host_levels.py, docs/local_ranks.md): where the job runs two levels, a
 DDP group of every rank reduces through them on the exchanging thread, so the result is the
 parameter server's two levels'. Device-chain buckets stay flat. Futures and CUDA side streams:
-hook_futures.py; the per-bucket state and a call's job, in named fields: hook_state.py.
+futures.py; the per-bucket state and a call's job, in named fields: gradient_codecs.py.
 
 CompressionHook is built from parts, each a class with its own constructor, held by name:
-``codecs`` (hook_state.GradientCodecs: each gradient's codec, keyed by parameter, and its
-checkpoints), ``phased`` (hook_phased.PhasedBuckets, thc's buckets; None for other codecs) and
-``two_levels`` (hook_levels.HookLevels). The hook keeps the threads, side groups and streams
+``codecs`` (gradient_codecs.GradientCodecs: each gradient's codec, keyed by parameter, and its
+checkpoints), ``phased`` (phased_buckets.PhasedBuckets, thc's buckets; None for other codecs) and
+``two_levels`` (host_levels.HookLevels). The hook keeps the threads, side groups and streams
 they are given, and its own BucketState per bucket index.
 """
 import time
@@ -39,16 +39,16 @@ import torch.distributed as dist
 
 import bps_gc.core as core
 
-from .. import compress
-from ..collective.coded import Capacity, PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
-from ..collective.exchange_thread import ExchangeThread
-from ..collective.security import refuse_security_settings
-from .checkpoint import register
-from .hook_dtypes import TORCH_OF, wire_dtype, wire_torch
-from .hook_futures import current, on_side_stream, raiser, settle, value
-from .hook_levels import HookLevels
-from .hook_phased import PhasedBuckets
-from .hook_state import BucketJob, BucketState, GradientCodecs, key_maker
+from ... import compress
+from ...collective.coded import Capacity, PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
+from ...collective.exchange_thread import ExchangeThread
+from ...collective.security import refuse_security_settings
+from ..checkpoint import register
+from .dtypes import TORCH_OF, wire_dtype, wire_torch
+from .futures import current, on_side_stream, raiser, settle, value
+from .host_levels import HookLevels
+from .phased_buckets import PhasedBuckets
+from .gradient_codecs import BucketJob, BucketState, GradientCodecs, key_maker
 
 
 # Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
@@ -68,15 +68,12 @@ class CompressionHook:
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
-        phases = getattr(compress.REDUCERS.get(self.reducer), "phases", 1)  # "sum" is no class
-        phased = phases > 1  # thc: each phase one all_reduce (hook_phased.py)
-        if phased and not getattr(compress.REDUCERS[self.reducer], "in_hook", False):
-            raise ValueError(f"comm_hook: {self.params.compressor} reduces in {phases} phases, which "
-                             "this one-gather hook does not run; use DistributedOptimizer (or "
-                             "torch's powerSGD_hook)")
+        reducer_class = compress.REDUCERS.get(self.reducer)  # "sum" is no class
+        # thc and PowerSGD: each phase one all_reduce (phased_buckets.py)
+        phased = getattr(reducer_class, "phases", 1) > 1
         self.buckets = {}  # bucket index -> its BucketState
         self.lr = 0.0  # without an optimizer: the learning rate of the next call (current_lr)
-        # the codecs by gradient (hook_state.py), named for checkpoints by ``named_parameters``
+        # the codecs by gradient (gradient_codecs.py), named for checkpoints by ``named_parameters``
         self.codecs = GradientCodecs(self.params, self.reducer, optimizer, named_parameters, phased)
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
@@ -90,7 +87,8 @@ class CompressionHook:
         self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
         self.two_levels = HookLevels(self.params, self.traffic, self._waiter)  # several ranks per host
         self.phased = PhasedBuckets(self.codecs, self.current_lr, self.exchanger, self.traffic, self._future,
-                                    self._side_group, self._waiter) if phased else None
+                                    self._side_group, self._waiter, getattr(reducer_class, "host_first", False)) \
+            if phased else None
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
@@ -265,7 +263,7 @@ class CompressionHook:
 
     def _state(self, index, sizes, buffer, gradients, key_of):
         """The BucketState of bucket ``index``, from the codecs of its gradients (their ids
-        ``gradients``: hook_state.py keeps each one's codec across DDP's regrouping): device
+        ``gradients``: gradient_codecs.py keeps each one's codec across DDP's regrouping): device
         chains and reducers on the bucket's device when ``uses_device_chain``
         (BPS_GC_DEVICE_CODECS: by default for buckets off the CPU), else numpy ones."""
         state = self.buckets.get(index)

@@ -1,0 +1,95 @@
+"""bps_gc.torch.register_fsdp_hooks: FSDP2 sharded on mesh["shard"], its replicate dimension
+averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun. Dense, it trains as native
+HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
+that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
+replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from collective_cluster import TESTS, job_env, torchrun_argv
+from conftest import ROOT
+
+from bps_gc.compress import build_chain
+from bps_gc.torch import register_fsdp_hooks
+from bps_gc.torch.ddp.gradient_codecs import name_key
+
+# the job's model: its parameters in order, each sharded on dim 0 over 2 ranks (even sizes)
+PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2.bias", (32,)),
+          ("4.weight", (8, 32)), ("4.bias", (8,))]
+LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
+TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
+
+
+def run(spec, tmp_path):
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    job = [os.path.join(TESTS, "fsdp_job.py"), str(tmp_path / "spec.json"), str(tmp_path)]
+    result = subprocess.run(torchrun_argv(job, 4), env=job_env(), capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
+
+
+def test_dense_hooks_train_as_native_hsdp(tmp_path):
+    (tmp_path / "native").mkdir()
+    (tmp_path / "hooked").mkdir()
+    native = run({"mode": "native", "steps": 10}, tmp_path / "native")
+    hooked = run({"mode": "hooked", "steps": 10}, tmp_path / "hooked")
+    assert "sharded on a 2-D mesh (2, 2)" in str(native[0]["refusal"]), native[0]["refusal"]
+    assert "shard it on mesh['shard']" in str(native[0]["refusal"])
+    for name, _ in PARAMS:
+        want = native[0][f"full/{name}"]
+        for r in range(4):
+            np.testing.assert_allclose(hooked[r][f"full/{name}"], want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def expected_call(ins, shard, params_of_layer, step):
+    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module: each
+    parameter's shard through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and
+    summed in replica order, re-compressed by the server's chain, halved."""
+    result, offset = np.empty_like(ins[0]), 0
+    for fqn, shape in params_of_layer:
+        n = int(np.prod(shape)) // 2
+        key = name_key(f"{fqn}#shard{shard}")
+        chains = CHAINS.setdefault((fqn, shard), ([build_chain(TOPK, n, np.float32, key=key, rank=r)
+                                                   for r in (shard, 2 + shard)],
+                                                  build_chain(TOPK, n, np.float32, key=key, role="server")))
+        ctx = {"lr": 0.0, "step": step}
+        acc = np.zeros(n, np.float32)
+        for chain, x in zip(chains[0], ins):
+            acc += chain.decompress(chain.compress(x[offset:offset + n], ctx))
+        acc = chains[1].decompress(chains[1].compress(acc, ctx))
+        result[offset:offset + n] = acc / np.float32(2)
+        offset += n
+    return result
+
+
+CHAINS = {}
+
+
+def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
+    got = run({"mode": "hooked", "steps": 3, "compression_params": TOPK}, tmp_path)
+    calls = got[0]["calls"]
+    assert len(calls) == 3 * len(LAYERS)
+    steps = {}
+    for i, module in enumerate(calls):
+        step = steps.get(int(module), 0)
+        steps[int(module)] = step + 1
+        for shard in (0, 1):
+            replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
+            want = expected_call([got[r][f"call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
+            for r in replicas:
+                np.testing.assert_array_equal(got[r][f"call{i}/out"], want, err_msg=f"call {i} rank {r}")
+    for name, _ in PARAMS:
+        for shard in (0, 1):
+            assert got[shard][f"local/{name}"].tobytes() == got[2 + shard][f"local/{name}"].tobytes(), name
+        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])  # shards differ
+
+
+def test_a_model_without_fsdp_modules_is_refused():
+    with pytest.raises(ValueError, match="has no FSDPModule"):
+        register_fsdp_hooks(torch.nn.Linear(2, 2), None)

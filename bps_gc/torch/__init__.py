@@ -10,6 +10,7 @@ from ..core import metrics
 from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
+from .diloco import DiLoCo
 from .exchange import CompressedExchange
 from .fsdp import register_fsdp_hooks
 from .ddp.hook import comm_hook
@@ -23,5 +24,5 @@ __all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier
            "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "metrics", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
-__all__ += ["register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
+__all__ += ["DiLoCo", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
             "state_dict"]

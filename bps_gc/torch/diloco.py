@@ -1,0 +1,113 @@
+"""DiLoCo (Douillard et al., 2023) and Streaming DiLoCo's fragments (2025) over bps_gc's
+compressed exchange (torch/exchange.py), with the outer step on the workers:
+
+    opt = bps_gc.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=4e-4), sync_every=50,
+                              compression_params={"compressor": "thc", "bits": 4})
+    for batch in data:
+        loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+Each replica takes ``sync_every`` (H) inner steps alone. Then, for each fragment whose turn it
+is, the replicas average its pseudo-gradient (global copy - local parameters, in float32)
+through the exchange, with any codec (error feedback carries across outer steps), the outer
+optimizer (SGD, lr 0.7, momentum 0.9, Nesterov, as in the paper) steps the global copy with it
+as its gradient, and the local parameters become ``alpha * local + (1 - alpha) * global``.
+With ``fragments=F`` the parameters are cut into F contiguous fragments, in order, and
+fragment f syncs at inner steps ``(f + 1) * H // F`` mod H, so the F exchanges are staggered
+over the H steps (Streaming DiLoCo). A replica may be several ranks: ``replicate`` is the
+process group the pseudo-gradients are averaged over (default: every rank).
+"""
+import torch
+import torch.distributed as dist
+
+from .exchange import CompressedExchange
+
+
+class DiLoCo:
+    def __init__(self, model, inner_optimizer, sync_every, outer_optimizer=None, fragments=1, alpha=0.0,
+                 compression_params=None, replicate=None):
+        """``outer_optimizer(params) -> torch.optim.Optimizer`` builds a fragment's outer
+        optimizer over its global copies (default: SGD, lr 0.7, momentum 0.9, Nesterov)."""
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"DiLoCo: sync_every must be a whole number of inner steps >= 1, got {sync_every!r}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(inner_optimizer).__name__}")
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not isinstance(fragments, int) or not 1 <= fragments <= min(len(named), sync_every):
+            raise ValueError(f"DiLoCo: fragments must be between 1 and min(parameters {len(named)}, sync_every "
+                             f"{sync_every}), got {fragments!r}")
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"DiLoCo: alpha must be in [0, 1), got {alpha!r}")
+        self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
+        make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+        cuts = [len(named) * f // fragments for f in range(fragments + 1)]
+        self.fragments = []
+        for f in range(fragments):
+            part = named[cuts[f]:cuts[f + 1]]
+            copies = [p.detach().float().clone() for _, p in part]
+            outer = make_outer(copies)
+            if not isinstance(outer, torch.optim.Optimizer):
+                raise TypeError(f"DiLoCo: outer_optimizer must return a torch.optim.Optimizer, got "
+                                f"{type(outer).__name__}")
+            self.fragments.append(Fragment(part, copies, outer, (f + 1) * sync_every // fragments % sync_every))
+        self.exchange = CompressedExchange(compression_params)
+        self.steps = 0  # inner steps taken
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups  # LR schedulers drive the inner optimizer
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """One inner step; then the outer sync of every fragment whose turn it is."""
+        loss = self.inner.step(closure)
+        self.steps += 1
+        for fragment in self.fragments:
+            if self.steps % self.sync_every == fragment.turn:
+                self.sync(fragment)
+        return loss
+
+    @torch.no_grad()
+    def sync(self, fragment):
+        """Average the fragment's pseudo-gradient over the replicas, take the outer step, reset."""
+        pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
+        self.exchange(pseudo, group=self.replicate if self.replicate is not None else dist.group.WORLD).wait()
+        for copy, (_, gradient) in zip(fragment.copies, pseudo):
+            copy.grad = gradient
+        fragment.outer.step()
+        fragment.outer.zero_grad(set_to_none=True)
+        for (_, p), copy in zip(fragment.named, fragment.copies):
+            p.copy_(copy if self.alpha == 0.0 else self.alpha * p.float() + (1 - self.alpha) * copy)
+
+    def state_dict(self):
+        """The inner optimizer's state, each fragment's global copy and outer state, the step
+        count (the codec state is bps_gc.torch.state_dict()'s, with the exchange's)."""
+        return {"inner": self.inner.state_dict(), "steps": self.steps, "sync_every": self.sync_every,
+                "fragments": [{"copies": [c.clone() for c in f.copies], "outer": f.outer.state_dict()}
+                              for f in self.fragments]}
+
+    def load_state_dict(self, sd):
+        if sd.get("sync_every") != self.sync_every or len(sd.get("fragments", ())) != len(self.fragments):
+            raise ValueError(f"DiLoCo: the checkpoint was made with sync_every={sd.get('sync_every')} and "
+                             f"{len(sd.get('fragments', ()))} fragments; this one has sync_every={self.sync_every} "
+                             f"and {len(self.fragments)}")
+        self.inner.load_state_dict(sd["inner"])
+        self.steps = int(sd["steps"])
+        with torch.no_grad():
+            for fragment, saved in zip(self.fragments, sd["fragments"]):
+                for copy, value in zip(fragment.copies, saved["copies"]):
+                    copy.copy_(value)
+                fragment.outer.load_state_dict(saved["outer"])
+
+
+class Fragment:
+    """A contiguous run of the model's parameters that syncs together: ``named`` [(name,
+    parameter)], their float32 global ``copies``, the ``outer`` optimizer over those, and the
+    ``turn``: the inner step (mod H) after which it syncs."""
+
+    def __init__(self, named, copies, outer, turn):
+        self.named, self.copies, self.outer, self.turn = named, copies, outer, turn

@@ -52,7 +52,8 @@ class DiLoCo:
                 raise TypeError(f"DiLoCo: outer_optimizer must return a torch.optim.Optimizer, got "
                                 f"{type(outer).__name__}")
             self.fragments.append(Fragment(part, copies, outer, (f + 1) * sync_every // fragments % sync_every))
-        self.exchange = CompressedExchange(compression_params)
+        # each pseudo-gradient's codec is kept by its parameter and saved under its name
+        self.exchange = CompressedExchange(compression_params, named_parameters=named)
         self.steps = 0  # inner steps taken
 
     @property

@@ -1,0 +1,41 @@
+"""bps_gc.torch.DiLoCo stopped in the middle of an H window and resumed, under torchrun with
+bps_gc.torch.init(): ``python diloco_resume_job.py SPEC.json OUT``. spec "phase": "straight"
+(all ``steps``), "first" (``stop_at`` steps, then save the model, the optimizer and
+bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt) or "resumed" (load them, then the rest)."""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import bps_gc.torch as bps  # noqa: E402
+from test_diloco import batch, build_model  # noqa: E402
+
+spec, out = json.load(open(sys.argv[1])), sys.argv[2]
+bps.init()
+rank = bps.rank()
+model = build_model()
+opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), spec["sync_every"],
+                 fragments=spec["fragments"], compression_params=spec["compression_params"])
+path = os.path.join(out, f"ckpt{rank}.pt")
+start, stop = 0, spec["steps"]
+if spec["phase"] == "first":
+    stop = spec["stop_at"]
+elif spec["phase"] == "resumed":
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["diloco"])
+    bps.load_state_dict(saved["bps_gc"])
+    start = spec["stop_at"]
+for step in range(start, stop):
+    x, y = batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+if spec["phase"] == "first":
+    torch.save({"model": model.state_dict(), "diloco": opt.state_dict(), "bps_gc": bps.state_dict()}, path)
+np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **{n: p.detach().numpy() for n, p in model.named_parameters()})
+bps.shutdown()

@@ -18,9 +18,10 @@ spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 saved = {}
-for case, (sync_every, fragments, steps) in spec["cases"].items():
+for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
     model = build_model()
-    opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments)
+    opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
+                     delay=delay)
     for step in range(steps):
         x, y = batch(rank, step)
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -19,7 +19,7 @@ bps.init()
 rank = bps.rank()
 model = build_model()
 opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), spec["sync_every"],
-                 fragments=spec["fragments"], compression_params=spec["compression_params"])
+                 fragments=spec["fragments"], compression_params=spec["compression_params"], delay=spec["delay"])
 path = os.path.join(out, f"ckpt{rank}.pt")
 start, stop = 0, spec["steps"]
 if spec["phase"] == "first":

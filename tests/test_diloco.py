@@ -15,7 +15,8 @@ import torch
 from collective_cluster import TESTS, job_env, torchrun_argv
 from conftest import ROOT
 
-CASES = {"one-fragment": (3, 1, 15), "two-fragments": (4, 2, 20)}  # (sync_every, fragments, inner steps)
+# (sync_every, fragments, inner steps, delay)
+CASES = {"one-fragment": (3, 1, 15, 0), "two-fragments": (4, 2, 20, 0), "overlapped": (4, 2, 20, 1)}
 
 
 def build_model():
@@ -28,8 +29,9 @@ def batch(rank, step):
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def recompute(sync_every, fragments, steps, replicas=2):
-    """Every replica's model in one process, DiLoCo written out by hand."""
+def recompute(sync_every, fragments, steps, delay, replicas=2):
+    """Every replica's model in one process, DiLoCo written out by hand: a fragment's
+    pseudo-gradient is taken at its turn and applied ``delay`` inner steps later."""
     models = [build_model() for _ in range(replicas)]
     inners = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -37,6 +39,7 @@ def recompute(sync_every, fragments, steps, replicas=2):
     cuts = [count * f // fragments for f in range(fragments + 1)]
     glob = [p.detach().clone() for p in params[0]]
     momentum = [torch.zeros_like(p) for p in glob]
+    taken = {}  # fragment -> (due step, its averaged pseudo-gradients)
     for step in range(steps):
         for rank, (model, inner) in enumerate(zip(models, inners)):
             x, y = batch(rank, step)
@@ -44,11 +47,13 @@ def recompute(sync_every, fragments, steps, replicas=2):
             inner.step()
             inner.zero_grad()
         for f in range(fragments):
-            if (step + 1) % sync_every != (f + 1) * sync_every // fragments % sync_every:
-                continue
             with torch.no_grad():
-                for i in range(cuts[f], cuts[f + 1]):
-                    delta = sum((glob[i] - ps[i]) / replicas for ps in params)
+                if (step + 1) % sync_every == (f + 1) * sync_every // fragments % sync_every:
+                    taken[f] = (step + 1 + delay, {i: sum((glob[i] - ps[i]) / replicas for ps in params)
+                                                   for i in range(cuts[f], cuts[f + 1])})
+                if f not in taken or taken[f][0] != step + 1:
+                    continue
+                for i, delta in taken.pop(f)[1].items():
                     momentum[i] = 0.9 * momentum[i] + delta  # torch's SGD: buf = mu * buf + g
                     glob[i] -= 0.7 * (delta + 0.9 * momentum[i])  # Nesterov
                     for ps in params:
@@ -75,10 +80,12 @@ def test_dense_diloco_equals_the_recomputation(tmp_path):
 
 
 def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
-    """top-k + error feedback, two staggered fragments (H = 4: fragment 0 syncs after steps 2,
-    6, 10; fragment 1 after 4, 8, 12): stopped after 5 steps, saved (model, DiLoCo's global
-    copies and outer state, the codecs' residuals), resumed in new processes."""
-    spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 5,
+    """top-k + error feedback, two staggered fragments, each exchange overlapping one inner step
+    (H = 4: fragment 0's exchanges start after steps 2, 6, 10, fragment 1's after 4, 8, 12, each
+    applied a step later): stopped after 4 steps, with fragment 1's exchange in flight, saved
+    (model, DiLoCo's global copies, outer state and the exchange's average, the codecs'
+    residuals), resumed in new processes."""
+    spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1,
             "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
     for phase in ("straight", "first", "resumed"):
         (tmp_path / "spec.json").write_text(json.dumps({**spec, "phase": phase}))
@@ -99,6 +106,7 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
     ({"sync_every": 4, "fragments": 5}, "fragments must be between 1"),
     ({"sync_every": 4, "outer_optimizer": lambda params: object()}, "must return a torch.optim.Optimizer"),
     ({"sync_every": 4, "alpha": 1.0}, "alpha must be in"),
+    ({"sync_every": 4, "fragments": 2, "delay": 2}, "delay must be a whole number"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     from bps_gc.torch import DiLoCo

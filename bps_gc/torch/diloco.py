@@ -26,9 +26,11 @@ from .exchange import CompressedExchange
 
 class DiLoCo:
     def __init__(self, model, inner_optimizer, sync_every, outer_optimizer=None, fragments=1, alpha=0.0,
-                 compression_params=None, replicate=None):
+                 compression_params=None, replicate=None, delay=0):
         """``outer_optimizer(params) -> torch.optim.Optimizer`` builds a fragment's outer
-        optimizer over its global copies (default: SGD, lr 0.7, momentum 0.9, Nesterov)."""
+        optimizer over its global copies (default: SGD, lr 0.7, momentum 0.9, Nesterov);
+        ``delay`` (tau): the inner steps a fragment's exchange runs in the background before
+        its outer step is applied (Streaming DiLoCo's overlap; below H / fragments)."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be a whole number of inner steps >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -38,9 +40,13 @@ class DiLoCo:
         if not isinstance(fragments, int) or not 1 <= fragments <= min(len(named), sync_every):
             raise ValueError(f"DiLoCo: fragments must be between 1 and min(parameters {len(named)}, sync_every "
                              f"{sync_every}), got {fragments!r}")
+        if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay < sync_every / fragments:
+            raise ValueError(f"DiLoCo: delay must be a whole number of inner steps below sync_every / fragments "
+                             f"({sync_every} / {fragments}), got {delay!r}")
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"DiLoCo: alpha must be in [0, 1), got {alpha!r}")
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
+        self.delay = delay
         make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
         cuts = [len(named) * f // fragments for f in range(fragments + 1)]
         self.fragments = []
@@ -64,32 +70,43 @@ class DiLoCo:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        """One inner step; then the outer sync of every fragment whose turn it is."""
+        """One inner step; then, for every fragment whose turn it is, its exchange starts, and
+        for every fragment whose exchange started ``delay`` steps ago, its outer step."""
         loss = self.inner.step(closure)
         self.steps += 1
         for fragment in self.fragments:
             if self.steps % self.sync_every == fragment.turn:
-                self.sync(fragment)
+                self.start_sync(fragment)
+            if fragment.pending is not None and self.steps == fragment.due:
+                self.finish_sync(fragment)
         return loss
 
     @torch.no_grad()
-    def sync(self, fragment):
-        """Average the fragment's pseudo-gradient over the replicas, take the outer step, reset."""
+    def start_sync(self, fragment):
+        """The fragment's pseudo-gradient, averaged over the replicas in the background."""
         pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
-        self.exchange(pseudo, group=self.replicate if self.replicate is not None else dist.group.WORLD).wait()
-        for copy, (_, gradient) in zip(fragment.copies, pseudo):
-            copy.grad = gradient
+        fragment.pending = self.exchange(pseudo, group=self.replicate if self.replicate is not None
+                                         else dist.group.WORLD)
+        fragment.due = self.steps + self.delay
+
+    @torch.no_grad()
+    def finish_sync(self, fragment):
+        """The outer step with the averaged pseudo-gradient; the local parameters reset."""
+        averaged = fragment.averaged()
+        for copy, name in zip(fragment.copies, fragment.names):
+            copy.grad = averaged[name]
         fragment.outer.step()
         fragment.outer.zero_grad(set_to_none=True)
         for (_, p), copy in zip(fragment.named, fragment.copies):
             p.copy_(copy if self.alpha == 0.0 else self.alpha * p.float() + (1 - self.alpha) * copy)
+        fragment.pending = fragment.due = None
 
     def state_dict(self):
         """The inner optimizer's state, each fragment's global copy and outer state, the step
         count (the codec state is bps_gc.torch.state_dict()'s, with the exchange's)."""
         return {"inner": self.inner.state_dict(), "steps": self.steps, "sync_every": self.sync_every,
-                "fragments": [{"copies": [c.clone() for c in f.copies], "outer": f.outer.state_dict()}
-                              for f in self.fragments]}
+                "fragments": [{"copies": [c.clone() for c in f.copies], "outer": f.outer.state_dict(),
+                               **f.in_flight()} for f in self.fragments]}
 
     def load_state_dict(self, sd):
         if sd.get("sync_every") != self.sync_every or len(sd.get("fragments", ())) != len(self.fragments):
@@ -103,12 +120,34 @@ class DiLoCo:
                 for copy, value in zip(fragment.copies, saved["copies"]):
                     copy.copy_(value)
                 fragment.outer.load_state_dict(saved["outer"])
+                fragment.land(saved)
 
 
 class Fragment:
     """A contiguous run of the model's parameters that syncs together: ``named`` [(name,
-    parameter)], their float32 global ``copies``, the ``outer`` optimizer over those, and the
-    ``turn``: the inner step (mod H) after which it syncs."""
+    parameter)], their float32 global ``copies``, the ``outer`` optimizer over those, the
+    ``turn``: the inner step (mod H) after which its exchange starts; while one runs,
+    ``pending`` (its future) and ``due`` (the step its outer step waits for)."""
 
     def __init__(self, named, copies, outer, turn):
         self.named, self.copies, self.outer, self.turn = named, copies, outer, turn
+        self.names = [name for name, _ in named]
+        self.pending = self.due = None
+
+    def averaged(self):
+        """{name: averaged pseudo-gradient} of the exchange in flight (waited for)."""
+        result = self.pending.wait() if hasattr(self.pending, "wait") else self.pending
+        self.pending = result
+        return result
+
+    def in_flight(self):
+        """What a checkpoint keeps of an exchange in flight: its average (waited for) and due step."""
+        if self.pending is None:
+            return {}
+        averaged = self.averaged()
+        return {"due": self.due, "averaged": [averaged[name].clone() for name in self.names]}
+
+    def land(self, saved):
+        """An exchange that was in flight when ``saved`` was made, finished: applied at its due step."""
+        self.pending = None if "due" not in saved else dict(zip(self.names, saved["averaged"]))
+        self.due = saved.get("due")

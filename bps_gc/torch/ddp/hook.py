@@ -275,7 +275,10 @@ class CompressionHook:
         return state
 
     def codec_state(self):
-        """A Stateful of every gradient's codec, by parameter name (bps_gc/torch/checkpoint.py)."""
+        """A Stateful of every gradient's codec, by parameter name (bps_gc/torch/checkpoint.py),
+        once no call is in flight (a DiLoCo exchange may run across steps)."""
+        for stage in (self.compressor, self.exchanger, self.reducing):  # in the order jobs flow
+            stage.wait_idle(None)
         return self.codecs.codec_state()
 
     def codec_state_to_load(self, sd):

@@ -2,7 +2,7 @@
 ``python fsdp_job.py SPEC.json OUT``. spec "mode": "native" (HSDP: fully_shard on the 2-D
 mesh) or "hooked" (fully_shard on mesh["shard"] and bps_gc.torch.register_fsdp_hooks on
 mesh["replicate"] with spec "compression_params"). A small MLP trains ``steps`` SGD steps on
-each rank's own batches; each rank saves its full parameters, its local shards and, when
+each rank's own batches (``micro_batches`` per step, gradients synced on the last); each rank saves its full parameters, its local shards and, when
 hooked, every hook call's reduce-scatter output before and after."""
 import json
 import os
@@ -44,10 +44,13 @@ if spec["mode"] == "hooked":
             calls.append((index, before, reduce_output.detach().clone().numpy()))
         module.set_all_reduce_hook(recording)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micro_batches = spec.get("micro_batches", 1)  # all but the last under set_requires_gradient_sync(False)
 for step in range(spec["steps"]):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    for micro in range(micro_batches):
+        g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+        model.set_requires_gradient_sync(micro == micro_batches - 1)
+        torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
 refusal = ""

@@ -72,7 +72,9 @@ CHAINS = {}
 
 
 def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
-    got = run({"mode": "hooked", "steps": 3, "compression_params": TOPK}, tmp_path)
+    """Two micro-batches a step, the first under set_requires_gradient_sync(False): the hooks run
+    (and the codecs' state moves) on the synced one only, once per module and step."""
+    got = run({"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2}, tmp_path)
     calls = got[0]["calls"]
     assert len(calls) == 3 * len(LAYERS)
     steps = {}

@@ -32,6 +32,16 @@ def bpslaunch_argv(script_argv, ranks):
             "--servers", "0", "--", sys.executable, *script_argv]
 
 
+def run_torchrun_job(script, spec, tmp_path, ranks, timeout=300):
+    """Run tests/``script`` SPEC.json OUT under torchrun on ``ranks`` gloo ranks, asserting it ends
+    well; the job writes its results into ``tmp_path``."""
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    job = [os.path.join(TESTS, script), str(tmp_path / "spec.json"), str(tmp_path)]
+    result = subprocess.run(torchrun_argv(job, ranks), env=job_env(), capture_output=True, text=True,
+                            timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
 def run_collective_job(spec, tmp_path, ranks=2, launcher="torchrun", env=None, timeout=180):
     """Run tests/cluster_job.py with ``spec`` on ``ranks`` ranks; each rank's results."""
     spec_path = tmp_path / "spec.json"

@@ -4,16 +4,11 @@ at its turn, averages its pseudo-gradient (global - local), takes the outer Nest
 (lr 0.7, momentum 0.9) on the global copy and resets the local parameters to it. Dense, after 5
 outer rounds, every parameter equals the re-computation within 1e-6 relative, with one
 fragment and with staggered fragments. Bad settings are refused in one line."""
-import json
-import os
-import subprocess
-
 import numpy as np
 import pytest
 import torch
 
-from collective_cluster import TESTS, job_env, torchrun_argv
-from conftest import ROOT
+from collective_cluster import run_torchrun_job
 
 # (sync_every, fragments, inner steps, delay)
 CASES = {"one-fragment": (3, 1, 15, 0), "two-fragments": (4, 2, 20, 0), "overlapped": (4, 2, 20, 1)}
@@ -63,11 +58,7 @@ def recompute(sync_every, fragments, steps, delay, replicas=2):
 
 
 def test_dense_diloco_equals_the_recomputation(tmp_path):
-    (tmp_path / "spec.json").write_text(json.dumps({"cases": CASES}))
-    job = [os.path.join(TESTS, "diloco_job.py"), str(tmp_path / "spec.json"), str(tmp_path)]
-    result = subprocess.run(torchrun_argv(job, 2), env=job_env(), capture_output=True, text=True, timeout=240,
-                            cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    run_torchrun_job("diloco_job.py", {"cases": CASES}, tmp_path, 2)
     got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for case, settings in CASES.items():
         want = recompute(*settings)
@@ -88,11 +79,7 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
     spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1,
             "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
     for phase in ("straight", "first", "resumed"):
-        (tmp_path / "spec.json").write_text(json.dumps({**spec, "phase": phase}))
-        job = [os.path.join(TESTS, "diloco_resume_job.py"), str(tmp_path / "spec.json"), str(tmp_path)]
-        result = subprocess.run(torchrun_argv(job, 2), env=job_env(), capture_output=True, text=True, timeout=240,
-                                cwd=ROOT)
-        assert result.returncode == 0, f"{phase}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        run_torchrun_job("diloco_resume_job.py", {**spec, "phase": phase}, tmp_path, 2)
     for rank in range(2):
         straight, resumed = np.load(tmp_path / f"straight{rank}.npz"), np.load(tmp_path / f"resumed{rank}.npz")
         first = np.load(tmp_path / f"first{rank}.npz")

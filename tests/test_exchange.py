@@ -3,16 +3,11 @@ keeps each part's codec under its name: 4 gloo ranks under torchrun form two gro
 averaging its own named tensors with a compressed codec; every result equals the numpy
 re-computation over that group's ranks alone, with each name's chains seeded by its name
 (the parts come in another order at step 1). Bad calls are refused, naming the problem."""
-import json
-import os
-import subprocess
-
 import numpy as np
 import pytest
 import torch
 
-from collective_cluster import TESTS, job_env, torchrun_argv
-from conftest import ROOT
+from collective_cluster import run_torchrun_job
 
 from bps_gc.compress import build_chain
 from bps_gc.torch.exchange import CompressedExchange
@@ -59,11 +54,7 @@ def expected(params, ranks, name, shape):
 
 def test_exchange_on_two_sub_groups_equals_numpy(tmp_path):
     spec = {"groups": GROUPS, "shapes": SHAPES, "codecs": CODECS, "steps": STEPS, "lr": LR}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    job = [os.path.join(TESTS, "exchange_subgroup_job.py"), str(tmp_path / "spec.json"), str(tmp_path)]
-    result = subprocess.run(torchrun_argv(job, 4), env=job_env(), capture_output=True, text=True, timeout=300,
-                            cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    run_torchrun_job("exchange_subgroup_job.py", spec, tmp_path, 4)
     got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
     for codec, params in CODECS.items():
         for ranks in GROUPS:

@@ -3,16 +3,11 @@ averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun. Dense, it t
 HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
 that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
 replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
-import json
-import os
-import subprocess
-
 import numpy as np
 import pytest
 import torch
 
-from collective_cluster import TESTS, job_env, torchrun_argv
-from conftest import ROOT
+from collective_cluster import run_torchrun_job
 
 from bps_gc.compress import build_chain
 from bps_gc.torch import register_fsdp_hooks
@@ -26,11 +21,7 @@ TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 
 
 def run(spec, tmp_path):
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    job = [os.path.join(TESTS, "fsdp_job.py"), str(tmp_path / "spec.json"), str(tmp_path)]
-    result = subprocess.run(torchrun_argv(job, 4), env=job_env(), capture_output=True, text=True, timeout=300,
-                            cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    run_torchrun_job("fsdp_job.py", spec, tmp_path, 4)
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
 
 

@@ -24,10 +24,13 @@ from .ddp.hook import CompressionHook
 
 
 class NamedBucket:
-    """A batch of named parts in the shape the pipeline takes (DDP's GradBucket's calls)."""
+    """A batch of named parts in the shape the pipeline takes (DDP's GradBucket's calls).
+    Without ``names`` (None) its parts are keyed by the batch index and their position, as a
+    DDP bucket's without parameters (tests/grad_bucket.py)."""
 
     def __init__(self, index, buffer, names, shapes, parameters=None):
-        self._index, self._buffer, self._names, self._parameters = index, buffer, list(names), parameters
+        self._index, self._buffer, self._parameters = index, buffer, parameters
+        self._names = None if names is None else list(names)
         pieces = torch.split(buffer, [math.prod(shape) for shape in shapes])
         self._gradients = [piece.view(shape) for piece, shape in zip(pieces, shapes)]  # PowerSGD's matrices
 

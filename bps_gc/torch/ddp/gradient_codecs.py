@@ -140,8 +140,9 @@ class GradientCodecs:
         parameters = bucket.parameters() if hasattr(bucket, "parameters") else None
         if parameters is not None:
             return [id(p) for p in parameters]
-        if hasattr(bucket, "names"):
-            return list(bucket.names())
+        names = bucket.names() if hasattr(bucket, "names") else None
+        if names is not None:
+            return list(names)
         return [(index, position) for position in range(count)]
 
     def _codec_kind(self, tensor):

@@ -194,7 +194,8 @@ def run_clusters(args, topo, log_dir):
                     for r in range(MACHINES * local)]
             else:  # one bpslaunch per machine, as on a cluster; its ranks are its children
                 common = {**cluster_env(topo, MACHINES, MACHINES, port), "OMP_NUM_THREADS": "1",
-                          "BPS_GC_TRANSPORT": "ps"}
+                          "BPS_GC_TRANSPORT": "ps",  # lm: every tensor compressed, as the hook rows do
+                          **({"BYTEPS_MIN_COMPRESS_BYTES": "0"} if args.task == "lm" else {})}
                 plan = node_plan(topo, common, list(range(MACHINES)), [PY, "-m", "bps_gc.launcher.cli"])
                 plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
                           child_env(worker_env(topo, common, w, local))) for w in range(MACHINES)]

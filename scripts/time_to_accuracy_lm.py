@@ -204,9 +204,10 @@ class Run:
                 done = step + 1
                 if done % args.eval_every and done != args.steps:
                     continue
-                sent += bps_gc.core.metrics().pushed_wire
+                sent, counted = sent + bps_gc.core.metrics().pushed_wire, counter[0]
                 clock, loss = self.mean([clock, self.evaluate(model) * self.size])  # rank 0's loss
-                bps_gc.core.metrics()  # not the exchange's: the line above
+                bps_gc.core.metrics()  # the line above is not the training's exchange: not counted
+                counter[0] = counted
                 curve.append((done, clock, loss))
                 if clock > cap_seconds and done < args.steps:
                     capped = True

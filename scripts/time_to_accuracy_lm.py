@@ -12,9 +12,11 @@ time of one step of a rank, on the same ranks, beside the same processes. From i
     the limit      = the reference's steps to the target x that compute-only step time
     cap            = --cap-factor x the limit; a row still short of the target then stops there
 
-Then each configuration trains from the same initial weights for --steps steps (or to the cap)
-on the link; rank 0 evaluates every --eval-every steps with the clock stopped. Bytes per rank
-per step: bps_gc's rows, its own counter of the bytes a rank pushes (bps.metrics()); torch's
+Then each configuration trains from the same initial weights on the link for --steps steps
+and on, at the schedule's last rate, until it reaches the target (at most 10x --steps), or to
+the cap, whichever comes first; its loss at --steps is the "val loss @ steps" column (at the
+step it stopped when the cap came first). Rank 0 evaluates every --eval-every steps with the
+clock stopped. Bytes per rank per step: bps_gc's rows, its own counter of the bytes a rank pushes (bps.metrics()); torch's
 hooks, the bytes of the tensors a rank hands to all_reduce / all_gather (counted by wrapping
 them); DDP dense, its gradient's bytes (its C++ reducer all-reduces all of them every step).
 """
@@ -40,6 +42,7 @@ REFERENCE = "reference"
 COLLECTIVE = (REFERENCE, "DDP dense", "DDP bf16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4", *HOOKS)
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 LIMIT = "the limit (no exchange)"
+MAX_STEPS_FACTOR = 10  # a row short of the target goes on to at most this many times --steps
 
 
 def add_args(p):
@@ -189,13 +192,13 @@ class Run:
         model, net, opt, args, synchronizes = self.wrapped(config)
         torch_hook = config.startswith("DDP") and config != "DDP dense"
         counter, sent = [0], 0
-        curve, clock, capped = [(0, 0.0, self.evaluate(model))], 0.0, False
+        curve, clock, capped, reached = [(0, 0.0, self.evaluate(model))], 0.0, False, False
         self.bps.barrier()
         bps_gc.core.metrics()  # reset
         with counted_collectives(counter) if torch_hook else contextlib.nullcontext():
-            for step in range(args.steps):
+            for step in range(MAX_STEPS_FACTOR * args.steps):
                 began = time.perf_counter()
-                self.set_lr(opt, args, step)
+                self.set_lr(opt, args, step)  # past --steps: the schedule's floor, --lr / 10
                 x, y = self.batch(self.rank, step)
                 opt.zero_grad()
                 byte_loss(net(x), y).backward()
@@ -209,8 +212,11 @@ class Run:
                 bps_gc.core.metrics()  # the line above is not the training's exchange: not counted
                 counter[0] = counted
                 curve.append((done, clock, loss))
-                if clock > cap_seconds and done < args.steps:
+                reached = reached or loss <= target
+                if clock > cap_seconds and not (reached and done >= args.steps):
                     capped = True
+                    break
+                if reached and done >= args.steps:
                     break
         if config == "DDP dense":
             sent = 4 * sum(p.numel() for p in model.parameters()) * curve[-1][0]
@@ -258,9 +264,10 @@ def table(args, results):
                     "steps_done": args.steps, "capped": False}}
     for name, r in results["rows"].items():
         hit = next(((s, t) for s, t, loss in r["curve"] if loss <= target), None)
+        at_steps = [(s, loss) for s, _, loss in r["curve"] if s <= args.steps][-1]  # equal steps
         rows[name] = {"seconds_to_target": hit[1] if hit else None, "vs_limit": hit[1] / limit if hit else None,
                       "steps_to_target": hit[0] if hit else None, "bytes_per_rank_step": r["bytes_per_step"],
-                      "final_val_loss": r["curve"][-1][2], "steps_done": r["curve"][-1][0], "capped": r["capped"],
+                      "final_val_loss": at_steps[1], "steps_done": at_steps[0], "capped": r["capped"],
                       "seconds": r["curve"][-1][1]}
     return rows, {"target": target, "limit_seconds": limit, "cap_seconds": cap,
                   "compute_seconds_per_step": results["reference"]["compute_seconds_per_step"]}

@@ -38,7 +38,7 @@ from compression_flags import add_compression_args, compression_params  # noqa: 
 from gpt import byte_loss, parameter_count  # noqa: E402
 from lm_training import (add_model_args, add_optimizer_args, build_model, check_args, clipped_step, evaluate,  # noqa: E402
                          lr_at, make_optimizer)
-from stdlib_text import Corpus, train_batch, val_windows  # noqa: E402
+from stdlib_text import Corpus, train_batch, unigram_entropy_bits, val_windows  # noqa: E402
 from study_flags import OneLineParser, require_launcher  # noqa: E402
 from study_training import distribute, summed  # noqa: E402
 from torch_device import MixedPrecision, add_device_arg, pick_device  # noqa: E402
@@ -102,6 +102,8 @@ def main(argv=None):
         f"context {args.context}); {amp.describe()}; {size} ranks x batch {args.batch_size}; api {args.api}, "
         f"{args.optimizer}, compression {params or 'none'}")
     say(f"corpus: {corpus.describe()}")
+    unigram = unigram_entropy_bits(corpus.train, corpus.val)
+    say(f"unigram entropy: {unigram:.4f} bits per byte (the validation bytes under the training bytes' frequencies)")
     val = val_windows(corpus.val, args.val_windows, args.context)
     hook_state = args.api == "hook"  # DistributedOptimizer's state_dict() carries its codec state; the hook's goes beside
     saved = epoch_checkpoint.resume(args.checkpoint, rank, size, model, opt, summed)
@@ -138,6 +140,8 @@ def main(argv=None):
                 say(f"stopped after step {done} (--stop-after)")
                 bps.shutdown()
                 return
+    bpb = val_loss / math.log(2)
+    say(f"bits per byte {bpb:.4f}: {100 * (1 - bpb / unigram):.1f}% below the unigram entropy")
     say(f"final: val_loss={val_loss:.6f} bpb={val_loss / math.log(2):.6f} "
         f"tokens_per_s={args.steps * tokens_per_step / max(train_seconds, 1e-9):.1f}", flush=True)
     bps.shutdown()

@@ -261,13 +261,15 @@ def table(args, results):
     target, ref_steps, limit, cap = targets(results["reference"], args)
     rows = {LIMIT: {"seconds_to_target": limit, "vs_limit": 1.0, "steps_to_target": ref_steps,
                     "bytes_per_rank_step": 0, "final_val_loss": results["reference"]["curve"][-1][1],
-                    "steps_done": args.steps, "capped": False}}
+                    "steps_done": args.steps, "capped": False, "stopped_at_step": args.steps,
+                    "loss_when_stopped": results["reference"]["curve"][-1][1]}}
     for name, r in results["rows"].items():
         hit = next(((s, t) for s, t, loss in r["curve"] if loss <= target), None)
         at_steps = [(s, loss) for s, _, loss in r["curve"] if s <= args.steps][-1]  # equal steps
         rows[name] = {"seconds_to_target": hit[1] if hit else None, "vs_limit": hit[1] / limit if hit else None,
                       "steps_to_target": hit[0] if hit else None, "bytes_per_rank_step": r["bytes_per_step"],
                       "final_val_loss": at_steps[1], "steps_done": at_steps[0], "capped": r["capped"],
+                      "stopped_at_step": r["curve"][-1][0], "loss_when_stopped": r["curve"][-1][2],
                       "seconds": r["curve"][-1][1]}
     return rows, {"target": target, "limit_seconds": limit, "cap_seconds": cap,
                   "compute_seconds_per_step": results["reference"]["compute_seconds_per_step"]}
@@ -276,14 +278,14 @@ def table(args, results):
 def print_table(rows, info):
     print(f"target: val loss <= {info['target']:.4f} nats/byte ({info['target'] / math.log(2):.3f} bits); "
           f"compute-only step {info['compute_seconds_per_step'] * 1000:.1f} ms; cap {info['cap_seconds']:.1f} s")
-    print(f"{'':40} {'s to target':>11} {'x limit':>8} {'steps':>6} {'bytes/rank/step':>15} {'val loss @ steps':>17}")
+    print(f"{'':40} {'s to target':>11} {'x limit':>8} {'steps':>6} {'bytes/rank/step':>15} {'val loss @ steps':>17} {'stopped: loss @ step':>20}")
     for name, r in rows.items():
         t = (f"{r['seconds_to_target']:11.1f}" if r["seconds_to_target"] is not None else
              f"{'> cap' if r['capped'] else 'never':>11}")
         ratio = f"{r['vs_limit']:7.2f}x" if r["vs_limit"] else f"{'-':>8}"
         steps = f"{r['steps_to_target']:6d}" if r["steps_to_target"] else f"{'-':>6}"
         print(f"{name:40} {t} {ratio} {steps} {r['bytes_per_rank_step']:15,.0f} "
-              f"{r['final_val_loss']:9.4f} @ {r['steps_done']:<5d}")
+              f"{r['final_val_loss']:9.4f} @ {r['steps_done']:<5d} {r['loss_when_stopped']:12.4f} @ {r['stopped_at_step']:<5d}")
 
 
 def report(args, results, where):

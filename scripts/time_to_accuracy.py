@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="only configurations whose name contains one of "
                    "these comma-separated words (DDP dense always runs: it sets the target)")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
+    p.add_argument("--report", metavar="JSON", help="lm: print the table (and write JSON and plot to --out) "
+                   "of an earlier run's time_to_accuracy.json, with its flags given again; runs nothing")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
     time_to_accuracy_lm.add_args(p)
@@ -259,6 +261,9 @@ def main(argv=None):
         return rank_main(args)
     from bench_cluster import Loopback, Switched
     os.makedirs(args.out, exist_ok=True)
+    if args.report and args.task == "lm":
+        import time_to_accuracy_lm
+        return time_to_accuracy_lm.report_again(args)
     net, where = None, "loopback"
     if args.shaped:
         netns = import_netns()

@@ -262,7 +262,8 @@ def table(args, results):
     rows = {LIMIT: {"seconds_to_target": limit, "vs_limit": 1.0, "steps_to_target": ref_steps,
                     "bytes_per_rank_step": 0, "final_val_loss": results["reference"]["curve"][-1][1],
                     "steps_done": args.steps, "capped": False, "stopped_at_step": args.steps,
-                    "loss_when_stopped": results["reference"]["curve"][-1][1]}}
+                    "loss_when_stopped": results["reference"]["curve"][-1][1],
+                    "seconds": args.steps * results["reference"]["compute_seconds_per_step"]}}
     for name, r in results["rows"].items():
         hit = next(((s, t) for s, t, loss in r["curve"] if loss <= target), None)
         at_steps = [(s, loss) for s, _, loss in r["curve"] if s <= args.steps][-1]  # equal steps
@@ -275,17 +276,22 @@ def table(args, results):
                   "compute_seconds_per_step": results["reference"]["compute_seconds_per_step"]}
 
 
-def print_table(rows, info):
+def print_table(rows, info, rate_bits=None):
+    """The table; with the link's ``rate_bits``, each row's bytes as milliseconds on it too
+    (a row whose ms/step is well above compute-only + link ms waits on this box's CPUs)."""
+    link = f" {'link ms':>7}" if rate_bits else ""
     print(f"target: val loss <= {info['target']:.4f} nats/byte ({info['target'] / math.log(2):.3f} bits); "
           f"compute-only step {info['compute_seconds_per_step'] * 1000:.1f} ms; cap {info['cap_seconds']:.1f} s")
-    print(f"{'':40} {'s to target':>11} {'x limit':>8} {'steps':>6} {'bytes/rank/step':>15} {'val loss @ steps':>17} {'stopped: loss @ step':>20}")
+    print(f"{'':40} {'s to target':>11} {'x limit':>8} {'steps':>6} {'bytes/rank/step':>15} {'val loss @ steps':>17} {'stopped: loss @ step':>20} {'ms/step':>7}{link}")
     for name, r in rows.items():
         t = (f"{r['seconds_to_target']:11.1f}" if r["seconds_to_target"] is not None else
              f"{'> cap' if r['capped'] else 'never':>11}")
         ratio = f"{r['vs_limit']:7.2f}x" if r["vs_limit"] else f"{'-':>8}"
         steps = f"{r['steps_to_target']:6d}" if r["steps_to_target"] else f"{'-':>6}"
         print(f"{name:40} {t} {ratio} {steps} {r['bytes_per_rank_step']:15,.0f} "
-              f"{r['final_val_loss']:9.4f} @ {r['steps_done']:<5d} {r['loss_when_stopped']:12.4f} @ {r['stopped_at_step']:<5d}")
+              f"{r['final_val_loss']:9.4f} @ {r['steps_done']:<5d} {r['loss_when_stopped']:12.4f} @ {r['stopped_at_step']:<5d}"
+              f" {1000 * r['seconds'] / r['stopped_at_step']:7.1f}"
+              + (f" {8000 * r['bytes_per_rank_step'] / rate_bits:7.1f}" if rate_bits else ""))
 
 
 def report(args, results, where):
@@ -295,7 +301,8 @@ def report(args, results, where):
     rows, info = table(args, results)
     print(f"{ranks_of(args)}, {where}; {machine_info()}; {args.steps} steps of {args.batch_size} x {args.context} "
           f"bytes per rank; model {args.layers} layers x {args.width}")
-    print_table(rows, info)
+    from bench_common import import_netns
+    print_table(rows, info, import_netns().parse_rate(args.shaped) if args.shaped else None)
     reference = results["reference"]["curve"]
     dense = results["rows"].get("DDP dense", {}).get("curve", [])
     same_step = [(s, loss, dict(reference).get(s)) for s, _, loss in dense if s in dict(reference)]
@@ -312,3 +319,13 @@ def report(args, results, where):
     per_step = info["compute_seconds_per_step"]
     series[LIMIT] = ([s * per_step for s, _ in reference], [loss for _, loss in reference])
     save(args, summary, series, info["target"], "validation loss (nats per byte)")
+
+
+def report_again(args):
+    """--report JSON: the table, JSON and plot of an earlier run's JSON, printed by this code."""
+    import json
+    saved = json.load(open(args.report))
+    results = {"reference": saved["reference"],
+               "rows": {name: {"curve": curve, "bytes_per_step": saved["rows"][name]["bytes_per_rank_step"],
+                               "capped": saved["rows"][name]["capped"]} for name, curve in saved["curves"].items()}}
+    report(args, results, saved["link"])

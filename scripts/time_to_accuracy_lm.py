@@ -227,7 +227,7 @@ class Run:
 def targets(reference, args):
     """(target loss, the reference's steps to it, the limit's seconds, the cap's seconds)."""
     target = reference["curve"][-1][1] + args.slack
-    steps = next(s for s, loss in reference["curve"] if loss <= target)
+    steps = next(s for s, loss in reference["curve"] if loss <= target and s > 0)  # trained steps
     limit = steps * reference["compute_seconds_per_step"]
     return target, steps, limit, args.cap_factor * limit
 
@@ -265,7 +265,7 @@ def table(args, results):
                     "loss_when_stopped": results["reference"]["curve"][-1][1],
                     "seconds": args.steps * results["reference"]["compute_seconds_per_step"]}}
     for name, r in results["rows"].items():
-        hit = next(((s, t) for s, t, loss in r["curve"] if loss <= target), None)
+        hit = next(((s, t) for s, t, loss in r["curve"] if loss <= target and s > 0), None)
         at_steps = [(s, loss) for s, _, loss in r["curve"] if s <= args.steps][-1]  # equal steps
         rows[name] = {"seconds_to_target": hit[1] if hit else None, "vs_limit": hit[1] / limit if hit else None,
                       "steps_to_target": hit[0] if hit else None, "bytes_per_rank_step": r["bytes_per_step"],

@@ -89,7 +89,7 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import time_to_accuracy_lm as lm
     result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "6",
-                             "--eval-every", "3", *TINY, "--cap-factor", "1000", "--slack", "0.5", "--out", str(tmp_path)],
+                             "--eval-every", "3", *TINY, "--cap-factor", "1000", "--slack", "0.1", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "time_to_accuracy.json").read_text())

@@ -268,6 +268,9 @@ def main(argv=None):
     if args.report and args.task == "lm":
         import time_to_accuracy_lm
         return time_to_accuracy_lm.report_again(args)
+    if args.task == "lm":
+        import time_to_accuracy_lm
+        time_to_accuracy_lm.check_corpus(args)
     net, where = None, "loopback"
     if args.shaped:
         netns = import_netns()

@@ -21,6 +21,7 @@ clock stopped. Bytes per rank per step: bps_gc's rows, its own counter of the by
 hooks, the bytes of the tensors a rank hands to all_reduce / all_gather (counted by wrapping
 them); DDP dense, its gradient's bytes (its C++ reducer all-reduces all of them every step).
 """
+import argparse
 import contextlib
 import math
 import os
@@ -56,14 +57,9 @@ def add_args(p):
     g.add_argument("--cap-factor", type=float, default=3.0,
                    help="lm: a row stops at this many times the limit's time to the target")
     g.add_argument("--sgd-lr", type=float, default=0.3, help="lm: the SGD recipe row's peak rate")
-    g.add_argument("--cap-seconds", type=float, default=None, help=argparse_suppress())
-    g.add_argument("--target", type=float, default=None, help=argparse_suppress())
+    g.add_argument("--cap-seconds", type=float, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
     add_optimizer_args(p)
-
-
-def argparse_suppress():
-    import argparse
-    return argparse.SUPPRESS
 
 
 @contextlib.contextmanager
@@ -234,6 +230,12 @@ def targets(reference, args):
     steps = next(s for s, loss in reference["curve"] if loss <= target and s > 0)  # trained steps
     limit = steps * reference["compute_seconds_per_step"]
     return target, steps, limit, args.cap_factor * limit
+
+
+def check_corpus(args):
+    """A corpus too small for the windows asked for: one line, before any cluster starts."""
+    from stdlib_text import Corpus
+    Corpus(args.corpus).check(args.context, args.val_windows)
 
 
 def rank_main(args):

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time to accuracy on the MNIST demo's task (MLP 784-128-10, the 4,000 real training digits
+"""Time to accuracy on the MNIST demo's task (--task mnist, the default; --task lm: a small GPT on
+real text, scripts/time_to_accuracy_lm.py) (MLP 784-128-10, the 4,000 real training digits
 of example/demo, 1,000 held out), 2 machines x --local-ranks ranks, batch 32 per rank, SGD lr 0.1 momentum 0.9:
 PyTorch's DDP (dense, fp16 hook, PowerSGD rank 1 and 4, torch's own hooks) against bps_gc on
 the collective transport (its DDP hook; DistributedOptimizer with the demo's onebit recipe)
@@ -16,12 +17,15 @@ the parameter-server one in a second cluster (scheduler, 2 servers, 2 workers) o
 link. Rank 0 evaluates every --eval-every steps with the clock stopped. The table gives, for
 each, the wall time to first reach the dense run's final accuracy (minus --slack), its final
 accuracy and its speed-up against the fastest DDP configuration; the plot shows accuracy
-against wall time.
+against wall time. The limit row: DDP dense's steps to the target x the compute-only time of
+one step (forward, backward and optimizer, no exchange), timed on the same ranks before the
+configurations train.
 
     python scripts/time_to_accuracy.py                     # loopback, 10 epochs
     sudo python scripts/time_to_accuracy.py --shaped 100mbit
     sudo python scripts/time_to_accuracy.py --shaped 100mbit --rows PowerSGD,fp16,thc   # issue 35
     python scripts/time_to_accuracy.py --epochs 1 --out /tmp/tta
+    sudo python scripts/time_to_accuracy.py --task lm --shaped 10mbit --out out/runs/tta_lm_10mbit
 """
 import argparse
 import json
@@ -45,23 +49,37 @@ COLLECTIVE = ("DDP dense", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD
               *HOOKS, *(f"bps_gc collective {r}" for r in RECIPES))
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 MACHINES = 2
+LIMIT = "the limit (no exchange)"
+TIMED_STEPS = 50  # MNIST: compute-only steps timed for the limit row
 
 
 def parse_args(argv=None):
+    import time_to_accuracy_lm
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--task", choices=("mnist", "lm"), default="mnist")
+    p.add_argument("--epochs", type=int, default=10, help="mnist: epochs")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (mnist 10, lm 25)")
     p.add_argument("--local-ranks", type=int, default=1, metavar="L", help="ranks per machine (1)")
-    p.add_argument("--slack", type=float, default=0.0, help="target = dense final accuracy - slack")
+    p.add_argument("--slack", type=float, default=None, help="mnist: target = dense final accuracy - slack "
+                   "(0); lm: target = the reference's final validation loss + slack (0.02 nats per byte)")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
     p.add_argument("--tcp-congestion", metavar="NAME", help="--shaped: the machines' default TCP congestion "
                    "control (what DDP's gloo uses; bps_gc's own links use BPS_GC_TCP_CONGESTION)")
     p.add_argument("--rows", default=None, help="only configurations whose name contains one of "
                    "these comma-separated words (DDP dense always runs: it sets the target)")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
+    p.add_argument("--report", metavar="JSON", help="lm: print the table (and write JSON and plot to --out) "
+                   "of an earlier run's time_to_accuracy.json, with its flags given again; runs nothing")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
+    time_to_accuracy_lm.add_args(p)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.eval_every = args.eval_every or (10 if args.task == "mnist" else 25)
+    args.slack = args.slack if args.slack is not None else (0.0 if args.task == "mnist" else 0.02)
+    if args.task == "lm":
+        from lm_training import check_args
+        check_args(args, p)
     check_tcp_congestion(p, args)
     if args.local_ranks < 1:
         p.error("--local-ranks must be >= 1")
@@ -84,6 +102,7 @@ def rank_main(args):
     shard = np.arange(rank, len(x), size)
     per_epoch = len(x) // size // 32
     curves = {}
+    compute = compute_only_seconds(bps, network, x, y, shard, rank) if "DDP dense" in args.configs.split(",") else None
     for config in args.configs.split(","):
         model = network(128, 0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
@@ -103,7 +122,7 @@ def rank_main(args):
                 net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             elif config.startswith("bps_gc hook"):
                 net.register_comm_hook(None, bps.comm_hook(HOOKS[config], optimizer=opt))
-        curve, clock, step = [(0.0, accuracy(model, xv, yv))], 0.0, 0
+        curve, clock, step = [(0.0, accuracy(model, xv, yv), 0)], 0.0, 0
         bps.barrier()
         for epoch in range(args.epochs):
             order = np.random.default_rng(epoch).permutation(shard)
@@ -117,34 +136,60 @@ def rank_main(args):
                 step += 1
                 if step % args.eval_every == 0:
                     if rank == 0:
-                        curve.append((clock, accuracy(model, xv, yv)))
+                        curve.append((clock, accuracy(model, xv, yv), step))
                     bps.barrier()  # the clock is stopped while rank 0 evaluates
         if rank == 0:
-            curve.append((clock, accuracy(model, xv, yv)))
+            curve.append((clock, accuracy(model, xv, yv), step))
             curves[config] = curve
             print(f"{config}: {clock:.2f} s, accuracy {curve[-1][1]:.4f}", flush=True)
     if rank == 0:
-        json.dump(curves, open(args.rank_out, "w"))
+        json.dump({"curves": curves, "compute_seconds_per_step": compute}, open(args.rank_out, "w"))
     bps.shutdown()
+
+
+def compute_only_seconds(bps, network, x, y, shard, rank):
+    """The mean over the ranks of one step's forward, backward and SGD step with no exchange
+    (the limit row's step time): the median of TIMED_STEPS steps of a fresh model on this rank's
+    batches (the other jobs' bursts on a shared box are not this model's cost)."""
+    import statistics
+    import numpy as np
+    import torch
+    model = network(128, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    order = np.random.default_rng(rank).permutation(shard)
+    bps.barrier()
+    seconds = []
+    for i in range(TIMED_STEPS):
+        began = time.perf_counter()
+        batch = order[(i * 32) % (len(order) - 32):][:32]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - began)
+    mine = statistics.median(seconds)
+    return bps.push_pull(torch.tensor([mine], dtype=torch.float64), average=True, name="tta.compute").item()
 
 
 def run_clusters(args, topo, log_dir):
     """The torch.distributed ranks, then the parameter-server cluster; rank 0's curves."""
     from bench_cluster import Children, ClusterFailed, child_env, cluster_env, log_tail, node_plan, run_cluster, worker_env
     children = Children()
-    curves = {}
-    def wanted(name):
-        return name == "DDP dense" or not args.rows or any(w in name for w in args.rows.split(","))
+    def wanted(name):  # DDP dense (mnist) and the reference (lm) set the target
+        return name in ("DDP dense", "reference") or not args.rows or any(w in name for w in args.rows.split(","))
 
-    runs = [(transport, [c for c in configs if wanted(c)]) for transport, configs in
-            (("collective", COLLECTIVE), ("ps", PS))]
+    import time_to_accuracy_lm as lm
+    rows = {"mnist": (("collective", COLLECTIVE), ("ps", PS)), "lm": (("collective", lm.COLLECTIVE), ("ps", lm.PS))}
+    runs = [(transport, [c for c in configs if wanted(c)]) for transport, configs in rows[args.task]]
+    results = {}
     try:
         for transport, configs in runs:
             if not configs:
                 continue
             raw = os.path.join(log_dir, f"{transport}.json")
-            cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--epochs", str(args.epochs),
-                   "--eval-every", str(args.eval_every), "--configs", ",".join(configs)]
+            cmd = [PY, os.path.abspath(__file__), *args.argv, "--rank-out", raw, "--configs", ",".join(configs)]
+            if args.task == "lm" and transport == "ps":  # the collective run's reference set them
+                target, _, _, cap = lm.targets(results["reference"], args)
+                cmd += ["--target", repr(target), "--cap-seconds", repr(cap)]
             port, local = topo.port(), args.local_ranks
             if transport == "collective":
                 plan = [(f"rank{r}", topo.wrap(r // local, cmd), child_env(
@@ -155,7 +200,8 @@ def run_clusters(args, topo, log_dir):
                     for r in range(MACHINES * local)]
             else:  # one bpslaunch per machine, as on a cluster; its ranks are its children
                 common = {**cluster_env(topo, MACHINES, MACHINES, port), "OMP_NUM_THREADS": "1",
-                          "BPS_GC_TRANSPORT": "ps"}
+                          "BPS_GC_TRANSPORT": "ps",  # lm: every tensor compressed, as the hook rows do
+                          **({"BYTEPS_MIN_COMPRESS_BYTES": "0"} if args.task == "lm" else {})}
                 plan = node_plan(topo, common, list(range(MACHINES)), [PY, "-m", "bps_gc.launcher.cli"])
                 plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
                           child_env(worker_env(topo, common, w, local))) for w in range(MACHINES)]
@@ -164,22 +210,67 @@ def run_clusters(args, topo, log_dir):
             except ClusterFailed as e:
                 tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
                 sys.exit(f"time_to_accuracy: the {transport} run failed: {e.args[0]}\n{tails[-3000:]}")
-            curves.update(json.load(open(raw)))
+            merge(results, json.load(open(raw)))
     finally:
         children.stop_all()
-    return curves
+    return results
+
+
+def merge(results, rank_out):
+    """One transport's rank-0 output into the run's: curves / rows merged, the rest kept."""
+    for key, value in rank_out.items():
+        if isinstance(value, dict) and key in ("curves", "rows"):
+            results.setdefault(key, {}).update(value)
+        elif value is not None:
+            results[key] = value
 
 
 def time_to(curve, target):
-    return next((t for t, acc in curve if acc >= target), None)
+    return next(((t, step) for t, acc, step in curve if acc >= target), (None, None))
+
+
+def ranks_of(args):
+    return f"{MACHINES} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{MACHINES} ranks"
+
+
+def save(args, summary, series, target, ylabel, ylim=None):
+    """time_to_accuracy.json (the summary) and time_to_accuracy.png: ``series`` {name: (xs, ys)}
+    against training wall time, the target as a dotted line."""
+    json.dump(summary, open(os.path.join(args.out, "time_to_accuracy.json"), "w"), indent=1)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, label=name, **({"linestyle": "--", "color": "black"} if name == LIMIT else {}))
+    ax.axhline(target, color="grey", linestyle=":", label="target")
+    ax.set_xlabel("training wall time (s), rank 0")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{'GPT on stdlib bytes' if args.task == 'lm' else 'MNIST MLP'}, {ranks_of(args)}, "
+                 f"{args.shaped or 'loopback'}", fontsize=9)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "time_to_accuracy.png"), dpi=120)
+    print(f"JSON and plot: {args.out}/time_to_accuracy.json, time_to_accuracy.png")
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.rank_out:
+        if args.task == "lm":
+            import time_to_accuracy_lm
+            return time_to_accuracy_lm.rank_main(args)
         return rank_main(args)
     from bench_cluster import Loopback, Switched
     os.makedirs(args.out, exist_ok=True)
+    if args.report and args.task == "lm":
+        import time_to_accuracy_lm
+        return time_to_accuracy_lm.report_again(args)
+    if args.task == "lm":
+        import time_to_accuracy_lm
+        time_to_accuracy_lm.check_corpus(args)
     net, where = None, "loopback"
     if args.shaped:
         netns = import_netns()
@@ -191,46 +282,47 @@ def main(argv=None):
             print(f"time_to_accuracy: cannot shape a link here ({e}); running on loopback")
     try:
         with tempfile.TemporaryDirectory(prefix="tta-") as log_dir:
-            curves = run_clusters(args, Switched(net) if net else Loopback(), log_dir)
+            results = run_clusters(args, Switched(net) if net else Loopback(), log_dir)
     finally:
         if net is not None:
             net.delete()
-    report(args, curves, where)
+    if args.task == "lm":
+        import time_to_accuracy_lm
+        return time_to_accuracy_lm.report(args, results, where)
+    report(args, results, where)
 
 
-def report(args, curves, where):
+def report(args, results, where):
+    curves, compute = results["curves"], results["compute_seconds_per_step"]
     target = curves["DDP dense"][-1][1] - args.slack
-    rows = {name: {"seconds_to_target": time_to(c, target), "final_accuracy": c[-1][1], "train_seconds": c[-1][0]}
-            for name, c in curves.items()}
+    rows = {}
+    for name, c in curves.items():
+        seconds, steps = time_to(c, target)
+        rows[name] = {"seconds_to_target": seconds, "steps_to_target": steps, "final_accuracy": c[-1][1],
+                      "train_seconds": c[-1][0]}
+    ddp_steps = rows["DDP dense"]["steps_to_target"]
+    rows[LIMIT] = {"seconds_to_target": ddp_steps * compute, "steps_to_target": ddp_steps,
+                   "final_accuracy": None, "train_seconds": curves["DDP dense"][-1][2] * compute}
+    limit = rows[LIMIT]["seconds_to_target"]
     ddp_times = [r["seconds_to_target"] for n, r in rows.items() if n.startswith("DDP") and r["seconds_to_target"]]
-    ranks = f"{MACHINES} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{MACHINES} ranks"
-    print(f"{ranks}, {where}, {args.epochs} epochs; {machine_info()}; target = dense DDP's final accuracy {target:.4f}")
-    print(f"{'':42} {'s to target':>11} {'final acc':>9} {'train s':>8} {'vs fastest DDP':>14}")
+    print(f"{ranks_of(args)}, {where}, {args.epochs} epochs; {machine_info()}; target = dense DDP's final accuracy "
+          f"{target:.4f}; the limit: DDP dense's {ddp_steps} steps x {compute * 1000:.2f} ms compute-only")
+    print(f"{'':42} {'s to target':>11} {'x limit':>8} {'final acc':>9} {'train s':>8} {'vs fastest DDP':>14}")
     for name, r in rows.items():
         t = r["seconds_to_target"]
         r["speedup_vs_fastest_ddp"] = min(ddp_times) / t if t and ddp_times else None
+        r["vs_limit"] = t / limit if t and limit else None
         shown = f"{t:11.2f}" if t is not None else f"{'never':>11}"
         speed = f"{r['speedup_vs_fastest_ddp']:.2f}x" if r["speedup_vs_fastest_ddp"] else "-"
-        print(f"{name:42} {shown} {r['final_accuracy']:9.4f} {r['train_seconds']:8.2f} {speed:>14}")
-    json.dump({"target": target, "epochs": args.epochs, "link": where, "command": sys.argv,
+        ratio = f"{r['vs_limit']:.2f}x" if r["vs_limit"] else "-"
+        final = f"{r['final_accuracy']:9.4f}" if r["final_accuracy"] is not None else f"{'-':>9}"
+        print(f"{name:42} {shown} {ratio:>8} {final} {r['train_seconds']:8.2f} {speed:>14}")
+    summary = {"task": "mnist", "target": target, "epochs": args.epochs, "link": where, "command": sys.argv,
                "machines": MACHINES, "local_ranks": args.local_ranks, "machine": machine_info(),
-               "rows": rows, "curves": curves},
-              open(os.path.join(args.out, "time_to_accuracy.json"), "w"), indent=1)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, c in curves.items():
-        ax.plot([t for t, _ in c], [a for _, a in c], label=name)
-    ax.axhline(target, color="grey", linestyle=":", label="target")
-    ax.set_xlabel("training wall time (s), rank 0")
-    ax.set_ylabel("validation accuracy")
-    ax.set_title(f"MNIST MLP, {ranks}, {args.shaped or 'loopback'}", fontsize=9)
-    ax.set_ylim(0.8, 1.0)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "time_to_accuracy.png"), dpi=120)
-    print(f"JSON and plot: {args.out}/time_to_accuracy.json, time_to_accuracy.png")
+               "compute_seconds_per_step": compute, "rows": rows, "curves": curves}
+    series = {name: ([t for t, _, _ in c], [a for _, a, _ in c]) for name, c in curves.items()}
+    series[LIMIT] = ([limit, limit], [0.8, 1.0])
+    save(args, summary, series, target, "validation accuracy", ylim=(0.8, 1.0))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def test_time_to_accuracy_one_epoch(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     assert set(data["rows"]) == {"DDP dense", "DDP PowerSGD rank 1", "bps_gc collective onebit + EF + nesterov",
-                                 "bps_gc PS onebit + EF + nesterov"}
-    assert data["rows"]["DDP dense"]["seconds_to_target"] is not None
-    assert all(r["final_accuracy"] > 0.5 for r in data["rows"].values())
+                                 "bps_gc PS onebit + EF + nesterov", "the limit (no exchange)"}
+    dense, limit = data["rows"]["DDP dense"], data["rows"]["the limit (no exchange)"]
+    assert dense["seconds_to_target"] is not None and limit["steps_to_target"] == dense["steps_to_target"] > 0
+    assert limit["seconds_to_target"] == limit["steps_to_target"] * data["compute_seconds_per_step"] > 0
+    assert all(r["final_accuracy"] > 0.5 for n, r in data["rows"].items() if n != "the limit (no exchange)")
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000

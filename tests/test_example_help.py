@@ -26,7 +26,7 @@ def test_help(script):
 TORCH_SCRIPTS = ["example/pytorch/dgc/train.py", "example/pytorch/train_cifar10_choco.py",
                  "example/pytorch/train_imagenet_nv.py", "example/pytorch/train_cifar100_byteps_gc.py",
                  "example/pytorch/train_cifar10_resnet9.py", "example/pytorch/ddp_quickstart.py",
-                 "example/pytorch/benchmark_synthetic.py", "example/demo/mnist_worker.py"]
+                 "example/pytorch/benchmark_synthetic.py", "example/demo/mnist_worker.py", "example/pytorch/lm/train.py"]
 SEED_DEVICE_FLAGS = {"example/pytorch/dgc/train.py": "--devices", "example/pytorch/train_cifar10_choco.py": "--on_cuda",
                      "example/pytorch/train_cifar100_byteps_gc.py": "--num-gpus"}
 

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""A small GPT on the Python standard library's source (bytes), data-parallel with bps_gc's
+gradient compression: the transformer yardstick of scripts/time_to_accuracy.py --task lm.
+
+    torchrun --nproc-per-node 2 example/pytorch/lm/train.py --steps 300
+    torchrun --nproc-per-node 2 example/pytorch/lm/train.py --compressor topk --k 0.01 --ef vanilla
+    torchrun --nproc-per-node 2 example/pytorch/lm/train.py --api optimizer --compressor thc --bits 4 --ef vanilla
+    bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api optimizer \\
+        --optimizer sgd --lr 0.3 --compressor onebit --onebit-scaling --ef vanilla --compress-momentum nesterov
+
+``--api hook`` (default) is an ordinary DDP script with ``bps.comm_hook`` registered (dense DDP
+without --compressor); it needs torch.distributed (torchrun, or bpslaunch --servers 0).
+``--api optimizer`` wraps the optimizer in ``bps.DistributedOptimizer`` on either transport.
+The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
+default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up
+and a cosine decay to a tenth of --lr, gradients clipped to --clip after they are averaged.
+Every --eval-every steps rank 0 prints the validation loss (nats per byte), bits per byte and
+tokens per second of training (all ranks, evaluation excluded); its last line is
+``final: val_loss=<float> bpb=<float> tokens_per_s=<float>``. With --checkpoint DIR every rank
+saves model, optimizer and bps.state_dict() after each evaluation, and a run with the same
+DIR resumes there, bit for bit.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+import bps_gc.torch as bps  # noqa: E402
+import epoch_checkpoint  # noqa: E402
+from compression_flags import add_compression_args, compression_params  # noqa: E402
+from gpt import byte_loss, parameter_count  # noqa: E402
+from lm_training import (add_model_args, add_optimizer_args, build_model, check_args, clipped_step, evaluate,  # noqa: E402
+                         lr_at, make_optimizer)
+from stdlib_text import Corpus, train_batch, unigram_entropy_bits, val_windows  # noqa: E402
+from study_flags import OneLineParser, require_launcher  # noqa: E402
+from study_training import distribute, summed  # noqa: E402
+from torch_device import MixedPrecision, add_device_arg, pick_device  # noqa: E402
+
+
+def build_parser():
+    p = OneLineParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--api", choices=("hook", "optimizer"), default="hook")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: bf16 autocast on a CUDA device that has it, else float32")
+    p.add_argument("--checkpoint", default="", help="a folder: each rank saves there after each evaluation; "
+                                                    "a run with the same folder resumes")
+    p.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: an interrupted run
+    add_model_args(p)
+    add_optimizer_args(p)
+    add_device_arg(p)
+    g = add_compression_args(p)
+    g.add_argument("--bits", type=int, default=4, help="thc: bits per coordinate")
+    return p
+
+
+def codec_params(args, parser):
+    """compression_flags' params; thc takes --bits, and --ef as its own error feedback."""
+    params = compression_params(args, parser)
+    if params and params["compressor"] == "thc":
+        params.pop("k", None)
+        params.update(bits=args.bits, **({"feedback": True} if params.pop("ef", None) else {}))
+    return params
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    params = codec_params(args, parser)
+    corpus = Corpus(args.corpus).check(args.context, args.val_windows)
+    require_launcher("example/pytorch/lm/train.py")
+    device, device_lines = pick_device(args.device)
+    bps.init()
+    if args.api == "hook" and not dist.is_initialized():
+        sys.exit("--api hook needs torch.distributed: start with torchrun or 'bpslaunch --servers 0', "
+                 "or use --api optimizer")
+    rank, size = bps.rank(), bps.size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    use_bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda"
+                                            and torch.cuda.is_bf16_supported())
+    amp = MixedPrecision(device, torch.bfloat16 if use_bf16 else None)
+    model = build_model(args, device)
+    opt = make_optimizer(args, model)
+    if args.api == "hook":
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's
+        if params:
+            net.register_comm_hook(None, bps.comm_hook(params, optimizer=opt,
+                                                       named_parameters=model.named_parameters()))
+    else:
+        net, opt = model, distribute(opt, model, params, "train.py")
+    say("\n".join(device_lines))
+    say(f"model: {parameter_count(model):,} parameters ({args.layers} layers, width {args.width}, {args.heads} heads, "
+        f"context {args.context}); {amp.describe()}; {size} ranks x batch {args.batch_size}; api {args.api}, "
+        f"{args.optimizer}, compression {params or 'none'}")
+    say(f"corpus: {corpus.describe()}")
+    unigram = unigram_entropy_bits(corpus.train, corpus.val)
+    say(f"unigram entropy: {unigram:.4f} bits per byte (the validation bytes under the training bytes' frequencies)")
+    val = val_windows(corpus.val, args.val_windows, args.context)
+    hook_state = args.api == "hook"  # DistributedOptimizer's state_dict() carries its codec state; the hook's goes beside
+    saved = epoch_checkpoint.resume(args.checkpoint, rank, size, model, opt, summed)
+    first, train_seconds = 0, 0.0
+    if saved is not None:
+        first, train_seconds = saved["epoch"], saved["train_seconds"]
+        if hook_state:
+            bps.load_state_dict(saved["bps_gc"])
+        say(f"resumed from {args.checkpoint} at step {first}")
+    tokens_per_step = args.batch_size * args.context * size
+    val_loss = evaluate(model, val, device, amp) if first == 0 else saved["val_loss"]
+    for step in range(first, args.steps):
+        began = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(args, step)
+        x, y = (torch.from_numpy(a).to(device) for a in
+                train_batch(corpus.train, args.seed, rank, step, args.batch_size, args.context))
+        opt.zero_grad()
+        with amp.autocast():
+            loss = byte_loss(net(x), y)  # through DDP's forward, so that its hooks see the backward
+        loss.backward()
+        clipped_step(opt, model, args.clip, synchronizes=args.api == "optimizer")
+        train_seconds += time.perf_counter() - began
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            val_loss = evaluate(model, val, device, amp)
+            say(f"step {done}: train_loss={loss.item():.4f} val_loss={val_loss:.4f} bpb={val_loss / math.log(2):.4f} "
+                f"tokens_per_s={done * tokens_per_step / max(train_seconds, 1e-9):.0f}", flush=True)
+            if args.checkpoint:
+                epoch_checkpoint.save(args.checkpoint, rank, model, opt, done, train_seconds=train_seconds,
+                                      val_loss=val_loss, **({"bps_gc": bps.state_dict()} if hook_state else {}))
+                bps.barrier()
+            if args.stop_after and done >= args.stop_after:
+                say(f"stopped after step {done} (--stop-after)")
+                bps.shutdown()
+                return
+    bpb = val_loss / math.log(2)
+    say(f"bits per byte {bpb:.4f}: {100 * (1 - bpb / unigram):.1f}% below the unigram entropy")
+    say(f"final: val_loss={val_loss:.6f} bpb={val_loss / math.log(2):.6f} "
+        f"tokens_per_s={args.steps * tokens_per_step / max(train_seconds, 1e-9):.1f}", flush=True)
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

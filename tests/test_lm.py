@@ -1,0 +1,141 @@
+"""The LM yardstick (example/pytorch/lm, scripts/time_to_accuracy.py --task lm): its data
+repeat and refuse a too-small corpus; DDP on two ranks equals one process on the concatenated
+batch; a reduced --task lm run gives every row; train.py resumes bit for bit with a codec."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from collective_cluster import job_env, torchrun_argv
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "example", "pytorch", "lm"))
+from stdlib_text import Corpus, train_batch, val_windows  # noqa: E402
+
+TRAIN = os.path.join(ROOT, "example", "pytorch", "lm", "train.py")
+TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--batch-size", "4", "--val-windows", "8"]
+DIGEST = ("import sys, hashlib; sys.path.insert(0, 'example/pytorch/lm'); from stdlib_text import *; "
+          "c = Corpus(); x, y = train_batch(c.train, 3, 1, 17, 4, 64); v = val_windows(c.val, 8, 64)[0]; "
+          "print(c.fingerprint(), hashlib.sha256(x.tobytes() + y.tobytes() + v.tobytes()).hexdigest())")
+
+
+def test_stdlib_split_and_batches_repeat_in_another_process():
+    corpus = Corpus()
+    x, y = train_batch(corpus.train, 3, 1, 17, 4, 64)
+    here = hashlib.sha256(x.tobytes() + y.tobytes() + val_windows(corpus.val, 8, 64)[0].tobytes()).hexdigest()
+    other = subprocess.run([sys.executable, "-c", DIGEST], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONHASHSEED="123"))
+    assert other.stdout.split() == [corpus.fingerprint(), here], other.stderr[-2000:]
+    assert np.array_equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
+    assert not np.array_equal(x, train_batch(corpus.train, 3, 1, 18, 4, 64)[0])  # another step, other windows
+    assert len(corpus.val) > 100_000 and len(corpus.train) > 20 * len(corpus.val) // 2
+
+
+def test_split_is_by_file_path(tmp_path):
+    names = [f"m{i}.py" for i in range(60)]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([65 + i % 26]) * (100 + i))
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "skipped.py").write_bytes(b"!" * 500)  # test suites are left out
+    corpus = Corpus(str(tmp_path))
+    held = [n for n in sorted(names) if zlib.crc32(n.encode()) % 20 == 0]
+    assert held, "the fixture should hold out a file"
+    expected_val = b"".join((tmp_path / n).read_bytes() + b"\n" for n in held)
+    expected_train = b"".join((tmp_path / n).read_bytes() + b"\n" for n in sorted(names) if n not in held)
+    assert corpus.val.tobytes() == expected_val and corpus.train.tobytes() == expected_train
+
+
+def test_too_small_corpus_is_one_line(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    result = subprocess.run([sys.executable, TRAIN, "--corpus", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "too small" in result.stderr, result.stderr
+
+
+def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from lm_ddp_job import BATCH, SHAPE, TEXT
+    from gpt import GPT, byte_loss
+    steps = 4
+    result = subprocess.run(torchrun_argv([os.path.join(ROOT, "tests", "lm_ddp_job.py"), str(tmp_path), str(steps)], 2),
+                            env=job_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    torch.manual_seed(0)
+    model = GPT(**SHAPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for step in range(steps):
+        x, y = (torch.from_numpy(np.concatenate(parts)) for parts in
+                zip(*(train_batch(TEXT, 0, rank, step, BATCH, SHAPE["context"]) for rank in range(2))))
+        opt.zero_grad()
+        byte_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    start = GPT(**SHAPE).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert torch.allclose(ranks[0][name], value, rtol=1e-4, atol=1e-5), name
+    assert any(not torch.equal(value, start[name]) for name, value in model.state_dict().items())
+
+
+def test_reduced_lm_table_has_every_row(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import time_to_accuracy_lm as lm
+    result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "6",
+                             "--eval-every", "3", *TINY, "--cap-factor", "1000", "--slack", "0.1", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, BPS_GC_HEARTBEAT_TIMEOUT="30"))  # it checks rows, not liveness
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    rows = data["rows"]
+    assert set(rows) == {lm.LIMIT, *lm.COLLECTIVE[1:], *lm.PS}
+    limit = rows[lm.LIMIT]
+    assert limit["steps_to_target"] in (3, 6) and limit["seconds_to_target"] > 0
+    assert limit["seconds_to_target"] == pytest.approx(limit["steps_to_target"] * data["compute_seconds_per_step"])
+    assert all(r["steps_done"] == 6 and np.isfinite(r["final_val_loss"]) for r in rows.values())
+    # the dense rows are DDP's arithmetic: the reference's final loss, within float tolerance
+    assert rows["DDP dense"]["final_val_loss"] == pytest.approx(limit["final_val_loss"], abs=1e-4)
+    dense_bytes = rows["DDP dense"]["bytes_per_rank_step"]
+    assert rows["DDP bf16 hook"]["bytes_per_rank_step"] == dense_bytes / 2
+    assert rows["bps_gc hook topk 1% + EF"]["bytes_per_rank_step"] < dense_bytes / 10
+    assert "the limit (no exchange)" in result.stdout and (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+
+
+def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
+    def train(folder, *extra):
+        argv = [TRAIN, *TINY, "--steps", "6", "--eval-every", "2", "--compressor", "topk", "--k", "0.05",
+                "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
+        result = subprocess.run(torchrun_argv(argv, 2), env=job_env(), cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+    straight = train("straight")
+    assert "stopped after step 2" in train("resumed", "--stop-after", "2")
+    resumed = train("resumed")
+    assert "resumed from" in resumed
+
+    def final(out):  # val_loss and bpb (tokens per second differ)
+        return [line for line in out.splitlines() if line.startswith("final:")][0].split()[1:3]
+    assert final(straight) == final(resumed)
+    for rank in range(2):
+        a = torch.load(tmp_path / "straight" / f"rank{rank}.pth")
+        b = torch.load(tmp_path / "resumed" / f"rank{rank}.pth")
+        assert a["epoch"] == b["epoch"] == 6
+        flat_a, flat_b = (flat({"model": c["model"], "adamw": c["optimizer"], "bps_gc": c["bps_gc"]}) for c in (a, b))
+        assert set(flat_a) == set(flat_b) and any("ef.error" in k for k in flat_a)  # the codec's residuals
+        for key, value in flat_a.items():
+            assert torch.equal(value, flat_b[key]) if torch.is_tensor(value) else value == flat_b[key], key
+
+
+def flat(tree, prefix=""):
+    """{dotted key: leaf} of nested dicts."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}

@@ -1,6 +1,6 @@
 """bps_gc.torch.DistributedOptimizer on the collective transport does not hold backward: its
 gradient hooks' push_pulls return before their bucket's compression and exchange are over (the
-exchange thread, bps_gc/collective/exchange_thread.py), even when a push fills a bucket
+exchange thread, bps_gc/collective/job_thread.py), even when a push fills a bucket
 (BPS_GC_BUCKET_BYTES below one gradient's size), and the ranks end with the same parameters."""
 import json
 import os

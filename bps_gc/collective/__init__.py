@@ -6,7 +6,7 @@ under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), under bpslaunch with DMLC_NUM_SE
 BPS_GC_TRANSPORT=collective. Like ``ps.worker.worker.Worker`` it is handed the codec library.
 """
 from .communicator import Collective
-from .exchange import all_gather_bytes
+from .all_gather import all_gather_bytes
 from .levels import HostLevels, levels_from_env
 from .rendezvous import collective_config
 

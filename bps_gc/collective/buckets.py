@@ -1,7 +1,7 @@
 """The collective communicator's buckets (a part of ``Collective``): reductions fused like
 DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when a handle
 waiting on one is waited for. There the bucket's compressed tensors send their payloads in one
-all_gather and every rank runs the server's reduction (exchange.py), its two-phase ones run
+all_gather and every rank runs the server's reduction (coded.py), its two-phase ones run
 their phases (reductions.py), its dense ones start one all_reduce per dtype; ``finish`` (a
 handle's wait) waits for those and delivers the results. A bucket's error (a codec's, a failed
 peer's) is raised by every wait on its handles.
@@ -104,43 +104,50 @@ class Bucket:
 
 
 class Buckets:
-    """Reductions fused into buckets: ``_add`` (into ``pending``, the bucket being filled),
+    """Reductions fused into buckets: ``add`` (into ``pending``, the bucket being filled),
     ``flush`` (to the exchange thread, which runs ``_send``), ``finish`` (a handle's wait) and
-    ``_deliver`` (a result into the caller's array); the dense and the one-level compressed
-    kinds are its own (``_reduce_dense``, ``_queue_payloads``). The other kinds' exchanges are
-    their parts' (``exchanges``)."""
+    ``deliver`` (a result into the caller's array); the dense and the one-level compressed
+    kinds are its own (``add_dense``, ``add_coded``). The other kinds' exchanges are their
+    parts' (``exchanges``)."""
 
     def __init__(self, shared, lifecycle, exchanger, bucket_bytes):
         """``shared``: shared.Shared; ``lifecycle``: its waits (lifecycle.py); ``exchanger``: the
         exchange thread; ``bucket_bytes``: a bucket goes out once it holds that much input."""
         self.shared, self.exchanger, self.bucket_bytes = shared, exchanger, bucket_bytes
         self.size = shared.size
-        self.check_alive, self.wait, self._issue = lifecycle.check_alive, lifecycle.wait, lifecycle._issue
+        self.check_alive, self.wait, self.issue = lifecycle.check_alive, lifecycle.wait, lifecycle.issue
         self.pending = Bucket()
-        self.reduce_coded_on_hosts = self._reduce_phased = self._gather_payloads = self._deliver_tensors = None
+        self.exchange_coded_on_hosts = self.exchange_phased = self.gather_payloads = self.deliver_tensors = None
 
-    def exchanges(self, coded_on_hosts, phased, gathered, deliver_tensors):
+    def exchanges(self, *, coded_on_hosts, phased, gathered, deliver_tensors):
         """The exchanges of the kinds other parts add to a bucket (those parts take the buckets,
-        so they are made after them, and give these once): two levels' ``coded`` (two_level.py),
-        ``phased`` (reductions.py), device ``gathered`` and device ``entries`` (device_tensors.py)."""
-        self.reduce_coded_on_hosts, self._reduce_phased = coded_on_hosts, phased
-        self._gather_payloads, self._deliver_tensors = gathered, deliver_tensors
+        so they are made after them, and give these once), each a public method of its part:
+        ``coded_on_hosts`` (TwoLevelReductions.exchange_coded_on_hosts: ``coded`` under two
+        levels), ``phased`` (PhasesAndVotes.exchange_phased), ``gathered`` and
+        ``deliver_tensors`` (DeviceTensors.gather_payloads, .deliver_tensors: device payloads,
+        and device ``entries`` once summed)."""
+        self.exchange_coded_on_hosts, self.exchange_phased = coded_on_hosts, phased
+        self.gather_payloads, self.deliver_tensors = gathered, deliver_tensors
 
-    def _reduce_dense(self, name, wire, out, average):
+    def add_dense(self, name, wire, out, average):
+        """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype)."""
         self.shared.counters.pushed_wire += wire.nbytes
         self.shared.counters.pulled_wire += wire.nbytes
-        return self._add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average), wire.nbytes, name)
+        return self.add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average), wire.nbytes, name)
 
-    def _queue_payloads(self, tensor, wire, out, average, ctx):
-        """Compressed now on the exchange thread (while backward goes on), exchanged with the
-        bucket (``wire`` is our copy; the thread takes a tensor's steps in order, so error
-        feedback sees each step in turn)."""
+    def add_coded(self, tensor, wire, out, average, ctx):
+        """A one-level compressed reduction into the pending bucket: compressed now on the
+        exchange thread (while backward goes on), exchanged with the bucket (``wire`` is our
+        copy; the thread takes a tensor's steps in order, so error feedback sees each step in
+        turn)."""
         compressed = Compressed()
         self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.shared.counters))
-        return self._add(Handle(self, out, self.pending), "coded",
-                         CodedEntry(tensor, wire, out, average, ctx, compressed), wire.nbytes, tensor.name)
+        return self.add(Handle(self, out, self.pending), "coded",
+                        CodedEntry(tensor, wire, out, average, ctx, compressed), wire.nbytes, tensor.name)
 
-    def _add(self, handle, kind, entry, nbytes, name):
+    def add(self, handle, kind, entry, nbytes, name):
+        """``entry`` into the pending bucket's list ``kind`` (entries, coded, phased or
+        gathered); the bucket goes out once it holds ``bucket_bytes``. Returns ``handle``."""
         bucket = self.pending
         getattr(bucket, kind).append(entry)
         bucket.names.append(name)
@@ -175,11 +182,11 @@ class Buckets:
 
     def _exchange(self, bucket):
         if bucket.coded:
-            (self.reduce_coded_on_hosts if self.shared.levels is not None else self._reduce_coded)(bucket.coded)
+            (self.exchange_coded_on_hosts if self.shared.levels is not None else self._exchange_coded)(bucket.coded)
         if bucket.gathered:
-            self._gather_payloads(bucket.gathered)
+            self.gather_payloads(bucket.gathered)
         if bucket.phased:
-            self._reduce_phased(bucket.phased)
+            self.exchange_phased(bucket.phased)
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
             wire = entry.wire
@@ -189,25 +196,25 @@ class Buckets:
             wires = [entry.wire for entry in entries]
             fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)
             bucket.buffers.append((fused, entries))
-        bucket.works = [self._issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
+        bucket.works = [self.issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
     @staticmethod
     def _compress_coded(coded):
         """This rank's payloads of the bucket's compressed tensors (made by their jobs, which
         ran before the bucket's on the same thread), in order; (None, the error) when a codec
-        raised: the rank still takes part in the exchange (exchange.py)."""
+        raised: the rank still takes part in the exchange (all_gather.py)."""
         failures = [entry.compressed.error for entry in coded if entry.compressed.error is not None]
         if failures:
             return None, failures[0]
         return [p for entry in coded for p in entry.compressed.payloads], None
 
-    def _reduce_coded(self, coded):
+    def _exchange_coded(self, coded):
         """One all_gather for the bucket's payloads, then every partition's reduction."""
         mine, failure = self._compress_coded(coded)
         start = time.perf_counter()
         try:
             gathered = exchange_payloads(mine, lambda work, what: self.wait(
-                self._issue(work), lambda: f"{what} of {listed(entry.tensor.name for entry in coded)}"),
+                self.issue(work), lambda: f"{what} of {listed(entry.tensor.name for entry in coded)}"),
                 parts=sum(len(entry.tensor.partitions) for entry in coded))
         except PayloadsMissing:
             if failure is not None:  # this rank's own codec error says more
@@ -221,7 +228,7 @@ class Buckets:
             parts = entry.tensor.partitions
             reduce_parts(parts, [rank[index:index + len(parts)] for rank in gathered], entry.wire, entry.ctx)
             index += len(parts)
-            self._deliver(entry.wire, entry.out, entry.average and parts[0].reducer.summed)
+            self.deliver(entry.wire, entry.out, entry.average and parts[0].reducer.summed)
 
     def finish(self, bucket):
         if bucket.done:
@@ -238,15 +245,15 @@ class Buckets:
         self.shared.counters.communicate_seconds += time.perf_counter() - start
         for fused, entries in bucket.buffers:
             if isinstance(entries[0].wire, torch.Tensor):
-                self._deliver_tensors(fused, entries)
+                self.deliver_tensors(fused, entries)
                 continue
             flat, offset = fused.numpy(), 0
             for entry in entries:
-                self._deliver(flat[offset:offset + entry.wire.size], entry.out, entry.average)
+                self.deliver(flat[offset:offset + entry.wire.size], entry.out, entry.average)
                 offset += entry.wire.size
         bucket.done = True
 
-    def _deliver(self, total, out, average):
+    def deliver(self, total, out, average):
         """The reduced flat ``total`` into the caller's ``out`` (divided by the ranks first when
         averaging: in place, ``total`` is ours)."""
         dest = out.reshape(-1)

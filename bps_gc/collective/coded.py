@@ -3,7 +3,8 @@ collective's buckets and its two levels, the DDP hook (on its three threads) and
 through device chains.
 
     compress_parts    each named part of a flat buffer -> its payload (the part's worker chain)
-    exchange_payloads every rank's payloads, in rank order (one all_gather on the given group)
+    exchange_payloads every rank's payloads, in rank order (one all_gather on the given group:
+                      all_gather.py)
     reduce_parts      each part's reducer over every rank's payloads, decoded into the buffer,
                       divided where the reducer sums
 
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
-from .exchange import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors
+from .all_gather import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors
 
 
 class CodedPart(NamedTuple):
@@ -44,7 +45,7 @@ def compress_parts(parts, flat, ctx=None):
 def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, device=None):
     """Every rank's payloads in rank order (``payloads`` None: this rank failed to make its
     ``parts`` payloads; every rank then raises PayloadsMissing). Host payloads travel as bytes
-    (``capacity``: exchange.Capacity, one all_gather once the sizes are known), device ones
+    (``capacity``: all_gather.Capacity, one all_gather once the sizes are known), device ones
     stay on their ``device``."""
     on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
     if on_device:

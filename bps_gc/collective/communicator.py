@@ -2,11 +2,11 @@
 
 Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
 goes out when full or when a handle waiting on it is waited for. Going out hands it to the
-exchange thread (exchange_thread.py), so reduce() returns at once: a gradient hook never holds
+exchange thread (job_thread.py), so reduce() returns at once: a gradient hook never holds
 backward for an exchange. There its dense tensors are summed by one all_reduce (per dtype), its
 two-phase tensors' phases by one all_reduce each, and its compressed tensors, cut into the
 parameter server's partitions (same keys, so the same codec seeds) and compressed there, send
-their payloads in one all_gather, and every rank runs the server's reduction (exchange.py); the
+their payloads in one all_gather, and every rank runs the server's reduction (coded.py); the
 handles' wait() delivers the results. Every rank issues the same collectives in the same order
 because every rank declares, reduces and waits in the same order (the contract of the
 interface), the thread takes buckets in the order they were flushed, and the collectives the
@@ -18,11 +18,13 @@ PowerSGD's P and Q steps call.
 
 This file holds the interface's calls (declare, reduce, the plain collectives); its parts, each
 made with what it needs and holding no other part's state, the rest: ``lifecycle``
-(lifecycle.py: start, shutdown, waits), ``buckets`` (buckets.py: fusing and exchanging
-reductions), ``phases`` (reductions.py: two-phase and majority), ``two_levels`` (two_level.py),
-``messages`` (messages.py), ``device`` (device_tensors.py). What they share (the counters, the
-failure, the heartbeat, the levels, the counts of collectives and messages) is one
-``shared.Shared``.
+(lifecycle.py: start, shutdown, waits, ``issue``), ``buckets`` (buckets.py: fusing and
+exchanging reductions), ``phases`` (reductions.py: two-phase and majority), ``two_levels``
+(two_level_reductions.py), ``messages`` (messages.py), ``device`` (device_tensors.py),
+``checkpoint`` (checkpoint_state.py). A part calls another only through its public methods,
+handed to it at construction (``Buckets.exchanges`` takes the other parts' exchanges by name).
+What they share (the counters, the failure, the heartbeat, the levels, the counts of
+collectives and messages) is one ``shared.Shared``.
 """
 import time
 
@@ -36,13 +38,13 @@ from ..comm.phased import host_first, phases
 from ..comm.placement import Placement, check_dtype
 from .buckets import Buckets, CodedEntry, Handle
 from .device_tensors import DeviceTensors
-from .exchange_thread import ExchangeThread
+from .job_thread import JobThread
 from .lifecycle import Lifecycle
 from .messages import Messages
 from .reductions import PhasesAndVotes
 from .shared import Shared
-from .state import CommunicatorState
-from .two_level import TwoLevels
+from .checkpoint_state import CommunicatorState
+from .two_level_reductions import TwoLevelReductions
 
 
 class Collective(api.Communicator):
@@ -57,15 +59,16 @@ class Collective(api.Communicator):
         self.tensors = {}
         self.placement = Placement(1, cfg.partition_bytes, cfg.min_compress_bytes)
         self.shared = Shared(self.rank, self.size)
-        self.exchanger = ExchangeThread(f"bps_gc-collective-exchange-{self.rank}")
+        self.exchanger = JobThread(f"bps_gc-collective-exchange-{self.rank}")
         self.lifecycle = Lifecycle(cfg, self.shared, self.exchanger, self.local_size)
-        self.two_levels = TwoLevels(cfg, self.shared, self.lifecycle, self.local_rank, self.local_size)
+        self.two_levels = TwoLevelReductions(cfg, self.shared, self.lifecycle, self.local_rank, self.local_size)
         self.buckets = Buckets(self.shared, self.lifecycle, self.exchanger, cfg.bucket_bytes)
         self.phases = PhasesAndVotes(self.shared, self.lifecycle, self.buckets, self._sum)
         self.messages = Messages(self.shared, self.lifecycle)
         self.device = DeviceTensors(self.shared, self.lifecycle, self.buckets, self.tensors, self.partitions)
-        self.buckets.exchanges(self.two_levels.reduce_coded_on_hosts, self.phases._reduce_phased,
-                               self.device._gather_payloads, self.device._deliver_tensors)
+        self.buckets.exchanges(coded_on_hosts=self.two_levels.exchange_coded_on_hosts,
+                               phased=self.phases.exchange_phased, gathered=self.device.gather_payloads,
+                               deliver_tensors=self.device.deliver_tensors)
         # the calls other layers make straight to a part: bound here, so a call costs no more
         # than it did (check_alive, wait and flush: torch/ddp/hook.py, tests; the device calls:
         # torch/device.py, torch/ops.py)
@@ -111,25 +114,25 @@ class Collective(api.Communicator):
         # (with two levels every source is copied into the host's shared memory before any result
         # is written, so a compressed tensor needs no copy of its own there either)
         levels, buckets, counters = self.shared.levels, self.buckets, self.shared.counters
-        # thc's phases cross hosts between the host's sums too (two_level.py), PowerSGD's do not
+        # thc's phases cross hosts between the host's sums too (two_level_reductions.py), PowerSGD's do not
         two_levels = levels is not None and (phases(tensor) == 1 or host_first(tensor))
         carried = tensor.dtype if two_levels else tensor.wire_dtype
         wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed and not two_levels)
         counters.pushed_raw += wire.nbytes
         counters.pulled_raw += wire.nbytes
-        if two_levels:  # dense or not (two_level.py)
-            return buckets._add(Handle(buckets, out, buckets.pending), "coded", CodedEntry(tensor, wire, out, average, ctx),
-                                wire.nbytes, tensor.name)
+        if two_levels:  # dense or not (two_level_reductions.py)
+            return buckets.add(Handle(buckets, out, buckets.pending), "coded", CodedEntry(tensor, wire, out, average, ctx),
+                               wire.nbytes, tensor.name)
         if not tensor.compressed:
-            return buckets._reduce_dense(tensor.name, wire, out, average)
+            return buckets.add_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:
-            return self.phases._reduce_in_phases(tensor, wire, out, average, ctx)
+            return self.phases.add_phased(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
-            return buckets._queue_payloads(tensor, wire, out, average, ctx)
+            return buckets.add_coded(tensor, wire, out, average, ctx)
         start = time.perf_counter()
-        self.phases._reduce_signs(tensor, wire, ctx)
+        self.phases.vote_signs(tensor, wire, ctx)
         counters.communicate_seconds += time.perf_counter() - start
-        buckets._deliver(wire, out, False)  # a vote: never averaged
+        buckets.deliver(wire, out, False)  # a vote: never averaged
         return Handle(buckets, out)
 
     # ------------------------------------------------------------------ collectives
@@ -147,7 +150,7 @@ class Collective(api.Communicator):
         if self.shared.levels is not None:
             self.shared.levels.all_reduce(tensor.numpy())
         else:
-            self.wait(self.lifecycle._issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
+            self.wait(self.lifecycle.issue(dist.all_reduce(tensor, async_op=True)), "all_reduce")
         if average:
             tensor /= self.size
         if not np.shares_memory(tensor.numpy(), array):
@@ -158,7 +161,7 @@ class Collective(api.Communicator):
         self.check_alive()
         self.flush()
         self.drain()
-        self.wait(self.lifecycle._issue(dist.barrier(async_op=True)), "barrier")
+        self.wait(self.lifecycle.issue(dist.barrier(async_op=True)), "barrier")
 
     def broadcast(self, array, root_rank, name):
         if not 0 <= root_rank < self.size:
@@ -166,7 +169,7 @@ class Collective(api.Communicator):
         self.check_alive()
         self.drain()
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.wait(self.lifecycle._issue(dist.broadcast(tensor, root_rank, async_op=True)), f"broadcast of {name!r}")
+        self.wait(self.lifecycle.issue(dist.broadcast(tensor, root_rank, async_op=True)), f"broadcast of {name!r}")
         if not np.shares_memory(tensor.numpy(), array):
             np.copyto(array, tensor.numpy())
         return array

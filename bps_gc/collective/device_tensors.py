@@ -19,17 +19,17 @@ from .coded import exchange_payloads, payload_bytes
 
 
 class DeviceTensors:
-    """``push_payloads`` and ``reduce_tensor`` into the pending bucket; ``_gather_payloads`` and
-    ``_deliver_tensors``, their exchange and delivery (given to the buckets)."""
+    """``push_payloads`` and ``reduce_tensor`` into the pending bucket; ``gather_payloads`` and
+    ``deliver_tensors``, their exchange and delivery (given to the buckets)."""
 
     def __init__(self, shared, lifecycle, buckets, tensors, partitions):
         """``shared``: shared.Shared; ``lifecycle``: its checks and waits; ``buckets``: where the
-        tensors go (buckets.py); ``tensors``: the communicator's declared tensors by name
+        tensors go (buckets.py: its ``add``); ``tensors``: the communicator's declared tensors by name
         (read only); ``partitions``: the communicator's ``partitions(name)``."""
         self.shared, self.buckets, self.size = shared, buckets, shared.size
         self.tensors, self.partitions = tensors, partitions
-        self.check_alive, self.wait, self._issue = lifecycle.check_alive, lifecycle.wait, lifecycle._issue
-        self._add = buckets._add
+        self.check_alive, self.wait, self.issue = lifecycle.check_alive, lifecycle.wait, lifecycle.issue
+        self.add = buckets.add
 
     def push_payloads(self, name, payloads, ctx=None, priority=0):
         """Payloads a binding compressed on its device (uint8 tensors, one per partition of
@@ -51,9 +51,9 @@ class DeviceTensors:
         counters.pushed_wire += sum(p.numel() for p in payloads)
         result = []
         handle = Handle(self.buckets, result, self.buckets.pending)
-        return self._add(handle, "gathered", GatheredEntry(payloads, result, name), raw, name)
+        return self.add(handle, "gathered", GatheredEntry(payloads, result, name), raw, name)
 
-    def _gather_payloads(self, gathered):
+    def gather_payloads(self, gathered):
         """One all_gather per device for the bucket's device payloads (in the order their
         devices first appear, alike on every rank)."""
         by_device = {}
@@ -63,7 +63,7 @@ class DeviceTensors:
             start = time.perf_counter()
             mine = [p for entry in entries for p in entry.payloads]
             ranks = exchange_payloads(mine, lambda work, what: self.wait(
-                self._issue(work), lambda: f"{what} of {listed(entry.name for entry in entries)}"))
+                self.issue(work), lambda: f"{what} of {listed(entry.name for entry in entries)}"))
             self.shared.counters.pulled_wire += payload_bytes(p for rank in ranks for p in rank) - payload_bytes(mine)
             self.shared.counters.communicate_seconds += time.perf_counter() - start
             index = 0
@@ -72,8 +72,8 @@ class DeviceTensors:
                 index += len(entry.payloads)
 
     @torch.no_grad()
-    def _deliver_tensors(self, fused, entries):
-        """``_deliver`` for the tensors of ``reduce_tensor``, on their device."""
+    def deliver_tensors(self, fused, entries):
+        """``Buckets.deliver`` for the tensors of ``reduce_tensor``, on their device."""
         offset = 0
         for entry in entries:
             total = fused[offset:offset + entry.wire.numel()]
@@ -102,4 +102,4 @@ class DeviceTensors:
         for counter in ("pushed_raw", "pulled_raw", "pushed_wire", "pulled_wire"):
             setattr(self.shared.counters, counter, getattr(self.shared.counters, counter) + nbytes)
         handle = Handle(self.buckets, tensor, self.buckets.pending)
-        return self._add(handle, "entries", DenseEntry(wire, tensor, average), nbytes, name)
+        return self.add(handle, "entries", DenseEntry(wire, tensor, average), nbytes, name)

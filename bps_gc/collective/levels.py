@@ -37,7 +37,7 @@ from ..comm.host_sum import add_in_order
 from ..config import ConfigError
 from ..wire import shm
 from .coded import compress_parts, in_wire_dtype, payload_bytes, reduce_parts
-from .exchange import all_gather_bytes
+from .all_gather import all_gather_bytes
 from .rendezvous import collective_config, host_key
 
 log = logging.getLogger("bps_gc.collective")
@@ -80,10 +80,13 @@ def host_layout(table, hierarchy):
 
 
 class HostLevels:
-    """The groups and shared memory of two levels; ``wait(work, what)`` waits for a collective
-    (the communicator's watches the heartbeat; None: a skipped one, for its count). Each
-    reduction takes the wait of its caller (``wait=``; the one given here when None), so a
-    HostLevels shared by callers with different waits (the DDP hook's buckets) needs no swap."""
+    """The two levels themselves: the host's group and shared memory, the cross-host groups,
+    and the sums through them (the communicator's part that runs its buckets through them:
+    two_level_reductions.TwoLevelReductions; the DDP hook's: torch/ddp/hook_two_levels.py).
+    ``wait(work, what)`` waits for a collective (the communicator's watches the heartbeat;
+    None: a skipped one, for its count). Each reduction takes the wait of its caller
+    (``wait=``; the one given here when None), so a HostLevels shared by callers with
+    different waits (the DDP hook's buckets) needs no swap."""
 
     def __init__(self, rank, size, local_size, wait=plain_wait):
         self.rank, self.size, self.local_size, self.wait = rank, size, local_size, wait

@@ -2,7 +2,7 @@
 
 Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
 heartbeat bound, and one that shut down (departure.py) as soon as this rank waits on anything it
-never issued; so every collective and message is counted (``_issue``).
+never issued; so every collective and message is counted (``issue``).
 """
 import logging
 import threading
@@ -24,12 +24,12 @@ class Lifecycle:
     """The rank's life in the job: ``start`` (rendezvous, heartbeat), ``shutdown`` (publish what
     this rank did, wait for the others: departure.py), ``check_alive``, and the waits every
     other part calls: ``wait`` (a torch.distributed work, watching the heartbeat and departures),
-    ``drain`` (the exchange thread idle) and ``_issue`` (count a collective as it goes out).
+    ``drain`` (the exchange thread idle) and ``issue`` (count a collective as it goes out).
     Writes ``shared.heartbeat``, ``shared.failure`` and ``shared.issued``; keeps ``closed``,
     ``abandoned``, ``awaiting`` and ``hosts_store`` to itself."""
 
     def __init__(self, cfg, shared, exchanger, local_size):
-        """``shared``: shared.Shared; ``exchanger``: the exchange thread (exchange_thread.py);
+        """``shared``: shared.Shared; ``exchanger``: the exchange thread (job_thread.JobThread);
         ``local_size``: the ranks on this host (they may share a GPU: backend_choice.py)."""
         self.cfg, self.shared, self.exchanger, self.local_size = cfg, shared, exchanger, local_size
         self.rank, self.size = shared.rank, shared.size
@@ -39,7 +39,7 @@ class Lifecycle:
         self.abandoned = None  # the uncaught exception the script ends on, if any
 
     def start(self, join_levels, barrier):
-        """Rendezvous and heartbeat, then ``join_levels`` (TwoLevels') and a first ``barrier``."""
+        """Rendezvous and heartbeat, then ``join_levels`` (TwoLevelReductions') and a first ``barrier``."""
         backend, why = backend_from_env(local_size=self.local_size)
         if self.rank == 0 and SHARED in why:  # ranks share a GPU: gloo where NCCL was expected
             log.warning("bps_gc: %s", why)
@@ -147,7 +147,7 @@ class Lifecycle:
             self.shared.failure = failure
             raise failure
 
-    def _issue(self, work):
+    def issue(self, work):
         """Count a collective as it is issued (every rank issues them in the same order)."""
         self.shared.issued += 1
         return work

@@ -17,33 +17,34 @@ WORDS = np.dtype(np.int64)
 
 
 class PhasesAndVotes:
-    """``_reduce_in_phases`` (a two-phase tensor into the pending bucket) and ``_reduce_phased``
-    (the bucket's phases, on the exchange thread); ``_reduce_signs`` (majority's vote, now)."""
+    """``add_phased`` (a two-phase tensor into the pending bucket) and ``exchange_phased``
+    (the bucket's phases, on the exchange thread: given to the buckets); ``vote_signs``
+    (majority's vote, now)."""
 
     def __init__(self, shared, lifecycle, buckets, sum_ranks):
         """``shared``: shared.Shared; ``lifecycle``: its waits; ``buckets``: where two-phase
-        tensors go (buckets.py); ``sum_ranks``: the plain in-place sum over ranks
+        tensors go (buckets.py: its ``add`` and ``deliver``); ``sum_ranks``: the plain in-place sum over ranks
         (``Collective._sum``: one level or two)."""
         self.shared, self.buckets, self.size = shared, buckets, shared.size
-        self.drain, self.wait, self._issue = lifecycle.drain, lifecycle.wait, lifecycle._issue
-        self._add, self._deliver, self._sum = buckets._add, buckets._deliver, sum_ranks
+        self.drain, self.wait, self.issue = lifecycle.drain, lifecycle.wait, lifecycle.issue
+        self.add, self.deliver, self._sum = buckets.add, buckets.deliver, sum_ranks
 
-    def _reduce_in_phases(self, tensor, wire, out, average, ctx):
+    def add_phased(self, tensor, wire, out, average, ctx):
         """Two phases (comm/phased.py), both with the bucket on the exchange thread (a tensor's
         steps in order there, so error feedback sees each step in turn). One level here; thc
-        with two levels goes through the host's sums instead (two_level.py)."""
+        with two levels goes through the host's sums instead (two_level_reductions.py)."""
         reduction = PhasedReduction(tensor, wire, wire, ctx, self.size, carrier=WORDS)
         handle = Handle(self.buckets, out, self.buckets.pending)
-        return self._add(handle, "phased", PhasedEntry(reduction, wire, out, average), wire.nbytes, tensor.name)
+        return self.add(handle, "phased", PhasedEntry(reduction, wire, out, average), wire.nbytes, tensor.name)
 
-    def _reduce_phased(self, phased):
+    def exchange_phased(self, phased):
         """Both phases of every two-phase reduction in the bucket: one all_reduce each."""
         start, counters = time.perf_counter(), self.shared.counters
         summing = counters.communicate_seconds
         run_phases([entry.reduction for entry in phased], self._sum_phase)
         counters.compress_seconds += time.perf_counter() - start - (counters.communicate_seconds - summing)
         for entry in phased:
-            self._deliver(entry.wire, entry.out, entry.average)
+            self.deliver(entry.wire, entry.out, entry.average)
 
     def _sum_phase(self, fused):
         """One phase's buffers (comm/phased.py ``fused_sums``) summed over ranks, counted."""
@@ -57,7 +58,7 @@ class PhasesAndVotes:
         counters.pulled_wire += handed
         counters.communicate_seconds += time.perf_counter() - start
 
-    def _reduce_signs(self, tensor, wire, ctx):
+    def vote_signs(self, tensor, wire, ctx):
         """majority: each rank's decoded signs, summed by all_reduce; the vote's sign (ties +1).
         The last element counts ranks whose push held a non-finite value: then the result is
         NaN everywhere, as the parameter server's majority reply says (reducers.py)."""
@@ -71,6 +72,6 @@ class PhasesAndVotes:
         self.drain()
         self.shared.counters.pushed_wire += votes.numel() // 8 + 1
         self.shared.counters.pulled_wire += votes.numel() // 8 + 1
-        self.wait(self._issue(dist.all_reduce(votes, async_op=True)), f"all_reduce of {tensor.name!r}'s signs")
+        self.wait(self.issue(dist.all_reduce(votes, async_op=True)), f"all_reduce of {tensor.name!r}'s signs")
         tally = votes.numpy()
         wire[...] = np.nan if tally[-1] else np.where(tally[:-1] < 0, -1, 1)

@@ -13,7 +13,7 @@ class Shared:
     # this step's bytes and seconds: added to by every part (the exchange thread too); replaced
     # by Collective.metrics(), so parts read it here each time, never keep it
     counters: Metrics = dataclasses.field(default_factory=Metrics)
-    # collectives this rank issued (Lifecycle._issue; TwoLevels.level_wait counts the ones it
+    # collectives this rank issued (Lifecycle.issue; TwoLevelReductions.level_wait counts the ones it
     # skips): what a rank that left compares (departure.py)
     issued: int = 0
     # messages sent to / taken from each peer (Messages); Lifecycle publishes them at shutdown
@@ -22,9 +22,9 @@ class Shared:
     # the first failure this rank met (written by Lifecycle's checks and waits); the buckets'
     # exchange and every later wait raise it
     failure: Optional[BaseException] = None
-    # liveness.Heartbeat, set by Lifecycle.start; TwoLevels.join_levels and the waits read it
+    # liveness.Heartbeat, set by Lifecycle.start; TwoLevelReductions.join_levels and the waits read it
     heartbeat: Any = None
-    # levels.HostLevels when two levels run, set by TwoLevels.join_levels; reduce, the buckets'
+    # levels.HostLevels when two levels run, set by TwoLevelReductions.join_levels; reduce, the buckets'
     # exchange, the plain sum and shutdown read it
     levels: Any = None
 

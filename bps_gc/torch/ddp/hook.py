@@ -7,7 +7,7 @@ hooks. Each gradient of a bucket is its own partition (one onebit scale over a w
 would mix layers), with a codec chain (error feedback, momentum) kept per gradient
 (gradient_codecs.GradientCodecs: it stays when DDP regroups its buckets after the first step), seeded by the
 bucket index and position where it was first seen, so seeds agree on every rank. Every rank gathers every rank's payloads and runs
-the reducer the parameter server would (bps_gc.collective.exchange), so the result is the
+the reducer the parameter server would (bps_gc.collective.coded), so the result is the
 server's. Without a compressor it is an all_reduce (float16 with ``fp16``). The learning rate
 error feedback rescales by is ``optimizer``'s when the hook is called.
 
@@ -20,7 +20,7 @@ reducing consecutive buckets overlap (CUDA buckets run on a side stream that fir
 gradients). An error on these threads (a codec's, a failed peer's) is the future's: DDP raises
 it from backward().
 
-Several ranks per host (host_levels.py, docs/local_ranks.md): where the job runs two levels, a
+Several ranks per host (hook_two_levels.py, docs/local_ranks.md): where the job runs two levels, a
 DDP group of every rank reduces through them on the exchanging thread, so the result is the
 parameter server's two levels'. Device-chain buckets stay flat. Futures and CUDA side streams:
 futures.py; the per-bucket state and a call's job, in named fields: gradient_codecs.py.
@@ -28,7 +28,7 @@ futures.py; the per-bucket state and a call's job, in named fields: gradient_cod
 CompressionHook is built from parts, each a class with its own constructor, held by name:
 ``codecs`` (gradient_codecs.GradientCodecs: each gradient's codec, keyed by parameter, and its
 checkpoints), ``phased`` (phased_buckets.PhasedBuckets, thc's buckets; None for other codecs) and
-``two_levels`` (host_levels.HookLevels). The hook keeps the threads, side groups and streams
+``two_levels`` (hook_two_levels.HookTwoLevels). The hook keeps the threads, side groups and streams
 they are given, and its own BucketState per bucket index.
 """
 import time
@@ -41,12 +41,12 @@ import bps_gc.core as core
 
 from ... import compress
 from ...collective.coded import Capacity, PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
-from ...collective.exchange_thread import ExchangeThread
+from ...collective.job_thread import JobThread
 from ...collective.security import refuse_security_settings
 from ..checkpoint import register
 from .dtypes import TORCH_OF, wire_dtype, wire_torch
 from .futures import current, on_side_stream, raiser, settle, value
-from .host_levels import HookLevels
+from .hook_two_levels import HookTwoLevels
 from .phased_buckets import PhasedBuckets
 from .gradient_codecs import BucketJob, BucketState, GradientCodecs, key_maker
 
@@ -78,16 +78,16 @@ class CompressionHook:
         # three stages, each one thread taking buckets in call order: compressing the next bucket
         # overlaps gathering this one, gathering it overlaps reducing the one before, and one
         # thread issues every collective of the hook
-        self.compressor = ExchangeThread("bps_gc-comm-hook-compress")
-        self.exchanger = ExchangeThread("bps_gc-comm-hook-exchange")
-        self.reducing = ExchangeThread("bps_gc-comm-hook-reduce")
-        self.capacities = {}  # bucket index -> its payloads' exchange.Capacity (the exchanging thread's)
+        self.compressor = JobThread("bps_gc-comm-hook-compress")
+        self.exchanger = JobThread("bps_gc-comm-hook-exchange")
+        self.reducing = JobThread("bps_gc-comm-hook-reduce")
+        self.capacities = {}  # bucket index -> its payloads' all_gather.Capacity (the exchanging thread's)
         self.side_groups = {}  # DDP's process group -> the hook's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buckets are reduced on
         self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
-        self.two_levels = HookLevels(self.params, self.traffic, self._waiter)  # several ranks per host
-        self.phased = PhasedBuckets(self.codecs, self.current_lr, self.exchanger, self.traffic, self._future,
-                                    self._side_group, self._waiter, getattr(reducer_class, "host_first", False)) \
+        self.two_levels = HookTwoLevels(self.params, self.traffic, self.waiter)  # several ranks per host
+        self.phased = PhasedBuckets(self.codecs, self.current_lr, self.exchanger, self.traffic, self.pending_future,
+                                    self.side_group, self.waiter, getattr(reducer_class, "host_first", False)) \
             if phased else None
 
     def __call__(self, process_group, bucket):
@@ -97,7 +97,7 @@ class CompressionHook:
         if not self.params.compressed:
             if levels is None or buffer.device.type not in ("cpu", "cuda"):
                 return self._all_reduce(group, buffer)
-            future, stream = self._future(buffer)
+            future, stream = self.pending_future(buffer)
             self.exchanger.submit(lambda: self.two_levels.all_reduce(levels, group, bucket.index(), buffer,
                                                                      future, stream))
             return future.then(value)
@@ -110,10 +110,10 @@ class CompressionHook:
         on_device = state.on_device
         ctx = {"lr": self.current_lr(), "step": self.codecs.next_step(state.codecs)}
         levels = None if on_device else levels  # device payloads stay flat (as DeviceTensors')
-        side = group if levels is not None else self._side_group(group)
+        side = group if levels is not None else self.side_group(group)
         job = BucketJob(side, index, buffer, state.parts, ctx, on_device, levels,
                         tuple(codec.key for codec in state.codecs))
-        future, stream = self._future(buffer)
+        future, stream = self.pending_future(buffer)
         self.compressor.submit(lambda: self._compress_stage(job, future, stream))
         _stamp(index, "returned")
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
@@ -121,7 +121,7 @@ class CompressionHook:
         # exception's type and text in the error DDP raises
         return future.then(value)
 
-    def _future(self, buffer):
+    def pending_future(self, buffer):
         """(the bucket's pending future, its CUDA side stream and event or None)."""
         if buffer.device.type == "cpu":
             return torch.futures.Future(), None
@@ -187,11 +187,11 @@ class CompressionHook:
         """Every rank's payloads of the bucket, in rank order; a rank that could not make its
         own names itself (or the others stop too, naming it)."""
         group, index, buffer, parts = job.group, job.index, job.buffer, job.parts
-        wait = self._waiter(group, index)
+        wait = self.waiter(group, index)
         start = time.perf_counter()
         try:
             # device payloads stay where they are (NCCL for CUDA); host ones go in one all_gather
-            # per bucket once their size is known (exchange.Capacity)
+            # per bucket once their size is known (all_gather.Capacity)
             capacity = None if job.on_device else self.capacities.setdefault(index, Capacity())
             gathered = exchange_payloads(payloads, wait, group, len(parts), capacity,
                                          buffer.device if job.on_device else None)
@@ -225,7 +225,7 @@ class CompressionHook:
             buffer.copy_(result)
         return buffer
 
-    def _waiter(self, group, index):
+    def waiter(self, group, index):
         """How the worker waits for a collective: through bps_gc's collective communicator when
         it runs (its heartbeat names a dead or departed rank within its bound, as a
         NodeFailure), else gloo's own wait, whose error (a peer's socket closed) becomes one."""
@@ -247,7 +247,7 @@ class CompressionHook:
             _stamp(index, what + " end")
         return wait
 
-    def _side_group(self, group):
+    def side_group(self, group):
         """The hook's own process group with ``group``'s ranks: made by the first call, which
         every member makes at the same point (its first bucket)."""
         side = self.side_groups.get(group)

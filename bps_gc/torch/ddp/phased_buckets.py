@@ -5,7 +5,7 @@ exchanging thread (the one issuing the hook's collectives), so no payload is gat
 gradient is a partition (keys as gradient_codecs.py's ``bucket_key``; PowerSGD views it in its
 parameter's shape) with a float32 numpy chain on the host (the codes are the wire: ``fp16``
 changes nothing); the bucket's average is written back into DDP's buffer. With two levels
-(host_levels.py), for thc (``host_first``), each gradient's owner local rank (by its seed key)
+(hook_two_levels.py), for thc (``host_first``), each gradient's owner local rank (by its seed key)
 sums it over the host in shared memory, encodes that sum, and sums its phase buffers with the
 owners of the other hosts (one summand per host: comm/phased.py ``host_first``); then the host
 copies the decoded gradients out.
@@ -35,8 +35,8 @@ class PhasedBuckets:
     """CompressionHook's part for a codec whose reducer sums in plain phases in the hook (thc).
 
     Made from ``codecs`` (the hook's gradient_codecs.GradientCodecs), ``current_lr()`` (the learning
-    rate of a call), ``exchanger`` (the hook's exchanging ExchangeThread), ``traffic``
-    (core.hook_traffic), and the hook's ``future(buffer)`` (pending future, CUDA side stream),
+    rate of a call), ``exchanger`` (the hook's exchanging JobThread), ``traffic``
+    (core.hook_traffic), and the hook's ``pending_future(buffer)`` (pending future, CUDA side stream),
     ``side_group(group)`` (its own process group of DDP's) and ``waiter(group, index)`` (the
     wait of a bucket's collectives). ``call(group, bucket, buffer)`` is the hook's call for a
     bucket: a future of its average; ``forget()`` drops the buckets (made again from the
@@ -45,7 +45,7 @@ class PhasedBuckets:
     def __init__(self, codecs, current_lr, exchanger, traffic, future, side_group, waiter, host_first):
         self.codecs, self.current_lr, self.exchanger, self.traffic = codecs, current_lr, exchanger, traffic
         self.host_first = host_first  # thc: two levels sum the host first; PowerSGD's phases run flat
-        self._future, self._side_group, self._waiter = future, side_group, waiter
+        self.pending_future, self.side_group, self.waiter = future, side_group, waiter
         self.buckets = {}  # bucket index -> its PhasedBucket
 
     def forget(self):
@@ -61,14 +61,14 @@ class PhasedBuckets:
             codecs, _ = self.codecs.codecs_for(index, gradients, sizes, buffer, key_maker(bucket, index), shapes)
             state = self.buckets[index] = PhasedBucket(sizes, gradients, codecs, coded_parts(codecs))
         ctx = {"lr": self.current_lr(), "step": self.codecs.next_step(state.codecs)}
-        side = self._side_group(group)
-        future, stream = self._future(buffer)
+        side = self.side_group(group)
+        future, stream = self.pending_future(buffer)
         levels = levels if self.host_first else None
         self.exchanger.submit(lambda: self._stage(side, index, buffer, state, ctx, future, stream, levels))
         return future.then(value)
 
     def _stage(self, group, index, buffer, tensor, ctx, future, stream, levels):
-        wait = self._waiter(group, index)
+        wait = self.waiter(group, index)
         level_wait = (lambda work, what: None if work is None else wait(work, what))  # None: skipped
         what = f"all_reduce of DDP bucket {index}'s thc phase"
 

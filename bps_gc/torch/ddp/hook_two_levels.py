@@ -16,8 +16,8 @@ log = logging.getLogger("bps_gc.torch")
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buckets the host level sums as numpy
 
 
-class HookLevels:
-    """CompressionHook's part for two levels: the HostLevels of each DDP group (or None where it
+class HookTwoLevels:
+    """CompressionHook's part for two levels (collective/levels.py): the HostLevels of each DDP group (or None where it
     runs flat), and a bucket reduced through them. ``traffic`` (core.hook_traffic) counts its
     bytes; ``waiter(group, index)`` gives the wait of a bucket's collectives (the hook's); it goes
     with each call into the shared HostLevels."""

@@ -1,7 +1,7 @@
 """The communicator's codec state (a part of ``Collective``; docs/checkpoint.md): every
 worker chain and reducer of its compressed tensors, keyed ``<tensor name>/<partition>/worker|
 reducer/<key>``, by declared name, never by bucket or declaration index. Every rank runs the
-server's reducers (exchange.py), so a recompress reducer's server chain is saved by every rank.
+server's reducers (coded.py), so a recompress reducer's server chain is saved by every rank.
 
 Saved and loaded between steps: the exchange thread is drained first, so no chain is in use.
 A tensor declared without its shape gets its chains at its first push_pull; declare it with

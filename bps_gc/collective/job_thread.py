@@ -1,5 +1,7 @@
-"""The collective communicator's exchange thread: flushed buckets are compressed and exchanged
-there, in the order they were flushed, so a gradient hook that fills a bucket returns at once.
+"""``JobThread``: one thread running jobs in the order they were submitted. The collective
+communicator's exchange thread is one (its ``exchanger``: flushed buckets are compressed and
+exchanged there, in the order they were flushed, so a gradient hook that fills a bucket returns
+at once); so are the DDP hook's three stages (torch/ddp/hook.py: compress, exchange, reduce).
 
 Why the order of collectives stays the same on every rank: only the caller's thread flushes
 buckets (at the same point on every rank: the interface's contract), and this one thread runs
@@ -12,8 +14,9 @@ import queue
 import threading
 
 
-class ExchangeThread:
-    """One daemon thread running jobs in submission order; ``idle()`` when all have run. A
+class JobThread:
+    """One daemon thread running jobs (callables) in submission order; ``idle()`` when all
+    have run. A
     daemon: a job blocked on a dead peer never keeps the process alive (its waits poll the
     heartbeat, so it ends anyway within the heartbeat's bound)."""
 

@@ -21,16 +21,17 @@ from .reductions import WORDS
 from .rendezvous import host_key
 
 
-class TwoLevels:
-    """``join_levels`` (at start: sets ``shared.levels`` when two levels run) and
-    ``reduce_coded_on_hosts`` (a bucket's single-phase tensors, on the exchange thread)."""
+class TwoLevelReductions:
+    """The communicator's part for two levels (the levels themselves: levels.HostLevels):
+    ``join_levels`` (at start: sets ``shared.levels`` when two levels run) and
+    ``exchange_coded_on_hosts`` (a bucket's single-phase tensors, on the exchange thread)."""
 
     def __init__(self, cfg, shared, lifecycle, local_rank, local_size):
         """``shared``: shared.Shared; ``lifecycle``: its waits (lifecycle.py); this rank's place
         on its host."""
         self.cfg, self.shared, self.rank, self.size = cfg, shared, shared.rank, shared.size
         self.local_rank, self.local_size = local_rank, local_size
-        self.wait, self._issue = lifecycle.wait, lifecycle._issue
+        self.wait, self.issue = lifecycle.wait, lifecycle.issue
 
     def join_levels(self):
         levels = self.shared.levels = HostLevels.join(self.rank, self.size, host_key(self.cfg), self.local_rank,
@@ -45,9 +46,9 @@ class TwoLevels:
         if work is None:
             self.shared.issued += 1
             return
-        self.wait(self._issue(work), what)
+        self.wait(self.issue(work), what)
 
-    def reduce_coded_on_hosts(self, coded):
+    def exchange_coded_on_hosts(self, coded):
         """Two levels of a bucket's single-phase tensors ``coded``: [buckets.CodedEntry] (``wire``
         in the tensor's dtype), dense and compressed apart, one round per
         dtype and wire dtype (their buffers back to back in shared memory): each ``wire`` is
@@ -67,7 +68,7 @@ class TwoLevels:
                 tensor, wire, out = entry.tensor, entry.wire, entry.out
                 divide = entry.average and (not compressed or tensor.partitions[0].reducer.summed)
                 target = out.reshape(-1) if out.dtype == dtype and out.flags.c_contiguous else None
-                if target is None:  # another dtype or layout: through a copy, as _deliver does
+                if target is None:  # another dtype or layout: through a copy, as Buckets.deliver does
                     target = np.empty(wire.size, dtype)
                     spills.append((target, out))
                 outs.append((target, dtype.type(self.size) if divide else None))

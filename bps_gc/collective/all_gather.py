@@ -1,4 +1,6 @@
-"""The exchange of compressed payloads: an all_gather of byte strings of any length.
+"""The all_gather of payloads of any length: host byte strings (``all_gather_bytes``) or uint8
+tensors on a device (``all_gather_tensors``). Only the gather: the compressed exchange's stages
+around it (compress each part, gather, reduce and decode) are coded.py's.
 
 Every rank then sees every rank's payloads in rank order, so each runs the reducer the
 parameter server would have run (compress/reducers.py) and decodes its reply. The server chain

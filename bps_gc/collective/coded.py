@@ -14,7 +14,6 @@ reduction the parameter server would run): the collective's placement partitions
 owned pieces). Flat buffers are numpy arrays (numpy chains and reducers) or torch tensors
 (device chains, whose reducers reduce straight into the buffer).
 """
-import time
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -70,17 +69,6 @@ def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
     return flat
 
 
-def exchange_and_reduce(parts, payloads, flat, wait, group=None, ctx=None, divisor=None, counters=None):
-    """The two last stages at once: every rank's payloads, reduced into ``flat``. ``counters``
-    (comm.metrics.Metrics) count the bytes received and the seconds spent exchanging."""
-    start = time.perf_counter()
-    gathered = exchange_payloads(payloads, wait, group, len(parts))
-    if counters is not None:
-        counters.pulled_wire += payload_bytes(p for rank in gathered for p in rank) - payload_bytes(payloads)
-        counters.communicate_seconds += time.perf_counter() - start
-    return reduce_parts(parts, gathered, flat, ctx, divisor)
-
-
 def payload_bytes(payloads):
     """The bytes of numpy or torch payloads."""
     return sum(p.numel() if isinstance(p, torch.Tensor) else p.nbytes for p in payloads or ())
@@ -102,5 +90,5 @@ def in_wire_dtype(flat, parts, wire_dtype):
     return wired, back
 
 
-__all__ = ["Capacity", "CodedPart", "PayloadsMissing", "compress_parts", "exchange_and_reduce", "exchange_payloads",
+__all__ = ["Capacity", "CodedPart", "PayloadsMissing", "compress_parts", "exchange_payloads",
            "in_wire_dtype", "payload_bytes", "reduce_parts"]

@@ -50,7 +50,8 @@ PROBE = textwrap.dedent("""
         for what, (host, port) in [("scheduler", root), ("server", server), ("peer", peer)]:
             print("CLOSED", what, announce_a_gigabyte(host, int(port)) is not None, flush=True)
         # an INIT as a peer with the right identity (and token) could send it
-        w.io.post("init", 77, 0, np.dtype(np.float32), {"name": "bogus", "n": 10**12, "params": {}})
+        from bps_gc.ps.worker.commands import InitKey
+        w.io.post(InitKey(77, 0, np.dtype(np.float32), {"name": "bogus", "n": 10**12, "params": {}}))
     bps.barrier()
     print("SUM", bps.push_pull(np.ones(1000, np.float32), "g", average=False).wait()[0], flush=True)
     bps.shutdown()

@@ -12,6 +12,7 @@ import logging
 
 from ...wire.sockets import send
 from ...wire.wire import Header, Msg, encode_json
+from .records import Reply
 
 log = logging.getLogger("bps_gc.server")
 STATE_MESSAGES = (Msg.STATE_GET, Msg.STATE_PUT)
@@ -24,15 +25,15 @@ def answer(server, rank, msg):
 
     def refuse(message):
         log.error("key %d: %s", h.key, message)
-        return [(identity, Header(Msg.STATE_ERROR, server.node_id, key=h.key),
-                 encode_json({"message": message}))]
+        return [Reply(identity, Header(Msg.STATE_ERROR, server.node_id, key=h.key),
+                      encode_json({"message": message}))]
 
     def refuse_now(message):
-        for ident, header, payload in refuse(message):
-            send(server.router, header, payload, identity=ident)
+        for r in refuse(message):
+            send(server.router, r.header, r.payload, identity=r.identity)
 
     def reply(payload):
-        return [(identity, Header(Msg.STATE_REPLY, server.node_id, key=h.key), payload)]
+        return [Reply(identity, Header(Msg.STATE_REPLY, server.node_id, key=h.key), payload)]
 
     if state is None or state.slot(rank) not in state.declared:
         return refuse_now(f"worker {rank} asked for the state of key {h.key}, "

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...wire.shm import ShmUnavailable
 from ...wire.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
+from .records import Pusher, TakenRound
 
 
 class KeyConflict(ValueError):
@@ -135,9 +136,10 @@ class KeyState:
         return self.asynchronous or self.arrived == self.workers
 
     def take_round(self):
-        """Snapshot what the engine needs for this round and start the next one."""
+        """Snapshot what the engine needs for this round (a records.TakenRound) and start the next one."""
         ranks = [r for r in range(self.workers) if self.pending[r]]
-        job = (self.round, ranks, [(self.identities[r], self.rounds[r], self.via_shm[r]) for r in ranks])
+        job = TakenRound(self, self.round, ranks,
+                         [Pusher(self.identities[r], self.rounds[r], self.via_shm[r]) for r in ranks])
         for r in ranks:
             self.pending[r] = False
         self.arrived = 0

@@ -24,6 +24,7 @@ from ..membership.event_loop import EventLoop
 from ..membership.membership import Membership
 from .key_state import STATE_MESSAGES, answer as answer_state
 from .keys import KeyConflict, KeyState
+from .records import Reply
 from .watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
@@ -224,7 +225,7 @@ class Server:
             if not msg.header.flags & SHM_BIT:
                 raise MalformedMessage(f"push of key {msg.header.key} without a payload frame")
         if state.arrive(slot, msg.identity, msg.header):
-            state.engine.submit([(state, *state.take_round())], self.node_id)
+            state.engine.submit([state.take_round()], self.node_id)
         else:
             self.watch.check(state)
 
@@ -248,7 +249,7 @@ class Server:
             if buf is not None:
                 buf[:] = data
             if state.arrive(state.slot(rank), msg.identity, sub):
-                job = (state, *state.take_round())
+                job = state.take_round()
                 if state.asynchronous:  # each key's store is updated by its own engine only
                     state.engine.submit([job], self.node_id)
                 else:
@@ -256,7 +257,7 @@ class Server:
             else:
                 self.watch.check(state)
         if done:
-            done[0][0].engine.submit(done, self.node_id)
+            done[0].state.engine.submit(done, self.node_id)
 
     def flush_replies(self):
         while self.wake.poll(0):
@@ -266,8 +267,8 @@ class Server:
                 replies = self.replies.get_nowait()
             except queue.Empty:
                 return
-            for identity, header, payload in replies:
-                send(self.router, header, payload, identity=identity)
+            for reply in replies:
+                send(self.router, reply.header, reply.payload, identity=reply.identity)
 
 
 def recv_rest(sock, identity, buffer_for):
@@ -291,7 +292,7 @@ class Engine:
         self.thread.start()
 
     def submit(self, jobs, node_id):
-        """``jobs``: [(key state, round, ranks, identities)]; several (completed by one fused
+        """``jobs``: [records.TakenRound]; several (completed by one fused
         push, dense keys) are answered with one fused reply per worker."""
         self.tasks.put((jobs, node_id))
 
@@ -316,7 +317,7 @@ class Engine:
                     wake.send(b"", copy=True)
                     continue
                 jobs, node_id = task
-                replies = [r for job in jobs for r in self.complete(*job, node_id)]
+                replies = [r for job in jobs for r in self.complete(job, node_id)]
                 self.replies.put(self.fuse(replies, node_id) if len(jobs) > 1 else replies)
                 wake.send(b"", copy=True)
         finally:
@@ -327,32 +328,35 @@ class Engine:
         """Dense replies to one worker become one fused reply, those in shared memory another
         (errors stay on their own)."""
         out, fused = [], {}
-        for ident, header, payload in replies:
+        for reply in replies:
+            header, payload = reply.header, reply.payload
             if header.type == Msg.PUSH_REPLY and header.flags in (0, SHM_BIT):
                 entry = (header.key, header.round, b"" if payload is None else payload)
-                fused.setdefault((ident, header.flags), []).append(entry)
+                fused.setdefault((reply.identity, header.flags), []).append(entry)
             else:
-                out.append((ident, header, payload))
+                out.append(reply)
         for (ident, flags), entries in fused.items():
             header = Header(Msg.PUSH_REPLY, node_id, dtype=None, flags=FUSED_BIT | flags)
-            out.append((ident, header, pack_fused(entries)))
+            out.append(Reply(ident, header, pack_fused(entries)))
         return out
 
     @staticmethod
-    def complete(state, round_, ranks, identities, node_id):
+    def complete(job, node_id):
+        """The replies to the pushers of ``job`` (records.TakenRound)."""
+        state = job.state
         try:
-            result = state.compute(round_, ranks)
+            result = state.compute(job.number, job.ranks)
         except KeyConflict as e:
-            log.error("key %d round %d: %s", state.key, round_, e)
+            log.error("key %d round %d: %s", state.key, job.number, e)
             payload = encode_json({"message": str(e)})
-            return [(ident, Header(Msg.ERROR, node_id, key=state.key, round=rnd), payload)
-                    for ident, rnd, _ in identities]
+            return [Reply(p.identity, Header(Msg.ERROR, node_id, key=state.key, round=p.round), payload)
+                    for p in job.pushers]
         flags = COMPRESSED_BIT if state.compressed and not state.asynchronous else 0
         dtype = state.dtype
         # a worker that pushed through shared memory reads the result there (results[rnd % 2])
-        return [(ident, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=rnd, dtype=dtype,
-                               flags=SHM_BIT if shared else flags), None if shared else result)
-                for ident, rnd, shared in identities]
+        return [Reply(p.identity, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=p.round, dtype=dtype,
+                                         flags=SHM_BIT if p.shared else flags), None if p.shared else result)
+                for p in job.pushers]
 
 
 __all__ = ["Server"]

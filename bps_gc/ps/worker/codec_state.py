@@ -22,6 +22,7 @@ import threading
 from ...wire.sockets import send
 from ...wire.wire import MAX_JSON, Header, Msg, decode_json
 from ...comm.phased import phases
+from .commands import SendState
 
 log = logging.getLogger("bps_gc.worker")
 DROP_RANK_STATE = "BPS_GC_RESUME_DROP_RANK_STATE"
@@ -43,14 +44,16 @@ class StateRequest:
 class StateRequests:
     """The state requests a worker's I/O thread has sent and awaits replies to (by key)."""
 
-    def __init__(self):
+    def __init__(self, links, rank):
+        """``links``: the I/O thread's DEALER socket per server; ``rank``: this worker's."""
+        self.links, self.rank = links, rank
         self.pending = {}
 
-    def send(self, io, request):
+    def send(self, request):
         """(I/O thread) STATE_GET (no payload) or STATE_PUT of ``request``."""
         self.pending[request.key] = request
         kind = Msg.STATE_GET if request.payload is None else Msg.STATE_PUT
-        send(io.links[request.server], Header(kind, io.rank, key=request.key), request.payload)
+        send(self.links[request.server], Header(kind, self.rank, key=request.key), request.payload)
 
     def reply(self, header, payload):
         request = self.pending.pop(header.key, None)
@@ -69,7 +72,7 @@ def exchange(worker, requests):
     """Send ``requests`` through the I/O thread and wait for every reply; a refusal raises
     StateError naming it, a failed job its NodeFailure."""
     for request in requests:
-        worker.io.post("state", request)
+        worker.io.post(SendState(request))
     for request in requests:
         while not request.done.wait(WAIT_SECONDS):
             worker.check_alive()

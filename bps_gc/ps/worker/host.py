@@ -20,6 +20,7 @@ from ...comm.placement import partition_owner
 from ...wire import shm
 from ...wire.sockets import host_of
 from ...wire.wire import encode_context
+from .commands import InitKey, SendPush, StartLocal
 from .handle import Handle
 from .local import LocalReduce, one_host
 from .push import Push
@@ -84,17 +85,17 @@ class HostReduce(LocalReduce):
                     worker.tensors[name].auxiliary = True
 
     def place(self, tensor):
-        """[(partition, INIT declaration)] this rank sends the servers: those it owns. A
+        """The InitKey commands (commands.py) this rank sends the servers: those it owns. A
         compressed tensor of granularity 'entiremodel' is compressed by the binding over each
         rank's whole gradient, before any host sum: every rank pushes it, as in a flat job, and
         its declaration tells the servers to count one push per rank."""
         if tensor.name in self.pushed_by:  # thc's phase tensor: its local rank pushes it
-            return [(part, tensor.describe(part)) for part in tensor.partitions] \
+            return [InitKey.of(tensor, part) for part in tensor.partitions] \
                 if self.pushed_by[tensor.name] == self.worker.local_rank else []
         if tensor.compressed and tensor.params.granularity == "entiremodel":
             self.per_rank.add(tensor.name)
-            return [(part, dict(tensor.describe(part), pushers="rank")) for part in tensor.partitions]
-        return [(part, tensor.describe(part)) for part in self.owned(tensor)]
+            return [InitKey.of(tensor, part, pushers="rank") for part in tensor.partitions]
+        return [InitKey.of(tensor, part) for part in self.owned(tensor)]
 
     def carries(self, tensor):
         """Whether the host level reduces ``tensor`` (else every rank pushes it)."""
@@ -124,7 +125,7 @@ class HostReduce(LocalReduce):
         local.priority = priority
         tensor.busy = True
         handle = Handle(self.worker, tensor, out, wire, 1, average, ctx)
-        self.worker.io.post("local", local, rnd, handle, wire, average)
+        self.worker.io.post(StartLocal(local, rnd, handle, wire, average))
         return handle
 
     # ------------------------------------------------------------------ any thread
@@ -156,11 +157,11 @@ class HostReduce(LocalReduce):
                             chunk.view(np.uint8))
                 worker.counters.add(pushed_wire=chunk.nbytes)
                 worker.io.prefill(push)
-                worker.io.queue("push", push)
+                worker.io.queue(SendPush(push))
             else:
                 try:
-                    worker.pool.submit(worker._compress, inner, part, chunk, ctx, context, local.priority,
-                                       tensor.wire_dtype)
+                    worker.compressed_pushes.submit(inner, part, chunk, ctx, context, local.priority,
+                                                    tensor.wire_dtype)
                 except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
                     return inner.fail(e)
 

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from typing import NamedTuple
 
 import zmq
 
@@ -19,6 +20,7 @@ from ...wire.sockets import DropLog, peer_endpoint, send
 from ...wire.wire import Header, Msg, encode_json
 from ..membership.event_loop import EventLoop
 from .codec_state import StateRequests
+from .commands import Barrier, Goodbye, InitKey, LocalSummed, SendPush, SendState, StartLocal
 from .inflight import InFlight
 from .push import PushSending
 from .replies import Replies
@@ -27,8 +29,15 @@ from .shm import SharedSlots
 log = logging.getLogger("bps_gc.worker")
 
 
+class BarrierWait(NamedTuple):
+    """A barrier this worker joined: its ``number`` (1, 2, ... in joining order) and the Event
+    its caller waits on."""
+    number: int
+    done: threading.Event
+
+
 class WorkerIO:
-    """Any thread: ``post``/``queue`` a command, ``prefill`` a push's shared slot; ``failure``
+    """Any thread: ``post``/``queue`` a command (commands.py), ``prefill`` a push's shared slot; ``failure``
     (set once the thread failed), ``done`` (set once it ended), ``close``. The I/O thread
     (``thread``) runs the event loop over the servers' sockets, the scheduler's and the local
     sums' router."""
@@ -56,7 +65,7 @@ class WorkerIO:
         self.dropped = DropLog(log)
         self.flight = InFlight()
         self.sending = PushSending(self.links, self.shm, counters, rank, window, cfg.fusion_bytes, self.flight)
-        self.state_requests = StateRequests()  # checkpoints: a key's server state
+        self.state_requests = StateRequests(self.links, rank)  # checkpoints: a key's server state
         self.replies = Replies(self.shm, self.flight, self.dropped, self.state_requests)
         self.prefill = self.sending.prefill  # on the pushing thread: bound, a call costs no more
         self.commands = queue.SimpleQueue()
@@ -67,7 +76,7 @@ class WorkerIO:
         self.loop.on_readable(membership.sock, self.scheduler_message)
         self.local_reduce = local_reduce
         if local_reduce is not None:
-            local_reduce.summed = lambda local, rnd: self.queue("local_summed", local, rnd)
+            local_reduce.summed = lambda local, rnd: self.queue(LocalSummed(local, rnd))
             self.loop.on_readable(local_reduce.router, self.receive_local)
         self.loop.on_tick(membership.tick)
         self.loop.on_tick(self.sending.send_ready)
@@ -77,18 +86,26 @@ class WorkerIO:
         self.loop.poll_timeout = self.sending.poll_timeout
         self.failure = None
         self.barriers_wanted = 0
-        self.barrier_waiters = collections.deque()  # (barrier number, its Event), oldest first
+        self.barrier_waiters = collections.deque()  # BarrierWait, oldest first
+        self.handlers = {SendPush: lambda c: self.sending.enqueue(c.push),
+                         StartLocal: lambda c: self.local_reduce.start(c),
+                         LocalSummed: lambda c: self.local_reduce.after_sum(c.local, c.round),
+                         InitKey: self.init_key,
+                         SendState: lambda c: self.state_requests.send(c.request),
+                         Barrier: self.join_barrier,
+                         Goodbye: lambda c: self.goodbye(c.timeout)}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="bps_gc-io", daemon=True)
 
     # ------------------------------------------------------------------ any thread
 
-    def post(self, *command):
+    def post(self, command):
+        """Hand ``command`` (one of commands.py's) to the I/O thread; raises its failure if it failed."""
         if self.failure is not None:
             raise self.failure
-        self.queue(*command)
+        self.queue(command)
 
-    def queue(self, *command):
+    def queue(self, command):
         """``post`` without the failure check (the codec pool's completions: fail_all has
         failed their push_pulls already)."""
         self.commands.put(command)
@@ -128,34 +145,27 @@ class WorkerIO:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return False
-            kind = command[0]
-            if kind == "push":
-                self.sending.enqueue(command[1])
-            elif kind == "local":
-                self.local_reduce.start(*command[1:])
-            elif kind == "local_summed":
-                self.local_reduce.after_sum(*command[1:])
-            elif kind == "init":
-                _, key, server, dtype, decl = command
-                decl = self.shm.offer(key, server, dtype, decl)
-                send(self.links[server], Header(Msg.INIT, self.rank, key=key, dtype=dtype), encode_json(decl))
-            elif kind == "state":
-                self.state_requests.send(self, command[1])
-            elif kind == "barrier":
-                self.barriers_wanted += 1
-                self.barrier_waiters.append((self.barriers_wanted, command[1]))
-                self.membership.send(Msg.BARRIER, key=0)
-            elif kind == "goodbye":
-                self.goodbye(command[1])
+            self.handlers[type(command)](command)
+            if type(command) is Goodbye:
                 return True
+
+    def init_key(self, command):
+        declaration = self.shm.offer(command.key, command.server, command.dtype, command.declaration)
+        send(self.links[command.server], Header(Msg.INIT, self.rank, key=command.key, dtype=command.dtype),
+             encode_json(declaration))
+
+    def join_barrier(self, command):
+        self.barriers_wanted += 1
+        self.barrier_waiters.append(BarrierWait(self.barriers_wanted, command.done))
+        self.membership.send(Msg.BARRIER, key=0)
 
     def check_barrier(self):
         # each barrier has its own event, set only once the scheduler has completed it: one
         # shared event, cleared by the caller, was set again by any scheduler message that came
         # before the new barrier was counted, and that barrier returned at once
         done = self.membership.barriers_done.get(0, 0)
-        while self.barrier_waiters and self.barrier_waiters[0][0] <= done:
-            self.barrier_waiters.popleft()[1].set()
+        while self.barrier_waiters and self.barrier_waiters[0].number <= done:
+            self.barrier_waiters.popleft().done.set()
 
     def goodbye(self, timeout):
         self.membership.send(Msg.GOODBYE)
@@ -171,29 +181,26 @@ class WorkerIO:
     def fail_all(self, error):
         self.failure = error
         log.error("%s", error)
-        for push in self.flight.inflight.values():
-            push.handle.fail(error)
-        for _, _, push in self.sending.heap:
-            push.handle.fail(error)
-        self.flight.inflight.clear()
-        self.sending.heap.clear()
+        self.flight.fail_all(error)
+        self.sending.fail_all(error)
         if self.local_reduce is not None:
             self.local_reduce.fail_all(error)
-        for _, event in self.barrier_waiters:  # their callers raise self.failure
-            event.set()
+        for waiter in self.barrier_waiters:  # their callers raise self.failure
+            waiter.done.set()
         self.barrier_waiters.clear()
-        # pushes posted but not yet taken off the queue
+        # commands posted but not yet taken off the queue
         while True:
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "push":
-                command[1].handle.fail(error)
-            elif command[0] == "local":
-                command[3].fail(error)
-            elif command[0] == "barrier":
-                command[1].set()
+            match command:
+                case SendPush(push=push):
+                    push.handle.fail(error)
+                case StartLocal(handle=handle):
+                    handle.fail(error)
+                case Barrier(done=done):
+                    done.set()
 
     def close(self):
         for sock in self.links:

@@ -26,6 +26,7 @@ BPS_GC_STALL_TIMEOUT is logged with the ranks it waits for.
 import logging
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -58,6 +59,12 @@ def one_host(cfg, book, host):
                     for w in workers))
 
 
+class PeerBuffers(NamedTuple):
+    """A peer's buffers of one tensor, mapped read-only: its input and its slices of the sum."""
+    slot: np.ndarray
+    result: np.ndarray
+
+
 class LocalTensor:
     """One tensor's buffers and the notes seen for its rounds. Made by the caller's thread at the
     tensor's first reduce (``slot`` is written there); the rest is the I/O thread's."""
@@ -71,9 +78,9 @@ class LocalTensor:
         self.slot = self.result = self.offer = None
         self.offered = False
         self.offers = {}  # rank -> the peer's offer, as it came
-        self.peers = {}  # rank -> (slot, result), mapped read-only once the offer is checked
+        self.peers = {}  # rank -> its PeerBuffers, mapped read-only once the offer is checked
         self.notes = {}  # (round, kind) -> ranks whose note arrived (-1: this worker's sum is under way)
-        self.waiting = None  # (round, handle, wire, average) of this worker's round in flight
+        self.waiting = None  # this worker's round in flight: its commands.StartLocal
         self.since = 0.0
         self.warned = False
         self.rounds = 0  # the caller's: rounds started
@@ -144,8 +151,9 @@ class LocalReduce:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def start(self, local, rnd, handle, wire, average):
-        """This worker's input for round ``rnd`` is in its slot."""
+    def start(self, command):
+        """This worker's input for the round of ``command`` (commands.StartLocal) is in its slot."""
+        local, rnd = command.local, command.round
         early = self.by_id.get(local.id)
         if early is not local:
             if early is not None:  # notes and offers from peers that started first
@@ -156,7 +164,7 @@ class LocalReduce:
             local.offered = True
             for sock in self.links.values():
                 send(sock, Header(Msg.PEER, self.rank, key=OFFER), encode_json(local.offer))
-        local.waiting = (rnd, handle, wire, average)
+        local.waiting = command
         local.since, local.warned = time.monotonic(), False
         gone = sorted(r for r in self.links if r in self.left)
         if gone:
@@ -174,10 +182,11 @@ class LocalReduce:
         """Sum, or copy out, once every worker's note for that step is in."""
         if local.waiting is None:
             return
-        rnd, handle, wire, average = local.waiting
+        rnd, handle = local.waiting.round, local.waiting.handle
         ready, summed = local.notes.get((rnd, READY), ()), local.notes.get((rnd, SUMMED), ())
         if len(summed) == len(self.members) and -1 not in summed:
             del local.notes[(rnd, READY)], local.notes[(rnd, SUMMED)]
+            wire, average = local.waiting.wire, local.waiting.average
             local.waiting = None
             self.run(local.nbytes, handle, self.copy_out, local, handle, wire, average)
         elif len(ready) == len(self.members) and self.rank not in summed and -1 not in summed:
@@ -204,7 +213,7 @@ class LocalReduce:
     def sum_slice(self, local, rnd, handle):
         """This worker's slices of the sum, over every slot in rank order (any thread)."""
         try:
-            slots = [local.slot if r == self.rank else local.peers[r][0] for r in self.members]
+            slots = [local.slot if r == self.rank else local.peers[r].slot for r in self.members]
             for part in local.shares[self.rank]:
                 add_in_order([slot[part] for slot in slots], local.result[part])
         except Exception as e:
@@ -230,7 +239,7 @@ class LocalReduce:
             size = wire.dtype.type(self.size)
             average = average and self.divides(local)
             for r in self.members:
-                result = local.result if r == self.rank else local.peers[r][1]
+                result = local.result if r == self.rank else local.peers[r].result
                 for part in local.shares[r]:
                     if average:  # one pass; the same values as copying, then dividing
                         np.divide(result[part], size, out=wire[part])
@@ -284,8 +293,8 @@ class LocalReduce:
                     raise ValueError(f"worker {rank} reduces {slot.get('bytes') if isinstance(slot, dict) else '?'} "
                                      f"bytes, this worker {local.nbytes} (every worker must pass the "
                                      f"same shape and dtype)")
-                local.peers[rank] = (self.peer_maps.view(slot, local.nbytes).view(local.dtype),
-                                     self.peer_maps.view(result, local.nbytes).view(local.dtype))
+                local.peers[rank] = PeerBuffers(self.peer_maps.view(slot, local.nbytes).view(local.dtype),
+                                                self.peer_maps.view(result, local.nbytes).view(local.dtype))
             except shm.ShmUnavailable as e:
                 return NodeFailure(f"push_pull({local.name!r}): cannot map worker {rank}'s memory "
                                    f"({e}); set BPS_GC_LOCAL_REDUCE=0")
@@ -316,10 +325,10 @@ class LocalReduce:
             elif not local.warned and now - local.since > self.cfg.stall_timeout:
                 local.warned = True
                 log.warning("push_pull of %r (round %d) has waited %.0f s for worker(s) %s",
-                            local.name, local.waiting[0], now - local.since, missing)
+                            local.name, local.waiting.round, now - local.since, missing)
 
     def missing(self, local):
-        rnd = local.waiting[0]
+        rnd = local.waiting.round
         step = SUMMED if len(local.notes.get((rnd, READY), ())) == len(self.members) else READY
         return sorted(set(self.links) - local.notes.get((rnd, step), set()))
 
@@ -332,7 +341,7 @@ class LocalReduce:
 
     def fail(self, local, error):
         if local.waiting is not None:
-            local.waiting[1].fail(error)
+            local.waiting.handle.fail(error)
             local.waiting = None
 
     def fail_all(self, error):

@@ -11,6 +11,7 @@ import numpy as np
 from ...comm.phased import phases
 from ...comm.placement import MAX_PARTITIONS
 from ...wire.wire import encode_context
+from .commands import SendPush
 from .handle import Handle
 from .push import Push
 
@@ -35,7 +36,8 @@ class PulledPayloads(Handle):
 
 
 def push_payloads(worker, name, payloads, ctx, priority):
-    """Worker.push_payloads: checks, then one Push per partition, as ``Worker._compress`` posts."""
+    """Worker.push_payloads: checks, then one Push per partition, as ``CompressedPushes`` posts
+    (compressing.py)."""
     worker.check_alive()
     tensor = worker.tensors.get(name)
     if tensor is None:
@@ -56,5 +58,5 @@ def push_payloads(worker, name, payloads, ctx, priority):
     worker.counters.add(pushed_raw=tensor.size * tensor.wire_dtype.itemsize,
                         pushed_wire=sum(p.nbytes for p in payloads))
     for part, payload in zip(tensor.partitions, payloads):
-        worker.io.post("push", Push(handle, part, payload, True, context, priority, tensor.wire_dtype, None))
+        worker.io.post(SendPush(Push(handle, part, payload, True, context, priority, tensor.wire_dtype, None)))
     return handle

@@ -15,6 +15,7 @@ that leave together go to each server as one message (fused entries without byte
 import heapq
 import itertools
 import time
+from typing import NamedTuple
 
 from ...wire.sockets import send
 from ...wire.wire import MAX_FUSED, Flag, Header, Msg, pack_fused
@@ -42,6 +43,13 @@ def fusion_buckets(pushes, fusion_bytes):
         bucket[0].append(push)
         bucket[1] += push.nbytes
     return closed + [pushes for pushes, _ in buckets.values()]
+
+
+class Queued(NamedTuple):
+    """A push in the heap: the highest priority first, then the first posted (``seq``)."""
+    neg_priority: int
+    seq: int
+    push: "Push"
 
 
 class Push:
@@ -80,7 +88,7 @@ class PushSending:
     def enqueue(self, push):
         """A posted push into the heap (on the I/O thread); a fusable one starts the fusion
         cycle if none runs."""
-        heapq.heappush(self.heap, (-push.priority, next(self.seq), push))
+        heapq.heappush(self.heap, Queued(-push.priority, next(self.seq), push))
         if self.fusable(push):
             self.fusable_bytes += push.nbytes
             if self.fusion_due is None:
@@ -101,12 +109,12 @@ class PushSending:
     def send_ready(self):
         shared = {}  # (server, dtype, context) -> pushes whose data is in shared memory
         while self.heap and (self.flight.inflight_bytes < self.window or not self.inflight):
-            if self.fusable(self.heap[0][2]):
+            if self.fusable(self.heap[0].push):
                 if self.fusable_bytes < self.fusion_bytes and time.perf_counter() < self.fusion_due:
                     break  # let the pushes posted with it join its message
                 self.send_fused()
                 continue
-            _, _, push = heapq.heappop(self.heap)
+            push = heapq.heappop(self.heap).push
             if self.refused(push):
                 continue
             self.sent(push)
@@ -131,16 +139,22 @@ class PushSending:
     def send_fused(self):
         """Send every queued fusable push (the priority window), in priority order, one
         message per server, dtype and step context, each of at most fusion_bytes."""
-        queued = sorted(item for item in self.heap if self.fusable(item[2]))
-        self.heap = [item for item in self.heap if not self.fusable(item[2])]
+        queued = sorted(item for item in self.heap if self.fusable(item.push))
+        self.heap = [item for item in self.heap if not self.fusable(item.push)]
         heapq.heapify(self.heap)
         self.fusable_bytes = 0
         self.fusion_due = None
-        pushes = [push for _, _, push in queued if not self.refused(push)]
+        pushes = [item.push for item in queued if not self.refused(item.push)]
         for push in pushes:
             self.sent(push)
         for bucket in fusion_buckets(pushes, self.fusion_bytes):
             self.send_bucket(bucket)
+
+    def fail_all(self, error):
+        """Fail every push still queued here (the I/O thread failed: none will be sent)."""
+        for item in self.heap:
+            item.push.handle.fail(error)
+        self.heap.clear()
 
     def prefill(self, push):
         """On the pushing thread: a push that will go alone is copied into its shared slot now."""

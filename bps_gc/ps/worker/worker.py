@@ -8,7 +8,6 @@ one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the proces
 import concurrent.futures
 import logging
 import threading
-import time
 
 import numpy as np
 import zmq
@@ -22,6 +21,8 @@ from ...wire.wire import encode_context
 from ..membership.membership import Membership
 from . import codec_state
 from . import host as host_level
+from .commands import Barrier, Goodbye, InitKey, SendPush, StartLocal
+from .compressing import CompressedPushes
 from .handle import Handle
 from .io import WorkerIO
 from .lone_worker import LoneWorker
@@ -46,6 +47,7 @@ class Worker(Communicator):
         self.local = None  # the shared-memory sums of a one-host job (ps.worker.local)
         self.host = None  # two levels: this host's ranks sum first, push once (ps.worker.host)
         self.io = None
+        self.compressed_pushes = None  # compressing.py: the codec pool's way to the I/O thread
         self.pool = None
         self.placement = None
         self.closed = False
@@ -76,6 +78,7 @@ class Worker(Communicator):
         self.local = None if self.host is not None else local
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters, local)
+        self.compressed_pushes = CompressedPushes(self.pool, self.counters, self.io)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
                                    dense_partition_bytes(self.cfg, book))
         self.io.thread.start()
@@ -89,7 +92,7 @@ class Worker(Communicator):
         self.closed = True
         if self.io is not None:
             if self.io.failure is None and not self.io.done.is_set():
-                self.io.post("goodbye", timeout)
+                self.io.post(Goodbye(timeout))
                 self.io.done.wait(timeout + 1)
             self.io.close()
             self.peers.close()
@@ -132,10 +135,10 @@ class Worker(Communicator):
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
             tensor.local = True  # the workers sum it: no server hears of it
             return
-        inits = [(part, tensor.describe(part)) for part in tensor.partitions] if self.host is None \
-            else self.host.place(tensor)
-        for part, decl in inits:
-            self.io.post("init", part.key, part.server, tensor.wire_dtype, decl)
+        inits = [InitKey.of(tensor, part) for part in tensor.partitions] \
+            if self.host is None else self.host.place(tensor)
+        for init in inits:
+            self.io.post(init)
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         """Sum (or average) ``array`` over all workers; returns a Handle whose ``wait()`` gives
@@ -160,7 +163,7 @@ class Worker(Communicator):
             tensor.busy = True
             handle = Handle(self, tensor, out, wire, 1, average, ctx)
             local, rnd = self.local.prepare(tensor, flat)
-            self.io.post("local", local, rnd, handle, wire, average)
+            self.io.post(StartLocal(local, rnd, handle, wire, average))
             return handle
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: push and pull a cast copy
             wire = source = flat.astype(tensor.wire_dtype)
@@ -180,10 +183,9 @@ class Worker(Communicator):
             if part.codec is None:
                 push = Push(handle, part, chunk, False, context, priority, tensor.wire_dtype, dest.view(np.uint8))
                 self.io.prefill(push)
-                self.io.post("push", push)
+                self.io.post(SendPush(push))
             else:
-                self.pool.submit(self._compress, handle, part, chunk, ctx, context, priority,
-                                 tensor.wire_dtype)
+                self.compressed_pushes.submit(handle, part, chunk, ctx, context, priority, tensor.wire_dtype)
         return handle
 
     def all_reduce(self, array, average=False):
@@ -255,15 +257,6 @@ class Worker(Communicator):
         except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
             handle.fail(e)
 
-    def _compress(self, handle, part, chunk, ctx, context, priority, dtype):
-        try:
-            start = time.perf_counter()
-            payload = part.codec.compress(chunk, ctx)
-            self.counters.add(compress_seconds=time.perf_counter() - start, pushed_wire=payload.nbytes)
-            self.io.post("push", Push(handle, part, payload, True, context, priority, dtype, None))
-        except Exception as e:
-            handle.fail(e)
-
     def state_dict(self):
         """This rank's codec state and the servers' it restores (ps/worker/codec_state.py)."""
         return codec_state.state_dict(self)
@@ -279,7 +272,7 @@ class Worker(Communicator):
         if self.io is None:
             return
         done = threading.Event()
-        self.io.post("barrier", done)
+        self.io.post(Barrier(done))
         while not done.wait(0.2):
             if self.io.failure is not None:  # failed after the post, before taking it
                 break

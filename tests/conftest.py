@@ -13,3 +13,39 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# The suite runs as `pytest -n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh): each
+# worker takes a whole file at a time, in collection order. xdist's default order (most tests
+# first) left the slow files of few tests (training scripts, benchmarks) for the end, one worker
+# busy with them while the other sat idle. Here the files come heaviest first, by the seconds
+# their tests took in earlier runs (pytest's cache, .pytest_cache/); files never timed go first.
+TEST_SECONDS = "bps_gc/test_seconds"
+RAN_SECONDS = {}  # this session's: test id -> setup + call + teardown seconds
+
+
+def file_of(nodeid):
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = config.cache.get(TEST_SECONDS, {}) if hasattr(config, "cache") else {}
+    if not seconds:
+        return
+    first_seen, cost = {}, {}
+    for item in items:
+        path = file_of(item.nodeid)
+        first_seen.setdefault(path, len(first_seen))
+        known = seconds.get(item.nodeid)
+        cost[path] = float("inf") if known is None or cost.get(path) == float("inf") else cost.get(path, 0) + known
+    items.sort(key=lambda item: (-cost[file_of(item.nodeid)], first_seen[file_of(item.nodeid)]))
+
+
+def pytest_runtest_logreport(report):
+    RAN_SECONDS[report.nodeid] = RAN_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    # the main process only (xdist's workers report to it), and only the tests that ran
+    if RAN_SECONDS and hasattr(session.config, "cache") and not hasattr(session.config, "workerinput"):
+        session.config.cache.set(TEST_SECONDS, {**session.config.cache.get(TEST_SECONDS, {}), **RAN_SECONDS})

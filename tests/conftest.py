@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 sys.path.insert(0, ROOT)
@@ -28,8 +30,21 @@ def file_of(nodeid):
     return nodeid.split("::", 1)[0]
 
 
+def recorded_seconds(config):
+    # an xdist worker takes the main process's copy: every worker must collect the same order,
+    # even if another pytest in this folder rewrites the cache while they collect
+    if hasattr(config, "workerinput"):
+        return config.workerinput.get(TEST_SECONDS, {})
+    return config.cache.get(TEST_SECONDS, {}) if hasattr(config, "cache") else {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput[TEST_SECONDS] = recorded_seconds(node.config)
+
+
 def pytest_collection_modifyitems(config, items):
-    seconds = config.cache.get(TEST_SECONDS, {}) if hasattr(config, "cache") else {}
+    seconds = recorded_seconds(config)
     if not seconds:
         return
     first_seen, cost = {}, {}

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 sys.path.insert(0, ROOT)
@@ -13,3 +15,52 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# The suite runs as `pytest -n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh): each
+# worker takes a whole file at a time, in collection order. xdist's default order (most tests
+# first) left the slow files of few tests (training scripts, benchmarks) for the end, one worker
+# busy with them while the other sat idle. Here the files come heaviest first, by the seconds
+# their tests took in earlier runs (pytest's cache, .pytest_cache/); files never timed go first.
+TEST_SECONDS = "bps_gc/test_seconds"
+RAN_SECONDS = {}  # this session's: test id -> setup + call + teardown seconds
+
+
+def file_of(nodeid):
+    return nodeid.split("::", 1)[0]
+
+
+def recorded_seconds(config):
+    # an xdist worker takes the main process's copy: every worker must collect the same order,
+    # even if another pytest in this folder rewrites the cache while they collect
+    if hasattr(config, "workerinput"):
+        return config.workerinput.get(TEST_SECONDS, {})
+    return config.cache.get(TEST_SECONDS, {}) if hasattr(config, "cache") else {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput[TEST_SECONDS] = recorded_seconds(node.config)
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = recorded_seconds(config)
+    if not seconds:
+        return
+    first_seen, cost = {}, {}
+    for item in items:
+        path = file_of(item.nodeid)
+        first_seen.setdefault(path, len(first_seen))
+        known = seconds.get(item.nodeid)
+        cost[path] = float("inf") if known is None or cost.get(path) == float("inf") else cost.get(path, 0) + known
+    items.sort(key=lambda item: (-cost[file_of(item.nodeid)], first_seen[file_of(item.nodeid)]))
+
+
+def pytest_runtest_logreport(report):
+    RAN_SECONDS[report.nodeid] = RAN_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    # the main process only (xdist's workers report to it), and only the tests that ran
+    if RAN_SECONDS and hasattr(session.config, "cache") and not hasattr(session.config, "workerinput"):
+        session.config.cache.set(TEST_SECONDS, {**session.config.cache.get(TEST_SECONDS, {}), **RAN_SECONDS})

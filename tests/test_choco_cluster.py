@@ -33,7 +33,10 @@ def run(configs, tmp_path, workers, transport="bps_gc"):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"configs": configs}))
     if transport == "bps_gc":
-        return run_local([sys.executable, JOB, str(spec), str(tmp_path)], workers=workers, servers=1, timeout=240)
+        # a 20 s heartbeat: these runs check results, not fault detection (on a busy 2-core box
+        # four workers importing torch at once starved a 3 s one before the first step)
+        return run_local([sys.executable, JOB, str(spec), str(tmp_path)], workers=workers, servers=1, timeout=240,
+                         env={"BPS_GC_HEARTBEAT_TIMEOUT": "20"})
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), JOB, str(spec), str(tmp_path), "gloo"]
@@ -45,56 +48,61 @@ def flat(run_, cfg, key):
     return np.concatenate([run_[n.replace("/init/", f"/{key}/")].ravel() for n in names])
 
 
-def configs(graph, gamma=0.3, lr=0.05, params=None):
-    return [{"name": "choco", "algorithm": "choco", "graph": graph, "gamma": gamma, "lr": lr, "steps": STEPS,
-             "params": params or {"compressor": "topk", "k": 2}},
-            {"name": "dpsgd", "algorithm": "dpsgd", "graph": graph, "steps": 4, "lr": lr, "zero_grads": True}]
+def configs(graph, gamma=0.3, lr=0.05, params=None, prefix=""):
+    return [{"name": prefix + "choco", "algorithm": "choco", "graph": graph, "gamma": gamma, "lr": lr,
+             "steps": STEPS, "params": params or {"compressor": "topk", "k": 2}},
+            {"name": prefix + "dpsgd", "algorithm": "dpsgd", "graph": graph, "steps": 4, "lr": lr, "zero_grads": True}]
 
 
+# the graphs of 4 workers share one launch per transport, each graph's configs under its prefix
+# (every config seeds its own model and gradients: the same numbers as a launch of its own)
+FOUR_WORKER_GRAPHS = {"ring": "", "0-1,1-2,2-0,2-3": "kite_"}
 # the torus of 9 runs once (9 processes on a small CI box): over torch.distributed
-CASES = [(t, g, 4) for t in TRANSPORTS for g in ("ring", "0-1,1-2,2-0,2-3")] + [("gloo", "torus", 9)]
+CASES = [(t, g, 4) for t in TRANSPORTS for g in FOUR_WORKER_GRAPHS] + [("gloo", "torus", 9)]
 
 
 @pytest.fixture(scope="module")
-def ring_runs(tmp_path_factory):
-    """The 4-worker ring on each transport, run once: its oracle check and the comparison of the
-    two transports use the same runs."""
+def four_worker_runs(tmp_path_factory):
+    """Every 4-worker graph on each transport, in one launch per transport: the oracle checks
+    and the comparison of the two transports use the same runs."""
     runs = {}
     for transport in TRANSPORTS:
-        out = tmp_path_factory.mktemp(f"ring-{transport}")
-        runs[transport] = (run(configs("ring"), out, 4, transport), out)
+        out = tmp_path_factory.mktemp(f"four-{transport}")
+        every = [cfg for graph, prefix in FOUR_WORKER_GRAPHS.items() for cfg in configs(graph, prefix=prefix)]
+        runs[transport] = (run(every, out, 4, transport), out)
     return runs
 
 
 @pytest.mark.parametrize("transport,graph,workers", CASES)
 def test_choco_on_processes_matches_the_oracle(graph, workers, transport, tmp_path, request):
     params, gamma, lr = {"compressor": "topk", "k": 2}, 0.3, 0.05
-    if graph == "ring" and workers == 4:  # configs("ring")'s defaults are these parameters
-        result, tmp_path = request.getfixturevalue("ring_runs")[transport]
+    prefix = FOUR_WORKER_GRAPHS.get(graph, "")
+    if workers == 4:  # configs()'s defaults are these parameters
+        result, tmp_path = request.getfixturevalue("four_worker_runs")[transport]
     else:
         result = run(configs(graph, gamma, lr, params), tmp_path, workers, transport)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     runs = [dict(np.load(tmp_path / f"choco{r}.npz")) for r in range(workers)]
-    x0 = np.stack([flat(r, "choco", "init") for r in runs])
-    grads = np.stack([np.stack([flat(r, "choco", f"{t}/grad") for r in runs]) for t in range(STEPS)])
+    x0 = np.stack([flat(r, prefix + "choco", "init") for r in runs])
+    grads = np.stack([np.stack([flat(r, prefix + "choco", f"{t}/grad") for r in runs]) for t in range(STEPS)])
     w = topology(graph, workers).weights
     want = oracle_choco(x0, w, gamma, params, lambda t: np.float32(lr) * grads[t], STEPS,
                         [slice(0, 6), slice(6, 30)])  # bias, weight: each tensor compressed alone
     for t in range(STEPS):
-        got = np.stack([flat(r, "choco", f"{t}/param") for r in runs])
+        got = np.stack([flat(r, prefix + "choco", f"{t}/param") for r in runs])
         assert np.allclose(got, want[t], atol=2e-5), (t, np.abs(got - want[t]).max())
-    average = flat(runs[0], "choco", "average")
+    average = flat(runs[0], prefix + "choco", "average")
     assert np.allclose(average, want[-1].mean(0), atol=1e-6)
     # D-PSGD with zero gradients: x <- W x each round
-    x = np.stack([flat(r, "dpsgd", "init") for r in runs]).astype(np.float64)
+    x = np.stack([flat(r, prefix + "dpsgd", "init") for r in runs]).astype(np.float64)
     for t in range(4):
         x = w @ x
-        assert np.allclose(np.stack([flat(r, "dpsgd", f"{t}/param") for r in runs]), x, atol=1e-6)
+        assert np.allclose(np.stack([flat(r, prefix + "dpsgd", f"{t}/param") for r in runs]), x, atol=1e-6)
 
 
-def test_bps_gc_and_gloo_give_the_same_models(ring_runs):
+def test_bps_gc_and_gloo_give_the_same_models(four_worker_runs):
     models = {}
-    for transport, (result, out) in ring_runs.items():
+    for transport, (result, out) in four_worker_runs.items():
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         models[transport] = [dict(np.load(out / f"choco{r}.npz")) for r in range(4)]
     for r in range(4):

@@ -59,7 +59,7 @@ def test_dgc_train_resumes_with_dgcs_memory(tmp_path):
             "--configs.train.batch_size", "8", "--configs.data.num_threads_per_worker", "0",
             "--configs.train.num_epochs", "2"]
     straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "dgc", "train.py"), argv, "latest-r:1",
-                                             lambda folder: write_cifar10(str(folder / "data"), n_train=80, n_test=8))
+                                             lambda folder: write_cifar10(str(folder / "data"), n_train=32, n_test=8))
     run_dir = "runs/[cifar.resnet20+dgc.wm5].np2/checkpoints"
     log = (resumed / "runs" / "[cifar.resnet20+dgc.wm5].np2" / "train.log").read_text()
     assert "[resume_path] = " in log and "DGC's accumulated gradients and momentum (bps_gc's codec state" in log
@@ -76,7 +76,7 @@ def test_cifar100_script_resumes_every_ranks_state(tmp_path):
     for name in ("straight", "resumed"):
         folder = tmp_path / name
         folder.mkdir()
-        write_cifar100(str(folder / "data"))
+        write_cifar100(str(folder / "data"), n_train=32, n_test=16)  # 2 steps an epoch per rank
         if name == "resumed":  # the first epoch, then the second from every rank's state
             run(script, common, folder, interrupt=".state:1")
             run(script, [*common, "--resume-state", "params/cifar100-resnet20-0.r{rank}.state"], folder)

@@ -11,6 +11,10 @@ cd "$root"
 # of the suite is clusters starting up and waiting on sockets, timeouts and heartbeats. The files
 # go in collection order, which tests/conftest.py makes heaviest first (by earlier runs' times) so
 # that the last files are short ones and neither process waits long for the other at the end.
+# Without a record (a fresh clone, CI) xdist's own order stays: the one CI has run green.
 workers=${BPS_GC_TEST_WORKERS:-2}
-order=(); [ "$workers" != 0 ] && order=(--no-loadscope-reorder)
+order=()
+if [ "$workers" != 0 ] && [ -s "$root/.pytest_cache/v/bps_gc/test_seconds" ]; then
+  order=(--no-loadscope-reorder)
+fi
 exec "$venv/bin/python" -m pytest -q -n "$workers" --dist loadfile "${order[@]}" "$@"

@@ -1,4 +1,3 @@
-import json
 import os
 import sys
 
@@ -44,23 +43,14 @@ def pytest_configure_node(node):
     node.workerinput[TEST_SECONDS] = recorded_seconds(node.config)
 
 
-# a fresh clone's (CI's) order: each file's seconds in a full run, committed
-# (scripts/file_seconds.py writes it from the cache after a run)
-FILE_SECONDS = os.path.join(ROOT, "tests", "file_seconds.json")
-
-
 def pytest_collection_modifyitems(config, items):
     seconds = recorded_seconds(config)
-    committed = {} if seconds or not os.path.exists(FILE_SECONDS) else json.load(open(FILE_SECONDS))
-    if not seconds and not committed:
+    if not seconds:
         return
     first_seen, cost = {}, {}
     for item in items:
         path = file_of(item.nodeid)
         first_seen.setdefault(path, len(first_seen))
-        if committed:
-            cost[path] = committed.get(path, float("inf"))
-            continue
         known = seconds.get(item.nodeid)
         cost[path] = float("inf") if known is None or cost.get(path) == float("inf") else cost.get(path, 0) + known
     items.sort(key=lambda item: (-cost[file_of(item.nodeid)], first_seen[file_of(item.nodeid)]))

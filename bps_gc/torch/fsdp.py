@@ -70,14 +70,10 @@ def shard_hook(exchange, group, param_group):
             shard = param_group.mesh_info.shard_mesh_rank
             parts.extend((f"{p._param_fqn}#shard{shard}", tuple(p.padded_sharded_param_size))
                          for p in param_group.fsdp_params)
-        total = sum(math.prod(shape) for _, shape in parts)
-        if reduce_output.numel() != total:
+        sizes = [math.prod(shape) for _, shape in parts]
+        if reduce_output.numel() != sum(sizes):
             raise RuntimeError(f"bps_gc register_fsdp_hooks: a reduce-scatter output of {reduce_output.numel()} "
-                               f"elements, but its shards hold {total}")
-        named, offset = [], 0
-        for name, shape in parts:  # each shard in its shape: PowerSGD's matrix
-            n = math.prod(shape)
-            named.append((name, reduce_output[offset:offset + n].view(shape)))
-            offset += n
-        exchange(named, group=group).wait()
+                               f"elements, but its shards hold {sum(sizes)}")
+        pieces = reduce_output.split(sizes)  # each shard in its shape: PowerSGD's matrix
+        exchange([(name, piece.view(shape)) for (name, shape), piece in zip(parts, pieces)], group=group).wait()
     return average_over_replicas

@@ -52,8 +52,8 @@ class PhasedBuckets:
         self.buckets.clear()
 
     def call(self, group, bucket, buffer, levels=None):
-        index, shapes = bucket.index(), [tuple(g.shape) for g in bucket.gradients()]
-        sizes = [g.numel() for g in bucket.gradients()]
+        index, grads = bucket.index(), bucket.gradients()
+        shapes, sizes = [tuple(g.shape) for g in grads], [g.numel() for g in grads]
         gradients = self.codecs.gradient_ids(bucket, index, len(sizes))
         state = self.buckets.get(index)
         if state is None or state.sizes != sizes or state.gradients != gradients:

@@ -29,7 +29,7 @@ step is forward, backward, SGD;
     sudo python scripts/bench_hook.py --shaped 100mbit --rows "no comm,hook topk,alone" --timeline
 
 --timeline: after the rounds, 5 more steps of the bps_gc hook's topk row and of its reduction
-alone, rank 0 printing the last one's stamps per bucket (bps_gc.torch.ddp.hook.TIMELINE: hook call,
+alone, rank 0 printing the last one's stamps per bucket (bps_gc.collective.exchange.driver.TIMELINE: hook call,
 compressing, gathering, reducing; ms from the step's start) and the CPU per step of each of its
 threads (/proc schedstat).
 
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--timeline", action="store_true",
                    help="after the rounds, print one step of the bps_gc hook's topk row and of its reduction "
                         "alone on rank 0: per bucket, when each stage started and ended "
-                        "(bps_gc.torch.ddp.hook.TIMELINE), and each thread's CPU per step")
+                        "(bps_gc.collective.exchange.driver.TIMELINE), and each thread's CPU per step")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench_hook.json"))
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks
     p.add_argument("--rank-rows", default=None, help=argparse.SUPPRESS)  # their rows, as JSON
@@ -249,7 +249,7 @@ def rank_main(args):
     ops.push_pull_async, ops.synchronize = original  # the optimizer row timed them
     traced = {}
     if args.timeline:
-        from bps_gc.torch.ddp import hook as hook_module
+        from bps_gc.collective.exchange import driver as hook_module
         for label in (f"bps_gc hook {TARGET}", f"{TARGET} reduction alone"):
             if label in rows:
                 threads = thread_cpu()

@@ -60,7 +60,7 @@ def record(spec):
              **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
              **{f"sizes{i}": s[3] for i, s in enumerate(seen)}, **{f"params{i}": s[4] for i, s in enumerate(seen)})
     json.dump(vars(bps_gc.core.metrics()), open(os.path.join(out, f"metrics{rank}.json"), "w"))
-    codec_state = hook.compression.codec_state().state_dict()  # by parameter name (ddp/gradient_codecs.py)
+    codec_state = hook.compression.codec_state().state_dict()  # by parameter name (collective/exchange/codecs.py)
     json.dump({k: v if isinstance(v, (int, float, str)) else type(v).__name__ for k, v in codec_state.items()},
               open(os.path.join(out, f"codec_state{rank}.json"), "w"))
 

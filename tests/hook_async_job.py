@@ -150,7 +150,7 @@ def record(spec, device, name):
         x, y = torch.randn(8, 20, generator=g).to(device), torch.randn(8, 40, generator=g).to(device)
         torch.nn.functional.mse_loss(model(x), y).backward()
     np.savez(os.path.join(out, f"{name}{rank}.npz"), index=np.array([s[0] for s in seen]),
-             device_chains=np.array([state.on_device for state in hook.compression.buckets.values()]),
+             device_chains=np.array([state.on_device for state in hook.compression.pipeline.codecs.batches.values()]),
              **{f"in{i}": s[1] for i, s in enumerate(seen)}, **{f"out{i}": s[2] for i, s in enumerate(seen)},
              **{f"sizes{i}": np.array(s[3]) for i, s in enumerate(seen)},
              **{f"params{i}": np.array(s[4]) for i, s in enumerate(seen)})

@@ -13,7 +13,7 @@ from collective_cluster import TESTS, job_env, torchrun_argv
 from conftest import ROOT
 
 from bps_gc.compress import build_chain
-from bps_gc.torch.ddp.gradient_codecs import bucket_key
+from bps_gc.collective.exchange.codecs import bucket_key
 
 JOB = os.path.join(TESTS, "ddp_hook_job.py")
 

@@ -80,7 +80,7 @@ def check_hook_levels(spec, tmp_path):
 
 
 class HostThc:
-    """What the hook's thc gives for one gradient under two levels (ddp/phased_buckets.py): each host's
+    """What the hook's thc gives for one gradient under two levels (collective/exchange/phased.py): each host's
     float32 sum in local-rank order plus that host's residual, 4-bit codes to the nearest (ties
     up) against the shared exponent, summed over the hosts as int64, decoded and averaged."""
 

@@ -11,7 +11,7 @@ from collective_cluster import run_torchrun_job
 
 from bps_gc.compress import build_chain
 from bps_gc.torch.exchange import CompressedExchange
-from bps_gc.torch.ddp.gradient_codecs import name_key
+from bps_gc.collective.exchange.codecs import name_key
 
 GROUPS = [[0, 1], [2, 3]]
 SHAPES = {"fc.weight": [30, 20], "fc.bias": [30], "out.weight": [7, 30]}

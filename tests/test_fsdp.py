@@ -11,7 +11,7 @@ from collective_cluster import run_torchrun_job
 
 from bps_gc.compress import build_chain
 from bps_gc.torch import register_fsdp_hooks
-from bps_gc.torch.ddp.gradient_codecs import name_key
+from bps_gc.collective.exchange.codecs import name_key
 
 # the job's model: its parameters in order, each sharded on dim 0 over 2 ranks (even sizes)
 PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2.bias", (32,)),

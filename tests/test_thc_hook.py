@@ -1,5 +1,5 @@
 """thc through bps_gc.torch.comm_hook under DDP on 3 gloo ranks (torchrun): each bucket is two
-all_reduces of int64 words (the scale histograms, then the packed codes; ddp/phased_buckets.py), no
+all_reduces of int64 words (the scale histograms, then the packed codes; collective/exchange/phased.py), no
 all_gather, and every bucket's result equals the re-computation here from the three ranks'
 bucket gradients: per-parameter chains (keys as the hook's, kept when DDP regroups), both
 phases summed with numpy."""
@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from bps_gc.compress import build_chain
-from bps_gc.torch.ddp.gradient_codecs import bucket_key
+from bps_gc.collective.exchange.codecs import bucket_key
 from test_collective_hook import run
 
 RANKS = 3
@@ -18,7 +18,7 @@ PARAMS = {"compressor": "thc", "bits": 4, "rotate": True, "feedback": True}
 def expected_buckets(calls):
     """calls[r] = [(index, sizes, gradients, parameters)]: each parameter's chains are made where
     it was first seen (keyed by that bucket index and position) and kept when DDP regroups; a
-    bucket's step is one more than the most its gradients were reduced (ddp/gradient_codecs.py)."""
+    bucket's step is one more than the most its gradients were reduced (collective/exchange/codecs.py)."""
     chains, steps, results = {}, {}, []
     for per_rank in zip(*calls):
         index, sizes, owners = int(per_rank[0][0]), list(per_rank[0][1]), [int(p) for p in per_rank[0][3]]

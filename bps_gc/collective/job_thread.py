@@ -1,7 +1,9 @@
 """``JobThread``: one thread running jobs in the order they were submitted. The collective
 communicator's exchange thread is one (its ``exchanger``: flushed buckets are compressed and
 exchanged there, in the order they were flushed, so a gradient hook that fills a bucket returns
-at once); so are the DDP hook's three stages (torch/ddp/hook.py: compress, exchange, reduce).
+at once); so are the three stages of the compressed exchange's pipeline (exchange/pipeline.py:
+compress, gather, reduce). A job is a function and its arguments (``submit(stage, job)``), so
+what it works on is a named object a reader can follow, not a closure.
 
 Why the order of collectives stays the same on every rank: only the caller's thread flushes
 buckets (at the same point on every rank: the interface's contract), and this one thread runs
@@ -15,9 +17,8 @@ import threading
 
 
 class JobThread:
-    """One daemon thread running jobs (callables) in submission order; ``idle()`` when all
-    have run. A
-    daemon: a job blocked on a dead peer never keeps the process alive (its waits poll the
+    """One daemon thread running jobs (``fn(*args)``) in submission order; ``idle()`` when all
+    have run. A daemon: a job blocked on a dead peer never keeps the process alive (its waits poll the
     heartbeat, so it ends anyway within the heartbeat's bound)."""
 
     def __init__(self, name):
@@ -25,13 +26,13 @@ class JobThread:
         self.submitted = self.completed = 0
         self.changed = threading.Condition()
 
-    def submit(self, job):
+    def submit(self, fn, *args):
         with self.changed:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self.thread.start()
             self.submitted += 1
-        self.jobs.put(job)
+        self.jobs.put((fn, args))
 
     def idle(self):
         return self.completed == self.submitted
@@ -51,8 +52,9 @@ class JobThread:
             job = self.jobs.get()
             if job is None:
                 return
+            fn, args = job
             try:
-                job()  # a job records its own errors (on its bucket)
+                fn(*args)  # a job records its own errors (on its bucket or future)
             finally:
                 with self.changed:
                     self.completed += 1

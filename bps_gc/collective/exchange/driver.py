@@ -1,0 +1,127 @@
+"""The compressed exchange's driver: the one place where "compress -> gather -> reduce, decode,
+divide, deliver" is sequenced, for every caller on torch.distributed (the pipeline's calls:
+pipeline.py, on three threads; the collective's buckets: collective/buckets.py, inline on its
+exchange thread). The stages themselves are coded.py's.
+
+    compress_stage  each segment of the job not yet compressed -> its payloads (or its error)
+    gather_stage    every rank's payloads in one all_gather on the job's group (a two-level
+                    job: reduced whole through the levels here, where its collectives are)
+    reduce_stage    each segment's reducers over every rank's payloads, decoded into its target,
+                    divided, delivered; the job settled (its future, or its errors raised)
+
+Each stage runs on its runner (a job_thread.JobThread, or ``Inline``), taking jobs in order, and
+hands the job on: ``runner.submit(stage, job)``. So with three threads a job's steps never
+overlap while consecutive jobs' do; every rank issues the same collectives in the same order
+from one gathering thread. An error of a stage is the job's: every rank still takes part in the
+gather (all_gather.py), and the job ends with it.
+"""
+import time
+
+from ..coded import PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
+from .tensors import current
+
+# Opt-in timeline (scripts/bench_hook.py --timeline): None, or a list that collects
+# (job index, event, time.perf_counter(), time.thread_time()) of every pipeline job.
+# Off, a stamp costs one global lookup and a None check.
+TIMELINE = None
+
+
+def stamp(index, event):
+    if TIMELINE is not None:
+        TIMELINE.append((index, event, time.perf_counter(), time.thread_time()))
+
+
+class Inline:
+    """A runner that runs each stage at once on the caller's thread (the collective's exchange
+    thread, which already takes its buckets in order)."""
+
+    @staticmethod
+    def submit(stage, job):
+        stage(job)
+
+
+class Driver:
+    """``run(job)``: the job through the three stages, each on its runner (``compressing``,
+    ``gathering``, ``reducing``). ``count(**amounts)`` adds to the traffic counters
+    (comm.metrics' fields); ``two_levels`` reduces a job with ``levels`` (two_levels.py)."""
+
+    def __init__(self, count, compressing, gathering, reducing, two_levels=None):
+        self.count, self.two_levels = count, two_levels
+        self.compressing, self.gathering, self.reducing = compressing, gathering, reducing
+
+    def run(self, job):
+        self.compressing.submit(self.compress_stage, job)
+
+    def compress_stage(self, job):
+        stamp(job.index, "compress start")
+        with current(job.stream):
+            for segment in job.segments:
+                if not segment.compressed:  # the collective compresses a tensor as it is added
+                    self.compress(segment, job.stream)
+        stamp(job.index, "compress end")
+        self.gathering.submit(self.gather_stage, job)
+
+    def compress(self, segment, stream=None):
+        """This rank's payloads of ``segment`` (or the error that stopped them: the others
+        still gather, and learn that this rank failed)."""
+        start = time.perf_counter()
+        try:
+            if stream is not None:
+                stream.wait_for_backward()
+            flat = segment.load()
+            if flat is None:  # two levels: its owners compress the host's sums
+                return
+            segment.payloads = compress_parts(segment.parts, flat, segment.ctx)
+        except Exception as e:  # noqa: BLE001 -- the job's error, raised when it ends
+            segment.failure = e
+            return
+        self.count(compress_seconds=time.perf_counter() - start, pushed_wire=payload_bytes(segment.payloads))
+
+    def gather_stage(self, job):
+        stamp(job.index, "exchange start")
+        with current(job.stream):
+            try:
+                if job.levels is not None:
+                    self.two_levels.exchange(job)
+                else:
+                    job.gathered = self.gather(job)
+            except BaseException as e:  # noqa: B036 (the job's end raises it)
+                job.error = e
+        stamp(job.index, "exchange end")
+        self.reducing.submit(self.reduce_stage, job)
+
+    def gather(self, job):
+        """Every rank's payloads of the job's segments, in rank order."""
+        failure = next((s.failure for s in job.segments if s.failure is not None), None)
+        mine = None if failure is not None else [p for s in job.segments for p in s.payloads]
+        start = time.perf_counter()
+        try:
+            gathered = exchange_payloads(mine, job.wait, job.group, sum(len(s.parts) for s in job.segments),
+                                         job.capacity, job.device)
+        except PayloadsMissing as missing:
+            job.payloads_missing(missing, failure)
+        received = payload_bytes(p for rank in gathered for p in rank) - payload_bytes(mine)
+        self.count(pulled_wire=received, communicate_seconds=time.perf_counter() - start)
+        return gathered
+
+    def reduce_stage(self, job):
+        stamp(job.index, "reduce start")
+        with current(job.stream):
+            job.settle(self.reduce)  # the job's result is self.reduce(job), or its error
+
+    def reduce(self, job):
+        """Each segment's reducers over every rank's payloads, decoded, divided and delivered."""
+        if job.error is not None:
+            raise job.error
+        if job.levels is None:
+            offset = 0
+            for segment in job.segments:
+                count = len(segment.parts)
+                target, divisor = segment.target()
+                reduce_parts(segment.parts, [rank[offset:offset + count] for rank in job.gathered], target,
+                             segment.ctx, divisor)
+                offset += count
+                segment.deliver(target)
+            stamp(job.index, "reduced")
+        stamp(job.index, "completed")  # before the future's result: DDP may go on to the next step
+        return job.result()

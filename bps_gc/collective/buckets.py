@@ -1,22 +1,25 @@
 """The collective communicator's buckets (a part of ``Collective``): reductions fused like
 DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when a handle
-waiting on one is waited for. There the bucket's compressed tensors send their payloads in one
-all_gather and every rank runs the server's reduction (coded.py), its two-phase ones run
+waiting on one is waited for. There the bucket's compressed tensors are one job of the
+compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
+payloads in one all_gather, every rank running the server's reduction), its two-phase ones run
 their phases (reductions.py), its dense ones start one all_reduce per dtype; ``finish`` (a
 handle's wait) waits for those and delivers the results. A bucket's error (a codec's, a failed
 peer's) is raised by every wait on its handles.
 """
 import dataclasses
+import functools
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..comm import communicator as api
-from .coded import PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
+from .exchange.driver import Driver, Inline
+from .exchange.jobs import ArraySegment, Job
 
 
 class Handle(api.Handle):
@@ -44,32 +47,15 @@ class DenseEntry:
     average: bool
 
 
-class Compressed:
-    """One compressed reduction's payloads (or its codec's error), made on the exchange thread."""
-    payloads = error = None
-
-    def run(self, tensor, wire, ctx, counters):
-        start = time.perf_counter()
-        try:
-            self.payloads = compress_parts(tensor.partitions, wire, ctx)
-        except Exception as e:  # noqa: BLE001 -- the bucket's error, raised by its waits
-            self.error = e
-            return
-        counters.compress_seconds += time.perf_counter() - start
-        counters.pushed_wire += payload_bytes(self.payloads)
-
-
 @dataclasses.dataclass
 class CodedEntry:
-    """A compressed reduction: ``wire`` (flat, this rank's copy; the result is decoded into
-    it) of declared ``tensor``, delivered into ``out``. ``compressed``: its payloads, made on
-    the exchange thread (None under two levels, whose owners compress the host's sums)."""
+    """A reduction under two levels (dense or compressed: two_level_reductions.py): ``wire``
+    (flat, in the tensor's dtype) of declared ``tensor``, delivered into ``out``."""
     tensor: Any
     wire: Any
     out: Any
     average: bool
     ctx: dict
-    compressed: Optional[Compressed] = None
 
 
 @dataclasses.dataclass
@@ -91,13 +77,14 @@ class GatheredEntry:
 
 class Bucket:
     """Reductions sent together: dense ones fused into one all_reduce per dtype (``entries``:
-    [DenseEntry]); compressed ones' payloads in one all_gather (``coded``: [CodedEntry]);
+    [DenseEntry]); compressed ones' payloads in one all_gather (``coded``: [jobs.ArraySegment];
+    under two levels ``on_hosts``: [CodedEntry], dense ones too);
     two-phase ones (PowerSGD) in one all_reduce per phase (``phased``: [PhasedEntry]), as
     torch's PowerSGD hook sums a whole bucket's matrices at once; device payloads
     (``gathered``: [GatheredEntry]) in one all_gather per device."""
 
     def __init__(self):
-        self.entries, self.coded, self.phased, self.bytes, self.names = [], [], [], 0, []
+        self.entries, self.coded, self.on_hosts, self.phased, self.bytes, self.names = [], [], [], [], 0, []
         self.gathered = []
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
         self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
@@ -117,13 +104,14 @@ class Buckets:
         self.size = shared.size
         self.check_alive, self.wait, self.issue = lifecycle.check_alive, lifecycle.wait, lifecycle.issue
         self.pending = Bucket()
+        # the compressed exchange's stages, run on the exchange thread itself (its jobs in order)
+        self.driver = Driver(self.count, Inline, Inline, Inline)
         self.exchange_coded_on_hosts = self.exchange_phased = self.gather_payloads = self.deliver_tensors = None
 
     def exchanges(self, *, coded_on_hosts, phased, gathered, deliver_tensors):
         """The exchanges of the kinds other parts add to a bucket (those parts take the buckets,
         so they are made after them, and give these once), each a public method of its part:
-        ``coded_on_hosts`` (TwoLevelReductions.exchange_coded_on_hosts: ``coded`` under two
-        levels), ``phased`` (PhasesAndVotes.exchange_phased), ``gathered`` and
+        ``coded_on_hosts`` (TwoLevelReductions.exchange_coded_on_hosts: ``on_hosts``), ``phased`` (PhasesAndVotes.exchange_phased), ``gathered`` and
         ``deliver_tensors`` (DeviceTensors.gather_payloads, .deliver_tensors: device payloads,
         and device ``entries`` once summed)."""
         self.exchange_coded_on_hosts, self.exchange_phased = coded_on_hosts, phased
@@ -138,15 +126,26 @@ class Buckets:
     def add_coded(self, tensor, wire, out, average, ctx):
         """A one-level compressed reduction into the pending bucket: compressed now on the
         exchange thread (while backward goes on), exchanged with the bucket (``wire`` is our
-        copy; the thread takes a tensor's steps in order, so error feedback sees each step in
-        turn)."""
-        compressed = Compressed()
-        self.exchanger.submit(lambda: compressed.run(tensor, wire, ctx, self.shared.counters))
-        return self.add(Handle(self, out, self.pending), "coded",
-                        CodedEntry(tensor, wire, out, average, ctx, compressed), wire.nbytes, tensor.name)
+        copy, the result decoded into it; the thread takes a tensor's steps in order, so error
+        feedback sees each step in turn)."""
+        segment = ArraySegment(tensor.partitions, ctx, wire, out=out, average=average, into=self.deliver,
+                               name=tensor.name)
+        self.exchanger.submit(self.driver.compress, segment)
+        return self.add(Handle(self, out, self.pending), "coded", segment, wire.nbytes, tensor.name)
+
+    def add_on_hosts(self, tensor, wire, out, average, ctx):
+        """A reduction under two levels into the pending bucket (two_level_reductions.py)."""
+        return self.add(Handle(self, out, self.pending), "on_hosts", CodedEntry(tensor, wire, out, average, ctx),
+                        wire.nbytes, tensor.name)
+
+    def count(self, **amounts):
+        """Add to this step's counters (the driver's bytes and seconds)."""
+        counters = self.shared.counters
+        for name, amount in amounts.items():
+            setattr(counters, name, getattr(counters, name) + amount)
 
     def add(self, handle, kind, entry, nbytes, name):
-        """``entry`` into the pending bucket's list ``kind`` (entries, coded, phased or
+        """``entry`` into the pending bucket's list ``kind`` (entries, coded, on_hosts, phased or
         gathered); the bucket goes out once it holds ``bucket_bytes``. Returns ``handle``."""
         bucket = self.pending
         getattr(bucket, kind).append(entry)
@@ -164,7 +163,7 @@ class Buckets:
             bucket.sent.set()
             bucket.done = True
             return
-        self.exchanger.submit(lambda: self._send(bucket))
+        self.exchanger.submit(self._send, bucket)
 
     def _send(self, bucket):
         """On the exchange thread: the bucket's payloads' all_gather and phases (waited for),
@@ -181,8 +180,11 @@ class Buckets:
             bucket.sent.set()
 
     def _exchange(self, bucket):
-        if bucket.coded:
-            (self.exchange_coded_on_hosts if self.shared.levels is not None else self._exchange_coded)(bucket.coded)
+        if bucket.coded:  # one all_gather for the bucket's payloads, then every partition's reduction
+            names = [segment.name for segment in bucket.coded]
+            self.driver.run(Job(bucket.coded, functools.partial(self._wait_named, names)))
+        if bucket.on_hosts:
+            self.exchange_coded_on_hosts(bucket.on_hosts)
         if bucket.gathered:
             self.gather_payloads(bucket.gathered)
         if bucket.phased:
@@ -198,37 +200,9 @@ class Buckets:
             bucket.buffers.append((fused, entries))
         bucket.works = [self.issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
 
-    @staticmethod
-    def _compress_coded(coded):
-        """This rank's payloads of the bucket's compressed tensors (made by their jobs, which
-        ran before the bucket's on the same thread), in order; (None, the error) when a codec
-        raised: the rank still takes part in the exchange (all_gather.py)."""
-        failures = [entry.compressed.error for entry in coded if entry.compressed.error is not None]
-        if failures:
-            return None, failures[0]
-        return [p for entry in coded for p in entry.compressed.payloads], None
-
-    def _exchange_coded(self, coded):
-        """One all_gather for the bucket's payloads, then every partition's reduction."""
-        mine, failure = self._compress_coded(coded)
-        start = time.perf_counter()
-        try:
-            gathered = exchange_payloads(mine, lambda work, what: self.wait(
-                self.issue(work), lambda: f"{what} of {listed(entry.tensor.name for entry in coded)}"),
-                parts=sum(len(entry.tensor.partitions) for entry in coded))
-        except PayloadsMissing:
-            if failure is not None:  # this rank's own codec error says more
-                raise failure from None
-            raise
-        counters = self.shared.counters
-        counters.pulled_wire += payload_bytes(p for rank in gathered for p in rank) - payload_bytes(mine)
-        counters.communicate_seconds += time.perf_counter() - start
-        index = 0
-        for entry in coded:
-            parts = entry.tensor.partitions
-            reduce_parts(parts, [rank[index:index + len(parts)] for rank in gathered], entry.wire, entry.ctx)
-            index += len(parts)
-            self.deliver(entry.wire, entry.out, entry.average and parts[0].reducer.summed)
+    def _wait_named(self, names, work, what):
+        """Wait for a bucket's collective, a failure naming the bucket's tensors."""
+        self.wait(self.issue(work), lambda: f"{what} of {listed(names)}")
 
     def finish(self, bucket):
         if bucket.done:

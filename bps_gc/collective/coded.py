@@ -21,6 +21,10 @@ import torch
 
 from .all_gather import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors
 
+# the words two-phase codecs sum in here (thc): gloo and NCCL add int64 exactly (modulo 2^64),
+# all 64 bits of a word where float64 adds 53
+WORDS = np.dtype(np.int64)
+
 
 class CodedPart(NamedTuple):
     """Elements [start, stop) of a flat buffer, compressed by ``codec`` and reduced by
@@ -90,5 +94,5 @@ def in_wire_dtype(flat, parts, wire_dtype):
     return wired, back
 
 
-__all__ = ["Capacity", "CodedPart", "PayloadsMissing", "compress_parts", "exchange_payloads",
+__all__ = ["WORDS", "Capacity", "CodedPart", "PayloadsMissing", "compress_parts", "exchange_payloads",
            "in_wire_dtype", "payload_bytes", "reduce_parts"]

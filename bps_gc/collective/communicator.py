@@ -36,7 +36,7 @@ from ..comm import communicator as api
 from ..comm.metrics import Metrics
 from ..comm.phased import host_first, phases
 from ..comm.placement import Placement, check_dtype
-from .buckets import Buckets, CodedEntry, Handle
+from .buckets import Buckets, Handle
 from .device_tensors import DeviceTensors
 from .job_thread import JobThread
 from .lifecycle import Lifecycle
@@ -121,8 +121,7 @@ class Collective(api.Communicator):
         counters.pushed_raw += wire.nbytes
         counters.pulled_raw += wire.nbytes
         if two_levels:  # dense or not (two_level_reductions.py)
-            return buckets.add(Handle(buckets, out, buckets.pending), "coded", CodedEntry(tensor, wire, out, average, ctx),
-                               wire.nbytes, tensor.name)
+            return buckets.add_on_hosts(tensor, wire, out, average, ctx)
         if not tensor.compressed:
             return buckets.add_dense(tensor.name, wire, out, average)
         if phases(tensor) > 1:

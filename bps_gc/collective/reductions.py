@@ -10,10 +10,7 @@ import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction, run_phases
 from .buckets import Handle, PhasedEntry
-
-# the words two-phase codecs sum in here (thc): gloo and NCCL add int64 exactly (modulo 2^64),
-# all 64 bits of a word where float64 adds 53
-WORDS = np.dtype(np.int64)
+from .coded import WORDS
 
 
 class PhasesAndVotes:

@@ -15,9 +15,8 @@ import torch.distributed as dist
 
 from ..comm.phased import PhasedReduction, phases, run_phases
 from ..comm.placement import partition_owner
-from .coded import CodedPart, in_wire_dtype
+from .coded import WORDS, CodedPart, in_wire_dtype
 from .levels import HostLevels
-from .reductions import WORDS
 from .rendezvous import host_key
 
 
@@ -49,7 +48,7 @@ class TwoLevelReductions:
         self.wait(self.issue(work), what)
 
     def exchange_coded_on_hosts(self, coded):
-        """Two levels of a bucket's single-phase tensors ``coded``: [buckets.CodedEntry] (``wire``
+        """Two levels of a bucket's single-phase tensors ``coded``: [buckets.CodedEntry] (the bucket's ``on_hosts``) (``wire``
         in the tensor's dtype), dense and compressed apart, one round per
         dtype and wire dtype (their buffers back to back in shared memory): each ``wire`` is
         copied into the host's memory and each result straight into its ``out``, divided on the

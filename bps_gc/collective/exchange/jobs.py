@@ -49,10 +49,11 @@ class Segment:
 class ArraySegment(Segment):
     """A declared tensor's wire copy (``flat``, the result decoded into it), delivered into
     ``out`` by ``into`` (the collective's Buckets.deliver), averaged when ``average`` and its
-    reducer sums (a majority vote is not averaged)."""
+    reducer sums (a majority vote is not averaged). ``name``: the tensor's, for messages."""
     out: Any = None
     average: bool = False
     into: Callable = None
+    name: str = ""
 
     def deliver(self, reduced):
         self.into(reduced, self.out, self.average and self.parts[0].reducer.summed)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.phased import PhasedReduction, run_phases
-from ..reductions import WORDS
+from ..coded import WORDS
 from .codecs import key_owner
 from .tensors import current
 

@@ -70,7 +70,7 @@ class Collective(api.Communicator):
                                phased=self.phases.exchange_phased, gathered=self.device.gather_payloads,
                                deliver_tensors=self.device.deliver_tensors)
         # the calls other layers make straight to a part: bound here, so a call costs no more
-        # than it did (check_alive, wait and flush: torch/ddp/hook.py, tests; the device calls:
+        # than it did (check_alive, wait and flush: collective/exchange/pipeline.py, tests; the device calls:
         # torch/device.py, torch/ops.py)
         self.check_alive, self.wait, self.drain = self.lifecycle.check_alive, self.lifecycle.wait, self.lifecycle.drain
         self.flush = self.buckets.flush

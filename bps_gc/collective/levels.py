@@ -82,7 +82,7 @@ def host_layout(table, hierarchy):
 class HostLevels:
     """The two levels themselves: the host's group and shared memory, the cross-host groups,
     and the sums through them (the communicator's part that runs its buckets through them:
-    two_level_reductions.TwoLevelReductions; the DDP hook's: torch/ddp/hook_two_levels.py).
+    two_level_reductions.TwoLevelReductions; the exchange pipeline's: exchange/two_levels.py).
     ``wait(work, what)`` waits for a collective (the communicator's watches the heartbeat;
     None: a skipped one, for its count). Each reduction takes the wait of its caller
     (``wait=``; the one given here when None), so a HostLevels shared by callers with

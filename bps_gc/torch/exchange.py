@@ -1,5 +1,5 @@
 """The compressed exchange for callers that are not DDP: named tensors averaged over any process
-group, through the same pipeline as the DDP hook (torch/ddp/hook.py: compress each named part,
+group, through the same pipeline as the DDP hook (collective/exchange/: compress each named part,
 exchange payloads or summable phases, reduce, decode, divide; two levels and device chains
 included). FSDP2's shards on a replicate group, DiLoCo's pseudo-gradients every H steps, or a
 script's own tensors call it:

@@ -28,6 +28,7 @@ import bps_gc.core as core
 
 from .. import compress
 from ..collective.coded import compress_parts, reduce_parts
+from ..collective.exchange.tensors import runs_on_device
 from ..compress.device import torch_dtype
 from ..compress.device.reducers import device_reduction
 
@@ -36,8 +37,7 @@ _partitions = weakref.WeakKeyDictionary()  # communicator -> {(name, device): [D
 
 def uses_device_chain(tensor):
     """Whether ``tensor``'s codecs run as torch operations on its device."""
-    mode = core.device_codecs()
-    return mode == "torch" or (mode == "auto" and tensor.device.type != "cpu")
+    return runs_on_device(tensor, core.device_codecs())
 
 
 def chain_for(params, n, dtype, key, role, tensor, shape=None, rank=0):

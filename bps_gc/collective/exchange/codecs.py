@@ -20,7 +20,7 @@ from ...comm.placement import partition_owner
 from ...compress.device.reducers import device_reduction
 from ...compress.stateful import StateError, StateGroup, Stateful
 from ..coded import CodedPart
-from .tensors import built_or_refused, wire_dtype
+from .tensors import built_or_refused, runs_on_device, wire_dtype
 
 KEY_BASE = 1 << 40  # bucket keys apart from declared tensors' (index << 16 | partition)
 NAME_KEY_BASE = 1 << 41  # named parts' keys, apart from both
@@ -50,13 +50,14 @@ class Batch:
     ``sizes``; ``ids``: what each part's codec is kept under (its parameter's id, its name, or
     (index, position)); ``names``: the parts' names (their codecs are keyed by them), or None
     (keyed by ``index`` and position, as a DDP bucket's); ``shapes``: the parts' shapes (PowerSGD
-    views them as matrices)."""
+    views them as matrices); ``device_codecs``: the process's BPS_GC_DEVICE_CODECS now."""
     index: int  # the caller's batch index (DDP's bucket index): its state, messages and stamps
     buffer: Any
     sizes: list
     ids: list
     names: Optional[list] = None
     shapes: Optional[list] = None
+    device_codecs: str = "auto"
 
     def key(self, position):
         """The seed key of a part first seen at ``position``."""
@@ -115,13 +116,11 @@ class PartCodecs:
     """Each part's PartCodec, keyed by its id, the state of each batch index, and checkpoints by
     name. Made from ``params`` (CompressionParams), ``reducer`` (the reducer's name),
     ``optimizer`` (without names, the parameters' source, or None), ``named_parameters``
-    ([(name, parameter)] or None), ``phased`` (thc's and PowerSGD's phases, phased.py: float32
-    numpy chains without reducers) and ``uses_device(tensor)`` (whether a tensor's codecs run on
-    its device: the binding's BPS_GC_DEVICE_CODECS)."""
+    ([(name, parameter)] or None) and ``phased`` (thc's and PowerSGD's phases, phased.py: float32
+    numpy chains without reducers)."""
 
-    def __init__(self, params, reducer, optimizer, named_parameters, phased, uses_device):
+    def __init__(self, params, reducer, optimizer, named_parameters, phased):
         self.params, self.reducer, self.optimizer, self.phased = params, reducer, optimizer, phased
-        self.uses_device = uses_device
         self.named = None if named_parameters is None else list(named_parameters)
         self.codecs = {}  # part id -> PartCodec
         self.batches = {}  # batch index -> BatchState
@@ -136,12 +135,12 @@ class PartCodecs:
                                                            on_device, batch.ids)
         return state
 
-    def _codec_kind(self, tensor):
+    def _codec_kind(self, tensor, device_codecs):
         """(on device, wire dtype) of a part's codec: phased codecs run float32 numpy chains;
         others follow the buffer (tensors.py, BPS_GC_DEVICE_CODECS)."""
         if self.phased:
             return False, np.dtype(np.float32)
-        return self.uses_device(tensor), wire_dtype(tensor, self.params.fp16)
+        return runs_on_device(tensor, device_codecs), wire_dtype(tensor, self.params.fp16)
 
     def _make_codec(self, key, n, tensor, on_device, wire, shape=None):
         """A fresh PartCodec of ``n`` elements where ``tensor`` lives (its draws this process's
@@ -161,7 +160,7 @@ class PartCodecs:
         """([PartCodec] of ``batch``'s parts, on device): each one's own when it was seen before
         with this size, device and wire dtype, else a fresh one seeded by ``batch.key``."""
         buffer = batch.buffer
-        on_device, wire = self._codec_kind(buffer)
+        on_device, wire = self._codec_kind(buffer, batch.device_codecs)
 
         def build():
             codecs = []
@@ -206,9 +205,9 @@ class PartCodecs:
                              "parameters it was given (named_parameters= or optimizer=)")
         return StateGroup({names[g]: codec for g, codec in self.codecs.items()})
 
-    def codec_state_to_load(self, sd):
+    def codec_state_to_load(self, sd, device_codecs):
         """(a Stateful of fresh codecs for the parameters ``sd`` holds, made with their saved
-        keys; a function that installs them once loaded, forgetting the batches, which are made
+        keys, where BPS_GC_DEVICE_CODECS ``device_codecs`` puts them; a function that installs them once loaded, forgetting the batches, which are made
         again from them). Parameters this model lacks are refused, named."""
         named = self._named()
         saved = sorted({key.split("/", 1)[0].removeprefix("identity.") for key in sd})
@@ -221,7 +220,8 @@ class PartCodecs:
             p, key = named[name], sd.get(f"{name}/key")
             if isinstance(key, bool) or not isinstance(key, int) and not hasattr(key, "__index__"):
                 raise StateError(f"comm_hook: the state of {name!r} has no integer key")
-            fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p), tuple(p.shape))
+            fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p, device_codecs),
+                                           tuple(p.shape))
 
         def install():
             self.codecs.update((id(named[name]), codec) for name, codec in fresh.items())

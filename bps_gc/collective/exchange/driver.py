@@ -17,6 +17,9 @@ gather (all_gather.py), and the job ends with it.
 """
 import time
 
+import torch.distributed as dist
+
+from ...comm import NodeFailure
 from ..coded import PayloadsMissing, compress_parts, exchange_payloads, payload_bytes, reduce_parts
 from .tensors import current
 
@@ -29,6 +32,31 @@ TIMELINE = None
 def stamp(index, event):
     if TIMELINE is not None:
         TIMELINE.append((index, event, time.perf_counter(), time.thread_time()))
+
+
+def waiter(group, index, comm):
+    """How the pipeline waits for a collective (None: one this rank skips): through bps_gc's
+    collective communicator ``comm`` when it runs (its heartbeat names a dead or departed
+    rank within its bound, as a NodeFailure), else gloo's own wait, whose error (a peer's
+    socket closed) becomes one."""
+    if comm is not None and comm.watches_works:
+        def through(work, what):
+            comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+    else:
+        def through(work, what):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
+                                  f"{dist.get_rank()}: {e}") from None
+
+    def wait(work, what):
+        if work is None:
+            return
+        stamp(index, what + " start")
+        through(work, what)
+        stamp(index, what + " end")
+    return wait
 
 
 class Inline:

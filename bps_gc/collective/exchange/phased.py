@@ -8,6 +8,8 @@ thc (``host_first``), each part's owner local rank (by its seed key) sums it ove
 shared memory, encodes that sum, and sums its phase buffers with the owners of the other hosts
 (one summand per host: comm/phased.py ``host_first``); then the host copies the decoded parts out.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -29,13 +31,18 @@ class PhasedExchange:
         with current(job.stream):
             job.settle(self._reduce)
 
-    def _sum(self, job, fused, group):
+    def _sum(self, job, group, fused):
         """One phase's buffers summed over ``group`` (None: a collective this rank skips)."""
         work = None
         if group is not None:
             work = dist.all_reduce(torch.from_numpy(fused), group=group, async_op=True)
             self.traffic.add(pushed_wire=fused.nbytes, pulled_wire=fused.nbytes)  # core.metrics()
         job.wait(work, f"all_reduce of DDP bucket {job.index}'s thc phase")
+
+    def _sum_across_hosts(self, job, cross, fused):
+        """Two levels: the owners' buffers with those of the other hosts (``cross``: None with one
+        host; every rank counts the collective alike, an empty one too)."""
+        self._sum(job, cross if fused.size else None, fused)
 
     def _reduce(self, job):
         if job.stream is not None:
@@ -46,18 +53,16 @@ class PhasedExchange:
         size = dist.get_world_size(job.group)
         if levels is None:  # one level: every rank's phase buffers
             run_phases([PhasedReduction(segment, grad, grad, segment.ctx, size, carrier=WORDS)],
-                       lambda fused: self._sum(job, fused, job.group))
+                       functools.partial(self._sum, job, job.group))
         else:  # each part's owner by its seed key (codecs.key_owner)
             parts = [part._replace(owner=key_owner(key, levels.local_size))
                      for part, key in zip(segment.parts, segment.keys)]
-            # across hosts, the owners' buffers with those of the other hosts (every rank counts
-            # the collective alike)
             cross = levels.cross_group if levels.hosts > 1 else None
 
             def across(result, mine):
                 owned = [part for part in parts if part.owner == levels.local_rank]
                 run_phases([PhasedReduction(segment, result, result, segment.ctx, size // levels.local_size, owned,
-                                            WORDS)], lambda fused: self._sum(job, fused, cross if fused.size else None))
+                                            WORDS)], functools.partial(self._sum_across_hosts, job, cross))
             levels.reduce_owned_into([grad], [(grad, None)], parts, across, job.wait)
         grad /= grad.dtype.type(size)
         buffer.copy_(torch.from_numpy(grad))

@@ -2,7 +2,7 @@
 named parts (codecs.Batch): the DDP hook (torch/ddp/hook.py: a DDP bucket), CompressedExchange
 (torch/exchange.py: named tensors; FSDP2's shards, DiLoCo's pseudo-gradients).
 
-``Pipeline.submit(group, batch, lr)`` returns a pending torch future of the buffer's average at
+``Pipeline.submit(group, batch, lr, comm)`` returns a pending torch future of the buffer's average at
 once: three threads of the pipeline take the calls in order (driver.py): one compresses, one
 gathers (the only one issuing the pipeline's collectives, on a process group of its own with
 the caller's ranks, made at the first call on every rank), one reduces, decodes and completes the
@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ... import compress
-from ...comm import NodeFailure
 from ..job_thread import JobThread
 from ..all_gather import Capacity
 from .codecs import PartCodecs
-from .driver import Driver, stamp
+from .driver import Driver, stamp, waiter
 from .jobs import TensorJob, TensorSegment
 from .phased import PhasedExchange
 from .tensors import pending_future
@@ -34,39 +33,38 @@ from .two_levels import TwoLevelExchange
 class Pipeline:
     """The exchange of named parts (see the module's docstring). Made from ``params``
     (CompressionParams), ``reducer`` (its name, as compress.choose_reducer chose it),
-    ``optimizer`` and ``named_parameters`` (the codecs' names for checkpoints: codecs.py),
-    ``traffic`` (the comm.metrics.Counters its bytes are added to), ``communicator()`` (the
-    running communicator whose waits watch the heartbeat, or None) and ``uses_device(tensor)``
-    (whether a buffer's codecs run on its device)."""
+    ``optimizer`` and ``named_parameters`` (the codecs' names for checkpoints: codecs.py) and
+    ``traffic`` (the comm.metrics.Counters its bytes are added to)."""
 
-    def __init__(self, params, reducer, optimizer, named_parameters, traffic, communicator, uses_device):
-        self.params, self.traffic, self.communicator = params, traffic, communicator
+    def __init__(self, params, reducer, optimizer, named_parameters, traffic):
+        self.params, self.traffic = params, traffic
         reducer_class = compress.REDUCERS.get(reducer)  # "sum" is no class
         phased = getattr(reducer_class, "phases", 1) > 1  # thc and PowerSGD: each phase one all_reduce
         self.host_first = getattr(reducer_class, "host_first", False)  # thc: two levels sum the host first
-        self.codecs = PartCodecs(params, reducer, optimizer, named_parameters, phased, uses_device)
+        self.codecs = PartCodecs(params, reducer, optimizer, named_parameters, phased)
         # three stages, each one thread taking calls in order: compressing the next call overlaps
         # gathering this one, gathering it overlaps reducing the one before, and one thread
         # issues every collective of the pipeline
         self.compressor = JobThread("bps_gc-comm-hook-compress")
         self.exchanger = JobThread("bps_gc-comm-hook-exchange")
         self.reducing = JobThread("bps_gc-comm-hook-reduce")
-        self.two_levels = TwoLevelExchange(params, traffic, self.waiter)
+        self.two_levels = TwoLevelExchange(params, traffic)
         self.driver = Driver(traffic.add, self.compressor, self.exchanger, self.reducing, self.two_levels)
         self.phased = PhasedExchange(traffic) if phased else None
         self.capacities = {}  # batch index -> its payloads' all_gather.Capacity (the gathering thread's)
         self.side_groups = {}  # the caller's process group -> the pipeline's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buffers are reduced on
 
-    def submit(self, group, batch, lr):
+    def submit(self, group, batch, lr, comm=None):
         """The average of ``batch.buffer`` over ``group``, written into it: a pending future of
-        the buffer. ``lr``: the learning rate error feedback rescales by."""
+        the buffer. ``lr``: the learning rate error feedback rescales by; ``comm``: the running
+        communicator, whose waits watch the heartbeat (None: torch.distributed's own)."""
         buffer = batch.buffer
-        levels = self.two_levels.for_group(group)
+        levels = self.two_levels.for_group(group, comm)
         if not self.params.compressed:
             if levels is None or buffer.device.type not in ("cpu", "cuda"):
                 return self._all_reduce(group, buffer)
-            job = self._job(batch, group, group, levels, [], None, ())
+            job = self._job(batch, comm, group, group, levels, [], None, ())
             self.exchanger.submit(self.two_levels.all_reduce, job)
             return job.future
         stamp(batch.index, "called")
@@ -75,18 +73,18 @@ class Pipeline:
         self.traffic.add(pushed_raw=raw, pulled_raw=raw)
         ctx = {"lr": lr, "step": self.codecs.next_step(state.codecs)}
         if self.phased is not None:
-            job = self._job(batch, self.side_group(group), group, levels if self.host_first else None, state.parts,
-                            ctx, state.keys)
+            job = self._job(batch, comm, self.side_group(group), group, levels if self.host_first else None,
+                            state.parts, ctx, state.keys)
             self.exchanger.submit(self.phased.run, job)
             return job.future
         levels = None if state.on_device else levels  # device payloads stay flat (as DeviceTensors')
-        job = self._job(batch, group if levels is not None else self.side_group(group), group, levels, state.parts,
-                        ctx, state.keys, state.on_device)
+        job = self._job(batch, comm, group if levels is not None else self.side_group(group), group, levels,
+                        state.parts, ctx, state.keys, state.on_device)
         self.driver.run(job)
         stamp(batch.index, "returned")
         return job.future
 
-    def _job(self, batch, side, group, levels, parts, ctx, keys, on_device=False):
+    def _job(self, batch, comm, side, group, levels, parts, ctx, keys, on_device=False):
         """A TensorJob of ``batch`` on ``side`` (the pipeline's own group, or ``group`` itself
         under two levels), averaged over ``group``'s ranks."""
         buffer = batch.buffer
@@ -96,33 +94,8 @@ class Pipeline:
         # device payloads stay where they are (NCCL for CUDA); host ones go in one all_gather
         # per call once their size is known (all_gather.Capacity)
         capacity = None if on_device else self.capacities.setdefault(batch.index, Capacity())
-        return TensorJob([segment], self.waiter(side, batch.index), side, capacity,
+        return TensorJob([segment], waiter(side, batch.index, comm), side, capacity,
                          buffer.device if on_device else None, levels, batch.index, stream, future=future)
-
-    def waiter(self, group, index):
-        """How the pipeline waits for a collective (None: one this rank skips): through bps_gc's
-        collective communicator when it runs (its heartbeat names a dead or departed rank within
-        its bound, as a NodeFailure), else gloo's own wait, whose error (a peer's socket closed)
-        becomes one."""
-        comm = self.communicator()
-        if comm is not None and comm.watches_works:
-            def through(work, what):
-                comm.wait(work, lambda: f"{what} of DDP bucket {index}")
-        else:
-            def through(work, what):
-                try:
-                    work.wait()
-                except RuntimeError as e:
-                    raise NodeFailure(f"bps_gc: {what} of DDP bucket {index} failed on rank "
-                                      f"{dist.get_rank()}: {e}") from None
-
-        def wait(work, what):
-            if work is None:
-                return
-            stamp(index, what + " start")
-            through(work, what)
-            stamp(index, what + " end")
-        return wait
 
     def side_group(self, group):
         """The pipeline's own process group with ``group``'s ranks: made by the first call,

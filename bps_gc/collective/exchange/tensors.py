@@ -16,6 +16,12 @@ TORCH_OF = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.flo
             np.dtype(np.float64): torch.float64}
 
 
+def runs_on_device(tensor, mode):
+    """Whether ``tensor``'s codecs run as torch operations on its device, by the process's
+    BPS_GC_DEVICE_CODECS ``mode`` (auto, torch or numpy: docs/device_codecs.md)."""
+    return mode == "torch" or (mode == "auto" and tensor.device.type != "cpu")
+
+
 def wire_dtype(buffer, fp16):
     """The numpy dtype ``buffer`` is compressed in."""
     if fp16:

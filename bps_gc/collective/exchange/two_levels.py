@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..levels import levels_from_env
 from .codecs import key_owner
+from .driver import waiter
 from .tensors import current, wire_dtype
 
 log = logging.getLogger("bps_gc.torch")
@@ -18,16 +19,15 @@ HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buffers the
 class TwoLevelExchange:
     """The pipeline's part for two levels: the HostLevels of each process group (or None where
     it runs flat), and a job (jobs.TensorJob) reduced through them. ``params``: the codec's
-    CompressionParams (``fp16``); ``traffic`` (comm.metrics.Counters) counts its bytes;
-    ``waiter(group, index)`` gives the wait of a job's collectives (None: one this rank skips)."""
+    CompressionParams (``fp16``); ``traffic`` (comm.metrics.Counters) counts its bytes."""
 
-    def __init__(self, params, traffic, waiter):
-        self.params, self.traffic, self.waiter = params, traffic, waiter
+    def __init__(self, params, traffic):
+        self.params, self.traffic = params, traffic
         self.levels = {}  # process group -> its HostLevels, or None where it runs flat
 
-    def for_group(self, group):
+    def for_group(self, group, comm):
         """The two levels that ``group`` reduces through, or None (flat): joined by the first
-        call, which every rank makes at the same point. On the caller's thread (backward's),
+        call (its collectives waited for through ``comm``, driver.waiter), which every rank makes at the same point. On the caller's thread (backward's),
         before the call returns: joining gathers on the default group, which DDP's own
         collectives use too, so they never interleave differently on different ranks."""
         if group not in self.levels:
@@ -38,7 +38,7 @@ class TwoLevelExchange:
             elif "gloo" not in backend and "mpi" not in backend:  # the host level's syncs are CPU collectives
                 log.info("comm_hook: default backend %s has no CPU collectives: one level", backend)
             else:
-                levels = levels_from_env(self.waiter(group, "the first"))
+                levels = levels_from_env(waiter(group, "the first", comm))
             self.levels[group] = levels
         return self.levels[group]
 

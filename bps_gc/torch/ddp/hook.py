@@ -22,7 +22,6 @@ from ...collective.exchange import Batch, Pipeline
 from ...collective.exchange.tensors import value
 from ...collective.security import refuse_security_settings
 from ..checkpoint import register
-from ..device import uses_device_chain
 
 
 class CompressionHook:
@@ -38,15 +37,15 @@ class CompressionHook:
         self.lr = 0.0  # without an optimizer: the learning rate of the next call (current_lr)
         self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
         named = None if named_parameters is None else list(named_parameters)
-        self.pipeline = Pipeline(self.params, self.reducer, optimizer, named, self.traffic, communicator,
-                                 uses_device_chain)
+        self.pipeline = Pipeline(self.params, self.reducer, optimizer, named, self.traffic)
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
-        return self.pipeline.submit(group, batch_of(bucket), self.current_lr()).then(value)
+        comm = core.communicator() if core.is_initialized() else None  # its waits watch the heartbeat
+        return self.pipeline.submit(group, batch_of(bucket), self.current_lr(), comm).then(value)
 
     def current_lr(self):
         """The learning rate error feedback rescales by: the optimizer's now, else ``lr``."""
@@ -60,7 +59,7 @@ class CompressionHook:
 
     def codec_state_to_load(self, sd):
         """(the fresh codecs ``sd`` loads into, a function installing them once loaded)."""
-        return self.pipeline.codecs.codec_state_to_load(sd)
+        return self.pipeline.codecs.codec_state_to_load(sd, core.device_codecs())
 
 
 def batch_of(bucket):
@@ -75,12 +74,8 @@ def batch_of(bucket):
         ids = [id(p) for p in parameters]
     else:
         ids = list(names) if names is not None else [(index, position) for position in range(len(grads))]
-    return Batch(index, bucket.buffer(), [g.numel() for g in grads], ids, names, [tuple(g.shape) for g in grads])
-
-
-def communicator():
-    """bps_gc's running communicator (its waits watch the heartbeat), or None."""
-    return core.communicator() if core.is_initialized() else None
+    return Batch(index, bucket.buffer(), [g.numel() for g in grads], ids, names, [tuple(g.shape) for g in grads],
+                 core.device_codecs())
 
 
 def comm_hook(compression_params=None, reducer=None, optimizer=None, named_parameters=None):

@@ -21,7 +21,7 @@ import numpy as np
 from ._native import lib, ptr
 from .base import Codec
 from .params import CODEC_OPTIONS
-from .reducers import Reducer, register_reducer
+from .reducers import PhasedSums, register_reducer
 from .registry import register_compressor
 
 
@@ -141,17 +141,9 @@ class PowerSGD(Codec):
 
 
 @register_reducer("powersgd")
-class PowerSGDSums(Reducer):
+class PowerSGDSums(PhasedSums):
     """PowerSGD's reduction: two phases, each a plain float32 sum over the workers (P, then Q).
     The communicator drives them with dense reduces of one buffer per phase
     (bps_gc/comm/phased.py), so no server ever holds a PowerSGD key or payload."""
 
-    phases = 2
-
-    def reduce(self, payloads, compressed, ctx=None):
-        raise ValueError("powersgd: its P and Q phases are dense sums that the communicator "
-                         "drives (phases = 2); there are no payloads to reduce in one round")
-
-    def decode(self, reply, out, ctx=None):
-        raise ValueError("powersgd: its P and Q phases are dense sums that the communicator "
-                         "drives (phases = 2); there is no one-round reply to decode")
+    phase_sums = "P and Q phases are dense sums"

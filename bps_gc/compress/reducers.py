@@ -120,6 +120,24 @@ class Reducer(Stateful):
         raise NotImplementedError
 
 
+class PhasedSums(Reducer):
+    """Base of the reductions whose phases are plain sums that the communicator drives
+    (comm/phased.py): no one-round reduce or decode exists, so both say so by name."""
+
+    phases = 2
+    phase_sums = "phases are sums"  # what a subclass's phases are, for the refusals
+
+    def _no_round(self, what):
+        raise ValueError(f"{self.name}: its {self.phase_sums} that the communicator drives "
+                         f"(phases = {self.phases}); there {what}")
+
+    def reduce(self, payloads, compressed, ctx=None):
+        self._no_round("are no payloads to reduce in one round")
+
+    def decode(self, reply, out, ctx=None):
+        self._no_round("is no one-round reply to decode")
+
+
 @register_reducer("recompress")
 class Recompress(Reducer):
     """BytePS: decode, sum in rank order, re-encode with the server's chain (server error

@@ -33,7 +33,7 @@ from . import seeds
 from ._native import ERRORS, lib, ptr
 from .base import Codec
 from .params import CODEC_OPTIONS
-from .reducers import Reducer, register_reducer
+from .reducers import PhasedSums, register_reducer
 from .registry import register_compressor
 from .seeds import MASK64, derive_seed, mixed_state
 
@@ -330,18 +330,10 @@ class THC(Codec):
 
 
 @register_reducer("thc")
-class CodeSums(Reducer):
+class CodeSums(PhasedSums):
     """thc's reduction: two phases of plain sums (the scale histogram, then the packed codes),
     which the communicator drives; servers add the codes as dense float64 words, exact below
     2^53 (torch.distributed: int64 words, 64 bits), and never decode them."""
 
-    phases = 2
+    phase_sums = "histogram and code phases are sums"
     host_first = True  # two levels sum the host's floats, then one code per host (comm/phased.py)
-
-    def reduce(self, payloads, compressed, ctx=None):
-        raise ValueError("thc: its histogram and code phases are sums that the communicator "
-                         "drives (phases = 2); there are no payloads to reduce in one round")
-
-    def decode(self, reply, out, ctx=None):
-        raise ValueError("thc: its histogram and code phases are sums that the communicator "
-                         "drives (phases = 2); there is no one-round reply to decode")

@@ -6,6 +6,11 @@ N ranks on one host over loopback (gloo), all rows in one run of the same proces
 Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
   torch all_reduce dense   161 gradients fused into 25 MB buckets (DDP's size), one gloo
                            all_reduce each, waited for together
+  torch dense floor: copy in, sum, average out
+                           the same all_reduces with the two copies a push_pull of separate
+                           arrays into separate outputs needs: each gradient copied into its
+                           bucket (closed at 25 MB, as bps_gc's), the average written out in one
+                           pass; the least bps_gc collective dense can take
   DDP compute only         the benchmark model's forward/backward without communication: the
                            floor under every DDP row (gradient = a fixed random tensor per layer)
   DDP dense / fp16 hook / PowerSGD rank 1, 4 / bps_gc hook
@@ -115,6 +120,32 @@ def rank_main(args):
                 work.wait()
         return step
 
+    def copied_rows():
+        """The least a push_pull of the separate gradients into separate outputs can cost: each
+        bucket (bps_gc's: closed once it holds 25 MB) copied into a buffer kept across steps,
+        all_reduced, and averaged into the outputs in one pass."""
+        buckets, bucket, size = [], [], 0
+        for g in grads:
+            bucket.append(g.reshape(-1))
+            size += g.nbytes
+            if size >= BUCKET_BYTES:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        buckets += [bucket] if bucket else []
+        flats = [np.empty(sum(g.size for g in b), np.float32) for b in buckets]
+        outs = [[np.empty_like(g) for g in b] for b in buckets]
+        ranks = np.float32(dist.get_world_size())
+
+        def step():
+            works = [dist.all_reduce(torch.from_numpy(np.concatenate(b, out=f)), async_op=True) for b, f in zip(buckets, flats)]
+            for work, flat, out in zip(works, flats, outs):
+                work.wait()
+                offset = 0
+                for o in out:
+                    np.divide(flat[offset:offset + o.size], ranks, out=o)
+                    offset += o.size
+        return step
+
     def ddp(hook=None, state=None, bucket_cap_mb=25):
         model = DDP(Shaped(), bucket_cap_mb=bucket_cap_mb)
         if hook is not None:
@@ -157,6 +188,7 @@ def rank_main(args):
 
     rows = {
         "torch all_reduce dense": allreduce_rows,
+        "torch dense floor: copy in, sum, average out": copied_rows,
         "DDP compute only": local,
         "DDP dense": lambda: ddp(),
         "DDP fp16 hook": lambda: ddp(default_hooks.fp16_compress_hook),

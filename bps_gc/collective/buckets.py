@@ -1,17 +1,18 @@
 """The collective communicator's buckets (a part of ``Collective``): reductions fused like
-DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when a handle
-waiting on one is waited for. There the bucket's compressed tensors are one job of the
-compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
+DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when any
+handle is waited for (the caller is done adding for now: its last bucket goes out at once, not
+after the buckets before it were delivered). There the bucket's compressed tensors are one job of
+the compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
 payloads in one all_gather, every rank running the server's reduction), its two-phase ones run
-their phases (reductions.py), its dense ones start one all_reduce per dtype; ``finish`` (a
-handle's wait) waits for those and delivers the results. A bucket's error (a codec's, a failed
-peer's) is raised by every wait on its handles.
+their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
+the next step (fused_buffers.py); ``finish`` (a handle's wait) waits for those and delivers the
+results. A bucket's error (a codec's, a failed peer's) is raised by every wait on its handles.
 """
 import dataclasses
 import functools
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ..comm import communicator as api
 from .exchange.driver import Driver, Inline
 from .exchange.jobs import ArraySegment, Job
+from .fused_buffers import FusedBuffers
 
 
 class Handle(api.Handle):
@@ -75,6 +77,14 @@ class GatheredEntry:
     name: str
 
 
+class FusedBuffer(NamedTuple):
+    """A bucket's all_reduce of one dtype (and device): ``tensor``, the ``entries`` fused into
+    it in order, and ``array`` (numpy entries: the kept buffer under ``tensor``, else None)."""
+    tensor: torch.Tensor
+    entries: list
+    array: Optional[np.ndarray] = None
+
+
 class Bucket:
     """Reductions sent together: dense ones fused into one all_reduce per dtype (``entries``:
     [DenseEntry]); compressed ones' payloads in one all_gather (``coded``: [jobs.ArraySegment];
@@ -106,6 +116,7 @@ class Buckets:
         self.pending = Bucket()
         # the compressed exchange's stages, run on the exchange thread itself (its jobs in order)
         self.driver = Driver(self.count, Inline, Inline, Inline)
+        self.fused_buffers = FusedBuffers()
         self.exchange_coded_on_hosts = self.exchange_phased = self.gather_payloads = self.deliver_tensors = None
 
     def exchanges(self, *, coded_on_hosts, phased, gathered, deliver_tensors):
@@ -194,11 +205,14 @@ class Buckets:
             wire = entry.wire
             # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
             by_dtype.setdefault((wire.dtype, wire.device if isinstance(wire, torch.Tensor) else None), []).append(entry)
-        for (_, device), entries in by_dtype.items():
+        for (dtype, device), entries in by_dtype.items():
             wires = [entry.wire for entry in entries]
-            fused = torch.from_numpy(np.concatenate(wires)) if device is None else torch.cat(wires)
-            bucket.buffers.append((fused, entries))
-        bucket.works = [self.issue(dist.all_reduce(fused, async_op=True)) for fused, _ in bucket.buffers]
+            if device is None:  # into a kept buffer: a fresh one faults its pages in every step
+                flat = self.fused_buffers.take(dtype, sum(wire.size for wire in wires))
+                bucket.buffers.append(FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat))
+            else:
+                bucket.buffers.append(FusedBuffer(torch.cat(wires), entries))
+        bucket.works = [self.issue(dist.all_reduce(fused.tensor, async_op=True)) for fused in bucket.buffers]
 
     def _wait_named(self, names, work, what):
         """Wait for a bucket's collective, a failure naming the bucket's tensors."""
@@ -207,7 +221,7 @@ class Buckets:
     def finish(self, bucket):
         if bucket.done:
             return
-        if bucket is self.pending:
+        if self.pending.names:  # the caller waits: what it added since goes out now, not after this
             self.flush()
         start = time.perf_counter()
         while not bucket.sent.wait(0.05):  # the thread's waits watch the heartbeat too
@@ -217,14 +231,15 @@ class Buckets:
         for work in bucket.works:
             self.wait(work, lambda: f"all_reduce of {listed(bucket.names)}")
         self.shared.counters.communicate_seconds += time.perf_counter() - start
-        for fused, entries in bucket.buffers:
-            if isinstance(entries[0].wire, torch.Tensor):
-                self.deliver_tensors(fused, entries)
+        for fused in bucket.buffers:
+            if fused.array is None:
+                self.deliver_tensors(fused.tensor, fused.entries)
                 continue
-            flat, offset = fused.numpy(), 0
-            for entry in entries:
-                self.deliver(flat[offset:offset + entry.wire.size], entry.out, entry.average)
+            offset = 0
+            for entry in fused.entries:
+                self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average)
                 offset += entry.wire.size
+            self.fused_buffers.give(fused.array)
         bucket.done = True
 
     def deliver(self, total, out, average):

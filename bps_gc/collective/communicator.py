@@ -1,7 +1,7 @@
 """``Collective``: the communicator (comm/communicator.py) on torch.distributed.
 
 Reductions are fused into buckets like DDP's (BPS_GC_BUCKET_BYTES, 25 MB of input): a bucket
-goes out when full or when a handle waiting on it is waited for. Going out hands it to the
+goes out when full or when any handle is waited for. Going out hands it to the
 exchange thread (job_thread.py), so reduce() returns at once: a gradient hook never holds
 backward for an exchange. There its dense tensors are summed by one all_reduce (per dtype), its
 two-phase tensors' phases by one all_reduce each, and its compressed tensors, cut into the

@@ -1,0 +1,24 @@
+"""The collective's kept bucket buffers (bps_gc/collective/fused_buffers.py): a step's buckets
+get back the memory the last step's used, and what is kept never exceeds the most that was
+ever out at once. (The results through them: tests/test_collective_exact.py, several steps.)"""
+import numpy as np
+
+from bps_gc.collective.fused_buffers import FusedBuffers
+
+
+def test_a_steps_buckets_reuse_the_last_steps_memory():
+    pool = FusedBuffers()
+    first = [pool.take(np.float32, n) for n in (1000, 2000, 1000)]
+    for array in first:
+        pool.give(array)
+    second = [pool.take(np.float32, n) for n in (1000, 2000, 1000)]
+    assert {a.ctypes.data for a in second} == {a.ctypes.data for a in first}
+    assert pool.take(np.float16, 1000).ctypes.data not in {a.ctypes.data for a in first}  # another dtype: new
+
+
+def test_kept_bytes_never_exceed_the_most_out_at_once():
+    pool = FusedBuffers()
+    for n in range(100, 200):  # sizes that never come back, one out at a time
+        pool.give(pool.take(np.float32, n))
+        assert pool.free_bytes <= pool.most_out == 4 * n
+    assert sum(a.nbytes for arrays in pool.free.values() for a in arrays) == pool.free_bytes == 4 * 199

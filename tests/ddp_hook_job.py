@@ -6,6 +6,8 @@ when the bucket is bfloat16: numpy has none) for the numpy re-computation, and w
 bps_gc.core.metrics() reports without init().
 spec "mnist": the demo's MLP on its real digits (example/demo/mnist_worker.py's data and model),
 dense DDP or the hook, saving the final validation accuracy.
+spec "runs": [[NAME, SPEC], ...]: each of those in turn in this one launch, its files in OUT/NAME
+(one torchrun start-up for several checks; metrics() resets at each record's read).
 """
 import gc
 import json
@@ -27,7 +29,7 @@ dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
 
 
-def record(spec):
+def record(spec, out):
     torch.manual_seed(0)
     dtype = getattr(torch, spec.get("dtype", "float32"))
     model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40)).to(dtype),
@@ -65,7 +67,7 @@ def record(spec):
               open(os.path.join(out, f"codec_state{rank}.json"), "w"))
 
 
-def mnist(spec):
+def mnist(spec, out):
     from mnist_worker import accuracy, load_data, network
     x, y, xv, yv = load_data(4000)
     model = DDP(network(128, 0))
@@ -84,7 +86,10 @@ def mnist(spec):
     json.dump({"accuracy": accuracy(model.module, xv, yv)}, open(os.path.join(out, f"mnist{rank}.json"), "w"))
 
 
-{"record": record, "mnist": mnist}[spec["mode"]](spec)
+MODES = {"record": record, "mnist": mnist}
+for name, run in spec["runs"] if "runs" in spec else [("", spec)]:
+    os.makedirs(os.path.join(out, name), exist_ok=True)
+    MODES[run["mode"]](run, os.path.join(out, name))
 # Gloo finishes a collective on one rank while its last sends may still be draining to the
 # other: a barrier first, so that no rank tears its pairs down under a peer (an abort at exit,
 # seen on a loaded CI machine), and the DDP reducer is collected before the group goes.

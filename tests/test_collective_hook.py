@@ -65,13 +65,31 @@ CASES = {
     "topk-ef-lossless": ({"compressor": "topk", "k": 0.1, "ef": "vanilla"}, "lossless"),
     "randomk-fp16": ({"compressor": "randomk", "k": 0.1, "fp16": True}, "recompress"),
 }
+POWERSGD = {"compressor": "powersgd", "rank": 2}
+# top-k 10% with error feedback (DGC's setting without its momentum correction); onebit and
+# random-k need the momentum moved into the codec (the demo's recipe) to train under SGD
+# momentum 0.9, which a DDP hook cannot do: the optimizer keeps it
+MNIST = {"dense": None, "topk-ef": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One torchrun launch for every test here (each run in its own DDP model and folder): the
+    cases' records, PowerSGD's, and MNIST dense and with the hook."""
+    out = tmp_path_factory.mktemp("hook")
+    runs = [[case, {"mode": "record", "steps": 3, "compression_params": dict(params), "reducer": reducer}]
+            for case, (params, reducer) in CASES.items()]
+    runs.append(["powersgd", {"mode": "record", "steps": 3, "compression_params": POWERSGD}])
+    runs += [[f"mnist-{name}", {"mode": "mnist", "epochs": 3, "compression_params": params}]
+             for name, params in MNIST.items()]
+    run({"runs": runs}, out, timeout=480)
+    return out
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_hook_equals_numpy_recomputation(case, tmp_path):
+def test_hook_equals_numpy_recomputation(case, launched):
     params, reducer = CASES[case]
-    hook_params = dict(params)
-    run({"mode": "record", "steps": 3, "compression_params": hook_params, "reducer": reducer}, tmp_path)
+    tmp_path = launched / case
     saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(2)]
     count = len(saved[0]["index"])
     assert len(set(saved[0]["index"])) >= 2  # several buckets (after DDP regroups them)
@@ -115,11 +133,10 @@ def expected_phased_buckets(params, calls, ranks, lr):
     return results
 
 
-def test_hook_runs_powersgd_as_numpy_recomputes_it(tmp_path):
+def test_hook_runs_powersgd_as_numpy_recomputes_it(launched):
     """PowerSGD's two phases through the DDP hook (each one all_reduce of the bucket), as DDP's
     own powerSGD_hook would run them, equal the codec's phases done by hand over both ranks."""
-    params = {"compressor": "powersgd", "rank": 2}
-    run({"mode": "record", "steps": 3, "compression_params": params}, tmp_path)
+    params, tmp_path = POWERSGD, launched / "powersgd"
     saved = [np.load(tmp_path / f"hook{r}.npz") for r in range(2)]
     count = len(saved[0]["index"])
     calls = [[(s["index"][i], s[f"sizes{i}"], s[f"in{i}"], s[f"params{i}"]) for i in range(count)] for s in saved]
@@ -129,16 +146,9 @@ def test_hook_runs_powersgd_as_numpy_recomputes_it(tmp_path):
             np.testing.assert_array_equal(s[f"out{i}"], value, err_msg=f"rank {rank} call {i}")
 
 
-def test_hook_trains_mnist_within_one_point_of_dense(tmp_path):
-    accuracies = {}
-    # top-k 10% with error feedback (DGC's setting without its momentum correction); onebit and
-    # random-k need the momentum moved into the codec (the demo's recipe) to train under SGD
-    # momentum 0.9, which a DDP hook cannot do: the optimizer keeps it
-    for name, params in (("dense", None), ("topk-ef", {"compressor": "topk", "k": 0.1, "ef": "vanilla"})):
-        out = tmp_path / name
-        out.mkdir()
-        run({"mode": "mnist", "epochs": 3, "compression_params": params}, out)
-        accuracies[name] = [json.loads((out / f"mnist{r}.json").read_text())["accuracy"] for r in range(2)]
+def test_hook_trains_mnist_within_one_point_of_dense(launched):
+    accuracies = {name: [json.loads((launched / f"mnist-{name}" / f"mnist{r}.json").read_text())["accuracy"]
+                         for r in range(2)] for name in MNIST}
     assert accuracies["dense"][0] == accuracies["dense"][1]
     assert accuracies["dense"][0] > 0.85, accuracies
     assert accuracies["topk-ef"][0] == accuracies["topk-ef"][1]

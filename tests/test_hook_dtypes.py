@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import numpy as np
+import pytest
 import torch
 
 from collective_cluster import job_env, torchrun_argv
@@ -17,12 +18,24 @@ from test_collective_hook import JOB, expected_buckets
 TOPK = {"compressor": "topk", "k": 0.1, "ef": "vanilla"}
 
 
-def record(tmp_path, params, dtype, reducer="lossless"):
+def record_spec(params, dtype, reducer="lossless"):
+    return {"mode": "record", "steps": 3, "compression_params": params, "reducer": reducer, "dtype": dtype}
+
+
+def record(tmp_path, spec):
     spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps({"mode": "record", "steps": 3, "compression_params": params,
-                                     "reducer": reducer, "dtype": dtype}))
+    spec_path.write_text(json.dumps(spec))
     return subprocess.run(torchrun_argv([JOB, str(spec_path), str(tmp_path)], 2), env=job_env(),
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def widths(tmp_path_factory):
+    """One launch for both models that train (each in its own folder): float64, then bfloat16."""
+    out = tmp_path_factory.mktemp("dtypes")
+    result = record(out, {"runs": [[dtype, record_spec(TOPK, dtype)] for dtype in ("float64", "bfloat16")]})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
 
 
 def saved_calls(tmp_path):
@@ -32,9 +45,8 @@ def saved_calls(tmp_path):
     return saved, calls
 
 
-def test_float64_model_is_reduced_in_float64_and_counted(tmp_path):
-    result = record(tmp_path, TOPK, "float64")
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_float64_model_is_reduced_in_float64_and_counted(widths):
+    tmp_path = widths / "float64"
     saved, calls = saved_calls(tmp_path)
     assert saved[0]["in0"].dtype == np.float64
     sent = [0, 0]
@@ -53,7 +65,7 @@ def test_float64_model_is_reduced_in_float64_and_counted(tmp_path):
 
 
 def test_float64_refused_at_the_first_bucket_by_a_codec_that_cannot_carry_it(tmp_path):
-    result = record(tmp_path, {"compressor": "terngrad"}, "float64", reducer=None)
+    result = record(tmp_path, record_spec({"compressor": "terngrad"}, "float64", reducer=None))
     assert result.returncode != 0
     assert ("DDP bucket 0 holds torch.float64 gradients, which compressor 'terngrad' cannot carry "
             "(TernGrad: float32 or float16 partitions only, got float64)") in result.stderr, result.stderr[-4000:]
@@ -61,9 +73,8 @@ def test_float64_refused_at_the_first_bucket_by_a_codec_that_cannot_carry_it(tmp
     assert not (tmp_path / "hook0.npz").exists()
 
 
-def test_bfloat16_model_is_widened_to_float32_and_rounded_back(tmp_path):
-    result = record(tmp_path, TOPK, "bfloat16")
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_bfloat16_model_is_widened_to_float32_and_rounded_back(widths):
+    tmp_path = widths / "bfloat16"
     saved, calls = saved_calls(tmp_path)
     expected = expected_buckets(TOPK, calls, 2, 0.1, "lossless", wire=np.float32)
     for rank, s in enumerate(saved):

@@ -144,7 +144,7 @@ def test_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_path, launcher): 
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     for phase in ("first", "second"):
         job = CollectiveHostsJob(machines, 2, 2, [sys.executable, JOB, str(tmp_path / "spec.json"), str(tmp_path), phase],
-                                 launcher, dict(SMALL, BPS_GC_HIERARCHY="host"))
+                                 launcher, dict(SMALL, BPS_GC_HIERARCHY="host", BPS_GC_HEARTBEAT_TIMEOUT="10"))
         statuses, _ = job.wait_all(180)
         assert set(statuses.values()) == {0}, job.report(statuses)
     check_resumed(tmp_path, spec["cases"], ranks=4)

@@ -12,7 +12,6 @@ from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .diloco import DiLoCo
 from .exchange import CompressedExchange
-from .fsdp import register_fsdp_hooks
 from .ddp.hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
@@ -26,3 +25,12 @@ __all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier
            "synchronize"]
 __all__ += ["DiLoCo", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
             "state_dict"]
+
+
+def __getattr__(name):
+    # torch.distributed.fsdp pulls in sympy (about 1 s of CPU in every launched rank): only the
+    # jobs that shard a model pay for it
+    if name == "register_fsdp_hooks":
+        from .fsdp import register_fsdp_hooks
+        return register_fsdp_hooks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,11 +2,15 @@
 bps_gc.torch.init(): ``python diloco_resume_job.py SPEC.json OUT``. spec "phase": "straight"
 (all ``steps``), "first" (``stop_at`` steps, then save the model, the optimizer and
 bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt, then train on to ``steps``) or "resumed" (load
-them, then the rest). Each rank saves its parameters at the end, and "first" at ``stop_at`` too."""
+them, then the rest). Each rank saves its parameters at the end, and "first" at ``stop_at`` too.
+"fault": trains until stopped, writing OUT/pid<rank> at step 2; rank spec "victim" at step 5
+(an exchange in flight) does spec "fault": "kill" (SIGKILL itself), "exit" or "raise"."""
 import gc
 import json
 import os
+import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -24,6 +28,22 @@ opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), spec["sync
                  fragments=spec["fragments"], compression_params=spec["compression_params"], delay=spec["delay"])
 path = os.path.join(out, f"ckpt{rank}.pt")
 start, stop = 0, spec["steps"]
+
+
+def fault(step):
+    if step == 2:
+        open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
+    if step == 5 and rank == spec.get("victim"):
+        open(os.path.join(out, "fault_time"), "w").write(repr(time.time()))
+        if spec["fault"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec["fault"] == "exit":
+            sys.exit(0)
+        raise RuntimeError(f"the training script failed on rank {rank}")
+
+
+if spec["phase"] == "fault":
+    stop = 10**6
 if spec["phase"] == "resumed":
     saved = torch.load(path, weights_only=True)
     model.load_state_dict(saved["model"])
@@ -36,6 +56,8 @@ def save_parameters(name):
 
 
 for step in range(start, stop):
+    if spec["phase"] == "fault":
+        fault(step)
     x, y = batch(rank, step)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()

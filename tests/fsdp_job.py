@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -118,6 +119,7 @@ def fault():
         if step == 2:
             open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
         if step == 3 and rank == spec.get("victim"):
+            open(os.path.join(out, "fault_time"), "w").write(repr(time.time()))
             if spec["fault"] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if spec["fault"] == "exit":

@@ -2,14 +2,16 @@
 ``python fsdp_job.py SPEC.json OUT``. A small MLP trains ``steps`` SGD steps on each rank's own
 batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 
-* "native": HSDP (fully_shard on the 2-D mesh); then register_fsdp_hooks, which must refuse it;
+* "native": HSDP (fully_shard on the 2-D mesh); then register_fsdp_hooks, which must refuse it,
+  and refuse a model sharded on mesh["shard"] handed mesh["shard"] as its replicate group;
 * "hooked": fully_shard on mesh["shard"] and bps_gc.torch.register_fsdp_hooks on
   mesh["replicate"] with spec "compression_params", recording every hook call's reduce-scatter
   output before and after;
 * "resume" (under bps_gc.torch.init()), spec "phase": "first" trains ``stop_at`` steps, saves
   the model and optimizer (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict()
   (OUT/bps<rank>.pt), then trains on to ``steps``; "resumed" builds afresh, loads them and
-  trains the rest, then trains a straight run (no checkpoint) in the same process;
+  trains the rest, then trains a straight run (no checkpoint) in the same process, and hands
+  its DTensor parameters to DistributedOptimizer, which must refuse them;
 * "fault" (under bps_gc.torch.init()): trains until told to stop, writing OUT/pid<rank> once
   running; rank spec "victim" at step 3 does spec "fault": "kill" (SIGKILL itself), "exit"
   (sys.exit(0)) or "raise".
@@ -44,8 +46,9 @@ torch.set_num_threads(1)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
 
-def build(hooked=True):
-    """The sharded MLP, its hooks (the exchange) and its optimizer."""
+def build(hooked=True, hooks=True):
+    """The MLP sharded on mesh["shard"] (``hooked``) or on the whole mesh (native HSDP), its
+    hooks (the exchange; none unless ``hooked`` and ``hooks``) and its optimizer."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 8))
@@ -53,7 +56,8 @@ def build(hooked=True):
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
-    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], spec.get("compression_params")) if hooked else None
+    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], spec.get("compression_params")) \
+        if hooked and hooks else None
     momentum = 0.9 if mode == "resume" else 0.0  # resume: optimizer state to carry too
     return model, exchange, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
@@ -111,7 +115,13 @@ def resume():
     result = parameters(model, "resumed/")
     straight, _, opt = build()
     train(straight, opt, range(steps))
-    return {**result, **parameters(straight, "straight/")}
+    try:  # a sharded model's DTensors handed to DistributedOptimizer: refused, naming the hooks
+        bps.DistributedOptimizer(torch.optim.SGD(straight.parameters(), lr=0.1),
+                                 named_parameters=straight.named_parameters())
+        refusal = ""
+    except TypeError as e:
+        refusal = str(e)
+    return {**result, **parameters(straight, "straight/"), "refusal": np.array(refusal)}
 
 
 def fault():
@@ -140,15 +150,17 @@ else:
     if exchange is not None:
         record_calls(model, calls)
     train(model, opt, range(spec["steps"]))
-    refusal = ""
-    if mode == "native":  # sharded on the 2-D mesh: the hooks are refused, in one line
-        try:
-            bps.register_fsdp_hooks(model, mesh["replicate"])
-        except ValueError as e:
-            refusal = str(e)
+    refusals = []
+    if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; each refused in one line
+        for sharded, replicate in ((model, mesh["replicate"]), (build(hooks=False)[0], mesh["shard"])):
+            try:
+                bps.register_fsdp_hooks(sharded, replicate)
+                refusals.append("")
+            except ValueError as e:
+                refusals.append(str(e))
     np.savez(os.path.join(out, f"rank{rank}.npz"), **parameters(model),
              **{f"call{i}/in": c[1] for i, c in enumerate(calls)},
              **{f"call{i}/out": c[2] for i, c in enumerate(calls)},
-             calls=np.array([c[0] for c in calls]), refusal=np.array(refusal))
+             calls=np.array([c[0] for c in calls]), refusals=np.array(refusals))
     dist.barrier()
     dist.destroy_process_group()

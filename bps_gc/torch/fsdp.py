@@ -18,9 +18,12 @@ same shard share the name. On torch.distributed it needs no ``bps_gc.torch.init(
 ``bps_gc.torch.metrics()`` counts its bytes as it counts the DDP hook's.
 """
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from ..compress.stateful import StateError
+from .checkpoint import Fields, register
 from .exchange import CompressedExchange
 
 
@@ -49,6 +52,13 @@ def register_fsdp_hooks(model, replicate, compression_params=None, reducer=None)
             raise ValueError(f"register_fsdp_hooks: {type(module).__name__} is sharded on a {mesh.ndim}-D mesh "
                              f"{tuple(mesh.shape)}: native HSDP would all-reduce before the hook; shard it "
                              "on mesh['shard'] instead and pass mesh['replicate'] here")
+    if not groups:
+        raise ValueError("register_fsdp_hooks: the model's FSDPModules hold no parameters")
+    check_replicate_group(group, groups[0][1].mesh_info.mesh)
+    mesh_info = groups[0][1].mesh_info
+    # before the exchange: a checkpoint of another mesh is refused first, naming both shapes
+    layout = register(ShardLayout(dist.get_world_size(group), mesh_info.shard_mesh_size,
+                                  mesh_info.shard_mesh_rank), "fsdp_hooks")
     names = {id(p): name for name, p in model.named_parameters()}
     # each shard a named part whose stand-in tensor (its padded shape, reduce dtype and device)
     # the codec is kept under, so a checkpoint's codecs load before the first step
@@ -57,6 +67,7 @@ def register_fsdp_hooks(model, replicate, compression_params=None, reducer=None)
                                 if p.sharded_param.requires_grad] for _, param_group in groups}
     exchange = CompressedExchange(compression_params, reducer,
                                   named_parameters=[part for parts in shards.values() for part in parts])
+    exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
     for module, param_group in groups:
         if shards[id(param_group)]:
             module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)]))
@@ -76,6 +87,27 @@ def shard_part(param_group, fsdp_param, names):
     return f"{name}#shard{param_group.mesh_info.shard_mesh_rank}", stand_in
 
 
+class ShardLayout:
+    """The mesh a checkpoint of the hooks' codecs was saved on, (replicas, shards), and this
+    rank's shard index: the codec state is per shard, so loading it on another mesh is refused,
+    naming both (start the codecs afresh by not loading bps_gc's state: docs/fsdp.md)."""
+
+    def __init__(self, replicas, shards, shard):
+        self.identity = {"mesh": f"({replicas}, {shards})", "shard": shard}
+
+    def codec_state(self):
+        return Fields(self, (), self.identity)
+
+    def codec_state_to_load(self, sd):
+        saved = (sd.get("identity.mesh"), sd.get("identity.shard"))
+        if saved != (self.identity["mesh"], self.identity["shard"]):
+            raise StateError(f"register_fsdp_hooks: the codec state was saved on the mesh (replicas, shards) "
+                             f"{saved[0]} as shard {saved[1]}, and this rank is shard {self.identity['shard']} of "
+                             f"{self.identity['mesh']}; the codecs are per shard: load the model and optimizer "
+                             "alone to start them afresh")
+        return self.codec_state(), lambda: None
+
+
 def replicate_group(replicate):
     """The process group of ``replicate`` (a 1-D DeviceMesh or a process group)."""
     if isinstance(replicate, DeviceMesh):
@@ -84,6 +116,18 @@ def replicate_group(replicate):
                              f"got shape {tuple(replicate.shape)}")
         return replicate.get_group()
     return replicate
+
+
+def check_replicate_group(group, shard_mesh):
+    """Refuse a replicate group that is not this rank's replicas of its shard: HSDP's replicate
+    groups hold one rank of each shard group, and the two tile the job."""
+    replicas = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    shards, rank = shard_mesh.mesh.flatten().tolist(), dist.get_rank()
+    if rank not in replicas or set(replicas) & set(shards) != {rank} or \
+            len(replicas) * len(shards) != dist.get_world_size():
+        raise ValueError(f"register_fsdp_hooks: the replicate group (ranks {replicas}) does not match the mesh: "
+                         f"rank {rank} shards with ranks {shards}; pass mesh['replicate'] of the mesh whose "
+                         "mesh['shard'] the model is sharded on")
 
 
 def shard_hook(exchange, group, parts):

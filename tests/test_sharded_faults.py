@@ -109,9 +109,10 @@ def test_ctrl_c_ends_diloco_with_one_line_per_rank(tmp_path):
         ends = wait_all(procs, 60)
         assert None not in ends, "a launcher still runs 60 s after Ctrl-C"
         for node in range(2):
-            lines = rank_lines((tmp_path / f"host{node}.err").read_text(), node)
-            assert lines == [f"[rank{node}]: bps_gc: interrupted (Ctrl-C)"], lines
-        assert max(ends) - interrupted < BOUND
+            text = (tmp_path / f"host{node}.err").read_text()
+            assert rank_lines(text, node) == [f"[rank{node}]: bps_gc: interrupted (Ctrl-C)"], text[-4000:]
+        assert max(ends) - interrupted < BOUND, f"the last launcher ended {max(ends) - interrupted:.1f} s after Ctrl-C"
         assert stopped(procs, pids)
+        print(f"diloco: Ctrl-C; the launchers ended {min(ends) - interrupted:.1f} and {max(ends) - interrupted:.1f} s later")
     finally:
         cleanup(procs, pids)

@@ -14,6 +14,7 @@ part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (te
 parts' sizes, on their devices), as the DDP hook's does.
 """
 import math
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -98,6 +99,17 @@ class CompressedExchange:
 
 
 WRAPPED = "Got the following error when running the callback: "
+
+
+def interruptible_wait(future):
+    """``future.wait()``, waited for in slices a signal can come between: torch's wait is one
+    C++ call, in which a Ctrl-C stays pending until the exchange ends (and after a peer's
+    Ctrl-C it may never end)."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(0.05):
+        pass
+    return future.wait()
 
 
 def unwrapped(error):

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..compress.stateful import StateError
 from .checkpoint import Fields, register
-from .exchange import CompressedExchange
+from .exchange import CompressedExchange, interruptible_wait
 
 
 def register_fsdp_hooks(model, replicate, compression_params=None, reducer=None):
@@ -146,6 +146,6 @@ def shard_hook(exchange, group, parts):
                                f"{reduce_output.device}, where the MixedPrecisionPolicy gives "
                                f"{parts[0][1].dtype} on {parts[0][1].device}")
         pieces = reduce_output.split(sizes)  # each shard in its shape: PowerSGD's matrix
-        exchange([(name, piece.view(stand_in.shape)) for (name, stand_in), piece in zip(parts, pieces)],
-                 group=group).wait()
+        interruptible_wait(exchange([(name, piece.view(stand_in.shape))
+                                     for (name, stand_in), piece in zip(parts, pieces)], group=group))
     return average_over_replicas

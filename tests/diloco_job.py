@@ -1,6 +1,7 @@
 """bps_gc.torch.DiLoCo under torchrun: ``python diloco_job.py SPEC.json OUT``. For each case
 of the spec (sync_every, fragments, steps), a small MLP trains with inner SGD on each rank's
 own batches, the outer step on the workers; each rank saves its final parameters."""
+import gc
 import json
 import os
 import sys
@@ -29,5 +30,7 @@ for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
         opt.zero_grad()
     saved.update({f"{case}/{name}": p.detach().numpy() for name, p in model.named_parameters()})
 np.savez(os.path.join(out, f"rank{rank}.npz"), **saved)
+del opt  # an exchange still in flight (the overlapped case's last), freed before the process group:
+gc.collect()  # a gloo work's future freed after destroy_process_group can abort the process at exit
 dist.barrier()
 dist.destroy_process_group()

@@ -1,10 +1,16 @@
 """bps_gc.torch.DiLoCo stopped in the middle of an H window and resumed, under torchrun with
 bps_gc.torch.init(): ``python diloco_resume_job.py SPEC.json OUT``. spec "phase": "straight"
 (all ``steps``), "first" (``stop_at`` steps, then save the model, the optimizer and
-bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt) or "resumed" (load them, then the rest)."""
+bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt, then train on to ``steps``) or "resumed" (load
+them, then the rest). Each rank saves its parameters at the end, and "first" at ``stop_at`` too.
+"fault": trains until stopped, writing OUT/pid<rank> at step 2; rank spec "victim" at step 5
+(an exchange in flight) does spec "fault": "kill" (SIGKILL itself), "exit" or "raise"."""
+import gc
 import json
 import os
+import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -22,20 +28,44 @@ opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), spec["sync
                  fragments=spec["fragments"], compression_params=spec["compression_params"], delay=spec["delay"])
 path = os.path.join(out, f"ckpt{rank}.pt")
 start, stop = 0, spec["steps"]
-if spec["phase"] == "first":
-    stop = spec["stop_at"]
-elif spec["phase"] == "resumed":
+
+
+def fault(step):
+    if step == 2:
+        open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
+    if step == 5 and rank == spec.get("victim"):
+        open(os.path.join(out, "fault_time"), "w").write(repr(time.time()))
+        if spec["fault"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec["fault"] == "exit":
+            sys.exit(0)
+        raise RuntimeError(f"the training script failed on rank {rank}")
+
+
+if spec["phase"] == "fault":
+    stop = 10**6
+if spec["phase"] == "resumed":
     saved = torch.load(path, weights_only=True)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["diloco"])
     bps.load_state_dict(saved["bps_gc"])
     start = spec["stop_at"]
+
+def save_parameters(name):
+    np.savez(os.path.join(out, f"{name}{rank}.npz"), **{n: p.detach().numpy() for n, p in model.named_parameters()})
+
+
 for step in range(start, stop):
+    if spec["phase"] == "fault":
+        fault(step)
     x, y = batch(rank, step)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-if spec["phase"] == "first":
-    torch.save({"model": model.state_dict(), "diloco": opt.state_dict(), "bps_gc": bps.state_dict()}, path)
-np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **{n: p.detach().numpy() for n, p in model.named_parameters()})
+    if spec["phase"] == "first" and step + 1 == spec["stop_at"]:
+        torch.save({"model": model.state_dict(), "diloco": opt.state_dict(), "bps_gc": bps.state_dict()}, path)
+        save_parameters("first")
+save_parameters("first_end" if spec["phase"] == "first" else spec["phase"])
+del opt  # its last exchange, still in flight, freed before the process group (else torch may abort at exit)
+gc.collect()
 bps.shutdown()

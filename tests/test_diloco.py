@@ -75,7 +75,8 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
     (H = 4: fragment 0's exchanges start after steps 2, 6, 10, fragment 1's after 4, 8, 12, each
     applied a step later): stopped after 4 steps, with fragment 1's exchange in flight, saved
     (model, DiLoCo's global copies, outer state and the exchange's average, the codecs'
-    residuals), resumed in new processes."""
+    residuals), resumed in new processes. The first launch trains on after saving: it ends
+    bit-identical to the straight launch (runs repeat, and saving changes nothing)."""
     spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1,
             "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
     for phase in ("straight", "first", "resumed"):
@@ -86,6 +87,9 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
         for name in straight.files:
             assert straight[name].tobytes() == resumed[name].tobytes(), f"rank {rank} {name}"
         assert any(not np.array_equal(straight[n], first[n]) for n in straight.files)
+        first_end = np.load(tmp_path / f"first_end{rank}.npz")
+        for name in straight.files:
+            assert straight[name].tobytes() == first_end[name].tobytes(), f"rank {rank} {name}: runs differ"
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -10,7 +10,9 @@ import torch
 from collective_cluster import run_torchrun_job
 
 from bps_gc.compress import build_chain
+from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
+from bps_gc.torch.fsdp import ShardLayout
 from bps_gc.collective.exchange.codecs import name_key
 
 # the job's model: its parameters in order, each sharded on dim 0 over 2 ranks (even sizes)
@@ -30,8 +32,11 @@ def test_dense_hooks_train_as_native_hsdp(tmp_path):
     (tmp_path / "hooked").mkdir()
     native = run({"mode": "native", "steps": 10}, tmp_path / "native")
     hooked = run({"mode": "hooked", "steps": 10}, tmp_path / "hooked")
-    assert "sharded on a 2-D mesh (2, 2)" in str(native[0]["refusal"]), native[0]["refusal"]
-    assert "shard it on mesh['shard']" in str(native[0]["refusal"])
+    two_d, mismatched = (str(r) for r in native[0]["refusals"])
+    assert "sharded on a 2-D mesh (2, 2)" in two_d and "shard it on mesh['shard']" in two_d, two_d
+    assert mismatched == ("register_fsdp_hooks: the replicate group (ranks [0, 1]) does not match the mesh: rank 0 "
+                          "shards with ranks [0, 1]; pass mesh['replicate'] of the mesh whose mesh['shard'] the "
+                          "model is sharded on"), mismatched
     for name, _ in PARAMS:
         want = native[0][f"full/{name}"]
         for r in range(4):
@@ -81,6 +86,54 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
         for shard in (0, 1):
             assert got[shard][f"local/{name}"].tobytes() == got[2 + shard][f"local/{name}"].tobytes(), name
         assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])  # shards differ
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """Two launches of top-k + EF, SGD with momentum, 6 steps: the first saves after step 3
+    (the model and optimizer with torch.distributed.checkpoint, the hooks' codec state with
+    bps_gc.torch.state_dict()) and trains on; the second loads them into fresh processes and
+    trains the rest, then trains a straight run. Each rank's saved arrays, per launch."""
+    out = tmp_path_factory.mktemp("fsdp_resume")
+    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "compression_params": TOPK}
+    for phase in ("first", "resumed"):
+        run_torchrun_job("fsdp_job.py", {**spec, "phase": phase}, out, 4)
+    return {phase: [dict(np.load(out / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
+
+
+def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):
+    """Every shard's error-feedback residual, reducer state and step count come back: without
+    them (the codecs afresh) the resumed run differs from the straight one."""
+    for r, got in enumerate(resume_runs["resumed"]):
+        for name, _ in PARAMS:
+            for kind in ("full", "local"):
+                assert got[f"resumed/{kind}/{name}"].tobytes() == got[f"straight/{kind}/{name}"].tobytes(), \
+                    f"rank {r} {kind} {name}"
+
+
+def test_two_launches_of_the_same_job_end_bit_identical(resume_runs):
+    """The first launch (a checkpoint saved midway) and the second's straight run: runs repeat."""
+    for r in range(4):
+        first, straight = resume_runs["first"][r], resume_runs["resumed"][r]
+        for name, _ in PARAMS:
+            assert first[f"first/full/{name}"].tobytes() == straight[f"straight/full/{name}"].tobytes(), f"rank {r} {name}"
+    torch.manual_seed(0)  # the job's first layer as built: the runs trained it
+    assert not np.array_equal(resume_runs["first"][0]["first/full/0.weight"],
+                              torch.nn.Linear(16, 32).weight.detach().numpy())
+
+
+def test_distributed_optimizer_refuses_dtensor_parameters(resume_runs):
+    refusal = str(resume_runs["resumed"][0]["refusal"])
+    assert refusal.startswith("DistributedOptimizer: '0.weight' is a DTensor") and "register_fsdp_hooks" in refusal, \
+        refusal
+
+
+def test_codec_state_of_another_mesh_is_refused_naming_both():
+    saved = ShardLayout(2, 2, 1).codec_state().state_dict()  # what bps_gc.torch.state_dict() holds of it
+    ShardLayout(2, 2, 1).codec_state_to_load(saved)
+    with pytest.raises(StateError, match=r"saved on the mesh \(replicas, shards\) \(2, 2\) as shard 1, and this "
+                                         r"rank is shard 1 of \(1, 4\)"):
+        ShardLayout(1, 4, 1).codec_state_to_load(saved)
 
 
 def test_a_model_without_fsdp_modules_is_refused():

@@ -21,7 +21,7 @@ process group the pseudo-gradients are averaged over (default: every rank).
 import torch
 import torch.distributed as dist
 
-from .exchange import CompressedExchange
+from .exchange import CompressedExchange, interruptible_wait
 
 
 class DiLoCo:
@@ -136,7 +136,7 @@ class Fragment:
 
     def averaged(self):
         """{name: averaged pseudo-gradient} of the exchange in flight (waited for)."""
-        result = self.pending.wait() if hasattr(self.pending, "wait") else self.pending
+        result = interruptible_wait(self.pending) if hasattr(self.pending, "wait") else self.pending
         self.pending = result
         return result
 

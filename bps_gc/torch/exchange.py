@@ -14,11 +14,13 @@ part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (te
 parts' sizes, on their devices), as the DDP hook's does.
 """
 import math
+import threading
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
+from ..comm import NodeFailure
 from .checkpoint import register
 from .ddp.hook import CompressionHook
 
@@ -79,16 +81,47 @@ class CompressedExchange:
             raise ValueError(f"CompressedExchange: {missing[:3]} are not among its named_parameters")
         self.pipeline.lr = lr
         bucket = NamedBucket(index, buffer, names, [tuple(t.shape) for _, t in named], parameters)
-        future = self.pipeline(group if group is not None else dist.group.WORLD, bucket)
+        future, result = self.pipeline(group if group is not None else dist.group.WORLD, bucket), torch.futures.Future()
 
         def written_back(done):
-            average, offset = done.value(), 0
-            with torch.no_grad():
-                for _, tensor in named:
-                    tensor.copy_(average[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
-            return dict(named)
-        return future.then(written_back)
+            try:
+                average, offset = done.value(), 0
+                with torch.no_grad():
+                    for _, tensor in named:
+                        tensor.copy_(average[offset:offset + tensor.numel()].view_as(tensor))
+                        offset += tensor.numel()
+            except Exception as e:  # noqa: BLE001 (the result's waiter raises it)
+                result.set_exception(unwrapped(e))
+                return
+            result.set_result(dict(named))
+        future.add_done_callback(written_back)
+        return result
+
+
+WRAPPED = "Got the following error when running the callback: "
+
+
+def interruptible_wait(future):
+    """``future.wait()``, waited for in slices a signal can come between: torch's wait is one
+    C++ call, in which a Ctrl-C stays pending until the exchange ends (and after a peer's
+    Ctrl-C it may never end)."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(0.05):
+        pass
+    return future.wait()
+
+
+def unwrapped(error):
+    """``error`` as the exception it was: torch raises an error of a chained future's callback
+    as a RuntimeError carrying its text (and the pipeline's futures are chained); a failed
+    peer's NodeFailure becomes itself again, so the script ends on one line naming the rank
+    (bps_gc's excepthook) rather than a traceback."""
+    text = str(error)
+    while text.startswith(WRAPPED):
+        text = text[len(WRAPPED):]
+    kind, _, message = text.partition(": ")
+    return NodeFailure(message.split("\n\nAt:\n")[0]) if kind == "NodeFailure" else error
 
 
 def check_parts(named):

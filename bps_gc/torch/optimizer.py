@@ -16,6 +16,7 @@ What still runs on host copies of a device gradient: the entire-model vector
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import bps_gc.core as core
 
@@ -50,6 +51,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters")
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        sharded = [names[id(p)] for p in all_params if isinstance(p, DTensor)]
+        if sharded:
+            raise TypeError(f"DistributedOptimizer: {sharded[0]!r} is a DTensor (a model sharded with fully_shard): "
+                            "compress its gradients with bps_gc.torch.register_fsdp_hooks(model, mesh['replicate'], "
+                            "compression_params) and step a plain torch optimizer")
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         compression_params, self._reducer = split_reducer(compression_params)
         self._plan = MomentumPlan.from_torch(self.param_groups, compression_params)

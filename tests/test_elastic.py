@@ -107,3 +107,20 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
         for name, value in want.items():
             assert pulled[r][name].tobytes() == pulled[survivors[0]][name].tobytes(), (r, name)
             np.testing.assert_array_equal(pulled[r][name], value, err_msg=f"rank {r} {name}")
+
+
+def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
+    spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][:1])
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    job = Job(2, None, env=dict(ENV, BPS_GC_MIN_WORKERS="2"),
+              command=[sys.executable, JOB, str(spec_path), str(tmp_path)])
+    job.wait_output(["worker1"], "HALF", START_BOUND)
+    os.kill(job.child_of("worker1"), signal.SIGKILL)
+    statuses, _ = job.wait_all(BOUND)
+    report = job.report(statuses)
+    named = "1 worker host left after worker 1 died, fewer than BPS_GC_MIN_WORKERS=2"
+    assert all(status != 0 for status in statuses.values()), report
+    for name in ("scheduler", "server0", "worker0"):
+        assert named in job.text(name), report
+    assert "Traceback" not in job.text("worker0"), report

@@ -44,8 +44,9 @@ class Epochs:
                     member.port, reason)
         minimum = self.scheduler.cfg.min_workers
         if len(members) < minimum:
-            return self.scheduler.fail(None, f"{len(members)} worker hosts left after worker {member.rank} "
-                                             f"died, fewer than BPS_GC_MIN_WORKERS={minimum}")
+            hosts = f"{len(members)} worker host" + ("" if len(members) == 1 else "s")
+            return self.scheduler.fail(None, f"{hosts} left after worker {member.rank} died, fewer than "
+                                             f"BPS_GC_MIN_WORKERS={minimum}; the job stops")
         self.preparing = self.epoch + 1 if self.preparing is None else self.preparing + 1
         self.reports = {}
         self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.preparing, "left": self.left, "members": members})

@@ -52,10 +52,9 @@ class KeyState:
         self.declared = set()
         self.arrived = 0
         self.expected = workers  # pushes that complete a round (BPS_GC_ELASTIC: the members')
-        self.elastic = False  # BPS_GC_ELASTIC (rounds.py): the epoch its rounds are summed in,
-        self.epoch = 0
-        self.redo = False  # whether the open round is summed again,
-        self.snapshot = None  # and the reducer's state before the last round
+        # BPS_GC_ELASTIC (rounds.py): the membership epoch its rounds are summed in, whether the
+        # open round is summed again, and the reducer's state before the last round
+        self.elastic, self.epoch, self.redo, self.snapshot = False, 0, False, None
         self.round = 0
         self.results = None
         self.store = np.zeros(self.n, self.dtype) if asynchronous else None

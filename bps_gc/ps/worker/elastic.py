@@ -81,6 +81,10 @@ class ElasticRounds:
         return epoch, members
 
     def replied(self, push, payload, compressed, seconds, epoch):
+        if push.handle.group is None:
+            push.handle.fail(ValueError(f"{push.handle.tensor.name!r}: BPS_GC_ELASTIC covers push_pull "
+                                        "of numpy arrays only for now (docs/faults.md)"))
+            return
         held = Held(push, payload, compressed, seconds, epoch)
         self.held[push.handle.group].append(held)
         self.redo_if_stale(push.handle.group, held)
@@ -106,15 +110,15 @@ class ElasticRounds:
 
     def release(self):
         """Hand out every complete group in order, unless frozen or a reply is not yet right."""
-        known = self.epochs[-1][0]
         while not self.frozen:
             group = self.released + 1
             held = self.held.get(group, [])
             if self.closed.get(group) is None or len(held) < self.closed[group]:
                 return
             epoch, members = self.epoch_of(group)
-            # a reply of a later epoch than the commits known: wait for that commit
-            if any(h.epoch != epoch for h in held) or any(h.epoch > known for h in held):
+            # a reply summed with a dead host's push (its REDO is on the way), or in an epoch
+            # whose commit has not come yet
+            if any(h.epoch != epoch for h in held):
                 return
             self.worker.size = members  # bps.size() changes only here, between groups
             for h in held:

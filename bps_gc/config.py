@@ -68,6 +68,11 @@ class Config:
     # BPS_GC_DEVICE_CODECS: "auto" (torch chains for tensors off the CPU), "torch" (for every
     # tensor), "numpy" (host copy + numpy chains)
     device_codecs: str = "auto"
+    # BPS_GC_ELASTIC (every role): a dead worker host opens a new membership epoch instead of
+    # stopping the job (docs/faults.md, "Elastic membership"); BPS_GC_MIN_WORKERS: below this
+    # many worker hosts the job stops
+    elastic: bool = False
+    min_workers: int = 1
 
     @property
     def rank(self):
@@ -130,12 +135,16 @@ class Config:
             tcp_congestion=tcp_congestion(read),
             hierarchy=read.choice("BPS_GC_HIERARCHY", HIERARCHIES, "auto"),
             device_codecs=read.choice("BPS_GC_DEVICE_CODECS", DEVICE_CODECS, "auto", lower=True),
+            elastic=read.flag("BPS_GC_ELASTIC", False),
+            min_workers=read.integer("BPS_GC_MIN_WORKERS", 1, low=1, high=num_worker),
         )
         if cfg.encrypt and not cfg.auth_token:
             raise ConfigError("BPS_GC_ENCRYPT", "needs BPS_GC_AUTH_TOKEN (the keys are derived from it)")
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ConfigError("BPS_GC_HEARTBEAT_TIMEOUT", f"must exceed BPS_GC_HEARTBEAT_INTERVAL "
                               f"({cfg.heartbeat_interval}), got {cfg.heartbeat_timeout}")
+        if cfg.elastic:
+            cfg = elastic_settings(cfg)
         return dataclasses.replace(cfg, node_host=cfg.node_host or None, interface=cfg.interface or None)
 
     def agreement(self):
@@ -143,7 +152,8 @@ class Config:
         return {"DMLC_NUM_WORKER": self.num_worker, "DMLC_NUM_SERVER": self.num_server,
                 "BYTEPS_PARTITION_BYTES": self.partition_bytes,
                 "BPS_GC_DENSE_PARTITION_BYTES": self.dense_partition_bytes or "unset",
-                "BPS_GC_LOCAL_REDUCE": int(self.local_reduce)}
+                "BPS_GC_LOCAL_REDUCE": int(self.local_reduce), "BPS_GC_ELASTIC": int(self.elastic),
+                "BPS_GC_MIN_WORKERS": self.min_workers}
 
     def to_env(self):
         """The variables that reproduce this config (for child processes)."""
@@ -153,6 +163,19 @@ class Config:
         if self.worker_id is not None:
             env["DMLC_WORKER_ID"] = str(self.worker_id)
         return env
+
+
+def elastic_settings(cfg):
+    """What this first cut of BPS_GC_ELASTIC runs with: one local rank per host, and every push
+    alone on the socket (no fusion, no shared memory, no push window), so that a round a dead
+    host took part in can be summed again from the pushes the servers still hold
+    (docs/faults.md, "Elastic membership")."""
+    if cfg.local_size > 1:
+        raise ConfigError("BPS_GC_ELASTIC", f"runs one local rank per host for now, "
+                          f"BYTEPS_LOCAL_SIZE={cfg.local_size}")
+    if cfg.enable_async:
+        raise ConfigError("BPS_GC_ELASTIC", "needs synchronous rounds; unset BYTEPS_ENABLE_ASYNC")
+    return dataclasses.replace(cfg, shm=False, fusion_bytes=0, inflight_bytes=1 << 62)
 
 
 TRANSPORTS = ("ps", "collective")

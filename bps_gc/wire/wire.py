@@ -41,6 +41,10 @@ class Msg(enum.IntEnum):
     GOODBYE = 8
     SHUTDOWN = 9
     NODE_LEFT = 10     # JSON {role, rank, id}: a worker said goodbye while others still run
+    # BPS_GC_ELASTIC (docs/faults.md, "Elastic membership"): a worker host died
+    EPOCH_PREPARE = 11  # JSON {epoch, left, members}: servers fence the dead; workers stop releasing rounds
+    EPOCH_REPORT = 12   # JSON {epoch, released}: a worker's last released round group
+    EPOCH_COMMIT = 13   # JSON {epoch, left, members, from_group}: the new epoch, from that group on
     # key-value (worker <-> server)
     INIT = 20          # JSON {name, n, params}
     INIT_ACK = 21
@@ -51,6 +55,7 @@ class Msg(enum.IntEnum):
     STATE_PUT = 25     # payload: the key's state (compress/state_bytes.py), before its first round
     STATE_REPLY = 26   # payload: the state (after STATE_GET), empty (after STATE_PUT)
     STATE_ERROR = 27   # JSON {message}: the request was refused
+    REDO = 28          # no payload: sum round ``round`` of ``key`` again over the new epoch's members
     ERROR = 30         # JSON {message}
     # worker <-> worker (ps/worker/peers.py)
     PEER = 40          # key: the message's channel; round: its sequence number on that channel

@@ -103,6 +103,8 @@ class Membership:
         self.registered = False  # join(): heard from the scheduler
         self.left = {}  # worker rank -> {role, rank, id}: workers that said goodbye before us
         self.dropped = DropLog(log)
+        # BPS_GC_ELASTIC: the role's on_epoch(type, info) takes EPOCH_PREPARE and EPOCH_COMMIT
+        self.on_epoch = None
 
     def send(self, mtype, key=0, obj=None):
         send(self.sock, Header(mtype, self.node_id or 0, key=key), None if obj is None else encode_json(obj))
@@ -169,6 +171,8 @@ class Membership:
             self.barriers_done[h.key] = self.barriers_done.get(h.key, 0) + 1
         elif h.type == Msg.GOODBYE:
             self.said_goodbye = True
+        elif h.type in (Msg.EPOCH_PREPARE, Msg.EPOCH_COMMIT) and self.on_epoch is not None:
+            self.on_epoch(h.type, decode_json(msg.payload or b"{}"))
         elif h.type == Msg.NODE_LEFT:
             info = decode_json(msg.payload or b"{}")
             self.left[info.get("rank")] = info

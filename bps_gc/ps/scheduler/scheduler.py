@@ -22,6 +22,7 @@ from ...wire.waiting import WaitLines
 from ...wire.wire import Header, Msg, decode_json, encode_json
 from ..membership.event_loop import EventLoop
 from .assembly import assembling, lone_worker_notice
+from .epochs import Epochs
 from .hosts import WorkerHosts
 
 log = logging.getLogger("bps_gc.scheduler")
@@ -71,6 +72,7 @@ class Scheduler:
         self.stop_at = None  # when the scheduler exits after such a refusal
         self.ended = None  # why the job ended before it assembled, with status 0 (a lone worker)
         self.told_servers = set()  # identities of the servers told so
+        self.epochs = Epochs(self) if config.elastic else None  # BPS_GC_ELASTIC: membership epochs
 
     # ------------------------------------------------------------------ main loop
 
@@ -111,7 +113,10 @@ class Scheduler:
                                    f"(still missing: {missing})")
         dead = self.dead_member(now)
         if dead is not None:
-            return self.fail(dead, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
+            reason = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
+            if self.epochs is not None and dead.role == "worker":
+                return self.epochs.worker_died(dead, reason)
+            return self.fail(dead, reason)
         return None
 
     def close(self):
@@ -148,6 +153,11 @@ class Scheduler:
             return self.barrier(member)
         elif h.type == Msg.GOODBYE:
             return self.goodbye(member)
+        elif h.type == Msg.EPOCH_REPORT and self.epochs is not None:
+            try:
+                self.epochs.report(member, decode_json(msg.payload or b"{}"))
+            except MalformedMessage as e:
+                self.dropped("a bad epoch report: %s", e)
         elif h.type == Msg.NODE_FAILED:  # a node saw a peer die (e.g. a server's socket error)
             info = decode_json(msg.payload or b"{}")
             return self.fail(None, f"node {member.node_id} reported: {info.get('reason', '?')}")
@@ -272,7 +282,7 @@ class Scheduler:
         if left is not None:
             return self.fail(None, f"worker {left.rank} (node {left.node_id}) left the job; "
                                    f"the barrier can never complete")
-        if len(self.barrier_waiting) == self.expected["worker"]:
+        if len(self.barrier_waiting) == self.expected["worker"] - len(self.epochs.dead if self.epochs else ()):
             for identity in self.barrier_waiting:
                 self.reply(self.members[identity], Msg.BARRIER_DONE, key=0)
             # one barrier done for each worker; a Counter's `-=` drops those now at zero
@@ -280,7 +290,9 @@ class Scheduler:
         return None
 
     def departed_worker(self):
-        return next((m for m in self.members.values() if m.role == "worker" and m.gone), None)
+        dead = self.epochs.dead if self.epochs else ()  # an elastic job went on without them
+        return next((m for m in self.members.values() if m.role == "worker" and m.gone
+                     and m.rank not in dead), None)
 
     def goodbye(self, member):
         member.gone = True

@@ -51,6 +51,10 @@ class KeyState:
         self.result_offer = None  # where the results are in the server's arena, if shared
         self.declared = set()
         self.arrived = 0
+        self.expected = workers  # pushes that complete a round (BPS_GC_ELASTIC: the members')
+        # BPS_GC_ELASTIC (rounds.py): the membership epoch its rounds are summed in, whether the
+        # open round is summed again, and the reducer's state before the last round
+        self.elastic, self.epoch, self.redo, self.snapshot = False, 0, False, None
         self.round = 0
         self.results = None
         self.store = np.zeros(self.n, self.dtype) if asynchronous else None
@@ -133,13 +137,15 @@ class KeyState:
         self.ctxs[rank] = header.ctx
         self.rounds[rank] = header.round
         self.arrived += 1
-        return self.asynchronous or self.arrived == self.workers
+        return self.asynchronous or self.arrived == self.expected
 
     def take_round(self):
         """Snapshot what the engine needs for this round (a records.TakenRound) and start the next one."""
         ranks = [r for r in range(self.workers) if self.pending[r]]
         job = TakenRound(self, self.round, ranks,
-                         [Pusher(self.identities[r], self.rounds[r], self.via_shm[r]) for r in ranks])
+                         [Pusher(self.identities[r], self.rounds[r], self.via_shm[r]) for r in ranks],
+                         self.epoch, self.redo)
+        self.redo = False
         for r in ranks:
             self.pending[r] = False
         self.arrived = 0

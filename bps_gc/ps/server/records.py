@@ -13,11 +13,15 @@ class Pusher(NamedTuple):
 
 class TakenRound(NamedTuple):
     """A round of key ``state`` (keys.KeyState) for its engine to complete: round number
-    ``number``, summed over ``ranks`` (the pushers' slots, in order), answered to ``pushers``."""
+    ``number``, summed over ``ranks`` (the pushers' slots, in order), answered to ``pushers``;
+    BPS_GC_ELASTIC: the membership ``epoch`` it is summed in, and whether it is a ``redo``
+    of a round summed before (rounds.py)."""
     state: object
     number: int
     ranks: list
     pushers: list
+    epoch: int = 0
+    redo: bool = False
 
 
 class Reply(NamedTuple):

@@ -18,13 +18,14 @@ import zmq
 from ...wire import congestion, shm
 from ...wire.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, recv, send
 from ...wire.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
-                         Msg, decode_json, encode_json, pack_fused, unpack_fused)
+                         Msg, decode_json, encode_context, encode_json, pack_fused, unpack_fused)
 from ...comm import NodeFailure
 from ..membership.event_loop import EventLoop
 from ..membership.membership import Membership
 from .key_state import STATE_MESSAGES, answer as answer_state
 from .keys import KeyConflict, KeyState
 from .records import Reply
+from .rounds import ServerRounds, before_compute
 from .watch import RoundWatch
 
 log = logging.getLogger("bps_gc.server")
@@ -60,6 +61,7 @@ class Server:
         self.engines = []
         self.dropped = DropLog(log)
         self.watch = RoundWatch(self)
+        self.rounds = ServerRounds(self) if cfg.elastic else None  # BPS_GC_ELASTIC
         # shared memory with workers on this host (wire/shm.py), if they offer it
         self.arena = shm.Arena() if cfg.shm and shm.supported() else None
         self.peer_maps = shm.PeerMaps()
@@ -77,7 +79,8 @@ class Server:
             self.workers = self.ranks // self.per_host
             log.info("server %d (node %d) serving %d workers on %s:%d", book["rank"], self.node_id,
                      self.workers, self.membership.host, self.membership.port)
-            self.engines = [Engine(self.ctx, self.replies) for _ in range(self.cfg.server_engine_threads)]
+            self.engines = [Engine(self.ctx, self.replies, self.codecs)
+                            for _ in range(self.cfg.server_engine_threads)]
             return self.loop()
         except NodeFailure as e:
             log.error("%s; server exits", e)
@@ -142,6 +145,8 @@ class Server:
 
         def buffer_for(header):
             rank = self.worker_rank(context["identity"], header)
+            if self.rounds is not None:
+                self.rounds.admit(rank)
             if header.type != Msg.PUSH or header.flags & FUSED_BIT:
                 return None
             state = self.keys.get(header.key)
@@ -160,6 +165,8 @@ class Server:
                 self.declare(rank, msg)
             elif msg.header.type == Msg.PUSH:
                 self.push(rank, msg)
+            elif msg.header.type == Msg.REDO and self.rounds is not None:
+                self.rounds.redo(rank, msg.header)
             elif msg.header.type in STATE_MESSAGES:
                 answer_state(self, rank, msg)
             else:
@@ -194,6 +201,8 @@ class Server:
                 state.engine = min(self.engines, key=lambda e: e.load)
                 state.engine.load += state.n * state.dtype.itemsize
                 self.keys[h.key] = state
+                if self.rounds is not None:
+                    self.rounds.declared(state)
             state.check_declaration(decl, h.dtype, state.slot(rank))
         except (KeyConflict, ValueError, TypeError, KeyError) as e:
             return self.error(msg.identity, h.key, str(e))
@@ -283,7 +292,8 @@ def recv_rest(sock, identity, buffer_for):
 class Engine:
     """A thread that completes rounds for the keys assigned to it."""
 
-    def __init__(self, ctx, replies):
+    def __init__(self, ctx, replies, codecs=None):
+        self.codecs = codecs  # BPS_GC_ELASTIC: a redo puts a reducer's state back with it
         self.tasks = queue.SimpleQueue()
         self.load = 0  # bytes of the keys assigned to this engine
         self.replies = replies
@@ -317,7 +327,7 @@ class Engine:
                     wake.send(b"", copy=True)
                     continue
                 jobs, node_id = task
-                replies = [r for job in jobs for r in self.complete(job, node_id)]
+                replies = [r for job in jobs for r in self.complete(job, node_id, self.codecs)]
                 self.replies.put(self.fuse(replies, node_id) if len(jobs) > 1 else replies)
                 wake.send(b"", copy=True)
         finally:
@@ -341,10 +351,12 @@ class Engine:
         return out
 
     @staticmethod
-    def complete(job, node_id):
+    def complete(job, node_id, codecs=None):
         """The replies to the pushers of ``job`` (records.TakenRound)."""
         state = job.state
         try:
+            if codecs is not None and state.elastic:
+                before_compute(state, job, codecs)
             result = state.compute(job.number, job.ranks)
         except KeyConflict as e:
             log.error("key %d round %d: %s", state.key, job.number, e)
@@ -353,9 +365,11 @@ class Engine:
                     for p in job.pushers]
         flags = COMPRESSED_BIT if state.compressed and not state.asynchronous else 0
         dtype = state.dtype
+        context = encode_context({"epoch": job.epoch}) if job.epoch else None  # elastic: its members
         # a worker that pushed through shared memory reads the result there (results[rnd % 2])
         return [Reply(p.identity, Header(Msg.PUSH_REPLY, node_id, key=state.key, round=p.round, dtype=dtype,
-                                         flags=SHM_BIT if p.shared else flags), None if p.shared else result)
+                                         flags=SHM_BIT if p.shared else flags, context=context),
+                      None if p.shared else result)
                 for p in job.pushers]
 
 

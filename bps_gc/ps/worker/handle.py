@@ -27,6 +27,8 @@ class Handle(HandleABC):
         self.event = threading.Event()
         self.lock = threading.Lock()
         self.callbacks = []  # None once done
+        self.group = None  # BPS_GC_ELASTIC: its round group, and the members it is averaged
+        self.members = None  # over (elastic.py); None: the worker's size
         if count == 0:
             self.finish()
 
@@ -35,6 +37,8 @@ class Handle(HandleABC):
 
     def wait(self, timeout=None):
         start = time.perf_counter()
+        if self.group is not None:  # waiting closes the round group it belongs to
+            self.worker.elastic.close(self, self.worker.io)
         deadline = None if timeout is None else start + timeout
         while not self.event.wait(0.2):
             failure = self.worker.io.failure if self.worker.io else None
@@ -92,7 +96,7 @@ class Handle(HandleABC):
         try:
             dest = self.wire[push.part.start:push.part.stop]
             reducer = push.part.reducer
-            size = dest.dtype.type(self.worker.size)
+            size = dest.dtype.type(self.members or self.worker.size)
             if compressed:
                 reducer.decode(payload, dest, self.ctx)
                 if self.average and (reducer is None or reducer.summed):

@@ -21,6 +21,7 @@ from ...wire.wire import Header, Msg, encode_json
 from ..membership.event_loop import EventLoop
 from .codec_state import StateRequests
 from .commands import Barrier, Goodbye, InitKey, LocalSummed, SendPush, SendState, StartLocal
+from .elastic import CloseGroup
 from .inflight import InFlight
 from .push import PushSending
 from .replies import Replies
@@ -96,6 +97,11 @@ class WorkerIO:
                          Goodbye: lambda c: self.goodbye(c.timeout)}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="bps_gc-io", daemon=True)
+
+    def elastic(self, rounds):
+        """BPS_GC_ELASTIC: replies are held by round group (elastic.ElasticRounds)."""
+        self.replies.elastic = rounds
+        self.handlers[CloseGroup] = rounds.closing
 
     # ------------------------------------------------------------------ any thread
 

@@ -23,6 +23,7 @@ class Replies:
         requests awaiting their STATE_REPLY (codec_state.StateRequests)."""
         self.shm, self.flight, self.dropped, self.state_requests = shm, flight, dropped, state_requests
         self.inflight, self.failed_keys = flight.inflight, flight.failed_keys  # dicts, changed in place
+        self.elastic = None  # BPS_GC_ELASTIC: elastic.ElasticRounds, which holds the replies
 
     def receive(self, sock):
         def buffer_for(header):
@@ -75,6 +76,9 @@ class Replies:
             return
         if h.type == Msg.PUSH_REPLY and h.flags & FUSED_BIT:
             return self.receive_fused(msg.payload, h.flags & SHM_BIT)
+        if self.elastic is not None and h.type == Msg.PUSH_REPLY and h.key not in self.inflight \
+                and self.elastic.redone(h, msg.payload):
+            return
         push = self.inflight.pop(h.key, None)
         if push is None or h.type != Msg.PUSH_REPLY:
             self.dropped("an unexpected %s for key %d", h.type.name, h.key)
@@ -88,6 +92,9 @@ class Replies:
                 return
             payload = self.shm.result(push)
         push.part.round += 1
+        if self.elastic is not None:
+            return self.elastic.replied(push, payload, bool(h.flags & COMPRESSED_BIT),
+                                        time.perf_counter() - push.sent_at, h.ctx.get("epoch", 0))
         push.handle.partition_replied(push, payload, bool(h.flags & COMPRESSED_BIT),
                                       time.perf_counter() - push.sent_at)
 

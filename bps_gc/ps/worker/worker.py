@@ -23,6 +23,7 @@ from . import codec_state
 from . import host as host_level
 from .commands import Barrier, Goodbye, InitKey, SendPush, StartLocal
 from .compressing import CompressedPushes
+from .elastic import ElasticRounds
 from .handle import Handle
 from .io import WorkerIO
 from .lone_worker import LoneWorker
@@ -52,6 +53,7 @@ class Worker(Communicator):
         self.placement = None
         self.closed = False
         self.alone = None  # lone_worker.py: one process that never reaches the servers
+        self.elastic = None  # BPS_GC_ELASTIC: whole round groups (elastic.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -78,6 +80,9 @@ class Worker(Communicator):
         self.local = None if self.host is not None else local
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters, local)
+        if self.cfg.elastic:
+            self.elastic = ElasticRounds(self, self.io.links, self.membership)
+            self.io.elastic(self.elastic)
         self.compressed_pushes = CompressedPushes(self.pool, self.counters, self.io)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
                                    dense_partition_bytes(self.cfg, book))
@@ -122,6 +127,9 @@ class Worker(Communicator):
             return
         self.placement.plan(tensor, shape, dtype, self._build_codec, balanced)
         if phases(tensor) > 1:  # summed phase by phase in buffers of their own; the servers
+            if self.cfg.elastic:  # a phase waits for the last one's sum: no whole round group
+                raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} sums in phases, which "
+                                 "BPS_GC_ELASTIC does not cover yet (docs/faults.md); choose another")
             if self.cfg.enable_async:  # never see it
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
@@ -173,6 +181,8 @@ class Worker(Communicator):
             wire, source = out.reshape(-1), flat
         tensor.busy = True
         handle = Handle(self, tensor, out, wire, len(tensor.partitions), average, ctx)
+        if self.elastic is not None:
+            self.elastic.opened(handle, len(tensor.partitions))
         nbytes = flat.size * tensor.wire_dtype.itemsize
         # one update per call (a lock each); compressed partitions add their wire bytes when encoded
         self.counters.add(pushed_raw=0 if tensor.auxiliary else nbytes,

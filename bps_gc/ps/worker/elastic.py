@@ -1,0 +1,149 @@
+"""A worker's whole rounds under BPS_GC_ELASTIC (docs/faults.md, "Elastic membership").
+
+A *round group* is what a worker starts before it waits: the push_pulls posted since its last
+wait() on a handle of the open group (a training step's gradients). Every worker makes the same
+calls, so every worker numbers the same groups alike. The replies of a group are held until
+all of them are in, then handed to their handles together, the mean dividing by the members
+of the group's epoch, and only then does ``size`` change: so a group is never seen half summed
+with a host and half without it.
+
+When a host dies, the scheduler's EPOCH_PREPARE freezes the releases and this worker reports
+the last group it released; EPOCH_COMMIT says from which group on the new epoch counts. A held
+reply of such a group summed under the old epoch (it has the dead host's push) is asked for
+again (REDO): the server sums the survivors' pushes of that round, which it still holds.
+
+``opened`` and ``close`` run on the pushing thread; the rest on the I/O thread.
+"""
+import collections
+import logging
+from typing import NamedTuple
+
+from ...comm import NodeFailure
+from ...wire.sockets import send
+from ...wire.wire import Header, Msg, encode_context, encode_json
+
+log = logging.getLogger("bps_gc.worker")
+
+
+class CloseGroup(NamedTuple):
+    """The pushing thread waits on group ``group``, whose push_pulls hold ``partitions`` partitions."""
+    group: int
+    partitions: int
+
+
+class Held:
+    """A partition's reply held until its group is released."""
+    __slots__ = ("push", "payload", "compressed", "seconds", "epoch")
+
+    def __init__(self, push, payload, compressed, seconds, epoch):
+        self.push, self.payload, self.compressed = push, payload, compressed
+        self.seconds, self.epoch = seconds, epoch
+
+
+class ElasticRounds:
+    def __init__(self, worker, links, membership):
+        self.worker, self.links, self.membership = worker, links, membership
+        self.rank = worker.rank
+        # pushing thread
+        self.group = 0  # the open group
+        self.posted = 0  # its partitions so far
+        # I/O thread
+        self.epochs = [(0, 0, worker.size)]  # (epoch, first group, members), by epoch
+        self.closed = {}  # group -> its partitions
+        self.held = collections.defaultdict(list)  # group -> [Held]
+        self.redoing = {}  # key -> the Held awaiting its REDO's reply
+        self.released = -1  # groups up to this one were handed out
+        self.frozen = False  # an epoch is being prepared: nothing is released
+        membership.on_epoch = self.on_epoch
+
+    # ---------------------------------------------------------------- pushing thread
+
+    def opened(self, handle, partitions):
+        handle.group = self.group
+        self.posted += partitions
+
+    def close(self, handle, io):
+        """``handle`` is waited for: its group, if still open, is complete."""
+        if handle.group == self.group:
+            io.queue(CloseGroup(self.group, self.posted))
+            self.group += 1
+            self.posted = 0
+
+    # ---------------------------------------------------------------- I/O thread
+
+    def closing(self, command):
+        self.closed[command.group] = command.partitions
+        self.release()
+
+    def epoch_of(self, group):
+        """(epoch, members) the group is summed under, by the commits known so far."""
+        epoch, _, members = max(e for e in self.epochs if e[1] <= group)
+        return epoch, members
+
+    def replied(self, push, payload, compressed, seconds, epoch):
+        if push.handle.group is None:
+            push.handle.fail(ValueError(f"{push.handle.tensor.name!r}: BPS_GC_ELASTIC covers push_pull "
+                                        "of numpy arrays only for now (docs/faults.md)"))
+            return
+        held = Held(push, payload, compressed, seconds, epoch)
+        self.held[push.handle.group].append(held)
+        self.redo_if_stale(push.handle.group, held)
+        self.release()
+
+    def redone(self, header, payload):
+        """A reply to a REDO (the key is not in flight); False if it is none."""
+        held = self.redoing.get(header.key)
+        if held is None or held.push.round != header.round:
+            return False
+        del self.redoing[header.key]
+        held.payload, held.epoch = payload, header.ctx.get("epoch", 0)
+        self.release()
+        return True
+
+    def redo_if_stale(self, group, held):
+        epoch = self.epoch_of(group)[0]
+        if held.epoch < epoch and held.push.part.key not in self.redoing:
+            self.redoing[held.push.part.key] = held
+            part = held.push.part
+            send(self.links[part.server], Header(Msg.REDO, self.rank, key=part.key, round=held.push.round,
+                                                 context=encode_context({"epoch": epoch})))
+
+    def release(self):
+        """Hand out every complete group in order, unless frozen or a reply is not yet right."""
+        while not self.frozen:
+            group = self.released + 1
+            held = self.held.get(group, [])
+            if self.closed.get(group) is None or len(held) < self.closed[group]:
+                return
+            epoch, members = self.epoch_of(group)
+            # a reply summed with a dead host's push (its REDO is on the way), or in an epoch
+            # whose commit has not come yet
+            if any(h.epoch != epoch for h in held):
+                return
+            self.worker.size = members  # bps.size() changes only here, between groups
+            for h in held:
+                h.push.handle.members = members
+                h.push.handle.partition_replied(h.push, h.payload, h.compressed, h.seconds)
+            self.held.pop(group, None)
+            del self.closed[group]
+            self.released = group
+
+    def on_epoch(self, mtype, info):
+        left = [int(r) for r in info.get("left", [])]
+        if self.rank in left:
+            raise NodeFailure(f"the scheduler declared worker {self.rank} dead (no heartbeat); it stops")
+        epoch = int(info["epoch"])
+        if mtype == Msg.EPOCH_PREPARE:
+            self.frozen = True
+            self.membership.send(Msg.EPOCH_REPORT, obj={"epoch": epoch, "released": self.released})
+            return
+        members = [int(r) for r in info["members"]]
+        first = int(info["from_group"])
+        self.epochs.append((epoch, first, len(members)))
+        log.warning("membership: worker %s left; epoch %d from round group %d; members %s",
+                    ", ".join(map(str, left)), epoch, first, members)
+        self.frozen = False
+        for group, held in self.held.items():
+            for h in held:
+                self.redo_if_stale(group, h)
+        self.release()

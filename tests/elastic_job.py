@@ -1,0 +1,38 @@
+"""A worker of the elastic-membership tests (tests/test_elastic.py): push_pull the described
+tensors each step and save every result and bps.size(). The ``victim`` rank, at step
+``pause_at``, pushes the first tensor only, says HALF and waits to be killed: it dies half-way
+through a round. Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bps_gc.core as bps  # noqa: E402
+from reference import gradient, step_ctx  # noqa: E402
+
+spec_path, out_dir = sys.argv[1], sys.argv[2]
+spec = json.load(open(spec_path))
+bps.init()
+rank = bps.rank()
+for t in spec["tensors"]:
+    bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
+results, sizes = {}, []
+for step in range(spec["steps"]):
+    ctx = step_ctx(spec, step)
+    inputs = [gradient(rank, step, t) for t in spec["tensors"]]
+    if rank == spec.get("victim") and step == spec["pause_at"]:
+        bps.push_pull(inputs[0], spec["tensors"][0]["name"], ctx=ctx)
+        print("HALF", flush=True)
+        time.sleep(600)  # killed here
+    handles = [(t["name"], bps.push_pull(x, t["name"], ctx=ctx)) for t, x in zip(spec["tensors"], inputs)]
+    if step == spec["pause_at"]:
+        print("PUSHED", step, flush=True)
+    for name, h in handles:
+        results[f"{name}/{step}"] = h.wait().copy()
+    sizes.append(bps.size())
+np.savez(os.path.join(out_dir, f"rank{rank}.npz"), sizes=np.array(sizes), **results)
+print("DONE", flush=True)
+bps.shutdown()

@@ -1,0 +1,126 @@
+"""BPS_GC_ELASTIC: a worker host killed half-way through a round (SIGKILL) leaves the job,
+which goes on with the survivors, each round whole (docs/faults.md, "Elastic membership").
+
+One job (one bpslaunch per role, 3 worker hosts, 2 servers) pushes a dense tensor split over
+both servers and a onebit tensor with error feedback; worker 2 pushes the dense tensor of
+step PAUSE_AT, then is killed. The survivors must finish every step without a restart, pull
+bit-identical results, equal to a numpy recomputation (reference.py's codec chains) of the
+membership sequence every node logged, and see bps.size() change at that round only."""
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import numpy as np
+
+from multihost import Job
+from reference import gradient, partitions, step_ctx
+
+from bps_gc.compress import CompressionParams, build_chain
+
+START_BOUND, BOUND = 60.0, 40.0
+STEPS, PAUSE_AT, VICTIM = 7, 3, 2
+SPEC = {
+    "steps": STEPS, "pause_at": PAUSE_AT, "victim": VICTIM,
+    "lrs": [0.1] * STEPS, "partition_bytes": 4096, "min_compress_bytes": 0,
+    "tensors": [{"name": "dense", "shape": [3000], "dtype": "float32"},
+                {"name": "signs", "shape": [1500], "dtype": "float32",
+                 "params": {"compressor": "onebit", "ef": "vanilla"}}],
+}
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py")
+ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0"}
+LINE = re.compile(r"membership: worker (\d+) left; epoch (\d+) from round group (\d+); members \[([\d, ]*)\]")
+
+
+def membership(text):
+    """[(epoch, first group, members)] from a node's log lines."""
+    return [(int(e), int(g), [int(r) for r in m.split(",") if r.strip()]) for _, e, g, m in LINE.findall(text)]
+
+
+def expected(spec, sequence, ranks):
+    """{'name/step': array}: what every member pulls, the members of each step given by
+    ``sequence`` ([(first step, members)]); every rank's codec chain compresses each step it
+    pushes (its error feedback runs on), the server's once per step."""
+    out = {}
+    for index, t in enumerate(spec["tensors"]):
+        params = CompressionParams.from_dict(t.get("params", {}))
+        n = int(np.prod(t["shape"]))
+        parts = partitions(n, np.float32, spec["partition_bytes"])
+        chains = {p: ({r: build_chain(params, b - a, np.float32, key=index << 16 | p, role="worker") for r in ranks},
+                      build_chain(params, b - a, np.float32, key=index << 16 | p, role="server"))
+                  for p, a, b in parts} if params.compressed else {}
+        for step in range(spec["steps"]):
+            members = [m for first, m in sequence if first <= step][-1]
+            ctx = step_ctx(spec, step)
+            x = {r: gradient(r, step, t).reshape(-1) for r in members}
+            result = np.empty(n, np.float32)
+            for p, a, b in parts:
+                if params.compressed:
+                    workers, server = chains[p]
+                    acc = np.zeros(b - a, np.float32)
+                    for r in members:
+                        acc += workers[r].decompress(workers[r].compress(x[r][a:b], ctx))
+                    acc = server.decompress(server.compress(acc, ctx))
+                else:  # raw pushes: the first copied, the others added, in rank order
+                    acc = x[members[0]][a:b].copy()
+                    for r in members[1:]:
+                        acc += x[r][a:b]
+                result[a:b] = acc / np.float32(len(members))
+            out[f"{t['name']}/{step}"] = result
+    return out
+
+
+def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(SPEC))
+    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # which rounds they sum again
+    job = Job(3, None, servers=2, env=ENV, command=[sys.executable, JOB, str(spec_path), str(tmp_path)],
+              role_env={"server0": servers_say, "server1": servers_say})
+    job.wait_output([f"worker{VICTIM}"], "HALF", START_BOUND)
+    job.wait_output([f"worker{r}" for r in range(3) if r != VICTIM], f"PUSHED {PAUSE_AT}", START_BOUND)
+    time.sleep(1.0)  # the dense rounds of that step complete with the victim's pushes
+    os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)
+    statuses, _ = job.wait_all(BOUND)
+    report = job.report(statuses)
+    survivors = [r for r in range(3) if r != VICTIM]
+    assert all(statuses[f"worker{r}"] == 0 for r in survivors), report
+    assert statuses["scheduler"] == 0 and statuses["server0"] == 0 and statuses["server1"] == 0, report
+    assert statuses[f"worker{VICTIM}"] != 0, report
+    # one line per change on every node, alike
+    logged = {name: membership(job.text(name)) for name in ["scheduler", "server0", "server1"] +
+              [f"worker{r}" for r in survivors]}
+    sequence = logged["worker0"]
+    assert len(sequence) == 1 and sequence[0][0] == 1 and sequence[0][2] == survivors, report
+    assert all(seq == sequence for seq in logged.values()), logged
+    assert f"worker {VICTIM} left" in job.text("scheduler"), report
+    # the dense rounds it pushed were summed with it, then again without it
+    again = job.text("server0") + job.text("server1")
+    assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
+    first = sequence[0][1]
+    assert first == PAUSE_AT, report  # the dead host's half round counts none of its pushes
+    pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
+    want = expected(SPEC, [(0, [0, 1, 2]), (first, sequence[0][2])], range(3))
+    for r in survivors:
+        assert list(pulled[r]["sizes"]) == [3] * first + [2] * (STEPS - first)
+        for name, value in want.items():
+            assert pulled[r][name].tobytes() == pulled[survivors[0]][name].tobytes(), (r, name)
+            np.testing.assert_array_equal(pulled[r][name], value, err_msg=f"rank {r} {name}")
+
+
+def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
+    spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][:1])
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    job = Job(2, None, env=dict(ENV, BPS_GC_MIN_WORKERS="2"),
+              command=[sys.executable, JOB, str(spec_path), str(tmp_path)])
+    job.wait_output(["worker1"], "HALF", START_BOUND)
+    os.kill(job.child_of("worker1"), signal.SIGKILL)
+    statuses, _ = job.wait_all(BOUND)
+    report = job.report(statuses)
+    named = "1 worker host left after worker 1 died, fewer than BPS_GC_MIN_WORKERS=2"
+    assert all(status != 0 for status in statuses.values()), report
+    for name in ("scheduler", "server0", "worker0"):
+        assert named in job.text(name), report
+    assert "Traceback" not in job.text("worker0"), report

@@ -115,6 +115,18 @@ def size():
     return worker().size
 
 
+def membership_epoch():
+    """BPS_GC_ELASTIC: the membership epoch of the last step (changes between steps only)."""
+    return getattr(worker(), "epoch", 0)
+
+
+def elastic_start(params):
+    """BPS_GC_ELASTIC: name the parameters (name -> numpy array, updated in place) a joining
+    host copies; on a joiner, wait to be admitted, fill them and return its first step (else 0)."""
+    start = getattr(worker(), "elastic_start", None)
+    return 0 if start is None else start(params)
+
+
 def local_rank():
     return worker().local_rank
 

@@ -35,13 +35,18 @@ class Job:
             plan[f"worker{w}"] = (command or [sys.executable, "-c", scripts[w]],
                                   dict(base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(w)))
         self.started = time.monotonic()
+        self.base = base
         self.launchers, self.output = {}, {}
         for name, (command, env_) in plan.items():
             env_.update(role_env.get(name, {}))
-            self.launchers[name] = subprocess.Popen([*LAUNCH, *command], env=env_, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.STDOUT, text=True)
-            self.output[name] = []
-            threading.Thread(target=self.collect, args=(name,), daemon=True).start()
+            self.launch(name, command, env_)
+
+    def launch(self, name, command, env):
+        """Start one more bpslaunch (e.g. a worker host joining the running job)."""
+        self.launchers[name] = subprocess.Popen([*LAUNCH, *command], env=env, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True)
+        self.output[name] = []
+        threading.Thread(target=self.collect, args=(name,), daemon=True).start()
 
     def collect(self, name):
         for line in self.launchers[name].stdout:

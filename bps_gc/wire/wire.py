@@ -45,6 +45,11 @@ class Msg(enum.IntEnum):
     EPOCH_PREPARE = 11  # JSON {epoch, left, members}: servers fence the dead; workers stop releasing rounds
     EPOCH_REPORT = 12   # JSON {epoch, released}: a worker's last released round group
     EPOCH_COMMIT = 13   # JSON {epoch, left, members, from_group}: the new epoch, from that group on
+    # a worker host joins (ps/scheduler/joins.py): the joiner asks, once its declarations are accepted;
+    JOIN_READY = 14     # a joining worker -> scheduler, no payload
+    EPOCH_AT = 15       # JSON {epoch}: a worker waits at the join's first round group (the joiner: has the parameters)
+    EPOCH_GO = 16       # JSON {epoch, joined, members, from_group}: servers count the joiner (they echo it
+                        # back), then workers go on with it
     # key-value (worker <-> server)
     INIT = 20          # JSON {name, n, params}
     INIT_ACK = 21

@@ -171,7 +171,7 @@ class Membership:
             self.barriers_done[h.key] = self.barriers_done.get(h.key, 0) + 1
         elif h.type == Msg.GOODBYE:
             self.said_goodbye = True
-        elif h.type in (Msg.EPOCH_PREPARE, Msg.EPOCH_COMMIT) and self.on_epoch is not None:
+        elif h.type in (Msg.EPOCH_PREPARE, Msg.EPOCH_COMMIT, Msg.EPOCH_GO) and self.on_epoch is not None:
             self.on_epoch(h.type, decode_json(msg.payload or b"{}"))
         elif h.type == Msg.NODE_LEFT:
             info = decode_json(msg.payload or b"{}")

@@ -31,7 +31,8 @@ class Epochs:
         self.preparing = None  # the epoch being prepared, or None
 
     def members(self):
-        return sorted(m.rank for m in self.scheduler.members.values() if m.role == "worker" and not m.gone)
+        return sorted(m.rank for m in self.scheduler.members.values()
+                      if m.role == "worker" and not m.gone and not m.joining)
 
     def worker_died(self, member, reason):
         """``member`` (a worker) is dead: prepare a new epoch, or stop the job below the minimum."""
@@ -54,6 +55,8 @@ class Epochs:
 
     def report(self, member, info):
         """A survivor's EPOCH_REPORT; the commit goes out once every survivor sent one."""
+        if "at" in info:  # a pledge for a join (joins.py)
+            return self.scheduler.joins.report(member, info)
         try:
             epoch, released = int(info["epoch"]), int(info["released"])
         except (KeyError, TypeError, ValueError):

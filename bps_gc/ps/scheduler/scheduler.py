@@ -24,6 +24,7 @@ from ..membership.event_loop import EventLoop
 from .assembly import assembling, lone_worker_notice
 from .epochs import Epochs
 from .hosts import WorkerHosts
+from .joins import Joins
 
 log = logging.getLogger("bps_gc.scheduler")
 SCHEDULER_ID = 0
@@ -31,12 +32,13 @@ REFUSE_SECONDS = 3.0
 
 
 class Member:
-    __slots__ = ("identity", "role", "rank", "host", "port", "local", "node_id", "last_seen", "gone")
+    __slots__ = ("identity", "role", "rank", "host", "port", "local", "node_id", "last_seen", "gone", "joining")
 
     def __init__(self, identity, role, rank, host, port, local=None):
         self.identity, self.role, self.rank, self.host, self.port = identity, role, rank, host, port
         self.local = local  # its same-host endpoint, if it has one
         self.node_id, self.last_seen, self.gone = None, time.monotonic(), False
+        self.joining = False  # BPS_GC_ELASTIC: a worker host joining the running job (joins.py)
 
     def describe(self):
         info = {"id": self.node_id, "role": self.role, "rank": self.rank,
@@ -73,6 +75,7 @@ class Scheduler:
         self.ended = None  # why the job ended before it assembled, with status 0 (a lone worker)
         self.told_servers = set()  # identities of the servers told so
         self.epochs = Epochs(self) if config.elastic else None  # BPS_GC_ELASTIC: membership epochs
+        self.joins = Joins(self, self.epochs) if config.elastic else None  # and hosts joining
 
     # ------------------------------------------------------------------ main loop
 
@@ -114,6 +117,8 @@ class Scheduler:
         dead = self.dead_member(now)
         if dead is not None:
             reason = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
+            if dead.joining:
+                return self.joins.left(dead, reason)
             if self.epochs is not None and dead.role == "worker":
                 return self.epochs.worker_died(dead, reason)
             return self.fail(dead, reason)
@@ -153,11 +158,17 @@ class Scheduler:
             return self.barrier(member)
         elif h.type == Msg.GOODBYE:
             return self.goodbye(member)
-        elif h.type == Msg.EPOCH_REPORT and self.epochs is not None:
+        elif h.type in (Msg.EPOCH_REPORT, Msg.JOIN_READY, Msg.EPOCH_AT, Msg.EPOCH_GO) and self.epochs is not None:
             try:
-                self.epochs.report(member, decode_json(msg.payload or b"{}"))
-            except MalformedMessage as e:
-                self.dropped("a bad epoch report: %s", e)
+                info = decode_json(msg.payload or b"{}")
+                if h.type == Msg.EPOCH_REPORT:
+                    self.epochs.report(member, info)
+                elif h.type == Msg.JOIN_READY:
+                    self.joins.ready(member)
+                else:
+                    self.joins.arrived(member, info)
+            except (MalformedMessage, KeyError, TypeError, ValueError) as e:
+                self.dropped("a bad membership message: %s", e)
         elif h.type == Msg.NODE_FAILED:  # a node saw a peer die (e.g. a server's socket error)
             info = decode_json(msg.payload or b"{}")
             return self.fail(None, f"node {member.node_id} reported: {info.get('reason', '?')}")
@@ -186,6 +197,8 @@ class Scheduler:
             return self.refuse(msg.identity, self.refusal)
         if msg.identity in self.members:
             return None  # a retried registration
+        if self.ready and self.joins is not None:  # BPS_GC_ELASTIC: a host may join (joins.py)
+            return self.joins.register(msg.identity, info, role, rank, host, port, local, who)
         if self.ready:  # a late or hostile registration must not stop a running job
             return self.refuse(msg.identity, "the cluster is already complete")
         notice = self.ended or lone_worker_notice(info, who)
@@ -295,6 +308,9 @@ class Scheduler:
                      and m.rank not in dead), None)
 
     def goodbye(self, member):
+        if member.joining:  # refused by a server, or stopped before it was admitted
+            self.reply(member, Msg.GOODBYE)
+            return self.joins.left(member, "it said goodbye")
         member.gone = True
         self.reply(member, Msg.GOODBYE)
         running = [m for m in self.members.values() if m.role == "worker" and not m.gone]

@@ -9,6 +9,10 @@
   counts): the key goes back to that round, and once every member asked, the round is summed
   again from the members' pushes, still in their receive buffers (no member pushed the key
   since: it holds the reply), the reducer's state first put back as it was before the round.
+* EPOCH_GO (a host joins, docs/faults.md): every member waits at the join's first round group,
+  so no round is open; the joiner (which took a departed host's rank, whose declarations were
+  accepted while it was still fenced from pushing) counts from each key's next round. The
+  server echoes GO to the scheduler, which only then lets the workers go on.
 * Every reply of epoch e > 0 carries {"epoch": e} in its context, so a worker knows which
   members a sum holds.
 """
@@ -29,8 +33,9 @@ class ServerRounds:
         self.early = []  # REDOs that came before this server's commit of their epoch
         server.membership.on_epoch = self.on_epoch
 
-    def admit(self, rank):
-        if rank in self.fenced:
+    def admit(self, rank, mtype=None):
+        """A departed host's messages are dropped, but for a joiner's declarations (INIT)."""
+        if rank in self.fenced and mtype != Msg.INIT:
             raise MalformedMessage(f"a message from worker {rank}, which left the job")
 
     def declared(self, state):
@@ -40,6 +45,8 @@ class ServerRounds:
             state.expected = len(self.members)
 
     def on_epoch(self, mtype, info):
+        if mtype == Msg.EPOCH_GO:
+            return self.joined(info)
         left = {int(r) for r in info.get("left", [])}
         self.fenced |= left
         if mtype == Msg.EPOCH_PREPARE:
@@ -57,6 +64,18 @@ class ServerRounds:
         early, self.early = self.early, []
         for rank, header in early:
             self.redo(rank, header)
+
+    def joined(self, info):
+        joined = [int(r) for r in info["joined"]]
+        self.epoch, self.members = int(info["epoch"]), [int(r) for r in info["members"]]
+        self.fenced -= set(joined)
+        for state in self.server.keys.values():
+            if state.arrived:  # cannot be: every member waits at the join's first group
+                log.error("key %d: round %d is open while worker %s joins", state.key, state.round, joined)
+            state.epoch, state.expected = self.epoch, len(self.members)
+        log.warning("membership: worker %s joined; epoch %d from round group %s; members %s",
+                    ", ".join(map(str, joined)), self.epoch, info.get("from_group"), self.members)
+        self.server.membership.send(Msg.EPOCH_GO, obj={"epoch": self.epoch})
 
     def complete_if_due(self, state):
         if state.arrived and state.arrived == state.expected:

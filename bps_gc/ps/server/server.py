@@ -41,6 +41,8 @@ class Server:
         self.router.setsockopt(zmq.LINGER, 1000)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)
+        if cfg.elastic:  # a joining host reuses a departed one's identity (w<rank>)
+            self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         congestion.watch(self.router, cfg.tcp_congestion)
         self.membership = Membership(self.ctx, cfg, self.auth, "server", rank=-1)
         # the largest legal frame: a compressed partition of fp16 (8 bytes/element at most), a
@@ -146,7 +148,7 @@ class Server:
         def buffer_for(header):
             rank = self.worker_rank(context["identity"], header)
             if self.rounds is not None:
-                self.rounds.admit(rank)
+                self.rounds.admit(rank, header.type)
             if header.type != Msg.PUSH or header.flags & FUSED_BIT:
                 return None
             state = self.keys.get(header.key)

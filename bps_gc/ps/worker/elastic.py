@@ -12,6 +12,8 @@ the last group it released; EPOCH_COMMIT says from which group on the new epoch 
 reply of such a group summed under the old epoch (it has the dead host's push) is asked for
 again (REDO): the server sums the survivors' pushes of that round, which it still holds.
 
+A host joining is joining.py's: members wait at a round group's boundary for it.
+
 ``opened`` and ``close`` run on the pushing thread; the rest on the I/O thread.
 """
 import collections
@@ -21,6 +23,7 @@ from typing import NamedTuple
 from ...comm import NodeFailure
 from ...wire.sockets import send
 from ...wire.wire import Header, Msg, encode_context, encode_json
+from .joining import JoinGate
 
 log = logging.getLogger("bps_gc.worker")
 
@@ -55,19 +58,24 @@ class ElasticRounds:
         self.released = -1  # groups up to this one were handed out
         self.frozen = False  # an epoch is being prepared: nothing is released
         membership.on_epoch = self.on_epoch
+        self.gate = JoinGate(worker, self)  # hosts joining; its lock guards group and posted
 
     # ---------------------------------------------------------------- pushing thread
 
     def opened(self, handle, partitions):
-        handle.group = self.group
-        self.posted += partitions
+        with self.gate.cond:
+            if self.posted == 0:  # a new group: a host joining may need this worker to wait here
+                self.gate.wait_at(self.group)
+            handle.group = self.group
+            self.posted += partitions
 
     def close(self, handle, io):
         """``handle`` is waited for: its group, if still open, is complete."""
-        if handle.group == self.group:
-            io.queue(CloseGroup(self.group, self.posted))
-            self.group += 1
-            self.posted = 0
+        with self.gate.cond:
+            if handle.group == self.group:
+                io.queue(CloseGroup(self.group, self.posted))
+                self.group += 1
+                self.posted = 0
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -121,6 +129,7 @@ class ElasticRounds:
             if any(h.epoch != epoch for h in held):
                 return
             self.worker.size = members  # bps.size() changes only here, between groups
+            self.worker.epoch = epoch  # and so does bps.membership_epoch()
             for h in held:
                 h.push.handle.members = members
                 h.push.handle.partition_replied(h.push, h.payload, h.compressed, h.seconds)
@@ -129,6 +138,8 @@ class ElasticRounds:
             self.released = group
 
     def on_epoch(self, mtype, info):
+        if info.get("joined"):
+            return self.gate.on_epoch(mtype, info)
         left = [int(r) for r in info.get("left", [])]
         if self.rank in left:
             raise NodeFailure(f"the scheduler declared worker {self.rank} dead (no heartbeat); it stops")

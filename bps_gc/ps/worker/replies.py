@@ -24,6 +24,7 @@ class Replies:
         self.shm, self.flight, self.dropped, self.state_requests = shm, flight, dropped, state_requests
         self.inflight, self.failed_keys = flight.inflight, flight.failed_keys  # dicts, changed in place
         self.elastic = None  # BPS_GC_ELASTIC: elastic.ElasticRounds, which holds the replies
+        self.init_acks = 0  # declarations the servers accepted (a joining host waits for them)
 
     def receive(self, sock):
         def buffer_for(header):
@@ -71,6 +72,7 @@ class Replies:
                 push.handle.fail(NodeFailure(message) if info.get("job_failed") else ValueError(message))
             return
         if h.type == Msg.INIT_ACK:
+            self.init_acks += 1
             if msg.payload:
                 self.shm.accept(h.key, msg.payload)
             return

@@ -54,6 +54,8 @@ class Worker(Communicator):
         self.closed = False
         self.alone = None  # lone_worker.py: one process that never reaches the servers
         self.elastic = None  # BPS_GC_ELASTIC: whole round groups (elastic.py)
+        self.epoch = 0  # BPS_GC_ELASTIC: the membership epoch of the last round group released
+        self.joining = False  # BPS_GC_ELASTIC: this worker joins a running job (joining.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -87,7 +89,9 @@ class Worker(Communicator):
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
                                    dense_partition_bytes(self.cfg, book))
         self.io.thread.start()
-        self.barrier()
+        self.joining = bool(book.get("joining"))
+        if not self.joining:  # a joiner is no member yet: the members' barriers are not its
+            self.barrier()
         log.info("worker %d/%d joined (%d servers)", self.rank, self.size, len(servers))
         return self
 
@@ -266,6 +270,15 @@ class Worker(Communicator):
             self.pool.submit(fn, *args)
         except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
             handle.fail(e)
+
+    def elastic_start(self, params):
+        """BPS_GC_ELASTIC: ``params`` (name -> array, updated in place by the script) are what a
+        joining host copies from a member. On a joiner, wait to be admitted, fill them, and
+        return the first step it takes part in; elsewhere 0 (ps/worker/joining.py)."""
+        if self.elastic is None:
+            return 0
+        self.elastic.gate.params = dict(params)
+        return self.elastic.gate.join() if self.joining else 0
 
     def state_dict(self):
         """This rank's codec state and the servers' it restores (ps/worker/codec_state.py)."""

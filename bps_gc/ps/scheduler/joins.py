@@ -1,0 +1,129 @@
+"""A worker host joins a running elastic job (BPS_GC_ELASTIC; docs/faults.md, "Elastic membership").
+
+A worker started with the job's variables and the DMLC_WORKER_ID of a host that left registers
+while the job runs. Settings that differ from the job's refuse it in one line naming both; the
+job goes on. Otherwise it gets an address book and declares its tensors (a server refuses a
+declaration unlike the job's, naming both), then says JOIN_READY. Three steps follow:
+
+1. PREPARE: every member pledges the first round group it has not opened yet and waits there.
+2. COMMIT: the join starts at ``from_group``, the highest pledge; members run up to it and wait
+   at its boundary (EPOCH_AT). A live member (the donor) sends the joiner the parameters and
+   every key's round; the joiner says EPOCH_AT once it has them.
+3. GO: with every member at the boundary no round is open, so the servers count the joiner from
+   each key's next round; once every server echoed GO, the workers hear it and go on.
+"""
+import logging
+
+from ...wire.wire import Msg
+
+log = logging.getLogger("bps_gc.scheduler")
+
+
+class Joins:
+    def __init__(self, scheduler, epochs):
+        self.scheduler, self.epochs = scheduler, epochs
+        self.joiner = None  # the Member joining now
+        self.step = None  # "prepare", "commit" or "go" while a join runs
+        self.pledges, self.at, self.servers_go = {}, set(), set()
+        self.from_group = None
+
+    def register(self, identity, info, role, rank, host, port, local, who):
+        """A registration once the job runs: a worker taking a departed host's place, or refused."""
+        s = self.scheduler
+        problem = None
+        if role != "worker":
+            problem = "the cluster is already complete (only a worker host may join a running job)"
+        elif rank not in self.epochs.dead:
+            problem = (f"worker rank {rank} is a member of the running job; a joining host takes the "
+                       f"DMLC_WORKER_ID of one that left ({sorted(self.epochs.dead) or 'none left'})")
+        elif self.joiner is not None or self.epochs.preparing is not None:
+            problem = "another membership change is under way; start it again in a moment"
+        else:
+            agree = info.get("agree") if isinstance(info.get("agree"), dict) else {}
+            for variable, mine in s.cfg.agreement().items():
+                if agree.get(variable) != mine:
+                    problem = f"it has {variable}={agree.get(variable)}, the job {variable}={mine}"
+                    break
+            if problem is None and int(info.get("local_size", 1)) != (s.hosts.local_size or 1):
+                problem = (f"it has BYTEPS_LOCAL_SIZE={info.get('local_size')}, the job "
+                           f"{s.hosts.local_size}")
+        if problem:
+            log.error("refused %s joining the running job: %s", who, problem)
+            return s.refuse(identity, f"{who} cannot join the running job: {problem}")
+        old = next(i for i, m in s.members.items() if m.role == "worker" and m.rank == rank)
+        member = type(s.members[old])(identity, role, rank, host, port, local)
+        member.node_id, member.joining = s.members.pop(old).node_id, True
+        s.members[identity] = member
+        self.joiner = member
+        servers = [m for m in s.members.values() if m.role == "server"]
+        workers = sorted((m for m in s.members.values() if m.role == "worker" and not m.gone), key=lambda m: m.rank)
+        book = {"servers": [m.describe() for m in sorted(servers, key=lambda m: m.rank)],
+                "workers": [m.describe() for m in workers], **s.hosts.book(s.cfg, workers),
+                "you": member.node_id, "rank": rank, "joining": True}
+        log.info("worker %d at %s:%s asks to join the running job", rank, host, port)
+        s.reply(member, Msg.ADDRESS_BOOK, obj=book)
+        return None
+
+    def left(self, member, reason):
+        """The joiner went away before it was admitted: the job goes on as it was."""
+        log.warning("worker %d left before it was admitted (%s); the job goes on", member.rank, reason)
+        member.gone = True
+        if self.step is not None:  # members waiting at a pledge or the boundary go on
+            self.broadcast(Msg.EPOCH_GO, self.go_info(cancelled=True), servers=False)
+            self.epochs.preparing = None
+        self.joiner, self.step = None, None
+
+    def ready(self, member):
+        if member is not self.joiner or self.step is not None:
+            return
+        self.epochs.preparing = self.epochs.epoch + 1
+        self.step, self.pledges, self.at, self.servers_go = "prepare", {}, set(), set()
+        self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.epochs.preparing, "joined": [member.rank], "left": [],
+                                           "members": self.epochs.members()}, servers=False)
+
+    def report(self, member, info):
+        """A member's pledge (EPOCH_REPORT with "at")."""
+        if self.step != "prepare" or int(info.get("epoch", -1)) != self.epochs.preparing:
+            return
+        self.pledges[member.rank] = int(info["at"])
+        members = self.epochs.members()
+        if set(members) <= set(self.pledges):
+            self.step, self.from_group = "commit", max(self.pledges[r] for r in members)
+            j = self.joiner
+            self.broadcast(Msg.EPOCH_COMMIT, dict(self.go_info(), donor=members[0],
+                                                  address=f"{j.host}:{j.port}"), servers=False)
+
+    def arrived(self, member, info):
+        """EPOCH_AT from a member or the joiner; EPOCH_GO echoed by a server."""
+        if self.step not in ("commit", "go") or int(info.get("epoch", -1)) != self.epochs.preparing:
+            return
+        if member.role == "server":
+            self.servers_go.add(member.rank)
+        else:
+            self.at.add(member.rank)
+        everyone = set(self.epochs.members()) | {self.joiner.rank}
+        if self.step == "commit" and everyone <= self.at:
+            self.step = "go"
+            self.joiner.joining = False  # a member from now: the servers count it
+            self.broadcast(Msg.EPOCH_GO, self.go_info(), workers=False)
+        elif self.step == "go" and len(self.servers_go) == self.scheduler.cfg.num_server:
+            j, info = self.joiner, self.go_info()
+            self.epochs.epoch, self.epochs.preparing = self.epochs.preparing, None
+            self.epochs.dead.discard(j.rank)
+            log.warning("membership: worker %d joined; epoch %d from round group %d; members %s",
+                        j.rank, self.epochs.epoch, self.from_group, self.epochs.members())
+            self.broadcast(Msg.EPOCH_GO, info, servers=False)
+            self.joiner, self.step = None, None
+
+    def go_info(self, cancelled=False):
+        members = sorted(set(self.epochs.members()) | ({self.joiner.rank} if not cancelled else set()))
+        return {"epoch": self.epochs.preparing, "joined": [self.joiner.rank], "members": members,
+                "from_group": self.from_group, "cancelled": cancelled}
+
+    def broadcast(self, mtype, info, servers=True, workers=True):
+        for m in self.scheduler.members.values():
+            if not m.gone and ((m.role == "server" and servers) or (m.role == "worker" and workers)):
+                self.scheduler.reply(m, mtype, obj=info)
+
+
+__all__ = ["Joins"]

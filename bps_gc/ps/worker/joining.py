@@ -1,0 +1,153 @@
+"""A worker's side of a host joining an elastic job (BPS_GC_ELASTIC; the scheduler's joins.py,
+docs/faults.md "Elastic membership").
+
+Every worker names the arrays a joiner copies with ``elastic_start(params)`` (the script's
+parameters, updated in place each step). A member, told a host joins (EPOCH_PREPARE), pledges
+the first round group it has not opened and waits before opening it; the COMMIT names the
+join's first group, up to which members run, then wait at its boundary (EPOCH_AT). There the
+parameters are those every member holds before that step; the donor (the lowest member)
+sends them to the joiner, with every key's round, over the worker-to-worker links: a JSON
+header, then each array's bytes, never a pickle. The joiner fills its arrays, says EPOCH_AT,
+and everyone goes on at GO, once the servers count the joiner.
+
+The joiner's codec state starts at zero: its chains were just built. ``wait_at`` runs on the
+pushing thread, under ``cond`` with the group counters of elastic.py; the rest on the I/O thread.
+"""
+import json
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from ...comm import NodeFailure
+from ...wire.wire import Msg
+
+log = logging.getLogger("bps_gc.worker")
+POLL = 0.1  # seconds between looks at the I/O thread's health while waiting
+
+
+class Tell(NamedTuple):
+    """Send ``mtype`` with ``info`` to the scheduler (from the I/O thread)."""
+    mtype: object
+    info: dict
+
+
+class JoinGate:
+    def __init__(self, worker, rounds):
+        self.worker, self.rounds = worker, rounds
+        self.cond = threading.Condition()
+        self.params = {}  # name -> the script's array
+        self.pledge = None  # the group members wait before, until the COMMIT
+        self.commit = None  # the COMMIT's info while a join runs
+        self.went = threading.Event()  # GO (or a cancelled join) came
+        self.at_sent = False
+        worker.io.handlers[Tell] = lambda c: rounds.membership.send(c.mtype, obj=c.info)
+
+    # ---------------------------------------------------------------- pushing thread
+
+    def wait_at(self, group):
+        """Before opening ``group`` (with ``cond`` held): wait while a join needs this worker here."""
+        while self.pledge is not None:
+            commit = self.commit
+            if commit is None and group < self.pledge or commit is not None and group < commit["from_group"]:
+                return
+            if commit is not None and not self.at_sent:
+                if commit["donor"] == self.worker.rank:
+                    self.send_parameters(commit)
+                self.at_sent = True
+                self.worker.io.queue(Tell(Msg.EPOCH_AT, {"epoch": commit["epoch"]}))
+            self.cond.wait(POLL)
+            self.worker.check_alive()
+
+    def send_parameters(self, commit):
+        tensors = self.worker.tensors
+        header = {"arrays": [[name, str(a.dtype), list(a.shape)] for name, a in self.params.items()],
+                  "rounds": {name: [p.round for p in t.partitions] for name, t in tensors.items()
+                             if t.partitions and not t.local}}
+        channel = f"bps_gc.join.{commit['epoch']}"
+        peers = self.worker.peers
+        peers.send(commit["joined"][0], channel, json.dumps(header).encode())
+        for array in self.params.values():
+            peers.send(commit["joined"][0], channel, np.ascontiguousarray(array))
+
+    def join(self):
+        """The joiner: once the servers accepted its declarations, ask to join and wait for the
+        parameters and GO; returns the first round group (step) it takes part in."""
+        replies, flight = self.worker.io.replies, self.worker.io.flight
+        declared = sum(len(t.partitions) for t in self.worker.tensors.values() if not t.local)
+        while replies.init_acks + len(flight.failed_keys) < declared:
+            time.sleep(0.01)
+            self.worker.check_alive()
+        if flight.failed_keys:
+            problem = next(iter(flight.failed_keys.values()))
+            raise NodeFailure(f"worker {self.worker.rank} cannot join the running job: {problem}")
+        self.worker.io.queue(Tell(Msg.JOIN_READY, {}))
+        while self.commit is None:
+            self.worker.check_alive()
+            time.sleep(0.01)
+        commit = self.commit
+        self.receive_parameters(commit)
+        self.worker.io.queue(Tell(Msg.EPOCH_AT, {"epoch": commit["epoch"]}))
+        while not self.went.wait(POLL):
+            self.worker.check_alive()
+        return commit["from_group"]
+
+    def receive_parameters(self, commit):
+        channel, donor, peers = f"bps_gc.join.{commit['epoch']}", commit["donor"], self.worker.peers
+        header = json.loads(bytes(peers.recv(donor, channel, self.worker.cfg.join_timeout)).decode())
+        arrays = header.get("arrays", [])
+        if [name for name, _, _ in arrays] != list(self.params):
+            raise NodeFailure(f"worker {self.worker.rank} cannot join the running job: the job's parameters "
+                             f"are {[a[0] for a in arrays]}, this worker's {list(self.params)}")
+        for name, dtype, shape in arrays:
+            data = peers.recv(donor, channel, self.worker.cfg.join_timeout)
+            mine = self.params[name]
+            if str(mine.dtype) != dtype or list(mine.shape) != shape or data.nbytes != mine.nbytes:
+                raise ValueError(f"parameter {name!r}: the job's is {dtype}{shape}, this worker's "
+                                 f"{mine.dtype}{list(mine.shape)}")
+            np.copyto(mine, data.view(mine.dtype).reshape(mine.shape))
+        for name, rounds in header.get("rounds", {}).items():
+            tensor = self.worker.tensors.get(name)
+            if tensor is not None and len(tensor.partitions) == len(rounds):
+                for part, r in zip(tensor.partitions, rounds):
+                    part.round = int(r)
+
+    # ---------------------------------------------------------------- I/O thread
+
+    def on_epoch(self, mtype, info):
+        joined = [int(r) for r in info["joined"]]
+        me = self.worker.rank in joined
+        with self.cond:
+            if mtype == Msg.EPOCH_PREPARE and not me:
+                self.pledge, self.commit, self.at_sent = self.rounds.group + (1 if self.rounds.posted else 0), None, False
+                self.went.clear()
+                self.rounds.membership.send(Msg.EPOCH_REPORT, obj={"epoch": int(info["epoch"]), "at": self.pledge})
+            elif mtype == Msg.EPOCH_COMMIT:
+                peers = self.worker.peers
+                with peers.lock:  # the joiner's links, at its new address
+                    peers.addresses[joined[0]] = info["address"]
+                    old = peers.links.pop(joined[0], None)
+                    if old is not None:
+                        old.close(linger=0)
+                self.commit = dict(info, from_group=int(info["from_group"]), epoch=int(info["epoch"]))
+            elif mtype == Msg.EPOCH_GO:
+                self.went_on(info, me)
+            self.cond.notify_all()
+
+    def went_on(self, info, me):
+        if not info.get("cancelled"):
+            first, members = int(info["from_group"]), [int(r) for r in info["members"]]
+            rounds = self.rounds
+            if me:  # its groups are numbered from the join's first on
+                rounds.group, rounds.posted, rounds.released = first, 0, first - 1
+                rounds.epochs = []
+            rounds.epochs.append((int(info["epoch"]), first, len(members)))
+            log.warning("membership: worker %s joined; epoch %s from round group %d; members %s",
+                        ", ".join(map(str, info["joined"])), info["epoch"], first, members)
+            rounds.release()
+        else:
+            log.warning("membership: worker %s did not join; the job goes on as it was", info["joined"])
+        self.pledge, self.commit = None, None
+        self.went.set()

@@ -1,0 +1,134 @@
+"""BPS_GC_ELASTIC: a worker host joins the running job (docs/faults.md, "Elastic membership").
+
+One job (3 worker hosts, 2 servers, one bpslaunch per role) trains parameters p -= lr * mean
+of a dense tensor split over both servers and a onebit tensor with error feedback. Worker 2 is
+killed half-way through a round; the survivors go on. A host started with worker 2's
+variables but another compressor is refused in one line naming both, and the job goes on;
+then one with the job's settings joins: it gets the parameters from a live worker, its codec
+state starts at zero, and after its first step its parameters are bit-identical to the
+others'. Every result equals a numpy recomputation of the membership sequence every node
+logged, and bps.size() and bps.membership_epoch() change at step boundaries only."""
+import copy
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import numpy as np
+
+from multihost import Job
+from reference import gradient, partitions, step_ctx
+
+from bps_gc.compress import CompressionParams, build_chain
+
+START_BOUND, BOUND = 60.0, 60.0
+VICTIM, PAUSE_AT = 2, 2
+SPEC = {
+    "max_steps": 400, "pause_at": PAUSE_AT, "victim": VICTIM, "lr": 0.5, "sleep": 0.05,
+    "join_epoch": 2, "after_join": 3, "partition_bytes": 4096,
+    "tensors": [{"name": "dense", "shape": [1500], "dtype": "float32"},
+                {"name": "signs", "shape": [1200], "dtype": "float32",
+                 "params": {"compressor": "onebit", "ef": "vanilla"}}],
+}
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_join_job.py")
+ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0"}
+LINE = re.compile(r"membership: worker (\d+) (left|joined); epoch (\d+) from round group (\d+); members \[([\d, ]*)\]")
+
+
+def membership(text):
+    return [(int(e), int(g), [int(r) for r in m.split(",") if r.strip()]) for _, _, e, g, m in LINE.findall(text)]
+
+
+def expected(spec, sequence, last):
+    """{'name/step': mean}: each step's members from ``sequence`` [(first step, members)]; a rank
+    that (re)joins at a step starts a fresh codec chain there (its codec state is zero)."""
+    out = {}
+    for index, t in enumerate(spec["tensors"]):
+        params = CompressionParams.from_dict(t.get("params", {}))
+        n = int(np.prod(t["shape"]))
+        parts = partitions(n, np.float32, spec["partition_bytes"])
+        chain = lambda p, a, b, role: build_chain(params, b - a, np.float32, key=index << 16 | p, role=role)  # noqa: E731
+        servers = {p: chain(p, a, b, "server") for p, a, b in parts} if params.compressed else {}
+        workers, previous = {}, []
+        for step in range(last + 1):
+            members = [m for first, m in sequence if first <= step][-1]
+            if params.compressed:
+                for r in set(members) - set(previous):
+                    workers[r] = {p: chain(p, a, b, "worker") for p, a, b in parts}
+            previous = members
+            ctx = step_ctx(dict(spec, lrs=[0.1] * spec["max_steps"]), step)
+            x = {r: gradient(r, step, t).reshape(-1) for r in members}
+            result = np.empty(n, np.float32)
+            for p, a, b in parts:
+                if params.compressed:
+                    acc = np.zeros(b - a, np.float32)
+                    for r in members:
+                        acc += workers[r][p].decompress(workers[r][p].compress(x[r][a:b], ctx))
+                    acc = servers[p].decompress(servers[p].compress(acc, ctx))
+                else:
+                    acc = x[members[0]][a:b].copy()
+                    for r in members[1:]:
+                        acc += x[r][a:b]
+                result[a:b] = acc / np.float32(len(members))
+            out[f"{t['name']}/{step}"] = result
+    return out
+
+
+def start_joiner(job, name, spec, tmp_path):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    job.launch(name, [sys.executable, JOB, str(path), str(tmp_path)],
+               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM)))
+
+
+def test_a_host_joins_after_one_died_and_one_with_other_settings_is_refused(tmp_path):
+    (tmp_path / "spec.json").write_text(json.dumps(SPEC))
+    job = Job(3, None, servers=2, env=ENV, command=[sys.executable, JOB, str(tmp_path / "spec.json"), str(tmp_path)])
+    job.wait_output([f"worker{VICTIM}"], "HALF", START_BOUND)
+    time.sleep(1.0)
+    os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)
+    job.wait_output(["worker0", "worker1"], f"worker {VICTIM} left; epoch 1", BOUND)
+    # another compressor: refused, naming both; the job goes on
+    other = copy.deepcopy(SPEC)
+    other["tensors"][1]["params"] = {"compressor": "topk", "k": 0.1}
+    start_joiner(job, "refused", other, tmp_path)
+    deadline = time.monotonic() + BOUND
+    while job.launchers["refused"].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    refused = job.text("refused")
+    assert job.launchers["refused"].returncode not in (None, 0), job.report()
+    assert "cannot join the running job" in refused and "topk" in refused and "onebit" in refused, refused
+    assert "Traceback" not in refused, refused
+    start_joiner(job, "joiner", SPEC, tmp_path)
+    statuses, _ = job.wait_all(BOUND)
+    report = job.report(statuses)
+    for name in ("scheduler", "server0", "server1", "worker0", "worker1", "joiner"):
+        assert statuses[name] == 0, report
+    logged = {name: membership(job.text(name)) for name in ("scheduler", "server0", "server1", "worker0", "worker1")}
+    sequence = logged["worker0"]
+    assert all(seq == sequence for seq in logged.values()), logged
+    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2])], sequence
+    assert membership(job.text("joiner")) == sequence[1:], job.text("joiner")
+    (_, left_at, _), (_, joined_at, _) = sequence
+    pulled = {r: np.load(tmp_path / f"rank{r}.0.npz") for r in (0, 1)}
+    pulled[2] = np.load(tmp_path / f"rank2.{joined_at}.npz")
+    last = joined_at + SPEC["after_join"] - 1
+    assert int(pulled[2]["start"]) == joined_at
+    want = expected(SPEC, [(0, [0, 1, 2]), (left_at, [0, 1]), (joined_at, [0, 1, 2])], last)
+    for r in (0, 1):
+        steps = last + 1
+        assert list(pulled[r]["sizes"]) == [3] * left_at + [2] * (joined_at - left_at) + [3] * (steps - joined_at)
+        assert list(pulled[r]["epochs"]) == [0] * left_at + [1] * (joined_at - left_at) + [2] * (steps - joined_at)
+    assert list(pulled[2]["sizes"]) == [3] * SPEC["after_join"] and list(pulled[2]["epochs"]) == [2] * SPEC["after_join"]
+    for t in SPEC["tensors"]:
+        name = t["name"]
+        p = np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32)
+        for step in range(last + 1):
+            p = p - np.float32(SPEC["lr"]) * want[f"{name}/{step}"]
+            for r in (0, 1, 2):
+                if r == 2 and step < joined_at:
+                    continue
+                np.testing.assert_array_equal(pulled[r][f"{name}/{step}"], want[f"{name}/{step}"], err_msg=f"{r} {name} {step}")
+                assert pulled[r][f"param.{name}/{step}"].tobytes() == p.tobytes(), (r, name, step)

@@ -93,3 +93,45 @@ def expected_results(spec, workers):
             inputs = [gradient(r, step, t) for r in range(workers)]
             out[f"{t['name']}/{step}"] = model.step(inputs, step_ctx(spec, step))
     return out
+
+
+def elastic_means(spec, sequence, last):
+    """BPS_GC_ELASTIC: yields (step, {name: mean}) for steps 0..``last``, each step's members
+    from ``sequence`` [(first step, members)]; a rank that (re)joins at a step starts a fresh
+    codec chain there (its codec state is zero); the servers' chains live on."""
+    lrs = {"lrs": [0.1] * (last + 1)}
+    tensors = []
+    for index, t in enumerate(spec["tensors"]):
+        params = CompressionParams.from_dict(t.get("params", {}))
+        n = int(np.prod(t["shape"]))
+        parts = partitions(n, np.float32, spec["partition_bytes"])
+
+        def chain(p, a, b, role, params=params, index=index):
+            return build_chain(params, b - a, np.float32, key=index << 16 | p, role=role)
+        servers = {p: chain(p, a, b, "server") for p, a, b in parts} if params.compressed else {}
+        tensors.append((t, params, n, parts, chain, servers, {}))
+    previous = []
+    for step in range(last + 1):
+        members = [m for first, m in sequence if first <= step][-1]
+        ctx = step_ctx(dict(spec, **lrs), step)
+        means = {}
+        for t, params, n, parts, chain, servers, workers in tensors:
+            if params.compressed:
+                for r in set(members) - set(previous):
+                    workers[r] = {p: chain(p, a, b, "worker") for p, a, b in parts}
+            x = {r: gradient(r, step, t).reshape(-1) for r in members}
+            result = np.empty(n, np.float32)
+            for p, a, b in parts:
+                if params.compressed:
+                    acc = np.zeros(b - a, np.float32)
+                    for r in members:
+                        acc += workers[r][p].decompress(workers[r][p].compress(x[r][a:b], ctx))
+                    acc = servers[p].decompress(servers[p].compress(acc, ctx))
+                else:
+                    acc = x[members[0]][a:b].copy()
+                    for r in members[1:]:
+                        acc += x[r][a:b]
+                result[a:b] = acc / np.float32(len(members))
+            means[t["name"]] = result
+        previous = members
+        yield step, means

@@ -19,9 +19,7 @@ import time
 import numpy as np
 
 from multihost import Job
-from reference import gradient, partitions, step_ctx
-
-from bps_gc.compress import CompressionParams, build_chain
+from reference import elastic_means
 
 START_BOUND, BOUND = 60.0, 60.0
 VICTIM, PAUSE_AT = 2, 2
@@ -42,38 +40,8 @@ def membership(text):
 
 
 def expected(spec, sequence, last):
-    """{'name/step': mean}: each step's members from ``sequence`` [(first step, members)]; a rank
-    that (re)joins at a step starts a fresh codec chain there (its codec state is zero)."""
-    out = {}
-    for index, t in enumerate(spec["tensors"]):
-        params = CompressionParams.from_dict(t.get("params", {}))
-        n = int(np.prod(t["shape"]))
-        parts = partitions(n, np.float32, spec["partition_bytes"])
-        chain = lambda p, a, b, role: build_chain(params, b - a, np.float32, key=index << 16 | p, role=role)  # noqa: E731
-        servers = {p: chain(p, a, b, "server") for p, a, b in parts} if params.compressed else {}
-        workers, previous = {}, []
-        for step in range(last + 1):
-            members = [m for first, m in sequence if first <= step][-1]
-            if params.compressed:
-                for r in set(members) - set(previous):
-                    workers[r] = {p: chain(p, a, b, "worker") for p, a, b in parts}
-            previous = members
-            ctx = step_ctx(dict(spec, lrs=[0.1] * spec["max_steps"]), step)
-            x = {r: gradient(r, step, t).reshape(-1) for r in members}
-            result = np.empty(n, np.float32)
-            for p, a, b in parts:
-                if params.compressed:
-                    acc = np.zeros(b - a, np.float32)
-                    for r in members:
-                        acc += workers[r][p].decompress(workers[r][p].compress(x[r][a:b], ctx))
-                    acc = servers[p].decompress(servers[p].compress(acc, ctx))
-                else:
-                    acc = x[members[0]][a:b].copy()
-                    for r in members[1:]:
-                        acc += x[r][a:b]
-                result[a:b] = acc / np.float32(len(members))
-            out[f"{t['name']}/{step}"] = result
-    return out
+    """{'name/step': mean}: tests/reference.py's elastic_means, every step kept."""
+    return {f"{name}/{step}": mean for step, means in elastic_means(spec, sequence, last) for name, mean in means.items()}
 
 
 def start_joiner(job, name, spec, tmp_path):

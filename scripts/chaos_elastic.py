@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""Issue 41's churn target: a bounded, seeded chaos loop on an elastic parameter-server job
+(BPS_GC_ELASTIC=1; docs/faults.md, "Elastic membership").
+
+One bpslaunch per role on loopback: a scheduler, servers and --workers worker hosts
+(scripts/chaos_worker.py) train p -= lr * mean of a dense tensor and a onebit tensor with
+error feedback. A schedule drawn from --seed then, one event at a time, either SIGKILLs a
+random live worker once the job is a random number of steps further, or starts a fresh
+process with a dead host's DMLC_WORKER_ID, which joins. Each event is complete once every
+live node logged it; every wait is bounded (a hang fails the run, naming what was awaited).
+At the end every host stops at the same step and the loop checks:
+
+  * every node logged the same membership events (a joiner from its own join on);
+  * the live hosts' parameters are bit-identical, step by step (a CRC of their bytes) and at
+    the end, and bps.size() / bps.membership_epoch() followed the logged sequence;
+  * they equal a numpy recomputation of that sequence (tests/reference.py, elastic_means).
+
+Events are serialised: the loop never kills during a join or a death's commit, nor starts a
+join before the last death committed (docs/faults.md says why).
+
+    python scripts/chaos_elastic.py --events 60 --seconds 600 --seed 1 --workers 4
+It prints each event as it completes, then a table and a summary line; --json writes both.
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from bps_gc.launcher.local import free_port  # noqa: E402
+from reference import elastic_means  # noqa: E402
+
+WORKER = os.path.join(ROOT, "scripts", "chaos_worker.py")
+SPEC = {"lr": 0.5, "sleep": 0.02, "partition_bytes": 4096,
+        "tensors": [{"name": "dense", "shape": [1500], "dtype": "float32"},
+                    {"name": "signs", "shape": [1200], "dtype": "float32",
+                     "params": {"compressor": "onebit", "ef": "vanilla"}}]}
+LINE = re.compile(r"membership: worker ([\d, ]+) (left|joined); epoch (\d+) from round group (\d+); "
+                  r"members \[([\d, ]*)\]")
+STEP = re.compile(r"^STEP (\d+) ", re.M)
+START_BOUND, EVENT_BOUND, STOP_MARGIN = 60.0, 45.0, 25
+
+
+class Hang(AssertionError):
+    """A bounded wait ran out."""
+
+
+def events_of(text):
+    """The membership events a node logged: (kind, ranks, epoch, from group, members)."""
+    return [(kind, tuple(int(r) for r in ranks.split(",")), int(e), int(g),
+             tuple(int(m) for m in members.split(",") if m.strip()))
+            for ranks, kind, e, g, members in LINE.findall(text)]
+
+
+class Cluster:
+    """The job's launchers, their output kept per node: scheduler, server<i>, worker<r>.<n>
+    (the n-th process of worker rank r)."""
+
+    def __init__(self, workers, servers, out, heartbeat_timeout):
+        self.out, self.port = out, free_port()
+        self.spec_path = os.path.join(out, "spec.json")
+        self.base = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", DMLC_NUM_WORKER=str(workers),
+                         DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI="127.0.0.1",
+                         DMLC_PS_ROOT_PORT=str(self.port), BPS_GC_ELASTIC="1",
+                         BYTEPS_PARTITION_BYTES=str(SPEC["partition_bytes"]), BYTEPS_MIN_COMPRESS_BYTES="0",
+                         BPS_GC_HEARTBEAT_INTERVAL=str(heartbeat_timeout / 10),
+                         BPS_GC_HEARTBEAT_TIMEOUT=str(heartbeat_timeout), BPS_GC_KILL_GRACE="2")
+        self.procs, self.output, self.incarnation = {}, {}, {}
+        self.lock = threading.Lock()
+        self.launch("scheduler", [], DMLC_ROLE="scheduler")
+        for s in range(servers):
+            self.launch(f"server{s}", [], DMLC_ROLE="server")
+        for r in range(workers):
+            self.start_worker(r)
+
+    def launch(self, name, command, **env):
+        proc = subprocess.Popen([sys.executable, "-m", "bps_gc.launcher.cli", *command], env=dict(self.base, **env),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs[name], self.output[name] = proc, []
+        threading.Thread(target=self.collect, args=(name, proc), daemon=True).start()
+
+    def start_worker(self, rank):
+        n = self.incarnation[rank] = self.incarnation.get(rank, -1) + 1
+        name = f"worker{rank}.{n}"
+        self.launch(name, [sys.executable, WORKER, self.spec_path, self.out], DMLC_ROLE="worker", DMLC_WORKER_ID=str(rank))
+        return name
+
+    def collect(self, name, proc):
+        with open(os.path.join(self.out, f"{name}.log"), "w") as log:
+            for line in proc.stdout:
+                self.output[name].append(line)
+                log.write(line)
+
+    def text(self, name):
+        return "".join(self.output[name])
+
+    def last_step(self, name):
+        steps = STEP.findall(self.text(name)[-400:])
+        return int(steps[-1]) if steps else -1
+
+    def child_of(self, name):
+        """PID of the process a launcher started (the worker itself)."""
+        launcher = self.procs[name].pid
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == launcher:
+                            return int(entry)
+                except (OSError, IndexError, ValueError):
+                    continue
+        raise Hang(f"{name}'s launcher has no child")
+
+    def wait_for(self, what, done, bound, watch=()):
+        """Until ``done()``, at most ``bound`` seconds; a node of ``watch`` exiting fails it."""
+        deadline = time.monotonic() + bound
+        while not done():
+            gone = [n for n in watch if self.procs[n].poll() is not None]
+            if gone:
+                raise AssertionError(f"{gone} exited while waiting for {what}\n{self.report(gone)}")
+            if time.monotonic() > deadline:
+                raise Hang(f"no {what} within {bound:.0f} s")
+            time.sleep(0.05)
+
+    def report(self, names=None):
+        return "\n".join(f"--- {n} (exit {self.procs[n].poll()})\n{self.text(n)[-1500:]}"
+                         for n in (names or self.procs))
+
+    def kill_all(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class Chaos:
+    def __init__(self, args, out):
+        self.args, self.out = args, out
+        self.rng = np.random.default_rng(args.seed)
+        self.live = {r: f"worker{r}.0" for r in range(args.workers)}  # rank -> its running process
+        self.dead, self.rows, self.started = [], [], time.monotonic()
+
+    def nodes(self):
+        """Every live node's name: each logs each event."""
+        return ["scheduler", *[f"server{s}" for s in range(self.args.servers)], *self.live.values()]
+
+    def logged(self, count):
+        """Every live node logged ``count`` events since it started (a joiner: from its join on)."""
+        first = self.first_event
+        return all(len(events_of(self.cluster.text(n))) >= count - first.get(n, 0) for n in self.nodes())
+
+    def run(self):
+        with open(os.path.join(self.out, "spec.json"), "w") as f:
+            json.dump(dict(SPEC, stop_file=os.path.join(self.out, "stop")), f)
+        self.cluster = c = Cluster(self.args.workers, self.args.servers, self.out, self.args.heartbeat_timeout)
+        self.first_event = {}  # node -> the index of the first event it logs
+        try:
+            c.wait_for("first step from every worker", lambda: all(c.last_step(n) >= 0 for n in self.live.values()),
+                       START_BOUND, self.nodes())
+            while len(self.rows) < self.args.events and time.monotonic() - self.started < self.args.seconds:
+                self.event()
+            return self.finish()
+        finally:
+            c.kill_all()
+
+    def event(self):
+        c, rng = self.cluster, self.rng
+        kill = not self.dead or (len(self.live) > 1 and rng.random() < 0.5)
+        step = max(c.last_step(n) for n in self.live.values()) + int(rng.integers(1, self.args.max_gap + 1))
+        c.wait_for(f"step {step}", lambda: max(c.last_step(n) for n in self.live.values()) >= step, EVENT_BOUND,
+                   self.nodes())
+        count, t0 = len(self.rows) + 1, time.monotonic()
+        if kill:
+            rank = int(rng.choice(sorted(self.live)))
+            name = self.live.pop(rank)
+            at = c.last_step(name)
+            os.kill(c.child_of(name), signal.SIGKILL)
+            self.dead.append(rank)
+        else:
+            rank = self.dead.pop(int(rng.integers(len(self.dead))))
+            at = max(c.last_step(n) for n in self.live.values())
+            name = self.live[rank] = c.start_worker(rank)
+            self.first_event[name] = count - 1
+        try:
+            c.wait_for(f"event {count} ({'death' if kill else 'join'} of worker {rank}) on every node",
+                       lambda: self.logged(count), EVENT_BOUND, self.nodes())
+        except Hang as e:
+            raise Hang(f"{e}\n{c.report(self.nodes() + [name])}") from None
+        if kill:
+            c.wait_for(f"{name}'s launcher to exit", lambda: c.procs[name].poll() is not None, EVENT_BOUND)
+        kind, ranks, epoch, group, members = events_of(c.text("scheduler"))[count - 1]
+        row = {"n": count, "event": "death" if kill else "join", "rank": rank, "at_step": at, "epoch": epoch,
+               "from_step": group, "members": list(members), "seconds": round(time.monotonic() - t0, 2)}
+        assert kind == ("left" if kill else "joined") and ranks == (rank,), (row, kind, ranks)
+        self.rows.append(row)
+        print(f"[{time.monotonic() - self.started:6.1f} s] #{count} {row['event']} of worker {rank} at step {at}: "
+              f"epoch {epoch} from step {group}, members {list(members)} ({row['seconds']} s)", flush=True)
+
+    def finish(self):
+        c = self.cluster
+        last = max(c.last_step(n) for n in self.live.values()) + STOP_MARGIN
+        with open(os.path.join(self.out, "stop.tmp"), "w") as f:
+            f.write(str(last))
+        os.replace(os.path.join(self.out, "stop.tmp"), os.path.join(self.out, "stop"))
+        live = [n for n in ["scheduler", *[f"server{s}" for s in range(self.args.servers)], *self.live.values()]]
+        c.wait_for("every live node to exit", lambda: all(c.procs[n].poll() is not None for n in live), EVENT_BOUND)
+        failed = {n: c.procs[n].returncode for n in live if c.procs[n].returncode != 0}
+        if failed:
+            raise AssertionError(f"nodes exited with {failed}\n{c.report(list(failed))}")
+        return self.check(last)
+
+    def check(self, last):
+        c = self.cluster
+        sequence = events_of(c.text("scheduler"))
+        assert len(sequence) == len(self.rows), (sequence, self.rows)
+        for name in c.procs:  # each node's events: the scheduler's, from its first on (a dead one's stop early)
+            mine, first = events_of(c.text(name)), self.first_event.get(name, 0)
+            whole = name in self.nodes()
+            if name.startswith("worker") or name.startswith("server"):
+                assert mine == sequence[first:first + len(mine)] and (not whole or first + len(mine) == len(sequence)), \
+                    f"{name} logged {mine}, the scheduler {sequence[first:]}"
+        members = [(0, list(range(self.args.workers)))] + [(g, list(m)) for _, _, _, g, m in sequence]
+        epochs = [(0, 0)] + [(g, e) for _, _, e, g, _ in sequence]
+        hosts = {r: np.load(os.path.join(self.out, f"rank{r}.{self.start_of(n)}.npz")) for r, n in self.live.items()}
+        p = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in SPEC["tensors"]}
+        for step, means in elastic_means(SPEC, members, last):
+            for name, mean in means.items():
+                p[name] = p[name] - np.float32(SPEC["lr"]) * mean
+            crc = zlib.crc32(b"".join(a.tobytes() for a in p.values()))
+            size = len([m for g, m in members if g <= step][-1])
+            epoch = [e for g, e in epochs if g <= step][-1]
+            for r, h in hosts.items():
+                i = step - int(h["start"])
+                if i >= 0:
+                    assert (h["crcs"][i], h["sizes"][i], h["epochs"][i]) == (crc, size, epoch), \
+                        f"worker {r} at step {step}: crc/size/epoch {h['crcs'][i]}/{h['sizes'][i]}/{h['epochs'][i]}, " \
+                        f"numpy {crc}/{size}/{epoch}"
+        for r, h in hosts.items():
+            assert len(h["crcs"]) == last + 1 - int(h["start"]), (r, len(h["crcs"]), last)
+            for name, want in p.items():
+                assert h[f"param.{name}"].tobytes() == want.tobytes(), f"worker {r}'s {name} differs from numpy's"
+        return last
+
+    def start_of(self, name):
+        match = re.search(r"^START (\d+)", self.cluster.text(name), re.M)
+        return int(match.group(1))
+
+
+def table(rows):
+    lines = [f"{'#':>3} {'event':<6} {'rank':>4} {'at step':>8} {'epoch':>6} {'from step':>9} {'seconds':>8}  members"]
+    lines += [f"{r['n']:>3} {r['event']:<6} {r['rank']:>4} {r['at_step']:>8} {r['epoch']:>6} {r['from_step']:>9} "
+              f"{r['seconds']:>8}  {r['members']}" for r in rows]
+    return "\n".join(lines)
+
+
+def run(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=60, help="deaths and joins in all (at most)")
+    parser.add_argument("--seconds", type=float, default=600, help="no new event after this many seconds")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--max-gap", type=int, default=8, help="steps between events: 1 to this many")
+    parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    parser.add_argument("--out", help="folder for the nodes' logs and arrays (a new temporary one)")
+    parser.add_argument("--json", default="chaos_elastic.json")
+    args = parser.parse_args(argv)
+    if args.workers < 2:
+        parser.error("--workers must be at least 2: one host always stays")
+    out = args.out or tempfile.mkdtemp(prefix="chaos_elastic.")
+    os.makedirs(out, exist_ok=True)
+    print(f"chaos: {args.workers} worker hosts, {args.servers} servers, seed {args.seed}, up to {args.events} "
+          f"events in {args.seconds:g} s; logs in {out}", flush=True)
+    chaos = Chaos(args, out)
+    summary = {"ok": False, "error": None}
+    try:
+        last = chaos.run()
+        summary.update(ok=True, steps=last + 1)
+    except AssertionError as e:
+        summary["error"] = str(e)
+    rows = chaos.rows
+    seconds = time.monotonic() - chaos.started
+    summary.update(events=len(rows), deaths=sum(r["event"] == "death" for r in rows),
+                   joins=sum(r["event"] == "join" for r in rows), seconds=round(seconds, 1),
+                   workers=args.workers, servers=args.servers, seed=args.seed, out=out)
+    print(table(rows))
+    if summary["error"]:
+        print(summary["error"][-6000:], file=sys.stderr)
+    print(f"summary: {'OK' if summary['ok'] else 'FAILED'}: {summary['events']} events ({summary['deaths']} deaths, "
+          f"{summary['joins']} joins) in {summary['seconds']} s, {summary.get('steps', '?')} steps, "
+          f"{args.workers} worker hosts, seed {args.seed}; every node logged every event, live hosts "
+          f"bit-identical and equal to numpy" if summary["ok"] else f"summary: FAILED after {len(rows)} events")
+    with open(args.json, "w") as f:
+        json.dump({"summary": summary, "events": rows}, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if run()["ok"] else 1)

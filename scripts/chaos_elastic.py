@@ -292,7 +292,8 @@ def run(argv=None):
     seconds = time.monotonic() - chaos.started
     summary.update(events=len(rows), deaths=sum(r["event"] == "death" for r in rows),
                    joins=sum(r["event"] == "join" for r in rows), seconds=round(seconds, 1),
-                   workers=args.workers, servers=args.servers, seed=args.seed, out=out)
+                   workers=args.workers, servers=args.servers, seed=args.seed, out=out,
+                   port=getattr(getattr(chaos, "cluster", None), "port", None))
     print(table(rows))
     if summary["error"]:
         print(summary["error"][-6000:], file=sys.stderr)

@@ -75,7 +75,7 @@ class Cluster:
                          BYTEPS_PARTITION_BYTES=str(SPEC["partition_bytes"]), BYTEPS_MIN_COMPRESS_BYTES="0",
                          BPS_GC_HEARTBEAT_INTERVAL=str(heartbeat_timeout / 10),
                          BPS_GC_HEARTBEAT_TIMEOUT=str(heartbeat_timeout), BPS_GC_KILL_GRACE="2")
-        self.procs, self.output, self.incarnation = {}, {}, {}
+        self.procs, self.output, self.events, self.incarnation = {}, {}, {}, {}
         self.lock = threading.Lock()
         self.launch("scheduler", [], DMLC_ROLE="scheduler")
         for s in range(servers):
@@ -86,7 +86,7 @@ class Cluster:
     def launch(self, name, command, **env):
         proc = subprocess.Popen([sys.executable, "-m", "bps_gc.launcher.cli", *command], env=dict(self.base, **env),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.procs[name], self.output[name] = proc, []
+        self.procs[name], self.output[name], self.events[name] = proc, [], []
         threading.Thread(target=self.collect, args=(name, proc), daemon=True).start()
 
     def start_worker(self, rank):
@@ -99,13 +99,15 @@ class Cluster:
         with open(os.path.join(self.out, f"{name}.log"), "w") as log:
             for line in proc.stdout:
                 self.output[name].append(line)
+                if "membership:" in line:
+                    self.events[name] += events_of(line)
                 log.write(line)
 
     def text(self, name):
         return "".join(self.output[name])
 
     def last_step(self, name):
-        steps = STEP.findall(self.text(name)[-400:])
+        steps = STEP.findall("".join(self.output[name][-8:]))
         return int(steps[-1]) if steps else -1
 
     def child_of(self, name):
@@ -157,7 +159,7 @@ class Chaos:
     def logged(self, count):
         """Every live node logged ``count`` events since it started (a joiner: from its join on)."""
         first = self.first_event
-        return all(len(events_of(self.cluster.text(n))) >= count - first.get(n, 0) for n in self.nodes())
+        return all(len(self.cluster.events[n]) >= count - first.get(n, 0) for n in self.nodes())
 
     def run(self):
         with open(os.path.join(self.out, "spec.json"), "w") as f:

@@ -66,6 +66,9 @@ class Joins:
 
     def left(self, member, reason):
         """The joiner went away before it was admitted: the job goes on as it was."""
+        if member is not self.joiner:  # one whose join was cancelled, saying goodbye
+            member.gone = True
+            return
         log.warning("worker %d left before it was admitted (%s); the job goes on", member.rank, reason)
         member.gone = True
         if self.step is not None:  # members waiting at a pledge or the boundary go on
@@ -73,9 +76,25 @@ class Joins:
             self.epochs.preparing = None
         self.joiner, self.step = None, None
 
+    def cancel(self, problem):
+        """Another membership change (a death) comes before the join reached GO: the members
+        go on as they were, the joiner is refused (it may start again), and the change goes on
+        alone. At GO the servers count the joiner already: deaths wait for the join's end then."""
+        j = self.joiner
+        log.warning("worker %d's join is cancelled: %s; the job goes on", j.rank, problem)
+        if self.step is not None:
+            self.broadcast(Msg.EPOCH_GO, self.go_info(cancelled=True), servers=False)
+            self.epochs.preparing = None
+        self.scheduler.refuse(j.identity, f"worker {j.rank} cannot join the running job now: {problem}; "
+                                          "start it again")
+        j.gone = True
+        self.joiner, self.step = None, None
+
     def ready(self, member):
         if member is not self.joiner or self.step is not None:
             return
+        if self.epochs.preparing is not None:  # a death's epoch is being prepared
+            return self.cancel("another membership change is under way")
         self.epochs.preparing = self.epochs.epoch + 1
         self.step, self.pledges, self.at, self.servers_go = "prepare", {}, set(), set()
         self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.epochs.preparing, "joined": [member.rank], "left": [],

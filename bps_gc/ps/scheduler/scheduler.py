@@ -120,6 +120,10 @@ class Scheduler:
             if dead.joining:
                 return self.joins.left(dead, reason)
             if self.epochs is not None and dead.role == "worker":
+                if self.joins.step == "go":  # the servers count the joiner: the join ends first
+                    return None
+                if self.joins.joiner is not None:
+                    self.joins.cancel(f"worker {dead.rank} left while it joined")
                 return self.epochs.worker_died(dead, reason)
             return self.fail(dead, reason)
         return None

@@ -181,6 +181,8 @@ class Chaos:
         step = max(c.last_step(n) for n in self.live.values()) + int(rng.integers(1, self.args.max_gap + 1))
         c.wait_for(f"step {step}", lambda: max(c.last_step(n) for n in self.live.values()) >= step, EVENT_BOUND,
                    self.nodes())
+        if not kill and len(self.live) > 1 and rng.random() < self.args.overlap:
+            return self.join_meets_death()
         count, t0 = len(self.rows) + 1, time.monotonic()
         if kill:
             rank = int(rng.choice(sorted(self.live)))
@@ -200,13 +202,49 @@ class Chaos:
             raise Hang(f"{e}\n{c.report(self.nodes() + [name])}") from None
         if kill:
             c.wait_for(f"{name}'s launcher to exit", lambda: c.procs[name].poll() is not None, EVENT_BOUND)
-        kind, ranks, epoch, group, members = events_of(c.text("scheduler"))[count - 1]
-        row = {"n": count, "event": "death" if kill else "join", "rank": rank, "at_step": at, "epoch": epoch,
-               "from_step": group, "members": list(members), "seconds": round(time.monotonic() - t0, 2)}
-        assert kind == ("left" if kill else "joined") and ranks == (rank,), (row, kind, ranks)
+        self.record(count, "death" if kill else "join", rank, at, t0)
+
+    def record(self, count, event, rank, at, t0, note=""):
+        kind, ranks, epoch, group, members = self.cluster.events["scheduler"][count - 1]
+        row = {"n": count, "event": event, "rank": rank, "at_step": at, "epoch": epoch, "from_step": group,
+               "members": list(members), "seconds": round(time.monotonic() - t0, 2), "note": note}
+        assert kind == ("left" if event == "death" else "joined") and ranks == (rank,), (row, kind, ranks)
         self.rows.append(row)
-        print(f"[{time.monotonic() - self.started:6.1f} s] #{count} {row['event']} of worker {rank} at step {at}: "
-              f"epoch {epoch} from step {group}, members {list(members)} ({row['seconds']} s)", flush=True)
+        print(f"[{time.monotonic() - self.started:6.1f} s] #{count} {event} of worker {rank} at step {at}: "
+              f"epoch {epoch} from step {group}, members {list(members)} ({row['seconds']} s) {note}", flush=True)
+
+    def join_meets_death(self):
+        """A member killed just before a host joins: the join waits for the dead member's pledge
+        until its heartbeats time out, so the death comes while the join is under way (the join
+        is cancelled and the joiner refused; if it registered late: refused, or joins after)."""
+        c, rng = self.cluster, self.rng
+        victim = int(rng.choice(sorted(self.live)))
+        rank = self.dead.pop(int(rng.integers(len(self.dead))))
+        vname, t0 = self.live.pop(victim), time.monotonic()
+        at = c.last_step(vname)
+        os.kill(c.child_of(vname), signal.SIGKILL)
+        name = c.start_worker(rank)
+        self.dead.append(victim)
+        logged = lambda: any(e[0] == "left" and e[1] == (victim,) for e in c.events["scheduler"][len(self.rows):])  # noqa: E731
+        c.wait_for(f"the death of worker {victim} during worker {rank}'s join", lambda: logged() and (
+            c.procs[name].poll() is not None or any(e[0] == "joined" for e in c.events[name])), EVENT_BOUND)
+        c.wait_for(f"{vname}'s launcher to exit", lambda: c.procs[vname].poll() is not None, EVENT_BOUND)
+        joined = c.procs[name].poll() is None
+        if joined:
+            self.live[rank] = name
+            self.first_event[name] = next(i for i, e in enumerate(c.events["scheduler"]) if e[0] == "joined"
+                                          and e[1] == (rank,) and i >= len(self.rows))
+        else:
+            self.dead.append(rank)
+            text = c.text(name)
+            assert "cannot join the running job" in text and "Traceback" not in text, text
+        for kind, ranks, *_ in c.events["scheduler"][len(self.rows):len(self.rows) + 1 + joined]:
+            count, who = len(self.rows) + 1, ranks[0]
+            c.wait_for(f"event {count} on every node", lambda: self.logged(count), EVENT_BOUND, self.nodes())
+            self.record(count, "death" if kind == "left" else "join", who, at, t0, note="overlap")
+        if not joined:
+            self.rows[-1]["note"] = f"worker {rank}'s join cancelled"
+            print(f"    worker {rank}'s join was cancelled: {text.strip().splitlines()[-1][-120:]}", flush=True)
 
     def finish(self):
         c = self.cluster
@@ -261,7 +299,7 @@ class Chaos:
 def table(rows):
     lines = [f"{'#':>3} {'event':<6} {'rank':>4} {'at step':>8} {'epoch':>6} {'from step':>9} {'seconds':>8}  members"]
     lines += [f"{r['n']:>3} {r['event']:<6} {r['rank']:>4} {r['at_step']:>8} {r['epoch']:>6} {r['from_step']:>9} "
-              f"{r['seconds']:>8}  {r['members']}" for r in rows]
+              f"{r['seconds']:>8}  {r['members']} {r['note']}" for r in rows]
     return "\n".join(lines)
 
 
@@ -273,6 +311,8 @@ def run(argv=None):
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--max-gap", type=int, default=8, help="steps between events: 1 to this many")
+    parser.add_argument("--overlap", type=float, default=0.2,
+                        help="the share of joins during which a member dies (the join is cancelled)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--out", help="folder for the nodes' logs and arrays (a new temporary one)")
     parser.add_argument("--json", default="chaos_elastic.json")
@@ -293,14 +333,15 @@ def run(argv=None):
     rows = chaos.rows
     seconds = time.monotonic() - chaos.started
     summary.update(events=len(rows), deaths=sum(r["event"] == "death" for r in rows),
-                   joins=sum(r["event"] == "join" for r in rows), seconds=round(seconds, 1),
+                   joins=sum(r["event"] == "join" for r in rows),
+                   cancelled=sum("cancelled" in r["note"] for r in rows), seconds=round(seconds, 1),
                    workers=args.workers, servers=args.servers, seed=args.seed, out=out,
                    port=getattr(getattr(chaos, "cluster", None), "port", None))
     print(table(rows))
     if summary["error"]:
         print(summary["error"][-6000:], file=sys.stderr)
     print(f"summary: {'OK' if summary['ok'] else 'FAILED'}: {summary['events']} events ({summary['deaths']} deaths, "
-          f"{summary['joins']} joins) in {summary['seconds']} s, {summary.get('steps', '?')} steps, "
+          f"{summary['joins']} joins, {summary['cancelled']} joins cancelled by a death) in {summary['seconds']} s, {summary.get('steps', '?')} steps, "
           f"{args.workers} worker hosts, seed {args.seed}; every node logged every event, live hosts "
           f"bit-identical and equal to numpy" if summary["ok"] else f"summary: FAILED after {len(rows)} events")
     with open(args.json, "w") as f:

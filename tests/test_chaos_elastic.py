@@ -1,5 +1,5 @@
 """scripts/chaos_elastic.py (issue 41's churn loop) at a reduced size: a seeded schedule of
-SIGKILLs and re-joins on a 3-host elastic job; the loop itself asserts that every node logged
+SIGKILLs and re-joins on a 3-host elastic job, one join meeting a member's death (cancelled); the loop itself asserts that every node logged
 every event, that the live hosts are bit-identical step by step and equal numpy's
 recomputation of the logged membership sequence, and that no wait ran out."""
 import json
@@ -15,10 +15,11 @@ import chaos_elastic  # noqa: E402
 
 def test_a_seeded_churn_of_deaths_and_joins(tmp_path):
     out = tmp_path / "chaos.json"
-    summary = chaos_elastic.run(["--events", "6", "--seconds", "40", "--seed", "3", "--workers", "3",
+    summary = chaos_elastic.run(["--events", "6", "--seconds", "40", "--seed", "4", "--workers", "3", "--overlap", "0.9",
                                  "--out", str(tmp_path / "nodes"), "--json", str(out)])
     assert summary["ok"], summary["error"]
     assert summary["events"] == 6 and summary["deaths"] >= 2 and summary["joins"] >= 2, summary
+    assert summary["cancelled"] >= 1, summary  # a death while a join was under way (seed 4)
     written = json.loads(out.read_text())
     assert written["summary"] == summary and len(written["events"]) == 6
     epochs = [e["epoch"] for e in written["events"]]

@@ -83,7 +83,8 @@ def check_set(every_set, tensor_set):
         assert {key for key in got if key.startswith(f"{tensor_set}:")} == set(expected)
         for key, value in expected.items():
             assert got[key].dtype == value.dtype, key
-            assert got[key].tobytes() == value.tobytes(), f"rank {rank} {key}: max diff {np.abs(got[key] - value).max()}"
+            assert got[key].tobytes() == value.tobytes(), \
+                f"rank {rank} {key}: max diff {np.abs(got[key] - value).max()}"
     return [m[tensor_set] for m in metrics]
 
 

@@ -26,8 +26,10 @@ def spec_all_codecs(dtype, codecs=CODECS, efs=(False, True)):
 
 
 def fp16_tensors():
-    return spec_all_codecs("float16", codecs={c: CODECS[c] for c in ("dense", "onebit", "topk", "randomk", "dithering")}) + [
-        {"name": "fp16-wire", "shape": [5000], "dtype": "float32", "params": {"compressor": "topk", "k": 50, "fp16": True}},
+    codecs = {c: CODECS[c] for c in ("dense", "onebit", "topk", "randomk", "dithering")}
+    return spec_all_codecs("float16", codecs=codecs) + [
+        {"name": "fp16-wire", "shape": [5000], "dtype": "float32",
+         "params": {"compressor": "topk", "k": 50, "fp16": True}},
         {"name": "fp16-dense", "shape": [77], "dtype": "float32", "params": {"fp16": True}},
         {"name": "nesterov", "shape": [4000], "dtype": "float32",
          "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}},
@@ -41,7 +43,8 @@ def reducer_tensors():
     tensors = [{"name": f"{case}-{label}", "shape": shape, "dtype": "float32", "params": dict(params),
                 "reducer": reducer}
                for case, (params, reducer) in CASES.items() for label, shape in SHAPES.items()]
-    return tensors + [{"name": "step-mask", "shape": [37, 3], "dtype": "float32", "params": {"compressor": "test_step_mask"}}]
+    return tensors + [{"name": "step-mask", "shape": [37, 3], "dtype": "float32",
+                       "params": {"compressor": "test_step_mask"}}]
 
 
 SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors}

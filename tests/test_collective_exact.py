@@ -51,9 +51,10 @@ SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, 
 
 
 def spec_of_every_set():
-    """Every set's tensors, named ``<set>:<name>``; the step context carries ``gain`` for the
-    plugin codec (test_step_mask), which the other codecs ignore."""
-    tensors = [dict(t, name=f"{name}:{t['name']}") for name, make in SETS.items() for t in make()]
+    """Every set's tensors, named ``<set>:<name>``, pushed set after set (each set's steps as
+    its own launch had them); the step context carries ``gain`` for the plugin codec
+    (test_step_mask), which the other codecs ignore."""
+    tensors = [dict(t, name=f"{name}:{t['name']}", set=name) for name, make in SETS.items() for t in make()]
     return {"steps": 3, "lrs": [0.1, 0.05, 0.05], "ctx": {"gain": 0.5}, "partition_bytes": 131_072,
             "min_compress_bytes": 0, "tensors": tensors}
 

@@ -1,5 +1,9 @@
 """A worker's side of the cluster tests: push_pull a described tensor set for some steps and save
-every result. Run as a worker process: ``python tests/cluster_job.py SPEC.json OUT_DIR``."""
+every result. Run as a worker process: ``python tests/cluster_job.py SPEC.json OUT_DIR``.
+
+Tensors with a ``set`` (several tests' tensor sets in one launch) run set after set, each its
+steps (every tensor declared first, in the spec's order, as the oracle numbers them); the
+metrics file then holds each set's counters by set name (``metrics()`` restarts them)."""
 import json
 import os
 import sys
@@ -19,19 +23,22 @@ rank = bps.rank()
 for t in spec["tensors"]:
     bps.declare(t["name"], shape=tuple(t["shape"]) if spec.get("declare_shapes", True) else None,
                 dtype=t["dtype"], reducer=t.get("reducer"), **t.get("params", {}))
-results = {}
-for step in range(spec["steps"]):
-    ctx = step_ctx(spec, step)
-    handles = []
-    inputs = [gradient(rank, step, t) for t in spec["tensors"]]  # all ready, as after a backward
-    for i, (t, x) in enumerate(zip(spec["tensors"], inputs)):
-        handles.append((t["name"], bps.push_pull(x, t["name"], average=t.get("average", True),
-                                                  priority=-i, ctx=ctx)))
-    for name, h in handles:
-        results[f"{name}/{step}"] = h.wait().copy()
-m = bps.metrics()
+results, metrics = {}, {}
+sets = list(dict.fromkeys(t.get("set") for t in spec["tensors"]))  # in the spec's order
+for tensor_set in sets:
+    tensors = [(i, t) for i, t in enumerate(spec["tensors"]) if t.get("set") == tensor_set]
+    for step in range(spec["steps"]):
+        ctx = step_ctx(spec, step)
+        handles = []
+        inputs = [gradient(rank, step, t) for _, t in tensors]  # all ready, as after a backward
+        for (i, t), x in zip(tensors, inputs):
+            handles.append((t["name"], bps.push_pull(x, t["name"], average=t.get("average", True),
+                                                      priority=-i, ctx=ctx)))
+        for name, h in handles:
+            results[f"{name}/{step}"] = h.wait().copy()
+    m = bps.metrics()
+    metrics[tensor_set] = {"pushed_raw": m.pushed_raw, "pushed_wire": m.pushed_wire, "pulled_wire": m.pulled_wire,
+                           "ratio": m.ratio, "messages": m.messages, "shared_bytes": m.shared_bytes}
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
-json.dump({"pushed_raw": m.pushed_raw, "pushed_wire": m.pushed_wire, "pulled_wire": m.pulled_wire,
-           "ratio": m.ratio, "messages": m.messages, "shared_bytes": m.shared_bytes},
-          open(os.path.join(out_dir, f"metrics{rank}.json"), "w"))
+json.dump(metrics if sets != [None] else metrics[None], open(os.path.join(out_dir, f"metrics{rank}.json"), "w"))
 bps.shutdown()

@@ -33,7 +33,8 @@ class CollectiveHostsJob(Job):
         # DMLC_PS_ROOT_PORT marks the job's processes for Job.leftovers(), under torchrun too
         base.update(PYTHONPATH=os.pathsep.join([ROOT, TESTS]), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                     DMLC_PS_ROOT_PORT=str(self.port), BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL),
-                    BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT), BPS_GC_KILL_GRACE="2", **(env or {}))
+                    BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT), BPS_GC_KILL_GRACE="2")
+        base.update(env or {})  # the caller's settings win (a longer heartbeat timeout, ...)
         self.started = time.monotonic()
         self.launchers, self.output = {}, {}
         for h in range(hosts):

@@ -1,5 +1,8 @@
 """Every pulled result equals the numpy re-computation (worker chain, then server decode-sum-EF-
-recode with its own state), bit for bit, on 2 workers x 2 servers over loopback."""
+recode with its own state), bit for bit, on 2 workers x 2 servers over loopback.
+
+The codec sets of the float32, float16 and fp16-wire tests (names prefixed by the set) run in
+one launch (a module fixture), set after set, each with its own traffic counters."""
 import json
 import os
 
@@ -45,27 +48,60 @@ def check(spec, tmp_path, workers=2, servers=2, env=None):
 CASES = [(codec, ef) for codec in CODECS for ef in (False, True) if codec != "dense" or not ef]
 
 
-@pytest.mark.parametrize("codec, ef", CASES, ids=[f"{c}-{'ef' if e else 'plain'}" for c, e in CASES])
-def test_every_codec_exact_float32(codec, ef, tmp_path):
-    metrics = check(spec_for(CODECS[codec], "float32", ef=ef), tmp_path)
-    if codec != "dense":
-        assert all(m["ratio"] > 1.5 for m in metrics)
-
-
-@pytest.mark.parametrize("codec", ["dense", "onebit", "topk", "dithering"])
-def test_float16_tensors_exact(codec, tmp_path):
-    check(spec_for(CODECS[codec], "float16", steps=2), tmp_path)
-
-
-def test_fp16_on_the_wire_and_momentum(tmp_path):
-    spec = spec_for({}, "float32", steps=3)
-    spec["tensors"] = [
+def fp16_wire_tensors():
+    return [
         {"name": "fp16", "shape": [5000], "dtype": "float32", "params": {"compressor": "topk", "k": 50, "fp16": True}},
         {"name": "fp16-dense", "shape": [77], "dtype": "float32", "params": {"fp16": True}},
         {"name": "nesterov", "shape": [4000], "dtype": "float32",
          "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}},
     ]
-    check(spec, tmp_path)
+
+
+FLOAT16_CODECS = ["dense", "onebit", "topk", "dithering"]
+SETS = {**{f"float32-{c}-{'ef' if e else 'plain'}": lambda c=c, e=e: spec_for(CODECS[c], "float32", ef=e)["tensors"]
+           for c, e in CASES},
+        **{f"float16-{c}": lambda c=c: spec_for(CODECS[c], "float16")["tensors"] for c in FLOAT16_CODECS},
+        "fp16-wire": fp16_wire_tensors}
+
+
+@pytest.fixture(scope="module")
+def every_set(tmp_path_factory):
+    """Every set's tensors (``<set>:<name>``), 3 steps, in one launch: (results, metrics, the
+    oracle's results)."""
+    spec = spec_for({}, "float32", steps=3)
+    spec["tensors"] = [dict(t, name=f"{name}:{t['name']}", set=name) for name, make in SETS.items() for t in make()]
+    results, metrics = run_job(spec, tmp_path_factory.mktemp("every_set"))
+    return results, metrics, expected_results(spec, 2)
+
+
+def check_set(every_set, tensor_set):
+    """The set's results on every worker, bit for bit against the oracle; its counters."""
+    results, metrics, oracle = every_set
+    expected = {key: value for key, value in oracle.items() if key.startswith(f"{tensor_set}:")}
+    assert expected
+    for rank, got in enumerate(results):
+        assert {key for key in got if key.startswith(f"{tensor_set}:")} == set(expected)
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype, key
+            assert got[key].tobytes() == value.tobytes(), \
+                f"rank {rank} {key}: max diff {np.abs(got[key] - value).max()}"
+    return [m[tensor_set] for m in metrics]
+
+
+@pytest.mark.parametrize("codec, ef", CASES, ids=[f"{c}-{'ef' if e else 'plain'}" for c, e in CASES])
+def test_every_codec_exact_float32(codec, ef, every_set):
+    metrics = check_set(every_set, f"float32-{codec}-{'ef' if ef else 'plain'}")
+    if codec != "dense":
+        assert all(m["ratio"] > 1.5 for m in metrics)
+
+
+@pytest.mark.parametrize("codec", FLOAT16_CODECS)
+def test_float16_tensors_exact(codec, every_set):
+    check_set(every_set, f"float16-{codec}")
+
+
+def test_fp16_on_the_wire_and_momentum(every_set):
+    check_set(every_set, "fp16-wire")
 
 
 def test_resnet50_gradient_set_with_onebit_ef(tmp_path):

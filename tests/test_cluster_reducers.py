@@ -1,5 +1,6 @@
 """Server reducers and the step context on a real 2-worker x 2-server cluster over loopback:
-every pull equals the numpy re-computation in tests/reference.py, bit for bit."""
+every pull equals the numpy re-computation in tests/reference.py, bit for bit. Every reducer
+case in both dtypes runs in one launch (a module fixture), each its own set of tensors."""
 import numpy as np
 import pytest
 
@@ -36,11 +37,31 @@ def check(spec, tmp_path, env=None):
     return results, metrics
 
 
+@pytest.fixture(scope="module")
+def every_case(tmp_path_factory):
+    """Every case in both dtypes, its tensors named ``<case>-<dtype>:<name>``, 3 steps, set
+    after set in one launch: (each worker's results, the oracle's)."""
+    spec = spec_for({}, None, "float32")
+    spec["tensors"] = [dict(t, name=f"{case}-{dtype}:{t['name']}", set=f"{case}-{dtype}")
+                       for case, (params, reducer) in CASES.items() for dtype in ("float32", "float16")
+                       for t in spec_for(params, reducer, dtype)["tensors"]]
+    results, _ = run_job(spec, tmp_path_factory.mktemp("every_case"), 2, 2)
+    return results, expected_results(spec, 2)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_reducer_exact(case, dtype, tmp_path):
-    params, reducer = CASES[case]
-    check(spec_for(params, reducer, dtype, steps=3 if dtype == "float32" else 2), tmp_path)
+def test_reducer_exact(case, dtype, every_case):
+    results, oracle = every_case
+    mine = f"{case}-{dtype}:"
+    expected = {key: value for key, value in oracle.items() if key.startswith(mine)}
+    assert expected
+    for rank, got in enumerate(results):
+        assert {key for key in got if key.startswith(mine)} == set(expected)
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype, key
+            assert got[key].tobytes() == value.tobytes(), \
+                f"rank {rank} {key}: max diff {np.abs(got[key] - value).max()}"
 
 
 def test_lossless_topk_keeps_both_workers_entries(tmp_path):

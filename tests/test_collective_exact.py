@@ -1,7 +1,10 @@
 """On torch.distributed (gloo, loopback) every codec gives what the parameter server gives:
 the numpy re-computation of tests/reference.py (worker chains, rank-ordered decode-and-sum, the
 server chain's recompression), bit for bit for compressed tensors. Dense sums are all_reduce:
-gloo's ring adds in its own order, so with more than two ranks they match to float rounding."""
+gloo's ring adds in its own order, so with more than two ranks they match to float rounding.
+
+The three tests' tensor sets (names prefixed by the set) run in one launch per rank count (a
+module fixture, several seconds of process start-up each), each test checking its own set."""
 import numpy as np
 import pytest
 
@@ -10,7 +13,7 @@ from reference import PushPullModel, expected_results
 from test_cluster_exact import CODECS, SHAPES
 
 
-def spec_all_codecs(dtype, steps=3, codecs=CODECS, efs=(False, True)):
+def spec_all_codecs(dtype, codecs=CODECS, efs=(False, True)):
     tensors = []
     for codec, params in codecs.items():
         for ef in efs if params else (False,):
@@ -19,17 +22,71 @@ def spec_all_codecs(dtype, steps=3, codecs=CODECS, efs=(False, True)):
                 tensors.append({"name": f"{codec}-{'ef' if ef else 'plain'}-{label}", "shape": shape,
                                 "dtype": dtype, "params": p})
     tensors.append({"name": "sum", "shape": [33], "dtype": dtype, "average": False, "params": {}})
-    return {"steps": steps, "lrs": [0.1, 0.05, 0.05, 0.02][:steps], "partition_bytes": 131_072,
+    return tensors
+
+
+def fp16_tensors():
+    codecs = {c: CODECS[c] for c in ("dense", "onebit", "topk", "randomk", "dithering")}
+    return spec_all_codecs("float16", codecs=codecs) + [
+        {"name": "fp16-wire", "shape": [5000], "dtype": "float32",
+         "params": {"compressor": "topk", "k": 50, "fp16": True}},
+        {"name": "fp16-dense", "shape": [77], "dtype": "float32", "params": {"fp16": True}},
+        {"name": "nesterov", "shape": [4000], "dtype": "float32",
+         "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}},
+    ]
+
+
+def reducer_tensors():
+    """recompress, lossless and majority (a sign all_reduce here) as the parameter server runs
+    them (test_cluster_reducers.py), plus a codec whose output depends on the step context."""
+    from test_cluster_reducers import CASES
+    tensors = [{"name": f"{case}-{label}", "shape": shape, "dtype": "float32", "params": dict(params),
+                "reducer": reducer}
+               for case, (params, reducer) in CASES.items() for label, shape in SHAPES.items()]
+    return tensors + [{"name": "step-mask", "shape": [37, 3], "dtype": "float32",
+                       "params": {"compressor": "test_step_mask"}}]
+
+
+SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors}
+
+
+def spec_of_every_set():
+    """Every set's tensors, named ``<set>:<name>``, pushed set after set (each set's steps as
+    its own launch had them); the step context carries ``gain`` for the plugin codec
+    (test_step_mask), which the other codecs ignore."""
+    tensors = [dict(t, name=f"{name}:{t['name']}", set=name) for name, make in SETS.items() for t in make()]
+    return {"steps": 3, "lrs": [0.1, 0.05, 0.05], "ctx": {"gain": 0.5}, "partition_bytes": 131_072,
             "min_compress_bytes": 0, "tensors": tensors}
 
 
-def check(spec, tmp_path, ranks, **kwargs):
-    results = run_collective_job(spec, tmp_path, ranks, **kwargs)
-    expected = expected_results(spec, ranks)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """ranks -> (spec, each rank's results, the numpy oracle's): one launch per rank count."""
+    import plugin_step_codec  # noqa: F401  (the model needs test_step_mask registered too)
+    runs = {}
+
+    def get(ranks):
+        if ranks not in runs:
+            spec = spec_of_every_set()
+            results = run_collective_job(spec, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks,
+                                         env={"BPS_GC_PLUGINS": "plugin_step_codec"}, timeout=300)
+            runs[ranks] = spec, results, expected_results(spec, ranks)
+        return runs[ranks]
+    return get
+
+
+def check(launched, ranks, tensor_set):
+    """The set's tensors on every rank against the oracle: bit for bit where compressed or on
+    2 ranks, else to the wire dtype's rounding."""
+    spec, results, all_expected = launched(ranks)
+    mine = lambda key: key.startswith(f"{tensor_set}:")  # noqa: E731
+    expected = {key: value for key, value in all_expected.items() if mine(key)}
+    assert expected
     models = {t["name"]: PushPullModel(t.get("params"), t["shape"], t["dtype"], 0, 1, spec["partition_bytes"],
                                        spec["min_compress_bytes"]) for t in spec["tensors"]}
-    for rank, got in enumerate(results):
-        assert set(got) == set(expected)
+    for rank, all_got in enumerate(results):
+        assert set(all_got) == set(all_expected)
+        got = {key: value for key, value in all_got.items() if mine(key)}
         for key, value in expected.items():
             assert got[key].dtype == value.dtype, key
             model = models[key.split("/")[0]]
@@ -44,35 +101,19 @@ def check(spec, tmp_path, ranks, **kwargs):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_every_codec_and_ef_float32(ranks, tmp_path):
-    check(spec_all_codecs("float32"), tmp_path, ranks)
+def test_every_codec_and_ef_float32(ranks, launched):
+    check(launched, ranks, "float32")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_float16_tensors_and_fp16_wire(ranks, tmp_path):
-    spec = spec_all_codecs("float16", steps=2, codecs={c: CODECS[c] for c in ("dense", "onebit", "topk", "randomk", "dithering")})
-    spec["tensors"] += [
-        {"name": "fp16-wire", "shape": [5000], "dtype": "float32", "params": {"compressor": "topk", "k": 50, "fp16": True}},
-        {"name": "fp16-dense", "shape": [77], "dtype": "float32", "params": {"fp16": True}},
-        {"name": "nesterov", "shape": [4000], "dtype": "float32",
-         "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}},
-    ]
-    check(spec, tmp_path, ranks)
+def test_float16_tensors_and_fp16_wire(ranks, launched):
+    check(launched, ranks, "float16")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_every_reducer_and_the_step_context(ranks, tmp_path):
+def test_every_reducer_and_the_step_context(ranks, launched):
     """recompress, lossless and majority (a sign all_reduce here) as the parameter server runs
     them (test_cluster_reducers.py), plus a codec whose output depends on the step context."""
-    import plugin_step_codec  # noqa: F401  (the model needs test_step_mask registered too)
-    from test_cluster_reducers import CASES
-    tensors = [{"name": f"{case}-{label}", "shape": shape, "dtype": "float32", "params": dict(params),
-                "reducer": reducer}
-               for case, (params, reducer) in CASES.items() for label, shape in SHAPES.items()]
-    tensors.append({"name": "step-mask", "shape": [37, 3], "dtype": "float32",
-                    "params": {"compressor": "test_step_mask"}})
-    spec = {"steps": 3, "lrs": [0.1, 0.1, 0.1], "ctx": {"gain": 0.5}, "partition_bytes": 131_072,
-            "min_compress_bytes": 0, "tensors": tensors}
-    results = check(spec, tmp_path, ranks, env={"BPS_GC_PLUGINS": "plugin_step_codec"})
-    votes = results[0]["majority-odd/2"]
+    results = check(launched, ranks, "reducers")
+    votes = results[0]["reducers:majority-odd/2"]
     assert set(np.unique(votes)) <= {-1.0, 1.0}  # a vote, not averaged

@@ -120,6 +120,11 @@ def membership_epoch():
     return getattr(worker(), "epoch", 0)
 
 
+def membership():
+    """BPS_GC_ELASTIC: the members' ranks of the last step, in order (else every rank)."""
+    return list(getattr(worker(), "members", range(size())))
+
+
 def elastic_start(params):
     """BPS_GC_ELASTIC: name the parameters (name -> numpy array, updated in place) a joining
     host copies; on a joiner, wait to be admitted, fill them and return its first step (else 0)."""

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from bps_gc.launcher.local import free_port  # noqa: E402
 from reference import elastic_means  # noqa: E402
+import chaos_mnist  # noqa: E402
 
 WORKER = os.path.join(ROOT, "scripts", "chaos_worker.py")
 SPEC = {"lr": 0.5, "sleep": 0.02, "partition_bytes": 4096,
@@ -66,8 +67,9 @@ class Cluster:
     """The job's launchers, their output kept per node: scheduler, server<i>, worker<r>.<n>
     (the n-th process of worker rank r)."""
 
-    def __init__(self, workers, servers, out, heartbeat_timeout):
+    def __init__(self, workers, servers, out, heartbeat_timeout, command=None):
         self.out, self.port = out, free_port()
+        self.command = command or [sys.executable, WORKER, os.path.join(out, "spec.json"), out]
         self.spec_path = os.path.join(out, "spec.json")
         self.base = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", DMLC_NUM_WORKER=str(workers),
                          DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI="127.0.0.1",
@@ -92,7 +94,7 @@ class Cluster:
     def start_worker(self, rank):
         n = self.incarnation[rank] = self.incarnation.get(rank, -1) + 1
         name = f"worker{rank}.{n}"
-        self.launch(name, [sys.executable, WORKER, self.spec_path, self.out], DMLC_ROLE="worker", DMLC_WORKER_ID=str(rank))
+        self.launch(name, self.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(rank))
         return name
 
     def collect(self, name, proc):
@@ -164,7 +166,9 @@ class Chaos:
     def run(self):
         with open(os.path.join(self.out, "spec.json"), "w") as f:
             json.dump(dict(SPEC, stop_file=os.path.join(self.out, "stop")), f)
-        self.cluster = c = Cluster(self.args.workers, self.args.servers, self.out, self.args.heartbeat_timeout)
+        command = chaos_mnist.worker_command(self.out, os.path.join(self.out, "stop")) \
+            if self.args.task == "mnist" else None
+        self.cluster = c = Cluster(self.args.workers, self.args.servers, self.out, self.args.heartbeat_timeout, command)
         self.first_event = {}  # node -> the index of the first event it logs
         try:
             c.wait_for("first step from every worker", lambda: all(c.last_step(n) >= 0 for n in self.live.values()),
@@ -272,6 +276,8 @@ class Chaos:
         members = [(0, list(range(self.args.workers)))] + [(g, list(m)) for _, _, _, g, m in sequence]
         epochs = [(0, 0)] + [(g, e) for _, _, e, g, _ in sequence]
         hosts = {r: np.load(os.path.join(self.out, f"rank{r}.{self.start_of(n)}.npz")) for r, n in self.live.items()}
+        if self.args.task == "mnist":  # no numpy oracle for torch's training: the hosts agree
+            return chaos_mnist.check(hosts, members, epochs, last)
         p = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in SPEC["tensors"]}
         for step, means in elastic_means(SPEC, members, last):
             for name, mean in means.items():
@@ -314,6 +320,10 @@ def run(argv=None):
     parser.add_argument("--overlap", type=float, default=0.2,
                         help="the share of joins during which a member dies (the join is cancelled)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    parser.add_argument("--task", choices=["synthetic", "mnist"], default="synthetic",
+                        help="synthetic: numpy gradients checked against numpy; mnist: "
+                             "example/pytorch/train_mnist_elastic.py, its final loss beside undisturbed runs")
+    parser.add_argument("--baseline-seeds", type=int, default=3, help="--task mnist: undisturbed runs to compare with")
     parser.add_argument("--out", help="folder for the nodes' logs and arrays (a new temporary one)")
     parser.add_argument("--json", default="chaos_elastic.json")
     args = parser.parse_args(argv)
@@ -337,13 +347,16 @@ def run(argv=None):
                    cancelled=sum("cancelled" in r["note"] for r in rows), seconds=round(seconds, 1),
                    workers=args.workers, servers=args.servers, seed=args.seed, out=out,
                    port=getattr(getattr(chaos, "cluster", None), "port", None))
+    if summary["ok"] and args.task == "mnist":
+        summary["mnist"] = chaos_mnist.compare(Cluster, chaos, args, out, summary["steps"])
     print(table(rows))
     if summary["error"]:
         print(summary["error"][-6000:], file=sys.stderr)
     print(f"summary: {'OK' if summary['ok'] else 'FAILED'}: {summary['events']} events ({summary['deaths']} deaths, "
           f"{summary['joins']} joins, {summary['cancelled']} joins cancelled by a death) in {summary['seconds']} s, {summary.get('steps', '?')} steps, "
           f"{args.workers} worker hosts, seed {args.seed}; every node logged every event, live hosts "
-          f"bit-identical and equal to numpy" if summary["ok"] else f"summary: FAILED after {len(rows)} events")
+          + ("bit-identical and equal to numpy" if args.task == "synthetic" else "bit-identical")
+          + chaos_mnist.line(summary.get("mnist")) if summary["ok"] else f"summary: FAILED after {len(rows)} events")
     with open(args.json, "w") as f:
         json.dump({"summary": summary, "events": rows}, f, indent=1)
     return summary

@@ -11,6 +11,7 @@ from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .diloco import DiLoCo
+from .elastic import elastic_start, membership, membership_epoch
 from .exchange import CompressedExchange
 from .ddp.hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
@@ -23,6 +24,7 @@ __all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier
            "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "metrics", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
+__all__ += ["elastic_start", "membership", "membership_epoch"]
 __all__ += ["DiLoCo", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
             "state_dict"]
 

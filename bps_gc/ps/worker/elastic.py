@@ -52,6 +52,7 @@ class ElasticRounds:
         self.posted = 0  # its partitions so far
         # I/O thread
         self.epochs = [(0, 0, worker.size)]  # (epoch, first group, members), by epoch
+        self.member_ranks = {0: list(range(worker.size))}  # epoch -> its members' ranks
         self.closed = {}  # group -> its partitions
         self.held = collections.defaultdict(list)  # group -> [Held]
         self.redoing = {}  # key -> the Held awaiting its REDO's reply
@@ -130,6 +131,7 @@ class ElasticRounds:
                 return
             self.worker.size = members  # bps.size() changes only here, between groups
             self.worker.epoch = epoch  # and so does bps.membership_epoch()
+            self.worker.members = self.member_ranks.get(epoch, self.worker.members)
             for h in held:
                 h.push.handle.members = members
                 h.push.handle.partition_replied(h.push, h.payload, h.compressed, h.seconds)
@@ -151,6 +153,7 @@ class ElasticRounds:
         members = [int(r) for r in info["members"]]
         first = int(info["from_group"])
         self.epochs.append((epoch, first, len(members)))
+        self.member_ranks[epoch] = members
         log.warning("membership: worker %s left; epoch %d from round group %d; members %s",
                     ", ".join(map(str, left)), epoch, first, members)
         self.frozen = False

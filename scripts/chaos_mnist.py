@@ -1,0 +1,85 @@
+"""``scripts/chaos_elastic.py --task mnist``: the churn loop on real training.
+
+The worker hosts run example/pytorch/train_mnist_elastic.py (torch, DistributedOptimizer, a
+sampler that re-deals the digits over the members). There is no numpy oracle for torch's steps,
+so the loop checks that the live hosts agree: the same CRC of the parameters' bytes at every
+step they share, bit-identical final parameters, bps.size()/membership_epoch() as logged. Then
+it runs the example undisturbed (no event) on as many hosts as the churned job had on average
+(rounded), the same number of steps, once per seed 0..--baseline-seeds-1, and sets the churned
+run's final loss (over all training digits; example seed 0) beside theirs.
+"""
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "example", "pytorch", "train_mnist_elastic.py")
+BASELINE_BOUND = 300.0
+
+
+def worker_command(out, stop_file, seed=0, steps=None):
+    command = [sys.executable, EXAMPLE, "--out", out, "--seed", str(seed), "--sleep", "0.02"]
+    return command + (["--stop-file", stop_file] if stop_file else ["--steps", str(steps)])
+
+
+def check(hosts, members, epochs, last):
+    """The live hosts agree step by step and at the end (``members``/``epochs``: (first step,
+    value) from the logged sequence)."""
+    for step in range(last + 1):
+        size = len([m for g, m in members if g <= step][-1])
+        epoch = [e for g, e in epochs if g <= step][-1]
+        seen = {r: (int(h["crcs"][step - int(h["start"])]), int(h["sizes"][step - int(h["start"])]),
+                    int(h["epochs"][step - int(h["start"])])) for r, h in hosts.items() if step >= int(h["start"])}
+        if not seen:  # every host of that step died since
+            continue
+        assert len({crc for crc, _, _ in seen.values()}) == 1, f"the live hosts differ at step {step}: {seen}"
+        assert all((s, e) == (size, epoch) for _, s, e in seen.values()), \
+            f"at step {step} the logged sequence says size {size}, epoch {epoch}; the hosts {seen}"
+    first = next(iter(hosts.values()))
+    for r, h in hosts.items():
+        assert len(h["crcs"]) == last + 1 - int(h["start"]), (r, len(h["crcs"]), last)
+        for name in (k for k in first.files if k.startswith("param.")):
+            assert h[name].tobytes() == first[name].tobytes(), f"worker {r}'s {name} differs"
+    return last
+
+
+def compare(cluster_class, chaos, args, out, steps):
+    """The churned run's final loss and average membership beside undisturbed runs'."""
+    sizes = [len(m) for m in members_by_step(chaos, steps)]
+    average = float(np.mean(sizes))
+    rank, name = next(iter(chaos.live.items()))
+    loss = float(np.load(os.path.join(out, f"rank{rank}.{chaos.start_of(name)}.npz"))["loss"])
+    workers = max(1, int(round(average)))
+    baseline = []
+    for seed in range(args.baseline_seeds):
+        folder = os.path.join(out, f"undisturbed{seed}")
+        os.makedirs(folder, exist_ok=True)
+        c = cluster_class(workers, args.servers, folder, args.heartbeat_timeout, worker_command(folder, None, seed, steps))
+        try:
+            c.wait_for(f"the undisturbed run (seed {seed}) to end", lambda: all(
+                p.poll() is not None for p in c.procs.values()), BASELINE_BOUND)
+        finally:
+            c.kill_all()
+        failed = {n: p.returncode for n, p in c.procs.items() if p.returncode != 0}
+        assert not failed, f"the undisturbed run failed: {failed}\n{c.report(list(failed))}"
+        baseline.append(float(np.load(os.path.join(folder, "rank0.0.npz"))["loss"]))
+        print(f"undisturbed run, {workers} hosts, seed {seed}: final loss {baseline[-1]:.4f}", flush=True)
+    return {"loss": loss, "average_members": round(average, 2), "undisturbed_workers": workers,
+            "undisturbed_losses": baseline}
+
+
+def members_by_step(chaos, steps):
+    from chaos_elastic import events_of
+    sequence = [(0, list(range(chaos.args.workers)))] + [(g, list(m)) for _, _, _, g, m in
+                                                         events_of(chaos.cluster.text("scheduler"))]
+    return [[m for g, m in sequence if g <= step][-1] for step in range(steps)]
+
+
+def line(result):
+    if not result:
+        return ""
+    b = result["undisturbed_losses"]
+    return (f"; final loss {result['loss']:.4f} (average membership {result['average_members']}), undisturbed "
+            f"{result['undisturbed_workers']} hosts: {', '.join(f'{x:.4f}' for x in b)} (mean {np.mean(b):.4f}, "
+            f"spread {np.std(b):.4f})")

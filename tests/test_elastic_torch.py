@@ -1,0 +1,70 @@
+"""BPS_GC_ELASTIC with the torch binding (docs/faults.md, "Elastic membership"): the MNIST
+example example/pytorch/train_mnist_elastic.py on 3 worker hosts. Worker 2 is SIGKILLed after a
+few steps, the survivors go on; a fresh host with its DMLC_WORKER_ID joins, taking the model and
+the SGD momentum from a live worker through bps.elastic_start(model, optimizer). Every host's
+parameters are bit-identical at every step they share (a CRC of their bytes) and at the end,
+bps.size()/membership_epoch() follow the logged sequence, and the training loss went down."""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from conftest import ROOT
+from multihost import Job
+from test_elastic_join import membership
+
+EXAMPLE = os.path.join(ROOT, "example", "pytorch", "train_mnist_elastic.py")
+ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "65536"}
+BOUND = 90.0
+
+
+def steps_of(job, name):
+    return [int(line.split()[1]) for line in job.text(name).splitlines() if line.startswith("STEP ")]
+
+
+def wait_step(job, names, step, bound=BOUND):
+    deadline = time.monotonic() + bound
+    while not all(steps_of(job, n) and steps_of(job, n)[-1] >= step for n in names):
+        assert time.monotonic() < deadline, f"no step {step} from {names}:\n{job.report()}"
+        time.sleep(0.05)
+
+
+def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
+    stop = tmp_path / "stop"
+    command = [sys.executable, EXAMPLE, "--out", str(tmp_path), "--stop-file", str(stop), "--sleep", "0.05"]
+    job = Job(3, None, servers=1, env=ENV, command=command)
+    try:
+        wait_step(job, ["worker0", "worker1", "worker2"], 3)
+        os.kill(job.child_of("worker2"), signal.SIGKILL)
+        job.wait_output(["worker0", "worker1"], "worker 2 left; epoch 1", BOUND)
+        wait_step(job, ["worker0", "worker1"], max(steps_of(job, "worker0")) + 3)
+        job.launch("joiner", command, dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="2"))
+        job.wait_output(["worker0", "worker1", "joiner"], "worker 2 joined; epoch 2", BOUND)
+        last = max(steps_of(job, "worker0")) + 4
+        (tmp_path / "stop.tmp").write_text(str(last))
+        os.replace(tmp_path / "stop.tmp", stop)
+        statuses, _ = job.wait_all(BOUND)
+    finally:
+        job.kill_all()
+    for name in ("scheduler", "server0", "worker0", "worker1", "joiner"):
+        assert statuses[name] == 0 and "Traceback" not in job.text(name), job.report(statuses)
+    sequence = membership(job.text("worker0"))
+    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2])], sequence
+    assert membership(job.text("server0")) == sequence and membership(job.text("joiner")) == sequence[1:]
+    (_, left_at, _), (_, joined_at, _) = sequence
+    hosts = {r: np.load(tmp_path / f"rank{r}.0.npz") for r in (0, 1)}
+    hosts[2] = np.load(tmp_path / f"rank2.{joined_at}.npz")
+    assert int(hosts[2]["start"]) == joined_at and len(hosts[0]["crcs"]) == last + 1
+    for r in (0, 1):
+        assert list(hosts[r]["sizes"]) == [3] * left_at + [2] * (joined_at - left_at) + [3] * (last + 1 - joined_at)
+        assert list(hosts[r]["epochs"]) == [0] * left_at + [1] * (joined_at - left_at) + [2] * (last + 1 - joined_at)
+    assert list(hosts[2]["epochs"]) == [2] * (last + 1 - joined_at)
+    assert list(hosts[0]["crcs"]) == list(hosts[1]["crcs"])
+    assert list(hosts[2]["crcs"]) == list(hosts[0]["crcs"][joined_at:])  # momentum copied too
+    names = [k for k in hosts[0].files if k.startswith("param.")]
+    assert len(names) == 4
+    for name in names:
+        assert hosts[0][name].tobytes() == hosts[1][name].tobytes() == hosts[2][name].tobytes(), name
+    assert float(hosts[0]["loss"]) == float(hosts[2]["loss"]) < 1.0, float(hosts[0]["loss"])

@@ -1,7 +1,7 @@
 """The two-level pieces a DDP hook calls (bps_gc.collective.levels), then tests/cluster_job.py:
 ``python collective_levels_job.py SPEC.json OUT_DIR``. The hook's levels are its own
 (levels_from_env: groups and memory apart from the communicator's): a dense torch tensor summed
-by reduce_tensor, and one bucket of two compressed gradients by reduce_coded, each gradient's
+by reduce_tensor, and one bucket of two compressed gradients by reduce_coded_on_hosts, each gradient's
 owner local rank compressing its host's sum once. Then the DDP hook (bps_gc.torch.comm_hook) on a
 small network, dense, topk + EF and thc (HOOK_MODES), recording every bucket it saw: index, gradient
 sizes, this rank's gradients in and the averaged bucket out. Saves OUT_DIR/levels<rank>.npz.
@@ -22,6 +22,7 @@ from bps_gc import compress  # noqa: E402
 from bps_gc.collective.coded import CodedPart  # noqa: E402
 from bps_gc.collective import levels as levels_module  # noqa: E402
 from bps_gc.collective.levels import levels_from_env  # noqa: E402
+from bps_gc.collective.exchange.two_levels import reduce_coded_on_hosts  # noqa: E402
 from bps_gc.compress.registry import COMPRESSORS  # noqa: E402
 from bps_gc.comm.placement import partition_owner  # noqa: E402
 from reference import gradient, step_ctx  # noqa: E402
@@ -87,7 +88,7 @@ if __name__ == "__main__":
                                compress.make_reducer(reducer, params, n, np.float32, key), ctx,
                                owner=partition_owner(index, 0, levels.local_size)))
         start += n
-    levels.reduce_coded(flat, parts)
+    reduce_coded_on_hosts(levels, [flat], [(flat, None)], parts)
     levels.close()
     saved = {"hook-dense": dense.numpy(), "coded": flat}
     for mode, params in HOOK_MODES.items():

@@ -75,7 +75,7 @@ def check_hook_levels(spec, tmp_path):
         got = np.load(tmp_path / f"levels{rank}.npz")
         assert got["hook-dense"].tobytes() == expected[0].tobytes(), f"rank {rank}: reduce_tensor"
         coded = np.concatenate([e.reshape(-1) for e in expected[1:]])
-        assert got["coded"].tobytes() == coded.tobytes(), f"rank {rank}: reduce_coded"
+        assert got["coded"].tobytes() == coded.tobytes(), f"rank {rank}: reduce_coded_on_hosts"
     check_ddp_hook([np.load(tmp_path / f"levels{rank}.npz") for rank in range(HOSTS * LOCAL)])
 
 

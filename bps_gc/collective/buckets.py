@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..comm import communicator as api
 from .exchange.driver import Driver, Inline
-from .exchange.jobs import ArraySegment, Job
+from .exchange.jobs import ArraySegment, GatheredSegment, Job
 from .fused_buffers import FusedBuffers
 
 
@@ -69,14 +69,6 @@ class PhasedEntry:
     average: bool
 
 
-@dataclasses.dataclass
-class GatheredEntry:
-    """Device payloads of ``push_payloads``: every rank's land in ``result`` (rank order)."""
-    payloads: list
-    result: list
-    name: str
-
-
 class FusedBuffer(NamedTuple):
     """A bucket's all_reduce of one dtype (and device): ``tensor``, the ``entries`` fused into
     it in order, and ``array`` (numpy entries: the kept buffer under ``tensor``, else None)."""
@@ -91,7 +83,7 @@ class Bucket:
     under two levels ``on_hosts``: [CodedEntry], dense ones too);
     two-phase ones (PowerSGD) in one all_reduce per phase (``phased``: [PhasedEntry]), as
     torch's PowerSGD hook sums a whole bucket's matrices at once; device payloads
-    (``gathered``: [GatheredEntry]) in one all_gather per device."""
+    (``gathered``: [jobs.GatheredSegment]) in one all_gather per device."""
 
     def __init__(self):
         self.entries, self.coded, self.on_hosts, self.phased, self.bytes, self.names = [], [], [], [], 0, []
@@ -117,16 +109,16 @@ class Buckets:
         # the compressed exchange's stages, run on the exchange thread itself (its jobs in order)
         self.driver = Driver(self.count, Inline, Inline, Inline)
         self.fused_buffers = FusedBuffers()
-        self.exchange_coded_on_hosts = self.exchange_phased = self.gather_payloads = self.deliver_tensors = None
+        self.exchange_coded_on_hosts = self.exchange_phased = self.deliver_tensors = None
 
-    def exchanges(self, *, coded_on_hosts, phased, gathered, deliver_tensors):
+    def exchanges(self, *, coded_on_hosts, phased, deliver_tensors):
         """The exchanges of the kinds other parts add to a bucket (those parts take the buckets,
         so they are made after them, and give these once), each a public method of its part:
-        ``coded_on_hosts`` (TwoLevelReductions.exchange_coded_on_hosts: ``on_hosts``), ``phased`` (PhasesAndVotes.exchange_phased), ``gathered`` and
-        ``deliver_tensors`` (DeviceTensors.gather_payloads, .deliver_tensors: device payloads,
-        and device ``entries`` once summed)."""
+        ``coded_on_hosts`` (TwoLevelReductions.exchange_coded_on_hosts: ``on_hosts``),
+        ``phased`` (PhasesAndVotes.exchange_phased) and ``deliver_tensors``
+        (DeviceTensors.deliver_tensors: device ``entries`` once summed)."""
         self.exchange_coded_on_hosts, self.exchange_phased = coded_on_hosts, phased
-        self.gather_payloads, self.deliver_tensors = gathered, deliver_tensors
+        self.deliver_tensors = deliver_tensors
 
     def add_dense(self, name, wire, out, average):
         """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype)."""
@@ -196,8 +188,12 @@ class Buckets:
             self.driver.run(Job(bucket.coded, functools.partial(self._wait_named, names)))
         if bucket.on_hosts:
             self.exchange_coded_on_hosts(bucket.on_hosts)
-        if bucket.gathered:
-            self.gather_payloads(bucket.gathered)
+        by_device = {}  # device payloads: one job (one all_gather) per device, in the order they appear
+        for segment in bucket.gathered:
+            by_device.setdefault(segment.payloads[0].device, []).append(segment)
+        for device, segments in by_device.items():
+            names = [segment.name for segment in segments]
+            self.driver.run(Job(segments, functools.partial(self._wait_named, names), device=device))
         if bucket.phased:
             self.exchange_phased(bucket.phased)
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device

@@ -1,6 +1,7 @@
 """The compressed exchange's stages, written once for every caller on torch.distributed: the
 collective's buckets and its two levels, the DDP hook (on its three threads) and push_pull
-through device chains.
+through device chains. Only the exchange's driver (exchange/driver.py) calls them, in its one
+sequence; callers hand it jobs or call its stages.
 
     compress_parts    each named part of a flat buffer -> its payload (the part's worker chain)
     exchange_payloads every rank's payloads, in rank order (one all_gather on the given group:

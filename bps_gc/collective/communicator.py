@@ -67,7 +67,7 @@ class Collective(api.Communicator):
         self.messages = Messages(self.shared, self.lifecycle)
         self.device = DeviceTensors(self.shared, self.lifecycle, self.buckets, self.tensors, self.partitions)
         self.buckets.exchanges(coded_on_hosts=self.two_levels.exchange_coded_on_hosts,
-                               phased=self.phases.exchange_phased, gathered=self.device.gather_payloads,
+                               phased=self.phases.exchange_phased,
                                deliver_tensors=self.device.deliver_tensors)
         # the calls other layers make straight to a part: bound here, so a call costs no more
         # than it did (check_alive, wait and flush: collective/exchange/pipeline.py, tests; the device calls:

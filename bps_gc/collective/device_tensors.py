@@ -9,18 +9,17 @@ codec chains, docs/device_codecs.md): a part of ``Collective``, whose buckets ca
 
 On CUDA with the NCCL backend neither leaves the GPU; only the payloads' lengths are read back.
 """
-import time
-
 import numpy as np
 import torch
 
-from .buckets import DenseEntry, GatheredEntry, Handle, listed
-from .coded import exchange_payloads, payload_bytes
+from .buckets import DenseEntry, Handle
+from .exchange.jobs import GatheredSegment
 
 
 class DeviceTensors:
-    """``push_payloads`` and ``reduce_tensor`` into the pending bucket; ``gather_payloads`` and
-    ``deliver_tensors``, their exchange and delivery (given to the buckets)."""
+    """``push_payloads`` and ``reduce_tensor`` into the pending bucket (the payloads gathered by
+    the buckets' driver: jobs.GatheredSegment); ``deliver_tensors``, the summed tensors'
+    delivery (given to the buckets)."""
 
     def __init__(self, shared, lifecycle, buckets, tensors, partitions):
         """``shared``: shared.Shared; ``lifecycle``: its checks and waits; ``buckets``: where the
@@ -28,7 +27,7 @@ class DeviceTensors:
         (read only); ``partitions``: the communicator's ``partitions(name)``."""
         self.shared, self.buckets, self.size = shared, buckets, shared.size
         self.tensors, self.partitions = tensors, partitions
-        self.check_alive, self.wait, self.issue = lifecycle.check_alive, lifecycle.wait, lifecycle.issue
+        self.check_alive = lifecycle.check_alive
         self.add = buckets.add
 
     def push_payloads(self, name, payloads, ctx=None, priority=0):
@@ -51,25 +50,8 @@ class DeviceTensors:
         counters.pushed_wire += sum(p.numel() for p in payloads)
         result = []
         handle = Handle(self.buckets, result, self.buckets.pending)
-        return self.add(handle, "gathered", GatheredEntry(payloads, result, name), raw, name)
-
-    def gather_payloads(self, gathered):
-        """One all_gather per device for the bucket's device payloads (in the order their
-        devices first appear, alike on every rank)."""
-        by_device = {}
-        for entry in gathered:
-            by_device.setdefault(entry.payloads[0].device, []).append(entry)
-        for entries in by_device.values():
-            start = time.perf_counter()
-            mine = [p for entry in entries for p in entry.payloads]
-            ranks = exchange_payloads(mine, lambda work, what: self.wait(
-                self.issue(work), lambda: f"{what} of {listed(entry.name for entry in entries)}"))
-            self.shared.counters.pulled_wire += payload_bytes(p for rank in ranks for p in rank) - payload_bytes(mine)
-            self.shared.counters.communicate_seconds += time.perf_counter() - start
-            index = 0
-            for entry in entries:
-                entry.result.extend(rank[index:index + len(entry.payloads)] for rank in ranks)
-                index += len(entry.payloads)
+        segment = GatheredSegment(self.partitions(name), None, payloads=payloads, result=result, name=name)
+        return self.add(handle, "gathered", segment, raw, name)
 
     @torch.no_grad()
     def deliver_tensors(self, fused, entries):

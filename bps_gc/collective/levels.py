@@ -36,7 +36,6 @@ from ..comm import NodeFailure
 from ..comm.host_sum import add_in_order
 from ..config import ConfigError
 from ..wire import shm
-from .coded import compress_parts, in_wire_dtype, payload_bytes, reduce_parts
 from .all_gather import all_gather_bytes
 from .rendezvous import collective_config, host_key
 
@@ -82,7 +81,8 @@ def host_layout(table, hierarchy):
 class HostLevels:
     """The two levels themselves: the host's group and shared memory, the cross-host groups,
     and the sums through them (the communicator's part that runs its buckets through them:
-    two_level_reductions.TwoLevelReductions; the exchange pipeline's: exchange/two_levels.py).
+    two_level_reductions.TwoLevelReductions; the exchange pipeline's: exchange/two_levels.py,
+    whose ``reduce_coded_on_hosts`` is the compressed parts' step across hosts).
     ``wait(work, what)`` waits for a collective (the communicator's watches the heartbeat;
     None: a skipped one, for its count). Each reduction takes the wait of its caller
     (``wait=``; the one given here when None), so a HostLevels shared by callers with
@@ -225,48 +225,14 @@ class HostLevels:
             self._copy_out(results, [(base + i * share, base + (i + 1) * share, i)
                                      for i in range(self.local_size)], outs)
 
-    def reduce_coded(self, flat, parts, what="all_gather of payloads", wire_dtype=None, wait=None):
-        """The two levels of compressed partitions, in place in ``flat`` (this rank's wire array):
-        see ``reduce_coded_into``. Returns this rank's payload bytes (sent, received)."""
-        return self.reduce_coded_into([flat], [(flat, None)], parts, what, wire_dtype, wait)
-
-    def reduce_coded_into(self, sources, outs, parts, what="all_gather of payloads", wire_dtype=None,
-                          wait=None):
-        """The two levels of compressed partitions of ``sources`` (flat arrays of one dtype, back
-        to back), into ``outs`` ([(flat array, divisor or None)], as ``reduce_dense``): ``parts``
-        [coded.CodedPart] of the joined buffer, each with its owner local rank and step context.
-        The owner sums its parts over the host, compresses each once, the owners of every host
-        exchange payloads and run the reducer; each part ends as the reducer's decoded reply (the
-        sum, divided only where ``outs`` says). ``wire_dtype``: the codecs' dtype, when not the
-        sources' (fp16: the host's sum is cast for them). Returns this rank's payload bytes
-        (sent, received)."""
-        wait = wait or self.wait
-        dtype = sources[0].dtype
-        wire_dtype = dtype if wire_dtype is None else np.dtype(wire_dtype)
-        traffic = []
-
-        def exchange(result, mine):
-            wired, back = in_wire_dtype(result, mine, wire_dtype)  # fp16: only the owned parts are cast
-            payloads = compress_parts(mine, wired)
-            if mine and self.hosts > 1:
-                gathered = all_gather_bytes(payloads, wait, self.cross_group)
-            else:  # one host, or local rank i of every host owns nothing: nothing crosses, but every
-                wait(None, what)  # rank counts the all_gather's two collectives alike
-                wait(None, what)
-                gathered = [payloads]
-            back(reduce_parts(mine, gathered, wired))
-            sent = payload_bytes(payloads)
-            traffic.extend([sent, payload_bytes(p for host in gathered for p in host) - sent])
-        self.reduce_owned_into(sources, outs, parts, exchange, wait)
-        return tuple(traffic)
-
     def reduce_owned_into(self, sources, outs, parts, across, wait=None):
         """Two levels with the step across hosts given: ``parts`` (coded.CodedPart, or anything
         with ``start``, ``stop`` and ``owner``: the owner local rank) of ``sources`` (flat arrays of one dtype, back to back). Each owner sums its parts
         over the host (local-rank order) into its result; ``across(result, mine)`` (``mine``:
         this rank's parts) turns those into the sums over every rank, in place; then each part is
-        copied from its owner's result into ``outs`` (as ``reduce_dense``). Used by
-        ``reduce_coded_into`` (payloads gathered) and by thc (its phases summed across hosts)."""
+        copied from its owner's result into ``outs`` (as ``reduce_dense``). Used by compressed
+        parts (exchange/two_levels.py ``reduce_coded_on_hosts``: payloads gathered across hosts
+        by the exchange's driver) and by thc (its phases summed across hosts)."""
         wait = wait or self.wait
         n = sum(s.size for s in sources)
         slots, results = self._load(sources, self.local_size * max(1, -(-n // self.local_size)), wait)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..comm.phased import PhasedReduction, phases, run_phases
 from ..comm.placement import partition_owner
 from .coded import WORDS, CodedPart, in_wire_dtype
+from .exchange.two_levels import reduce_coded_on_hosts
 from .levels import HostLevels
 from .rendezvous import host_key
 
@@ -74,8 +75,8 @@ class TwoLevelReductions:
             if phased:
                 sent, received = self._phases_across_hosts(entries, sources, outs, wire_dtype, names)
             elif compressed:
-                sent, received = self.shared.levels.reduce_coded_into(sources, outs, self._owned_parts(entries),
-                                                               f"all_gather of {names}'s payloads", wire_dtype)
+                sent, received = reduce_coded_on_hosts(self.shared.levels, sources, outs, self._owned_parts(entries),
+                                                       f"all_gather of {names}'s payloads", wire_dtype)
             else:
                 self.shared.levels.reduce_dense(sources, outs, f"all_reduce of {names}", wire_dtype)
                 sent = received = sum(w.size for w in sources) * wire_dtype.itemsize // self.local_size

@@ -27,7 +27,8 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
-from ..collective.coded import compress_parts, reduce_parts
+from ..collective.exchange.driver import Driver
+from ..collective.exchange.jobs import ResultSegment
 from ..collective.exchange.tensors import runs_on_device
 from ..compress.device import torch_dtype
 from ..compress.device.reducers import device_reduction
@@ -107,7 +108,12 @@ class DevicePushPull:
         # the result is decoded into the tensor itself when it can hold the wire values
         self.direct = wire.data_ptr() == tensor.data_ptr() and tensor.is_contiguous()
         self.result = wire if self.direct else torch.empty_like(wire)
-        payloads = compress_parts(parts, wire, ctx)
+        # the exchange driver's stages: compressed here, gathered (or pushed) by the
+        # communicator, reduced by wait()
+        self.segment = ResultSegment(parts, ctx, wire, result=self.result,
+                                     divisor=self.comm.size if average else None)
+        payloads = Driver.encode(self.segment)
+        self.segment.flat = None  # the wire copy is done with (held no longer than before)
         if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross,
             # in one copy (one wait for the device) per tensor
             host = torch.cat(payloads).cpu().numpy() if len(payloads) > 1 else payloads[0].cpu().numpy()
@@ -122,7 +128,7 @@ class DevicePushPull:
         replies = self.handle.wait()
         divisor = self.comm.size if self.average else None
         if self.comm.gathers_payloads:  # every rank's payloads: the server's reduction, here
-            reduce_parts(self.parts, replies, self.result, self.ctx, divisor)
+            Driver.reduce_segment(self.segment, replies)
         else:  # the servers' replies
             for part, (reply, compressed) in zip(self.parts, replies):
                 dest = self.result[part.start:part.stop]

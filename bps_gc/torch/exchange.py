@@ -13,7 +13,6 @@ with the same names in the same order, as every DDP rank reduces the same bucket
 part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (tensors of the
 parts' sizes, on their devices), as the DDP hook's does.
 """
-import math
 import threading
 from collections.abc import Mapping
 
@@ -22,35 +21,7 @@ import torch.distributed as dist
 
 from ..comm import NodeFailure
 from .checkpoint import register
-from .ddp.hook import CompressionHook
-
-
-class NamedBucket:
-    """A batch of named parts in the shape the pipeline takes (DDP's GradBucket's calls).
-    Without ``names`` (None) its parts are keyed by the batch index and their position, as a
-    DDP bucket's without parameters (tests/grad_bucket.py)."""
-
-    def __init__(self, index, buffer, names, shapes, parameters=None):
-        self._index, self._buffer, self._parameters = index, buffer, parameters
-        self._names = None if names is None else list(names)
-        pieces = torch.split(buffer, [math.prod(shape) for shape in shapes])
-        self._gradients = [piece.view(shape) for piece, shape in zip(pieces, shapes)]  # PowerSGD's matrices
-
-    def index(self):
-        return self._index
-
-    def buffer(self):
-        return self._buffer
-
-    def gradients(self):
-        return self._gradients
-
-    def names(self):
-        return self._names
-
-    def parameters(self):
-        """The parts' parameters (their codecs are kept by parameter, as DDP's), or None."""
-        return self._parameters
+from .ddp.hook import CompressionHook, parts_batch
 
 
 class CompressedExchange:
@@ -60,7 +31,7 @@ class CompressedExchange:
 
     def __init__(self, compression_params=None, reducer=None, named_parameters=None):
         named = None if named_parameters is None else list(named_parameters)
-        self.pipeline = register(CompressionHook(compression_params, reducer, None, named), "exchange")
+        self.hook = register(CompressionHook(compression_params, reducer, None, named), "exchange")
         self.parameters = None if named is None else dict(named)
         self.batches = {}  # the names of a call -> its batch index (made in call order, alike on every rank)
 
@@ -79,9 +50,10 @@ class CompressedExchange:
         if parameters is not None and any(p is None for p in parameters):
             missing = [n for n, p in zip(names, parameters) if p is None]
             raise ValueError(f"CompressedExchange: {missing[:3]} are not among its named_parameters")
-        self.pipeline.lr = lr
-        bucket = NamedBucket(index, buffer, names, [tuple(t.shape) for _, t in named], parameters)
-        future, result = self.pipeline(group if group is not None else dist.group.WORLD, bucket), torch.futures.Future()
+        # the call's named parts, each seeded by its name (codecs.name_key)
+        batch = parts_batch(index, buffer, [tuple(t.shape) for _, t in named], parameters, names)
+        future = self.hook.submit(group if group is not None else dist.group.WORLD, batch, float(lr))
+        result = torch.futures.Future()
 
         def written_back(done):
             try:

@@ -30,7 +30,7 @@ TIMELINE = None
 
 
 def stamp(index, event):
-    if TIMELINE is not None:
+    if TIMELINE is not None and index is not None:  # a job without an index (a step inside another) is not traced
         TIMELINE.append((index, event, time.perf_counter(), time.thread_time()))
 
 
@@ -96,14 +96,22 @@ class Driver:
         try:
             if stream is not None:
                 stream.wait_for_backward()
-            flat = segment.load()
-            if flat is None:  # two levels: its owners compress the host's sums
+            if self.encode(segment) is None:  # two levels: its owners compress the host's sums
                 return
-            segment.payloads = compress_parts(segment.parts, flat, segment.ctx)
         except Exception as e:  # noqa: BLE001 -- the job's error, raised when it ends
             segment.failure = e
             return
         self.count(compress_seconds=time.perf_counter() - start, pushed_wire=payload_bytes(segment.payloads))
+
+    @staticmethod
+    def encode(segment):
+        """The compress stage's work: this rank's payloads of ``segment``, its errors raised
+        (None where its parts are not compressed here). push_pull through device chains
+        (torch/device.py) runs it on the caller's thread, its gather the communicator's."""
+        flat = segment.load()
+        if flat is not None:
+            segment.payloads = compress_parts(segment.parts, flat, segment.ctx)
+        return segment.payloads
 
     def gather_stage(self, job):
         stamp(job.index, "exchange start")
@@ -123,6 +131,13 @@ class Driver:
         failure = next((s.failure for s in job.segments if s.failure is not None), None)
         mine = None if failure is not None else [p for s in job.segments for p in s.payloads]
         start = time.perf_counter()
+        if job.skipped is not None:  # nothing crosses: every rank counts the all_gather's two collectives alike
+            if failure is not None:
+                raise failure
+            job.wait(None, job.skipped)
+            job.wait(None, job.skipped)
+            self.count(pulled_wire=0, communicate_seconds=time.perf_counter() - start)
+            return [mine]
         try:
             gathered = exchange_payloads(mine, job.wait, job.group, sum(len(s.parts) for s in job.segments),
                                          job.capacity, job.device)
@@ -145,11 +160,21 @@ class Driver:
             offset = 0
             for segment in job.segments:
                 count = len(segment.parts)
-                target, divisor = segment.target()
-                reduce_parts(segment.parts, [rank[offset:offset + count] for rank in job.gathered], target,
-                             segment.ctx, divisor)
+                self.reduce_segment(segment, [rank[offset:offset + count] for rank in job.gathered])
                 offset += count
-                segment.deliver(target)
             stamp(job.index, "reduced")
         stamp(job.index, "completed")  # before the future's result: DDP may go on to the next step
         return job.result()
+
+    @staticmethod
+    def reduce_segment(segment, gathered):
+        """The reduce stage's work on one segment: each part's reducer over every rank's payloads
+        (``gathered``: per rank, a payload per part), decoded into its target, divided, delivered.
+        A segment reduced elsewhere (no target: device payloads, reduced by push_pull on its own
+        thread, which calls this with the payloads handed to it) is handed ``gathered``."""
+        target, divisor = segment.target()
+        if target is None:
+            segment.deliver(gathered)
+            return
+        reduce_parts(segment.parts, gathered, target, segment.ctx, divisor)
+        segment.deliver(target)

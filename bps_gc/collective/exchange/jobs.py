@@ -3,7 +3,8 @@ all_gather of its payloads on a process group); its ``segments`` are the flat bu
 it carries, each compressed, reduced and delivered on its own:
 
     Segment         a flat array and its parts (the collective's declared tensor: its wire copy,
-                    the result delivered into the caller's ``out``: ArraySegment)
+                    the result delivered into the caller's ``out``: ArraySegment; push_pull's
+                    through device chains: ResultSegment; its device payloads: GatheredSegment)
     TensorSegment   a flat torch tensor (a DDP bucket, CompressedExchange's named tensors), read
                     in the codecs' dtype on the compressing thread, written with the average
     Job             the collective's bucket: errors raised (its bucket's), no future
@@ -38,11 +39,39 @@ class Segment:
         return self.flat
 
     def target(self):
-        """Where the reduction is decoded, and by what a summed result is divided (None: not here)."""
+        """Where the reduction is decoded, and by what a summed result is divided (None: not
+        here); no target: the segment is not reduced here (GatheredSegment)."""
         return self.flat, None
 
     def deliver(self, reduced):
-        """The decoded ``reduced`` to where the caller wants it."""
+        """The decoded ``reduced`` to where the caller wants it (without a target: every rank's
+        payloads)."""
+
+
+@dataclasses.dataclass(eq=False)
+class ResultSegment(Segment):
+    """Compressed from ``flat``, reduced into ``result`` and divided by ``divisor`` (push_pull
+    through device chains: torch/device.py, decoded into the tensor or a copy)."""
+    result: Any = None
+    divisor: Optional[int] = None
+
+    def target(self):
+        return self.result, self.divisor
+
+
+@dataclasses.dataclass(eq=False)
+class GatheredSegment(Segment):
+    """Payloads a binding compressed on its device (the collective's push_payloads: ``parts``
+    its partitions, ``payloads`` given), gathered on their device; every rank's land in
+    ``result`` (rank order) for the binding to reduce on its own thread. ``name``: the tensor's."""
+    result: list = None
+    name: str = ""
+
+    def target(self):
+        return None, None
+
+    def deliver(self, gathered):
+        self.result.extend(gathered)
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,7 +135,9 @@ class Job:
     """One exchange: ``segments``' payloads in one all_gather on ``group`` (None: the world),
     each collective waited for by ``wait(work, what)``. ``capacity``: the all_gather.Capacity
     (None: two all_gathers); ``device``: where device payloads are gathered; ``levels``: the
-    HostLevels it is reduced through (two_levels.py), or None. ``index``: the timeline's key."""
+    HostLevels it is reduced through (two_levels.py), or None. ``index``: the timeline's key.
+    ``skipped``: None, or the label of a gather this rank skips (two levels' step across hosts
+    where nothing crosses: one host, or no part owned here): its payloads are the only ones."""
     segments: list
     wait: Callable
     group: Any = None
@@ -115,6 +146,7 @@ class Job:
     levels: Any = None
     index: Any = None
     stream: Any = None  # tensors.SideStream of a CUDA buffer, or None
+    skipped: Optional[str] = None
     gathered: Optional[list] = None  # every rank's payloads, rank order (the gather stage's)
     error: Optional[BaseException] = None  # the gather stage's, raised by the reduce stage
 

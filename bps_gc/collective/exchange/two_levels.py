@@ -1,19 +1,61 @@
-"""The pipeline's two levels (several ranks per host; collective/levels.py, docs/ddp_hook.md
-"Several ranks per host"): which levels a process group reduces through, and a dense or
-compressed job's buffer through them, on the pipeline's gathering thread."""
+"""The exchange's two levels (several ranks per host; collective/levels.py, docs/ddp_hook.md
+"Several ranks per host"): compressed parts through the levels (``reduce_coded_on_hosts``, the
+collective's buckets and the pipeline alike: the step across hosts is a job of the driver), and
+the pipeline's part (``TwoLevelExchange``): which levels a process group reduces through, and a
+dense or compressed job's buffer through them, on the pipeline's gathering thread."""
 import logging
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..coded import in_wire_dtype
 from ..levels import levels_from_env
 from .codecs import key_owner
-from .driver import waiter
+from .driver import Driver, Inline, waiter
+from .jobs import Job, Segment
 from .tensors import current, wire_dtype
 
 log = logging.getLogger("bps_gc.torch")
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # dense buffers the host level sums as numpy
+
+
+class Wire:
+    """The payload bytes a rank sent and received across hosts (the driver's ``count``; its
+    seconds are the caller's)."""
+
+    def __init__(self):
+        self.sent = self.received = 0
+
+    def count(self, pushed_wire=0, pulled_wire=0, **seconds):
+        self.sent += pushed_wire
+        self.received += pulled_wire
+
+
+def reduce_coded_on_hosts(levels, sources, outs, parts, what="all_gather of payloads", wire_dtype=None,
+                          wait=None):
+    """The two levels (levels.HostLevels) of compressed parts of ``sources`` (flat arrays of one
+    dtype, back to back) into ``outs`` ([(flat array, divisor or None)], as
+    ``HostLevels.reduce_dense``): ``parts`` [coded.CodedPart] of the joined buffer, each with its
+    owner local rank and step context. The owner sums its parts over the host; across hosts
+    the driver compresses each owned sum once, gathers the owners' payloads on the cross-host
+    group and runs the reducer (one host, or no part owned here: nothing crosses, the gather
+    is counted as skipped under ``what``); each part ends as the reducer's decoded reply (the
+    sum, divided only where ``outs`` says). ``wire_dtype``: the codecs' dtype, when not the
+    sources' (fp16: the host's sum is cast for them). Returns this rank's payload bytes (sent,
+    received)."""
+    wait = wait or levels.wait
+    wire_dtype = sources[0].dtype if wire_dtype is None else np.dtype(wire_dtype)
+    wire = Wire()
+    driver = Driver(wire.count, Inline, Inline, Inline)
+
+    def across(result, mine):
+        wired, back = in_wire_dtype(result, mine, wire_dtype)  # fp16: only the owned parts are cast
+        crosses = bool(mine) and levels.hosts > 1
+        driver.run(Job([Segment(mine, None, wired)], wait, levels.cross_group, skipped=None if crosses else what))
+        back(wired)
+    levels.reduce_owned_into(sources, outs, parts, across, wait)
+    return wire.sent, wire.received
 
 
 class TwoLevelExchange:
@@ -71,7 +113,7 @@ class TwoLevelExchange:
         return buffer
 
     def exchange(self, job):
-        """A compressed job's parts through the two levels (levels.reduce_coded): each one's
+        """A compressed job's parts through the two levels (reduce_coded_on_hosts): each one's
         owner local rank (by its seed key) sums it over the host and compresses the sum once;
         the owners of every host gather payloads and run the reducer; the host shares the
         decoded results, averaged into the buffer."""
@@ -83,8 +125,9 @@ class TwoLevelExchange:
         flat = grad.numpy()
         owned = [part._replace(ctx=segment.ctx, owner=key_owner(key, levels.local_size))
                  for part, key in zip(segment.parts, segment.keys)]
-        sent, received = levels.reduce_coded(flat, owned, f"all_gather of DDP bucket {job.index}'s payloads",
-                                             wire_dtype(buffer, self.params.fp16), job.wait)
+        sent, received = reduce_coded_on_hosts(levels, [flat], [(flat, None)], owned,
+                                               f"all_gather of DDP bucket {job.index}'s payloads",
+                                               wire_dtype(buffer, self.params.fp16), job.wait)
         self.traffic.add(pushed_wire=sent, pulled_wire=received)
         size = flat.dtype.type(segment.divisor)
         for part in owned:

@@ -85,8 +85,31 @@ class LocalTensor:
         self.warned = False
         self.rounds = 0  # the caller's: rounds started
         self.plan = None  # the tensor's TensorPlan (partitions, codecs)
-        self.shares = None  # member rank -> the slices of the tensor it sums (see LocalReduce.share)
+        self.shares = None  # member rank -> the slices of the tensor it sums (see EqualShares.share)
         self.priority, self.wire = 0, None  # two levels (host.py): the push's priority, fp16 copy
+
+
+class EqualShares:
+    """What each member of one host's sums does (BPS_GC_LOCAL_REDUCE): the ``index``-th of
+    ``members`` sums an equal cut of a tensor, says so once summed, and an averaged result is
+    divided. Two levels give LocalReduce theirs instead (host.HostShares)."""
+
+    def __init__(self, members):
+        self.members = members
+
+    def share(self, tensor, index):
+        """The slices of ``tensor`` that the ``index``-th member sums: an equal cut."""
+        n = tensor.size
+        step = -(-n // self.members)
+        return [slice(min(n, index * step), min(n, (index + 1) * step))]
+
+    def forward(self, local, rnd, handle, summed):
+        """This worker's slices are summed: tell the others (``summed(local, rnd)``)."""
+        summed(local, rnd)
+
+    def divides(self, local):
+        """Whether an averaged push_pull divides the result by the number of workers."""
+        return True
 
 
 class LocalReduce:
@@ -112,12 +135,16 @@ class LocalReduce:
         self.next_scan = 0.0
         self.summed = None  # set by WorkerIO: queues after_sum(local, rnd) on the I/O thread
         self.members = list(range(size))  # the ranks that sum together (host.py: a host's)
+        self.division = EqualShares(size)  # what each member sums (connect)
 
-    def connect(self, workers, membership):
+    def connect(self, workers, membership, division=None):
         """``workers``: the address book's entries of the members; the membership keeps ``left``
-        (ranks that said goodbye) and tells the scheduler of a round that can never complete."""
+        (ranks that said goodbye) and tells the scheduler of a round that can never complete.
+        ``division``: what each member sums and does with its share (two levels: host.HostShares;
+        None: equal cuts, EqualShares)."""
         self.left, self.report_failure = membership.left, membership.report_failure
         self.members = sorted(w["rank"] for w in workers)
+        self.division = division if division is not None else EqualShares(len(self.members))
         for w in workers:
             if w["rank"] != self.rank:
                 sock = self.auth.client(self.ctx.socket(zmq.DEALER))
@@ -142,7 +169,7 @@ class LocalReduce:
                 local.slot, local.result = slot.view(tensor.dtype), result.view(tensor.dtype)
                 local.offer = {"id": local.id, "name": tensor.name, "slot": offer, "result": result_offer}
                 local.plan = tensor
-                local.shares = {r: self.share(tensor, i) for i, r in enumerate(self.members)}
+                local.shares = {r: self.division.share(tensor, i) for i, r in enumerate(self.members)}
                 self.by_name[tensor.name] = local
         np.copyto(local.slot, source)
         self.counters.add(pushed_raw=0 if tensor.auxiliary else local.nbytes, shared_bytes=local.nbytes)
@@ -204,12 +231,6 @@ class LocalReduce:
         except RuntimeError as e:  # the interpreter is exiting and has shut the pool down
             handle.fail(e)
 
-    def share(self, tensor, index):
-        """The slices of ``tensor`` that the ``index``-th member sums: an equal cut."""
-        n, members = tensor.size, len(self.members)
-        step = -(-n // members)
-        return [slice(min(n, index * step), min(n, (index + 1) * step))]
-
     def sum_slice(self, local, rnd, handle):
         """This worker's slices of the sum, over every slot in rank order (any thread)."""
         try:
@@ -218,15 +239,7 @@ class LocalReduce:
                 add_in_order([slot[part] for slot in slots], local.result[part])
         except Exception as e:
             return handle.fail(e)
-        self.forward(local, rnd, handle)
-
-    def forward(self, local, rnd, handle):
-        """This worker's slices are summed: tell the others (two levels first push them)."""
-        self.summed(local, rnd)
-
-    def divides(self, local):
-        """Whether an averaged push_pull divides the result by the number of workers."""
-        return True
+        self.division.forward(local, rnd, handle, self.summed)  # two levels first push them
 
     def after_sum(self, local, rnd):
         """On the I/O thread: this worker's slice of round ``rnd`` is summed."""
@@ -237,7 +250,7 @@ class LocalReduce:
         """Every slice from its owner's result into the output (any thread)."""
         try:
             size = wire.dtype.type(self.size)
-            average = average and self.divides(local)
+            average = average and self.division.divides(local)
             for r in self.members:
                 result = local.result if r == self.rank else local.peers[r].result
                 for part in local.shares[r]:

@@ -6,6 +6,7 @@ push per host; with BPS_GC_HIERARCHY=flat every rank pushes its own tensors. Wit
 one worker process and BYTEPS_FORCE_DISTRIBUTED unset, nothing leaves the process.
 """
 import concurrent.futures
+import functools
 import logging
 import threading
 
@@ -46,7 +47,8 @@ class Worker(Communicator):
         self.counters = Counters()
         self.peers = None  # worker-to-worker links (ps.worker.peers), made at start()
         self.local = None  # the shared-memory sums of a one-host job (ps.worker.local)
-        self.host = None  # two levels: this host's ranks sum first, push once (ps.worker.host)
+        self.host = None  # two levels: this host's ranks sum first, push once (ps.worker.host.HostShares)
+        self.host_memory = None  # the shared-memory sums (ps.worker.local), of either
         self.io = None
         self.compressed_pushes = None  # compressing.py: the codec pool's way to the I/O thread
         self.pool = None
@@ -79,14 +81,19 @@ class Worker(Communicator):
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
-        local, self.host = host_level.connect(self, local, book, self.membership.host)
+        local, self.host = host_level.connect(self.cfg, self.size, local, book, self.membership.host,
+                                              self.membership)
         self.local = None if self.host is not None else local
+        self.host_memory = local
         self.io = WorkerIO(self.ctx, self.cfg, self.auth, self.membership, servers, self.rank,
                            self.cfg.inflight_bytes, self.counters, local)
         if self.cfg.elastic:
             self.elastic = ElasticRounds(self, self.io.links, self.membership)
             self.io.elastic(self.elastic)
         self.compressed_pushes = CompressedPushes(self.pool, self.counters, self.io)
+        if self.host is not None:
+            self.host.attach(self.io, self.counters, self.compressed_pushes, self.run_phases,
+                             functools.partial(Handle, self))
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
                                    dense_partition_bytes(self.cfg, book))
         self.io.thread.start()
@@ -140,8 +147,10 @@ class Worker(Communicator):
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
             if self.host is not None and host_first(tensor):  # thc: its owners' own phase tensors
-                return self.host.declare_phases(tensor)
-            for name, length in zip(phase_names(tensor), phase_lengths(tensor, self.size)):
+                named = self.host.phase_tensors(tensor)
+            else:
+                named = zip(phase_names(tensor), phase_lengths(tensor, self.size))
+            for name, length in named:
                 self.declare(name, shape=(length,), dtype=phase_dtype(tensor))
                 self.tensors[name].auxiliary = True
             return
@@ -169,13 +178,13 @@ class Worker(Communicator):
         if phases(tensor) > 1 and not (host_level and host_first(tensor)):
             return self._reduce_in_phases(tensor, array, out, average, ctx, priority)
         flat = np.ascontiguousarray(array).reshape(-1)
-        if host_level:  # thc's phases run there too, between the host's sum and its copy out
-            return self.host.push_pull(tensor, flat, out, average, ctx, priority)
-        if tensor.local:
+        if host_level or tensor.local:  # summed in shared memory (two levels: thc's phases between
+            # the host's sum and its copy out too)
             wire = out.reshape(-1)
             tensor.busy = True
             handle = Handle(self, tensor, out, wire, 1, average, ctx)
-            local, rnd = self.local.prepare(tensor, flat)
+            local, rnd = self.host_memory.prepare(tensor, flat)
+            local.priority = priority  # two levels: the owner's push
             self.io.post(StartLocal(local, rnd, handle, wire, average))
             return handle
         if tensor.wire_dtype != array.dtype:  # fp16 on the wire: push and pull a cast copy

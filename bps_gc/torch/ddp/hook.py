@@ -13,6 +13,8 @@ the server's (docs/ddp_hook.md). Without a compressor it is an all_reduce (float
 called. An error on the pipeline's threads (a codec's, a failed peer's) is the future's: DDP
 raises it from backward().
 """
+import math
+
 import torch.distributed as dist
 
 import bps_gc.core as core
@@ -26,8 +28,8 @@ from ..checkpoint import register
 
 class CompressionHook:
     """The hook's state: its ``pipeline`` (collective.exchange.Pipeline, each gradient's codec in
-    ``pipeline.codecs``), the ``optimizer`` whose learning rate a call reads, or ``lr`` (set by
-    the caller of a named exchange, torch/exchange.py)."""
+    ``pipeline.codecs``), the ``optimizer`` whose learning rate a call reads, or ``lr``. A named
+    exchange (torch/exchange.py) hands ``submit`` its named parts itself."""
 
     def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None):
         refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
@@ -44,8 +46,13 @@ class CompressionHook:
         # DDP reads a failed Python future's exception as its value ("Unable to cast ... to
         # Tensor"); a callback that raises it marks the chained future failed, with the
         # exception's type and text in the error DDP raises
+        return self.submit(group, batch_of(bucket), self.current_lr())
+
+    def submit(self, group, batch, lr):
+        """``batch`` (codecs.Batch: named parts) averaged over ``group`` by the pipeline: a future
+        of its buffer (failed with the pipeline's error)."""
         comm = core.communicator() if core.is_initialized() else None  # its waits watch the heartbeat
-        return self.pipeline.submit(group, batch_of(bucket), self.current_lr(), comm).then(value)
+        return self.pipeline.submit(group, batch, lr, comm).then(value)
 
     def current_lr(self):
         """The learning rate error feedback rescales by: the optimizer's now, else ``lr``."""
@@ -63,19 +70,24 @@ class CompressionHook:
 
 
 def batch_of(bucket):
-    """DDP's bucket (or one of the same shape: torch/exchange.py's, the tests') as named parts:
-    each gradient's codec kept under its parameter (DDP's buckets), its name (named parts), or
-    the bucket index and its position (a bucket with neither); keyed by name where the bucket
-    names its parts, else by index and position."""
-    index, grads = bucket.index(), bucket.gradients()
-    parameters = bucket.parameters() if hasattr(bucket, "parameters") else None
-    names = bucket.names() if hasattr(bucket, "names") else None
+    """DDP's bucket (or the tests' stand-in of one) as named parts (``parts_batch``)."""
+    grads = bucket.gradients()
+    return parts_batch(bucket.index(), bucket.buffer(), [tuple(g.shape) for g in grads],
+                       bucket.parameters() if hasattr(bucket, "parameters") else None,
+                       bucket.names() if hasattr(bucket, "names") else None)
+
+
+def parts_batch(index, buffer, shapes, parameters=None, names=None):
+    """Batch ``index``: the flat ``buffer`` cut into parts of ``shapes``, each part's codec kept
+    under its parameter (``parameters``: DDP's buckets), its name (``names``: a named exchange,
+    torch/exchange.py), or the batch index and its position (neither); keyed by name where the
+    parts are named, else by index and position."""
     if parameters is not None:
         ids = [id(p) for p in parameters]
     else:
-        ids = list(names) if names is not None else [(index, position) for position in range(len(grads))]
-    return Batch(index, bucket.buffer(), [g.numel() for g in grads], ids, names, [tuple(g.shape) for g in grads],
-                 core.device_codecs())
+        ids = list(names) if names is not None else [(index, position) for position in range(len(shapes))]
+    return Batch(index, buffer, [math.prod(shape) for shape in shapes], ids,
+                 None if names is None else list(names), list(shapes), core.device_codecs())
 
 
 def comm_hook(compression_params=None, reducer=None, optimizer=None, named_parameters=None):

@@ -110,7 +110,7 @@ class Lifecycle:
         if self.shared.failure is not None:
             raise self.shared.failure
 
-    def wait(self, work, what, message=None, group=None):
+    def wait(self, work, what, message=None, *, group=None):
         """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
         shut down meanwhile. ``what`` names it in an error: a string, or a function making one
         (only called then). ``group``: the process group of a collective ``issue`` counted on

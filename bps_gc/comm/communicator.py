@@ -152,7 +152,7 @@ class Communicator(abc.ABC):
         ``work``. A communicator that does not watch works counts nothing."""
         return work
 
-    def wait(self, work, what, group=None):
+    def wait(self, work, what, *, group=None):
         """Wait for a torch.distributed ``work`` issued beside this communicator, watching the
         job's liveness: a dead or departed peer (of ``group``, where ``issue`` counted it)
         raises NodeFailure naming it (``what`` names the work, or is a function making the name)."""

@@ -43,7 +43,7 @@ def waiter(group, index, comm):
     watched = comm is not None and comm.watches_works
     if watched:
         def through(work, what):
-            comm.wait(comm.issue(work, group), lambda: f"{what} of DDP bucket {index}", group)
+            comm.wait(comm.issue(work, group), lambda: f"{what} of DDP bucket {index}", group=group)
     else:
         def through(work, what):
             try:

@@ -149,9 +149,15 @@ class Lifecycle:
         heartbeat = self.shared.heartbeat
         if heartbeat is None or not heartbeat.ended:  # the usual case, on every spin
             return
-        members = self._members(group)
+        members, ended = self._members(group), heartbeat.ended
+        if members is not None:
+            # a sub-group's leaver whose script raised may have raised on a peer that died in a
+            # collective bps_gc does not watch (FSDP2's own, on another group): it is named once
+            # the heartbeat had its bound to name that peer first
+            settled = time.monotonic() - self.cfg.heartbeat_timeout - 2 * self.cfg.heartbeat_interval
+            ended = {r: e for r, e in list(ended.items()) if not e.raised or heartbeat.ended_at.get(r, 0) < settled}
         issued = self.shared.issued if members is None else self.shared.issued_on.get(members, 0)
-        failure = departure(heartbeat.ended, self.rank, issued, what, message, members)
+        failure = departure(ended, self.rank, issued, what, message, members)
         if failure:
             self.shared.failure = failure
             raise failure

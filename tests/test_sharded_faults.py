@@ -146,7 +146,8 @@ def test_a_clean_exit_mid_job_ends_diloco_naming_the_leaver(tmp_path):
         assert procs[0].returncode != 0 and procs[1].returncode == 0
         assert max(ends) - left_at < BOUND, f"the last launcher ended {max(ends) - left_at:.1f} s after the exit"
         assert stopped(procs, pids)
-        print(f"diloco: rank 1 left; the launchers ended {min(ends) - left_at:.1f} and {max(ends) - left_at:.1f} s later")
+        print(f"diloco: rank 1 left; the launchers ended {min(ends) - left_at:.1f} and "
+              f"{max(ends) - left_at:.1f} s later")
     finally:
         cleanup(procs, pids)
 

@@ -1,21 +1,21 @@
 """Ending a job on torch.distributed when ranks leave at different points.
 
-A rank that shuts down (normally, after an exception, or on Ctrl-C) first publishes what it did:
-how many collectives it issued (on every rank's group, and on each smaller group it is a member
-of: the compressed exchange's pipeline runs on sub-groups) and how many point-to-point messages
-it sent to and took from each peer (``Ending``). The other ranks' heartbeat threads read it (liveness.py), so a rank that
-waits on a collective or a message the leaver never issued fails at once, naming the leaver,
-instead of waiting out gloo's timeout. A wait on a group's collective looks at that group's
+A rank that shuts down (normally, after an exception, or on Ctrl-C) first publishes what it did: how
+many collectives it issued (on every rank's group, and on each smaller group it is a member of: the
+compressed exchange's pipeline runs on sub-groups) and how many point-to-point messages it sent to
+and took from each peer (``Ending``). The other ranks' heartbeat threads read it (liveness.py), so a
+rank that waits on a collective or a message the leaver never issued fails at once, naming the
+leaver, instead of waiting out gloo's timeout. A wait on a group's collective looks at that group's
 members and count only: a rank of another group that leaves is no reason to fail it.
 
-Before blocking on a message (gloo's send/recv complete only inside a blocking wait), a rank
-writes what it waits for (``awaiting/<rank>``), so a leaver can see that a peer can never finish.
+Before blocking on a message (gloo's send/recv complete only inside a blocking wait), a rank writes
+what it waits for (``awaiting/<rank>``), so a leaver can see that a peer can never finish.
 
-The end is clean when every two ranks ended with the same collective counts on each group they
-share and matching message counts: then the ranks run a last gloo barrier and destroy the process group, as before. Otherwise
-nobody runs collectives again and every rank just goes: closing its sockets ends any peer blocked
-on it, and that peer's heartbeat has its Ending by then. The store's host goes last: once every
-other rank has ended, died, or is blocked on it and has read its Ending (``seen``).
+The end is clean when every two ranks ended with the same collective counts on each group they share
+and matching message counts: then the ranks run a last gloo barrier and destroy the process group,
+as before. Otherwise nobody runs collectives again and every rank just goes: closing its sockets
+ends any peer blocked on it, and that peer's heartbeat has its Ending by then. The store's host goes
+last: once every other rank has ended, died, or is blocked on it and has read its Ending (``seen``).
 """
 import time
 from dataclasses import dataclass

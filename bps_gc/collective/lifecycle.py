@@ -114,9 +114,9 @@ class Lifecycle:
         """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
         shut down meanwhile. ``what`` names it in an error: a string, or a function making one
         (only called then). ``group``: the process group of a collective ``issue`` counted on
-        it (None: every rank's): only its members' departures fail it. Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
-        only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
-        socket error, which the heartbeat names."""
+        it (None: every rank's): only its members' departures fail it. Gloo's send/recv works
+        (``message``: ("recv" | "send", peer, n)) only complete inside a blocking wait(): a dead
+        or departed peer then shows as gloo's socket error, which the heartbeat names."""
         if message is not None and self.shared.heartbeat is not None:
             self._check_departures(what, message)
             if message != self.awaiting:  # a message's two works: one note in the store

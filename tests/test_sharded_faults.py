@@ -4,12 +4,17 @@ DiLoCo: 2 hosts x 1 rank, top-k + EF, two staggered fragments), under bps_gc.tor
 collective communicator's heartbeat). A rank killed mid-job (SIGKILL) ends every other process
 within BOUND seconds: the other host's ranks each say in one line that the killed rank died,
 with no traceback; the killed rank's launcher names it as the root cause; no rank is left. A
-Ctrl-C at both hosts' terminals ends DiLoCo's ranks with one line each.
+Ctrl-C at both hosts' terminals ends DiLoCo's ranks with one line each. A rank that ends its
+script early (``sys.exit(0)``) mid-job fails the ranks waiting on it in bps_gc's compressed
+exchange at once, naming it, and only them: DiLoCo's other rank; of CompressedExchange on two
+sub-groups (2 hosts x 2 ranks, groups {0, 1} and {2, 3}), its group-mate, while the other
+group's ranks exchange on and end normally.
 
-Not covered, because they hang today (docs/fsdp.md, docs/diloco.md): a rank that ends its
-script early (clean exit or exception) mid-job, and Ctrl-C of the HSDP job."""
+Not covered, because they hang today (docs/fsdp.md): a rank of the HSDP job that ends its
+script early (FSDP2's own collectives are not bps_gc's), and Ctrl-C of the HSDP job."""
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,7 +31,8 @@ BOUND = 25.0
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 JOBS = {"hsdp": ("fsdp_job.py", 2, {"mode": "fault", "compression_params": TOPK}),
         "diloco": ("diloco_resume_job.py", 1, {"phase": "fault", "sync_every": 4, "fragments": 2, "delay": 1,
-                                               "steps": 0, "compression_params": TOPK})}
+                                               "steps": 0, "compression_params": TOPK}),
+        "subgroups": ("exchange_leave_job.py", 2, {"groups": [[0, 1], [2, 3]], "compression_params": TOPK})}
 
 
 def launch_two_hosts(tmp_path, job, spec):
@@ -114,5 +120,65 @@ def test_ctrl_c_ends_diloco_with_one_line_per_rank(tmp_path):
         assert max(ends) - interrupted < BOUND, f"the last launcher ended {max(ends) - interrupted:.1f} s after Ctrl-C"
         assert stopped(procs, pids)
         print(f"diloco: Ctrl-C; the launchers ended {min(ends) - interrupted:.1f} and {max(ends) - interrupted:.1f} s later")
+    finally:
+        cleanup(procs, pids)
+
+
+def left(rank, group=None):
+    """The one line of a rank failed by ``rank``'s early end (on ``group``'s collectives)."""
+    on = "" if group is None else re.escape(f" on the group of ranks {group}")
+    return re.compile(rf"\[rank\d\]: bps_gc: NodeFailure: bps_gc: rank {rank} left the job \(shut down after "
+                      rf"\d+ collectives{on}\) before rank \d's all_gather of .* of DDP bucket \d+")
+
+
+def test_a_clean_exit_mid_job_ends_diloco_naming_the_leaver(tmp_path):
+    procs, ranks = launch_two_hosts(tmp_path, "diloco", {"fault": "exit", "victim": 1})
+    pids = []
+    try:
+        pids = wait_for_pids(tmp_path, ranks, procs, timeout=180)
+        ends = wait_all(procs, 60)
+        left_at = float((tmp_path / "fault_time").read_text())
+        survivor, leaver = (tmp_path / "host0.err").read_text(), (tmp_path / "host1.err").read_text()
+        assert None not in ends, f"a launcher still runs 60 s after rank 1 left:\n{survivor[-3000:]}"
+        lines = rank_lines(survivor, 0)
+        assert len(lines) == 1 and left(1).fullmatch(lines[0]), survivor[-3000:]
+        assert rank_lines(leaver, 1) == [], leaver[-3000:]
+        assert procs[0].returncode != 0 and procs[1].returncode == 0
+        assert max(ends) - left_at < BOUND, f"the last launcher ended {max(ends) - left_at:.1f} s after the exit"
+        assert stopped(procs, pids)
+        print(f"diloco: rank 1 left; the launchers ended {min(ends) - left_at:.1f} and "
+              f"{max(ends) - left_at:.1f} s later")
+    finally:
+        cleanup(procs, pids)
+
+
+def test_a_clean_exit_fails_its_own_sub_group_only(tmp_path):
+    """Rank 3 leaves (host 1): rank 2 fails at once, naming it; ranks 0 and 1 (host 0) exchange
+    3 more times and end normally, alike. Host 0's torchrun then waits in its exit barrier for
+    host 1's failed agent (torch's, up to 300 s: elastic's exit_barrier_timeout), so the test
+    waits for the ranks, not that launcher."""
+    procs, ranks = launch_two_hosts(tmp_path, "subgroups", {"victim": 3})
+    pids = []
+    try:
+        pids = wait_for_pids(tmp_path, ranks, procs, timeout=180)
+        ends = wait_all(procs[1:], 60)
+        left_at = float((tmp_path / "fault_time").read_text())
+        deadline = time.monotonic() + 60
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        gone = time.time()
+        others, leavers = (tmp_path / "host0.err").read_text(), (tmp_path / "host1.err").read_text()
+        assert None not in ends, f"host 1's launcher still runs 60 s after rank 3 left:\n{leavers[-3000:]}"
+        lines = rank_lines(leavers, 2)
+        assert len(lines) == 1 and left(3, [2, 3]).fullmatch(lines[0]), leavers[-3000:]
+        assert rank_lines(leavers, 3) == [], leavers[-3000:]
+        assert procs[1].returncode != 0
+        assert ends[0] - left_at < BOUND, f"rank 2's launcher ended {ends[0] - left_at:.1f} s after the exit"
+        assert rank_lines(others, 0) == rank_lines(others, 1) == [], others[-3000:]
+        done = [(tmp_path / f"done{r}").read_text() for r in range(2)]
+        assert done[0] == done[1], done  # the group's last average, alike on both
+        assert not any(alive(pid) for pid in pids) and gone - left_at < BOUND, "a rank still runs"
+        print(f"sub-groups: rank 3 left; rank 2's launcher ended {ends[0] - left_at:.1f} s later, "
+              f"the last rank {gone - left_at:.1f} s later")
     finally:
         cleanup(procs, pids)

@@ -70,9 +70,10 @@ class Collective(api.Communicator):
                                phased=self.phases.exchange_phased,
                                deliver_tensors=self.device.deliver_tensors)
         # the calls other layers make straight to a part: bound here, so a call costs no more
-        # than it did (check_alive, wait and flush: collective/exchange/pipeline.py, tests; the device calls:
+        # than it did (check_alive, wait, issue and flush: collective/exchange/, tests; the device calls:
         # torch/device.py, torch/ops.py)
         self.check_alive, self.wait, self.drain = self.lifecycle.check_alive, self.lifecycle.wait, self.lifecycle.drain
+        self.issue = self.lifecycle.issue  # the pipeline's collectives, counted per group (exchange/driver.py)
         self.flush = self.buckets.flush
         self.push_payloads, self.reduce_tensor = self.device.push_payloads, self.device.reduce_tensor
         self.checkpoint = CommunicatorState(codecs, self.tensors, self.rank, self.flush, self.drain)

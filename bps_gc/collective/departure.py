@@ -1,19 +1,21 @@
 """Ending a job on torch.distributed when ranks leave at different points.
 
-A rank that shuts down (normally, after an exception, or on Ctrl-C) first publishes what it did:
-how many collectives it issued and how many point-to-point messages it sent to and took from
-each peer (``Ending``). The other ranks' heartbeat threads read it (liveness.py), so a rank that
-waits on a collective or a message the leaver never issued fails at once, naming the leaver,
-instead of waiting out gloo's timeout.
+A rank that shuts down (normally, after an exception, or on Ctrl-C) first publishes what it did: how
+many collectives it issued (on every rank's group, and on each smaller group it is a member of: the
+compressed exchange's pipeline runs on sub-groups) and how many point-to-point messages it sent to
+and took from each peer (``Ending``). The other ranks' heartbeat threads read it (liveness.py), so a
+rank that waits on a collective or a message the leaver never issued fails at once, naming the
+leaver, instead of waiting out gloo's timeout. A wait on a group's collective looks at that group's
+members and count only: a rank of another group that leaves is no reason to fail it.
 
-Before blocking on a message (gloo's send/recv complete only inside a blocking wait), a rank
-writes what it waits for (``awaiting/<rank>``), so a leaver can see that a peer can never finish.
+Before blocking on a message (gloo's send/recv complete only inside a blocking wait), a rank writes
+what it waits for (``awaiting/<rank>``), so a leaver can see that a peer can never finish.
 
-The end is clean when every rank ended with the same collective count and matching message
-counts: then the ranks run a last gloo barrier and destroy the process group, as before. Otherwise
-nobody runs collectives again and every rank just goes: closing its sockets ends any peer blocked
-on it, and that peer's heartbeat has its Ending by then. The store's host goes last: once every
-other rank has ended, died, or is blocked on it and has read its Ending (``seen``).
+The end is clean when every two ranks ended with the same collective counts on each group they share
+and matching message counts: then the ranks run a last gloo barrier and destroy the process group,
+as before. Otherwise nobody runs collectives again and every rank just goes: closing its sockets
+ends any peer blocked on it, and that peer's heartbeat has its Ending by then. The store's host goes
+last: once every other rank has ended, died, or is blocked on it and has read its Ending (``seen``).
 """
 import time
 from dataclasses import dataclass
@@ -28,21 +30,31 @@ class Ending:
     received: tuple    # messages taken from each rank
     failed: bool       # it shut down after a failure of the job
     raised: str = None  # the uncaught exception its script ended on (an identifier), if any
+    groups: tuple = ()  # ((members, collectives issued on them), ...): its groups smaller than every rank's
 
     def encode(self):
+        groups = ";".join(f"{'-'.join(map(str, members))}:{n}" for members, n in self.groups)
         return "|".join([str(self.issued), ",".join(map(str, self.sent)), ",".join(map(str, self.received)),
-                         "failed" if self.failed else "ok", self.raised or ""])
+                         "failed" if self.failed else "ok", self.raised or "", groups])
 
     @classmethod
     def decode(cls, text):
-        issued, sent, received, how, raised = (text.decode() if isinstance(text, bytes) else text).split("|")
+        issued, sent, received, how, raised, *rest = (text.decode() if isinstance(text, bytes) else text).split("|")
+        groups = tuple((tuple(map(int, members.split("-"))), int(n)) for members, n in
+                       (group.split(":") for group in (rest[0].split(";") if rest and rest[0] else [])))
         return cls(int(issued), tuple(map(int, sent.split(","))), tuple(map(int, received.split(","))),
-                   how == "failed", raised or None)
+                   how == "failed", raised or None, groups)
 
-    def how(self):
-        plural = "" if self.issued == 1 else "s"
+    def issued_on(self, members):
+        """Its collectives on the group of ``members`` (sorted global ranks; None: every rank's)."""
+        return self.issued if members is None else dict(self.groups).get(members, 0)
+
+    def how(self, members=None):
+        issued = self.issued_on(members)
+        plural = "" if issued == 1 else "s"
         what = "failed" if self.failed else f"its script raised {self.raised}" if self.raised else "shut down"
-        return f"{what} after {self.issued} collective{plural}"
+        on = "" if members is None else f" on the group of ranks {list(members)}"
+        return f"{what} after {issued} collective{plural}{on}"
 
 
 def described(what):
@@ -50,15 +62,18 @@ def described(what):
     return what() if callable(what) else what
 
 
-def departure(ended, rank, issued, what, message=None):
+def departure(ended, rank, issued, what, message=None, members=None):
     """The NodeFailure for ``what`` if a rank in ``ended`` ({rank: Ending}) can never complete it,
-    else None. ``message``: ("recv" | "send", peer, n) for the n-th message with ``peer``."""
-    leavers = [(other, end) for other, end in list(ended.items()) if end.issued < issued]
+    else None. ``issued``: this rank's collectives on the group ``what`` runs on, ``members``
+    (its sorted global ranks; None: every rank). ``message``: ("recv" | "send", peer, n) for the
+    n-th message with ``peer``."""
+    leavers = [(other, end) for other, end in list(ended.items())
+               if (members is None or other in members) and end.issued_on(members) < issued]
     if leavers:
         # a rank that "failed" did so because another one left: name the one that did not fail
         # (it raised, got Ctrl-C or ended early), else the earliest to leave
-        other, end = min(leavers, key=lambda leaver: (leaver[1].failed, leaver[1].issued, leaver[0]))
-        return NodeFailure(f"bps_gc: rank {other} left the job ({end.how()}) before rank {rank}'s "
+        other, end = min(leavers, key=lambda leaver: (leaver[1].failed, leaver[1].issued_on(members), leaver[0]))
+        return NodeFailure(f"bps_gc: rank {other} left the job ({end.how(members)}) before rank {rank}'s "
                            f"{described(what)}")
     if message is not None:
         kind, peer, n = message
@@ -72,8 +87,10 @@ def departure(ended, rank, issued, what, message=None):
 
 
 def matches(mine, rank, other, end):
+    shared = {members for members, _ in mine.groups + end.groups if rank in members and other in members}
     return (not end.failed and end.issued == mine.issued and end.sent[rank] == mine.received[other]
-            and end.received[rank] == mine.sent[other])
+            and end.received[rank] == mine.sent[other]
+            and all(end.issued_on(members) == mine.issued_on(members) for members in shared))
 
 
 def blocked_on(heartbeat, mine, other):

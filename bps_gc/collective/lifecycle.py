@@ -2,7 +2,9 @@
 
 Every wait polls the heartbeat (liveness.py): a dead rank raises NodeFailure within the
 heartbeat bound, and one that shut down (departure.py) as soon as this rank waits on anything it
-never issued; so every collective and message is counted (``issue``).
+never issued; so every collective and message is counted (``issue``), per group: the compressed
+exchange's pipeline (collective/exchange/driver.py) counts its collectives here too, on the
+groups it runs on.
 """
 import logging
 import threading
@@ -37,6 +39,8 @@ class Lifecycle:
         self.hosts_store = False
         self.awaiting = None  # the message this rank last told the store it waits for
         self.abandoned = None  # the uncaught exception the script ends on, if any
+        self.counting = threading.Lock()  # the exchange thread and the pipeline's count at once
+        self.members = {}  # process group -> its sorted global ranks (None: every rank)
 
     def start(self, join_levels, barrier):
         """Rendezvous and heartbeat, then ``join_levels`` (TwoLevelReductions') and a first ``barrier``."""
@@ -71,7 +75,9 @@ class Lifecycle:
         self.closed = True
         clean = not failed
         if shared.heartbeat is not None and shared.heartbeat.store is not None and self.size > 1:
-            mine = Ending(shared.issued, tuple(shared.sent), tuple(shared.received), failed, self.abandoned)
+            with self.counting:
+                mine = Ending(shared.issued, tuple(shared.sent), tuple(shared.received), failed, self.abandoned,
+                              tuple(sorted(shared.issued_on.items())))
             shared.heartbeat.announce(mine)
             clean = await_end(shared.heartbeat, mine, self.hosts_store, self.cfg.join_timeout)
             shared.heartbeat.leave()
@@ -104,12 +110,13 @@ class Lifecycle:
         if self.shared.failure is not None:
             raise self.shared.failure
 
-    def wait(self, work, what, message=None):
+    def wait(self, work, what, message=None, *, group=None):
         """Wait for a torch.distributed work item, watching the heartbeat and the ranks that
         shut down meanwhile. ``what`` names it in an error: a string, or a function making one
-        (only called then). Gloo's send/recv works (``message``: ("recv" | "send", peer, n))
-        only complete inside a blocking wait(): a dead or departed peer then shows as gloo's
-        socket error, which the heartbeat names."""
+        (only called then). ``group``: the process group of a collective ``issue`` counted on
+        it (None: every rank's): only its members' departures fail it. Gloo's send/recv works
+        (``message``: ("recv" | "send", peer, n)) only complete inside a blocking wait(): a dead
+        or departed peer then shows as gloo's socket error, which the heartbeat names."""
         if message is not None and self.shared.heartbeat is not None:
             self._check_departures(what, message)
             if message != self.awaiting:  # a message's two works: one note in the store
@@ -122,7 +129,7 @@ class Lifecycle:
             done = threading.Event()
             work.get_future().add_done_callback(lambda _: done.set())
             while True:
-                self._check_departures(what)
+                self._check_departures(what, group=group)
                 self.check_alive()
                 if done.wait(WATCH_SECONDS):
                     break
@@ -132,22 +139,47 @@ class Lifecycle:
             # thread may run late on a busy host: twice its bound)
             deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
             while time.monotonic() < deadline:
-                self._check_departures(what, message)
+                self._check_departures(what, message, group)
                 self.check_alive()
                 time.sleep(self.cfg.heartbeat_interval / 4)
             self.shared.failure = NodeFailure(f"bps_gc: {described(what)} failed on rank {self.rank}: {e}")
             raise self.shared.failure from None
 
-    def _check_departures(self, what, message=None):
+    def _check_departures(self, what, message=None, group=None):
         heartbeat = self.shared.heartbeat
         if heartbeat is None or not heartbeat.ended:  # the usual case, on every spin
             return
-        failure = departure(heartbeat.ended, self.rank, self.shared.issued, what, message)
+        members, ended = self._members(group), heartbeat.ended
+        if members is not None:
+            # a sub-group's leaver whose script raised may have raised on a peer that died in a
+            # collective bps_gc does not watch (FSDP2's own, on another group): it is named once
+            # the heartbeat had its bound to name that peer first
+            settled = time.monotonic() - self.cfg.heartbeat_timeout - 2 * self.cfg.heartbeat_interval
+            ended = {r: e for r, e in list(ended.items()) if not e.raised or heartbeat.ended_at.get(r, 0) < settled}
+        issued = self.shared.issued if members is None else self.shared.issued_on.get(members, 0)
+        failure = departure(ended, self.rank, issued, what, message, members)
         if failure:
             self.shared.failure = failure
             raise failure
 
-    def issue(self, work):
-        """Count a collective as it is issued (every rank issues them in the same order)."""
-        self.shared.issued += 1
+    def issue(self, work, group=None):
+        """Count a collective as it is issued on ``group`` (None: every rank's; the members of a
+        group issue its collectives in the same order). ``work`` None: one this rank skips
+        that the others count (the levels'). Returns ``work``."""
+        members = self._members(group)
+        with self.counting:
+            if members is None:
+                self.shared.issued += 1
+            else:
+                self.shared.issued_on[members] = self.shared.issued_on.get(members, 0) + 1
         return work
+
+    def _members(self, group):
+        """``group``'s sorted global ranks, None when it is every rank (the world's count)."""
+        if group is None:
+            return None
+        members = self.members.get(group, False)
+        if members is False:
+            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+            members = self.members[group] = None if len(ranks) == self.size else ranks
+        return members

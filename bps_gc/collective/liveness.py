@@ -25,6 +25,7 @@ class Heartbeat:
         self.interval, self.timeout, self.where = interval, timeout, where
         self.failure = None
         self.ended = {}  # rank -> Ending, of the other ranks that shut down
+        self.ended_at = {}  # rank -> time.monotonic() its Ending was read
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bps_gc-heartbeat", daemon=True)
 
@@ -102,6 +103,8 @@ class Heartbeat:
         one that left first (departure.py names the latter)."""
         found = {r: Ending.decode(self.store.get(f"ending/{r}")) for r in others
                  if r not in self.ended and self.store.check([f"ending/{r}"])}
+        now = time.monotonic()
+        self.ended_at.update((r, now) for r in found)
         self.ended.update(found)
         for r in found:
             self.store.set(f"seen/{r}/{self.rank}", "1")

@@ -1,7 +1,7 @@
 """What the parts of ``Collective`` (communicator.py) share: one small object, handed to each
 part at construction. Everything else a part keeps to itself."""
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..comm.metrics import Metrics
 
@@ -16,6 +16,9 @@ class Shared:
     # collectives this rank issued (Lifecycle.issue; TwoLevelReductions.level_wait counts the ones it
     # skips): what a rank that left compares (departure.py)
     issued: int = 0
+    # the same on each smaller group (sorted global ranks -> count): the compressed exchange's
+    # pipeline's collectives (Lifecycle.issue with a group; a group of every rank counts in ``issued``)
+    issued_on: Dict[tuple, int] = dataclasses.field(default_factory=dict)
     # messages sent to / taken from each peer (Messages); Lifecycle publishes them at shutdown
     sent: List[int] = dataclasses.field(default_factory=list)
     received: List[int] = dataclasses.field(default_factory=list)

@@ -44,7 +44,7 @@ class TwoLevelReductions:
         """Wait for one of the levels' collectives; None counts one this rank skips (every rank
         counts the same collectives, which departure.py compares)."""
         if work is None:
-            self.shared.issued += 1
+            self.issue(None)
             return
         self.wait(self.issue(work), what)
 

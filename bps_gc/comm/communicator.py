@@ -146,10 +146,16 @@ class Communicator(abc.ABC):
     # communicator (a DDP hook's): only a communicator on torch.distributed does
     watches_works = False
 
-    def wait(self, work, what):
+    def issue(self, work, group=None):
+        """Count a torch.distributed collective issued beside this communicator on ``group``
+        (None: every rank's), before ``wait``: what a departed peer is compared with. Returns
+        ``work``. A communicator that does not watch works counts nothing."""
+        return work
+
+    def wait(self, work, what, *, group=None):
         """Wait for a torch.distributed ``work`` issued beside this communicator, watching the
-        job's liveness: a dead or departed peer raises NodeFailure naming it (``what`` names the
-        work, or is a function making the name)."""
+        job's liveness: a dead or departed peer (of ``group``, where ``issue`` counted it)
+        raises NodeFailure naming it (``what`` names the work, or is a function making the name)."""
         raise NotImplementedError(f"{type(self).__name__} does not watch torch.distributed works")
 
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live

@@ -38,10 +38,12 @@ def waiter(group, index, comm):
     """How the pipeline waits for a collective (None: one this rank skips): through bps_gc's
     collective communicator ``comm`` when it runs (its heartbeat names a dead or departed
     rank within its bound, as a NodeFailure), else gloo's own wait, whose error (a peer's
-    socket closed) becomes one."""
-    if comm is not None and comm.watches_works:
+    socket closed) becomes one. The communicator counts each collective on ``group`` (one
+    skipped counts too, as the others issue it), so a member that left names itself at once."""
+    watched = comm is not None and comm.watches_works
+    if watched:
         def through(work, what):
-            comm.wait(work, lambda: f"{what} of DDP bucket {index}")
+            comm.wait(comm.issue(work, group), lambda: f"{what} of DDP bucket {index}", group=group)
     else:
         def through(work, what):
             try:
@@ -52,6 +54,8 @@ def waiter(group, index, comm):
 
     def wait(work, what):
         if work is None:
+            if watched:
+                comm.issue(None, group)
             return
         stamp(index, what + " start")
         through(work, what)

@@ -92,8 +92,11 @@ def test_a_killed_rank_ends_every_process_naming_it(job, tmp_path):
         assert all(p.returncode != 0 for p in procs)
         for rank in range(ranks // 2):  # host 0's ranks: one line each, naming the killed rank
             lines = rank_lines(survivors, rank)
-            assert lines == [f"[rank{rank}]: bps_gc: NodeFailure: bps_gc: rank {victim} sent no heartbeat for 3 s: "
-                             "it died or hangs"], survivors[-3000:]
+            named = (f"[rank{rank}]: bps_gc: NodeFailure: bps_gc: rank {victim} sent no heartbeat for 3 s: "
+                     "it died or hangs")
+            # the victim's host-mate, stopped by its torchrun meanwhile, may be noted after it
+            mates = [f" (rank {r} then stopped by a launcher)" for r in range(ranks // 2, ranks) if r != victim]
+            assert lines in ([named],) + tuple([named + mate] for mate in mates), survivors[-3000:]
         assert f"rank      : {victim} (local_rank: {victim - ranks // 2})\n  exitcode  : -9" in victims, victims[-3000:]
         assert max(ends) - killed < BOUND, f"the last launcher ended {max(ends) - killed:.1f} s after the kill"
         assert stopped(procs, pids)

@@ -49,7 +49,7 @@ from .two_level_reductions import TwoLevelReductions
 
 class Collective(api.Communicator):
     gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
-    watches_works = sums_tensors_on_device = True
+    watches_works = sums_tensors_on_device = reduces_on_process_groups = True
 
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs

@@ -158,6 +158,11 @@ class Communicator(abc.ABC):
         raises NodeFailure naming it (``what`` names the work, or is a function making the name)."""
         raise NotImplementedError(f"{type(self).__name__} does not watch torch.distributed works")
 
+    # whether reductions run on torch.distributed process groups, so that a binding may average
+    # named tensors over any group of ranks (bps_gc.torch's CompressedExchange); False: every
+    # reduce spans all workers, by declared name (the parameter server's push and pull)
+    reduces_on_process_groups = False
+
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
     sums_tensors_on_device = False
 

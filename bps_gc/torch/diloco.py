@@ -1,5 +1,6 @@
-"""DiLoCo (Douillard et al., 2023) and Streaming DiLoCo's fragments (2025) over bps_gc's
-compressed exchange (torch/exchange.py), with the outer step on the workers:
+"""DiLoCo (Douillard et al., 2023) and Streaming DiLoCo's fragments (2025) over the job's
+transport (torch/exchange.py: the compressed exchange on torch.distributed, push_pull through the
+servers on the parameter server), with the outer step on the workers:
 
     opt = bps_gc.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=4e-4), sync_every=50,
                               compression_params={"compressor": "thc", "bits": 4})
@@ -15,13 +16,13 @@ optimizer (SGD, lr 0.7, momentum 0.9, Nesterov, as in the paper) steps the globa
 as its gradient, and the local parameters become ``alpha * local + (1 - alpha) * global``.
 With ``fragments=F`` the parameters are cut into F contiguous fragments, in order, and
 fragment f syncs at inner steps ``(f + 1) * H // F`` mod H, so the F exchanges are staggered
-over the H steps (Streaming DiLoCo). A replica may be several ranks: ``replicate`` is the
-process group the pseudo-gradients are averaged over (default: every rank).
+over the H steps (Streaming DiLoCo). On torch.distributed a replica may be several ranks:
+``replicate`` is the process group the pseudo-gradients are averaged over (default: every
+rank); on the parameter server every worker is a replica (a group is refused).
 """
 import torch
-import torch.distributed as dist
 
-from .exchange import CompressedExchange, interruptible_wait
+from .exchange import interruptible_wait, named_exchange
 
 
 class DiLoCo:
@@ -58,8 +59,13 @@ class DiLoCo:
                 raise TypeError(f"DiLoCo: outer_optimizer must return a torch.optim.Optimizer, got "
                                 f"{type(outer).__name__}")
             self.fragments.append(Fragment(part, copies, outer, (f + 1) * sync_every // fragments % sync_every))
-        # each pseudo-gradient's codec is kept by its parameter and saved under its name
-        self.exchange = CompressedExchange(compression_params, named_parameters=named)
+        # each pseudo-gradient's codec is kept by its parameter and saved under its name; the
+        # exchange is the job's transport's (collective: CompressedExchange, on ``replicate``;
+        # parameter server: PushPullExchange, over every worker)
+        try:
+            self.exchange = named_exchange(compression_params, named, replicate)
+        except ValueError as e:
+            raise ValueError(f"DiLoCo: {e}") from None
         self.steps = 0  # inner steps taken
 
     @property
@@ -85,8 +91,7 @@ class DiLoCo:
     def start_sync(self, fragment):
         """The fragment's pseudo-gradient, averaged over the replicas in the background."""
         pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
-        fragment.pending = self.exchange(pseudo, group=self.replicate if self.replicate is not None
-                                         else dist.group.WORLD)
+        fragment.pending = self.exchange(pseudo, group=self.replicate)  # None: every rank
         fragment.due = self.steps + self.delay
 
     @torch.no_grad()

@@ -13,12 +13,16 @@ with the same names in the same order, as every DDP rank reduces the same bucket
 part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (tensors of the
 parts' sizes, on their devices), as the DDP hook's does.
 """
+import itertools
 import threading
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
+import bps_gc.core as core
+
+from . import ops
 from ..comm import NodeFailure
 from .checkpoint import register
 from .ddp.hook import CompressionHook, parts_batch
@@ -68,6 +72,69 @@ class CompressedExchange:
             result.set_result(dict(named))
         future.add_done_callback(written_back)
         return result
+
+
+class PushPullExchange:
+    """CompressedExchange's counterpart on the parameter server, with its call shape: named
+    float32 tensors averaged over every worker by push_pull (ops.push_pull_async), each under a
+    name declared when this is made (``exchange.<i>.<name>``, the i-th made in this process,
+    so every worker declares the same names in the same order, and a resumed job again), so
+    each part's codec state (error feedback) carries across calls and is saved by
+    ``bps_gc.torch.state_dict()`` with the communicator's, by tensor name. The pushes and pulls
+    run on the worker's threads; a waiter thread completes the returned future."""
+    made = itertools.count()
+
+    def __init__(self, compression_params=None, reducer=None, named_parameters=None):
+        named = list(named_parameters or ())
+        if not named:
+            raise ValueError("PushPullExchange: named_parameters are needed: the parameter server declares "
+                             "every name, in order, before the first push")
+        prefix = f"exchange.{next(PushPullExchange.made)}"
+        extra = {} if reducer is None else {"reducer": reducer}
+        self.keys = {}
+        for name, parameter in named:
+            self.keys[name] = f"{prefix}.{name}"
+            ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=torch.float32,
+                        **dict(compression_params or {}), **extra)
+
+    def __call__(self, tensors, group=None, lr=0.0):
+        """Average ``tensors`` ({name: tensor} or [(name, tensor)]) over every worker, in place;
+        a torch Future of the same mapping. ``group`` must be None (the servers average over
+        every worker); ``lr``: the learning rate error feedback rescales by."""
+        named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        problem = check_parts(named) or (None if group is None else NOT_A_GROUP)
+        missing = [name for name, _ in named if name not in self.keys]
+        if problem or missing:
+            raise ValueError(f"PushPullExchange: {problem or f'{missing[:3]} are not among its named_parameters'}")
+        handles = [ops.push_pull_async(tensor.detach(), average=True, name=self.keys[name], lr=float(lr))
+                   for name, tensor in named]
+        result = torch.futures.Future()
+
+        def wait_all():
+            try:
+                for handle in handles:
+                    ops.synchronize(handle)
+            except Exception as e:  # noqa: BLE001 (the result's waiter raises it)
+                result.set_exception(e)
+                return
+            result.set_result(dict(named))
+        threading.Thread(target=wait_all, name="bps_gc-push-pull-exchange", daemon=True).start()
+        return result
+
+
+NOT_A_GROUP = ("the parameter server averages over every worker; a process group (replicate=) is "
+               "torch.distributed's (BPS_GC_TRANSPORT=collective)")
+
+
+def named_exchange(compression_params=None, named_parameters=None, group=None):
+    """The exchange of the transport this job runs: ``CompressedExchange`` where reductions run
+    on torch.distributed process groups (or bps_gc is not initialized: torch.distributed
+    alone), else ``PushPullExchange``, which refuses a ``group`` (the one it would be called with)."""
+    if not core.is_initialized() or core.communicator().reduces_on_process_groups:
+        return CompressedExchange(compression_params, named_parameters=named_parameters)
+    if group is not None:
+        raise ValueError(NOT_A_GROUP)
+    return PushPullExchange(compression_params, named_parameters=named_parameters)
 
 
 WRAPPED = "Got the following error when running the callback: "

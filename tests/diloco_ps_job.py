@@ -1,12 +1,17 @@
 """bps_gc.torch.DiLoCo on the parameter server (under ``bpslaunch --local``), the outer step on
-the workers: ``python diloco_ps_job.py SPEC.json OUT``. Phase "all": each dense case of the spec
-(sync_every, fragments, steps, delay) trains the small MLP with inner SGD on each rank's own
-batches; then the compressed run ("compressed": top-k + EF, two staggered fragments, tau = 1)
-twice: "straight", and "first", which at ``stop_at`` saves the model, DiLoCo's state and
-bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (a fragment's exchange in flight) and trains on
-("first_end"), after trying a DiLoCo with a process group (refused: "refused"); the straight run's global copies too ("global"). Phase "dense": the dense cases
-only. Phase "resumed": the same objects made in the same order (so the same names are
-declared), the checkpoint loaded, the rest trained ("resumed"). Each rank saves OUT/<phase><rank>.npz."""
+the workers and on the servers: ``python diloco_ps_job.py SPEC.json OUT``.
+
+Phase "dense" and "all": each case of the spec (sync_every, fragments, steps, delay) trains the
+small MLP with inner SGD on each rank's own batches, once per outer step mode: "workers" (dense
+pseudo-gradients) and "servers" (every element sent exactly: threshold 0), saved as
+``<mode>/<case>/<name>``. Phase "all" then runs the compressed settings ("compressed": top-k +
+EF, two staggered fragments, tau = 1) once per mode, twice: "straight" (with its global copies,
+"global"), and "first", the two modes' runs in lockstep, which at ``stop_at`` save the model,
+DiLoCo's state and bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (each with a fragment's
+exchange in flight) and train on ("first_end"); first it tries a DiLoCo with a process group
+(refused: "refused"). Phase "resumed": the same objects made in the same order (so the same
+names are declared), the checkpoint loaded, the rest trained ("resumed"). Each rank saves
+OUT/<phase><rank>.npz."""
 import json
 import os
 import sys
@@ -19,90 +24,87 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.torch as bps  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
 
+MODES = {"workers": None, "servers": {"compressor": "threshold", "threshold": 0.0}}
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 bps.init()
 rank = bps.rank()
-resumed = spec["phase"] == "resumed"
+phase = spec["phase"]
 saved = {}
 
 
-def train(model, opt, start, stop, on_step=None):
-    for step in range(start, stop):
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        if on_step:
-            on_step(step + 1)
+def inner_step(model, opt, step):
+    x, y = batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def parameters(model, label):
     saved.update({f"{label}/{name}": p.detach().numpy().copy() for name, p in model.named_parameters()})
 
 
-if spec["phase"] == "all":  # a process group on the parameter server: refused, nothing declared
+def diloco(sync_every, fragments, delay, compression_params, mode):
     model = build_model()
-    try:
-        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, replicate="a group")
-    except ValueError as e:
-        saved["refused"] = np.array(str(e))
-keep = []  # every DiLoCo made (a resumed job makes them all again, declaring the same names)
-for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
-    model = build_model()
-    keep.append(bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                           delay=delay))
-    if not resumed:
-        train(model, keep[-1], 0, steps)
-        parameters(model, case)
+    opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
+                     delay=delay, compression_params=compression_params, outer_step=mode)
+    keep.append(opt)
+    return model, opt
 
 
 def finish():
-    np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **saved)
+    np.savez(os.path.join(out, f"{phase}{rank}.npz"), **saved)
     for opt in keep:  # the exchanges still in flight (the overlapped runs' last), finished alike everywhere
         opt.state_dict()
     bps.shutdown()
     sys.exit(0)
 
 
-if spec["phase"] == "dense":
+if phase == "all":  # a process group on the parameter server: refused, nothing declared
+    model = build_model()
+    try:
+        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, replicate="a group")
+    except ValueError as e:
+        saved["refused"] = np.array(str(e))
+keep = []  # every DiLoCo made (a resumed job makes them all again, declaring the same names)
+for mode, codec in MODES.items():
+    for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
+        model, opt = diloco(sync_every, fragments, delay, codec, mode)
+        if phase != "resumed":
+            for step in range(steps):
+                inner_step(model, opt, step)
+            parameters(model, f"{mode}/{case}")
+if phase == "dense":
     finish()
 c = spec["compressed"]
-
-
-def compressed():
-    model = build_model()
-    opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), c["sync_every"], fragments=c["fragments"],
-                     compression_params=c["compression_params"], delay=c["delay"])
-    keep.append(opt)
-    return model, opt
-
-
-model, opt = compressed()
-if not resumed:
-    train(model, opt, 0, c["steps"])
-    parameters(model, "straight")
-    names = [name for name, _ in model.named_parameters()]
-    copies = [copy for fragment in opt.fragments for copy in fragment.copies]
-    saved.update({f"global/{name}": copy.numpy().copy() for name, copy in zip(names, copies)})
-model, opt = compressed()
+settings = (c["sync_every"], c["fragments"], c["delay"], c["compression_params"])
+for mode in MODES:
+    model, opt = diloco(*settings, mode)
+    if phase != "resumed":
+        for step in range(c["steps"]):
+            inner_step(model, opt, step)
+        parameters(model, f"{mode}/straight")
+        names = [name for name, _ in model.named_parameters()]
+        copies = [copy for fragment in opt.fragments for copy in fragment.copies]
+        saved.update({f"{mode}/global/{name}": copy.numpy().copy() for name, copy in zip(names, copies)})
+runs = {mode: diloco(*settings, mode) for mode in MODES}  # trained in lockstep: one checkpoint
 path = os.path.join(out, f"ckpt{rank}.pt")
-
-
-def checkpoint(step):
-    if step == c["stop_at"]:  # DiLoCo's state first: it waits for the exchange in flight
-        torch.save({"model": model.state_dict(), "diloco": opt.state_dict(), "bps_gc": bps.state_dict()}, path)
-        parameters(model, "first")
-
-
-if resumed:
+start = 0
+if phase == "resumed":
     ckpt = torch.load(path, weights_only=True)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["diloco"])
+    for mode, (model, opt) in runs.items():
+        model.load_state_dict(ckpt[mode]["model"])
+        opt.load_state_dict(ckpt[mode]["diloco"])
     bps.load_state_dict(ckpt["bps_gc"])
     bps.barrier()  # every rank's state (the servers' part too) is back before any push
-    train(model, opt, c["stop_at"], c["steps"])
-    parameters(model, "resumed")
-else:
-    train(model, opt, 0, c["steps"], checkpoint)
-    parameters(model, "first_end")
+    start = c["stop_at"]
+for step in range(start, c["steps"]):
+    for model, opt in runs.values():
+        inner_step(model, opt, step)
+    if phase == "all" and step + 1 == c["stop_at"]:  # DiLoCo's states first: they wait for the exchanges
+        state = {mode: {"model": model.state_dict(), "diloco": opt.state_dict()} for mode, (model, opt) in runs.items()}
+        torch.save({**state, "bps_gc": bps.state_dict()}, path)
+        for mode, (model, _) in runs.items():
+            parameters(model, f"{mode}/first")
+for mode, (model, _) in runs.items():
+    parameters(model, f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}")
 finish()

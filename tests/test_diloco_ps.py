@@ -1,17 +1,21 @@
-"""bps_gc.torch.DiLoCo on the parameter server (BPS_GC_TRANSPORT=ps, ``bpslaunch --local``, one
-server), the outer step on the workers: each fragment's pseudo-gradient is averaged by push_pull
-under its own declared name (torch/exchange.py's PushPullExchange). Dense, after 5 outer rounds,
-on 2 and 3 workers, every parameter equals test_diloco.py's single-process re-computation within
-1e-6 relative (one fragment, staggered fragments, tau = 1). With top-k + error feedback on 3
-workers: the global copies are bit-identical on every worker; stopped mid-window with a
-fragment's exchange in flight, saved (model, DiLoCo, bps_gc.torch.state_dict()) and resumed in a
-new launch, every parameter equals the straight run bit for bit. A process group is refused."""
+"""bps_gc.torch.DiLoCo on the parameter server (BPS_GC_TRANSPORT=ps, ``bpslaunch --local``, two
+servers), with the outer step on the workers (each fragment's pseudo-gradient averaged by
+push_pull under its own declared name: torch/exchange.py's PushPullExchange) and on the servers
+(reducer ``outer_sgd``, compress/outer.py: the servers keep the outer momentum, sharded over
+them, and reply the outer update). After 5 outer rounds, on 2 and 3 workers, every parameter
+equals test_diloco.py's single-process re-computation within 1e-6 relative (one fragment,
+staggered fragments, tau = 1; dense on the workers, every element sent exactly on the servers).
+With top-k + error feedback on 3 workers, in both modes: the global copies are bit-identical on
+every worker; stopped mid-window with a fragment's exchange in flight, saved (model, DiLoCo,
+bps_gc.torch.state_dict(), which holds the servers' momentum) and resumed in a new launch, every
+parameter equals the straight run bit for bit. Bad settings are refused in one line."""
 import json
 import os
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from cluster import run_local
 from conftest import ROOT
@@ -21,12 +25,13 @@ JOB = os.path.join(ROOT, "tests", "diloco_ps_job.py")
 COMPRESSED = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1,
               "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
 WORKERS = 3
+MODES = ("workers", "servers")
 
 
 def launch(tmp, phase, workers):
     spec = tmp / f"{phase}.json"
     spec.write_text(json.dumps({"phase": phase, "cases": CASES, "compressed": COMPRESSED}))
-    result = run_local([sys.executable, JOB, str(spec), str(tmp)], workers=workers, servers=1, timeout=240,
+    result = run_local([sys.executable, JOB, str(spec), str(tmp)], workers=workers, servers=2, timeout=240,
                        env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})  # the biases are compressed too
     assert result.returncode == 0, f"{phase} failed ({result.returncode}):\n{result.stderr[-5000:]}"
     return [dict(np.load(tmp / f"{phase}{r}.npz")) for r in range(workers)]
@@ -36,25 +41,29 @@ def launch(tmp, phase, workers):
 def runs(tmp_path_factory):
     """Three launches: dense on 2 workers; everything on 3 workers; the resumed run on 3."""
     tmp = tmp_path_factory.mktemp("diloco_ps")
-    return {"dense": launch(tmp, "dense", 2), "all": launch(tmp, "all", WORKERS),
-            "resumed": launch(tmp, "resumed", WORKERS)}
+    got = {"dense": launch(tmp, "dense", 2), "all": launch(tmp, "all", WORKERS),
+           "resumed": launch(tmp, "resumed", WORKERS)}
+    got["checkpoint"] = torch.load(tmp / "ckpt0.pt", weights_only=True)
+    return got
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("phase, workers", [("dense", 2), ("all", WORKERS)])
-def test_dense_diloco_equals_the_recomputation(runs, phase, workers):
+def test_diloco_equals_the_recomputation(runs, phase, workers, mode):
     got = runs[phase]
     for case, settings in CASES.items():
         want = recompute(*settings, replicas=workers)
         for rank in range(workers):
             for name, value in want[rank].items():
-                np.testing.assert_allclose(got[rank][f"{case}/{name}"], value, rtol=1e-6, atol=1e-7,
-                                           err_msg=f"{workers} workers, {case}, rank {rank}, {name}")
+                np.testing.assert_allclose(got[rank][f"{mode}/{case}/{name}"], value, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"{workers} workers, {mode}, {case}, rank {rank}, {name}")
         assert not np.array_equal(want[0]["0.weight"], build_model()[0].weight.detach().numpy())
 
 
-def test_compressed_global_copies_are_bit_identical_on_every_worker(runs):
+@pytest.mark.parametrize("mode", MODES)
+def test_compressed_global_copies_are_bit_identical_on_every_worker(runs, mode):
     got = runs["all"]
-    names = [name for name in got[0] if name.startswith("global/")]
+    names = [name for name in got[0] if name.startswith(f"{mode}/global/")]
     assert len(names) == 4
     for rank in range(1, WORKERS):
         for name in names:
@@ -62,23 +71,46 @@ def test_compressed_global_copies_are_bit_identical_on_every_worker(runs):
     # top-k did compress: the run is not the dense one
     dense = recompute(COMPRESSED["sync_every"], COMPRESSED["fragments"], COMPRESSED["steps"], COMPRESSED["delay"],
                       replicas=WORKERS)
-    assert max(np.abs(got[0][f"straight/{n}"] - v).max() / np.abs(v).max() for n, v in dense[0].items()) > 1e-3
+    assert max(np.abs(got[0][f"{mode}/straight/{n}"] - v).max() / np.abs(v).max() for n, v in dense[0].items()) > 1e-3
 
 
-def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs):
+@pytest.mark.parametrize("mode", MODES)
+def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
     """H = 4, two fragments, tau = 1: saved after step 4, when fragment 1's exchange (started
-    after step 4) is in flight; resumed in a new launch. The saving launch, trained on, ends
-    bit-identical to the straight run too (runs repeat, saving changes nothing)."""
+    after step 4) is in flight and fragment 0 has taken one outer step; resumed in a new launch
+    (new servers: on the servers, the momentum comes back from the checkpoint). The saving
+    launch, trained on, ends bit-identical to the straight run too (runs repeat, saving changes
+    nothing)."""
     for rank in range(WORKERS):
         every, resumed = runs["all"][rank], runs["resumed"][rank]
-        names = [n.split("/", 1)[1] for n in every if n.startswith("straight/")]
+        names = [n.split("/", 2)[2] for n in every if n.startswith(f"{mode}/straight/")]
         for name in names:
-            straight = every[f"straight/{name}"].tobytes()
-            assert resumed[f"resumed/{name}"].tobytes() == straight, f"rank {rank} {name}: resumed"
-            assert every[f"first_end/{name}"].tobytes() == straight, f"rank {rank} {name}: runs differ"
-        assert any(not np.array_equal(every[f"first/{n}"], every[f"straight/{n}"]) for n in names)
+            straight = every[f"{mode}/straight/{name}"].tobytes()
+            assert resumed[f"{mode}/resumed/{name}"].tobytes() == straight, f"rank {rank} {name}: resumed"
+            assert every[f"{mode}/first_end/{name}"].tobytes() == straight, f"rank {rank} {name}: runs differ"
+        assert any(not np.array_equal(every[f"{mode}/first/{n}"], every[f"{mode}/straight/{n}"]) for n in names)
+    if mode == "servers":  # the servers' outer momentum is in the checkpoint, and not zero
+        saved = runs["checkpoint"]["bps_gc"]["communicator"]
+        momentum = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/momentum")]
+        assert momentum and sum(float(m.abs().sum()) for m in momentum) > 0
 
 
 def test_a_process_group_is_refused_on_the_parameter_server(runs):
     message = str(runs["all"][0]["refused"])
     assert message.startswith("DiLoCo: the parameter server averages over every worker") and "\n" not in message
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compression_params": None}, "the servers' outer step runs as a compressed tensor's reducer"),
+    ({"outer_optimizer": lambda params: torch.optim.AdamW(params)}, "the servers' outer step is torch.optim.SGD's; got AdamW"),
+    ({"outer_optimizer": lambda params: torch.optim.SGD(params, lr=0.7, weight_decay=0.1)}, "got {'weight_decay': 0.1}"),
+    ({}, "reducer 'outer_sgd' runs on the parameter server's servers"),  # this process: no parameter server
+    ({"outer_step": "server"}, "outer_step must be 'workers' or 'servers'"),
+])
+def test_bad_servers_settings_are_refused(kwargs, message):
+    from bps_gc.torch import DiLoCo
+    model = build_model()
+    settings = {"outer_step": "servers", "compression_params": {"compressor": "topk", "k": 0.3}, **kwargs}
+    with pytest.raises(ValueError, match=message) as refused:
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, **settings)
+    assert "\n" not in str(refused.value)

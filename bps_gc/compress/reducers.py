@@ -57,7 +57,10 @@ def choose_reducer(params, reducer=None):
         return supported[0]
     if reducer not in REDUCERS:
         raise ValueError(f"unknown reducer {reducer!r}; registered: {', '.join(sorted(REDUCERS))}")
-    if reducer not in supported:
+    # a reducer that decodes every push (decodes_pushes) takes any codec whose payloads decode
+    # and add, which those supporting "lossless" say
+    if reducer not in supported and not (getattr(REDUCERS[reducer], "decodes_pushes", False)
+                                         and "lossless" in supported):
         raise ValueError(f"compressor {params.compressor!r} does not support reducer {reducer!r}; "
                          f"it supports: {', '.join(supported)}")
     return reducer

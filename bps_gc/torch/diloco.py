@@ -22,16 +22,22 @@ rank); on the parameter server every worker is a replica (a group is refused).
 """
 import torch
 
+import bps_gc.core as core
+
 from .exchange import interruptible_wait, named_exchange
 
 
 class DiLoCo:
     def __init__(self, model, inner_optimizer, sync_every, outer_optimizer=None, fragments=1, alpha=0.0,
-                 compression_params=None, replicate=None, delay=0):
+                 compression_params=None, replicate=None, delay=0, outer_step="workers"):
         """``outer_optimizer(params) -> torch.optim.Optimizer`` builds a fragment's outer
         optimizer over its global copies (default: SGD, lr 0.7, momentum 0.9, Nesterov);
         ``delay`` (tau): the inner steps a fragment's exchange runs in the background before
-        its outer step is applied (Streaming DiLoCo's overlap; below H / fragments)."""
+        its outer step is applied (Streaming DiLoCo's overlap; below H / fragments);
+        ``outer_step``: "workers", or "servers" (the parameter server's servers take the outer
+        SGD step and keep its momentum: compress/outer.py; the outer optimizer must be
+        torch.optim.SGD, and the pseudo-gradients compressed, as the servers' reducers run
+        on compressed tensors)."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be a whole number of inner steps >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -46,6 +52,12 @@ class DiLoCo:
                              f"({sync_every} / {fragments}), got {delay!r}")
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"DiLoCo: alpha must be in [0, 1), got {alpha!r}")
+        if outer_step not in ("workers", "servers"):
+            raise ValueError(f"DiLoCo: outer_step must be 'workers' or 'servers', got {outer_step!r}")
+        if outer_step == "servers" and not (compression_params or {}).get("compressor"):
+            raise ValueError("DiLoCo: the servers' outer step runs as a compressed tensor's reducer: give "
+                             "compression_params (threshold 0 sends every element exactly: "
+                             "{'compressor': 'threshold', 'threshold': 0.0})")
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
         self.delay = delay
         make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
@@ -58,12 +70,16 @@ class DiLoCo:
             if not isinstance(outer, torch.optim.Optimizer):
                 raise TypeError(f"DiLoCo: outer_optimizer must return a torch.optim.Optimizer, got "
                                 f"{type(outer).__name__}")
+            if outer_step == "servers":
+                server_settings(outer)  # refused here, before anything is declared
             self.fragments.append(Fragment(part, copies, outer, (f + 1) * sync_every // fragments % sync_every))
+        self.on_servers = outer_step == "servers"
         # each pseudo-gradient's codec is kept by its parameter and saved under its name; the
         # exchange is the job's transport's (collective: CompressedExchange, on ``replicate``;
         # parameter server: PushPullExchange, over every worker)
         try:
-            self.exchange = named_exchange(compression_params, named, replicate)
+            self.exchange = named_exchange(compression_params, named, replicate, reducer="outer_sgd" if
+                                           self.on_servers else None, on_servers=self.on_servers)
         except ValueError as e:
             raise ValueError(f"DiLoCo: {e}") from None
         self.steps = 0  # inner steps taken
@@ -91,17 +107,25 @@ class DiLoCo:
     def start_sync(self, fragment):
         """The fragment's pseudo-gradient, averaged over the replicas in the background."""
         pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
-        fragment.pending = self.exchange(pseudo, group=self.replicate)  # None: every rank
+        if self.on_servers:  # the outer optimizer's settings now (a scheduler may change its lr)
+            fragment.pending = self.exchange(pseudo, ctx={**server_settings(fragment.outer),
+                                                          "outer_workers": core.size()})
+        else:
+            fragment.pending = self.exchange(pseudo, group=self.replicate)  # None: every rank
         fragment.due = self.steps + self.delay
 
     @torch.no_grad()
     def finish_sync(self, fragment):
         """The outer step with the averaged pseudo-gradient; the local parameters reset."""
         averaged = fragment.averaged()
-        for copy, name in zip(fragment.copies, fragment.names):
-            copy.grad = averaged[name]
-        fragment.outer.step()
-        fragment.outer.zero_grad(set_to_none=True)
+        if self.on_servers:  # the servers' outer update, the same bits on every worker
+            for copy, name in zip(fragment.copies, fragment.names):
+                copy += averaged[name]
+        else:
+            for copy, name in zip(fragment.copies, fragment.names):
+                copy.grad = averaged[name]
+            fragment.outer.step()
+            fragment.outer.zero_grad(set_to_none=True)
         for (_, p), copy in zip(fragment.named, fragment.copies):
             p.copy_(copy if self.alpha == 0.0 else self.alpha * p.float() + (1 - self.alpha) * copy)
         fragment.pending = fragment.due = None
@@ -126,6 +150,21 @@ class DiLoCo:
                     copy.copy_(value)
                 fragment.outer.load_state_dict(saved["outer"])
                 fragment.land(saved)
+
+
+def server_settings(outer):
+    """The step context entries of the servers' outer step (compress/outer.py) from the outer
+    optimizer, which must be plain torch.optim.SGD: a ValueError names what is not."""
+    if type(outer) is not torch.optim.SGD:
+        raise ValueError(f"DiLoCo: the servers' outer step is torch.optim.SGD's; got {type(outer).__name__}")
+    group = outer.param_groups[0]
+    extra = {k: group[k] for k in ("dampening", "weight_decay") if group.get(k)}
+    if extra or group.get("maximize") or len(outer.param_groups) > 1:
+        what = extra or ("maximize" if group.get("maximize") else "several parameter groups")
+        raise ValueError(f"DiLoCo: the servers' outer step is SGD with lr, momentum and nesterov only, in one "
+                         f"parameter group; got {what}")
+    return {"outer_lr": float(group["lr"]), "outer_momentum": float(group["momentum"]),
+            "outer_nesterov": bool(group["nesterov"])}
 
 
 class Fragment:

@@ -97,17 +97,19 @@ class PushPullExchange:
             ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=torch.float32,
                         **dict(compression_params or {}), **extra)
 
-    def __call__(self, tensors, group=None, lr=0.0):
-        """Average ``tensors`` ({name: tensor} or [(name, tensor)]) over every worker, in place;
-        a torch Future of the same mapping. ``group`` must be None (the servers average over
-        every worker); ``lr``: the learning rate error feedback rescales by."""
+    def __call__(self, tensors, group=None, lr=0.0, ctx=None):
+        """Average ``tensors`` ({name: tensor} or [(name, tensor)]) over every worker, in place
+        (with a reducer that does not sum, its result: ``outer_sgd``'s update); a torch Future
+        of the same mapping. ``group`` must be None (the servers average over every worker);
+        ``lr``: the learning rate error feedback rescales by; ``ctx``: more step context
+        entries (the reducer's settings)."""
         named = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         problem = check_parts(named) or (None if group is None else NOT_A_GROUP)
         missing = [name for name, _ in named if name not in self.keys]
         if problem or missing:
             raise ValueError(f"PushPullExchange: {problem or f'{missing[:3]} are not among its named_parameters'}")
-        handles = [ops.push_pull_async(tensor.detach(), average=True, name=self.keys[name], lr=float(lr))
-                   for name, tensor in named]
+        handles = [ops.push_pull_async(tensor.detach(), average=True, name=self.keys[name], lr=float(lr),
+                                       ctx=dict(ctx or {})) for name, tensor in named]
         result = torch.futures.Future()
 
         def wait_all():
@@ -126,15 +128,20 @@ NOT_A_GROUP = ("the parameter server averages over every worker; a process group
                "torch.distributed's (BPS_GC_TRANSPORT=collective)")
 
 
-def named_exchange(compression_params=None, named_parameters=None, group=None):
+def named_exchange(compression_params=None, named_parameters=None, group=None, reducer=None, on_servers=False):
     """The exchange of the transport this job runs: ``CompressedExchange`` where reductions run
     on torch.distributed process groups (or bps_gc is not initialized: torch.distributed
-    alone), else ``PushPullExchange``, which refuses a ``group`` (the one it would be called with)."""
+    alone), else ``PushPullExchange``, which refuses a ``group`` (the one it would be called
+    with). ``on_servers``: the caller needs the servers (a reducer that runs there, as
+    ``outer_sgd``): refused on torch.distributed."""
     if not core.is_initialized() or core.communicator().reduces_on_process_groups:
-        return CompressedExchange(compression_params, named_parameters=named_parameters)
+        if on_servers:
+            raise ValueError(f"reducer {reducer!r} runs on the parameter server's servers "
+                             "(BPS_GC_TRANSPORT=ps, after bps_gc.torch.init()); this job runs torch.distributed")
+        return CompressedExchange(compression_params, reducer, named_parameters=named_parameters)
     if group is not None:
         raise ValueError(NOT_A_GROUP)
-    return PushPullExchange(compression_params, named_parameters=named_parameters)
+    return PushPullExchange(compression_params, reducer, named_parameters=named_parameters)
 
 
 WRAPPED = "Got the following error when running the callback: "

@@ -73,6 +73,8 @@ for mode, codec in MODES.items():
             for step in range(steps):
                 inner_step(model, opt, step)
             parameters(model, f"{mode}/{case}")
+            # which parameters went uncompressed (below BYTEPS_MIN_COMPRESS_BYTES): outer step on the workers
+            saved[f"{mode}/{case}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
 if phase == "dense":
     finish()
 c = spec["compressed"]

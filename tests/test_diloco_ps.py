@@ -4,7 +4,8 @@ push_pull under its own declared name: torch/exchange.py's PushPullExchange) and
 (reducer ``outer_sgd``, compress/outer.py: the servers keep the outer momentum, sharded over
 them, and reply the outer update). After 5 outer rounds, on 2 and 3 workers, every parameter
 equals test_diloco.py's single-process re-computation within 1e-6 relative (one fragment,
-staggered fragments, tau = 1; dense on the workers, every element sent exactly on the servers).
+staggered fragments, tau = 1; dense on the workers, every element sent exactly on the servers,
+and on 2 workers the biases uncompressed, which take their outer step on the workers).
 With top-k + error feedback on 3 workers, in both modes: the global copies are bit-identical on
 every worker; stopped mid-window with a fragment's exchange in flight, saved (model, DiLoCo,
 bps_gc.torch.state_dict(), which holds the servers' momentum) and resumed in a new launch, every
@@ -28,20 +29,22 @@ WORKERS = 3
 MODES = ("workers", "servers")
 
 
-def launch(tmp, phase, workers):
+def launch(tmp, phase, workers, min_compress_bytes=0):
     spec = tmp / f"{phase}.json"
     spec.write_text(json.dumps({"phase": phase, "cases": CASES, "compressed": COMPRESSED}))
     result = run_local([sys.executable, JOB, str(spec), str(tmp)], workers=workers, servers=2, timeout=240,
-                       env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})  # the biases are compressed too
+                       env={"BYTEPS_MIN_COMPRESS_BYTES": str(min_compress_bytes)})
     assert result.returncode == 0, f"{phase} failed ({result.returncode}):\n{result.stderr[-5000:]}"
     return [dict(np.load(tmp / f"{phase}{r}.npz")) for r in range(workers)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three launches: dense on 2 workers; everything on 3 workers; the resumed run on 3."""
+    """Three launches: dense on 2 workers, where the biases (64 and 16 bytes) go uncompressed
+    (BYTEPS_MIN_COMPRESS_BYTES 256: with the outer step on the servers, theirs is the
+    workers'); everything on 3 workers, every tensor compressed; the resumed run on 3."""
     tmp = tmp_path_factory.mktemp("diloco_ps")
-    got = {"dense": launch(tmp, "dense", 2), "all": launch(tmp, "all", WORKERS),
+    got = {"dense": launch(tmp, "dense", 2, min_compress_bytes=256), "all": launch(tmp, "all", WORKERS),
            "resumed": launch(tmp, "resumed", WORKERS)}
     got["checkpoint"] = torch.load(tmp / "ckpt0.pt", weights_only=True)
     return got
@@ -58,6 +61,8 @@ def test_diloco_equals_the_recomputation(runs, phase, workers, mode):
                 np.testing.assert_allclose(got[rank][f"{mode}/{case}/{name}"], value, rtol=1e-6, atol=1e-7,
                                            err_msg=f"{workers} workers, {mode}, {case}, rank {rank}, {name}")
         assert not np.array_equal(want[0]["0.weight"], build_model()[0].weight.detach().numpy())
+        if mode == "servers":
+            assert list(got[0][f"{mode}/{case}/averaged"]) == (["0.bias", "2.bias"] if phase == "dense" else [])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -37,7 +37,8 @@ class DiLoCo:
         ``outer_step``: "workers", or "servers" (the parameter server's servers take the outer
         SGD step and keep its momentum: compress/outer.py; the outer optimizer must be
         torch.optim.SGD, and the pseudo-gradients compressed, as the servers' reducers run
-        on compressed tensors)."""
+        on compressed tensors; a parameter sent uncompressed, below BYTEPS_MIN_COMPRESS_BYTES,
+        takes its outer step on the workers)."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be a whole number of inner steps >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -118,14 +119,13 @@ class DiLoCo:
     def finish_sync(self, fragment):
         """The outer step with the averaged pseudo-gradient; the local parameters reset."""
         averaged = fragment.averaged()
-        if self.on_servers:  # the servers' outer update, the same bits on every worker
-            for copy, name in zip(fragment.copies, fragment.names):
-                copy += averaged[name]
-        else:
-            for copy, name in zip(fragment.copies, fragment.names):
+        for copy, name in zip(fragment.copies, fragment.names):
+            if self.on_servers and name not in self.exchange.averaged:
+                copy += averaged[name]  # the servers' outer update, the same bits on every worker
+            else:  # the average: the outer step is taken here (SGD skips the copies without one)
                 copy.grad = averaged[name]
-            fragment.outer.step()
-            fragment.outer.zero_grad(set_to_none=True)
+        fragment.outer.step()
+        fragment.outer.zero_grad(set_to_none=True)
         for (_, p), copy in zip(fragment.named, fragment.copies):
             p.copy_(copy if self.alpha == 0.0 else self.alpha * p.float() + (1 - self.alpha) * copy)
         fragment.pending = fragment.due = None

@@ -92,10 +92,15 @@ class PushPullExchange:
         prefix = f"exchange.{next(PushPullExchange.made)}"
         extra = {} if reducer is None else {"reducer": reducer}
         self.keys = {}
+        # the names sent uncompressed (below BYTEPS_MIN_COMPRESS_BYTES): the servers sum them
+        # and no reducer runs, so their result is the plain average whatever ``reducer`` says
+        self.averaged = set()
         for name, parameter in named:
             self.keys[name] = f"{prefix}.{name}"
-            ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=torch.float32,
-                        **dict(compression_params or {}), **extra)
+            declaration = ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=torch.float32,
+                                      **dict(compression_params or {}), **extra)
+            if not declaration.compressed:
+                self.averaged.add(name)
 
     def __call__(self, tensors, group=None, lr=0.0, ctx=None):
         """Average ``tensors`` ({name: tensor} or [(name, tensor)]) over every worker, in place

@@ -119,3 +119,15 @@ def test_bad_servers_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message) as refused:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, **settings)
     assert "\n" not in str(refused.value)
+
+
+def test_a_checkpoint_of_the_other_outer_step_is_refused():
+    from bps_gc.torch import DiLoCo
+    model = build_model()
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4)
+    saved = {**opt.state_dict(), "outer_step": "servers", "steps": 7}
+    saved["fragments"][0]["copies"] = [c + 1 for c in saved["fragments"][0]["copies"]]
+    before = [p.clone() for p in opt.fragments[0].copies]
+    with pytest.raises(ValueError, match="made with outer_step='servers'; this one has outer_step='workers'"):
+        opt.load_state_dict(saved)
+    assert opt.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, opt.fragments[0].copies))

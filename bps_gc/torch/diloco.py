@@ -74,7 +74,7 @@ class DiLoCo:
             if outer_step == "servers":
                 server_settings(outer)  # refused here, before anything is declared
             self.fragments.append(Fragment(part, copies, outer, (f + 1) * sync_every // fragments % sync_every))
-        self.on_servers = outer_step == "servers"
+        self.outer_step, self.on_servers = outer_step, outer_step == "servers"
         # each pseudo-gradient's codec is kept by its parameter and saved under its name; the
         # exchange is the job's transport's (collective: CompressedExchange, on ``replicate``;
         # parameter server: PushPullExchange, over every worker)
@@ -132,8 +132,10 @@ class DiLoCo:
 
     def state_dict(self):
         """The inner optimizer's state, each fragment's global copy and outer state, the step
-        count (the codec state is bps_gc.torch.state_dict()'s, with the exchange's)."""
+        count, where the outer step runs (the codec state, and the servers' outer momentum, is
+        bps_gc.torch.state_dict()'s)."""
         return {"inner": self.inner.state_dict(), "steps": self.steps, "sync_every": self.sync_every,
+                "outer_step": self.outer_step,
                 "fragments": [{"copies": [c.clone() for c in f.copies], "outer": f.outer.state_dict(),
                                **f.in_flight()} for f in self.fragments]}
 
@@ -142,6 +144,9 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: the checkpoint was made with sync_every={sd.get('sync_every')} and "
                              f"{len(sd.get('fragments', ()))} fragments; this one has sync_every={self.sync_every} "
                              f"and {len(self.fragments)}")
+        if sd.get("outer_step", "workers") != self.outer_step:  # the outer state is elsewhere
+            raise ValueError(f"DiLoCo: the checkpoint was made with outer_step={sd.get('outer_step')!r}; this one "
+                             f"has outer_step={self.outer_step!r}")
         self.inner.load_state_dict(sd["inner"])
         self.steps = int(sd["steps"])
         with torch.no_grad():

@@ -12,6 +12,10 @@ so a part's codec follows its name, not its place in the call). Every rank of ``
 with the same names in the same order, as every DDP rank reduces the same buckets. Its state is
 part of ``bps_gc.torch.state_dict()``; loading it needs ``named_parameters`` (tensors of the
 parts' sizes, on their devices), as the DDP hook's does.
+
+On the parameter server, ``PushPullExchange`` (below) has the same call shape and pushes and
+pulls each part under a declared name; ``named_exchange`` picks the one of the job's transport
+(``Communicator.reduces_on_process_groups``).
 """
 import itertools
 import threading

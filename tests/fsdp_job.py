@@ -7,7 +7,8 @@ batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 * "hooked": fully_shard on mesh["shard"] and bps_gc.torch.register_fsdp_hooks on
   mesh["replicate"] with spec "compression_params", recording every hook call's reduce-scatter
   output before and after;
-* "resume" (under bps_gc.torch.init()), spec "phase": "first" trains ``stop_at`` steps, saves
+* "resume" (init_process_group, then bps_gc.torch.init() adopting that group, as FSDP2 scripts
+  do), spec "phase": "first" trains ``stop_at`` steps, saves
   the model and optimizer (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict()
   (OUT/bps<rank>.pt), then trains on to ``steps``; "resumed" builds afresh, loads them and
   trains the rest, then trains a straight run (no checkpoint) in the same process, and hands
@@ -36,10 +37,11 @@ from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 mode = spec["mode"]
-if mode in ("resume", "fault"):
-    bps.init()  # the collective communicator: bps.state_dict(), the heartbeat
-else:
+if mode != "fault":
     dist.init_process_group("gloo")
+if mode in ("resume", "fault"):
+    bps.init()  # the collective communicator: bps.state_dict(), the heartbeat (resume: on the group above)
+    assert (bps.rank(), bps.size()) == (dist.get_rank(), 4), (bps.rank(), bps.size())
 rank = dist.get_rank()
 torch.set_num_threads(1)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -133,6 +135,8 @@ if mode == "fault":
 elif mode == "resume":
     np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume())
     bps.shutdown()
+    dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
+    dist.destroy_process_group()
 else:
     calls = []
     model, exchange, opt = build(hooked=mode == "hooked")

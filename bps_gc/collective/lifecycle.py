@@ -17,7 +17,7 @@ from ..comm import NodeFailure
 from .departure import Ending, await_end, departure, described
 from .liveness import Heartbeat
 from .backend_choice import SHARED
-from .rendezvous import backend_from_env, connect, waiting_at_rendezvous
+from .rendezvous import adopt, backend_from_env, connect, waiting_at_rendezvous
 
 log = logging.getLogger("bps_gc.collective")
 PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|IoException")  # gloo's socket errors
@@ -39,6 +39,7 @@ class Lifecycle:
         self.rank, self.size = shared.rank, shared.size
         self.closed = False
         self.hosts_store = False
+        self.adopted = False  # the default process group was the script's (made before start)
         self.awaiting = None  # the message this rank last told the store it waits for
         self.abandoned = None  # the uncaught exception the script ends on, if any
         self.counting = threading.Lock()  # the exchange thread and the pipeline's count at once
@@ -46,11 +47,16 @@ class Lifecycle:
 
     def start(self, join_levels, barrier):
         """Rendezvous and heartbeat, then ``join_levels`` (TwoLevelReductions') and a first ``barrier``."""
-        backend, why = backend_from_env(local_size=self.local_size)
-        if self.rank == 0 and SHARED in why:  # ranks share a GPU: gloo where NCCL was expected
-            log.warning("bps_gc: %s", why)
-        with waiting_at_rendezvous(self.cfg):
-            store, self.hosts_store = connect(self.cfg, backend)
+        self.adopted = dist.is_initialized()
+        if self.adopted:  # the script's own default group: it keeps it (and tears it down)
+            backend, why = dist.get_backend(), "the script's process group"
+            store, self.hosts_store = adopt(self.cfg)
+        else:
+            backend, why = backend_from_env(local_size=self.local_size)
+            if self.rank == 0 and SHARED in why:  # ranks share a GPU: gloo where NCCL was expected
+                log.warning("bps_gc: %s", why)
+            with waiting_at_rendezvous(self.cfg):
+                store, self.hosts_store = connect(self.cfg, backend)
         where = f"{self.cfg.root_uri}:{self.cfg.root_port}"
         self.shared.heartbeat = Heartbeat(store, self.rank, self.size, self.cfg.heartbeat_interval,
                                           self.cfg.heartbeat_timeout, where).start()
@@ -88,7 +94,8 @@ class Lifecycle:
         if clean and dist.is_initialized():
             try:
                 dist.barrier()  # nobody tears down its pairs while a peer still sends
-                dist.destroy_process_group()
+                if not self.adopted:
+                    dist.destroy_process_group()
             except RuntimeError as e:
                 log.warning("rank %d: the process group's teardown failed: %s", self.rank, e)
 

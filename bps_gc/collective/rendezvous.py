@@ -85,9 +85,7 @@ def connect(cfg, backend):
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"bps_gc: cannot reach the rendezvous at {cfg.root_uri}:{cfg.root_port} "
                               f"as rank {cfg.rank}: {e}") from None
-    # torch elastic keeps its agent's store over restarts: each attempt's keys apart
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = "bps_gc" if attempt == "0" else f"bps_gc/attempt{attempt}"
+    prefix = key_prefix()
     try:
         dist.init_process_group(backend, store=dist.PrefixStore(f"{prefix}/group", store), rank=cfg.rank,
                                 world_size=cfg.size, timeout=timeout)
@@ -95,6 +93,24 @@ def connect(cfg, backend):
         raise NodeFailure(f"bps_gc: the job did not assemble within {cfg.join_timeout:g} s "
                           f"(BPS_GC_JOIN_TIMEOUT; rank {cfg.rank} of {cfg.size} waited): {e}") from None
     return dist.PrefixStore(f"{prefix}/live", store), host_store
+
+
+def key_prefix():
+    """torch elastic keeps its agent's store over restarts: each attempt's keys apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "bps_gc" if attempt == "0" else f"bps_gc/attempt{attempt}"
+
+
+def adopt(cfg):
+    """The default process group the script made before bps_gc's init (FSDP2 scripts build their
+    mesh on it first): the heartbeat's store within its store, and whether this rank hosts it
+    (rank 0, unless torchrun's agent does). Its rank and size must be the job's."""
+    if (dist.get_rank(), dist.get_world_size()) != (cfg.rank, cfg.size):
+        raise ConfigError("RANK", f"the process group made before bps_gc's init is rank {dist.get_rank()} of "
+                                  f"{dist.get_world_size()}; the environment says rank {cfg.rank} of {cfg.size}")
+    store = dist.distributed_c10d._get_default_store()
+    host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    return dist.PrefixStore(f"{key_prefix()}/live", store), host_store
 
 
 def waiting_at_rendezvous(cfg):

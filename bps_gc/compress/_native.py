@@ -97,9 +97,10 @@ def _load():
         "powersgd_p_f32": ((), None, [P, P, I, I, I, P, I, P, P]),
         "powersgd_q_f32": ((), None, [P, I, I, P, I, P]),
         # thc.c (summable codes)
-        "thc_pack_f32": ((), None, [P, I, D, C, C, C, P, P, P, C]),
+        "thc_pack_f32": ((), None, [P, I, D, C, C, C, C, P, P, P, C]),
         "thc_unpack_f64": ((), I, [P, I, I, C, C, D, C, D, P, C]),
         "thc_rotate_f32": ((), None, [P, I, I, P, C, F]),
+        "thc_peak_f32": ((), D, [P, P, P, I]),
     }
     for stem, (types, restype, argtypes) in sigs.items():
         for name in [f"{stem}_{t}" for t in types] or [stem]:

@@ -25,6 +25,7 @@ is phase 1: one extra sum of 56-432 bytes per partition for 2 to 8,192 summands 
 all_reduce per bucket, or one more push and pull of a dense key per partition on the parameter
 server).
 """
+import functools
 import math
 
 import numpy as np
@@ -49,6 +50,7 @@ WORD_BITS = {CARRIER: CARRIER_BITS, np.dtype(np.int64): 64}
 BLOCK = 4096  # largest Hadamard block
 
 
+@functools.lru_cache(maxsize=64)  # every finish asks (its sum's size and lanes); one answer per pair
 def lane_bits(bits, summands):
     """Lane width for the sum of ``summands`` codes of ``bits`` bits: b + ceil(log2 N)."""
     if bits not in BITS:
@@ -162,7 +164,15 @@ def exponent_bin(peak):
 def agreed_scale(hist_sum, lanes_for):
     """(summands, exponent, any non-finite push) from the summed histogram words (float64 or
     int64), packed for ``lanes_for`` pushes."""
-    width, words = count_bits(lanes_for), np.asarray(hist_sum).reshape(-1)
+    words = np.asarray(hist_sum).reshape(-1)
+    return _agreed_scale(words.tobytes(), words.dtype.str, int(lanes_for))
+
+
+@functools.lru_cache(maxsize=256)
+def _agreed_scale(raw, dtype, lanes_for):
+    """agreed_scale of a histogram's bytes: sums repeat from step to step, and unpacking one
+    costs a dozen numpy calls (20 us, a tenth of a 1M-element encode)."""
+    width, words = count_bits(lanes_for), np.frombuffer(raw, dtype)
     expected = words_for(HIST, width, word_bits(words.dtype))
     if words.size != expected:
         raise ValueError(f"thc: a summed histogram must be {expected} words ({HIST} counts "
@@ -206,7 +216,7 @@ class THC(Codec):
         self.rng_state = mixed_state(self.worker_seed)
         self.error = np.zeros(self.n, np.float32) if self.feedback else None
         self.summands, self.phase_dtype = 1, CARRIER
-        self.x = self.y = self.signs = self.agreed = None
+        self.x = self.y = self.signs = self.agreed = self.peak = None
 
     def set_summands(self, summands, carrier=None):
         """Size the code lanes for ``summands`` pushes (the communicator's worker count), in
@@ -239,9 +249,13 @@ class THC(Codec):
         return out
 
     def compress(self, x, ctx=None):
-        x = self._input(x).astype(np.float32)  # a copy: the residual is added in place
-        if self.feedback:
-            x += self.error
+        # no copy of a float32 input: compress_q reads it again, and the communicators leave
+        # it alone until finish (comm/phased.py reads every partition before writing one)
+        x = self._input(x)
+        x = x if x.dtype == np.float32 else x.astype(np.float32)
+        if self.feedback:  # x + the residual, in a new array, and its peak in the same pass
+            x, given = np.empty(self.n, np.float32), x
+            peak = lib.thc_peak_f32(ptr(given), ptr(self.error), ptr(x), self.n)
         self.x = x  # what the codes stand for (error feedback's base)
         if self.rotate:
             self.signs = rotation_signs(self.seed, ctx, self.block)
@@ -250,8 +264,9 @@ class THC(Codec):
             self.y = self._rotate(padded)
         else:
             self.y = x
-        with np.errstate(invalid="ignore"):
-            peak = float(np.max(np.abs(self.y))) if self.y.size else 0.0
+        if self.rotate or not self.feedback:
+            peak = lib.thc_peak_f32(ptr(self.y), None, None, self.y.size)  # NaN for a non-finite one
+        self.peak = peak
         return histogram_words(exponent_bin(peak), self.summands, self.phase_dtype).view(np.uint8)
 
     def agree(self, hist_sum):
@@ -271,7 +286,9 @@ class THC(Codec):
         if not nonfinite:  # else the sum is NaN anyway; zeros keep the lanes valid
             own = np.empty(self.codes, np.float32) if self.feedback else None
             y = np.ascontiguousarray(self.y, np.float32)
+            bounded = self.peak * 2.0 ** -exponent <= 1.0  # no code to clamp (the kernel's fast path)
             lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width, bits),
+                             int(bounded),
                              None if self.feedback else ptr(self.rng_state),
                              None if own is None else ptr(own), ptr(words[HEADER:]), int(bits != CARRIER_BITS))
             if self.feedback:  # the residual, written over the decoded copy it no longer needs
@@ -306,7 +323,9 @@ class THC(Codec):
         out = self._output(out)
         direct = out.dtype == np.float32 and not self.rotate
         values = out if direct else np.empty(self.codes, np.float32)
-        words = np.require(buf[HEADER:], self.phase_dtype, ["C", "A"])
+        words = buf[HEADER:]
+        if not (words.flags.c_contiguous and words.flags.aligned):
+            words = words.copy()
         width, bits = self.width, self.word_bits
         code = lib.thc_unpack_f64(ptr(words), words.size, self.codes, width, lanes_per_word(width, bits),
                                   2.0 ** exponent, self.levels, float(self.summands), ptr(values),

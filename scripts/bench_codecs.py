@@ -11,12 +11,18 @@ measured in the same run on the same machine:
   If it cannot be built, one line says why and its columns read "not measured".
 - for the issue-11 codecs, a straightforward PyTorch CPU version of the same math
   (scripts/torch_codecs.py), torch.set_num_threads(1).
+- thc (issue 44: at least onebit+EF's GB/s) has no outside reference: its rows stand beside
+  "EF + onebit" of the same run and size. Encode is one push's two phase payloads as the codec
+  computes them: compress (the scale histogram) then compress_q of the histograms of two
+  pushes summed (the codes); decode is finish of two pushes' summed codes. Rows for both
+  carriers: float64 words (the parameter server's) and int64 (torch.distributed's).
 Each cell's ratio is ours / the reference's from this run. Prints the machine, a table, the
 cells below 1.0x, and writes JSON.
 
     python scripts/bench_codecs.py                 # 1M, 4M and 25M elements, 7 repeats
     python scripts/bench_codecs.py --quick         # 256K elements, 5 repeats (seconds)
     python scripts/bench_codecs.py --sizes 1M --only topk --json out/topk.json
+    python scripts/bench_codecs.py --only thc --no-reference   # thc beside EF + onebit
 """
 import argparse
 import json
@@ -71,6 +77,10 @@ NEW_CODECS = {
     "powersgd r=4": {"compressor": "powersgd", "rank": 4},
 }
 TORCH_TARGET = 2.0
+# issue 44: thc's encode and decode at least onebit+EF's GB/s, measured in the same run
+THC = {"thc 4-bit": ({"compressor": "thc", "bits": 4}, None),
+       "thc 4-bit int64": ({"compressor": "thc", "bits": 4}, np.int64)}
+THC_REFERENCE, THC_SUMMANDS = "EF + onebit", 2
 # The codec issues ask these to compress at least 3x faster than BytePS; the rest at least as fast.
 TRIPLE = ("onebit scaling", "dithering k=2 linear")
 QUICK = {"sizes": "256K", "repeats": 5}
@@ -141,6 +151,25 @@ def time_ours(params, x, out, repeats):
     return tc, td, payload.nbytes
 
 
+def time_thc(params, carrier, x, out, repeats):
+    """(encode s, decode s, payload bytes) of one thc push among THC_SUMMANDS: both phases'
+    payloads, then finish of their sum (every push the same, so the sums are multiples)."""
+    codec = build_chain(params, x.size, np.float32, key=1)
+    codec.set_summands(THC_SUMMANDS, carrier)
+    words = codec.phase_dtype
+    hist = codec.compress(x, {}).view(words)
+    hist_sum = (hist * THC_SUMMANDS).view(np.uint8)
+
+    def encode():
+        codec.compress(x, {})
+        return codec.compress_q(hist_sum)
+    te = median_seconds(encode, repeats)
+    codes = codec.compress_q(hist_sum).view(words)
+    code_sum = (codes * THC_SUMMANDS).view(np.uint8)
+    td = median_seconds(lambda: codec.finish(code_sum, out, THC_SUMMANDS), repeats)
+    return te, td, hist.nbytes + codes.nbytes
+
+
 def time_torch(params, x, repeats):
     codec = torch_codecs.reference(params["compressor"], x.size, params)
     t = torch.from_numpy(x)
@@ -195,8 +224,10 @@ def bench(sizes, repeats, only=None, ref_binary=None, ref_log=None):
     configuration in BytePS's binary, or (issue 11's codecs) the PyTorch version."""
     rng = np.random.default_rng(0)
     rows = []
-    names = [name for name in ["memcpy", *CODECS, *NEW_CODECS]
+    names = [name for name in ["memcpy", *CODECS, *NEW_CODECS, *THC]
              if not only or name == "memcpy" or any(word in name for word in only)]
+    if any(name in THC for name in names) and THC_REFERENCE not in names:
+        names.insert(names.index(next(name for name in names if name in THC)), THC_REFERENCE)
     work = [(s, name) for s in sizes for name in names]
     for label, name in tqdm(work, desc="codecs", unit="case"):
         n = parse_size(label)
@@ -208,12 +239,17 @@ def bench(sizes, repeats, only=None, ref_binary=None, ref_log=None):
         if name == "memcpy":
             tc = td = median_seconds(lambda: np.copyto(out, x), repeats)
             nbytes = x.nbytes
+        elif name in THC:
+            tc, td, nbytes = time_thc(*THC[name], x, out, repeats)
         else:
             params = CODECS[name][0] if name in CODECS else NEW_CODECS[name]
             tc, td, nbytes = time_ours(params, x, out, repeats)
         row.update({"compress_gbps": gb / tc, "decompress_gbps": gb / td,
                     "compression_ratio": x.nbytes / nbytes})
-        if name in NEW_CODECS:
+        if name in THC:
+            ref = next(r for r in rows if r["codec"] == THC_REFERENCE and r["n"] == n)
+            set_reference(row, "EF+1bit", ref["compress_gbps"], ref["decompress_gbps"], (1.0, 1.0))
+        elif name in NEW_CODECS:
             if torch is not None:
                 ttc, ttd = time_torch(NEW_CODECS[name], x, repeats)
                 set_reference(row, "torch", gb / ttc, gb / ttd, (TORCH_TARGET, TORCH_TARGET))
@@ -310,7 +346,7 @@ def main(argv=None):
     for r in rows:  # bench.cc re-derives Decompress(Compress(x)) independently
         if r.get("ref_check") and not r["ref_check"].startswith("ok"):
             print(f"BytePS's own check of {r['codec']} at {r['size']}: {r['ref_check']}")
-    for ref, name in (("BytePS", "BytePS"), ("torch", "PyTorch")):
+    for ref, name in (("BytePS", "BytePS"), ("torch", "PyTorch"), ("EF+1bit", "EF + onebit (thc)")):
         cells = below_one(rows, ref)
         unmeasured = ref == "BytePS" and ref_log.get("reason")
         print(f"below 1.0x against {name}: "

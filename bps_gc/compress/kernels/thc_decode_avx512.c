@@ -61,11 +61,17 @@ AVX512 static void unpack_table(const uint64_t *u, int64_t n, int width, int k, 
         }
 }
 
-/* 16 elements of an even k (unpack_even) at out from the 8 words at src. */
+/* 16 elements of an even k (unpack_even) at out from the (at most 3) words at src: the first
+ * word broadcast to every pair's qword, the second and third over those of the pairs in them
+ * (loads, not permutes: the permutes are the table's). */
 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi"))) void
-even16(const void *src, int as_int, int pairs, __m512i pick, __m512i field, const __m512 *tab, float *out) {
-    __m512i w = as_int ? _mm512_loadu_si512(src) : _mm512_cvttpd_epu64(_mm512_loadu_pd(src));
-    __m512i q = _mm512_multishift_epi64_epi8(field, _mm512_permutexvar_epi64(pick, w));
+even16(const void *src, int as_int, int pairs, __mmask8 second, __mmask8 third, __m512i field, const __m512 *tab,
+       float *out) {
+    const int64_t *s = (const int64_t *)src;
+    __m512i w = _mm512_mask_set1_epi64(_mm512_mask_set1_epi64(_mm512_set1_epi64(s[0]), second, s[1]), third, s[2]);
+    if (!as_int)
+        w = _mm512_cvttpd_epu64(_mm512_castsi512_pd(w));
+    __m512i q = _mm512_multishift_epi64_epi8(field, w);
     __m512 x = _mm512_permutex2var_ps(tab[0], q, tab[1]);
     if (pairs > 1) {
         __m512i which = _mm512_and_si512(_mm512_srli_epi32(q, 5), _mm512_set1_epi32(pairs - 1));
@@ -77,41 +83,54 @@ even16(const void *src, int as_int, int pairs, __m512i pick, __m512i field, cons
     _mm512_storeu_ps(out, x);
 }
 
+/* Whole periods of PERIOD (a constant: the compiler unrolls them, masks and fields in
+ * registers; a third faster than a loop over the period) from out + e on. */
+#define EVEN_PERIODS(PERIOD, AS_INT, PAIRS)                                                           \
+    for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride)                                   \
+        _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++)                                   \
+            even16(w + base[v], AS_INT, PAIRS, second[v], third[v], field[v], tab, out + e + 16 * v)
+
 /* The loop of unpack_even for one kind of word and table (constants, so each is its own loop):
- * whole periods of vectors, then the vectors left. */
+ * whole periods of vectors (k = 10, 12, 14 and powers of two: periods of 5, 3, 7 and 1),
+ * then the vectors left. */
 #define EVEN_LOOP(AS_INT, PAIRS)                                                                      \
     do {                                                                                              \
         const uint64_t *w = (const uint64_t *)words;                                                  \
         int64_t e = 0;                                                                                \
-        for (; e + 16 * period <= n; e += 16 * period, w += stride)                                   \
-            for (int v = 0; v < period; v++)                                                          \
-                even16(w + base[v], AS_INT, PAIRS, pick[v], field[v], tab, out + e + 16 * v);         \
+        switch (period) {                                                                             \
+        case 1: EVEN_PERIODS(1, AS_INT, PAIRS); break;                                                \
+        case 3: EVEN_PERIODS(3, AS_INT, PAIRS); break;                                                \
+        case 5: EVEN_PERIODS(5, AS_INT, PAIRS); break;                                                \
+        case 7: EVEN_PERIODS(7, AS_INT, PAIRS); break;                                                \
+        default: EVEN_PERIODS(period, AS_INT, PAIRS);                                                 \
+        }                                                                                             \
         for (int v = 0; e < n; v++, e += 16)                                                          \
-            even16(w + base[v], AS_INT, PAIRS, pick[v], field[v], tab, out + e);                      \
+            even16(w + base[v], AS_INT, PAIRS, second[v], third[v], field[v], tab, out + e);          \
     } while (0)
 
-/* unpack_table for an even k: the two elements of a dword pair (an even one and the next)
- * share a word, so a qword permute of 8 words puts each pair's word in its qword, and a
- * multishift takes each element's 8 bits from its lane's first bit (float64 words converted
- * as they are loaded, already checked). */
+/* unpack_table for an even k >= 8: the two elements of a dword pair (an even one and the next)
+ * share a word, so with each pair's word in its qword (even16) a multishift takes each
+ * element's 8 bits from its lane's first bit (float64 words converted as they are loaded,
+ * already checked). */
 AVX512 static void unpack_even(const void *words, int as_int, int64_t n, int width, int k, const float *table,
                                int pairs, float *out) {
     int period = k, stride;
     while (period % 2 == 0 && period > 1 && (16 * period / 2) % k == 0)
         period /= 2;
     stride = 16 * period / k;
-    __m512i pick[64], field[64];
+    __m512i field[64];
+    __mmask8 second[64], third[64];
     int base[64];
     for (int v = 0; v < period; v++) {
-        int64_t q[8];
         uint8_t f[64] = {0};
         base[v] = 16 * v / k;
+        second[v] = third[v] = 0;
         for (int m = 0; m < 16; m++) {
-            int e = 16 * v + m;
-            q[m / 2] = e / k - base[v];
+            int e = 16 * v + m, word = e / k - base[v]; /* 0, 1 or 2 */
+            second[v] |= (__mmask8)((word >= 1) << (m / 2));
+            third[v] |= (__mmask8)((word >= 2) << (m / 2));
             f[8 * (m / 2) + 4 * (m % 2)] = (uint8_t)(width * (e % k));
         }
-        pick[v] = _mm512_loadu_si512(q);
         field[v] = _mm512_loadu_si512(f);
     }
     __m512 tab[8];
@@ -159,7 +178,7 @@ AVX512 int64_t thc_unpack_avx512(const void *words, int64_t nwords, int64_t n, i
         return 0;
     int64_t limit = safe * k < n ? safe * k : n;
     limit -= limit % 16;
-    if (k % 2 == 0) {
+    if (k % 2 == 0 && k >= 8) {
         unpack_even(words, as_int, limit, width, k, tab, pairs, out);
         return limit;
     }

@@ -146,20 +146,29 @@ AVX512 static void unpack_even(const void *words, int as_int, int64_t n, int wid
         EVEN_LOOP(0, pairs);
 }
 
-/* 0 when every float64 word is an integer in [0, 2^53), else ERR_CODE. */
+static int word_ok(double v) { return v >= 0.0 && v < 9007199254740992.0 && v == floor(v); }
+
+/* 0 when every float64 word is an integer in [0, 2^53), else ERR_CODE. Eight words at a time
+ * pass when their bits are below 2^53's (a positive double below 2^53; negative ones have the
+ * sign bit) and each equals its floor; eight that do not are checked one by one (-0.0, which
+ * thc.c accepts, fails the first test). */
 AVX512 int64_t thc_check_words_avx512(const double *w, int64_t nwords) {
-    const __m512d limit = _mm512_set1_pd(9007199254740992.0), zero = _mm512_setzero_pd();
-    __mmask8 bad = 0;
+    const __m512i limit = _mm512_set1_epi64(0x4340000000000000ll); /* 2^53 */
     int64_t i = 0;
     for (; i + 8 <= nwords; i += 8) {
         __m512d v = _mm512_loadu_pd(w + i);
-        bad |= _mm512_cmp_pd_mask(v, zero, _CMP_NGE_UQ) | _mm512_cmp_pd_mask(v, limit, _CMP_NLT_UQ) |
-               _mm512_cmp_pd_mask(v, _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _CMP_NEQ_UQ);
+        __mmask8 ok = _mm512_mask_cmp_pd_mask(_mm512_cmplt_epu64_mask(_mm512_castpd_si512(v), limit), v,
+                                              _mm512_roundscale_pd(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                              _CMP_EQ_OQ);
+        if (ok != 0xff)
+            for (int j = 0; j < 8; j++)
+                if (!word_ok(w[i + j]))
+                    return ERR_CODE;
     }
     for (; i < nwords; i++)
-        if (!(w[i] >= 0.0 && w[i] < 9007199254740992.0) || w[i] != floor(w[i]))
+        if (!word_ok(w[i]))
             return ERR_CODE;
-    return bad ? ERR_CODE : 0;
+    return 0;
 }
 
 /* thc_unpack_f64 for lanes of width <= 7 (a table of at most 128 values, 2^width of them

@@ -215,31 +215,21 @@ class THC(Codec):
         self.worker_seed = int(worker_seed) if worker_seed is not None else seeds.worker_seed(seed, 0, 0)
         self.rng_state = mixed_state(self.worker_seed)
         self.error = np.zeros(self.n, np.float32) if self.feedback else None
-        self.summands, self.phase_dtype = 1, CARRIER
         self.x = self.y = self.signs = self.agreed = self.peak = None
+        self.set_summands(1, CARRIER)
 
     def set_summands(self, summands, carrier=None):
         """Size the code lanes for ``summands`` pushes (the communicator's worker count), in
         words of ``carrier`` (float64, the default; torch.distributed's int64 add 64 bits)."""
-        lane_bits(self.bits, summands)
+        width = lane_bits(self.bits, summands)
         if carrier is not None:
             word_bits(carrier)
             self.phase_dtype = np.dtype(carrier)
         self.summands = int(summands)
-
-    @property
-    def word_bits(self):
-        return WORD_BITS[self.phase_dtype]
-
-    @property
-    def width(self):
-        return lane_bits(self.bits, self.summands)
-
-    @property
-    def phase_sizes(self):
-        """float64 elements of each phase's payload: the histogram, then header and words."""
-        return (words_for(HIST, count_bits(self.summands), self.word_bits),
-                HEADER + words_for(self.codes, self.width, self.word_bits))
+        # what every round asks, worked out once per sizing (a finish is microseconds of Python)
+        self.width, self.word_bits = width, WORD_BITS[self.phase_dtype]
+        self.phase_sizes = (words_for(HIST, count_bits(self.summands), self.word_bits),
+                            HEADER + words_for(self.codes, self.width, self.word_bits))
 
     def _rotate(self, x, inverse=False):
         """A rotated copy of x (float32, ``codes`` long): ``rotated``'s operations in C."""
@@ -281,9 +271,11 @@ class THC(Codec):
     def compress_q(self, hist_sum):
         exponent, nonfinite = self.agree(hist_sum)
         width, bits = self.width, self.word_bits
-        words = np.zeros(HEADER + words_for(self.codes, width, bits), self.phase_dtype)
+        words = np.empty(self.phase_sizes[1], self.phase_dtype)
         words[:HEADER] = (self.bits, exponent, 1)
-        if not nonfinite:  # else the sum is NaN anyway; zeros keep the lanes valid
+        if nonfinite:  # the sum is NaN anyway; zeros keep the lanes valid
+            words[HEADER:] = 0
+        else:
             own = np.empty(self.codes, np.float32) if self.feedback else None
             y = np.ascontiguousarray(self.y, np.float32)
             bounded = self.peak * 2.0 ** -exponent <= 1.0  # no code to clamp (the kernel's fast path)

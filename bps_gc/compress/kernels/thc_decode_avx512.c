@@ -86,9 +86,13 @@ even16(const void *src, int as_int, int pairs, __mmask8 second, __mmask8 third, 
 /* Whole periods of PERIOD (a constant: the compiler unrolls them, masks and fields in
  * registers; a third faster than a loop over the period) from out + e on. */
 #define EVEN_PERIODS(PERIOD, AS_INT, PAIRS)                                                           \
-    for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride)                                   \
-        _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++)                                   \
-            even16(w + base[v], AS_INT, PAIRS, second[v], third[v], field[v], tab, out + e + 16 * v)
+    for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride) {                                 \
+        __builtin_prefetch((const char *)w + PF_AHEAD / 4, 0, 3); /* a period reads <= 8 words */     \
+        _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++) {                                 \
+            __builtin_prefetch(out + e + 16 * v + PF_AHEAD / 4, 1, 3); /* a vector writes a line */   \
+            even16(w + base[v], AS_INT, PAIRS, second[v], third[v], field[v], tab, out + e + 16 * v); \
+        }                                                                                             \
+    }
 
 /* The loop of unpack_even for one kind of word and table (constants, so each is its own loop):
  * whole periods of vectors (k = 10, 12, 14 and powers of two: periods of 5, 3, 7 and 1),

@@ -24,8 +24,6 @@ static inline float thc_decoded(int64_t q, double scale, int levels) {
  * half unused), else to the nearest. */
 void thc_codes_scalar(const float *y, int64_t m, double inv_scale, int levels, uint64_t *state, uint8_t *codes);
 
-/* float64 words (integers below 2^53) [w0, w1) as uint64, to out[0..w1 - w0). */
-void convert_words(const void *words, int64_t w0, int64_t w1, uint64_t *out);
 
 int thc_has_avx512(void);
 int64_t thc_check_words_avx512(const double *w, int64_t nwords);

@@ -6,24 +6,74 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
 
-AVX512 void convert_words(const void *words, int64_t w0, int64_t w1, uint64_t *out) {
-    const double *f = (const double *)words;
-    for (int64_t w = w0; w < w1; w++)
-        out[w - w0] = (uint64_t)f[w];
+
+#define INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
+
+/* The table's values of 16 lanes (each in the low bits of q, garbage above): a permute reads
+ * the low 5 bits; lanes of 6 and 7 bits choose between 32-entry permutes by bits 5 and 6. */
+INLINE __m512 lookup16(__m512i q, int pairs, const __m512 *tab) {
+    __m512 x = _mm512_permutex2var_ps(tab[0], q, tab[1]);
+    if (pairs > 1) {
+        __mmask16 bit5 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(32));
+        x = _mm512_mask_mov_ps(x, bit5, _mm512_permutex2var_ps(tab[2], q, tab[3]));
+        if (pairs > 2) {
+            __m512 y = _mm512_mask_mov_ps(_mm512_permutex2var_ps(tab[4], q, tab[5]), bit5,
+                                          _mm512_permutex2var_ps(tab[6], q, tab[7]));
+            x = _mm512_mask_mov_ps(x, _mm512_test_epi32_mask(q, _mm512_set1_epi32(64)), y);
+        }
+    }
+    return x;
+}
+
+/* 16 elements of any k (unpack_table) at out from the 16 words at src: each element's 4 bytes
+ * from its lane's byte on (a byte permute of the 16 words), shifted by its bit in the byte. */
+INLINE void any16(const uint64_t *src, int as_int, int pairs, __m512i idx, __m512i shift, const __m512 *tab,
+                  float *out) {
+    __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 8);
+    if (!as_int) /* float64 words (checked) */
+        a = _mm512_cvttpd_epu64(_mm512_castsi512_pd(a)), b = _mm512_cvttpd_epu64(_mm512_castsi512_pd(b));
+    __m512i q = _mm512_permutex2var_epi8(a, idx, b);
+    _mm512_storeu_ps(out, lookup16(_mm512_srlv_epi32(q, shift), pairs, tab));
+}
+
+/* Whole periods of PERIOD vectors from out + e on, PERIOD a constant where it is a common one
+ * (the compiler unrolls them, their patterns in registers: a third faster than a loop over
+ * the period), then the vectors left. BODY(src, v, out) decodes vector v of a period. */
+#define PERIODS(PERIOD, BODY)                                                                         \
+    for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride) {                                 \
+        __builtin_prefetch((const char *)w + PF_AHEAD / 4, 0, 3); /* a period reads <= 16 words */    \
+        _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++) {                                 \
+            __builtin_prefetch(out + e + 16 * v + PF_AHEAD / 4, 1, 3); /* a vector writes a line */   \
+            BODY(w + base[v], v, out + e + 16 * v);                                                   \
+        }                                                                                             \
+    }
+#define ALL_PERIODS(BODY, ...)                                                                        \
+    do {                                                                                              \
+        const uint64_t *w = u;                                                                        \
+        int64_t e = 0;                                                                                \
+        switch (period) {                                                                             \
+        __VA_ARGS__                                                                                   \
+        default: PERIODS(period, BODY);                                                               \
+        }                                                                                             \
+        for (int v = 0; e < n; v++, e += 16)                                                          \
+            BODY(w + base[v], v, out + e);                                                            \
+    } while (0)
+
+/* The pattern of 16 elements starting at lane (16 v) % k of word base[v] repeats every
+ * `period` vectors, which move `stride` words. */
+static int period_of(int k, int *stride) {
+    int period = k;
+    while (period % 2 == 0 && (16 * period / 2) % k == 0)
+        period /= 2;
+    *stride = 16 * period / k;
+    return period;
 }
 
 /* Elements [0, n) (n a multiple of 16) of the summed words u (16 words past the last one
- * readable) looked up in table (32 x pairs floats): the 16 elements of vector v start at lane
- * (16 v) % k, and the pattern repeats every `period` vectors, which move `stride` words; each
- * element's 4 bytes from its byte on (a byte permute of 16 words) shifted by its bit within the
- * byte hold its lane in the low bits, which are all the table permute reads (the table repeats
- * every 2^width entries below 32). */
-AVX512 static void unpack_table(const uint64_t *u, int64_t n, int width, int k, const float *table, int pairs,
-                                float *out) {
-    int period = k, stride;
-    while (period % 2 == 0 && period > 1 && (16 * period / 2) % k == 0)
-        period /= 2;
-    stride = 16 * period / k;
+ * readable) looked up in table (32 x pairs floats; below 32 entries it repeats every 2^width). */
+AVX512 static void unpack_table(const uint64_t *u, int as_int, int64_t n, int width, int k, const float *table,
+                                int pairs, float *out) {
+    int stride, period = period_of(k, &stride);
     __m512i idx[64], shift[64];
     int base[64];
     for (int v = 0; v < period; v++) {
@@ -42,86 +92,48 @@ AVX512 static void unpack_table(const uint64_t *u, int64_t n, int width, int k, 
     __m512 tab[8];
     for (int t = 0; t < 2 * pairs; t++)
         tab[t] = _mm512_loadu_ps(table + 16 * t);
-    const __m512i top = _mm512_set1_epi32(pairs - 1);
-    int64_t e = 0;
-    for (const uint64_t *w = u; e < n; w += stride)
-        for (int v = 0; v < period && e < n; v++, e += 16) {
-            const uint64_t *src = w + base[v];
-            __m512i q = _mm512_permutex2var_epi8(_mm512_loadu_si512(src), idx[v], _mm512_loadu_si512(src + 8));
-            q = _mm512_srlv_epi32(q, shift[v]);
-            __m512 x = _mm512_permutex2var_ps(tab[0], q, tab[1]);
-            if (pairs > 1) {
-                __m512i which = _mm512_and_si512(_mm512_srli_epi32(q, 5), top);
-                for (int t = 1; t < pairs; t++) {
-                    __mmask16 sel = _mm512_cmpeq_epi32_mask(which, _mm512_set1_epi32(t));
-                    x = _mm512_mask_mov_ps(x, sel, _mm512_permutex2var_ps(tab[2 * t], q, tab[2 * t + 1]));
-                }
-            }
-            _mm512_storeu_ps(out + e, x);
-        }
+#define ANY(SRC, V, OUT) any16(SRC, AS_INT, PAIRS, idx[V], shift[V], tab, OUT)
+#define CASES case 7: PERIODS(7, ANY) break; case 9: PERIODS(9, ANY) break; case 13: PERIODS(13, ANY) break;
+#define AS_INT 1 /* k = 7, 9, 13: 5 to 8 summands of 4 bits, one in float64 words */
+#define PAIRS 1
+    if (as_int && pairs == 1)
+        ALL_PERIODS(ANY, CASES);
+#undef AS_INT
+#define AS_INT 0
+    else if (pairs == 1)
+        ALL_PERIODS(ANY, CASES);
+#undef PAIRS
+#define PAIRS pairs
+    else if (!as_int)
+        ALL_PERIODS(ANY, CASES);
+#undef AS_INT
+#define AS_INT 1
+    else
+        ALL_PERIODS(ANY, CASES);
+#undef AS_INT
+#undef PAIRS
+#undef CASES
+#undef ANY
 }
 
 /* 16 elements of an even k (unpack_even) at out from the (at most 3) words at src: the first
  * word broadcast to every pair's qword, the second and third over those of the pairs in them
- * (loads, not permutes: the permutes are the table's). */
-static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi"))) void
-even16(const void *src, int as_int, int pairs, __mmask8 second, __mmask8 third, __m512i field, const __m512 *tab,
-       float *out) {
+ * (loads, not permutes: the permutes are the table's), converted from float64 (checked). */
+INLINE void even16(const uint64_t *src, int as_int, int pairs, __mmask8 second, __mmask8 third, __m512i field,
+                   const __m512 *tab, float *out) {
     const int64_t *s = (const int64_t *)src;
     __m512i w = _mm512_mask_set1_epi64(_mm512_mask_set1_epi64(_mm512_set1_epi64(s[0]), second, s[1]), third, s[2]);
     if (!as_int)
         w = _mm512_cvttpd_epu64(_mm512_castsi512_pd(w));
-    __m512i q = _mm512_multishift_epi64_epi8(field, w);
-    __m512 x = _mm512_permutex2var_ps(tab[0], q, tab[1]);
-    if (pairs > 1) {
-        __m512i which = _mm512_and_si512(_mm512_srli_epi32(q, 5), _mm512_set1_epi32(pairs - 1));
-        for (int t = 1; t < pairs; t++) {
-            __mmask16 sel = _mm512_cmpeq_epi32_mask(which, _mm512_set1_epi32(t));
-            x = _mm512_mask_mov_ps(x, sel, _mm512_permutex2var_ps(tab[2 * t], q, tab[2 * t + 1]));
-        }
-    }
-    _mm512_storeu_ps(out, x);
+    _mm512_storeu_ps(out, lookup16(_mm512_multishift_epi64_epi8(field, w), pairs, tab));
 }
-
-/* Whole periods of PERIOD (a constant: the compiler unrolls them, masks and fields in
- * registers; a third faster than a loop over the period) from out + e on. */
-#define EVEN_PERIODS(PERIOD, AS_INT, PAIRS)                                                           \
-    for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride) {                                 \
-        __builtin_prefetch((const char *)w + PF_AHEAD / 4, 0, 3); /* a period reads <= 8 words */     \
-        _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++) {                                 \
-            __builtin_prefetch(out + e + 16 * v + PF_AHEAD / 4, 1, 3); /* a vector writes a line */   \
-            even16(w + base[v], AS_INT, PAIRS, second[v], third[v], field[v], tab, out + e + 16 * v); \
-        }                                                                                             \
-    }
-
-/* The loop of unpack_even for one kind of word and table (constants, so each is its own loop):
- * whole periods of vectors (k = 10, 12, 14 and powers of two: periods of 5, 3, 7 and 1),
- * then the vectors left. */
-#define EVEN_LOOP(AS_INT, PAIRS)                                                                      \
-    do {                                                                                              \
-        const uint64_t *w = (const uint64_t *)words;                                                  \
-        int64_t e = 0;                                                                                \
-        switch (period) {                                                                             \
-        case 1: EVEN_PERIODS(1, AS_INT, PAIRS); break;                                                \
-        case 3: EVEN_PERIODS(3, AS_INT, PAIRS); break;                                                \
-        case 5: EVEN_PERIODS(5, AS_INT, PAIRS); break;                                                \
-        case 7: EVEN_PERIODS(7, AS_INT, PAIRS); break;                                                \
-        default: EVEN_PERIODS(period, AS_INT, PAIRS);                                                 \
-        }                                                                                             \
-        for (int v = 0; e < n; v++, e += 16)                                                          \
-            even16(w + base[v], AS_INT, PAIRS, second[v], third[v], field[v], tab, out + e);          \
-    } while (0)
 
 /* unpack_table for an even k >= 8: the two elements of a dword pair (an even one and the next)
  * share a word, so with each pair's word in its qword (even16) a multishift takes each
- * element's 8 bits from its lane's first bit (float64 words converted as they are loaded,
- * already checked). */
-AVX512 static void unpack_even(const void *words, int as_int, int64_t n, int width, int k, const float *table,
+ * element's 8 bits from its lane's first bit. */
+AVX512 static void unpack_even(const uint64_t *u, int as_int, int64_t n, int width, int k, const float *table,
                                int pairs, float *out) {
-    int period = k, stride;
-    while (period % 2 == 0 && period > 1 && (16 * period / 2) % k == 0)
-        period /= 2;
-    stride = 16 * period / k;
+    int stride, period = period_of(k, &stride);
     __m512i field[64];
     __mmask8 second[64], third[64];
     int base[64];
@@ -140,14 +152,30 @@ AVX512 static void unpack_even(const void *words, int as_int, int64_t n, int wid
     __m512 tab[8];
     for (int t = 0; t < 2 * pairs; t++)
         tab[t] = _mm512_loadu_ps(table + 16 * t);
+    /* k = 10, 12, 14 and powers of two: periods of 5, 3, 7 and 1 */
+#define EVEN(SRC, V, OUT) even16(SRC, AS_INT, PAIRS, second[V], third[V], field[V], tab, OUT)
+#define CASES case 1: PERIODS(1, EVEN) break; case 3: PERIODS(3, EVEN) break; case 5: PERIODS(5, EVEN) break; \
+              case 7: PERIODS(7, EVEN) break;
+#define AS_INT 1
+#define PAIRS 1
     if (as_int && pairs == 1)
-        EVEN_LOOP(1, 1);
+        ALL_PERIODS(EVEN, CASES);
+#undef AS_INT
+#define AS_INT 0
     else if (pairs == 1)
-        EVEN_LOOP(0, 1);
-    else if (as_int)
-        EVEN_LOOP(1, pairs);
+        ALL_PERIODS(EVEN, CASES);
+#undef PAIRS
+#define PAIRS pairs
+    else if (!as_int)
+        ALL_PERIODS(EVEN, CASES);
+#undef AS_INT
+#define AS_INT 1
     else
-        EVEN_LOOP(0, pairs);
+        ALL_PERIODS(EVEN, CASES);
+#undef AS_INT
+#undef PAIRS
+#undef CASES
+#undef EVEN
 }
 
 static int word_ok(double v) { return v >= 0.0 && v < 9007199254740992.0 && v == floor(v); }
@@ -191,24 +219,7 @@ AVX512 int64_t thc_unpack_avx512(const void *words, int64_t nwords, int64_t n, i
         return 0;
     int64_t limit = safe * k < n ? safe * k : n;
     limit -= limit % 16;
-    if (k % 2 == 0 && k >= 8) {
-        unpack_even(words, as_int, limit, width, k, tab, pairs, out);
-        return limit;
-    }
-    if (as_int) {
-        unpack_table((const uint64_t *)words, limit, width, k, tab, pairs, out);
-        return limit;
-    }
-    enum { SLICE = 2048 }; /* float64 words converted a slice at a time */
-    static __thread uint64_t buf[SLICE + 32];
-    int64_t per = (int64_t)SLICE * k; /* a slice starts at lane 0 of a word, and of a period */
-    int64_t done = 0;
-    while (done < limit) {
-        int64_t m = limit - done < per ? limit - done : per, w0 = done / k;
-        int64_t w1 = (done + m) / k + 17 < nwords ? (done + m) / k + 17 : nwords;
-        convert_words(words, w0, w1, buf);
-        unpack_table(buf, m, width, k, tab, pairs, out + done);
-        done += m;
-    }
-    return done;
+    (k % 2 == 0 && k >= 8 ? unpack_even : unpack_table)(words, as_int, limit, width, k, tab, pairs, out);
+    return limit;
 }
+

@@ -97,7 +97,7 @@ def _load():
         "powersgd_p_f32": ((), None, [P, P, I, I, I, P, I, P, P]),
         "powersgd_q_f32": ((), None, [P, I, I, P, I, P]),
         # thc.c (summable codes)
-        "thc_pack_f32": ((), None, [P, I, D, C, C, C, C, P, P, P, C]),
+        "thc_pack_f32": ((), None, [P, I, D, C, C, C, C, P, P, P, P, C]),
         "thc_unpack_f64": ((), I, [P, I, I, C, C, D, C, D, P, C]),
         "thc_rotate_f32": ((), None, [P, I, I, P, C, F]),
         "thc_peak_f32": ((), D, [P, P, P, I]),

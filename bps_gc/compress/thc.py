@@ -276,15 +276,20 @@ class THC(Codec):
         if nonfinite:  # the sum is NaN anyway; zeros keep the lanes valid
             words[HEADER:] = 0
         else:
-            own = np.empty(self.codes, np.float32) if self.feedback else None
+            # feedback: the codes decoded alone, or (unrotated) straight away the residual
+            # x - decoded, written over x (compress's own array, needed no more)
+            minuend = self.x if self.feedback and not self.rotate else None
+            own = (minuend if minuend is not None else np.empty(self.codes, np.float32)) if self.feedback else None
             y = np.ascontiguousarray(self.y, np.float32)
             bounded = self.peak * 2.0 ** -exponent <= 1.0  # no code to clamp (the kernel's fast path)
             lib.thc_pack_f32(ptr(y), self.codes, 2.0 ** -exponent, self.levels, width, lanes_per_word(width, bits),
-                             int(bounded),
-                             None if self.feedback else ptr(self.rng_state),
-                             None if own is None else ptr(own), ptr(words[HEADER:]), int(bits != CARRIER_BITS))
-            if self.feedback:  # the residual, written over the decoded copy it no longer needs
-                decoded = self._rotate(own, inverse=True)[:self.n] if self.rotate else own
+                             int(bounded), None if self.feedback else ptr(self.rng_state),
+                             None if minuend is None else ptr(minuend), None if own is None else ptr(own),
+                             ptr(words[HEADER:]), int(bits != CARRIER_BITS))
+            if minuend is not None:
+                self.error, self.x = own, None
+            elif self.feedback:  # the residual, written over the decoded copy it no longer needs
+                decoded = self._rotate(own, inverse=True)[:self.n]
                 self.error = np.subtract(self.x, decoded, out=decoded)
         return words.view(np.uint8)
 

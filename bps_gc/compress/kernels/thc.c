@@ -48,12 +48,14 @@ void thc_codes_scalar(const float *y, int64_t m, double inv_scale, int levels, u
 /* y: n float32 (the rotated or plain input); bounded: every |y| * inv_scale <= 1 (lets the
  * AVX-512 path skip the clamps). state: xorshift128+ for stochastic rounding (32 random bits
  * per element, two per output, high half first), or NULL for the nearest. decoded (or NULL):
- * each code decoded alone, scale * (2 q / levels - 1) as float32 (error feedback's own share).
+ * each code decoded alone, scale * (2 q / levels - 1) as float32 (error feedback's own share),
+ * or with minuend (n float32) minuend - that (the residual, in one pass).
  * words: ceil(n / k) float64 (or int64), code j of a word at bit width * j. */
 EXPORT HOT void thc_pack_f32(const float *y, int64_t n, double inv_scale, int levels, int width, int k,
-                             int bounded, uint64_t *state, float *decoded, void *words, int as_int) {
+                             int bounded, uint64_t *state, const float *minuend, float *decoded, void *words,
+                             int as_int) {
     if (thc_has_avx512()) {
-        thc_pack_avx512(y, n, inv_scale, levels, width, k, bounded, state, decoded, words, as_int);
+        thc_pack_avx512(y, n, inv_scale, levels, width, k, bounded, state, minuend, decoded, words, as_int);
         return;
     }
     uint64_t st[2] = {state ? state[0] : 0, state ? state[1] : 0};
@@ -76,8 +78,10 @@ EXPORT HOT void thc_pack_f32(const float *y, int64_t n, double inv_scale, int le
                 have--;
             }
             int64_t q = thc_code(y[base + j], inv_scale, half, r, levels);
-            if (decoded)
-                decoded[base + j] = thc_decoded(q, scale, levels);
+            if (decoded) {
+                float own = thc_decoded(q, scale, levels);
+                decoded[base + j] = minuend ? minuend[base + j] - own : own;
+            }
             word |= (uint64_t)q << (width * j);
         }
         if (as_int)

@@ -14,7 +14,8 @@ static inline int64_t thc_code(float y, double inv_scale, double half, double r,
     return u < 0 ? 0 : u > levels ? levels : (int64_t)u;
 }
 
-/* A code decoded alone (error feedback's own share): scale * (2 q / levels - 1) as float32. */
+/* A code decoded alone (error feedback's own share): scale * (2 q / levels - 1) as float32. With
+ * a minuend, error feedback's residual minuend - decoded (float32) is written instead. */
 static inline float thc_decoded(int64_t q, double scale, int levels) {
     return (float)(scale * (2.0 * (double)q / levels - 1.0));
 }
@@ -28,7 +29,7 @@ void thc_codes_scalar(const float *y, int64_t m, double inv_scale, int levels, u
 int thc_has_avx512(void);
 int64_t thc_check_words_avx512(const double *w, int64_t nwords);
 void thc_pack_avx512(const float *y, int64_t n, double inv_scale, int levels, int width, int k, int bounded,
-                     uint64_t *state, float *decoded, void *words, int as_int);
+                     uint64_t *state, const float *minuend, float *decoded, void *words, int as_int);
 int64_t thc_unpack_avx512(const void *words, int64_t nwords, int64_t n, int width, int k, const float *table,
                           float *out, int as_int);
 #endif

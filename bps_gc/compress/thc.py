@@ -12,7 +12,9 @@ once. One reduce takes two plain-sum phases, which the communicators drive like 
    at most N), floor(53 / c) to a float64 word (7 words for N = 2, 54 for N = 8,192).
 2. ``compress_q(hist_sum)``: the scale s = 2^e; each element's code q in [0, M], M = 2^b - 1,
    is (y/s + 1) M/2 rounded stochastically (unbiased: E q = that) or, with ``feedback``, to the
-   nearest (ties up) and the error kept for the next step (the C kernel kernels/thc.c). Codes are packed k = floor(53 / w) to a
+   nearest (ties up) and the error kept for the next step (the C kernel kernels/thc.c, or its
+   AVX-512 twins thc_encode_avx512.c and thc_decode_avx512.c, bit for bit; compress keeps a
+   view of a float32 input for compress_q, not a copy). Codes are packed k = floor(53 / w) to a
    float64 word in lanes of w = b + ceil(log2 N) bits (N summands), so the sum of N words is
    an integer below 2^53, exact in float64 in any order, and no lane carries into the next.
 3. ``finish(code_sum, out, workers)``: the summed header must say N pushes of this bit width

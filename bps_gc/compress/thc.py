@@ -305,7 +305,7 @@ class THC(Codec):
             raise ValueError(f"thc: a summed code buffer of {size} words, expected {expected} "
                              f"({self.bits}-bit codes in {self.width}-bit lanes)")
         exponent = self.agreed[0]
-        bits_sum, exp_sum, pushes = (float(v) for v in header[:HEADER])
+        bits_sum, exp_sum, pushes = np.asarray(header[:HEADER], np.float64).tolist()
         if pushes != self.summands:
             raise ValueError(f"thc: the sum holds {pushes:g} pushes, its lanes hold {self.summands}")
         if bits_sum != self.bits * self.summands:

@@ -1,5 +1,6 @@
 """Every runnable example and script answers --help (argparse formats every help string: a
 stray '%' in one is a crash a user meets first)."""
+import functools
 import glob
 import os
 import subprocess
@@ -14,10 +15,16 @@ SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "example", "**", "*.py"
                  if "__main__" in open(p).read() and "argparse" in open(p).read())
 
 
+@functools.cache
+def help_of(script):
+    """``script --help``'s run; each script runs once for both tests below (most import torch: seconds)."""
+    return subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_help(script):
-    result = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    result = help_of(script)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout and "Traceback" not in result.stderr
 
@@ -33,8 +40,7 @@ SEED_DEVICE_FLAGS = {"example/pytorch/dgc/train.py": "--devices", "example/pytor
 
 @pytest.mark.parametrize("script", TORCH_SCRIPTS)
 def test_torch_scripts_offer_a_device(script):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    result = help_of(os.path.join(ROOT, script))
     assert result.returncode == 0, result.stderr[-2000:]
     text = " ".join(result.stdout.split())
     assert "--device" in text and "cuda" in text

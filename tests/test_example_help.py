@@ -2,9 +2,11 @@
 stray '%' in one is a crash a user meets first)."""
 import functools
 import glob
+import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,11 +17,24 @@ SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "example", "**", "*.py"
                  if "__main__" in open(p).read() and "argparse" in open(p).read())
 
 
+TORCH_SCRIPTS_ALSO = [os.path.join(ROOT, "example/pytorch/train_cifar10_choco.py")]  # argparse in seed_flags.py
+
+
 @functools.cache
+def help_runs():
+    """Every script's ``--help`` run, all in one interpreter (tests/help_runner.py: each as its
+    own ``__main__``, the repository's modules imported afresh for each; torch imported once
+    instead of once a script: most of this file's time)."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "help_runner.py"), *SCRIPTS,
+                             *TORCH_SCRIPTS_ALSO], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
 def help_of(script):
-    """``script --help``'s run; each script runs once for both tests below (most import torch: seconds)."""
-    return subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    """``script --help``'s exit status, stdout and stderr."""
+    return SimpleNamespace(**help_runs()[script])
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: os.path.relpath(p, ROOT))

@@ -1,6 +1,8 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
-under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun."""
+under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun;
+those two checkpoint every epoch and are the straight runs that an interrupted and resumed run
+must equal (issue 33)."""
 import json
 import os
 import pickle
@@ -13,8 +15,9 @@ import pytest
 
 from conftest import ROOT
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
+INTERRUPT = os.path.join(ROOT, "tests", "interrupted_run.py")
 SEED_FLAGS = [
     "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
     "--compress_ratio", "--quantize_level", "--is_biased", "--choco_consenus_stepsize",
@@ -44,15 +47,18 @@ def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
     return data_dir
 
 
-def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch"):
+def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=None):
+    """The script on ``workers`` ranks; ``interrupt``: tests/interrupted_run.py's INTERRUPT_AFTER
+    (every process ends at once right after that checkpoint; torchrun only)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, BPS_GC_HEARTBEAT_INTERVAL="0.2",
-               BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096")
+               BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096",
+               **({"INTERRUPT_AFTER": interrupt} if interrupt else {}))
     for name in list(env):
         if name.startswith(("DMLC_", "BYTEPS_LOCAL", "BPS_GC_PORT")):
             del env[name]
     if launcher == "torchrun":  # bps_gc.init() then runs on torch.distributed
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
-               SCRIPT, *argv]
+               *([INTERRUPT] if interrupt else []), SCRIPT, *argv]
     else:
         cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers", "1",
                "--", sys.executable, SCRIPT, *argv]
@@ -130,12 +136,35 @@ RUNS_DECENTRALIZED = {
 }
 
 
+def tiny_argv(name, checkpoint=False):
+    return [*TINY, "--data_dir", "data", "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name],
+            *(["--checkpoint", "ckpt"] if checkpoint else [])]
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """name -> (folder, result) of its tiny run under torchrun, checkpointing every epoch into
+    folder/ckpt: test_tiny_run checks it, and it is the straight run the resume test compares with."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            folder = tmp_path_factory.mktemp(f"{name}-torchrun")
+            write_cifar10(str(folder / "data"))
+            runs[name] = folder, launch(tiny_argv(name, checkpoint=True), folder, launcher="torchrun")
+        return runs[name]
+    return run
+
+
 @pytest.mark.parametrize("name, launcher", [(n, "bpslaunch") for n in sorted(RUNS) + sorted(RUNS_DECENTRALIZED)]
                          + [("local_sgd", "torchrun"), ("parallel_choco", "torchrun")])
-def test_tiny_run(name, launcher, tmp_path):
-    data = write_cifar10(str(tmp_path / "data"))
-    result = launch([*TINY, "--data_dir", data, "--experiment", name, *{**RUNS, **RUNS_DECENTRALIZED}[name]], tmp_path,
-                    launcher=launcher)
+def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
+    if launcher == "torchrun":
+        tmp_path, result = torchrun_runs(name)
+    else:
+        write_cifar10(str(tmp_path / "data"))
+        result = launch(tiny_argv(name), tmp_path, launcher=launcher)
+    data = str(tmp_path / "data")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     summary = json.loads((tmp_path / f"{name}.json").read_text())
     epochs = [row for row in summary["history"] if "epoch" in row]
@@ -153,6 +182,26 @@ def test_tiny_run(name, launcher, tmp_path):
     if name == "post_local_sgd":  # synchronous in epoch 0, averaging every 2 steps from epoch 1
         assert bytes_per_step[1] < 0.75 * bytes_per_step[0]
         assert "averaged model accuracy" in log and "forward+backward" in log
+
+
+@pytest.mark.parametrize("name", ["parallel_choco", "local_sgd"], ids=["choco", "local_sgd"])
+def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs, tmp_path):
+    """Issue 33: the torchrun tiny run (straight), and the same command interrupted right after
+    its first checkpoint (every process ends at once) then started again, resuming: both end
+    with the same parameters on every rank, bit for bit."""
+    straight, result = torchrun_runs(name)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    write_cifar10(str(tmp_path / "data"))
+    for interrupt in ("rank:1", None):
+        resumed = launch(tiny_argv(name, checkpoint=True), tmp_path, launcher="torchrun", interrupt=interrupt)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert "resumed from ckpt after epoch 0" in (tmp_path / f"{name}.log").read_text()
+    for rank in range(2):
+        a = torch.load(straight / "ckpt" / f"rank{rank}.pth", weights_only=True)["model"]
+        b = torch.load(tmp_path / "ckpt" / f"rank{rank}.pth", weights_only=True)["model"]
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (rank, key)
 
 
 def test_unknown_topology_is_a_message(tmp_path):

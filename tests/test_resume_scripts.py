@@ -2,7 +2,8 @@
 gloo ranks (torchrun) at a tiny size: straight, and interrupted right after its first checkpoint
 (every process ends at once, tests/interrupted_run.py), then started again with the same
 command, resuming. The scripts are deterministic: both end with the same parameters on every
-rank, bit for bit (without the codec state they would not: test_restart_state.py)."""
+rank, bit for bit (without the codec state they would not: test_restart_state.py). CHOCO's and
+local SGD's script resume in test_cifar10_choco.py, from its torchrun runs."""
 import os
 import subprocess
 import sys
@@ -89,21 +90,6 @@ def test_cifar100_script_resumes_every_ranks_state(tmp_path):
     for rank in range(2):
         same_models(straight / "params" / f"cifar100-resnet20-1.r{rank}.state",
                     resumed / "params" / f"cifar100-resnet20-1.r{rank}.state")
-
-
-@pytest.mark.parametrize("flags", [
-    ["--optimizer", "parallel_choco", "--graph_topology", "ring", "--comm_op", "compress_top_k",
-     "--compress_ratio", "0.9", "--choco_consenus_stepsize", "0.1"],
-    ["--optimizer", "local_sgd", "--local_step", "3", "--comm_op", "sign+norm"],
-], ids=["choco", "local_sgd"])
-def test_choco_script_resumes_from_its_checkpoint_folder(tmp_path, flags):
-    argv = ["--arch", "resnet20", "--data", "cifar10", "--data_dir", "data", "--batch_size", "8", "--num_epochs", "2",
-            "--max_iters", "2", "--num_workers", "0", "--lr", "0.05", "--checkpoint", "ckpt", *flags]
-    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "train_cifar10_choco.py"), argv,
-                                             "rank:1", lambda folder: write_cifar10(str(folder / "data"), 40, 8))
-    assert "resumed from ckpt after epoch 0" in (resumed / f"{flags[1]}.log").read_text()
-    for rank in range(2):
-        same_models(straight / "ckpt" / f"rank{rank}.pth", resumed / "ckpt" / f"rank{rank}.pth")
 
 
 def test_study_imagenet_script_resumes_from_its_checkpoint_folder(tmp_path):

@@ -9,7 +9,9 @@ The narrowest fix: when ``gluoncv.check`` is loaded, wrap that one function so i
 RuntimeError becomes the ImportError gluoncv already handles. gluoncv then does exactly what it
 does where torch is absent (``gluoncv._found_pytorch`` is False, its MXNet half loads), while
 ``torch`` itself is never touched: no attribute is patched, not even for a moment, so the rest
-of the process sees the real torch. Nothing on disk changes. The hook is a meta-path finder
+of the process sees the real torch. Where torch is not imported yet, its installed version is
+read from its package metadata: an MXNet process does not import torch (over a second of CPU)
+only for gluoncv to turn it down. Nothing on disk changes. The hook is a meta-path finder
 that only answers for ``gluoncv.check``, and removes itself once it has done its work.
 
 Rejected: hiding torch (``sys.modules['torch'] = None``) or faking ``torch.__version__`` while
@@ -19,15 +21,41 @@ inside the window, so the import had to be a special call rather than a plain ``
 """
 import functools
 import importlib.abc
+import importlib.metadata
+import re
 import sys
 
 CHECKED_MODULE = "gluoncv.check"
 CHECK_FUNCTION = "_require_pytorch_version"
 
 
+def _release(version):
+    """"2.13.0+cpu" -> (2, 13, 0): the leading numbers, padded to three."""
+    numbers = re.match(r"\d+(?:\.\d+)*", version)
+    parts = tuple(int(n) for n in numbers.group(0).split(".")) if numbers else ()
+    return (parts + (0, 0, 0))[:3]
+
+
+def _installed_torch_beyond(maximum):
+    """The installed torch's version when it is at least ``maximum``, from its metadata (torch is
+    not imported); None when it is below, or not installed, or has no readable version."""
+    try:
+        installed = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not re.match(r"\d", installed or ""):
+        return None
+    return installed if _release(installed) >= _release(maximum) else None
+
+
 def _unsupported_torch_is_absent(check):
     @functools.wraps(check)
     def require_pytorch_version(*args, **kwargs):
+        maximum = args[1] if len(args) > 1 else kwargs.get("max_torch_version", "2.0.0")
+        installed = None if "torch" in sys.modules else _installed_torch_beyond(str(maximum))
+        if installed:
+            raise ImportError(f"gluoncv's torch half is disabled by bps_gc.mxnet: torch {installed} is installed, "
+                              f"gluoncv wants < {maximum}")
         try:
             return check(*args, **kwargs)
         except RuntimeError as e:  # "Legacy torch==2.x detected": gluoncv's torch half is out

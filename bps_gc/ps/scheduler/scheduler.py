@@ -6,10 +6,11 @@ is declared dead: every other node is told (NODE_FAILED) and the scheduler exits
 A registration that cannot be part of the job (a duplicate worker rank, settings that disagree
 with the scheduler's, a node that could not start) stops the whole job at once; the scheduler
 then stays up for REFUSE_SECONDS to tell late registrants why, so nobody waits out the join
-timeout. A worker that says goodbye while other workers still run is announced (NODE_LEFT), so
-servers fail the rounds that still need it at once instead of waiting for it. A worker that
-trains alone (ps/worker/lone_worker.py) ends the job: every node exits 0, told why. Until the cluster
-is complete the scheduler prints who joined and who has not (assembly.py).
+timeout (it exits at once when every node the job declares was told). A worker that says
+goodbye while other workers still run is announced (NODE_LEFT), so servers fail the rounds that
+still need it at once instead of waiting for it. A worker that trains alone
+(ps/worker/lone_worker.py) ends the job: every node exits 0, told why. Until the cluster is
+complete the scheduler prints who joined and who has not (assembly.py).
 """
 import collections
 import logging
@@ -72,6 +73,8 @@ class Scheduler:
         self.dropped = DropLog(log)
         self.refusal = None  # why the job was stopped at registration
         self.stop_at = None  # when the scheduler exits after such a refusal
+        self.told = set()  # identities told of that refusal
+        self.told_local_sizes = set()  # BYTEPS_LOCAL_SIZE of the workers told
         self.ended = None  # why the job ended before it assembled, with status 0 (a lone worker)
         self.told_servers = set()  # identities of the servers told so
         self.epochs = Epochs(self) if config.elastic else None  # BPS_GC_ELASTIC: membership epochs
@@ -198,6 +201,9 @@ class Scheduler:
             return None
         who = f"{role} {rank} at {host}" if role == "worker" else f"{role} at {host}"
         if self.refusal:
+            self.note_told(msg.identity, info)
+            if self.everyone_told():
+                self.stop_at = time.monotonic()
             return self.refuse(msg.identity, self.refusal)
         if msg.identity in self.members:
             return None  # a retried registration
@@ -210,14 +216,14 @@ class Scheduler:
             return self.end_job(msg.identity, role, notice)
         fatal = self.fatal_registration(info, role, rank, who)
         if fatal:
-            return self.stop_job(msg.identity, fatal)
+            return self.stop_job(msg.identity, info, fatal)
         problem = None
         if role not in self.expected:
             problem = f"unknown role {role!r}"
         elif role == "worker":
             fatal, problem = self.hosts.check(info, rank)
             if fatal:
-                return self.stop_job(msg.identity, fatal)
+                return self.stop_job(msg.identity, info, fatal)
             self.expected["worker"] = self.hosts.expected_workers()
         if problem is None and role in self.expected and self.count(role) >= self.expected[role]:
             problem = f"more {role}s than the job declares ({self.expected[role]})"
@@ -231,13 +237,30 @@ class Scheduler:
             self.publish_address_book()
         return None
 
-    def stop_job(self, identity, fatal):
+    def stop_job(self, identity, info, fatal):
         """Nothing can fix this job: stop every node now, naming the cause."""
         self.refusal = fatal
+        self.told = {m.identity for m in self.members.values() if not m.gone}
+        self.note_told(identity, info)
         self.refuse(identity, fatal)
         self.fail(None, fatal)
-        self.stop_at = time.monotonic() + REFUSE_SECONDS
+        self.stop_at = time.monotonic() + (0.0 if self.everyone_told() else REFUSE_SECONDS)
         return None
+
+    def note_told(self, identity, info):
+        self.told.add(identity)
+        if info.get("role") == "worker":
+            size = info.get("local_size", 1)
+            self.told_local_sizes.add(size if isinstance(size, int) and size >= 1 else None)
+
+    def everyone_told(self):
+        """Whether every node the job declares was told of the refusal, so that none can come
+        late. The workers' count needs their local size (from a worker that joined or was told);
+        hosts that disagree on it leave the count unknown."""
+        sizes = self.told_local_sizes | ({self.hosts.local_size} if self.hosts.local_size else set())
+        if len(sizes) != 1 or None in sizes:
+            return False
+        return len(self.told) >= self.hosts.num_hosts * sizes.pop() + self.expected["server"]
 
     def end_job(self, identity, role, notice):
         """The job's only worker trains alone: every node started for it exits 0 now, told why;

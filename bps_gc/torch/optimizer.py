@@ -14,7 +14,6 @@ What still runs on host copies of a device gradient: the entire-model vector
 ``compression_params["momentum"]`` (algorithms.momentum, numpy).
 """
 import contextlib
-import sys
 
 import torch
 
@@ -26,15 +25,9 @@ from ..algorithms.step import binding_context, checked_epoch
 from ..compress import CompressionParams
 from . import ops
 from .checkpoint import load_with_codec_state, register, with_codec_state
+from .dtensors import refuse_dtensors
 
 ENTIRE_MODEL_NAME = "__entiremodel__"
-
-
-def _is_dtensor(p):
-    # a DTensor exists only once torch.distributed.tensor is imported; importing it here would
-    # cost every rank ~0.6 s of CPU (it pulls in sympy) to learn that no parameter is one
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(p, module.DTensor)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -58,11 +51,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters")
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
-        sharded = [names[id(p)] for p in all_params if _is_dtensor(p)]
-        if sharded:
-            raise TypeError(f"DistributedOptimizer: {sharded[0]!r} is a DTensor (a model sharded with fully_shard): "
-                            "compress its gradients with bps_gc.torch.register_fsdp_hooks(model, mesh['replicate'], "
-                            "compression_params) and step a plain torch optimizer")
+        refuse_dtensors("DistributedOptimizer", [(names[id(p)], p) for p in all_params],
+                        "and step a plain torch optimizer")
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         compression_params, self._reducer = split_reducer(compression_params)
         self._plan = MomentumPlan.from_torch(self.param_groups, compression_params)

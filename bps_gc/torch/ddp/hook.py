@@ -24,6 +24,7 @@ from ...collective.exchange import Batch, Pipeline
 from ...collective.exchange.tensors import value
 from ...collective.security import refuse_security_settings
 from ..checkpoint import register
+from ..dtensors import refuse_dtensors
 
 
 class CompressionHook:
@@ -94,7 +95,12 @@ def comm_hook(compression_params=None, reducer=None, optimizer=None, named_param
     """A hook for ``DistributedDataParallel.register_comm_hook(process_group_or_None, hook)``;
     a plain function (DDP logs and checks hooks by their function name), its per-gradient codec
     state in ``hook.compression``, saved by bps_gc.torch.state_dict() under the names of
-    ``named_parameters`` (model.named_parameters(); else ``optimizer``'s parameter order)."""
+    ``named_parameters`` (model.named_parameters(); else ``optimizer``'s parameter order). A
+    sharded model's DTensor parameters (in either) are refused, naming register_fsdp_hooks."""
+    named_parameters = None if named_parameters is None else list(named_parameters)
+    optimized = [] if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
+    refuse_dtensors("comm_hook", (named_parameters or []) + [(f"param.{i}", p) for i, p in enumerate(optimized)],
+                    "instead of DDP")
     compression = register(CompressionHook(compression_params, reducer, optimizer, named_parameters), "comm_hook")
 
     def bps_gc_comm_hook(process_group, bucket):

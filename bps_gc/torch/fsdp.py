@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+import bps_gc.core as core
+
 from ..compress.stateful import StateError
 from .checkpoint import Fields, register
 from .exchange import CompressedExchange, interruptible_wait
@@ -68,6 +70,7 @@ def register_fsdp_hooks(model, replicate, compression_params=None, reducer=None)
     exchange = CompressedExchange(compression_params, reducer,
                                   named_parameters=[part for parts in shards.values() for part in parts])
     exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
+    refuse_unfit_codec(exchange, [part for parts in shards.values() for part in parts])
     for module, param_group in groups:
         if shards[id(param_group)]:
             module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)]))
@@ -85,6 +88,25 @@ def shard_part(param_group, fsdp_param, names):
     stand_in = torch.empty(tuple(fsdp_param.padded_sharded_param_size), dtype=reduce_dtype,
                            device=param_group.device)
     return f"{name}#shard{param_group.mesh_info.shard_mesh_rank}", stand_in
+
+
+def refuse_unfit_codec(exchange, parts):
+    """Refuse, before any step, a codec that cannot take the reduce dtype of some shard (float64,
+    for TernGrad, QSGD, sign...: docs/ddp_hook.md "Dtypes"; bfloat16 and float16 are widened to
+    float32 for every codec), one line naming the codec, the dtype and a shard of it."""
+    params, checked = exchange.hook.params, set()
+    if not params.compressor:
+        return
+    for name, stand_in in parts:
+        if stand_in.dtype in checked:
+            continue
+        checked.add(stand_in.dtype)
+        problem = exchange.hook.pipeline.codecs.refusal(name, stand_in, core.device_codecs())
+        if problem:
+            raise TypeError(f"register_fsdp_hooks: compressor {params.compressor!r} cannot take the reduce dtype "
+                            f"{stand_in.dtype} of {name!r} ({problem}); set fully_shard's "
+                            "mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) or choose a codec that "
+                            "carries it")
 
 
 class ShardLayout:

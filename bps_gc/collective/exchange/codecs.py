@@ -174,6 +174,17 @@ class PartCodecs:
             return codecs
         return built_or_refused(build, self.params, batch.index, buffer), on_device
 
+    def refusal(self, name, tensor, device_codecs):
+        """Why this codec cannot carry a part named ``name`` of ``tensor``'s dtype (its
+        TypeError's text), or None: a throwaway codec is built, as the first call would build it,
+        so a caller that knows its dtypes early (FSDP's reduce dtype) refuses before any step."""
+        try:
+            self._make_codec(name_key(name), tensor.numel(), tensor, *self._codec_kind(tensor, device_codecs),
+                             tuple(tensor.shape))
+        except TypeError as e:
+            return str(e)
+        return None
+
     @staticmethod
     def next_step(codecs):
         """The step context's ``step`` of a batch of ``codecs``: how many times they were reduced."""

@@ -3,21 +3,25 @@
 batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 
 * "native": HSDP (fully_shard on the 2-D mesh); then register_fsdp_hooks, which must refuse it,
-  and refuse a model sharded on mesh["shard"] handed mesh["shard"] as its replicate group;
+  refuse a model sharded on mesh["shard"] handed mesh["shard"] as its replicate group, and
+  refuse TernGrad on a model whose reduce dtype is float64;
 * "hooked": fully_shard on mesh["shard"] and bps_gc.torch.register_fsdp_hooks on
   mesh["replicate"] with spec "compression_params", recording every hook call's reduce-scatter
-  output before and after;
+  output before and after (widened to float32);
 * "resume" (init_process_group, then bps_gc.torch.init() adopting that group, as FSDP2 scripts
-  do), spec "phase": "first" trains ``stop_at`` steps, saves
-  the model and optimizer (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict()
-  (OUT/bps<rank>.pt), then trains on to ``steps``; "resumed" builds afresh, loads them and
-  trains the rest, then trains a straight run (no checkpoint) in the same process, and hands
-  its DTensor parameters to DistributedOptimizer, which must refuse them;
+  do), one model per spec "runs" entry (its name: its compression_params), spec "phase":
+  "first" trains ``stop_at`` steps, saves the models and optimizers
+  (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict() (OUT/bps<rank>.pt),
+  then trains on to ``steps``; "resumed" builds afresh, loads them and trains the rest, then
+  trains straight runs (no checkpoint) in the same process, and hands their DTensor parameters
+  to DistributedOptimizer and to comm_hook, which must refuse them;
 * "fault" (under bps_gc.torch.init()): trains until told to stop, writing OUT/pid<rank> once
   running; rank spec "victim" at step 3 does spec "fault": "kill" (SIGKILL itself), "exit"
   (sys.exit(0)) or "raise".
 
-Each rank saves its full parameters and its local shards, prefixed by the run's name."""
+"native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
+mixed precision or CPU offload), its arrays prefixed "<policy>/". Each rank saves its full
+parameters and its local shards, prefixed by the run's name."""
 import json
 import os
 import sys
@@ -28,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
@@ -45,20 +49,26 @@ if mode in ("resume", "fault"):
 rank = dist.get_rank()
 torch.set_num_threads(1)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+POLICIES = {  # fully_shard's options of the extra models (spec "policies")
+    "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+    "bf16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)},
+    "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},  # pinned memory needs an accelerator
+    "fp64r": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)},
+}
 
 
-def build(hooked=True, hooks=True):
-    """The MLP sharded on mesh["shard"] (``hooked``) or on the whole mesh (native HSDP), its
-    hooks (the exchange; none unless ``hooked`` and ``hooks``) and its optimizer."""
+def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("compression_params")):
+    """The MLP sharded on mesh["shard"] (``hooked``) or on the whole mesh (native HSDP) with
+    POLICIES[``policy``], its hooks (the exchange; none unless ``hooked`` and ``hooks``) and
+    its optimizer."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 8))
     shard_mesh = mesh["shard"] if hooked else mesh
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
-    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], spec.get("compression_params")) \
-        if hooked and hooks else None
+        fully_shard(layer, mesh=shard_mesh, **POLICIES.get(policy, {}))
+    fully_shard(model, mesh=shard_mesh, **POLICIES.get(policy, {}))
+    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], compression_params) if hooked and hooks else None
     momentum = 0.9 if mode == "resume" else 0.0  # resume: optimizer state to carry too
     return model, exchange, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
@@ -72,7 +82,7 @@ def train(model, opt, steps, on_step=None):
             g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
             x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
             model.set_requires_gradient_sync(micro == micro_batches - 1)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.functional.mse_loss(model(x).float(), y).backward()  # bf16 parameters: bf16 output
         opt.step()
         opt.zero_grad()
 
@@ -91,38 +101,51 @@ def record_calls(model, calls):
         inner = param_group[0]._all_reduce_hook
 
         def recording(reduce_output, inner=inner, index=index):
-            before = reduce_output.detach().clone().numpy()
+            before = reduce_output.detach().float().clone().numpy()  # bfloat16 widened exactly
             inner(reduce_output)
-            calls.append((index, before, reduce_output.detach().clone().numpy()))
+            calls.append((index, before, reduce_output.detach().float().clone().numpy()))
         module.set_all_reduce_hook(recording)
 
 
 def resume():
+    """Each run's arrays prefixed "<run>/": the models, one per spec "runs" entry, are trained,
+    saved and loaded together, as one script's several models would be."""
     steps, stop_at, ckpt = spec["steps"], spec["stop_at"], os.path.join(out, "dcp")
-    model, _, opt = build()
+    runs = {run: build(compression_params=params) for run, params in spec["runs"].items()}
+
+    def train_all(steps):
+        for model, _, opt in runs.values():
+            train(model, opt, steps)
     if spec["phase"] == "first":
-        train(model, opt, range(stop_at))
-        model_sd, opt_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt)
+        train_all(range(stop_at))
+        dcp.save({run: dict(zip(("model", "optim"), get_state_dict(model, opt)))
+                  for run, (model, _, opt) in runs.items()}, checkpoint_id=ckpt)
         bps.save_checkpoint(bps.state_dict(), os.path.join(out, f"bps{rank}.pt"))
-        train(model, opt, range(stop_at, steps))
-        return parameters(model, "first/")
-    model_sd, opt_sd = get_state_dict(model, opt)
-    saved = {"model": model_sd, "optim": opt_sd}
+        train_all(range(stop_at, steps))
+        return {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/first/").items()}
+    saved = {run: dict(zip(("model", "optim"), get_state_dict(model, opt))) for run, (model, _, opt) in runs.items()}
     dcp.load(saved, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    for run, (model, _, opt) in runs.items():
+        set_state_dict(model, opt, model_state_dict=saved[run]["model"], optim_state_dict=saved[run]["optim"])
     bps.load_state_dict(bps.load_checkpoint(os.path.join(out, f"bps{rank}.pt")))
-    train(model, opt, range(stop_at, steps))
-    result = parameters(model, "resumed/")
-    straight, _, opt = build()
-    train(straight, opt, range(steps))
-    try:  # a sharded model's DTensors handed to DistributedOptimizer: refused, naming the hooks
-        bps.DistributedOptimizer(torch.optim.SGD(straight.parameters(), lr=0.1),
-                                 named_parameters=straight.named_parameters())
-        refusal = ""
-    except TypeError as e:
-        refusal = str(e)
-    return {**result, **parameters(straight, "straight/"), "refusal": np.array(refusal)}
+    train_all(range(stop_at, steps))
+    result = {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/resumed/").items()}
+    for run, params in spec["runs"].items():
+        straight, _, opt = build(compression_params=params)
+        train(straight, opt, range(steps))
+        result.update(parameters(straight, f"{run}/straight/"))
+    # a sharded model's DTensors handed to DistributedOptimizer and to the DDP hook: refused, naming the hooks
+    refusals = []
+    for refused in (lambda: bps.DistributedOptimizer(torch.optim.SGD(straight.parameters(), lr=0.1),
+                                                     named_parameters=straight.named_parameters()),
+                    lambda: bps.comm_hook(spec["runs"]["topk"], named_parameters=straight.named_parameters()),
+                    lambda: bps.comm_hook(None, optimizer=opt)):
+        try:
+            refused()
+            refusals.append("")
+        except TypeError as e:
+            refusals.append(str(e))
+    return {**result, "refusals": np.array(refusals)}
 
 
 def fault():
@@ -138,22 +161,29 @@ elif mode == "resume":
     dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
     dist.destroy_process_group()
 else:
-    calls = []
-    model, exchange, opt = build(hooked=mode == "hooked")
-    if exchange is not None:
-        record_calls(model, calls)
-    train(model, opt, range(spec["steps"]))
+    arrays = {}
+    for policy in [None] + spec.get("policies", []):  # the plain model, then one per policy
+        calls, prefix = [], "" if policy is None else f"{policy}/"
+        model, exchange, opt = build(hooked=mode == "hooked", policy=policy)
+        if exchange is not None:
+            record_calls(model, calls)
+        train(model, opt, range(spec["steps"]))
+        arrays.update({**parameters(model, prefix), **{f"{prefix}call{i}/in": c[1] for i, c in enumerate(calls)},
+                       **{f"{prefix}call{i}/out": c[2] for i, c in enumerate(calls)},
+                       f"{prefix}calls": np.array([c[0] for c in calls])})
+        if policy is None:
+            plain = model
     refusals = []
-    if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; each refused in one line
-        for sharded, replicate in ((model, mesh["replicate"]), (build(hooks=False)[0], mesh["shard"])):
+    if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
+        # the reduce dtype (float64): each refused in one line
+        for sharded, replicate, params in ((plain, mesh["replicate"], None), (build(hooks=False)[0], mesh["shard"], None),
+                                           (build(hooks=False, policy="fp64r")[0], mesh["replicate"],
+                                            {"compressor": "terngrad"})):
             try:
-                bps.register_fsdp_hooks(sharded, replicate)
+                bps.register_fsdp_hooks(sharded, replicate, params)
                 refusals.append("")
-            except ValueError as e:
+            except (TypeError, ValueError) as e:
                 refusals.append(str(e))
-    np.savez(os.path.join(out, f"rank{rank}.npz"), **parameters(model),
-             **{f"call{i}/in": c[1] for i, c in enumerate(calls)},
-             **{f"call{i}/out": c[2] for i, c in enumerate(calls)},
-             calls=np.array([c[0] for c in calls]), refusals=np.array(refusals))
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays, refusals=np.array(refusals))
     dist.barrier()
     dist.destroy_process_group()

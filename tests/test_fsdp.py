@@ -20,6 +20,10 @@ PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2
           ("4.weight", (8, 32)), ("4.bias", (8,))]
 LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
+THC = {"compressor": "thc", "bits": 4, "feedback": True}  # 4-bit, its error feedback a state to carry
+# fully_shard's options of the jobs' extra models (fsdp_job.POLICIES): bf16 parameters reduced in
+# float32 or in bfloat16, CPU offload
+POLICIES = ["bf16", "bf16r", "offload"]
 
 
 def run(spec, tmp_path):
@@ -30,28 +34,37 @@ def run(spec, tmp_path):
 def test_dense_hooks_train_as_native_hsdp(tmp_path):
     (tmp_path / "native").mkdir()
     (tmp_path / "hooked").mkdir()
-    native = run({"mode": "native", "steps": 10}, tmp_path / "native")
-    hooked = run({"mode": "hooked", "steps": 10}, tmp_path / "hooked")
-    two_d, mismatched = (str(r) for r in native[0]["refusals"])
+    native = run({"mode": "native", "steps": 10, "policies": POLICIES}, tmp_path / "native")
+    hooked = run({"mode": "hooked", "steps": 10, "policies": POLICIES}, tmp_path / "hooked")
+    two_d, mismatched, float64 = (str(r) for r in native[0]["refusals"])
     assert "sharded on a 2-D mesh (2, 2)" in two_d and "shard it on mesh['shard']" in two_d, two_d
     assert mismatched == ("register_fsdp_hooks: the replicate group (ranks [0, 1]) does not match the mesh: rank 0 "
                           "shards with ranks [0, 1]; pass mesh['replicate'] of the mesh whose mesh['shard'] the "
                           "model is sharded on"), mismatched
-    for name, _ in PARAMS:
-        want = native[0][f"full/{name}"]
-        for r in range(4):
-            np.testing.assert_allclose(hooked[r][f"full/{name}"], want, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert float64.startswith("register_fsdp_hooks: compressor 'terngrad' cannot take the reduce dtype torch.float64 "
+                              "of '0.weight#shard0' (TernGrad: float32 or float16 partitions only, got float64); set "
+                              "fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)"), float64
+    for prefix in [""] + [f"{policy}/" for policy in POLICIES]:  # the plain model, then one per policy
+        for name, _ in PARAMS:
+            want = native[0][f"{prefix}full/{name}"]
+            for r in range(4):
+                np.testing.assert_allclose(hooked[r][f"{prefix}full/{name}"], want, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"{prefix}{name}")
+    # bf16 compute trained otherwise than float32, and a bfloat16 reduction otherwise than a float32 one
+    assert not np.array_equal(native[0]["bf16/full/0.weight"], native[0]["full/0.weight"])
+    assert not np.array_equal(native[0]["bf16r/full/0.weight"], native[0]["bf16/full/0.weight"])
 
 
-def expected_call(ins, shard, params_of_layer, step):
-    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module: each
-    parameter's shard through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and
-    summed in replica order, re-compressed by the server's chain, halved."""
+def expected_call(ins, shard, params_of_layer, step, run=""):
+    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32;
+    bfloat16 ones widened): each parameter's shard through its worker chains (seeded by
+    ``<fqn>#shard<i>``), decoded and summed in replica order, re-compressed by the server's
+    chain, halved; ``run``: the model's, whose chains are its own."""
     result, offset = np.empty_like(ins[0]), 0
     for fqn, shape in params_of_layer:
         n = int(np.prod(shape)) // 2
         key = name_key(f"{fqn}#shard{shard}")
-        chains = CHAINS.setdefault((fqn, shard), ([build_chain(TOPK, n, np.float32, key=key, rank=r)
+        chains = CHAINS.setdefault((run, fqn, shard), ([build_chain(TOPK, n, np.float32, key=key, rank=r)
                                                    for r in (shard, 2 + shard)],
                                                   build_chain(TOPK, n, np.float32, key=key, role="server")))
         ctx = {"lr": 0.0, "step": step}
@@ -70,32 +83,42 @@ CHAINS = {}
 def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
     """Two micro-batches a step, the first under set_requires_gradient_sync(False): the hooks run
     (and the codecs' state moves) on the synced one only, once per module and step."""
-    got = run({"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2}, tmp_path)
-    calls = got[0]["calls"]
-    assert len(calls) == 3 * len(LAYERS)
-    steps = {}
-    for i, module in enumerate(calls):
-        step = steps.get(int(module), 0)
-        steps[int(module)] = step + 1
-        for shard in (0, 1):
-            replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
-            want = expected_call([got[r][f"call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
-            for r in replicas:
-                np.testing.assert_array_equal(got[r][f"call{i}/out"], want, err_msg=f"call {i} rank {r}")
-    for name, _ in PARAMS:
-        for shard in (0, 1):
-            assert got[shard][f"local/{name}"].tobytes() == got[2 + shard][f"local/{name}"].tobytes(), name
-        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])  # shards differ
+    got = run({"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES},
+              tmp_path)
+    for prefix in [""] + [f"{policy}/" for policy in POLICIES]:  # the plain model, then one per policy
+        calls = got[0][f"{prefix}calls"]
+        assert len(calls) == 3 * len(LAYERS)
+        steps = {}
+        for i, module in enumerate(calls):
+            step = steps.get(int(module), 0)
+            steps[int(module)] = step + 1
+            for shard in (0, 1):
+                replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
+                want = expected_call([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)],
+                                     step, prefix)
+                if prefix == "bf16r/":  # reduced in float32, rounded back into the bfloat16 reduce output
+                    want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+                for r in replicas:
+                    np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
+                                                  err_msg=f"{prefix}call {i} rank {r}")
+        for name, _ in PARAMS:
+            for shard in (0, 1):
+                assert got[shard][f"{prefix}local/{name}"].tobytes() == got[2 + shard][f"{prefix}local/{name}"].tobytes(), \
+                    f"{prefix}{name}"
+            assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
+    low_bits = {policy: got[0][f"{policy}/call0/in"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
+    assert low_bits["bf16"].any() and not low_bits["bf16r"].any()  # the hooks got float32, bfloat16 indeed
 
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
-    """Two launches of top-k + EF, SGD with momentum, 6 steps: the first saves after step 3
-    (the model and optimizer with torch.distributed.checkpoint, the hooks' codec state with
-    bps_gc.torch.state_dict()) and trains on; the second loads them into fresh processes and
-    trains the rest, then trains a straight run. Each rank's saved arrays, per launch."""
+    """Two launches of two models, top-k + EF and thc 4-bit + EF, SGD with momentum, 6 steps:
+    the first saves after step 3 (the models and optimizers with torch.distributed.checkpoint,
+    the hooks' codec state with bps_gc.torch.state_dict()) and trains on; the second loads them
+    into fresh processes and trains the rest, then trains straight runs. Each rank's saved
+    arrays, per launch."""
     out = tmp_path_factory.mktemp("fsdp_resume")
-    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "compression_params": TOPK}
+    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "runs": {"topk": TOPK, "thc": THC}}
     for phase in ("first", "resumed"):
         run_torchrun_job("fsdp_job.py", {**spec, "phase": phase}, out, 4)
     return {phase: [dict(np.load(out / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
@@ -105,27 +128,39 @@ def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):
     """Every shard's error-feedback residual, reducer state and step count come back: without
     them (the codecs afresh) the resumed run differs from the straight one."""
     for r, got in enumerate(resume_runs["resumed"]):
-        for name, _ in PARAMS:
-            for kind in ("full", "local"):
-                assert got[f"resumed/{kind}/{name}"].tobytes() == got[f"straight/{kind}/{name}"].tobytes(), \
-                    f"rank {r} {kind} {name}"
+        for run in ("topk", "thc"):
+            for name, _ in PARAMS:
+                for kind in ("full", "local"):
+                    assert got[f"{run}/resumed/{kind}/{name}"].tobytes() == \
+                        got[f"{run}/straight/{kind}/{name}"].tobytes(), f"rank {r} {run} {kind} {name}"
+    got = resume_runs["resumed"][0]  # the codecs trained otherwise
+    assert not np.array_equal(got["topk/straight/full/0.weight"], got["thc/straight/full/0.weight"])
 
 
 def test_two_launches_of_the_same_job_end_bit_identical(resume_runs):
     """The first launch (a checkpoint saved midway) and the second's straight run: runs repeat."""
     for r in range(4):
         first, straight = resume_runs["first"][r], resume_runs["resumed"][r]
-        for name, _ in PARAMS:
-            assert first[f"first/full/{name}"].tobytes() == straight[f"straight/full/{name}"].tobytes(), f"rank {r} {name}"
+        for run in ("topk", "thc"):
+            for name, _ in PARAMS:
+                assert first[f"{run}/first/full/{name}"].tobytes() == \
+                    straight[f"{run}/straight/full/{name}"].tobytes(), f"rank {r} {run} {name}"
     torch.manual_seed(0)  # the job's first layer as built: the runs trained it
-    assert not np.array_equal(resume_runs["first"][0]["first/full/0.weight"],
+    assert not np.array_equal(resume_runs["first"][0]["thc/first/full/0.weight"],
                               torch.nn.Linear(16, 32).weight.detach().numpy())
 
 
-def test_distributed_optimizer_refuses_dtensor_parameters(resume_runs):
-    refusal = str(resume_runs["resumed"][0]["refusal"])
-    assert refusal.startswith("DistributedOptimizer: '0.weight' is a DTensor") and "register_fsdp_hooks" in refusal, \
-        refusal
+def test_distributed_optimizer_and_ddp_hook_refuse_dtensor_parameters(resume_runs):
+    """DDP cannot take a sharded model (it fails broadcasting a DTensor; with init_sync=False
+    it never calls its hook), so the DDP hook refuses where it is made, from named_parameters
+    or the optimizer's parameters."""
+    optimizer, named, by_optimizer = (str(r) for r in resume_runs["resumed"][0]["refusals"])
+    assert optimizer.startswith("DistributedOptimizer: '0.weight' is a DTensor") and "register_fsdp_hooks" in optimizer, \
+        optimizer
+    assert named == ("comm_hook: '0.weight' is a DTensor (a model sharded with fully_shard): compress its gradients "
+                     "with bps_gc.torch.register_fsdp_hooks(model, mesh['replicate'], compression_params) instead of "
+                     "DDP"), named
+    assert by_optimizer.startswith("comm_hook: 'param.0' is a DTensor"), by_optimizer
 
 
 def test_codec_state_of_another_mesh_is_refused_naming_both():

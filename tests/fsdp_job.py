@@ -176,7 +176,8 @@ else:
     refusals = []
     if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
         # the reduce dtype (float64): each refused in one line
-        for sharded, replicate, params in ((plain, mesh["replicate"], None), (build(hooks=False)[0], mesh["shard"], None),
+        for sharded, replicate, params in ((plain, mesh["replicate"], None),
+                                           (build(hooks=False)[0], mesh["shard"], None),
                                            (build(hooks=False, policy="fp64r")[0], mesh["replicate"],
                                             {"compressor": "terngrad"})):
             try:

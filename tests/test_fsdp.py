@@ -103,8 +103,8 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
                                                   err_msg=f"{prefix}call {i} rank {r}")
         for name, _ in PARAMS:
             for shard in (0, 1):
-                assert got[shard][f"{prefix}local/{name}"].tobytes() == got[2 + shard][f"{prefix}local/{name}"].tobytes(), \
-                    f"{prefix}{name}"
+                mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, 2 + shard)]
+                assert mates[0] == mates[1], f"{prefix}{name}"
             assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
     low_bits = {policy: got[0][f"{policy}/call0/in"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
     assert low_bits["bf16"].any() and not low_bits["bf16r"].any()  # the hooks got float32, bfloat16 indeed
@@ -155,8 +155,8 @@ def test_distributed_optimizer_and_ddp_hook_refuse_dtensor_parameters(resume_run
     it never calls its hook), so the DDP hook refuses where it is made, from named_parameters
     or the optimizer's parameters."""
     optimizer, named, by_optimizer = (str(r) for r in resume_runs["resumed"][0]["refusals"])
-    assert optimizer.startswith("DistributedOptimizer: '0.weight' is a DTensor") and "register_fsdp_hooks" in optimizer, \
-        optimizer
+    assert optimizer.startswith("DistributedOptimizer: '0.weight' is a DTensor"), optimizer
+    assert "register_fsdp_hooks" in optimizer, optimizer
     assert named == ("comm_hook: '0.weight' is a DTensor (a model sharded with fully_shard): compress its gradients "
                      "with bps_gc.torch.register_fsdp_hooks(model, mesh['replicate'], compression_params) instead of "
                      "DDP"), named

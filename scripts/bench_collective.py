@@ -21,7 +21,11 @@ Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
                            one 102 MB bucket: several buckets' phases interleave differently on
                            each rank under gloo and the run aborts)
   bps_gc collective ...    bps_gc.core push_pull of the 161 gradients (declared with the codec,
-                           partitions and thresholds as on the parameter server), then wait
+                           partitions and thresholds as on the parameter server) into separate
+                           outputs, then wait
+  bps_gc collective dense in place
+                           the same, dense, each gradient averaged in place (no out=), as the
+                           torch and MXNet bindings reduce theirs
 
     python scripts/bench_collective.py                 # 2 ranks, 3 warm-up + 5 timed rounds
     python scripts/bench_collective.py --quick         # smoke run: a few rows, 1 + 2 rounds
@@ -173,11 +177,15 @@ def rank_main(args):
         # in different orders on different ranks (a collective mismatch; pytorch issue 58467)
         return ddp(powerSGD_hook.powerSGD_hook, state, bucket_cap_mb=128)
 
-    def collective(name, params):
+    def collective(name, params, in_place=False):
         names = [f"{name}/{i}" for i in range(len(shapes))]
         for n, g in zip(names, grads):
             bps.declare(n, shape=g.shape, dtype=g.dtype, **params)
 
+        if in_place:  # each round averages its own copies in place, as the bindings reduce gradients
+            inputs = [g.copy() for g in grads]
+            return lambda: [h.wait() for h in [bps.push_pull(g, n, priority=-i, lr=0.1)
+                                               for i, (n, g) in enumerate(zip(names, inputs))]]
         outs = [np.empty_like(g) for g in grads]  # as the parameter server's rows (bench_workers.py)
 
         def step():
@@ -196,6 +204,7 @@ def rank_main(args):
         "DDP PowerSGD rank 4": lambda: powersgd(4),
         **{f"DDP bps_gc hook {c}": (lambda c=c: ddp(bps_torch.comm_hook(CODECS[c]))) for c in ("topk 0.1%", "randomk 0.1%")},
         "bps_gc collective dense": lambda: collective("dense", {}),
+        "bps_gc collective dense in place": lambda: collective("dense-in-place", {}, in_place=True),
         **{f"bps_gc collective {c}": (lambda c=c: collective(c, CODECS[c])) for c in CODECS},
     }
     results = []

@@ -5,8 +5,11 @@ after the buckets before it were delivered). There the bucket's compressed tenso
 the compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
 payloads in one all_gather, every rank running the server's reduction), its two-phase ones run
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
-the next step (fused_buffers.py); ``finish`` (a handle's wait) waits for those and delivers the
-results. A bucket's error (a codec's, a failed peer's) is raised by every wait on its handles.
+the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) gets its own
+all_reduce in its output's memory, as Horovod and DDP leave large tensors unfused: no copy at
+all when reduced in place, one copy into the output otherwise; ``finish`` (a handle's wait)
+waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
+raised by every wait on its handles.
 """
 import dataclasses
 import functools
@@ -22,6 +25,12 @@ from ..comm import communicator as api
 from .exchange.driver import Driver, Inline
 from .exchange.jobs import ArraySegment, GatheredSegment, Job
 from .fused_buffers import FusedBuffers
+
+# a dense numpy array of at least this many wire bytes is all_reduced alone, in its output: fusing
+# it would copy it in and out of a kept buffer; below it, gloo's cost per all_reduce outweighs the
+# copy (1 MB: about as much gloo CPU time added as copying saved, on 2 ranks on the 2-core box).
+# The size alone decides, the same on every rank, so every rank issues the same all_reduces.
+ALONE_BYTES = 4 << 20
 
 
 class Handle(api.Handle):
@@ -70,11 +79,14 @@ class PhasedEntry:
 
 
 class FusedBuffer(NamedTuple):
-    """A bucket's all_reduce of one dtype (and device): ``tensor``, the ``entries`` fused into
-    it in order, and ``array`` (numpy entries: the kept buffer under ``tensor``, else None)."""
+    """A bucket's all_reduce of one dtype (and device), or of one large array alone:
+    ``tensor``, the ``entries`` fused into it in order, ``array`` (numpy entries: the array
+    under ``tensor``, else None) and ``kept`` (``array`` is a kept buffer, given back once
+    delivered; not when it is the output's own memory)."""
     tensor: torch.Tensor
     entries: list
     array: Optional[np.ndarray] = None
+    kept: bool = False
 
 
 class Bucket:
@@ -200,15 +212,36 @@ class Buckets:
         for entry in bucket.entries:
             wire = entry.wire
             # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
-            by_dtype.setdefault((wire.dtype, wire.device if isinstance(wire, torch.Tensor) else None), []).append(entry)
+            on_device = isinstance(wire, torch.Tensor)
+            if not on_device and wire.nbytes >= ALONE_BYTES:  # its all_reduce starts while the next is copied
+                self._start(bucket, self._alone(entry))
+                continue
+            by_dtype.setdefault((wire.dtype, wire.device if on_device else None), []).append(entry)
         for (dtype, device), entries in by_dtype.items():
             wires = [entry.wire for entry in entries]
             if device is None:  # into a kept buffer: a fresh one faults its pages in every step
                 flat = self.fused_buffers.take(dtype, sum(wire.size for wire in wires))
-                bucket.buffers.append(FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat))
+                self._start(bucket, FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat, True))
             else:
-                bucket.buffers.append(FusedBuffer(torch.cat(wires), entries))
-        bucket.works = [self.issue(dist.all_reduce(fused.tensor, async_op=True)) for fused in bucket.buffers]
+                self._start(bucket, FusedBuffer(torch.cat(wires), entries))
+
+    def _alone(self, entry):
+        """A large array's own buffer: its output's memory when that holds the wire's dtype
+        (the input copied in unless it is the output: a reduction in place copies nothing),
+        else a kept buffer."""
+        wire, out = entry.wire, entry.out.reshape(-1)
+        if out.dtype == wire.dtype:
+            if not same_memory(out, wire):
+                np.copyto(out, wire)
+            return FusedBuffer(torch.from_numpy(out), [entry], out)
+        flat = self.fused_buffers.take(wire.dtype, wire.size)
+        np.copyto(flat, wire)
+        return FusedBuffer(torch.from_numpy(flat), [entry], flat, True)
+
+    def _start(self, bucket, fused):
+        """Start ``fused``'s all_reduce (the bucket's collectives go in the order started)."""
+        bucket.buffers.append(fused)
+        bucket.works.append(self.issue(dist.all_reduce(fused.tensor, async_op=True)))
 
     def _wait_named(self, names, work, what):
         """Wait for a bucket's collective, a failure naming the bucket's tensors."""
@@ -224,19 +257,29 @@ class Buckets:
             self.check_alive()
         if bucket.error is not None:
             raise bucket.error
-        for work in bucket.works:
-            self.wait(work, lambda: f"all_reduce of {listed(bucket.names)}")
-        self.shared.counters.communicate_seconds += time.perf_counter() - start
-        for fused in bucket.buffers:
-            if fused.array is None:
-                self.deliver_tensors(fused.tensor, fused.entries)
-                continue
-            offset = 0
-            for entry in fused.entries:
-                self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average)
-                offset += entry.wire.size
-            self.fused_buffers.give(fused.array)
+        waited = time.perf_counter() - start
+        # each buffer delivered once its all_reduce is done, while the later ones still run (and
+        # its memory may still be in the cache); taken off the bucket, so never delivered twice
+        while bucket.buffers:
+            start = time.perf_counter()
+            self.wait(bucket.works[0], lambda: f"all_reduce of {listed(bucket.names)}")
+            waited += time.perf_counter() - start
+            fused = bucket.buffers.pop(0)
+            bucket.works.pop(0)
+            self._deliver_fused(fused)
+        self.shared.counters.communicate_seconds += waited
         bucket.done = True
+
+    def _deliver_fused(self, fused):
+        if fused.array is None:
+            self.deliver_tensors(fused.tensor, fused.entries)
+            return
+        offset = 0
+        for entry in fused.entries:
+            self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average)
+            offset += entry.wire.size
+        if fused.kept:
+            self.fused_buffers.give(fused.array)
 
     def deliver(self, total, out, average):
         """The reduced flat ``total`` into the caller's ``out`` (divided by the ranks first when
@@ -247,7 +290,14 @@ class Buckets:
             return
         if average:
             total /= total.dtype.type(self.size)
-        np.copyto(dest, total, casting="unsafe")
+        if not same_memory(dest, total):  # a large array reduced in its output is there already
+            np.copyto(dest, total, casting="unsafe")
+
+
+def same_memory(a, b):
+    """Whether flat arrays ``a`` and ``b`` are the same elements (a view of one another)."""
+    return a.dtype == b.dtype and a.size == b.size and \
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def listed(names, most=3):

@@ -17,12 +17,19 @@ DEVICE_CODECS = ("auto", "torch", "numpy")
 UNSET = "unset"  # the default of an optional flag or number: unset gives None
 
 
-class ConfigError(ValueError):
-    """A bad environment variable; the message names it."""
+class SettingError(ValueError):
+    """A bad setting (an environment variable, a compression parameter: ``name``); the message
+    opens with what it is (``label``, by default the name) and says what is wrong."""
 
-    def __init__(self, variable, message):
-        super().__init__(f"{variable}: {message}")
-        self.variable = variable
+    def __init__(self, name, message, label=None):
+        super().__init__(f"{name if label is None else label}: {message}")
+        self.name = name
+
+
+class ConfigError(SettingError):
+    """A bad environment variable; the message names it (``variable``)."""
+
+    variable = property(lambda self: self.name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,10 @@ def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
     script: print one line naming the cause instead of a traceback."""
     if _worker is not None:
         _worker.abandon(kind.__name__)
+        if not issubclass(kind, (NodeFailure, ConfigError, KeyboardInterrupt)):
+            explained = _worker.peer_failure(error)  # a peer's death or exit behind a torch error
+            if explained is not None:
+                kind, error = type(explained), explained
     if issubclass(kind, (NodeFailure, ConfigError)):
         print(f"bps_gc: {kind.__name__}: {error}", file=sys.stderr, flush=True)
     elif issubclass(kind, KeyboardInterrupt):  # Ctrl-C reaches every rank: one line each

@@ -25,6 +25,7 @@ step is forward, backward, SGD;
                               on bps_gc's parameter server (2 servers, one on each machine)
 
     python scripts/bench_hook.py --quick                       # loopback smoke run
+    python scripts/bench_hook.py --model resnet50-shapes       # ResNet-50's 161 gradients
     sudo python scripts/bench_hook.py --shaped 100mbit
     sudo python scripts/bench_hook.py --shaped 100mbit --rows "no comm,hook topk,alone" --timeline
 
@@ -32,6 +33,11 @@ step is forward, backward, SGD;
 alone, rank 0 printing the last one's stamps per bucket (bps_gc.collective.exchange.driver.TIMELINE: hook call,
 compressing, gathering, reducing; ms from the step's start) and the CPU per step of each of its
 threads (/proc schedstat).
+
+--model resnet50-shapes: instead of the MLP, a model holding ResNet-50 v1b's 161 parameters
+(tests/data/resnet50_shapes.json, 25.6M floats) whose loss is one multiply-add per parameter
+element against a fixed random tensor: DDP's buckets, the hooks and the optimizer see
+ResNet-50's gradients, and the step is mostly communication and the codecs' own work.
 
 Targets (issue 26): held <= 0.2 for topk 1% + EF; its step <= 1.15x max(no communication,
 its reduction alone) and below PowerSGD rank 1. JSON goes to out/bench_hook.json unless --json.
@@ -45,7 +51,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PY, ROOT, check_tcp_congestion, import_netns, write_json_atomic  # noqa: E402
+from bench_common import PY, ROOT, check_tcp_congestion, import_netns, load_shapes, write_json_atomic  # noqa: E402
 from bench_hook_timeline import TRACED, print_timeline, thread_cpu  # noqa: E402
 
 CODECS = {"topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
@@ -63,6 +69,8 @@ START_POWERSGD_ITER = 2
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("mlp", "resnet50-shapes"), default="mlp",
+                   help="the MLP (--width, --layers, --batch), or ResNet-50's gradient shapes")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
     # 112: the step without communication takes about as long as topk 1% + EF's reduction alone
@@ -96,6 +104,23 @@ def selected(args):
 
 # ---------------------------------------------------------------------------- ranks
 
+def shapes_model(shapes, rank):
+    """Parameters of ``shapes``; loss = sum of each parameter times a fixed random tensor (the
+    rank's own), so each gradient is that tensor: ResNet-50's gradients for a multiply-add each."""
+    import torch
+
+    class Shapes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1000 + rank)
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s)) for s in shapes)
+            self.factors = [torch.randn(s, generator=g) for s in shapes]
+
+        def forward(self):
+            return sum((w * f).sum() for w, f in zip(self.weights, self.factors))
+    return Shapes()
+
+
 class HeldClock:
     """Time inside a call against time until what it started completes, summed."""
 
@@ -123,10 +148,17 @@ def rank_main(args):
 
     def mlp():
         torch.manual_seed(0)
+        if args.model == "resnet50-shapes":
+            return shapes_model(load_shapes(), rank)
         layers = []
         for _ in range(args.layers):
             layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
         return torch.nn.Sequential(*layers[:-1])
+
+    def loss_of(model):
+        if args.model == "resnet50-shapes":
+            return model()
+        return torch.nn.functional.mse_loss(model(x), target)
 
     in_step = []  # seconds inside opt.step(): a DistributedOptimizer's exchanges wait there
     marks = []  # --timeline: (event, perf_counter) of the step being traced
@@ -134,7 +166,7 @@ def rank_main(args):
     def stepper(model, opt):
         def step():
             opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), target)
+            loss = loss_of(model)
             marks.append(("forward end", time.perf_counter()))
             loss.backward()
             marks.append(("backward end", time.perf_counter()))
@@ -181,8 +213,12 @@ def rank_main(args):
     def reduction_alone(codec):
         """The hook on buckets of the sizes DDP gave the codec's row (or one per layer)."""
         sys.path.append(os.path.join(ROOT, "tests"))  # DDP's GradBucket has no constructor: the
-        from grad_bucket import GradBucket            # tests' stand-in calls the hook outside DDP
-        from bps_gc.torch.ddp.hook import CompressionHook
+        try:                                          # tests' stand-in calls the hook outside DDP
+            from bps_gc.torch.ddp.hook import CompressionHook
+            from grad_bucket import GradBucket
+        except ImportError:  # a version before issue 43 (scripts/bench_versions.py runs this script on it)
+            from bps_gc.torch.grad_bucket import GradBucket
+            from bps_gc.torch.hook import CompressionHook
         layout = layouts.get(codec) or {i: [args.width * args.width, args.width] for i in range(args.layers)}
         hook = CompressionHook(CODECS[codec])
         buffers = {i: torch.randn(sum(sizes), generator=g) for i, sizes in layout.items()}
@@ -287,7 +323,8 @@ def run_ranks(args, topo, log_dir):
         if not mine:
             continue
         raw = os.path.join(log_dir, f"{transport}.json")
-        cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--rank-rows", json.dumps(mine), "--width",
+        cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--rank-rows", json.dumps(mine), "--model",
+               args.model, "--width",
                str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--bucket-mb",
                str(args.bucket_mb), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                *(["--timeline"] if args.timeline else [])]
@@ -339,7 +376,9 @@ def main(argv=None):
 def report(args, results, where):
     by = {r["row"]: r["median_s"] for r in results}
     floor, psgd = by.get("DDP no communication"), by.get("DDP PowerSGD rank 1")
-    print(f"2 ranks, {where}; MLP {args.layers} x {args.width}, batch {args.batch} per rank, DDP buckets "
+    model = ("ResNet-50 v1b's 161 gradient shapes" if args.model == "resnet50-shapes" else
+             f"MLP {args.layers} x {args.width}, batch {args.batch} per rank")
+    print(f"2 ranks, {where}; {model}, DDP buckets "
           f"{args.bucket_mb:g} MB; rank 0's median of {args.rounds} steps after {args.warmup} warm-up, rows "
           "taking turns")
     width = max(len(r["row"]) for r in results)
@@ -369,7 +408,7 @@ def report(args, results, where):
             print_timeline(r["row"], r["timeline"])
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     write_json_atomic(args.json, {"link": where, "command": sys.argv, "model": {
-        "width": args.width, "layers": args.layers, "batch": args.batch, "bucket_mb": args.bucket_mb},
+        "name": args.model, "width": args.width, "layers": args.layers, "batch": args.batch, "bucket_mb": args.bucket_mb},
         "warmup": args.warmup, "rounds": args.rounds, "rows": results,
         "targets": [{"what": w, "value": v, "at_most": b} for w, v, b in targets]})
     print(f"JSON: {args.json}")

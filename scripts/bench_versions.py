@@ -14,6 +14,10 @@ own package on PYTHONPATH (ahead of this checkout's editable install) and this i
   hook quick    scripts/bench_hook.py, every row, on the MLP of its --quick (3 x 256, batch 16);
                 each row also as "[cpu s]": rank 0's CPU seconds per step, every thread
   hook full     (--hooks full) the same on its default MLP (6 x 1024, batch 112)
+  hook resnet50 (--hooks resnet50) the same on ResNet-50's 161 gradient shapes (its --model
+                resnet50-shapes)
+Both versions run this tree's scripts/bench_hook.py (copied into the old tree): the same
+harness, only the package differs.
 Each version's value of a row is the median over the passes of that pass's median s/round (or
 s/step); new/old is their ratio, and "pairs" the range of the ratios of each pass's old and new
 run, one right after the other. The numbers come from each benchmark's own JSON.
@@ -41,7 +45,8 @@ import time
 from bench_common import PY, ROOT, machine_info, write_json_atomic
 
 HOOK_SHAPES = {"quick": ["--width", "256", "--layers", "3", "--batch", "16"],
-               "full": ["--width", "1024", "--layers", "6", "--batch", "112"]}
+               "full": ["--width", "1024", "--layers", "6", "--batch", "112"],
+               "resnet50": ["--model", "resnet50-shapes"]}
 
 
 def parse_args(argv=None):
@@ -57,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--collective-rows", default=None, help="pushpull: its --collective-rows, e.g. "
                    "'all_reduce,collective dense' (default: all)")
     p.add_argument("--no-pushpull", action="store_true", help="bench_hook only")
-    p.add_argument("--hooks", default="quick", help="bench_hook shapes, comma-separated: quick, full; "
+    p.add_argument("--hooks", default="quick", help="bench_hook shapes, comma-separated: quick, full, resnet50; "
                    "'none' (quick)")
     p.add_argument("--hook-rounds", type=int, default=30, help="bench_hook: steps per pass (30)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per benchmark run (900)")
@@ -109,6 +114,7 @@ def make_old_tree(commit, where):
     full = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "worktree", "add", "--detach", where, full], cwd=ROOT, check=True, capture_output=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "bench_hook.py"), os.path.join(where, "scripts", "bench_hook.py"))
     return full
 
 

@@ -40,6 +40,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from bps_gc.launcher.local import free_port  # noqa: E402
 from reference import elastic_means  # noqa: E402
 import chaos_mnist  # noqa: E402
+import procs  # noqa: E402
 
 WORKER = os.path.join(ROOT, "scripts", "chaos_worker.py")
 SPEC = {"lr": 0.5, "sleep": 0.02, "partition_bytes": 4096,
@@ -114,16 +115,10 @@ class Cluster:
 
     def child_of(self, name):
         """PID of the process a launcher started (the worker itself)."""
-        launcher = self.procs[name].pid
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == launcher:
-                            return int(entry)
-                except (OSError, IndexError, ValueError):
-                    continue
-        raise Hang(f"{name}'s launcher has no child")
+        pid = procs.child_of(self.procs[name].pid)
+        if pid is None:
+            raise Hang(f"{name}'s launcher has no child")
+        return pid
 
     def wait_for(self, what, done, bound, watch=()):
         """Until ``done()``, at most ``bound`` seconds; a node of ``watch`` exiting fails it."""

@@ -18,6 +18,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.core as bps  # noqa: E402
+from elastic_host import start_host  # noqa: E402
 from reference import gradient, step_ctx  # noqa: E402
 
 
@@ -33,13 +34,7 @@ def stop_step(path):
 def main(spec_path, out_dir):
     spec = json.load(open(spec_path))
     tensors = spec["tensors"]
-    bps.init()
-    rank = bps.rank()
-    for t in tensors:
-        bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
-    params = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in tensors}
-    start = bps.elastic_start(params)
-    print("START", start, flush=True)
+    rank, params, start = start_host(spec)
     kept = {"sizes": [], "epochs": [], "crcs": []}
     step, last = start, None
     while last is None or step <= last:

@@ -8,9 +8,7 @@ them, then the rest). Each rank saves its parameters at the end, and "first" at 
 import gc
 import json
 import os
-import signal
 import sys
-import time
 
 import numpy as np
 import torch
@@ -18,6 +16,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.torch as bps  # noqa: E402
+from job_faults import fault_at  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -28,18 +27,6 @@ opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), spec["sync
                  fragments=spec["fragments"], compression_params=spec["compression_params"], delay=spec["delay"])
 path = os.path.join(out, f"ckpt{rank}.pt")
 start, stop = 0, spec["steps"]
-
-
-def fault(step):
-    if step == 2:
-        open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
-    if step == 5 and rank == spec.get("victim"):
-        open(os.path.join(out, "fault_time"), "w").write(repr(time.time()))
-        if spec["fault"] == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if spec["fault"] == "exit":
-            sys.exit(0)
-        raise RuntimeError(f"the training script failed on rank {rank}")
 
 
 if spec["phase"] == "fault":
@@ -57,7 +44,7 @@ def save_parameters(name):
 
 for step in range(start, stop):
     if spec["phase"] == "fault":
-        fault(step)
+        fault_at(step, 5, rank, spec, out)
     x, y = batch(rank, step)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()

@@ -11,20 +11,16 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import bps_gc.core as bps  # noqa: E402
+from elastic_host import start_host  # noqa: E402
 from reference import gradient, step_ctx  # noqa: E402
 
 spec_path, out_dir = sys.argv[1], sys.argv[2]
 spec = json.load(open(spec_path))
 tensors = spec["tensors"]
-bps.init()
-rank = bps.rank()
-for t in tensors:
-    bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
-params = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in tensors}
-start = bps.elastic_start(params)
-print("START", start, flush=True)
+rank, params, start = start_host(spec)
 out, first_joined, step = {"sizes": [], "epochs": []}, None, start
 while step < spec["max_steps"]:
     ctx = step_ctx(dict(spec, lrs=[0.1] * spec["max_steps"]), step)

@@ -19,9 +19,7 @@ batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 Each rank saves its full parameters and its local shards, prefixed by the run's name."""
 import json
 import os
-import signal
 import sys
-import time
 
 import numpy as np
 import torch
@@ -34,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
+from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 mode = spec["mode"]
@@ -125,18 +124,8 @@ def resume():
 
 
 def fault():
-    def on_step(step):
-        if step == 2:
-            open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
-        if step == 3 and rank == spec.get("victim"):
-            open(os.path.join(out, "fault_time"), "w").write(repr(time.time()))
-            if spec["fault"] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if spec["fault"] == "exit":
-                sys.exit(0)
-            raise RuntimeError(f"the training script failed on rank {rank}")
     model, _, opt = build()
-    train(model, opt, range(10**6), on_step)
+    train(model, opt, range(10**6), lambda step: fault_at(step, 3, rank, spec, out))
 
 
 if mode == "fault":

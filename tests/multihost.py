@@ -10,6 +10,9 @@ import time
 from bps_gc.launcher.local import free_port
 from conftest import ROOT, alive
 
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from procs import child_of  # noqa: E402
+
 INTERVAL, TIMEOUT = 0.2, 2.0
 LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli"]
 
@@ -60,16 +63,10 @@ class Job:
 
     def child_of(self, name):
         """PID of the role process the launcher started."""
-        launcher = self.launchers[name].pid
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == launcher:
-                            return int(entry)
-                except (OSError, IndexError, ValueError):
-                    continue
-        raise AssertionError(f"no child of {name}'s launcher")
+        pid = child_of(self.launchers[name].pid)
+        if pid is None:
+            raise AssertionError(f"no child of {name}'s launcher")
+        return pid
 
     def wait_output(self, names, marker, timeout=60):
         deadline = time.time() + timeout

@@ -6,16 +6,13 @@ both servers and a onebit tensor with error feedback; worker 2 pushes the dense 
 step PAUSE_AT, then is killed. The survivors must finish every step without a restart, pull
 bit-identical results, equal to a numpy recomputation (reference.py's codec chains) of the
 membership sequence every node logged, and see bps.size() change at that round only."""
-import json
 import os
-import re
 import signal
-import sys
 import time
 
 import numpy as np
 
-from multihost import Job
+from elastic_jobs import membership, start_job, two_tensors
 from reference import gradient, partitions, step_ctx
 
 from bps_gc.compress import CompressionParams, build_chain
@@ -25,18 +22,8 @@ STEPS, PAUSE_AT, VICTIM = 7, 3, 2
 SPEC = {
     "steps": STEPS, "pause_at": PAUSE_AT, "victim": VICTIM,
     "lrs": [0.1] * STEPS, "partition_bytes": 4096, "min_compress_bytes": 0,
-    "tensors": [{"name": "dense", "shape": [3000], "dtype": "float32"},
-                {"name": "signs", "shape": [1500], "dtype": "float32",
-                 "params": {"compressor": "onebit", "ef": "vanilla"}}],
+    "tensors": two_tensors(3000, 1500),
 }
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_job.py")
-ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0"}
-LINE = re.compile(r"membership: worker (\d+) left; epoch (\d+) from round group (\d+); members \[([\d, ]*)\]")
-
-
-def membership(text):
-    """[(epoch, first group, members)] from a node's log lines."""
-    return [(int(e), int(g), [int(r) for r in m.split(",") if r.strip()]) for _, e, g, m in LINE.findall(text)]
 
 
 def expected(spec, sequence, ranks):
@@ -73,11 +60,8 @@ def expected(spec, sequence, ranks):
 
 
 def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(SPEC))
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # which rounds they sum again
-    job = Job(3, None, servers=2, env=ENV, command=[sys.executable, JOB, str(spec_path), str(tmp_path)],
-              role_env={"server0": servers_say, "server1": servers_say})
+    job = start_job("elastic_job.py", SPEC, tmp_path, servers=2, role_env={"server0": servers_say, "server1": servers_say})
     job.wait_output([f"worker{VICTIM}"], "HALF", START_BOUND)
     job.wait_output([f"worker{r}" for r in range(3) if r != VICTIM], f"PUSHED {PAUSE_AT}", START_BOUND)
     time.sleep(1.0)  # the dense rounds of that step complete with the victim's pushes
@@ -111,10 +95,7 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
 
 def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
     spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][:1])
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    job = Job(2, None, env=dict(ENV, BPS_GC_MIN_WORKERS="2"),
-              command=[sys.executable, JOB, str(spec_path), str(tmp_path)])
+    job = start_job("elastic_job.py", spec, tmp_path, workers=2, env={"BPS_GC_MIN_WORKERS": "2"})
     job.wait_output(["worker1"], "HALF", START_BOUND)
     os.kill(job.child_of("worker1"), signal.SIGKILL)
     statuses, _ = job.wait_all(BOUND)

@@ -11,14 +11,12 @@ logged, and bps.size() and bps.membership_epoch() change at step boundaries only
 import copy
 import json
 import os
-import re
 import signal
-import sys
 import time
 
 import numpy as np
 
-from multihost import Job
+from elastic_jobs import host_command, membership, start_job, two_tensors
 from reference import elastic_means
 
 START_BOUND, BOUND = 60.0, 60.0
@@ -26,17 +24,8 @@ VICTIM, PAUSE_AT = 2, 2
 SPEC = {
     "max_steps": 400, "pause_at": PAUSE_AT, "victim": VICTIM, "lr": 0.5, "sleep": 0.05,
     "join_epoch": 2, "after_join": 3, "partition_bytes": 4096,
-    "tensors": [{"name": "dense", "shape": [1500], "dtype": "float32"},
-                {"name": "signs", "shape": [1200], "dtype": "float32",
-                 "params": {"compressor": "onebit", "ef": "vanilla"}}],
+    "tensors": two_tensors(1500, 1200),
 }
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_join_job.py")
-ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0"}
-LINE = re.compile(r"membership: worker (\d+) (left|joined); epoch (\d+) from round group (\d+); members \[([\d, ]*)\]")
-
-
-def membership(text):
-    return [(int(e), int(g), [int(r) for r in m.split(",") if r.strip()]) for _, _, e, g, m in LINE.findall(text)]
 
 
 def expected(spec, sequence, last):
@@ -47,13 +36,12 @@ def expected(spec, sequence, last):
 def start_joiner(job, name, spec, tmp_path):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(spec))
-    job.launch(name, [sys.executable, JOB, str(path), str(tmp_path)],
+    job.launch(name, host_command("elastic_join_job.py", path, tmp_path),
                dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM)))
 
 
 def test_a_host_joins_after_one_died_and_one_with_other_settings_is_refused(tmp_path):
-    (tmp_path / "spec.json").write_text(json.dumps(SPEC))
-    job = Job(3, None, servers=2, env=ENV, command=[sys.executable, JOB, str(tmp_path / "spec.json"), str(tmp_path)])
+    job = start_job("elastic_join_job.py", SPEC, tmp_path, servers=2)
     job.wait_output([f"worker{VICTIM}"], "HALF", START_BOUND)
     time.sleep(1.0)
     os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)

@@ -20,7 +20,9 @@ PACKAGE = os.path.join(ROOT, "bps_gc")
 ALLOWED = {
     "config": set(),
     "wire": {"config"},
-    "compress": set(),  # the codec library stands alone (numpy, and torch in compress/device)
+    # the codec library: numpy (and torch in compress/device); below it only config's SettingError
+    # and wire's json_object (a setting named in an error, a JSON object read), written once
+    "compress": {"config", "wire"},
     "comm": {"config", "wire", "compress"},  # the interface every transport implements
     "ps": {"config", "wire", "compress", "comm"},  # the parameter server
     "collective": {"config", "wire", "compress", "comm"},  # torch.distributed

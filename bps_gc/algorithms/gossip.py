@@ -174,14 +174,24 @@ class ChocoGossip(_Neighbourhood):
             raise ValueError(f"CHOCO: the consensus step size must be in (0, 1], got {gamma}")
         self.gamma = gamma
         params = gossip_params(compression_params)
-        self.xhat = {n: np.zeros_like(a) for n, a in self.x.items()}
-        self.u = {n: np.zeros_like(a) for n, a in self.x.items()}  # s - xhat
+        self.xhat = {n: self._zeros_like(a) for n, a in self.x.items()}
+        self.u = {n: self._zeros_like(a) for n, a in self.x.items()}  # s - xhat
         # a distinct codec seed per tensor and node: random codecs draw independently
-        self.codecs = {n: codec_for(params, a.size, a.dtype, key=(k + 1) * 65537 + self.rank)
-                       for k, (n, a) in enumerate(self.x.items())}
-        largest = max((a.size for a in self.x.values()), default=0)
-        self._scratch = {dt: np.empty(largest, dt) for dt in {a.dtype for a in self.x.values()}}
+        self.codecs = {n: self._codec(params, a, (k + 1) * 65537 + self.rank) for k, (n, a) in enumerate(self.x.items())}
+        self._scratch = self._scratch_buffers()
         self.pending = False
+
+    # the three the device variant (torch/choco.py) does on torch tensors instead
+    _zeros_like = staticmethod(np.zeros_like)
+
+    @staticmethod
+    def _codec(params, a, key):
+        return codec_for(params, a.size, a.dtype, key=key)
+
+    def _scratch_buffers(self):
+        """Where messages are decoded: one buffer per dtype, as long as the largest array."""
+        largest = max((a.size for a in self.x.values()), default=0)
+        return {dt: np.empty(largest, dt) for dt in {a.dtype for a in self.x.values()}}
 
     def _decoded(self, name, payload):
         a = self.x[name]

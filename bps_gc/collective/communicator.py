@@ -91,6 +91,9 @@ class Collective(api.Communicator):
     def abandon(self, reason):
         self.lifecycle.abandon(reason)
 
+    def peer_failure(self, error):
+        return self.lifecycle.peer_failure(error)
+
     @property
     def levels(self):
         """levels.HostLevels when two levels run (after start), else None."""

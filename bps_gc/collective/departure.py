@@ -11,9 +11,11 @@ members and count only: a rank of another group that leaves is no reason to fail
 Before blocking on a message (gloo's send/recv complete only inside a blocking wait), a rank writes
 what it waits for (``awaiting/<rank>``), so a leaver can see that a peer can never finish.
 
-The end is clean when every two ranks ended with the same collective counts on each group they share
-and matching message counts: then the ranks run a last gloo barrier and destroy the process group,
-as before. Otherwise nobody runs collectives again and every rank just goes: closing its sockets
+The end is clean when no rank failed or raised and every two ranks ended with the same collective
+counts on each group they share and matching message counts: then the ranks run a last gloo barrier
+and destroy the process group, as before. A rank whose script raised (Ctrl-C at every rank
+included) may have left others inside a collective bps_gc does not count (FSDP2's own all_gather):
+a barrier then would wait on them, and they on it. Otherwise nobody runs collectives again and every rank just goes: closing its sockets
 ends any peer blocked on it, and that peer's heartbeat has its Ending by then. The store's host goes
 last: once every other rank has ended, died, or is blocked on it and has read its Ending (``seen``).
 """
@@ -88,7 +90,7 @@ def departure(ended, rank, issued, what, message=None, members=None):
 
 def matches(mine, rank, other, end):
     shared = {members for members, _ in mine.groups + end.groups if rank in members and other in members}
-    return (not end.failed and end.issued == mine.issued and end.sent[rank] == mine.received[other]
+    return (not end.failed and not end.raised and end.issued == mine.issued and end.sent[rank] == mine.received[other]
             and end.received[rank] == mine.sent[other]
             and all(end.issued_on(members) == mine.issued_on(members) for members in shared))
 
@@ -108,7 +110,7 @@ def await_end(heartbeat, mine, hosts_store, limit):
     False when the end is not clean (a rank failed, died, or stopped at another point)."""
     rank, size = heartbeat.rank, heartbeat.size
     others = [r for r in range(size) if r != rank]
-    clean, deadline = not mine.failed, time.monotonic() + limit
+    clean, deadline = not mine.failed and not mine.raised, time.monotonic() + limit
     while time.monotonic() < deadline:
         if heartbeat.failure is not None:  # a rank died: it will never end
             return False

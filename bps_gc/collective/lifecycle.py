@@ -7,6 +7,7 @@ exchange's pipeline (collective/exchange/driver.py) counts its collectives here 
 groups it runs on.
 """
 import logging
+import re
 import threading
 import time
 
@@ -19,6 +20,7 @@ from .backend_choice import SHARED
 from .rendezvous import backend_from_env, connect, waiting_at_rendezvous
 
 log = logging.getLogger("bps_gc.collective")
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|IoException")  # gloo's socket errors
 WATCH_SECONDS = 0.02  # how often a wait sleeping on its work checks the heartbeat and departures
 
 
@@ -92,6 +94,29 @@ class Lifecycle:
 
     def abandon(self, reason):
         self.abandoned = reason
+
+    def peer_failure(self, error):
+        """A gloo error of a collective bps_gc did not issue (FSDP2's all_gather, a user's
+        all_reduce): the rank that died (the heartbeat's bound, twice, to say so) or left (its
+        Ending) if there is one; the Ending this rank then publishes says it failed, so the
+        others name that rank too."""
+        heartbeat = self.shared.heartbeat
+        if heartbeat is None or not (isinstance(error, RuntimeError) and PEER_GONE.search(str(error))):
+            return None  # a script's own error: its traceback as it is
+        deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
+        while self.shared.failure is None:
+            if heartbeat.failure is not None:
+                self.shared.failure = heartbeat.failure
+            elif heartbeat.ended:
+                rank, end = min(list(heartbeat.ended.items()), key=lambda leaver: (leaver[1].failed, leaver[0]))
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                self.shared.failure = NodeFailure(f"bps_gc: rank {rank} left the job ({end.how()}) while rank "
+                                                  f"{self.rank} was in a collective bps_gc does not count: {first}")
+            elif time.monotonic() > deadline:
+                return None
+            else:
+                time.sleep(self.cfg.heartbeat_interval / 4)
+        return self.shared.failure
 
     def check_alive(self):
         if self.closed:

@@ -193,3 +193,9 @@ class Communicator(abc.ABC):
     def abandon(self, reason):
         """The training script is ending on an uncaught ``reason`` (an exception's name):
         the shutdown that follows tells the others this rank failed, where it can."""
+
+    def peer_failure(self, error):
+        """The job failure (a NodeFailure) behind ``error``, an exception raised outside bps_gc
+        (a collective of FSDP2's own failing on a peer's closed socket), when this communicator
+        can name the peer that died or left; else None."""
+        return None

@@ -65,58 +65,46 @@ def _load():
     lib = ctypes.CDLL(_prebuilt() or _compile_cached())
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     C = ctypes.c_int
+    U64, D = ctypes.c_uint64, ctypes.c_double
+    # name -> (the suffixes of the types it is built for, restype, argtypes): one signature for all
     sigs = {
-        "rng_fill": (None, [P, I, P]),
-        "randomk_indices": (None, [P, I, I, P]),
-        "randomk_records_f32": (None, [P, P, I, I, P]),
-        "randomk_records_f64": (None, [P, P, I, I, P]),
-        "onebit_compress_f32": (F, [P, I, C, P]),
-        "onebit_compress_f64": (F, [P, I, C, P]),
-        "onebit_compress_f16": (F, [P, I, C, P]),
-        "onebit_decompress_f32": (None, [P, F, I, P]),
-        "onebit_decompress_f64": (None, [P, F, I, P]),
-        "onebit_decompress_f16": (None, [P, F, I, P]),
-        "topk_indices_f32": (I, [P, I, I, P]),
-        "topk_indices_f64": (I, [P, I, I, P]),
-        "onebit_residual_f32": (None, [P, F, I, P]),
-        "onebit_residual_f64": (None, [P, F, I, P]),
-        "dithering_compress_f32": (I, [P, I, C, C, C, P, P, I]),
-        "dithering_compress_f64": (I, [P, I, C, C, C, P, P, I]),
-        "dithering_decompress_f32": (I, [P, I, F, I, P]),
-        "dithering_decompress_f64": (I, [P, I, F, I, P]),
-        "records_gather_f32": (None, [P, P, I, P]),
-        "records_gather_f64": (None, [P, P, I, P]),
-        "records_scatter_f32": (I, [P, I, I, P]),
-        "records_scatter_f64": (I, [P, I, I, P]),
+        "rng_fill": ((), None, [P, I, P]),
+        "randomk_indices": ((), None, [P, I, I, P]),
+        "randomk_records": (("f32", "f64"), None, [P, P, I, I, P]),
+        "onebit_compress": (("f32", "f64", "f16"), F, [P, I, C, P]),
+        "onebit_decompress": (("f32", "f64", "f16"), None, [P, F, I, P]),
+        "topk_indices": (("f32", "f64"), I, [P, I, I, P]),
+        "onebit_residual": (("f32", "f64"), None, [P, F, I, P]),
+        "dithering_compress": (("f32", "f64"), I, [P, I, C, C, C, P, P, I]),
+        "dithering_decompress": (("f32", "f64"), I, [P, I, F, I, P]),
+        "records_gather": (("f32", "f64"), None, [P, P, I, P]),
+        "records_scatter": (("f32", "f64"), I, [P, I, I, P]),
         # quantize.c (TernGrad, QSGD) and scans.c (sparse codecs, DGC, PowerSGD, error feedback)
-        "key_max_u32": (ctypes.c_uint64, [P, I]),
-        "key_max_u16": (ctypes.c_uint64, [P, I]),
-        "key_collect_u32": (I, [P, I, ctypes.c_uint64, P, I]),
-        "key_collect_u16": (I, [P, I, ctypes.c_uint64, P, I]),
-        "all_finite_u32": (C, [P, I]),
-        "all_finite_u16": (C, [P, I]),
-        "all_finite_u64": (C, [P, I]),
-        "scale_add_f32": (C, [P, F, P, I, P]),
-        "scale_add_f64": (C, [P, ctypes.c_double, P, I, P]),
-        "moments_f32": (None, [P, I, P]),
-        "terngrad_compress_f32": (None, [P, I, F, F, P, P]),
-        "terngrad_decompress_f32": (I, [P, I, F, P]),
-        "qsgd_compress_f32": (I, [P, I, F, ctypes.c_uint32, C, P, P]),
-        "qsgd_decompress_f32": (I, [P, I, I, ctypes.c_uint32, C, F, P]),
-        "dgc_accumulate_f32": (None, [P, P, P, I, F, C]),
-        "sorted_records_add_f32": (I, [P, I, I, P, C]),
-        "records_gather_u32_f32": (None, [P, P, I, P]),
-        "lowrank_product_f32": (None, [P, P, I, I, I, I, P]),
-        "powersgd_p_f32": (None, [P, P, I, I, I, P, I, P, P]),
-        "powersgd_q_f32": (None, [P, I, I, P, I, P]),
+        "key_max": (("u32", "u16"), U64, [P, I]),
+        "key_collect": (("u32", "u16"), I, [P, I, U64, P, I]),
+        "all_finite": (("u32", "u16", "u64"), C, [P, I]),
+        "scale_add_f32": ((), C, [P, F, P, I, P]),
+        "scale_add_f64": ((), C, [P, D, P, I, P]),
+        "moments_f32": ((), None, [P, I, P]),
+        "terngrad_compress_f32": ((), None, [P, I, F, F, P, P]),
+        "terngrad_decompress_f32": ((), I, [P, I, F, P]),
+        "qsgd_compress_f32": ((), I, [P, I, F, ctypes.c_uint32, C, P, P]),
+        "qsgd_decompress_f32": ((), I, [P, I, I, ctypes.c_uint32, C, F, P]),
+        "dgc_accumulate_f32": ((), None, [P, P, P, I, F, C]),
+        "sorted_records_add_f32": ((), I, [P, I, I, P, C]),
+        "records_gather_u32_f32": ((), None, [P, P, I, P]),
+        "lowrank_product_f32": ((), None, [P, P, I, I, I, I, P]),
+        "powersgd_p_f32": ((), None, [P, P, I, I, I, P, I, P, P]),
+        "powersgd_q_f32": ((), None, [P, I, I, P, I, P]),
         # thc.c (summable codes)
-        "thc_pack_f32": (None, [P, I, ctypes.c_double, C, C, C, P, P, P, C]),
-        "thc_unpack_f64": (I, [P, I, I, C, C, ctypes.c_double, C, ctypes.c_double, P, C]),
-        "thc_rotate_f32": (None, [P, I, I, P, C, F]),
+        "thc_pack_f32": ((), None, [P, I, D, C, C, C, P, P, P, C]),
+        "thc_unpack_f64": ((), I, [P, I, I, C, C, D, C, D, P, C]),
+        "thc_rotate_f32": ((), None, [P, I, I, P, C, F]),
     }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
+    for stem, (types, restype, argtypes) in sigs.items():
+        for name in [f"{stem}_{t}" for t in types] or [stem]:
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 

@@ -8,6 +8,8 @@ import json
 import math
 from typing import Optional
 
+from ..config import SettingError
+from ..wire.wire import json_object
 from .registry import COMPRESSORS, ERROR_FEEDBACKS, MOMENTUMS, OPTIONS, load_plugins
 
 PARTITIONS = ("linear", "natural")
@@ -86,12 +88,13 @@ OWN_ERROR_FEEDBACK = ("dgc", "powersgd", "thc")  # thc: its option 'feedback'
 PHASED = ("powersgd", "thc")
 
 
-class ParamError(ValueError):
-    """A compression parameter is wrong; the message names the key and what is allowed."""
+class ParamError(SettingError):
+    """A compression parameter is wrong; the message names the key (``key``) and what is allowed."""
+
+    key = property(lambda self: self.name)
 
     def __init__(self, key, message):
-        super().__init__(f"compression parameter {key!r}: {message}")
-        self.key = key
+        super().__init__(key, message, label=f"compression parameter {key!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +134,7 @@ class CompressionParams:
 
     @classmethod
     def from_json(cls, data):
-        try:
-            raw = json.loads(bytes(data).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"compression parameters are not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("compression parameters must be a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(json_object(data, "compression parameters", ValueError))
 
     @classmethod
     def from_dict(cls, params=None, **kwargs):

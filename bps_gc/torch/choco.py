@@ -23,7 +23,7 @@ import torch
 
 import bps_gc.core as core
 
-from ..algorithms.gossip import ChocoGossip, DPSGDGossip, _Neighbourhood, gossip_params, pack
+from ..algorithms.gossip import ChocoGossip, DPSGDGossip, pack
 from ..algorithms.topology import topology as make_topology
 from .checkpoint import register
 from .device import chain_for, uses_device_chain
@@ -140,22 +140,18 @@ class DeviceChocoGossip(ChocoGossip):
     """ChocoGossip (algorithms/gossip.py) on flat torch tensors, its Q a device codec chain:
     the same rounds and messages, each step's arithmetic in the same order and dtype."""
 
-    def __init__(self, tensors, topology, comm, gamma, compression_params=None, tag="choco"):
-        _Neighbourhood.__init__(self, tensors, topology, comm, tag)
-        if not 0 < gamma <= 1:
-            raise ValueError(f"CHOCO: the consensus step size must be in (0, 1], got {gamma}")
-        self.gamma = gamma
-        params = gossip_params(compression_params)
-        self.xhat = {n: torch.zeros_like(a) for n, a in self.x.items()}
-        self.u = {n: torch.zeros_like(a) for n, a in self.x.items()}  # s - xhat
-        # the numpy variant's seeds: a distinct one per tensor and node
-        self.codecs = {n: chain_for(params, a.numel(), NUMPY_DTYPES[a.dtype], (k + 1) * 65537 + self.rank,
-                                    "worker", a) if params.compressed else RawDeviceCodec(a.dtype)
-                       for k, (n, a) in enumerate(self.x.items())}
+    _zeros_like = staticmethod(torch.zeros_like)
+
+    @staticmethod
+    def _codec(params, a, key):
+        """The numpy variant's codec (its seed ``key``) as a device chain, or the raw floats."""
+        if params.compressed:
+            return chain_for(params, a.numel(), NUMPY_DTYPES[a.dtype], key, "worker", a)
+        return RawDeviceCodec(a.dtype)
+
+    def _scratch_buffers(self):
         largest = max((a.numel() for a in self.x.values()), default=0)
-        self._scratch = {(a.dtype, a.device): torch.empty(largest, dtype=a.dtype, device=a.device)
-                         for a in self.x.values()}
-        self.pending = False
+        return {(a.dtype, a.device): torch.empty(largest, dtype=a.dtype, device=a.device) for a in self.x.values()}
 
     def _check_array(self, name, a):
         _check_tensor(name, a)

@@ -3,17 +3,13 @@ import torch
 
 
 class Compressor:
-    @staticmethod
-    def compress(tensor):
-        """Returns (tensor to send, context for decompress)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+    """Horovod's interface: a subclass defines the static methods ``compress(tensor)``, which
+    returns (the tensor to send, a context for decompress), and ``decompress(tensor, ctx)``."""
 
 
 class NoneCompressor(Compressor):
+    """Send the tensor as it is."""
+
     @staticmethod
     def compress(tensor):
         return tensor, None

@@ -279,13 +279,18 @@ def encode_json(obj):
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def decode_json(data):
-    if len(data) > MAX_JSON:
-        raise MalformedMessage(f"JSON payload of {len(data)} bytes is too large")
+def json_object(data, what, error):
+    """``data`` (bytes) read as a JSON object; else ``error`` naming ``what`` and the fault."""
     try:
         obj = json.loads(bytes(data).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MalformedMessage(f"bad JSON payload: {e}") from None
+        raise error(f"{what}: not valid JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise MalformedMessage("JSON payload must be an object")
+        raise error(f"{what}: not a JSON object")
     return obj
+
+
+def decode_json(data):
+    if len(data) > MAX_JSON:
+        raise MalformedMessage(f"JSON payload of {len(data)} bytes is too large")
+    return json_object(data, "JSON payload", MalformedMessage)

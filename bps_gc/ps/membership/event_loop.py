@@ -8,10 +8,21 @@ a NodeFailure raised anywhere in the loop goes to ``on_failure``, which every ro
 the failure out (fail waiting calls, tell the scheduler) before the loop ends.
 """
 import os
+import queue
 
 import zmq
 
 from ...comm import NodeFailure
+
+
+def queued(work):
+    """What other threads put on the queue ``work`` so far, taken off it in order (never waits)."""
+    while True:
+        try:
+            yield work.get_nowait()
+        except queue.Empty:
+            return
+
 
 class EventLoop:
     def __init__(self, interval):

@@ -20,7 +20,7 @@ from ...wire.sockets import Auth, DropLog, MalformedMessage, bind, bind_local, r
 from ...wire.wire import (COMPRESSED_BIT, FUSED_BIT, FUSED_COUNT, FUSED_ENTRY, MAX_FUSED, MAX_JSON, SHM_BIT, Header,
                          Msg, decode_json, encode_context, encode_json, pack_fused, unpack_fused)
 from ...comm import NodeFailure
-from ..membership.event_loop import EventLoop
+from ..membership.event_loop import EventLoop, queued
 from ..membership.membership import Membership
 from .key_state import STATE_MESSAGES, answer as answer_state
 from .keys import KeyConflict, KeyState
@@ -273,11 +273,7 @@ class Server:
     def flush_replies(self):
         while self.wake.poll(0):
             self.wake.recv()
-        while True:
-            try:
-                replies = self.replies.get_nowait()
-            except queue.Empty:
-                return
+        for replies in queued(self.replies):
             for reply in replies:
                 send(self.router, reply.header, reply.payload, identity=reply.identity)
 

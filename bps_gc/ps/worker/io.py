@@ -18,7 +18,7 @@ from ...comm import NodeFailure
 from ...wire import congestion
 from ...wire.sockets import DropLog, peer_endpoint, send
 from ...wire.wire import Header, Msg, encode_json
-from ..membership.event_loop import EventLoop
+from ..membership.event_loop import EventLoop, queued
 from .codec_state import StateRequests
 from .commands import Barrier, Goodbye, InitKey, LocalSummed, SendPush, SendState, StartLocal
 from .elastic import CloseGroup
@@ -146,14 +146,11 @@ class WorkerIO:
 
     def run_commands(self):
         """Apply queued commands; True when the thread should stop."""
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return False
+        for command in queued(self.commands):
             self.handlers[type(command)](command)
             if type(command) is Goodbye:
                 return True
+        return False
 
     def init_key(self, command):
         declaration = self.shm.offer(command.key, command.server, command.dtype, command.declaration)
@@ -195,11 +192,7 @@ class WorkerIO:
             waiter.done.set()
         self.barrier_waiters.clear()
         # commands posted but not yet taken off the queue
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in queued(self.commands):
             match command:
                 case SendPush(push=push):
                     push.handle.fail(error)

@@ -1,0 +1,18 @@
+"""The start every worker host of the elastic jobs shares (scripts/chaos_worker.py,
+tests/elastic_join_job.py): the spec's tensors declared, parameters linspace(-1, 1) until
+elastic_start hands a joiner the live workers' ones."""
+import numpy as np
+
+import bps_gc.core as bps
+
+
+def start_host(spec):
+    """(rank, parameters by name, first step): a joiner's is the step elastic_start returns."""
+    bps.init()
+    rank = bps.rank()
+    for t in spec["tensors"]:
+        bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
+    params = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in spec["tensors"]}
+    start = bps.elastic_start(params)
+    print("START", start, flush=True)
+    return rank, params, start

@@ -16,8 +16,9 @@ own package on PYTHONPATH (ahead of this checkout's editable install) and this i
   hook full     (--hooks full) the same on its default MLP (6 x 1024, batch 112)
   hook resnet50 (--hooks resnet50) the same on ResNet-50's 161 gradient shapes (its --model
                 resnet50-shapes)
-Both versions run this tree's scripts/bench_hook.py (copied into the old tree): the same
-harness, only the package differs.
+Both versions run this tree's scripts/bench_hook.py and scripts/bench_collective.py (copied
+into the old tree): the same harness and rows (the floor, dense in place), only the package
+differs.
 Each version's value of a row is the median over the passes of that pass's median s/round (or
 s/step); new/old is their ratio, and "pairs" the range of the ratios of each pass's old and new
 run, one right after the other. The numbers come from each benchmark's own JSON.
@@ -114,7 +115,8 @@ def make_old_tree(commit, where):
     full = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "worktree", "add", "--detach", where, full], cwd=ROOT, check=True, capture_output=True)
-    shutil.copy(os.path.join(ROOT, "scripts", "bench_hook.py"), os.path.join(where, "scripts", "bench_hook.py"))
+    for script in ("bench_hook.py", "bench_collective.py"):
+        shutil.copy(os.path.join(ROOT, "scripts", script), os.path.join(where, "scripts", script))
     return full
 
 

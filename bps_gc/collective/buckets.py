@@ -7,7 +7,8 @@ payloads in one all_gather, every rank running the server's reduction), its two-
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
 the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) gets its own
 all_reduce in its output's memory, as Horovod and DDP leave large tensors unfused: no copy at
-all when reduced in place, one copy into the output otherwise; ``finish`` (a handle's wait)
+all when reduced in place, one copy into the output otherwise, and gloo's AVG divides it
+(not the caller's thread); ``finish`` (a handle's wait)
 waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
 raised by every wait on its handles.
 """
@@ -81,12 +82,14 @@ class PhasedEntry:
 class FusedBuffer(NamedTuple):
     """A bucket's all_reduce of one dtype (and device), or of one large array alone:
     ``tensor``, the ``entries`` fused into it in order, ``array`` (numpy entries: the array
-    under ``tensor``, else None) and ``kept`` (``array`` is a kept buffer, given back once
-    delivered; not when it is the output's own memory)."""
+    under ``tensor``, else None), ``kept`` (``array`` is a kept buffer, given back once
+    delivered; not when it is the output's own memory) and ``averaged`` (gloo's AVG divides
+    it by the ranks, as it leaves the sum: the same bits as dividing after)."""
     tensor: torch.Tensor
     entries: list
     array: Optional[np.ndarray] = None
     kept: bool = False
+    averaged: bool = False
 
 
 class Bucket:
@@ -121,6 +124,7 @@ class Buckets:
         # the compressed exchange's stages, run on the exchange thread itself (its jobs in order)
         self.driver = Driver(self.count, Inline, Inline, Inline)
         self.fused_buffers = FusedBuffers()
+        self.gloo_averages = True  # until gloo refuses ReduceOp.AVG (torch before it had it)
         self.exchange_coded_on_hosts = self.exchange_phased = self.deliver_tensors = None
 
     def exchanges(self, *, coded_on_hosts, phased, deliver_tensors):
@@ -230,18 +234,27 @@ class Buckets:
         (the input copied in unless it is the output: a reduction in place copies nothing),
         else a kept buffer."""
         wire, out = entry.wire, entry.out.reshape(-1)
-        if out.dtype == wire.dtype:
+        if out.dtype == wire.dtype:  # the average too is done there, by gloo's thread
             if not same_memory(out, wire):
                 np.copyto(out, wire)
-            return FusedBuffer(torch.from_numpy(out), [entry], out)
+            return FusedBuffer(torch.from_numpy(out), [entry], out, averaged=entry.average)
         flat = self.fused_buffers.take(wire.dtype, wire.size)
         np.copyto(flat, wire)
         return FusedBuffer(torch.from_numpy(flat), [entry], flat, True)
 
     def _start(self, bucket, fused):
         """Start ``fused``'s all_reduce (the bucket's collectives go in the order started)."""
+        work = None
+        if fused.averaged and self.gloo_averages:
+            try:
+                work = dist.all_reduce(fused.tensor, op=dist.ReduceOp.AVG, async_op=True)
+            except (RuntimeError, ValueError):  # an older torch's gloo refuses AVG before sending
+                self.gloo_averages = False
+        if work is None:
+            fused = fused._replace(averaged=False)  # divided when delivered
+            work = dist.all_reduce(fused.tensor, async_op=True)
         bucket.buffers.append(fused)
-        bucket.works.append(self.issue(dist.all_reduce(fused.tensor, async_op=True)))
+        bucket.works.append(self.issue(work))
 
     def _wait_named(self, names, work, what):
         """Wait for a bucket's collective, a failure naming the bucket's tensors."""
@@ -276,7 +289,7 @@ class Buckets:
             return
         offset = 0
         for entry in fused.entries:
-            self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average)
+            self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average and not fused.averaged)
             offset += entry.wire.size
         if fused.kept:
             self.fused_buffers.give(fused.array)

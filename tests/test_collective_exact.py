@@ -48,18 +48,18 @@ def reducer_tensors():
 
 
 def alone_tensors():
-    """Dense arrays large enough to be all_reduced alone in their output (collective/buckets.py's
-    ALONE_BYTES), in place and into another array (the job checks the input is left alone),
-    averaged and summed; one whose fp16 wire is not its output's dtype (through a kept
-    buffer); a small one between, fused."""
+    """Dense arrays large enough to be all_reduced alone (collective/buckets.py's ALONE_BYTES)
+    when every rank reduces them in place at first: in place on every step; into another array
+    on every step (fused), from the second step on (alone, copied into it) and on odd ranks only
+    (fused: the ranks agree); the job checks an input reduced into another array is left alone.
+    Averaged and summed; one whose fp16 wire is not its dtype; a small one between, fused."""
     shape, tensors = [1_050_001], []  # 4.2 MB of float32
     for average in (True, False):
-        for out in (False, True):
-            tensors.append({"name": f"{'avg' if average else 'sum'}-{'out' if out else 'inplace'}", "shape": shape,
+        for out in (False, True, "later", "odd ranks"):
+            tensors.append({"name": f"{'avg' if average else 'sum'}-{out}", "shape": shape,
                             "dtype": "float32", "average": average, "out": out, "params": {}})
     return tensors + [{"name": "small", "shape": [1000], "dtype": "float32", "params": {}},
-                      {"name": "fp16-wire", "shape": [2_100_001], "dtype": "float32", "out": True,
-                       "params": {"fp16": True}}]
+                      {"name": "fp16-wire", "shape": [2_100_001], "dtype": "float32", "params": {"fp16": True}}]
 
 
 SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors,

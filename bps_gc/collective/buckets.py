@@ -5,10 +5,9 @@ after the buckets before it were delivered). There the bucket's compressed tenso
 the compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
 payloads in one all_gather, every rank running the server's reduction), its two-phase ones run
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
-the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) gets its own
-all_reduce in its output's memory, as Horovod and DDP leave large tensors unfused: no copy at
-all when reduced in place, one copy into the output otherwise, and gloo's AVG divides it
-(not the caller's thread); ``finish`` (a handle's wait)
+the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) reduced in
+place gets its own all_reduce in its own memory, as Horovod and DDP leave large tensors unfused:
+no copy, and gloo's AVG divides it (not the caller's thread); ``finish`` (a handle's wait)
 waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
 raised by every wait on its handles.
 """
@@ -27,10 +26,11 @@ from .exchange.driver import Driver, Inline
 from .exchange.jobs import ArraySegment, GatheredSegment, Job
 from .fused_buffers import FusedBuffers
 
-# a dense numpy array of at least this many wire bytes is all_reduced alone, in its output: fusing
-# it would copy it in and out of a kept buffer; below it, gloo's cost per all_reduce outweighs the
-# copy (1 MB: about as much gloo CPU time added as copying saved, on 2 ranks on the 2-core box).
-# The size alone decides, the same on every rank, so every rank issues the same all_reduces.
+# a dense numpy array of at least this many wire bytes, reduced in place on every rank, is
+# all_reduced alone in its own memory: fused, it would be copied into a kept buffer and back.
+# Below it, gloo's cost per all_reduce outweighs the copy (1 MB: about as much gloo CPU time added
+# as copying saved, on 2 ranks on the 2-core box); into another output it stays fused (a copy
+# either way, and the fused one measured cheaper).
 ALONE_BYTES = 4 << 20
 
 
@@ -57,6 +57,7 @@ class DenseEntry:
     wire: Any
     out: Any
     average: bool
+    name: str = ""
 
 
 @dataclasses.dataclass
@@ -125,6 +126,7 @@ class Buckets:
         self.driver = Driver(self.count, Inline, Inline, Inline)
         self.fused_buffers = FusedBuffers()
         self.gloo_averages = True  # until gloo refuses ReduceOp.AVG (torch before it had it)
+        self.alone = {}  # name -> its large array is all_reduced alone (agreed at its first use)
         self.exchange_coded_on_hosts = self.exchange_phased = self.deliver_tensors = None
 
     def exchanges(self, *, coded_on_hosts, phased, deliver_tensors):
@@ -140,7 +142,7 @@ class Buckets:
         """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype)."""
         self.shared.counters.pushed_wire += wire.nbytes
         self.shared.counters.pulled_wire += wire.nbytes
-        return self.add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average), wire.nbytes, name)
+        return self.add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average, name), wire.nbytes, name)
 
     def add_coded(self, tensor, wire, out, average, ctx):
         """A one-level compressed reduction into the pending bucket: compressed now on the
@@ -212,12 +214,14 @@ class Buckets:
             self.driver.run(Job(segments, functools.partial(self._wait_named, names), device=device))
         if bucket.phased:
             self.exchange_phased(bucket.phased)
+        # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
+        large = [e for e in bucket.entries if not isinstance(e.wire, torch.Tensor) and e.wire.nbytes >= ALONE_BYTES]
+        self._agree_alone(large)
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
             wire = entry.wire
-            # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
             on_device = isinstance(wire, torch.Tensor)
-            if not on_device and wire.nbytes >= ALONE_BYTES:  # its all_reduce starts while the next is copied
+            if not on_device and self.alone.get(entry.name):  # it goes out while the next is prepared
                 self._start(bucket, self._alone(entry))
                 continue
             by_dtype.setdefault((wire.dtype, wire.device if on_device else None), []).append(entry)
@@ -228,6 +232,20 @@ class Buckets:
                 self._start(bucket, FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat, True))
             else:
                 self._start(bucket, FusedBuffer(torch.cat(wires), entries))
+
+    def _agree_alone(self, large):
+        """Whether each large array first seen goes alone: where every rank reduces it in place
+        (the MIN of each rank's answer, one small all_reduce on the step that first reduces it);
+        every rank fuses the same arrays, so issues the same all_reduces, whatever it is called
+        with later (alone into another output: copied there; fused in place: as any other)."""
+        new = [entry for entry in large if entry.name not in self.alone]
+        if not new:
+            return
+        flags = torch.tensor([same_memory(entry.out.reshape(-1), entry.wire) for entry in new], dtype=torch.int32)
+        self.wait(self.issue(dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)),
+                  lambda: f"all_reduce choosing how {listed([entry.name for entry in new])} go out")
+        for entry, flag in zip(new, flags.tolist()):
+            self.alone[entry.name] = bool(flag)
 
     def _alone(self, entry):
         """A large array's own buffer: its output's memory when that holds the wire's dtype

@@ -3,7 +3,9 @@
 collective transport, on ResNet-50 v1b gradient shapes (161 float32 tensors, 25.56M floats),
 N ranks on one host over loopback (gloo), all rows in one run of the same processes.
 
-Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
+Rows (worker 0's median s/round over the timed rounds, after warm-up rounds; cpu_s in the JSON:
+its median CPU seconds per round, every thread of its process, which a loaded machine moves
+less than the wall time):
   torch all_reduce dense   161 gradients fused into 25 MB buckets (DDP's size), one gloo
                            all_reduce each, waited for together
   torch dense floor: copy in, sum, average out
@@ -104,15 +106,16 @@ def rank_main(args):
     def timed(step, warmup):
         for _ in range(warmup):
             step()
-        times = []
+        times, cpu = [], []
         bps.metrics()  # resets bps_gc's counters: the wire bytes below are the timed rounds'
         before = link_counters()
         for _ in range(args.rounds):
             dist.barrier()
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - start)
-        return times, link_delta(before, link_counters())
+            cpu.append(time.process_time() - used)  # every thread of this rank: the caller's, bps_gc's, gloo's
+        return times, cpu, link_delta(before, link_counters())
 
     def allreduce_rows():
         flat = np.concatenate([g.reshape(-1) for g in grads])
@@ -210,12 +213,13 @@ def rank_main(args):
     results = []
     for label, build in select_rows(rows, args).items():
         # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
-        times, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
+        times, cpu, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
         counted = bps.metrics()
         # bytes this rank handed to torch.distributed and got back per round (bps_gc rows only):
         # an all_reduce's buffer each way, an all_gather's own payloads out and the others' in
         wire = (counted.pushed_wire + counted.pulled_wire) / len(times)
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
+                        "cpu_s": statistics.median(cpu), "cpus": cpu,
                         "wire_per_round": wire if label.startswith("bps_gc collective") else None,
                         "max_s": max(times), "rounds": len(times), "times": times,
                         "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()},

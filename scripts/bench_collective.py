@@ -3,7 +3,9 @@
 collective transport, on ResNet-50 v1b gradient shapes (161 float32 tensors, 25.56M floats),
 N ranks on one host over loopback (gloo), all rows in one run of the same processes.
 
-Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
+Rows (worker 0's median s/round over the timed rounds, after warm-up rounds; cpu_s in the JSON:
+its median CPU seconds per round, every thread of its process, which a loaded machine moves
+less than the wall time):
   torch all_reduce dense   161 gradients fused into 25 MB buckets (DDP's size), one gloo
                            all_reduce each, waited for together
   torch dense floor: copy in, sum, average out
@@ -21,7 +23,11 @@ Rows (worker 0's median s/round over the timed rounds, after warm-up rounds):
                            one 102 MB bucket: several buckets' phases interleave differently on
                            each rank under gloo and the run aborts)
   bps_gc collective ...    bps_gc.core push_pull of the 161 gradients (declared with the codec,
-                           partitions and thresholds as on the parameter server), then wait
+                           partitions and thresholds as on the parameter server) into separate
+                           outputs, then wait
+  bps_gc collective dense in place
+                           the same, dense, each gradient averaged in place (no out=), as the
+                           torch and MXNet bindings reduce theirs
 
     python scripts/bench_collective.py                 # 2 ranks, 3 warm-up + 5 timed rounds
     python scripts/bench_collective.py --quick         # smoke run: a few rows, 1 + 2 rounds
@@ -100,15 +106,16 @@ def rank_main(args):
     def timed(step, warmup):
         for _ in range(warmup):
             step()
-        times = []
+        times, cpu = [], []
         bps.metrics()  # resets bps_gc's counters: the wire bytes below are the timed rounds'
         before = link_counters()
         for _ in range(args.rounds):
             dist.barrier()
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - start)
-        return times, link_delta(before, link_counters())
+            cpu.append(time.process_time() - used)  # every thread of this rank: the caller's, bps_gc's, gloo's
+        return times, cpu, link_delta(before, link_counters())
 
     def allreduce_rows():
         flat = np.concatenate([g.reshape(-1) for g in grads])
@@ -173,11 +180,15 @@ def rank_main(args):
         # in different orders on different ranks (a collective mismatch; pytorch issue 58467)
         return ddp(powerSGD_hook.powerSGD_hook, state, bucket_cap_mb=128)
 
-    def collective(name, params):
+    def collective(name, params, in_place=False):
         names = [f"{name}/{i}" for i in range(len(shapes))]
         for n, g in zip(names, grads):
             bps.declare(n, shape=g.shape, dtype=g.dtype, **params)
 
+        if in_place:  # each round averages its own copies in place, as the bindings reduce gradients
+            inputs = [g.copy() for g in grads]
+            return lambda: [h.wait() for h in [bps.push_pull(g, n, priority=-i, lr=0.1)
+                                               for i, (n, g) in enumerate(zip(names, inputs))]]
         outs = [np.empty_like(g) for g in grads]  # as the parameter server's rows (bench_workers.py)
 
         def step():
@@ -196,17 +207,19 @@ def rank_main(args):
         "DDP PowerSGD rank 4": lambda: powersgd(4),
         **{f"DDP bps_gc hook {c}": (lambda c=c: ddp(bps_torch.comm_hook(CODECS[c]))) for c in ("topk 0.1%", "randomk 0.1%")},
         "bps_gc collective dense": lambda: collective("dense", {}),
+        "bps_gc collective dense in place": lambda: collective("dense-in-place", {}, in_place=True),
         **{f"bps_gc collective {c}": (lambda c=c: collective(c, CODECS[c])) for c in CODECS},
     }
     results = []
     for label, build in select_rows(rows, args).items():
         # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
-        times, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
+        times, cpu, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
         counted = bps.metrics()
         # bytes this rank handed to torch.distributed and got back per round (bps_gc rows only):
         # an all_reduce's buffer each way, an all_gather's own payloads out and the others' in
         wire = (counted.pushed_wire + counted.pulled_wire) / len(times)
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
+                        "cpu_s": statistics.median(cpu), "cpus": cpu,
                         "wire_per_round": wire if label.startswith("bps_gc collective") else None,
                         "max_s": max(times), "rounds": len(times), "times": times,
                         "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()},

@@ -131,7 +131,7 @@ def find(rows, system, config):
 BEST_CODEC_LIMIT = {"loopback": 1.0, "1gbit": 0.8}  # issue 12: best codec / DDP PowerSGD rank 1
 
 
-DENSE = ("dense", "dense (local reduce)", "dense (host's TCP congestion control)", "dense (flat)")  # not codecs
+DENSE = ("dense", "dense in place", "dense (local reduce)", "dense (host's TCP congestion control)", "dense (flat)")  # not codecs
 # issue 25, 2 machines of several ranks: two-level dense rows / gloo's flat all_reduce of every rank
 LOCAL_RANKS_LIMIT = {("bps_gc PS", "dense"): 0.65, ("bps_gc collective", "dense"): 0.8}
 THC_LIMIT = 1.0  # issue 35: thc 4-bit rounds / onebit+EF's on the same transport, same run

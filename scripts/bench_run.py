@@ -199,6 +199,9 @@ def pooled_collective(passes, info, topology, machines, local_ranks):
                "rounds": len(times), "passes": len(passes), "machines": machines, "local_ranks": local_ranks,
                "pass_medians": [results[label]["median_s"] for results in passes],
                "tcp_per_round": passes[0][label].get("tcp_per_round")}
+        cpus = [c for results in passes for c in results[label].get("cpus", [])]
+        if cpus:  # rank 0's CPU seconds per round, every thread (older bench_collective.py: none)
+            row["cpu_s"] = statistics.median(cpus)
         if nic:  # machine 0's NIC, both directions, per round (as the PS rows' link_*_per_worker)
             row["link_tx_per_worker"] = statistics.fmean(tx for tx, _ in nic)
             row["link_rx_per_worker"] = statistics.fmean(rx for _, rx in nic)

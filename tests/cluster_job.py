@@ -1,5 +1,6 @@
 """A worker's side of the cluster tests: push_pull a described tensor set for some steps and save
-every result. Run as a worker process: ``python tests/cluster_job.py SPEC.json OUT_DIR``.
+every result (``out``: a tensor reduced into a new array, its input
+checked unchanged, on every step, from the second or on odd ranks; else in place). Run as a worker process: ``python tests/cluster_job.py SPEC.json OUT_DIR``.
 
 Tensors with a ``set`` (several tests' tensor sets in one launch) run set after set, each its
 steps (every tensor declared first, in the spec's order, as the oracle numbers them); the
@@ -31,11 +32,19 @@ for tensor_set in sets:
         ctx = step_ctx(spec, step)
         handles = []
         inputs = [gradient(rank, step, t) for _, t in tensors]  # all ready, as after a backward
+        def into_another(t):  # ``out``: True, "later" (from the 2nd step on), "odd ranks"; else in place
+            way = t.get("out")
+            return way is True or (way == "later" and step > 0) or (way == "odd ranks" and rank % 2 == 1)
+
         for (i, t), x in zip(tensors, inputs):
+            out = np.empty_like(x) if into_another(t) else None
             handles.append((t["name"], bps.push_pull(x, t["name"], average=t.get("average", True),
-                                                      priority=-i, ctx=ctx)))
+                                                      priority=-i, ctx=ctx, out=out)))
         for name, h in handles:
             results[f"{name}/{step}"] = h.wait().copy()
+        for (_, t), x in zip(tensors, inputs):  # a reduce into another output leaves its input alone
+            if into_another(t) and x.tobytes() != gradient(rank, step, t).tobytes():
+                sys.exit(f"push_pull({t['name']!r}, out=...) changed its input")
     m = bps.metrics()
     metrics[tensor_set] = {"pushed_raw": m.pushed_raw, "pushed_wire": m.pushed_wire, "pulled_wire": m.pulled_wire,
                            "ratio": m.ratio, "messages": m.messages, "shared_bytes": m.shared_bytes}

@@ -47,7 +47,23 @@ def reducer_tensors():
                        "params": {"compressor": "test_step_mask"}}]
 
 
-SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors}
+def alone_tensors():
+    """Dense arrays large enough to be all_reduced alone (collective/buckets.py's ALONE_BYTES)
+    when every rank reduces them in place at first: in place on every step; into another array
+    on every step (fused), from the second step on (alone, copied into it) and on odd ranks only
+    (fused: the ranks agree); the job checks an input reduced into another array is left alone.
+    Averaged and summed; one whose fp16 wire is not its dtype; a small one between, fused."""
+    shape, tensors = [1_050_001], []  # 4.2 MB of float32
+    for average in (True, False):
+        for out in (False, True, "later", "odd ranks"):
+            tensors.append({"name": f"{'avg' if average else 'sum'}-{out}", "shape": shape,
+                            "dtype": "float32", "average": average, "out": out, "params": {}})
+    return tensors + [{"name": "small", "shape": [1000], "dtype": "float32", "params": {}},
+                      {"name": "fp16-wire", "shape": [2_100_001], "dtype": "float32", "params": {"fp16": True}}]
+
+
+SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors,
+        "alone": alone_tensors}
 
 
 def spec_of_every_set():
@@ -117,3 +133,8 @@ def test_every_reducer_and_the_step_context(ranks, launched):
     results = check(launched, ranks, "reducers")
     votes = results[0]["reducers:majority-odd/2"]
     assert set(np.unique(votes)) <= {-1.0, 1.0}  # a vote, not averaged
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_large_dense_arrays_reduced_alone_in_their_output(ranks, launched):
+    check(launched, ranks, "alone")

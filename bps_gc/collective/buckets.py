@@ -5,8 +5,11 @@ after the buckets before it were delivered). There the bucket's compressed tenso
 the compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
 payloads in one all_gather, every rank running the server's reduction), its two-phase ones run
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
-the next step (fused_buffers.py); ``finish`` (a handle's wait) waits for those and delivers the
-results. A bucket's error (a codec's, a failed peer's) is raised by every wait on its handles.
+the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) reduced in
+place gets its own all_reduce in its own memory, as Horovod and DDP leave large tensors unfused:
+no copy, and gloo's AVG divides it (not the caller's thread); ``finish`` (a handle's wait)
+waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
+raised by every wait on its handles.
 """
 import dataclasses
 import functools
@@ -22,6 +25,13 @@ from ..comm import communicator as api
 from .exchange.driver import Driver, Inline
 from .exchange.jobs import ArraySegment, GatheredSegment, Job
 from .fused_buffers import FusedBuffers
+
+# a dense numpy array of at least this many wire bytes, reduced in place on every rank, is
+# all_reduced alone in its own memory: fused, it would be copied into a kept buffer and back.
+# Below it, gloo's cost per all_reduce outweighs the copy (1 MB: about as much gloo CPU time added
+# as copying saved, on 2 ranks on the 2-core box); into another output it stays fused (a copy
+# either way, and the fused one measured cheaper).
+ALONE_BYTES = 4 << 20
 
 
 class Handle(api.Handle):
@@ -47,6 +57,7 @@ class DenseEntry:
     wire: Any
     out: Any
     average: bool
+    name: str = ""
 
 
 @dataclasses.dataclass
@@ -70,11 +81,16 @@ class PhasedEntry:
 
 
 class FusedBuffer(NamedTuple):
-    """A bucket's all_reduce of one dtype (and device): ``tensor``, the ``entries`` fused into
-    it in order, and ``array`` (numpy entries: the kept buffer under ``tensor``, else None)."""
+    """A bucket's all_reduce of one dtype (and device), or of one large array alone:
+    ``tensor``, the ``entries`` fused into it in order, ``array`` (numpy entries: the array
+    under ``tensor``, else None), ``kept`` (``array`` is a kept buffer, given back once
+    delivered; not when it is the output's own memory) and ``averaged`` (gloo's AVG divides
+    it by the ranks, as it leaves the sum: the same bits as dividing after)."""
     tensor: torch.Tensor
     entries: list
     array: Optional[np.ndarray] = None
+    kept: bool = False
+    averaged: bool = False
 
 
 class Bucket:
@@ -109,6 +125,8 @@ class Buckets:
         # the compressed exchange's stages, run on the exchange thread itself (its jobs in order)
         self.driver = Driver(self.count, Inline, Inline, Inline)
         self.fused_buffers = FusedBuffers()
+        self.gloo_averages = True  # until gloo refuses ReduceOp.AVG (torch before it had it)
+        self.alone = {}  # name -> its large array is all_reduced alone (agreed at its first use)
         self.exchange_coded_on_hosts = self.exchange_phased = self.deliver_tensors = None
 
     def exchanges(self, *, coded_on_hosts, phased, deliver_tensors):
@@ -124,7 +142,7 @@ class Buckets:
         """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype)."""
         self.shared.counters.pushed_wire += wire.nbytes
         self.shared.counters.pulled_wire += wire.nbytes
-        return self.add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average), wire.nbytes, name)
+        return self.add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average, name), wire.nbytes, name)
 
     def add_coded(self, tensor, wire, out, average, ctx):
         """A one-level compressed reduction into the pending bucket: compressed now on the
@@ -196,19 +214,65 @@ class Buckets:
             self.driver.run(Job(segments, functools.partial(self._wait_named, names), device=device))
         if bucket.phased:
             self.exchange_phased(bucket.phased)
+        # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
+        large = [e for e in bucket.entries if not isinstance(e.wire, torch.Tensor) and e.wire.nbytes >= ALONE_BYTES]
+        self._agree_alone(large)
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
             wire = entry.wire
-            # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
-            by_dtype.setdefault((wire.dtype, wire.device if isinstance(wire, torch.Tensor) else None), []).append(entry)
+            on_device = isinstance(wire, torch.Tensor)
+            if not on_device and self.alone.get(entry.name):  # it goes out while the next is prepared
+                self._start(bucket, self._alone(entry))
+                continue
+            by_dtype.setdefault((wire.dtype, wire.device if on_device else None), []).append(entry)
         for (dtype, device), entries in by_dtype.items():
             wires = [entry.wire for entry in entries]
             if device is None:  # into a kept buffer: a fresh one faults its pages in every step
                 flat = self.fused_buffers.take(dtype, sum(wire.size for wire in wires))
-                bucket.buffers.append(FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat))
+                self._start(bucket, FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat, True))
             else:
-                bucket.buffers.append(FusedBuffer(torch.cat(wires), entries))
-        bucket.works = [self.issue(dist.all_reduce(fused.tensor, async_op=True)) for fused in bucket.buffers]
+                self._start(bucket, FusedBuffer(torch.cat(wires), entries))
+
+    def _agree_alone(self, large):
+        """Whether each large array first seen goes alone: where every rank reduces it in place
+        (the MIN of each rank's answer, one small all_reduce on the step that first reduces it);
+        every rank fuses the same arrays, so issues the same all_reduces, whatever it is called
+        with later (alone into another output: copied there; fused in place: as any other)."""
+        new = [entry for entry in large if entry.name not in self.alone]
+        if not new:
+            return
+        flags = torch.tensor([same_memory(entry.out.reshape(-1), entry.wire) for entry in new], dtype=torch.int32)
+        self.wait(self.issue(dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)),
+                  lambda: f"all_reduce choosing how {listed([entry.name for entry in new])} go out")
+        for entry, flag in zip(new, flags.tolist()):
+            self.alone[entry.name] = bool(flag)
+
+    def _alone(self, entry):
+        """A large array's own buffer: its output's memory when that holds the wire's dtype
+        (the input copied in unless it is the output: a reduction in place copies nothing),
+        else a kept buffer."""
+        wire, out = entry.wire, entry.out.reshape(-1)
+        if out.dtype == wire.dtype:  # the average too is done there, by gloo's thread
+            if not same_memory(out, wire):
+                np.copyto(out, wire)
+            return FusedBuffer(torch.from_numpy(out), [entry], out, averaged=entry.average)
+        flat = self.fused_buffers.take(wire.dtype, wire.size)
+        np.copyto(flat, wire)
+        return FusedBuffer(torch.from_numpy(flat), [entry], flat, True)
+
+    def _start(self, bucket, fused):
+        """Start ``fused``'s all_reduce (the bucket's collectives go in the order started)."""
+        work = None
+        if fused.averaged and self.gloo_averages:
+            try:
+                work = dist.all_reduce(fused.tensor, op=dist.ReduceOp.AVG, async_op=True)
+            except (RuntimeError, ValueError):  # an older torch's gloo refuses AVG before sending
+                self.gloo_averages = False
+        if work is None:
+            fused = fused._replace(averaged=False)  # divided when delivered
+            work = dist.all_reduce(fused.tensor, async_op=True)
+        bucket.buffers.append(fused)
+        bucket.works.append(self.issue(work))
 
     def _wait_named(self, names, work, what):
         """Wait for a bucket's collective, a failure naming the bucket's tensors."""
@@ -224,19 +288,29 @@ class Buckets:
             self.check_alive()
         if bucket.error is not None:
             raise bucket.error
-        for work in bucket.works:
-            self.wait(work, lambda: f"all_reduce of {listed(bucket.names)}")
-        self.shared.counters.communicate_seconds += time.perf_counter() - start
-        for fused in bucket.buffers:
-            if fused.array is None:
-                self.deliver_tensors(fused.tensor, fused.entries)
-                continue
-            offset = 0
-            for entry in fused.entries:
-                self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average)
-                offset += entry.wire.size
-            self.fused_buffers.give(fused.array)
+        waited = time.perf_counter() - start
+        # each buffer delivered once its all_reduce is done, while the later ones still run (and
+        # its memory may still be in the cache); taken off the bucket, so never delivered twice
+        while bucket.buffers:
+            start = time.perf_counter()
+            self.wait(bucket.works[0], lambda: f"all_reduce of {listed(bucket.names)}")
+            waited += time.perf_counter() - start
+            fused = bucket.buffers.pop(0)
+            bucket.works.pop(0)
+            self._deliver_fused(fused)
+        self.shared.counters.communicate_seconds += waited
         bucket.done = True
+
+    def _deliver_fused(self, fused):
+        if fused.array is None:
+            self.deliver_tensors(fused.tensor, fused.entries)
+            return
+        offset = 0
+        for entry in fused.entries:
+            self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average and not fused.averaged)
+            offset += entry.wire.size
+        if fused.kept:
+            self.fused_buffers.give(fused.array)
 
     def deliver(self, total, out, average):
         """The reduced flat ``total`` into the caller's ``out`` (divided by the ranks first when
@@ -247,7 +321,14 @@ class Buckets:
             return
         if average:
             total /= total.dtype.type(self.size)
-        np.copyto(dest, total, casting="unsafe")
+        if not same_memory(dest, total):  # a large array reduced in its output is there already
+            np.copyto(dest, total, casting="unsafe")
+
+
+def same_memory(a, b):
+    """Whether flat arrays ``a`` and ``b`` are the same elements (a view of one another)."""
+    return a.dtype == b.dtype and a.size == b.size and \
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def listed(names, most=3):

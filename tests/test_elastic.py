@@ -25,7 +25,8 @@ SPEC = {
     "steps": STEPS, "pause_at": PAUSE_AT, "victim": VICTIM,
     "lrs": [0.1] * STEPS, "partition_bytes": 4096, "min_compress_bytes": 0,
     "tensors": [{"name": "recompress", "shape": [3000], "dtype": "float32",
-                 "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov", "mu": 0.9}},
+                 "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
+                            "momentum": "nesterov", "mu": 0.9}},
                 *two_tensors(3000, 1500)],
 }
 
@@ -99,7 +100,10 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
 
 
 def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
-    spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][1:2])
+    """Also: thc and PowerSGD, declared by the same job, are refused (docs/faults.md)."""
+    two_phase = [{"name": c, "shape": [4096], "dtype": "float32", "params": dict(compressor=c, **extra)}
+                 for c, extra in (("thc", {}), ("powersgd", {"rank": 1}))]
+    spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][1:2], refused=two_phase)
     job = start_job("elastic_job.py", spec, tmp_path, workers=2, env={"BPS_GC_MIN_WORKERS": "2"})
     job.wait_output(["worker1"], "HALF", START_BOUND)
     os.kill(job.child_of("worker1"), signal.SIGKILL)
@@ -110,3 +114,6 @@ def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
     for name in ("scheduler", "server0", "worker0"):
         assert named in job.text(name), report
     assert "Traceback" not in job.text("worker0"), report
+    for reducer in ("thc", "powersgd"):  # summed in phases: refused at declaration, in one line
+        assert f"REFUSED '{reducer}': reducer '{reducer}' sums in phases, which BPS_GC_ELASTIC does not cover yet" \
+            in job.text("worker0"), report

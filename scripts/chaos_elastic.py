@@ -15,6 +15,10 @@ At the end every host stops at the same step and the loop checks:
     the end, and bps.size() / bps.membership_epoch() followed the logged sequence;
   * they equal a numpy recomputation of that sequence (tests/reference.py, elastic_means).
 
+It also measures each death's time lost on its survivors against the heartbeat timeout plus one
+round (scripts/elastic_lost.py says how), reported per death and summed up, beside the box and
+its load average: a report, not a check.
+
 Events are serialised: the loop never kills during a join or a death's commit, nor starts a
 join before the last death committed (docs/faults.md says why).
 

@@ -15,11 +15,13 @@ every death with the moment it sent SIGKILL. For one death, on the hosts that su
     lost = stall minus one round);
   * ``bound = heartbeat timeout + round``; the death is within the target if lost <= bound.
 
-Where the time goes: detection alone is the heartbeat timeout give or take the heartbeat
-interval (the scheduler checks deadlines on every interval's tick, and a host's last heartbeat
-came up to one interval before the kill); then EPOCH_PREPARE, each survivor's EPOCH_REPORT,
-EPOCH_COMMIT and the REDO of rounds summed with the dead host's push (``commit``: from the kill
-to the scheduler's commit line, for comparison).
+Where the time goes (``commit``: from the kill to when the loop read the scheduler's commit
+line): detection is the heartbeat timeout counted from the dead host's last heartbeat, which
+came up to one heartbeat interval before the kill (the scheduler polls no longer than the next
+deadline; before it did, detection waited for the next burst of heartbeats, up to an interval
+late); EPOCH_PREPARE, each survivor's EPOCH_REPORT and EPOCH_COMMIT take a few milliseconds,
+and the REDO of rounds summed with the dead host's push plus the first new round a few more
+(``stall - commit``).
 """
 import statistics
 

@@ -333,11 +333,6 @@ def table(rows):
     return "\n".join(lines)
 
 
-def load():
-    """The box's load average over 1, 5 and 15 minutes (it is shared: numbers are read beside it)."""
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def run(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=60, help="deaths and joins in all (at most)")
@@ -363,7 +358,7 @@ def run(argv=None):
     print(f"chaos: {args.workers} worker hosts, {args.servers} servers, seed {args.seed}, up to {args.events} "
           f"events in {args.seconds:g} s; logs in {out}", flush=True)
     chaos = Chaos(args, out)
-    summary = {"ok": False, "error": None, "machine": machine_info(), "load_before": load()}
+    summary = {"ok": False, "error": None, "machine": machine_info(), "load_before": elastic_lost.load()}
     try:
         last = chaos.run()
         summary.update(ok=True, steps=last + 1)
@@ -373,7 +368,7 @@ def run(argv=None):
     if hasattr(chaos, "cluster"):
         chaos.measure()
     summary.update(lost=elastic_lost.summary(rows), heartbeat_timeout=args.heartbeat_timeout,
-                   load_after=load())
+                   load_after=elastic_lost.load())
     seconds = time.monotonic() - chaos.started
     summary.update(events=len(rows), deaths=sum(r["event"] == "death" for r in rows),
                    joins=sum(r["event"] == "join" for r in rows),

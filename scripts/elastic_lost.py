@@ -23,9 +23,15 @@ late); EPOCH_PREPARE, each survivor's EPOCH_REPORT and EPOCH_COMMIT take a few m
 and the REDO of rounds summed with the dead host's push plus the first new round a few more
 (``stall - commit``).
 """
+import os
 import statistics
 
 ROUNDS = 20
+
+
+def load():
+    """The box's load average over 1, 5 and 15 minutes (it is shared: numbers are read beside it)."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def stamps_before(stamps, t):

@@ -15,6 +15,10 @@ At the end every host stops at the same step and the loop checks:
     the end, and bps.size() / bps.membership_epoch() followed the logged sequence;
   * they equal a numpy recomputation of that sequence (tests/reference.py, elastic_means).
 
+It also measures each death's time lost on its survivors against the heartbeat timeout plus one
+round (scripts/elastic_lost.py says how), reported per death and summed up, beside the box and
+its load average: a report, not a check.
+
 Events are serialised: the loop never kills during a join or a death's commit, nor starts a
 join before the last death committed (docs/faults.md says why).
 
@@ -40,6 +44,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from bps_gc.launcher.local import free_port  # noqa: E402
 from reference import elastic_means  # noqa: E402
 import chaos_mnist  # noqa: E402
+import elastic_lost  # noqa: E402
+from bench_common import machine_info  # noqa: E402
 import procs  # noqa: E402
 
 WORKER = os.path.join(ROOT, "scripts", "chaos_worker.py")
@@ -79,6 +85,7 @@ class Cluster:
                          BPS_GC_HEARTBEAT_INTERVAL=str(heartbeat_timeout / 10),
                          BPS_GC_HEARTBEAT_TIMEOUT=str(heartbeat_timeout), BPS_GC_KILL_GRACE="2")
         self.procs, self.output, self.events, self.incarnation = {}, {}, {}, {}
+        self.stamps, self.event_times = {}, {}  # node -> [(time read, step)], [time read] of its events
         self.lock = threading.Lock()
         self.launch("scheduler", [], DMLC_ROLE="scheduler")
         for s in range(servers):
@@ -90,6 +97,7 @@ class Cluster:
         proc = subprocess.Popen([sys.executable, "-m", "bps_gc.launcher.cli", *command], env=dict(self.base, **env),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.procs[name], self.output[name], self.events[name] = proc, [], []
+        self.stamps[name], self.event_times[name] = [], []
         threading.Thread(target=self.collect, args=(name, proc), daemon=True).start()
 
     def start_worker(self, rank):
@@ -101,9 +109,14 @@ class Cluster:
     def collect(self, name, proc):
         with open(os.path.join(self.out, f"{name}.log"), "w") as log:
             for line in proc.stdout:
+                now = time.monotonic()
                 self.output[name].append(line)
+                if line.startswith("STEP "):
+                    self.stamps[name].append((now, int(line.split()[1])))
                 if "membership:" in line:
-                    self.events[name] += events_of(line)
+                    found = events_of(line)
+                    self.events[name] += found
+                    self.event_times[name] += [now] * len(found)
                 log.write(line)
 
     def text(self, name):
@@ -148,6 +161,7 @@ class Chaos:
         self.rng = np.random.default_rng(args.seed)
         self.live = {r: f"worker{r}.0" for r in range(args.workers)}  # rank -> its running process
         self.dead, self.rows, self.started = [], [], time.monotonic()
+        self.kills = {}  # event number -> {kill: time of the SIGKILL, survivors: node names}
 
     def nodes(self):
         """Every live node's name: each logs each event."""
@@ -186,8 +200,9 @@ class Chaos:
         if kill:
             rank = int(rng.choice(sorted(self.live)))
             name = self.live.pop(rank)
-            at = c.last_step(name)
-            os.kill(c.child_of(name), signal.SIGKILL)
+            at, pid = c.last_step(name), c.child_of(name)
+            self.kills[count] = {"kill": time.monotonic(), "survivors": list(self.live.values())}
+            os.kill(pid, signal.SIGKILL)
             self.dead.append(rank)
         else:
             rank = self.dead.pop(int(rng.integers(len(self.dead))))
@@ -212,6 +227,16 @@ class Chaos:
         print(f"[{time.monotonic() - self.started:6.1f} s] #{count} {event} of worker {rank} at step {at}: "
               f"epoch {epoch} from step {group}, members {list(members)} ({row['seconds']} s) {note}", flush=True)
 
+    def measure(self):
+        """Each death's time lost on its survivors (scripts/elastic_lost.py), into its row."""
+        c = self.cluster
+        for row in self.rows:
+            if row["event"] == "death" and row["n"] in self.kills:
+                times = c.event_times["scheduler"]
+                death = dict(self.kills[row["n"]], from_group=row["from_step"],
+                             committed=times[row["n"] - 1] if len(times) >= row["n"] else None)
+                row["lost"] = elastic_lost.measure(death, c.stamps, self.args.heartbeat_timeout)
+
     def join_meets_death(self):
         """A member killed just before a host joins: the join waits for the dead member's pledge
         until its heartbeats time out, so the death comes while the join is under way (the join
@@ -220,8 +245,9 @@ class Chaos:
         victim = int(rng.choice(sorted(self.live)))
         rank = self.dead.pop(int(rng.integers(len(self.dead))))
         vname, t0 = self.live.pop(victim), time.monotonic()
-        at = c.last_step(vname)
-        os.kill(c.child_of(vname), signal.SIGKILL)
+        at, pid = c.last_step(vname), c.child_of(vname)
+        kill = {"kill": time.monotonic(), "survivors": list(self.live.values())}
+        os.kill(pid, signal.SIGKILL)
         name = c.start_worker(rank)
         self.dead.append(victim)
         logged = lambda: any(e[0] == "left" and e[1] == (victim,) for e in c.events["scheduler"][len(self.rows):])  # noqa: E731
@@ -239,6 +265,8 @@ class Chaos:
             assert "cannot join the running job" in text and "Traceback" not in text, text
         for kind, ranks, *_ in c.events["scheduler"][len(self.rows):len(self.rows) + 1 + joined]:
             count, who = len(self.rows) + 1, ranks[0]
+            if kind == "left":
+                self.kills[count] = kill
             c.wait_for(f"event {count} on every node", lambda: self.logged(count), EVENT_BOUND, self.nodes())
             self.record(count, "death" if kind == "left" else "join", who, at, t0, note="overlap")
         if not joined:
@@ -298,9 +326,10 @@ class Chaos:
 
 
 def table(rows):
-    lines = [f"{'#':>3} {'event':<6} {'rank':>4} {'at step':>8} {'epoch':>6} {'from step':>9} {'seconds':>8}  members"]
+    lines = [f"{'#':>3} {'event':<6} {'rank':>4} {'at step':>8} {'epoch':>6} {'from step':>9} {'seconds':>8} "
+             f"{elastic_lost.HEADER}  members"]
     lines += [f"{r['n']:>3} {r['event']:<6} {r['rank']:>4} {r['at_step']:>8} {r['epoch']:>6} {r['from_step']:>9} "
-              f"{r['seconds']:>8}  {r['members']} {r['note']}" for r in rows]
+              f"{r['seconds']:>8} {elastic_lost.cells(r)}  {r['members']} {r['note']}" for r in rows]
     return "\n".join(lines)
 
 
@@ -329,13 +358,17 @@ def run(argv=None):
     print(f"chaos: {args.workers} worker hosts, {args.servers} servers, seed {args.seed}, up to {args.events} "
           f"events in {args.seconds:g} s; logs in {out}", flush=True)
     chaos = Chaos(args, out)
-    summary = {"ok": False, "error": None}
+    summary = {"ok": False, "error": None, "machine": machine_info(), "load_before": elastic_lost.load()}
     try:
         last = chaos.run()
         summary.update(ok=True, steps=last + 1)
     except AssertionError as e:
         summary["error"] = str(e)
     rows = chaos.rows
+    if hasattr(chaos, "cluster"):
+        chaos.measure()
+    summary.update(lost=elastic_lost.summary(rows), heartbeat_timeout=args.heartbeat_timeout,
+                   load_after=elastic_lost.load())
     seconds = time.monotonic() - chaos.started
     summary.update(events=len(rows), deaths=sum(r["event"] == "death" for r in rows),
                    joins=sum(r["event"] == "join" for r in rows),
@@ -345,6 +378,8 @@ def run(argv=None):
     if summary["ok"] and args.task == "mnist":
         summary["mnist"] = chaos_mnist.compare(Cluster, chaos, args, out, summary["steps"])
     print(table(rows))
+    print(elastic_lost.line(summary["lost"], args.heartbeat_timeout))
+    print(f"box: {summary['machine']}; load average before {summary['load_before']}, after {summary['load_after']}")
     if summary["error"]:
         print(summary["error"][-6000:], file=sys.stderr)
     print(f"summary: {'OK' if summary['ok'] else 'FAILED'}: {summary['events']} events ({summary['deaths']} deaths, "

@@ -1,7 +1,8 @@
 """A worker of the elastic-membership tests (tests/test_elastic.py): push_pull the described
 tensors each step and save every result and bps.size(). The ``victim`` rank, at step
 ``pause_at``, pushes the first tensor only, says HALF and waits to be killed: it dies half-way
-through a round. Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
+through a round. Tensors under ``refused`` are declared last, each refusal printed.
+Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
 import json
 import os
 import sys
@@ -19,6 +20,12 @@ bps.init()
 rank = bps.rank()
 for t in spec["tensors"]:
     bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
+for t in spec.get("refused", []):  # codecs BPS_GC_ELASTIC refuses: declared last, keys of their own
+    try:
+        bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
+        print("ACCEPTED", t["name"], flush=True)
+    except ValueError as e:
+        print("REFUSED", e, flush=True)
 results, sizes = {}, []
 for step in range(spec["steps"]):
     ctx = step_ctx(spec, step)

@@ -24,4 +24,8 @@ def test_a_seeded_churn_of_deaths_and_joins(tmp_path):
     assert written["summary"] == summary and len(written["events"]) == 6
     epochs = [e["epoch"] for e in written["events"]]
     assert epochs == list(range(1, 7)), epochs
+    # each death's time lost is measured on its survivors (reported, never a timing target here)
+    lost = [e["lost"] for e in written["events"] if e["event"] == "death"]
+    assert all(m and m["stall_s"] >= m["commit_s"] > 0 for m in lost), lost
+    assert summary["lost"]["deaths"] == summary["deaths"], summary["lost"]
     assert not processes_with(f"DMLC_PS_ROOT_PORT={summary['port']}"), "processes left behind"

@@ -1,9 +1,11 @@
 """BPS_GC_ELASTIC: a worker host killed half-way through a round (SIGKILL) leaves the job,
 which goes on with the survivors, each round whole (docs/faults.md, "Elastic membership").
 
-One job (one bpslaunch per role, 3 worker hosts, 2 servers) pushes a dense tensor split over
-both servers and a onebit tensor with error feedback; worker 2 pushes the dense tensor of
-step PAUSE_AT, then is killed. The survivors must finish every step without a restart, pull
+One job (one bpslaunch per role, 3 worker hosts, 2 servers) pushes onebit+EF+nesterov with
+the servers' recompress (server error feedback: the reducer has state), a dense tensor, both
+split over both servers, and a onebit tensor with error feedback; worker 2 pushes the first
+tensor of step PAUSE_AT, then is killed: the servers sum those rounds again without it (REDO),
+their recompress state rolled back to before the round. The survivors must finish every step without a restart, pull
 bit-identical results, equal to a numpy recomputation (reference.py's codec chains) of the
 membership sequence every node logged, and see bps.size() change at that round only."""
 import os
@@ -22,7 +24,10 @@ STEPS, PAUSE_AT, VICTIM = 7, 3, 2
 SPEC = {
     "steps": STEPS, "pause_at": PAUSE_AT, "victim": VICTIM,
     "lrs": [0.1] * STEPS, "partition_bytes": 4096, "min_compress_bytes": 0,
-    "tensors": two_tensors(3000, 1500),
+    "tensors": [{"name": "recompress", "shape": [3000], "dtype": "float32",
+                 "params": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
+                            "momentum": "nesterov", "mu": 0.9}},
+                *two_tensors(3000, 1500)],
 }
 
 
@@ -64,7 +69,7 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
     job = start_job("elastic_job.py", SPEC, tmp_path, servers=2, role_env={"server0": servers_say, "server1": servers_say})
     job.wait_output([f"worker{VICTIM}"], "HALF", START_BOUND)
     job.wait_output([f"worker{r}" for r in range(3) if r != VICTIM], f"PUSHED {PAUSE_AT}", START_BOUND)
-    time.sleep(1.0)  # the dense rounds of that step complete with the victim's pushes
+    time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
     os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)
@@ -79,9 +84,10 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
     assert len(sequence) == 1 and sequence[0][0] == 1 and sequence[0][2] == survivors, report
     assert all(seq == sequence for seq in logged.values()), logged
     assert f"worker {VICTIM} left" in job.text("scheduler"), report
-    # the dense rounds it pushed were summed with it, then again without it
+    # the recompress rounds it pushed were summed with it, then again without it
     again = job.text("server0") + job.text("server1")
     assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
+    assert any(f"key {p}: round {PAUSE_AT} is summed again" in again for p in range(3)), report  # recompress's
     first = sequence[0][1]
     assert first == PAUSE_AT, report  # the dead host's half round counts none of its pushes
     pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
@@ -94,7 +100,10 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
 
 
 def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
-    spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][:1])
+    """Also: thc and PowerSGD, declared by the same job, are refused (docs/faults.md)."""
+    two_phase = [{"name": c, "shape": [4096], "dtype": "float32", "params": dict(compressor=c, **extra)}
+                 for c, extra in (("thc", {}), ("powersgd", {"rank": 1}))]
+    spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][1:2], refused=two_phase)
     job = start_job("elastic_job.py", spec, tmp_path, workers=2, env={"BPS_GC_MIN_WORKERS": "2"})
     job.wait_output(["worker1"], "HALF", START_BOUND)
     os.kill(job.child_of("worker1"), signal.SIGKILL)
@@ -105,3 +114,6 @@ def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
     for name in ("scheduler", "server0", "worker0"):
         assert named in job.text(name), report
     assert "Traceback" not in job.text("worker0"), report
+    for reducer in ("thc", "powersgd"):  # summed in phases: refused at declaration, in one line
+        assert f"REFUSED '{reducer}': reducer '{reducer}' sums in phases, which BPS_GC_ELASTIC does not cover yet" \
+            in job.text("worker0"), report

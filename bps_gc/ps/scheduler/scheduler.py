@@ -89,6 +89,7 @@ class Scheduler:
         loop = EventLoop(self.cfg.heartbeat_interval)
         loop.on_readable(self.sock, self.receive)
         loop.on_tick(self.check_time)
+        loop.poll_timeout = self.until_deadline
         try:
             return loop.run()
         finally:
@@ -130,6 +131,16 @@ class Scheduler:
                 return self.epochs.worker_died(dead, reason)
             return self.fail(dead, reason)
         return None
+
+    def until_deadline(self, idle_ms):
+        """How long the loop may poll: no later than the next heartbeat deadline. The nodes'
+        heartbeats tend to arrive together, once an interval, so a deadline checked only when
+        a message comes would notice a silent node up to an interval after its timeout."""
+        if not self.ready:
+            return idle_ms
+        seen = [m.last_seen for m in self.members.values() if not m.gone]
+        wait = (min(seen, default=0) + self.cfg.heartbeat_timeout - time.monotonic()) * 1000 if seen else 0
+        return min(idle_ms, int(wait) + 1) if wait > 0 else idle_ms  # past it: check_time acted already
 
     def close(self):
         self.sock.close(linger=1000)

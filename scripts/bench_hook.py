@@ -53,6 +53,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import PY, ROOT, check_tcp_congestion, import_netns, load_shapes, write_json_atomic  # noqa: E402
 from bench_hook_timeline import TRACED, print_timeline, thread_cpu  # noqa: E402
+from bench_models import shapes_model  # noqa: E402
 
 CODECS = {"topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
           "onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
@@ -103,23 +104,6 @@ def selected(args):
 
 
 # ---------------------------------------------------------------------------- ranks
-
-def shapes_model(shapes, rank):
-    """Parameters of ``shapes``; loss = sum of each parameter times a fixed random tensor (the
-    rank's own), so each gradient is that tensor: ResNet-50's gradients for a multiply-add each."""
-    import torch
-
-    class Shapes(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            g = torch.Generator().manual_seed(1000 + rank)
-            self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s)) for s in shapes)
-            self.factors = [torch.randn(s, generator=g) for s in shapes]
-
-        def forward(self):
-            return sum((w * f).sum() for w, f in zip(self.weights, self.factors))
-    return Shapes()
-
 
 class HeldClock:
     """Time inside a call against time until what it started completes, summed."""

@@ -16,7 +16,7 @@ own package on PYTHONPATH (ahead of this checkout's editable install) and this i
   hook full     (--hooks full) the same on its default MLP (6 x 1024, batch 112)
   hook resnet50 (--hooks resnet50) the same on ResNet-50's 161 gradient shapes (its --model
                 resnet50-shapes)
-Both versions run this tree's scripts/bench_hook.py, scripts/bench_collective.py and
+Both versions run this tree's scripts/bench_hook.py (with bench_models.py), scripts/bench_collective.py and
 scripts/bench_run.py (copied into the old tree): the same harness and rows (the floor, dense in
 place, their CPU seconds), only the package differs.
 Each version's value of a row is the median over the passes of that pass's median s/round (or
@@ -124,7 +124,7 @@ def make_old_tree(commit, where):
     full = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "worktree", "add", "--detach", where, full], cwd=ROOT, check=True, capture_output=True)
-    for script in ("bench_hook.py", "bench_collective.py", "bench_run.py"):
+    for script in ("bench_hook.py", "bench_models.py", "bench_collective.py", "bench_run.py"):
         shutil.copy(os.path.join(ROOT, "scripts", script), os.path.join(where, "scripts", script))
     return full
 

@@ -2,7 +2,8 @@
 says what it waits for (a node joining the scheduler, the scheduler for its nodes, a rank at the
 torch.distributed rendezvous) within 10 s (the two jobs that wait out a join timeout run side
 by side), and a worker that trains alone says so, naming BYTEPS_FORCE_DISTRIBUTED, and ends the
-scheduler and server started for it, each saying why, instead of leaving them to time out. Multi-host mode: one bpslaunch per role (tests/multihost.py)."""
+scheduler and server started for it, each saying why, instead of leaving them to time out.
+Multi-host mode: one bpslaunch per role (tests/multihost.py)."""
 import io
 import os
 import re

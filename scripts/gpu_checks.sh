@@ -30,7 +30,8 @@ if [[ $dry -eq 1 ]]; then  # tiny sizes, the CPU; pytest only collects
   slow=4  # a shared CPU box runs the ranks' processes side by side: more time for each step
   bench=(--model mlp --hidden 32 --image-size 8 --batch-size 4 --num-iters 2 --num-warmup 1 --codec-repeats 1)
   dgc=(--device cpu --images 80 --batch 8 --epochs 2 --lr 0.02)  # 10 steps: 0.1 is too large to learn in
-  "$py" -c "import sys, numpy, torch; print('cpu dry run: python', sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__)" \
+  # the versions from the installed packages' metadata: importing torch here costs a second of CPU
+  "$py" -c "import sys; from importlib.metadata import version as v; print('cpu dry run: python', sys.version.split()[0], 'numpy', v('numpy'), 'torch', v('torch'))" \
     2>&1 | tee "$out/machine.txt"
 else
   device=cuda; collect=(); codec_device=cuda; sizes=1M,25M; repeats=5; iters2=5; slow=1

@@ -45,11 +45,12 @@ else
   } 2>&1 | tee "$out/machine.txt"
 fi
 # 1. every device-chain test (CPU and CUDA parameters), then the CUDA tests of the bindings, the
-# hook, the examples' GPU paths
-step tests_chains 60 "$py" -m pytest -q -p no:cacheprovider -rs "${collect[@]}" tests/test_device_chains.py \
-    tests/test_device_chains_random.py
-step tests_cuda 110 "$py" -m pytest -q -p no:cacheprovider -rs "${collect[@]}" -k cuda tests/test_hook_async.py \
-    tests/test_device_bindings.py tests/test_collective_two_level.py tests/test_gpu_paths.py
+# hook, the examples' GPU paths (none uses hypothesis: its plugin's import is 0.6 s of CPU each)
+nohyp=(-p no:hypothesispytest)
+step tests_chains 60 "$py" -m pytest -q -p no:cacheprovider "${nohyp[@]}" -rs "${collect[@]}" \
+    tests/test_device_chains.py tests/test_device_chains_random.py
+step tests_cuda 110 "$py" -m pytest -q -p no:cacheprovider "${nohyp[@]}" -rs "${collect[@]}" -k cuda \
+    tests/test_hook_async.py tests/test_device_bindings.py tests/test_collective_two_level.py tests/test_gpu_paths.py
 # 2. the device chains against host copy + numpy chain
 step bench_device_codecs 60 "$py" scripts/bench_device_codecs.py --device "$codec_device" --sizes "$sizes" \
     --repeats "$repeats" --json "$out/bench_device_codecs_cuda.json"

@@ -1,11 +1,12 @@
 """Low-precision gradients through bps_gc under torchrun (2 ranks, CPU):
 ``python low_precision_job.py SPEC.json OUT``.
 
-spec "hook": for each of spec["cases"] ({name: [compression_params, reducer]}),
+Both parts in one launch (each where the spec has its key):
+spec["hook"]: for each of its "cases" ({name: [compression_params, reducer]}),
 bps_gc.torch.comm_hook called on float16, then bfloat16 buckets (GradBucket) for a few steps,
 saving each bucket's gradients in and result out as float32, for the numpy re-computation; and
 the message DistributedOptimizer gives for bfloat16 parameters.
-spec "amp": for each of spec["cases"] ({name: compression_params}),
+spec["amp"]: for each of its "cases" ({name: compression_params}),
 example/pytorch/torch_device.MixedPrecision (autocast float16 and a gradient scaler) with
 DistributedOptimizer on a small network; rank 1 puts an inf into one step's input, so that step
 must be skipped on both ranks. Saves each step's parameters, scale and the first weight's
@@ -30,7 +31,7 @@ rank = bps.rank()
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def hook_run():
+def hook_run(spec):
     for case, (params, reducer) in spec["cases"].items():
         for name, dtype in DTYPES.items():
             hook_steps(f"{case}_{name}", dtype, params, reducer)
@@ -62,7 +63,7 @@ def hook_steps(name, dtype, params, reducer):
     np.savez(os.path.join(out, f"hook{rank}_{name}.npz"), **{k: np.array(v) for k, v in saved.items()})
 
 
-def amp_run():
+def amp_run(spec):
     from bps_gc.torch import ops
     push = ops.push_pull_async
     pushed = []  # the first layer's weight gradient as the codec gets it, each step
@@ -73,10 +74,10 @@ def amp_run():
         return push(tensor, *a, name=name, **k)
     ops.push_pull_async = recording
     for case, params in spec["cases"].items():
-        amp_steps(case, params, pushed)
+        amp_steps(spec, case, params, pushed)
 
 
-def amp_steps(case, params, pushed):
+def amp_steps(spec, case, params, pushed):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),  # names of its own per case
@@ -99,5 +100,7 @@ def amp_steps(case, params, pushed):
     json.dump({"steps": steps, "precision": amp.describe()}, open(os.path.join(out, f"amp{rank}_{case}.json"), "w"))
 
 
-{"hook": hook_run, "amp": amp_run}[spec["mode"]]()
+for mode, run in (("hook", hook_run), ("amp", amp_run)):  # the hook first: amp_run wraps ops.push_pull_async
+    if mode in spec:
+        run(spec[mode])
 bps.shutdown()

@@ -89,6 +89,7 @@ def test_backend_for_devices(cuda, nccl, count, local, backend, why):
 
 
 def run_job(spec, tmp_path, timeout=240):
+    """tests/low_precision_job.py with ``spec`` on 2 ranks under torchrun."""
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     result = subprocess.run(torchrun_argv([os.path.join(TESTS, "low_precision_job.py"), str(tmp_path / "spec.json"),
                                            str(tmp_path)], 2), env=job_env(), capture_output=True, text=True,
@@ -98,12 +99,23 @@ def run_job(spec, tmp_path, timeout=240):
 
 HOOK_CASES = {"onebit-ef": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, "recompress"),
               "topk-ef": ({"compressor": "topk", "k": 0.1, "ef": "vanilla"}, "lossless")}
+AMP = {"steps": 4, "init_scale": 256.0, "inf_step": 1,
+       "cases": {"dense": None, "onebit": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}}
 
 
-def test_hook_takes_low_precision_buckets(tmp_path):
+@pytest.fixture(scope="module")
+def low_precision(tmp_path_factory):
+    """One launch for the two tests below: the hook's float16/bfloat16 buckets, then mixed
+    precision with DistributedOptimizer."""
+    out = tmp_path_factory.mktemp("low_precision")
+    run_job({"hook": {"cases": HOOK_CASES}, "amp": AMP}, out)
+    return out
+
+
+def test_hook_takes_low_precision_buckets(low_precision):
     """A float16/bfloat16 bucket's result is the float32 numpy re-computation (codecs and their
     error feedback in float32) on its values, rounded to the bucket's dtype."""
-    run_job({"mode": "hook", "cases": HOOK_CASES}, tmp_path)
+    tmp_path = low_precision
     for case, (params, reducer) in HOOK_CASES.items():
         for dtype in ("float16", "bfloat16"):
             saved = [np.load(tmp_path / f"hook{r}_{case}_{dtype}.npz") for r in range(2)]
@@ -156,17 +168,15 @@ def same_steps(ranks):
     return agreed(ranks[0]) == agreed(ranks[1])
 
 
-def test_mixed_precision_with_distributed_optimizer(tmp_path):
+def test_mixed_precision_with_distributed_optimizer(low_precision):
     """Dense: every step against the re-computation; onebit + error feedback: the inf step is
     skipped on both ranks and training goes on finite (the codec keeps its residual through a
     non-finite round: docs/codecs.md)."""
-    run_job({"mode": "amp", "steps": 4, "init_scale": 256.0, "inf_step": 1,
-             "cases": {"dense": None, "onebit": {"compressor": "onebit", "scaling": True, "ef": "vanilla"}}},
-            tmp_path)
+    tmp_path = low_precision
     ranks = [json.loads((tmp_path / f"amp{r}_dense.json").read_text()) for r in range(2)]
     assert same_steps(ranks)  # the same parameters and scale on both ranks, every step
     assert ranks[0]["precision"] == "mixed precision: autocast float16 on cpu, gradient scaler"
-    expected = amp_oracle(4, 256.0, 1)
+    expected = amp_oracle(AMP["steps"], AMP["init_scale"], AMP["inf_step"])
     for step, (got, (scale, params, pushed)) in enumerate(zip(ranks[0]["steps"], expected)):
         assert got["scale"] == scale and got["grad_dtype"] == "torch.float32", step
         # the codec sees the true gradient (1/scale applied before the push), not the scaled one

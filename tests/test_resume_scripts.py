@@ -3,7 +3,8 @@ gloo ranks (torchrun) at a tiny size: straight, and interrupted right after its 
 (every process ends at once, tests/interrupted_run.py), then started again with the same
 command, resuming. The scripts are deterministic: both end with the same parameters on every
 rank, bit for bit (without the codec state they would not: test_restart_state.py). CHOCO's and
-local SGD's script resume in test_cifar10_choco.py, from its torchrun runs."""
+local SGD's script resume in test_cifar10_choco.py, from its torchrun runs, the study's ImageNet
+script in test_study_scripts.py, from its run of the seed's command."""
 import os
 import subprocess
 import sys
@@ -14,7 +15,6 @@ from collective_cluster import job_env, torchrun_argv
 from conftest import ROOT
 from test_cifar10_choco import write_cifar10
 from test_pytorch_examples import write_cifar100
-from test_study_scripts import write_imagenet
 
 torch = pytest.importorskip("torch")
 EXAMPLES = os.path.join(ROOT, "example", "pytorch")
@@ -90,15 +90,3 @@ def test_cifar100_script_resumes_every_ranks_state(tmp_path):
     for rank in range(2):
         same_models(straight / "params" / f"cifar100-resnet20-1.r{rank}.state",
                     resumed / "params" / f"cifar100-resnet20-1.r{rank}.state")
-
-
-def test_study_imagenet_script_resumes_from_its_checkpoint_folder(tmp_path):
-    phases = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 2), 'lr': (0.01, 0.02)}]"
-    argv = ["--logdir", "logs", "--name", "run", "--compress", "layerwise", "--method", "Topk", "--ratio", "0.3",
-            "imagenet", "--arch", "resnet18", "--width", "4", "--phases", phases, "--short-epoch",
-            "--checkpoint", "ckpt"]
-    straight, resumed = straight_and_resumed(tmp_path, os.path.join(EXAMPLES, "train_imagenet_nv.py"), argv, "rank:1",
-                                             lambda folder: write_imagenet(str(folder / "imagenet")))
-    assert "resumed from ckpt after epoch 0" in (resumed / "logs" / "run.log").read_text()
-    for rank in range(2):
-        same_models(straight / "ckpt" / f"rank{rank}.pth", resumed / "ckpt" / f"rank{rank}.pth")

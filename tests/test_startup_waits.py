@@ -1,8 +1,9 @@
 """What a newcomer sees after a start-up mistake (issue 36), with real processes: every wait
 says what it waits for (a node joining the scheduler, the scheduler for its nodes, a rank at the
-torch.distributed rendezvous) within 10 s, and a worker that trains alone says so, naming
-BYTEPS_FORCE_DISTRIBUTED, and ends the scheduler and server started for it, each saying why,
-instead of leaving them to time out. Multi-host mode: one bpslaunch per role (tests/multihost.py)."""
+torch.distributed rendezvous) within 10 s (the two jobs that wait out a join timeout run side
+by side), and a worker that trains alone says so, naming BYTEPS_FORCE_DISTRIBUTED, and ends the
+scheduler and server started for it, each saying why, instead of leaving them to time out.
+Multi-host mode: one bpslaunch per role (tests/multihost.py)."""
 import io
 import os
 import re
@@ -11,6 +12,8 @@ import sys
 import textwrap
 import threading
 import time
+
+import pytest
 
 from bps_gc.launcher.local import free_port
 from bps_gc.wire import waiting
@@ -57,33 +60,10 @@ def test_wait_lines_come_first_after_the_delay_then_at_the_cadence(monkeypatch):
     assert abs(stamps[0] - 0.3) < 0.1 and all(abs(b - a - 0.5) < 0.1 for a, b in zip(stamps, stamps[1:])), stamps
 
 
-def test_multihost_wrong_scheduler_port_is_named_by_the_waits():
-    """The worker was given the wrong DMLC_PS_ROOT_PORT: it names the address it waits for, the
-    scheduler names who joined (the server) and who has not (the worker), the server that it
-    waits for the others; each within 10 s, and all exit at the join timeout."""
-    wrong = free_port()
-    job = Job(1, STEPS, env={"BPS_GC_JOIN_TIMEOUT": "8", "BYTEPS_FORCE_DISTRIBUTED": "1"},
-              role_env={"worker0": {"DMLC_PS_ROOT_PORT": str(wrong)}})
-    took = {
-        "worker0": first_time(job, "worker0", f"bps_gc: waiting for the scheduler at 127.0.0.1:{wrong} (", 15),
-        "scheduler": first_time(job, "scheduler", f"the scheduler at 127.0.0.1:{job.port} waits for the "
-                                "cluster: joined server at 127.0.0.1:", 15),
-        "server0": first_time(job, "server0", f"joined the scheduler at 127.0.0.1:{job.port}; waiting for "
-                              "the other nodes", 15),
-    }
-    statuses, elapsed = job.wait_all(30)
-    report = job.report(statuses)
-    assert all(t < FIRST_LINE_BOUND for t in took.values()), (took, report)
-    assert "missing the workers of 1 hosts (DMLC_NUM_WORKER; none joined yet)" in job.text("scheduler"), report
-    assert re.search(r"\(\d+ s of 8; BPS_GC_JOIN_TIMEOUT\)", job.text("worker0")), report
-    assert all(s != 0 for s in statuses.values()), report
-    print(f"first waiting lines after {took} s (from the launchers' start); all exited after {elapsed:.1f} s",
-          file=sys.stderr)
-
-
-def test_rendezvous_waits_are_named():
+def start_rendezvous():
     """torch.distributed: rank 0 (hosting the store) waits for rank 1, which never comes; a
-    rank 1 started alone waits for a store nobody hosts. Each names the rendezvous within 10 s."""
+    rank 1 started alone waits for a store nobody hosts (join timeout 7 s). Returns the port,
+    the processes and the threads that note when each names the rendezvous (``seen``)."""
     port = free_port()
     base = dict(os.environ, PYTHONPATH=ROOT, DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="0",
                 DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), BPS_GC_JOIN_TIMEOUT="7")
@@ -105,13 +85,54 @@ def test_rendezvous_waits_are_named():
     readers = [threading.Thread(target=watch, args=(rank,)) for rank in procs]
     for reader in readers:
         reader.start()
+    return port, procs, readers, seen
+
+
+@pytest.fixture(scope="module")
+def waits():
+    """The two jobs below that wait out a join timeout, run side by side (each mostly waits):
+    the multi-host job with a wrong scheduler port, started first (its first lines are timed
+    from its launchers' start), then the two torch.distributed ranks of the rendezvous."""
+    wrong = free_port()
+    job = Job(1, STEPS, env={"BPS_GC_JOIN_TIMEOUT": "8", "BYTEPS_FORCE_DISTRIBUTED": "1"},
+              role_env={"worker0": {"DMLC_PS_ROOT_PORT": str(wrong)}})
+    port, procs, readers, seen = start_rendezvous()
     try:
-        statuses = {rank: proc.wait(timeout=40) for rank, proc in procs.items()}
+        took = {
+            "worker0": first_time(job, "worker0", f"bps_gc: waiting for the scheduler at 127.0.0.1:{wrong} (", 15),
+            "scheduler": first_time(job, "scheduler", f"the scheduler at 127.0.0.1:{job.port} waits for the "
+                                    "cluster: joined server at 127.0.0.1:", 15),
+            "server0": first_time(job, "server0", f"joined the scheduler at 127.0.0.1:{job.port}; waiting for "
+                                  "the other nodes", 15),
+        }
+        statuses, elapsed = job.wait_all(30)
+        rendezvous_statuses = {rank: proc.wait(timeout=40) for rank, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.kill()
-    for reader in readers:
-        reader.join()
+        for reader in readers:
+            reader.join()
+    return {"multihost": (job, wrong, took, statuses, elapsed), "rendezvous": (port, seen, rendezvous_statuses)}
+
+
+def test_multihost_wrong_scheduler_port_is_named_by_the_waits(waits):
+    """The worker was given the wrong DMLC_PS_ROOT_PORT: it names the address it waits for, the
+    scheduler names who joined (the server) and who has not (the worker), the server that it
+    waits for the others; each within 10 s, and all exit at the join timeout."""
+    job, wrong, took, statuses, elapsed = waits["multihost"]
+    report = job.report(statuses)
+    assert all(t < FIRST_LINE_BOUND for t in took.values()), (took, report)
+    assert "missing the workers of 1 hosts (DMLC_NUM_WORKER; none joined yet)" in job.text("scheduler"), report
+    assert re.search(r"\(\d+ s of 8; BPS_GC_JOIN_TIMEOUT\)", job.text("worker0")), report
+    assert all(s != 0 for s in statuses.values()), report
+    print(f"first waiting lines after {took} s (from the launchers' start); all exited after {elapsed:.1f} s",
+          file=sys.stderr)
+
+
+def test_rendezvous_waits_are_named(waits):
+    """torch.distributed: rank 0 (hosting the store) waits for rank 1, which never comes; a
+    rank 1 started alone waits for a store nobody hosts. Each names the rendezvous within 10 s."""
+    port, seen, statuses = waits["rendezvous"]
     assert sorted(seen) == [0, 1], seen
     assert all(t < FIRST_LINE_BOUND for t, _ in seen.values()), seen
     assert re.fullmatch(rf"bps_gc: rank 0 of 2 waiting for the other ranks at the rendezvous at 127\.0\.0\.1:{port} "

@@ -2,7 +2,8 @@
 study's scripts: the study's and DGC's flags map to compression_params (every --method, any
 case), bad flags are one line, the seed's ImageNet command line is accepted as written, the
 ImageNet folder reader, and short real runs on tiny data under torchrun (torch.distributed) and
-bpslaunch (parameter server), each method in one of them."""
+bpslaunch (parameter server), each method in one of them; the seed's ImageNet command,
+interrupted and started again, resumes bit for bit (issue 33, with test_resume_scripts.py)."""
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ from cluster import run_local  # noqa: E402
 from collective_cluster import job_env, torchrun_argv  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from test_cifar10_choco import write_cifar10  # noqa: E402
+from test_resume_scripts import run, same_models  # noqa: E402
 
 from bps_gc.compress import CompressionParams  # noqa: E402
 
@@ -28,6 +30,7 @@ IMAGENET = os.path.join(EXAMPLES, "train_imagenet_nv.py")
 SEED_IMAGENET = ("training/train_imagenet_nv.py --logdir LOG_DIR --distributed --init-bn0 --no-bn-wd "
                  "--name RUN_NAME --compress='layerwise' --method='Topk' --ratio=0.3")
 TINY_PHASES = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 1), 'lr': (0.01, 0.02)}]"
+TWO_EPOCH_PHASES = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 2), 'lr': (0.01, 0.02)}]"
 
 
 def load(path):
@@ -210,29 +213,63 @@ def test_cifar10_script_runs(name, tmp_path):
     assert "device: cpu (asked: cuda)" in log
 
 
+def seed_imagenet_argv(folder):
+    """The seed's ImageNet command, with the data, a tiny model, two epochs and a checkpoint
+    folder after it, everything under ``folder`` (the data written there)."""
+    data = write_imagenet(str(folder / "imagenet"))
+    argv = shlex.split(SEED_IMAGENET.replace("LOG_DIR", str(folder / "logs")))[1:]
+    return argv + [data, "--arch", "resnet18", "--width", "4", "--phases", TWO_EPOCH_PHASES, "--short-epoch",
+                   "--checkpoint", str(folder / "ckpt")]
+
+
+@pytest.fixture(scope="module")
+def seed_imagenet_run(tmp_path_factory):
+    """The seed's ImageNet command under torchrun (seed_imagenet_argv): checked by
+    test_imagenet_script_runs[torchrun], and the straight run the resumed one must equal."""
+    folder = tmp_path_factory.mktemp("seed_imagenet")
+    return folder, launch("torchrun", IMAGENET, seed_imagenet_argv(folder))
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
-def test_imagenet_script_runs(launcher, tmp_path):
-    """torchrun: the seed's command as written, with the data and a tiny model and schedule
-    after it; bpslaunch: thresholdv on the parameter server."""
-    data = write_imagenet(str(tmp_path / "imagenet"))
-    logdir = tmp_path / "logs"
+def test_imagenet_script_runs(launcher, tmp_path, request):
+    """torchrun: the seed's command as written, with the data and a tiny model, two epochs and a
+    checkpoint folder after it; bpslaunch: thresholdv on the parameter server, one epoch."""
     if launcher == "torchrun":
-        argv = shlex.split(SEED_IMAGENET.replace("LOG_DIR", str(logdir)))[1:]
-        name = "RUN_NAME"
+        folder, result = request.getfixturevalue("seed_imagenet_run")
+        logdir, name, epochs = folder / "logs", "RUN_NAME", 2
     else:
+        data = write_imagenet(str(tmp_path / "imagenet"))
+        logdir, name, epochs = tmp_path / "logs", "tern", 1
         argv = ["--logdir", str(logdir), "--name", "tern", "--compress", "layerwise", "--method", "TernGrad",
-                "-j", "2", "--fp16"]
-        name = "tern"
-    argv += [data, "--arch", "resnet18", "--width", "4", "--phases", TINY_PHASES, "--short-epoch"]
-    result = summary(launch(launcher, IMAGENET, argv), logdir / f"{name}.json")
-    [row] = result["history"]
-    assert row["steps"] == 2 and np.isfinite(row["train_loss"])
+                "-j", "2", "--fp16", data, "--arch", "resnet18", "--width", "4", "--phases", TINY_PHASES,
+                "--short-epoch"]
+        result = launch(launcher, IMAGENET, argv)
+    result = summary(result, logdir / f"{name}.json")
+    rows = result["history"]
+    assert len(rows) == epochs, rows
+    assert all(row["steps"] == 2 and np.isfinite(row["train_loss"]) for row in rows), rows
     log = (logdir / f"{name}.log").read_text()
     assert "resnet18 (width 4), 2 classes, 8 training and 4 validation images" in log
     if launcher == "torchrun":
-        assert result["compression_params"] == {"compressor": "topk", "k": 0.3} and row["ratio"] > 1.2
+        assert result["compression_params"] == {"compressor": "topk", "k": 0.3}
+        assert all(row["ratio"] > 1.2 for row in rows), rows
     else:
         # --fp16: autocast float16 and a gradient scaler (on the CPU here), float16 on the wire
         assert "precision: mixed precision: autocast float16 on cpu, gradient scaler" in log
         assert "note: --distributed not given" in log and "device: cpu (asked: cuda)" in log
-        assert result["compression_params"] == {"compressor": "terngrad", "fp16": True} and row["ratio"] > 4
+        assert result["compression_params"] == {"compressor": "terngrad", "fp16": True} and rows[0]["ratio"] > 4
+
+
+def test_study_imagenet_script_resumes_from_its_checkpoint_folder(seed_imagenet_run, tmp_path):
+    """Issue 33 (with test_resume_scripts.py's other scripts): the seed's ImageNet command,
+    interrupted right after its first checkpoint (every process ends at once), then started
+    again with the same command, resumes and ends with the straight run's parameters on every
+    rank, bit for bit."""
+    straight, _ = seed_imagenet_run
+    argv = seed_imagenet_argv(tmp_path)
+    run(IMAGENET, argv, tmp_path, interrupt="rank:1")
+    run(IMAGENET, argv, tmp_path)
+    log = (tmp_path / "logs" / "RUN_NAME.log").read_text()
+    assert f"resumed from {tmp_path / 'ckpt'} after epoch 0" in log
+    for rank in range(2):
+        same_models(straight / "ckpt" / f"rank{rank}.pth", tmp_path / "ckpt" / f"rank{rank}.pth")

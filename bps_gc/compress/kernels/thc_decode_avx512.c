@@ -38,25 +38,40 @@ INLINE void any16(const uint64_t *src, int as_int, int pairs, __m512i idx, __m51
 
 /* Whole periods of PERIOD vectors from out + e on, PERIOD a constant where it is a common one
  * (the compiler unrolls them, their patterns in registers: a third faster than a loop over
- * the period), then the vectors left. BODY(src, v, out) decodes vector v of a period. */
-#define PERIODS(PERIOD, BODY)                                                                         \
+ * the period), then the vectors left. BODY(src, v, out, A, P) decodes vector v of a period
+ * (A: integer words, P: pairs; constants where SPECIALIZED makes them so). CASES(BODY, A, P):
+ * the switch's cases of the common periods. */
+#define PERIODS(PERIOD, BODY, A, P)                                                                   \
     for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride) {                                 \
         __builtin_prefetch((const char *)w + PF_AHEAD / 4, 0, 3); /* a period reads <= 16 words */    \
         _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++) {                                 \
             __builtin_prefetch(out + e + 16 * v + PF_AHEAD / 4, 1, 3); /* a vector writes a line */   \
-            BODY(w + base[v], v, out + e + 16 * v);                                                   \
+            BODY(w + base[v], v, out + e + 16 * v, A, P);                                             \
         }                                                                                             \
     }
-#define ALL_PERIODS(BODY, ...)                                                                        \
+#define ALL_PERIODS(BODY, CASES, A, P)                                                                \
     do {                                                                                              \
         const uint64_t *w = u;                                                                        \
         int64_t e = 0;                                                                                \
         switch (period) {                                                                             \
-        __VA_ARGS__                                                                                   \
-        default: PERIODS(period, BODY);                                                               \
+        CASES(BODY, A, P)                                                                             \
+        default: PERIODS(period, BODY, A, P);                                                         \
         }                                                                                             \
         for (int v = 0; e < n; v++, e += 16)                                                          \
-            BODY(w + base[v], v, out + e);                                                            \
+            BODY(w + base[v], v, out + e, A, P);                                                      \
+    } while (0)
+/* The loops once per word type and pair count that is common: integer words or float64, one
+ * pair (a constant the compiler folds) or several. */
+#define SPECIALIZED(BODY, CASES)                                                                      \
+    do {                                                                                              \
+        if (as_int && pairs == 1)                                                                     \
+            ALL_PERIODS(BODY, CASES, 1, 1);                                                           \
+        else if (pairs == 1)                                                                          \
+            ALL_PERIODS(BODY, CASES, 0, 1);                                                           \
+        else if (!as_int)                                                                             \
+            ALL_PERIODS(BODY, CASES, 0, pairs);                                                       \
+        else                                                                                          \
+            ALL_PERIODS(BODY, CASES, 1, pairs);                                                       \
     } while (0)
 
 /* The pattern of 16 elements starting at lane (16 v) % k of word base[v] repeats every
@@ -92,27 +107,12 @@ AVX512 static void unpack_table(const uint64_t *u, int as_int, int64_t n, int wi
     __m512 tab[8];
     for (int t = 0; t < 2 * pairs; t++)
         tab[t] = _mm512_loadu_ps(table + 16 * t);
-#define ANY(SRC, V, OUT) any16(SRC, AS_INT, PAIRS, idx[V], shift[V], tab, OUT)
-#define CASES case 7: PERIODS(7, ANY) break; case 9: PERIODS(9, ANY) break; case 13: PERIODS(13, ANY) break;
-#define AS_INT 1 /* k = 7, 9, 13: 5 to 8 summands of 4 bits, one in float64 words */
-#define PAIRS 1
-    if (as_int && pairs == 1)
-        ALL_PERIODS(ANY, CASES);
-#undef AS_INT
-#define AS_INT 0
-    else if (pairs == 1)
-        ALL_PERIODS(ANY, CASES);
-#undef PAIRS
-#define PAIRS pairs
-    else if (!as_int)
-        ALL_PERIODS(ANY, CASES);
-#undef AS_INT
-#define AS_INT 1
-    else
-        ALL_PERIODS(ANY, CASES);
-#undef AS_INT
-#undef PAIRS
-#undef CASES
+#define ANY(SRC, V, OUT, A, P) any16(SRC, A, P, idx[V], shift[V], tab, OUT)
+    /* k = 7, 9, 13: 5 to 8 summands of 4 bits, one in float64 words */
+#define ANY_CASES(BODY, A, P) \
+    case 7: PERIODS(7, BODY, A, P) break; case 9: PERIODS(9, BODY, A, P) break; case 13: PERIODS(13, BODY, A, P) break;
+    SPECIALIZED(ANY, ANY_CASES);
+#undef ANY_CASES
 #undef ANY
 }
 
@@ -153,28 +153,12 @@ AVX512 static void unpack_even(const uint64_t *u, int as_int, int64_t n, int wid
     for (int t = 0; t < 2 * pairs; t++)
         tab[t] = _mm512_loadu_ps(table + 16 * t);
     /* k = 10, 12, 14 and powers of two: periods of 5, 3, 7 and 1 */
-#define EVEN(SRC, V, OUT) even16(SRC, AS_INT, PAIRS, second[V], third[V], field[V], tab, OUT)
-#define CASES case 1: PERIODS(1, EVEN) break; case 3: PERIODS(3, EVEN) break; case 5: PERIODS(5, EVEN) break; \
-              case 7: PERIODS(7, EVEN) break;
-#define AS_INT 1
-#define PAIRS 1
-    if (as_int && pairs == 1)
-        ALL_PERIODS(EVEN, CASES);
-#undef AS_INT
-#define AS_INT 0
-    else if (pairs == 1)
-        ALL_PERIODS(EVEN, CASES);
-#undef PAIRS
-#define PAIRS pairs
-    else if (!as_int)
-        ALL_PERIODS(EVEN, CASES);
-#undef AS_INT
-#define AS_INT 1
-    else
-        ALL_PERIODS(EVEN, CASES);
-#undef AS_INT
-#undef PAIRS
-#undef CASES
+#define EVEN(SRC, V, OUT, A, P) even16(SRC, A, P, second[V], third[V], field[V], tab, OUT)
+#define EVEN_CASES(BODY, A, P) \
+    case 1: PERIODS(1, BODY, A, P) break; case 3: PERIODS(3, BODY, A, P) break; \
+    case 5: PERIODS(5, BODY, A, P) break; case 7: PERIODS(7, BODY, A, P) break;
+    SPECIALIZED(EVEN, EVEN_CASES);
+#undef EVEN_CASES
 #undef EVEN
 }
 

@@ -1,6 +1,8 @@
 """bps_gc.torch.DiLoCo under torchrun: ``python diloco_job.py SPEC.json OUT``. For each case
 of the spec (sync_every, fragments, steps), a small MLP trains with inner SGD on each rank's
-own batches, the outer step on the workers; each rank saves its final parameters."""
+own batches, the outer step on the workers; each rank saves its final parameters and the bytes
+bps_gc.torch.metrics() counted for the case (pushed_wire). Then the spec's "bytes" run: thc
+4-bit pseudo-gradients of a wider MLP, every ``sync_every`` steps, and its counted bytes."""
 import gc
 import json
 import os
@@ -13,7 +15,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.torch as bps  # noqa: E402
-from test_diloco import batch, build_model  # noqa: E402
+from test_diloco import batch, build_model, build_wide_model, wide_batch  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 dist.init_process_group("gloo")
@@ -23,14 +25,28 @@ for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
     model = build_model()
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
                      delay=delay)
+    bps.metrics()  # reset: the case's own exchanges are counted below
     for step in range(steps):
         x, y = batch(rank, step)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     saved.update({f"{case}/{name}": p.detach().numpy() for name, p in model.named_parameters()})
+    saved[f"{case}/pushed_wire"] = np.array(bps.metrics().pushed_wire)
+opt.state_dict()  # waits for the overlapped case's last exchange, still in flight
+counted = spec["bytes"]
+model = build_wide_model()
+opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), counted["sync_every"],
+                 compression_params=counted["compression_params"])
+bps.metrics()
+for step in range(counted["steps"]):
+    x, y = wide_batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+saved["bytes/pushed_wire"] = np.array(bps.metrics().pushed_wire)
 np.savez(os.path.join(out, f"rank{rank}.npz"), **saved)
-del opt  # an exchange still in flight (the overlapped case's last), freed before the process group:
+del opt  # freed before the process group (an exchange may be in flight in such a script):
 gc.collect()  # a gloo work's future freed after destroy_process_group can abort the process at exit
 dist.barrier()
 dist.destroy_process_group()

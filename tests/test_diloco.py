@@ -3,7 +3,9 @@
 at its turn, averages its pseudo-gradient (global - local), takes the outer Nesterov SGD step
 (lr 0.7, momentum 0.9) on the global copy and resets the local parameters to it. Dense, after 5
 outer rounds, every parameter equals the re-computation within 1e-6 relative, with one
-fragment and with staggered fragments. Bad settings are refused in one line."""
+fragment and with staggered fragments. bps_gc.torch.metrics() counts the exchanges' bytes: thc 4-bit
+at H = 100 pushes at most 1/500 of DDP dense's bytes per step (issue 44's bytes target). Bad
+settings are refused in one line."""
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,8 @@ from collective_cluster import run_torchrun_job
 
 # (sync_every, fragments, inner steps, delay)
 CASES = {"one-fragment": (3, 1, 15, 0), "two-fragments": (4, 2, 20, 0), "overlapped": (4, 2, 20, 1)}
+# issue 44's bytes target: thc 4-bit pseudo-gradients at H = 100, two syncs
+BYTES = {"sync_every": 100, "steps": 200, "compression_params": {"compressor": "thc", "bits": 4}}
 
 
 def build_model():
@@ -22,6 +26,18 @@ def build_model():
 def batch(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def build_wide_model():
+    """33,088 parameters in 4 tensors: thc's per-tensor overhead (its scale phase and header,
+    64 bytes a tensor here) is small beside the codes, as in a real model's large tensors."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+
+
+def wide_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
 
 
 def recompute(sync_every, fragments, steps, delay, replicas=2):
@@ -57,9 +73,16 @@ def recompute(sync_every, fragments, steps, delay, replicas=2):
     return [{name: p.detach().numpy() for name, p in zip(names, ps)} for ps in params]
 
 
-def test_dense_diloco_equals_the_recomputation(tmp_path):
-    run_torchrun_job("diloco_job.py", {"cases": CASES}, tmp_path, 2)
-    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each rank's results of one diloco_job.py launch: the dense cases, then the bytes run."""
+    tmp = tmp_path_factory.mktemp("diloco")
+    run_torchrun_job("diloco_job.py", {"cases": CASES, "bytes": BYTES}, tmp, 2)
+    return [dict(np.load(tmp / f"rank{r}.npz")) for r in range(2)]
+
+
+def test_dense_diloco_equals_the_recomputation(launched):
+    got = launched
     for case, settings in CASES.items():
         want = recompute(*settings)
         for rank in range(2):
@@ -68,6 +91,26 @@ def test_dense_diloco_equals_the_recomputation(tmp_path):
                                            err_msg=f"{case} rank {rank} {name}")
         # the last inner steps ran after the last sync: replicas differ only where a fragment synced last
         assert not np.array_equal(want[0]["0.weight"], build_model()[0].weight.detach().numpy())
+
+
+def test_metrics_count_diloco_bytes_and_thc_at_h_100_sends_under_1_in_500(launched):
+    """Dense, every sync pushes its fragment's float32 pseudo-gradient: 4 bytes a parameter for
+    each of the steps // H syncs of every fragment, exactly (a delayed exchange is counted when it
+    starts). thc 4-bit at H = 100, two syncs: bytes per inner step (pushed, per rank, the LM
+    yardstick's measure) at most 1/500 of DDP dense's, 4 bytes x parameters every step; and at
+    least the 4-bit codes themselves, so the count is not empty."""
+    dense_params = sum(p.numel() for p in build_model().parameters())
+    wide_params = sum(p.numel() for p in build_wide_model().parameters())
+    for rank in range(2):
+        for case, (sync_every, _, steps, _) in CASES.items():
+            want = steps // sync_every * 4 * dense_params
+            assert int(launched[rank][f"{case}/pushed_wire"]) == want, f"{case} rank {rank}"
+        pushed, steps = int(launched[rank]["bytes/pushed_wire"]), BYTES["steps"]
+        syncs = steps // BYTES["sync_every"]
+        assert pushed >= syncs * wide_params * 4 // 8, f"rank {rank}: {pushed} bytes, less than the codes"
+        ddp_per_step = 4 * wide_params
+        assert pushed / steps <= ddp_per_step / 500, (f"rank {rank}: {pushed / steps:.1f} bytes per inner step, "
+                                                      f"1/{ddp_per_step * steps / pushed:.0f} of DDP dense's")
 
 
 def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):

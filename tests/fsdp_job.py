@@ -21,7 +21,10 @@ batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
 mixed precision or CPU offload), its arrays prefixed "<policy>/". Each rank saves its full
-parameters and its local shards, prefixed by the run's name."""
+parameters and its local shards, prefixed by the run's name. "hooked" then trains a wider MLP
+(WIDE) with each spec "bytes" codec (name: compression_params, null: dense) and saves its
+bytes per step and codec memory (fsdp_bytes.py), prefixed "bytes/<name>/"."""
+import functools
 import json
 import os
 import sys
@@ -37,6 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
+from fsdp_bytes import bytes_and_memory  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -57,13 +61,18 @@ POLICIES = {  # fully_shard's options of the extra models (spec "policies")
 }
 
 
-def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("compression_params")):
-    """The MLP sharded on mesh["shard"] (``hooked``) or on the whole mesh (native HSDP) with
-    POLICIES[``policy``], its hooks (the exchange; none unless ``hooked`` and ``hooks``) and
-    its optimizer."""
+WIDE = (128, 256, 256, 128)  # the bytes' MLP: weight shards of 16,384 to 32,768 elements
+
+
+def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("compression_params"),
+          widths=(16, 32, 32, 8)):
+    """The MLP of ``widths`` sharded on mesh["shard"] (``hooked``) or on the whole mesh (native
+    HSDP) with POLICIES[``policy``], its hooks (the exchange; none unless ``hooked`` and
+    ``hooks``) and its optimizer."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(widths[0], widths[1]), torch.nn.ReLU(),
+                                torch.nn.Linear(widths[1], widths[2]), torch.nn.ReLU(),
+                                torch.nn.Linear(widths[2], widths[3]))
     shard_mesh = mesh["shard"] if hooked else mesh
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=shard_mesh, **POLICIES.get(policy, {}))
@@ -80,7 +89,8 @@ def train(model, opt, steps, on_step=None):
             on_step(step)
         for micro in range(micro_batches):
             g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
-            x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+            x = torch.randn(4, model[0].in_features, generator=g)
+            y = torch.randn(4, model[4].out_features, generator=g)
             model.set_requires_gradient_sync(micro == micro_batches - 1)
             torch.nn.functional.mse_loss(model(x).float(), y).backward()  # bf16 parameters: bf16 output
         opt.step()
@@ -173,6 +183,10 @@ else:
                        f"{prefix}calls": np.array([c[0] for c in calls])})
         if policy is None:
             plain = model
+    for name, params in spec.get("bytes", {}).items():  # a wider model per codec: bytes and memory
+        model, exchange, opt = build(compression_params=params, widths=WIDE)
+        counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt), spec["steps"])
+        arrays.update({f"bytes/{name}/{k}": v for k, v in counted.items()})
     refusals = []
     if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
         # the reduce dtype (float64): each refused in one line

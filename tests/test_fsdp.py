@@ -3,11 +3,14 @@ averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun. Dense, it t
 HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
 that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
 replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from collective_cluster import run_torchrun_job
+from fsdp_bytes import CODECS, EF, THC, table
 
 from bps_gc.compress import build_chain
 from bps_gc.compress.stateful import StateError
@@ -20,7 +23,7 @@ PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2
           ("4.weight", (8, 32)), ("4.bias", (8,))]
 LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
-THC = {"compressor": "thc", "bits": 4, "feedback": True}  # 4-bit, its error feedback a state to carry
+WIDE = [(256, 128), (256,), (256, 256), (256,), (128, 256), (128,)]  # fsdp_job.WIDE's parameters, sharded on dim 0
 # fully_shard's options of the jobs' extra models (fsdp_job.POLICIES): bf16 parameters reduced in
 # float32 or in bfloat16, CPU offload
 POLICIES = ["bf16", "bf16r", "offload"]
@@ -80,11 +83,18 @@ def expected_call(ins, shard, params_of_layer, step, run=""):
 CHAINS = {}
 
 
-def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
+@pytest.fixture(scope="module")
+def topk_run(tmp_path_factory):
+    """The hooked launch with top-k + EF, two micro-batches a step, 3 steps: the MLP and one
+    model per policy, then the wider model once per fsdp_bytes.CODECS codec. Each rank's saved arrays."""
+    return run({"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES,
+                "bytes": CODECS}, tmp_path_factory.mktemp("fsdp_topk"))
+
+
+def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
     """Two micro-batches a step, the first under set_requires_gradient_sync(False): the hooks run
     (and the codecs' state moves) on the synced one only, once per module and step."""
-    got = run({"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES},
-              tmp_path)
+    got = topk_run
     for prefix in [""] + [f"{policy}/" for policy in POLICIES]:  # the plain model, then one per policy
         calls = got[0][f"{prefix}calls"]
         assert len(calls) == 3 * len(LAYERS)
@@ -108,6 +118,48 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(tmp_path):
             assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
     low_bits = {policy: got[0][f"{policy}/call0/in"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
     assert low_bits["bf16"].any() and not low_bits["bf16r"].any()  # the hooks got float32, bfloat16 indeed
+
+
+def test_bytes_per_step_and_codec_memory(topk_run):
+    """Issue 42's bytes and memory targets on the wider model (3 steps of 2 micro-batches), every
+    rank: the bytes bps_gc.torch.metrics() counts per step equal each codec's wire format over
+    the shard shapes (docs/codecs.md), the dense hook's equal native HSDP's (the reduce-scatter
+    outputs: one per module and synced micro-batch), and thc 4-bit hands the wire at most 1/5.5
+    of native's, onebit+EF at most 1/25; the codecs with error feedback keep at most twice the
+    rank's parameter shard."""
+    sizes = [math.prod(shape) // 2 for shape in WIDE]
+    matrices = [(shape[0] // 2, shape[1]) if len(shape) == 2 else near_square(n) for shape, n in zip(WIDE, sizes)]
+    native = 4 * sum(sizes)  # float32
+
+    def words(n, per_word):
+        return -(-n // per_word)
+    want = {"dense": native,
+            # 8-byte words: phase 1 the 160 histogram counts in 2-bit lanes (32 a word), phase 2
+            # 3 header words, then 5-bit lanes (4 bits + 1 for 2 summands, 12 a word)
+            "thc 4-bit": sum(8 * (words(160, 32) + 3 + words(n, 12)) for n in sizes),
+            "onebit+EF": sum(4 * words(n, 32) + 4 for n in sizes),  # 32-bit words of signs, the scale
+            "PowerSGD r4": sum(4 * min(4, rows, cols) * (rows + cols) for rows, cols in matrices)}  # P and Q
+    for r, got in enumerate(topk_run):
+        for name in CODECS:
+            assert got[f"bytes/{name}/native"] == native, (r, name)
+            assert got[f"bytes/{name}/shard"] == native, (r, name)  # float32 parameters, even shards
+            assert got[f"bytes/{name}/pulled"] == got[f"bytes/{name}/wire"], (r, name)  # 2 replicas
+        for name, wire in want.items():
+            assert got[f"bytes/{name}/wire"] == wire, (r, name)
+        assert 5.5 * got["bytes/thc 4-bit/wire"] <= native and 25 * got["bytes/onebit+EF/wire"] <= native, r
+        assert 0 < got["bytes/topk 1%+EF/wire"] < native / 10, r
+        assert got["bytes/dense/state"] == got["bytes/dense/held"] == 0, r
+        for name in EF:
+            state, held = got[f"bytes/{name}/state"], got[f"bytes/{name}/held"]
+            assert sum(sizes) * 4 <= state <= held, (r, name)  # the residual at least
+            assert state <= 2 * native, (r, name, state)
+    print("\n".join(table(topk_run[0])))
+
+
+def near_square(n):
+    """PowerSGD's matrix of a 1-D shard (docs/codecs.md): ceil(sqrt(n)) columns."""
+    cols = math.isqrt(n - 1) + 1
+    return -(-n // cols), cols
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,98 @@
+"""What register_fsdp_hooks costs on one rank, per codec (tests/fsdp_job.py's "bytes" models,
+scripts/fsdp_bytes.py's table), in bytes:
+
+* ``native``: what native HSDP's replicate all_reduce hands the wire per step on this rank:
+  the reduce-scatter outputs of the step (each FSDP module's padded shard gradients back to
+  back, in the reduce dtype), which native HSDP all-reduces over the replicate group and the
+  hooks receive instead; counted from the tensors the hooks get;
+* ``wire`` and ``pulled``: what ``bps_gc.torch.metrics()`` counts this rank pushing and pulling
+  per step (pushed_wire: its payloads, or each phase's summed words for thc and PowerSGD);
+* ``state``: the arrays of the hooks' codec state, what ``bps_gc.torch.state_dict()`` saves
+  (error-feedback residuals, PowerSGD's Q, generator states);
+* ``held``: every array the codecs hold between steps (the state, plus scratch buffers kept
+  for the next step), each buffer once;
+* ``shard``: this rank's parameter shard (its local parameters' bytes)."""
+import numpy as np
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+import bps_gc.torch as bps
+
+THC = {"compressor": "thc", "bits": 4, "feedback": True}  # 4-bit, its error feedback a state to carry
+# the codecs whose bytes and memory are counted (tests/test_fsdp.py, scripts/fsdp_bytes.py): None
+# is the dense hook, which hands the wire what native HSDP does
+CODECS = {"dense": None, "thc 4-bit": THC, "onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+          "PowerSGD r4": {"compressor": "powersgd", "rank": 4},
+          "topk 1%+EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"}}
+EF = ("thc 4-bit", "onebit+EF", "PowerSGD r4", "topk 1%+EF")  # the codecs with error feedback
+
+
+def bytes_and_memory(model, exchange, train, steps):
+    """Train ``train(range(steps))`` (the hooks on ``model``, ``exchange`` theirs) and count."""
+    handed = count_reduce_outputs(model)
+    bps.metrics()  # restart the counters: the job's other models moved bytes too
+    train(range(steps))
+    traffic = bps.metrics()
+    codecs = list(exchange.hook.pipeline.codecs.codecs.values())
+    local = [p.to_local() for p in model.parameters()]
+    return {"native": handed[0] / steps, "wire": traffic.pushed_wire / steps, "pulled": traffic.pulled_wire / steps,
+            "state": array_bytes(exchange.hook.codec_state().state_dict().values()), "held": held_bytes(codecs),
+            "shard": sum(t.numel() * t.element_size() for t in local)}
+
+
+def count_reduce_outputs(model):
+    """Wrap every module's hook to add its reduce-scatter output's bytes to the list's item."""
+    handed = [0]
+    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        param_groups = module._get_fsdp_state()._fsdp_param_groups
+        if not param_groups:
+            continue
+        inner = param_groups[0]._all_reduce_hook
+
+        def counting(reduce_output, inner=inner):
+            handed[0] += reduce_output.numel() * reduce_output.element_size()
+            inner(reduce_output)
+        module.set_all_reduce_hook(counting)
+    return handed
+
+
+def array_bytes(values):
+    return sum(v.nbytes if isinstance(v, np.ndarray) else v.numel() * v.element_size()
+               for v in values if isinstance(v, (np.ndarray, torch.Tensor)))
+
+
+def held_bytes(roots):
+    """The bytes of the distinct buffers of every array reachable from ``roots`` through bps_gc
+    objects, lists, tuples and dicts (a view counts its base array once)."""
+    seen, buffers, todo = set(), {}, list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            buffers[(base.__array_interface__["data"][0], base.nbytes)] = base.nbytes
+        elif isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            buffers[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            todo.extend(obj)
+        elif type(obj).__module__.startswith("bps_gc."):
+            todo.extend(getattr(obj, "__dict__", {}).values())
+    return sum(buffers.values())
+
+
+def table(arrays):
+    """The lines of the table of one rank's saved arrays (``bytes/<codec>/<count>``)."""
+    lines = [f"{'codec':12} {'bytes/step':>10} {'native/it':>9} {'state B':>8} {'state/shard':>11} "
+             f"{'held B':>8} {'held/shard':>10}"]
+    for name in CODECS:
+        got = {k: float(arrays[f"bytes/{name}/{k}"]) for k in ("native", "wire", "state", "held", "shard")}
+        lines.append(f"{name:12} {got['wire']:>10.0f} {got['native'] / got['wire']:>9.2f} {got['state']:>8.0f} "
+                     f"{got['state'] / got['shard']:>11.3f} {got['held']:>8.0f} {got['held'] / got['shard']:>10.3f}")
+    return lines

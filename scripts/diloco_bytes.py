@@ -73,6 +73,7 @@ def worker(spec_path, out):
         rows.append({"codec": codec, "sync_every": sync_every, "pushed_wire": counted.pushed_wire,
                      "pulled_wire": counted.pulled_wire, "parameters": sum(p.numel() for p in model.parameters()),
                      "tensors": len(list(model.parameters()))})
+        opt.wait()  # an exchange in flight finished before the next run and the shutdown
         del opt
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)

@@ -127,9 +127,7 @@ def run_ours(rank, steps, sync_every, fragments, delay, alpha, torchft_phase):
         saved["steps"] = delay
         opt.load_state_dict(saved)
     seconds = train(model, opt.step, opt.zero_grad, rank, steps)
-    for fragment in opt.fragments:  # an exchange still in flight (bps_gc's phase): done before teardown
-        if fragment.pending is not None:
-            fragment.averaged()
+    opt.wait()  # an exchange still in flight (bps_gc's phase): done before teardown
     return model, seconds
 
 

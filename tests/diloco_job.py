@@ -46,7 +46,8 @@ for step in range(counted["steps"]):
     opt.zero_grad()
 saved["bytes/pushed_wire"] = np.array(bps.metrics().pushed_wire)
 np.savez(os.path.join(out, f"rank{rank}.npz"), **saved)
-del opt  # freed before the process group (an exchange may be in flight in such a script):
-gc.collect()  # a gloo work's future freed after destroy_process_group can abort the process at exit
+opt.wait()  # an exchange may be in flight: a gloo work pending at exit can abort the process
+del opt
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()

@@ -54,7 +54,7 @@ def diloco(sync_every, fragments, delay, compression_params, mode):
 def finish():
     np.savez(os.path.join(out, f"{phase}{rank}.npz"), **saved)
     for opt in keep:  # the exchanges still in flight (the overlapped runs' last), finished alike everywhere
-        opt.state_dict()
+        opt.wait()
     bps.shutdown()
     sys.exit(0)
 

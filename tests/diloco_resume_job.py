@@ -53,6 +53,7 @@ for step in range(start, stop):
         torch.save({"model": model.state_dict(), "diloco": opt.state_dict(), "bps_gc": bps.state_dict()}, path)
         save_parameters("first")
 save_parameters("first_end" if spec["phase"] == "first" else spec["phase"])
-del opt  # its last exchange, still in flight, freed before the process group (else torch may abort at exit)
+opt.wait()  # its last exchange may be in flight: a gloo work pending at exit can abort the process
+del opt
 gc.collect()
 bps.shutdown()

@@ -130,6 +130,15 @@ class DiLoCo:
             p.copy_(copy if self.alpha == 0.0 else self.alpha * p.float() + (1 - self.alpha) * copy)
         fragment.pending = fragment.due = None
 
+    def wait(self):
+        """Wait for every exchange in flight; each average is kept for its due step, as a
+        checkpoint keeps it. Call it before the job shuts down (bps_gc.torch.shutdown(),
+        destroy_process_group()) while an exchange may still run: a gloo collective still
+        pending when the process exits can abort it."""
+        for fragment in self.fragments:
+            if fragment.pending is not None:
+                fragment.averaged()
+
     def state_dict(self):
         """The inner optimizer's state, each fragment's global copy and outer state, the step
         count, where the outer step runs (the codec state, and the servers' outer momentum, is

@@ -77,7 +77,7 @@ def connect(cfg, backend):
     if backend == "mpi":
         dist.init_process_group("mpi", timeout=timeout)
         return None, False
-    host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    host_store = hosts_store(cfg)
     try:
         listener = store_listener(cfg.root_uri, cfg.root_port) if host_store else None
         store = dist.TCPStore(cfg.root_uri, cfg.root_port, cfg.size, is_master=host_store,
@@ -95,6 +95,11 @@ def connect(cfg, backend):
     return dist.PrefixStore(f"{prefix}/live", store), host_store
 
 
+def hosts_store(cfg):
+    """Whether this rank hosts the rendezvous store: rank 0, unless torchrun's agent does."""
+    return cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
 def key_prefix():
     """torch elastic keeps its agent's store over restarts: each attempt's keys apart."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -109,8 +114,7 @@ def adopt(cfg):
         raise ConfigError("RANK", f"the process group made before bps_gc's init is rank {dist.get_rank()} of "
                                   f"{dist.get_world_size()}; the environment says rank {cfg.rank} of {cfg.size}")
     store = dist.distributed_c10d._get_default_store()
-    host_store = cfg.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    return dist.PrefixStore(f"{key_prefix()}/live", store), host_store
+    return dist.PrefixStore(f"{key_prefix()}/live", store), hosts_store(cfg)
 
 
 def waiting_at_rendezvous(cfg):

@@ -72,9 +72,7 @@ def departure(ended, rank, issued, what, message=None, members=None):
     leavers = [(other, end) for other, end in list(ended.items())
                if (members is None or other in members) and end.issued_on(members) < issued]
     if leavers:
-        # a rank that "failed" did so because another one left: name the one that did not fail
-        # (it raised, got Ctrl-C or ended early), else the earliest to leave
-        other, end = min(leavers, key=lambda leaver: (leaver[1].failed, leaver[1].issued_on(members), leaver[0]))
+        other, end = first_leaver(leavers, members)
         return NodeFailure(f"bps_gc: rank {other} left the job ({end.how(members)}) before rank {rank}'s "
                            f"{described(what)}")
     if message is not None:
@@ -86,6 +84,13 @@ def departure(ended, rank, issued, what, message=None, members=None):
                                f"{'to' if kind == 'recv' else 'from'} rank {rank}) before rank {rank}'s "
                                f"{described(what)}")
     return None
+
+
+def first_leaver(leavers, members=None):
+    """The (rank, Ending) to name of ``leavers``: a rank that "failed" did so because another
+    one left, so the one that did not fail (it raised, got Ctrl-C or ended early), else the
+    earliest to leave (fewest collectives on ``members``' group)."""
+    return min(leavers, key=lambda leaver: (leaver[1].failed, leaver[1].issued_on(members), leaver[0]))
 
 
 def matches(mine, rank, other, end):

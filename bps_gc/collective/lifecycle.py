@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 from ..comm import NodeFailure
-from .departure import Ending, await_end, departure, described
+from .departure import Ending, await_end, departure, described, first_leaver
 from .liveness import Heartbeat
 from .backend_choice import SHARED
 from .rendezvous import adopt, backend_from_env, connect, waiting_at_rendezvous
@@ -115,7 +115,7 @@ class Lifecycle:
             if heartbeat.failure is not None:
                 self.shared.failure = heartbeat.failure
             elif heartbeat.ended:
-                rank, end = min(list(heartbeat.ended.items()), key=lambda leaver: (leaver[1].failed, leaver[0]))
+                rank, end = first_leaver(list(heartbeat.ended.items()))
                 first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 self.shared.failure = NodeFailure(f"bps_gc: rank {rank} left the job ({end.how()}) while rank "
                                                   f"{self.rank} was in a collective bps_gc does not count: {first}")

@@ -136,10 +136,10 @@ class Scheduler:
         """How long the loop may poll: no later than the next heartbeat deadline. The nodes'
         heartbeats tend to arrive together, once an interval, so a deadline checked only when
         a message comes would notice a silent node up to an interval after its timeout."""
-        if not self.ready:
+        seen = [m.last_seen for m in self.members.values() if not m.gone] if self.ready else []
+        if not seen:
             return idle_ms
-        seen = [m.last_seen for m in self.members.values() if not m.gone]
-        wait = (min(seen, default=0) + self.cfg.heartbeat_timeout - time.monotonic()) * 1000 if seen else 0
+        wait = (min(seen) + self.cfg.heartbeat_timeout - time.monotonic()) * 1000
         return min(idle_ms, int(wait) + 1) if wait > 0 else idle_ms  # past it: check_time acted already
 
     def close(self):

@@ -110,8 +110,10 @@ class Lifecycle:
         heartbeat = self.shared.heartbeat
         if heartbeat is None or not (isinstance(error, RuntimeError) and PEER_GONE.search(str(error))):
             return None  # a script's own error: its traceback as it is
-        deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
-        while self.shared.failure is None:
+
+        def named():
+            if self.shared.failure is not None:
+                return self.shared.failure
             if heartbeat.failure is not None:
                 self.shared.failure = heartbeat.failure
             elif heartbeat.ended:
@@ -119,11 +121,20 @@ class Lifecycle:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 self.shared.failure = NodeFailure(f"bps_gc: rank {rank} left the job ({end.how()}) while rank "
                                                   f"{self.rank} was in a collective bps_gc does not count: {first}")
-            elif time.monotonic() > deadline:
-                return None
-            else:
-                time.sleep(self.cfg.heartbeat_interval / 4)
-        return self.shared.failure
+            return self.shared.failure
+        return self._within_heartbeat_bound(named)
+
+    def _within_heartbeat_bound(self, named):
+        """``named()`` polled until it gives a failure (returned; or raises it) or the heartbeat
+        had twice its bound to name a dead or departed peer (None): its thread may run late on a
+        busy host."""
+        deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
+        while time.monotonic() < deadline:
+            failure = named()
+            if failure is not None:
+                return failure
+            time.sleep(self.cfg.heartbeat_interval / 4)
+        return None
 
     def check_alive(self):
         if self.closed:
@@ -167,13 +178,8 @@ class Lifecycle:
                     break
         try:
             work.wait()
-        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who (its
-            # thread may run late on a busy host: twice its bound)
-            deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
-            while time.monotonic() < deadline:
-                self._check_departures(what, message, group)
-                self.check_alive()
-                time.sleep(self.cfg.heartbeat_interval / 4)
+        except RuntimeError as e:  # a peer's socket closed: let the heartbeat name who (both raise)
+            self._within_heartbeat_bound(lambda: self._check_departures(what, message, group) or self.check_alive())
             self.shared.failure = NodeFailure(f"bps_gc: {described(what)} failed on rank {self.rank}: {e}")
             raise self.shared.failure from None
 

@@ -1,7 +1,8 @@
 """Where a PyTorch example trains, shared by every script: ``--device auto|cpu|cuda|cuda:N``
 (``auto``: ``cuda:LOCAL_RANK % device_count`` where CUDA is available, else the CPU), batches
-copied onto it from pinned memory without blocking, and mixed precision (autocast and a gradient
-scaler) where a seed trains in it.
+copied onto it from pinned memory without blocking, mixed precision (autocast and a gradient
+scaler) where a seed trains in it, and ``--precision auto``'s choice: bf16 where the device
+computes it natively (``pick_precision``).
 
 Asking for CUDA where there is none is one note line and the CPU; a rank told to use a GPU this
 host does not have stops with one line naming it. ``choose_device`` decides from plain
@@ -112,6 +113,55 @@ def on_device(batches, device):
     """Each batch of ``batches`` pinned and moved onto ``device``."""
     for batch in batches:
         yield moved(pinned(batch, device), device)
+
+
+# CPU features that compute bfloat16 natively: x86's AMX and AVX-512 BF16 (torch's and Linux's
+# names), Arm's BF16 and SVE BF16. Without them autocast bf16 is emulated and slower than float32.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16", "svebf16")
+PRECISION_HELP = ("auto: bf16 autocast where the device computes bf16 natively (a CUDA device that supports "
+                  "it; a CPU with " + ", ".join(BF16_CPU_FLAGS[:3]) + " or SVE bf16), else float32; the "
+                  "startup line says which and why")
+
+
+def cpu_flags():
+    """This CPU's feature names: torch's own reading (torch.cpu.get_capabilities, newer torch),
+    else Linux's /proc/cpuinfo (x86 "flags", Arm "Features"); empty where neither says."""
+    import torch
+    capabilities = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
+    if capabilities is not None:
+        try:
+            return {name for name, value in capabilities().items() if value is True}
+        except (RuntimeError, AttributeError):
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {word for line in f if line.startswith(("flags", "Features"))
+                    for word in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def choose_precision(requested, device_type, cuda_bf16=False, flags=()):
+    """("bf16" or "fp32", why) for ``requested`` (auto, bf16 or fp32) on ``device_type``:
+    ``cuda_bf16`` whether the CUDA device supports bf16, ``flags`` the CPU's feature names."""
+    if requested != "auto":
+        return requested, "asked for"
+    if device_type == "cuda":
+        return ("bf16", "auto: this CUDA device supports bf16") if cuda_bf16 else \
+            ("fp32", "auto: this CUDA device does not support bf16")
+    native = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+    if native:
+        return "bf16", f"auto: this CPU computes bf16 natively ({', '.join(native)})"
+    return "fp32", f"auto: this CPU has none of {', '.join(BF16_CPU_FLAGS)} (bf16 would be emulated, slower)"
+
+
+def pick_precision(requested, device):
+    """(torch.bfloat16 or None for float32, log line): choose_precision on this machine."""
+    import torch
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    name, why = choose_precision(requested, device.type, cuda_bf16, cpu_flags() if device.type == "cpu" else ())
+    words = "bf16 autocast" if name == "bf16" else "float32"
+    return (torch.bfloat16 if name == "bf16" else None), f"precision: {words}; {why}"
 
 
 class MixedPrecision:

@@ -10,25 +10,49 @@ import torch.nn.functional as F
 VOCAB = 256
 
 
+def attention_for(device_type, dtype):
+    """The faster attention for a step on ``device_type`` with autocast ``dtype`` (None: float32):
+    "plain" under bf16 on a CPU, else "sdpa". There SDPA's flash backward is about half the step
+    and its math backend is slower still; float32 and CUDA keep SDPA (scripts/lm_step_time.py
+    times both at the default size)."""
+    return "plain" if device_type == "cpu" and dtype == torch.bfloat16 else "sdpa"
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, width, heads):
+    """Multi-head causal self-attention, computed as ``attention`` says: "sdpa" is
+    F.scaled_dot_product_attention; "plain" is the same arithmetic as matrix products: the
+    scaled scores plus a -inf mask above the diagonal (one fused add), softmax, times v."""
+
+    def __init__(self, width, heads, attention="sdpa"):
         super().__init__()
-        self.heads = heads
+        if attention not in ("sdpa", "plain"):
+            raise ValueError(f"attention must be sdpa or plain, got {attention!r}")
+        self.heads, self.attention = heads, attention
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x):
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = plain_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
+def plain_attention(q, k, v):
+    """softmax(q k^T / sqrt(d) with the future at -inf) v, in the products' dtype (bf16 under autocast)."""
+    scores = q @ k.transpose(-2, -1)
+    future = torch.full(scores.shape[-2:], float("-inf"), dtype=scores.dtype, device=scores.device).triu(1)
+    return torch.softmax(torch.add(future, scores, alpha=q.shape[-1] ** -0.5), dim=-1) @ v
+
+
 class Block(nn.Module):
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, attention):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
+        self.attn = CausalSelfAttention(width, heads, attention)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x):
@@ -37,14 +61,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers=4, width=128, heads=4, context=128):
+    """``attention``: CausalSelfAttention's formulation (attention_for picks the faster one);
+    the parameters do not depend on it."""
+
+    def __init__(self, layers=4, width=128, heads=4, context=128, attention="sdpa"):
         super().__init__()
         if width % heads:
             raise SystemExit(f"--width {width} is not a multiple of --heads {heads}")
         self.context = context
         self.tokens = nn.Embedding(VOCAB, width)
         self.positions = nn.Embedding(context, width)
-        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(Block(width, heads, attention) for _ in range(layers)))
         self.ln = nn.LayerNorm(width)
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaling of the residual projections

@@ -37,10 +37,11 @@ def check_args(args, parser):
         args.lr = 3e-3 if args.optimizer == "adamw" else 0.3
 
 
-def build_model(args, device):
+def build_model(args, device, attention="sdpa"):
+    """The seeded GPT on ``device``; ``attention``: gpt.attention_for's choice for the step's precision."""
     from gpt import GPT
     torch.manual_seed(args.seed)
-    return GPT(args.layers, args.width, args.heads, args.context).to(device)
+    return GPT(args.layers, args.width, args.heads, args.context, attention).to(device)
 
 
 def lr_at(args, step):

@@ -14,6 +14,9 @@ without --compressor); it needs torch.distributed (torchrun, or bpslaunch --serv
 The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
 default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up
 and a cosine decay to a tenth of --lr, gradients clipped to --clip after they are averaged.
+--precision auto trains under bf16 autocast where the device computes bf16 natively (a CPU
+with AVX-512 BF16 or AMX too) and says so at the start; the attention is then the formulation
+that is faster there (gpt.attention_for).
 Every --eval-every steps rank 0 prints the validation loss (nats per byte), bits per byte and
 tokens per second of training (all ranks, evaluation excluded); its last line is
 ``final: val_loss=<float> bpb=<float> tokens_per_s=<float>``. With --checkpoint DIR every rank
@@ -35,13 +38,13 @@ sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HER
 import bps_gc.torch as bps  # noqa: E402
 import epoch_checkpoint  # noqa: E402
 from compression_flags import add_compression_args, compression_params  # noqa: E402
-from gpt import byte_loss, parameter_count  # noqa: E402
+from gpt import attention_for, byte_loss, parameter_count  # noqa: E402
 from lm_training import (add_model_args, add_optimizer_args, build_model, check_args, clipped_step, evaluate,  # noqa: E402
                          lr_at, make_optimizer)
 from stdlib_text import Corpus, train_batch, unigram_entropy_bits, val_windows  # noqa: E402
 from study_flags import OneLineParser, require_launcher  # noqa: E402
 from study_training import distribute, summed  # noqa: E402
-from torch_device import MixedPrecision, add_device_arg, pick_device  # noqa: E402
+from torch_device import PRECISION_HELP, MixedPrecision, add_device_arg, pick_device, pick_precision  # noqa: E402
 
 
 def build_parser():
@@ -49,8 +52,7 @@ def build_parser():
     p.add_argument("--api", choices=("hook", "optimizer"), default="hook")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="auto: bf16 autocast on a CUDA device that has it, else float32")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help=PRECISION_HELP)
     p.add_argument("--checkpoint", default="", help="a folder: each rank saves there after each evaluation; "
                                                     "a run with the same folder resumes")
     p.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: an interrupted run
@@ -85,10 +87,10 @@ def main(argv=None):
                  "or use --api optimizer")
     rank, size = bps.rank(), bps.size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    use_bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda"
-                                            and torch.cuda.is_bf16_supported())
-    amp = MixedPrecision(device, torch.bfloat16 if use_bf16 else None)
-    model = build_model(args, device)
+    dtype, precision_line = pick_precision(args.precision, device)
+    amp = MixedPrecision(device, dtype)
+    attention = attention_for(device.type, dtype)
+    model = build_model(args, device, attention)
     opt = make_optimizer(args, model)
     if args.api == "hook":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's
@@ -97,10 +99,10 @@ def main(argv=None):
                                                        named_parameters=model.named_parameters()))
     else:
         net, opt = model, distribute(opt, model, params, "train.py")
-    say("\n".join(device_lines))
+    say("\n".join(device_lines + [precision_line]))
     say(f"model: {parameter_count(model):,} parameters ({args.layers} layers, width {args.width}, {args.heads} heads, "
-        f"context {args.context}); {amp.describe()}; {size} ranks x batch {args.batch_size}; api {args.api}, "
-        f"{args.optimizer}, compression {params or 'none'}")
+        f"context {args.context}, attention {attention}); {amp.describe()}; {size} ranks x batch {args.batch_size}; "
+        f"api {args.api}, {args.optimizer}, compression {params or 'none'}")
     say(f"corpus: {corpus.describe()}")
     unigram = unigram_entropy_bits(corpus.train, corpus.val)
     say(f"unigram entropy: {unigram:.4f} bits per byte (the validation bytes under the training bytes' frequencies)")

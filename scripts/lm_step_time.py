@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
 """One training step of the LM (example/pytorch/lm: forward, backward, AdamW) on one CPU thread,
-at a few model sizes: the median of --steps timed steps after --warmup, per size; a table and
-JSON (--out).
+at a few model sizes, in float32 and, where this CPU computes bf16 natively (train.py's
+--precision auto), under bf16 autocast: the median of --steps timed steps after --warmup; a
+table and JSON (--out).
+
+Each row uses the attention train.py would (gpt.attention_for). At the default size the
+formulations it did not pick follow, marked "(not picked)": SDPA (its CPU flash kernel), SDPA
+held to its math backend, and the plain matrix products: the evidence for attention_for.
 
     python scripts/lm_step_time.py
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -14,9 +20,39 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import ROOT, machine_info  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "example", "pytorch", "lm"))
-SIZES = {"default (4 x 144, context 128)": (4, 144, 4, 128), "3 x 96, context 128": (3, 96, 4, 128),
+sys.path[:0] = [os.path.join(ROOT, "example", "pytorch", "lm"), os.path.join(ROOT, "example", "pytorch")]
+DEFAULT = "default (4 x 144, context 128)"
+SIZES = {DEFAULT: (4, 144, 4, 128), "3 x 96, context 128": (3, 96, 4, 128),
          "reduced (2 x 64, context 64)": (2, 64, 4, 64)}
+# the attention formulations timed: (GPT's attention, SDPA backend held to or None)
+FORMULATIONS = {"sdpa": ("sdpa", None), "sdpa math backend": ("sdpa", "MATH"), "plain": ("plain", None)}
+
+
+def step_ms(torch, size, dtype, formulation, args):
+    """(parameters, median ms of one step) of the GPT of ``size`` under autocast ``dtype``."""
+    import numpy as np
+    from gpt import GPT, byte_loss, parameter_count
+    layers, width, heads, context = SIZES[size]
+    attention, backend = FORMULATIONS[formulation]
+    torch.manual_seed(0)
+    model = GPT(layers, width, heads, context, attention)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (args.batch_size, context + 1), generator=torch.Generator().manual_seed(0))
+    held = contextlib.nullcontext()
+    if backend:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        held = sdpa_kernel(getattr(SDPBackend, backend))
+    times = []
+    with held:
+        for _ in range(args.warmup + args.steps):
+            began = time.perf_counter()
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = byte_loss(model(x[:, :-1]), x[:, 1:])
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - began)
+    return parameter_count(model), 1000 * float(np.median(times[args.warmup:]))
 
 
 def main():
@@ -26,29 +62,29 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(ROOT, "out", "lm_step_time.json"))
     args = p.parse_args()
-    import numpy as np
     import torch
-    from gpt import GPT, byte_loss, parameter_count
+    from gpt import attention_for
+    from torch_device import pick_precision
     torch.set_num_threads(1)
-    rows = {}
+    bf16, precision_line = pick_precision("auto", torch.device("cpu"))
+    precisions = {"fp32": None, **({"bf16": torch.bfloat16} if bf16 else {})}
+    runs = [(size, name, attention_for("cpu", dtype), True) for size in SIZES for name, dtype in precisions.items()]
+    runs += [(DEFAULT, name, formulation, False) for name, dtype in precisions.items() for formulation in FORMULATIONS
+             if FORMULATIONS[formulation][0] != attention_for("cpu", dtype) or FORMULATIONS[formulation][1]]
     print(f"{machine_info()}; one thread; batch {args.batch_size}; median of {args.steps} steps")
-    for name, (layers, width, heads, context) in SIZES.items():
-        torch.manual_seed(0)
-        model = GPT(layers, width, heads, context)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 256, (args.batch_size, context + 1), generator=torch.Generator().manual_seed(0))
-        times = []
-        for step in range(args.warmup + args.steps):
-            began = time.perf_counter()
-            opt.zero_grad()
-            byte_loss(model(x[:, :-1]), x[:, 1:]).backward()
-            opt.step()
-            times.append(time.perf_counter() - began)
-        ms = 1000 * float(np.median(times[args.warmup:]))
-        rows[name] = {"parameters": parameter_count(model), "ms_per_step": ms}
-        print(f"{name:32} {parameter_count(model):>10,} parameters {ms:8.1f} ms/step")
+    print(f"{precision_line}{'' if bf16 else ': no bf16 rows'}")
+    print(f"{'size':32} {'parameters':>10} {'precision':9} {'attention':30} {'ms/step':>8}")
+    rows = []
+    for size, precision, formulation, picked in runs:
+        parameters, ms = step_ms(torch, size, precisions[precision], formulation, args)
+        rows.append({"size": size, "shape": dict(zip(("layers", "width", "heads", "context"), SIZES[size])),
+                     "parameters": parameters, "precision": precision, "attention": formulation, "picked": picked,
+                     "ms_per_step": ms})
+        print(f"{size:32} {parameters:>10,} {precision:9} {formulation + ('' if picked else ' (not picked)'):30} "
+              f"{ms:8.1f}", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    json.dump({"machine": machine_info(), "batch_size": args.batch_size, "rows": rows}, open(args.out, "w"), indent=1)
+    json.dump({"machine": machine_info(), "precision_auto": precision_line, "batch_size": args.batch_size,
+               "steps": args.steps, "rows": rows}, open(args.out, "w"), indent=1)
     print(f"JSON: {args.out}")
 
 

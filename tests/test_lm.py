@@ -1,9 +1,12 @@
 """The LM yardstick (example/pytorch/lm, scripts/time_to_accuracy.py --task lm): its data
-repeat and refuse a too-small corpus; DDP on two ranks equals one process on the concatenated
-batch; a reduced --task lm run gives every row; train.py resumes bit for bit with a codec."""
+repeat and refuse a too-small corpus; --precision auto picks bf16 only where the device
+computes it; the plain attention (bf16 on a CPU) is causal attention; DDP on two ranks equals
+one process on the concatenated batch; a reduced --task lm run gives every row; train.py
+resumes bit for bit with a codec under bf16 autocast."""
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import zlib
@@ -15,7 +18,7 @@ import torch
 from collective_cluster import job_env, torchrun_argv
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "example", "pytorch", "lm"))
+sys.path[:0] = [os.path.join(ROOT, "example", "pytorch", "lm"), os.path.join(ROOT, "example", "pytorch")]
 from stdlib_text import Corpus, train_batch, val_windows  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "example", "pytorch", "lm", "train.py")
@@ -57,6 +60,43 @@ def test_too_small_corpus_is_one_line(tmp_path):
                             text=True, timeout=60)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "too small" in result.stderr, result.stderr
+
+
+def test_precision_auto_is_bf16_where_the_device_computes_it():
+    from torch_device import BF16_CPU_FLAGS, choose_precision, cpu_flags
+    assert choose_precision("auto", "cpu", flags={"avx2", "avx512f", "avx512_bf16"}) == \
+        ("bf16", "auto: this CPU computes bf16 natively (avx512_bf16)")
+    assert choose_precision("auto", "cpu", flags={"amx_bf16", "amx_tile"})[0] == "bf16"
+    assert choose_precision("auto", "cpu", flags={"neon", "bf16"})[0] == "bf16"  # Arm
+    name, why = choose_precision("auto", "cpu", flags={"avx2", "avx512f", "avx512_vnni"})
+    assert name == "fp32" and "avx512_bf16" in why
+    assert [choose_precision("auto", "cuda", cuda_bf16=b)[0] for b in (True, False)] == ["bf16", "fp32"]
+    assert choose_precision("fp32", "cpu", flags={"avx512_bf16"})[0] == "fp32"
+    assert choose_precision("bf16", "cpu", flags=())[0] == "bf16"
+    if os.path.exists("/proc/cpuinfo") and platform.machine() == "x86_64":  # torch's names are Linux's there
+        linux = {w for line in open("/proc/cpuinfo") if line.startswith("flags") for w in line.split(":")[1].split()}
+        assert {f for f in BF16_CPU_FLAGS if f in cpu_flags()} == {f for f in BF16_CPU_FLAGS if f in linux}
+
+
+def test_plain_attention_is_causal_attention():
+    from gpt import GPT, attention_for, plain_attention
+    assert [attention_for("cpu", torch.bfloat16), attention_for("cpu", None), attention_for("cuda", torch.bfloat16)] \
+        == ["plain", "sdpa", "sdpa"]
+    q, k, v = torch.randn(3, 2, 3, 10, 8, generator=torch.Generator().manual_seed(0))  # batch 2, 3 heads
+    a, b, c = (t.double().numpy() for t in (q, k, v))
+    scores = a @ b.swapaxes(-1, -2) / np.sqrt(8) + np.triu(np.full((10, 10), -np.inf), 1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    oracle = (weights / weights.sum(-1, keepdims=True)) @ c
+    assert np.allclose(plain_attention(q, k, v).numpy(), oracle, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = plain_attention(q, k, v)
+    assert low.dtype == torch.bfloat16 and np.allclose(low.float().numpy(), oracle, atol=5e-2)
+    models = []
+    for attention in ("sdpa", "plain"):
+        torch.manual_seed(0)
+        models.append(GPT(1, 32, 2, 16, attention))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(models[0](x), models[1](x), atol=1e-5)  # the same parameters, the same function
 
 
 def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
@@ -109,14 +149,15 @@ def test_reduced_lm_table_has_every_row(tmp_path):
 
 
 def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
-    def train(folder, *extra):
-        argv = [TRAIN, *TINY, "--steps", "6", "--eval-every", "2", "--compressor", "topk", "--k", "0.05",
-                "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
+    def train(folder, *extra):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
+        argv = [TRAIN, *TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
+                "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
         result = subprocess.run(torchrun_argv(argv, 2), env=job_env(), cwd=ROOT, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
     straight = train("straight")
+    assert "precision: bf16 autocast" in straight and "attention plain" in straight
     assert "stopped after step 2" in train("resumed", "--stop-after", "2")
     resumed = train("resumed")
     assert "resumed from" in resumed

@@ -12,9 +12,9 @@ VOCAB = 256
 
 def attention_for(device_type, dtype):
     """The faster attention for a step on ``device_type`` with autocast ``dtype`` (None: float32):
-    "plain" under bf16 on a CPU, else "sdpa". There SDPA's flash backward is about half the step
-    and its math backend is slower still; float32 and CUDA keep SDPA (scripts/lm_step_time.py
-    times both at the default size)."""
+    "plain" under bf16 on a CPU, else "sdpa". There SDPA's flash kernel (its backward above all)
+    and its math backend are both slower than the plain products; float32 and CUDA keep SDPA
+    (scripts/lm_step_time.py times every formulation at the default size)."""
     return "plain" if device_type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 

@@ -118,9 +118,9 @@ def on_device(batches, device):
 # CPU features that compute bfloat16 natively: x86's AMX and AVX-512 BF16 (torch's and Linux's
 # names), Arm's BF16 and SVE BF16. Without them autocast bf16 is emulated and slower than float32.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16", "svebf16")
-PRECISION_HELP = ("auto: bf16 autocast where the device computes bf16 natively (a CUDA device that supports "
-                  "it; a CPU with " + ", ".join(BF16_CPU_FLAGS[:3]) + " or SVE bf16), else float32; the "
-                  "startup line says which and why")
+PRECISION_HELP = ("auto: bf16 autocast where the device computes bf16 natively (a CUDA device of compute "
+                  "capability 8.0 or later; a CPU with " + ", ".join(BF16_CPU_FLAGS[:3]) + " or SVE bf16), "
+                  "else float32; the startup line says which and why")
 
 
 def cpu_flags():
@@ -143,12 +143,12 @@ def cpu_flags():
 
 def choose_precision(requested, device_type, cuda_bf16=False, flags=()):
     """("bf16" or "fp32", why) for ``requested`` (auto, bf16 or fp32) on ``device_type``:
-    ``cuda_bf16`` whether the CUDA device supports bf16, ``flags`` the CPU's feature names."""
+    ``cuda_bf16`` whether the CUDA device computes bf16 natively, ``flags`` the CPU's feature names."""
     if requested != "auto":
         return requested, "asked for"
     if device_type == "cuda":
-        return ("bf16", "auto: this CUDA device supports bf16") if cuda_bf16 else \
-            ("fp32", "auto: this CUDA device does not support bf16")
+        return ("bf16", "auto: this CUDA device computes bf16 natively") if cuda_bf16 else \
+            ("fp32", "auto: this CUDA device computes bf16 only by emulation (before compute capability 8.0)")
     native = [flag for flag in BF16_CPU_FLAGS if flag in flags]
     if native:
         return "bf16", f"auto: this CPU computes bf16 natively ({', '.join(native)})"
@@ -158,7 +158,10 @@ def choose_precision(requested, device_type, cuda_bf16=False, flags=()):
 def pick_precision(requested, device):
     """(torch.bfloat16 or None for float32, log line): choose_precision on this machine."""
     import torch
-    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    # natively: compute capability 8.0+ (Ampere on) or ROCm; torch.cuda.is_bf16_supported() also
+    # counts older GPUs' emulation
+    cuda_bf16 = device.type == "cuda" and (bool(torch.version.hip)
+                                           or torch.cuda.get_device_properties(device).major >= 8)
     name, why = choose_precision(requested, device.type, cuda_bf16, cpu_flags() if device.type == "cpu" else ())
     words = "bf16 autocast" if name == "bf16" else "float32"
     return (torch.bfloat16 if name == "bf16" else None), f"precision: {words}; {why}"

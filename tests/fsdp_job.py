@@ -19,6 +19,9 @@ batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
   running; rank spec "victim" at step 3 does spec "fault": "kill" (SIGKILL itself), "exit"
   (sys.exit(0)) or "raise".
 
+"native hooked": both in one launch, native's models first, each array prefixed "<mode>/"
+(the dense comparison: one launch, not two; each model seeded and fed as in a launch of its own).
+
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
 mixed precision or CPU offload), its arrays prefixed "<policy>/". Each rank saves its full
 parameters and its local shards, prefixed by the run's name. "hooked" then trains a wider MLP
@@ -171,24 +174,26 @@ elif mode == "resume":
     dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
     dist.destroy_process_group()
 else:
-    arrays = {}
-    for policy in [None] + spec.get("policies", []):  # the plain model, then one per policy
-        calls, prefix = [], "" if policy is None else f"{policy}/"
-        model, exchange, opt = build(hooked=mode == "hooked", policy=policy)
-        if exchange is not None:
-            record_calls(model, calls)
-        train(model, opt, range(spec["steps"]))
-        arrays.update({**parameters(model, prefix), **{f"{prefix}call{i}/in": c[1] for i, c in enumerate(calls)},
-                       **{f"{prefix}call{i}/out": c[2] for i, c in enumerate(calls)},
-                       f"{prefix}calls": np.array([c[0] for c in calls])})
-        if policy is None:
-            plain = model
+    arrays, modes = {}, mode.split()
+    for each in modes:
+        head = f"{each}/" if len(modes) > 1 else ""
+        for policy in [None] + spec.get("policies", []):  # the plain model, then one per policy
+            calls, prefix = [], head + ("" if policy is None else f"{policy}/")
+            model, exchange, opt = build(hooked=each == "hooked", policy=policy)
+            if exchange is not None:
+                record_calls(model, calls)
+            train(model, opt, range(spec["steps"]))
+            arrays.update({**parameters(model, prefix), **{f"{prefix}call{i}/in": c[1] for i, c in enumerate(calls)},
+                           **{f"{prefix}call{i}/out": c[2] for i, c in enumerate(calls)},
+                           f"{prefix}calls": np.array([c[0] for c in calls])})
+            if policy is None and each == "native":
+                plain = model
     for name, params in spec.get("bytes", {}).items():  # a wider model per codec: bytes and memory
         model, exchange, opt = build(compression_params=params, widths=WIDE)
         counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt), spec["steps"])
         arrays.update({f"bytes/{name}/{k}": v for k, v in counted.items()})
     refusals = []
-    if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
+    if "native" in modes:  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
         # the reduce dtype (float64): each refused in one line
         for sharded, replicate, params in ((plain, mesh["replicate"], None),
                                            (build(hooks=False)[0], mesh["shard"], None),

@@ -19,6 +19,9 @@ batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
   running; rank spec "victim" at step 3 does spec "fault": "kill" (SIGKILL itself), "exit"
   (sys.exit(0)) or "raise".
 
+"parts": several such launches in one, spec "parts" {name: spec of "native" or "hooked"}, each
+part's arrays prefixed "<name>/" (every model seeded and fed as in a launch of its own).
+
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
 mixed precision or CPU offload), its arrays prefixed "<policy>/". Each rank saves its full
 parameters and its local shards, prefixed by the run's name. "hooked" then trains a wider MLP
@@ -82,8 +85,8 @@ def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("com
     return model, exchange, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
 
-def train(model, opt, steps, on_step=None):
-    micro_batches = spec.get("micro_batches", 1)  # all but the last under set_requires_gradient_sync(False)
+def train(model, opt, steps, on_step=None, micro_batches=spec.get("micro_batches", 1)):
+    """``micro_batches`` a step, all but the last under set_requires_gradient_sync(False)."""
     for step in steps:
         if on_step:
             on_step(step)
@@ -163,32 +166,27 @@ def fault():
     train(model, opt, range(10**6), lambda step: fault_at(step, 3, rank, spec, out))
 
 
-if mode == "fault":
-    fault()
-elif mode == "resume":
-    np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume())
-    bps.shutdown()
-    dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
-    dist.destroy_process_group()
-else:
-    arrays = {}
-    for policy in [None] + spec.get("policies", []):  # the plain model, then one per policy
-        calls, prefix = [], "" if policy is None else f"{policy}/"
-        model, exchange, opt = build(hooked=mode == "hooked", policy=policy)
+def native_or_hooked(part, head=""):
+    """A "native" or "hooked" spec's runs: its arrays (names prefixed ``head``) and refusals."""
+    arrays, hooked, micro_batches = {}, part["mode"] == "hooked", part.get("micro_batches", 1)
+    for policy in [None] + part.get("policies", []):  # the plain model, then one per policy
+        calls, prefix = [], head + ("" if policy is None else f"{policy}/")
+        model, exchange, opt = build(hooked=hooked, policy=policy, compression_params=part.get("compression_params"))
         if exchange is not None:
             record_calls(model, calls)
-        train(model, opt, range(spec["steps"]))
+        train(model, opt, range(part["steps"]), micro_batches=micro_batches)
         arrays.update({**parameters(model, prefix), **{f"{prefix}call{i}/in": c[1] for i, c in enumerate(calls)},
                        **{f"{prefix}call{i}/out": c[2] for i, c in enumerate(calls)},
                        f"{prefix}calls": np.array([c[0] for c in calls])})
         if policy is None:
             plain = model
-    for name, params in spec.get("bytes", {}).items():  # a wider model per codec: bytes and memory
+    for name, params in part.get("bytes", {}).items():  # a wider model per codec: bytes and memory
         model, exchange, opt = build(compression_params=params, widths=WIDE)
-        counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt), spec["steps"])
-        arrays.update({f"bytes/{name}/{k}": v for k, v in counted.items()})
+        counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt, micro_batches=micro_batches),
+                                   part["steps"])
+        arrays.update({f"{head}bytes/{name}/{k}": v for k, v in counted.items()})
     refusals = []
-    if mode == "native":  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
+    if not hooked:  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
         # the reduce dtype (float64): each refused in one line
         for sharded, replicate, params in ((plain, mesh["replicate"], None),
                                            (build(hooks=False)[0], mesh["shard"], None),
@@ -199,6 +197,22 @@ else:
                 refusals.append("")
             except (TypeError, ValueError) as e:
                 refusals.append(str(e))
+    return arrays, refusals
+
+
+if mode == "fault":
+    fault()
+elif mode == "resume":
+    np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume())
+    bps.shutdown()
+    dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
+    dist.destroy_process_group()
+else:
+    arrays, refusals = {}, []
+    for name, part in (spec["parts"].items() if mode == "parts" else [("", spec)]):
+        got, refused = native_or_hooked(part, f"{name}/" if name else "")
+        arrays.update(got)
+        refusals += refused
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays, refusals=np.array(refusals))
     dist.barrier()
     dist.destroy_process_group()

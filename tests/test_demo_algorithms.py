@@ -22,8 +22,14 @@ def run_demo(configs, out):
     return {r["config"]: r for r in json.loads((out / "results.json").read_text())["configs"]}, result.stdout
 
 
-def test_local_sgd_row(tmp_path):
-    rows, table = run_demo("baseline,localsgd-h4", tmp_path)
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """One demo run of every row the tests read (each row its own cluster, as in runs of its own)."""
+    return run_demo("baseline,localsgd-h4,choco-signnorm,dpsgd", tmp_path_factory.mktemp("demo"))
+
+
+def test_local_sgd_row(demo):
+    rows, table = demo
     steps = rows["baseline"]["steps"]
     averaging = len(range(0, steps, 4))  # the first step, then every 4th
     assert rows["localsgd-h4"]["wire_bytes_per_step"] == pytest.approx(
@@ -31,8 +37,8 @@ def test_local_sgd_row(tmp_path):
     assert "local SGD, H=4" in table and rows["localsgd-h4"]["final_accuracy"] > 0.3
 
 
-def test_decentralized_rows(tmp_path):
-    rows, _ = run_demo("choco-signnorm,dpsgd", tmp_path)
+def test_decentralized_rows(demo):
+    rows = {name: row for name, row in demo[0].items() if name in ("choco-signnorm", "dpsgd")}
     # D-PSGD sends the float32 model to 2 neighbours a step; CHOCO signnorm about 1/32 of that
     assert rows["dpsgd"]["ratio"] == pytest.approx(1.0, rel=0.01)
     assert rows["choco-signnorm"]["wire_bytes_per_step"] < rows["dpsgd"]["wire_bytes_per_step"] / 20

@@ -34,12 +34,27 @@ def run(spec, tmp_path):
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
 
 
-def test_dense_hooks_train_as_native_hsdp(tmp_path):
-    (tmp_path / "native").mkdir()
-    (tmp_path / "hooked").mkdir()
-    native = run({"mode": "native", "steps": 10, "policies": POLICIES}, tmp_path / "native")
-    hooked = run({"mode": "hooked", "steps": 10, "policies": POLICIES}, tmp_path / "hooked")
-    two_d, mismatched, float64 = (str(r) for r in native[0]["refusals"])
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """One launch of three parts, each seeded and fed as a launch of its own: native HSDP and
+    the dense hooks, 10 steps; the hooks with top-k + EF, two micro-batches a step, 3 steps (the
+    MLP and one model per policy, then the wider model once per fsdp_bytes.CODECS codec).
+    Each rank's saved arrays."""
+    return run({"mode": "parts", "parts": {
+        "native": {"mode": "native", "steps": 10, "policies": POLICIES},
+        "hooked": {"mode": "hooked", "steps": 10, "policies": POLICIES},
+        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES,
+                 "bytes": CODECS}}}, tmp_path_factory.mktemp("fsdp_parts"))
+
+
+def part(launch, name):
+    """Each rank's arrays of one part, its prefix dropped."""
+    return [{k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"{name}/")} for arrays in launch]
+
+
+def test_dense_hooks_train_as_native_hsdp(launch):
+    native, hooked = part(launch, "native"), part(launch, "hooked")
+    two_d, mismatched, float64 = (str(r) for r in launch[0]["refusals"])
     assert "sharded on a 2-D mesh (2, 2)" in two_d and "shard it on mesh['shard']" in two_d, two_d
     assert mismatched == ("register_fsdp_hooks: the replicate group (ranks [0, 1]) does not match the mesh: rank 0 "
                           "shards with ranks [0, 1]; pass mesh['replicate'] of the mesh whose mesh['shard'] the "
@@ -84,11 +99,8 @@ CHAINS = {}
 
 
 @pytest.fixture(scope="module")
-def topk_run(tmp_path_factory):
-    """The hooked launch with top-k + EF, two micro-batches a step, 3 steps: the MLP and one
-    model per policy, then the wider model once per fsdp_bytes.CODECS codec. Each rank's saved arrays."""
-    return run({"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES,
-                "bytes": CODECS}, tmp_path_factory.mktemp("fsdp_topk"))
+def topk_run(launch):
+    return part(launch, "topk")
 
 
 def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):

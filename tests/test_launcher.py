@@ -144,7 +144,9 @@ def test_sigkill_of_launcher_leaves_no_child_alive(tmp_path):
     ({"BPS_GC_KILL_GRACE": "soon"}, "BPS_GC_KILL_GRACE"),
 ])
 def test_bad_environment_exits_2_naming_the_variable(tmp_path, change, variable):
-    env = clean_env(**WORKER_ENV)
+    # where the bad variable does not locate the scheduler, bpslaunch asks it to stop the job and
+    # waits for its answer up to min(join timeout, 3 s); no scheduler runs here: 0.5 s, not 3
+    env = clean_env(**WORKER_ENV, BPS_GC_JOIN_TIMEOUT="0.5")
     for name, value in change.items():
         env.pop(name) if value is None else env.__setitem__(name, value)
     result = launch(python(REPORT_ENV, tmp_path), env)

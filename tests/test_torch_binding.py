@@ -105,10 +105,10 @@ def test_single_process_keeps_the_moved_momentum(tmp_path):
     replay([dict(np.load(tmp_path / "torch0.npz"))], spec, 1, min_compress=float("inf"))
 
 
+# the two broadcast scenarios share one launch (2 workers, 1 server), one after the other:
+# broadcast from a non-zero root with the plain API, then a fresh model and optimizer where only
+# the root has stepped
 SCRIPT = textwrap.dedent("""
-    import numpy as np, torch, bps_gc.torch as bps
-    bps.init()
-    r = bps.rank()
     torch.manual_seed(r)                        # different weights on each rank
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -132,13 +132,22 @@ SCRIPT = textwrap.dedent("""
     u = bps.synchronize(h)
     assert t.tolist() == [float(r + 1)] * 5 and s.tolist() == [3.0] * 5 and u.tolist() == [1.5] * 5
     print("TORCH-OK", r)
-    bps.shutdown()
 """)
 
 
-def test_broadcast_from_a_non_zero_root_and_the_plain_api(tmp_path):
-    code = f"OUT = {str(tmp_path)!r}\n" + SCRIPT
+@pytest.fixture(scope="module")
+def broadcasts(tmp_path_factory):
+    """SCRIPT then LAZY in one launch: (the folder, the result, its seconds)."""
+    out = tmp_path_factory.mktemp("broadcasts")
+    code = (f"OUT = {str(out)!r}\nimport numpy as np, torch, bps_gc.torch as bps\nbps.init()\nr = bps.rank()\n"
+            + SCRIPT + LAZY + "bps.shutdown()\n")
+    started = time.monotonic()
     result = run_local([sys.executable, "-c", code], workers=2, servers=1, timeout=120)
+    return out, result, time.monotonic() - started
+
+
+def test_broadcast_from_a_non_zero_root_and_the_plain_api(broadcasts):
+    tmp_path, result, _ = broadcasts
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("TORCH-OK") == 2
     b0, b1 = np.load(tmp_path / "b0.npz"), np.load(tmp_path / "b1.npz")
@@ -184,9 +193,6 @@ def test_errors_are_clear():
 
 
 LAZY = textwrap.dedent("""
-    import numpy as np, torch, bps_gc.torch as bps
-    bps.init()
-    r = bps.rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -197,16 +203,13 @@ LAZY = textwrap.dedent("""
     bufs = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     np.savez(f"{OUT}/lazy{r}.npz", *[b.numpy() for b in bufs])
     print("LAZY-OK", r, flush=True)
-    bps.shutdown()
 """)
 
 
-def test_broadcast_optimizer_state_when_only_the_root_has_state(tmp_path):
-    code = f"OUT = {str(tmp_path)!r}\n" + LAZY
-    started = time.monotonic()
-    result = run_local([sys.executable, "-c", code], workers=2, servers=1, timeout=60)
+def test_broadcast_optimizer_state_when_only_the_root_has_state(broadcasts):
+    tmp_path, result, seconds = broadcasts
     assert result.returncode == 0, result.stderr[-3000:]
-    assert time.monotonic() - started < 60
+    assert result.stdout.count("LAZY-OK") == 2 and seconds < 60
     root, other = (np.load(tmp_path / f"lazy{r}.npz") for r in (0, 1))
     assert root.files == other.files and len(root.files) == 2
     for name in root.files:

@@ -121,6 +121,16 @@ def parse_edges(text):
 BUILDERS = {"ring": ring, "torus": torus, "complete": complete}
 
 
+def check_spec(spec):
+    """The ValueError topology() raises for a string ``spec`` at any size (an unknown name, a
+    bad edge list): a script checks its flag with it before the job starts."""
+    if isinstance(spec, str) and spec not in BUILDERS:
+        if "-" not in spec:
+            raise ValueError(f"unknown graph topology {spec!r}: use one of {sorted(BUILDERS)} or an "
+                             "edge list such as '0-1,1-2,2-3'")
+        parse_edges(spec)
+
+
 def topology(spec, size):
     """A Topology from a name ('ring', 'torus', 'complete'), an edge list string ('0-1,1-2'),
     a list of edges, or a Topology (checked against ``size``)."""
@@ -129,9 +139,7 @@ def topology(spec, size):
     elif isinstance(spec, str) and spec in BUILDERS:
         topo = BUILDERS[spec](size)
     elif isinstance(spec, str):
-        if "-" not in spec:
-            raise ValueError(f"unknown graph topology {spec!r}: use one of {sorted(BUILDERS)} or an "
-                             "edge list such as '0-1,1-2,2-3'")
+        check_spec(spec)
         topo = Topology(size, parse_edges(spec), "user graph")
     else:
         topo = Topology(size, spec, "user graph")

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import bps_gc.core
-from bps_gc.algorithms.topology import topology
+from bps_gc.algorithms.topology import check_spec, topology
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -216,6 +216,11 @@ def main(argv=None):
         parser.error("--batch_size and --local_step must be >= 1")
     changes = [int(e) for e in args.lr_change_epochs.split(",") if e.strip()]
     compression(args, parser)  # flag errors before the cluster waits on us
+    if algorithm(args)[0] in ("parallel_choco", "dpsgd") or (args.lr_scaleup and args.lr_scaleup_factor == "graph"):
+        try:  # a bad --graph_topology too, before torch is imported
+            check_spec(args.graph_topology)
+        except ValueError as e:
+            raise SystemExit(f"train_cifar10_choco: {e}")
     train_x, train_y = load_split(args.data_dir, "train")
     test_x, test_y = load_split(args.data_dir, "test")
 

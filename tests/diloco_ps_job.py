@@ -10,8 +10,9 @@ EF, two staggered fragments, tau = 1) once per mode, twice: "straight" (with its
 DiLoCo's state and bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (each with a fragment's
 exchange in flight) and train on ("first_end"); first it tries a DiLoCo with a process group
 (refused: "refused"). Phase "resumed": the same objects made in the same order (so the same
-names are declared), the checkpoint loaded, the rest trained ("resumed"). Each rank saves
-OUT/<phase><rank>.npz."""
+names are declared), the checkpoint loaded, the rest trained ("resumed"). Phase "all" ends
+with thc 4-bit at H = 4 for 8 inner steps, its bytes pushed ("thc/pushed_wire") and the dtypes
+of its phase tensors ("thc/phase_dtypes"). Each rank saves OUT/<phase><rank>.npz."""
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.torch as bps  # noqa: E402
+from bps_gc import core  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
 
 MODES = {"workers": None, "servers": {"compressor": "threshold", "threshold": 0.0}}
@@ -109,4 +111,15 @@ for step in range(start, c["steps"]):
             parameters(model, f"{mode}/first")
 for mode, (model, _) in runs.items():
     parameters(model, f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}")
+if phase == "all":  # declared last: the checkpoint and the resumed phase never see it
+    for opt in keep:
+        opt.wait()
+    model, opt = diloco(4, 1, 0, {"compressor": "thc", "bits": 4}, "workers")
+    bps.metrics()  # reset: only thc's phases count
+    for step in range(8):
+        inner_step(model, opt, step)
+    opt.wait()
+    saved["thc/pushed_wire"] = np.array(bps.metrics().pushed_wire)
+    saved["thc/phase_dtypes"] = np.array(sorted({str(t.dtype) for name, t in core.communicator().tensors.items()
+                                                 if "|phase" in name}))
 finish()

@@ -9,7 +9,8 @@ and on 2 workers the biases uncompressed, which take their outer step on the wor
 With top-k + error feedback on 3 workers, in both modes: the global copies are bit-identical on
 every worker; stopped mid-window with a fragment's exchange in flight, saved (model, DiLoCo,
 bps_gc.torch.state_dict(), which holds the servers' momentum) and resumed in a new launch, every
-parameter equals the straight run bit for bit. Bad settings are refused in one line."""
+parameter equals the straight run bit for bit. thc 4-bit's phases are summed in int64 words,
+whose packing gives its bytes exactly. Bad settings are refused in one line."""
 import json
 import os
 import sys
@@ -98,6 +99,19 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
         saved = runs["checkpoint"]["bps_gc"]["communicator"]
         momentum = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/momentum")]
         assert momentum and sum(float(m.abs().sum()) for m in momentum) > 0
+
+
+def test_thc_words_are_int64_and_the_bytes_are_their_packing(runs):
+    """thc 4-bit at H = 4, 8 inner steps (2 syncs), 3 workers, in the "all" launch: every server
+    says it adds int64, so the phase tensors are int64 and each sync pushes, per parameter
+    tensor of n elements, 8-byte words: the 160 scale counts in 2-bit lanes (bit_length(3)),
+    32 a word, so 5; 3 header words; the codes in 6-bit lanes (4 bits + ceil(log2 3)), 10 a
+    word (float64 words would hold 26 and 8 lanes)."""
+    steps, syncs = 8, 2
+    per_sync = sum(8 * (5 + 3 + -(-p.numel() // 10)) for p in build_model().parameters())
+    for rank in range(WORKERS):
+        assert list(runs["all"][rank]["thc/phase_dtypes"]) == ["int64"], f"rank {rank}"
+        assert int(runs["all"][rank]["thc/pushed_wire"]) / steps == syncs * per_sync / steps, f"rank {rank}"
 
 
 def test_a_process_group_is_refused_on_the_parameter_server(runs):

@@ -385,3 +385,14 @@ def test_device_chain_on_cuda():
     # each rotated code errs by under one code step 2 s / M; the rotation keeps the 2-norm
     step = 2 * 2.0 ** codec.host.agreed[0] / 15
     assert float((out - x).norm()) <= step * codec.codes ** 0.5
+
+
+def test_parameter_server_words_are_int64_only_when_every_server_adds_them():
+    """A worker sums thc's phases in int64 words when every server's address-book entry lists
+    int64 among its sums; one server without the list (an older one) keeps float64 for all."""
+    from bps_gc.ps.worker.worker import phase_words
+    from bps_gc.wire.wire import SERVER_SUMS
+    new = {"id": 1, "sums": list(SERVER_SUMS)}
+    assert phase_words([new, dict(new, id=2)]) == np.int64
+    assert phase_words([new, {"id": 2}]) == np.float64
+    assert phase_words([{"id": 1, "sums": ["float32", "float64"]}]) == np.float64

@@ -1,7 +1,7 @@
 """thc on real clusters: the parameter server (3 hosts x 2 ranks, two levels and flat, one
 bpslaunch per role) and torch.distributed (2 hosts x 3 ranks, two levels, one bpslaunch per
 host), each host a network namespace. The servers and the all_reduce add the packed codes as
-float64 words; every rank's pull is decoded from those sums. The oracle recomputes the codes
+int64 words; every rank's pull is decoded from those sums. The oracle recomputes the codes
 here with numpy (nearest rounding, ties up, with error feedback, so they are deterministic):
 one per rank when flat; with two levels one per host, of the host's float32 sum in local-rank
 order (comm/phased.py ``host_first``). It sums them as int64 and decodes by the stated formula:

@@ -24,5 +24,5 @@ def test_thc_trains_mnist_within_one_point_of_dense(tmp_path, servers):
     got = json.loads((tmp_path / "accuracy.json").read_text())
     assert got["dense"] > 0.85, got
     assert got["compressed"][0] >= got["dense"] - 0.01, got
-    # 2 workers: 5-bit lanes, 10 to a float64 word (6.4 bits per element), and the histogram
+    # 2 workers: 5-bit lanes, 12 to an int64 word (5.3 bits per element), and the histogram
     assert got["ratios"][0] > 3, got

@@ -1,6 +1,6 @@
 """Reductions in two phases of plain sums (PowerSGD: the sum of P = M Q, then the sum of
 Q = M^T P^; thc: a scale histogram, then packed integer codes), driven here above the
-transport, so servers and collectives only ever sum dense float buffers: each phase of a
+transport, so servers and collectives only ever sum dense buffers: each phase of a
 tensor is one buffer, every partition's phase payload back to back. The parameter server
 sums it as an uncompressed auxiliary tensor declared per phase (``phase_names``); the
 collective all_reduces it.
@@ -16,7 +16,8 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
   float64 or int64, hold exact integer lanes);
 * optionally ``set_summands(workers, carrier)``: called first, when the payload's size depends
   on how many pushes the sum adds (thc's lanes) and on the element type the transport sums
-  them in (``carrier``: None for the codec's own; torch.distributed passes int64).
+  them in (``carrier``: None for the codec's own; torch.distributed passes int64, the parameter
+  server int64 when every server adds it, else float64: ps/worker/worker.py ``phase_words``).
 
 A reducer with ``host_first`` (thc) runs its phases inside two levels, as a single-phase codec
 runs its push and pull: each partition's owner local rank sums it over the host (floats, in

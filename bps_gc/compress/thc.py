@@ -1,9 +1,11 @@
-"""thc: summable b-bit codes. Phase 1 the exponent histogram's 160 counts packed in float64 words; phase 2 three float64 header values (bits, scale exponent, 1) then float64 words of packed unsigned lanes.
+"""thc: summable b-bit codes. Phase 1 the exponent histogram's 160 counts packed in words; phase 2 three header values (bits, scale exponent, 1) then words of packed unsigned lanes. The words are int64 where the transport adds int64 (torch.distributed; parameter servers that say they add it), else float64.
 
 THC (Li et al., NSDI'24): every worker quantizes against one *shared* scale, so the servers (or
 an all_reduce) add the integer codes without decoding them, and each worker decodes the sum
 once. One reduce takes two plain-sum phases, which the communicators drive like PowerSGD's
-(bps_gc/comm/phased.py), so parameter servers and collectives only ever sum dense float64:
+(bps_gc/comm/phased.py), so parameter servers and collectives only ever sum dense words
+(int64, wrapping modulo 2^64: all 64 bits of a word; float64, the default: 53 exact bits; the
+formulas below say float64's 53, int64's replace it by 64):
 
 1. ``compress(x, ctx)``: y = x (or its randomized Hadamard rotation); the histogram has a 1 in
    the bin of e = ceil(log2 max|y|) (clipped to [-126, 32]; the last bin for a non-finite
@@ -44,9 +46,10 @@ BITS = (2, 4, 8)
 E_MIN, E_MAX = -126, 32  # scale exponents the histogram holds
 HIST = E_MAX - E_MIN + 2  # one bin per exponent, then the non-finite bin
 HEADER = 3  # bits, exponent, count (each summed over the pushes)
-CARRIER = np.dtype(np.float64)  # the parameter server's words: its servers add dense float64 exactly
+CARRIER = np.dtype(np.float64)  # the default words: any server adds dense float64 exactly
 CARRIER_BITS = 53  # integers below 2^53 add exactly in float64
-# the bits of a word each carrier adds exactly: int64 (torch.distributed's words) wraps modulo
+# the bits of a word each carrier adds exactly: int64 (torch.distributed's words, and the
+# parameter server's when every server adds int64: ps/worker/worker.py phase_words) wraps modulo
 # 2^64, which leaves every bit of a sum below 2^64 right when the word is read unsigned
 WORD_BITS = {CARRIER: CARRIER_BITS, np.dtype(np.int64): 64}
 BLOCK = 4096  # largest Hadamard block
@@ -222,7 +225,8 @@ class THC(Codec):
 
     def set_summands(self, summands, carrier=None):
         """Size the code lanes for ``summands`` pushes (the communicator's worker count), in
-        words of ``carrier`` (float64, the default; torch.distributed's int64 add 64 bits)."""
+        words of ``carrier`` (float64, the default; int64, torch.distributed's and the parameter
+        server's where its servers add it, hold 64 bits)."""
         width = lane_bits(self.bits, summands)
         if carrier is not None:
             word_bits(carrier)
@@ -350,8 +354,9 @@ class THC(Codec):
 @register_reducer("thc")
 class CodeSums(PhasedSums):
     """thc's reduction: two phases of plain sums (the scale histogram, then the packed codes),
-    which the communicator drives; servers add the codes as dense float64 words, exact below
-    2^53 (torch.distributed: int64 words, 64 bits), and never decode them."""
+    which the communicator drives; servers add the codes as dense int64 words, 64 bits
+    (float64, exact below 2^53, where a server does not add int64), as torch.distributed does,
+    and never decode them."""
 
     phase_sums = "histogram and code phases are sums"
     host_first = True  # two levels sum the host's floats, then one code per host (comm/phased.py)

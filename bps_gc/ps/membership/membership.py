@@ -13,7 +13,7 @@ import zmq
 from ...comm import NodeFailure
 from ...wire.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, recv, send
 from ...wire.waiting import WaitLines
-from ...wire.wire import Header, Msg, decode_json, encode_json
+from ...wire.wire import SERVER_SUMS, Header, Msg, decode_json, encode_json
 
 log = logging.getLogger("bps_gc.membership")
 # a joining node waits this long past BPS_GC_JOIN_TIMEOUT for the scheduler's verdict on it
@@ -115,6 +115,8 @@ class Membership:
                 "agree": self.cfg.agreement()}
         if self.role == "worker":  # the scheduler learns each host's local ranks from its workers
             info.update(local_size=self.cfg.local_size, hierarchy=self.cfg.hierarchy)
+        if self.role == "server":  # workers push int64 words only if every server says it adds them
+            info["sums"] = list(SERVER_SUMS)
         if self.local:
             info["local"] = self.local  # the same-host endpoint (sockets.bind_local)
         return info

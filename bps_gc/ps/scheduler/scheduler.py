@@ -33,11 +33,13 @@ REFUSE_SECONDS = 3.0
 
 
 class Member:
-    __slots__ = ("identity", "role", "rank", "host", "port", "local", "node_id", "last_seen", "gone", "joining")
+    __slots__ = ("identity", "role", "rank", "host", "port", "local", "sums", "node_id", "last_seen", "gone",
+                 "joining")
 
-    def __init__(self, identity, role, rank, host, port, local=None):
+    def __init__(self, identity, role, rank, host, port, local=None, sums=None):
         self.identity, self.role, self.rank, self.host, self.port = identity, role, rank, host, port
         self.local = local  # its same-host endpoint, if it has one
+        self.sums = sums  # a server's: the dtypes it adds (an older server's: None, float only)
         self.node_id, self.last_seen, self.gone = None, time.monotonic(), False
         self.joining = False  # BPS_GC_ELASTIC: a worker host joining the running job (joins.py)
 
@@ -46,6 +48,8 @@ class Member:
                 "address": f"{self.host}:{self.port}" if self.port else self.host}
         if self.local:
             info["local"] = self.local
+        if self.sums is not None:
+            info["sums"] = self.sums
         return info
 
 
@@ -207,6 +211,10 @@ class Scheduler:
             if local is not None and not (isinstance(local, str) and local.startswith("ipc://@bps_gc/")
                                           and len(local) <= 300):
                 raise ValueError(f"local endpoint {local!r}")
+            sums = info.get("sums")
+            if sums is not None and not (isinstance(sums, list) and len(sums) <= 16 and
+                                         all(isinstance(d, str) and len(d) <= 16 for d in sums)):
+                raise ValueError(f"sums {sums!r}")
         except (MalformedMessage, KeyError, TypeError, ValueError) as e:
             self.dropped("a bad registration: %s", e)
             return None
@@ -241,7 +249,7 @@ class Scheduler:
         if problem:
             log.error("refused %s from %s: %s", role, host, problem)
             return self.refuse(msg.identity, problem)
-        self.members[msg.identity] = Member(msg.identity, role, rank, host, port, local)
+        self.members[msg.identity] = Member(msg.identity, role, rank, host, port, local, sums)
         log.info("%s %s joined from %s:%s", role, rank, host, port)
         self.reply(self.members[msg.identity], Msg.HEARTBEAT_ACK)  # it now waits for the others, not for us
         if all(self.count(r) == n for r, n in self.expected.items()):

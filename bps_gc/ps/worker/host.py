@@ -68,13 +68,15 @@ class HostShares:
         self.per_rank = set()  # names of the tensors every rank pushes itself (see ``place``)
         self.pushed_by = {}  # thc's phase tensors -> the local rank that pushes them (``phase_tensors``)
         self.io = self.counters = self.compressed_pushes = self.run_phases = self.handle = None
+        self.words = None
 
-    def attach(self, io, counters, compressed_pushes, run_phases, handle):
+    def attach(self, io, counters, compressed_pushes, run_phases, handle, words):
         """``io``: the worker's WorkerIO (its pushes go out there); ``counters``: its Counters;
         ``compressed_pushes``: compressing.CompressedPushes; ``run_phases``: Worker.run_phases
-        (thc's phases); ``handle(tensor, out, wire, count, average, ctx)``: a worker Handle."""
+        (thc's phases); ``handle(tensor, out, wire, count, average, ctx)``: a worker Handle;
+        ``words``: the dtype the servers sum thc's phases in (worker.phase_words)."""
         self.io, self.counters, self.compressed_pushes = io, counters, compressed_pushes
-        self.run_phases, self.handle = run_phases, handle
+        self.run_phases, self.handle, self.words = run_phases, handle, words
 
     def owner(self, tensor, p):
         """The member index (local rank) that sums, pushes and pulls partition ``p``."""
@@ -86,7 +88,7 @@ class HostShares:
         the worker to declare alike on every rank, placed (INIT) and pushed by that local rank
         of every host: one push per host a key, as the servers count, and lanes sized for the
         hosts."""
-        size_for(tensor, self.size // self.local_size)
+        size_for(tensor, self.size // self.local_size, self.words)
         named = []
         for rank in range(self.local_size):
             owned = [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == rank]
@@ -167,7 +169,8 @@ class HostShares:
         tensor = local.plan
         try:
             buf = self._wire_copy(local, owned)
-            reduction = PhasedReduction(tensor, buf, buf, handle.ctx, self.size // self.local_size, owned)
+            reduction = PhasedReduction(tensor, buf, buf, handle.ctx, self.size // self.local_size, owned,
+                                        self.words)
         except Exception as e:
             return handle.fail(e)
         self.run_phases(reduction, owner_phase_names(tensor, self.local_rank), local.priority, handle.ctx,

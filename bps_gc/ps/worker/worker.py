@@ -16,7 +16,7 @@ import zmq
 from ...comm.communicator import Communicator
 from ...comm.metrics import Counters
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
-from ...comm.placement import Placement, check_dtype, dense_partition_bytes
+from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes
 from ...wire.sockets import Auth
 from ...wire.wire import encode_context
 from ..membership.membership import Membership
@@ -33,6 +33,13 @@ from .peers import Peers
 from .push import Push
 
 log = logging.getLogger("bps_gc.worker")
+
+
+def phase_words(servers):
+    """The words thc's phases are summed in (comm/phased.py ``carrier``): int64, all 64 bits
+    (wrapping), when every server's address-book entry says it adds them; else float64, whose
+    53 exact bits an older server adds."""
+    return np.dtype(np.int64 if all("int64" in (s.get("sums") or ()) for s in servers) else np.float64)
 
 
 class Worker(Communicator):
@@ -56,6 +63,7 @@ class Worker(Communicator):
         self.closed = False
         self.alone = None  # lone_worker.py: one process that never reaches the servers
         self.elastic = None  # BPS_GC_ELASTIC: whole round groups (elastic.py)
+        self.phase_words = None  # what the servers sum thc's phase words in (``phase_words``)
         self.epoch = 0  # BPS_GC_ELASTIC: the membership epoch of the last round group released
         self.members = list(range(self.size))  # BPS_GC_ELASTIC: its members' ranks, in order
         self.joining = False  # BPS_GC_ELASTIC: this worker joins a running job (joining.py)
@@ -80,6 +88,7 @@ class Worker(Communicator):
             self.membership.local = local.endpoint
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
+        self.phase_words = phase_words(servers)
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
         local, self.host = host_level.connect(self.cfg, self.size, local, book, self.membership.host,
                                               self.membership)
@@ -93,7 +102,7 @@ class Worker(Communicator):
         self.compressed_pushes = CompressedPushes(self.pool, self.counters, self.io)
         if self.host is not None:
             self.host.attach(self.io, self.counters, self.compressed_pushes, self.run_phases,
-                             functools.partial(Handle, self))
+                             functools.partial(Handle, self), self.phase_words)
         self.placement = Placement(len(servers), self.cfg.partition_bytes, self.cfg.min_compress_bytes,
                                    dense_partition_bytes(self.cfg, book))
         self.io.thread.start()
@@ -149,10 +158,9 @@ class Worker(Communicator):
             if self.host is not None and host_first(tensor):  # thc: its owners' own phase tensors
                 named = self.host.phase_tensors(tensor)
             else:
-                named = zip(phase_names(tensor), phase_lengths(tensor, self.size))
+                named = zip(phase_names(tensor), phase_lengths(tensor, self.size, self.phase_words))
             for name, length in named:
-                self.declare(name, shape=(length,), dtype=phase_dtype(tensor))
-                self.tensors[name].auxiliary = True
+                self._declare_phase(name, length, phase_dtype(tensor))
             return
         if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
             tensor.local = True  # the workers sum it: no server hears of it
@@ -161,6 +169,14 @@ class Worker(Communicator):
             if self.host is None else self.host.place(tensor)
         for init in inits:
             self.io.post(init)
+
+    def _declare_phase(self, name, length, dtype):
+        """A phase buffer's dense tensor: auxiliary (no raw bytes of its own), and int64 where
+        thc's words are (``phase_words``), which a user's tensor may not be."""
+        phase, shape, dtype = declare_tensor(self.tensors, self.codecs, name, (length,), dtype, None, {})
+        phase.auxiliary = True
+        if shape is not None:
+            self._place(phase, shape, dtype, late=False)
 
     def reduce(self, array, name, average=True, priority=0, ctx=None, out=None, lr=None):
         """Sum (or average) ``array`` over all workers; returns a Handle whose ``wait()`` gives
@@ -245,7 +261,7 @@ class Worker(Communicator):
             source = source.astype(tensor.wire_dtype)
         # the Handle copies (and casts) the result into ``out`` unless it is written there
         target = out.reshape(-1) if out.dtype == tensor.wire_dtype else np.empty_like(source)
-        reduction = PhasedReduction(tensor, source, target, ctx, self.size)
+        reduction = PhasedReduction(tensor, source, target, ctx, self.size, carrier=self.phase_words)
         tensor.busy = True
         handle = Handle(self, tensor, out, target, 1, average, ctx)
         raw = source.size * tensor.wire_dtype.itemsize

@@ -11,8 +11,11 @@ DiLoCo's state and bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (each with a f
 exchange in flight) and train on ("first_end"); first it tries a DiLoCo with a process group
 (refused: "refused"). Phase "resumed": the same objects made in the same order (so the same
 names are declared), the checkpoint loaded, the rest trained ("resumed"). Phase "all" ends
-with thc 4-bit at H = 4 for 8 inner steps, its bytes pushed ("thc/pushed_wire") and the dtypes
-of its phase tensors ("thc/phase_dtypes"). Each rank saves OUT/<phase><rank>.npz."""
+with a DiLoCo on the servers whose rank 1 starts from other parameters (refused there:
+"differs"), and thc 4-bit at H = 4 for 8 inner steps, its bytes pushed ("thc/pushed_wire") and the dtypes
+of its phase tensors ("thc/phase_dtypes"). With the outer step on the servers, each run's end
+also saves the global copy pulled from the servers and the worker's own (``pulled``). Each rank
+saves OUT/<phase><rank>.npz."""
 import json
 import os
 import sys
@@ -53,6 +56,20 @@ def diloco(sync_every, fragments, delay, compression_params, mode):
     return model, opt
 
 
+def pulled(opt, label):
+    """With the outer step on the servers, after every exchange in flight (each DiLoCo's, so no
+    push_pull runs): the global copy fetched from the servers ("<label>/pulled/<name>") and
+    this worker's own, with the update of a fragment's exchange still in flight added, as the
+    servers added it ("<label>/mine/<name>")."""
+    for kept in keep:
+        kept.wait()
+    pending = {name: update for f in opt.fragments if f.pending is not None for name, update in f.pending.items()}
+    for name, value in opt.global_parameters().items():
+        saved[f"{label}/pulled/{name}"] = value.numpy().copy()
+    for name, copy in opt.held_on_servers():
+        saved[f"{label}/mine/{name}"] = (copy + pending[name] if name in pending else copy).numpy().copy()
+
+
 def finish():
     np.savez(os.path.join(out, f"{phase}{rank}.npz"), **saved)
     for opt in keep:  # the exchanges still in flight (the overlapped runs' last), finished alike everywhere
@@ -77,6 +94,8 @@ for mode, codec in MODES.items():
             parameters(model, f"{mode}/{case}")
             # which parameters went uncompressed (below BYTEPS_MIN_COMPRESS_BYTES): outer step on the workers
             saved[f"{mode}/{case}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
+            if mode == "servers":
+                pulled(opt, f"{mode}/{case}")
 if phase == "dense":
     finish()
 c = spec["compressed"]
@@ -90,6 +109,8 @@ for mode in MODES:
         names = [name for name, _ in model.named_parameters()]
         copies = [copy for fragment in opt.fragments for copy in fragment.copies]
         saved.update({f"{mode}/global/{name}": copy.numpy().copy() for name, copy in zip(names, copies)})
+        if mode == "servers":
+            pulled(opt, f"{mode}/straight")
 runs = {mode: diloco(*settings, mode) for mode in MODES}  # trained in lockstep: one checkpoint
 path = os.path.join(out, f"ckpt{rank}.pt")
 start = 0
@@ -109,11 +130,22 @@ for step in range(start, c["steps"]):
         torch.save({**state, "bps_gc": bps.state_dict()}, path)
         for mode, (model, _) in runs.items():
             parameters(model, f"{mode}/first")
-for mode, (model, _) in runs.items():
+for mode, (model, opt) in runs.items():
     parameters(model, f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}")
+    if mode == "servers":  # the servers' global copies, resumed from the checkpoint's and trained on
+        pulled(opt, f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}")
 if phase == "all":  # declared last: the checkpoint and the resumed phase never see it
     for opt in keep:
         opt.wait()
+    model = build_model()  # rank 1 starts from other parameters: refused there ("differs")
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight[0, 0] += 1e-3
+    try:
+        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, compression_params=MODES["servers"],
+                   outer_step="servers")
+    except ValueError as e:
+        saved["differs"] = np.array(str(e))
     model, opt = diloco(4, 1, 0, {"compressor": "thc", "bits": 4}, "workers")
     bps.metrics()  # reset: only thc's phases count
     for step in range(8):

@@ -40,9 +40,11 @@ def wide_batch(rank, step):
     return torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
 
 
-def recompute(sync_every, fragments, steps, delay, replicas=2):
+def recompute(sync_every, fragments, steps, delay, replicas=2, servers_global=False):
     """Every replica's model in one process, DiLoCo written out by hand: a fragment's
-    pseudo-gradient is taken at its turn and applied ``delay`` inner steps later."""
+    pseudo-gradient is taken at its turn and applied ``delay`` inner steps later.
+    ``servers_global``: instead, the global copy once the rounds still in flight at the end
+    have completed too (what the servers hold with the outer step on them)."""
     models = [build_model() for _ in range(replicas)]
     inners = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -65,12 +67,21 @@ def recompute(sync_every, fragments, steps, delay, replicas=2):
                 if f not in taken or taken[f][0] != step + 1:
                     continue
                 for i, delta in taken.pop(f)[1].items():
-                    momentum[i] = 0.9 * momentum[i] + delta  # torch's SGD: buf = mu * buf + g
-                    glob[i] -= 0.7 * (delta + 0.9 * momentum[i])  # Nesterov
+                    outer_step(glob, momentum, i, delta)
                     for ps in params:
                         ps[i].copy_(glob[i])
     names = [name for name, _ in models[0].named_parameters()]
+    if servers_global:
+        for _, deltas in taken.values():
+            for i, delta in deltas.items():
+                outer_step(glob, momentum, i, delta)
+        return {name: g.detach().numpy() for name, g in zip(names, glob)}
     return [{name: p.detach().numpy() for name, p in zip(names, ps)} for ps in params]
+
+
+def outer_step(glob, momentum, i, delta):
+    momentum[i] = 0.9 * momentum[i] + delta  # torch's SGD: buf = mu * buf + g
+    glob[i] -= 0.7 * (delta + 0.9 * momentum[i])  # Nesterov
 
 
 @pytest.fixture(scope="module")

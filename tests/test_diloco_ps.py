@@ -66,6 +66,27 @@ def test_diloco_equals_the_recomputation(runs, phase, workers, mode):
             assert list(got[0][f"{mode}/{case}/averaged"]) == (["0.bias", "2.bias"] if phase == "dense" else [])
 
 
+@pytest.mark.parametrize("phase, workers", [("dense", 2), ("all", WORKERS)])
+def test_the_servers_hold_the_global_copy(runs, phase, workers):
+    """With the outer step on the servers, every worker pulls the global copy from the servers
+    (DiLoCo.global_parameters()): it is each worker's own copy, bit for bit (with an exchange
+    still in flight at the end, plus its update, as the servers applied it), and equals the
+    re-computation's within 1e-6 relative. Uncompressed biases keep theirs on the workers."""
+    got = runs[phase]
+    for case, settings in CASES.items():
+        want = recompute(*settings, replicas=workers, servers_global=True)
+        held = [name for name in want if f"servers/{case}/pulled/{name}" in got[0]]
+        assert held == ([n for n in want if n.endswith("weight")] if phase == "dense" else list(want)), case
+        for rank in range(workers):
+            for name in held:
+                pulled = got[rank][f"servers/{case}/pulled/{name}"]
+                assert pulled.tobytes() == got[rank][f"servers/{case}/mine/{name}"].tobytes(), f"{case} {rank} {name}"
+                np.testing.assert_allclose(pulled, want[name], rtol=1e-6, atol=1e-7, err_msg=f"{case} {rank} {name}")
+    # "overlapped" ends with fragment 1's round completed on the servers only: not the parameters
+    last = recompute(*CASES["overlapped"], replicas=workers)[0]["2.weight"]
+    assert not np.array_equal(got[0]["servers/overlapped/pulled/2.weight"], last)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_compressed_global_copies_are_bit_identical_on_every_worker(runs, mode):
     got = runs["all"]
@@ -74,6 +95,11 @@ def test_compressed_global_copies_are_bit_identical_on_every_worker(runs, mode):
     for rank in range(1, WORKERS):
         for name in names:
             assert got[rank][name].tobytes() == got[0][name].tobytes(), f"rank {rank} {name}"
+    if mode == "servers":  # top-k's pseudo-gradients: the servers' copy is every worker's too
+        for rank in range(WORKERS):
+            for name in names:
+                pulled = got[rank][name.replace("/global/", "/straight/pulled/")].tobytes()
+                assert pulled == got[rank][name.replace("/global/", "/straight/mine/")].tobytes(), f"rank {rank}"
     # top-k did compress: the run is not the dense one
     dense = recompute(COMPRESSED["sync_every"], COMPRESSED["fragments"], COMPRESSED["steps"], COMPRESSED["delay"],
                       replicas=WORKERS)
@@ -95,10 +121,21 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
             assert resumed[f"{mode}/resumed/{name}"].tobytes() == straight, f"rank {rank} {name}: resumed"
             assert every[f"{mode}/first_end/{name}"].tobytes() == straight, f"rank {rank} {name}: runs differ"
         assert any(not np.array_equal(every[f"{mode}/first/{n}"], every[f"{mode}/straight/{n}"]) for n in names)
-    if mode == "servers":  # the servers' outer momentum is in the checkpoint, and not zero
+    if mode == "servers":  # the servers' outer momentum and global copy are in the checkpoint
         saved = runs["checkpoint"]["bps_gc"]["communicator"]
         momentum = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/momentum")]
         assert momentum and sum(float(m.abs().sum()) for m in momentum) > 0
+        held = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/global_copy")]
+        assert len(held) == len(momentum) and all(float(g.abs().sum()) > 0 for g in held)
+        for rank in range(WORKERS):  # the resumed servers' global copies: the straight run's, pulled
+            every, resumed = runs["all"][rank], runs["resumed"][rank]
+            names = [n.split("/", 3)[3] for n in every if n.startswith("servers/straight/pulled/")]
+            assert len(names) == 4
+            for name in names:
+                straight = every[f"servers/straight/pulled/{name}"].tobytes()
+                assert resumed[f"servers/resumed/pulled/{name}"].tobytes() == straight, f"rank {rank} {name}"
+                assert every[f"servers/first_end/pulled/{name}"].tobytes() == straight, f"rank {rank} {name}"
+                assert resumed[f"servers/resumed/mine/{name}"].tobytes() == straight, f"rank {rank} {name}"
 
 
 def test_thc_words_are_int64_and_the_bytes_are_their_packing(runs):
@@ -117,6 +154,13 @@ def test_thc_words_are_int64_and_the_bytes_are_their_packing(runs):
 def test_a_process_group_is_refused_on_the_parameter_server(runs):
     message = str(runs["all"][0]["refused"])
     assert message.startswith("DiLoCo: the parameter server averages over every worker") and "\n" not in message
+
+
+def test_other_initial_parameters_are_refused_on_the_servers(runs):
+    message = str(runs["all"][1]["differs"])
+    assert message == ("DiLoCo: worker 1's initial 0.weight differs from worker 0's: every replica must start "
+                       "from the same parameters (build the model from one seed)")
+    assert "differs" not in runs["all"][0] and "differs" not in runs["all"][2]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -97,6 +97,16 @@ class Communicator(abc.ABC):
         ``StateError`` names the first problem, and then nothing was loaded."""
         raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict()")
 
+    def server_values(self, name, attr):
+        """The flat array ``attr`` of the servers' reducer state of ``name`` (DiLoCo's global
+        copy, reducer ``outer_sgd``'s ``global_copy``), fetched from where the servers keep it."""
+        raise NotImplementedError(f"{type(self).__name__} has no servers holding reducer state")
+
+    def set_server_values(self, name, attr, flat):
+        """Seed ``attr`` of the servers' reducer state of ``name`` with ``flat``, before its
+        first reduce."""
+        raise NotImplementedError(f"{type(self).__name__} has no servers holding reducer state")
+
     # how ``push_payloads`` answers (bindings that compress themselves: bps_gc.torch's device
     # chains): False, the reduced reply of each partition (a server reduced them); True, every
     # rank's payloads of each partition (the caller runs the reducer, as the collective does)

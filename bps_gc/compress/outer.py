@@ -8,9 +8,14 @@ the gradient, keeping the momentum buffer:
     v <- mu v + mean;   g = mean + mu v (Nesterov) or v (mu > 0) or mean;   reply = -lr g
 
 The reply is that update, dense (the partition's elements); every worker adds it to its global
-copy, so the copies stay the same bits on every worker. The momentum is this partition's state
-(its server's, in the checkpoint's ``server/`` part); the partitions are spread over the servers,
-so the outer state is sharded over them. The round's step context carries the settings, the
+copy, so the copies stay the same bits on every worker. The server keeps the partition's global
+copy too (``global_copy``) and adds the same update to it, in the same dtype, so it holds the
+same bits: a worker fetches it with a state request (STATE_GET), and DiLoCo seeds it with the
+initial parameters before the first round (STATE_PUT). Replying the update rather than the new
+global values costs the same bytes and keeps the reducer's reply format. The momentum and the
+global copy are this partition's state (its server's, in the checkpoint's ``server/`` part); the
+partitions are spread over the servers, so the global parameters and the outer state are
+sharded over them. The round's step context carries the settings, the
 same on every push: ``outer_lr``, ``outer_momentum``, ``outer_nesterov``, ``outer_workers``
 (what the sum is divided by). Any codec whose pushes decode and add (those that support
 ``lossless``) may use it.
@@ -27,11 +32,12 @@ SETTINGS = ("outer_lr", "outer_momentum", "outer_nesterov", "outer_workers")
 class OuterSGD(Reducer):
     summed = False  # the reply is the update, never divided by the workers
     decodes_pushes = True  # any codec whose payloads decode and add (reducers.choose_reducer)
-    state_attrs = ("momentum",)
+    state_attrs = ("momentum", "global_copy")
 
     def __init__(self, params, n, dtype, codecs):
         super().__init__(params, n, dtype, codecs)
         self.momentum = np.zeros(self.n, self.dtype)
+        self.global_copy = np.zeros(self.n, self.dtype)  # the sum of the updates until seeded
 
     def reduce(self, payloads, compressed, ctx=None):
         ctx = step_context(ctx)
@@ -47,7 +53,9 @@ class OuterSGD(Reducer):
             self.momentum *= mu
             self.momentum += mean
             step = mean + mu * self.momentum if ctx["outer_nesterov"] else self.momentum
-        return (-(f(ctx["outer_lr"]) * step)).astype(self.dtype, copy=False).view(np.uint8)
+        update = (-(f(ctx["outer_lr"]) * step)).astype(self.dtype, copy=False)
+        self.global_copy += update  # what every worker adds to its own copy: the same bits
+        return update.view(np.uint8)
 
     def decode(self, reply, out, ctx=None):
         buf = np.frombuffer(reply, np.uint8) if not isinstance(reply, np.ndarray) else reply.reshape(-1)

@@ -84,6 +84,41 @@ class DiLoCo:
         except ValueError as e:
             raise ValueError(f"DiLoCo: {e}") from None
         self.steps = 0  # inner steps taken
+        if self.on_servers:
+            self.seed_servers()
+
+    def held_on_servers(self):
+        """[(name, global copy)] of the parameters whose global copy the servers hold too
+        (outer_step="servers", sent compressed: reducer ``outer_sgd`` keeps it)."""
+        if not self.on_servers:
+            return []
+        return [(name, copy) for f in self.fragments for name, copy in zip(f.names, f.copies)
+                if name not in self.exchange.averaged]
+
+    @torch.no_grad()
+    def seed_servers(self):
+        """The servers' global copies start as worker 0's initial parameters; every worker then
+        fetches them and refuses, in one line, initial parameters that are not the same bits."""
+        held = self.held_on_servers()
+        if core.rank() == 0:
+            for name, copy in held:
+                self.exchange.set_server_values(name, SERVERS_GLOBAL, copy)
+        core.barrier()  # worker 0's seeds are in place
+        for name, copy in held:
+            if self.exchange.server_values(name, SERVERS_GLOBAL).numpy().tobytes() != copy.numpy().tobytes():
+                raise ValueError(f"DiLoCo: worker {core.rank()}'s initial {name} differs from worker 0's: every "
+                                 "replica must start from the same parameters (build the model from one seed)")
+
+    def global_parameters(self):
+        """{name: float32 tensor}: the global copy as the servers hold it now (outer_step=
+        "servers"), fetched from them: what a worker that joins would pull. It is the state after
+        the last outer round the servers completed (``wait()`` first for the rounds in flight);
+        parameters sent uncompressed keep their global copy on the workers only, and are absent."""
+        if not self.on_servers:
+            raise ValueError("DiLoCo: the global parameters are on the servers with outer_step='servers' only; "
+                             "this one keeps them on the workers (its fragments' copies)")
+        return {name: self.exchange.server_values(name, SERVERS_GLOBAL).view_as(copy)
+                for name, copy in self.held_on_servers()}
 
     @property
     def param_groups(self):
@@ -164,6 +199,9 @@ class DiLoCo:
                     copy.copy_(value)
                 fragment.outer.load_state_dict(saved["outer"])
                 fragment.land(saved)
+
+
+SERVERS_GLOBAL = "global_copy"  # outer_sgd's state holding a partition's global copy (compress/outer.py)
 
 
 def server_settings(outer):

@@ -133,6 +133,16 @@ class PushPullExchange:
         return result
 
 
+    def server_values(self, name, attr):
+        """The array ``attr`` of the servers' reducer state of part ``name`` (``outer_sgd``'s
+        ``global_copy``: DiLoCo's global copy), fetched from its servers, as a flat tensor."""
+        return torch.from_numpy(core.communicator().server_values(self.keys[name], attr))
+
+    def set_server_values(self, name, attr, tensor):
+        """Seed ``attr`` of the servers' reducer state of part ``name``, before its first call."""
+        core.communicator().set_server_values(self.keys[name], attr, tensor.detach().cpu().numpy())
+
+
 NOT_A_GROUP = ("the parameter server averages over every worker; a process group (replicate=) is "
                "torch.distributed's (BPS_GC_TRANSPORT=collective)")
 

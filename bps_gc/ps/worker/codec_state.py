@@ -263,3 +263,42 @@ def check_names(worker, tensors, workers_sd, servers_sd, keep_rank_state):
         if saved and len(saved) != len(t.partitions):
             raise StateError(f"tensor {name!r} has {len(saved)} partition(s) in the state, "
                              f"{len(t.partitions)} here (BYTEPS_PARTITION_BYTES differs?)")
+
+
+def server_values(worker, name, attr):
+    """The array ``attr`` of the servers' state of tensor ``name`` (each partition's reducer's,
+    e.g. ``outer_sgd``'s ``global_copy``), one array per partition, in order: a StateError
+    names a key without it. As of the last round each server completed (key_state.py)."""
+    parts = _reducer_partitions(worker, name, attr)
+    replies = exchange(worker, [StateRequest(part.key, part.server, None) for part in parts])
+    states = [worker.codecs.decode_state(data) for data in replies]
+    missing = [part.key for part, sd in zip(parts, states) if attr not in sd]
+    if missing:
+        raise worker.codecs.StateError(f"the servers' state of {name!r} holds no {attr!r} (key {missing[0]})")
+    return [sd[attr] for sd in states]
+
+
+def set_server_values(worker, name, attr, flat):
+    """Set ``attr`` of the servers' state of ``name`` to the slices of ``flat`` (its partitions'
+    elements, in order), keeping the rest of each state; before the key's first round only."""
+    parts = _reducer_partitions(worker, name, attr)
+    states = [worker.codecs.decode_state(data) for data in
+              exchange(worker, [StateRequest(part.key, part.server, None) for part in parts])]
+    for part, sd in zip(parts, states):
+        if attr not in sd or sd[attr].shape != (part.n,):
+            raise worker.codecs.StateError(f"the servers' state of {name!r} holds no {attr!r} of "
+                                           f"{part.n} elements (key {part.key})")
+        sd[attr] = flat[part.start:part.stop].astype(sd[attr].dtype)
+    exchange(worker, [StateRequest(part.key, part.server, worker.codecs.encode_state(sd))
+                      for part, sd in zip(parts, states)])
+
+
+def _reducer_partitions(worker, name, attr):
+    worker.check_alive()
+    tensor = worker.tensors.get(name)
+    if tensor is None or not tensor.compressed or worker.io is None:
+        raise worker.codecs.StateError(f"{name!r} is not a compressed tensor on the servers: no reducer "
+                                       f"state holds its {attr}")
+    if tensor.busy:  # other tensors may run: a state request waits behind its own key's rounds only
+        raise RuntimeError(f"the servers' {attr} of {name!r} while its push_pull is running; wait for it first")
+    return tensor.partitions

@@ -317,6 +317,15 @@ class Worker(Communicator):
         """Restore ``state_dict()``'s result, after declaring, before the first push_pull."""
         codec_state.load_state_dict(self, sd)
 
+    def server_values(self, name, attr):
+        """The flat array ``attr`` of the servers' reducer state of ``name`` (DiLoCo's global
+        copy: ``outer_sgd``'s ``global_copy``), fetched from its servers (codec_state.py)."""
+        return np.concatenate(codec_state.server_values(self, name, attr))
+
+    def set_server_values(self, name, attr, flat):
+        """Seed ``attr`` of the servers' reducer state of ``name``, before its first push_pull."""
+        codec_state.set_server_values(self, name, attr, np.asarray(flat).reshape(-1))
+
     # ------------------------------------------------------------------ collectives
 
     def barrier(self):

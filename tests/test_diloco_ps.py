@@ -179,6 +179,14 @@ def test_bad_servers_settings_are_refused(kwargs, message):
     assert "\n" not in str(refused.value)
 
 
+def test_the_global_parameters_are_on_the_servers_only_with_their_outer_step():
+    from bps_gc.torch import DiLoCo
+    model = build_model()
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4)
+    with pytest.raises(ValueError, match="on the servers with outer_step='servers' only; this one keeps them on"):
+        opt.global_parameters()
+
+
 def test_a_checkpoint_of_the_other_outer_step_is_refused():
     from bps_gc.torch import DiLoCo
     model = build_model()

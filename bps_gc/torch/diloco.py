@@ -101,8 +101,11 @@ class DiLoCo:
         fetches them and refuses, in one line, initial parameters that are not the same bits."""
         held = self.held_on_servers()
         if core.rank() == 0:
-            for name, copy in held:
-                self.exchange.set_server_values(name, SERVERS_GLOBAL, copy)
+            try:
+                for name, copy in held:
+                    self.exchange.set_server_values(name, SERVERS_GLOBAL, copy)
+            except ValueError as e:  # e.g. a lone worker: no servers
+                raise ValueError(f"DiLoCo: outer_step='servers': {e}") from None
         core.barrier()  # worker 0's seeds are in place
         for name, copy in held:
             if self.exchange.server_values(name, SERVERS_GLOBAL).numpy().tobytes() != copy.numpy().tobytes():

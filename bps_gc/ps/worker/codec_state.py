@@ -296,7 +296,10 @@ def set_server_values(worker, name, attr, flat):
 def _reducer_partitions(worker, name, attr):
     worker.check_alive()
     tensor = worker.tensors.get(name)
-    if tensor is None or not tensor.compressed or worker.io is None:
+    if worker.io is None:
+        raise worker.codecs.StateError(f"this worker trains alone: no servers hold the {attr} of {name!r} "
+                                       "(BYTEPS_FORCE_DISTRIBUTED=1 sends through the servers)")
+    if tensor is None or not tensor.compressed:
         raise worker.codecs.StateError(f"{name!r} is not a compressed tensor on the servers: no reducer "
                                        f"state holds its {attr}")
     if tensor.busy:  # other tensors may run: a state request waits behind its own key's rounds only

@@ -200,7 +200,8 @@ def run_clusters(args, topo, log_dir):
                     {"RANK": str(r), "WORLD_SIZE": str(MACHINES * local), "LOCAL_RANK": str(r % local),
                      "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(r // local),
                      "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                     "GLOO_SOCKET_IFNAME": topo.veth(r // local) or "lo", "BPS_GC_TRANSPORT": "collective"}))
+                     "GLOO_SOCKET_IFNAME": topo.veth(r // local) or "lo", "BPS_GC_TRANSPORT": "collective",
+                     "BPS_GC_TTA_HOST": topo.host(r // local)}))  # lm: torchft's row's own address
                     for r in range(MACHINES * local)]
             else:  # one bpslaunch per machine, as on a cluster; its ranks are its children
                 common = {**cluster_env(topo, MACHINES, MACHINES, port), "OMP_NUM_THREADS": "1",

@@ -29,8 +29,9 @@ overlapped with one inner step). Steps count inner steps, and bytes are per inne
 evaluated is what a user would deploy: the global copy, each fragment's as of its last applied
 outer step (an exchange in flight not included), not a replica's drifting local parameters. An
 evaluation step waits for any exchange in flight first, inside the timed step (gloo runs one
-collective at a time; the wait gives up that step's overlap, a pessimistic choice). torchft's
-DiLoCo has no row yet (TORCHFT_ROW says so in the table).
+collective at a time; the wait gives up that step's overlap, a pessimistic choice). Where
+torchft imports (an opt-in extra), torchft's DiLoCo with the dense row's settings is a row too
+(scripts/tta_lm_torchft.py); else a line of the table says why it is absent.
 """
 import argparse
 import contextlib
@@ -55,8 +56,6 @@ RECIPES = {"onebit + EF + nesterov (SGD)": {"compressor": "onebit", "scaling": T
 # DiLoCo rows: the name after "bps_gc DiLoCo H=<H> " -> (fragments, delay tau, compression_params)
 THC = {"compressor": "thc", "bits": 4, "feedback": True}  # error feedback across outer steps
 DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 thc 4-bit": (4, 1, THC)}
-TORCHFT_ROW = ("torchft's DiLoCo: no row: it is not wired into this table yet (torchft {}; "
-               "scripts/diloco_vs_torchft.py compares the two on an MLP)")
 REFERENCE = "reference"
 COLLECTIVE = (REFERENCE, "DDP dense", "DDP bf16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4", *HOOKS)
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
@@ -69,17 +68,19 @@ def diloco_rows(args):
 
 
 def collective_rows(args):
-    """The torch.distributed run's configurations: the reference, COLLECTIVE's rows, DiLoCo's."""
-    return (*COLLECTIVE, *diloco_rows(args))
+    """The torch.distributed run's configurations: the reference, COLLECTIVE's rows, DiLoCo's
+    (torchft's where it imports)."""
+    import tta_lm_torchft as ft
+    return (*COLLECTIVE, *diloco_rows(args), *(() if ft.importable() else (ft.ROW.format(args.diloco_every),)))
 
 
 def torchft_line():
-    """The table's line on torchft's row (absent)."""
-    try:
-        import torchft  # noqa: F401
-        return TORCHFT_ROW.format("is importable here")
-    except Exception:  # noqa: BLE001 (any failure to import is "not importable")
-        return TORCHFT_ROW.format("is not importable here: BPS_GC_EXTRAS=torchft ./scripts/setup_env.sh")
+    """The table's line on torchft's DiLoCo."""
+    import tta_lm_torchft as ft
+    why = ft.importable()
+    return (f"torchft's DiLoCo: no row: torchft does not import here ({why}); BPS_GC_EXTRAS=torchft "
+            "./scripts/setup_env.sh adds it" if why else "torchft's DiLoCo: its F=1 dense row only (its "
+            "quantization is CUDA only; the F=4 tau=1 row's fragments are not wired)")
 MAX_STEPS_FACTOR = 10  # a row short of the target goes on to at most this many times --steps
 
 
@@ -209,6 +210,9 @@ class Run:
             return model, model, opt, args, True
         model, opt, args = self.fresh()
         diloco = diloco_rows(args)
+        if config.startswith("torchft DiLoCo"):
+            from tta_lm_torchft import TorchftDiLoCo
+            return model, model, TorchftDiLoCo(model, opt, args.diloco_every, self.rank, self.size), args, False
         if config in diloco:
             fragments, delay, compression = diloco[config]
             opt = bps.DiLoCo(model, opt, args.diloco_every, fragments=fragments, delay=delay,
@@ -230,11 +234,15 @@ class Run:
     def deployed(self, model, opt):
         """What is evaluated: ``model``; a DiLoCo replica's global copy (its fragments' copies as
         of their last applied outer step) in a model of its own, made once per row."""
-        if not isinstance(opt, self.bps.DiLoCo):
+        from tta_lm_torchft import TorchftDiLoCo
+        if not isinstance(opt, (self.bps.DiLoCo, TorchftDiLoCo)):
             return model
         if getattr(self, "deploy_for", None) is not opt:
             import copy
             self.deploy_for, self.deploy = opt, copy.deepcopy(model)
+        if isinstance(opt, TorchftDiLoCo):
+            opt.deploy_into(self.deploy)
+            return self.deploy
         with self.torch.no_grad():
             for fragment in opt.fragments:
                 for (name, _), global_copy in zip(fragment.named, fragment.copies):
@@ -253,7 +261,8 @@ class Run:
         curve, clock, capped, reached = [(0, 0.0, self.evaluate(self.deployed(model, opt)))], 0.0, False, False
         self.bps.barrier()
         bps_gc.core.metrics()  # reset
-        with counted_collectives(counter) if torch_hook else contextlib.nullcontext():
+        torchft = config.startswith("torchft")
+        with counted_collectives(counter) if torch_hook else opt.running(counter) if torchft else contextlib.nullcontext():
             for step in range(MAX_STEPS_FACTOR * args.steps):
                 began = time.perf_counter()
                 self.set_lr(opt, args, step)  # past --steps: the schedule's floor, --lr / 10

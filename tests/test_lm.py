@@ -128,6 +128,8 @@ def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
 def test_reduced_lm_table_has_every_row(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import time_to_accuracy_lm as lm
+    import tta_lm_torchft as ft
+    torchft = [] if ft.importable() else [ft.ROW.format(8)]  # an opt-in extra: a row where it imports
     result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "8",
                              "--eval-every", "4", *TINY, "--diloco-every", "8", "--cap-factor", "1000", "--slack", "0.1",
                              "--out", str(tmp_path)],
@@ -137,7 +139,7 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     rows = data["rows"]
     diloco = [f"bps_gc DiLoCo H=8 {name}" for name in lm.DILOCO]
-    assert set(rows) == {lm.LIMIT, *lm.COLLECTIVE[1:], *lm.PS, *diloco}
+    assert set(rows) == {lm.LIMIT, *lm.COLLECTIVE[1:], *lm.PS, *diloco, *torchft}
     limit = rows[lm.LIMIT]
     assert limit["steps_to_target"] in (4, 8) and limit["seconds_to_target"] > 0
     assert limit["seconds_to_target"] == pytest.approx(limit["steps_to_target"] * data["compute_seconds_per_step"])
@@ -157,7 +159,12 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     stopped = rows[diloco[0]]["stopped_at_step"]
     assert rows[diloco[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (stopped // 8) / stopped)
     assert rows[diloco[1]]["bytes_per_rank_step"] < rows[diloco[0]]["bytes_per_rank_step"] / 4  # thc 4-bit
-    assert "torchft's DiLoCo: no row" in result.stdout
+    if torchft:  # the same arithmetic as bps_gc's dense DiLoCo, the same bytes
+        assert rows[torchft[0]]["final_val_loss"] == pytest.approx(rows[diloco[0]]["final_val_loss"], abs=1e-4)
+        ft_stopped = rows[torchft[0]]["stopped_at_step"]
+        assert rows[torchft[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (ft_stopped // 8) / ft_stopped)
+    else:
+        assert "torchft's DiLoCo: no row: torchft does not import here" in result.stdout
     assert "the limit (no exchange)" in result.stdout and (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
 
 

@@ -261,8 +261,9 @@ class Run:
         curve, clock, capped, reached = [(0, 0.0, self.evaluate(self.deployed(model, opt)))], 0.0, False, False
         self.bps.barrier()
         bps_gc.core.metrics()  # reset
-        torchft = config.startswith("torchft")
-        with counted_collectives(counter) if torch_hook else opt.running(counter) if torchft else contextlib.nullcontext():
+        around = (counted_collectives(counter) if torch_hook else opt.running(counter)
+                  if config.startswith("torchft") else contextlib.nullcontext())
+        with around:
             for step in range(MAX_STEPS_FACTOR * args.steps):
                 began = time.perf_counter()
                 self.set_lr(opt, args, step)  # past --steps: the schedule's floor, --lr / 10

@@ -131,8 +131,8 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     import tta_lm_torchft as ft
     torchft = [] if ft.importable() else [ft.ROW.format(8)]  # an opt-in extra: a row where it imports
     result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "8",
-                             "--eval-every", "4", *TINY, "--diloco-every", "8", "--cap-factor", "1000", "--slack", "0.1",
-                             "--out", str(tmp_path)],
+                             "--eval-every", "4", *TINY, "--diloco-every", "8", "--cap-factor", "1000",
+                             "--slack", "0.1", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, BPS_GC_HEARTBEAT_TIMEOUT="30"))  # it checks rows, not liveness
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

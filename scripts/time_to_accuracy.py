@@ -26,6 +26,7 @@ configurations train.
     sudo python scripts/time_to_accuracy.py --shaped 100mbit --rows PowerSGD,fp16,thc   # issue 35
     python scripts/time_to_accuracy.py --epochs 1 --out /tmp/tta
     sudo python scripts/time_to_accuracy.py --task lm --shaped 10mbit --out out/runs/tta_lm_10mbit
+    sudo python scripts/time_to_accuracy.py --task lm --shaped 10mbit --rows DiLoCo   # issue 44
 """
 import argparse
 import json
@@ -83,6 +84,9 @@ def parse_args(argv=None):
     check_tcp_congestion(p, args)
     if args.local_ranks < 1:
         p.error("--local-ranks must be >= 1")
+    if args.task == "lm" and args.diloco_every < 8:
+        p.error(f"--diloco-every must be >= 8 (the F=4 tau=1 row's delay 1 must be below H / 4), "
+                f"got {args.diloco_every}")
     return args
 
 
@@ -178,7 +182,7 @@ def run_clusters(args, topo, log_dir):
         return name in ("DDP dense", "reference") or not args.rows or any(w in name for w in args.rows.split(","))
 
     import time_to_accuracy_lm as lm
-    rows = {"mnist": (("collective", COLLECTIVE), ("ps", PS)), "lm": (("collective", lm.COLLECTIVE), ("ps", lm.PS))}
+    rows = {"mnist": (("collective", COLLECTIVE), ("ps", PS)), "lm": (("collective", lm.collective_rows(args)), ("ps", lm.PS))}
     runs = [(transport, [c for c in configs if wanted(c)]) for transport, configs in rows[args.task]]
     results = {}
     try:
@@ -196,7 +200,8 @@ def run_clusters(args, topo, log_dir):
                     {"RANK": str(r), "WORLD_SIZE": str(MACHINES * local), "LOCAL_RANK": str(r % local),
                      "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(r // local),
                      "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                     "GLOO_SOCKET_IFNAME": topo.veth(r // local) or "lo", "BPS_GC_TRANSPORT": "collective"}))
+                     "GLOO_SOCKET_IFNAME": topo.veth(r // local) or "lo", "BPS_GC_TRANSPORT": "collective",
+                     "BPS_GC_TTA_HOST": topo.host(r // local)}))  # lm: torchft's row's own address
                     for r in range(MACHINES * local)]
             else:  # one bpslaunch per machine, as on a cluster; its ranks are its children
                 common = {**cluster_env(topo, MACHINES, MACHINES, port), "OMP_NUM_THREADS": "1",

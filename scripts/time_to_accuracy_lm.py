@@ -20,6 +20,18 @@ step it stopped when the cap came first). Rank 0 evaluates every --eval-every st
 clock stopped. Bytes per rank per step: bps_gc's rows, its own counter of the bytes a rank pushes (bps.metrics()); torch's
 hooks, the bytes of the tensors a rank hands to all_reduce / all_gather (counted by wrapping
 them); DDP dense, its gradient's bytes (its C++ reducer all-reduces all of them every step).
+
+The DiLoCo rows (bps_gc.torch.DiLoCo on torch.distributed, issue 44): every rank is a replica
+with the same AdamW, schedule and clipping as the other rows as its inner optimizer, and the
+paper's outer Nesterov SGD (lr 0.7, momentum 0.9); H = --diloco-every inner steps between a
+fragment's syncs; "F=4 tau=1" is Streaming DiLoCo (4 staggered fragments, each exchange
+overlapped with one inner step). Steps count inner steps, and bytes are per inner step. What is
+evaluated is what a user would deploy: the global copy, each fragment's as of its last applied
+outer step (an exchange in flight not included), not a replica's drifting local parameters. An
+evaluation step waits for any exchange in flight first, inside the timed step (gloo runs one
+collective at a time; the wait gives up that step's overlap, a pessimistic choice). Where
+torchft imports (an opt-in extra), torchft's DiLoCo with the dense row's settings is a row too
+(scripts/tta_lm_torchft.py); else a line of the table says why it is absent.
 """
 import argparse
 import contextlib
@@ -41,10 +53,34 @@ HOOKS = {"bps_gc hook onebit + EF": {"compressor": "onebit", "scaling": True, "e
 RECIPES = {"onebit + EF + nesterov (SGD)": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
                                             "momentum": "nesterov"},
            "thc 4-bit": {"compressor": "thc", "bits": 4, "feedback": True}}
+# DiLoCo rows: the name after "bps_gc DiLoCo H=<H> " -> (fragments, delay tau, compression_params)
+THC = {"compressor": "thc", "bits": 4, "feedback": True}  # error feedback across outer steps
+DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 thc 4-bit": (4, 1, THC)}
 REFERENCE = "reference"
 COLLECTIVE = (REFERENCE, "DDP dense", "DDP bf16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4", *HOOKS)
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 LIMIT = "the limit (no exchange)"
+
+
+def diloco_rows(args):
+    """{row name: (fragments, delay, compression_params)} at H = --diloco-every."""
+    return {f"bps_gc DiLoCo H={args.diloco_every} {name}": settings for name, settings in DILOCO.items()}
+
+
+def collective_rows(args):
+    """The torch.distributed run's configurations: the reference, COLLECTIVE's rows, DiLoCo's
+    (torchft's where it imports)."""
+    import tta_lm_torchft as ft
+    return (*COLLECTIVE, *diloco_rows(args), *(() if ft.importable() else (ft.ROW.format(args.diloco_every),)))
+
+
+def torchft_line():
+    """The table's line on torchft's DiLoCo."""
+    import tta_lm_torchft as ft
+    why = ft.importable()
+    return (f"torchft's DiLoCo: no row: torchft does not import here ({why}); BPS_GC_EXTRAS=torchft "
+            "./scripts/setup_env.sh adds it" if why else "torchft's DiLoCo: its F=1 dense row only (its "
+            "quantization is CUDA only; the F=4 tau=1 row's fragments are not wired)")
 MAX_STEPS_FACTOR = 10  # a row short of the target goes on to at most this many times --steps
 
 
@@ -57,6 +93,8 @@ def add_args(p):
     g.add_argument("--cap-factor", type=float, default=3.0,
                    help="lm: a row stops at this many times the limit's time to the target")
     g.add_argument("--sgd-lr", type=float, default=0.3, help="lm: the SGD recipe row's peak rate")
+    g.add_argument("--diloco-every", type=int, default=50, metavar="H",
+                   help="lm: the DiLoCo rows' inner steps between a fragment's syncs (>= 8: F=4, tau=1)")
     g.add_argument("--cap-seconds", type=float, default=None, help=argparse.SUPPRESS)
     g.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
     add_optimizer_args(p)
@@ -171,6 +209,15 @@ class Run:
                                            compression_params=recipe)
             return model, model, opt, args, True
         model, opt, args = self.fresh()
+        diloco = diloco_rows(args)
+        if config.startswith("torchft DiLoCo"):
+            from tta_lm_torchft import TorchftDiLoCo
+            return model, model, TorchftDiLoCo(model, opt, args.diloco_every, self.rank, self.size), args, False
+        if config in diloco:
+            fragments, delay, compression = diloco[config]
+            opt = bps.DiLoCo(model, opt, args.diloco_every, fragments=fragments, delay=delay,
+                             compression_params=compression)
+            return model, model, opt, args, False
         net = DDP(model)
         if config == "DDP bf16 hook":
             # DDP refuses torch's bf16 hook by its name without NCCL; gloo all-reduces bfloat16 fine
@@ -184,6 +231,24 @@ class Run:
                                                                          model.named_parameters()]))
         return model, net, opt, args, False
 
+    def deployed(self, model, opt):
+        """What is evaluated: ``model``; a DiLoCo replica's global copy (its fragments' copies as
+        of their last applied outer step) in a model of its own, made once per row."""
+        from tta_lm_torchft import TorchftDiLoCo
+        if not isinstance(opt, (self.bps.DiLoCo, TorchftDiLoCo)):
+            return model
+        if getattr(self, "deploy_for", None) is not opt:
+            import copy
+            self.deploy_for, self.deploy = opt, copy.deepcopy(model)
+        if isinstance(opt, TorchftDiLoCo):
+            opt.deploy_into(self.deploy)
+            return self.deploy
+        with self.torch.no_grad():
+            for fragment in opt.fragments:
+                for (name, _), global_copy in zip(fragment.named, fragment.copies):
+                    self.deploy.get_parameter(name).copy_(global_copy)
+        return self.deploy
+
     def train(self, config, cap_seconds, target):
         """{curve: [(step, seconds, loss)], bytes_per_step, capped} of ``config`` on the link."""
         import bps_gc.core
@@ -191,11 +256,14 @@ class Run:
         from lm_training import clipped_step
         model, net, opt, args, synchronizes = self.wrapped(config)
         torch_hook = config.startswith("DDP") and config != "DDP dense"
+        diloco = isinstance(opt, self.bps.DiLoCo)
         counter, sent = [0], 0
-        curve, clock, capped, reached = [(0, 0.0, self.evaluate(model))], 0.0, False, False
+        curve, clock, capped, reached = [(0, 0.0, self.evaluate(self.deployed(model, opt)))], 0.0, False, False
         self.bps.barrier()
         bps_gc.core.metrics()  # reset
-        with counted_collectives(counter) if torch_hook else contextlib.nullcontext():
+        around = (counted_collectives(counter) if torch_hook else opt.running(counter)
+                  if config.startswith("torchft") else contextlib.nullcontext())
+        with around:
             for step in range(MAX_STEPS_FACTOR * args.steps):
                 began = time.perf_counter()
                 self.set_lr(opt, args, step)  # past --steps: the schedule's floor, --lr / 10
@@ -203,12 +271,15 @@ class Run:
                 opt.zero_grad()
                 byte_loss(net(x), y).backward()
                 clipped_step(opt, model, args.clip, synchronizes)
-                clock += time.perf_counter() - began
                 done = step + 1
-                if done % args.eval_every and done != args.steps:
+                evaluating = not (done % args.eval_every and done != args.steps)
+                if diloco and evaluating:  # no exchange in flight beside the evaluation's collectives
+                    opt.wait()
+                clock += time.perf_counter() - began
+                if not evaluating:
                     continue
                 sent, counted = sent + bps_gc.core.metrics().pushed_wire, counter[0]
-                clock, loss = self.mean([clock, self.evaluate(model) * self.size])  # rank 0's loss
+                clock, loss = self.mean([clock, self.evaluate(self.deployed(model, opt)) * self.size])  # rank 0's
                 bps_gc.core.metrics()  # the line above is not the training's exchange: not counted
                 counter[0] = counted
                 curve.append((done, clock, loss))
@@ -218,6 +289,8 @@ class Run:
                     break
                 if reached and done >= args.steps:
                     break
+        if diloco:
+            opt.wait()  # a gloo work pending as the next row starts (or at exit) can abort the job
         if config == "DDP dense":
             sent = 4 * sum(p.numel() for p in model.parameters()) * curve[-1][0]
         steps = curve[-1][0]
@@ -309,6 +382,7 @@ def report(args, results, where):
           f"bytes per rank; model {args.layers} layers x {args.width}")
     from bench_common import import_netns
     print_table(rows, info, import_netns().parse_rate(args.shaped) if args.shaped else None)
+    print(torchft_line())
     reference = results["reference"]["curve"]
     dense = results["rows"].get("DDP dense", {}).get("curve", [])
     same_step = [(s, loss, dict(reference).get(s)) for s, _, loss in dense if s in dict(reference)]

@@ -128,23 +128,43 @@ def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
 def test_reduced_lm_table_has_every_row(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import time_to_accuracy_lm as lm
-    result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "6",
-                             "--eval-every", "3", *TINY, "--cap-factor", "1000", "--slack", "0.1", "--out", str(tmp_path)],
+    import tta_lm_torchft as ft
+    torchft = [] if ft.importable() else [ft.ROW.format(8)]  # an opt-in extra: a row where it imports
+    result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "8",
+                             "--eval-every", "4", *TINY, "--diloco-every", "8", "--cap-factor", "1000",
+                             "--slack", "0.1", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, BPS_GC_HEARTBEAT_TIMEOUT="30"))  # it checks rows, not liveness
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     rows = data["rows"]
-    assert set(rows) == {lm.LIMIT, *lm.COLLECTIVE[1:], *lm.PS}
+    diloco = [f"bps_gc DiLoCo H=8 {name}" for name in lm.DILOCO]
+    assert set(rows) == {lm.LIMIT, *lm.COLLECTIVE[1:], *lm.PS, *diloco, *torchft}
     limit = rows[lm.LIMIT]
-    assert limit["steps_to_target"] in (3, 6) and limit["seconds_to_target"] > 0
+    assert limit["steps_to_target"] in (4, 8) and limit["seconds_to_target"] > 0
     assert limit["seconds_to_target"] == pytest.approx(limit["steps_to_target"] * data["compute_seconds_per_step"])
-    assert all(r["steps_done"] == 6 and np.isfinite(r["final_val_loss"]) for r in rows.values())
+    assert all(r["steps_done"] == 8 and np.isfinite(r["final_val_loss"]) for r in rows.values())
+    # DiLoCo's evaluated model is the global copy: with one fragment, unchanged until the outer
+    # step at inner step 8, lower after it; Streaming's first fragment takes its step at 2 + tau
+    curves = data["curves"]
+    assert [curves[name][1][2] == curves[name][0][2] for name in diloco] == [True, True, False], curves
+    assert all(curves[name][2][2] < curves[name][0][2] for name in diloco), curves
     # the dense rows are DDP's arithmetic: the reference's final loss, within float tolerance
     assert rows["DDP dense"]["final_val_loss"] == pytest.approx(limit["final_val_loss"], abs=1e-4)
     dense_bytes = rows["DDP dense"]["bytes_per_rank_step"]
     assert rows["DDP bf16 hook"]["bytes_per_rank_step"] == dense_bytes / 2
     assert rows["bps_gc hook topk 1% + EF"]["bytes_per_rank_step"] < dense_bytes / 10
+    # dense DiLoCo pushes its float32 pseudo-gradient once every H = 8 inner steps (counted when it
+    # starts): stopped // 8 syncs over the row's stopped steps
+    stopped = rows[diloco[0]]["stopped_at_step"]
+    assert rows[diloco[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (stopped // 8) / stopped)
+    assert rows[diloco[1]]["bytes_per_rank_step"] < rows[diloco[0]]["bytes_per_rank_step"] / 4  # thc 4-bit
+    if torchft:  # the same arithmetic as bps_gc's dense DiLoCo, the same bytes
+        assert rows[torchft[0]]["final_val_loss"] == pytest.approx(rows[diloco[0]]["final_val_loss"], abs=1e-4)
+        ft_stopped = rows[torchft[0]]["stopped_at_step"]
+        assert rows[torchft[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (ft_stopped // 8) / ft_stopped)
+    else:
+        assert "torchft's DiLoCo: no row: torchft does not import here" in result.stdout
     assert "the limit (no exchange)" in result.stdout and (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
 
 

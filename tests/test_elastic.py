@@ -9,6 +9,7 @@ their recompress state rolled back to before the round. The survivors must finis
 bit-identical results, equal to a numpy recomputation (reference.py's codec chains) of the
 membership sequence every node logged, and see bps.size() change at that round only."""
 import os
+import re
 import signal
 import time
 
@@ -117,3 +118,52 @@ def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
     for reducer in ("thc", "powersgd"):  # summed in phases: refused at declaration, in one line
         assert f"REFUSED '{reducer}': reducer '{reducer}' sums in phases, which BPS_GC_ELASTIC does not cover yet" \
             in job.text("worker0"), report
+
+
+def test_local_rank_killed_mid_round_takes_its_host_out(tmp_path):
+    """3 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1; each
+    rank pushes for itself: BPS_GC_HIERARCHY=flat, what BPS_GC_ELASTIC runs with local ranks).
+    Local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is killed
+    between keys: its host-mate (worker 2) stops at once, its launcher naming the dead rank, and
+    one epoch drops both; the servers sum the first tensor's rounds again without them (REDO),
+    and the survivors pull what numpy computes for that membership sequence."""
+    victim = 3
+    spec = dict(SPEC, victim=victim)
+    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
+    two = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    job = start_job("elastic_job.py", spec, tmp_path, servers=2,
+                    role_env={"server0": servers_say, "server1": servers_say, **{f"worker{h}": two for h in range(3)}})
+    job.wait_output(["worker1"], "HALF", START_BOUND)
+    job.wait_output(["worker0", "worker2"], f"PUSHED {PAUSE_AT}", START_BOUND)
+    time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
+    os.kill(job.local_rank_of("worker1", 1), signal.SIGKILL)
+    killed = time.monotonic()
+    host_status = job.launchers["worker1"].wait(timeout=10)
+    host_stopped = time.monotonic() - killed
+    statuses, _ = job.wait_all(BOUND)
+    report = job.report(statuses)
+    assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
+    assert "bpslaunch: rank1 exited with status 137; stopping the others" in job.text("worker1"), report
+    assert "Traceback" not in job.text("worker1"), report
+    assert all(statuses[name] == 0 for name in ("scheduler", "server0", "server1", "worker0", "worker2")), report
+    survivors = [0, 1, 4, 5]
+    logged = {name: membership(job.text(name)) for name in ("scheduler", "server0", "server1", "worker0", "worker2")}
+    sequence = logged["scheduler"]
+    assert len(sequence) == 1 and sequence[0][0] == 1 and sequence[0][2] == survivors, report  # one epoch
+    # a host's launcher prints both its ranks' lines
+    assert all(seq == sequence * (2 if name.startswith("worker") else 1) for name, seq in logged.items()), logged
+    # both ranks' heartbeats stop together (the launcher stopped the mate): either may be named first
+    assert re.search(r"worker ([23]) \(node .* left: no heartbeat.*\n.*worker (?!\1)[23] leaves with it: local ranks "
+                     r"of the same worker host", job.text("scheduler")), report
+    assert "membership: worker 2, 3 left; epoch 1" in job.text("worker0"), report
+    again = job.text("server0") + job.text("server1")
+    assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
+    first = sequence[0][1]
+    assert first == PAUSE_AT, report
+    pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
+    want = expected(spec, [(0, list(range(6))), (first, survivors)], range(6))
+    for r in survivors:
+        assert list(pulled[r]["sizes"]) == [6] * first + [4] * (STEPS - first)
+        for name, value in want.items():
+            assert pulled[r][name].tobytes() == pulled[0][name].tobytes(), (r, name)
+            np.testing.assert_array_equal(pulled[r][name], value, err_msg=f"rank {r} {name}")

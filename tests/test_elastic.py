@@ -143,7 +143,7 @@ def test_local_rank_killed_mid_round_takes_its_host_out(tmp_path):
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
-    assert "bpslaunch: rank1 exited with status 137; stopping the others" in job.text("worker1"), report
+    assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in job.text("worker1"), report
     assert "Traceback" not in job.text("worker1"), report
     assert all(statuses[name] == 0 for name in ("scheduler", "server0", "server1", "worker0", "worker2")), report
     survivors = [0, 1, 4, 5]

@@ -68,8 +68,10 @@ class Epochs:
                                              f"BPS_GC_MIN_WORKERS={minimum}; the job stops")
         self.preparing = self.epoch + 1 if self.preparing is None else self.preparing + 1
         self.reports = {}
-        self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.preparing, "left": self.left, "members": members,
-                                           "died": member.rank})
+        info = {"epoch": self.preparing, "left": self.left, "members": members, "died": member.rank}
+        self.broadcast(Msg.EPOCH_PREPARE, info)
+        for m in mates:  # a host-mate still running (its launcher did not stop it) stops, told why
+            self.scheduler.reply(m, Msg.EPOCH_PREPARE, obj=info)
         return None
 
     def report(self, member, info):

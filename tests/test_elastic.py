@@ -120,50 +120,73 @@ def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
             in job.text("worker0"), report
 
 
-def test_local_rank_killed_mid_round_takes_its_host_out(tmp_path):
-    """3 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1; each
+def printed_by_both(job, names, word, bound):
+    """Until both local ranks of each host in ``names`` printed ``word`` (once each; their lines
+    may interleave)."""
+    deadline = time.monotonic() + bound
+    while not all(job.text(n).count(word) == 2 for n in names):
+        if time.monotonic() > deadline:
+            job.kill_all()
+            raise AssertionError(f"not {word!r} twice from each of {names}:\n{job.report()}")
+        time.sleep(0.05)
+
+
+def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
+    """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1; each
     rank pushes for itself: BPS_GC_HIERARCHY=flat, what BPS_GC_ELASTIC runs with local ranks).
-    Local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is killed
-    between keys: its host-mate (worker 2) stops at once, its launcher naming the dead rank, and
-    one epoch drops both; the servers sum the first tensor's rounds again without them (REDO),
-    and the survivors pull what numpy computes for that membership sequence."""
-    victim = 3
-    spec = dict(SPEC, victim=victim)
+    First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
+    killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
+    drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
+    Then local rank 1 of host 3 (worker 7) goes silent before step STALL_AT (SIGSTOP): its
+    launcher sees nothing, so the scheduler tells its mate, which stops naming it. The survivors
+    pull bit-identical results equal to the numpy oracle of the logged membership sequence."""
+    stall_at, hosts = 5, 4
+    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
-    job = start_job("elastic_job.py", spec, tmp_path, servers=2,
-                    role_env={"server0": servers_say, "server1": servers_say, **{f"worker{h}": two for h in range(3)}})
+    job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
+                    role_env={"server0": servers_say, "server1": servers_say, **{f"worker{h}": two for h in range(hosts)}})
     job.wait_output(["worker1"], "HALF", START_BOUND)
-    job.wait_output(["worker0", "worker2"], f"PUSHED {PAUSE_AT}", START_BOUND)
+    printed_by_both(job, ["worker0", "worker2", "worker3"], "PUSHED", START_BOUND)  # at step PAUSE_AT
     time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
     os.kill(job.local_rank_of("worker1", 1), signal.SIGKILL)
     killed = time.monotonic()
     host_status = job.launchers["worker1"].wait(timeout=10)
     host_stopped = time.monotonic() - killed
+    job.wait_output(["worker3"], "STALL", BOUND)
+    os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in job.text("worker1"), report
-    assert "Traceback" not in job.text("worker1"), report
-    assert all(statuses[name] == 0 for name in ("scheduler", "server0", "server1", "worker0", "worker2")), report
-    survivors = [0, 1, 4, 5]
-    logged = {name: membership(job.text(name)) for name in ("scheduler", "server0", "server1", "worker0", "worker2")}
+    assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
+           "and worker 6 stops" in job.text("worker3"), report
+    assert "bpslaunch: local rank 0 (worker 6) exited with status 1; stopping the others" in job.text("worker3"), report
+    assert statuses["worker1"] != 0 and statuses["worker3"] != 0, report
+    assert "Traceback" not in job.text("worker1") + job.text("worker3"), report
+    alive = ("scheduler", "server0", "server1", "worker0", "worker2")
+    assert all(statuses[name] == 0 for name in alive), report
+    between, survivors = [0, 1, 4, 5, 6, 7], [0, 1, 4, 5]
+    logged = {name: membership(job.text(name)) for name in alive}
     sequence = logged["scheduler"]
-    assert len(sequence) == 1 and sequence[0][0] == 1 and sequence[0][2] == survivors, report  # one epoch
-    # a host's launcher prints both its ranks' lines
-    assert all(seq == sequence * (2 if name.startswith("worker") else 1) for name, seq in logged.items()), logged
-    # both ranks' heartbeats stop together (the launcher stopped the mate): either may be named first
+    assert [(e, m) for e, _, m in sequence] == [(1, between), (2, survivors)], report  # one epoch per host
+    # a host's launcher prints both its ranks' lines, one rank's after the other's
+    assert all(sorted(seq) == sorted(sequence * (2 if name.startswith("worker") else 1))
+               for name, seq in logged.items()), logged
+    scheduler = job.text("scheduler")
+    # host 1's two heartbeats stop together (its launcher stopped the mate): either may be named first
     assert re.search(r"worker ([23]) \(node .* left: no heartbeat.*\n.*worker (?!\1)[23] leaves with it: local ranks "
-                     r"of the same worker host", job.text("scheduler")), report
+                     r"of the same worker host", scheduler), report
+    assert re.search(r"worker 7 \(node .* left: no heartbeat.*\n.*worker 6 leaves with it", scheduler), report
     assert "membership: worker 2, 3 left; epoch 1" in job.text("worker0"), report
     again = job.text("server0") + job.text("server1")
     assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
-    first = sequence[0][1]
-    assert first == PAUSE_AT, report
+    first, second = sequence[0][1], sequence[1][1]
+    assert (first, second) == (PAUSE_AT, stall_at), report
     pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
-    want = expected(spec, [(0, list(range(6))), (first, survivors)], range(6))
+    want = expected(spec, [(0, list(range(8))), (first, between), (second, survivors)], range(8))
     for r in survivors:
-        assert list(pulled[r]["sizes"]) == [6] * first + [4] * (STEPS - first)
+        assert list(pulled[r]["sizes"]) == [8] * first + [6] * (second - first) + [4] * (STEPS - second)
         for name, value in want.items():
             assert pulled[r][name].tobytes() == pulled[0][name].tobytes(), (r, name)
             np.testing.assert_array_equal(pulled[r][name], value, err_msg=f"rank {r} {name}")

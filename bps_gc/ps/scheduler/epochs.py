@@ -41,6 +41,7 @@ class Epochs:
                 and not m.joining and m is not member and m.rank // size == member.rank // size]
 
     def hosts_of(self, ranks):
+        """How many worker hosts ``ranks`` are on (BPS_GC_MIN_WORKERS counts hosts)."""
         return len({r // (self.scheduler.hosts.local_size or 1) for r in ranks})
 
     def worker_died(self, member, reason):
@@ -61,8 +62,8 @@ class Epochs:
         self.left.sort()
         members = self.members()
         minimum = self.scheduler.cfg.min_workers
-        if self.hosts_of(members) < minimum:
-            count = self.hosts_of(members)
+        count = self.hosts_of(members)
+        if count < minimum:
             hosts = f"{count} worker host" + ("" if count == 1 else "s")
             return self.scheduler.fail(None, f"{hosts} left after worker {member.rank} died, fewer than "
                                              f"BPS_GC_MIN_WORKERS={minimum}; the job stops")

@@ -1,7 +1,8 @@
 """A worker of the elastic-membership tests (tests/test_elastic.py): push_pull the described
 tensors each step and save every result and bps.size(). The ``victim`` rank, at step
 ``pause_at``, pushes the first tensor only, says HALF and waits to be killed: it dies half-way
-through a round. Tensors under ``refused`` are declared last, each refusal printed.
+through a round. The ``stall_rank``, at step ``stall_at``, says STALL before pushing anything
+and waits (to be stopped). Tensors under ``refused`` are declared last, each refusal printed.
 Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
 import json
 import os
@@ -30,6 +31,9 @@ results, sizes = {}, []
 for step in range(spec["steps"]):
     ctx = step_ctx(spec, step)
     inputs = [gradient(rank, step, t) for t in spec["tensors"]]
+    if rank == spec.get("stall_rank") and step == spec["stall_at"]:
+        print("STALL", flush=True)
+        time.sleep(600)  # stopped here (SIGSTOP): silent, not dead
     if rank == spec.get("victim") and step == spec["pause_at"]:
         bps.push_pull(inputs[0], spec["tensors"][0]["name"], ctx=ctx)
         print("HALF", flush=True)

@@ -10,7 +10,7 @@ from multihost import Job
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # 4 KiB partitions: the dense tensor is split over both servers; every tensor compressed, however small
 ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0"}
-LINE = re.compile(r"membership: worker (\d+) (left|joined); epoch (\d+) from round group (\d+); members \[([\d, ]*)\]")
+LINE = re.compile(r"membership: worker ([\d, ]+?) (left|joined); epoch (\d+) from round group (\d+); members \[([\d, ]*)\]")
 
 
 def two_tensors(dense, signs):

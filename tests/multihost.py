@@ -68,6 +68,20 @@ class Job:
             raise AssertionError(f"no child of {name}'s launcher")
         return pid
 
+    def local_rank_of(self, name, local_rank):
+        """PID of local rank ``local_rank`` of a worker host's launcher (NVIDIA_VISIBLE_DEVICES)."""
+        mark = f"BYTEPS_LOCAL_RANK={local_rank}".encode()
+        for pid in processes_with(f"DMLC_PS_ROOT_PORT={self.port}"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if parent == self.launchers[name].pid and mark in f.read().split(b"\0"):
+                        return pid
+            except (OSError, IndexError, ValueError):
+                continue
+        raise AssertionError(f"no local rank {local_rank} of {name}'s launcher")
+
     def wait_output(self, names, marker, timeout=60):
         deadline = time.time() + timeout
         while time.time() < deadline:

@@ -9,12 +9,13 @@ their recompress state rolled back to before the round. The survivors must finis
 bit-identical results, equal to a numpy recomputation (reference.py's codec chains) of the
 membership sequence every node logged, and see bps.size() change at that round only."""
 import os
+import re
 import signal
 import time
 
 import numpy as np
 
-from elastic_jobs import membership, start_job, two_tensors
+from elastic_jobs import host_command, membership, start_job, two_tensors
 from reference import gradient, partitions, step_ctx
 
 from bps_gc.compress import CompressionParams, build_chain
@@ -117,3 +118,85 @@ def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
     for reducer in ("thc", "powersgd"):  # summed in phases: refused at declaration, in one line
         assert f"REFUSED '{reducer}': reducer '{reducer}' sums in phases, which BPS_GC_ELASTIC does not cover yet" \
             in job.text("worker0"), report
+
+
+def printed_by_both(job, names, word, bound):
+    """Until both local ranks of each host in ``names`` printed ``word`` (once each; their lines
+    may interleave)."""
+    deadline = time.monotonic() + bound
+    while not all(job.text(n).count(word) == 2 for n in names):
+        if time.monotonic() > deadline:
+            job.kill_all()
+            raise AssertionError(f"not {word!r} twice from each of {names}:\n{job.report()}")
+        time.sleep(0.05)
+
+
+def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
+    """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1; each
+    rank pushes for itself: BPS_GC_HIERARCHY=flat, what BPS_GC_ELASTIC runs with local ranks).
+    First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
+    killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
+    drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
+    Host 1 started again is refused in one line (a host of local ranks cannot join yet).
+    Then local rank 1 of host 3 (worker 7) goes silent before step STALL_AT (SIGSTOP): its
+    launcher sees nothing, so the scheduler tells its mate, which stops naming it. The survivors
+    pull bit-identical results equal to the numpy oracle of the logged membership sequence."""
+    stall_at, hosts = 5, 4
+    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
+    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
+    two = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
+                    role_env={"server0": servers_say, "server1": servers_say, **{f"worker{h}": two for h in range(hosts)}})
+    job.wait_output(["worker1"], "HALF", START_BOUND)
+    printed_by_both(job, ["worker0", "worker2", "worker3"], "PUSHED", START_BOUND)  # at step PAUSE_AT
+    time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
+    os.kill(job.local_rank_of("worker1", 1), signal.SIGKILL)
+    killed = time.monotonic()
+    host_status = job.launchers["worker1"].wait(timeout=10)
+    host_stopped = time.monotonic() - killed
+    first_text = job.text("worker1")
+    # host 1 started again: a host of local ranks cannot join yet, refused in one line; the job goes on
+    job.wait_output(["worker0"], "membership: worker 2, 3 left", BOUND)
+    job.launch("worker1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
+               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **two))
+    job.wait_output(["worker1"], "cannot join the running job", BOUND)
+    job.wait_output(["worker3"], "STALL", BOUND)
+    os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
+    statuses, _ = job.wait_all(BOUND)
+    report = job.report(statuses)
+    assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
+    assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report
+    refused = (r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: a worker "
+               r"host of 2 local ranks cannot join a running job yet")  # whichever rank registers first
+    assert re.search(refused, job.text("worker1")) and "Traceback" not in job.text("worker1"), report
+    assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
+           "and worker 6 stops" in job.text("worker3"), report
+    assert "bpslaunch: local rank 0 (worker 6) exited with status 1; stopping the others" in job.text("worker3"), report
+    assert statuses["worker1"] != 0 and statuses["worker3"] != 0, report
+    assert "Traceback" not in first_text + job.text("worker3"), report
+    alive = ("scheduler", "server0", "server1", "worker0", "worker2")
+    assert all(statuses[name] == 0 for name in alive), report
+    between, survivors = [0, 1, 4, 5, 6, 7], [0, 1, 4, 5]
+    logged = {name: membership(job.text(name)) for name in alive}
+    sequence = logged["scheduler"]
+    assert [(e, m) for e, _, m in sequence] == [(1, between), (2, survivors)], report  # one epoch per host
+    # a host's launcher prints both its ranks' lines, one rank's after the other's
+    assert all(sorted(seq) == sorted(sequence * (2 if name.startswith("worker") else 1))
+               for name, seq in logged.items()), logged
+    scheduler = job.text("scheduler")
+    # host 1's two heartbeats stop together (its launcher stopped the mate): either may be named first
+    assert re.search(r"worker ([23]) \(node .* left: no heartbeat.*\n.*worker (?!\1)[23] leaves with it: local ranks "
+                     r"of the same worker host", scheduler), report
+    assert re.search(r"worker 7 \(node .* left: no heartbeat.*\n.*worker 6 leaves with it", scheduler), report
+    assert "membership: worker 2, 3 left; epoch 1" in job.text("worker0"), report
+    again = job.text("server0") + job.text("server1")
+    assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
+    first, second = sequence[0][1], sequence[1][1]
+    assert (first, second) == (PAUSE_AT, stall_at), report
+    pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
+    want = expected(spec, [(0, list(range(8))), (first, between), (second, survivors)], range(8))
+    for r in survivors:
+        assert list(pulled[r]["sizes"]) == [8] * first + [6] * (second - first) + [4] * (STEPS - second)
+        for name, value in want.items():
+            assert pulled[r][name].tobytes() == pulled[0][name].tobytes(), (r, name)
+            np.testing.assert_array_equal(pulled[r][name], value, err_msg=f"rank {r} {name}")

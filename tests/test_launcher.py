@@ -47,7 +47,7 @@ def test_failing_rank_stops_siblings_and_sets_exit_status(tmp_path):
                     clean_env(**WORKER_ENV, NVIDIA_VISIBLE_DEVICES="0,1,2"))
     assert result.returncode == 3, result.stderr
     assert time.monotonic() - started < 10
-    assert "rank1 exited with status 3" in result.stderr
+    assert "local rank 1 (worker 4) exited with status 3" in result.stderr
     siblings = pids_in(tmp_path)
     assert len(siblings) == 2 and not any(alive(pid) for pid in siblings)
 

@@ -91,7 +91,7 @@ def main(argv=None, environ=None):
     if config.role == "worker":
         if not command:
             fail("DMLC_ROLE=worker needs a command: bpslaunch CMD [ARGS...]")
-        sys.exit(run_worker_ranks(command, environ, settings))
+        sys.exit(run_worker_ranks(command, environ, settings, config.worker_id))
     if command:
         fail(f"DMLC_ROLE={config.role} takes no command (got {' '.join(command)!r}); "
              "bpslaunch starts the node process itself")

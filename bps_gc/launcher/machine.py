@@ -57,12 +57,14 @@ def run_node(environ, settings, node_command=NODE_COMMAND):
     return supervise([(Config.from_env(environ).role, node_command, dict(environ), None)], settings)
 
 
-def run_worker_ranks(command, environ, settings):
-    """Worker: one process of `command` per visible device, with BYTEPS_LOCAL_RANK/SIZE."""
+def run_worker_ranks(command, environ, settings, worker_id):
+    """Worker: one process of `command` per visible device, with BYTEPS_LOCAL_RANK/SIZE;
+    ``worker_id``: DMLC_WORKER_ID (each rank is named by its job rank too, as the scheduler's logs do)."""
     local_size = visible_device_count(environ.get("NVIDIA_VISIBLE_DEVICES"))
     cpus = plan_cpus(local_size, settings.numa, say)
-    return supervise([(f"rank{rank}", command, rank_env(environ, rank, local_size), cpus[rank])
-                      for rank in range(local_size)], settings)
+    first = worker_id * local_size
+    return supervise([(f"local rank {rank} (worker {first + rank})", command, rank_env(environ, rank, local_size),
+                       cpus[rank]) for rank in range(local_size)], settings)
 
 
 def supervise(plan, settings):

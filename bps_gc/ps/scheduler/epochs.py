@@ -34,23 +34,45 @@ class Epochs:
         return sorted(m.rank for m in self.scheduler.members.values()
                       if m.role == "worker" and not m.gone and not m.joining)
 
+    def host_mates(self, member):
+        """The other live local ranks of ``member``'s worker host (rank // local size)."""
+        size = self.scheduler.hosts.local_size or 1
+        return [m for m in self.scheduler.members.values() if m.role == "worker" and not m.gone
+                and not m.joining and m is not member and m.rank // size == member.rank // size]
+
+    def hosts_of(self, ranks):
+        """How many worker hosts ``ranks`` are on (BPS_GC_MIN_WORKERS counts hosts)."""
+        return len({r // (self.scheduler.hosts.local_size or 1) for r in ranks})
+
     def worker_died(self, member, reason):
-        """``member`` (a worker) is dead: prepare a new epoch, or stop the job below the minimum."""
-        member.gone = True
-        self.left.append(member.rank)
-        self.dead.add(member.rank)
-        self.scheduler.barrier_waiting.pop(member.identity, None)
-        members = self.members()
+        """``member`` (a worker) is dead: its whole host leaves (a host's local ranks stop
+        together: their launcher stops the others), so one epoch drops all its ranks at once,
+        whichever of them the heartbeats name first; prepare it, or stop the job below the minimum."""
         log.warning("worker %s (node %s at %s:%s) left: %s", member.rank, member.node_id, member.host,
                     member.port, reason)
+        mates = self.host_mates(member)
+        if mates:
+            log.warning("worker %s leave%s with it: local ranks of the same worker host",
+                        ", ".join(str(m.rank) for m in mates), "" if len(mates) > 1 else "s")
+        for m in [member, *mates]:
+            m.gone = True
+            self.left.append(m.rank)
+            self.dead.add(m.rank)
+            self.scheduler.barrier_waiting.pop(m.identity, None)
+        self.left.sort()
+        members = self.members()
         minimum = self.scheduler.cfg.min_workers
-        if len(members) < minimum:
-            hosts = f"{len(members)} worker host" + ("" if len(members) == 1 else "s")
+        count = self.hosts_of(members)
+        if count < minimum:
+            hosts = f"{count} worker host" + ("" if count == 1 else "s")
             return self.scheduler.fail(None, f"{hosts} left after worker {member.rank} died, fewer than "
                                              f"BPS_GC_MIN_WORKERS={minimum}; the job stops")
         self.preparing = self.epoch + 1 if self.preparing is None else self.preparing + 1
         self.reports = {}
-        self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.preparing, "left": self.left, "members": members})
+        info = {"epoch": self.preparing, "left": self.left, "members": members, "died": member.rank}
+        self.broadcast(Msg.EPOCH_PREPARE, info)
+        for m in mates:  # a host-mate still running (its launcher did not stop it) stops, told why
+            self.scheduler.reply(m, Msg.EPOCH_PREPARE, obj=info)
         return None
 
     def report(self, member, info):

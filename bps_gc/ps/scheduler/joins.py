@@ -36,6 +36,9 @@ class Joins:
         elif rank not in self.epochs.dead:
             problem = (f"worker rank {rank} is a member of the running job; a joining host takes the "
                        f"DMLC_WORKER_ID of one that left ({sorted(self.epochs.dead) or 'none left'})")
+        elif (s.hosts.local_size or 1) > 1:  # joins are one rank at a time: a host's ranks would not all get in
+            problem = (f"a worker host of {s.hosts.local_size} local ranks cannot join a running job yet "
+                       f"(BPS_GC_ELASTIC joins hosts of one rank; docs/faults.md)")
         elif self.joiner is not None or self.epochs.preparing is not None:
             problem = "another membership change is under way; start it again in a moment"
         else:

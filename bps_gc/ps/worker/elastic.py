@@ -144,6 +144,10 @@ class ElasticRounds:
             return self.gate.on_epoch(mtype, info)
         left = [int(r) for r in info.get("left", [])]
         if self.rank in left:
+            died = info.get("died", self.rank)
+            if died != self.rank:  # a local rank of this host is silent: the host leaves with it
+                raise NodeFailure(f"worker {died}, a local rank of this worker host, left the job (no heartbeat); "
+                                  f"the host leaves with it, and worker {self.rank} stops")
             raise NodeFailure(f"the scheduler declared worker {self.rank} dead (no heartbeat); it stops")
         epoch = int(info["epoch"])
         if mtype == Msg.EPOCH_PREPARE:

@@ -1,5 +1,5 @@
 """The collective communicator's buckets (a part of ``Collective``): reductions fused like
-DDP's (BPS_GC_BUCKET_BYTES of input; a step's first bucket 1 MB), handed to the exchange thread when full or when any
+DDP's (BPS_GC_BUCKET_BYTES of input), handed to the exchange thread when full or when any
 handle is waited for (the caller is done adding for now: its last bucket goes out at once, not
 after the buckets before it were delivered). There the bucket's compressed tensors are one job of
 the compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
@@ -32,10 +32,6 @@ from .fused_buffers import FusedBuffers
 # as copying saved, on 2 ranks on the 2-core box); into another output it stays fused (a copy
 # either way, and the fused one measured cheaper).
 ALONE_BYTES = 4 << 20
-# the first bucket after the caller waited (a step's first) closes at this much input, as DDP's
-# first bucket does: its all_reduce starts after a short copy, and the copies of the buckets
-# after it overlap the sums before them (25 MB first: a copy of 25 MB before anything is sent)
-FIRST_BUCKET_BYTES = 1 << 20
 
 
 class Handle(api.Handle):
@@ -127,8 +123,6 @@ class Buckets:
         self.size = shared.size
         self.check_alive, self.wait, self.issue = lifecycle.check_alive, lifecycle.wait, lifecycle.issue
         self.pending = Bucket()
-        self.first_bucket_bytes = min(FIRST_BUCKET_BYTES, bucket_bytes)
-        self.closing_at = self.first_bucket_bytes  # the pending bucket goes out once it holds this
         # the compressed exchange's stages, run on the exchange thread itself (its jobs in order)
         self.driver = Driver(self.count, Inline, Inline, Inline)
         self.fused_buffers = FusedBuffers()
@@ -195,14 +189,13 @@ class Buckets:
         getattr(bucket, kind).append(entry)
         bucket.names.append(name)
         bucket.bytes += nbytes
-        if bucket.bytes >= self.closing_at:  # the same tensors reach it alike on every rank
+        if bucket.bytes >= self.bucket_bytes:  # the same tensors reach it alike on every rank
             self.flush()
         return handle
 
     def flush(self):
         """Hand the pending bucket to the exchange thread (``_send``)."""
         bucket, self.pending = self.pending, Bucket()
-        self.closing_at = self.bucket_bytes
         bucket.flushed = True
         if not bucket.names:
             bucket.sent.set()
@@ -309,7 +302,6 @@ class Buckets:
             return
         if self.pending.names:  # the caller waits: what it added since goes out now, not after this
             self.flush()
-        self.closing_at = self.first_bucket_bytes  # the next bucket opens a step (on every rank alike)
         start = time.perf_counter()
         while not bucket.sent.wait(0.05):  # the thread's waits watch the heartbeat too
             self.check_alive()

@@ -11,9 +11,8 @@ less than the wall time):
   torch dense floor: copy in, sum, average out
                            the same all_reduces with the two copies a push_pull of separate
                            arrays into separate outputs needs: each gradient copied into its
-                           bucket (as bps_gc's: the first closed at 1 MB, the others at 25 MB),
-                           the average written out in one pass; the least bps_gc collective
-                           dense can take
+                           bucket (closed at 25 MB, as bps_gc's), the average written out in one
+                           pass; the least bps_gc collective dense can take
   torch all_reduce of each gradient, in place (AVG)
                            161 all_reduces, one a gradient in its own memory, averaged by gloo,
                            started together: no copy, but gloo's cost per all_reduce 161 times
@@ -93,9 +92,7 @@ def rank_main(args):
 
     import bps_gc.core as bps
     import bps_gc.torch as bps_torch
-    from bps_gc.collective import buckets as bps_buckets  # the floors follow its arrangement
-    # (bench_versions.py runs this file on older commits too: before a step's first bucket was 1 MB)
-    first_bucket_bytes = getattr(bps_buckets, "FIRST_BUCKET_BYTES", BUCKET_BYTES)
+    from bps_gc.collective.buckets import ALONE_BYTES  # the in-place floor follows its arrangement
 
     torch.set_num_threads(1)
     os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
@@ -142,13 +139,13 @@ def rank_main(args):
     ranks = np.float32(dist.get_world_size())
 
     def fused(arrays):
-        """bps_gc's buckets of ``arrays``: the first closed once it holds its FIRST_BUCKET_BYTES,
-        the others BUCKET_BYTES; each with a flat buffer kept across steps."""
+        """bps_gc's buckets of ``arrays`` (each closed once it holds BUCKET_BYTES), each with a
+        flat buffer kept across steps."""
         buckets, bucket, size = [], [], 0
         for a in arrays:
             bucket.append(a.reshape(-1))
             size += a.nbytes
-            if size >= (first_bucket_bytes if not buckets else BUCKET_BYTES):
+            if size >= BUCKET_BYTES:
                 buckets.append(bucket)
                 bucket, size = [], 0
         buckets += [bucket] if bucket else []
@@ -191,7 +188,7 @@ def rank_main(args):
         them: each of ALONE_BYTES or more all_reduced alone in place (AVG) as it is reached,
         the others fused (bps_gc's buckets), summed and averaged back."""
         inputs = [g.copy() for g in grads]
-        large = {i for i, a in enumerate(inputs) if a.nbytes >= bps_buckets.ALONE_BYTES}
+        large = {i for i, a in enumerate(inputs) if a.nbytes >= ALONE_BYTES}
         buckets = fused([a for i, a in enumerate(inputs) if i not in large])
         closing = {}  # the index of each bucket's last array -> the bucket
         index = [i for i in range(len(inputs)) if i not in large]

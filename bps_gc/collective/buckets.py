@@ -7,7 +7,8 @@ payloads in one all_gather, every rank running the server's reduction), its two-
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
 the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) reduced in
 place gets its own all_reduce in its own memory, as Horovod and DDP leave large tensors unfused:
-no copy, and gloo's AVG divides it (not the caller's thread); ``finish`` (a handle's wait)
+no copy, and gloo's AVG divides it (not the caller's thread); from its second reduction on it
+goes out as it is added, in a bucket of its own; ``finish`` (a handle's wait)
 waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
 raised by every wait on its handles.
 """

@@ -13,10 +13,10 @@ less than the wall time):
                            arrays into separate outputs needs: each gradient copied into its
                            bucket (closed at 25 MB, as bps_gc's), the average written out in one
                            pass; the least bps_gc collective dense can take
-  torch all_reduce of each gradient, in place (AVG)
+  torch floor, in place: each gradient alone (AVG)
                            161 all_reduces, one a gradient in its own memory, averaged by gloo,
                            started together: no copy, but gloo's cost per all_reduce 161 times
-  torch all_reduce in place: large alone (AVG), the rest fused
+  torch floor, in place: large alone (AVG), the rest fused
                            bps_gc's in-place arrangement without bps_gc: gradients of 4 MB or
                            more alone in their memory (AVG), the others in bps_gc's buckets,
                            copied in and averaged back; the least bps_gc collective dense in
@@ -257,8 +257,8 @@ def rank_main(args):
     rows = {
         "torch all_reduce dense": allreduce_rows,
         "torch dense floor: copy in, sum, average out": copied_rows,
-        "torch all_reduce of each gradient, in place (AVG)": separate_rows,
-        "torch all_reduce in place: large alone (AVG), the rest fused": alone_rows,
+        "torch floor, in place: each gradient alone (AVG)": separate_rows,
+        "torch floor, in place: large alone (AVG), the rest fused": alone_rows,
         "DDP compute only": local,
         "DDP dense": lambda: ddp(),
         "DDP fp16 hook": lambda: ddp(default_hooks.fp16_compress_hook),

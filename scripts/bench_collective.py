@@ -13,6 +13,14 @@ less than the wall time):
                            arrays into separate outputs needs: each gradient copied into its
                            bucket (closed at 25 MB, as bps_gc's), the average written out in one
                            pass; the least bps_gc collective dense can take
+  torch floor, in place: each gradient alone (AVG)
+                           161 all_reduces, one a gradient in its own memory, averaged by gloo,
+                           started together: no copy, but gloo's cost per all_reduce 161 times
+  torch floor, in place: large alone (AVG), the rest fused
+                           bps_gc's in-place arrangement without bps_gc: gradients of 4 MB or
+                           more alone in their memory (AVG), the others in bps_gc's buckets,
+                           copied in and averaged back; the least bps_gc collective dense in
+                           place can take
   DDP compute only         the benchmark model's forward/backward without communication: the
                            floor under every DDP row (gradient = a fixed random tensor per layer)
   DDP dense / fp16 hook / PowerSGD rank 1, 4 / bps_gc hook
@@ -84,6 +92,7 @@ def rank_main(args):
 
     import bps_gc.core as bps
     import bps_gc.torch as bps_torch
+    from bps_gc.collective.buckets import ALONE_BYTES  # the in-place floor follows its arrangement
 
     torch.set_num_threads(1)
     os.environ.setdefault("BPS_GC_TRANSPORT", "collective")
@@ -127,30 +136,78 @@ def rank_main(args):
                 work.wait()
         return step
 
-    def copied_rows():
-        """The least a push_pull of the separate gradients into separate outputs can cost: each
-        bucket (bps_gc's: closed once it holds 25 MB) copied into a buffer kept across steps,
-        all_reduced, and averaged into the outputs in one pass."""
+    ranks = np.float32(dist.get_world_size())
+
+    def fused(arrays):
+        """bps_gc's buckets of ``arrays`` (each closed once it holds BUCKET_BYTES), each with a
+        flat buffer kept across steps."""
         buckets, bucket, size = [], [], 0
-        for g in grads:
-            bucket.append(g.reshape(-1))
-            size += g.nbytes
+        for a in arrays:
+            bucket.append(a.reshape(-1))
+            size += a.nbytes
             if size >= BUCKET_BYTES:
                 buckets.append(bucket)
                 bucket, size = [], 0
         buckets += [bucket] if bucket else []
-        flats = [np.empty(sum(g.size for g in b), np.float32) for b in buckets]
-        outs = [[np.empty_like(g) for g in b] for b in buckets]
-        ranks = np.float32(dist.get_world_size())
+        return [(b, np.empty(sum(a.size for a in b), np.float32)) for b in buckets]
+
+    def send_fused(bucket, flat):
+        return dist.all_reduce(torch.from_numpy(np.concatenate(bucket, out=flat)), async_op=True)
+
+    def average_out(flat, outs):
+        offset = 0
+        for o in outs:
+            np.divide(flat[offset:offset + o.size], ranks, out=o.reshape(-1))
+            offset += o.size
+
+    def copied_rows():
+        """The least a push_pull of the separate gradients into separate outputs can cost: each
+        bucket (bps_gc's) copied into a buffer kept across steps, all_reduced, and averaged
+        into the outputs in one pass."""
+        buckets = fused(grads)
+        outs = [[np.empty_like(g) for g in b] for b, _ in buckets]
 
         def step():
-            works = [dist.all_reduce(torch.from_numpy(np.concatenate(b, out=f)), async_op=True) for b, f in zip(buckets, flats)]
-            for work, flat, out in zip(works, flats, outs):
+            works = [send_fused(b, f) for b, f in buckets]
+            for work, (_, flat), out in zip(works, buckets, outs):
                 work.wait()
-                offset = 0
-                for o in out:
-                    np.divide(flat[offset:offset + o.size], ranks, out=o)
-                    offset += o.size
+                average_out(flat, out)
+        return step
+
+    def separate_rows():
+        """Each gradient all_reduced alone in place (AVG), all started, then waited for."""
+        inputs = [torch.from_numpy(g.copy()) for g in grads]
+
+        def step():
+            for work in [dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True) for t in inputs]:
+                work.wait()
+        return step
+
+    def alone_rows():
+        """The least a push_pull of the separate gradients in place can cost as bps_gc sends
+        them: each of ALONE_BYTES or more all_reduced alone in place (AVG) as it is reached,
+        the others fused (bps_gc's buckets), summed and averaged back."""
+        inputs = [g.copy() for g in grads]
+        large = {i for i, a in enumerate(inputs) if a.nbytes >= ALONE_BYTES}
+        buckets = fused([a for i, a in enumerate(inputs) if i not in large])
+        closing = {}  # the index of each bucket's last array -> the bucket
+        index = [i for i in range(len(inputs)) if i not in large]
+        at = 0
+        for b, flat in buckets:
+            at += len(b)
+            closing[index[at - 1]] = (b, flat)
+
+        def step():
+            works = []
+            for i, a in enumerate(inputs):
+                if i in large:
+                    works.append((dist.all_reduce(torch.from_numpy(a), op=dist.ReduceOp.AVG, async_op=True), None))
+                elif i in closing:
+                    works.append((send_fused(*closing[i]), closing[i]))
+            for work, bucket in works:
+                work.wait()
+                if bucket is not None:
+                    average_out(bucket[1], bucket[0])
         return step
 
     def ddp(hook=None, state=None, bucket_cap_mb=25):
@@ -200,6 +257,8 @@ def rank_main(args):
     rows = {
         "torch all_reduce dense": allreduce_rows,
         "torch dense floor: copy in, sum, average out": copied_rows,
+        "torch floor, in place: each gradient alone (AVG)": separate_rows,
+        "torch floor, in place: large alone (AVG), the rest fused": alone_rows,
         "DDP compute only": local,
         "DDP dense": lambda: ddp(),
         "DDP fp16 hook": lambda: ddp(default_hooks.fp16_compress_hook),

@@ -7,7 +7,8 @@ payloads in one all_gather, every rank running the server's reduction), its two-
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
 the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) reduced in
 place gets its own all_reduce in its own memory, as Horovod and DDP leave large tensors unfused:
-no copy, and gloo's AVG divides it (not the caller's thread); ``finish`` (a handle's wait)
+no copy, and gloo's AVG divides it (not the caller's thread); from its second reduction on it
+goes out as it is added, in a bucket of its own; ``finish`` (a handle's wait)
 waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
 raised by every wait on its handles.
 """
@@ -103,6 +104,7 @@ class Bucket:
 
     def __init__(self):
         self.entries, self.coded, self.on_hosts, self.phased, self.bytes, self.names = [], [], [], [], 0, []
+        self.agreed_alone = []  # names first agreed alone in this bucket (Buckets.going_alone)
         self.gathered = []
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
         self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
@@ -127,6 +129,10 @@ class Buckets:
         self.fused_buffers = FusedBuffers()
         self.gloo_averages = True  # until gloo refuses ReduceOp.AVG (torch before it had it)
         self.alone = {}  # name -> its large array is all_reduced alone (agreed at its first use)
+        # the names agreed alone, as the caller's thread knows them: added when it finishes the
+        # bucket that agreed (a point every rank reaches in the same order, unlike the exchange
+        # thread's progress), so every rank sends a name's next reduction the same way
+        self.going_alone = set()
         self.exchange_coded_on_hosts = self.exchange_phased = self.deliver_tensors = None
 
     def exchanges(self, *, coded_on_hosts, phased, deliver_tensors):
@@ -139,10 +145,22 @@ class Buckets:
         self.deliver_tensors = deliver_tensors
 
     def add_dense(self, name, wire, out, average):
-        """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype)."""
-        self.shared.counters.pushed_wire += wire.nbytes
-        self.shared.counters.pulled_wire += wire.nbytes
-        return self.add(Handle(self, out, self.pending), "entries", DenseEntry(wire, out, average, name), wire.nbytes, name)
+        """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype);
+        a large array the ranks agreed goes alone, in a bucket of its own, out at once: it is
+        not copied, so it neither waits for the pending bucket to fill nor fills it (a bucket
+        closed early by it would add an all_reduce of the few small arrays left in it)."""
+        counters = self.shared.counters
+        counters.pushed_wire += wire.nbytes
+        counters.pulled_wire += wire.nbytes
+        entry = DenseEntry(wire, out, average, name)
+        if name in self.going_alone:
+            bucket = Bucket()
+            bucket.entries.append(entry)
+            bucket.names.append(name)
+            bucket.flushed = True
+            self.exchanger.submit(self._send, bucket)
+            return Handle(self, out, bucket)
+        return self.add(Handle(self, out, self.pending), "entries", entry, wire.nbytes, name)
 
     def add_coded(self, tensor, wire, out, average, ctx):
         """A one-level compressed reduction into the pending bucket: compressed now on the
@@ -216,7 +234,7 @@ class Buckets:
             self.exchange_phased(bucket.phased)
         # numpy 2 arrays have a .device too ("cpu"): only a tensor's device says it is one
         large = [e for e in bucket.entries if not isinstance(e.wire, torch.Tensor) and e.wire.nbytes >= ALONE_BYTES]
-        self._agree_alone(large)
+        bucket.agreed_alone = self._agree_alone(large)
         by_dtype = {}  # numpy arrays by dtype; tensors (reduce_tensor) by dtype and device
         for entry in bucket.entries:
             wire = entry.wire
@@ -235,17 +253,19 @@ class Buckets:
 
     def _agree_alone(self, large):
         """Whether each large array first seen goes alone: where every rank reduces it in place
-        (the MIN of each rank's answer, one small all_reduce on the step that first reduces it);
+        (the MIN of each rank's answer, one small all_reduce on the step that first reduces it;
+        returns the names that go alone);
         every rank fuses the same arrays, so issues the same all_reduces, whatever it is called
         with later (alone into another output: copied there; fused in place: as any other)."""
         new = [entry for entry in large if entry.name not in self.alone]
         if not new:
-            return
+            return []
         flags = torch.tensor([same_memory(entry.out.reshape(-1), entry.wire) for entry in new], dtype=torch.int32)
         self.wait(self.issue(dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)),
                   lambda: f"all_reduce choosing how {listed([entry.name for entry in new])} go out")
         for entry, flag in zip(new, flags.tolist()):
             self.alone[entry.name] = bool(flag)
+        return [entry.name for entry, flag in zip(new, flags.tolist()) if flag]
 
     def _alone(self, entry):
         """A large array's own buffer: its output's memory when that holds the wire's dtype
@@ -288,6 +308,7 @@ class Buckets:
             self.check_alive()
         if bucket.error is not None:
             raise bucket.error
+        self.going_alone.update(bucket.agreed_alone)
         waited = time.perf_counter() - start
         # each buffer delivered once its all_reduce is done, while the later ones still run (and
         # its memory may still be in the cache); taken off the bucket, so never delivered twice

@@ -92,7 +92,10 @@ def rank_main(args):
 
     import bps_gc.core as bps
     import bps_gc.torch as bps_torch
-    from bps_gc.collective.buckets import ALONE_BYTES  # the in-place floor follows its arrangement
+    from bps_gc.collective import buckets
+    # the in-place floor follows the package's arrangement; bench_versions.py also runs this file
+    # on commits from before arrays went alone, where the floor keeps today's 4 MB
+    ALONE_BYTES = getattr(buckets, "ALONE_BYTES", 4 << 20)
 
     torch.set_num_threads(1)
     os.environ.setdefault("BPS_GC_TRANSPORT", "collective")

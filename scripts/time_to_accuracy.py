@@ -245,9 +245,11 @@ def save(args, summary, series, target, ylabel, ylim=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, label=name, **({"linestyle": "--", "color": "black"} if name == LIMIT else {}))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = plt.get_cmap("tab20").colors  # 15 rows and more: matplotlib's default 10 colours repeat
+    for i, (name, (xs, ys)) in enumerate(series.items()):
+        style = {"linestyle": "--", "color": "black"} if name == LIMIT else {"color": colors[i % len(colors)]}
+        ax.plot(xs, ys, label=name, **style)
     ax.axhline(target, color="grey", linestyle=":", label="target")
     ax.set_xlabel("training wall time (s), rank 0")
     ax.set_ylabel(ylabel)
@@ -255,7 +257,7 @@ def save(args, summary, series, target, ylabel, ylim=None):
                  f"{args.shaped or 'loopback'}", fontsize=9)
     if ylim:
         ax.set_ylim(*ylim)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, not over them
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "time_to_accuracy.png"), dpi=120)
     print(f"JSON and plot: {args.out}/time_to_accuracy.json, time_to_accuracy.png")

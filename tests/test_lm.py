@@ -1,7 +1,8 @@
 """The LM yardstick (example/pytorch/lm, scripts/time_to_accuracy.py --task lm): its data
 repeat and refuse a too-small corpus; --precision auto picks bf16 only where the device
 computes it; the plain attention (bf16 on a CPU) is causal attention; DDP on two ranks equals
-one process on the concatenated batch; a reduced --task lm run gives every row; train.py
+one process on the concatenated batch; a reduced --task lm run gives every row, and runs 2
+local ranks per machine; train.py
 resumes bit for bit with a codec under bf16 autocast."""
 import hashlib
 import json
@@ -166,6 +167,23 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     else:
         assert "torchft's DiLoCo: no row: torchft does not import here" in result.stdout
     assert "the limit (no exchange)" in result.stdout and (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+
+
+def test_lm_table_runs_two_local_ranks_per_machine(tmp_path):
+    """--local-ranks 2: 2 machines x 2 ranks; DDP dense over the 4 ranks is the reference's
+    arithmetic on the 4 ranks' batches, and the parameter server runs its two levels."""
+    result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "4",
+                             "--eval-every", "4", *TINY, "--local-ranks", "2", "--rows", "DDP dense,PS thc",
+                             "--cap-factor", "1000", "--slack", "0.1", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, BPS_GC_HEARTBEAT_TIMEOUT="30"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "2 machines x 2 ranks" in result.stdout
+    data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    rows = data["rows"]
+    assert data["local_ranks"] == 2 and set(rows) == {"the limit (no exchange)", "DDP dense", "bps_gc PS thc 4-bit"}
+    assert rows["DDP dense"]["final_val_loss"] == pytest.approx(rows["the limit (no exchange)"]["final_val_loss"], abs=1e-4)
+    assert all(r["steps_done"] == 4 and np.isfinite(r["final_val_loss"]) for r in rows.values())
 
 
 def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):

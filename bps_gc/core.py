@@ -129,6 +129,11 @@ def membership():
     return list(getattr(worker(), "members", range(size())))
 
 
+def joining():
+    """BPS_GC_ELASTIC: this worker joins a running job (its elastic_start waits to be admitted)."""
+    return bool(getattr(worker(), "joining", False))
+
+
 def elastic_start(params):
     """BPS_GC_ELASTIC: name the parameters (name -> numpy array, updated in place) a joining
     host copies; on a joiner, wait to be admitted, fill them and return its first step (else 0)."""

@@ -3,7 +3,9 @@
 It is a small flat mapping that travels with every push (``bps_gc.wire.wire`` encodes and
 validates it), so workers and servers agree on per-step schedules. Keys every node may rely on:
 ``lr`` (float), ``step`` (int, counted by the caller), ``epoch`` (int); a codec may read its own
-per-step keys too (DGC's ``density``). Values are finite numbers or booleans.
+per-step keys too (DGC's ``density``). Values are finite numbers or booleans. Under
+BPS_GC_ELASTIC a server adds ``pushes`` (int) to a compressed round's context: how many members'
+pushes that round sums (outer_sgd's mean divides by it).
 """
 from collections.abc import Mapping
 

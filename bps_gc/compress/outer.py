@@ -46,7 +46,9 @@ class OuterSGD(Reducer):
             raise ValueError(f"outer_sgd: the step context lacks {', '.join(missing)} (DiLoCo's outer step "
                              "on the servers sets them)")
         f = self.dtype.type
-        mean = self.total(payloads, compressed) / f(ctx["outer_workers"])
+        # BPS_GC_ELASTIC: the server counts the members whose pushes it sums ("pushes"): a
+        # worker's size at push time may count a host that died or miss one that joined
+        mean = self.total(payloads, compressed) / f(ctx.get("pushes", ctx["outer_workers"]))
         mu = f(ctx["outer_momentum"])
         step = mean
         if mu:

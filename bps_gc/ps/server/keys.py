@@ -177,7 +177,10 @@ class KeyState:
             return self.store.copy()  # the snapshot no later push can change
         if self.compressed:
             try:
-                return self.reducer.reduce([self.payload(r) for r in ranks], True, self.ctxs[ranks[0]])
+                ctx = self.ctxs[ranks[0]]
+                if self.elastic and ctx:  # BPS_GC_ELASTIC: the members that pushed (a redo's fewer)
+                    ctx = {**ctx, "pushes": len(ranks)}
+                return self.reducer.reduce([self.payload(r) for r in ranks], True, ctx)
             except ValueError as e:
                 raise KeyConflict(f"key {self.key} ({self.params.compressor}, reducer "
                                 f"{self.reducer_name}): a malformed payload: {e}") from None

@@ -1,0 +1,73 @@
+"""A worker host of the elastic DiLoCo test (tests/test_elastic_diloco.py): bps_gc.torch.DiLoCo
+with the outer step on the servers under BPS_GC_ELASTIC, the small MLP of test_diloco.py, inner
+SGD on each rank's own batches. Each outer round's pseudo-gradient (recorded as DiLoCo makes it)
+and global copy after it are saved, with bps.size() at each round; at the end the global copy
+pulled from the servers (DiLoCo.global_parameters()). The ``victim`` rank stops at inner step
+``kill_at`` (mid-window), says HALF and waits to be killed; a joiner starts where
+DiLoCo.elastic_start puts it. Every worker stops ``after_join`` outer rounds into membership
+epoch ``join_epoch`` (a joiner's first round is the first of them).
+Run as ``python tests/elastic_diloco_job.py SPEC.json OUT_DIR``."""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import bps_gc.torch as bps  # noqa: E402
+from test_diloco import batch, build_model  # noqa: E402
+
+spec, out_dir = json.load(open(sys.argv[1])), sys.argv[2]
+bps.init()
+rank = bps.rank()
+H = spec["sync_every"]
+saved = {}
+
+
+class Recorded(bps.DiLoCo):
+    def start_sync(self, fragment):  # the pseudo-gradient this worker pushes, for the oracle
+        rnd = self.steps // H - 1
+        for (name, p), copy in zip(fragment.named, fragment.copies):
+            saved[f"pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
+        saved[f"size/{rnd}"] = np.array(bps.size())
+        super().start_sync(fragment)
+
+
+try:  # a join with the outer step on the workers: refused in one line (made on every host alike)
+    bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H,
+               outer_step="workers").elastic_start()
+except ValueError as e:
+    saved["refused"] = np.array(str(e))
+model = build_model()
+opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
+               compression_params=spec["compression_params"], outer_step="servers")
+start = opt.elastic_start() if hasattr(opt, "elastic_start") else 0
+print("START", start, opt.steps, flush=True)
+first_joined = None  # the first outer round of membership epoch ``join_epoch``
+while opt.steps < spec["max_rounds"] * H:
+    if rank == spec["victim"] and opt.steps == spec["kill_at"] and not start:
+        np.savez(os.path.join(out_dir, f"rank{rank}.victim.npz"), **saved)  # its pushes, for the oracle
+        print("HALF", flush=True)
+        time.sleep(600)  # killed here
+    x, y = batch(rank, opt.steps)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if opt.steps % H == 0:
+        rnd = opt.steps // H - 1
+        for name, copy in zip(opt.fragments[0].names, opt.fragments[0].copies):
+            saved[f"global/{rnd}/{name}"] = copy.numpy().copy()
+        print("ROUND", rnd, bps.size(), bps.membership_epoch(), flush=True)
+        if first_joined is None and bps.membership_epoch() >= spec["join_epoch"]:
+            first_joined = rnd
+        if first_joined is not None and rnd >= first_joined + spec["after_join"] - 1:
+            break
+    time.sleep(spec["sleep"])
+opt.wait()
+saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
+np.savez(os.path.join(out_dir, f"rank{rank}.{start}.npz"), start=start, **saved)
+print("DONE", flush=True)
+bps.shutdown()

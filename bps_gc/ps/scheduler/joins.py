@@ -26,6 +26,7 @@ class Joins:
         self.step = None  # "prepare", "commit" or "go" while a join runs
         self.pledges, self.at, self.servers_go = {}, set(), set()
         self.from_group = None
+        self.ended = None  # why no host may join any more: a member said goodbye, the job is ending
 
     def register(self, identity, info, role, rank, host, port, local, who):
         """A registration once the job runs: a worker taking a departed host's place, or refused."""
@@ -33,6 +34,8 @@ class Joins:
         problem = None
         if role != "worker":
             problem = "the cluster is already complete (only a worker host may join a running job)"
+        elif self.ended:
+            problem = self.ended
         elif rank not in self.epochs.dead:
             problem = (f"worker rank {rank} is a member of the running job; a joining host takes the "
                        f"DMLC_WORKER_ID of one that left ({sorted(self.epochs.dead) or 'none left'})")
@@ -75,23 +78,35 @@ class Joins:
         log.warning("worker %d left before it was admitted (%s); the job goes on", member.rank, reason)
         member.gone = True
         if self.step is not None:  # members waiting at a pledge or the boundary go on
-            self.broadcast(Msg.EPOCH_GO, self.go_info(cancelled=True), servers=False)
+            self.broadcast(Msg.EPOCH_GO, dict(self.go_info(cancelled=True), why=f"it left: {reason}"), servers=False)
             self.epochs.preparing = None
         self.joiner, self.step = None, None
 
-    def cancel(self, problem):
+    def cancel(self, problem, again=True):
         """Another membership change (a death) comes before the join reached GO: the members
-        go on as they were, the joiner is refused (it may start again), and the change goes on
-        alone. At GO the servers count the joiner already: deaths wait for the join's end then."""
+        go on as they were, the joiner is refused (it may start again, unless ``again`` is
+        False: the job ends), and the change goes on alone. At GO the servers count the joiner
+        already: deaths wait for the join's end then."""
         j = self.joiner
-        log.warning("worker %d's join is cancelled: %s; the job goes on", j.rank, problem)
+        log.warning("worker %d's join is cancelled: %s%s", j.rank, problem, "; the job goes on" if again else "")
+        self.scheduler.refuse(j.identity, f"worker {j.rank} cannot join the running job now: {problem}"
+                                          + ("; start it again" if again else ""))
+        j.gone = True  # told by the refusal alone
         if self.step is not None:
-            self.broadcast(Msg.EPOCH_GO, self.go_info(cancelled=True), servers=False)
+            self.broadcast(Msg.EPOCH_GO, dict(self.go_info(cancelled=True), why=problem), servers=False)
             self.epochs.preparing = None
-        self.scheduler.refuse(j.identity, f"worker {j.rank} cannot join the running job now: {problem}; "
-                                          "start it again")
-        j.gone = True
         self.joiner, self.step = None, None
+
+    def ending(self, member):
+        """A member said goodbye: it finished, so the job is ending (elsewhere a member's goodbye
+        while others run fails the rounds that need it, watch.py). A join under way can never
+        complete, as the member will not reach its boundary (nor send the parameters): it is
+        refused now, and so is any later one, else the joiner and the servers wait forever.
+        At GO every member waits at the boundary, so none says goodbye then."""
+        if self.ended is None:
+            self.ended = f"the job is ending (worker {member.rank} said goodbye)"
+        if self.joiner is not None and self.step != "go":
+            self.cancel(self.ended, again=False)
 
     def ready(self, member):
         if member is not self.joiner or self.step is not None:

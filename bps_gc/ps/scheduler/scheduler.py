@@ -126,7 +126,8 @@ class Scheduler:
         if dead is not None:
             reason = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
             if dead.joining:
-                return self.joins.left(dead, reason)
+                self.joins.left(dead, reason)
+                return self.end_if_done(dead)
             if self.epochs is not None and dead.role == "worker":
                 if self.joins.step == "go":  # the servers count the joiner: the join ends first
                     return None
@@ -354,11 +355,13 @@ class Scheduler:
                      and m.rank not in dead), None)
 
     def goodbye(self, member):
-        if member.joining:  # refused by a server, or stopped before it was admitted
-            self.reply(member, Msg.GOODBYE)
-            return self.joins.left(member, "it said goodbye")
-        member.gone = True
         self.reply(member, Msg.GOODBYE)
+        if member.joining:  # refused by a server, or stopped before it was admitted
+            self.joins.left(member, "it said goodbye")
+            return self.end_if_done(member)
+        member.gone = True
+        if member.role == "worker" and self.joins is not None:
+            self.joins.ending(member)  # a member's goodbye: the job ends, no host may join now
         running = [m for m in self.members.values() if m.role == "worker" and not m.gone]
         if member.role == "worker" and running:
             if self.barrier_waiting:
@@ -368,6 +371,10 @@ class Scheduler:
             for m in self.members.values():
                 if not m.gone:
                     self.reply(m, Msg.NODE_LEFT, obj=member.describe())
+        return self.end_if_done(member)
+
+    def end_if_done(self, member):
+        """After ``member`` left: the last worker gone shuts the servers down; the last node, the scheduler."""
         if member.role == "worker" and all(m.gone for m in self.members.values() if m.role == "worker"):
             for m in self.members.values():
                 if m.role == "server" and not m.gone:

@@ -153,6 +153,6 @@ class JoinGate:
                         ", ".join(map(str, info["joined"])), info["epoch"], first, members)
             rounds.release()
         else:
-            log.warning("membership: worker %s did not join; the job goes on as it was", info["joined"])
+            log.warning("membership: worker %s did not join: %s", info["joined"], info.get("why", "cancelled"))
         self.pledge, self.commit = None, None
         self.went.set()

@@ -3,7 +3,8 @@ by the mean of each step's push_pull (p -= lr * mean), every step's result, para
 and bps.membership_epoch() saved. The ``victim`` rank, at step ``pause_at``, pushes the first
 tensor only, says HALF and waits to be killed. Every worker stops ``after_join`` steps into the
 membership epoch ``join_epoch`` (a joiner's first step is the first of them); a joiner starts at
-the step elastic_start returns. Run as ``python tests/elastic_join_job.py SPEC.json OUT_DIR``."""
+the step elastic_start returns. With ``hold`` (a path), a member waits after its last step, before
+its goodbye, until HOLD.<rank> exists. Run as ``python tests/elastic_join_job.py SPEC.json OUT_DIR``."""
 import json
 import os
 import sys
@@ -46,4 +47,7 @@ while step < spec["max_steps"]:
     time.sleep(spec["sleep"])
 np.savez(os.path.join(out_dir, f"rank{rank}.{start}.npz"), start=start, **{k: np.array(v) for k, v in out.items()})
 print("DONE", flush=True)
+deadline = time.monotonic() + 60
+while spec.get("hold") and not start and not os.path.exists(f"{spec['hold']}.{rank}") and time.monotonic() < deadline:
+    time.sleep(0.05)
 bps.shutdown()

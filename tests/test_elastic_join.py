@@ -88,3 +88,36 @@ def test_a_host_joins_after_one_died_and_one_with_other_settings_is_refused(tmp_
                     continue
                 np.testing.assert_array_equal(pulled[r][f"{name}/{step}"], want[f"{name}/{step}"], err_msg=f"{r} {name} {step}")
                 assert pulled[r][f"param.{name}/{step}"].tobytes() == p.tobytes(), (r, name, step)
+
+
+def test_a_host_joining_as_the_job_ends_is_refused_and_every_process_exits(tmp_path):
+    """A join under way when a member says goodbye can never complete (that member will not
+    reach the join's boundary): the joiner is refused in one line, and so is a host that comes
+    after the goodbye; the job ends, every process exits (no orphan). Before, the scheduler,
+    the server and the joiner waited for each other forever."""
+    spec = dict(SPEC, max_steps=4, pause_at=1, join_epoch=99, tensors=two_tensors(64, 64), hold=str(tmp_path / "hold"))
+    job = start_job("elastic_join_job.py", spec, tmp_path, role_env={"scheduler": {"BYTEPS_LOG_LEVEL": "INFO"}})
+    try:
+        job.wait_output([f"worker{VICTIM}"], "HALF", START_BOUND)
+        os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)
+        job.wait_output(["worker0", "worker1"], "DONE", BOUND)  # both hold before their goodbye
+        start_joiner(job, "early", spec, tmp_path)
+        job.wait_output(["scheduler"], "asks to join the running job", BOUND)
+        (tmp_path / "hold.1").touch()  # worker 1 says goodbye while the join is under way
+        job.launchers["worker1"].wait(BOUND)
+        job.launchers["early"].wait(BOUND)
+        start_joiner(job, "late", spec, tmp_path)  # after a member's goodbye
+        job.launchers["late"].wait(BOUND)
+        (tmp_path / "hold.0").touch()
+        statuses, _ = job.wait_all(BOUND, since=time.monotonic())
+    finally:
+        job.kill_all()
+    report = job.report(statuses)
+    for name in ("scheduler", "server0", "worker0", "worker1"):
+        assert statuses[name] == 0 and "Traceback" not in job.text(name), report
+    for name in ("early", "late"):
+        last = job.text(name).strip().splitlines()[-1]
+        assert statuses[name] != 0 and "Traceback" not in job.text(name), report
+        assert "cannot join the running job" in last and "the job is ending (worker 1 said goodbye)" in last, report
+    assert "join is cancelled: the job is ending (worker 1 said goodbye)" in job.text("scheduler"), report
+    assert [(e, m) for e, _, m in membership(job.text("worker0"))] == [(1, [0, 1])], report

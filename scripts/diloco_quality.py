@@ -59,6 +59,9 @@ def parse_args(argv=None):
                    "150 steps, each replica count's best outer lr ('' for none)")
     p.add_argument("--long-replicas", default="2", help="the replica counts of the lengths after the first "
                    "(the cut grid's; --full: --replicas)")
+    p.add_argument("--warm-start", type=int, default=0, metavar="K", help="DiLoCo rows: DDP's steps for the "
+                   "first K inner steps (the replicas' gradients averaged), DiLoCo after (the paper starts from a "
+                   "pretrained model); rounds every H steps from K on")
     p.add_argument("--full", action="store_true", help="every (H, outer lr, replicas) at every length")
     p.add_argument("--quick", action="store_true", help="the shortest length only")
     p.add_argument("--report", nargs="+", metavar="JSON", help="no training: the table and plot of these runs' "
@@ -139,8 +142,9 @@ class Study:
                 curve.append((step + 1, self.evaluate(model)))
         return curve
 
-    def diloco(self, replicas, steps, every, outer_lr, momentum=0.9, inner_lr=None):
-        """[(step, val loss of the global copy)] after each outer round of DiLoCo."""
+    def diloco(self, replicas, steps, every, outer_lr, momentum=0.9, inner_lr=None, warm=0):
+        """[(step, val loss of the global copy)] after each outer round of DiLoCo (after the
+        first ``warm`` steps, DDP's: every replica steps with the replicas' mean gradient)."""
         torch = self.torch
         from gpt import byte_loss
         from lm_training import build_model, make_optimizer
@@ -157,17 +161,33 @@ class Study:
                 opt.zero_grad()
                 x, y = self.batch(r, step)
                 byte_loss(model(x), y).backward()
-                if run.clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip)
-                opt.step()
+                if step >= warm:
+                    self.clipped_step(model, opt, run.clip)
+            if step < warm:  # DDP: the same mean gradient, clip and step on every replica
+                with torch.no_grad():
+                    for ps in zip(*(m.parameters() for m in local)):
+                        mean = sum(p.grad for p in ps) / replicas
+                        for p in ps:
+                            p.grad.copy_(mean)
+                for model, opt in zip(local, inner):
+                    self.clipped_step(model, opt, run.clip)
+                if step + 1 == warm:  # the global copy starts from DDP's parameters
+                    with torch.no_grad():
+                        for c, p in zip(copies, local[0].parameters()):
+                            c.copy_(p)
             self.tick(replicas)
-            if (step + 1) % every == 0 or step + 1 == steps:
+            if step >= warm and ((step + 1 - warm) % every == 0 or step + 1 == steps):
                 self.outer_round(copies, outer, local)
                 with torch.no_grad():
                     for p, c in zip(deploy.parameters(), copies):
                         p.copy_(c)
                 curve.append((step + 1, self.evaluate(deploy)))
         return curve
+
+    def clipped_step(self, model, opt, clip):
+        if clip > 0:
+            self.torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
 
     @staticmethod
     def outer_round(copies, outer, local):
@@ -218,15 +238,17 @@ def adaptive(args, results):
     return cells
 
 
-def key(kind, replicas, steps, every, outer_lr, inner_lr, momentum=0.9):
+def key(kind, replicas, steps, every, outer_lr, inner_lr, momentum=0.9, warm=0):
     return (f"{kind} R={replicas} steps={steps}" + (f" H={every} outer_lr={outer_lr}" if kind == "diloco" else "")
             + (f" inner_lr={inner_lr}" if inner_lr else "")
-            + (f" momentum={momentum}" if kind == "diloco" and momentum != 0.9 else ""))
+            + (f" momentum={momentum}" if kind == "diloco" and momentum != 0.9 else "")
+            + (f" warm={warm}" if kind == "diloco" and warm else ""))
 
 
 def grid(row):
     """A row of the outer lr x H grid: --lr inside, momentum 0.9 Nesterov outside."""
-    return row["kind"] == "diloco" and row["inner_lr"] is None and row.get("outer_momentum", 0.9) == 0.9
+    return (row["kind"] == "diloco" and row["inner_lr"] is None and row.get("outer_momentum", 0.9) == 0.9
+            and not row.get("warm_start"))
 
 
 def best_outer_lr(results, replicas, steps, every):
@@ -237,14 +259,14 @@ def best_outer_lr(results, replicas, steps, every):
 
 def run_cells(study, cells, results, save=None):
     for kind, r, s, h, lr, inner in cells:
-        momentum = study.args.outer_momentum
-        name = key(kind, r, s, h, lr, inner, momentum)
+        momentum, warm = study.args.outer_momentum, study.args.warm_start
+        name = key(kind, r, s, h, lr, inner, momentum, warm)
         if name in results:
             continue
         began = time.perf_counter()
-        curve = study.ddp(r, s) if kind == "ddp" else study.diloco(r, s, h, lr, momentum, inner)
+        curve = study.ddp(r, s) if kind == "ddp" else study.diloco(r, s, h, lr, momentum, inner, warm)
         results[name] = {"kind": kind, "replicas": r, "steps": s, "every": h, "outer_lr": lr, "inner_lr": inner,
-                         "outer_momentum": momentum if kind == "diloco" else None,
+                         "outer_momentum": momentum if kind == "diloco" else None, "warm_start": warm,
                          "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - began}
         if save:
             save(results)
@@ -289,17 +311,18 @@ def lengths(results):
 
 
 def table_lines(results, args):
-    lines = [f"{'steps':>5} {'R':>2} {'H':>4} {'outer lr':>8} {'momentum':>8} {'inner lr':>8} {'val loss':>9} "
+    lines = [f"{'steps':>5} {'R':>2} {'H':>4} {'outer lr':>8} {'momentum':>8} {'inner lr':>8} {'warm':>4} {'val loss':>9} "
              f"{'DDP':>7} {'gap':>7} {'s':>6}"]
     for s, r in lengths(results):
         ddp = results[key("ddp", r, s, None, None, None)]
-        lines.append(f"{s:5d} {r:2d} {'DDP':>4} {'':8} {'':8} {args.lr:8.1e} {ddp['final']:9.4f} {'':7} {'':7} "
+        lines.append(f"{s:5d} {r:2d} {'DDP':>4} {'':8} {'':8} {args.lr:8.1e} {'':4} {ddp['final']:9.4f} {'':7} {'':7} "
                      f"{ddp['seconds']:6.1f}")
         rows = sorted((x for x in results.values() if x["kind"] == "diloco" and x["replicas"] == r and x["steps"] == s),
-                      key=lambda x: (x["every"], -x.get("outer_momentum", 0.9), x["inner_lr"] or args.lr, x["outer_lr"]))
+                      key=lambda x: (x["every"], x.get("warm_start", 0), -x.get("outer_momentum", 0.9),
+                                     x["inner_lr"] or args.lr, x["outer_lr"]))
         for x in rows:
             lines.append(f"{s:5d} {r:2d} {x['every']:4d} {x['outer_lr']:8.2f} {x.get('outer_momentum', 0.9):8.2f} "
-                         f"{x['inner_lr'] or args.lr:8.1e} {x['final']:9.4f} {x['ddp_final']:7.4f} {x['gap_pct']:6.1f}% "
+                         f"{x['inner_lr'] or args.lr:8.1e} {x.get('warm_start', 0):4d} {x['final']:9.4f} {x['ddp_final']:7.4f} {x['gap_pct']:6.1f}% "
                          f"{x['seconds']:6.1f}")
     return lines
 
@@ -313,7 +336,7 @@ def verdict_lines(results, args):
         if rows:
             b = min(rows, key=lambda x: x["final"])
             lines.append(f"best at H=50, R={r}, {s} steps: outer lr {b['outer_lr']}, momentum "
-                         f"{b.get('outer_momentum', 0.9)}, inner lr {b['inner_lr'] or args.lr:g}: "
+                         f"{b.get('outer_momentum', 0.9)}, warm start {b.get('warm_start', 0)}, inner lr {b['inner_lr'] or args.lr:g}: "
                          f"{b['final']:.4f} vs DDP {b['ddp_final']:.4f}, {b['gap_pct']:+.1f}% "
                          f"({'within' if b['gap_pct'] <= 5 else 'NOT within'} 5%)")
     return lines
@@ -357,7 +380,8 @@ def merged(paths):
             if row["kind"] == "diloco":
                 row.setdefault("outer_momentum", saved["settings"]["outer_momentum"])
             results[key(row["kind"], row["replicas"], row["steps"], row["every"], row["outer_lr"], row["inner_lr"],
-                        row.get("outer_momentum") or 0.9)] = row
+                        0.9 if row.get("outer_momentum") is None else row["outer_momentum"],
+                        row.get("warm_start", 0))] = row
     return results, heads
 
 

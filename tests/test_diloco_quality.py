@@ -3,7 +3,7 @@ SGD without momentum, weight decay or clipping, H = 1 and an outer SGD of lr 1 w
 each outer round sets the global copy to the replicas' mean, which is one SGD step on the
 replicas' averaged gradient: DDP's step. So the two curves must agree, which fails if a
 replica trains on another's shard, if the pseudo-gradients are not averaged, or if the
-replicas do not restart from the global copy."""
+replicas do not restart from the global copy; a warm start of DDP steps keeps it."""
 import os
 import sys
 
@@ -24,6 +24,10 @@ def test_one_process_diloco_at_h_1_with_linear_steps_equals_ddp():
     assert ddp[-1][1] < ddp[0][1] - 0.05  # it trained: the identity is not two untouched models
     for (s, want), (_, got) in zip(ddp, diloco):
         assert abs(got - want) <= 1e-5 * abs(want), (s, got, want)
+    # a warm start of 3 DDP steps (the replicas' mean gradient) and then the same identity
+    warm = study.diloco(replicas=2, steps=6, every=1, outer_lr=1.0, momentum=0.0, warm=3)
+    assert [s for s, _ in warm] == [0, 4, 5, 6]
+    assert abs(warm[-1][1] - ddp[-1][1]) <= 1e-5 * ddp[-1][1]
     # the tolerance tells steps apart: half the outer step is not DDP's
     half = study.diloco(replicas=2, steps=6, every=1, outer_lr=0.5, momentum=0.0)
     assert abs(half[-1][1] - ddp[-1][1]) > 1e-3

@@ -4,6 +4,7 @@ rate, the run's length and the inner peak learning rate.
 
     .venv/bin/python scripts/diloco_quality.py --out out/diloco_quality
     .venv/bin/python scripts/diloco_quality.py --quick        # a 1-minute look (150 steps only)
+    .venv/bin/python scripts/diloco_quality.py --report out/diloco_quality*/diloco_quality.json   # runs together
 
 The model, data, AdamW, warm-up + cosine schedule and clipping are the LM table's
 (scripts/time_to_accuracy.py --task lm --layers 2 --width 64 --heads 4 --context 64
@@ -41,6 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE] + [os.path.join(os.path.dirname(HERE), "example", p) for p in ("pytorch/lm", "pytorch")]
+from diloco_quality_report import check_against_table, gaps, key, merged, plot, table_lines, verdict_lines  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -230,7 +232,7 @@ def adaptive(args, results):
     anchor = 50 if 50 in args.every else args.every[0]
     for s in args.steps:
         for r in replicas_at(args, s):
-            best = best_outer_lr(results, r, s, anchor)
+            best = best_outer_lr(results, r, s, anchor, args.outer_momentum, args.warm_start)
             if s == args.steps[0]:
                 cells += [("diloco", r, s, anchor, best, lr) for lr in args.inner_lr if lr != args.lr]
             if not (args.full or s == args.steps[0]):
@@ -238,22 +240,11 @@ def adaptive(args, results):
     return cells
 
 
-def key(kind, replicas, steps, every, outer_lr, inner_lr, momentum=0.9, warm=0):
-    return (f"{kind} R={replicas} steps={steps}" + (f" H={every} outer_lr={outer_lr}" if kind == "diloco" else "")
-            + (f" inner_lr={inner_lr}" if inner_lr else "")
-            + (f" momentum={momentum}" if kind == "diloco" and momentum != 0.9 else "")
-            + (f" warm={warm}" if kind == "diloco" and warm else ""))
-
-
-def grid(row):
-    """A row of the outer lr x H grid: --lr inside, momentum 0.9 Nesterov outside."""
-    return (row["kind"] == "diloco" and row["inner_lr"] is None and row.get("outer_momentum", 0.9) == 0.9
-            and not row.get("warm_start"))
-
-
-def best_outer_lr(results, replicas, steps, every):
-    rows = [r for r in results.values() if grid(r) and r["replicas"] == replicas and r["steps"] == steps and
-            r["every"] == every]
+def best_outer_lr(results, replicas, steps, every, momentum=0.9, warm=0):
+    """The outer lr of the lowest final loss among the rows at --lr with these settings."""
+    rows = [r for r in results.values() if r["kind"] == "diloco" and r["inner_lr"] is None and r["replicas"] == replicas
+            and r["steps"] == steps and r["every"] == every and r.get("outer_momentum", 0.9) == momentum
+            and r.get("warm_start", 0) == warm]
     return min(rows, key=lambda r: r["final"])["outer_lr"]
 
 
@@ -274,115 +265,6 @@ def run_cells(study, cells, results, save=None):
 
 def passes(cells):
     return sum(r * s for _, r, s, _, _, _ in cells)
-
-
-def gaps(results):
-    """Each DiLoCo row's final loss against DDP's at the same replicas and length (%)."""
-    for row in results.values():
-        if row["kind"] == "diloco":
-            ddp = results[key("ddp", row["replicas"], row["steps"], None, None, None)]["final"]
-            row["ddp_final"], row["gap_pct"] = ddp, 100 * (row["final"] / ddp - 1)
-    return results
-
-
-def check_against_table(path, results):
-    """Lines comparing this simulation with a time_to_accuracy.py --task lm run (2 real ranks)."""
-    saved = json.load(open(path))
-    lines, steps = [], saved["steps"]
-    pairs = [("reference", [(s, loss) for s, loss in saved["reference"]["curve"]], key("ddp", 2, steps, None, None, None))]
-    if "bps_gc DiLoCo H=50 dense" in saved["curves"]:
-        pairs.append(("bps_gc DiLoCo H=50 dense", [(s, loss) for s, _, loss in saved["curves"]["bps_gc DiLoCo H=50 dense"]],
-                      key("diloco", 2, steps, 50, 0.7, None)))
-    for row, theirs, mine in pairs:
-        if mine not in results:
-            lines.append(f"check: no {mine} row here to compare with the table's {row!r}")
-            continue
-        here = dict(results[mine]["curve"])
-        common = [(s, loss, here[s]) for s, loss in theirs if s in here and 0 < s <= steps]
-        worst = max(abs(a - b) / abs(a) for _, a, b in common)
-        lines.append(f"check vs {os.path.basename(os.path.dirname(path)) or path} (2 real ranks): {row!r} at steps "
-                     + ", ".join(f"{s}: {a:.5f} vs {b:.5f}" for s, a, b in common) + f" here; worst {worst:.1e} relative")
-    return lines
-
-
-def lengths(results):
-    """[(steps, replicas)] of the DDP rows, in order."""
-    return sorted({(x["steps"], x["replicas"]) for x in results.values() if x["kind"] == "ddp"})
-
-
-def table_lines(results, args):
-    lines = [f"{'steps':>5} {'R':>2} {'H':>4} {'outer lr':>8} {'momentum':>8} {'inner lr':>8} {'warm':>4} {'val loss':>9} "
-             f"{'DDP':>7} {'gap':>7} {'s':>6}"]
-    for s, r in lengths(results):
-        ddp = results[key("ddp", r, s, None, None, None)]
-        lines.append(f"{s:5d} {r:2d} {'DDP':>4} {'':8} {'':8} {args.lr:8.1e} {'':4} {ddp['final']:9.4f} {'':7} {'':7} "
-                     f"{ddp['seconds']:6.1f}")
-        rows = sorted((x for x in results.values() if x["kind"] == "diloco" and x["replicas"] == r and x["steps"] == s),
-                      key=lambda x: (x["every"], x.get("warm_start", 0), -x.get("outer_momentum", 0.9),
-                                     x["inner_lr"] or args.lr, x["outer_lr"]))
-        for x in rows:
-            lines.append(f"{s:5d} {r:2d} {x['every']:4d} {x['outer_lr']:8.2f} {x.get('outer_momentum', 0.9):8.2f} "
-                         f"{x['inner_lr'] or args.lr:8.1e} {x.get('warm_start', 0):4d} {x['final']:9.4f} {x['ddp_final']:7.4f} {x['gap_pct']:6.1f}% "
-                         f"{x['seconds']:6.1f}")
-    return lines
-
-
-def verdict_lines(results, args):
-    """The best H = 50 setting per (replicas, length) and whether it is within 5% of DDP."""
-    lines = []
-    for s, r in lengths(results):
-        rows = [x for x in results.values() if x["kind"] == "diloco" and x["replicas"] == r and x["steps"] == s
-                and x["every"] == 50]
-        if rows:
-            b = min(rows, key=lambda x: x["final"])
-            lines.append(f"best at H=50, R={r}, {s} steps: outer lr {b['outer_lr']}, momentum "
-                         f"{b.get('outer_momentum', 0.9)}, warm start {b.get('warm_start', 0)}, inner lr {b['inner_lr'] or args.lr:g}: "
-                         f"{b['final']:.4f} vs DDP {b['ddp_final']:.4f}, {b['gap_pct']:+.1f}% "
-                         f"({'within' if b['gap_pct'] <= 5 else 'NOT within'} 5%)")
-    return lines
-
-
-def plot(path, results, args):
-    """Gap to DDP vs H, one line per (replicas, length), each at its best outer lr (inner lr --lr)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    every = sorted({x["every"] for x in results.values() if grid(x)})
-    for s, r in lengths(results):
-        points = []
-        for h in every:
-            rows = [x for x in results.values() if grid(x) and x["replicas"] == r and x["steps"] == s and x["every"] == h]
-            if rows:
-                points.append((h, min(x["gap_pct"] for x in rows)))
-        if points:
-            ax.plot(*zip(*points), marker="o", label=f"{r} replicas, {s} steps")
-    ax.axhline(5, color="grey", linestyle=":", label="5% (issue 44's target)")
-    ax.set_xscale("log")
-    ax.set_xticks(every, [str(h) for h in every])
-    ax.minorticks_off()
-    ax.set_xlabel("H (inner steps between outer rounds)")
-    ax.set_ylabel("final val loss vs DDP at equal tokens (%)")
-    ax.set_title("DiLoCo on the reduced LM, best outer lr per point (momentum 0.9)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
-
-
-def merged(paths):
-    """The rows of several runs' JSON files, each keyed with its outer momentum."""
-    results, heads = {}, []
-    for path in paths:
-        saved = json.load(open(path))
-        heads.append(f"{path}: {' '.join(saved['command'][1:]) or '(defaults)'}; {saved['uptime']}")
-        for row in saved["rows"].values():
-            if row["kind"] == "diloco":
-                row.setdefault("outer_momentum", saved["settings"]["outer_momentum"])
-            results[key(row["kind"], row["replicas"], row["steps"], row["every"], row["outer_lr"], row["inner_lr"],
-                        0.9 if row.get("outer_momentum") is None else row["outer_momentum"],
-                        row.get("warm_start", 0))] = row
-    return results, heads
 
 
 def main(argv=None):
@@ -413,6 +295,7 @@ def main(argv=None):
         save = lambda rows: json.dump({"command": sys.argv, "rows": rows}, open(partial, "w"))  # noqa: E731
         run_cells(study, cells, results, save)
         run_cells(study, adaptive(args, results), results, save)
+    os.remove(partial)
     gaps(results)
     head = [f"{machine_info()}; one process, one thread; {load}",
             f"reduced LM: {args.layers} layers x {args.width}, {args.heads} heads, context {args.context}, batch "

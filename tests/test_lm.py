@@ -212,6 +212,22 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
             assert torch.equal(value, flat_b[key]) if torch.is_tensor(value) else value == flat_b[key], key
 
 
+@pytest.mark.parametrize("servers", [1, 0], ids=["parameter-server", "collective"])
+def test_optimizer_api_under_bpslaunch_on_either_transport(tmp_path, servers):
+    """train.py --api optimizer (DistributedOptimizer, onebit + EF) under bpslaunch, on the
+    parameter server and on torch.distributed (--servers 0): it trains, ends with its final line,
+    and the two ranks' parameters are identical."""
+    from cluster import run_local
+    argv = [sys.executable, TRAIN, *TINY, "--api", "optimizer", "--compressor", "onebit", "--ef", "vanilla",
+            "--steps", "4", "--eval-every", "2", "--checkpoint", str(tmp_path)]
+    result = run_local(argv, workers=2, servers=servers, timeout=120, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "api optimizer" in result.stdout and "final: val_loss=" in result.stdout
+    saved = [torch.load(tmp_path / f"rank{rank}.pth") for rank in range(2)]
+    assert [c["epoch"] for c in saved] == [4, 4]
+    assert all(torch.equal(value, saved[1]["model"][name]) for name, value in saved[0]["model"].items())
+
+
 def flat(tree, prefix=""):
     """{dotted key: leaf} of nested dicts."""
     if not isinstance(tree, dict):

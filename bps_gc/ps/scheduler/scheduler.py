@@ -22,6 +22,7 @@ from ...wire.sockets import CONTROL_MAX_BYTES, Auth, DropLog, MalformedMessage, 
 from ...wire.waiting import WaitLines
 from ...wire.wire import Header, Msg, decode_json, encode_json
 from ..membership.event_loop import EventLoop
+from . import registration
 from .assembly import assembling, lone_worker_notice
 from .epochs import Epochs
 from .hosts import WorkerHosts
@@ -205,21 +206,12 @@ class Scheduler:
 
     def register(self, msg):
         try:
-            info = decode_json(msg.payload or b"")
-            role, rank = info["role"], int(info["rank"])
-            host, port = str(info["host"]), int(info.get("port", 0))
-            local = info.get("local")
-            if local is not None and not (isinstance(local, str) and local.startswith("ipc://@bps_gc/")
-                                          and len(local) <= 300):
-                raise ValueError(f"local endpoint {local!r}")
-            sums = info.get("sums")
-            if sums is not None and not (isinstance(sums, list) and len(sums) <= 16 and
-                                         all(isinstance(d, str) and len(d) <= 16 for d in sums)):
-                raise ValueError(f"sums {sums!r}")
+            reg = registration.parse(msg.payload)
         except (MalformedMessage, KeyError, TypeError, ValueError) as e:
             self.dropped("a bad registration: %s", e)
             return None
-        who = f"{role} {rank} at {host}" if role == "worker" else f"{role} at {host}"
+        info, role, rank, host, port, local, sums = reg
+        who = reg.who
         if self.refusal:
             self.note_told(msg.identity, info)
             if self.everyone_told():
@@ -234,7 +226,7 @@ class Scheduler:
         notice = self.ended or lone_worker_notice(info, who)
         if notice:
             return self.end_job(msg.identity, role, notice)
-        fatal = self.fatal_registration(info, role, rank, who)
+        fatal = registration.fatal(reg, self.cfg.agreement(), self.members.values())
         if fatal:
             return self.stop_job(msg.identity, info, fatal)
         problem = None
@@ -296,22 +288,6 @@ class Scheduler:
             self.told_servers.add(identity)
         told_all = len(self.told_servers) >= self.expected["server"]
         self.stop_at = time.monotonic() + (0.0 if told_all else REFUSE_SECONDS)
-        return None
-
-    def fatal_registration(self, info, role, rank, who):
-        """Why this registration stops the job (None when it may join)."""
-        if info.get("error"):
-            return f"{who} could not start: {info['error']}"
-        agree = info.get("agree")
-        if isinstance(agree, dict):
-            for variable, mine in self.cfg.agreement().items():
-                if agree.get(variable) != mine:
-                    return (f"{who} has {variable}={agree.get(variable)}, the scheduler "
-                            f"{variable}={mine}; every node must use the same value")
-        if role == "worker" and any(m.role == "worker" and m.rank == rank for m in self.members.values()):
-            return (f"two workers claim rank {rank}: DMLC_WORKER_ID={info.get('worker_id')} "
-                    f"(BYTEPS_LOCAL_RANK={info.get('local_rank')}) is used twice, "
-                    f"the second time by the worker at {info.get('host')}")
         return None
 
     def refuse(self, identity, problem):

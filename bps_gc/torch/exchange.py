@@ -136,7 +136,6 @@ class PushPullExchange:
         WAITERS.add(waiter)
         return result
 
-
     def server_values(self, name, attr):
         """The array ``attr`` of the servers' reducer state of part ``name`` (``outer_sgd``'s
         ``global_copy``: DiLoCo's global copy), fetched from its servers, as a flat tensor."""

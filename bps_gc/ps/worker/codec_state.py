@@ -270,8 +270,7 @@ def server_values(worker, name, attr):
     e.g. ``outer_sgd``'s ``global_copy``), one array per partition, in order: a StateError
     names a key without it. As of the last round each server completed (key_state.py)."""
     parts = _reducer_partitions(worker, name, attr)
-    replies = exchange(worker, [StateRequest(part.key, part.server, None) for part in parts])
-    states = [worker.codecs.decode_state(data) for data in replies]
+    states = _fetch_states(worker, parts)
     missing = [part.key for part, sd in zip(parts, states) if attr not in sd]
     if missing:
         raise worker.codecs.StateError(f"the servers' state of {name!r} holds no {attr!r} (key {missing[0]})")
@@ -282,8 +281,7 @@ def set_server_values(worker, name, attr, flat):
     """Set ``attr`` of the servers' state of ``name`` to the slices of ``flat`` (its partitions'
     elements, in order), keeping the rest of each state; before the key's first round only."""
     parts = _reducer_partitions(worker, name, attr)
-    states = [worker.codecs.decode_state(data) for data in
-              exchange(worker, [StateRequest(part.key, part.server, None) for part in parts])]
+    states = _fetch_states(worker, parts)
     for part, sd in zip(parts, states):
         if attr not in sd or sd[attr].shape != (part.n,):
             raise worker.codecs.StateError(f"the servers' state of {name!r} holds no {attr!r} of "
@@ -291,6 +289,12 @@ def set_server_values(worker, name, attr, flat):
         sd[attr] = flat[part.start:part.stop].astype(sd[attr].dtype)
     exchange(worker, [StateRequest(part.key, part.server, worker.codecs.encode_state(sd))
                       for part, sd in zip(parts, states)])
+
+
+def _fetch_states(worker, parts):
+    """Each partition's server state, decoded, in order."""
+    replies = exchange(worker, [StateRequest(part.key, part.server, None) for part in parts])
+    return [worker.codecs.decode_state(data) for data in replies]
 
 
 def _reducer_partitions(worker, name, attr):

@@ -55,7 +55,7 @@ SPEC = {"lr": 0.5, "sleep": 0.02, "partition_bytes": 4096,
                      "params": {"compressor": "onebit", "ef": "vanilla"}}]}
 LINE = re.compile(r"membership: worker ([\d, ]+) (left|joined); epoch (\d+) from round group (\d+); "
                   r"members \[([\d, ]*)\]")
-STEP = re.compile(r"^STEP (\d+) ", re.M)
+STEP = re.compile(r"^(?:STEP|ROUND) (\d+) ", re.M)  # a step, or a DiLoCo job's outer round
 START_BOUND, EVENT_BOUND, STOP_MARGIN = 60.0, 45.0, 25
 
 
@@ -72,10 +72,13 @@ def events_of(text):
 
 class Cluster:
     """The job's launchers, their output kept per node: scheduler, server<i>, worker<r>.<n>
-    (the n-th process of worker rank r)."""
+    (the n-th process of worker rank r). ``place(name)``: the argv prefix that runs a node
+    where it lives (scripts/elastic_netns.py: its network namespace); ``env``: settings of
+    every role (DMLC_PS_ROOT_URI there: the scheduler's address), ``worker_env``: the workers'."""
 
-    def __init__(self, workers, servers, out, heartbeat_timeout, command=None):
+    def __init__(self, workers, servers, out, heartbeat_timeout, command=None, place=None, env=None, worker_env=None):
         self.out, self.port = out, free_port()
+        self.place, self.worker_env = place or (lambda name: []), worker_env or {}
         self.command = command or [sys.executable, WORKER, os.path.join(out, "spec.json"), out]
         self.spec_path = os.path.join(out, "spec.json")
         self.base = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", DMLC_NUM_WORKER=str(workers),
@@ -84,6 +87,7 @@ class Cluster:
                          BYTEPS_PARTITION_BYTES=str(SPEC["partition_bytes"]), BYTEPS_MIN_COMPRESS_BYTES="0",
                          BPS_GC_HEARTBEAT_INTERVAL=str(heartbeat_timeout / 10),
                          BPS_GC_HEARTBEAT_TIMEOUT=str(heartbeat_timeout), BPS_GC_KILL_GRACE="2")
+        self.base.update(env or {})
         self.procs, self.output, self.events, self.incarnation = {}, {}, {}, {}
         self.stamps, self.event_times = {}, {}  # node -> [(time read, step)], [time read] of its events
         self.lock = threading.Lock()
@@ -94,8 +98,8 @@ class Cluster:
             self.start_worker(r)
 
     def launch(self, name, command, **env):
-        proc = subprocess.Popen([sys.executable, "-m", "bps_gc.launcher.cli", *command], env=dict(self.base, **env),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen([*self.place(name), sys.executable, "-m", "bps_gc.launcher.cli", *command],
+                                env=dict(self.base, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.procs[name], self.output[name], self.events[name] = proc, [], []
         self.stamps[name], self.event_times[name] = [], []
         threading.Thread(target=self.collect, args=(name, proc), daemon=True).start()
@@ -103,7 +107,7 @@ class Cluster:
     def start_worker(self, rank):
         n = self.incarnation[rank] = self.incarnation.get(rank, -1) + 1
         name = f"worker{rank}.{n}"
-        self.launch(name, self.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(rank))
+        self.launch(name, self.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(rank), **self.worker_env)
         return name
 
     def collect(self, name, proc):
@@ -111,7 +115,7 @@ class Cluster:
             for line in proc.stdout:
                 now = time.monotonic()
                 self.output[name].append(line)
-                if line.startswith("STEP "):
+                if line.startswith(("STEP ", "ROUND ")):
                     self.stamps[name].append((now, int(line.split()[1])))
                 if "membership:" in line:
                     found = events_of(line)

@@ -18,7 +18,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.core as bps  # noqa: E402
-from elastic_host import start_host  # noqa: E402
+from elastic_host import say, start_host  # noqa: E402
 from reference import gradient, step_ctx  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main(spec_path, out_dir):
         kept["sizes"].append(bps.size())
         kept["epochs"].append(bps.membership_epoch())
         kept["crcs"].append(zlib.crc32(b"".join(p.tobytes() for p in params.values())))
-        print("STEP", step, bps.size(), bps.membership_epoch(), flush=True)
+        say(f"STEP {step} {bps.size()} {bps.membership_epoch()}")
         last = stop_step(spec["stop_file"]) if last is None else last
         if last is not None and last < step:
             sys.exit(f"worker {rank} read the stop step {last} at step {step}, past it")
@@ -53,7 +53,7 @@ def main(spec_path, out_dir):
         time.sleep(spec["sleep"])
     np.savez(os.path.join(out_dir, f"rank{rank}.{start}.npz"), start=start,
              **{k: np.array(v, np.int64) for k, v in kept.items()}, **{f"param.{k}": v for k, v in params.items()})
-    print("DONE", step - 1, flush=True)
+    say(f"DONE {step - 1}")
     bps.shutdown()
 
 

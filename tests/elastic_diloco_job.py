@@ -5,7 +5,10 @@ and global copy after it are saved, with bps.size() at each round; at the end th
 pulled from the servers (DiLoCo.global_parameters()). The ``victim`` rank stops at inner step
 ``kill_at`` (mid-window), says HALF and waits to be killed; a joiner starts where
 DiLoCo.elastic_start puts it. Every worker stops ``after_join`` outer rounds into membership
-epoch ``join_epoch`` (a joiner's first round is the first of them).
+epoch ``join_epoch`` (a joiner's first round is the first of them), or after ``max_rounds``, or
+at the round written in ``stop_file`` once it exists.
+With ``save_each_round`` each push is on disk before it is sent (scripts/elastic_netns.py kills
+a host at any moment: the oracle needs every round it pushed).
 Run as ``python tests/elastic_diloco_job.py SPEC.json OUT_DIR``."""
 import json
 import os
@@ -16,8 +19,9 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
 import bps_gc.torch as bps  # noqa: E402
+from elastic_host import say  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
 
 spec, out_dir = json.load(open(sys.argv[1])), sys.argv[2]
@@ -33,7 +37,15 @@ class Recorded(bps.DiLoCo):
         for (name, p), copy in zip(fragment.named, fragment.copies):
             saved[f"pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
         saved[f"size/{rnd}"] = np.array(bps.size())
+        if spec.get("save_each_round"):
+            keep(f"rank{rank}.{start}.npz")
         super().start_sync(fragment)
+
+
+def keep(name):
+    """``saved`` in OUT_DIR/``name``, whole or not at all (a kill may come at any moment)."""
+    np.savez(os.path.join(out_dir, name + ".tmp.npz"), start=start, **saved)
+    os.replace(os.path.join(out_dir, name + ".tmp.npz"), os.path.join(out_dir, name))
 
 
 try:  # a join with the outer step on the workers: refused in one line (made on every host alike)
@@ -45,12 +57,12 @@ model = build_model()
 opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
                compression_params=spec["compression_params"], outer_step="servers")
 start = opt.elastic_start() if hasattr(opt, "elastic_start") else 0
-print("START", start, opt.steps, flush=True)
+say(f"START {start} {opt.steps}")
 first_joined = None  # the first outer round of membership epoch ``join_epoch``
 while opt.steps < spec["max_rounds"] * H:
     if rank == spec["victim"] and opt.steps == spec["kill_at"] and not start:
         np.savez(os.path.join(out_dir, f"rank{rank}.victim.npz"), **saved)  # its pushes, for the oracle
-        print("HALF", flush=True)
+        say("HALF")
         time.sleep(600)  # killed here
     x, y = batch(rank, opt.steps)
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -60,14 +72,16 @@ while opt.steps < spec["max_rounds"] * H:
         rnd = opt.steps // H - 1
         for name, copy in zip(opt.fragments[0].names, opt.fragments[0].copies):
             saved[f"global/{rnd}/{name}"] = copy.numpy().copy()
-        print("ROUND", rnd, bps.size(), bps.membership_epoch(), flush=True)
+        say(f"ROUND {rnd} {bps.size()} {bps.membership_epoch()}")
         if first_joined is None and bps.membership_epoch() >= spec["join_epoch"]:
             first_joined = rnd
         if first_joined is not None and rnd >= first_joined + spec["after_join"] - 1:
             break
+        if spec.get("stop_file") and os.path.exists(spec["stop_file"]) and rnd >= int(open(spec["stop_file"]).read()):
+            break
     time.sleep(spec["sleep"])
 opt.wait()
 saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
-np.savez(os.path.join(out_dir, f"rank{rank}.{start}.npz"), start=start, **saved)
-print("DONE", flush=True)
+keep(f"rank{rank}.{start}.npz")
+say("DONE")
 bps.shutdown()

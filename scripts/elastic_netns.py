@@ -13,7 +13,7 @@ machine for the host that joins. The hosts train either
 Once the job is a seeded number of steps (outer rounds) in, one local rank of a seeded host is
 killed with SIGKILL (its launcher stops the host's other rank); a few steps after the death's
 epoch a fresh host on the spare machine starts with the dead host's DMLC_WORKER_ID and joins
-(a host of 2 local ranks is refused in one line today, and the job goes on). It checks:
+(a host of 2 local ranks joins as a unit). It checks:
 
   * every process started once ends with status 0 (none restarted, none lost but the victim);
   * every node logged the same membership sequence (the joiner from its join on);
@@ -130,13 +130,9 @@ class Run:
         self.death.update(name=name, host=host, local_rank=local_rank, at=at, seeded_step=kill_step,
                           committed=c.event_times["scheduler"][0])
         self.reach(self.last() + int(rng.integers(2, 6)))
-        joiner = c.start_worker(host)  # on the spare machine
-        self.joiner = joiner
-        if self.local > 1:  # refused in one line, the job goes on
-            c.wait_for(f"{joiner}'s refusal", lambda: c.procs[joiner].poll() is not None, BOUND, self.nodes())
-        else:
-            c.wait_for("the join on every node", lambda: self.logged(2, joiner), BOUND, self.nodes() + [joiner])
-            self.live[host] = joiner
+        joiner = self.joiner = c.start_worker(host)  # on the spare machine, all its local ranks
+        c.wait_for("the join on every node", lambda: self.logged(2, joiner), BOUND, self.nodes() + [joiner])
+        self.live[host] = joiner
         return self.finish()
 
     def finish(self):

@@ -137,7 +137,8 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
     First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
     killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
     drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
-    Host 1 started again is refused in one line (a host of local ranks cannot join yet).
+    Host 1 started again with another BYTEPS_PARTITION_BYTES is refused in one line, naming
+    both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py).
     Then local rank 1 of host 3 (worker 7) goes silent before step STALL_AT (SIGSTOP): its
     launcher sees nothing, so the scheduler tells its mate, which stops naming it. The survivors
     pull bit-identical results equal to the numpy oracle of the logged membership sequence."""
@@ -155,10 +156,10 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
     host_status = job.launchers["worker1"].wait(timeout=10)
     host_stopped = time.monotonic() - killed
     first_text = job.text("worker1")
-    # host 1 started again: a host of local ranks cannot join yet, refused in one line; the job goes on
+    # host 1 started again with another setting: refused in one line; the job goes on
     job.wait_output(["worker0"], "membership: worker 2, 3 left", BOUND)
     job.launch("worker1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
-               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **two))
+               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", BYTEPS_PARTITION_BYTES="8192", **two))
     job.wait_output(["worker1"], "cannot join the running job", BOUND)
     job.wait_output(["worker3"], "STALL", BOUND)
     os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
@@ -166,8 +167,8 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report
-    refused = (r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: a worker "
-               r"host of 2 local ranks cannot join a running job yet")  # whichever rank registers first
+    refused = (r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: it has "
+               r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096")  # whichever rank registers first
     assert re.search(refused, job.text("worker1")) and "Traceback" not in job.text("worker1"), report
     assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
            "and worker 6 stops" in job.text("worker3"), report

@@ -3,12 +3,14 @@
 A worker started with the job's variables and the DMLC_WORKER_ID of a host that left registers
 while the job runs. Settings that differ from the job's refuse it in one line naming both; the
 job goes on. Otherwise it gets an address book and declares its tensors (a server refuses a
-declaration unlike the job's, naming both), then says JOIN_READY. Three steps follow:
+declaration unlike the job's, naming both), then says JOIN_READY. A host of several local ranks
+joins as a unit: its ranks register one by one, and the join starts once every one of them
+said JOIN_READY. Three steps follow:
 
 1. PREPARE: every member pledges the first round group it has not opened yet and waits there.
 2. COMMIT: the join starts at ``from_group``, the highest pledge; members run up to it and wait
-   at its boundary (EPOCH_AT). A live member (the donor) sends the joiner the parameters and
-   every key's round; the joiner says EPOCH_AT once it has them.
+   at its boundary (EPOCH_AT). A live member (the donor) sends each joining rank the parameters
+   and every key's round; each says EPOCH_AT once it has them.
 3. GO: with every member at the boundary no round is open, so the servers count the joiner from
    each key's next round; once every server echoed GO, the workers hear it and go on.
 """
@@ -22,7 +24,8 @@ log = logging.getLogger("bps_gc.scheduler")
 class Joins:
     def __init__(self, scheduler, epochs):
         self.scheduler, self.epochs = scheduler, epochs
-        self.joiner = None  # the Member joining now
+        self.joiners = []  # the Members (local ranks of one host) joining now, as they register
+        self.ready_ranks = set()  # those of them that said JOIN_READY
         self.step = None  # "prepare", "commit" or "go" while a join runs
         self.pledges, self.at, self.servers_go = {}, set(), set()
         self.from_group = None
@@ -31,7 +34,7 @@ class Joins:
     def register(self, identity, info, role, rank, host, port, local, who):
         """A registration once the job runs: a worker taking a departed host's place, or refused."""
         s = self.scheduler
-        problem = None
+        problem, size = None, s.hosts.local_size or 1
         if role != "worker":
             problem = "the cluster is already complete (only a worker host may join a running job)"
         elif self.ended:
@@ -39,10 +42,8 @@ class Joins:
         elif rank not in self.epochs.dead:
             problem = (f"worker rank {rank} is a member of the running job; a joining host takes the "
                        f"DMLC_WORKER_ID of one that left ({sorted(self.epochs.dead) or 'none left'})")
-        elif (s.hosts.local_size or 1) > 1:  # joins are one rank at a time: a host's ranks would not all get in
-            problem = (f"a worker host of {s.hosts.local_size} local ranks cannot join a running job yet "
-                       f"(BPS_GC_ELASTIC joins hosts of one rank; docs/faults.md)")
-        elif self.joiner is not None or self.epochs.preparing is not None:
+        elif self.epochs.preparing is not None or self.joiners and (
+                self.step is not None or rank // size != self.joiners[0].rank // size):  # not a host-mate
             problem = "another membership change is under way; start it again in a moment"
         else:
             agree = info.get("agree") if isinstance(info.get("agree"), dict) else {}
@@ -60,7 +61,7 @@ class Joins:
         member = type(s.members[old])(identity, role, rank, host, port, local)
         member.node_id, member.joining = s.members.pop(old).node_id, True
         s.members[identity] = member
-        self.joiner = member
+        self.joiners.append(member)
         servers = [m for m in s.members.values() if m.role == "server"]
         workers = sorted((m for m in s.members.values() if m.role == "worker" and not m.gone), key=lambda m: m.rank)
         book = {"servers": [m.describe() for m in sorted(servers, key=lambda m: m.rank)],
@@ -71,31 +72,40 @@ class Joins:
         return None
 
     def left(self, member, reason):
-        """The joiner went away before it was admitted: the job goes on as it was."""
-        if member is not self.joiner:  # one whose join was cancelled, saying goodbye
+        """A joining rank went away before it was admitted: the job goes on as it was, and its
+        host-mates joining with it are refused (their launcher stops them)."""
+        if member not in self.joiners:  # one whose join was cancelled, saying goodbye
             member.gone = True
             return
         log.warning("worker %d left before it was admitted (%s); the job goes on", member.rank, reason)
         member.gone = True
+        for mate in self.joiners:
+            if mate is not member:
+                self.scheduler.refuse(mate.identity, f"worker {mate.rank} cannot join the running job now: worker "
+                                                     f"{member.rank}, a local rank of its host, left; start the host again")
+                mate.gone = True
         if self.step is not None:  # members waiting at a pledge or the boundary go on
             self.broadcast(Msg.EPOCH_GO, dict(self.go_info(cancelled=True), why=f"it left: {reason}"), servers=False)
             self.epochs.preparing = None
-        self.joiner, self.step = None, None
+        self.reset()
+
+    def reset(self):
+        self.joiners, self.ready_ranks, self.step = [], set(), None
 
     def cancel(self, problem, again=True):
         """Another membership change (a death) comes before the join reached GO: the members
         go on as they were, the joiner is refused (it may start again, unless ``again`` is
         False: the job ends), and the change goes on alone. At GO the servers count the joiner
         already: deaths wait for the join's end then."""
-        j = self.joiner
-        log.warning("worker %d's join is cancelled: %s%s", j.rank, problem, "; the job goes on" if again else "")
-        self.scheduler.refuse(j.identity, f"worker {j.rank} cannot join the running job now: {problem}"
-                                          + ("; start it again" if again else ""))
-        j.gone = True  # told by the refusal alone
+        for j in self.joiners:
+            log.warning("worker %d's join is cancelled: %s%s", j.rank, problem, "; the job goes on" if again else "")
+            self.scheduler.refuse(j.identity, f"worker {j.rank} cannot join the running job now: {problem}"
+                                              + ("; start it again" if again else ""))
+            j.gone = True  # told by the refusal alone
         if self.step is not None:
             self.broadcast(Msg.EPOCH_GO, dict(self.go_info(cancelled=True), why=problem), servers=False)
             self.epochs.preparing = None
-        self.joiner, self.step = None, None
+        self.reset()
 
     def ending(self, member):
         """A member said goodbye: it finished, so the job is ending (elsewhere a member's goodbye
@@ -105,17 +115,20 @@ class Joins:
         At GO every member waits at the boundary, so none says goodbye then."""
         if self.ended is None:
             self.ended = f"the job is ending (worker {member.rank} said goodbye)"
-        if self.joiner is not None and self.step != "go":
+        if self.joiners and self.step != "go":
             self.cancel(self.ended, again=False)
 
     def ready(self, member):
-        if member is not self.joiner or self.step is not None:
+        if member not in self.joiners or self.step is not None:
+            return
+        self.ready_ranks.add(member.rank)
+        if len(self.ready_ranks) < (self.scheduler.hosts.local_size or 1):  # its host-mates come
             return
         if self.epochs.preparing is not None:  # a death's epoch is being prepared
             return self.cancel("another membership change is under way")
         self.epochs.preparing = self.epochs.epoch + 1
         self.step, self.pledges, self.at, self.servers_go = "prepare", {}, set(), set()
-        self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.epochs.preparing, "joined": [member.rank], "left": [],
+        self.broadcast(Msg.EPOCH_PREPARE, {"epoch": self.epochs.preparing, "joined": self.ranks(), "left": [],
                                            "members": self.epochs.members()}, servers=False)
 
     def report(self, member, info):
@@ -126,9 +139,8 @@ class Joins:
         members = self.epochs.members()
         if set(members) <= set(self.pledges):
             self.step, self.from_group = "commit", max(self.pledges[r] for r in members)
-            j = self.joiner
-            self.broadcast(Msg.EPOCH_COMMIT, dict(self.go_info(), donor=members[0],
-                                                  address=f"{j.host}:{j.port}"), servers=False)
+            self.broadcast(Msg.EPOCH_COMMIT, dict(self.go_info(), donor=members[0], addresses={
+                str(j.rank): f"{j.host}:{j.port}" for j in self.joiners}), servers=False)
 
     def arrived(self, member, info):
         """EPOCH_AT from a member or the joiner; EPOCH_GO echoed by a server."""
@@ -138,23 +150,27 @@ class Joins:
             self.servers_go.add(member.rank)
         else:
             self.at.add(member.rank)
-        everyone = set(self.epochs.members()) | {self.joiner.rank}
+        everyone = set(self.epochs.members()) | set(self.ranks())
         if self.step == "commit" and everyone <= self.at:
             self.step = "go"
-            self.joiner.joining = False  # a member from now: the servers count it
+            for j in self.joiners:
+                j.joining = False  # a member from now: the servers count it
             self.broadcast(Msg.EPOCH_GO, self.go_info(), workers=False)
         elif self.step == "go" and len(self.servers_go) == self.scheduler.cfg.num_server:
-            j, info = self.joiner, self.go_info()
+            info = self.go_info()
             self.epochs.epoch, self.epochs.preparing = self.epochs.preparing, None
-            self.epochs.dead.discard(j.rank)
-            log.warning("membership: worker %d joined; epoch %d from round group %d; members %s",
-                        j.rank, self.epochs.epoch, self.from_group, self.epochs.members())
+            self.epochs.dead -= set(self.ranks())
+            log.warning("membership: worker %s joined; epoch %d from round group %d; members %s",
+                        ", ".join(map(str, self.ranks())), self.epochs.epoch, self.from_group, self.epochs.members())
             self.broadcast(Msg.EPOCH_GO, info, servers=False)
-            self.joiner, self.step = None, None
+            self.reset()
+
+    def ranks(self):
+        return sorted(j.rank for j in self.joiners)
 
     def go_info(self, cancelled=False):
-        members = sorted(set(self.epochs.members()) | ({self.joiner.rank} if not cancelled else set()))
-        return {"epoch": self.epochs.preparing, "joined": [self.joiner.rank], "members": members,
+        members = sorted(set(self.epochs.members()) | (set(self.ranks()) if not cancelled else set()))
+        return {"epoch": self.epochs.preparing, "joined": self.ranks(), "members": members,
                 "from_group": self.from_group, "cancelled": cancelled}
 
     def broadcast(self, mtype, info, servers=True, workers=True):

@@ -132,7 +132,7 @@ class Scheduler:
             if self.epochs is not None and dead.role == "worker":
                 if self.joins.step == "go":  # the servers count the joiner: the join ends first
                     return None
-                if self.joins.joiner is not None:
+                if self.joins.joiners:
                     self.joins.cancel(f"worker {dead.rank} left while it joined")
                 return self.epochs.worker_died(dead, reason)
             return self.fail(dead, reason)

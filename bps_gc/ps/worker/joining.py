@@ -6,7 +6,8 @@ parameters, updated in place each step). A member, told a host joins (EPOCH_PREP
 the first round group it has not opened and waits before opening it; the COMMIT names the
 join's first group, up to which members run, then wait at its boundary (EPOCH_AT). There the
 parameters are those every member holds before that step; the donor (the lowest member)
-sends them to the joiner, with every key's round, over the worker-to-worker links: a JSON
+sends them to each joining rank (a host of local ranks joins as a unit), with every key's
+round, over the worker-to-worker links: a JSON
 header, then each array's bytes, never a pickle. The joiner fills its arrays, says EPOCH_AT,
 and everyone goes on at GO, once the servers count the joiner.
 
@@ -69,9 +70,10 @@ class JoinGate:
                              if t.partitions and not t.local}}
         channel = f"bps_gc.join.{commit['epoch']}"
         peers = self.worker.peers
-        peers.send(commit["joined"][0], channel, json.dumps(header).encode())
-        for array in params.values():
-            peers.send(commit["joined"][0], channel, np.ascontiguousarray(array))
+        for joiner in commit["joined"]:
+            peers.send(joiner, channel, json.dumps(header).encode())
+            for array in params.values():
+                peers.send(joiner, channel, np.ascontiguousarray(array))
 
     def join(self):
         """The joiner: once the servers accepted its declarations, ask to join and wait for the
@@ -128,11 +130,12 @@ class JoinGate:
                 self.rounds.membership.send(Msg.EPOCH_REPORT, obj={"epoch": int(info["epoch"]), "at": self.pledge})
             elif mtype == Msg.EPOCH_COMMIT:
                 peers = self.worker.peers
-                with peers.lock:  # the joiner's links, at its new address
-                    peers.addresses[joined[0]] = info["address"]
-                    old = peers.links.pop(joined[0], None)
-                    if old is not None:
-                        old.close(linger=0)
+                with peers.lock:  # the joiners' links, at their new addresses
+                    for r in joined:
+                        peers.addresses[r] = info["addresses"][str(r)]
+                        old = peers.links.pop(r, None)
+                        if old is not None:
+                            old.close(linger=0)
                 self.commit = dict(info, from_group=int(info["from_group"]), epoch=int(info["epoch"]))
             elif mtype == Msg.EPOCH_GO:
                 self.went_on(info, me)

@@ -45,7 +45,7 @@ def everything(run):
     lost = elastic_lost.measure(death, c.stamps, run.args.heartbeat_timeout)
     result.update(sequence=[list(map(str, e)) for e in sequence], lost=lost, killed=dict(
         host=death["host"], local_rank=death["local_rank"], seeded_step=death["seeded_step"], at=death["at"]),
-        joiner=f"joined at step {sequence[1][3]}")
+        joiner=f"joined at {'step' if run.args.task == 'onebit' else 'outer round'} {sequence[1][3]}")
     return result
 
 
@@ -135,10 +135,11 @@ def line(summary, args):
         f"{'within' if lost['within'] else 'NOT within'})")
     what = (f"{args.workers} worker hosts x {args.local_ranks} local ranks, {args.task}, seed {args.seed}, "
             "each node in its own network namespace")
+    unit = "step" if args.task == "onebit" else "outer round"
     if not summary["ok"]:
         return f"summary: FAILED ({what}) after {summary['seconds']} s"
     return (f"summary: OK ({what}): killed host {summary['killed']['host']} (local rank "
-            f"{summary['killed']['local_rank']}) at step {summary['killed']['at']}; joiner: {summary['joiner']}; "
+            f"{summary['killed']['local_rank']}) at {unit} {summary['killed']['at']}; joiner: {summary['joiner']}; "
             f"{summary.get('steps') or summary.get('rounds')} {'steps' if args.task == 'onebit' else 'outer rounds'}, "
             f"no process restarted, live ranks bit-identical and equal to numpy; {timing}; {summary['seconds']} s; "
             f"box: {summary['machine']}, load average before {summary['load_before']}, after {summary['load_after']}")

@@ -35,7 +35,7 @@ def test_a_host_killed_and_one_joining_in_network_namespaces(tmp_path):
     left, joined = summary["sequence"]  # both local ranks of the host, in one epoch each way
     assert left[:2] == ["left", str((2 * summary["killed"]["host"], 2 * summary["killed"]["host"] + 1))], left
     assert joined[:2] == ["joined", left[1]], summary["sequence"]
-    assert summary["joiner"].startswith("joined at step") and summary["ranks_checked"] == list(range(8)), summary
+    assert summary["joiner"].startswith("joined at ") and summary["ranks_checked"] == list(range(8)), summary
     lost = summary["lost"]  # measured on the survivors
     assert lost and lost["stall_s"] >= lost["commit_s"] > 0, lost
     assert not processes_with(f"DMLC_PS_ROOT_PORT={summary['port']}"), "processes left behind"

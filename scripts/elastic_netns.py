@@ -22,6 +22,8 @@ epoch a fresh host on the spare machine starts with the dead host's DMLC_WORKER_
     diloco: every live rank's global copy at every outer round, and the servers' copy at the
     end, equal a numpy outer SGD over the pseudo-gradients of each round's members;
   * the joiner's parameters after its first round equal the others';
+  * with --half-join, a host started first whose last local rank quits once registered is
+    refused (its other rank: "a local rank of its host left") and the job goes on;
 
 and measures the time lost on the survivors against the heartbeat timeout plus one round
 (scripts/elastic_lost.py): a report, not a check.
@@ -130,6 +132,11 @@ class Run:
         self.death.update(name=name, host=host, local_rank=local_rank, at=at, seeded_step=kill_step,
                           committed=c.event_times["scheduler"][0])
         self.reach(self.last() + int(rng.integers(2, 6)))
+        if args.half_join:  # first a host one of whose ranks fails once registered: refused, the job goes on
+            c.launch("half", c.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(host), **c.worker_env,
+                     ELASTIC_QUIT_AFTER_INIT=str(self.local - 1))
+            c.wait_for("the failing host's launcher to exit", lambda: c.procs["half"].poll() is not None, BOUND,
+                       self.nodes())
         joiner = self.joiner = c.start_worker(host)  # on the spare machine, all its local ranks
         c.wait_for("the join on every node", lambda: self.logged(2, joiner), BOUND, self.nodes() + [joiner])
         self.live[host] = joiner
@@ -152,6 +159,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kill-after", type=int, nargs=2, default=[5, 15], metavar=("LOW", "HIGH"),
                         help="the kill comes once the job is a seeded step (outer round) in [LOW, HIGH] in")
+    parser.add_argument("--half-join", action="store_true",
+                        help="before the join, a host whose last local rank quits once registered (refused)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--rate", default="10gbit", help="each machine's NIC (scripts/netns.py)")
     parser.add_argument("--out", help="the nodes' logs and arrays (a new temporary folder)")

@@ -27,6 +27,7 @@ configurations train.
     python scripts/time_to_accuracy.py --epochs 1 --out /tmp/tta
     sudo python scripts/time_to_accuracy.py --task lm --shaped 10mbit --out out/runs/tta_lm_10mbit
     sudo python scripts/time_to_accuracy.py --task lm --shaped 10mbit --rows DiLoCo   # issue 44
+    sudo python scripts/time_to_accuracy.py --task lm --hsdp --local-ranks 2 --shaped 100mbit   # issue 42
 """
 import argparse
 import json
@@ -71,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "out", "time_to_accuracy"))
     p.add_argument("--report", metavar="JSON", help="lm: print the table (and write JSON and plot to --out) "
                    "of an earlier run's time_to_accuracy.json, with its flags given again; runs nothing")
+    p.add_argument("--hsdp", action="store_true", help="lm: the HSDP rows instead (time_to_accuracy_hsdp.py; "
+                   "--local-ranks >= 2 ranks a machine shard the model)")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--configs", default=None, help=argparse.SUPPRESS)  # a rank's share
     time_to_accuracy_lm.add_args(p)
@@ -84,6 +87,8 @@ def parse_args(argv=None):
     check_tcp_congestion(p, args)
     if args.local_ranks < 1:
         p.error("--local-ranks must be >= 1")
+    if args.hsdp and (args.task != "lm" or args.local_ranks < 2):
+        p.error("--hsdp needs --task lm and --local-ranks >= 2 (a machine's ranks shard the model)")
     if args.task == "lm" and args.diloco_every < 8:
         p.error(f"--diloco-every must be >= 8 (the F=4 tau=1 row's delay 1 must be below H / 4), "
                 f"got {args.diloco_every}")
@@ -184,6 +189,10 @@ def run_clusters(args, topo, log_dir):
     import time_to_accuracy_lm as lm
     rows = {"mnist": (("collective", COLLECTIVE), ("ps", PS)), "lm": (("collective", lm.collective_rows(args)), ("ps", lm.PS))}
     runs = [(transport, [c for c in configs if wanted(c)]) for transport, configs in rows[args.task]]
+    if args.hsdp:  # the limit and native HSDP (the target) always run
+        import time_to_accuracy_hsdp as hsdp
+        runs = [("collective", list(hsdp.rows(lambda name: not args.rows or
+                                              any(w in name for w in args.rows.split(",")))))]
     results = {}
     try:
         for transport, configs in runs:
@@ -266,6 +275,9 @@ def save(args, summary, series, target, ylabel, ylim=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.rank_out:
+        if args.hsdp:
+            import time_to_accuracy_hsdp
+            return time_to_accuracy_hsdp.rank_main(args)
         if args.task == "lm":
             import time_to_accuracy_lm
             return time_to_accuracy_lm.rank_main(args)
@@ -293,6 +305,9 @@ def main(argv=None):
     finally:
         if net is not None:
             net.delete()
+    if args.hsdp:
+        import time_to_accuracy_hsdp
+        return time_to_accuracy_hsdp.report(args, results, where)
     if args.task == "lm":
         import time_to_accuracy_lm
         return time_to_accuracy_lm.report(args, results, where)

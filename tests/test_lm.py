@@ -2,7 +2,7 @@
 repeat and refuse a too-small corpus; --precision auto picks bf16 only where the device
 computes it; the plain attention (bf16 on a CPU) is causal attention; DDP on two ranks equals
 one process on the concatenated batch; a reduced --task lm run gives every row, and runs 2
-local ranks per machine; train.py resumes bit for bit with a codec under bf16 autocast."""
+local ranks per machine, and its HSDP rows (--hsdp) run; train.py resumes bit for bit with a codec under bf16 autocast."""
 import hashlib
 import json
 import os
@@ -183,6 +183,32 @@ def test_lm_table_runs_two_local_ranks_per_machine(tmp_path):
     assert data["local_ranks"] == 2 and set(rows) == {"the limit (no exchange)", "DDP dense", "bps_gc PS thc 4-bit"}
     assert rows["DDP dense"]["final_val_loss"] == pytest.approx(rows["the limit (no exchange)"]["final_val_loss"], abs=1e-4)
     assert all(r["steps_done"] == 4 and np.isfinite(r["final_val_loss"]) for r in rows.values())
+
+
+def test_lm_hsdp_rows_run_and_print(tmp_path):
+    """--hsdp --local-ranks 2: the GPT sharded over each machine's 2 ranks; the limit, native
+    HSDP and register_fsdp_hooks with thc, PowerSGD and top-k + EF train and print; native's
+    bytes are the rank's padded gradient shards (each parameter's rows split in 2, padded)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import time_to_accuracy_hsdp as hsdp
+    from gpt import GPT
+    result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--hsdp", "--steps", "4",
+                             "--eval-every", "4", *TINY, "--local-ranks", "2", "--cap-factor", "1000",
+                             "--slack", "0.1", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, BPS_GC_HEARTBEAT_TIMEOUT="30"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "2 machines x 2 ranks, HSDP" in result.stdout
+    rows = json.loads((tmp_path / "time_to_accuracy.json").read_text())["rows"]
+    assert set(rows) == {hsdp.LIMIT, hsdp.NATIVE, *hsdp.HOOKS}
+    assert all(name in result.stdout for name in rows)
+    assert all(r["steps_done"] == 4 and np.isfinite(r["final_val_loss"]) for r in rows.values())
+    assert rows[hsdp.NATIVE]["seconds_to_target"] > 0 and rows[hsdp.NATIVE]["vs_native"] == 1.0
+    model = GPT(1, 32, 2, 32)
+    native = sum(4 * -(-p.shape[0] // 2) * p[0].numel() for p in model.parameters())
+    assert rows[hsdp.NATIVE]["bytes_per_rank_step"] == native and rows[hsdp.LIMIT]["bytes_per_rank_step"] == 0
+    codecs = [rows[name]["bytes_per_rank_step"] for name in hsdp.HOOKS]  # thc, PowerSGD r4, top-k 1%
+    assert 0 < codecs[0] < native / 4 and 0 < codecs[1] < native / 2 and 0 < codecs[2] < native / 10, codecs
 
 
 def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):

@@ -5,12 +5,18 @@ gradient compression: the transformer yardstick of scripts/time_to_accuracy.py -
     torchrun --nproc-per-node 2 example/pytorch/lm/train.py --steps 300
     torchrun --nproc-per-node 2 example/pytorch/lm/train.py --compressor topk --k 0.01 --ef vanilla
     torchrun --nproc-per-node 2 example/pytorch/lm/train.py --api optimizer --compressor thc --bits 4 --ef vanilla
+    torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2                # native HSDP
+    torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2 --compressor powersgd --rank 4
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api optimizer \\
         --optimizer sgd --lr 0.3 --compressor onebit --onebit-scaling --ef vanilla --compress-momentum nesterov
 
 ``--api hook`` (default) is an ordinary DDP script with ``bps.comm_hook`` registered (dense DDP
 without --compressor); it needs torch.distributed (torchrun, or bpslaunch --servers 0).
 ``--api optimizer`` wraps the optimizer in ``bps.DistributedOptimizer`` on either transport.
+``--api fsdp`` shards the model with FSDP2 on a (ranks / --shards, --shards) mesh (hsdp.py; on
+torch.distributed): native HSDP without --compressor, else each block sharded on mesh["shard"]
+and ``bps.register_fsdp_hooks`` compressing the gradient shards across the replicas (--hsdp
+hooks without --compressor: the dense hooks).
 The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
 default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up
 and a cosine decay to a tenth of --lr, gradients clipped to --clip after they are averaged.
@@ -49,7 +55,12 @@ from torch_device import PRECISION_HELP, MixedPrecision, add_device_arg, pick_de
 
 def build_parser():
     p = OneLineParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--api", choices=("hook", "optimizer"), default="hook")
+    p.add_argument("--api", choices=("hook", "optimizer", "fsdp"), default="hook")
+    p.add_argument("--shards", type=int, default=None, help="--api fsdp: ranks a model is sharded over (one "
+                                                           "host's; default: LOCAL_WORLD_SIZE)")
+    p.add_argument("--hsdp", choices=("native", "hooks"), default=None,
+                   help="--api fsdp across the replicas: native HSDP (default without --compressor) or "
+                        "register_fsdp_hooks (default with one)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help=PRECISION_HELP)
@@ -61,29 +72,62 @@ def build_parser():
     add_device_arg(p)
     g = add_compression_args(p)
     g.add_argument("--bits", type=int, default=4, help="thc: bits per coordinate")
+    g.add_argument("--rank", type=int, default=4, help="powersgd: the approximation's rank")
     return p
 
 
 def codec_params(args, parser):
-    """compression_flags' params; thc takes --bits, and --ef as its own error feedback."""
+    """compression_flags' params; thc takes --bits, and --ef as its own error feedback; powersgd
+    --rank (and keeps its own error feedback)."""
     params = compression_params(args, parser)
+    if params and params["compressor"] == "powersgd":
+        params.pop("k", None)
+        params["rank"] = args.rank
     if params and params["compressor"] == "thc":
         params.pop("k", None)
         params.update(bits=args.bits, **({"feedback": True} if params.pop("ef", None) else {}))
     return params
 
 
+def check_fsdp_args(args, parser):
+    if args.api != "fsdp":
+        if args.shards is not None or args.hsdp is not None:
+            parser.error("--shards and --hsdp are --api fsdp's")
+        return
+    if args.checkpoint:
+        parser.error("--checkpoint is not supported with --api fsdp (its parameters are sharded DTensors)")
+    if args.shards is None:
+        args.shards = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.shards < 1:
+        parser.error(f"--shards must be >= 1, got {args.shards}")
+    args.hsdp = args.hsdp or ("hooks" if args.compressor else "native")
+    if args.hsdp == "native" and args.compressor:
+        parser.error("--hsdp native all-reduces dense: drop --compressor, or use --hsdp hooks")
+
+
+def shard(args, model, device, params):
+    """Shard ``model`` on the (replicas, --shards) mesh; its description for the model line."""
+    from hsdp import mesh_for, shard_gpt
+    try:
+        mesh = mesh_for(args.shards, device.type)
+    except ValueError as e:
+        sys.exit(f"train.py: {e}")
+    shard_gpt(model, mesh, args.hsdp, params)
+    return f" ({args.hsdp} HSDP on the (replicas, shards) mesh {tuple(mesh.shape)})"
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args, parser)
+    check_fsdp_args(args, parser)
     params = codec_params(args, parser)
     corpus = Corpus(args.corpus).check(args.context, args.val_windows)
     require_launcher("example/pytorch/lm/train.py")
     device, device_lines = pick_device(args.device)
     bps.init()
-    if args.api == "hook" and not dist.is_initialized():
-        sys.exit("--api hook needs torch.distributed: start with torchrun or 'bpslaunch --servers 0', "
+    if args.api in ("hook", "fsdp") and not dist.is_initialized():
+        sys.exit(f"--api {args.api} needs torch.distributed: start with torchrun or 'bpslaunch --servers 0', "
                  "or use --api optimizer")
     rank, size = bps.rank(), bps.size()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -91,8 +135,12 @@ def main(argv=None):
     amp = MixedPrecision(device, dtype)
     attention = attention_for(device.type, dtype)
     model = build_model(args, device, attention)
+    if args.api == "fsdp":  # the optimizer is made over the sharded (DTensor) parameters
+        hsdp = shard(args, model, device, params)
     opt = make_optimizer(args, model)
-    if args.api == "hook":
+    if args.api == "fsdp":
+        net = model
+    elif args.api == "hook":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's
         if params:
             net.register_comm_hook(None, bps.comm_hook(params, optimizer=opt,
@@ -102,7 +150,7 @@ def main(argv=None):
     say("\n".join(device_lines + [precision_line]))
     say(f"model: {parameter_count(model):,} parameters ({args.layers} layers, width {args.width}, {args.heads} heads, "
         f"context {args.context}, attention {attention}); {amp.describe()}; {size} ranks x batch {args.batch_size}; "
-        f"api {args.api}, {args.optimizer}, compression {params or 'none'}")
+        f"api {args.api}{hsdp if args.api == 'fsdp' else ''}, {args.optimizer}, compression {params or 'none'}")
     say(f"corpus: {corpus.describe()}")
     unigram = unigram_entropy_bits(corpus.train, corpus.val)
     say(f"unigram entropy: {unigram:.4f} bits per byte (the validation bytes under the training bytes' frequencies)")

@@ -1,6 +1,6 @@
-"""FSDP2 on a (2 replicas, 2 shards) gloo mesh under torchrun (4 ranks):
-``python fsdp_job.py SPEC.json OUT``. A small MLP trains ``steps`` SGD steps on each rank's own
-batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
+"""FSDP2 on a (2 replicas, 2 shards) gloo mesh under torchrun (4 ranks; spec "mesh" [2, 3]: 6
+ranks): ``python fsdp_job.py SPEC.json OUT``. A small MLP trains ``steps`` SGD steps on each
+rank's own batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 
 * "native": HSDP (fully_shard on the 2-D mesh); then register_fsdp_hooks, which must refuse it,
   refuse a model sharded on mesh["shard"] handed mesh["shard"] as its replicate group, and
@@ -55,7 +55,8 @@ if mode in ("resume", "fault"):
     assert (bps.rank(), bps.size()) == (dist.get_rank(), 4), (bps.rank(), bps.size())
 rank = dist.get_rank()
 torch.set_num_threads(1)
-mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+# spec "mesh": (replicas, shards), (2, 2) unless given; the job's ranks are their product
+mesh = init_device_mesh("cpu", tuple(spec.get("mesh", (2, 2))), mesh_dim_names=("replicate", "shard"))
 POLICIES = {  # fully_shard's options of the extra models (spec "policies")
     "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
     "bf16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)},

@@ -1,5 +1,5 @@
 """bps_gc.torch.register_fsdp_hooks: FSDP2 sharded on mesh["shard"], its replicate dimension
-averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun. Dense, it trains as native
+averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun (and a (2, 3) one). Dense, it trains as native
 HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
 that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
 replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
@@ -29,9 +29,9 @@ WIDE = [(256, 128), (256,), (256, 256), (256,), (128, 256), (128,)]  # fsdp_job.
 POLICIES = ["bf16", "bf16r", "offload"]
 
 
-def run(spec, tmp_path):
-    run_torchrun_job("fsdp_job.py", spec, tmp_path, 4)
-    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
+def run(spec, tmp_path, ranks=4):
+    run_torchrun_job("fsdp_job.py", spec, tmp_path, ranks)
+    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +73,18 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     assert not np.array_equal(native[0]["bf16r/full/0.weight"], native[0]["bf16/full/0.weight"])
 
 
-def expected_call(ins, shard, params_of_layer, step, run=""):
+def expected_call(ins, shard, params_of_layer, step, run="", shards=2):
     """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32;
-    bfloat16 ones widened): each parameter's shard through its worker chains (seeded by
-    ``<fqn>#shard<i>``), decoded and summed in replica order, re-compressed by the server's
-    chain, halved; ``run``: the model's, whose chains are its own."""
+    bfloat16 ones widened): each parameter's padded shard (its rows split in ``shards``,
+    rounded up) through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and summed in
+    replica order, re-compressed by the server's chain, halved; ``run``: the model's, whose
+    chains are its own."""
     result, offset = np.empty_like(ins[0]), 0
     for fqn, shape in params_of_layer:
-        n = int(np.prod(shape)) // 2
+        n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
         key = name_key(f"{fqn}#shard{shard}")
         chains = CHAINS.setdefault((run, fqn, shard), ([build_chain(TOPK, n, np.float32, key=key, rank=r)
-                                                   for r in (shard, 2 + shard)],
+                                                   for r in (shard, shards + shard)],
                                                   build_chain(TOPK, n, np.float32, key=key, role="server")))
         ctx = {"lr": 0.0, "step": step}
         acc = np.zeros(n, np.float32)
@@ -92,6 +93,7 @@ def expected_call(ins, shard, params_of_layer, step, run=""):
         acc = chains[1].decompress(chains[1].compress(acc, ctx))
         result[offset:offset + n] = acc / np.float32(2)
         offset += n
+    assert offset == len(result)
     return result
 
 
@@ -166,6 +168,46 @@ def test_bytes_per_step_and_codec_memory(topk_run):
             assert sum(sizes) * 4 <= state <= held, (r, name)  # the residual at least
             assert state <= 2 * native, (r, name, state)
     print("\n".join(table(topk_run[0])))
+
+
+@pytest.fixture(scope="module")
+def launch_2x3(tmp_path_factory):
+    """A (2, 3) mesh, 6 ranks, one launch: native HSDP and the dense hooks, 10 steps; top-k +
+    EF, two micro-batches a step, 3 steps. The MLP's rows (32, 32, 8) split in 3 unevenly:
+    FSDP2 pads them (11, 11, 10 + 1 row; 3, 3, 2 + 1)."""
+    return run({"mode": "parts", "mesh": [2, 3], "parts": {
+        "native": {"mode": "native", "steps": 10},
+        "hooked": {"mode": "hooked", "steps": 10},
+        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2}}},
+        tmp_path_factory.mktemp("fsdp_2x3"), ranks=6)
+
+
+def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_topk_equals_numpy(launch_2x3):
+    """Replicas of shard s: ranks s and 3 + s. Dense hooks against native HSDP on every rank;
+    every top-k hook call against the numpy re-computation of its (padded) shards; replicas
+    bit-identical, shards differing."""
+    native, hooked, got = (part(launch_2x3, name) for name in ("native", "hooked", "topk"))
+    for name, _ in PARAMS:
+        for r in range(6):
+            np.testing.assert_allclose(hooked[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{name} rank {r}")
+    calls = got[0]["calls"]
+    assert len(calls) == 3 * len(LAYERS)
+    steps = {}
+    for i, module in enumerate(calls):
+        step = steps.get(int(module), 0)
+        steps[int(module)] = step + 1
+        for shard in range(3):
+            replicas = (shard, 3 + shard)
+            want = expected_call([got[r][f"call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step,
+                                 "2x3/", shards=3)
+            for r in replicas:
+                np.testing.assert_array_equal(got[r][f"call{i}/out"], want, err_msg=f"call {i} rank {r}")
+    for name, _ in PARAMS:
+        for shard in range(3):
+            assert got[shard][f"local/{name}"].tobytes() == got[3 + shard][f"local/{name}"].tobytes(), name
+        assert got[0][f"local/{name}"].shape[0] == -(-dict(PARAMS)[name][0] // 3)
+        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
 
 
 def near_square(n):

@@ -2,7 +2,8 @@
 repeat and refuse a too-small corpus; --precision auto picks bf16 only where the device
 computes it; the plain attention (bf16 on a CPU) is causal attention; DDP on two ranks equals
 one process on the concatenated batch; a reduced --task lm run gives every row, and runs 2
-local ranks per machine, and its HSDP rows (--hsdp) run; train.py resumes bit for bit with a codec under bf16 autocast."""
+local ranks per machine, and its HSDP rows (--hsdp) run; train.py resumes bit for bit with a
+codec under bf16 autocast."""
 import hashlib
 import json
 import os

@@ -260,3 +260,23 @@ def flat(tree, prefix=""):
     if not isinstance(tree, dict):
         return {prefix: tree}
     return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+
+def test_thc_takes_ef_vanilla_as_its_own_feedback(capsys):
+    """train.py's own example (--compressor thc --bits 4 --ef vanilla) asks thc's feedback
+    rather than being refused for 'ef'; another --ef is one line naming it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lm_train", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    parser = train.build_parser()
+    args = parser.parse_args(["--compressor", "thc", "--bits", "4", "--ef", "vanilla"])
+    assert train.codec_params(args, parser) == {"compressor": "thc", "bits": 4, "feedback": True}
+    args = parser.parse_args(["--compressor", "thc", "--bits", "2"])
+    assert train.codec_params(args, parser) == {"compressor": "thc", "bits": 2}
+    args = parser.parse_args(["--compressor", "thc", "--ef", "nesterov"])
+    with pytest.raises(SystemExit) as stopped:
+        train.codec_params(args, parser)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"{parser.prog}: error: --ef nesterov: thc takes --ef vanilla")

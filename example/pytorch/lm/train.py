@@ -79,13 +79,18 @@ def build_parser():
 def codec_params(args, parser):
     """compression_flags' params; thc takes --bits, and --ef as its own error feedback; powersgd
     --rank (and keeps its own error feedback)."""
+    thc_feedback = args.compressor == "thc" and args.ef
+    if thc_feedback:  # thc's feedback is its own option: the generic check would refuse 'ef'
+        if args.ef != "vanilla":
+            parser.error(f"--ef {args.ef}: thc takes --ef vanilla (its own error feedback) or none")
+        args = argparse.Namespace(**dict(vars(args), ef=""))
     params = compression_params(args, parser)
     if params and params["compressor"] == "powersgd":
         params.pop("k", None)
         params["rank"] = args.rank
     if params and params["compressor"] == "thc":
         params.pop("k", None)
-        params.update(bits=args.bits, **({"feedback": True} if params.pop("ef", None) else {}))
+        params.update(bits=args.bits, **({"feedback": True} if thc_feedback else {}))
     return params
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from bps_gc.compress import CompressionParams, build_chain
 from bps_gc.compress import thc
+from bps_gc.compress._native import lib
 from xorshift import XorShift128Plus, mixed_state, worker_seed
 
 N = 2 * 65536 + 3 * 128 + 16 * 8 + 77  # two blocks, halving ones, and 77 left over (odd)
@@ -66,3 +67,30 @@ def test_long_sums_decode_by_the_formula(x, carrier, workers):
     out = codec.finish(summed.view(np.uint8), np.full(N, 7.0, np.float32), workers)
     exponent = codec.agreed[0]
     assert out.tobytes() == (2.0**exponent * (2.0 * total / 15 - workers)).astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("carrier", [np.float64, np.int64])  # 6-bit lanes, 8 or 10 to a word
+def test_outputs_streamed_past_the_cache_decode_by_the_formula(x, carrier):
+    """An output larger than the last level cache is streamed from its first 64-byte line on,
+    the elements before that line one by one; the size is lowered here so any machine streams
+    this one. At every start within a line: the formula's floats, nothing written outside."""
+    params = CompressionParams.from_dict({"compressor": "thc", "bits": 4})
+    codecs = [build_chain(params, N, np.float32, key=KEY, rank=rank) for rank in range(3)]
+    for codec in codecs:
+        codec.set_summands(3, carrier)
+    hist = sum(c.compress(x, {}).view(carrier) for c in codecs)
+    summed = sum(c.compress_q(hist.view(np.uint8)).view(carrier) for c in codecs)
+    k = thc.lanes_per_word(6, thc.word_bits(carrier))
+    total = lanes(summed[thc.HEADER:].view(np.uint64) if carrier == np.int64 else summed[thc.HEADER:], 6, k, N)
+    assert len(set(total.tolist())) > 20  # sums of three draws: the table's entries, not a few
+    expected = (2.0**codecs[0].agreed[0] * (2.0 * total.astype(np.float64) / 15 - 3)).astype(np.float32)
+    before = lib.thc_stream_above(4096)
+    try:
+        for offset in (0, 1, 2, 3, 4, 13):  # out at 4 * offset bytes into a line (numpy's: 16)
+            buf = np.full(N + 32, 7.0, np.float32)
+            start = (-(buf.ctypes.data // 4)) % 16 + offset
+            codecs[0].finish(summed.view(np.uint8), buf[start:start + N], 3)
+            assert buf[start:start + N].tobytes() == expected.tobytes(), offset
+            assert (buf[:start] == 7.0).all() and (buf[start + N:] == 7.0).all()
+    finally:
+        lib.thc_stream_above(before)

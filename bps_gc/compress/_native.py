@@ -101,6 +101,7 @@ def _load():
         "thc_unpack_f64": ((), I, [P, I, I, C, C, D, C, D, P, C]),
         "thc_rotate_f32": ((), None, [P, I, I, P, C, F]),
         "thc_peak_f32": ((), D, [P, P, P, I]),
+        "thc_stream_above": ((), I, [I]),
     }
     for stem, (types, restype, argtypes) in sigs.items():
         for name in [f"{stem}_{t}" for t in types] or [stem]:

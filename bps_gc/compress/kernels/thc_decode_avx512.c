@@ -1,6 +1,9 @@
 /* thc's AVX-512 decoding (kernels/thc.c dispatches here when the CPU has it): each summed
  * lane looked up in a table of its 2^width values, which thc.c computes with its formula, so
  * the floats are thc.c's bit for bit. */
+#include <stdio.h>
+#include <unistd.h>
+
 #include "common.h"
 #include "thc.h"
 
@@ -25,15 +28,24 @@ INLINE __m512 lookup16(__m512i q, int pairs, const __m512 *tab) {
     return x;
 }
 
+/* A vector of out: streamed past the caches (nt, a 64-byte aligned out larger than the last
+ * level cache, which it would only evict: no line read for ownership), or stored. */
+INLINE void put16(float *out, __m512 v, int nt) {
+    if (nt)
+        _mm512_stream_ps(out, v);
+    else
+        _mm512_storeu_ps(out, v);
+}
+
 /* 16 elements of any k (unpack_table) at out from the 16 words at src: each element's 4 bytes
  * from its lane's byte on (a byte permute of the 16 words), shifted by its bit in the byte. */
 INLINE void any16(const uint64_t *src, int as_int, int pairs, __m512i idx, __m512i shift, const __m512 *tab,
-                  float *out) {
+                  float *out, int nt) {
     __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 8);
     if (!as_int) /* float64 words (checked) */
         a = _mm512_cvttpd_epu64(_mm512_castsi512_pd(a)), b = _mm512_cvttpd_epu64(_mm512_castsi512_pd(b));
     __m512i q = _mm512_permutex2var_epi8(a, idx, b);
-    _mm512_storeu_ps(out, lookup16(_mm512_srlv_epi32(q, shift), pairs, tab));
+    put16(out, lookup16(_mm512_srlv_epi32(q, shift), pairs, tab), nt);
 }
 
 /* Whole periods of PERIOD vectors from out + e on, PERIOD a constant where it is a common one
@@ -45,7 +57,8 @@ INLINE void any16(const uint64_t *src, int as_int, int pairs, __m512i idx, __m51
     for (; e + 16 * (PERIOD) <= n; e += 16 * (PERIOD), w += stride) {                                 \
         __builtin_prefetch((const char *)w + PF_AHEAD / 4, 0, 3); /* a period reads <= 16 words */    \
         _Pragma("GCC unroll 16") for (int v = 0; v < (PERIOD); v++) {                                 \
-            __builtin_prefetch(out + e + 16 * v + PF_AHEAD / 4, 1, 3); /* a vector writes a line */   \
+            if (!nt) /* a vector writes a line; streamed ones are never read */                        \
+                __builtin_prefetch(out + e + 16 * v + PF_AHEAD / 4, 1, 3);                            \
             BODY(w + base[v], v, out + e + 16 * v, A, P);                                             \
         }                                                                                             \
     }
@@ -84,19 +97,20 @@ static int period_of(int k, int *stride) {
     return period;
 }
 
-/* Elements [0, n) (n a multiple of 16) of the summed words u (16 words past the last one
- * readable) looked up in table (32 x pairs floats; below 32 entries it repeats every 2^width). */
-AVX512 static void unpack_table(const uint64_t *u, int as_int, int64_t n, int width, int k, const float *table,
-                                int pairs, float *out) {
+/* Elements [e0, e0 + n) (n a multiple of 16, e0 < 16) of the summed words u (16 words past the
+ * last one readable) looked up in table (32 x pairs floats; below 32 entries it repeats every
+ * 2^width), at out[0, n). */
+AVX512 static void unpack_table(const uint64_t *u, int as_int, int e0, int64_t n, int width, int k, const float *table,
+                                int pairs, float *out, int nt) {
     int stride, period = period_of(k, &stride);
     __m512i idx[64], shift[64];
     int base[64];
     for (int v = 0; v < period; v++) {
         uint8_t b[64];
         int32_t sh[16];
-        base[v] = 16 * v / k;
+        base[v] = (e0 + 16 * v) / k;
         for (int m = 0; m < 16; m++) {
-            int e = 16 * v + m, bit = 64 * (e / k - base[v]) + width * (e % k);
+            int e = e0 + 16 * v + m, bit = 64 * (e / k - base[v]) + width * (e % k);
             for (int i = 0; i < 4; i++)
                 b[4 * m + i] = (uint8_t)(bit / 8 + i);
             sh[m] = bit % 8;
@@ -107,7 +121,7 @@ AVX512 static void unpack_table(const uint64_t *u, int as_int, int64_t n, int wi
     __m512 tab[8];
     for (int t = 0; t < 2 * pairs; t++)
         tab[t] = _mm512_loadu_ps(table + 16 * t);
-#define ANY(SRC, V, OUT, A, P) any16(SRC, A, P, idx[V], shift[V], tab, OUT)
+#define ANY(SRC, V, OUT, A, P) any16(SRC, A, P, idx[V], shift[V], tab, OUT, nt)
     /* k = 7, 9, 13: 5 to 8 summands of 4 bits, one in float64 words */
 #define ANY_CASES(BODY, A, P) \
     case 7: PERIODS(7, BODY, A, P) break; case 9: PERIODS(9, BODY, A, P) break; case 13: PERIODS(13, BODY, A, P) break;
@@ -120,29 +134,29 @@ AVX512 static void unpack_table(const uint64_t *u, int as_int, int64_t n, int wi
  * word broadcast to every pair's qword, the second and third over those of the pairs in them
  * (loads, not permutes: the permutes are the table's), converted from float64 (checked). */
 INLINE void even16(const uint64_t *src, int as_int, int pairs, __mmask8 second, __mmask8 third, __m512i field,
-                   const __m512 *tab, float *out) {
+                   const __m512 *tab, float *out, int nt) {
     const int64_t *s = (const int64_t *)src;
     __m512i w = _mm512_mask_set1_epi64(_mm512_mask_set1_epi64(_mm512_set1_epi64(s[0]), second, s[1]), third, s[2]);
     if (!as_int)
         w = _mm512_cvttpd_epu64(_mm512_castsi512_pd(w));
-    _mm512_storeu_ps(out, lookup16(_mm512_multishift_epi64_epi8(field, w), pairs, tab));
+    put16(out, lookup16(_mm512_multishift_epi64_epi8(field, w), pairs, tab), nt);
 }
 
-/* unpack_table for an even k >= 8: the two elements of a dword pair (an even one and the next)
- * share a word, so with each pair's word in its qword (even16) a multishift takes each
- * element's 8 bits from its lane's first bit. */
-AVX512 static void unpack_even(const uint64_t *u, int as_int, int64_t n, int width, int k, const float *table,
-                               int pairs, float *out) {
+/* unpack_table for an even k >= 8 and an even e0: the two elements of a dword pair (an even
+ * one and the next) share a word, so with each pair's word in its qword (even16) a multishift
+ * takes each element's 8 bits from its lane's first bit. */
+AVX512 static void unpack_even(const uint64_t *u, int as_int, int e0, int64_t n, int width, int k, const float *table,
+                               int pairs, float *out, int nt) {
     int stride, period = period_of(k, &stride);
     __m512i field[64];
     __mmask8 second[64], third[64];
     int base[64];
     for (int v = 0; v < period; v++) {
         uint8_t f[64] = {0};
-        base[v] = 16 * v / k;
+        base[v] = (e0 + 16 * v) / k;
         second[v] = third[v] = 0;
         for (int m = 0; m < 16; m++) {
-            int e = 16 * v + m, word = e / k - base[v]; /* 0, 1 or 2 */
+            int e = e0 + 16 * v + m, word = e / k - base[v]; /* 0, 1 or 2 */
             second[v] |= (__mmask8)((word >= 1) << (m / 2));
             third[v] |= (__mmask8)((word >= 2) << (m / 2));
             f[8 * (m / 2) + 4 * (m % 2)] = (uint8_t)(width * (e % k));
@@ -153,7 +167,7 @@ AVX512 static void unpack_even(const uint64_t *u, int as_int, int64_t n, int wid
     for (int t = 0; t < 2 * pairs; t++)
         tab[t] = _mm512_loadu_ps(table + 16 * t);
     /* k = 10, 12, 14 and powers of two: periods of 5, 3, 7 and 1 */
-#define EVEN(SRC, V, OUT, A, P) even16(SRC, A, P, second[V], third[V], field[V], tab, OUT)
+#define EVEN(SRC, V, OUT, A, P) even16(SRC, A, P, second[V], third[V], field[V], tab, OUT, nt)
 #define EVEN_CASES(BODY, A, P) \
     case 1: PERIODS(1, BODY, A, P) break; case 3: PERIODS(3, BODY, A, P) break; \
     case 5: PERIODS(5, BODY, A, P) break; case 7: PERIODS(7, BODY, A, P) break;
@@ -187,6 +201,42 @@ AVX512 int64_t thc_check_words_avx512(const double *w, int64_t nwords) {
     return 0;
 }
 
+/* Bytes of the last level cache this core sees, read once: sysfs's index3 (as lscpu reads it;
+ * in a VM sysconf can report the host's whole L3, 12 times one core's share on an EPYC),
+ * else sysconf's, else 32 MiB. Every thread computes the same value. */
+static int64_t last_cache_bytes(void) {
+    static int64_t bytes = 0;
+    int64_t b = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
+    if (b)
+        return b;
+    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+    long size = 0;
+    char unit = 0;
+    if (f) {
+        if (fscanf(f, "%ld%c", &size, &unit) < 1)
+            size = 0;
+        fclose(f);
+    }
+    b = size * (unit == 'K' ? 1024 : unit == 'M' ? 1 << 20 : 1);
+    if (b <= 0)
+        b = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (b <= 0)
+        b = 32 << 20;
+    __atomic_store_n(&bytes, b, __ATOMIC_RELAXED);
+    return b;
+}
+
+/* Outputs of more bytes than this are streamed: the last level cache's size until set. */
+static int64_t stream_above = 0;
+
+/* Set the size above which outputs are streamed (bytes <= 0: the last level cache's again; the
+ * tests lower it to cover streaming on any machine); returns the one before. */
+EXPORT int64_t thc_stream_above(int64_t bytes) {
+    int64_t before = __atomic_load_n(&stream_above, __ATOMIC_RELAXED);
+    __atomic_store_n(&stream_above, bytes > 0 ? bytes : last_cache_bytes(), __ATOMIC_RELAXED);
+    return before ? before : last_cache_bytes();
+}
+
 /* thc_unpack_f64 for lanes of width <= 7 (a table of at most 128 values, 2^width of them
  * given): returns the elements it decoded (a prefix; thc.c decodes the rest). float64 words
  * must have been checked to be integers below 2^53. */
@@ -203,7 +253,21 @@ AVX512 int64_t thc_unpack_avx512(const void *words, int64_t nwords, int64_t n, i
         return 0;
     int64_t limit = safe * k < n ? safe * k : n;
     limit -= limit % 16;
-    (k % 2 == 0 && k >= 8 ? unpack_even : unpack_table)(words, as_int, limit, width, k, tab, pairs, out);
+    /* An out larger than the caches goes to memory anyway: streamed, its lines are not read
+     * first. Streamed vectors start at a 64-byte line, so the e0 elements before it (numpy's
+     * large arrays start 16 bytes into one) are decoded here one by one. */
+    int nt = (uintptr_t)out % 4 == 0 && limit * (int64_t)sizeof(float) >
+             (__atomic_load_n(&stream_above, __ATOMIC_RELAXED) ?: last_cache_bytes());
+    int e0 = nt ? (int)((64 - (uintptr_t)out % 64) % 64 / 4) : 0;
+    for (int e = 0; e < e0; e++) {
+        uint64_t word = as_int ? ((const uint64_t *)words)[e / k] : (uint64_t)((const double *)words)[e / k];
+        out[e] = tab[(word >> (width * (e % k))) & ((1u << width) - 1)];
+    }
+    limit = e0 + (limit - e0) / 16 * 16;
+    (k % 2 == 0 && k >= 8 && e0 % 2 == 0 ? unpack_even : unpack_table)(words, as_int, e0, limit - e0, width, k, tab,
+                                                                      pairs, out + e0, nt);
+    if (nt)
+        _mm_sfence(); /* the streamed stores ordered before anything after the call */
     return limit;
 }
 

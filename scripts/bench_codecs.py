@@ -15,8 +15,11 @@ measured in the same run on the same machine:
   "EF + onebit" of the same run and size. Encode is one push's two phase payloads as the codec
   computes them: compress (the scale histogram) then compress_q of the histograms of two
   pushes summed (the codes); decode is finish of two pushes' summed codes. Rows for both
-  carriers: float64 words (the parameter server's) and int64 (torch.distributed's). On a loaded
-  box EF + onebit's own compress GB/s swings several-fold from run to run at 4M: compare 2-3 runs.
+  carriers: float64 words (a server that sums floats only: every word is checked to be an
+  integer below 2^53 before out is written, one more read of the words) and int64
+  (torch.distributed's, and the parameter server's where every server adds int64, as bps_gc's
+  do). On a loaded box EF + onebit's own compress GB/s swings several-fold from run to run at
+  4M: compare 2-3 runs.
 Each cell's ratio is ours / the reference's from this run. Prints the machine, a table, the
 cells below 1.0x, and writes JSON.
 

@@ -4,8 +4,8 @@
 #include <stdint.h>
 
 #define LOG_STREAM 12
-#define THC_STREAM (1 << LOG_STREAM) /* xorshift128+ steps per lane of the 8-stream draws */
-#define THC_BLOCK (16 * THC_STREAM) /* elements the 8 streams code at once: 2 per step */
+#define THC_STREAM (1 << LOG_STREAM) /* xorshift128+ steps of a block, over 8 lanes (16 lanes: half each) */
+#define THC_BLOCK (16 * THC_STREAM) /* elements the 16 streams code at once: 2 per step */
 
 /* Code of one element: u = (y * inv_scale + 1) * half in [0, levels] for |y| <= scale, rounded
  * down after adding r in [0, 1) (stochastic: E = u) or to the nearest (r = 0.5), clamped. */

@@ -1,11 +1,11 @@
 /* thc's AVX-512 encoding (kernels/thc.c dispatches here when the CPU has it): the same codes,
  * random bits and words as thc.c's scalar loop, bit for bit.
  *
- * It draws its xorshift128+ numbers in 8 streams at once: the state sequence is linear
- * over GF(2), so the state THC_STREAM steps ahead is a fixed 128 x 128 bit matrix (J) times
- * the state; 8 lanes start at states THC_STREAM apart and each steps THC_STREAM times, which
- * yields the same numbers as one stream stepping 8 x THC_STREAM times (an 8 x 8 transpose puts
- * them back in order). */
+ * It draws its xorshift128+ numbers in 16 streams at once (two vectors of 8 lanes): the state
+ * sequence is linear over GF(2), so the state THC_STREAM / 2 steps ahead is a fixed 128 x 128
+ * bit matrix (J) times the state; 16 lanes start at states THC_STREAM / 2 apart and each steps
+ * THC_STREAM / 2 times, which yields the same numbers as one stream stepping 8 x THC_STREAM
+ * times (8 x 8 transposes put them back in order). */
 #include <pthread.h>
 
 #include "common.h"
@@ -104,8 +104,12 @@ AVX512 static inline __m512i xs_next8(__m512i *s0, __m512i *s1) {
     return _mm512_add_epi64(t, u);
 }
 
-/* Rows r[0..8) (step j of lane i at r[j] lane i) transposed: r[i] = lane i's 8 steps. */
+/* Rows r[0..8) (step j of lane i at r[j] lane i) transposed: r[i] = lane i's 8 steps, each
+ * number's halves swapped (high half first: the draws in element order; the last stage's
+ * dword permutes do it, where a 128-bit shuffle would not). */
 AVX512 static inline void transpose8(__m512i r[8]) {
+    const __m512i low = _mm512_setr_epi32(1, 0, 3, 2, 9, 8, 11, 10, 17, 16, 19, 18, 25, 24, 27, 26);
+    const __m512i high = _mm512_setr_epi32(5, 4, 7, 6, 13, 12, 15, 14, 21, 20, 23, 22, 29, 28, 31, 30);
     __m512i a[8], b[8];
     for (int i = 0; i < 8; i += 2) {
         a[i] = _mm512_unpacklo_epi64(r[i], r[i + 1]);
@@ -118,42 +122,52 @@ AVX512 static inline void transpose8(__m512i r[8]) {
         b[i + 3] = _mm512_shuffle_i64x2(a[i + 1], a[i + 3], 0xdd);
     }
     for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i64x2(b[i], b[i + 4], 0x88);
-        r[i + 4] = _mm512_shuffle_i64x2(b[i], b[i + 4], 0xdd);
+        r[i] = _mm512_permutex2var_epi32(b[i], low, b[i + 4]);
+        r[i + 4] = _mm512_permutex2var_epi32(b[i], high, b[i + 4]);
     }
 }
 
-/* Codes of y[0..16 << log_lane) into codes, 8 lanes of 2^log_lane steps (>= 8) advancing
- * st by 8 << log_lane steps; BOUNDED a constant, so each kind is its own loop. */
-#define CODES_BLOCK(NAME, CODES16)                                                                     \
+/* Codes of y[0..16 << log_lane) into codes, 8 CH lanes of 2^log_lane / CH steps (>= 8 each)
+ * advancing st by 8 << log_lane steps; BOUNDED a constant, so each kind is its own loop. With
+ * CH = 2 the lanes are two sets of 8 whose steps interleave: each set's step waits on its
+ * last one (a chain of five dependent operations), so one set alone leaves the vector units
+ * idle most of the time. */
+#define CODES_BLOCK(NAME, CODES16, CH)                                                                 \
     AVX512 static void NAME(const float *y, int log_lane, uint64_t *st, const code_consts *c, uint8_t *codes) { \
-        const int64_t steps = (int64_t)1 << log_lane;                                                  \
-        uint64_t start[8][2], last[2][8];                                                              \
+        const int log_steps = log_lane - ((CH) == 2);                                                  \
+        const int64_t steps = (int64_t)1 << log_steps;                                                 \
+        uint64_t start[8 * (CH)][2], last[2][8];                                                       \
         memcpy(start[0], st, 16);                                                                      \
-        for (int i = 1; i < 8; i++)                                                                    \
-            apply(jump[log_lane], start[i - 1], start[i]);                                             \
-        __m512i s0 = _mm512_set_epi64(start[7][0], start[6][0], start[5][0], start[4][0], start[3][0], \
-                                      start[2][0], start[1][0], start[0][0]);                          \
-        __m512i s1 = _mm512_set_epi64(start[7][1], start[6][1], start[5][1], start[4][1], start[3][1], \
-                                      start[2][1], start[1][1], start[0][1]);                          \
+        for (int i = 1; i < 8 * (CH); i++)                                                             \
+            apply(jump[log_steps], start[i - 1], start[i]);                                            \
+        __m512i s0[CH], s1[CH];                                                                        \
+        for (int ch = 0; ch < (CH); ch++) {                                                            \
+            const uint64_t(*at)[2] = start + 8 * ch;                                                   \
+            s0[ch] = _mm512_set_epi64(at[7][0], at[6][0], at[5][0], at[4][0], at[3][0], at[2][0], at[1][0], at[0][0]); \
+            s1[ch] = _mm512_set_epi64(at[7][1], at[6][1], at[5][1], at[4][1], at[3][1], at[2][1], at[1][1], at[0][1]); \
+        }                                                                                              \
         for (int64_t t = 0; t < steps; t += 8) {                                                       \
-            __m512i r[8];                                                                              \
+            __m512i r[CH][8];                                                                          \
             for (int j = 0; j < 8; j++)                                                                \
-                r[j] = xs_next8(&s0, &s1);                                                             \
-            transpose8(r);                                                                             \
-            _Pragma("GCC unroll 8") for (int lane = 0; lane < 8; lane++) {                             \
-                int64_t e = 2 * (lane * steps + t);                                                    \
-                __m512i draws = _mm512_shuffle_epi32(r[lane], _MM_PERM_CDAB); /* high half first */   \
-                _mm_storeu_si128((__m128i *)(codes + e), CODES16(y + e, draws, 1, c));                 \
+                for (int ch = 0; ch < (CH); ch++)                                                      \
+                    r[ch][j] = xs_next8(&s0[ch], &s1[ch]);                                             \
+            for (int ch = 0; ch < (CH); ch++) {                                                        \
+                transpose8(r[ch]);                                                                     \
+                _Pragma("GCC unroll 8") for (int lane = 0; lane < 8; lane++) {                         \
+                    int64_t e = 2 * ((8 * ch + lane) * steps + t);                                     \
+                    _mm_storeu_si128((__m128i *)(codes + e), CODES16(y + e, r[ch][lane], 1, c));       \
+                }                                                                                      \
             }                                                                                          \
         }                                                                                              \
-        _mm512_storeu_si512(last[0], s0);                                                              \
-        _mm512_storeu_si512(last[1], s1);                                                              \
-        st[0] = last[0][7]; /* lane 7 ends where the 8 lanes' steps end */                             \
+        _mm512_storeu_si512(last[0], s0[(CH)-1]);                                                      \
+        _mm512_storeu_si512(last[1], s1[(CH)-1]);                                                      \
+        st[0] = last[0][7]; /* the last lane ends where all the lanes' steps end */                    \
         st[1] = last[1][7];                                                                            \
     }
-CODES_BLOCK(drawn_block, codes16)
-CODES_BLOCK(drawn_block_bounded, codes16_bounded)
+CODES_BLOCK(drawn_block, codes16, 1)
+CODES_BLOCK(drawn_block_bounded, codes16_bounded, 1)
+CODES_BLOCK(drawn_block2, codes16, 2)
+CODES_BLOCK(drawn_block2_bounded, codes16_bounded, 2)
 
 /* Codes rounded to the nearest of y[0..m), m a multiple of 16. */
 AVX512 static void nearest_codes(const float *y, int64_t m, int bounded, const code_consts *c, uint8_t *codes) {
@@ -294,7 +308,8 @@ AVX512 void thc_pack_avx512(const float *y, int64_t n, double inv_scale, int lev
         }
         for (int log_lane = LOG_STREAM; state && log_lane >= 3; log_lane--)
             if (m - coded >= 16 << log_lane) {
-                (bounded ? drawn_block_bounded : drawn_block)(y + done + coded, log_lane, state, &c, dst + coded);
+                (log_lane > 3 ? (bounded ? drawn_block2_bounded : drawn_block2) : (bounded ? drawn_block_bounded : drawn_block))(
+                    y + done + coded, log_lane, state, &c, dst + coded);
                 coded += 16 << log_lane;
             }
         thc_codes_scalar(y + done + coded, m - coded, inv_scale, levels, state, dst + coded); /* < 128 left */

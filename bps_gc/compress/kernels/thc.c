@@ -2,6 +2,9 @@
  * packed k to a word in lanes of `width` bits, and the decoding of their sums. A word is a
  * float64 holding an integer below 2^53 (the parameter server's), or with `as_int` an int64
  * read unsigned (torch.distributed's, whose sums wrap modulo 2^64). */
+#include <stdio.h>
+#include <unistd.h>
+
 #include "common.h"
 #include "thc.h"
 
@@ -130,6 +133,31 @@ EXPORT HOT int64_t thc_unpack_f64(const void *words, int64_t nwords, int64_t n, 
     if (table && table != small)
         free(table);
     return n;
+}
+
+/* Bytes of the last level cache this core sees, read once: sysfs's index3 (as lscpu reads it;
+ * in a VM sysconf can report the host's whole L3, 12 times one core's share on an EPYC),
+ * else sysconf's, else 32 MiB. Every thread computes the same value. */
+int64_t thc_cache_bytes(void) {
+    static int64_t bytes = 0;
+    int64_t b = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
+    if (b)
+        return b;
+    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+    long size = 0;
+    char unit = 0;
+    if (f) {
+        if (fscanf(f, "%ld%c", &size, &unit) < 1)
+            size = 0;
+        fclose(f);
+    }
+    b = size * (unit == 'K' ? 1024 : unit == 'M' ? 1 << 20 : 1);
+    if (b <= 0)
+        b = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (b <= 0)
+        b = 32 << 20;
+    __atomic_store_n(&bytes, b, __ATOMIC_RELAXED);
+    return b;
 }
 
 /* The rotation, in place: each of `rows` blocks of `block` (a power of two) float32 values

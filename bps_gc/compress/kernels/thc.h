@@ -26,6 +26,7 @@ static inline float thc_decoded(int64_t q, double scale, int levels) {
 void thc_codes_scalar(const float *y, int64_t m, double inv_scale, int levels, uint64_t *state, uint8_t *codes);
 
 
+int64_t thc_cache_bytes(void);
 int thc_has_avx512(void);
 int64_t thc_check_words_avx512(const double *w, int64_t nwords);
 void thc_pack_avx512(const float *y, int64_t n, double inv_scale, int levels, int width, int k, int bounded,

@@ -1,9 +1,6 @@
 /* thc's AVX-512 decoding (kernels/thc.c dispatches here when the CPU has it): each summed
  * lane looked up in a table of its 2^width values, which thc.c computes with its formula, so
  * the floats are thc.c's bit for bit. */
-#include <stdio.h>
-#include <unistd.h>
-
 #include "common.h"
 #include "thc.h"
 
@@ -201,31 +198,6 @@ AVX512 int64_t thc_check_words_avx512(const double *w, int64_t nwords) {
     return 0;
 }
 
-/* Bytes of the last level cache this core sees, read once: sysfs's index3 (as lscpu reads it;
- * in a VM sysconf can report the host's whole L3, 12 times one core's share on an EPYC),
- * else sysconf's, else 32 MiB. Every thread computes the same value. */
-static int64_t last_cache_bytes(void) {
-    static int64_t bytes = 0;
-    int64_t b = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
-    if (b)
-        return b;
-    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
-    long size = 0;
-    char unit = 0;
-    if (f) {
-        if (fscanf(f, "%ld%c", &size, &unit) < 1)
-            size = 0;
-        fclose(f);
-    }
-    b = size * (unit == 'K' ? 1024 : unit == 'M' ? 1 << 20 : 1);
-    if (b <= 0)
-        b = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    if (b <= 0)
-        b = 32 << 20;
-    __atomic_store_n(&bytes, b, __ATOMIC_RELAXED);
-    return b;
-}
-
 /* Outputs of more bytes than this are streamed: the last level cache's size until set. */
 static int64_t stream_above = 0;
 
@@ -233,8 +205,8 @@ static int64_t stream_above = 0;
  * tests lower it to cover streaming on any machine); returns the one before. */
 EXPORT int64_t thc_stream_above(int64_t bytes) {
     int64_t before = __atomic_load_n(&stream_above, __ATOMIC_RELAXED);
-    __atomic_store_n(&stream_above, bytes > 0 ? bytes : last_cache_bytes(), __ATOMIC_RELAXED);
-    return before ? before : last_cache_bytes();
+    __atomic_store_n(&stream_above, bytes > 0 ? bytes : thc_cache_bytes(), __ATOMIC_RELAXED);
+    return before ? before : thc_cache_bytes();
 }
 
 /* thc_unpack_f64 for lanes of width <= 7 (a table of at most 128 values, 2^width of them
@@ -257,7 +229,7 @@ AVX512 int64_t thc_unpack_avx512(const void *words, int64_t nwords, int64_t n, i
      * first. Streamed vectors start at a 64-byte line, so the e0 elements before it (numpy's
      * large arrays start 16 bytes into one) are decoded here one by one. */
     int nt = (uintptr_t)out % 4 == 0 && limit * (int64_t)sizeof(float) >
-             (__atomic_load_n(&stream_above, __ATOMIC_RELAXED) ?: last_cache_bytes());
+             (__atomic_load_n(&stream_above, __ATOMIC_RELAXED) ?: thc_cache_bytes());
     int e0 = nt ? (int)((64 - (uintptr_t)out % 64) % 64 / 4) : 0;
     for (int e = 0; e < e0; e++) {
         uint64_t word = as_int ? ((const uint64_t *)words)[e / k] : (uint64_t)((const double *)words)[e / k];

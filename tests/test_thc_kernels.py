@@ -1,5 +1,5 @@
 """thc's C kernels (kernels/thc.c, and thc_avx512.c where the CPU has it) on a partition long
-enough for every path: whole 65,536-element blocks of 8 jumped xorshift128+ streams, the tail
+enough for every path: whole 65,536-element blocks of jumped xorshift128+ streams (8 or 16), the tail
 in blocks of halving streams, the last elements one by one, an odd length, codes clamped past
 a scale clipped at 2^32, and summed words of both carriers with an even and an odd number of
 lanes to a word. The oracle is numpy: floor(u + r) with r from tests/xorshift.py's Python

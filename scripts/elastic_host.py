@@ -2,7 +2,9 @@
 tests/elastic_join_job.py): the spec's tensors declared, parameters linspace(-1, 1) until
 elastic_start hands a joiner the live workers' ones."""
 import os
+import signal
 import sys
+import time
 
 import numpy as np
 
@@ -10,11 +12,20 @@ import bps_gc.core as bps
 
 
 def start_host(spec):
-    """(rank, parameters by name, first step): a joiner's is the step elastic_start returns."""
+    """(rank, parameters by name, first step): a joiner's is the step elastic_start returns.
+    ELASTIC_HANG_BEFORE_INIT / ELASTIC_DIE_AFTER_INIT name a local rank of a joining host that
+    never reaches the scheduler (it hangs until its launcher stops it) / dies (SIGKILL) once
+    registered (scripts/elastic_netns.py --half-join)."""
+    local_rank = os.environ.get("BYTEPS_LOCAL_RANK", "0")
+    if os.environ.get("ELASTIC_HANG_BEFORE_INIT") == local_rank:
+        say(f"local rank {local_rank} hangs before it registers (ELASTIC_HANG_BEFORE_INIT)")
+        while True:
+            time.sleep(1)
     bps.init()
     rank = bps.rank()
-    if os.environ.get("ELASTIC_QUIT_AFTER_INIT") == os.environ.get("BYTEPS_LOCAL_RANK", "0"):
-        sys.exit(f"worker {rank} quits once registered (ELASTIC_QUIT_AFTER_INIT): a joining host's rank failing")
+    if os.environ.get("ELASTIC_DIE_AFTER_INIT") == local_rank:
+        say(f"worker {rank} dies once registered (ELASTIC_DIE_AFTER_INIT): a joining host's rank failing")
+        os.kill(os.getpid(), signal.SIGKILL)
     for t in spec["tensors"]:
         bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
     params = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in spec["tensors"]}

@@ -22,8 +22,10 @@ epoch a fresh host on the spare machine starts with the dead host's DMLC_WORKER_
     diloco: every live rank's global copy at every outer round, and the servers' copy at the
     end, equal a numpy outer SGD over the pseudo-gradients of each round's members;
   * the joiner's parameters after its first round equal the others';
-  * with --half-join, a host started first whose last local rank quits once registered is
-    refused (its other rank: "a local rank of its host left") and the job goes on;
+  * with --half-join, two hosts started first cannot join and the job goes on: one whose last
+    local rank dies once registered (dropped when it goes silent), then one whose last local
+    rank never registers (its join cancelled after its BPS_GC_JOIN_TIMEOUT, its registered
+    ranks refused in one line naming the missing rank, its launcher ending, no orphan);
 
 and measures the time lost on the survivors against the heartbeat timeout plus one round
 (scripts/elastic_lost.py): a report, not a check.
@@ -50,6 +52,7 @@ from chaos_elastic import SPEC, Cluster, Hang  # noqa: E402
 from netns import SwitchedMachines  # noqa: E402
 
 BOUND = 90.0
+LAME_BOUND = 3  # --half-join: the BPS_GC_JOIN_TIMEOUT of the host one of whose ranks never registers
 DILOCO = {"sync_every": 4, "victim": -1, "kill_at": -1, "sleep": 0.05, "save_each_round": True, "max_rounds": 10**6,
           "join_epoch": 10**6, "after_join": 1,
           "compression_params": {"compressor": "threshold", "threshold": 0.0}}
@@ -132,15 +135,31 @@ class Run:
         self.death.update(name=name, host=host, local_rank=local_rank, at=at, seeded_step=kill_step,
                           committed=c.event_times["scheduler"][0])
         self.reach(self.last() + int(rng.integers(2, 6)))
-        if args.half_join:  # first a host one of whose ranks fails once registered: refused, the job goes on
-            c.launch("half", c.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(host), **c.worker_env,
-                     ELASTIC_QUIT_AFTER_INIT=str(self.local - 1))
-            c.wait_for("the failing host's launcher to exit", lambda: c.procs["half"].poll() is not None, BOUND,
-                       self.nodes())
+        if args.half_join:
+            self.half_joins(host)
         joiner = self.joiner = c.start_worker(host)  # on the spare machine, all its local ranks
         c.wait_for("the join on every node", lambda: self.logged(2, joiner), BOUND, self.nodes() + [joiner])
         self.live[host] = joiner
         return self.finish()
+
+    def half_joins(self, host):
+        """Before the host that joins, two that cannot, the job going on through both: "half",
+        whose last local rank dies (SIGKILL) once registered (its launcher stops the others; the
+        scheduler drops the join when a registered rank goes silent), then "lame", whose last
+        local rank hangs before it registers: the scheduler cancels that join after the host's
+        BPS_GC_JOIN_TIMEOUT (LAME_BOUND) and refuses its registered ranks, naming the missing one."""
+        c, self.lame_bound = self.cluster, LAME_BOUND
+        c.launch("half", c.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(host), **c.worker_env,
+                 ELASTIC_DIE_AFTER_INIT=str(self.local - 1))
+        c.wait_for("the failing host's launcher to exit", lambda: c.procs["half"].poll() is not None, BOUND,
+                   self.nodes())
+        c.wait_for("the scheduler to drop the failing host's join",
+                   lambda: "left before it was admitted" in c.text("scheduler"), BOUND, self.nodes())
+        time.sleep(self.args.heartbeat_timeout + 1)  # a rank that registered late is noticed silent too
+        c.launch("lame", c.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(host), **c.worker_env,
+                 ELASTIC_HANG_BEFORE_INIT=str(self.local - 1), BPS_GC_JOIN_TIMEOUT=str(LAME_BOUND))
+        c.wait_for("the lame host's launcher to exit", lambda: c.procs["lame"].poll() is not None, BOUND,
+                   self.nodes())
 
     def finish(self):
         c = self.cluster
@@ -160,7 +179,8 @@ def main(argv=None):
     parser.add_argument("--kill-after", type=int, nargs=2, default=[5, 15], metavar=("LOW", "HIGH"),
                         help="the kill comes once the job is a seeded step (outer round) in [LOW, HIGH] in")
     parser.add_argument("--half-join", action="store_true",
-                        help="before the join, a host whose last local rank quits once registered (refused)")
+                        help="before the join, a host whose last local rank dies once registered, then one whose last "
+                             "local rank never registers (both refused)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--rate", default="10gbit", help="each machine's NIC (scripts/netns.py)")
     parser.add_argument("--out", help="the nodes' logs and arrays (a new temporary folder)")

@@ -38,21 +38,35 @@ def everything(run):
         mine = events_of(c.text(name))
         want = sequence[1:] if name == run.joiner else sequence
         assert sorted(mine) == sorted(want * (L if name.startswith("worker") else 1)), (name, mine, sequence)
-    half = None
-    if "half" in c.procs:  # the host whose rank quit once registered: refused (or stopped first), the job went on
-        text = c.text("half")
-        assert c.procs["half"].returncode != 0 and "quits once registered" in text, report(["half"])
-        refused = [x for x in text.splitlines() if x.startswith("bps_gc: NodeFailure:")]
-        half = refused[0] if refused else "its launcher stopped the other rank before it registered"
+    half = lame = None
+    if "half" in c.procs:
+        half, lame = half_joins(run)
     members = [(0, list(range(run.args.workers * L)))] + [(g, list(m)) for _, _, _, g, m in sequence]
     oracle = onebit if run.args.task == "onebit" else diloco
     result = oracle(run, members, sequence)
     death = dict(death, from_group=sequence[0][3])
     lost = elastic_lost.measure(death, c.stamps, run.args.heartbeat_timeout)
-    result.update(half_join=half, sequence=[list(map(str, e)) for e in sequence], lost=lost, killed=dict(
+    result.update(half_join=half, lame_join=lame, sequence=[list(map(str, e)) for e in sequence], lost=lost, killed=dict(
         host=death["host"], local_rank=death["local_rank"], seeded_step=death["seeded_step"], at=death["at"]),
         joiner=f"joined at {'step' if run.args.task == 'onebit' else 'outer round'} {sequence[1][3]}")
     return result
+
+
+def half_joins(run):
+    """The hosts that could not join (elastic_netns.py's half_joins): how each ended, in a line."""
+    c = run.cluster
+    text = c.text("half")  # a rank died once registered: refused, or its launcher stopped the rest first
+    assert c.procs["half"].returncode != 0 and "dies once registered" in text, c.report(["half"])
+    refused = [x for x in text.splitlines() if x.startswith("bps_gc: NodeFailure:")]
+    half = refused[0] if refused else "its launcher stopped the other ranks"
+    text, missing = c.text("lame"), (run.death["host"] + 1) * run.local - 1  # its last local rank never registered
+    refused = [x for x in text.splitlines() if x.startswith("bps_gc: NodeFailure:")]
+    want = (f"local rank {run.local - 1} (worker {missing}) did not register within "
+            f"BPS_GC_JOIN_TIMEOUT={run.lame_bound:g} s")
+    assert c.procs["lame"].returncode != 0 and len(refused) == run.local - 1 and all(want in x for x in refused), \
+        c.report(["lame", "scheduler"])
+    assert f"join is cancelled: its host's {want}" in c.text("scheduler"), c.report(["scheduler"])
+    return half, refused[0]
 
 
 def live_ranks(run):

@@ -5,7 +5,10 @@ while the job runs. Settings that differ from the job's refuse it in one line na
 job goes on. Otherwise it gets an address book and declares its tensors (a server refuses a
 declaration unlike the job's, naming both), then says JOIN_READY. A host of several local ranks
 joins as a unit: its ranks register one by one, and the join starts once every one of them
-said JOIN_READY. Three steps follow:
+said JOIN_READY. The whole join, from the host's first registration to GO, is bounded by
+BPS_GC_JOIN_TIMEOUT (the scheduler's or the joining ranks', the shorter): past it the join is
+cancelled, naming what it still waits for (a local rank that never registered), and the job
+goes on. Three steps follow:
 
 1. PREPARE: every member pledges the first round group it has not opened yet and waits there.
 2. COMMIT: the join starts at ``from_group``, the highest pledge; members run up to it and wait
@@ -15,6 +18,7 @@ said JOIN_READY. Three steps follow:
    each key's next round; once every server echoed GO, the workers hear it and go on.
 """
 import logging
+import time
 
 from ...wire.wire import Msg
 
@@ -30,6 +34,7 @@ class Joins:
         self.pledges, self.at, self.servers_go = {}, set(), set()
         self.from_group = None
         self.ended = None  # why no host may join any more: a member said goodbye, the job is ending
+        self.since, self.bound = None, None  # the host's first registration; seconds it has to reach GO
 
     def register(self, identity, info, role, rank, host, port, local, who):
         """A registration once the job runs: a worker taking a departed host's place, or refused."""
@@ -42,6 +47,8 @@ class Joins:
         elif rank not in self.epochs.dead:
             problem = (f"worker rank {rank} is a member of the running job; a joining host takes the "
                        f"DMLC_WORKER_ID of one that left ({sorted(self.epochs.dead) or 'none left'})")
+        elif any(j.rank == rank for j in self.joiners):
+            problem = f"worker {rank} is joining already; start it again once that join ended"
         elif self.epochs.preparing is not None or self.joiners and (
                 self.step is not None or rank // size != self.joiners[0].rank // size):  # not a host-mate
             problem = "another membership change is under way; start it again in a moment"
@@ -61,6 +68,9 @@ class Joins:
         member = type(s.members[old])(identity, role, rank, host, port, local)
         member.node_id, member.joining = s.members.pop(old).node_id, True
         s.members[identity] = member
+        if not self.joiners:
+            self.since, self.bound = time.monotonic(), s.join_timeout
+        self.bound = min(self.bound, joiner_bound(info, self.bound))
         self.joiners.append(member)
         servers = [m for m in s.members.values() if m.role == "server"]
         workers = sorted((m for m in s.members.values() if m.role == "worker" and not m.gone), key=lambda m: m.rank)
@@ -81,6 +91,8 @@ class Joins:
         member.gone = True
         for mate in self.joiners:
             if mate is not member:
+                log.warning("worker %d's join is cancelled: worker %d, a local rank of its host, left", mate.rank,
+                            member.rank)
                 self.scheduler.refuse(mate.identity, f"worker {mate.rank} cannot join the running job now: worker "
                                                      f"{member.rank}, a local rank of its host, left; start the host again")
                 mate.gone = True
@@ -92,11 +104,33 @@ class Joins:
     def reset(self):
         self.joiners, self.ready_ranks, self.step = [], set(), None
 
+    def overdue(self, now):
+        """A join not at GO within its bound is cancelled (a local rank that never registers
+        sends no heartbeat to miss; a stalled step would hold the members at their boundary)."""
+        if self.joiners and self.step != "go" and now - self.since > self.bound:
+            self.cancel(f"{self.awaited()} within BPS_GC_JOIN_TIMEOUT={self.bound:g} s of the host's first registration")
+
+    def awaited(self):
+        """What the join waits for, in words."""
+        size = self.scheduler.hosts.local_size or 1
+        base = self.joiners[0].rank // size * size
+        registered = {j.rank for j in self.joiners}
+        if self.step is None:
+            missing = [r for r in range(base, base + size) if r not in registered]
+            if missing:
+                return f"its host's {local_ranks(missing, size)} did not register"
+            waiting = sorted(registered - self.ready_ranks)
+            return (f"its host's {local_ranks(waiting, size)} did not get {'their' if len(waiting) > 1 else 'its'} "
+                    f"declarations accepted by the servers")
+        if self.step == "prepare":
+            return f"member worker(s) {sorted(set(self.epochs.members()) - set(self.pledges))} did not pledge"
+        return f"worker(s) {sorted((set(self.epochs.members()) | registered) - self.at)} did not reach the join's boundary"
+
     def cancel(self, problem, again=True):
-        """Another membership change (a death) comes before the join reached GO: the members
-        go on as they were, the joiner is refused (it may start again, unless ``again`` is
-        False: the job ends), and the change goes on alone. At GO the servers count the joiner
-        already: deaths wait for the join's end then."""
+        """Another membership change (a death) comes before the join reached GO, or its bound
+        passed (overdue): the members go on as they were, the joiner is refused (it may start
+        again, unless ``again`` is False: the job ends), and a change goes on alone. At GO the
+        servers count the joiner already: deaths wait for the join's end then."""
         for j in self.joiners:
             log.warning("worker %d's join is cancelled: %s%s", j.rank, problem, "; the job goes on" if again else "")
             self.scheduler.refuse(j.identity, f"worker {j.rank} cannot join the running job now: {problem}"
@@ -177,6 +211,20 @@ class Joins:
         for m in self.scheduler.members.values():
             if not m.gone and ((m.role == "server" and servers) or (m.role == "worker" and workers)):
                 self.scheduler.reply(m, mtype, obj=info)
+
+
+def joiner_bound(info, default):
+    """The BPS_GC_JOIN_TIMEOUT a joining rank registered with (untrusted: ``default`` unless a
+    positive number)."""
+    value = info.get("join_timeout")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else default
+
+
+def local_ranks(ranks, size):
+    """'local rank 1 (worker 3)' / 'local ranks 0, 1 (workers 2, 3)'."""
+    plural = "s" if len(ranks) > 1 else ""
+    return (f"local rank{plural} {', '.join(str(r % size) for r in ranks)} "
+            f"(worker{plural} {', '.join(map(str, ranks))})")
 
 
 __all__ = ["Joins"]

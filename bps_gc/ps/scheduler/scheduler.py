@@ -123,6 +123,8 @@ class Scheduler:
             missing = {r: n - self.count(r) for r, n in expected.items()}
             return self.fail(None, f"the cluster did not assemble within {self.join_timeout:.0f} s "
                                    f"(still missing: {missing})")
+        if self.joins is not None:
+            self.joins.overdue(now)  # a joining host's rank that never registers (joins.py)
         dead = self.dead_member(now)
         if dead is not None:
             reason = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"

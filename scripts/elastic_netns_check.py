@@ -46,9 +46,10 @@ def everything(run):
     result = oracle(run, members, sequence)
     death = dict(death, from_group=sequence[0][3])
     lost = elastic_lost.measure(death, c.stamps, run.args.heartbeat_timeout)
-    result.update(half_join=half, lame_join=lame, sequence=[list(map(str, e)) for e in sequence], lost=lost, killed=dict(
-        host=death["host"], local_rank=death["local_rank"], seeded_step=death["seeded_step"], at=death["at"]),
-        joiner=f"joined at {'step' if run.args.task == 'onebit' else 'outer round'} {sequence[1][3]}")
+    killed = dict(host=death["host"], local_rank=death["local_rank"], seeded_step=death["seeded_step"], at=death["at"])
+    result.update(half_join=half, lame_join=lame, sequence=[list(map(str, e)) for e in sequence], lost=lost,
+                  killed=killed,
+                  joiner=f"joined at {'step' if run.args.task == 'onebit' else 'outer round'} {sequence[1][3]}")
     return result
 
 

@@ -115,7 +115,8 @@ class Membership:
                 "agree": self.cfg.agreement()}
         if self.role == "worker":  # the scheduler learns each host's local ranks from its workers
             # join_timeout: how long a rank joining a running elastic job waits for its host-mates
-            info.update(local_size=self.cfg.local_size, hierarchy=self.cfg.hierarchy, join_timeout=self.cfg.join_timeout)
+            info.update(local_size=self.cfg.local_size, hierarchy=self.cfg.hierarchy,
+                        join_timeout=self.cfg.join_timeout)
         if self.role == "server":  # workers push int64 words only if every server says it adds them
             info["sums"] = list(SERVER_SUMS)
         if self.local:

@@ -108,7 +108,8 @@ class Joins:
         """A join not at GO within its bound is cancelled (a local rank that never registers
         sends no heartbeat to miss; a stalled step would hold the members at their boundary)."""
         if self.joiners and self.step != "go" and now - self.since > self.bound:
-            self.cancel(f"{self.awaited()} within BPS_GC_JOIN_TIMEOUT={self.bound:g} s of the host's first registration")
+            self.cancel(f"{self.awaited()} within BPS_GC_JOIN_TIMEOUT={self.bound:g} s of the host's first "
+                        f"registration")
 
     def awaited(self):
         """What the join waits for, in words."""
@@ -124,7 +125,8 @@ class Joins:
                     f"declarations accepted by the servers")
         if self.step == "prepare":
             return f"member worker(s) {sorted(set(self.epochs.members()) - set(self.pledges))} did not pledge"
-        return f"worker(s) {sorted((set(self.epochs.members()) | registered) - self.at)} did not reach the join's boundary"
+        absent = sorted((set(self.epochs.members()) | registered) - self.at)
+        return f"worker(s) {absent} did not reach the join's boundary"
 
     def cancel(self, problem, again=True):
         """Another membership change (a death) comes before the join reached GO, or its bound

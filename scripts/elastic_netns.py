@@ -52,7 +52,7 @@ from chaos_elastic import SPEC, Cluster, Hang  # noqa: E402
 from netns import SwitchedMachines  # noqa: E402
 
 BOUND = 90.0
-LAME_BOUND = 3  # --half-join: the BPS_GC_JOIN_TIMEOUT of the host one of whose ranks never registers
+LAME_BOUND = 2  # --half-join: the BPS_GC_JOIN_TIMEOUT of the host one of whose ranks never registers
 DILOCO = {"sync_every": 4, "victim": -1, "kill_at": -1, "sleep": 0.05, "save_each_round": True, "max_rounds": 10**6,
           "join_epoch": 10**6, "after_join": 1,
           "compression_params": {"compressor": "threshold", "threshold": 0.0}}
@@ -153,9 +153,11 @@ class Run:
                  ELASTIC_DIE_AFTER_INIT=str(self.local - 1))
         c.wait_for("the failing host's launcher to exit", lambda: c.procs["half"].poll() is not None, BOUND,
                    self.nodes())
+        ended = time.monotonic()
         c.wait_for("the scheduler to drop the failing host's join",
                    lambda: "left before it was admitted" in c.text("scheduler"), BOUND, self.nodes())
-        time.sleep(self.args.heartbeat_timeout + 1)  # a rank that registered late is noticed silent too
+        # each of its ranks that registered died by its launcher's end: all are noticed silent by then
+        time.sleep(max(0.0, ended + self.args.heartbeat_timeout + 0.5 - time.monotonic()))
         c.launch("lame", c.command, DMLC_ROLE="worker", DMLC_WORKER_ID=str(host), **c.worker_env,
                  ELASTIC_HANG_BEFORE_INIT=str(self.local - 1), BPS_GC_JOIN_TIMEOUT=str(LAME_BOUND))
         c.wait_for("the lame host's launcher to exit", lambda: c.procs["lame"].poll() is not None, BOUND,

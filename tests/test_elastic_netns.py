@@ -5,7 +5,7 @@ dense tensor; one local rank of a seeded host is killed (SIGKILL) at a seeded st
 launcher stops the other; a fresh host of 2 local ranks on a fifth machine joins with its
 DMLC_WORKER_ID, as a unit, after two such hosts that could not join (the job goes on, and takes
 the next host): one whose local rank 1 dies once registered, then one whose local rank 1 never
-registers (its join cancelled after that host's BPS_GC_JOIN_TIMEOUT of 3 s, rank 0 refused in one
+registers (its join cancelled after that host's BPS_GC_JOIN_TIMEOUT of 2 s, rank 0 refused in one
 line naming local rank 1). The script itself asserts that every process
 started once and ended with status 0 (the victim aside), that every node logged the same
 membership sequence, that the live ranks are bit-identical step by step and equal a numpy

@@ -45,14 +45,21 @@ class Communicator(abc.ABC):
         """Raise the job's failure (a NodeFailure naming the node), or that it was shut down."""
         raise NotImplementedError(f"{type(self).__name__} does not implement check_alive()")
 
-    def declare(self, name, shape=None, dtype=None, reducer=None, **compression) -> Declaration:
+    def declare(self, name, shape=None, dtype=None, reducer=None, one_per_host=False, **compression) -> Declaration:
         """Register ``name`` with its compression and reducer (the codec's default when None).
         Every worker declares the same names in the same order. With ``shape`` (and ``dtype``,
         default float32) its partitions are placed now, else at its first reduce. Re-declaring it
         alike returns the same Declaration; differently is a ValueError naming the tensor. An
-        unsupported codec/reducer pair is a ValueError naming both."""
+        unsupported codec/reducer pair is a ValueError naming both. ``one_per_host``: the tensor
+        is this local rank's own (its FSDP shard), pushed by the same local rank of every host
+        and reduced over the hosts alone (``averaged_over``); the host's other local ranks
+        declare their own tensors in its place, alike in number, order and shape."""
         self.check_alive()
-        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer, compression)
+        if one_per_host and not self.pushes_one_per_host:
+            raise ValueError(f"declare({name!r}, one_per_host=True): a tensor pushed by one local rank per host "
+                             f"is the parameter server's; {type(self).__name__} reduces over every rank")
+        tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer, compression,
+                                              self.local_rank if one_per_host else None)
         if shape is not None:
             self._place(tensor, shape, dtype, late=False)
         return tensor.declaration()
@@ -172,6 +179,16 @@ class Communicator(abc.ABC):
     # named tensors over any group of ranks (bps_gc.torch's CompressedExchange); False: every
     # reduce spans all workers, by declared name (the parameter server's push and pull)
     reduces_on_process_groups = False
+
+    # whether ``declare`` takes ``one_per_host``: tensors that one local rank of each host pushes
+    # alone, summed over the hosts (the parameter server: its servers count one push per host)
+    pushes_one_per_host = False
+
+    def averaged_over(self, name):
+        """How many pushes an average of ``name`` divides by: every worker's, or, for a tensor
+        declared ``one_per_host``, the hosts'."""
+        tensor = self.tensors.get(name)
+        return self.size // self.local_size if tensor is not None and tensor.pushed_by is not None else self.size
 
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
     sums_tensors_on_device = False

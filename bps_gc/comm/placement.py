@@ -1,6 +1,9 @@
 """How a declared tensor is cut into partitions (keys) and spread over the servers.
 
-Key = declaration index << 16 | partition index. Partitions hold BYTEPS_PARTITION_BYTES of
+Key = declaration index << 16 | partition index; a tensor that one local rank of each host
+pushes alone (``pushed_by``: its own FSDP shard) has keys of its own local rank's
+(``key_base``), since each local rank declares its own shards' tensors under the same indices.
+Partitions hold BYTEPS_PARTITION_BYTES of
 the wire dtype, uncompressed ones at most BPS_GC_DENSE_PARTITION_BYTES (``dense_bytes``): a
 server answers a partition only once every worker's push of it is in, so the last partitions'
 replies are a tail in which the links are partly idle, and smaller ones shorten it (and place
@@ -17,6 +20,7 @@ from ..wire.sockets import host_of
 from .declaration import Declaration
 
 MAX_PARTITIONS = 1 << 16
+PUSHED_BY_KEYS = 1 << 56  # keys of tensors pushed by one local rank per host: ``key_base``
 DENSE_PARTITION_BYTES = 1_024_000  # uncompressed partitions of a job that spans hosts (unless set)
 
 
@@ -50,8 +54,11 @@ class Partition:
 class TensorPlan:
     """A declared tensor: its compression and, once the size is known, its partitions."""
 
-    def __init__(self, name, index, params, reducer):
+    def __init__(self, name, index, params, reducer, pushed_by=None):
         self.name, self.index, self.params, self.reducer = name, index, params, reducer
+        # the one local rank of each host that pushes it (its own shard; the servers count one
+        # push per host), or None: every rank reduces it
+        self.pushed_by = pushed_by
         self.shape = self.dtype = self.wire_dtype = None
         self.partitions = []
         self.compressed = False
@@ -63,9 +70,17 @@ class TensorPlan:
         return Declaration(self.name, self.shape, self.dtype, self.params, self.reducer,
                            self.compressed, self.wire_dtype)
 
-    def check_redeclaration(self, params, reducer, shape, dtype):
+    def key_base(self):
+        """What its keys add to ``index << 16 | partition``: 0, or, for a tensor pushed by one
+        local rank per host, a range of that local rank's own (the host's other local ranks
+        declare other tensors, their own shards, under the same indices)."""
+        return 0 if self.pushed_by is None else PUSHED_BY_KEYS | self.pushed_by << 48
+
+    def check_redeclaration(self, params, reducer, shape, dtype, pushed_by=None):
         """Declaring a name again must repeat what it was declared with."""
         problems = []
+        if pushed_by != self.pushed_by:
+            problems.append(f"pushed_by {pushed_by!r} != {self.pushed_by!r}")
         if params != self.params:
             problems.append(f"compression {params.to_dict()} != {self.params.to_dict()}")
         if reducer != self.reducer:
@@ -114,7 +129,7 @@ class Placement:
             raise ValueError(f"tensor {tensor.name!r} needs {count} partitions; raise BYTEPS_PARTITION_BYTES"
                              + ("" if tensor.compressed else " and BPS_GC_DENSE_PARTITION_BYTES"))
         for p in range(count):
-            key = tensor.index << 16 | p
+            key = tensor.key_base() | tensor.index << 16 | p
             start, stop = p * per, min(size, (p + 1) * per)
             if balanced:
                 server = min(range(self.num_servers), key=lambda s: (self.load[s], s))
@@ -127,21 +142,24 @@ class Placement:
         return tensor
 
 
-def declare_tensor(tensors, codecs, name, shape, dtype, reducer, compression):
+def declare_tensor(tensors, codecs, name, shape, dtype, reducer, compression, pushed_by=None):
     """The checks of ``declare`` that every communicator shares. Returns (tensor, shape, dtype):
     shape and dtype normalized, or None when the tensor waits for its first push_pull; an
-    earlier declaration is returned as is after checking it says the same."""
+    earlier declaration is returned as is after checking it says the same. ``pushed_by``: this
+    rank's local rank for a tensor that it alone pushes on its host (``one_per_host``), or None."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"declare: name must be a non-empty string, got {name!r}")
+    if pushed_by is not None and not 0 <= pushed_by < 256:  # its keys' range (TensorPlan.key_base)
+        raise ValueError(f"declare({name!r}, one_per_host=True): local rank {pushed_by}; at most 256 local ranks")
     params = codecs.CompressionParams.from_dict(compression)
     reducer_name = codecs.choose_reducer(params, reducer)
     shape = None if shape is None else tuple(int(s) for s in (shape if np.ndim(shape) else (shape,)))
     dtype = None if shape is None and dtype is None else np.dtype(dtype or np.float32)
     existing = tensors.get(name)
     if existing is not None:
-        existing.check_redeclaration(params, reducer_name, shape, dtype)
+        existing.check_redeclaration(params, reducer_name, shape, dtype, pushed_by)
         return existing, None, None
-    tensor = TensorPlan(name, len(tensors), params, reducer_name)
+    tensor = TensorPlan(name, len(tensors), params, reducer_name, pushed_by)
     tensors[name] = tensor
     return tensor, shape, dtype
 

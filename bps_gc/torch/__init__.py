@@ -25,7 +25,7 @@ __all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
 __all__ += ["elastic_start", "membership", "membership_epoch"]
-__all__ += ["DiLoCo", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
+__all__ += ["DiLoCo", "host_mesh", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
             "state_dict"]
 
 
@@ -35,4 +35,7 @@ def __getattr__(name):
     if name == "register_fsdp_hooks":
         from .fsdp import register_fsdp_hooks
         return register_fsdp_hooks
+    if name == "host_mesh":
+        from .fsdp_ps import host_mesh
+        return host_mesh
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

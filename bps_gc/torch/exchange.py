@@ -87,10 +87,14 @@ class PushPullExchange:
     so every worker declares the same names in the same order, and a resumed job again), so
     each part's codec state (error feedback) carries across calls and is saved by
     ``bps_gc.torch.state_dict()`` with the communicator's, by tensor name. The pushes and pulls
-    run on the worker's threads; a waiter thread completes the returned future."""
+    run on the worker's threads; a waiter thread completes the returned future.
+    ``one_per_host``: each part is this local rank's own (its FSDP shard), pushed by the same
+    local rank of every host and averaged over the hosts (``Communicator.declare``); ``dtype``:
+    the parts' (float32, or float64)."""
     made = itertools.count()
 
-    def __init__(self, compression_params=None, reducer=None, named_parameters=None):
+    def __init__(self, compression_params=None, reducer=None, named_parameters=None, one_per_host=False,
+                 dtype=torch.float32):
         named = list(named_parameters or ())
         if not named:
             raise ValueError("PushPullExchange: named_parameters are needed: the parameter server declares "
@@ -103,8 +107,9 @@ class PushPullExchange:
         self.averaged = set()
         for name, parameter in named:
             self.keys[name] = f"{prefix}.{name}"
-            declaration = ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=torch.float32,
-                                      **dict(compression_params or {}), **extra)
+            declaration = ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=dtype,
+                                      **dict(compression_params or {}), **extra,
+                                      **({"one_per_host": True} if one_per_host else {}))
             if not declaration.compressed:
                 self.averaged.add(name)
 

@@ -59,6 +59,7 @@ class Server:
         self.node_id = None
         self.workers = 0  # pushers of each key: worker processes, or hosts (BPS_GC_HIERARCHY=host)
         self.per_host = 1  # worker processes per pusher of a key (docs/local_ranks.md)
+        self.local_size = 1  # worker processes per host
         self.ranks = 0  # worker processes
         self.engines = []
         self.dropped = DropLog(log)
@@ -77,7 +78,8 @@ class Server:
             self.node_id, self.ranks = book["you"], len(book["workers"])
             # two levels: one local rank of each host pushes a key (its host's sum), so the
             # pushes of a key are counted, and kept, per host
-            self.per_host = int(book.get("local_size", 1)) if book.get("hierarchy") == "host" else 1
+            self.local_size = int(book.get("local_size", 1))
+            self.per_host = self.local_size if book.get("hierarchy") == "host" else 1
             self.workers = self.ranks // self.per_host
             log.info("server %d (node %d) serving %d workers on %s:%d", book["rank"], self.node_id,
                      self.workers, self.membership.host, self.membership.port)
@@ -194,8 +196,9 @@ class Server:
         try:
             state = self.keys.get(h.key)
             if state is None:
-                # two levels: one pusher per host, unless the key is pushed by every rank
-                per_host = 1 if decl.get("pushers") == "rank" else self.per_host
+                # two levels: one pusher per host, unless the key is pushed by every rank; a
+                # key of one local rank's own ("host": an FSDP shard) one per host in either mode
+                per_host = {"rank": 1, "host": self.local_size}.get(decl.get("pushers"), self.per_host)
                 state = KeyState(h.key, decl, h.dtype, self.ranks // per_host, self.codecs,
                                  self.cfg.enable_async, per_host)
                 # each key stays on one engine (its codec state is not shared); the least loaded

@@ -99,6 +99,8 @@ def restores(worker, tensor):
     """The partitions of ``tensor`` whose server state this rank saves and restores."""
     if phases(tensor) > 1 or worker.cfg.enable_async:  # dense phase sums; async's running
         return []  # sum on the servers is not codec state a checkpoint holds (docs/checkpoint.md)
+    if tensor.pushed_by is not None:  # this local rank's own: the first host's pushes first
+        return tensor.partitions if worker.rank < worker.local_size else []
     if worker.host is not None and worker.host.carries(tensor):
         return worker.host.owned(tensor) if worker.cfg.worker_id == 0 else []
     return tensor.partitions if worker.rank == 0 else []

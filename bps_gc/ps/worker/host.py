@@ -113,8 +113,9 @@ class HostShares:
         return [InitKey.of(tensor, part) for part in self.owned(tensor)]
 
     def carries(self, tensor):
-        """Whether the host level reduces ``tensor`` (else every rank pushes it)."""
-        return tensor.name not in self.per_rank and tensor.name not in self.pushed_by
+        """Whether the host level reduces ``tensor`` (else every rank pushes it, or, declared
+        ``one_per_host``, only this one of the host's)."""
+        return tensor.name not in self.per_rank and tensor.name not in self.pushed_by and tensor.pushed_by is None
 
     def owned(self, tensor):
         return [part for p, part in enumerate(tensor.partitions) if self.owner(tensor, p) == self.local_rank]

@@ -45,6 +45,7 @@ def phase_words(servers):
 class Worker(Communicator):
     """``codecs`` is the codec library (``bps_gc.compress``: CompressionParams, build_chain,
     choose_reducer, make_reducer, step_context); the parameter server never imports it."""
+    pushes_one_per_host = True
 
     def __init__(self, cfg, codecs):
         self.cfg, self.codecs = cfg, codecs
@@ -155,25 +156,31 @@ class Worker(Communicator):
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "
                                  "running sum; unset it or choose another compressor")
-            if self.host is not None and host_first(tensor):  # thc: its owners' own phase tensors
-                named = self.host.phase_tensors(tensor)
+            if self.host is not None and host_first(tensor) and tensor.pushed_by is None:
+                named = self.host.phase_tensors(tensor)  # thc: its owners' own phase tensors
             else:
-                named = zip(phase_names(tensor), phase_lengths(tensor, self.size, self.phase_words))
+                named = zip(phase_names(tensor), phase_lengths(tensor, self.averaged_over(tensor.name),
+                                                               self.phase_words))
             for name, length in named:
-                self._declare_phase(name, length, phase_dtype(tensor))
+                self._declare_phase(name, length, phase_dtype(tensor), tensor.pushed_by)
             return
-        if self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
+        if tensor.pushed_by is not None:  # this local rank's own: the servers count one push per host
+            inits = [InitKey.of(tensor, part, pushers="host") for part in tensor.partitions]
+        elif self.local is not None and not tensor.compressed and tensor.wire_dtype == tensor.dtype:
             tensor.local = True  # the workers sum it: no server hears of it
             return
-        inits = [InitKey.of(tensor, part) for part in tensor.partitions] \
-            if self.host is None else self.host.place(tensor)
+        else:
+            inits = [InitKey.of(tensor, part) for part in tensor.partitions] \
+                if self.host is None else self.host.place(tensor)
         for init in inits:
             self.io.post(init)
 
-    def _declare_phase(self, name, length, dtype):
+    def _declare_phase(self, name, length, dtype, pushed_by=None):
         """A phase buffer's dense tensor: auxiliary (no raw bytes of its own), and int64 where
-        thc's words are (``phase_words``), which a user's tensor may not be."""
-        phase, shape, dtype = declare_tensor(self.tensors, self.codecs, name, (length,), dtype, None, {})
+        thc's words are (``phase_words``), which a user's tensor may not be; pushed as its
+        tensor is (``pushed_by``)."""
+        phase, shape, dtype = declare_tensor(self.tensors, self.codecs, name, (length,), dtype, None, {},
+                                             pushed_by)
         phase.auxiliary = True
         if shape is not None:
             self._place(phase, shape, dtype, late=False)
@@ -261,7 +268,8 @@ class Worker(Communicator):
             source = source.astype(tensor.wire_dtype)
         # the Handle copies (and casts) the result into ``out`` unless it is written there
         target = out.reshape(-1) if out.dtype == tensor.wire_dtype else np.empty_like(source)
-        reduction = PhasedReduction(tensor, source, target, ctx, self.size, carrier=self.phase_words)
+        workers = self.averaged_over(tensor.name)  # the pushes each phase sums
+        reduction = PhasedReduction(tensor, source, target, ctx, workers, carrier=self.phase_words)
         tensor.busy = True
         handle = Handle(self, tensor, out, target, 1, average, ctx)
         raw = source.size * tensor.wire_dtype.itemsize
@@ -269,7 +277,7 @@ class Worker(Communicator):
 
         def done():
             if average:
-                target[:] /= target.dtype.type(self.size)
+                target[:] /= target.dtype.type(workers)
             handle.partition_done()
         self.run_phases(reduction, phase_names(tensor), priority, ctx, handle, done)
         return handle

@@ -1,0 +1,104 @@
+"""HSDP whose cross-host step is the parameter server's push and pull: under ``bpslaunch``
+(DMLC_NUM_WORKER hosts, one worker process per local rank), the model is sharded inside each
+host over its local ranks, and each local rank pushes its own shard to the servers:
+
+    bps.init()                                  # the parameter-server transport
+    mesh = bps.host_mesh()                      # the host's local ranks, a 1-D DeviceMesh
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    bps.register_fsdp_hooks(model, None, {"compressor": "onebit", "ef": "vanilla"})
+
+``replicate=None`` says the parameter server is the replicate reducer. Each parameter's shard
+is a tensor of its own, ``<fqn>#shard<i>`` (i: the local rank), declared ``one_per_host``: the
+same local rank of every host pushes it, so the servers sum one push per host for each shard
+(and run their reducers on it: recompress, thc's summed lanes) and the hook divides by the
+number of hosts. Local rank i's tensors are its alone: the host's other ranks never build
+their codecs, so each rank's codec state is its shard's.
+"""
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import bps_gc.core as core
+
+from .checkpoint import register
+from .exchange import PushPullExchange, interruptible_wait
+from .fsdp_shards import ShardLayout, shard_parts, shard_pieces
+
+NOT_ON_SERVERS = ("register_fsdp_hooks: replicate=None makes the parameter server the replicate reducer, which "
+                  "needs bps_gc.torch.init() on the parameter-server transport first (bpslaunch with servers); "
+                  "on torch.distributed pass the replicate group, e.g. mesh['replicate']")
+HOST_GROUP = "bps_gc.host_mesh"  # the send/recv channel of the host group's store address
+
+
+def register_on_servers(model, groups, compression_params, reducer):
+    """register_fsdp_hooks(model, None, ...): ``groups`` [(FSDPModule, parameter group)]."""
+    if not core.is_initialized() or core.communicator().reduces_on_process_groups:
+        raise ValueError(NOT_ON_SERVERS)
+    comm = core.communicator()
+    for _, param_group in groups:
+        info = param_group.mesh_info
+        if (info.shard_mesh_size, info.shard_mesh_rank) != (comm.local_size, comm.local_rank):
+            raise ValueError(f"register_fsdp_hooks: on the parameter server the model is sharded over the host's "
+                             f"local ranks (a mesh of {comm.local_size}, BYTEPS_LOCAL_SIZE, this rank shard "
+                             f"{comm.local_rank}), but it is sharded on a mesh of {info.shard_mesh_size} as shard "
+                             f"{info.shard_mesh_rank}; shard it on bps_gc.torch.host_mesh()")
+    layout = register(ShardLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank), "fsdp_hooks")
+    shards = shard_parts(model, groups)
+    parts = [part for group_parts in shards.values() for part in group_parts]
+    # the servers sum float32 (float64 where every shard's reduce dtype is): a bfloat16 or
+    # float16 reduce-scatter output is widened for the push and rounded back
+    wire = torch.float64 if all(stand_in.dtype == torch.float64 for _, stand_in in parts) else torch.float32
+    exchange = PushPullExchange(compression_params, reducer, named_parameters=parts, one_per_host=True,
+                                dtype=wire)
+    exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
+    for module, param_group in groups:
+        if shards[id(param_group)]:
+            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], wire))
+    return exchange
+
+
+def push_pull_hook(exchange, parts, wire):
+    """The all-reduce hook of one FSDP parameter group: each of its shards pushed by this rank
+    and pulled as the average over the hosts, in place. Its n-th call is step n of the codecs'
+    step context (their random draws, seeded by key and step, change every step)."""
+    steps = itertools.count()
+
+    def average_over_hosts(reduce_output):
+        pieces = shard_pieces(reduce_output, parts)
+        carried = [(name, piece if piece.dtype == wire else piece.to(wire)) for name, piece in pieces]
+        interruptible_wait(exchange(carried, ctx={"step": next(steps)}))
+        with torch.no_grad():
+            for (_, piece), (_, sent) in zip(pieces, carried):
+                if sent is not piece:
+                    piece.copy_(sent)
+    return average_over_hosts
+
+
+def host_mesh(device_type="cpu", backend=None):
+    """After ``bps_gc.torch.init()`` on the parameter server: torch.distributed's default
+    process group made of this host's local ranks (``backend``: torch's default for the
+    device), and its 1-D DeviceMesh, named "shard", to shard the model on. Local rank 0 opens
+    the group's store on a free port and sends its address to the host's other ranks."""
+    if not core.is_initialized() or core.communicator().reduces_on_process_groups:
+        raise ValueError("host_mesh: the host's group is made on the parameter-server transport, after "
+                         "bps_gc.torch.init(); on torch.distributed use init_device_mesh")
+    rank, local_rank, local_size = core.rank(), core.local_rank(), core.local_size()
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (local_rank, local_size):
+            raise ValueError(f"host_mesh: a default process group of rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()} exists, not this host's local rank {local_rank} of {local_size}")
+    else:
+        first = rank - local_rank
+        if local_rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, local_size, is_master=True, wait_for_workers=False)
+            for peer in range(first + 1, first + local_size):
+                core.send(peer, HOST_GROUP, str(store.port).encode())
+        else:
+            port = int(bytes(core.recv(first, HOST_GROUP)).decode())
+            store = dist.TCPStore("127.0.0.1", port, local_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=local_rank, world_size=local_size)
+    return init_device_mesh(device_type, (local_size,), mesh_dim_names=("shard",))

@@ -1,0 +1,105 @@
+"""FSDP2 with the parameter server as the replicate reducer, under ``bpslaunch`` (hosts x local
+ranks): ``python fsdp_ps_job.py SPEC.json OUT``. Each rank joins (bps.init()), makes the host's
+group (bps.host_mesh()), and trains one MLP per spec "runs" entry (name: compression_params,
+null: dense), sharded over the host's local ranks and hooked with register_fsdp_hooks(model,
+None, params), ``steps`` SGD steps on its own batches. Saved per run, prefixed "<run>/": the
+full parameters at the end, its local shards after every step, every hook call's
+reduce-scatter output before and after, the partitions (key, start, stop) of each shard's
+declared tensor, and the bytes bps.metrics() counted. Then a model sharded on a mesh that is
+not the host's must be refused ("refusal")."""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+import bps_gc.core as core  # noqa: E402
+import bps_gc.torch as bps  # noqa: E402
+
+spec, out = json.load(open(sys.argv[1])), sys.argv[2]
+bps.init()
+rank = bps.rank()
+torch.set_num_threads(1)
+mesh = bps.host_mesh()
+WIDTHS = (16, 32, 32, 8)
+
+
+def build(shard_mesh):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.ReLU(),
+                                torch.nn.Linear(WIDTHS[1], WIDTHS[2]), torch.nn.ReLU(),
+                                torch.nn.Linear(WIDTHS[2], WIDTHS[3]))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return model
+
+
+def batch(step):
+    """Rank ``rank``'s batch of ``step`` (the test recomputes it)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, WIDTHS[0], generator=g), torch.randn(4, WIDTHS[-1], generator=g)
+
+
+def record_calls(model, calls):
+    """Wrap every module's hook to record (module index, reduce-scatter output in, out)."""
+    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if not groups:
+            continue
+        inner = groups[0]._all_reduce_hook
+
+        def recording(reduce_output, inner=inner, index=index):
+            before = reduce_output.detach().clone().numpy()
+            inner(reduce_output)
+            calls.append((index, before, reduce_output.detach().clone().numpy()))
+        module.set_all_reduce_hook(recording)
+
+
+def run(name, params):
+    model = build(mesh)
+    exchange = bps.register_fsdp_hooks(model, None, params)
+    calls, arrays = [], {}
+    record_calls(model, calls)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bps.metrics()  # from here: this run's bytes
+    for step in range(spec["steps"]):
+        x, y = batch(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        arrays.update({f"local/{step}/{n}": p.to_local().detach().numpy().copy() for n, p in model.named_parameters()})
+    counted = bps.metrics()
+    arrays.update({f"full/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()})
+    arrays.update({f"call{i}/in": c[1] for i, c in enumerate(calls)})
+    arrays.update({f"call{i}/out": c[2] for i, c in enumerate(calls)})
+    arrays["calls"] = np.array([c[0] for c in calls])
+    comm = core.communicator()
+    for part, declared in exchange.keys.items():
+        arrays[f"keys/{part}"] = np.array([(p.key, p.start, p.stop) for p in comm.tensors[declared].partitions],
+                                          np.uint64).reshape(-1, 3)
+        arrays[f"shape/{part}"] = np.array(comm.tensors[declared].shape)
+    arrays["pushed_wire"], arrays["pulled_wire"] = np.array(counted.pushed_wire), np.array(counted.pulled_wire)
+    return {f"{name}/{k}": v for k, v in arrays.items()}
+
+
+arrays = {}
+for name, params in spec["runs"].items():
+    arrays.update(run(name, params))
+# a model sharded on a mesh other than the host's local ranks (each rank alone): refused
+alone = [dist.new_group([r]) for r in range(bps.local_size())][bps.local_rank()]
+try:
+    bps.register_fsdp_hooks(build(DeviceMesh.from_group(alone, "cpu")), None)
+    arrays["refusal"] = np.array("")
+except ValueError as e:
+    arrays["refusal"] = np.array(str(e))
+np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+dist.barrier()
+dist.destroy_process_group()
+bps.shutdown()

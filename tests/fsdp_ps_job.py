@@ -6,7 +6,8 @@ None, params), ``steps`` SGD steps on its own batches. Saved per run, prefixed "
 full parameters at the end, its local shards after every step, every hook call's
 reduce-scatter output before and after, the partitions (key, start, stop) of each shard's
 declared tensor, and the bytes bps.metrics() counted. Then a model sharded on a mesh that is
-not the host's must be refused ("refusal")."""
+not the host's must be refused ("refusal"). With spec "fault" (tests/job_faults.py: "victim",
+"fault"), it trains top-k + EF until the victim's fault instead."""
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
+from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 bps.init()
@@ -89,6 +91,16 @@ def run(name, params):
     return {f"{name}/{k}": v for k, v in arrays.items()}
 
 
+if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
+    model = build(mesh)
+    bps.register_fsdp_hooks(model, None, {"compressor": "topk", "k": 0.25, "ef": "vanilla"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10**6):
+        fault_at(step, 3, rank, spec, out)
+        x, y = batch(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 arrays = {}
 for name, params in spec["runs"].items():
     arrays.update(run(name, params))

@@ -19,12 +19,16 @@ pushes its own shard; the servers sum one push per host. One launch trains every
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
 
 from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
+from multihost import Job
+
+BOUND, START_BOUND = 25.0, 120.0  # seconds from the fault to the last launcher gone; to the fault
 
 HOSTS, LOCAL, STEPS, LR = 2, 2, 4, 0.1
 WIDTHS = (16, 32, 32, 8)
@@ -157,3 +161,34 @@ def test_parameter_server_as_the_replicate_reducer(tmp_path):
     for arrays in ranks:
         assert str(arrays["refusal"]).startswith("register_fsdp_hooks: on the parameter server the model is "
                                                  "sharded over the host's local ranks (a mesh of 2"), arrays["refusal"]
+
+
+def test_a_local_rank_killed_ends_every_process(tmp_path):
+    """One bpslaunch per host (both on loopback), local rank 1 of host 1 (rank 3) killed (-9) at
+    step 3, while the others are in FSDP2's collectives on their host's group or in the hook's
+    push and pull: every launcher exits non-zero within BOUND seconds, host 0's ranks each
+    print one line naming a worker of host 1 (whose launcher stops rank 2 at once), no
+    traceback anywhere, no process left."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"fault": "kill", "victim": 3, "runs": {}}))
+    hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": "0,1"} for h in range(HOSTS)}
+    job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts,
+              command=[sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(spec), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + START_BOUND
+        while not (tmp_path / "fault_time").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "fault_time").exists(), job.report()
+        statuses, elapsed = job.wait_all(BOUND, since=time.monotonic())
+    finally:
+        job.kill_all()
+    report = job.report(statuses)
+    assert all(status != 0 for status in statuses.values()), report
+    workers = job.text("worker0") + job.text("worker1")
+    assert "Traceback" not in workers, report
+    failures = [line for line in job.text("worker0").splitlines() if "NodeFailure" in line]
+    # the scheduler names the first of host 1's ranks whose heartbeat it missed: rank 3, or
+    # rank 2, which host 1's launcher stopped at once (as tests/test_two_level_faults.py's)
+    assert 1 <= len(failures) <= 2 and all("worker 2" in line or "worker 3" in line for line in failures), report
+    print(f"FSDP on the parameter server, rank 3 killed: launchers gone {elapsed:.1f} s later; {failures[0]}",
+          file=sys.stderr)

@@ -7,20 +7,19 @@ exchange's pipeline (collective/exchange/driver.py) counts its collectives here 
 groups it runs on.
 """
 import logging
-import re
 import threading
 import time
 
 import torch.distributed as dist
 
 from ..comm import NodeFailure
+from ..comm.communicator import PEER_GONE
 from .departure import Ending, await_end, departure, described, first_leaver
 from .liveness import Heartbeat
 from .backend_choice import SHARED
 from .rendezvous import adopt, backend_from_env, connect, waiting_at_rendezvous
 
 log = logging.getLogger("bps_gc.collective")
-PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|IoException")  # gloo's socket errors
 WATCH_SECONDS = 0.02  # how often a wait sleeping on its work checks the heartbeat and departures
 
 

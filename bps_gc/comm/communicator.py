@@ -10,10 +10,16 @@ with no server in the path. Errors a user can cause (bad names, shapes, paramete
 call that caused them; a dead peer raises ``NodeFailure`` naming it.
 """
 import abc
+import re
 
 from .declaration import Declaration
 from .phased import phases
 from .placement import declare_tensor, resolve_reduce_call
+
+
+# gloo's socket errors: a collective issued beside bps_gc (FSDP2's) failing on a peer's closed
+# socket, which ``peer_failure`` explains
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|IoException")
 
 
 class Handle(abc.ABC):

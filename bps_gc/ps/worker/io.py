@@ -111,6 +111,14 @@ class WorkerIO:
             raise self.failure
         self.queue(command)
 
+    def failure_within(self, seconds, poll):
+        """The job's failure once the I/O thread has it, waited for up to ``seconds``; None if
+        none came."""
+        deadline = time.monotonic() + seconds
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(poll)
+        return self.failure
+
     def queue(self, command):
         """``post`` without the failure check (the codec pool's completions: fail_all has
         failed their push_pulls already)."""

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import zmq
 
-from ...comm.communicator import Communicator
+from ...comm.communicator import PEER_GONE, Communicator
 from ...comm.metrics import Counters
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes
@@ -136,6 +136,15 @@ class Worker(Communicator):
             raise RuntimeError("bps_gc: the worker was shut down")
         if self.io is not None and self.io.failure is not None:
             raise self.io.failure
+
+    def peer_failure(self, error):
+        """A gloo socket error of a collective issued beside bps_gc (FSDP2's, on the host's
+        group: bps_gc.torch.host_mesh): the failure the scheduler names (a host-mate that died:
+        twice its heartbeat's bound to say so), or None (the script's own error)."""
+        if self.io is None or not (isinstance(error, RuntimeError) and PEER_GONE.search(str(error))):
+            return None
+        bound = 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
+        return self.io.failure_within(bound, self.cfg.heartbeat_interval / 4)
 
     # ------------------------------------------------------------------ tensors
 

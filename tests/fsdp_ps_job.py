@@ -2,7 +2,8 @@
 ranks): ``python fsdp_ps_job.py SPEC.json OUT``. Each rank joins (bps.init()), makes the host's
 group (bps.host_mesh()), and trains one MLP per spec "runs" entry (name: compression_params,
 null: dense), sharded over the host's local ranks and hooked with register_fsdp_hooks(model,
-None, params), ``steps`` SGD steps on its own batches. Saved per run, prefixed "<run>/": the
+None, params), ``steps`` SGD steps on its own batches (spec "widths": the MLP's, default
+16-32-32-8). Saved per run, prefixed "<run>/": the
 full parameters at the end, its local shards after every step, every hook call's
 reduce-scatter output before and after, the partitions (key, start, stop) of each shard's
 declared tensor, and the bytes bps.metrics() counted. Then a model sharded on a mesh that is
@@ -29,7 +30,7 @@ bps.init()
 rank = bps.rank()
 torch.set_num_threads(1)
 mesh = bps.host_mesh()
-WIDTHS = (16, 32, 32, 8)
+WIDTHS = tuple(spec.get("widths", (16, 32, 32, 8)))
 
 
 def build(shard_mesh):

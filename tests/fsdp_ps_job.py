@@ -7,7 +7,8 @@ None, params), ``steps`` SGD steps on its own batches (spec "widths": the MLP's,
 full parameters at the end, its local shards after every step, every hook call's
 reduce-scatter output before and after, the partitions (key, start, stop) of each shard's
 declared tensor, and the bytes bps.metrics() counted. Then a model sharded on a mesh that is
-not the host's must be refused ("refusal"). With spec "fault" (tests/job_faults.py: "victim",
+not the host's must be refused ("refusal"), as register_fsdp_hooks(model, None) before
+bps.init() ("unserved"). With spec "fault" (tests/job_faults.py: "victim",
 "fault"), it trains top-k + EF until the victim's fault instead."""
 import json
 import os
@@ -26,10 +27,7 @@ import bps_gc.torch as bps  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
-bps.init()
-rank = bps.rank()
 torch.set_num_threads(1)
-mesh = bps.host_mesh()
 WIDTHS = tuple(spec.get("widths", (16, 32, 32, 8)))
 
 
@@ -42,6 +40,19 @@ def build(shard_mesh):
         fully_shard(layer, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
     return model
+
+
+# before bps.init(): a model sharded on a group of this process alone, hooked with replicate=None
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    bps.register_fsdp_hooks(build(DeviceMesh.from_group(dist.group.WORLD, "cpu")), None)
+    unserved = ""
+except ValueError as e:
+    unserved = str(e)
+dist.destroy_process_group()
+bps.init()
+rank = bps.rank()
+mesh = bps.host_mesh()
 
 
 def batch(step):
@@ -102,7 +113,7 @@ if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "f
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-arrays = {}
+arrays = {"unserved": np.array(unserved)}
 for name, params in spec["runs"].items():
     arrays.update(run(name, params))
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused

@@ -15,15 +15,21 @@ pushes its own shard; the servers sum one push per host. One launch trains every
   the exact mean of the hosts' shards;
 * bytes: bps.metrics() counts each rank's own shard pushed once a step, dense (what native
   HSDP's all-reduce hands the wire per rank), and fewer with every codec;
-* a model sharded on a mesh that is not the host's local ranks is refused in one line."""
+* refused in one line: a model sharded on a mesh that is not the host's local ranks, and
+  replicate=None before bps_gc.torch.init()."""
 import json
 import os
 import sys
 import time
 
 import numpy as np
+import pytest
 import torch
 
+import bps_gc.core as core
+import bps_gc.torch as bps
+from bps_gc import compress
+from bps_gc.comm.placement import Placement, declare_tensor
 from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
 from multihost import Job
@@ -159,6 +165,9 @@ def test_parameter_server_as_the_replicate_reducer(tmp_path):
         # step for these shards, as docs/fsdp.md computes from its format
         assert int(arrays["thc/pushed_wire"]) == STEPS * 1032, r
     for arrays in ranks:
+        assert str(arrays["unserved"]).startswith("register_fsdp_hooks: replicate=None makes the parameter server "
+                                                  "the replicate reducer, which needs bps_gc.torch.init() on the "
+                                                  "parameter-server transport first"), arrays["unserved"]
         assert str(arrays["refusal"]).startswith("register_fsdp_hooks: on the parameter server the model is "
                                                  "sharded over the host's local ranks (a mesh of 2"), arrays["refusal"]
 
@@ -192,3 +201,22 @@ def test_a_local_rank_killed_ends_every_process(tmp_path):
     assert 1 <= len(failures) <= 2 and all("worker 2" in line or "worker 3" in line for line in failures), report
     print(f"FSDP on the parameter server, rank 3 killed: launchers gone {elapsed:.1f} s later; {failures[0]}",
           file=sys.stderr)
+
+
+def test_one_per_host_keys_and_refusals():
+    """Keys of a tensor declared one_per_host lie in its local rank's own range (each local rank
+    declares its own shards under the same indices); redeclaring it otherwise, and the host's
+    group without bps_gc.torch.init() on the parameter server, are refused."""
+    tensors = {}
+    for local_rank in (0, 1):
+        tensor, shape, dtype = declare_tensor(tensors, compress, f"w#shard{local_rank}", (3000,), np.float32, None,
+                                              {}, pushed_by=local_rank)
+        Placement(2, 4096, 0).plan(tensor, shape, dtype, lambda *_: (None, None), balanced=True)
+        assert [p.key for p in tensor.partitions] == [1 << 56 | local_rank << 48 | tensor.index << 16 | p
+                                                      for p in range(3)]
+    with pytest.raises(ValueError, match="pushed_by None != 1"):
+        declare_tensor(tensors, compress, "w#shard1", (3000,), np.float32, None, {})
+    if core.is_initialized():
+        pytest.skip("bps_gc was initialized in this process by another test")
+    with pytest.raises(ValueError, match=r"^host_mesh: the host's group is made on the parameter-server"):
+        bps.host_mesh()

@@ -1,13 +1,14 @@
 """How a declared tensor is cut into partitions (keys) and spread over the servers.
 
 Key = declaration index << 16 | partition index; a tensor that one local rank of each host
-pushes alone (``pushed_by``: its own FSDP shard) has keys of its own local rank's
-(``key_base``), since each local rank declares its own shards' tensors under the same indices.
-Partitions hold BYTEPS_PARTITION_BYTES of
-the wire dtype, uncompressed ones at most BPS_GC_DENSE_PARTITION_BYTES (``dense_bytes``): a
-server answers a partition only once every worker's push of it is in, so the last partitions'
-replies are a tail in which the links are partly idle, and smaller ones shorten it (and place
-more evenly); codecs keep the partitions they are defined over. Servers are chosen greedily
+pushes alone (``pushed_by``: its own FSDP shard) has keys of that local rank's own range
+(``key_base``), since each local rank declares its own shards under the same indices.
+
+Partitions hold BYTEPS_PARTITION_BYTES of the wire dtype, uncompressed ones at most
+BPS_GC_DENSE_PARTITION_BYTES (``dense_bytes``): a server answers a partition only once every
+worker's push of it is in, so the last partitions' replies are a tail in which the links are
+partly idle, and smaller ones shorten it (and place more evenly); codecs keep the partitions
+they are defined over. Servers are chosen greedily
 by bytes in declaration order, which every worker shares, so all agree without talking; a
 tensor declared without its shape is placed by key (round-robin) when its first push_pull
 reveals the size.

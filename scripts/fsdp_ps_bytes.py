@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """register_fsdp_hooks(model, None, ...) on the parameter server: each rank's cross-host bytes
 per step per codec, against the dense push's (native HSDP's all-reduce hands the wire as
-many), and whether the replicas of every shard stayed bit-identical: one ``bpslaunch --local``
+many), the codec state a rank saves per byte of its parameter shard (its own chains'; and
+the servers' of its shards), and whether the replicas of every shard stayed bit-identical: one ``bpslaunch --local``
 of tests/fsdp_ps_job.py, 2 hosts x 2 local ranks, one server, the wider MLP (128-256-256-128,
 float32) trained --steps SGD steps once per codec. Prints rank 0's table (every rank holds
 shards of the same sizes) and writes every rank's counts as JSON (--json).
@@ -45,14 +46,20 @@ def main():
             raise SystemExit(f"fsdp_ps_job.py failed:\n{done.stdout[-4000:]}")
         ranks = [dict(np.load(os.path.join(out, f"rank{r}.npz"))) for r in range(4)]
     counts = [{run: {"pushed_per_step": int(r[f"{run}/pushed_wire"]) / args.steps,
-                     "pulled_per_step": int(r[f"{run}/pulled_wire"]) / args.steps} for run in CODECS} for r in ranks]
+                     "pulled_per_step": int(r[f"{run}/pulled_wire"]) / args.steps,
+                     "worker_state": int(r[f"{run}/state_worker"]), "server_state": int(r[f"{run}/state_server"]),
+                     "shard": sum(v.nbytes for k, v in r.items() if k.startswith(f"{run}/local/0/"))}
+               for run in CODECS} for r in ranks]
     dense = counts[0]["dense"]["pushed_per_step"]
-    print(f"{'codec':14} {'pushed B/step':>13} {'pulled B/step':>13} {'dense/it':>9} replicas")
+    print(f"{'codec':14} {'pushed B/step':>13} {'pulled B/step':>13} {'dense/it':>9} {'state/shard':>11} "
+          f"{'servers/shard':>13} replicas")
     for run in CODECS:
         same = all(ranks[i][k].tobytes() == ranks[2 + i][k].tobytes() for i in range(2)
                    for k in ranks[i] if k.startswith(f"{run}/local/"))
-        pushed, pulled = counts[0][run]["pushed_per_step"], counts[0][run]["pulled_per_step"]
-        print(f"{run:14} {pushed:13.0f} {pulled:13.0f} {dense / pushed:9.2f} {'bit-identical' if same else 'DIFFER'}")
+        c = counts[0][run]
+        print(f"{run:14} {c['pushed_per_step']:13.0f} {c['pulled_per_step']:13.0f} "
+              f"{dense / c['pushed_per_step']:9.2f} {c['worker_state'] / c['shard']:11.3f} "
+              f"{c['server_state'] / c['shard']:13.3f} {'bit-identical' if same else 'DIFFER'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "ranks": counts}, f, indent=1)

@@ -6,7 +6,8 @@ None, params), ``steps`` SGD steps on its own batches (spec "widths": the MLP's,
 16-32-32-8). Saved per run, prefixed "<run>/": the
 full parameters at the end, its local shards after every step, every hook call's
 reduce-scatter output before and after, the partitions (key, start, stop) of each shard's
-declared tensor, and the bytes bps.metrics() counted. Then a model sharded on a mesh that is
+declared tensor, the bytes bps.metrics() counted and the codec state bps_gc's state_dict
+holds of them. Then a model sharded on a mesh that is
 not the host's must be refused ("refusal"), as register_fsdp_hooks(model, None) before
 bps.init() ("unserved"). With spec "fault" (tests/job_faults.py: "victim",
 "fault"), it trains top-k + EF until the victim's fault instead."""
@@ -100,6 +101,12 @@ def run(name, params):
                                           np.uint64).reshape(-1, 3)
         arrays[f"shape/{part}"] = np.array(comm.tensors[declared].shape)
     arrays["pushed_wire"], arrays["pulled_wire"] = np.array(counted.pushed_wire), np.array(counted.pulled_wire)
+    # the codec state of this run's shards this rank saves: its own chains' ("worker/"), and
+    # (host 0's ranks) the servers' of the same shards ("server/")
+    declared, state = set(exchange.keys.values()), core.state_dict()
+    for side in ("worker", "server"):
+        arrays[f"state_{side}"] = np.array(sum(v.nbytes for k, v in state.items() if isinstance(v, np.ndarray)
+                                               and k.startswith(f"{side}/") and k.split("/")[1] in declared))
     return {f"{name}/{k}": v for k, v in arrays.items()}
 
 

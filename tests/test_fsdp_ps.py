@@ -14,7 +14,8 @@ pushes its own shard; the servers sum one push per host. One launch trains every
 * thc 4-bit (the servers sum its integer lanes): the replicas agree, and each call is close to
   the exact mean of the hosts' shards;
 * bytes: bps.metrics() counts each rank's own shard pushed once a step, dense (what native
-  HSDP's all-reduce hands the wire per rank), and fewer with every codec;
+  HSDP's all-reduce hands the wire per rank), and fewer with every codec; the codec state a
+  rank saves is its own shards' (top-k + EF 1x the shard, the recipe 2x);
 * refused in one line: a model sharded on a mesh that is not the host's local ranks, and
   replicate=None before bps_gc.torch.init()."""
 import json
@@ -161,6 +162,12 @@ def test_parameter_server_as_the_replicate_reducer(tmp_path):
         assert int(arrays["dense/pulled_wire"]) == STEPS * shard_bytes, r
         for run, most in (("topk", 0.6), ("recipe", 1 / 8)):
             assert 0 < int(arrays[f"{run}/pushed_wire"]) <= most * STEPS * shard_bytes, (run, r)
+        # codec state (what bps_gc's state_dict saves): a rank's own shards' only, top-k's residual
+        # 1x the shard, the recipe's residual and momentum 2x; the servers' residuals of the same
+        # shards, 1x, saved by host 0's ranks
+        assert int(arrays["topk/state_worker"]) == shard_bytes, r
+        assert int(arrays["recipe/state_worker"]) == 2 * shard_bytes, r
+        assert int(arrays["topk/state_server"]) == (shard_bytes if r < LOCAL else 0), r
         # thc 4-bit's phases, lanes sized for the 2 hosts' pushes (not the 4 ranks): 1,032 bytes a
         # step for these shards, as docs/fsdp.md computes from its format
         assert int(arrays["thc/pushed_wire"]) == STEPS * 1032, r

@@ -3,14 +3,19 @@ ranks): ``python fsdp_ps_job.py SPEC.json OUT``. Each rank joins (bps.init()), m
 group (bps.host_mesh()), and trains one MLP per spec "runs" entry (name: compression_params,
 null: dense), sharded over the host's local ranks and hooked with register_fsdp_hooks(model,
 None, params), ``steps`` SGD steps on its own batches (spec "widths": the MLP's, default
-16-32-32-8). Saved per run, prefixed "<run>/": the
-full parameters at the end, its local shards after every step, every hook call's
-reduce-scatter output before and after, the partitions (key, start, stop) of each shard's
-declared tensor, the bytes bps.metrics() counted and the codec state bps_gc's state_dict
-holds of them. Then a model sharded on a mesh that is
+16-32-32-8). Saved per run, prefixed "<run>/": the full parameters at the end, its local
+shards after every step, every hook call's reduce-scatter output before and after, the
+partitions (key, start, stop) of each shard's declared tensor, the bytes bps.metrics() counted
+and the codec state bps_gc's state_dict holds of them. Then a model sharded on a mesh that is
 not the host's must be refused ("refusal"), as register_fsdp_hooks(model, None) before
-bps.init() ("unserved"). With spec "fault" (tests/job_faults.py: "victim",
-"fault"), it trains top-k + EF until the victim's fault instead."""
+bps.init() ("unserved").
+
+Spec "save" {"run": name, "at": k}: that run's shards (OUT/model<rank>.npz) and bps_gc's state
+(OUT/bps<rank>.pt) are saved before its step k (make it the first run: the state holds the
+runs declared so far). Spec "resume" {"from": DIR, "at": k, "runs": {name: params}, "codecs":
+bool}: those runs are trained first, from step k after loading DIR's shards and (unless
+"codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz. Spec "fault"
+(tests/job_faults.py: "victim", "fault"): then top-k + EF trains until the victim's fault."""
 import json
 import os
 import sys
@@ -77,14 +82,26 @@ def record_calls(model, calls):
         module.set_all_reduce_hook(recording)
 
 
-def run(name, params):
+def run(name, params, first=0, resume=None):
+    """Train run ``name`` from step ``first`` (after ``resume``'s checkpoint, spec "resume")."""
     model = build(mesh)
     exchange = bps.register_fsdp_hooks(model, None, params)
     calls, arrays = [], {}
     record_calls(model, calls)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if resume:  # the shards and bps_gc's state saved at step ``first`` (plain SGD: no optimizer state)
+        saved = np.load(os.path.join(resume["from"], f"model{rank}.npz"))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.to_local().copy_(torch.from_numpy(saved[n]))
+        if resume.get("codecs", True):  # False: the codecs start afresh (the check that they matter)
+            bps.load_state_dict(bps.load_checkpoint(os.path.join(resume["from"], f"bps{rank}.pt")))
     bps.metrics()  # from here: this run's bytes
-    for step in range(spec["steps"]):
+    for step in range(first, spec["steps"]):
+        if (name, step) == (spec.get("save", {}).get("run"), spec.get("save", {}).get("at")):
+            np.savez(os.path.join(out, f"model{rank}.npz"),
+                     **{n: p.to_local().detach().numpy() for n, p in model.named_parameters()})
+            bps.save_checkpoint(bps.state_dict(), os.path.join(out, f"bps{rank}.pt"))
         x, y = batch(step)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -110,6 +127,11 @@ def run(name, params):
     return {f"{name}/{k}": v for k, v in arrays.items()}
 
 
+if "resume" in spec:  # spec "resume" {"from": DIR, "at": k, "runs": {name: params}, "codecs": bool}
+    resumed = {}
+    for name, params in spec["resume"]["runs"].items():
+        resumed.update(run(name, params, spec["resume"]["at"], spec["resume"]))
+    np.savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)
 if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
     model = build(mesh)
     bps.register_fsdp_hooks(model, None, {"compressor": "topk", "k": 0.25, "ef": "vanilla"})

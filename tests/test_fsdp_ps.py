@@ -1,7 +1,7 @@
 """FSDP2 with the parameter server as the replicate reducer: ``bpslaunch --local``, 2 worker
 hosts x 2 local ranks, one server (tests/fsdp_ps_job.py). Each rank shards an MLP over its
 host's two local ranks (bps_gc.torch.host_mesh) and register_fsdp_hooks(model, None, ...)
-pushes its own shard; the servers sum one push per host. One launch trains every model:
+pushes its own shard; the servers sum one push per host. The first launch trains every model:
 
 * dense: after every step the two ranks that hold the same shard (one per host) hold it bit
   for bit, and after the last the full parameters equal HSDP's on the same (2, 2) mesh within
@@ -17,7 +17,10 @@ pushes its own shard; the servers sum one push per host. One launch trains every
   HSDP's all-reduce hands the wire per rank), and fewer with every codec; the codec state a
   rank saves is its own shards' (top-k + EF 1x the shard, the recipe 2x);
 * refused in one line: a model sharded on a mesh that is not the host's local ranks, and
-  replicate=None before bps_gc.torch.init()."""
+  replicate=None before bps_gc.torch.init().
+
+A second launch, one bpslaunch per host, resumes thc 4-bit + feedback from the first's
+checkpoint bit for bit, then has a local rank killed (``resumed_then_killed``)."""
 import json
 import os
 import sys
@@ -42,13 +45,16 @@ WIDTHS = (16, 32, 32, 8)
 RECOMPRESSED = {"topk": {"compressor": "topk", "k": 0.25, "ef": "vanilla"},
                 "recipe": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov",
                            "mu": 0.9}}
-RUNS = {"dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4}}
+# thc 4-bit with feedback first: the job saves it before step SAVE_AT, the second launch resumes it
+RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}}
+SAVE_AT = 2
+RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4}}
 LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding none) -> its layer
 
 
 def launch(tmp_path):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"steps": STEPS, "runs": RUNS}))
+    spec.write_text(json.dumps({"steps": STEPS, "runs": RUNS, "save": {"run": "thc-ef", "at": SAVE_AT}}))
     result = run_local([sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(spec), str(tmp_path)],
                        workers=HOSTS, servers=1, local_size=LOCAL, timeout=240,
                        env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})
@@ -120,7 +126,14 @@ def expected_calls(ranks, run):
 
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
-    ranks = launch(tmp_path)
+    (tmp_path / "job").mkdir()
+    ranks = launch(tmp_path / "job")
+    check_results(ranks)
+    (tmp_path / "fault").mkdir()
+    resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks)
+
+
+def check_results(ranks):
     # replicas (rank i on host 0, rank L + i on host 1) hold their shard bit for bit after every step
     for run in RUNS:
         for i in range(LOCAL):
@@ -179,14 +192,18 @@ def test_parameter_server_as_the_replicate_reducer(tmp_path):
                                                  "sharded over the host's local ranks (a mesh of 2"), arrays["refusal"]
 
 
-def test_a_local_rank_killed_ends_every_process(tmp_path):
-    """One bpslaunch per host (both on loopback), local rank 1 of host 1 (rank 3) killed (-9) at
-    step 3, while the others are in FSDP2's collectives on their host's group or in the hook's
-    push and pull: every launcher exits non-zero within BOUND seconds, host 0's ranks each
-    print one line naming a worker of host 1 (whose launcher stops rank 2 at once), no
-    traceback anywhere, no process left."""
+def resumed_then_killed(tmp_path, saved, ranks):
+    """The second launch, one bpslaunch per host (both on loopback): first the thc + feedback
+    run from ``saved``'s checkpoint at step SAVE_AT (shards and bps_gc.torch.state_dict()) on to
+    the end, which must equal the first launch's bit for bit at every step; then top-k + EF
+    trains until local rank 1 of host 1 (rank 3) is killed (-9) at step 3, while the others are
+    in FSDP2's collectives on their host's group or in the hook's push and pull: every
+    launcher exits non-zero within BOUND seconds, host 0's ranks each print one line naming a
+    worker of host 1 (whose launcher stops rank 2 at once), no traceback anywhere, no process
+    left."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"fault": "kill", "victim": 3, "runs": {}}))
+    spec.write_text(json.dumps({"fault": "kill", "victim": 3, "runs": {}, "steps": STEPS,
+                                "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED}}))
     hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": "0,1"} for h in range(HOSTS)}
     job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts,
               command=[sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(spec), str(tmp_path)])
@@ -206,6 +223,12 @@ def test_a_local_rank_killed_ends_every_process(tmp_path):
     # the scheduler names the first of host 1's ranks whose heartbeat it missed: rank 3, or
     # rank 2, which host 1's launcher stopped at once (as tests/test_two_level_faults.py's)
     assert 1 <= len(failures) <= 2 and all("worker 2" in line or "worker 3" in line for line in failures), report
+    for r in range(HOSTS * LOCAL):
+        resumed = dict(np.load(tmp_path / f"resumed{r}.npz"))
+        compared = [k for k in resumed if k.startswith(("thc-ef/local/", "thc-ef/full/"))]
+        assert len(compared) == (STEPS - SAVE_AT + 1) * 6, sorted(resumed)
+        for k in compared:
+            assert resumed[k].tobytes() == ranks[r][k].tobytes(), f"resumed rank {r} {k}"
     print(f"FSDP on the parameter server, rank 3 killed: launchers gone {elapsed:.1f} s later; {failures[0]}",
           file=sys.stderr)
 

@@ -16,15 +16,14 @@ same local rank of every host pushes it, so the servers sum one push per host fo
 number of hosts. Local rank i's tensors are its alone: the host's other ranks never build
 their codecs, so each rank's codec state is its shard's.
 """
-import itertools
-
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import bps_gc.core as core
 
-from .checkpoint import register
+from .checkpoint import Fields, register
 from .exchange import PushPullExchange, interruptible_wait
 from .fsdp_shards import ShardLayout, shard_parts, shard_pieces
 
@@ -46,7 +45,8 @@ def register_on_servers(model, groups, compression_params, reducer):
                              f"local ranks (a mesh of {comm.local_size}, BYTEPS_LOCAL_SIZE, this rank shard "
                              f"{comm.local_rank}), but it is sharded on a mesh of {info.shard_mesh_size} as shard "
                              f"{info.shard_mesh_rank}; shard it on bps_gc.torch.host_mesh()")
-    layout = register(ShardLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank), "fsdp_hooks")
+    layout = register(HookLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank, len(groups)),
+                      "fsdp_hooks")
     shards = shard_parts(model, groups)
     parts = [part for group_parts in shards.values() for part in group_parts]
     # the servers sum float32 (float64 where every shard's reduce dtype is): a bfloat16 or
@@ -55,22 +55,36 @@ def register_on_servers(model, groups, compression_params, reducer):
     exchange = PushPullExchange(compression_params, reducer, named_parameters=parts, one_per_host=True,
                                 dtype=wire)
     exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
-    for module, param_group in groups:
+    for index, (module, param_group) in enumerate(groups):
         if shards[id(param_group)]:
-            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], wire))
+            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], wire, layout, index))
     return exchange
 
 
-def push_pull_hook(exchange, parts, wire):
-    """The all-reduce hook of one FSDP parameter group: each of its shards pushed by this rank
-    and pulled as the average over the hosts, in place. Its n-th call is step n of the codecs'
-    step context (their random draws, seeded by key and step, change every step)."""
-    steps = itertools.count()
+class HookLayout(ShardLayout):
+    """ShardLayout, and the hooks' step counts (``steps[i]``: the calls of the i-th parameter
+    group's hook so far), saved with it: a resumed job's per-step codec draws (thc's rounding,
+    randomk's choice) go on from where they were."""
 
+    def __init__(self, replicas, shards, shard, hooks):
+        super().__init__(replicas, shards, shard)
+        self.steps = np.zeros(hooks, np.int64)
+
+    def codec_state(self):
+        return Fields(self, ("steps",), self.identity)
+
+
+def push_pull_hook(exchange, parts, wire, layout, index):
+    """The all-reduce hook of one FSDP parameter group: each of its shards pushed by this rank
+    and pulled as the average over the hosts, in place. Its n-th call (``layout.steps[index]``,
+    which a checkpoint restores) is step n of the codecs' step context (their random draws,
+    seeded by key and step, change every step)."""
     def average_over_hosts(reduce_output):
         pieces = shard_pieces(reduce_output, parts)
         carried = [(name, piece if piece.dtype == wire else piece.to(wire)) for name, piece in pieces]
-        interruptible_wait(exchange(carried, ctx={"step": next(steps)}))
+        step = int(layout.steps[index])
+        layout.steps[index] += 1
+        interruptible_wait(exchange(carried, ctx={"step": step}))
         with torch.no_grad():
             for (_, piece), (_, sent) in zip(pieces, carried):
                 if sent is not piece:

@@ -1,7 +1,9 @@
 """Issue 33: N steps straight equal N/2 steps, a checkpoint, new processes resuming from it,
 N/2 more: the same parameters, bit for bit, on every rank, on torch.distributed (2 gloo ranks
-under torchrun; 2 hosts x 2 ranks with two levels). tests/restart_job.py trains every case side
-by side; the oracle is the straight run (which wrote the checkpoint on its way)."""
+under bpslaunch --servers 0, torchrun's agent costing 1.2 s of CPU a launch; torchrun for its
+elastic restart, whose result must equal the bpslaunch straight run; 2 hosts x 2 ranks with two
+levels under either). tests/restart_job.py trains every case side by side; the oracle is the
+straight run (which wrote the checkpoint on its way)."""
 import json
 import os
 import subprocess
@@ -10,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from collective_cluster import TESTS, job_env, torchrun_argv
+from collective_cluster import TESTS, bpslaunch_argv, job_env, torchrun_argv
 from collective_hosts import CollectiveHostsJob
 from conftest import ROOT
 from local_ranks import HostsJob, machines  # noqa: F401
@@ -47,7 +49,7 @@ SMALL = {"BYTEPS_MIN_COMPRESS_BYTES": "0", "BYTEPS_PARTITION_BYTES": "1024"}  # 
 def run_phase(spec, tmp_path, phase, ranks=2, env=None):
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    result = subprocess.run(torchrun_argv([JOB, str(spec_path), str(tmp_path), phase], ranks),
+    result = subprocess.run(bpslaunch_argv([JOB, str(spec_path), str(tmp_path), phase], ranks),
                             env=job_env({**SMALL, **(env or {})}), capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, f"{phase}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
@@ -199,8 +201,8 @@ def test_states_that_do_not_fit_are_refused_by_name(straight, tmp_path):
     """Another world size (refused naming both sizes; dropped with one warning line when asked),
     a parameter the model lacks, another codec setting, a bad array, not a state at all: a clear
     error, and the communicator's state is unchanged after each refusal."""
-    argv = torchrun_argv([os.path.join(TESTS, "state_errors_job.py"), str(tmp_path),
-                          str(straight / "checkpoint-run-rank0.pt")], 1)  # a 2-rank checkpoint
+    argv = bpslaunch_argv([os.path.join(TESTS, "state_errors_job.py"), str(tmp_path),
+                           str(straight / "checkpoint-run-rank0.pt")], 1)  # a 2-rank checkpoint
     result = subprocess.run(argv, env=job_env(SMALL), capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     got = json.loads((tmp_path / "errors.json").read_text())

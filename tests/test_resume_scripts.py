@@ -1,17 +1,20 @@
 """Issue 33: the seeds' PyTorch scripts resume with their codec state. Each runs twice on 2
-gloo ranks (torchrun) at a tiny size: straight, and interrupted right after its first checkpoint
-(every process ends at once, tests/interrupted_run.py), then started again with the same
-command, resuming. The scripts are deterministic: both end with the same parameters on every
-rank, bit for bit (without the codec state they would not: test_restart_state.py). CHOCO's and
-local SGD's script resume in test_cifar10_choco.py, from its torchrun runs, the study's ImageNet
-script in test_study_scripts.py, from its run of the seed's command."""
+gloo ranks at a tiny size: straight, and interrupted right after its first checkpoint (every
+process ends at once, tests/interrupted_run.py), then started again with the same command,
+resuming. The launches are bpslaunch --servers 0 (torch.distributed as under torchrun, without
+torchrun's agent: ~1.2 s of CPU a launch) but for the CIFAR-100 script's straight run, its one
+run under torchrun (DGC's train.py runs under torchrun in test_dgc_train.py). The scripts are
+deterministic: both end with the same parameters on every rank, bit for bit (without the codec
+state they would not: test_restart_state.py). CHOCO's and local SGD's script resume in
+test_cifar10_choco.py, from its torchrun runs, the study's ImageNet script in
+test_study_scripts.py, from its run of the seed's command."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from collective_cluster import job_env, torchrun_argv
+from collective_cluster import bpslaunch_argv, job_env, torchrun_argv
 from conftest import ROOT
 from test_cifar10_choco import write_cifar10
 from test_pytorch_examples import write_cifar100
@@ -21,11 +24,11 @@ EXAMPLES = os.path.join(ROOT, "example", "pytorch")
 INTERRUPT = os.path.join(ROOT, "tests", "interrupted_run.py")
 
 
-def run(script, argv, cwd, interrupt=None):
+def run(script, argv, cwd, interrupt=None, launcher=bpslaunch_argv):
     command = [INTERRUPT, script, *argv] if interrupt else [script, *argv]
     env = job_env({"INTERRUPT_AFTER": interrupt} if interrupt else {})
     env = {k: v for k, v in env.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL"))}
-    result = subprocess.run(torchrun_argv(command, 2), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(launcher(command, 2), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
@@ -82,7 +85,7 @@ def test_cifar100_script_resumes_every_ranks_state(tmp_path):
             run(script, common, folder, interrupt=".state:1")
             run(script, [*common, "--resume-state", "params/cifar100-resnet20-0.r{rank}.state"], folder)
         else:
-            run(script, common, folder)
+            run(script, common, folder, launcher=torchrun_argv)
         folders.append(folder)
     straight, resumed = folders
     same_models(straight / "params" / "cifar100-resnet20-1.params", resumed / "params" / "cifar100-resnet20-1.params",

@@ -48,8 +48,10 @@ def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
 
 
 def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=None):
-    """The script on ``workers`` ranks; ``interrupt``: tests/interrupted_run.py's INTERRUPT_AFTER
-    (every process ends at once right after that checkpoint; torchrun only)."""
+    """The script on ``workers`` ranks: ``launcher`` "bpslaunch" (one server), "torchrun" or
+    "collective" (bpslaunch --servers 0: torch.distributed as under torchrun, without torchrun's
+    agent, ~1.2 s of CPU a launch); ``interrupt``: tests/interrupted_run.py's INTERRUPT_AFTER
+    (every process ends at once right after that checkpoint; torch.distributed only)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, BPS_GC_HEARTBEAT_INTERVAL="0.2",
                BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096",
                **({"INTERRUPT_AFTER": interrupt} if interrupt else {}))
@@ -60,8 +62,9 @@ def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=No
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
                *([INTERRUPT] if interrupt else []), SCRIPT, *argv]
     else:
-        cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers", "1",
-               "--", sys.executable, SCRIPT, *argv]
+        cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers",
+               "0" if launcher == "collective" else "1", "--", sys.executable,
+               *([INTERRUPT] if interrupt else []), SCRIPT, *argv]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -186,14 +189,15 @@ def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
 
 @pytest.mark.parametrize("name", ["parallel_choco", "local_sgd"], ids=["choco", "local_sgd"])
 def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs, tmp_path):
-    """Issue 33: the torchrun tiny run (straight), and the same command interrupted right after
-    its first checkpoint (every process ends at once) then started again, resuming: both end
-    with the same parameters on every rank, bit for bit."""
+    """Issue 33: the torchrun tiny run (straight), and the same command on the same transport
+    (bpslaunch --servers 0) interrupted right after its first checkpoint (every process ends at
+    once) then started again, resuming: both end with the same parameters on every rank, bit
+    for bit."""
     straight, result = torchrun_runs(name)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     write_cifar10(str(tmp_path / "data"))
     for interrupt in ("rank:1", None):
-        resumed = launch(tiny_argv(name, checkpoint=True), tmp_path, launcher="torchrun", interrupt=interrupt)
+        resumed = launch(tiny_argv(name, checkpoint=True), tmp_path, launcher="collective", interrupt=interrupt)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from ckpt after epoch 0" in (tmp_path / f"{name}.log").read_text()
     for rank in range(2):

@@ -4,7 +4,8 @@ server chain's recompression), bit for bit for compressed tensors. Dense sums ar
 gloo's ring adds in its own order, so with more than two ranks they match to float rounding.
 
 The three tests' tensor sets (names prefixed by the set) run in one launch per rank count (a
-module fixture, several seconds of process start-up each), each test checking its own set."""
+module fixture, several seconds of process start-up each; bpslaunch --servers 0, without
+torchrun's agent), each test checking its own set."""
 import numpy as np
 import pytest
 
@@ -85,7 +86,8 @@ def launched(tmp_path_factory):
         if ranks not in runs:
             spec = spec_of_every_set()
             results = run_collective_job(spec, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks,
-                                         env={"BPS_GC_PLUGINS": "plugin_step_codec"}, timeout=300)
+                                         launcher="bpslaunch", env={"BPS_GC_PLUGINS": "plugin_step_codec"},
+                                         timeout=300)
             runs[ranks] = spec, results, expected_results(spec, ranks)
         return runs[ranks]
     return get

@@ -59,6 +59,29 @@ STEP = re.compile(r"^(?:STEP|ROUND) (\d+) ", re.M)  # a step, or a DiLoCo job's 
 START_BOUND, EVENT_BOUND, STOP_MARGIN = 60.0, 45.0, 25
 
 
+def equal_numpy(hosts, members, epochs, last, who):
+    """Every host's CRC, size and epoch at every step it ran, and its final parameters, equal a
+    numpy recomputation (dense + onebit with EF: elastic_means) of the logged membership
+    (``members``/``epochs``: (first step, value)); ``who`` names a host in a failure."""
+    p = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in SPEC["tensors"]}
+    for step, means in elastic_means(SPEC, members, last):
+        for name, mean in means.items():
+            p[name] = p[name] - np.float32(SPEC["lr"]) * mean
+        crc = zlib.crc32(b"".join(a.tobytes() for a in p.values()))
+        size = len([m for g, m in members if g <= step][-1])
+        epoch = [e for g, e in epochs if g <= step][-1]
+        for r, h in hosts.items():
+            i = step - int(h["start"])
+            if i >= 0:
+                assert (h["crcs"][i], h["sizes"][i], h["epochs"][i]) == (crc, size, epoch), \
+                    f"{who} {r} at step {step}: crc/size/epoch {h['crcs'][i]}/{h['sizes'][i]}/{h['epochs'][i]}, " \
+                    f"numpy {crc}/{size}/{epoch}"
+    for r, h in hosts.items():
+        assert len(h["crcs"]) == last + 1 - int(h["start"]), (r, len(h["crcs"]), last)
+        for name, want in p.items():
+            assert h[f"param.{name}"].tobytes() == want.tobytes(), f"{who} {r}'s {name} differs from numpy's"
+
+
 class Hang(AssertionError):
     """A bounded wait ran out."""
 
@@ -305,23 +328,7 @@ class Chaos:
         hosts = {r: np.load(os.path.join(self.out, f"rank{r}.{self.start_of(n)}.npz")) for r, n in self.live.items()}
         if self.args.task == "mnist":  # no numpy oracle for torch's training: the hosts agree
             return chaos_mnist.check(hosts, members, epochs, last)
-        p = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in SPEC["tensors"]}
-        for step, means in elastic_means(SPEC, members, last):
-            for name, mean in means.items():
-                p[name] = p[name] - np.float32(SPEC["lr"]) * mean
-            crc = zlib.crc32(b"".join(a.tobytes() for a in p.values()))
-            size = len([m for g, m in members if g <= step][-1])
-            epoch = [e for g, e in epochs if g <= step][-1]
-            for r, h in hosts.items():
-                i = step - int(h["start"])
-                if i >= 0:
-                    assert (h["crcs"][i], h["sizes"][i], h["epochs"][i]) == (crc, size, epoch), \
-                        f"worker {r} at step {step}: crc/size/epoch {h['crcs'][i]}/{h['sizes'][i]}/{h['epochs'][i]}, " \
-                        f"numpy {crc}/{size}/{epoch}"
-        for r, h in hosts.items():
-            assert len(h["crcs"]) == last + 1 - int(h["start"]), (r, len(h["crcs"]), last)
-            for name, want in p.items():
-                assert h[f"param.{name}"].tobytes() == want.tobytes(), f"worker {r}'s {name} differs from numpy's"
+        equal_numpy(hosts, members, epochs, last, "worker")
         return last
 
     def start_of(self, name):

@@ -5,15 +5,13 @@ the others after its first round; and the time lost per failure (scripts/elastic
 import os
 import re
 import sys
-import zlib
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import elastic_lost  # noqa: E402
-from chaos_elastic import SPEC, events_of  # noqa: E402
-from reference import elastic_means  # noqa: E402
+from chaos_elastic import SPEC, equal_numpy, events_of  # noqa: E402
 
 def starts(text):
     """The first step (outer round) of each rank a launcher ran: its START lines."""
@@ -85,23 +83,7 @@ def onebit(run, members, sequence):
     ranks = live_ranks(run)
     hosts = {r: np.load(os.path.join(run.out, f"rank{r}.{first}.npz")) for r, (_, first) in ranks.items()}
     last = max(int(h["start"]) + len(h["crcs"]) - 1 for h in hosts.values())
-    p = {t["name"]: np.linspace(-1, 1, int(np.prod(t["shape"])), dtype=np.float32) for t in SPEC["tensors"]}
-    for step, means in elastic_means(SPEC, members, last):
-        for name, mean in means.items():
-            p[name] = p[name] - np.float32(SPEC["lr"]) * mean
-        crc = zlib.crc32(b"".join(a.tobytes() for a in p.values()))
-        size = len([m for g, m in members if g <= step][-1])
-        epoch = [e for g, e in epochs if g <= step][-1]
-        for r, h in hosts.items():
-            i = step - int(h["start"])
-            if i >= 0:
-                assert (h["crcs"][i], h["sizes"][i], h["epochs"][i]) == (crc, size, epoch), \
-                    f"rank {r} at step {step}: crc/size/epoch {h['crcs'][i]}/{h['sizes'][i]}/{h['epochs'][i]}, " \
-                    f"numpy {crc}/{size}/{epoch}"
-    for r, h in hosts.items():
-        assert len(h["crcs"]) == last + 1 - int(h["start"]), (r, len(h["crcs"]), last)
-        for name, want in p.items():
-            assert h[f"param.{name}"].tobytes() == want.tobytes(), f"rank {r}'s {name} differs from numpy's"
+    equal_numpy(hosts, members, epochs, last, "rank")
     first = sequence[1][3]  # the joiner, after its first step, holds what every member holds
     crcs = {int(h["crcs"][first - int(h["start"])]) for h in hosts.values()}
     assert len(crcs) == 1, (first, crcs)

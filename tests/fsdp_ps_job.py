@@ -13,8 +13,9 @@ bps.init() ("unserved").
 Spec "save" {"run": name, "at": k}: that run's shards (OUT/model<rank>.npz) and bps_gc's state
 (OUT/bps<rank>.pt) are saved before its step k (make it the first run: the state holds the
 runs declared so far). Spec "resume" {"from": DIR, "at": k, "runs": {name: params}, "codecs":
-bool}: those runs are trained first, from step k after loading DIR's shards and (unless
-"codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz. Spec "fault"
+bool, "refused": bool}: those runs are trained first, from step k after loading DIR's shards and
+(unless "codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz ("refused":
+DIR is another mesh's, whose state must be refused: its message, "<run>/refused", instead). Spec "fault"
 (tests/job_faults.py: "victim", "fault"): then top-k + EF trains until the victim's fault."""
 import json
 import os
@@ -30,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
+from bps_gc.compress.stateful import StateError  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -90,6 +92,12 @@ def run(name, params, first=0, resume=None):
     record_calls(model, calls)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if resume:  # the shards and bps_gc's state saved at step ``first`` (plain SGD: no optimizer state)
+        if resume.get("refused"):  # saved on another mesh: bps_gc's state must be refused
+            try:
+                bps.load_state_dict(bps.load_checkpoint(os.path.join(resume["from"], f"bps{rank}.pt")))
+            except StateError as e:
+                return {f"{name}/refused": np.array(str(e))}
+            raise AssertionError(f"rank {rank}: the state of {resume['from']} was loaded on another mesh")
         saved = np.load(os.path.join(resume["from"], f"model{rank}.npz"))
         with torch.no_grad():
             for n, p in model.named_parameters():

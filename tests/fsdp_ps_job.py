@@ -16,7 +16,8 @@ runs declared so far). Spec "resume" {"from": DIR, "at": k, "runs": {name: param
 bool, "refused": bool}: those runs are trained first, from step k after loading DIR's shards and
 (unless "codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz ("refused":
 DIR is another mesh's, whose state must be refused: its message, "<run>/refused", instead). Spec "fault"
-(tests/job_faults.py: "victim", "fault"): then top-k + EF trains until the victim's fault."""
+(tests/job_faults.py: "victim", "fault"): after the runs, top-k + EF trains until the victim's
+fault."""
 import json
 import os
 import sys
@@ -140,16 +141,6 @@ if "resume" in spec:  # spec "resume" {"from": DIR, "at": k, "runs": {name: para
     for name, params in spec["resume"]["runs"].items():
         resumed.update(run(name, params, spec["resume"]["at"], spec["resume"]))
     np.savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)
-if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
-    model = build(mesh)
-    bps.register_fsdp_hooks(model, None, {"compressor": "topk", "k": 0.25, "ef": "vanilla"})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(10**6):
-        fault_at(step, 3, rank, spec, out)
-        x, y = batch(step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 arrays = {"unserved": np.array(unserved)}
 for name, params in spec["runs"].items():
     arrays.update(run(name, params))
@@ -161,6 +152,16 @@ try:
 except ValueError as e:
     arrays["refusal"] = np.array(str(e))
 np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
+    model = build(mesh)
+    bps.register_fsdp_hooks(model, None, {"compressor": "topk", "k": 0.25, "ef": "vanilla"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10**6):
+        fault_at(step, 3, rank, spec, out)
+        x, y = batch(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 dist.barrier()
 dist.destroy_process_group()
 bps.shutdown()

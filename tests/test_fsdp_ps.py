@@ -21,7 +21,8 @@ MLP's 32 and 8 rows over 3 ranks, FSDP2 pads the last), trains every model:
   replicate=None before bps_gc.torch.init().
 
 A second launch, one bpslaunch per host, 2 hosts x 2 local ranks, is refused the first's
-checkpoint (another world size), then has a local rank killed (``refused_then_killed``)."""
+checkpoint (another world size), trains dense as native HSDP on the (2, 2) mesh, then has a
+local rank killed (``refused_then_killed``)."""
 import json
 import os
 import sys
@@ -64,15 +65,15 @@ def launch(tmp_path):
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(HOSTS * LOCAL)]
 
 
-def hsdp_reference():
-    """The MLP after STEPS SGD steps on the mean gradient of every rank's batch."""
+def hsdp_reference(ranks):
+    """The MLP after STEPS SGD steps on the mean gradient of ``ranks`` ranks' batches."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTHS[1], WIDTHS[2]), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTHS[2], WIDTHS[3]))
     for step in range(STEPS):
         grads = []
-        for rank in range(HOSTS * LOCAL):
+        for rank in range(ranks):
             g = torch.Generator().manual_seed(1000 * rank + step)
             x, y = torch.randn(4, WIDTHS[0], generator=g), torch.randn(4, WIDTHS[-1], generator=g)
             model.zero_grad()
@@ -135,6 +136,19 @@ def test_parameter_server_as_the_replicate_reducer(tmp_path):
     refused_then_killed(tmp_path / "fault", tmp_path / "job")
 
 
+def equals_hsdp(ranks, local):
+    """Run "dense" of ``ranks`` (2 hosts x ``local``): replicas bit-identical after every step,
+    native HSDP's parameters (recomputed) within 1e-6 relative after the last."""
+    for i in range(local):
+        for k in (k for k in ranks[i] if k.startswith("dense/local/")):
+            assert ranks[i][k].tobytes() == ranks[local + i][k].tobytes(), f"dense: {i} and {local + i} differ at {k}"
+    reference = hsdp_reference(len(ranks))
+    for r, arrays in enumerate(ranks):
+        for name, want in reference.items():
+            got = arrays[f"dense/full/{name}"]
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), f"rank {r} {name}"
+
+
 def check_results(ranks):
     # replicas (rank i on host 0, rank LOCAL + i on host 1) hold their shard bit for bit after every step
     for run in RUNS:
@@ -145,11 +159,7 @@ def check_results(ranks):
             for k in local:
                 assert a[k].tobytes() == b[k].tobytes(), f"{run}: ranks {i} and {LOCAL + i} differ at {k}"
     # dense: native HSDP's parameters within 1e-6 relative
-    reference = hsdp_reference()
-    for r, arrays in enumerate(ranks):
-        for name, want in reference.items():
-            got = arrays[f"dense/full/{name}"]
-            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), f"rank {r} {name}"
+    equals_hsdp(ranks, LOCAL)
     # the recompressing codecs with error feedback: every call as the numpy recomputation
     for run in RECOMPRESSED:
         expected = expected_calls(ranks, run)
@@ -203,13 +213,13 @@ def refused_then_killed(tmp_path, saved):
     """The second launch, one bpslaunch per host (both on loopback), 2 hosts x FAULT_LOCAL local
     ranks: first each rank loads ``saved``'s checkpoint of the thc + feedback run (bps_gc's
     state of the first launch's 6 ranks): refused in one line naming both world sizes; then
-    top-k + EF trains until local rank 1 of host 1 (rank 3) is killed (-9) at step 3, while the
+    dense trains as native HSDP on this (2, 2) mesh (equals_hsdp); then top-k + EF trains until local rank 1 of host 1 (rank 3) is killed (-9) at step 3, while the
     others are in FSDP2's collectives on their host's group or in the hook's push and pull:
     every launcher exits non-zero within BOUND seconds, host 0's ranks each print one line
     naming a worker of host 1 (whose launcher stops rank 2 at once), no traceback anywhere, no
     process left."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"fault": "kill", "victim": 3, "runs": {}, "steps": STEPS,
+    spec.write_text(json.dumps({"fault": "kill", "victim": 3, "runs": {"dense": None}, "steps": STEPS,
                                 "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True}}))
     hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, range(FAULT_LOCAL)))} for h in range(HOSTS)}
     job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts,
@@ -230,6 +240,7 @@ def refused_then_killed(tmp_path, saved):
     # the scheduler names the first of host 1's ranks whose heartbeat it missed: rank 3, or
     # rank 2, which host 1's launcher stopped at once (as tests/test_two_level_faults.py's)
     assert 1 <= len(failures) <= 2 and all("worker 2" in line or "worker 3" in line for line in failures), report
+    equals_hsdp([dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(HOSTS * FAULT_LOCAL)], FAULT_LOCAL)
     for r in range(HOSTS * FAULT_LOCAL):
         refused = str(np.load(tmp_path / f"resumed{r}.npz")["thc-ef/refused"])
         assert refused == ("bps_gc.torch state: saved by another job (world size 6 in the state, 4 here); its per-rank "

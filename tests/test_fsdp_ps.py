@@ -213,11 +213,11 @@ def refused_then_killed(tmp_path, saved):
     """The second launch, one bpslaunch per host (both on loopback), 2 hosts x FAULT_LOCAL local
     ranks: first each rank loads ``saved``'s checkpoint of the thc + feedback run (bps_gc's
     state of the first launch's 6 ranks): refused in one line naming both world sizes; then
-    dense trains as native HSDP on this (2, 2) mesh (equals_hsdp); then top-k + EF trains until local rank 1 of host 1 (rank 3) is killed (-9) at step 3, while the
-    others are in FSDP2's collectives on their host's group or in the hook's push and pull:
-    every launcher exits non-zero within BOUND seconds, host 0's ranks each print one line
-    naming a worker of host 1 (whose launcher stops rank 2 at once), no traceback anywhere, no
-    process left."""
+    dense trains as native HSDP on this (2, 2) mesh (equals_hsdp); then top-k + EF trains until
+    local rank 1 of host 1 (rank 3) is killed (-9) at step 3, while the others are in FSDP2's
+    collectives on their host's group or in the hook's push and pull: every launcher exits
+    non-zero within BOUND seconds, host 0's ranks each print one line naming a worker of host 1
+    (whose launcher stops rank 2 at once), no traceback anywhere, no process left."""
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"fault": "kill", "victim": 3, "runs": {"dense": None}, "steps": STEPS,
                                 "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True}}))
@@ -243,8 +243,9 @@ def refused_then_killed(tmp_path, saved):
     equals_hsdp([dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(HOSTS * FAULT_LOCAL)], FAULT_LOCAL)
     for r in range(HOSTS * FAULT_LOCAL):
         refused = str(np.load(tmp_path / f"resumed{r}.npz")["thc-ef/refused"])
-        assert refused == ("bps_gc.torch state: saved by another job (world size 6 in the state, 4 here); its per-rank "
-                           "codec state does not apply (set BPS_GC_RESUME_DROP_RANK_STATE=1 to start the codecs afresh)"), refused
+        assert refused == ("bps_gc.torch state: saved by another job (world size 6 in the state, 4 here); its "
+                           "per-rank codec state does not apply (set BPS_GC_RESUME_DROP_RANK_STATE=1 to start the "
+                           "codecs afresh)"), refused
     print(f"FSDP on the parameter server, rank 3 killed: launchers gone {elapsed:.1f} s later; {failures[0]}",
           file=sys.stderr)
 

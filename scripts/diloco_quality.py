@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--warm-start", type=int, default=0, metavar="K", help="DiLoCo rows: DDP's steps for the "
                    "first K inner steps (the replicas' gradients averaged), DiLoCo after (the paper starts from a "
                    "pretrained model); rounds every H steps from K on")
+    p.add_argument("--thc-bits", type=int, default=0, metavar="B", help="DiLoCo rows: the pseudo-gradients "
+                   "averaged through thc B-bit codes + error feedback, one codec per tensor and replica (the LM "
+                   "yardstick's 'thc 4-bit' DiLoCo row, BYTEPS_MIN_COMPRESS_BYTES=0); 0: dense float32")
     p.add_argument("--full", action="store_true", help="every (H, outer lr, replicas) at every length")
     p.add_argument("--quick", action="store_true", help="the shortest length only")
     p.add_argument("--report", nargs="+", metavar="JSON", help="no training: the table and plot of these runs' "
@@ -144,9 +147,10 @@ class Study:
                 curve.append((step + 1, self.evaluate(model)))
         return curve
 
-    def diloco(self, replicas, steps, every, outer_lr, momentum=0.9, inner_lr=None, warm=0):
+    def diloco(self, replicas, steps, every, outer_lr, momentum=0.9, inner_lr=None, warm=0, thc_bits=0):
         """[(step, val loss of the global copy)] after each outer round of DiLoCo (after the
-        first ``warm`` steps, DDP's: every replica steps with the replicas' mean gradient)."""
+        first ``warm`` steps, DDP's: every replica steps with the replicas' mean gradient);
+        ``thc_bits``: the pseudo-gradients averaged through thc codes (``ThcMean``)."""
         torch = self.torch
         from gpt import byte_loss
         from lm_training import build_model, make_optimizer
@@ -156,6 +160,7 @@ class Study:
         outer = torch.optim.SGD(copies, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
         local = [copy.deepcopy(deploy) for _ in range(replicas)]
         inner = [make_optimizer(run, m) for m in local]
+        thc = ThcMean(copies, replicas, thc_bits) if thc_bits else None
         curve = [(0, self.evaluate(deploy))]
         for step in range(steps):
             for r, (model, opt) in enumerate(zip(local, inner)):
@@ -179,7 +184,7 @@ class Study:
                             c.copy_(p)
             self.tick(replicas)
             if step >= warm and ((step + 1 - warm) % every == 0 or step + 1 == steps):
-                self.outer_round(copies, outer, local)
+                self.outer_round(copies, outer, local, thc)
                 with torch.no_grad():
                     for p, c in zip(deploy.parameters(), copies):
                         p.copy_(c)
@@ -192,23 +197,45 @@ class Study:
         opt.step()
 
     @staticmethod
-    def outer_round(copies, outer, local):
+    def outer_round(copies, outer, local, mean=None):
         """The pseudo-gradients' average as the global copy's gradient; the outer step; every
         replica restarts from the global copy (bps_gc.torch.DiLoCo's start_sync + finish_sync)."""
         import torch
         with torch.no_grad():
             params = [list(m.parameters()) for m in local]
             for i, c in enumerate(copies):
-                total = None
-                for ps in params:
-                    delta = c - ps[i].detach().float()
-                    total = delta if total is None else total + delta
-                c.grad = total / len(local)
+                deltas = [c - ps[i].detach().float() for ps in params]
+                c.grad = sum(deltas) / len(local) if mean is None else mean(i, deltas)
             outer.step()
             outer.zero_grad(set_to_none=True)
             for ps in params:
                 for p, c in zip(ps, copies):
                     p.copy_(c)
+
+
+class ThcMean:
+    """The replicas' average of tensor i through thc: each replica's codec (its own error
+    feedback, kept across outer rounds) encodes its pseudo-gradient against the scale the
+    summed histograms agree on, the int64 code words are summed, as an all_reduce sums them,
+    and the sum is decoded once (bps_gc/compress/thc.py's two phases)."""
+
+    def __init__(self, copies, replicas, bits):
+        import numpy as np
+        from bps_gc.compress.params import CompressionParams
+        from bps_gc.compress.thc import THC
+        params = CompressionParams.from_dict({"compressor": "thc", "bits": bits, "feedback": True})
+        self.codecs = [[THC(params, c.numel(), np.float32, seed=i) for i, c in enumerate(copies)]
+                       for _ in range(replicas)]
+        for codec in (c for per in self.codecs for c in per):
+            codec.set_summands(replicas, np.int64)
+
+    def __call__(self, i, deltas):
+        import torch
+        codecs = [per[i] for per in self.codecs]
+        hist = sum(c.compress(d.numpy().reshape(-1)).view(c.phase_dtype) for c, d in zip(codecs, deltas))
+        words = sum(c.compress_q(hist.view("uint8")).view(c.phase_dtype) for c in codecs)
+        total = codecs[0].finish(words.view("uint8"), workers=len(codecs))
+        return torch.from_numpy(total / len(codecs)).view_as(deltas[0]).to(deltas[0].dtype)
 
 
 def plan(args):
@@ -250,15 +277,15 @@ def best_outer_lr(results, replicas, steps, every, momentum=0.9, warm=0):
 
 def run_cells(study, cells, results, save=None):
     for kind, r, s, h, lr, inner in cells:
-        momentum, warm = study.args.outer_momentum, study.args.warm_start
-        name = key(kind, r, s, h, lr, inner, momentum, warm)
+        momentum, warm, bits = study.args.outer_momentum, study.args.warm_start, study.args.thc_bits
+        name = key(kind, r, s, h, lr, inner, momentum, warm, bits)
         if name in results:
             continue
         began = time.perf_counter()
-        curve = study.ddp(r, s) if kind == "ddp" else study.diloco(r, s, h, lr, momentum, inner, warm)
+        curve = study.ddp(r, s) if kind == "ddp" else study.diloco(r, s, h, lr, momentum, inner, warm, bits)
         results[name] = {"kind": kind, "replicas": r, "steps": s, "every": h, "outer_lr": lr, "inner_lr": inner,
                          "outer_momentum": momentum if kind == "diloco" else None, "warm_start": warm,
-                         "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - began}
+                         "thc_bits": bits if kind == "diloco" else 0, "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - began}
         if save:
             save(results)
 

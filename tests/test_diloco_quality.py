@@ -31,3 +31,24 @@ def test_one_process_diloco_at_h_1_with_linear_steps_equals_ddp():
     # the tolerance tells steps apart: half the outer step is not DDP's
     half = study.diloco(replicas=2, steps=6, every=1, outer_lr=0.5, momentum=0.0)
     assert abs(half[-1][1] - ddp[-1][1]) > 1e-3
+
+
+def test_thc_mean_is_the_numpy_recomputation_and_its_error_feedback_closes_the_gap():
+    """ThcMean (--thc-bits): round 1 equals a numpy recomputation of thc's nearest-rounded
+    4-bit codes against the shared scale 2^ceil(log2 max|x|) over the replicas; repeated on the
+    same pseudo-gradients, error feedback makes the rounds' running mean approach the true mean."""
+    import numpy as np
+    import torch
+    rng = np.random.default_rng(0)
+    deltas = [torch.from_numpy(rng.standard_normal((3, 40)).astype(np.float32)) for _ in range(3)]
+    mean = diloco_quality.ThcMean([torch.zeros(3, 40)], replicas=3, bits=4)
+    got = mean(0, deltas)
+    scale = 2.0 ** np.ceil(np.log2(max(float(d.abs().max()) for d in deltas)))
+    codes = [np.floor((d.numpy() / scale + 1) * 15 / 2 + 0.5) for d in deltas]
+    want = np.mean([scale * (2 * q / 15 - 1) for q in codes], axis=0)
+    true = np.mean([d.numpy() for d in deltas], axis=0)
+    assert got.shape == (3, 40) and got.dtype == torch.float32
+    assert np.abs(got.numpy() - want).max() <= 1e-6 * scale
+    assert 0.01 * scale < np.abs(got.numpy() - true).max() <= scale / 15  # quantized, within one code step
+    rounds = [got] + [mean(0, deltas) for _ in range(19)]
+    assert np.abs(torch.stack(rounds).mean(0).numpy() - true).max() <= scale / 15 / 20 * 1.01

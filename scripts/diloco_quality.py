@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--warm-start", type=int, default=0, metavar="K", help="DiLoCo rows: DDP's steps for the "
                    "first K inner steps (the replicas' gradients averaged), DiLoCo after (the paper starts from a "
                    "pretrained model); rounds every H steps from K on")
+    p.add_argument("--warm-every", type=int, default=0, metavar="H0", help="with --warm-start K: the first K "
+                   "steps are DiLoCo's with plain averaging (outer lr 1, no momentum) every H0 steps instead of "
+                   "DDP's (K/H0 exchanges instead of K); H0 must divide K")
     p.add_argument("--thc-bits", type=int, default=0, metavar="B", help="DiLoCo rows: the pseudo-gradients "
                    "averaged through thc B-bit codes + error feedback, one codec per tensor and replica (the LM "
                    "yardstick's 'thc 4-bit' DiLoCo row, BYTEPS_MIN_COMPRESS_BYTES=0); 0: dense float32")
@@ -82,6 +85,8 @@ def parse_args(argv=None):
     args.long_replicas = args.replicas if args.full else ints(args.long_replicas)
     if args.lr is None:
         args.lr = 3e-3 if args.optimizer == "adamw" else 0.3
+    if args.warm_every and (args.warm_every < 1 or args.warm_start % args.warm_every):
+        p.error(f"--warm-every {args.warm_every}: give a positive divisor of --warm-start ({args.warm_start})")
     if args.quick:
         args.steps = args.steps[:1]
     for name in ("steps", "replicas", "every"):
@@ -147,9 +152,10 @@ class Study:
                 curve.append((step + 1, self.evaluate(model)))
         return curve
 
-    def diloco(self, replicas, steps, every, outer_lr, momentum=0.9, inner_lr=None, warm=0, thc_bits=0):
+    def diloco(self, replicas, steps, every, outer_lr, momentum=0.9, inner_lr=None, warm=0, thc_bits=0, warm_every=0):
         """[(step, val loss of the global copy)] after each outer round of DiLoCo (after the
-        first ``warm`` steps, DDP's: every replica steps with the replicas' mean gradient);
+        first ``warm`` steps, DDP's: every replica steps with the replicas' mean gradient; or,
+        with ``warm_every``, plain averaging every ``warm_every`` steps in them);
         ``thc_bits``: the pseudo-gradients averaged through thc codes (``ThcMean``)."""
         torch = self.torch
         from gpt import byte_loss
@@ -158,6 +164,7 @@ class Study:
         deploy = build_model(run, torch.device("cpu"))  # the global copy is evaluated in it
         copies = [p.detach().float().clone() for p in deploy.parameters()]
         outer = torch.optim.SGD(copies, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
+        plain = torch.optim.SGD(copies, lr=1.0)  # the warm phase's rounds: the replicas' mean
         local = [copy.deepcopy(deploy) for _ in range(replicas)]
         inner = [make_optimizer(run, m) for m in local]
         thc = ThcMean(copies, replicas, thc_bits) if thc_bits else None
@@ -168,9 +175,9 @@ class Study:
                 opt.zero_grad()
                 x, y = self.batch(r, step)
                 byte_loss(model(x), y).backward()
-                if step >= warm:
+                if step >= warm or warm_every:
                     self.clipped_step(model, opt, run.clip)
-            if step < warm:  # DDP: the same mean gradient, clip and step on every replica
+            if step < warm and not warm_every:  # DDP: the same mean gradient, clip and step on every replica
                 with torch.no_grad():
                     for ps in zip(*(m.parameters() for m in local)):
                         mean = sum(p.grad for p in ps) / replicas
@@ -183,8 +190,9 @@ class Study:
                         for c, p in zip(copies, local[0].parameters()):
                             c.copy_(p)
             self.tick(replicas)
-            if step >= warm and ((step + 1 - warm) % every == 0 or step + 1 == steps):
-                self.outer_round(copies, outer, local, thc)
+            early = step < warm and warm_every and (step + 1) % warm_every == 0
+            if early or step >= warm and ((step + 1 - warm) % every == 0 or step + 1 == steps):
+                self.outer_round(copies, plain if early else outer, local, thc)
                 with torch.no_grad():
                     for p, c in zip(deploy.parameters(), copies):
                         p.copy_(c)
@@ -278,13 +286,14 @@ def best_outer_lr(results, replicas, steps, every, momentum=0.9, warm=0):
 def run_cells(study, cells, results, save=None):
     for kind, r, s, h, lr, inner in cells:
         momentum, warm, bits = study.args.outer_momentum, study.args.warm_start, study.args.thc_bits
-        name = key(kind, r, s, h, lr, inner, momentum, warm, bits)
+        warm_every = study.args.warm_every if warm else 0
+        name = key(kind, r, s, h, lr, inner, momentum, warm, bits, warm_every)
         if name in results:
             continue
         began = time.perf_counter()
-        curve = study.ddp(r, s) if kind == "ddp" else study.diloco(r, s, h, lr, momentum, inner, warm, bits)
+        curve = study.ddp(r, s) if kind == "ddp" else study.diloco(r, s, h, lr, momentum, inner, warm, bits, warm_every)
         results[name] = {"kind": kind, "replicas": r, "steps": s, "every": h, "outer_lr": lr, "inner_lr": inner,
-                         "outer_momentum": momentum if kind == "diloco" else None, "warm_start": warm,
+                         "outer_momentum": momentum if kind == "diloco" else None, "warm_start": warm, "warm_every": warm_every,
                          "thc_bits": bits if kind == "diloco" else 0, "curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - began}
         if save:
             save(results)

@@ -4,12 +4,13 @@ import json
 import os
 
 
-def key(kind, replicas, steps, every, outer_lr, inner_lr, momentum=0.9, warm=0, thc_bits=0):
+def key(kind, replicas, steps, every, outer_lr, inner_lr, momentum=0.9, warm=0, thc_bits=0, warm_every=0):
     return (f"{kind} R={replicas} steps={steps}" + (f" H={every} outer_lr={outer_lr}" if kind == "diloco" else "")
             + (f" inner_lr={inner_lr}" if inner_lr else "")
             + (f" momentum={momentum}" if kind == "diloco" and momentum != 0.9 else "")
             + (f" warm={warm}" if kind == "diloco" and warm else "")
-            + (f" thc={thc_bits}" if kind == "diloco" and thc_bits else ""))
+            + (f" thc={thc_bits}" if kind == "diloco" and thc_bits else "")
+            + (f" warm_every={warm_every}" if kind == "diloco" and warm_every else ""))
 
 
 def gaps(results):
@@ -24,6 +25,12 @@ def gaps(results):
 def codec(row):
     """The pseudo-gradients' exchange of a DiLoCo row: dense float32 or thc's B-bit codes."""
     return f"thc{row['thc_bits']}" if row.get("thc_bits") else "dense"
+
+
+def warm(row):
+    """A DiLoCo row's warm start: K (DDP's steps first) or K/H0 (plain averaging every H0 steps in them)."""
+    k, h0 = row.get("warm_start", 0), row.get("warm_every", 0)
+    return f"{k}/{h0}" if h0 else f"{k}"
 
 
 def check_against_table(path, results):
@@ -53,18 +60,18 @@ def lengths(results):
 
 
 def table_lines(results, args):
-    lines = [f"{'steps':>5} {'R':>2} {'H':>4} {'outer lr':>8} {'momentum':>8} {'inner lr':>8} {'warm':>4} {'pg':>5} {'val loss':>9} "
+    lines = [f"{'steps':>5} {'R':>2} {'H':>4} {'outer lr':>8} {'momentum':>8} {'inner lr':>8} {'warm':>6} {'pg':>5} {'val loss':>9} "
              f"{'DDP':>7} {'gap':>7} {'s':>6}"]
     for s, r in lengths(results):
         ddp = results[key("ddp", r, s, None, None, None)]
-        lines.append(f"{s:5d} {r:2d} {'DDP':>4} {'':8} {'':8} {args.lr:8.1e} {'':4} {'':5} {ddp['final']:9.4f} {'':7} {'':7} "
+        lines.append(f"{s:5d} {r:2d} {'DDP':>4} {'':8} {'':8} {args.lr:8.1e} {'':6} {'':5} {ddp['final']:9.4f} {'':7} {'':7} "
                      f"{ddp['seconds']:6.1f}")
         rows = sorted((x for x in results.values() if x["kind"] == "diloco" and x["replicas"] == r and x["steps"] == s),
                       key=lambda x: (x["every"], x.get("warm_start", 0), -x.get("outer_momentum", 0.9),
                                      x["inner_lr"] or args.lr, x["outer_lr"], x.get("thc_bits", 0)))
         for x in rows:
             lines.append(f"{s:5d} {r:2d} {x['every']:4d} {x['outer_lr']:8.2f} {x.get('outer_momentum', 0.9):8.2f} "
-                         f"{x['inner_lr'] or args.lr:8.1e} {x.get('warm_start', 0):4d} {codec(x):>5} {x['final']:9.4f} {x['ddp_final']:7.4f} {x['gap_pct']:6.1f}% "
+                         f"{x['inner_lr'] or args.lr:8.1e} {warm(x):>6} {codec(x):>5} {x['final']:9.4f} {x['ddp_final']:7.4f} {x['gap_pct']:6.1f}% "
                          f"{x['seconds']:6.1f}")
     return lines
 
@@ -78,7 +85,7 @@ def verdict_lines(results, args):
         if rows:
             b = min(rows, key=lambda x: x["final"])
             lines.append(f"best at H=50, R={r}, {s} steps: outer lr {b['outer_lr']}, momentum "
-                         f"{b.get('outer_momentum', 0.9)}, warm start {b.get('warm_start', 0)}, inner lr {b['inner_lr'] or args.lr:g}, {codec(b)}: "
+                         f"{b.get('outer_momentum', 0.9)}, warm start {warm(b)}, inner lr {b['inner_lr'] or args.lr:g}, {codec(b)}: "
                          f"{b['final']:.4f} vs DDP {b['ddp_final']:.4f}, {b['gap_pct']:+.1f}% "
                          f"({'within' if b['gap_pct'] <= 5 else 'NOT within'} 5%)")
     return lines
@@ -132,5 +139,5 @@ def merged(paths):
                 row.setdefault("outer_momentum", saved["settings"]["outer_momentum"])
             results[key(row["kind"], row["replicas"], row["steps"], row["every"], row["outer_lr"], row["inner_lr"],
                         0.9 if row.get("outer_momentum") is None else row["outer_momentum"],
-                        row.get("warm_start", 0), row.get("thc_bits", 0))] = row
+                        row.get("warm_start", 0), row.get("thc_bits", 0), row.get("warm_every", 0))] = row
     return results, heads

@@ -28,6 +28,13 @@ def test_one_process_diloco_at_h_1_with_linear_steps_equals_ddp():
     warm = study.diloco(replicas=2, steps=6, every=1, outer_lr=1.0, momentum=0.0, warm=3)
     assert [s for s, _ in warm] == [0, 4, 5, 6]
     assert abs(warm[-1][1] - ddp[-1][1]) <= 1e-5 * ddp[-1][1]
+    # a warm start of plain averaging every step (--warm-every 1) is DDP's too, whatever the outer
+    # step after it: its 3 rounds match DDP's steps, the half outer steps after them do not
+    plain = study.diloco(replicas=2, steps=6, every=1, outer_lr=0.5, momentum=0.0, warm=3, warm_every=1)
+    assert [s for s, _ in plain] == list(range(7))
+    for (s, want), (_, got) in zip(ddp[:4], plain[:4]):
+        assert abs(got - want) <= 1e-5 * abs(want), (s, got, want)
+    assert abs(plain[-1][1] - ddp[-1][1]) > 1e-3
     # the tolerance tells steps apart: half the outer step is not DDP's
     half = study.diloco(replicas=2, steps=6, every=1, outer_lr=0.5, momentum=0.0)
     assert abs(half[-1][1] - ddp[-1][1]) > 1e-3

@@ -27,6 +27,13 @@ def codec(row):
     return f"thc{row['thc_bits']}" if row.get("thc_bits") else "dense"
 
 
+def exchanges(row):
+    """A DiLoCo row's exchanges of the model's size (DDP: one a step): the warm start's (K, or
+    K/H0), then one an outer round (a last one where H does not divide the rest)."""
+    k, h0 = row.get("warm_start", 0), row.get("warm_every", 0)
+    return (k // h0 if h0 else k) + -(-(row["steps"] - k) // row["every"])
+
+
 def warm(row):
     """A DiLoCo row's warm start: K (DDP's steps first) or K/H0 (plain averaging every H0 steps in them)."""
     k, h0 = row.get("warm_start", 0), row.get("warm_every", 0)
@@ -61,18 +68,18 @@ def lengths(results):
 
 def table_lines(results, args):
     lines = [f"{'steps':>5} {'R':>2} {'H':>4} {'outer lr':>8} {'momentum':>8} {'inner lr':>8} {'warm':>6} {'pg':>5} {'val loss':>9} "
-             f"{'DDP':>7} {'gap':>7} {'s':>6}"]
+             f"{'DDP':>7} {'gap':>7} {'exch':>6} {'s':>6}"]
     for s, r in lengths(results):
         ddp = results[key("ddp", r, s, None, None, None)]
         lines.append(f"{s:5d} {r:2d} {'DDP':>4} {'':8} {'':8} {args.lr:8.1e} {'':6} {'':5} {ddp['final']:9.4f} {'':7} {'':7} "
-                     f"{ddp['seconds']:6.1f}")
+                     f"{'100%':>6} {ddp['seconds']:6.1f}")
         rows = sorted((x for x in results.values() if x["kind"] == "diloco" and x["replicas"] == r and x["steps"] == s),
                       key=lambda x: (x["every"], x.get("warm_start", 0), -x.get("outer_momentum", 0.9),
                                      x["inner_lr"] or args.lr, x["outer_lr"], x.get("thc_bits", 0)))
         for x in rows:
             lines.append(f"{s:5d} {r:2d} {x['every']:4d} {x['outer_lr']:8.2f} {x.get('outer_momentum', 0.9):8.2f} "
                          f"{x['inner_lr'] or args.lr:8.1e} {warm(x):>6} {codec(x):>5} {x['final']:9.4f} {x['ddp_final']:7.4f} {x['gap_pct']:6.1f}% "
-                         f"{x['seconds']:6.1f}")
+                         f"{100 * exchanges(x) / s:5.1f}% {x['seconds']:6.1f}")
     return lines
 
 

@@ -190,11 +190,10 @@ class Communicator(abc.ABC):
     # alone, summed over the hosts (the parameter server: its servers count one push per host)
     pushes_one_per_host = False
 
-    def averaged_over(self, name):
-        """How many pushes an average of ``name`` divides by: every worker's, or, for a tensor
-        declared ``one_per_host``, the hosts'."""
-        tensor = self.tensors.get(name)
-        return self.size // self.local_size if tensor is not None and tensor.pushed_by is not None else self.size
+    def averaged_over(self, tensor):
+        """How many pushes an average of ``tensor`` (its placement.TensorPlan) divides by: every
+        worker's, or, for a tensor declared ``one_per_host``, the hosts'."""
+        return self.size // self.local_size if tensor.pushed_by is not None else self.size
 
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
     sums_tensors_on_device = False

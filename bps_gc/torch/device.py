@@ -101,7 +101,7 @@ class DevicePushPull:
         if tuple(tensor.shape) != declaration.shape or torch_dtype(declaration.dtype) != tensor.dtype:
             raise ValueError(f"push_pull({name!r}): got {tuple(tensor.shape)} {tensor.dtype}, but it "
                              f"was first used as {declaration.shape} {declaration.dtype}")
-        self.tensor, self.parts, self.average, self.name = tensor, parts, average, name
+        self.tensor, self.parts = tensor, parts
         self.ctx = ctx
         flat = tensor.detach().reshape(-1)
         wire = flat.to(torch_dtype(declaration.wire_dtype))  # fp16 on the wire: a cast copy
@@ -110,8 +110,8 @@ class DevicePushPull:
         self.result = wire if self.direct else torch.empty_like(wire)
         # the exchange driver's stages: compressed here, gathered (or pushed) by the
         # communicator, reduced by wait()
-        self.segment = ResultSegment(parts, ctx, wire, result=self.result,
-                                     divisor=self.comm.averaged_over(name) if average else None)
+        self.divisor = self.comm.averaged_over(self.comm.tensors[name]) if average else None
+        self.segment = ResultSegment(parts, ctx, wire, result=self.result, divisor=self.divisor)
         payloads = Driver.encode(self.segment)
         self.segment.flat = None  # the wire copy is done with (held no longer than before)
         if not self.comm.gathers_payloads:  # the parameter server: only the payloads cross,
@@ -126,7 +126,7 @@ class DevicePushPull:
     @torch.no_grad()
     def wait(self):
         replies = self.handle.wait()
-        divisor = self.comm.averaged_over(self.name) if self.average else None
+        divisor = self.divisor
         if self.comm.gathers_payloads:  # every rank's payloads: the server's reduction, here
             Driver.reduce_segment(self.segment, replies)
         else:  # the servers' replies

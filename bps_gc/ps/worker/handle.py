@@ -96,7 +96,7 @@ class Handle(HandleABC):
         try:
             dest = self.wire[push.part.start:push.part.stop]
             reducer = push.part.reducer
-            size = dest.dtype.type(self.members or self.worker.averaged_over(self.tensor.name))
+            size = dest.dtype.type(self.members or self.worker.averaged_over(self.tensor))
             if compressed:
                 reducer.decode(payload, dest, self.ctx)
                 if self.average and (reducer is None or reducer.summed):

@@ -54,6 +54,7 @@ class InnerTensor:
 
     def __init__(self, name):
         self.name, self.busy, self.auxiliary = name, False, True
+        self.pushed_by = None  # the host level carries no tensor of one local rank's own (carries)
 
 
 class HostShares:

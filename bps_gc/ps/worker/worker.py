@@ -168,7 +168,7 @@ class Worker(Communicator):
             if self.host is not None and host_first(tensor) and tensor.pushed_by is None:
                 named = self.host.phase_tensors(tensor)  # thc: its owners' own phase tensors
             else:
-                named = zip(phase_names(tensor), phase_lengths(tensor, self.averaged_over(tensor.name),
+                named = zip(phase_names(tensor), phase_lengths(tensor, self.averaged_over(tensor),
                                                                self.phase_words))
             for name, length in named:
                 self._declare_phase(name, length, phase_dtype(tensor), tensor.pushed_by)
@@ -277,7 +277,7 @@ class Worker(Communicator):
             source = source.astype(tensor.wire_dtype)
         # the Handle copies (and casts) the result into ``out`` unless it is written there
         target = out.reshape(-1) if out.dtype == tensor.wire_dtype else np.empty_like(source)
-        workers = self.averaged_over(tensor.name)  # the pushes each phase sums
+        workers = self.averaged_over(tensor)  # the pushes each phase sums
         reduction = PhasedReduction(tensor, source, target, ctx, workers, carrier=self.phase_words)
         tensor.busy = True
         handle = Handle(self, tensor, out, target, 1, average, ctx)

@@ -12,17 +12,10 @@ barrier, majority's vote, send/recv) first waits until this thread is idle (``dr
 every rank issues its collectives on the default group in exactly the sequence it would issue
 them on one thread, and gloo sees them from one thread at a time.
 """
-import atexit
 import queue
 import threading
-import time
-import weakref
 
-# every started JobThread, stopped and joined at exit (bounded): a daemon thread still inside
-# torch's C++ when the interpreter finalizes (settling a DDP future whose waiter already went
-# on, a collective's last call) is stopped mid-unwind, and the process aborts ("terminate
-# called without an active exception") after the script ended well
-STARTED = weakref.WeakSet()
+from ..comm.exit_threads import join_at_exit
 
 
 class JobThread:
@@ -34,15 +27,14 @@ class JobThread:
         self.name, self.jobs, self.thread = name, queue.SimpleQueue(), None
         self.submitted = self.completed = 0
         self.changed = threading.Condition()
-        self.threads = []  # every thread it started (a stopped one may still finish its job)
 
     def submit(self, fn, *args):
         with self.changed:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self.thread.start()
-                self.threads = [t for t in self.threads if t.is_alive()] + [self.thread]
-                STARTED.add(self)
+                # joined at exit (comm/exit_threads.py): told to stop after its jobs first
+                join_at_exit(self.thread, lambda jobs=self.jobs: jobs.put(None))
             self.submitted += 1
         self.jobs.put((fn, args))
 
@@ -59,13 +51,6 @@ class JobThread:
             self.jobs.put(None)
             self.thread = None
 
-    def stop_and_join(self, timeout):
-        """Stop after the jobs submitted; wait up to ``timeout`` s for its threads to end (a job
-        blocked on a dead peer is left: a daemon, it ends with the process)."""
-        self.stop()
-        for thread in self.threads:
-            thread.join(timeout)
-
     def _run(self):
         while True:
             job = self.jobs.get()
@@ -79,9 +64,3 @@ class JobThread:
                     self.completed += 1
                     self.changed.notify_all()
 
-
-@atexit.register
-def _join_started(seconds=2.0):
-    deadline = time.monotonic() + seconds  # one bound for all: a failed job's exit stays prompt
-    for runner in list(STARTED):
-        runner.stop_and_join(max(0.0, deadline - time.monotonic()))

@@ -17,10 +17,8 @@ On the parameter server, ``PushPullExchange`` (below) has the same call shape an
 pulls each part under a declared name; ``named_exchange`` picks the one of the job's transport
 (``Communicator.reduces_on_process_groups``).
 """
-import atexit
 import itertools
 import threading
-import weakref
 from collections.abc import Mapping
 
 import torch
@@ -30,6 +28,7 @@ import bps_gc.core as core
 
 from . import ops
 from ..comm import NodeFailure
+from ..comm.exit_threads import join_at_exit
 from .checkpoint import register
 from .ddp.hook import CompressionHook, parts_batch
 
@@ -138,7 +137,7 @@ class PushPullExchange:
             result.set_result(dict(named))
         waiter = threading.Thread(target=wait_all, name="bps_gc-push-pull-exchange", daemon=True)
         waiter.start()
-        WAITERS.add(waiter)
+        join_at_exit(waiter)  # by then a failure has failed every handle: it ends at once
         return result
 
     def server_values(self, name, attr):
@@ -149,19 +148,6 @@ class PushPullExchange:
     def set_server_values(self, name, attr, tensor):
         """Seed ``attr`` of the servers' reducer state of part ``name``, before its first call."""
         core.communicator().set_server_values(self.keys[name], attr, tensor.detach().cpu().numpy())
-
-
-# PushPullExchange's waiters, joined at exit: a daemon thread still inside torch's C++ (settling
-# its Future after a failed push_pull) when the interpreter finalizes is stopped mid-unwind,
-# and the process aborts ("terminate called without an active exception") instead of exiting
-# with its one line. By then the failure has failed every handle, so they end at once.
-WAITERS = weakref.WeakSet()
-
-
-@atexit.register
-def _join_waiters(timeout=2.0):
-    for waiter in list(WAITERS):
-        waiter.join(timeout)
 
 
 NOT_A_GROUP = ("the parameter server averages over every worker; a process group (replicate=) is "

@@ -21,10 +21,10 @@ spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 saved = {}
-for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
+for case, (sync_every, fragments, steps, delay, warm_steps, warm_every) in spec["cases"].items():
     model = build_model()
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                     delay=delay)
+                     delay=delay, warm_steps=warm_steps, warm_every=warm_every)
     bps.metrics()  # reset: the case's own exchanges are counted below
     for step in range(steps):
         x, y = batch(rank, step)

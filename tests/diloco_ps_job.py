@@ -15,7 +15,9 @@ with a DiLoCo on the servers whose rank 1 starts from other parameters (refused 
 "differs"), and thc 4-bit at H = 4 for 8 inner steps, its bytes pushed ("thc/pushed_wire") and the dtypes
 of its phase tensors ("thc/phase_dtypes"). With the outer step on the servers, each run's end
 also saves the global copy pulled from the servers and the worker's own (``pulled``). Each rank
-saves OUT/<phase><rank>.npz."""
+saves OUT/<phase><rank>.npz. The compressed settings run twice per mode: as they are, and with
+their "warm" phase (DiLoCo's warm_steps, warm_every; saved under ``<mode>/<label>/warm/``),
+whose stop falls inside the warm phase with its exchange in flight."""
 import json
 import os
 import sys
@@ -48,10 +50,11 @@ def parameters(model, label):
     saved.update({f"{label}/{name}": p.detach().numpy().copy() for name, p in model.named_parameters()})
 
 
-def diloco(sync_every, fragments, delay, compression_params, mode):
+def diloco(sync_every, fragments, delay, compression_params, mode, warm_steps=0, warm_every=None):
     model = build_model()
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                     delay=delay, compression_params=compression_params, outer_step=mode)
+                     delay=delay, compression_params=compression_params, outer_step=mode, warm_steps=warm_steps,
+                     warm_every=warm_every)
     keep.append(opt)
     return model, opt
 
@@ -86,8 +89,8 @@ if phase == "all":  # a process group on the parameter server: refused, nothing 
         saved["refused"] = np.array(str(e))
 keep = []  # every DiLoCo made (a resumed job makes them all again, declaring the same names)
 for mode, codec in MODES.items():
-    for case, (sync_every, fragments, steps, delay) in spec["cases"].items():
-        model, opt = diloco(sync_every, fragments, delay, codec, mode)
+    for case, (sync_every, fragments, steps, delay, warm_steps, warm_every) in spec["cases"].items():
+        model, opt = diloco(sync_every, fragments, delay, codec, mode, warm_steps, warm_every)
         if phase != "resumed":
             for step in range(steps):
                 inner_step(model, opt, step)
@@ -100,25 +103,34 @@ if phase == "dense":
     finish()
 c = spec["compressed"]
 settings = (c["sync_every"], c["fragments"], c["delay"], c["compression_params"])
-for mode in MODES:
-    model, opt = diloco(*settings, mode)
+# each mode once as is and once with spec "warm"'s warm phase ("<mode>/<label>/warm/<name>")
+RUNS = [(mode, warm) for mode in MODES for warm in ("", "warm/")]
+
+
+def warm_run(mode, warm):
+    return diloco(*settings, mode, **(c["warm"] if warm else {}))
+
+
+for mode, warm in RUNS:
+    model, opt = warm_run(mode, warm)
     if phase != "resumed":
         for step in range(c["steps"]):
             inner_step(model, opt, step)
-        parameters(model, f"{mode}/straight")
+        parameters(model, f"{mode}/straight/{warm}".rstrip("/"))
         names = [name for name, _ in model.named_parameters()]
         copies = [copy for fragment in opt.fragments for copy in fragment.copies]
-        saved.update({f"{mode}/global/{name}": copy.numpy().copy() for name, copy in zip(names, copies)})
+        if not warm:
+            saved.update({f"{mode}/global/{name}": copy.numpy().copy() for name, copy in zip(names, copies)})
         if mode == "servers":
-            pulled(opt, f"{mode}/straight")
-runs = {mode: diloco(*settings, mode) for mode in MODES}  # trained in lockstep: one checkpoint
+            pulled(opt, f"{mode}/straight/{warm}".rstrip("/"))
+runs = {(mode, warm): warm_run(mode, warm) for mode, warm in RUNS}  # trained in lockstep: one checkpoint
 path = os.path.join(out, f"ckpt{rank}.pt")
 start = 0
 if phase == "resumed":
     ckpt = torch.load(path, weights_only=True)
-    for mode, (model, opt) in runs.items():
-        model.load_state_dict(ckpt[mode]["model"])
-        opt.load_state_dict(ckpt[mode]["diloco"])
+    for (mode, warm), (model, opt) in runs.items():
+        model.load_state_dict(ckpt[mode + warm]["model"])
+        opt.load_state_dict(ckpt[mode + warm]["diloco"])
     bps.load_state_dict(ckpt["bps_gc"])
     bps.barrier()  # every rank's state (the servers' part too) is back before any push
     start = c["stop_at"]
@@ -126,14 +138,16 @@ for step in range(start, c["steps"]):
     for model, opt in runs.values():
         inner_step(model, opt, step)
     if phase == "all" and step + 1 == c["stop_at"]:  # DiLoCo's states first: they wait for the exchanges
-        state = {mode: {"model": model.state_dict(), "diloco": opt.state_dict()} for mode, (model, opt) in runs.items()}
+        state = {mode + warm: {"model": model.state_dict(), "diloco": opt.state_dict()}
+                 for (mode, warm), (model, opt) in runs.items()}
         torch.save({**state, "bps_gc": bps.state_dict()}, path)
-        for mode, (model, _) in runs.items():
-            parameters(model, f"{mode}/first")
-for mode, (model, opt) in runs.items():
-    parameters(model, f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}")
+        for (mode, warm), (model, _) in runs.items():
+            parameters(model, f"{mode}/first/{warm}".rstrip("/"))
+for (mode, warm), (model, opt) in runs.items():
+    label = f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}/{warm}".rstrip("/")
+    parameters(model, label)
     if mode == "servers":  # the servers' global copies, resumed from the checkpoint's and trained on
-        pulled(opt, f"{mode}/{'resumed' if phase == 'resumed' else 'first_end'}")
+        pulled(opt, label)
 if phase == "all":  # declared last: the checkpoint and the resumed phase never see it
     for opt in keep:
         opt.wait()

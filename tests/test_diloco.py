@@ -3,7 +3,8 @@
 at its turn, averages its pseudo-gradient (global - local), takes the outer Nesterov SGD step
 (lr 0.7, momentum 0.9) on the global copy and resets the local parameters to it. Dense, after 5
 outer rounds, every parameter equals the re-computation within 1e-6 relative, with one
-fragment and with staggered fragments. bps_gc.torch.metrics() counts the exchanges' bytes: thc 4-bit
+fragment and with staggered fragments, and after a warm phase of plain averaging (docs/diloco.md
+"A warm phase"). bps_gc.torch.metrics() counts the exchanges' bytes: thc 4-bit
 at H = 100 pushes at most 1/500 of DDP dense's bytes per step (issue 44's bytes target). Bad
 settings are refused in one line."""
 import numpy as np
@@ -12,8 +13,11 @@ import torch
 
 from collective_cluster import run_torchrun_job
 
-# (sync_every, fragments, inner steps, delay)
-CASES = {"one-fragment": (3, 1, 15, 0), "two-fragments": (4, 2, 20, 0), "overlapped": (4, 2, 20, 1)}
+# (sync_every, fragments, inner steps, delay, warm_steps, warm_every)
+CASES = {"one-fragment": (3, 1, 15, 0, 0, None), "two-fragments": (4, 2, 20, 0, 0, None),
+         "overlapped": (4, 2, 20, 1, 0, None), "warm": (3, 1, 15, 0, 4, 2), "warm-overlapped": (4, 2, 22, 1, 6, 3)}
+# the resume tests' warm run, in lockstep with their first: stopped in its warm phase, an exchange in flight
+WARM_RESUMED = {"warm_steps": 6, "warm_every": 2}
 # issue 44's bytes target: thc 4-bit pseudo-gradients at H = 100, two syncs
 BYTES = {"sync_every": 100, "steps": 200, "compression_params": {"compressor": "thc", "bits": 4}}
 
@@ -40,9 +44,11 @@ def wide_batch(rank, step):
     return torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
 
 
-def recompute(sync_every, fragments, steps, delay, replicas=2, servers_global=False):
+def recompute(sync_every, fragments, steps, delay, warm_steps=0, warm_every=None, replicas=2, servers_global=False):
     """Every replica's model in one process, DiLoCo written out by hand: a fragment's
-    pseudo-gradient is taken at its turn and applied ``delay`` inner steps later.
+    pseudo-gradient is taken at its turn and applied ``delay`` inner steps later; in the first
+    ``warm_steps`` steps every fragment's is taken every ``warm_every`` steps, and applied with
+    lr 1 and no momentum (the global copy becomes the replicas' mean); the turns count from there.
     ``servers_global``: instead, the global copy once the rounds still in flight at the end
     have completed too (what the servers hold with the outer step on them)."""
     models = [build_model() for _ in range(replicas)]
@@ -52,29 +58,43 @@ def recompute(sync_every, fragments, steps, delay, replicas=2, servers_global=Fa
     cuts = [count * f // fragments for f in range(fragments + 1)]
     glob = [p.detach().clone() for p in params[0]]
     momentum = [torch.zeros_like(p) for p in glob]
-    taken = {}  # fragment -> (due step, its averaged pseudo-gradients)
+    taken = {}  # fragment -> (due step, warm?, its averaged pseudo-gradients)
+
+    def turn(done, f):
+        if done <= warm_steps:
+            return done % warm_every == 0
+        return (done - warm_steps) % sync_every == (f + 1) * sync_every // fragments % sync_every
+
+    def apply(f):
+        _, warm, deltas = taken.pop(f)
+        for i, delta in deltas.items():
+            if warm:
+                glob[i] -= delta
+            else:
+                outer_step(glob, momentum, i, delta)
+            for ps in params:
+                ps[i].copy_(glob[i])
     for step in range(steps):
         for rank, (model, inner) in enumerate(zip(models, inners)):
             x, y = batch(rank, step)
             torch.nn.functional.mse_loss(model(x), y).backward()
             inner.step()
             inner.zero_grad()
+        done = step + 1
         for f in range(fragments):
             with torch.no_grad():
-                if (step + 1) % sync_every == (f + 1) * sync_every // fragments % sync_every:
-                    taken[f] = (step + 1 + delay, {i: sum((glob[i] - ps[i]) / replicas for ps in params)
-                                                   for i in range(cuts[f], cuts[f + 1])})
-                if f not in taken or taken[f][0] != step + 1:
-                    continue
-                for i, delta in taken.pop(f)[1].items():
-                    outer_step(glob, momentum, i, delta)
-                    for ps in params:
-                        ps[i].copy_(glob[i])
+                if f in taken and taken[f][0] == done:
+                    apply(f)
+                if turn(done, f):
+                    taken[f] = (done + delay, done <= warm_steps,
+                                {i: sum((glob[i] - ps[i]) / replicas for ps in params) for i in range(cuts[f], cuts[f + 1])})
+                if f in taken and taken[f][0] == done:
+                    apply(f)
     names = [name for name, _ in models[0].named_parameters()]
     if servers_global:
-        for _, deltas in taken.values():
-            for i, delta in deltas.items():
-                outer_step(glob, momentum, i, delta)
+        with torch.no_grad():
+            for f in list(taken):
+                apply(f)
         return {name: g.detach().numpy() for name, g in zip(names, glob)}
     return [{name: p.detach().numpy() for name, p in zip(names, ps)} for ps in params]
 
@@ -102,6 +122,9 @@ def test_dense_diloco_equals_the_recomputation(launched):
                                            err_msg=f"{case} rank {rank} {name}")
         # the last inner steps ran after the last sync: replicas differ only where a fragment synced last
         assert not np.array_equal(want[0]["0.weight"], build_model()[0].weight.detach().numpy())
+        if settings[4]:  # the warm phase changes the result: the 1e-6 above tells it apart
+            cold = recompute(*settings[:4])[0]["0.weight"]
+            assert np.abs(cold - want[0]["0.weight"]).max() > 1e-3 * np.abs(cold).max(), case
 
 
 def test_metrics_count_diloco_bytes_and_thc_at_h_100_sends_under_1_in_500(launched):
@@ -113,8 +136,9 @@ def test_metrics_count_diloco_bytes_and_thc_at_h_100_sends_under_1_in_500(launch
     dense_params = sum(p.numel() for p in build_model().parameters())
     wide_params = sum(p.numel() for p in build_wide_model().parameters())
     for rank in range(2):
-        for case, (sync_every, _, steps, _) in CASES.items():
-            want = steps // sync_every * 4 * dense_params
+        for case, (sync_every, _, steps, _, warm_steps, warm_every) in CASES.items():
+            syncs = (warm_steps // warm_every if warm_steps else 0) + (steps - warm_steps) // sync_every
+            want = syncs * 4 * dense_params
             assert int(launched[rank][f"{case}/pushed_wire"]) == want, f"{case} rank {rank}"
         pushed, steps = int(launched[rank]["bytes/pushed_wire"]), BYTES["steps"]
         syncs = steps // BYTES["sync_every"]
@@ -130,17 +154,23 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
     applied a step later): stopped after 4 steps, with fragment 1's exchange in flight, saved
     (model, DiLoCo's global copies, outer state and the exchange's average, the codecs'
     residuals), resumed in new processes. The first launch trains on after saving: it ends
-    bit-identical to the straight launch (runs repeat, and saving changes nothing)."""
-    spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1,
+    bit-identical to the straight launch (runs repeat, and saving changes nothing). In the same
+    launches and checkpoint, the same DiLoCo with a warm phase (WARM_RESUMED: plain averaging
+    every 2 steps for 6) is stopped inside it, with its exchange of step 4 in flight, and resumed
+    across the switch to DiLoCo: bit-identical too."""
+    spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1, "warm": WARM_RESUMED,
             "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
     for phase in ("straight", "first", "resumed"):
         run_torchrun_job("diloco_resume_job.py", {**spec, "phase": phase}, tmp_path, 2)
     for rank in range(2):
         straight, resumed = np.load(tmp_path / f"straight{rank}.npz"), np.load(tmp_path / f"resumed{rank}.npz")
         first = np.load(tmp_path / f"first{rank}.npz")
+        assert len(straight.files) == 8  # both runs' parameters
         for name in straight.files:
             assert straight[name].tobytes() == resumed[name].tobytes(), f"rank {rank} {name}"
-        assert any(not np.array_equal(straight[n], first[n]) for n in straight.files)
+        for warm in (False, True):  # each run trained on after the stop
+            names = [n for n in straight.files if n.startswith("warm/") == warm]
+            assert any(not np.array_equal(straight[n], first[n]) for n in names), f"warm {warm}"
         first_end = np.load(tmp_path / f"first_end{rank}.npz")
         for name in straight.files:
             assert straight[name].tobytes() == first_end[name].tobytes(), f"rank {rank} {name}: runs differ"
@@ -152,12 +182,19 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
     ({"sync_every": 4, "outer_optimizer": lambda params: object()}, "must return a torch.optim.Optimizer"),
     ({"sync_every": 4, "alpha": 1.0}, "alpha must be in"),
     ({"sync_every": 4, "fragments": 2, "delay": 2}, "delay must be a whole number"),
+    ({"sync_every": 4, "warm_steps": -2, "warm_every": 1}, "warm_steps must be a whole number of inner steps >= 0"),
+    ({"sync_every": 4, "warm_steps": 4, "warm_every": 0}, r"warm_every must be .* that divides warm_steps \(4\), got 0"),
+    ({"sync_every": 4, "warm_steps": 4, "warm_every": 3}, r"divides warm_steps \(4\), got 3"),
+    ({"sync_every": 4, "warm_steps": 4}, r"divides warm_steps \(4\), got None"),
+    ({"sync_every": 4, "warm_every": 2}, "warm_every=2 needs warm_steps > 0"),
+    ({"sync_every": 4, "warm_steps": 4, "warm_every": 1, "delay": 1}, r"warm_every \(1\) must exceed delay \(1\)"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     from bps_gc.torch import DiLoCo
     model = build_model()
-    with pytest.raises((ValueError, TypeError), match=message):
+    with pytest.raises((ValueError, TypeError), match=message) as refused:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert "\n" not in str(refused.value)
 
 
 def test_a_checkpoint_of_another_h_is_refused():
@@ -166,3 +203,8 @@ def test_a_checkpoint_of_another_h_is_refused():
     saved = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4).state_dict()
     with pytest.raises(ValueError, match="sync_every=4 and 1 fragments; this one has sync_every=8"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=8).load_state_dict(saved)
+    warm = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4, warm_steps=6, warm_every=2)
+    with pytest.raises(ValueError, match="made with warm_steps=0, warm_every=None; this one has warm_steps=6, "
+                                         "warm_every=2"):
+        warm.load_state_dict(saved)
+    assert warm.steps == 0

@@ -21,10 +21,10 @@ import torch
 
 from cluster import run_local
 from conftest import ROOT
-from test_diloco import CASES, build_model, recompute
+from test_diloco import CASES, WARM_RESUMED, build_model, recompute
 
 JOB = os.path.join(ROOT, "tests", "diloco_ps_job.py")
-COMPRESSED = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1,
+COMPRESSED = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1, "warm": WARM_RESUMED,
               "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
 WORKERS = 3
 MODES = ("workers", "servers")
@@ -112,15 +112,19 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
     after step 4) is in flight and fragment 0 has taken one outer step; resumed in a new launch
     (new servers: on the servers, the momentum comes back from the checkpoint). The saving
     launch, trained on, ends bit-identical to the straight run too (runs repeat, saving changes
-    nothing)."""
+    nothing). So does the same run with a warm phase (WARM_RESUMED, "warm/"), stopped inside
+    it with its exchange of step 4 in flight and resumed across the switch to DiLoCo."""
     for rank in range(WORKERS):
         every, resumed = runs["all"][rank], runs["resumed"][rank]
         names = [n.split("/", 2)[2] for n in every if n.startswith(f"{mode}/straight/")]
+        assert sum(n.startswith("warm/") for n in names) == (12 if mode == "servers" else 4)  # pulled, mine
         for name in names:
             straight = every[f"{mode}/straight/{name}"].tobytes()
             assert resumed[f"{mode}/resumed/{name}"].tobytes() == straight, f"rank {rank} {name}: resumed"
             assert every[f"{mode}/first_end/{name}"].tobytes() == straight, f"rank {rank} {name}: runs differ"
-        assert any(not np.array_equal(every[f"{mode}/first/{n}"], every[f"{mode}/straight/{n}"]) for n in names)
+        for warm in (False, True):  # each run trained on after the stop
+            trained = [n for n in names if n.startswith("warm/") == warm and "pulled/" not in n and "mine/" not in n]
+            assert any(not np.array_equal(every[f"{mode}/first/{n}"], every[f"{mode}/straight/{n}"]) for n in trained)
     if mode == "servers":  # the servers' outer momentum and global copy are in the checkpoint
         saved = runs["checkpoint"]["bps_gc"]["communicator"]
         momentum = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/momentum")]

@@ -19,6 +19,13 @@ fragment f syncs at inner steps ``(f + 1) * H // F`` mod H, so the F exchanges a
 over the H steps (Streaming DiLoCo). On torch.distributed a replica may be several ranks:
 ``replicate`` is the process group the pseudo-gradients are averaged over (default: every
 rank); on the parameter server every worker is a replica (a group is refused).
+
+A warm phase (``warm_steps=W, warm_every=H0``, docs/diloco.md "A warm phase"): for the first W
+inner steps, every H0 steps the whole model's pseudo-gradients go through the same exchange and
+codec, and the global copy takes them with lr 1 and no momentum (it becomes the replicas'
+average; the local parameters restart from it, whatever alpha); the outer optimizer is untouched,
+so it starts afresh at the switch. DiLoCo's schedule then counts from W: fragment f syncs at
+inner steps W + (f + 1) * H // F mod H (scripts/diloco_quality.py's --warm-start/--warm-every).
 """
 import torch
 
@@ -29,7 +36,8 @@ from .exchange import interruptible_wait, named_exchange
 
 class DiLoCo:
     def __init__(self, model, inner_optimizer, sync_every, outer_optimizer=None, fragments=1, alpha=0.0,
-                 compression_params=None, replicate=None, delay=0, outer_step="workers"):
+                 compression_params=None, replicate=None, delay=0, outer_step="workers", warm_steps=0,
+                 warm_every=None):
         """``outer_optimizer(params) -> torch.optim.Optimizer`` builds a fragment's outer
         optimizer over its global copies (default: SGD, lr 0.7, momentum 0.9, Nesterov);
         ``delay`` (tau): the inner steps a fragment's exchange runs in the background before
@@ -38,7 +46,10 @@ class DiLoCo:
         SGD step and keep its momentum: compress/outer.py; the outer optimizer must be
         torch.optim.SGD, and the pseudo-gradients compressed, as the servers' reducers run
         on compressed tensors; a parameter sent uncompressed, below BYTEPS_MIN_COMPRESS_BYTES,
-        takes its outer step on the workers)."""
+        takes its outer step on the workers);
+        ``warm_steps`` (W), ``warm_every`` (H0): a warm phase of plain averaging every H0 inner
+        steps for the first W (a multiple of H0; each applied ``delay`` steps later, so H0 >
+        delay); 0: none."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be a whole number of inner steps >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -53,6 +64,7 @@ class DiLoCo:
                              f"({sync_every} / {fragments}), got {delay!r}")
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"DiLoCo: alpha must be in [0, 1), got {alpha!r}")
+        check_warm_phase(warm_steps, warm_every, delay)
         if outer_step not in ("workers", "servers"):
             raise ValueError(f"DiLoCo: outer_step must be 'workers' or 'servers', got {outer_step!r}")
         if outer_step == "servers" and not (compression_params or {}).get("compressor"):
@@ -60,7 +72,7 @@ class DiLoCo:
                              "compression_params (threshold 0 sends every element exactly: "
                              "{'compressor': 'threshold', 'threshold': 0.0})")
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
-        self.delay = delay
+        self.delay, self.warm_steps, self.warm_every = delay, warm_steps, warm_every
         make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
         cuts = [len(named) * f // fragments for f in range(fragments + 1)]
         self.fragments = []
@@ -134,6 +146,9 @@ class DiLoCo:
         if not self.on_servers:
             raise ValueError("DiLoCo.elastic_start: a joining host takes the global copy from the servers; "
                              "use outer_step='servers' under BPS_GC_ELASTIC")
+        if self.warm_steps:
+            raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo without a warm phase for now "
+                             f"(got warm_steps={self.warm_steps})")
         if self.delay or len(self.fragments) > 1:
             raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo with fragments=1 and delay=0 for now "
                              f"(got fragments={len(self.fragments)}, delay={self.delay})")
@@ -158,24 +173,40 @@ class DiLoCo:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        """One inner step; then, for every fragment whose turn it is, its exchange starts, and
-        for every fragment whose exchange started ``delay`` steps ago, its outer step."""
+        """One inner step; then, for every fragment whose exchange started ``delay`` steps ago,
+        its outer step, and for every fragment whose turn it is, its exchange starts (finished
+        at once with delay 0)."""
         loss = self.inner.step(closure)
         self.steps += 1
         for fragment in self.fragments:
-            if self.steps % self.sync_every == fragment.turn:
+            self.finish_if_due(fragment)  # first: the warm phase's last may be due at a first turn
+            if self.turn_now(fragment):
                 self.start_sync(fragment)
-            if fragment.pending is not None and self.steps == fragment.due:
-                self.finish_sync(fragment)
+                self.finish_if_due(fragment)
         return loss
+
+    def turn_now(self, fragment):
+        """Whether ``fragment``'s exchange starts after this inner step: in the warm phase every
+        fragment's, every ``warm_every`` steps; after it, at the fragment's turn counted from it."""
+        if self.steps <= self.warm_steps:
+            return self.steps % self.warm_every == 0
+        return (self.steps - self.warm_steps) % self.sync_every == fragment.turn
+
+    def warm(self, fragment):
+        """Whether ``fragment``'s exchange in flight started in the warm phase (plain averaging)."""
+        return fragment.due - self.delay <= self.warm_steps
+
+    def finish_if_due(self, fragment):
+        if fragment.pending is not None and self.steps == fragment.due:
+            self.finish_sync(fragment)
 
     @torch.no_grad()
     def start_sync(self, fragment):
         """The fragment's pseudo-gradient, averaged over the replicas in the background."""
         pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
         if self.on_servers:  # the outer optimizer's settings now (a scheduler may change its lr)
-            fragment.pending = self.exchange(pseudo, ctx={**server_settings(fragment.outer),
-                                                          "outer_workers": core.size()})
+            settings = PLAIN_AVERAGE if self.steps <= self.warm_steps else server_settings(fragment.outer)
+            fragment.pending = self.exchange(pseudo, ctx={**settings, "outer_workers": core.size()})
         else:
             fragment.pending = self.exchange(pseudo, group=self.replicate)  # None: every rank
         fragment.due = self.steps + self.delay
@@ -183,16 +214,20 @@ class DiLoCo:
     @torch.no_grad()
     def finish_sync(self, fragment):
         """The outer step with the averaged pseudo-gradient; the local parameters reset."""
-        averaged = fragment.averaged()
+        warm, averaged = self.warm(fragment), fragment.averaged()
         for copy, name in zip(fragment.copies, fragment.names):
             if self.on_servers and name not in self.exchange.averaged:
                 copy += averaged[name]  # the servers' outer update, the same bits on every worker
+            elif warm:  # plain averaging: torch's SGD with lr 1 and no momentum (copy - mean)
+                copy -= averaged[name]
             else:  # the average: the outer step is taken here (SGD skips the copies without one)
                 copy.grad = averaged[name]
-        fragment.outer.step()
-        fragment.outer.zero_grad(set_to_none=True)
+        if not warm:
+            fragment.outer.step()
+            fragment.outer.zero_grad(set_to_none=True)
+        alpha = 0.0 if warm else self.alpha  # the warm phase's replicas restart from the average
         for (_, p), copy in zip(fragment.named, fragment.copies):
-            p.copy_(copy if self.alpha == 0.0 else self.alpha * p.float() + (1 - self.alpha) * copy)
+            p.copy_(copy if alpha == 0.0 else alpha * p.float() + (1 - alpha) * copy)
         fragment.pending = fragment.due = None
 
     def wait(self):
@@ -209,7 +244,7 @@ class DiLoCo:
         count, where the outer step runs (the codec state, and the servers' outer momentum, is
         bps_gc.torch.state_dict()'s)."""
         return {"inner": self.inner.state_dict(), "steps": self.steps, "sync_every": self.sync_every,
-                "outer_step": self.outer_step,
+                "outer_step": self.outer_step, "warm": [self.warm_steps, self.warm_every],
                 "fragments": [{"copies": [c.clone() for c in f.copies], "outer": f.outer.state_dict(),
                                **f.in_flight()} for f in self.fragments]}
 
@@ -218,6 +253,10 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: the checkpoint was made with sync_every={sd.get('sync_every')} and "
                              f"{len(sd.get('fragments', ()))} fragments; this one has sync_every={self.sync_every} "
                              f"and {len(self.fragments)}")
+        warm = list(sd.get("warm", (0, None)))  # a checkpoint from before the warm phase: none
+        if warm != [self.warm_steps, self.warm_every]:
+            raise ValueError(f"DiLoCo: the checkpoint was made with warm_steps={warm[0]}, warm_every={warm[1]}; "
+                             f"this one has warm_steps={self.warm_steps}, warm_every={self.warm_every}")
         if sd.get("outer_step", "workers") != self.outer_step:  # the outer state is elsewhere
             raise ValueError(f"DiLoCo: the checkpoint was made with outer_step={sd.get('outer_step')!r}; this one "
                              f"has outer_step={self.outer_step!r}")
@@ -232,6 +271,26 @@ class DiLoCo:
 
 
 SERVERS_GLOBAL = "global_copy"  # outer_sgd's state holding a partition's global copy (compress/outer.py)
+# the servers' outer step in the warm phase: the update is -mean (momentum untouched: outer.py)
+PLAIN_AVERAGE = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+
+
+def check_warm_phase(warm_steps, warm_every, delay):
+    """A ValueError naming what is wrong with the warm phase's settings."""
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if not whole(warm_steps) or warm_steps < 0:
+        raise ValueError(f"DiLoCo: warm_steps must be a whole number of inner steps >= 0, got {warm_steps!r}")
+    if not warm_steps:
+        if warm_every is not None:
+            raise ValueError(f"DiLoCo: warm_every={warm_every!r} needs warm_steps > 0 (the warm phase's length)")
+        return
+    if not whole(warm_every) or warm_every < 1 or warm_steps % warm_every:
+        raise ValueError(f"DiLoCo: warm_every must be a whole number of inner steps >= 1 that divides warm_steps "
+                         f"({warm_steps}), got {warm_every!r}")
+    if warm_every <= delay:
+        raise ValueError(f"DiLoCo: warm_every ({warm_every}) must exceed delay ({delay}): a warm exchange is "
+                         "applied delay steps after it starts, before the next")
 
 
 def server_settings(outer):

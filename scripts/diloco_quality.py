@@ -197,6 +197,7 @@ class Study:
                     for p, c in zip(deploy.parameters(), copies):
                         p.copy_(c)
                 curve.append((step + 1, self.evaluate(deploy)))
+        self.global_copy = copies  # tests/test_diloco.py compares it with bps_gc.torch.DiLoCo's
         return curve
 
     def clipped_step(self, model, opt, clip):

@@ -2,7 +2,9 @@
 of the spec (sync_every, fragments, steps), a small MLP trains with inner SGD on each rank's
 own batches, the outer step on the workers; each rank saves its final parameters and the bytes
 bps_gc.torch.metrics() counted for the case (pushed_wire). Then the spec's "bytes" run: thc
-4-bit pseudo-gradients of a wider MLP, every ``sync_every`` steps, and its counted bytes."""
+4-bit pseudo-gradients of a wider MLP, every ``sync_every`` steps, and its counted bytes. Then
+the spec's "study": scripts/diloco_quality.py's tiny LM trained as its replica ``rank`` would
+be, with a warm phase, through bps_gc.torch.DiLoCo; its global copy is saved ("study/<name>")."""
 import gc
 import json
 import os
@@ -45,6 +47,26 @@ for step in range(counted["steps"]):
     opt.step()
     opt.zero_grad()
 saved["bytes/pushed_wire"] = np.array(bps.metrics().pushed_wire)
+opt.wait()
+study = spec["study"]  # scripts/diloco_quality.py's warm phase and DiLoCo, as its replicas train
+sys.path[:0] = [os.path.join(ROOT, "scripts")] + [os.path.join(ROOT, "example", p) for p in ("pytorch/lm", "pytorch")]
+from diloco_quality import Study, parse_args  # noqa: E402
+from gpt import byte_loss  # noqa: E402
+from lm_training import build_model as build_lm, make_optimizer  # noqa: E402
+lm = Study(parse_args(study["argv"]))
+run = lm.settings(study["steps"])
+model = build_lm(run, torch.device("cpu"))
+opt = bps.DiLoCo(model, make_optimizer(run, model), study["every"], warm_steps=study["warm"],
+                 warm_every=study["warm_every"], outer_optimizer=lambda params: torch.optim.SGD(
+                     params, lr=study["outer_lr"], momentum=0.9, nesterov=True))
+for step in range(study["steps"]):
+    lm.set_lr(opt, run, step)
+    opt.zero_grad()
+    x, y = lm.batch(rank, step)
+    byte_loss(model(x), y).backward()
+    lm.clipped_step(model, opt, run.clip)
+names = [name for name, _ in model.named_parameters()]
+saved.update({f"study/{name}": copy.numpy() for name, copy in zip(names, (c for f in opt.fragments for c in f.copies))})
 np.savez(os.path.join(out, f"rank{rank}.npz"), **saved)
 opt.wait()  # an exchange may be in flight: a gloo work pending at exit can abort the process
 del opt

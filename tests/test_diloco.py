@@ -16,6 +16,10 @@ from collective_cluster import run_torchrun_job
 # (sync_every, fragments, inner steps, delay, warm_steps, warm_every)
 CASES = {"one-fragment": (3, 1, 15, 0, 0, None), "two-fragments": (4, 2, 20, 0, 0, None),
          "overlapped": (4, 2, 20, 1, 0, None), "warm": (3, 1, 15, 0, 4, 2), "warm-overlapped": (4, 2, 22, 1, 6, 3)}
+# scripts/diloco_quality.py's tiny LM: 2 warm rounds (every 2 steps), then 2 outer rounds at H = 3
+STUDY = {"argv": ["--layers", "1", "--width", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
+                  "--val-windows", "16", "--warmup", "2"], "steps": 10, "every": 3, "outer_lr": 1.0, "warm": 4,
+         "warm_every": 2}
 # the resume tests' warm run, in lockstep with their first: stopped in its warm phase, an exchange in flight
 WARM_RESUMED = {"warm_steps": 6, "warm_every": 2}
 # issue 44's bytes target: thc 4-bit pseudo-gradients at H = 100, two syncs
@@ -108,7 +112,7 @@ def outer_step(glob, momentum, i, delta):
 def launched(tmp_path_factory):
     """Each rank's results of one diloco_job.py launch: the dense cases, then the bytes run."""
     tmp = tmp_path_factory.mktemp("diloco")
-    run_torchrun_job("diloco_job.py", {"cases": CASES, "bytes": BYTES}, tmp, 2)
+    run_torchrun_job("diloco_job.py", {"cases": CASES, "bytes": BYTES, "study": STUDY}, tmp, 2)
     return [dict(np.load(tmp / f"rank{r}.npz")) for r in range(2)]
 
 
@@ -125,6 +129,33 @@ def test_dense_diloco_equals_the_recomputation(launched):
         if settings[4]:  # the warm phase changes the result: the 1e-6 above tells it apart
             cold = recompute(*settings[:4])[0]["0.weight"]
             assert np.abs(cold - want[0]["0.weight"]).max() > 1e-3 * np.abs(cold).max(), case
+
+
+def test_the_studys_warm_phase_is_the_apis(launched):
+    """scripts/diloco_quality.py --warm-start 4 --warm-every 2 (the tiny LM, AdamW, clipping, 2
+    replicas simulated in one process) and bps_gc.torch.DiLoCo(warm_steps=4, warm_every=2) on 2
+    ranks end on the same global copy, bit for bit: the same rounds, the same plain averages,
+    the outer Nesterov momentum started at the switch (both single-threaded; the dense
+    average of 2 is one sum and one division either way). Without the warm phase the study
+    ends elsewhere, and the copy is not the initial parameters."""
+    import os
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import diloco_quality
+    from lm_training import build_model as build_lm
+    study = diloco_quality.Study(diloco_quality.parse_args(STUDY["argv"]))
+    settings = {k: STUDY[k] for k in ("steps", "every", "outer_lr")}
+    study.diloco(2, **settings, momentum=0.9, warm=STUDY["warm"], warm_every=STUDY["warm_every"])
+    want = [c.numpy().copy() for c in study.global_copy]
+    study.diloco(2, **settings, momentum=0.9)
+    cold = [c.numpy() for c in study.global_copy]
+    lm = build_lm(study.settings(STUDY["steps"]), torch.device("cpu"))
+    for (name, _), value in zip(lm.named_parameters(), want):
+        for rank in range(2):
+            assert launched[rank][f"study/{name}"].tobytes() == value.tobytes(), f"rank {rank} {name}"
+    assert max(np.abs(v - o).max() / np.abs(v).max() for v, o in zip(want, cold)) > 1e-3
+    assert max(np.abs(v - p.detach().numpy()).max() for v, (_, p) in zip(want, lm.named_parameters())) > 1e-3
 
 
 def test_metrics_count_diloco_bytes_and_thc_at_h_100_sends_under_1_in_500(launched):

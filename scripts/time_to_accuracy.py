@@ -89,9 +89,8 @@ def parse_args(argv=None):
         p.error("--local-ranks must be >= 1")
     if args.hsdp and (args.task != "lm" or args.local_ranks < 2):
         p.error("--hsdp needs --task lm and --local-ranks >= 2 (a machine's ranks shard the model)")
-    if args.task == "lm" and args.diloco_every < 8:
-        p.error(f"--diloco-every must be >= 8 (the F=4 tau=1 row's delay 1 must be below H / 4), "
-                f"got {args.diloco_every}")
+    if args.task == "lm":
+        time_to_accuracy_lm.check_diloco_args(args, p)
     return args
 
 

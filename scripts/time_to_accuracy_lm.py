@@ -21,11 +21,11 @@ clock stopped. Bytes per rank per step: bps_gc's rows, its own counter of the by
 hooks, the bytes of the tensors a rank hands to all_reduce / all_gather (counted by wrapping
 them); DDP dense, its gradient's bytes (its C++ reducer all-reduces all of them every step).
 
-The DiLoCo rows (bps_gc.torch.DiLoCo on torch.distributed, issue 44): every rank is a replica
-with the same AdamW, schedule and clipping as the other rows as its inner optimizer, and the
-paper's outer Nesterov SGD (lr 0.7, momentum 0.9); H = --diloco-every inner steps between a
-fragment's syncs; "F=4 tau=1" is Streaming DiLoCo (4 staggered fragments, each exchange
-overlapped with one inner step). Steps count inner steps, and bytes are per inner step. What is
+The DiLoCo rows (bps_gc.torch.DiLoCo on torch.distributed, issue 44; scripts/tta_lm_diloco.py,
+with its warm-phase flags): every rank is a replica with the same AdamW, schedule and clipping
+as the other rows as its inner optimizer, and the paper's outer Nesterov SGD (lr 0.7, momentum
+0.9); H = --diloco-every inner steps between a fragment's syncs; "F=4 tau=1" is Streaming
+DiLoCo (4 staggered fragments, each exchange overlapped with one inner step). Steps count inner steps, and bytes are per inner step. What is
 evaluated is what a user would deploy: the global copy, each fragment's as of its last applied
 outer step (an exchange in flight not included), not a replica's drifting local parameters. An
 evaluation step waits for any exchange in flight first, inside the timed step (gloo runs one
@@ -43,6 +43,7 @@ import time
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example", p)
                 for p in ("pytorch/lm", "pytorch", "")]
+from tta_lm_diloco import DILOCO, add_diloco_args, check_diloco_args, diloco_rows, make_diloco  # noqa: E402,F401
 
 # bps_gc's DDP hook rows (AdamW); the parameter-server rows' DistributedOptimizer recipes
 HOOKS = {"bps_gc hook onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
@@ -53,18 +54,10 @@ HOOKS = {"bps_gc hook onebit + EF": {"compressor": "onebit", "scaling": True, "e
 RECIPES = {"onebit + EF + nesterov (SGD)": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
                                             "momentum": "nesterov"},
            "thc 4-bit": {"compressor": "thc", "bits": 4, "feedback": True}}
-# DiLoCo rows: the name after "bps_gc DiLoCo H=<H> " -> (fragments, delay tau, compression_params)
-THC = {"compressor": "thc", "bits": 4, "feedback": True}  # error feedback across outer steps
-DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 thc 4-bit": (4, 1, THC)}
 REFERENCE = "reference"
 COLLECTIVE = (REFERENCE, "DDP dense", "DDP bf16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4", *HOOKS)
 PS = tuple(f"bps_gc PS {r}" for r in RECIPES)
 LIMIT = "the limit (no exchange)"
-
-
-def diloco_rows(args):
-    """{row name: (fragments, delay, compression_params)} at H = --diloco-every."""
-    return {f"bps_gc DiLoCo H={args.diloco_every} {name}": settings for name, settings in DILOCO.items()}
 
 
 def collective_rows(args):
@@ -93,8 +86,7 @@ def add_args(p):
     g.add_argument("--cap-factor", type=float, default=3.0,
                    help="lm: a row stops at this many times the limit's time to the target")
     g.add_argument("--sgd-lr", type=float, default=0.3, help="lm: the SGD recipe row's peak rate")
-    g.add_argument("--diloco-every", type=int, default=50, metavar="H",
-                   help="lm: the DiLoCo rows' inner steps between a fragment's syncs (>= 8: F=4, tau=1)")
+    add_diloco_args(g)  # scripts/tta_lm_diloco.py
     g.add_argument("--cap-seconds", type=float, default=None, help=argparse.SUPPRESS)
     g.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
     add_optimizer_args(p)
@@ -214,10 +206,7 @@ class Run:
             from tta_lm_torchft import TorchftDiLoCo
             return model, model, TorchftDiLoCo(model, opt, args.diloco_every, self.rank, self.size), args, False
         if config in diloco:
-            fragments, delay, compression = diloco[config]
-            opt = bps.DiLoCo(model, opt, args.diloco_every, fragments=fragments, delay=delay,
-                             compression_params=compression)
-            return model, model, opt, args, False
+            return model, model, make_diloco(bps, model, opt, args, diloco[config]), args, False
         net = DDP(model)
         if config == "DDP bf16 hook":
             # DDP refuses torch's bf16 hook by its name without NCCL; gloo all-reduces bfloat16 fine

@@ -280,3 +280,40 @@ def test_thc_takes_ef_vanilla_as_its_own_feedback(capsys):
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         f"{parser.prog}: error: --ef nesterov: thc takes --ef vanilla")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--diloco-warm-steps", "-5", "--diloco-warm-every", "5"], "--diloco-warm-steps must be >= 0, got -5"),
+    (["--diloco-warm-steps", "150", "--diloco-warm-every", "0"], "--diloco-warm-every must divide --diloco-warm-steps "
+                                                                  "(150) and be above the F=4 tau=1 row's delay 1, got 0"),
+    (["--diloco-warm-steps", "150", "--diloco-warm-every", "7"], "(150) and be above the F=4 tau=1 row's delay 1, got 7"),
+    (["--diloco-warm-steps", "150"], "and be above the F=4 tau=1 row's delay 1, got None"),
+    (["--diloco-warm-every", "5"], "--diloco-warm-every 5 needs --diloco-warm-steps W > 0"),
+    (["--diloco-every", "4"], "--diloco-every must be >= 8"),
+])
+def test_bad_diloco_flags_are_one_line(capsys, flags, message):
+    """scripts/time_to_accuracy.py --task lm's DiLoCo flags (scripts/tta_lm_diloco.py), refused at
+    the call, one line."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import time_to_accuracy
+    with pytest.raises(SystemExit) as stopped:
+        time_to_accuracy.parse_args(["--task", "lm", *flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith(f"{os.path.basename(sys.argv[0])}: error: --diloco"), err
+
+
+def test_diloco_warm_flags_name_the_rows_and_reach_diloco():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import time_to_accuracy
+    import time_to_accuracy_lm as lm
+    import bps_gc.torch as bps
+    args = time_to_accuracy.parse_args(["--task", "lm", "--diloco-warm-steps", "150", "--diloco-warm-every", "5"])
+    rows = lm.diloco_rows(args)
+    assert list(rows) == [f"bps_gc DiLoCo H=50 warm 150/5 {name}" for name in lm.DILOCO]
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # 4 tensors: F = 4
+    opt = lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), args, rows[list(rows)[-1]])
+    assert (opt.sync_every, opt.warm_steps, opt.warm_every, opt.delay, len(opt.fragments)) == (50, 150, 5, 1, 4)
+    plain = time_to_accuracy.parse_args(["--task", "lm"])
+    assert list(lm.diloco_rows(plain))[0] == "bps_gc DiLoCo H=50 dense"
+    assert lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), plain, rows[list(rows)[0]]).warm_steps == 0

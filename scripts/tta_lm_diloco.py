@@ -1,0 +1,52 @@
+"""The DiLoCo rows of scripts/time_to_accuracy.py --task lm (bps_gc.torch.DiLoCo on
+torch.distributed, issue 44): their settings, names and flags.
+
+    --diloco-every H                      inner steps between a fragment's syncs (>= 8: F=4, tau=1)
+    --diloco-warm-steps W --diloco-warm-every H0
+                                          a warm phase first: plain averaging every H0 steps for
+                                          W steps (DiLoCo's warm_steps, warm_every; docs/diloco.md)
+
+The warm phase is bps_gc's rows' only (torchft's DiLoCo has none); their names say it.
+"""
+THC = {"compressor": "thc", "bits": 4, "feedback": True}  # error feedback across outer steps
+# the name after "bps_gc DiLoCo H=<H> " -> (fragments, delay tau, compression_params)
+DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 thc 4-bit": (4, 1, THC)}
+MAX_DELAY = max(delay for _, delay, _ in DILOCO.values())  # a warm exchange is applied this late
+
+
+def add_diloco_args(g):
+    g.add_argument("--diloco-every", type=int, default=50, metavar="H",
+                   help="lm: the DiLoCo rows' inner steps between a fragment's syncs (>= 8: F=4, tau=1)")
+    g.add_argument("--diloco-warm-steps", type=int, default=0, metavar="W",
+                   help="lm: bps_gc's DiLoCo rows start with a warm phase of W steps of plain averaging (0: none)")
+    g.add_argument("--diloco-warm-every", type=int, default=None, metavar="H0",
+                   help="lm: the warm phase's inner steps between averages (divides W; >= 2, above the "
+                        "F=4 tau=1 row's delay)")
+
+
+def check_diloco_args(args, p):
+    """One line (p.error) for DiLoCo flags the rows would refuse mid-run."""
+    every, warm, warm_every = args.diloco_every, args.diloco_warm_steps, args.diloco_warm_every
+    if every < 8:
+        p.error(f"--diloco-every must be >= 8 (the F=4 tau=1 row's delay 1 must be below H / 4), got {every}")
+    if warm < 0:
+        p.error(f"--diloco-warm-steps must be >= 0, got {warm}")
+    if not warm and warm_every is not None:
+        p.error(f"--diloco-warm-every {warm_every} needs --diloco-warm-steps W > 0 (the warm phase's length)")
+    if warm and (warm_every is None or warm_every <= MAX_DELAY or warm % warm_every):
+        p.error(f"--diloco-warm-every must divide --diloco-warm-steps ({warm}) and be above the F=4 tau=1 row's "
+                f"delay {MAX_DELAY}, got {warm_every}")
+
+
+def diloco_rows(args):
+    """{row name: (fragments, delay, compression_params)} at H = --diloco-every."""
+    warm = f" warm {args.diloco_warm_steps}/{args.diloco_warm_every}" if args.diloco_warm_steps else ""
+    return {f"bps_gc DiLoCo H={args.diloco_every}{warm} {name}": settings for name, settings in DILOCO.items()}
+
+
+def make_diloco(bps, model, opt, args, settings):
+    """bps_gc.torch.DiLoCo over ``opt`` with a row's (fragments, delay, compression_params)."""
+    fragments, delay, compression = settings
+    warm = {"warm_steps": args.diloco_warm_steps, "warm_every": args.diloco_warm_every} if args.diloco_warm_steps else {}
+    return bps.DiLoCo(model, opt, args.diloco_every, fragments=fragments, delay=delay,
+                      compression_params=compression, **warm)

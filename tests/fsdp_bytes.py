@@ -9,9 +9,16 @@ scripts/fsdp_bytes.py's table), in bytes:
   per step (pushed_wire: its payloads, or each phase's summed words for thc and PowerSGD);
 * ``state``: the arrays of the hooks' codec state, what ``bps_gc.torch.state_dict()`` saves
   (error-feedback residuals, PowerSGD's Q, generator states);
-* ``held``: every array the codecs hold between steps (the state, plus scratch buffers kept
-  for the next step), each buffer once;
+* ``held``: every array the exchange holds between steps (reachable from it through bps_gc
+  objects: the codecs' state, any scratch buffer kept for the next step, the shards' stand-in
+  tensors), each buffer once;
+* ``alive``: the bytes of numpy's allocations made during the steps and still alive after
+  them (tracemalloc's numpy domain: whatever holds them, codecs or not; torch's are not
+  counted);
 * ``shard``: this rank's parameter shard (its local parameters' bytes)."""
+import gc
+import tracemalloc
+
 import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -31,13 +38,21 @@ def bytes_and_memory(model, exchange, train, steps):
     """Train ``train(range(steps))`` (the hooks on ``model``, ``exchange`` theirs) and count."""
     handed = count_reduce_outputs(model)
     bps.metrics()  # restart the counters: the job's other models moved bytes too
+    gc.collect()
+    tracemalloc.start()
     train(range(steps))
+    exchange.hook.pipeline.idle()  # its threads let go of the last call just after its future is done
+    gc.collect()
+    alive = sum(t.size for t in tracemalloc.take_snapshot().traces if t.domain == NUMPY_DOMAIN)
+    tracemalloc.stop()
     traffic = bps.metrics()
-    codecs = list(exchange.hook.pipeline.codecs.codecs.values())
     local = [p.to_local() for p in model.parameters()]
     return {"native": handed[0] / steps, "wire": traffic.pushed_wire / steps, "pulled": traffic.pulled_wire / steps,
-            "state": array_bytes(exchange.hook.codec_state().state_dict().values()), "held": held_bytes(codecs),
-            "shard": sum(t.numel() * t.element_size() for t in local)}
+            "state": array_bytes(exchange.hook.codec_state().state_dict().values()), "held": held_bytes([exchange]),
+            "alive": alive, "shard": sum(t.numel() * t.element_size() for t in local)}
+
+
+NUMPY_DOMAIN = 389047  # numpy's tracemalloc domain for array data (numpy/_core/include: NPY_TRACE_DOMAIN)
 
 
 def count_reduce_outputs(model):
@@ -90,9 +105,10 @@ def held_bytes(roots):
 def table(arrays):
     """The lines of the table of one rank's saved arrays (``bytes/<codec>/<count>``)."""
     lines = [f"{'codec':12} {'bytes/step':>10} {'native/it':>9} {'state B':>8} {'state/shard':>11} "
-             f"{'held B':>8} {'held/shard':>10}"]
+             f"{'held B':>8} {'held/shard':>10} {'alive/shard':>11}"]
     for name in CODECS:
-        got = {k: float(arrays[f"bytes/{name}/{k}"]) for k in ("native", "wire", "state", "held", "shard")}
+        got = {k: float(arrays[f"bytes/{name}/{k}"]) for k in ("native", "wire", "state", "held", "alive", "shard")}
         lines.append(f"{name:12} {got['wire']:>10.0f} {got['native'] / got['wire']:>9.2f} {got['state']:>8.0f} "
-                     f"{got['state'] / got['shard']:>11.3f} {got['held']:>8.0f} {got['held'] / got['shard']:>10.3f}")
+                     f"{got['state'] / got['shard']:>11.3f} {got['held']:>8.0f} {got['held'] / got['shard']:>10.3f} "
+                     f"{got['alive'] / got['shard']:>11.3f}")
     return lines

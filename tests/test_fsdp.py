@@ -139,8 +139,8 @@ def test_bytes_per_step_and_codec_memory(topk_run):
     rank: the bytes bps_gc.torch.metrics() counts per step equal each codec's wire format over
     the shard shapes (docs/codecs.md), the dense hook's equal native HSDP's (the reduce-scatter
     outputs: one per module and synced micro-batch), and thc 4-bit hands the wire at most 1/5.5
-    of native's, onebit+EF at most 1/25; the codecs with error feedback keep at most twice the
-    rank's parameter shard."""
+    of native's, onebit+EF at most 1/25; with the codecs with error feedback, what the exchange
+    saves, holds and leaves alive between steps is at most twice the rank's parameter shard."""
     sizes = [math.prod(shape) // 2 for shape in WIDE]
     matrices = [(shape[0] // 2, shape[1]) if len(shape) == 2 else near_square(n) for shape, n in zip(WIDE, sizes)]
     native = 4 * sum(sizes)  # float32
@@ -162,11 +162,12 @@ def test_bytes_per_step_and_codec_memory(topk_run):
             assert got[f"bytes/{name}/wire"] == wire, (r, name)
         assert 5.5 * got["bytes/thc 4-bit/wire"] <= native and 25 * got["bytes/onebit+EF/wire"] <= native, r
         assert 0 < got["bytes/topk 1%+EF/wire"] < native / 10, r
-        assert got["bytes/dense/state"] == got["bytes/dense/held"] == 0, r
+        assert got["bytes/dense/state"] == 0 and got["bytes/dense/held"] <= 4 * len(sizes), r  # stand-ins' element
         for name in EF:
-            state, held = got[f"bytes/{name}/state"], got[f"bytes/{name}/held"]
+            state, held, alive = (got[f"bytes/{name}/{k}"] for k in ("state", "held", "alive"))
             assert sum(sizes) * 4 <= state <= held, (r, name)  # the residual at least
-            assert state <= 2 * native, (r, name, state)
+            # issue 42's memory target, beside the shards' stand-ins (one element each)
+            assert max(state, held - 4 * len(sizes), alive) <= 2 * native, (r, name, state, held, alive)
     print("\n".join(table(topk_run[0])))
 
 

@@ -60,6 +60,7 @@ class JobThread:
             try:
                 fn(*args)  # a job records its own errors (on its bucket or future)
             finally:
+                job = fn = args = None  # not held while waiting for the next (its payloads, buffers)
                 with self.changed:
                     self.completed += 1
                     self.changed.notify_all()

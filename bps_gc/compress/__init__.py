@@ -13,6 +13,7 @@ from . import entire_model  # noqa: F401  (registers the entiremodel partition c
 from .context import step_context
 from .params import CompressionParams, ParamError
 from .reducers import REDUCERS, choose_reducer, make_reducer, register_reducer
+from .scratch import Scratch, use_scratch
 from .seeds import derive_seed
 from .registry import (load_plugins, register_compressor, register_error_feedback,
                        register_momentum)
@@ -21,6 +22,6 @@ from .stateful import StateError, StateGroup
 from .state_bytes import decode_state, encode_state
 
 __all__ = ["Codec", "CompressionParams", "ParamError", "REDUCERS", "build_chain",
-           "choose_reducer", "derive_seed", "load_plugins", "make_reducer", "register_compressor",
+           "choose_reducer", "derive_seed", "Scratch", "use_scratch", "load_plugins", "make_reducer", "register_compressor",
            "register_error_feedback", "register_momentum", "register_reducer", "resolve_k",
            "step_context", "StateError", "StateGroup", "decode_state", "encode_state"]

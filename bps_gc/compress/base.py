@@ -29,7 +29,8 @@ class Codec(Stateful):
         if int(n) < 1:
             raise ValueError(f"{type(self).__name__}: partition must have >= 1 element, got {n}")
         self.params, self.n, self.dtype = params, int(n), dtype
-        self._scratch = None
+        self._scratch = None  # the decoded payload of decompress_add and residual, kept
+        self.scratch = None  # or a scratch.Scratch shared with other partitions' codecs
 
     def state_identity(self):
         return codec_identity(self)
@@ -42,15 +43,19 @@ class Codec(Stateful):
 
     def decompress_add(self, payload, acc):
         """acc += decompress(payload), in place (a server summing pushes)."""
-        if self._scratch is None:
-            self._scratch = np.empty(self.n, self.dtype)
-        acc += self.decompress(payload, self._scratch)
+        acc += self.decompress(payload, self._decoded())
 
     def residual(self, payload, x):
         """x -= decompress(payload), in place (error feedback's ``e = g - D(c)``)."""
+        x -= self.decompress(payload, self._decoded())
+
+    def _decoded(self):
+        """Where decompress_add and residual decode a payload."""
+        if self.scratch is not None:
+            return self.scratch.take("decoded", self.n, self.dtype)
         if self._scratch is None:
             self._scratch = np.empty(self.n, self.dtype)
-        x -= self.decompress(payload, self._scratch)
+        return self._scratch
 
     # helpers for subclasses --------------------------------------------------------------
 

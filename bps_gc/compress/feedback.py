@@ -36,6 +36,7 @@ class Decorator(Forwarding, Stateful):
     def __init__(self, inner, params):
         self.inner, self.params = inner, params
         self.n, self.dtype = inner.n, inner.dtype
+        self.scratch = None  # or a scratch.Scratch shared with other partitions' codecs
 
 
 def _scale_add(a, s, x, out):
@@ -61,7 +62,9 @@ class VanillaErrorFeedback(Decorator):
     A non-finite g (inf or NaN in the gradient, or an overflow) is sent as all NaN, so the
     round's result shows it whatever the codec keeps, and e and lr_prev stay as they were: later
     rounds are finite again (AMP's loss scaler skips that step). g is built in a second buffer
-    so that keeping e costs no copy.
+    (e is kept until g is known to be finite): its own, swapped with e so that keeping e costs
+    no copy, or a shared scratch's (``scratch``), copied into e, so that only e is held
+    between steps.
     """
 
     state_label, state_name, state_attrs = "ef.", "vanilla", ("error", "lr_prev")
@@ -69,22 +72,37 @@ class VanillaErrorFeedback(Decorator):
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.error = np.zeros(self.n, self.dtype)
-        self._spare = np.empty(self.n, self.dtype)
+        self._spare = None  # made at the first step without a shared scratch
         self.lr_prev = 0.0
 
     def compress(self, x, ctx=None):
         lr = step_context(ctx)["lr"]
         # BytePS scales by a float32 ratio, then adds: two float32 roundings, as here
         ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
-        g = self._spare
+        shared = self.scratch is not None
+        if shared:
+            g = self.scratch.take("ef", self.n, self.dtype)
+        else:
+            if self._spare is None:
+                self._spare = np.empty(self.n, self.dtype)
+            g = self._spare
         if not _scale_add(self.error, self.dtype.type(ratio), _flat(x, self.dtype), g):
             g.fill(np.nan)
-            return self.inner.compress(g, ctx)
-        payload = self.inner.compress(g, ctx)
+            return _owned(self.inner.compress(g, ctx), g)
+        payload = _owned(self.inner.compress(g, ctx), g)
         self.inner.residual(payload, g)
-        self.error, self._spare = g, self.error
+        if shared:
+            np.copyto(self.error, g)
+        else:
+            self.error, self._spare = g, self.error
         self.lr_prev = lr
         return payload
+
+
+def _owned(payload, g):
+    """``payload`` as an array of its own: g may be a shared scratch that the next partition
+    overwrites before the payload is sent (codecs return fresh payloads; this keeps it so)."""
+    return payload.copy() if np.may_share_memory(payload, g) else payload
 
 
 @register_momentum("nesterov")

@@ -70,7 +70,7 @@ class PowerSGD(Codec):
         self.q = np.random.default_rng(int(seed)).standard_normal(
             (self.cols, self.rank)).astype(np.float32)
         self.error = np.zeros(self.n, np.float32)
-        self.m = np.zeros((self.rows, self.cols), np.float32)
+        self.m = None  # M = x + error (its padding zero), from compress to finish: _matrix_m
         self.p_hat = None
 
     @property
@@ -103,6 +103,7 @@ class PowerSGD(Codec):
         x = x.astype(np.float32) if self.dtype == np.float16 else x
         p = np.empty((self.rows, self.rank), np.float32)
         qt = np.ascontiguousarray(self.q.T)
+        self.m = self._matrix_m()
         lib.powersgd_p_f32(ptr(x), ptr(self.error), self.n, self.rows, self.cols, ptr(qt),
                            self.rank, ptr(self.m), ptr(p))
         return p.view(np.uint8).reshape(-1)
@@ -129,7 +130,20 @@ class PowerSGD(Codec):
         out = self._into(out, fill)
         if np.isfinite(q).all():  # a non-finite step's Q would make every later warm start NaN
             self.q = q.copy()
+        if self.scratch is not None:  # the shared scratch's M is freed after the call: not held
+            self.m = None
         return out
+
+    def _matrix_m(self):
+        """The rows x cols float32 matrix M is built in: its own, kept for the next step, or
+        (a shared scratch) one of the call's, which the exchange frees once it is done."""
+        if self.scratch is None:
+            if self.m is None:
+                self.m = np.zeros((self.rows, self.cols), np.float32)
+            return self.m
+        m = self.scratch.take(("powersgd.m", id(self)), self.rows * self.cols, np.float32)
+        m[self.n:] = 0  # the kernel leaves the padding as it finds it
+        return m.reshape(self.rows, self.cols)
 
     def decompress(self, payload, out=None):
         split = self.rows * self.rank * 4

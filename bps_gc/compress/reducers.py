@@ -20,6 +20,7 @@ import numpy as np
 from .chain import build_chain
 from .context import step_context
 from .registry import COMPRESSORS, load_plugins
+from .scratch import use_scratch
 from .stateful import Stateful
 
 REDUCERS = {}
@@ -94,6 +95,7 @@ class Reducer(Stateful):
         self.params, self.n, self.dtype = params, int(n), np.dtype(dtype)
         self.codecs = codecs
         self._decoder = None
+        self.scratch = None  # or a scratch.Scratch shared with other partitions' reducers
 
     def state_identity(self):
         return {"reducer": self.name, "params": self.params.to_json().decode(), "n": self.n,
@@ -103,6 +105,7 @@ class Reducer(Stateful):
     def decoder(self):
         if self._decoder is None:
             self._decoder = self.codecs("decode")
+            use_scratch(self._decoder, self.scratch)
         return self._decoder
 
     def total(self, payloads, compressed, acc=None, decoder=None):
@@ -149,21 +152,28 @@ class Recompress(Reducer):
     def __init__(self, params, n, dtype, codecs):
         super().__init__(params, n, dtype, codecs)
         self._chain = None
-        self._acc = np.empty(self.n, self.dtype)
+        self._acc = None  # the pushes' sum, kept for the next step (without a shared scratch)
 
     @property
     def chain(self):
         """The server's codec chain (server error feedback included), made on first use."""
         if self._chain is None:
             self._chain = self.codecs("server")
+            use_scratch(self._chain, self.scratch)
         return self._chain
 
     def state_children(self):
         return (("chain.", self.chain),)
 
     def reduce(self, payloads, compressed, ctx=None):
-        self._acc.fill(0)
-        acc = self.total(payloads, compressed, self._acc, self.chain)
+        if self.scratch is not None:
+            acc = self.scratch.take("sum", self.n, self.dtype)
+        else:
+            if self._acc is None:
+                self._acc = np.empty(self.n, self.dtype)
+            acc = self._acc
+        acc.fill(0)
+        acc = self.total(payloads, compressed, acc, self.chain)
         return self.chain.compress(acc, step_context(ctx))
 
     def decode(self, reply, out, ctx=None):

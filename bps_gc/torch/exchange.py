@@ -41,6 +41,9 @@ class CompressedExchange:
     def __init__(self, compression_params=None, reducer=None, named_parameters=None):
         named = None if named_parameters is None else list(named_parameters)
         self.hook = register(CompressionHook(compression_params, reducer, None, named), "exchange")
+        # its parts' codecs share scratch buffers, freed after each call: between calls they
+        # hold their state alone (FSDP2's many shards, docs/fsdp.md "Bytes and memory per codec")
+        self.hook.pipeline.share_scratch()
         self.parameters = None if named is None else dict(named)
         self.batches = {}  # the names of a call -> its batch index (made in call order, alike on every rank)
 

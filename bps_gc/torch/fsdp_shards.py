@@ -55,8 +55,10 @@ def shard_part(param_group, fsdp_param, names):
                          "pass the root module (the one fully_shard was called on last)")
     policy, dtype = param_group.mp_policy, fsdp_param.sharded_param.dtype
     reduce_dtype = policy.reduce_dtype or policy.param_dtype or dtype  # FSDP2's rule
-    stand_in = torch.empty(tuple(fsdp_param.padded_sharded_param_size), dtype=reduce_dtype,
-                           device=param_group.device)
+    # one element seen in the shard's shape: what the exchange reads of it (its size, shape,
+    # dtype and device) without holding a shard's worth of memory
+    stand_in = torch.empty((), dtype=reduce_dtype, device=param_group.device).expand(
+        tuple(fsdp_param.padded_sharded_param_size))
     return f"{name}#shard{param_group.mesh_info.shard_mesh_rank}", stand_in
 
 

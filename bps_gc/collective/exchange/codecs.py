@@ -124,6 +124,9 @@ class PartCodecs:
         self.named = None if named_parameters is None else list(named_parameters)
         self.codecs = {}  # part id -> PartCodec
         self.batches = {}  # batch index -> BatchState
+        # None: each numpy codec keeps its own scratch buffers (no allocation a call); or a
+        # compress.Scratch shared by every part's numpy chain and reducer (Pipeline.share_scratch)
+        self.scratch = None
 
     def state_of(self, batch):
         """The BatchState of ``batch``, kept while its parts stay the same."""
@@ -149,11 +152,15 @@ class PartCodecs:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if self.phased:  # its reducer runs as the phases of phased.py
             chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, shape=shape)
+            compress.use_scratch(chain, self.scratch)
             return PartCodec(key, n, tensor.device, on_device, wire, chain, None)
         device = {"device": tensor.device} if on_device else {}
         chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, **device)
         reducer = (device_reduction(self.reducer, self.params, n, wire, key, tensor.device) if on_device else
                    compress.make_reducer(self.reducer, self.params, n, wire, key))
+        if not on_device:
+            compress.use_scratch(chain, self.scratch)
+            compress.use_scratch(reducer, self.scratch)
         return PartCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 
     def codecs_for(self, batch):

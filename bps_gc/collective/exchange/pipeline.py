@@ -55,6 +55,13 @@ class Pipeline:
         self.side_groups = {}  # the caller's process group -> the pipeline's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buffers are reduced on
 
+    def share_scratch(self):
+        """From now on, every part's numpy codecs share one compress.Scratch, freed once each
+        call is done: what they hold between calls is their state alone (FSDP2's shards,
+        docs/fsdp.md), at an allocation a call. Before the first call. (The DDP hook keeps
+        each codec's own buffers: no allocation a step.)"""
+        self.codecs.scratch = compress.Scratch()
+
     def submit(self, group, batch, lr, comm=None):
         """The average of ``batch.buffer`` over ``group``, written into it: a pending future of
         the buffer. ``lr``: the learning rate error feedback rescales by; ``comm``: the running
@@ -89,6 +96,8 @@ class Pipeline:
         under two levels), averaged over ``group``'s ranks."""
         buffer = batch.buffer
         future, stream = pending_future(self.streams, buffer)
+        if self.codecs.scratch is not None and parts:  # freed before the caller's callbacks run
+            future.add_done_callback(lambda _, scratch=self.codecs.scratch: scratch.release())
         segment = TensorSegment(parts, ctx, buffer=buffer, fp16=self.params.fp16, on_device=on_device,
                                 two_levels=levels is not None, divisor=dist.get_world_size(group), keys=keys)
         # device payloads stay where they are (NCCL for CUDA); host ones go in one all_gather

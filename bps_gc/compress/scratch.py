@@ -1,0 +1,52 @@
+"""Scratch buffers shared by the codecs of many partitions: the arrays a codec needs only inside
+one call (error feedback's g, a server's sum of the pushes, a decoded payload to add or
+subtract) and holds nothing in between.
+
+Without one, each codec keeps its own (a spare the size of its partition, reused every step:
+no allocation a step). A caller that runs many partitions' codecs one after another on one
+thread (the exchange's pipeline: FSDP2's shards, docs/fsdp.md "Bytes and memory per codec")
+hands them one ``Scratch`` instead (``use_scratch``): one buffer per slot, the size of the
+largest partition, which the caller frees (``release``) once a call's partitions are done, so
+what the codecs hold between steps is their state alone (at an allocation per call, not per
+partition). A thread that asks gets buffers of its own, so codecs that run on two threads (the
+pipeline's compressing and reducing threads) never share one."""
+import threading
+
+import numpy as np
+
+
+class Scratch:
+    """Named slots of flat arrays, each grown to the largest request (per thread)."""
+
+    def __init__(self):
+        self.buffers = {}  # (slot, dtype, thread id) -> its array
+
+    def take(self, slot, n, dtype):
+        """The first ``n`` elements of ``slot``'s ``dtype`` array (contents undefined): valid
+        until the next ``take`` of the same slot on this thread."""
+        key = (slot, np.dtype(dtype), threading.get_ident())
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.size < n:
+            buffer = self.buffers[key] = np.empty(n, dtype)
+        return buffer[:n]
+
+    def release(self):
+        """Drop every buffer (an array still in use stays valid: it is only no longer reused)."""
+        self.buffers.clear()
+
+    def nbytes(self):
+        return sum(buffer.nbytes for buffer in list(self.buffers.values()))
+
+
+def use_scratch(codec, scratch):
+    """Hand ``scratch`` to ``codec`` (a chain or a reducer) and to every codec inside it (a
+    decorator's wrapped codec, a reducer's chains), each made or to be made."""
+    seen, todo = set(), [codec]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if hasattr(obj, "scratch"):
+            obj.scratch = scratch
+        todo.extend(getattr(obj, name, None) for name in ("inner", "_chain", "_decoder"))

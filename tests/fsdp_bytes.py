@@ -39,12 +39,12 @@ def bytes_and_memory(model, exchange, train, steps):
     handed = count_reduce_outputs(model)
     bps.metrics()  # restart the counters: the job's other models moved bytes too
     gc.collect()
-    tracemalloc.start()
+    start_tracing_once()
+    tracemalloc.clear_traces()  # from here on, the steps' allocations
     train(range(steps))
     exchange.hook.pipeline.idle()  # its threads let go of the last call just after its future is done
     gc.collect()
     alive = sum(t.size for t in tracemalloc.take_snapshot().traces if t.domain == NUMPY_DOMAIN)
-    tracemalloc.stop()
     traffic = bps.metrics()
     local = [p.to_local() for p in model.parameters()]
     return {"native": handed[0] / steps, "wire": traffic.pushed_wire / steps, "pulled": traffic.pulled_wire / steps,
@@ -53,6 +53,15 @@ def bytes_and_memory(model, exchange, train, steps):
 
 
 NUMPY_DOMAIN = 389047  # numpy's tracemalloc domain for array data (numpy/_core/include: NPY_TRACE_DOMAIN)
+
+
+def start_tracing_once():
+    """tracemalloc on for the rest of the process, never stopped: tracemalloc.stop() frees the
+    traceback buffer that a thread waiting for the GIL inside tracemalloc's allocation hook (a
+    gloo or torch thread) then writes into, and the rank dies of SIGSEGV (python/cpython#128679,
+    fixed in 3.12.9 and 3.13.2, not in 3.11): test_fsdp's launch did, just after stop()."""
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
 
 
 def count_reduce_outputs(model):

@@ -25,13 +25,45 @@ for t in spec["tensors"]:
     bps.declare(t["name"], shape=tuple(t["shape"]) if spec.get("declare_shapes", True) else None,
                 dtype=t["dtype"], reducer=t.get("reducer"), **t.get("params", {}))
 results, metrics = {}, {}
+reduced = []  # (address, elements) of each all_reduce, with views in the spec (the collective's)
+if any("view" in t for t in spec["tensors"]):
+    import torch.distributed as dist
+    all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        reduced.append((tensor.data_ptr(), tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = recording_all_reduce
+
+
+def laid_out(tensors, inputs):
+    """``view``: the inputs of one view name, copied back to back into one flat array in the
+    spec's (the push) order, become views of it, on every rank or (``view_ranks`` "odd") odd
+    ranks only; returns the inputs and {view name: its flat array}."""
+    flats = {}
+    for _, t in tensors:
+        if "view" in t and (t.get("view_ranks") != "odd" or rank % 2 == 1):
+            flats.setdefault(t["view"], []).append(t)
+    for view, members in flats.items():
+        flats[view] = np.empty(sum(int(np.prod(t["shape"])) for t in members), members[0]["dtype"])
+    offsets = dict.fromkeys(flats, 0)
+    for k, (_, t) in enumerate(tensors):
+        if "view" in t and t["view"] in flats:
+            n, at = inputs[k].size, offsets[t["view"]]
+            flats[t["view"]][at:at + n] = inputs[k].reshape(-1)
+            inputs[k] = flats[t["view"]][at:at + n].reshape(inputs[k].shape)
+            offsets[t["view"]] += n
+    return inputs, flats
+
+
 sets = list(dict.fromkeys(t.get("set") for t in spec["tensors"]))  # in the spec's order
 for tensor_set in sets:
     tensors = [(i, t) for i, t in enumerate(spec["tensors"]) if t.get("set") == tensor_set]
     for step in range(spec["steps"]):
         ctx = step_ctx(spec, step)
         handles = []
-        inputs = [gradient(rank, step, t) for _, t in tensors]  # all ready, as after a backward
+        inputs, flats = laid_out(tensors, [gradient(rank, step, t) for _, t in tensors])  # as after a backward
+        reduced.clear()
         def into_another(t):  # ``out``: True, "later" (from the 2nd step on), "odd ranks"; else in place
             way = t.get("out")
             return way is True or (way == "later" and step > 0) or (way == "odd ranks" and rank % 2 == 1)
@@ -42,6 +74,9 @@ for tensor_set in sets:
                                                       priority=-i, ctx=ctx, out=out)))
         for name, h in handles:
             results[f"{name}/{step}"] = h.wait().copy()
+        if flats:  # the views whose whole flat array gloo reduced, as it is (no copy)
+            ways = metrics.setdefault(f"{tensor_set}:in place", [])
+            ways.append(sorted(v for v, f in flats.items() if (f.ctypes.data, f.size) in reduced))
         for (_, t), x in zip(tensors, inputs):  # a reduce into another output leaves its input alone
             if into_another(t) and x.tobytes() != gradient(rank, step, t).tobytes():
                 sys.exit(f"push_pull({t['name']!r}, out=...) changed its input")

@@ -3,9 +3,11 @@ the numpy re-computation of tests/reference.py (worker chains, rank-ordered deco
 server chain's recompression), bit for bit for compressed tensors. Dense sums are all_reduce:
 gloo's ring adds in its own order, so with more than two ranks they match to float rounding.
 
-The three tests' tensor sets (names prefixed by the set) run in one launch per rank count (a
+The tests' tensor sets (names prefixed by the set) run in one launch per rank count (a
 module fixture, several seconds of process start-up each; bpslaunch --servers 0, without
 torchrun's agent), each test checking its own set."""
+import json
+
 import numpy as np
 import pytest
 
@@ -63,8 +65,21 @@ def alone_tensors():
                       {"name": "fp16-wire", "shape": [2_100_001], "dtype": "float32", "params": {"fp16": True}}]
 
 
+def view_tensors():
+    """Dense arrays laid out back to back in one flat array, in push order (cluster_job.py's
+    ``view``), reduced in place: "a" (float32, averaged, one of them large enough to go alone
+    were it not a view) on every rank, "b" (float64, averaged and summed) on odd ranks only,
+    separate arrays on the others (the same all_reduce). Each flat array is what gloo reduces."""
+    return [{"name": "a-small", "shape": [10, 100], "dtype": "float32", "view": "a", "params": {}},
+            {"name": "a-large", "shape": [1_050_001], "dtype": "float32", "view": "a", "params": {}},
+            {"name": "a-last", "shape": [77], "dtype": "float32", "view": "a", "params": {}},
+            {"name": "b-avg", "shape": [500], "dtype": "float64", "view": "b", "view_ranks": "odd", "params": {}},
+            {"name": "b-sum", "shape": [3, 100], "dtype": "float64", "view": "b", "view_ranks": "odd",
+             "average": False, "params": {}}]
+
+
 SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors,
-        "alone": alone_tensors}
+        "alone": alone_tensors, "views": view_tensors}
 
 
 def spec_of_every_set():
@@ -85,10 +100,11 @@ def launched(tmp_path_factory):
     def get(ranks):
         if ranks not in runs:
             spec = spec_of_every_set()
-            results = run_collective_job(spec, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks,
-                                         launcher="bpslaunch", env={"BPS_GC_PLUGINS": "plugin_step_codec"},
-                                         timeout=300)
-            runs[ranks] = spec, results, expected_results(spec, ranks)
+            out = tmp_path_factory.mktemp(f"ranks{ranks}")
+            results = run_collective_job(spec, out, ranks, launcher="bpslaunch",
+                                         env={"BPS_GC_PLUGINS": "plugin_step_codec"}, timeout=300)
+            views = [json.loads((out / f"metrics{r}.json").read_text())["views:in place"] for r in range(ranks)]
+            runs[ranks] = spec, results, expected_results(spec, ranks), views
         return runs[ranks]
     return get
 
@@ -96,7 +112,7 @@ def launched(tmp_path_factory):
 def check(launched, ranks, tensor_set):
     """The set's tensors on every rank against the oracle: bit for bit where compressed or on
     2 ranks, else to the wire dtype's rounding."""
-    spec, results, all_expected = launched(ranks)
+    spec, results, all_expected, _ = launched(ranks)
     mine = lambda key: key.startswith(f"{tensor_set}:")  # noqa: E731
     expected = {key: value for key, value in all_expected.items() if mine(key)}
     assert expected
@@ -140,3 +156,13 @@ def test_every_reducer_and_the_step_context(ranks, launched):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_large_dense_arrays_reduced_alone_in_their_output(ranks, launched):
     check(launched, ranks, "alone")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_views_of_one_flat_array_reduced_in_place(ranks, launched):
+    """The views' results are the oracle's (as separate arrays'), and each rank's flat arrays
+    are what gloo all_reduced on every step: no copy in or out."""
+    check(launched, ranks, "views")
+    in_place = launched(ranks)[3]
+    for rank in range(ranks):
+        assert in_place[rank] == [["a", "b"] if rank % 2 else ["a"]] * 3, f"rank {rank}"

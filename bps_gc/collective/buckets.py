@@ -5,10 +5,12 @@ after the buckets before it were delivered). There the bucket's compressed tenso
 the compressed exchange's driver (exchange/driver.py, run inline on the exchange thread: their
 payloads in one all_gather, every rank running the server's reduction), its two-phase ones run
 their phases (reductions.py), its dense ones start one all_reduce per dtype on a buffer kept for
-the next step (fused_buffers.py), except that a large dense array (ALONE_BYTES) reduced in
-place gets its own all_reduce in its own memory, as Horovod and DDP leave large tensors unfused:
-no copy, and gloo's AVG divides it (not the caller's thread); from its second reduction on it
-goes out as it is added, in a bucket of its own; ``finish`` (a handle's wait)
+the next step (fused_buffers.py), or in their own memory when they are views back to back in
+one flat buffer, each reduced in place (flat_views.py: DDP's bucket views), except that a large
+dense array (ALONE_BYTES) reduced in place and not such a view gets its own all_reduce in its
+own memory, as Horovod and DDP leave large tensors unfused: no copy, and gloo's AVG divides it
+(not the caller's thread); from its second reduction on it goes out as it is added, in a bucket
+of its own; ``finish`` (a handle's wait)
 waits for those and delivers the results. A bucket's error (a codec's, a failed peer's) is
 raised by every wait on its handles.
 """
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from ..comm import communicator as api
 from .exchange.driver import Driver, Inline
 from .exchange.jobs import ArraySegment, GatheredSegment, Job
+from .flat_views import in_larger_buffer, in_place_region, same_memory
 from .fused_buffers import FusedBuffers
 
 # a dense numpy array of at least this many wire bytes, reduced in place on every rank, is
@@ -85,13 +88,15 @@ class FusedBuffer(NamedTuple):
     """A bucket's all_reduce of one dtype (and device), or of one large array alone:
     ``tensor``, the ``entries`` fused into it in order, ``array`` (numpy entries: the array
     under ``tensor``, else None), ``kept`` (``array`` is a kept buffer, given back once
-    delivered; not when it is the output's own memory) and ``averaged`` (gloo's AVG divides
-    it by the ranks, as it leaves the sum: the same bits as dividing after)."""
+    delivered; not when it is the output's own memory), ``averaged`` (gloo's AVG divides
+    it by the ranks, as it leaves the sum: the same bits as dividing after) and ``in_place``
+    (``array`` is the entries' own memory, back to back: flat_views.py)."""
     tensor: torch.Tensor
     entries: list
     array: Optional[np.ndarray] = None
     kept: bool = False
     averaged: bool = False
+    in_place: bool = False
 
 
 class Bucket:
@@ -245,7 +250,10 @@ class Buckets:
             by_dtype.setdefault((wire.dtype, wire.device if on_device else None), []).append(entry)
         for (dtype, device), entries in by_dtype.items():
             wires = [entry.wire for entry in entries]
-            if device is None:  # into a kept buffer: a fresh one faults its pages in every step
+            region = in_place_region(entries) if device is None else None
+            if region is not None:  # views back to back in one buffer (flat_views.py): no copy
+                self._start(bucket, FusedBuffer(torch.from_numpy(region), entries, region, in_place=True))
+            elif device is None:  # into a kept buffer: a fresh one faults its pages in every step
                 flat = self.fused_buffers.take(dtype, sum(wire.size for wire in wires))
                 self._start(bucket, FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat, True))
             else:
@@ -260,7 +268,9 @@ class Buckets:
         new = [entry for entry in large if entry.name not in self.alone]
         if not new:
             return []
-        flags = torch.tensor([same_memory(entry.out.reshape(-1), entry.wire) for entry in new], dtype=torch.int32)
+        # a view into a larger buffer (a gradient laid out as a bucket view) is fused in place instead
+        flags = torch.tensor([same_memory(entry.out.reshape(-1), entry.wire) and not in_larger_buffer(entry.wire)
+                              for entry in new], dtype=torch.int32)
         self.wait(self.issue(dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True)),
                   lambda: f"all_reduce choosing how {listed([entry.name for entry in new])} go out")
         for entry, flag in zip(new, flags.tolist()):
@@ -326,6 +336,9 @@ class Buckets:
         if fused.array is None:
             self.deliver_tensors(fused.tensor, fused.entries)
             return
+        if fused.in_place and all(entry.average for entry in fused.entries):  # the outputs: one divide
+            np.divide(fused.array, fused.array.dtype.type(self.size), out=fused.array)
+            return
         offset = 0
         for entry in fused.entries:
             self.deliver(fused.array[offset:offset + entry.wire.size], entry.out, entry.average and not fused.averaged)
@@ -344,12 +357,6 @@ class Buckets:
             total /= total.dtype.type(self.size)
         if not same_memory(dest, total):  # a large array reduced in its output is there already
             np.copyto(dest, total, casting="unsafe")
-
-
-def same_memory(a, b):
-    """Whether flat arrays ``a`` and ``b`` are the same elements (a view of one another)."""
-    return a.dtype == b.dtype and a.size == b.size and \
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def listed(names, most=3):

@@ -1,0 +1,46 @@
+"""Dense arrays that are views laid back to back in one flat buffer (a part of ``Buckets``), as
+DDP's ``gradient_as_bucket_view`` lays out gradients (bps_gc.torch.flat_grads): a bucket's
+arrays of one dtype that tile one stretch of memory in the order they were reduced, each
+reduced in place, are all_reduced there, with no copy in or out. The all_reduce is the one a
+copy into a kept buffer would send (the same elements in the same order, the same size), so
+ranks laid out differently still issue the same collectives and sum the same numbers.
+"""
+import numpy as np
+import torch
+
+
+def address(array):
+    """Where a numpy array's first element is."""
+    return array.__array_interface__["data"][0]
+
+
+def same_memory(a, b):
+    """Whether flat arrays ``a`` and ``b`` are the same elements (a view of one another)."""
+    return a.dtype == b.dtype and a.size == b.size and address(a) == address(b)
+
+
+def in_place_region(entries):
+    """The one flat array that the entries' ``wire`` arrays (flat, one dtype) tile back to back
+    in their order, when each is reduced in place (its ``out`` is its wire); else None. Each
+    element of it is an element of exactly one entry's memory, which the entries keep alive."""
+    first = entries[0].wire
+    start = end = address(first)
+    for entry in entries:
+        wire = entry.wire
+        if address(wire) != end or not wire.flags.writeable or not same_memory(entry.out.reshape(-1), wire):
+            return None
+        end += wire.nbytes
+    itemsize = first.dtype.itemsize
+    return np.lib.stride_tricks.as_strided(first, shape=((end - start) // itemsize,), strides=(itemsize,))
+
+
+def in_larger_buffer(array):
+    """Whether ``array`` is a view into a larger buffer (a tensor's storage, or a numpy array's
+    memory): a gradient laid out as a bucket view, which is fused with its neighbours in place
+    rather than all_reduced alone."""
+    root = array
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    if isinstance(root, torch.Tensor):
+        return root.untyped_storage().nbytes() > array.nbytes
+    return isinstance(root, np.ndarray) and root.nbytes > array.nbytes

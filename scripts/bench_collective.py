@@ -8,6 +8,9 @@ its median CPU seconds per round, every thread of its process, which a loaded ma
 less than the wall time):
   torch all_reduce dense   161 gradients fused into 25 MB buckets (DDP's size), one gloo
                            all_reduce each, waited for together
+  torch floor, views: all_reduce dense (AVG)
+                           the same all_reduces averaged by gloo (AVG: the sum, then a divide on
+                           each rank): the least bps_gc collective dense views can take
   torch dense floor: copy in, sum, average out
                            the same all_reduces with the two copies a push_pull of separate
                            arrays into separate outputs needs: each gradient copied into its
@@ -36,6 +39,10 @@ less than the wall time):
   bps_gc collective dense in place
                            the same, dense, each gradient averaged in place (no out=), as the
                            torch and MXNet bindings reduce theirs
+  bps_gc collective dense views
+                           the same in place, the gradients views back to back in one flat
+                           array in push order (bps_gc.torch.flat_grads, DDP's bucket views):
+                           each bucket all_reduced where it lies, averaged by one divide
 
     python scripts/bench_collective.py                 # 2 ranks, 3 warm-up + 5 timed rounds
     python scripts/bench_collective.py --quick         # smoke run: a few rows, 1 + 2 rounds
@@ -129,13 +136,13 @@ def rank_main(args):
             cpu.append(time.process_time() - used)  # every thread of this rank: the caller's, bps_gc's, gloo's
         return times, cpu, link_delta(before, link_counters())
 
-    def allreduce_rows():
+    def allreduce_rows(op=dist.ReduceOp.SUM):
         flat = np.concatenate([g.reshape(-1) for g in grads])
         per = BUCKET_BYTES // 4
         buckets = [torch.from_numpy(flat[i:i + per].copy()) for i in range(0, flat.size, per)]
 
         def step():
-            for work in [dist.all_reduce(b, async_op=True) for b in buckets]:
+            for work in [dist.all_reduce(b, op=op, async_op=True) for b in buckets]:
                 work.wait()
         return step
 
@@ -247,6 +254,9 @@ def rank_main(args):
 
         if in_place:  # each round averages its own copies in place, as the bindings reduce gradients
             inputs = [g.copy() for g in grads]
+            if in_place == "views":  # back to back in one flat array, in push order
+                flat, ends = np.concatenate([g.reshape(-1) for g in grads]), np.cumsum([g.size for g in grads])
+                inputs = [flat[end - g.size:end].reshape(g.shape) for end, g in zip(ends, grads)]
             return lambda: [h.wait() for h in [bps.push_pull(g, n, priority=-i, lr=0.1)
                                                for i, (n, g) in enumerate(zip(names, inputs))]]
         outs = [np.empty_like(g) for g in grads]  # as the parameter server's rows (bench_workers.py)
@@ -259,6 +269,7 @@ def rank_main(args):
 
     rows = {
         "torch all_reduce dense": allreduce_rows,
+        "torch floor, views: all_reduce dense (AVG)": lambda: allreduce_rows(dist.ReduceOp.AVG),
         "torch dense floor: copy in, sum, average out": copied_rows,
         "torch floor, in place: each gradient alone (AVG)": separate_rows,
         "torch floor, in place: large alone (AVG), the rest fused": alone_rows,
@@ -270,6 +281,7 @@ def rank_main(args):
         **{f"DDP bps_gc hook {c}": (lambda c=c: ddp(bps_torch.comm_hook(CODECS[c]))) for c in ("topk 0.1%", "randomk 0.1%")},
         "bps_gc collective dense": lambda: collective("dense", {}),
         "bps_gc collective dense in place": lambda: collective("dense-in-place", {}, in_place=True),
+        "bps_gc collective dense views": lambda: collective("dense-views", {}, in_place="views"),
         **{f"bps_gc collective {c}": (lambda c=c: collective(c, CODECS[c])) for c in CODECS},
     }
     results = []

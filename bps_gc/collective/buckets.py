@@ -251,8 +251,10 @@ class Buckets:
         for (dtype, device), entries in by_dtype.items():
             wires = [entry.wire for entry in entries]
             region = in_place_region(entries) if device is None else None
-            if region is not None:  # views back to back in one buffer (flat_views.py): no copy
-                self._start(bucket, FusedBuffer(torch.from_numpy(region), entries, region, in_place=True))
+            if region is not None:  # views back to back in one buffer (flat_views.py): no copy, and
+                # gloo's AVG divides it where all average (only the sum crosses ranks: any layout agrees)
+                self._start(bucket, FusedBuffer(torch.from_numpy(region), entries, region, in_place=True,
+                                                averaged=all(entry.average for entry in entries)))
             elif device is None:  # into a kept buffer: a fresh one faults its pages in every step
                 flat = self.fused_buffers.take(dtype, sum(wire.size for wire in wires))
                 self._start(bucket, FusedBuffer(torch.from_numpy(np.concatenate(wires, out=flat)), entries, flat, True))
@@ -336,7 +338,10 @@ class Buckets:
         if fused.array is None:
             self.deliver_tensors(fused.tensor, fused.entries)
             return
-        if fused.in_place and all(entry.average for entry in fused.entries):  # the outputs: one divide
+        averages = [entry.average and not fused.averaged for entry in fused.entries]
+        if fused.in_place and not any(averages):  # the outputs are the array: already the result
+            return
+        if fused.in_place and all(averages):  # gloo took no AVG: one divide over them all
             np.divide(fused.array, fused.array.dtype.type(self.size), out=fused.array)
             return
         offset = 0

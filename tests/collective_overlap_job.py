@@ -42,4 +42,45 @@ for step in range(6):
     steps.append([sum(inside), ended - first_call[0]])
 json.dump(steps, open(os.path.join(sys.argv[1], f"steps{rank}.json"), "w"))
 np.savez(os.path.join(sys.argv[1], f"params{rank}.npz"), *[p.detach().numpy() for p in model.parameters()])
+
+# dense twins, one with gradient_as_bucket_view: the same parameters, its gradients views that
+# keep their memory from the second step on, each flat buffer what gloo all_reduced
+import torch.distributed as dist  # noqa: E402
+
+class Twin(torch.nn.Module):
+    """Its layers registered in the reverse of their use: the first guess of the layout (the
+    reverse of the parameters') is wrong, and the first step lays the buffer out again."""
+    def __init__(self):
+        super().__init__()
+        self.last, self.first = torch.nn.Linear(64, 8), torch.nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+
+reduced, all_reduce = [], dist.all_reduce
+dist.all_reduce = lambda tensor, *args, **kwargs: reduced.append(tensor.data_ptr()) or all_reduce(tensor, *args, **kwargs)
+twins, opts = [], []
+for views in (False, True):
+    torch.manual_seed(1)
+    twin = Twin()
+    opts.append(bps.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=[(f"{views}.{n}", p) for n, p in twin.named_parameters()],
+                                         gradient_as_bucket_view=views))
+    twins.append(twin)
+kept = []
+for step in range(4):
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank * 100 + step))
+    for twin, opt in zip(twins, opts):
+        reduced.clear()
+        twin(x).square().mean().backward()
+        opt.step()
+    flat = opts[1]._flat
+    grads = [p.grad.data_ptr() for p in twins[1].parameters()]
+    kept.append({"ptrs": grads, "views": grads == [flat.views[id(p)].data_ptr() for p in twins[1].parameters()],
+                 "flat_reduced": [b.data_ptr() in reduced for b in flat.buffers.values()]})
+    for twin, opt in zip(twins, opts):
+        twin.zero_grad() if step == 1 else opt.zero_grad()  # the module's drops the views: copied back
+json.dump(kept, open(os.path.join(sys.argv[1], f"views{rank}.json"), "w"))
+np.savez(os.path.join(sys.argv[1], f"twins{rank}.npz"), *[p.detach().numpy() for t in twins for p in t.parameters()])
 bps.shutdown()

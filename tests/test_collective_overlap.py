@@ -1,7 +1,8 @@
 """bps_gc.torch.DistributedOptimizer on the collective transport does not hold backward: its
 gradient hooks' push_pulls return before their bucket's compression and exchange are over (the
 exchange thread, bps_gc/collective/job_thread.py), even when a push fills a bucket
-(BPS_GC_BUCKET_BYTES below one gradient's size), and the ranks end with the same parameters."""
+(BPS_GC_BUCKET_BYTES below one gradient's size), and the ranks end with the same parameters.
+The same launch checks ``gradient_as_bucket_view`` against a plain twin."""
 import json
 import os
 import subprocess
@@ -26,3 +27,15 @@ def test_gradient_hooks_return_before_their_buckets_exchange(tmp_path):
     params = [np.load(tmp_path / f"params{r}.npz") for r in range(2)]
     for name in params[0].files:
         assert np.array_equal(params[0][name], params[1][name]), name
+    # gradient_as_bucket_view: the twin's parameters bit for bit the plain one's on every rank;
+    # its gradients views of one flat buffer, laid out again after the first step (copied then:
+    # the first guess was wrong), which gloo all_reduced as it is on every later step, the
+    # module's zero_grad() (to None) included
+    for rank in range(2):
+        twins = np.load(tmp_path / f"twins{rank}.npz")
+        half = len(twins.files) // 2
+        for i in range(half):
+            assert twins[f"arr_{i}"].tobytes() == twins[f"arr_{i + half}"].tobytes(), f"rank {rank} parameter {i}"
+        steps = json.loads((tmp_path / f"views{rank}.json").read_text())
+        assert all(s["views"] for s in steps) and all(s["ptrs"] == steps[0]["ptrs"] for s in steps), steps
+        assert [s["flat_reduced"] for s in steps] == [[False]] + [[True]] * 3, steps

@@ -13,6 +13,7 @@ from .compression import Compression
 from .diloco import DiLoCo
 from .elastic import elastic_start, membership, membership_epoch
 from .exchange import CompressedExchange
+from .flat_grads import flat_grads
 from .ddp.hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
@@ -21,7 +22,7 @@ from .local_sgd import LocalSGD
 from .choco import DecentralizedOptimizer
 
 __all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier", "broadcast_optimizer_state",
-           "broadcast_parameters", "comm_hook", "declare", "init", "local_rank", "local_size", "metrics", "poll",
+           "broadcast_parameters", "comm_hook", "declare", "flat_grads", "init", "local_rank", "local_size", "metrics", "poll",
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
 __all__ += ["elastic_start", "membership", "membership_epoch"]

@@ -7,6 +7,12 @@ With ``compression_params["granularity"] = "entiremodel"`` the gradients are red
 codec sees is ``{"lr", "step", "epoch"}``: ``step`` counts ``step()`` calls, ``epoch`` is what
 ``set_epoch(e)`` set last (DGC's sparsity warm-up reads it; default 0).
 
+With ``gradient_as_bucket_view=True`` the dense CPU gradients are views of flat buffers
+(flat_grads.py), laid out in the order the hooks push them (first guessed as the reverse of the
+parameters' order, as DDP does, then laid out again once after the first step in the order
+seen): the collective transport all_reduces them where they lie, no copy in or out. The
+gradients stay views: ``zero_grad()`` zeroes the buffers instead of setting them to None.
+
 Each gradient goes through ``ops.push_pull_async``, so the codec chain that runs follows
 BPS_GC_DEVICE_CODECS (docs/device_codecs.md): device chains for CUDA gradients by default.
 What still runs on host copies of a device gradient: the entire-model vector
@@ -26,13 +32,14 @@ from ..compress import CompressionParams
 from . import ops
 from .checkpoint import load_with_codec_state, register, with_codec_state
 from .dtensors import refuse_dtensors
+from .flat_grads import FlatGrads
 
 ENTIRE_MODEL_NAME = "__entiremodel__"
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 compression_params):
+                 compression_params, gradient_as_bucket_view=False):
         super(self.__class__, self).__init__(params)
         if not core.is_initialized():
             raise RuntimeError("DistributedOptimizer: call bps_gc.torch.init() first")
@@ -73,6 +80,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dgc_workers = core.size() if compression_params.get("compressor") == "dgc" else None
         self._counts = {id(p): 0 for p in self._params}
         self._priority = {id(p): -i for i, p in enumerate(self._params)}
+        # dense gradients as views of flat buffers, in the reverse of the parameters' order until
+        # the first step shows the hooks' order (_started)
+        dense = [p for p in reversed(all_params)
+                 if id(p) in compressed and not compressed[id(p)] and id(p) not in self._in_entire]
+        self._flat = FlatGrads(dense) if gradient_as_bucket_view else None
+        self._started = []
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
         register(self, "DistributedOptimizer")
@@ -136,6 +149,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if id(p) in self._handles:
             raise RuntimeError(f"{self._names[id(p)]}: gradient computed twice before step(); raise "
                                "backward_passes_per_step or call synchronize()")
+        if self._flat is not None:
+            self._flat.attach(p)  # a gradient that is not its view (set to None meanwhile): copied back
+            if self._started is not None:
+                self._started.append(p)
         self._unscaled(p)
         ctx = self._context(self._group_of[id(p)]["lr"])
         self._handles[id(p)] = ops.push_pull_async(p.grad, average=True, name=self._names[id(p)],
@@ -177,7 +194,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if staged:  # the adapter updated a copy: the gradient takes its values back
                     with torch.no_grad():
                         p.grad.copy_(torch.from_numpy(g))
+        if self._flat is not None and self._started is not None:
+            self._lay_out_as_pushed()
         self._steps += 1
+
+    def _lay_out_as_pushed(self):
+        """After the first step: the flat buffers laid out again in the order the gradients
+        were pushed (once; the reduced values copied over), so each bucket's are back to back."""
+        pushed = [p for p in self._started if id(p) in self._flat.views]
+        ids = {id(p) for p in pushed}
+        if [id(p) for p in pushed] != [id(p) for p in self._flat.params]:
+            self._flat.lay_out(pushed + [p for p in self._flat.params if id(p) not in ids])
+        self._started = None
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -205,18 +233,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         if self._handles:
             raise RuntimeError("zero_grad() while push_pulls are in flight; call step() or synchronize() first")
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        if self._flat is not None and set_to_none:  # views stay: the buffers zeroed at once instead
+            self._flat.zero_()
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
-                         compression_params=None):
+                         compression_params=None, gradient_as_bucket_view=False):
     """Wrap ``optimizer`` so that ``step()`` uses gradients summed over all workers (averaged),
-    compressed inter-node as ``compression_params`` says (see bps_gc.compress)."""
+    compressed inter-node as ``compression_params`` says (see bps_gc.compress).
+    ``gradient_as_bucket_view``: dense gradients as views of flat buffers (module docstring)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               compression_params)
+               compression_params, gradient_as_bucket_view)
 
 
 __all__ = ["DistributedOptimizer"]

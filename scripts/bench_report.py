@@ -255,7 +255,7 @@ def print_table(title, rows, topo_name, shaped, baseline=None):
         out.append("floor s: the line rate's time for the bytes the parameter server's design moves "
                    "through a machine's NIC (bench_report.link_floor); *: for the bytes machine 0's "
                    "NIC moved (busier direction)")
-    out.append("\ntargets (issues 10, 12, 25 and 35):")
+    out.append("\ntargets (issues 10, 12, 25, 35 and 43):")
     for what, ratio, limit, ok in targets(rows, topo_name):
         shown = "n/a" if ratio is None else f"{ratio:.2f}"
         bound = f"<= {limit:g}" if limit is not None else "(no target here)"

@@ -24,10 +24,11 @@ def in_place_region(entries):
     in their order, when each is reduced in place (its ``out`` is its wire); else None. Each
     element of it is an element of exactly one entry's memory, which the entries keep alive."""
     first = entries[0].wire
-    start = end = address(first)
+    start = end = first.ctypes.data  # (ctypes.data: half the time of __array_interface__, per entry)
     for entry in entries:
-        wire = entry.wire
-        if address(wire) != end or not wire.flags.writeable or not same_memory(entry.out.reshape(-1), wire):
+        wire, out = entry.wire, entry.out
+        if wire.ctypes.data != end or out.ctypes.data != end or out.nbytes != wire.nbytes or \
+                out.dtype != wire.dtype or not out.flags.c_contiguous or not wire.flags.writeable:
             return None
         end += wire.nbytes
     itemsize = first.dtype.itemsize

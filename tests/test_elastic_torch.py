@@ -68,3 +68,38 @@ def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
     for name in names:
         assert hosts[0][name].tobytes() == hosts[1][name].tobytes() == hosts[2][name].tobytes(), name
     assert float(hosts[0]["loss"]) == float(hosts[2]["loss"]) < 1.0, float(hosts[0]["loss"])
+
+
+def test_the_sampler_deals_the_rest_of_a_pass_over_the_new_members():
+    """example/pytorch/elastic_shards.py in one process, numpy only: 4 hosts; worker 2 dies during
+    step 3 (its batch of that step is lost), joins again at step 7 with a live host's state. Each
+    host deals from its own copy of the state, the copies agree after every step, and every digit
+    of a pass is dealt exactly once: no pass restarts at a change (101 digits: batches straddle)."""
+    sys.path.insert(0, os.path.join(ROOT, "example", "pytorch"))
+    from elastic_shards import ElasticShards
+    deal, count, batch = ElasticShards(101, 4, seed=5), 101, 4
+    states = {r: (0, [0, 1, 2, 3]) for r in range(4)}
+    members_at = {3: [0, 1, 3], 7: [0, 1, 2, 3]}  # step -> the step's members, from then on
+    members, dealt, learned = [0, 1, 2, 3], [], []
+    for step in range(60):
+        if step == 7:
+            states[2] = states[0]  # the joiner's copy, from the donor
+        new = members_at.get(step, members)
+        seen = members if step != 7 else new  # bps.membership() before the step, on each host
+        batches = {r: deal.batch_of(*states[r], seen, r) for r in states}
+        slots = sorted(batches, key=lambda r: ElasticShards.slot(r, states[r][1], seen))
+        dealt += [batches[r] for r in slots]
+        learned += [batches[r] for r in slots if r in new]
+        if step == 7:  # the joiner's first batch is none of the others'
+            assert not set(batches[2]) & set(np.concatenate([batches[r] for r in (0, 1, 3)]))
+        if step == 3:
+            del states[2]
+        for r in states:
+            states[r] = (deal.advance(*states[r], new), new)
+        assert len(set(map(str, states.values()))) == 1, (step, states)
+        members = new
+    stream = np.concatenate(dealt)
+    assert len(stream) == states[0][0] > 2 * count
+    for p in range(2):
+        assert sorted(stream[p * count:(p + 1) * count]) == list(range(count)), p
+    assert len(np.concatenate(learned)) == len(stream) - batch  # only the dead host's step-3 batch

@@ -7,9 +7,11 @@ bps_gc.torch.DistributedOptimizer. What makes it elastic:
   * ``bps.elastic_start(model, optimizer)`` after wrapping the optimizer: 0 on a member; a host
     joining a running job (a dead host's DMLC_WORKER_ID) gets the model and the optimizer's
     momentum from a live worker and starts at the step it returns;
-  * the sampler deals the training digits out over ``bps.membership()`` (the members' ranks, in
-    order) and deals them again whenever ``bps.membership_epoch()`` changes, so the live hosts
-    always cover the whole set between them; its draws follow (seed, epoch, rank, pass);
+  * the sampler (elastic_shards.py) cuts one stream of the digits, a fresh permutation per pass,
+    into the members' batches step by step; when the membership changes the new members share
+    the REST of the current pass (no pass restarts: each digit is dealt once per pass). Its
+    state (stream position, last step's members) is a model buffer, so a joiner copies it with
+    the weights and every live host deals the same way;
   * no broadcast of the initial weights: every host builds them from --seed, and a broadcast
     would be a round group that is no step (elastic_start's step counts groups).
 
@@ -36,27 +38,34 @@ import bps_gc.torch as bps
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demo"))
 from mnist_worker import accuracy, load_data, network  # noqa: E402
+from elastic_shards import ElasticShards  # noqa: E402
 
 
 class MemberShards:
-    """This host's batches: the digits dealt out over the members in rank order, dealt again when
-    the membership epoch changes (a joiner starts in its join's epoch)."""
+    """ElasticShards with its state in a float64 buffer of ``model`` (the stream position, then
+    1.0 per rank that was a member of the last step), which bps.elastic_start copies to a joiner."""
 
-    def __init__(self, count, batch, seed):
-        self.count, self.batch, self.seed = count, batch, seed
-        self.epoch, self.order, self.cursor, self.passes = None, None, 0, 0
+    def __init__(self, model, count, batch, seed):
+        self.deal = ElasticShards(count, batch, seed)
+        self.state = torch.zeros(1 + bps.size(), dtype=torch.float64)
+        self.state[1 + torch.tensor(bps.membership())] = 1.0
+        model.register_buffer("elastic_shards", self.state)
+
+    def previous(self):
+        return torch.nonzero(self.state[1:]).flatten().tolist()
 
     def next(self):
-        epoch, rank = bps.membership_epoch(), bps.rank()
-        if epoch != self.epoch:
-            members = bps.membership()
-            self.shard = np.arange(self.count)[members.index(rank)::len(members)]
-            self.epoch, self.order, self.passes = epoch, None, 0
-        if self.order is None or self.cursor + self.batch > len(self.order):
-            rng = np.random.default_rng([self.seed, epoch, rank, self.passes])
-            self.order, self.cursor, self.passes = rng.permutation(self.shard), 0, self.passes + 1
-        self.cursor += self.batch
-        return torch.from_numpy(self.order[self.cursor - self.batch:self.cursor])
+        """This host's batch of the coming step."""
+        return torch.from_numpy(self.deal.batch_of(int(self.state[0]), self.previous(), bps.membership(), bps.rank()))
+
+    def stepped(self):
+        """After the step: on by the slots it dealt; its members are the next step's previous."""
+        members = bps.membership()
+        if max(members) >= len(self.state) - 1:
+            sys.exit(f"worker rank {max(members)} is beyond the {len(self.state) - 1} ranks the sampler keeps")
+        self.state[0] = self.deal.advance(int(self.state[0]), self.previous(), members)  # in place: the buffer
+        self.state[1:] = 0.0
+        self.state[1 + torch.tensor(members)] = 1.0
 
 
 def last_step(args):
@@ -94,9 +103,10 @@ def main(argv=None):
     bps.init()
     opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression_params=json.loads(args.compression) or None)
+    sampler = MemberShards(model, len(x_train), args.batch, args.seed)  # before: a joiner copies its state
     start = bps.elastic_start(model, opt)
     print("START", start, flush=True)
-    sampler, kept = MemberShards(len(x_train), args.batch, args.seed), {"sizes": [], "epochs": [], "crcs": []}
+    kept = {"sizes": [], "epochs": [], "crcs": []}
     step, last = start, last_step(args)
     while last is None or step <= last:
         idx = sampler.next()
@@ -104,6 +114,7 @@ def main(argv=None):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sampler.stepped()
         kept["sizes"].append(bps.size())
         kept["epochs"].append(bps.membership_epoch())
         kept["crcs"].append(zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.parameters())))

@@ -5,8 +5,11 @@ sampler that re-deals the digits over the members). There is no numpy oracle for
 so the loop checks that the live hosts agree: the same CRC of the parameters' bytes at every
 step they share, bit-identical final parameters, bps.size()/membership_epoch() as logged. Then
 it runs the example undisturbed (no event) on as many hosts as the churned job had on average
-(rounded), the same number of steps, once per seed 0..--baseline-seeds-1, and sets the churned
-run's final loss (over all training digits; example seed 0) beside theirs.
+over its steps (step-weighted, rounded), the same number of steps, once per seed
+0..--baseline-seeds-1, replays the churned run's own membership sequence step by step in one
+process (scripts/mnist_replay.py: the same batches per step, no death, no join protocol) for
+the same seeds, and sets the churned run's final loss (over all training digits; example seed
+0) beside both.
 """
 import os
 import sys
@@ -46,8 +49,10 @@ def check(hosts, members, epochs, last):
 
 def compare(cluster_class, chaos, args, out, steps):
     """The churned run's final loss and average membership beside undisturbed runs'."""
-    sizes = [len(m) for m in members_by_step(chaos, steps)]
-    average = float(np.mean(sizes))
+    import mnist_replay  # torch: not for the synthetic task's loop
+    sequence = membership_sequence(chaos)
+    per_step = mnist_replay.members_by_step(sequence, steps)
+    average = float(np.mean([len(m) for m in per_step]))  # by steps, not by seconds
     rank, name = next(iter(chaos.live.items()))
     loss = float(np.load(os.path.join(out, f"rank{rank}.{chaos.start_of(name)}.npz"))["loss"])
     workers = max(1, int(round(average)))
@@ -65,21 +70,24 @@ def compare(cluster_class, chaos, args, out, steps):
         assert not failed, f"the undisturbed run failed: {failed}\n{c.report(list(failed))}"
         baseline.append(float(np.load(os.path.join(folder, "rank0.0.npz"))["loss"]))
         print(f"undisturbed run, {workers} hosts, seed {seed}: final loss {baseline[-1]:.4f}", flush=True)
+    replayed = mnist_replay.losses(per_step, args.baseline_seeds)
+    print(f"the churned run's membership replayed in one process: final losses {replayed}", flush=True)
     return {"loss": loss, "average_members": round(average, 2), "undisturbed_workers": workers,
-            "undisturbed_losses": baseline}
+            "undisturbed_losses": baseline, "replayed_losses": replayed, "sequence": sequence, "steps": steps}
 
 
-def members_by_step(chaos, steps):
+def membership_sequence(chaos):
+    """[(first step, members)] of the churned run, from the scheduler's log."""
     from chaos_elastic import events_of
-    sequence = [(0, list(range(chaos.args.workers)))] + [(g, list(m)) for _, _, _, g, m in
-                                                         events_of(chaos.cluster.text("scheduler"))]
-    return [[m for g, m in sequence if g <= step][-1] for step in range(steps)]
+    return [(0, list(range(chaos.args.workers)))] + [(g, list(m)) for _, _, _, g, m in
+                                                     events_of(chaos.cluster.text("scheduler"))]
 
 
 def line(result):
     if not result:
         return ""
-    b = result["undisturbed_losses"]
-    return (f"; final loss {result['loss']:.4f} (average membership {result['average_members']}), undisturbed "
-            f"{result['undisturbed_workers']} hosts: {', '.join(f'{x:.4f}' for x in b)} (mean {np.mean(b):.4f}, "
-            f"spread {np.std(b):.4f})")
+    b, r = result["undisturbed_losses"], result["replayed_losses"]
+    return (f"; final loss {result['loss']:.4f} (average membership by steps {result['average_members']}), "
+            f"undisturbed {result['undisturbed_workers']} hosts: {', '.join(f'{x:.4f}' for x in b)} (mean "
+            f"{np.mean(b):.4f}, spread {np.std(b):.4f}); its membership replayed in one process: "
+            f"{', '.join(f'{x:.4f}' for x in r)} (mean {np.mean(r):.4f}, spread {np.std(r):.4f})")

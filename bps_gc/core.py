@@ -28,8 +28,10 @@ from .ps.worker.worker import Worker
 
 _worker = None
 _hook_traffic = None  # Counters of the DDP hook's buckets (hook_traffic()), or None without a hook
+_in_host_traffic = None  # Counters of register_fsdp_hooks' in-host reduce-scatter (in_host_traffic()), or None
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "communicator", "device_codecs", "hook_traffic", "init", "is_initialized", "local_rank", "local_size",
+           "communicator", "device_codecs", "hook_traffic", "in_host_traffic", "init", "is_initialized",
+           "local_rank", "local_size",
            "load_state_dict", "metrics", "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size",
            "state_dict", "worker"]
 
@@ -200,14 +202,27 @@ def load_state_dict(sd):
 def metrics():
     """Bytes, messages and seconds since the last call (and reset): see comm.metrics.Metrics.
     The DDP hook's buckets (bps_gc.torch.comm_hook) count too, with or without init()."""
-    if _worker is None and _hook_traffic is None:
+    if _worker is None and _hook_traffic is None and _in_host_traffic is None:
         worker()  # raises "not initialized"
     current = _worker.metrics() if _worker is not None else Metrics()
     if _hook_traffic is not None:
         hooked = _hook_traffic.take()
         for field in dataclasses.fields(Metrics):
             setattr(current, field.name, getattr(current, field.name) + getattr(hooked, field.name))
+    if _in_host_traffic is not None:
+        in_host = _in_host_traffic.take()
+        for field in ("pushed_raw", "pushed_wire", "pulled_wire"):
+            setattr(current, f"in_host_{field}", getattr(current, f"in_host_{field}") + getattr(in_host, field))
     return current
+
+
+def in_host_traffic():
+    """The Counters of register_fsdp_hooks' in-host step (its compressed reduce-scatter):
+    metrics() reports them apart, as its ``in_host_*`` fields."""
+    global _in_host_traffic
+    if _in_host_traffic is None:
+        _in_host_traffic = Counters()
+    return _in_host_traffic
 
 
 def hook_traffic():

@@ -20,6 +20,11 @@ class Metrics:
     wait_seconds: float = 0.0
     messages: int = 0  # push messages sent (a fused bucket counts once)
     shared_bytes: int = 0  # pushed through shared memory to a server on this host (no socket)
+    # register_fsdp_hooks' in-host step (shard_compression_params): its reduce-scatter's bytes,
+    # apart from the cross-host ones above
+    in_host_pushed_raw: int = 0
+    in_host_pushed_wire: int = 0
+    in_host_pulled_wire: int = 0
 
     @property
     def ratio(self):

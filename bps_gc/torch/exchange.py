@@ -36,11 +36,12 @@ from .ddp.hook import CompressionHook, parts_batch
 class CompressedExchange:
     """Named tensors averaged over a process group with one codec (``compression_params``, as
     ``comm_hook`` takes them); ``named_parameters``: [(name, tensor)] that the parts are the
-    gradients of, where checkpoints are to be loaded."""
+    gradients of, where checkpoints are to be loaded; ``traffic``: the comm.metrics.Counters its
+    bytes count in (default: the DDP hook's, metrics()' main fields)."""
 
-    def __init__(self, compression_params=None, reducer=None, named_parameters=None):
+    def __init__(self, compression_params=None, reducer=None, named_parameters=None, traffic=None):
         named = None if named_parameters is None else list(named_parameters)
-        self.hook = register(CompressionHook(compression_params, reducer, None, named), "exchange")
+        self.hook = register(CompressionHook(compression_params, reducer, None, named, traffic), "exchange")
         # its parts' codecs share scratch buffers, freed after each call: between calls they
         # hold their state alone (FSDP2's many shards, docs/fsdp.md "Bytes and memory per codec")
         self.hook.pipeline.share_scratch()

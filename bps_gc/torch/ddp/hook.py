@@ -32,13 +32,14 @@ class CompressionHook:
     ``pipeline.codecs``), the ``optimizer`` whose learning rate a call reads, or ``lr``. A named
     exchange (torch/exchange.py) hands ``submit`` its named parts itself."""
 
-    def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None):
+    def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None, traffic=None):
         refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
         self.reducer = compress.choose_reducer(self.params, reducer)  # names both if they misfit
         self.lr = 0.0  # without an optimizer: the learning rate of the next call (current_lr)
-        self.traffic = core.hook_traffic()  # what bps_gc.core.metrics() reports, with or without init()
+        # what bps_gc.core.metrics() reports, with or without init() (``traffic``: counters of its own)
+        self.traffic = traffic if traffic is not None else core.hook_traffic()
         named = None if named_parameters is None else list(named_parameters)
         self.pipeline = Pipeline(self.params, self.reducer, optimizer, named, self.traffic)
 

@@ -26,11 +26,12 @@ import bps_gc.core as core
 
 from .checkpoint import register
 from .exchange import CompressedExchange, interruptible_wait
+from .fsdp_inhost import CompressedReduceScatter, in_host_exchange
 from .fsdp_ps import register_on_servers
 from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, sharded_groups  # noqa: F401 (ShardLayout: tests)
 
 
-def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=None):
+def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=None, shard_compression_params=None):
     """Register on every FSDPModule of ``model`` (the root module FSDP runs: its parameter
     names are the shards' names) a hook that averages its shards' gradients over ``replicate``
     (a 1-D DeviceMesh, e.g. ``mesh["replicate"]``, or a process group) through
@@ -38,9 +39,14 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
     codec state ``bps_gc.torch.state_dict()`` saves and ``load_state_dict()`` restores.
     ``replicate=None``: the parameter server is the replicate reducer (after
     ``bps_gc.torch.init()`` under bpslaunch, the model sharded over the host's local ranks:
-    fsdp_ps.py); returns its PushPullExchange."""
+    fsdp_ps.py); returns its PushPullExchange. ``shard_compression_params`` (off: None; ``{}``:
+    the same path without a codec): FSDP2's in-host reduce-scatter compressed too, through a
+    second exchange (fsdp_inhost.py, docs/fsdp_inhost.md), its bytes metrics()' ``in_host_*``."""
     groups = sharded_groups(model)
     if replicate is None:
+        if shard_compression_params is not None:
+            raise ValueError("register_fsdp_hooks: shard_compression_params (the in-host step) runs on "
+                             "torch.distributed's replicate groups only, not yet with the parameter server")
         return register_on_servers(model, groups, compression_params, reducer)
     group = replicate_group(replicate)
     check_replicate_group(group, groups[0][1].mesh_info.mesh)
@@ -53,16 +59,24 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
                                   named_parameters=[part for parts in shards.values() for part in parts])
     exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
     refuse_unfit_codec(exchange, [part for parts in shards.values() for part in parts])
+    in_host = None
+    if shard_compression_params is not None:
+        in_host = in_host_exchange(shard_compression_params, list(shards.values()), mesh_info.shard_mesh_size)
+        exchange.in_host = in_host  # kept alive with the exchange, as the layout
+        refuse_unfit_codec(in_host, [part for parts in shards.values() for part in parts], "shard_compression_params")
     for module, param_group in groups:
         if shards[id(param_group)]:
             module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)]))
+            if in_host is not None:
+                module.set_custom_reduce_scatter(
+                    CompressedReduceScatter(in_host, shards[id(param_group)], mesh_info.shard_mesh_size))
     return exchange
 
 
-def refuse_unfit_codec(exchange, parts):
+def refuse_unfit_codec(exchange, parts, setting="compressor"):
     """Refuse, before any step, a codec that cannot take the reduce dtype of some shard (float64,
     for TernGrad, QSGD, sign...: docs/ddp_hook.md "Dtypes"; bfloat16 and float16 are widened to
-    float32 for every codec), one line naming the codec, the dtype and a shard of it."""
+    float32 for every codec), one line naming the codec (of ``setting``), the dtype and a shard of it."""
     params, checked = exchange.hook.params, set()
     if not params.compressor:
         return
@@ -72,7 +86,8 @@ def refuse_unfit_codec(exchange, parts):
         checked.add(stand_in.dtype)
         problem = exchange.hook.pipeline.codecs.refusal(name, stand_in, core.device_codecs())
         if problem:
-            raise TypeError(f"register_fsdp_hooks: compressor {params.compressor!r} cannot take the reduce dtype "
+            where = "compressor" if setting == "compressor" else f"{setting}' compressor"
+            raise TypeError(f"register_fsdp_hooks: {where} {params.compressor!r} cannot take the reduce dtype "
                             f"{stand_in.dtype} of {name!r} ({problem}); set fully_shard's "
                             "mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) or choose a codec that "
                             "carries it")

@@ -1,0 +1,72 @@
+"""``register_fsdp_hooks(..., shard_compression_params=...)``: FSDP2's in-host reduce-scatter
+compressed too, for hosts whose ranks talk over slow links (no NVLink). Off by default.
+
+FSDP2 hands a ReduceScatter (``FSDPModule.set_custom_reduce_scatter``) each parameter group's
+flat input, one chunk per rank of the shard group back to back (chunk d: the padded shards of
+the group's parameters that shard d keeps, in the group's order), and an output of one chunk.
+``CompressedReduceScatter`` names each parameter's piece of each chunk
+``<fqn>#to_shard<d>``, so every piece has its own codec state (error feedback...) kept and
+checkpointed by its parameter and destination, averages the whole input over the shard group
+through a ``CompressedExchange`` of its own (the one pipeline: docs/runtime.md "One compressed
+exchange"), and copies its own chunk out (times the group's size where FSDP2 asks for a sum).
+
+Its cost (docs/fsdp_inhost.md): every rank receives and decodes every chunk, not just its own:
+the exchange all-gathers payloads (or all-reduces thc's and PowerSGD's phases), so a rank sends
+its whole compressed input to each peer, where a reduce-scatter (or an all_to_all, which gloo
+has) sends each peer only its chunk; the codec work is that of the whole input on every rank.
+Its bytes count in ``bps_gc.torch.metrics()``'s ``in_host_*`` fields.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # torch's interface (not exported)
+
+import bps_gc.core as core
+
+from .exchange import CompressedExchange, interruptible_wait
+from .fsdp_shards import shard_pieces
+
+
+def destination_parts(parts, shards):
+    """[[(``<fqn>#to_shard<d>``, stand-in)] for each destination shard d]: ``parts`` (a parameter
+    group's [(``<fqn>#shard<i>``, stand-in)]) as the pieces of each chunk of its reduce-scatter
+    input, which have the shards' padded shapes. Each piece a stand-in of its own: the exchange
+    keeps a part's codec under its tensor's id."""
+    return [[(f"{name.rsplit('#shard', 1)[0]}#to_shard{d}", stand_in.expand(stand_in.shape))
+             for name, stand_in in parts] for d in range(shards)]
+
+
+def in_host_exchange(compression_params, shards_of_groups, shards):
+    """The in-host step's CompressedExchange over every group's pieces (its state saved by
+    ``bps_gc.torch.state_dict()``), its bytes counted apart (metrics()' ``in_host_*``)."""
+    named = [piece for parts in shards_of_groups for chunk in destination_parts(parts, shards) for piece in chunk]
+    return CompressedExchange(compression_params, named_parameters=named, traffic=core.in_host_traffic())
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """One parameter group's reduce-scatter through ``exchange`` (``parts``: the group's
+    [(``<fqn>#shard<i>``, stand-in)], in its order; ``shards``: the shard group's size)."""
+
+    def __init__(self, exchange, parts, shards):
+        self.exchange, self.shards = exchange, shards
+        self.destinations = destination_parts(parts, shards)
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        # FSDP2 asks for AVG (float32, bfloat16) or SUM after its own pre-divide (other dtypes);
+        # PREMUL_SUM comes with set_gradient_divide_factor
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ValueError(f"register_fsdp_hooks: the compressed reduce-scatter (shard_compression_params) "
+                             f"averages or sums, and FSDP2 asked for {op}: drop set_gradient_divide_factor")
+        chunks = input_tensor.view(self.shards, -1)
+        if dist.get_world_size(group) != self.shards or output_tensor.numel() != chunks.shape[1]:
+            raise RuntimeError(f"bps_gc register_fsdp_hooks: a reduce-scatter of {input_tensor.numel()} elements "
+                               f"over {dist.get_world_size(group)} ranks into {output_tensor.numel()}, where the "
+                               f"shard group has {self.shards} ranks")
+        named = [piece for d, chunk in enumerate(chunks) for piece in shard_pieces(chunk, self.destinations[d])]
+        interruptible_wait(self.exchange(named, group=group))  # the average, in place in input_tensor
+        own = chunks[dist.get_rank(group)]
+        with torch.no_grad():
+            output_tensor.copy_(own if op == dist.ReduceOp.AVG else own * self.shards)
+        return None  # done: FSDP2 calls it synchronously (async_op=False) and reads no Work

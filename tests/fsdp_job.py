@@ -7,7 +7,10 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
   refuse TernGrad on a model whose reduce dtype is float64;
 * "hooked": fully_shard on mesh["shard"] and bps_gc.torch.register_fsdp_hooks on
   mesh["replicate"] with spec "compression_params", recording every hook call's reduce-scatter
-  output before and after (widened to float32);
+  output before and after (widened to float32); with spec "shard_compression_params", the
+  in-host reduce-scatter compressed too, each call's input, output and seconds recorded
+  ("rs<i>/", "rs_seconds") and metrics()' bytes of the run saved (spec "record_rs": the same of
+  FSDP2's own reduce-scatter); spec "widths": the MLP's;
 * "resume" (init_process_group, then bps_gc.torch.init() adopting that group, as FSDP2 scripts
   do), one model per spec "runs" entry (its name: its compression_params), spec "phase":
   "first" trains ``stop_at`` steps, saves the models and optimizers
@@ -31,6 +34,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -69,7 +73,7 @@ WIDE = (128, 256, 256, 128)  # the bytes' MLP: weight shards of 16,384 to 32,768
 
 
 def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("compression_params"),
-          widths=(16, 32, 32, 8)):
+          widths=(16, 32, 32, 8), shard_compression_params=None):
     """The MLP of ``widths`` sharded on mesh["shard"] (``hooked``) or on the whole mesh (native
     HSDP) with POLICIES[``policy``], its hooks (the exchange; none unless ``hooked`` and
     ``hooks``) and its optimizer."""
@@ -81,7 +85,8 @@ def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("com
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=shard_mesh, **POLICIES.get(policy, {}))
     fully_shard(model, mesh=shard_mesh, **POLICIES.get(policy, {}))
-    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], compression_params) if hooked and hooks else None
+    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], compression_params,
+                                       shard_compression_params=shard_compression_params) if hooked and hooks else None
     momentum = 0.9 if mode == "resume" else 0.0  # resume: optimizer state to carry too
     return model, exchange, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
@@ -121,11 +126,35 @@ def record_calls(model, calls):
         module.set_all_reduce_hook(recording)
 
 
+class RecordingReduceScatter:
+    """A module's reduce-scatter comm, recording (module index, its input, its output, the
+    call's wall seconds, the process's CPU seconds in it: every thread's)."""
+
+    def __init__(self, inner, index, calls):
+        self.inner, self.index, self.calls = inner, index, calls
+        self.allocate = inner.allocate
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        before = input_tensor.detach().clone().numpy()  # the exchange averages it in place
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.inner(output_tensor, input_tensor, group, op, async_op)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        self.calls.append((self.index, before, output_tensor.detach().clone().numpy(), wall, cpu))
+
+
+def record_reduce_scatters(model, calls):
+    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            module.set_custom_reduce_scatter(RecordingReduceScatter(param_group._reduce_scatter_comm, index, calls))
+
+
 def resume():
     """Each run's arrays prefixed "<run>/": the models, one per spec "runs" entry, are trained,
     saved and loaded together, as one script's several models would be."""
     steps, stop_at, ckpt = spec["steps"], spec["stop_at"], os.path.join(out, "dcp")
-    runs = {run: build(compression_params=params) for run, params in spec["runs"].items()}
+    in_host = spec.get("in_host", {})  # run -> its shard_compression_params
+    runs = {run: build(compression_params=params, shard_compression_params=in_host.get(run))
+            for run, params in spec["runs"].items()}
 
     def train_all(steps):
         for model, _, opt in runs.values():
@@ -145,7 +174,7 @@ def resume():
     train_all(range(stop_at, steps))
     result = {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/resumed/").items()}
     for run, params in spec["runs"].items():
-        straight, _, opt = build(compression_params=params)
+        straight, _, opt = build(compression_params=params, shard_compression_params=in_host.get(run))
         train(straight, opt, range(steps))
         result.update(parameters(straight, f"{run}/straight/"))
     # a sharded model's DTensors handed to DistributedOptimizer and to the DDP hook: refused, naming the hooks
@@ -171,11 +200,24 @@ def native_or_hooked(part, head=""):
     """A "native" or "hooked" spec's runs: its arrays (names prefixed ``head``) and refusals."""
     arrays, hooked, micro_batches = {}, part["mode"] == "hooked", part.get("micro_batches", 1)
     for policy in [None] + part.get("policies", []):  # the plain model, then one per policy
-        calls, prefix = [], head + ("" if policy is None else f"{policy}/")
-        model, exchange, opt = build(hooked=hooked, policy=policy, compression_params=part.get("compression_params"))
+        calls, prefix, in_host, rs_calls = [], head + ("" if policy is None else f"{policy}/"), None, []
+        model, exchange, opt = build(hooked=hooked, policy=policy, compression_params=part.get("compression_params"),
+                                     shard_compression_params=part.get("shard_compression_params"),
+                                     widths=tuple(part.get("widths", (16, 32, 32, 8))))
         if exchange is not None:
             record_calls(model, calls)
+            if part.get("shard_compression_params") is not None or part.get("record_rs"):
+                record_reduce_scatters(model, rs_calls)
+                bps.metrics()  # from here: this run's bytes
         train(model, opt, range(part["steps"]), micro_batches=micro_batches)
+        if rs_calls:
+            counted = bps.metrics()
+            arrays.update({f"{prefix}rs{i}/{k}": v for i, c in enumerate(rs_calls)
+                           for k, v in zip(("in", "out"), c[1:])})
+            arrays.update({f"{prefix}rs_calls": np.array([c[0] for c in rs_calls]),
+                           f"{prefix}rs_seconds": np.array([c[3:] for c in rs_calls]),
+                           **{f"{prefix}bytes/{k}": getattr(counted, k) for k in (
+                               "in_host_pushed_raw", "in_host_pushed_wire", "in_host_pulled_wire", "pushed_wire")}})
         arrays.update({**parameters(model, prefix), **{f"{prefix}call{i}/in": c[1] for i, c in enumerate(calls)},
                        **{f"{prefix}call{i}/out": c[2] for i, c in enumerate(calls)},
                        f"{prefix}calls": np.array([c[0] for c in calls])})
@@ -192,9 +234,12 @@ def native_or_hooked(part, head=""):
         for sharded, replicate, params in ((plain, mesh["replicate"], None),
                                            (build(hooks=False)[0], mesh["shard"], None),
                                            (build(hooks=False, policy="fp64r")[0], mesh["replicate"],
-                                            {"compressor": "terngrad"})):
+                                            {"compressor": "terngrad"}),
+                                           (build(hooks=False, policy="fp64r")[0], mesh["replicate"],
+                                            {"shard_compression_params": {"compressor": "terngrad"}})):
             try:
-                bps.register_fsdp_hooks(sharded, replicate, params)
+                in_host = (params or {}).pop("shard_compression_params", None)
+                bps.register_fsdp_hooks(sharded, replicate, params or None, shard_compression_params=in_host)
                 refusals.append("")
             except (TypeError, ValueError) as e:
                 refusals.append(str(e))

@@ -44,7 +44,11 @@ def launch(tmp_path_factory):
         "native": {"mode": "native", "steps": 10, "policies": POLICIES},
         "hooked": {"mode": "hooked", "steps": 10, "policies": POLICIES},
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES,
-                 "bytes": CODECS}}}, tmp_path_factory.mktemp("fsdp_parts"))
+                 "bytes": CODECS},
+        # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
+        "inhost_dense": {"mode": "hooked", "steps": 10, "shard_compression_params": {}},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
+        tmp_path_factory.mktemp("fsdp_parts"))
 
 
 def part(launch, name):
@@ -54,7 +58,7 @@ def part(launch, name):
 
 def test_dense_hooks_train_as_native_hsdp(launch):
     native, hooked = part(launch, "native"), part(launch, "hooked")
-    two_d, mismatched, float64 = (str(r) for r in launch[0]["refusals"])
+    two_d, mismatched, float64, in_host64 = (str(r) for r in launch[0]["refusals"])
     assert "sharded on a 2-D mesh (2, 2)" in two_d and "shard it on mesh['shard']" in two_d, two_d
     assert mismatched == ("register_fsdp_hooks: the replicate group (ranks [0, 1]) does not match the mesh: rank 0 "
                           "shards with ranks [0, 1]; pass mesh['replicate'] of the mesh whose mesh['shard'] the "
@@ -62,6 +66,9 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     assert float64.startswith("register_fsdp_hooks: compressor 'terngrad' cannot take the reduce dtype torch.float64 "
                               "of '0.weight#shard0' (TernGrad: float32 or float16 partitions only, got float64); set "
                               "fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)"), float64
+    assert in_host64.startswith("register_fsdp_hooks: shard_compression_params' compressor 'terngrad' cannot take "
+                                "the reduce dtype torch.float64 of '0.weight#shard0'"), in_host64
+    assert "\n" not in in_host64
     for prefix in [""] + [f"{policy}/" for policy in POLICIES]:  # the plain model, then one per policy
         for name, _ in PARAMS:
             want = native[0][f"{prefix}full/{name}"]
@@ -73,23 +80,28 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     assert not np.array_equal(native[0]["bf16r/full/0.weight"], native[0]["bf16/full/0.weight"])
 
 
-def expected_call(ins, shard, params_of_layer, step, run="", shards=2):
+def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None):
     """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32;
     bfloat16 ones widened): each parameter's padded shard (its rows split in ``shards``,
     rounded up) through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and summed in
     replica order, re-compressed by the server's chain, halved; ``run``: the model's, whose
-    chains are its own."""
+    chains are its own. The in-host step: ``ins`` the senders' chunks ``shard``, ``suffix``
+    ``#to_shard<shard>``, ``ranks`` the senders'; ``sent`` (a list) gets the payloads' bytes."""
     result, offset = np.empty_like(ins[0]), 0
+    suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
     for fqn, shape in params_of_layer:
         n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
-        key = name_key(f"{fqn}#shard{shard}")
-        chains = CHAINS.setdefault((run, fqn, shard), ([build_chain(TOPK, n, np.float32, key=key, rank=r)
-                                                   for r in (shard, shards + shard)],
-                                                  build_chain(TOPK, n, np.float32, key=key, role="server")))
+        key = name_key(f"{fqn}{suffix}")
+        chains = CHAINS.setdefault((run, fqn, suffix, ranks),
+                                   ([build_chain(TOPK, n, np.float32, key=key, rank=r) for r in ranks],
+                                    build_chain(TOPK, n, np.float32, key=key, role="server")))
         ctx = {"lr": 0.0, "step": step}
         acc = np.zeros(n, np.float32)
         for chain, x in zip(chains[0], ins):
-            acc += chain.decompress(chain.compress(x[offset:offset + n], ctx))
+            payload = chain.compress(x[offset:offset + n], ctx)
+            if sent is not None:
+                sent.append(payload.nbytes)
+            acc += chain.decompress(payload)
         acc = chains[1].decompress(chains[1].compress(acc, ctx))
         result[offset:offset + n] = acc / np.float32(2)
         offset += n
@@ -132,6 +144,42 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
             assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
     low_bits = {policy: got[0][f"{policy}/call0/in"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
     assert low_bits["bf16"].any() and not low_bits["bf16r"].any()  # the hooks got float32, bfloat16 indeed
+
+
+def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
+    """register_fsdp_hooks(..., shard_compression_params=): without a codec the model trains as
+    native HSDP; with top-k + EF (dense across replicas) every reduce-scatter's output is the
+    numpy re-computation over its shard group (each destination chunk's pieces through their
+    chains, seeded by ``<fqn>#to_shard<d>``, the senders' in rank order), replicas end
+    bit-identical, and metrics() counts the in-host bytes apart: the pieces' payloads."""
+    native, dense, got = part(launch, "native"), part(launch, "inhost_dense"), part(launch, "inhost_topk")
+    for name, _ in PARAMS:
+        for r in range(4):
+            np.testing.assert_allclose(dense[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{name} rank {r}")
+    calls = got[0]["rs_calls"]
+    assert len(calls) == 3 * len(LAYERS)  # the synced micro-batch only
+    steps, sent = {}, {0: [], 1: []}
+    for i, module in enumerate(calls):
+        step = steps.get(int(module), 0)
+        steps[int(module)] = step + 1
+        for replica in (0, 1):
+            senders = (2 * replica, 2 * replica + 1)  # a shard group: rank = 2 * replica + shard
+            for shard in (0, 1):
+                ins = [got[r][f"rs{i}/in"].reshape(2, -1)[shard] for r in senders]
+                want = expected_call(ins, shard, LAYERS[int(module)], step, "inhost/", suffix=f"#to_shard{shard}",
+                                     ranks=senders, sent=sent[replica])
+                np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
+    for name, _ in PARAMS:
+        for shard in (0, 1):
+            assert got[shard][f"local/{name}"].tobytes() == got[2 + shard][f"local/{name}"].tobytes(), name
+        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
+    for r in range(4):  # each rank sends its payloads of every chunk; 2 ranks a group: it pulls its mate's
+        mine = sum(sent[r // 2][r % 2::2])
+        assert got[r]["bytes/in_host_pushed_wire"] == mine, (r, got[r]["bytes/in_host_pushed_wire"], mine)
+        assert got[r]["bytes/in_host_pulled_wire"] == sum(sent[r // 2]) - mine, r
+        assert got[r]["bytes/in_host_pushed_raw"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS), r
+        assert got[r]["bytes/pushed_wire"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS) // 2, r  # dense replicas
 
 
 def test_bytes_per_step_and_codec_memory(topk_run):
@@ -219,13 +267,15 @@ def near_square(n):
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
-    """Two launches of two models, top-k + EF and thc 4-bit + EF, SGD with momentum, 6 steps:
+    """Two launches of three models, top-k + EF, thc 4-bit + EF and top-k + EF in the host only
+    (shard_compression_params), SGD with momentum, 6 steps:
     the first saves after step 3 (the models and optimizers with torch.distributed.checkpoint,
     the hooks' codec state with bps_gc.torch.state_dict()) and trains on; the second loads them
     into fresh processes and trains the rest, then trains straight runs. Each rank's saved
     arrays, per launch."""
     out = tmp_path_factory.mktemp("fsdp_resume")
-    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "runs": {"topk": TOPK, "thc": THC}}
+    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "runs": {"topk": TOPK, "thc": THC, "inhost": None},
+            "in_host": {"inhost": TOPK}}  # "inhost": dense across replicas, top-k + EF in the host
     for phase in ("first", "resumed"):
         run_torchrun_job("fsdp_job.py", {**spec, "phase": phase}, out, 4)
     return {phase: [dict(np.load(out / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
@@ -235,7 +285,7 @@ def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):
     """Every shard's error-feedback residual, reducer state and step count come back: without
     them (the codecs afresh) the resumed run differs from the straight one."""
     for r, got in enumerate(resume_runs["resumed"]):
-        for run in ("topk", "thc"):
+        for run in ("topk", "thc", "inhost"):
             for name, _ in PARAMS:
                 for kind in ("full", "local"):
                     assert got[f"{run}/resumed/{kind}/{name}"].tobytes() == \
@@ -248,7 +298,7 @@ def test_two_launches_of_the_same_job_end_bit_identical(resume_runs):
     """The first launch (a checkpoint saved midway) and the second's straight run: runs repeat."""
     for r in range(4):
         first, straight = resume_runs["first"][r], resume_runs["resumed"][r]
-        for run in ("topk", "thc"):
+        for run in ("topk", "thc", "inhost"):
             for name, _ in PARAMS:
                 assert first[f"{run}/first/full/{name}"].tobytes() == \
                     straight[f"{run}/straight/full/{name}"].tobytes(), f"rank {r} {run} {name}"

@@ -12,7 +12,8 @@ Columns: ``pushed``/``pulled``: what bps_gc.torch.metrics() counts (``in_host_pu
 sends per rank, (S - 1) / S of its input (S: the shard group's size; FSDP2's own on gloo is not
 counted by bps_gc, so this is the formula, not a measurement); ``ring/pushed``; ``wall ms`` and
 ``CPU ms``: the reduce-scatters' seconds per step on this rank, wall and the process's CPU (all
-its threads: the codecs' work)."""
+its threads: the codecs' work); ``state/shard``: the in-host codecs' saved state
+(``bps_gc.torch.state_dict()``'s arrays) over the rank's parameter shard (float32)."""
 import argparse
 import json
 import os
@@ -35,12 +36,14 @@ ROWS = {"native": None, "dense": {}, "topk 1%+EF": {"compressor": "topk", "k": 0
 def table(arrays, steps):
     raw = 4 * sum(a * b + b for a, b in zip(WIDE, WIDE[1:]))  # a step's reduce-scatter inputs, float32
     ring = raw * (SHARDS - 1) // SHARDS
-    lines = [f"{'codec':<13}{'pushed':>9}{'pulled':>9}{'ring':>9}{'ring/pushed':>12}{'wall ms':>9}{'CPU ms':>8}"]
+    lines = [f"{'codec':<13}{'pushed':>9}{'pulled':>9}{'ring':>9}{'ring/pushed':>12}{'wall ms':>9}{'CPU ms':>8}"
+             f"{'state/shard':>12}"]
     for name in ROWS:
         pushed, pulled = (arrays[f"{name}/bytes/in_host_{k}_wire"] / steps for k in ("pushed", "pulled"))
         wall, cpu = arrays[f"{name}/rs_seconds"].sum(axis=0) * 1e3 / steps
         ratio = f"{ring / pushed:.2f}" if pushed else "-"
-        lines.append(f"{name:<13}{pushed:>9.0f}{pulled:>9.0f}{ring:>9}{ratio:>12}{wall:>9.1f}{cpu:>8.1f}")
+        state = arrays[f"{name}/bytes/in_host_state"] / arrays[f"{name}/bytes/shard"]
+        lines.append(f"{name:<13}{pushed:>9.0f}{pulled:>9.0f}{ring:>9}{ratio:>12}{wall:>9.1f}{cpu:>8.1f}{state:>12.3f}")
     return lines
 
 

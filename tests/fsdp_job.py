@@ -47,7 +47,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
-from fsdp_bytes import bytes_and_memory  # noqa: E402
+from fsdp_bytes import array_bytes, bytes_and_memory  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -218,6 +218,10 @@ def native_or_hooked(part, head=""):
                            f"{prefix}rs_seconds": np.array([c[3:] for c in rs_calls]),
                            **{f"{prefix}bytes/{k}": getattr(counted, k) for k in (
                                "in_host_pushed_raw", "in_host_pushed_wire", "in_host_pulled_wire", "pushed_wire")}})
+            in_host = getattr(exchange, "in_host", None)  # its saved codec state, and this rank's shard
+            arrays.update({f"{prefix}bytes/in_host_state": 0 if in_host is None else
+                           array_bytes(in_host.hook.codec_state().state_dict().values()),
+                           f"{prefix}bytes/shard": sum(p.to_local().numel() * 4 for p in model.parameters())})
         arrays.update({**parameters(model, prefix), **{f"{prefix}call{i}/in": c[1] for i, c in enumerate(calls)},
                        **{f"{prefix}call{i}/out": c[2] for i, c in enumerate(calls)},
                        f"{prefix}calls": np.array([c[0] for c in calls])})

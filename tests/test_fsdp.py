@@ -103,7 +103,7 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
                 sent.append(payload.nbytes)
             acc += chain.decompress(payload)
         acc = chains[1].decompress(chains[1].compress(acc, ctx))
-        result[offset:offset + n] = acc / np.float32(2)
+        result[offset:offset + n] = acc / np.float32(len(ranks))
         offset += n
     assert offset == len(result)
     return result
@@ -157,6 +157,19 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
         for r in range(4):
             np.testing.assert_allclose(dense[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
                                        err_msg=f"{name} rank {r}")
+    sent = check_in_host_reduce_scatters(got, 2, "inhost/")
+    for r in range(4):  # each rank sends its payloads of every chunk; 2 ranks a group: it pulls its mate's
+        mine = sum(sent[r // 2][r % 2::2])
+        assert got[r]["bytes/in_host_pushed_wire"] == mine, (r, got[r]["bytes/in_host_pushed_wire"], mine)
+        assert got[r]["bytes/in_host_pulled_wire"] == sum(sent[r // 2]) - mine, r
+        assert got[r]["bytes/in_host_pushed_raw"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS), r
+        assert got[r]["bytes/pushed_wire"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS) // 2, r  # dense replicas
+
+
+def check_in_host_reduce_scatters(got, shards, run):
+    """Every in-host reduce-scatter output of ``got`` (each rank's arrays, a (2, ``shards``)
+    mesh) against the numpy re-computation over its shard group; replicas end bit-identical,
+    shards differ. {replica: the payloads' bytes, its senders' in turn, part by part}."""
     calls = got[0]["rs_calls"]
     assert len(calls) == 3 * len(LAYERS)  # the synced micro-batch only
     steps, sent = {}, {0: [], 1: []}
@@ -164,22 +177,17 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
         step = steps.get(int(module), 0)
         steps[int(module)] = step + 1
         for replica in (0, 1):
-            senders = (2 * replica, 2 * replica + 1)  # a shard group: rank = 2 * replica + shard
-            for shard in (0, 1):
-                ins = [got[r][f"rs{i}/in"].reshape(2, -1)[shard] for r in senders]
-                want = expected_call(ins, shard, LAYERS[int(module)], step, "inhost/", suffix=f"#to_shard{shard}",
-                                     ranks=senders, sent=sent[replica])
+            senders = tuple(range(shards * replica, shards * (replica + 1)))  # rank = shards * replica + shard
+            for shard in range(shards):
+                ins = [got[r][f"rs{i}/in"].reshape(shards, -1)[shard] for r in senders]
+                want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
+                                     suffix=f"#to_shard{shard}", ranks=senders, sent=sent[replica])
                 np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
     for name, _ in PARAMS:
-        for shard in (0, 1):
-            assert got[shard][f"local/{name}"].tobytes() == got[2 + shard][f"local/{name}"].tobytes(), name
+        for shard in range(shards):
+            assert got[shard][f"local/{name}"].tobytes() == got[shards + shard][f"local/{name}"].tobytes(), name
         assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
-    for r in range(4):  # each rank sends its payloads of every chunk; 2 ranks a group: it pulls its mate's
-        mine = sum(sent[r // 2][r % 2::2])
-        assert got[r]["bytes/in_host_pushed_wire"] == mine, (r, got[r]["bytes/in_host_pushed_wire"], mine)
-        assert got[r]["bytes/in_host_pulled_wire"] == sum(sent[r // 2]) - mine, r
-        assert got[r]["bytes/in_host_pushed_raw"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS), r
-        assert got[r]["bytes/pushed_wire"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS) // 2, r  # dense replicas
+    return sent
 
 
 def test_bytes_per_step_and_codec_memory(topk_run):
@@ -222,19 +230,21 @@ def test_bytes_per_step_and_codec_memory(topk_run):
 @pytest.fixture(scope="module")
 def launch_2x3(tmp_path_factory):
     """A (2, 3) mesh, 6 ranks, one launch: native HSDP and the dense hooks, 10 steps; top-k +
-    EF, two micro-batches a step, 3 steps. The MLP's rows (32, 32, 8) split in 3 unevenly:
+    EF, two micro-batches a step, 3 steps, across replicas and in the host. The MLP's rows
+    (32, 32, 8) split in 3 unevenly:
     FSDP2 pads them (11, 11, 10 + 1 row; 3, 3, 2 + 1)."""
     return run({"mode": "parts", "mesh": [2, 3], "parts": {
         "native": {"mode": "native", "steps": 10},
         "hooked": {"mode": "hooked", "steps": 10},
-        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2}}},
+        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
         tmp_path_factory.mktemp("fsdp_2x3"), ranks=6)
 
 
 def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_topk_equals_numpy(launch_2x3):
     """Replicas of shard s: ranks s and 3 + s. Dense hooks against native HSDP on every rank;
     every top-k hook call against the numpy re-computation of its (padded) shards; replicas
-    bit-identical, shards differing."""
+    bit-identical, shards differing. The same of the in-host step's reduce-scatters."""
     native, hooked, got = (part(launch_2x3, name) for name in ("native", "hooked", "topk"))
     for name, _ in PARAMS:
         for r in range(6):
@@ -257,6 +267,8 @@ def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_topk_equals_numpy(launch_
             assert got[shard][f"local/{name}"].tobytes() == got[3 + shard][f"local/{name}"].tobytes(), name
         assert got[0][f"local/{name}"].shape[0] == -(-dict(PARAMS)[name][0] // 3)
         assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
+    # the in-host step (top-k + EF) on 3 shards: padded chunks, a group of 3 senders
+    check_in_host_reduce_scatters(part(launch_2x3, "inhost_topk"), 3, "2x3 inhost/")
 
 
 def near_square(n):

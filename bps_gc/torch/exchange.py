@@ -93,7 +93,7 @@ class PushPullExchange:
     run on the worker's threads; a waiter thread completes the returned future.
     ``one_per_host``: each part is this local rank's own (its FSDP shard), pushed by the same
     local rank of every host and averaged over the hosts (``Communicator.declare``); ``dtype``:
-    the parts' (float32, or float64)."""
+    the parts' (float32, or float64; None: each named parameter's own)."""
     made = itertools.count()
 
     def __init__(self, compression_params=None, reducer=None, named_parameters=None, one_per_host=False,
@@ -110,7 +110,7 @@ class PushPullExchange:
         self.averaged = set()
         for name, parameter in named:
             self.keys[name] = f"{prefix}.{name}"
-            declaration = ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=dtype,
+            declaration = ops.declare(self.keys[name], shape=tuple(parameter.shape), dtype=dtype or parameter.dtype,
                                       **dict(compression_params or {}), **extra,
                                       **({"one_per_host": True} if one_per_host else {}))
             if not declaration.compressed:

@@ -28,7 +28,7 @@ from .checkpoint import register
 from .exchange import CompressedExchange, interruptible_wait
 from .fsdp_inhost import CompressedReduceScatter, in_host_exchange
 from .fsdp_ps import register_on_servers
-from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, sharded_groups  # noqa: F401 (ShardLayout: tests)
+from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, sharded_groups, unfit_codec  # noqa: F401 (tests)
 
 
 def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=None, shard_compression_params=None):
@@ -86,11 +86,7 @@ def refuse_unfit_codec(exchange, parts, setting="compressor"):
         checked.add(stand_in.dtype)
         problem = exchange.hook.pipeline.codecs.refusal(name, stand_in, core.device_codecs())
         if problem:
-            where = "compressor" if setting == "compressor" else f"{setting}' compressor"
-            raise TypeError(f"register_fsdp_hooks: {where} {params.compressor!r} cannot take the reduce dtype "
-                            f"{stand_in.dtype} of {name!r} ({problem}); set fully_shard's "
-                            "mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) or choose a codec that "
-                            "carries it")
+            raise TypeError(unfit_codec(params.compressor, stand_in.dtype, name, problem, setting))
 
 
 def replicate_group(replicate):

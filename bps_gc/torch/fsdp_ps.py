@@ -22,10 +22,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import bps_gc.core as core
+from bps_gc.compress import CompressionParams, build_chain
 
 from .checkpoint import Fields, register
 from .exchange import PushPullExchange, interruptible_wait
-from .fsdp_shards import ShardLayout, shard_parts, shard_pieces
+from .ops import SUPPORTED
+from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, unfit_codec
 
 NOT_ON_SERVERS = ("register_fsdp_hooks: replicate=None makes the parameter server the replicate reducer, which "
                   "needs bps_gc.torch.init() on the parameter-server transport first (bpslaunch with servers); "
@@ -45,20 +47,44 @@ def register_on_servers(model, groups, compression_params, reducer):
                              f"local ranks (a mesh of {comm.local_size}, BYTEPS_LOCAL_SIZE, this rank shard "
                              f"{comm.local_rank}), but it is sharded on a mesh of {info.shard_mesh_size} as shard "
                              f"{info.shard_mesh_rank}; shard it on bps_gc.torch.host_mesh()")
+    shards = shard_parts(model, groups)
+    # each shard pushed in its wire dtype (the parameter server's: float32, float64 kept)
+    pushed = [(name, torch.empty((), dtype=wire_dtype(stand_in.dtype)).expand(stand_in.shape))
+              for parts in shards.values() for name, stand_in in parts]
+    refuse_unfit_codec(compression_params, shards, pushed)  # before anything is registered or declared
     layout = register(HookLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank, len(groups)),
                       "fsdp_hooks")
-    shards = shard_parts(model, groups)
-    parts = [part for group_parts in shards.values() for part in group_parts]
-    # the servers sum float32 (float64 where every shard's reduce dtype is): a bfloat16 or
-    # float16 reduce-scatter output is widened for the push and rounded back
-    wire = torch.float64 if all(stand_in.dtype == torch.float64 for _, stand_in in parts) else torch.float32
-    exchange = PushPullExchange(compression_params, reducer, named_parameters=parts, one_per_host=True,
-                                dtype=wire)
+    exchange = PushPullExchange(compression_params, reducer, named_parameters=pushed, one_per_host=True, dtype=None)
     exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
     for index, (module, param_group) in enumerate(groups):
         if shards[id(param_group)]:
-            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], wire, layout, index))
+            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], layout, index))
     return exchange
+
+
+def wire_dtype(reduce_dtype):
+    """What a shard of ``reduce_dtype`` is pushed as: float64 as is, else float32 (the servers
+    sum float32: a bfloat16 or float16 reduce-scatter output is widened for the push, and the
+    average rounded back into it, alike on every replica)."""
+    return torch.float64 if reduce_dtype == torch.float64 else torch.float32
+
+
+def refuse_unfit_codec(compression_params, shards, pushed):
+    """Refuse, before anything is declared, a codec that cannot take a shard's wire dtype
+    (float64: TernGrad, QSGD, sign...), in torch.distributed's one line naming the reduce dtype."""
+    params = CompressionParams.from_dict(dict(compression_params or {}))
+    if not params.compressed:
+        return
+    reduce_dtypes = {name: stand_in.dtype for parts in shards.values() for name, stand_in in parts}
+    checked = set()
+    for name, wire in pushed:
+        if wire.dtype in checked:
+            continue
+        checked.add(wire.dtype)
+        try:  # a throwaway worker chain, as the declaration would build it
+            build_chain(params, wire.numel(), SUPPORTED[wire.dtype], shape=tuple(wire.shape))
+        except TypeError as e:
+            raise TypeError(unfit_codec(params.compressor, reduce_dtypes[name], name, e)) from None
 
 
 class HookLayout(ShardLayout):
@@ -74,14 +100,14 @@ class HookLayout(ShardLayout):
         return Fields(self, ("steps",), self.identity)
 
 
-def push_pull_hook(exchange, parts, wire, layout, index):
+def push_pull_hook(exchange, parts, layout, index):
     """The all-reduce hook of one FSDP parameter group: each of its shards pushed by this rank
     and pulled as the average over the hosts, in place. Its n-th call (``layout.steps[index]``,
     which a checkpoint restores) is step n of the codecs' step context (their random draws,
     seeded by key and step, change every step)."""
     def average_over_hosts(reduce_output):
         pieces = shard_pieces(reduce_output, parts)
-        carried = [(name, piece if piece.dtype == wire else piece.to(wire)) for name, piece in pieces]
+        carried = [(name, piece.to(wire_dtype(piece.dtype))) for name, piece in pieces]  # no copy if the same
         step = int(layout.steps[index])
         layout.steps[index] += 1
         interruptible_wait(exchange(carried, ctx={"step": step}))

@@ -98,3 +98,12 @@ def shard_pieces(reduce_output, parts):
                            f"{parts[0][1].dtype} on {parts[0][1].device}")
     return [(name, piece.view(stand_in.shape))
             for (name, stand_in), piece in zip(parts, reduce_output.split(sizes))]
+
+
+def unfit_codec(compressor, reduce_dtype, name, problem, setting="compressor"):
+    """The one-line refusal of a codec (of ``setting``) that cannot take the reduce dtype of
+    shard ``name`` (``problem``: the codec's TypeError), on either transport."""
+    where = "compressor" if setting == "compressor" else f"{setting}' compressor"
+    return (f"register_fsdp_hooks: {where} {compressor!r} cannot take the reduce dtype {reduce_dtype} of "
+            f"{name!r} ({problem}); set fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) "
+            "or choose a codec that carries it")

@@ -1,23 +1,27 @@
 """FSDP2 with the parameter server as the replicate reducer, under ``bpslaunch`` (hosts x local
 ranks): ``python fsdp_ps_job.py SPEC.json OUT``. Each rank joins (bps.init()), makes the host's
 group (bps.host_mesh()), and trains one MLP per spec "runs" entry (name: compression_params,
-null: dense), sharded over the host's local ranks and hooked with register_fsdp_hooks(model,
-None, params), ``steps`` SGD steps on its own batches (spec "widths": the MLP's, default
-16-32-32-8). Saved per run, prefixed "<run>/": the full parameters at the end, its local
-shards after every step, every hook call's reduce-scatter output before and after, the
-partitions (key, start, stop) of each shard's declared tensor, the bytes bps.metrics() counted
-and the codec state bps_gc's state_dict holds of them. Then a model sharded on a mesh that is
-not the host's must be refused ("refusal"), as register_fsdp_hooks(model, None) before
-bps.init() ("unserved").
+null: dense), sharded over the host's local ranks with fully_shard's options of its spec
+"policies" entry (POLICIES: mixed precision, CPU offload) and hooked with
+register_fsdp_hooks(model, None, params), ``steps`` SGD steps on its own batches (spec
+"widths": the MLP's, default 16-32-32-8). Saved per run, prefixed "<run>/": the full parameters
+at the end, its local shards after every step, every hook call's reduce-scatter output before
+and after (widened to float32), the partitions (key, start, stop) of each shard's declared
+tensor, the bytes bps.metrics() counted in its steps and the codec state bps_gc's state_dict
+holds of them. Then refused, each message saved: a model sharded on a mesh that is not the
+host's ("refusal"), TernGrad on a float64 reduce dtype ("unfit"), and register_fsdp_hooks(model,
+None) before bps.init() ("unserved").
 
-Spec "save" {"run": name, "at": k}: that run's shards (OUT/model<rank>.npz) and bps_gc's state
-(OUT/bps<rank>.pt) are saved before its step k (make it the first run: the state holds the
-runs declared so far). Spec "resume" {"from": DIR, "at": k, "runs": {name: params}, "codecs":
-bool, "refused": bool}: those runs are trained first, from step k after loading DIR's shards and
-(unless "codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz ("refused":
-DIR is another mesh's, whose state must be refused: its message, "<run>/refused", instead). Spec "fault"
-(tests/job_faults.py: "victim", "fault"): after the runs, top-k + EF trains until the victim's
-fault."""
+Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
+together, a step of each in turn, with SGD momentum; before step k their models and optimizers
+are saved with torch.distributed.checkpoint over the host's group (OUT/dcp<host>) and bps_gc's
+state in OUT/bps<rank>.pt. Spec "resume" {"from": DIR, "at": k, "runs": {name: params}, "codecs":
+bool, "refused": bool}: those runs train together first, from step k after loading DIR's
+checkpoint and (unless "codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz
+("refused": DIR is another mesh's, whose bps_gc state must be refused: its message,
+"<run>/refused", and the full parameters dcp loaded, resharded, "<run>/loaded/<name>", instead).
+Spec "fault" (tests/job_faults.py: "victim", "fault"): after the runs, top-k + EF trains until
+the victim's fault."""
 import json
 import os
 import sys
@@ -25,8 +29,10 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
@@ -40,14 +46,23 @@ torch.set_num_threads(1)
 WIDTHS = tuple(spec.get("widths", (16, 32, 32, 8)))
 
 
-def build(shard_mesh):
+MOMENTUM = 0.9  # the runs saved and resumed together (spec "save", "resume"): optimizer state to carry
+POLICIES = {  # fully_shard's options of spec "policies" (run name: policy)
+    "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+    "bf16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)},
+    "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},  # pinned memory needs an accelerator
+    "fp64r": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)},
+}
+
+
+def build(shard_mesh, policy=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTHS[1], WIDTHS[2]), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTHS[2], WIDTHS[3]))
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(layer, mesh=shard_mesh, **POLICIES.get(policy, {}))
+    fully_shard(model, mesh=shard_mesh, **POLICIES.get(policy, {}))
     return model
 
 
@@ -61,6 +76,7 @@ except ValueError as e:
 dist.destroy_process_group()
 bps.init()
 rank = bps.rank()
+host = rank // bps.local_size()
 mesh = bps.host_mesh()
 
 
@@ -79,78 +95,129 @@ def record_calls(model, calls):
         inner = groups[0]._all_reduce_hook
 
         def recording(reduce_output, inner=inner, index=index):
-            before = reduce_output.detach().clone().numpy()
+            before = reduce_output.detach().float().clone().numpy()  # bfloat16 widened exactly
             inner(reduce_output)
-            calls.append((index, before, reduce_output.detach().clone().numpy()))
+            calls.append((index, before, reduce_output.detach().float().clone().numpy()))
         module.set_all_reduce_hook(recording)
 
 
-def run(name, params, first=0, resume=None):
-    """Train run ``name`` from step ``first`` (after ``resume``'s checkpoint, spec "resume")."""
-    model = build(mesh)
-    exchange = bps.register_fsdp_hooks(model, None, params)
-    calls, arrays = [], {}
-    record_calls(model, calls)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if resume:  # the shards and bps_gc's state saved at step ``first`` (plain SGD: no optimizer state)
-        if resume.get("refused"):  # saved on another mesh: bps_gc's state must be refused
-            try:
-                bps.load_state_dict(bps.load_checkpoint(os.path.join(resume["from"], f"bps{rank}.pt")))
-            except StateError as e:
-                return {f"{name}/refused": np.array(str(e))}
-            raise AssertionError(f"rank {rank}: the state of {resume['from']} was loaded on another mesh")
-        saved = np.load(os.path.join(resume["from"], f"model{rank}.npz"))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.to_local().copy_(torch.from_numpy(saved[n]))
-        if resume.get("codecs", True):  # False: the codecs start afresh (the check that they matter)
-            bps.load_state_dict(bps.load_checkpoint(os.path.join(resume["from"], f"bps{rank}.pt")))
-    bps.metrics()  # from here: this run's bytes
-    for step in range(first, spec["steps"]):
-        if (name, step) == (spec.get("save", {}).get("run"), spec.get("save", {}).get("at")):
-            np.savez(os.path.join(out, f"model{rank}.npz"),
-                     **{n: p.to_local().detach().numpy() for n, p in model.named_parameters()})
-            bps.save_checkpoint(bps.state_dict(), os.path.join(out, f"bps{rank}.pt"))
+class Run:
+    """One model of spec "runs": sharded on the host's mesh with its spec "policies" entry, hooked
+    with ``params``, trained with SGD (``momentum``: optimizer state for the checkpoints)."""
+
+    def __init__(self, name, params, momentum=0.0):
+        self.name, self.model = name, build(mesh, spec.get("policies", {}).get(name))
+        self.exchange = bps.register_fsdp_hooks(self.model, None, params)
+        self.calls, self.arrays, self.pushed, self.pulled = [], {}, 0, 0
+        record_calls(self.model, self.calls)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=momentum)
+
+    def step(self, step):
+        bps.metrics()  # from here: this step's bytes (runs trained together count apart)
         x, y = batch(step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        arrays.update({f"local/{step}/{n}": p.to_local().detach().numpy().copy() for n, p in model.named_parameters()})
-    counted = bps.metrics()
-    arrays.update({f"full/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()})
-    arrays.update({f"call{i}/in": c[1] for i, c in enumerate(calls)})
-    arrays.update({f"call{i}/out": c[2] for i, c in enumerate(calls)})
-    arrays["calls"] = np.array([c[0] for c in calls])
-    comm = core.communicator()
-    for part, declared in exchange.keys.items():
-        arrays[f"keys/{part}"] = np.array([(p.key, p.start, p.stop) for p in comm.tensors[declared].partitions],
-                                          np.uint64).reshape(-1, 3)
-        arrays[f"shape/{part}"] = np.array(comm.tensors[declared].shape)
-    arrays["pushed_wire"], arrays["pulled_wire"] = np.array(counted.pushed_wire), np.array(counted.pulled_wire)
-    # the codec state of this run's shards this rank saves: its own chains' ("worker/"), and
-    # (host 0's ranks) the servers' of the same shards ("server/")
-    declared, state = set(exchange.keys.values()), core.state_dict()
-    for side in ("worker", "server"):
-        arrays[f"state_{side}"] = np.array(sum(v.nbytes for k, v in state.items() if isinstance(v, np.ndarray)
-                                               and k.startswith(f"{side}/") and k.split("/")[1] in declared))
-    return {f"{name}/{k}": v for k, v in arrays.items()}
+        torch.nn.functional.mse_loss(self.model(x).float(), y).backward()  # bfloat16 parameters: its output
+        self.opt.step()
+        self.opt.zero_grad()
+        counted = bps.metrics()
+        self.pushed, self.pulled = self.pushed + counted.pushed_wire, self.pulled + counted.pulled_wire
+        self.arrays.update({f"local/{step}/{n}": p.to_local().detach().numpy().copy()
+                            for n, p in self.model.named_parameters()})
+
+    def results(self):
+        """Its arrays, prefixed "<name>/" (module doc)."""
+        arrays = dict(self.arrays)
+        arrays.update({f"full/{n}": p.full_tensor().detach().numpy() for n, p in self.model.named_parameters()})
+        arrays.update({f"call{i}/in": c[1] for i, c in enumerate(self.calls)})
+        arrays.update({f"call{i}/out": c[2] for i, c in enumerate(self.calls)})
+        arrays["calls"] = np.array([c[0] for c in self.calls])
+        comm = core.communicator()
+        for part, declared in self.exchange.keys.items():
+            arrays[f"keys/{part}"] = np.array([(p.key, p.start, p.stop) for p in comm.tensors[declared].partitions],
+                                              np.uint64).reshape(-1, 3)
+            arrays[f"shape/{part}"] = np.array(comm.tensors[declared].shape)
+        arrays["pushed_wire"], arrays["pulled_wire"] = np.array(self.pushed), np.array(self.pulled)
+        # the codec state of this run's shards this rank saves: its own chains' ("worker/"), and
+        # (host 0's ranks) the servers' of the same shards ("server/")
+        declared, state = set(self.exchange.keys.values()), core.state_dict()
+        for side in ("worker", "server"):
+            arrays[f"state_{side}"] = np.array(sum(v.nbytes for k, v in state.items() if isinstance(v, np.ndarray)
+                                                   and k.startswith(f"{side}/") and k.split("/")[1] in declared))
+        return {f"{self.name}/{k}": v for k, v in arrays.items()}
 
 
-if "resume" in spec:  # spec "resume" {"from": DIR, "at": k, "runs": {name: params}, "codecs": bool}
-    resumed = {}
-    for name, params in spec["resume"]["runs"].items():
-        resumed.update(run(name, params, spec["resume"]["at"], spec["resume"]))
+def train(runs, steps, save_at=None):
+    """Train ``runs`` together, a step of each in turn; before step ``save_at`` save them."""
+    for step in steps:
+        if step == save_at:
+            save(runs)
+        for one in runs:
+            one.step(step)
+
+
+def dcp_state(runs):
+    return {one.name: dict(zip(("model", "optim"), get_state_dict(one.model, one.opt))) for one in runs}
+
+
+def save(runs):
+    """The models and optimizers with torch.distributed.checkpoint (over the host's group: each
+    host its own, OUT/dcp<host>), bps_gc's state (the codecs', the servers' of host 0's shards)."""
+    dcp.save(dcp_state(runs), checkpoint_id=os.path.join(out, f"dcp{host}"))
+    bps.save_checkpoint(bps.state_dict(), os.path.join(out, f"bps{rank}.pt"))
+
+
+def load(runs, saved):
+    """What ``save`` saved in ``saved``: the models and optimizers (resharded by dcp if the mesh
+    differs), then bps_gc's state."""
+    state = dcp_state(runs)
+    dcp.load(state, checkpoint_id=os.path.join(saved, f"dcp{host}"))
+    for one in runs:
+        set_state_dict(one.model, one.opt, model_state_dict=state[one.name]["model"],
+                       optim_state_dict=state[one.name]["optim"])
+
+
+if "resume" in spec:  # spec "resume": its runs, trained together from step "at", loaded from "from"
+    resume = spec["resume"]
+    runs, codec_state = [Run(name, params, MOMENTUM) for name, params in resume["runs"].items()], \
+        os.path.join(resume["from"], f"bps{rank}.pt")
+    if resume.get("refused"):  # saved on another mesh: bps_gc's state is refused, dcp reshards the rest
+        try:
+            bps.load_state_dict(bps.load_checkpoint(codec_state))
+            raise AssertionError(f"rank {rank}: the state of {resume['from']} was loaded on another mesh")
+        except StateError as e:
+            refused = str(e)
+        load(runs, resume["from"])
+        resumed = {f"{one.name}/refused": np.array(refused) for one in runs}
+        resumed.update({f"{one.name}/loaded/{n}": p.full_tensor().detach().numpy() for one in runs
+                        for n, p in one.model.named_parameters()})
+    else:
+        load(runs, resume["from"])
+        if resume.get("codecs", True):  # False: the codecs start afresh (the check that they matter)
+            bps.load_state_dict(bps.load_checkpoint(codec_state))
+        train(runs, range(resume["at"], spec["steps"]))
+        resumed = {k: v for one in runs for k, v in one.results().items()}
     np.savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)
+
 arrays = {"unserved": np.array(unserved)}
+saved = spec.get("save", {"runs": []})  # the first runs, trained together and saved
+together = [Run(name, spec["runs"][name], MOMENTUM) for name in saved["runs"]]
+train(together, range(spec["steps"]), saved.get("at"))
+for one in together:
+    arrays.update(one.results())
 for name, params in spec["runs"].items():
-    arrays.update(run(name, params))
+    if name not in saved["runs"]:
+        one = Run(name, params)
+        train([one], range(spec["steps"]))
+        arrays.update(one.results())
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused
 alone = [dist.new_group([r]) for r in range(bps.local_size())][bps.local_rank()]
-try:
-    bps.register_fsdp_hooks(build(DeviceMesh.from_group(alone, "cpu")), None)
-    arrays["refusal"] = np.array("")
-except ValueError as e:
-    arrays["refusal"] = np.array(str(e))
+for refused, model, params in (("refusal", build(DeviceMesh.from_group(alone, "cpu")), None),
+                               # a codec that cannot take the reduce dtype (float64)
+                               ("unfit", build(mesh, "fp64r"), {"compressor": "terngrad"})):
+    try:
+        bps.register_fsdp_hooks(model, None, params)
+        arrays[refused] = np.array("")
+    except (TypeError, ValueError) as e:
+        arrays[refused] = np.array(str(e))
 np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
 if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
     model = build(mesh)

@@ -47,15 +47,21 @@ HOSTS, LOCAL, STEPS, LR = 2, 3, 4, 0.1
 OTHER_LOCAL, OTHER_STEPS = 2, 2  # the third launch's local ranks and steps
 VICTIM = 4  # the second launch kills local rank 1 of host 1
 WIDTHS = (16, 32, 32, 8)
-RECOMPRESSED = {"topk": {"compressor": "topk", "k": 0.25, "ef": "vanilla"},
-                "recipe": {"compressor": "onebit", "scaling": True, "ef": "vanilla", "momentum": "nesterov",
-                           "mu": 0.9}}
-# thc 4-bit with feedback first: the job saves it before step SAVE_AT, the second launch
-# resumes it, the third is refused it
-RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}}
+TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
+RECOMPRESSED = {"topk": TOPK, "recipe": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
+                                         "momentum": "nesterov", "mu": 0.9}}
+# top-k + EF once more per fully_shard policy (fsdp_ps_job.POLICIES): bfloat16 parameters reduced
+# in float32 or in bfloat16, CPU offload
+POLICY_RUNS = {"topk-bf16": "bf16", "topk-bf16r": "bf16r", "topk-offload": "offload"}
+# thc 4-bit with feedback and top-k + EF first, trained together with SGD momentum: the job saves
+# them (dcp and bps_gc's state) before step SAVE_AT, the second launch resumes them, the third
+# is refused their codec state
+RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk": TOPK}
 SAVE_AT = 2
-RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4}}
+RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4},
+        **{run: TOPK for run in POLICY_RUNS}}
 LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding none) -> its layer
+NAMES = [f"{layer}.{param}" for layer in LAYERS.values() for param in ("weight", "bias")]
 
 
 def launch(tmp_path, spec, local):
@@ -104,7 +110,7 @@ def expected_calls(ranks, run):
     """Every hook call's output of shard i's ranks, recomputed: each host's chain (seeded by the
     shard's key and the pushing rank) compresses its reduce-scatter output, the server's
     recompresses their sum, the result is divided by the hosts."""
-    params = CompressionParams.from_dict(RECOMPRESSED[run])
+    params = CompressionParams.from_dict(RUNS[run])
     expected = {}
     for i in range(LOCAL):
         arrays = ranks[i]
@@ -127,18 +133,21 @@ def expected_calls(ranks, run):
                         x = ranks[h * LOCAL + i][f"{run}/call{call}/in"][start + p_start:start + p_stop]
                         acc += workers[h].decompress(workers[h].compress(x, ctx))
                     out[start + p_start:start + p_stop] = server.decompress(server.compress(acc, ctx)) / np.float32(HOSTS)
+            if POLICY_RUNS.get(run) == "bf16r":  # reduced in float32, rounded back into the bfloat16 output
+                out = torch.from_numpy(out).to(torch.bfloat16).float().numpy()
             expected[(i, call)] = out
     return expected
 
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
     (tmp_path / "job").mkdir()
-    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "save": {"run": "thc-ef", "at": SAVE_AT}}, LOCAL)
+    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": POLICY_RUNS,
+                                      "save": {"runs": list(RESUMED), "at": SAVE_AT}}, LOCAL)
     check_results(ranks)
     (tmp_path / "fault").mkdir()
     resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks)
     (tmp_path / "other").mkdir()
-    refused_then_hsdp(tmp_path / "other", tmp_path / "job")
+    refused_then_hsdp(tmp_path / "other", tmp_path / "job", ranks)
 
 
 def equals_hsdp(ranks, local, steps):
@@ -165,8 +174,9 @@ def check_results(ranks):
                 assert a[k].tobytes() == b[k].tobytes(), f"{run}: ranks {i} and {LOCAL + i} differ at {k}"
     # dense: native HSDP's parameters within 1e-6 relative
     equals_hsdp(ranks, LOCAL, STEPS)
-    # the recompressing codecs with error feedback: every call as the numpy recomputation
-    for run in RECOMPRESSED:
+    # the recompressing codecs with error feedback, top-k under each policy too: every call as
+    # the numpy recomputation
+    for run in [*RECOMPRESSED, *POLICY_RUNS]:
         expected = expected_calls(ranks, run)
         assert len(expected) == LOCAL * STEPS * len(LAYERS)
         for (i, call), want in expected.items():
@@ -175,6 +185,14 @@ def check_results(ranks):
                 assert got.tobytes() == want.tobytes(), \
                     f"{run} call {call} rank {h * LOCAL + i}: max diff {np.abs(got - want).max()}"
         assert not np.array_equal(ranks[0][f"{run}/full/0.weight"], ranks[0]["dense/full/0.weight"])
+    # the hooks got float32 under the float32 reduce dtype, bfloat16 under the bfloat16 one; each
+    # policy's shards pushed as top-k's float32 ones; bfloat16 compute trained otherwise
+    low_bits = {run: ranks[0][f"{run}/call0/in"].view(np.uint32) & 0xFFFF for run in ("topk-bf16", "topk-bf16r")}
+    assert low_bits["topk-bf16"].any() and not low_bits["topk-bf16r"].any()
+    for run in POLICY_RUNS:
+        assert [int(a[f"{run}/pushed_wire"]) for a in ranks] == [int(a["topk/pushed_wire"]) for a in ranks], run
+    assert not np.array_equal(ranks[0]["topk-bf16/full/0.weight"], ranks[0]["topk-offload/full/0.weight"])
+    assert not np.array_equal(ranks[0]["topk-bf16r/full/0.weight"], ranks[0]["topk-bf16/full/0.weight"])
     # thc: summed lanes, an unbiased estimate of the mean (4 bits: each call within its norm,
     # over all calls the projection on the mean within 5%; 8 bits came within 1% and 5% a call)
     along = square = 0.0
@@ -206,10 +224,15 @@ def check_results(ranks):
         # 2 hosts' pushes (5 bits, not the 6 ranks'), 12 to an int64 word, and 8 words a shard
         # (5 of exponent histogram, 3 of header): 832 bytes a step for these padded shards
         assert int(arrays["thc/pushed_wire"]) == STEPS * thc_bytes == STEPS * 832, r
-    for arrays in ranks:
+    for r, arrays in enumerate(ranks):
         assert str(arrays["unserved"]).startswith("register_fsdp_hooks: replicate=None makes the parameter server "
                                                   "the replicate reducer, which needs bps_gc.torch.init() on the "
                                                   "parameter-server transport first"), arrays["unserved"]
+        assert str(arrays["unfit"]) == (
+            "register_fsdp_hooks: compressor 'terngrad' cannot take the reduce dtype torch.float64 of '0.weight#shard"
+            f"{r % LOCAL}' (TernGrad: float32 or float16 partitions only, got float64); set "
+            "fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) or choose a codec that "
+            "carries it"), arrays["unfit"]
         assert str(arrays["refusal"]).startswith("register_fsdp_hooks: on the parameter server the model is "
                                                  "sharded over the host's local ranks (a mesh of 3"), arrays["refusal"]
 
@@ -248,25 +271,31 @@ def resumed_then_killed(tmp_path, saved, ranks):
     assert 1 <= len(failures) <= LOCAL and all(any(w in line for w in host1) for line in failures), report
     for r in range(HOSTS * LOCAL):
         resumed = dict(np.load(tmp_path / f"resumed{r}.npz"))
-        compared = [k for k in resumed if k.startswith(("thc-ef/local/", "thc-ef/full/"))]
-        assert len(compared) == (STEPS - SAVE_AT + 1) * 6, sorted(resumed)
+        compared = [k for k in resumed if k.startswith(tuple(f"{run}/{kind}/" for run in RESUMED
+                                                             for kind in ("local", "full")))]
+        assert len(compared) == len(RESUMED) * (STEPS - SAVE_AT + 1) * 6, sorted(resumed)
         for k in compared:
             assert resumed[k].tobytes() == ranks[r][k].tobytes(), f"resumed rank {r} {k}"
     print(f"FSDP on the parameter server, rank {VICTIM} killed: launchers gone {elapsed:.1f} s later; {failures[0]}",
           file=sys.stderr)
 
 
-def refused_then_hsdp(tmp_path, saved):
+def refused_then_hsdp(tmp_path, saved, first):
     """The third launch, ``bpslaunch --local``, 2 hosts x OTHER_LOCAL local ranks: each rank
-    loading ``saved``'s checkpoint of the thc + feedback run (the first launch's 6 ranks' state)
-    is refused in one line naming both world sizes; then dense trains OTHER_STEPS steps as
-    native HSDP on this (2, 2) mesh (equals_hsdp)."""
+    loading ``saved``'s bps_gc state of the resumed runs (the first launch's 6 ranks' state) is
+    refused in one line naming both world sizes, while their models load from its dcp checkpoint,
+    resharded, as the first launch's (``first``) were before step SAVE_AT; then dense trains
+    OTHER_STEPS steps as native HSDP on this (2, 2) mesh (equals_hsdp)."""
     ranks = launch(tmp_path, {"runs": {"dense": None}, "steps": OTHER_STEPS,
                               "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True}},
                    OTHER_LOCAL)
     equals_hsdp(ranks, OTHER_LOCAL, OTHER_STEPS)
-    for r in range(HOSTS * OTHER_LOCAL):
-        refused = str(np.load(tmp_path / f"resumed{r}.npz")["thc-ef/refused"])
+    for r, run in ((r, run) for r in range(HOSTS * OTHER_LOCAL) for run in RESUMED):
+        resumed = np.load(tmp_path / f"resumed{r}.npz")
+        for name in NAMES:  # the first launch's host 0 shards, before step SAVE_AT
+            want = np.concatenate([first[i][f"{run}/local/{SAVE_AT - 1}/{name}"] for i in range(LOCAL)])
+            assert resumed[f"{run}/loaded/{name}"].tobytes() == want.tobytes(), (r, run, name)
+        refused = str(resumed[f"{run}/refused"])
         assert refused == ("bps_gc.torch state: saved by another job (world size 6 in the state, 4 here); its "
                            "per-rank codec state does not apply (set BPS_GC_RESUME_DROP_RANK_STATE=1 to start the "
                            "codecs afresh)"), refused

@@ -11,19 +11,23 @@ MLP's 32 and 8 rows over 3 ranks, FSDP2 pads the last), trains every model:
 * top-k 25% + EF and BytePS's onebit recipe (scaling + EF + nesterov), both recompressed by the
   server: every hook call equals the numpy recomputation over the two hosts' shards (each
   host's chain seeded by the shard's key, the server's chain recompressing their sum, the
-  result divided by the hosts), and the replicas agree bit for bit;
+  result divided by the hosts), and the replicas agree bit for bit; top-k again under each of
+  fully_shard's policies (bfloat16 parameters reduced in float32, in bfloat16; CPU offload),
+  with the same oracle (the bfloat16 reduction rounded) and replicas;
 * thc 4-bit (the servers sum its integer lanes): the replicas agree, and each call is close to
   the exact mean of the hosts' shards;
 * bytes: bps.metrics() counts each rank's own shard pushed once a step, dense (what native
   HSDP's all-reduce hands the wire per rank), and fewer with every codec; the codec state a
   rank saves is its own shards' (top-k + EF 1x the shard, the recipe 2x);
-* refused in one line: a model sharded on a mesh that is not the host's local ranks, and
-  replicate=None before bps_gc.torch.init().
+* refused in one line: a model sharded on a mesh that is not the host's local ranks, TernGrad
+  on a float64 reduce dtype, and replicate=None before bps_gc.torch.init().
 
-A second launch, one bpslaunch per host, 2 x 3 again, resumes thc 4-bit + feedback from the
-first's checkpoint bit for bit, then has a local rank killed (``resumed_then_killed``). A third,
-short, ``bpslaunch --local`` 2 x 2, is refused that checkpoint (another world size) and trains
-dense as native HSDP on the (2, 2) mesh (``refused_then_hsdp``)."""
+A second launch, one bpslaunch per host, 2 x 3 again, resumes thc 4-bit + feedback and top-k +
+EF (SGD with momentum) from the first's checkpoint (torch.distributed.checkpoint for the models
+and optimizers, bps_gc's state) bit for bit, then has a local rank killed
+(``resumed_then_killed``). A third, short, ``bpslaunch --local`` 2 x 2, is refused that bps_gc
+state (another world size) while dcp loads the models resharded, and trains dense as native
+HSDP on the (2, 2) mesh (``refused_then_hsdp``)."""
 import json
 import os
 import sys

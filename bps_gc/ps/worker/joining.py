@@ -129,13 +129,8 @@ class JoinGate:
                 self.went.clear()
                 self.rounds.membership.send(Msg.EPOCH_REPORT, obj={"epoch": int(info["epoch"]), "at": self.pledge})
             elif mtype == Msg.EPOCH_COMMIT:
-                peers = self.worker.peers
-                with peers.lock:  # the joiners' links, at their new addresses
-                    for r in joined:
-                        peers.addresses[r] = info["addresses"][str(r)]
-                        old = peers.links.pop(r, None)
-                        if old is not None:
-                            old.close(linger=0)
+                for r in joined:  # the joiners' links, at their new addresses
+                    self.worker.peers.renew(r, info["addresses"][str(r)])
                 self.commit = dict(info, from_group=int(info["from_group"]), epoch=int(info["epoch"]))
             elif mtype == Msg.EPOCH_GO:
                 self.went_on(info, me)

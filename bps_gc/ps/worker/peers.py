@@ -109,6 +109,20 @@ class Peers:
             self.router.close(linger=0)
         self.links.clear()
 
+    def renew(self, rank, address):
+        """Another process now holds worker ``rank`` (a host joining an elastic job): a link to
+        its address, and sequence numbers from 0 both ways, as that process counts them. Else a
+        join after one cancelled once the donor had sent (the same channel: the epoch is numbered
+        again) reaches the new process numbered on from the old one's, and is dropped."""
+        with self.lock:
+            self.addresses[rank] = address
+            old = self.links.pop(rank, None)
+            if old is not None:
+                old.close(linger=0)
+            for counts in (self.sent, self.expected, self.queues):
+                for where in [w for w in counts if w[0] == rank]:
+                    del counts[where]
+
     # ------------------------------------------------------------------ internals
 
     def check_rank(self, rank, what):

@@ -4,7 +4,9 @@ One job (3 worker hosts, 2 servers, one bpslaunch per role) trains parameters p 
 of a dense tensor split over both servers and a onebit tensor with error feedback. Worker 2 is
 killed half-way through a round; the survivors go on. A host started with worker 2's
 variables but another compressor is refused in one line naming both, and the job goes on;
-then one with the job's settings joins: it gets the parameters from a live worker, its codec
+then one whose copy of the parameters from the donor stalls (every rank of its host registered)
+is cancelled after its BPS_GC_JOIN_TIMEOUT, refused in one line, and exits once it wakes, the
+members going on as they were; then one with the job's settings joins: it gets the parameters from a live worker, its codec
 state starts at zero, and after its first step its parameters are bit-identical to the
 others'. Every result equals a numpy recomputation of the membership sequence every node
 logged, and bps.size() and bps.membership_epoch() change at step boundaries only."""
@@ -20,6 +22,7 @@ from elastic_jobs import host_command, membership, start_job, two_tensors
 from reference import elastic_means
 
 START_BOUND, BOUND = 60.0, 60.0
+STUCK_BOUND = 2  # the stalled joiner's BPS_GC_JOIN_TIMEOUT
 VICTIM, PAUSE_AT = 2, 2
 SPEC = {
     "max_steps": 400, "pause_at": PAUSE_AT, "victim": VICTIM, "lr": 0.5, "sleep": 0.05,
@@ -33,11 +36,33 @@ def expected(spec, sequence, last):
     return {f"{name}/{step}": mean for step, means in elastic_means(spec, sequence, last) for name, mean in means.items()}
 
 
-def start_joiner(job, name, spec, tmp_path):
+def start_joiner(job, name, spec, tmp_path, env=None):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(spec))
     job.launch(name, host_command("elastic_join_job.py", path, tmp_path),
-               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM)))
+               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM), **(env or {})))
+
+
+def stalled_join_is_cancelled(job, tmp_path):
+    """A joiner registers, declares, is committed, then its copy of the parameters stalls
+    (scripts/elastic_host.py's stall_copy; its I/O thread heartbeats on): the scheduler cancels
+    the join at its bound, the members go on, and the joiner, once it wakes, ends in one line."""
+    launched = time.monotonic()
+    start_joiner(job, "stuck", dict(SPEC, stall_copy=str(tmp_path / "unstall")), tmp_path,
+                 env={"BPS_GC_JOIN_TIMEOUT": str(STUCK_BOUND)})
+    job.wait_output(["stuck"], "STALLED", START_BOUND)
+    job.wait_output(["worker0", "worker1"], f"membership: worker [{VICTIM}] did not join", BOUND)
+    waited = time.monotonic() - launched  # from before its registration: at least the bound
+    (tmp_path / "unstall").touch()
+    job.launchers["stuck"].wait(BOUND)
+    report = job.report()
+    assert STUCK_BOUND <= waited < STUCK_BOUND + START_BOUND, (waited, report)
+    cause = (f"worker(s) [{VICTIM}] did not reach the join's boundary within BPS_GC_JOIN_TIMEOUT={STUCK_BOUND} s "
+             "of the host's first registration")
+    assert f"worker {VICTIM}'s join is cancelled: {cause}; the job goes on" in job.text("scheduler"), report
+    last = job.text("stuck").strip().splitlines()[-1]
+    assert job.launchers["stuck"].returncode not in (None, 0) and "Traceback" not in job.text("stuck"), report
+    assert f"cannot join the running job now: {cause}; start it again" in last, report
 
 
 def test_a_host_joins_after_one_died_and_one_with_other_settings_is_refused(tmp_path):
@@ -57,6 +82,7 @@ def test_a_host_joins_after_one_died_and_one_with_other_settings_is_refused(tmp_
     assert job.launchers["refused"].returncode not in (None, 0), job.report()
     assert "cannot join the running job" in refused and "topk" in refused and "onebit" in refused, refused
     assert "Traceback" not in refused, refused
+    stalled_join_is_cancelled(job, tmp_path)
     start_joiner(job, "joiner", SPEC, tmp_path)
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)

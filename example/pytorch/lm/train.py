@@ -25,8 +25,9 @@ with AVX-512 BF16 or AMX too) and says so at the start; the attention is then th
 that is faster there (gpt.attention_for).
 Every --eval-every steps rank 0 prints the validation loss (nats per byte), bits per byte and
 tokens per second of training (all ranks, evaluation excluded); its last line is
-``final: val_loss=<float> bpb=<float> tokens_per_s=<float>``. With --checkpoint DIR every rank
-saves model, optimizer and bps.state_dict() after each evaluation, and a run with the same
+``final: val_loss=<float> bpb=<float> tokens_per_s=<float>``; where bps_gc carried the
+gradients, an ``exchange: <int> bytes per step ...`` line before it says how much (rank 0's
+bps.metrics(): what it handed the exchange). With --checkpoint DIR every rank saves model, optimizer and bps.state_dict() after each evaluation, and a run with the same
 DIR resumes there, bit for bit.
 """
 import argparse
@@ -170,6 +171,7 @@ def main(argv=None):
         say(f"resumed from {args.checkpoint} at step {first}")
     tokens_per_step = args.batch_size * args.context * size
     val_loss = evaluate(model, val, device, amp) if first == 0 else saved["val_loss"]
+    bps.metrics()  # reset: what bps_gc carries from here is the training's exchange
     for step in range(first, args.steps):
         began = time.perf_counter()
         for group in opt.param_groups:
@@ -195,6 +197,9 @@ def main(argv=None):
                 say(f"stopped after step {done} (--stop-after)")
                 bps.shutdown()
                 return
+    sent = bps.metrics().pushed_wire / max(args.steps - first, 1)
+    if sent:  # bps_gc carried the gradients (not dense DDP, nor native HSDP)
+        say(f"exchange: {sent:.0f} bytes per step handed bps_gc's exchange by rank 0 (bps.metrics())")
     bpb = val_loss / math.log(2)
     say(f"bits per byte {bpb:.4f}: {100 * (1 - bpb / unigram):.1f}% below the unigram entropy")
     say(f"final: val_loss={val_loss:.6f} bpb={val_loss / math.log(2):.6f} "

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import zlib
@@ -23,7 +24,10 @@ sys.path[:0] = [os.path.join(ROOT, "example", "pytorch", "lm"), os.path.join(ROO
 from stdlib_text import Corpus, train_batch, val_windows  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "example", "pytorch", "lm", "train.py")
+FSDP_JOB = os.path.join(ROOT, "tests", "lm_fsdp_job.py")
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--batch-size", "4", "--val-windows", "8"]
+FSDP = [*TINY, "--precision", "fp32", "--steps", "4", "--eval-every", "4", "--api", "fsdp", "--shards", "1"]
+HSDP_RUNS = (FSDP, [*FSDP, "--hsdp", "hooks"], [*FSDP, "--compressor", "topk", "--k", "0.01", "--ef", "vanilla"])
 DIGEST = ("import sys, hashlib; sys.path.insert(0, 'example/pytorch/lm'); from stdlib_text import *; "
           "c = Corpus(); x, y = train_batch(c.train, 3, 1, 17, 4, 64); v = val_windows(c.val, 8, 64)[0]; "
           "print(c.fingerprint(), hashlib.sha256(x.tobytes() + y.tobytes() + v.tobytes()).hexdigest())")
@@ -213,21 +217,22 @@ def test_lm_hsdp_rows_run_and_print(tmp_path):
 
 
 def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
-    def train(folder, *extra):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
-        argv = [TRAIN, *TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
-                "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
+    """The straight run's launch then runs train.py --api fsdp too (hsdp_runs_agree)."""
+    def train(folder, *extra, then=()):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
+        flags = [*TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
+                 "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
+        argv = [FSDP_JOB, *flags, *(w for run in then for w in ("+", *run))] if then else [TRAIN, *flags]
         result = subprocess.run(torchrun_argv(argv, 2), env=job_env(), cwd=ROOT, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
-    straight = train("straight")
+    straight, *hsdp = train("straight", then=HSDP_RUNS).split("=== run ")[1:]
+    hsdp_runs_agree(hsdp)
     assert "precision: bf16 autocast" in straight and "attention plain" in straight
     assert "stopped after step 2" in train("resumed", "--stop-after", "2")
     resumed = train("resumed")
     assert "resumed from" in resumed
 
-    def final(out):  # val_loss and bpb (tokens per second differ)
-        return [line for line in out.splitlines() if line.startswith("final:")][0].split()[1:3]
     assert final(straight) == final(resumed)
     for rank in range(2):
         a = torch.load(tmp_path / "straight" / f"rank{rank}.pth")
@@ -237,6 +242,26 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
         assert set(flat_a) == set(flat_b) and any("ef.error" in k for k in flat_a)  # the codec's residuals
         for key, value in flat_a.items():
             assert torch.equal(value, flat_b[key]) if torch.is_tensor(value) else value == flat_b[key], key
+
+
+def final(out):
+    """val_loss and bpb of train.py's final line (tokens per second differ)."""
+    return [line for line in out.splitlines() if line.startswith("final:")][0].split()[1:3]
+
+
+def hsdp_runs_agree(outputs):
+    """train.py --api fsdp (HSDP_RUNS, on 2 ranks: a (2 replicas, 1 shard) mesh): native HSDP
+    and the dense hooks end on the same final line; the hooks print what they handed the
+    exchange: dense, the whole float32 model (a shard is all of it), top-k 1% + EF under a tenth."""
+    from gpt import GPT
+    native, dense, topk = outputs
+    assert "native HSDP on the (replicas, shards) mesh (2, 1)" in native and "exchange:" not in native, native
+    assert "hooks HSDP on the (replicas, shards) mesh (2, 1)" in dense and "compression none" in dense, dense
+    assert final(native) == final(dense), (native, dense)
+    sent = [int(re.search(r"^exchange: (\d+) bytes per step", out, re.M).group(1)) for out in (dense, topk)]
+    model_bytes = 4 * sum(p.numel() for p in GPT(1, 32, 2, 32).parameters())
+    assert sent[0] == model_bytes and 0 < sent[1] < model_bytes / 10, (sent, model_bytes)
+    assert "'compressor': 'topk'" in topk and final(topk) != final(dense), topk
 
 
 @pytest.mark.parametrize("servers", [1, 0], ids=["parameter-server", "collective"])

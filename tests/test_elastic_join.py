@@ -22,7 +22,7 @@ from elastic_jobs import host_command, membership, start_job, two_tensors
 from reference import elastic_means
 
 START_BOUND, BOUND = 60.0, 60.0
-STUCK_BOUND = 2  # the stalled joiner's BPS_GC_JOIN_TIMEOUT
+STUCK_BOUND = 3  # the stalled joiner's BPS_GC_JOIN_TIMEOUT: its commit comes well within it
 VICTIM, PAUSE_AT = 2, 2
 SPEC = {
     "max_steps": 400, "pause_at": PAUSE_AT, "victim": VICTIM, "lr": 0.5, "sleep": 0.05,

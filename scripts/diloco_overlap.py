@@ -19,7 +19,9 @@ step: what the yardstick's clock counts, without its evaluations); the DiLoCo ro
 also split into what DiLoCo does on the training thread at a sync: ``start`` (the
 pseudo-gradient, handing it to the exchange), ``wait`` (blocked on an exchange not finished at
 its due step), ``apply`` (the outer step, the local parameters reset); ``bg cpu``, the CPU
-time of the process's other threads (the exchange's, gloo's, the heartbeat's) per step; ``peer late``, how long after
+time of the process's other threads (the exchange's, gloo's, the heartbeat's) per step. The
+second row's ranks meet at a barrier where F=4's fragments start, sending nothing: the drift
+between the ranks, which a DiLoCo row waits for too, without its exchange. ``peer late``, how long after
 this rank the other rank started the same sync (the ranks drift apart between syncs as the
 box's load falls on one; a sync's wait is mostly that). The last row waits for the exchange in
 flight every 25 steps inside the timed step, as scripts/time_to_accuracy.py --task lm does
@@ -47,9 +49,12 @@ sys.path[:0] = [ROOT, HERE, LM]
 from tta_lm_diloco import DILOCO  # noqa: E402  (the yardstick's rows' settings)
 
 COMPUTE = "compute only (AdamW, no exchange)"
+# the ranks meet (a barrier, nothing sent) where F=4's fragments start: the drift between the
+# ranks that a DiLoCo row waits for, without its exchange (with tau = 1 it meets a step later)
+MEETING = "compute only, ranks meeting at F=4's turns"
 YARDSTICK_WAITS = 25  # the yardstick's --eval-every: it waits for the exchange in flight before evaluating
 # row -> (fragments, delay, compression_params, wait() every so many steps inside the timed step)
-ROWS = {COMPUTE: None, **{f"DiLoCo H={{H}} {name}": (*DILOCO[name], None) for name in ("F=4 tau=1 thc 4-bit", "dense")},
+ROWS = {COMPUTE: None, MEETING: None, **{f"DiLoCo H={{H}} {name}": (*DILOCO[name], None) for name in ("F=4 tau=1 thc 4-bit", "dense")},
         "DiLoCo H={H} F=4 tau=1 dense": (4, 1, None, None),
         f"DiLoCo H={{H}} F=4 tau=1 thc 4-bit, wait() every {YARDSTICK_WAITS}": (*DILOCO["F=4 tau=1 thc 4-bit"],
                                                                             YARDSTICK_WAITS)}
@@ -90,6 +95,7 @@ def timed_diloco(opt):
 def worker(spec):
     """One rank: every row in turn, blocks of H steps; writes its JSON to spec["out"]/rank<r>.json."""
     import torch
+    import torch.distributed
 
     import bps_gc.torch as bps
     from gpt import GPT, byte_loss
@@ -107,7 +113,9 @@ def worker(spec):
             opt = timed_diloco(bps.DiLoCo(model, opt, every, fragments=fragments, delay=delay,
                                           compression_params=compression))
         data = torch.Generator().manual_seed(1000 + rank)
-        rows[name] = {"model": model, "opt": opt, "data": data, "times": [], "bg_cpu": 0.0, "waits": waits}
+        rows[name] = {"model": model, "opt": opt, "data": data, "times": [], "bg_cpu": 0.0, "waits": waits,
+                      "meets": name == MEETING, "steps": 0}
+    turns = {(f + 1) * every // 4 % every for f in range(4)}
 
     def step(row):
         tokens = torch.randint(0, 256, (spec["batch_size"], spec["context"] + 1), generator=row["data"])
@@ -118,6 +126,9 @@ def worker(spec):
         row["opt"].step()
         if row["waits"] and row["opt"].steps % row["waits"] == 0:  # as the yardstick does before evaluating
             row["opt"].wait()
+        row["steps"] += 1
+        if row["meets"] and row["steps"] % every in turns:
+            torch.distributed.barrier()
         return time.perf_counter() - began
 
     for row in rows.values():  # untimed: the warm-up, and the DiLoCo rows one step past a multiple of H

@@ -20,6 +20,9 @@ also split into what DiLoCo does on the training thread at a sync: ``start`` (th
 pseudo-gradient, handing it to the exchange), ``wait`` (blocked on an exchange not finished at
 its due step), ``apply`` (the outer step, the local parameters reset); ``bg cpu``, the CPU
 time of the process's other threads (the exchange's, gloo's, the heartbeat's) per step. The
+``beside`` and ``alone``: a DiLoCo row's mean step less its
+start, wait and apply, for the steps that ran while an exchange was in flight and for the
+others (what the exchange's threads take from the training thread: CPU, the GIL). The
 second row's ranks meet at a barrier where F=4's fragments start, sending nothing: the drift
 between the ranks, which a DiLoCo row waits for too, without its exchange. ``peer late``, how long after
 this rank the other rank started the same sync (the ranks drift apart between syncs as the
@@ -114,11 +117,15 @@ def worker(spec):
                                           compression_params=compression))
         data = torch.Generator().manual_seed(1000 + rank)
         rows[name] = {"model": model, "opt": opt, "data": data, "times": [], "bg_cpu": 0.0, "waits": waits,
-                      "meets": name == MEETING, "steps": 0}
+                      "meets": name == MEETING, "steps": 0,
+                      "beside": [], "alone": []}
     turns = {(f + 1) * every // 4 % every for f in range(4)}
 
     def step(row):
         tokens = torch.randint(0, 256, (spec["batch_size"], spec["context"] + 1), generator=row["data"])
+        spent = getattr(row["opt"], "spent", None)
+        in_flight = spent is not None and any(f.pending is not None for f in row["opt"].fragments)
+        before = 0.0 if spent is None else spent["start"] + spent["wait"] + spent["apply"]
         began = time.perf_counter()
         row["opt"].zero_grad()
         byte_loss(row["model"](tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -129,7 +136,11 @@ def worker(spec):
         row["steps"] += 1
         if row["meets"] and row["steps"] % every in turns:
             torch.distributed.barrier()
-        return time.perf_counter() - began
+        took = time.perf_counter() - began
+        if spent is not None and not row["waits"]:  # the step less DiLoCo's own work: beside an exchange or not
+            row["beside" if in_flight else "alone"].append(took - (spent["start"] + spent["wait"] + spent["apply"]
+                                                                  - before))
+        return took
 
     for row in rows.values():  # untimed: the warm-up, and the DiLoCo rows one step past a multiple of H
         for _ in range(every + 1):
@@ -140,12 +151,15 @@ def worker(spec):
         for row in rows.values():
             bps.barrier()  # both ranks start the block together, as training ranks run
             cpu, mine = time.process_time(), time.thread_time()
+            if not row["times"]:  # the warm-up's steps are not counted
+                row["beside"], row["alone"] = [], []
             row["times"] += [step(row) for _ in range(every)]
             row["bg_cpu"] += (time.process_time() - cpu) - (time.thread_time() - mine)
     out = {}
     for name, row in rows.items():
         spent = getattr(row["opt"], "spent", None)
-        out[name] = {"step_seconds": row["times"], "background_cpu_seconds": row["bg_cpu"], "spent": spent}
+        out[name] = {"step_seconds": row["times"], "background_cpu_seconds": row["bg_cpu"], "spent": spent,
+                     "beside": row["beside"], "alone": row["alone"]}
         if spent is not None:
             row["opt"].wait()
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
@@ -223,6 +237,9 @@ def table(ranks, every):
             # the ranks' drift since the last sync (the box's load falling on one), not the exchange
             late = [max(pair) - mine for pair in zip(*(s["starts"] for s in spent)) for mine in pair]
             row["peer_late_ms_per_sync"] = 1000 * statistics.fmean(late)
+            beside, alone = ([t for r in ranks for t in r[name][key]] for key in ("beside", "alone"))
+            if beside and alone:  # the training thread's step, less DiLoCo's work, with an exchange running or not
+                row["beside_exchange_ms"], row["alone_ms"] = 1000 * statistics.fmean(beside), 1000 * statistics.fmean(alone)
         rows.append(row)
     return rows
 
@@ -277,10 +294,12 @@ def main():
           f"at the end; reduced GPT (2 x 64, context 64), batch {args.batch_size}; {args.blocks} blocks of "
           f"{args.sync_every} steps per row and rank, the rows taking turns")
     print(f"{'':50} {'mean ms':>8} {'median':>7} {'x compute':>9} {'paired':>6} {'slower':>6} {'bg cpu':>6} {'syncs':>5} {'start':>8} {'wait':>8} "
-          f"{'apply':>8} {'peer late':>9}  (ms per sync)")
+          f"{'apply':>8} {'peer late':>9}  (ms per sync) {'beside':>7} {'alone':>6}")
     for r in rows:
         extra = "" if "syncs" not in r else (f" {r['syncs']:5d} {r['start_ms_per_sync']:8.2f} {r['wait_ms_per_sync']:8.2f} "
-                                             f"{r['apply_ms_per_sync']:8.2f} {r['peer_late_ms_per_sync']:9.2f}")
+                                             f"{r['apply_ms_per_sync']:8.2f} {r['peer_late_ms_per_sync']:9.2f}"
+                                             + (f"{'':15} {r['beside_exchange_ms']:7.2f} {r['alone_ms']:6.2f}"
+                                                if "alone_ms" in r else ""))
         print(f"{r['row']:50} {r['mean_ms']:8.2f} {r['median_ms']:7.2f} {r['vs_compute_only']:8.2f}x {r['paired_vs_compute_only']:5.2f}x {r['paired_vs_slower_rank']:5.2f}x {r['bg_cpu_ms_per_step']:6.2f}{extra}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     json.dump({"machine": machine_info(), "link": where, "command": sys.argv, "load_average_start": load,

@@ -1,8 +1,7 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
 under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun;
-those two checkpoint every epoch and are the straight runs that an interrupted and resumed run
-must equal (issue 33)."""
+those two checkpoint every epoch and are the straight runs that a resumed run must equal (issue 33)."""
 import json
 import os
 import pickle
@@ -47,14 +46,16 @@ def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
     return data_dir
 
 
-def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=None):
+def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=None, copy_to=None):
     """The script on ``workers`` ranks: ``launcher`` "bpslaunch" (one server), "torchrun" or
     "collective" (bpslaunch --servers 0: torch.distributed as under torchrun, without torchrun's
     agent, ~1.2 s of CPU a launch); ``interrupt``: tests/interrupted_run.py's INTERRUPT_AFTER
-    (every process ends at once right after that checkpoint; torch.distributed only)."""
+    (every process ends at once right after that checkpoint; torch.distributed only), or with
+    ``copy_to`` (its COPY_TO) the run goes on and copies that checkpoint there."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, BPS_GC_HEARTBEAT_INTERVAL="0.2",
                BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096",
-               **({"INTERRUPT_AFTER": interrupt} if interrupt else {}))
+               **({"INTERRUPT_AFTER": interrupt} if interrupt else {}),
+               **({"COPY_TO": str(copy_to)} if copy_to else {}))
     for name in list(env):
         if name.startswith(("DMLC_", "BYTEPS_LOCAL", "BPS_GC_PORT")):
             del env[name]
@@ -146,15 +147,18 @@ def tiny_argv(name, checkpoint=False):
 
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory):
-    """name -> (folder, result) of its tiny run under torchrun, checkpointing every epoch into
-    folder/ckpt: test_tiny_run checks it, and it is the straight run the resume test compares with."""
+    """name -> (folder, result, resume folder) of its tiny run under torchrun, checkpointing
+    every epoch into folder/ckpt and copying its first checkpoints into resume folder/ckpt as it
+    writes them: test_tiny_run checks it, and it is the straight run the resume test compares
+    with, resuming from the copies."""
     runs = {}
 
     def run(name):
         if name not in runs:
-            folder = tmp_path_factory.mktemp(f"{name}-torchrun")
+            folder, resume = tmp_path_factory.mktemp(f"{name}-torchrun"), tmp_path_factory.mktemp(f"{name}-resume")
             write_cifar10(str(folder / "data"))
-            runs[name] = folder, launch(tiny_argv(name, checkpoint=True), folder, launcher="torchrun")
+            runs[name] = folder, launch(tiny_argv(name, checkpoint=True), folder, launcher="torchrun",
+                                        interrupt="rank:1", copy_to=resume), resume
         return runs[name]
     return run
 
@@ -163,7 +167,7 @@ def torchrun_runs(tmp_path_factory):
                          + [("local_sgd", "torchrun"), ("parallel_choco", "torchrun")])
 def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
     if launcher == "torchrun":
-        tmp_path, result = torchrun_runs(name)
+        tmp_path, result, _ = torchrun_runs(name)
     else:
         write_cifar10(str(tmp_path / "data"))
         result = launch(tiny_argv(name), tmp_path, launcher=launcher)
@@ -188,17 +192,18 @@ def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
 
 
 @pytest.mark.parametrize("name", ["parallel_choco", "local_sgd"], ids=["choco", "local_sgd"])
-def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs, tmp_path):
-    """Issue 33: the torchrun tiny run (straight), and the same command on the same transport
-    (bpslaunch --servers 0) interrupted right after its first checkpoint (every process ends at
-    once) then started again, resuming: both end with the same parameters on every rank, bit
-    for bit."""
-    straight, result = torchrun_runs(name)
+def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs):
+    """Issue 33: the torchrun tiny run (straight), which copied its first checkpoints (after
+    epoch 0) into another folder as it wrote them (what a run interrupted right after them
+    leaves, without a launch for it), and the same command on the same transport (bpslaunch
+    --servers 0) started in that folder, resuming: both end with the same parameters on every
+    rank, bit for bit."""
+    straight, result, tmp_path = torchrun_runs(name)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
     write_cifar10(str(tmp_path / "data"))
-    for interrupt in ("rank:1", None):
-        resumed = launch(tiny_argv(name, checkpoint=True), tmp_path, launcher="collective", interrupt=interrupt)
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    resumed = launch(tiny_argv(name, checkpoint=True), tmp_path, launcher="collective")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from ckpt after epoch 0" in (tmp_path / f"{name}.log").read_text()
     for rank in range(2):
         a = torch.load(straight / "ckpt" / f"rank{rank}.pth", weights_only=True)["model"]

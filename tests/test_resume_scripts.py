@@ -1,7 +1,8 @@
 """Issue 33: the seeds' PyTorch scripts resume with their codec state. Each runs twice on 2
-gloo ranks at a tiny size: straight, and interrupted right after its first checkpoint (every
-process ends at once, tests/interrupted_run.py), then started again with the same command,
-resuming. The launches are bpslaunch --servers 0 (torch.distributed as under torchrun, without
+gloo ranks at a tiny size: straight, which copies its first checkpoint into another folder as
+it writes it (tests/interrupted_run.py's COPY_TO: what a run interrupted right after that
+checkpoint leaves, without a launch for it), then the same command in that folder, resuming.
+The launches are bpslaunch --servers 0 (torch.distributed as under torchrun, without
 torchrun's agent: ~1.2 s of CPU a launch) but for the CIFAR-100 script's straight run, its one
 run under torchrun (DGC's train.py runs under torchrun in test_dgc_train.py). The scripts are
 deterministic: both end with the same parameters on every rank, bit for bit (without the codec
@@ -24,9 +25,11 @@ EXAMPLES = os.path.join(ROOT, "example", "pytorch")
 INTERRUPT = os.path.join(ROOT, "tests", "interrupted_run.py")
 
 
-def run(script, argv, cwd, interrupt=None, launcher=bpslaunch_argv):
+def run(script, argv, cwd, interrupt=None, launcher=bpslaunch_argv, copy_to=None):
+    """``interrupt``: interrupted_run.py's INTERRUPT_AFTER (the run ends right after that
+    checkpoint), or with ``copy_to`` the run goes on and copies that checkpoint there."""
     command = [INTERRUPT, script, *argv] if interrupt else [script, *argv]
-    env = job_env({"INTERRUPT_AFTER": interrupt} if interrupt else {})
+    env = job_env({"INTERRUPT_AFTER": interrupt, **({"COPY_TO": str(copy_to)} if copy_to else {})} if interrupt else {})
     env = {k: v for k, v in env.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL"))}
     result = subprocess.run(launcher(command, 2), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -34,18 +37,17 @@ def run(script, argv, cwd, interrupt=None, launcher=bpslaunch_argv):
 
 
 def straight_and_resumed(tmp_path, script, argv, interrupt, data=None):
-    """(straight run's folder, resumed run's folder): ``argv`` run in each, the second interrupted
-    then run again; ``data(folder)`` writes the data set first."""
-    folders = []
-    for name in ("straight", "resumed"):
-        folder = tmp_path / name
+    """(straight run's folder, resumed run's folder): ``argv`` run straight in the first, which
+    copies its checkpoint ``interrupt`` (INTERRUPT_AFTER's MARKER:COUNT) into the second as it
+    writes it, then run in the second, resuming from it; ``data(folder)`` writes the data set
+    in each first."""
+    folders = [tmp_path / "straight", tmp_path / "resumed"]
+    for folder in folders:
         folder.mkdir()
         if data:
             data(folder)
-        if name == "resumed":
-            run(script, argv, folder, interrupt)
-        run(script, argv, folder)
-        folders.append(folder)
+    run(script, argv, folders[0], interrupt, copy_to=folders[1])
+    run(script, argv, folders[1])
     return folders
 
 
@@ -76,18 +78,14 @@ def test_cifar100_script_resumes_every_ranks_state(tmp_path):
     script = os.path.join(EXAMPLES, "train_cifar100_byteps_gc.py")
     common = ["--data-dir", "data", "--batch-size", "8", "-j", "0", "--save-dir", "params", "--save-period", "1",
               "--num-epochs", "2", "--compressor", "topk", "--k", "0.05", "--ef", "vanilla"]
-    folders = []
-    for name in ("straight", "resumed"):
-        folder = tmp_path / name
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for folder in (straight, resumed):
         folder.mkdir()
         write_cifar100(str(folder / "data"), n_train=32, n_test=16)  # 2 steps an epoch per rank
-        if name == "resumed":  # the first epoch, then the second from every rank's state
-            run(script, common, folder, interrupt=".state:1")
-            run(script, [*common, "--resume-state", "params/cifar100-resnet20-0.r{rank}.state"], folder)
-        else:
-            run(script, common, folder, launcher=torchrun_argv)
-        folders.append(folder)
-    straight, resumed = folders
+    # straight, leaving every rank's state after the first epoch in the other folder; the
+    # second epoch again from there
+    run(script, common, straight, interrupt=".state:1", launcher=torchrun_argv, copy_to=resumed)
+    run(script, [*common, "--resume-state", "params/cifar100-resnet20-0.r{rank}.state"], resumed)
     same_models(straight / "params" / "cifar100-resnet20-1.params", resumed / "params" / "cifar100-resnet20-1.params",
                 key=None)
     for rank in range(2):

@@ -3,7 +3,7 @@ study's scripts: the study's and DGC's flags map to compression_params (every --
 case), bad flags are one line, the seed's ImageNet command line is accepted as written, the
 ImageNet folder reader, and short real runs on tiny data under torchrun (torch.distributed) and
 bpslaunch (parameter server), each method in one of them; the seed's ImageNet command,
-interrupted and started again, resumes bit for bit (issue 33, with test_resume_scripts.py)."""
+started again from its first checkpoints, resumes bit for bit (issue 33, with test_resume_scripts.py)."""
 import importlib.util
 import json
 import os
@@ -19,7 +19,7 @@ from cluster import run_local  # noqa: E402
 from collective_cluster import job_env, torchrun_argv  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from test_cifar10_choco import write_cifar10  # noqa: E402
-from test_resume_scripts import run, same_models  # noqa: E402
+from test_resume_scripts import INTERRUPT, run, same_models  # noqa: E402
 
 from bps_gc.compress import CompressionParams  # noqa: E402
 
@@ -168,12 +168,13 @@ def test_imagenet_folder(tmp_path):
 
 # ------------------------------------------------------------------------------------ real runs
 
-def launch(launcher, script, argv):
+def launch(launcher, script, argv, wrapper=(), env=None):
+    """``wrapper`` (a script that runs ``script``, with its ``env``): torchrun only."""
     if launcher == "bpslaunch":
         return run_local([sys.executable, script, *argv], workers=2, servers=1, env={"OMP_NUM_THREADS": "1"},
                          timeout=240)
-    return subprocess.run(torchrun_argv([script, *argv], 2), env=job_env(), capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+    return subprocess.run(torchrun_argv([*wrapper, script, *argv], 2), env=job_env(env), capture_output=True,
+                          text=True, timeout=240, cwd=ROOT)
 
 
 def summary(result, path):
@@ -224,10 +225,14 @@ def seed_imagenet_argv(folder):
 
 @pytest.fixture(scope="module")
 def seed_imagenet_run(tmp_path_factory):
-    """The seed's ImageNet command under torchrun (seed_imagenet_argv): checked by
-    test_imagenet_script_runs[torchrun], and the straight run the resumed one must equal."""
-    folder = tmp_path_factory.mktemp("seed_imagenet")
-    return folder, launch("torchrun", IMAGENET, seed_imagenet_argv(folder))
+    """(folder, result, resume folder): the seed's ImageNet command under torchrun
+    (seed_imagenet_argv): checked by test_imagenet_script_runs[torchrun], and the straight run
+    the resumed one must equal; it copies its first checkpoints (after epoch 0) into resume
+    folder/ckpt as it writes them (tests/interrupted_run.py's COPY_TO), where the resumed run
+    starts: what a run interrupted right after them leaves, without a launch for it."""
+    folder, resume = tmp_path_factory.mktemp("seed_imagenet"), tmp_path_factory.mktemp("seed_imagenet_resumed")
+    env = {"INTERRUPT_AFTER": "rank:1", "COPY_TO": str(resume), "COPY_ROOT": str(folder)}
+    return folder, launch("torchrun", IMAGENET, seed_imagenet_argv(folder), [INTERRUPT], env), resume
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
@@ -235,7 +240,7 @@ def test_imagenet_script_runs(launcher, tmp_path, request):
     """torchrun: the seed's command as written, with the data and a tiny model, two epochs and a
     checkpoint folder after it; bpslaunch: thresholdv on the parameter server, one epoch."""
     if launcher == "torchrun":
-        folder, result = request.getfixturevalue("seed_imagenet_run")
+        folder, result, _ = request.getfixturevalue("seed_imagenet_run")
         logdir, name, epochs = folder / "logs", "RUN_NAME", 2
     else:
         data = write_imagenet(str(tmp_path / "imagenet"))
@@ -260,14 +265,13 @@ def test_imagenet_script_runs(launcher, tmp_path, request):
         assert result["compression_params"] == {"compressor": "terngrad", "fp16": True} and rows[0]["ratio"] > 4
 
 
-def test_study_imagenet_script_resumes_from_its_checkpoint_folder(seed_imagenet_run, tmp_path):
+def test_study_imagenet_script_resumes_from_its_checkpoint_folder(seed_imagenet_run):
     """Issue 33 (with test_resume_scripts.py's other scripts): the seed's ImageNet command,
-    interrupted right after its first checkpoint (every process ends at once), then started
-    again with the same command, resumes and ends with the straight run's parameters on every
-    rank, bit for bit."""
-    straight, _ = seed_imagenet_run
+    started in a folder holding only the straight run's first checkpoints (copied as written),
+    resumes and ends with the straight run's parameters on every rank, bit for bit."""
+    straight, _, tmp_path = seed_imagenet_run
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
     argv = seed_imagenet_argv(tmp_path)
-    run(IMAGENET, argv, tmp_path, interrupt="rank:1")
     run(IMAGENET, argv, tmp_path)
     log = (tmp_path / "logs" / "RUN_NAME.log").read_text()
     assert f"resumed from {tmp_path / 'ckpt'} after epoch 0" in log

@@ -4,10 +4,13 @@ own batches, the outer step on the workers; each rank saves its final parameters
 bps_gc.torch.metrics() counted for the case (pushed_wire). Then the spec's "bytes" run: thc
 4-bit pseudo-gradients of a wider MLP, every ``sync_every`` steps, and its counted bytes. Then
 the spec's "study": scripts/diloco_quality.py's tiny LM trained as its replica ``rank`` would
-be, with a warm phase, through bps_gc.torch.DiLoCo; its global copy is saved ("study/<name>")."""
+be, with a warm phase, through bps_gc.torch.DiLoCo; its global copy is saved ("study/<name>").
+Last, with spec "straight", diloco_resume_job.py's straight phase with that spec, in the same
+processes (OUT/straight<rank>.npz): test_diloco's resume test without a launch of its own."""
 import gc
 import json
 import os
+import runpy
 import sys
 
 import numpy as np
@@ -71,5 +74,10 @@ np.savez(os.path.join(out, f"rank{rank}.npz"), **saved)
 opt.wait()  # an exchange may be in flight: a gloo work pending at exit can abort the process
 del opt
 gc.collect()
+if "straight" in spec:  # its bps.init() adopts this process group, its bps.shutdown() leaves it
+    with open(os.path.join(out, "straight.json"), "w") as f:
+        json.dump({**spec["straight"], "phase": "straight"}, f)
+    sys.argv = [os.path.join(ROOT, "tests", "diloco_resume_job.py"), os.path.join(out, "straight.json"), out]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 dist.barrier()
 dist.destroy_process_group()

@@ -108,12 +108,24 @@ def outer_step(glob, momentum, i, delta):
     glob[i] -= 0.7 * (delta + 0.9 * momentum[i])  # Nesterov
 
 
+# the resume test's run (diloco_resume_job.py); its straight phase runs last in the launch above
+RESUME = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1, "warm": WARM_RESUMED,
+          "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Each rank's results of one diloco_job.py launch: the dense cases, then the bytes run."""
+def launch_folder(tmp_path_factory):
+    """The folder of one diloco_job.py launch: the dense cases, the bytes run, the study, then
+    the resume test's straight run."""
     tmp = tmp_path_factory.mktemp("diloco")
-    run_torchrun_job("diloco_job.py", {"cases": CASES, "bytes": BYTES, "study": STUDY}, tmp, 2)
-    return [dict(np.load(tmp / f"rank{r}.npz")) for r in range(2)]
+    run_torchrun_job("diloco_job.py", {"cases": CASES, "bytes": BYTES, "study": STUDY, "straight": RESUME}, tmp, 2)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def launched(launch_folder):
+    """Each rank's results of that launch."""
+    return [dict(np.load(launch_folder / f"rank{r}.npz")) for r in range(2)]
 
 
 def test_dense_diloco_equals_the_recomputation(launched):
@@ -179,7 +191,7 @@ def test_metrics_count_diloco_bytes_and_thc_at_h_100_sends_under_1_in_500(launch
                                                       f"1/{ddp_per_step * steps / pushed:.0f} of DDP dense's")
 
 
-def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
+def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(launch_folder, tmp_path):
     """top-k + error feedback, two staggered fragments, each exchange overlapping one inner step
     (H = 4: fragment 0's exchanges start after steps 2, 6, 10, fragment 1's after 4, 8, 12, each
     applied a step later): stopped after 4 steps, with fragment 1's exchange in flight, saved
@@ -188,13 +200,12 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(tmp_path):
     bit-identical to the straight launch (runs repeat, and saving changes nothing). In the same
     launches and checkpoint, the same DiLoCo with a warm phase (WARM_RESUMED: plain averaging
     every 2 steps for 6) is stopped inside it, with its exchange of step 4 in flight, and resumed
-    across the switch to DiLoCo: bit-identical too."""
-    spec = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1, "warm": WARM_RESUMED,
-            "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
-    for phase in ("straight", "first", "resumed"):
-        run_torchrun_job("diloco_resume_job.py", {**spec, "phase": phase}, tmp_path, 2)
+    across the switch to DiLoCo: bit-identical too. The straight run is the last run of the
+    module's diloco_job.py launch (launch_folder): one launch fewer."""
+    for phase in ("first", "resumed"):
+        run_torchrun_job("diloco_resume_job.py", {**RESUME, "phase": phase}, tmp_path, 2)
     for rank in range(2):
-        straight, resumed = np.load(tmp_path / f"straight{rank}.npz"), np.load(tmp_path / f"resumed{rank}.npz")
+        straight, resumed = np.load(launch_folder / f"straight{rank}.npz"), np.load(tmp_path / f"resumed{rank}.npz")
         first = np.load(tmp_path / f"first{rank}.npz")
         assert len(straight.files) == 8  # both runs' parameters
         for name in straight.files:

@@ -95,3 +95,16 @@ def test_send_recv_broadcast_barrier_all_reduce(tmp_path):
         assert got["other"] == f"from {left}"
         assert got["broadcast"] == [1.0] * 5
         assert got["all_reduce"] == (np.arange(4) * sum(r + 1 for r in range(ranks))).tolist()
+
+
+def test_two_runs_on_one_adopted_group(tmp_path):
+    """bps.init() and shutdown() twice on the process group the script made: the second run's
+    heartbeat does not take the first run's endings for ranks leaving it (rank 1, late to a
+    collective, kept rank 0 waiting across heartbeats), and both runs sum right (numpy: 1 + 2 + 2i)."""
+    result = subprocess.run(torchrun_argv([os.path.join(TESTS, "adopted_group_job.py")], 2), env=job_env(),
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    for rank in range(2):
+        for run, collectives in ((1, 2), (2, 4)):
+            expected = [float(np.sum([r + 1 + i for r in range(2)])) for i in range(collectives)]
+            assert f"rank {rank} run {run} sums {expected}" in result.stdout, result.stdout

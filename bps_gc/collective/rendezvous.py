@@ -114,7 +114,15 @@ def adopt(cfg):
         raise ConfigError("RANK", f"the process group made before bps_gc's init is rank {dist.get_rank()} of "
                                   f"{dist.get_world_size()}; the environment says rank {cfg.rank} of {cfg.size}")
     store = dist.distributed_c10d._get_default_store()
-    return dist.PrefixStore(f"{key_prefix()}/live", store), hosts_store(cfg)
+    # the group outlives this init: a script that inits and shuts bps_gc down again on it (one
+    # run after another) must not read the last run's endings and beats, so each adoption has
+    # keys of its own; every rank runs the same inits in the same order, so the counts agree
+    global adoptions
+    adoptions += 1
+    return dist.PrefixStore(f"{key_prefix()}/live/adopted{adoptions}", store), hosts_store(cfg)
+
+
+adoptions = 0  # this process's inits on a process group it did not make
 
 
 def waiting_at_rendezvous(cfg):

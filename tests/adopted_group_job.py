@@ -1,0 +1,26 @@
+"""Two runs of bps_gc on one process group the script made (as tests/lm_fsdp_job.py runs train.py
+again and again): bps.init() adopts the group, bps.shutdown() leaves it. The second run issues
+more collectives than the first, and rank 1 is late to its third one by more than a heartbeat
+interval, so rank 0 waits there while its heartbeat reads the store: the first run's endings
+must not read as ranks that left this run. Prints each run's sums."""
+import time
+
+import torch
+import torch.distributed as dist
+
+import bps_gc.torch as bps
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for run, collectives in ((1, 2), (2, 4)):
+    bps.init()
+    sums = []
+    for i in range(collectives):
+        if run == 2 and rank == 1 and i == 2:
+            time.sleep(1.0)  # five heartbeat intervals (BPS_GC_HEARTBEAT_INTERVAL=0.2)
+        tensor = torch.full((4,), float(rank + 1 + i))
+        bps.push_pull_inplace(tensor, average=False, name=f"run{run}.t{i}")
+        sums.append(tensor[0].item())
+    bps.shutdown()
+    print(f"rank {rank} run {run} sums {sums}", flush=True)
+dist.destroy_process_group()

@@ -41,9 +41,11 @@ def test_bench_pushpull_two_machines_of_two_ranks(tmp_path):
     host_floor = rows.pop(("host level", "floor: copy in, sum, copy out"))
     assert host_floor["topology"] == "2 machines x 2 ranks, numpy, no network" and len(host_floor["rounds"]) == 2
     assert 0 < host_floor["seconds"] == data["meta"]["host_level_floor"]["seconds"]
-    # "collective dense" picks both of the collective's dense rows (out= and in place)
+    # "collective dense" picks the collective's dense rows (out=, in place, views), "all_reduce"
+    # torch's and the views' floor (its AVG)
     assert set(rows) == {("torch", "torch all_reduce dense"), ("bps_gc collective", "dense"),
                          ("bps_gc collective", "dense in place"), ("bps_gc collective", "onebit+EF"),
+                         ("bps_gc collective", "dense views"), ("torch", "torch floor, views: all_reduce dense (AVG)"),
                          ("bps_gc PS", "dense"), ("bps_gc PS", "dense (flat)")}
     two, flat = rows[("bps_gc PS", "dense")], rows[("bps_gc PS", "dense (flat)")]
     assert two["check"] == "ok" and flat["check"] == "ok"  # every rank's average of all 4 ranks

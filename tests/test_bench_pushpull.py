@@ -20,7 +20,8 @@ def test_bench_pushpull_quick(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {(r["system"], r["config"]): r for r in data["results"]}
-    assert {("torch", "torch all_reduce dense"), ("torch", "DDP PowerSGD rank 1"),
+    assert {("torch", "torch all_reduce dense"), ("torch", "torch floor, views: all_reduce dense (AVG)"),
+            ("torch", "DDP PowerSGD rank 1"),
             ("bps_gc collective", "topk 0.1%"), ("bps_gc PS", "dense"), ("bps_gc PS", "dense (local reduce)")} == set(rows)
     assert rows[("bps_gc PS", "dense")]["check"] == "ok"  # the dense sum is exact
     assert rows[("bps_gc PS", "dense")]["topology"] == "2 workers, servers colocated"

@@ -10,16 +10,12 @@ rank holds shards of the same sizes) and writes every rank's counts as JSON (--j
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 sys.path[:0] = [ROOT, TESTS]
-from fsdp_bytes import CODECS, table  # noqa: E402
+from fsdp_bytes import CODECS, run_fsdp_job, table  # noqa: E402
 
 
 def main():
@@ -27,16 +23,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as out:
-        spec = os.path.join(out, "spec.json")
-        with open(spec, "w") as f:
-            json.dump({"mode": "hooked", "steps": args.steps, "bytes": CODECS}, f)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), OMP_NUM_THREADS="1")
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                               os.path.join(TESTS, "fsdp_job.py"), spec, out], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"fsdp_job.py failed:\n{done.stderr[-4000:]}")
-        ranks = [dict(np.load(os.path.join(out, f"rank{r}.npz"))) for r in range(4)]
+    ranks = run_fsdp_job({"mode": "hooked", "steps": args.steps, "bytes": CODECS})
     print("\n".join(table(ranks[0])))
     if args.json:
         counts = [{k: float(v) for k, v in arrays.items() if k.startswith("bytes/")} for arrays in ranks]

@@ -17,14 +17,14 @@ its threads: the codecs' work); ``state/shard``: the in-host codecs' saved state
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
+sys.path[:0] = [ROOT, TESTS]
+from fsdp_bytes import run_fsdp_job  # noqa: E402
 WIDE = [128, 256, 256, 128]  # fsdp_job.WIDE
 SHARDS = 2
 ROWS = {"native": None, "dense": {}, "topk 1%+EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
@@ -55,16 +55,7 @@ def main():
     parts = {name: {"mode": "hooked", "steps": args.steps, "widths": WIDE, "record_rs": True,
                     **({} if params is None else {"shard_compression_params": params})}
              for name, params in ROWS.items()}
-    with tempfile.TemporaryDirectory() as out:
-        spec = os.path.join(out, "spec.json")
-        with open(spec, "w") as f:
-            json.dump({"mode": "parts", "parts": parts}, f)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), OMP_NUM_THREADS="1")
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                               os.path.join(TESTS, "fsdp_job.py"), spec, out], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"fsdp_job.py failed:\n{done.stderr[-4000:]}")
-        ranks = [dict(np.load(os.path.join(out, f"rank{r}.npz"))) for r in range(4)]
+    ranks = run_fsdp_job({"mode": "parts", "parts": parts})
     print("\n".join(table(ranks[0], args.steps)))
     if args.json:
         counts = [{k: np.asarray(v).tolist() for k, v in arrays.items() if "bytes/" in k or "rs_seconds" in k}

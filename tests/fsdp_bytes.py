@@ -121,3 +121,26 @@ def table(arrays):
                      f"{got['state'] / got['shard']:>11.3f} {got['held']:>8.0f} {got['held'] / got['shard']:>10.3f} "
                      f"{got['alive'] / got['shard']:>11.3f}")
     return lines
+
+
+def run_fsdp_job(spec, ranks=4):
+    """One torchrun of tests/fsdp_job.py with ``spec`` on ``ranks`` gloo ranks (the (2, 2) mesh
+    at 4) in a temporary folder: every rank's saved arrays (scripts/fsdp_bytes.py,
+    scripts/fsdp_inhost_bytes.py). Exits naming the job's error if it fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    tests = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "spec.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]), OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(ranks), os.path.join(tests, "fsdp_job.py"), path, out], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"fsdp_job.py failed:\n{done.stderr[-4000:]}")
+        return [dict(np.load(os.path.join(out, f"rank{r}.npz"))) for r in range(ranks)]

@@ -1,6 +1,7 @@
 """bench_pushpull: starting one cluster's processes (loopback or two shaped network namespaces),
 waiting for them with a timeout, and always stopping them (bps_gc's launcher supervisor)."""
 import os
+import sys
 import subprocess
 import time
 
@@ -121,6 +122,24 @@ def server_machines(workers, placement):
 
 class ClusterFailed(RuntimeError):
     pass
+
+
+def failure_lines(e, limit=3000):
+    """A ClusterFailed's message and the last ``limit`` characters of its started children's log
+    tails, for a script's one-line exit."""
+    tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
+    return f"{e.args[0]}\n{tails[-limit:]}"
+
+
+def run_or_exit(children, plan, worker_names, timeout, log_dir, what, limit=3000):
+    """run_cluster, then stop every child; a cluster that failed ends the script in one message
+    naming ``what``, with its children's log tails."""
+    try:
+        run_cluster(children, plan, worker_names, timeout, log_dir)
+    except ClusterFailed as e:
+        sys.exit(f"{what} failed: {failure_lines(e, limit)}")
+    finally:
+        children.stop_all()
 
 
 def run_cluster(children, plan, worker_names, timeout, log_dir):

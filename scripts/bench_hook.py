@@ -299,7 +299,7 @@ def rank_main(args):
 def run_ranks(args, topo, log_dir):
     """The torch.distributed rows in 2 ranks, then the parameter-server row in a cluster of
     its own (scheduler and a server on machine 0, a server on machine 1); rank 0's results."""
-    from bench_cluster import Children, ClusterFailed, child_env, cluster_env, log_tail, node_plan, run_cluster, \
+    from bench_cluster import Children, child_env, cluster_env, node_plan, run_or_exit, \
         worker_env
     rows = selected(args)
     results = []
@@ -324,13 +324,7 @@ def run_ranks(args, topo, log_dir):
             plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
                       child_env(worker_env(topo, common, w))) for w in range(2)]
         children = Children()
-        try:
-            run_cluster(children, plan, {"rank0", "rank1"}, 1800, log_dir)
-        except ClusterFailed as e:
-            tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
-            sys.exit(f"bench_hook: the {transport} run failed: {e.args[0]}\n{tails[-4000:]}")
-        finally:
-            children.stop_all()
+        run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, f"bench_hook: the {transport} run", 4000)
         results += json.load(open(raw))
     return results
 

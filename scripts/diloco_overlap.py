@@ -169,7 +169,7 @@ def worker(spec):
 
 def launch(args, spec, log_dir):
     """Both ranks' results: [rank 0's, rank 1's]."""
-    from bench_cluster import Children, ClusterFailed, Loopback, Switched, child_env, log_tail, run_cluster
+    from bench_cluster import Children, Loopback, Switched, child_env, run_or_exit
     from bench_common import import_netns
     net, where = None, "loopback"
     if args.shaped:
@@ -186,12 +186,8 @@ def launch(args, spec, log_dir):
                         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective",
                         "PYTHONPATH": os.pathsep.join([ROOT, HERE, LM])})) for r in range(2)]
     try:
-        run_cluster(children, plan, {"rank0", "rank1"}, 1800, log_dir)
-    except ClusterFailed as e:
-        tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
-        sys.exit(f"diloco_overlap: the job failed: {e.args[0]}\n{tails[-3000:]}")
+        run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, "diloco_overlap: the job")
     finally:
-        children.stop_all()
         if net is not None:
             net.delete()
     return [json.load(open(os.path.join(spec["out"], f"rank{r}.json"))) for r in range(2)], where

@@ -180,7 +180,7 @@ def compute_only_seconds(bps, network, x, y, shard, rank):
 
 def run_clusters(args, topo, log_dir):
     """The torch.distributed ranks, then the parameter-server cluster; rank 0's curves."""
-    from bench_cluster import Children, ClusterFailed, child_env, cluster_env, log_tail, node_plan, run_cluster, worker_env
+    from bench_cluster import Children, ClusterFailed, child_env, cluster_env, failure_lines, node_plan, run_cluster, worker_env
     children = Children()
     def wanted(name):  # DDP dense (mnist) and the reference (lm) set the target
         return name in ("DDP dense", "reference") or not args.rows or any(w in name for w in args.rows.split(","))
@@ -221,8 +221,7 @@ def run_clusters(args, topo, log_dir):
             try:
                 run_cluster(children, plan, {name for name, _, _ in plan if name.startswith("rank")}, 3600, log_dir)
             except ClusterFailed as e:
-                tails = "\n".join(f"--- {c.name}\n{log_tail(c)}" for c in (e.args[1] if len(e.args) > 1 else []))
-                sys.exit(f"time_to_accuracy: the {transport} run failed: {e.args[0]}\n{tails[-3000:]}")
+                sys.exit(f"time_to_accuracy: the {transport} run failed: {failure_lines(e, 3000)}")
             merge(results, json.load(open(raw)))
     finally:
         children.stop_all()

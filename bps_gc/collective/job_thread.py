@@ -64,4 +64,3 @@ class JobThread:
                 with self.changed:
                     self.completed += 1
                     self.changed.notify_all()
-

@@ -85,7 +85,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dense = [p for p in reversed(all_params)
                  if id(p) in compressed and not compressed[id(p)] and id(p) not in self._in_entire]
         self._flat = FlatGrads(dense) if gradient_as_bucket_view else None
-        self._started = []
+        self._started = [] if gradient_as_bucket_view else None  # the first step's push order
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
         register(self, "DistributedOptimizer")
@@ -194,7 +194,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if staged:  # the adapter updated a copy: the gradient takes its values back
                     with torch.no_grad():
                         p.grad.copy_(torch.from_numpy(g))
-        if self._flat is not None and self._started is not None:
+        if self._started is not None:
             self._lay_out_as_pushed()
         self._steps += 1
 

@@ -26,7 +26,7 @@ def kind(line):
     return "torch, no torch._dynamo" if line["torch"] else "no torch (bpslaunch, scheduler, servers, ...)"
 
 
-def summarise(lines, top):
+def summarise(lines, top, per_test=()):
     kinds = collections.defaultdict(list)
     tests = collections.defaultdict(list)
     for line in lines:
@@ -37,8 +37,14 @@ def summarise(lines, top):
                for k, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))]
     by_test = [{"test": t, "processes": len(v), "cpu_s": round(sum(v), 1)}
                for t, v in sorted(tests.items(), key=lambda kv: -sum(kv[1]))[:top]]
-    return {"box": machine_info(), "processes": len(lines),
-            "cpu_s": round(total, 1), "by_kind": by_kind, "by_test": by_test}
+    # per test, from the pytest process (tests/conftest.py): its own CPU and that of the processes it
+    # waited for, killed ones included: what the test costs in all
+    whole = [{"test": t["pytest_test"], "own_cpu_s": round(t["own_cpu"], 1), "launched_cpu_s": round(t["waited_cpu"], 1),
+              "cpu_s": round(t["own_cpu"] + t["waited_cpu"], 1)} for t in per_test]
+    return {"box": machine_info(), "processes": len(lines), "cpu_s": round(total, 1),
+            "pytest_own_cpu_s": round(sum(t["own_cpu_s"] for t in whole), 1),
+            "tests_cpu_s": round(sum(t["cpu_s"] for t in whole), 1), "by_kind": by_kind, "by_test": by_test,
+            "tests": sorted(whole, key=lambda t: -t["cpu_s"])}
 
 
 def main():
@@ -55,7 +61,8 @@ def main():
                                  env=env, cwd=ROOT)
         with open(path) if os.path.exists(path) else open(os.devnull) as f:
             lines = [json.loads(line) for line in f if line.strip()]
-    report = summarise(lines, args.top)
+    per_test = [line for line in lines if "pytest_test" in line]
+    report = summarise([line for line in lines if "pytest_test" not in line], args.top, per_test)
     print(f"\n{report['processes']} processes launched by the tests, {report['cpu_s']} s of CPU; box: {report['box']}")
     print(f"{'processes':>9} {'CPU s':>8} {'median':>7}  kind")
     for row in report["by_kind"]:
@@ -63,6 +70,11 @@ def main():
     print(f"\n{'processes':>9} {'CPU s':>8}  test")
     for row in report["by_test"]:
         print(f"{row['processes']:>9} {row['cpu_s']:>8}  {row['test']}")
+    print(f"\nin all (the pytest process's own CPU + the processes it waited for): {report['tests_cpu_s']} s, "
+          f"of which pytest's own {report['pytest_own_cpu_s']} s")
+    print(f"{'CPU s':>8} {'own':>6}  test")
+    for row in report["tests"][:args.top]:
+        print(f"{row['cpu_s']:>8} {row['own_cpu_s']:>6}  {row['test']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -56,6 +56,24 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (-cost[file_of(item.nodeid)], first_seen[file_of(item.nodeid)]))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    # scripts/suite_census.py: each test's CPU, the pytest process's own and that of every process
+    # it waited for (their children too, once waited for: killed ones, which record nothing, included)
+    path = os.environ.get("BPS_GC_CENSUS")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    yield
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    own, waited = (a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before))
+    with open(path, "a") as f:
+        f.write(json.dumps({"pytest_test": item.nodeid, "own_cpu": own, "waited_cpu": waited}) + "\n")
+
+
 def pytest_runtest_logreport(report):
     RAN_SECONDS[report.nodeid] = RAN_SECONDS.get(report.nodeid, 0.0) + report.duration
 

@@ -4,7 +4,10 @@ the workers and on the servers: ``python diloco_ps_job.py SPEC.json OUT``.
 Phase "dense" and "all": each case of the spec (sync_every, fragments, steps, delay) trains the
 small MLP with inner SGD on each rank's own batches, once per outer step mode: "workers" (dense
 pseudo-gradients) and "servers" (every element sent exactly: threshold 0), saved as
-``<mode>/<case>/<name>``. Phase "all" then runs the compressed settings ("compressed": top-k +
+``<mode>/<case>/<name>``. Phase "dense" with local ranks then runs spec "host_cases" again with each
+host one replica (replicate="hosts": DDP on the host's group, each local rank half the host's
+batch), saved as ``hosts/<mode>/<case>/`` with the global copies and each run's bytes pushed
+("pushed_wire"). Phase "all" then runs the compressed settings ("compressed": top-k +
 EF, two staggered fragments, tau = 1) once per mode, twice: "straight" (with its global copies,
 "global"), and "first", the two modes' runs in lockstep, which at ``stop_at`` save the model,
 DiLoCo's state and bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (each with a fragment's
@@ -84,7 +87,7 @@ def finish():
 if phase == "all":  # a process group on the parameter server: refused, nothing declared
     model = build_model()
     try:
-        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, replicate="a group")
+        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, replicate=object())  # a group
     except ValueError as e:
         saved["refused"] = np.array(str(e))
 keep = []  # every DiLoCo made (a resumed job makes them all again, declaring the same names)
@@ -99,6 +102,35 @@ for mode, codec in MODES.items():
             saved[f"{mode}/{case}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
             if mode == "servers":
                 pulled(opt, f"{mode}/{case}")
+if phase == "dense" and bps.local_size() > 1:  # a host's local ranks as one replica (replicate="hosts")
+    group = bps.host_group()  # DDP on it keeps the host's replica identical
+    host, half = rank // bps.local_size(), 6 // bps.local_size()
+    for mode, codec in MODES.items():
+        for case in spec["host_cases"]:
+            sync_every, fragments, steps, delay, warm_steps, warm_every = spec["cases"][case]
+            for kept in keep:  # the bytes counted next are this run's alone
+                kept.wait()
+            model = build_model()
+            replica = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+            opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
+                             delay=delay, compression_params=codec, outer_step=mode, warm_steps=warm_steps,
+                             warm_every=warm_every, replicate="hosts")
+            keep.append(opt)
+            bps.metrics()
+            for step in range(steps):  # the host's batch, split over its ranks; DDP averages their gradients
+                x, y = (t[bps.local_rank() * half:(bps.local_rank() + 1) * half] for t in batch(host, step))
+                torch.nn.functional.mse_loss(replica(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.wait()
+            label = f"hosts/{mode}/{case}"
+            saved[f"{label}/pushed_wire"] = np.array(bps.metrics().pushed_wire)
+            parameters(model, label)
+            saved.update({f"{label}/global/{name}": copy.numpy().copy()
+                          for f in opt.fragments for name, copy in zip(f.names, f.copies)})
+            saved[f"{label}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
+            if mode == "servers":
+                pulled(opt, label)
 if phase == "dense":
     finish()
 c = spec["compressed"]

@@ -2,17 +2,21 @@
 servers), with the outer step on the workers (each fragment's pseudo-gradient averaged by
 push_pull under its own declared name: torch/exchange.py's PushPullExchange) and on the servers
 (reducer ``outer_sgd``, compress/outer.py: the servers keep the outer momentum, sharded over
-them, and reply the outer update). After 5 outer rounds, on 2 and 3 workers, every parameter
-equals test_diloco.py's single-process re-computation within 1e-6 relative (one fragment,
-staggered fragments, tau = 1; dense on the workers, every element sent exactly on the servers,
-and on 2 workers the biases uncompressed, which take their outer step on the workers).
+them, and reply the outer update). After 5 outer rounds, on 2 hosts x 2 local ranks and on 3
+workers, every parameter equals test_diloco.py's single-process re-computation within 1e-6
+relative (one fragment, staggered fragments, tau = 1; dense on the workers, every element sent
+exactly on the servers, and on 2 x 2 the biases uncompressed, which take their outer step on
+the workers).
 With top-k + error feedback on 3 workers, in both modes: the global copies are bit-identical on
 every worker; stopped mid-window with a fragment's exchange in flight, saved (model, DiLoCo,
 bps_gc.torch.state_dict(), which holds the servers' momentum) and resumed in a new launch, every
-parameter equals the straight run bit for bit. thc 4-bit's phases are summed in int64 words,
-whose packing gives its bytes exactly. Bad settings are refused in one line."""
+parameter equals the straight run bit for bit. On 2 hosts x 2 local ranks with each host one
+replica (replicate="hosts"), every rank equals the re-computation with 2 replicas, a host's
+ranks hold the same bits, and each host pushes one copy of the pseudo-gradient. thc 4-bit's
+phases are summed in int64 words, whose packing gives its bytes exactly. Bad settings are refused in one line."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -27,32 +31,37 @@ JOB = os.path.join(ROOT, "tests", "diloco_ps_job.py")
 COMPRESSED = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay": 1, "warm": WARM_RESUMED,
               "compression_params": {"compressor": "topk", "k": 0.3, "ef": "vanilla"}}
 WORKERS = 3
+HOSTS, LOCAL = 2, 2  # the dense launch: bpslaunch --local --workers 2 --local-size 2
+HOST_CASES = ("overlapped", "warm-overlapped")  # with each host one replica: fragments, tau, a warm phase
 MODES = ("workers", "servers")
 
 
-def launch(tmp, phase, workers, min_compress_bytes=0):
+def launch(tmp, phase, workers, min_compress_bytes=0, local_size=1):
+    """``workers`` hosts of ``local_size`` ranks each; every rank's arrays."""
     spec = tmp / f"{phase}.json"
-    spec.write_text(json.dumps({"phase": phase, "cases": CASES, "compressed": COMPRESSED}))
+    spec.write_text(json.dumps({"phase": phase, "cases": CASES, "compressed": COMPRESSED, "host_cases": HOST_CASES}))
     result = run_local([sys.executable, JOB, str(spec), str(tmp)], workers=workers, servers=2, timeout=240,
-                       env={"BYTEPS_MIN_COMPRESS_BYTES": str(min_compress_bytes)})
+                       local_size=local_size, env={"BYTEPS_MIN_COMPRESS_BYTES": str(min_compress_bytes)})
     assert result.returncode == 0, f"{phase} failed ({result.returncode}):\n{result.stderr[-5000:]}"
-    return [dict(np.load(tmp / f"{phase}{r}.npz")) for r in range(workers)]
+    return [dict(np.load(tmp / f"{phase}{r}.npz")) for r in range(workers * local_size)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three launches: dense on 2 workers, where the biases (64 and 16 bytes) go uncompressed
+    """Three launches: dense on 2 hosts x 2 local ranks (two levels: each rank a replica, then
+    each host one, replicate="hosts"), where the biases (64 and 16 bytes) go uncompressed
     (BYTEPS_MIN_COMPRESS_BYTES 256: with the outer step on the servers, theirs is the
     workers'); everything on 3 workers, every tensor compressed; the resumed run on 3."""
     tmp = tmp_path_factory.mktemp("diloco_ps")
-    got = {"dense": launch(tmp, "dense", 2, min_compress_bytes=256), "all": launch(tmp, "all", WORKERS),
+    got = {"dense": launch(tmp, "dense", HOSTS, min_compress_bytes=256, local_size=LOCAL),
+           "all": launch(tmp, "all", WORKERS),
            "resumed": launch(tmp, "resumed", WORKERS)}
     got["checkpoint"] = torch.load(tmp / "ckpt0.pt", weights_only=True)
     return got
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("phase, workers", [("dense", 2), ("all", WORKERS)])
+@pytest.mark.parametrize("phase, workers", [("dense", HOSTS * LOCAL), ("all", WORKERS)])
 def test_diloco_equals_the_recomputation(runs, phase, workers, mode):
     got = runs[phase]
     for case, settings in CASES.items():
@@ -66,7 +75,7 @@ def test_diloco_equals_the_recomputation(runs, phase, workers, mode):
             assert list(got[0][f"{mode}/{case}/averaged"]) == (["0.bias", "2.bias"] if phase == "dense" else [])
 
 
-@pytest.mark.parametrize("phase, workers", [("dense", 2), ("all", WORKERS)])
+@pytest.mark.parametrize("phase, workers", [("dense", HOSTS * LOCAL), ("all", WORKERS)])
 def test_the_servers_hold_the_global_copy(runs, phase, workers):
     """With the outer step on the servers, every worker pulls the global copy from the servers
     (DiLoCo.global_parameters()): it is each worker's own copy, bit for bit (with an exchange
@@ -85,6 +94,55 @@ def test_the_servers_hold_the_global_copy(runs, phase, workers):
     # "overlapped" ends with fragment 1's round completed on the servers only: not the parameters
     last = recompute(*CASES["overlapped"], replicas=workers)[0]["2.weight"]
     assert not np.array_equal(got[0]["servers/overlapped/pulled/2.weight"], last)
+
+
+def syncs(sync_every, fragments, steps, delay, warm_steps, warm_every):
+    """[the exchanges fragment f starts in ``steps`` inner steps] (DiLoCo's schedule)."""
+    def turn(t, f):
+        if t <= warm_steps:
+            return t % warm_every == 0
+        return (t - warm_steps) % sync_every == (f + 1) * sync_every // fragments % sync_every
+    return [sum(turn(t, f) for t in range(1, steps + 1)) for f in range(fragments)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_host_is_one_replica(runs, mode):
+    """replicate="hosts", 2 hosts x 2 local ranks (DDP on the host's group, each rank half the
+    host's batch), two fragments with tau = 1, without and with a warm phase: every rank's
+    parameters equal the re-computation with 2 replicas (the hosts) within 1e-6 relative; a
+    host's ranks hold the same bits, and the global copies are the same bits on all 4 ranks.
+    Each rank pushes its half of each tensor, so a host pushes one copy of the pseudo-gradient
+    a sync (dense: 4 bytes an element; threshold 0: 8 bytes an element of the compressed parts,
+    4 of the uncompressed: the biases' and 2.weight's, 128-byte parts)."""
+    got = runs["dense"]
+    sizes = [p.numel() for p in build_model().parameters()]
+    for case in HOST_CASES:
+        settings = CASES[case]
+        want = recompute(*settings, replicas=HOSTS)
+        label = f"hosts/{mode}/{case}"
+        for rank in range(HOSTS * LOCAL):
+            mine = [key for key in got[rank] if key.startswith(f"{label}/")]
+            for key in mine:  # parameters, global copies, pulled: the host's ranks alike
+                assert got[rank][key].tobytes() == got[rank - rank % LOCAL][key].tobytes(), f"rank {rank} {key}"
+            for name, value in want[rank // LOCAL].items():
+                np.testing.assert_allclose(got[rank][f"{label}/{name}"], value, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"{mode}, {case}, rank {rank}, {name}")
+                assert got[rank][f"{label}/global/{name}"].tobytes() == got[0][f"{label}/global/{name}"].tobytes()
+        per_rank = recompute(*settings, replicas=HOSTS * LOCAL)[0]["0.weight"]  # not 4 replicas: far from it
+        assert np.abs(got[0][f"{label}/0.weight"] - per_rank).max() > 1e-3 * np.abs(per_rank).max()
+        cuts = [len(sizes) * f // settings[1] for f in range(settings[1] + 1)]
+        elements = sum(n * sum(sizes[cuts[f]:cuts[f + 1]]) for f, n in enumerate(syncs(*settings)))
+        if mode == "servers":  # 0.weight's parts compressed: 4 more bytes an element (its index)
+            assert list(got[0][f"{label}/averaged"]) == ["0.bias", "2.bias", "2.weight"]
+            elements += sizes[0] * syncs(*settings)[0]
+            want_global = recompute(*settings, replicas=HOSTS, servers_global=True)
+            for rank in range(HOSTS * LOCAL):  # the servers' copy, all-gathered from the parts
+                pulled = got[rank][f"{label}/pulled/0.weight"]
+                assert pulled.tobytes() == got[rank][f"{label}/mine/0.weight"].tobytes(), f"rank {rank}"
+                np.testing.assert_allclose(pulled, want_global["0.weight"], rtol=1e-6, atol=1e-7)
+        for host in range(HOSTS):
+            pushed = [int(got[host * LOCAL + r][f"{label}/pushed_wire"]) for r in range(LOCAL)]
+            assert pushed == [4 * elements // LOCAL] * LOCAL, f"{mode} {case} host {host}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -180,6 +238,18 @@ def test_bad_servers_settings_are_refused(kwargs, message):
     settings = {"outer_step": "servers", "compression_params": {"compressor": "topk", "k": 0.3}, **kwargs}
     with pytest.raises(ValueError, match=message) as refused:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, **settings)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("replicate, message", [
+    ("host", "DiLoCo: replicate must be a process group or 'hosts', got 'host'"),
+    ("hosts", "DiLoCo: replicate='hosts' makes each host of the parameter server one replica"),  # no bps init
+])
+def test_bad_replicas_are_refused(replicate, message):
+    from bps_gc.torch import DiLoCo
+    model = build_model()
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}") as refused:
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, replicate=replicate)
     assert "\n" not in str(refused.value)
 
 

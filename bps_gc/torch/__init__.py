@@ -14,6 +14,7 @@ from .diloco import DiLoCo
 from .elastic import elastic_start, membership, membership_epoch
 from .exchange import CompressedExchange
 from .flat_grads import flat_grads
+from .host_group import host_group
 from .ddp.hook import comm_hook
 from .ops import (barrier, declare, init, local_rank, local_size, poll, push_pull, push_pull_async,
                   push_pull_inplace, rank, shutdown, size, synchronize)
@@ -26,7 +27,7 @@ __all__ = ["Compression", "CompressedExchange", "DistributedOptimizer", "barrier
            "push_pull", "push_pull_async", "push_pull_inplace", "rank", "shutdown", "size",
            "synchronize"]
 __all__ += ["elastic_start", "membership", "membership_epoch"]
-__all__ += ["DiLoCo", "host_mesh", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
+__all__ += ["DiLoCo", "host_group", "host_mesh", "register_fsdp_hooks", "DecentralizedOptimizer", "LocalSGD", "load_checkpoint", "load_state_dict", "save_checkpoint",
             "state_dict"]
 
 

@@ -18,7 +18,8 @@ With ``fragments=F`` the parameters are cut into F contiguous fragments, in orde
 fragment f syncs at inner steps ``(f + 1) * H // F`` mod H, so the F exchanges are staggered
 over the H steps (Streaming DiLoCo). On torch.distributed a replica may be several ranks:
 ``replicate`` is the process group the pseudo-gradients are averaged over (default: every
-rank); on the parameter server every worker is a replica (a group is refused).
+rank); on the parameter server every worker is a replica (a group is refused), or with
+``replicate="hosts"`` every host, its local ranks each pushing their own part (diloco_hosts.py).
 
 A warm phase (``warm_steps=W, warm_every=H0``, docs/diloco.md "A warm phase"): for the first W
 inner steps, every H0 steps the whole model's pseudo-gradients go through the same exchange and
@@ -31,6 +32,7 @@ import torch
 
 import bps_gc.core as core
 
+from .diloco_hosts import HostPartsExchange
 from .exchange import interruptible_wait, named_exchange
 
 
@@ -49,7 +51,8 @@ class DiLoCo:
         takes its outer step on the workers);
         ``warm_steps`` (W), ``warm_every`` (H0): a warm phase of plain averaging every H0 inner
         steps for the first W (a multiple of H0; each applied ``delay`` steps later, so H0 >
-        delay); 0: none."""
+        delay); 0: none; ``replicate``: a process group (torch.distributed), or "hosts" (the
+        parameter server: a host's local ranks are one replica, diloco_hosts.py)."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be a whole number of inner steps >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -65,6 +68,12 @@ class DiLoCo:
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"DiLoCo: alpha must be in [0, 1), got {alpha!r}")
         check_warm_phase(warm_steps, warm_every, delay)
+        if isinstance(replicate, str) and replicate != "hosts":
+            raise ValueError(f"DiLoCo: replicate must be a process group or 'hosts', got {replicate!r}")
+        if replicate == "hosts" and (not core.is_initialized() or core.communicator().reduces_on_process_groups):
+            raise ValueError("DiLoCo: replicate='hosts' makes each host of the parameter server one replica "
+                             "(BPS_GC_TRANSPORT=ps, after bps_gc.torch.init()); on torch.distributed pass the "
+                             "replica's process group")
         if outer_step not in ("workers", "servers"):
             raise ValueError(f"DiLoCo: outer_step must be 'workers' or 'servers', got {outer_step!r}")
         if outer_step == "servers" and not (compression_params or {}).get("compressor"):
@@ -72,6 +81,7 @@ class DiLoCo:
                              "compression_params (threshold 0 sends every element exactly: "
                              "{'compressor': 'threshold', 'threshold': 0.0})")
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
+        self.hosts = replicate == "hosts"
         self.delay, self.warm_steps, self.warm_every = delay, warm_steps, warm_every
         make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
         cuts = [len(named) * f // fragments for f in range(fragments + 1)]
@@ -90,9 +100,10 @@ class DiLoCo:
         # each pseudo-gradient's codec is kept by its parameter and saved under its name; the
         # exchange is the job's transport's (collective: CompressedExchange, on ``replicate``;
         # parameter server: PushPullExchange, over every worker)
+        reducer = "outer_sgd" if self.on_servers else None
         try:
-            self.exchange = named_exchange(compression_params, named, replicate, reducer="outer_sgd" if
-                                           self.on_servers else None, on_servers=self.on_servers)
+            self.exchange = HostPartsExchange(compression_params, named, reducer) if self.hosts else \
+                named_exchange(compression_params, named, replicate, reducer=reducer, on_servers=self.on_servers)
         except ValueError as e:
             raise ValueError(f"DiLoCo: {e}") from None
         self.steps = 0  # inner steps taken
@@ -110,9 +121,10 @@ class DiLoCo:
     @torch.no_grad()
     def seed_servers(self):
         """The servers' global copies start as worker 0's initial parameters; every worker then
-        fetches them and refuses, in one line, initial parameters that are not the same bits."""
+        fetches them and refuses, in one line, initial parameters that are not the same bits.
+        With replicate="hosts" host 0's local ranks seed their own parts."""
         held = self.held_on_servers()
-        if core.rank() == 0:
+        if core.rank() < (core.local_size() if self.hosts else 1):
             try:
                 for name, copy in held:
                     self.exchange.set_server_values(name, SERVERS_GLOBAL, copy)
@@ -149,6 +161,9 @@ class DiLoCo:
         if self.warm_steps:
             raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo without a warm phase for now "
                              f"(got warm_steps={self.warm_steps})")
+        if self.hosts:
+            raise ValueError("DiLoCo.elastic_start: a host joins DiLoCo with replicate=None for now (each worker a "
+                             "replica), not replicate='hosts'")
         if self.delay or len(self.fragments) > 1:
             raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo with fragments=1 and delay=0 for now "
                              f"(got fragments={len(self.fragments)}, delay={self.delay})")
@@ -203,12 +218,17 @@ class DiLoCo:
     @torch.no_grad()
     def start_sync(self, fragment):
         """The fragment's pseudo-gradient, averaged over the replicas in the background."""
-        pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
+        settings = {}
         if self.on_servers:  # the outer optimizer's settings now (a scheduler may change its lr)
             settings = PLAIN_AVERAGE if self.steps <= self.warm_steps else server_settings(fragment.outer)
-            fragment.pending = self.exchange(pseudo, ctx={**settings, "outer_workers": core.size()})
+            # the servers divide the sum by the replicas: a host's one push per part, or each worker's
+            settings = {**settings, "outer_workers": core.size() // core.local_size() if self.hosts else core.size()}
+        if self.hosts:  # each local rank its own part only (diloco_hosts.py)
+            fragment.pending = self.exchange.start(fragment.named, fragment.copies, ctx=settings)
         else:
-            fragment.pending = self.exchange(pseudo, group=self.replicate)  # None: every rank
+            pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
+            fragment.pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
+                self.exchange(pseudo, group=self.replicate)  # None: every rank
         fragment.due = self.steps + self.delay
 
     @torch.no_grad()
@@ -321,7 +341,10 @@ class Fragment:
 
     def averaged(self):
         """{name: averaged pseudo-gradient} of the exchange in flight (waited for)."""
-        result = interruptible_wait(self.pending) if hasattr(self.pending, "wait") else self.pending
+        if hasattr(self.pending, "whole"):  # a host replica's parts: all-gathered on the host (diloco_hosts.py)
+            result = self.pending.whole()
+        else:
+            result = interruptible_wait(self.pending) if hasattr(self.pending, "wait") else self.pending
         self.pending = result
         return result
 

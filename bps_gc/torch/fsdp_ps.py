@@ -18,7 +18,6 @@ their codecs, so each rank's codec state is its shard's.
 """
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import bps_gc.core as core
@@ -26,13 +25,13 @@ from bps_gc.compress import CompressionParams, build_chain
 
 from .checkpoint import Fields, register
 from .exchange import PushPullExchange, interruptible_wait
+from .host_group import host_group
 from .ops import SUPPORTED
 from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, unfit_codec
 
 NOT_ON_SERVERS = ("register_fsdp_hooks: replicate=None makes the parameter server the replicate reducer, which "
                   "needs bps_gc.torch.init() on the parameter-server transport first (bpslaunch with servers); "
                   "on torch.distributed pass the replicate group, e.g. mesh['replicate']")
-HOST_GROUP = "bps_gc.host_mesh"  # the send/recv channel of the host group's store address
 
 
 def register_on_servers(model, groups, compression_params, reducer):
@@ -120,25 +119,7 @@ def push_pull_hook(exchange, parts, layout, index):
 
 def host_mesh(device_type="cpu", backend=None):
     """After ``bps_gc.torch.init()`` on the parameter server: torch.distributed's default
-    process group made of this host's local ranks (``backend``: torch's default for the
-    device), and its 1-D DeviceMesh, named "shard", to shard the model on. Local rank 0 opens
-    the group's store on a free port and sends its address to the host's other ranks."""
-    if not core.is_initialized() or core.communicator().reduces_on_process_groups:
-        raise ValueError("host_mesh: the host's group is made on the parameter-server transport, after "
-                         "bps_gc.torch.init(); on torch.distributed use init_device_mesh")
-    rank, local_rank, local_size = core.rank(), core.local_rank(), core.local_size()
-    if dist.is_initialized():
-        if (dist.get_rank(), dist.get_world_size()) != (local_rank, local_size):
-            raise ValueError(f"host_mesh: a default process group of rank {dist.get_rank()} of "
-                             f"{dist.get_world_size()} exists, not this host's local rank {local_rank} of {local_size}")
-    else:
-        first = rank - local_rank
-        if local_rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, local_size, is_master=True, wait_for_workers=False)
-            for peer in range(first + 1, first + local_size):
-                core.send(peer, HOST_GROUP, str(store.port).encode())
-        else:
-            port = int(bytes(core.recv(first, HOST_GROUP)).decode())
-            store = dist.TCPStore("127.0.0.1", port, local_size, is_master=False)
-        dist.init_process_group(backend, store=store, rank=local_rank, world_size=local_size)
-    return init_device_mesh(device_type, (local_size,), mesh_dim_names=("shard",))
+    process group made of this host's local ranks (host_group.py), and its 1-D DeviceMesh,
+    named "shard", to shard the model on."""
+    host_group(backend, caller="host_mesh")
+    return init_device_mesh(device_type, (core.local_size(),), mesh_dim_names=("shard",))

@@ -7,7 +7,8 @@ pseudo-gradients) and "servers" (every element sent exactly: threshold 0), saved
 ``<mode>/<case>/<name>``. Phase "dense" with local ranks then runs spec "host_cases" again with each
 host one replica (replicate="hosts": DDP on the host's group, each local rank half the host's
 batch), saved as ``hosts/<mode>/<case>/`` with the global copies and each run's bytes pushed
-("pushed_wire"). Phase "all" then runs the compressed settings ("compressed": top-k +
+("pushed_wire"), and the first of them, stopped at spec "compressed"'s stop_at with an exchange in
+flight, resumed in new objects from its model's and DiLoCo's states ("hosts/resumed"). Phase "all" then runs the compressed settings ("compressed": top-k +
 EF, two staggered fragments, tau = 1) once per mode, twice: "straight" (with its global copies,
 "global"), and "first", the two modes' runs in lockstep, which at ``stop_at`` save the model,
 DiLoCo's state and bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (each with a fragment's
@@ -102,26 +103,36 @@ for mode, codec in MODES.items():
             saved[f"{mode}/{case}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
             if mode == "servers":
                 pulled(opt, f"{mode}/{case}")
-if phase == "dense" and bps.local_size() > 1:  # a host's local ranks as one replica (replicate="hosts")
-    group = bps.host_group()  # DDP on it keeps the host's replica identical
+def host_replica(case, mode):
+    """(model, its DDP over the host's group, its DiLoCo with the host one replica) for ``case``."""
+    sync_every, fragments, _, delay, warm_steps, warm_every = spec["cases"][case]
+    model = build_model()
+    replica = torch.nn.parallel.DistributedDataParallel(model, process_group=bps.host_group())
+    opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
+                     delay=delay, compression_params=MODES[mode], outer_step=mode, warm_steps=warm_steps,
+                     warm_every=warm_every, replicate="hosts")
+    keep.append(opt)
+    return model, replica, opt
+
+
+def host_steps(replica, opt, steps):
+    """The host's batch of each step, split over its ranks; DDP averages their gradients."""
     host, half = rank // bps.local_size(), 6 // bps.local_size()
-    for mode, codec in MODES.items():
+    for step in steps:
+        x, y = (t[bps.local_rank() * half:(bps.local_rank() + 1) * half] for t in batch(host, step))
+        torch.nn.functional.mse_loss(replica(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+if phase == "dense" and bps.local_size() > 1:  # a host's local ranks as one replica (replicate="hosts")
+    for mode in MODES:
         for case in spec["host_cases"]:
-            sync_every, fragments, steps, delay, warm_steps, warm_every = spec["cases"][case]
             for kept in keep:  # the bytes counted next are this run's alone
                 kept.wait()
-            model = build_model()
-            replica = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-            opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                             delay=delay, compression_params=codec, outer_step=mode, warm_steps=warm_steps,
-                             warm_every=warm_every, replicate="hosts")
-            keep.append(opt)
+            model, replica, opt = host_replica(case, mode)
             bps.metrics()
-            for step in range(steps):  # the host's batch, split over its ranks; DDP averages their gradients
-                x, y = (t[bps.local_rank() * half:(bps.local_rank() + 1) * half] for t in batch(host, step))
-                torch.nn.functional.mse_loss(replica(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+            host_steps(replica, opt, range(spec["cases"][case][2]))
             opt.wait()
             label = f"hosts/{mode}/{case}"
             saved[f"{label}/pushed_wire"] = np.array(bps.metrics().pushed_wire)
@@ -131,6 +142,18 @@ if phase == "dense" and bps.local_size() > 1:  # a host's local ranks as one rep
             saved[f"{label}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
             if mode == "servers":
                 pulled(opt, label)
+    # resumed in this launch (dense: no codec state to carry): the first host case stopped at
+    # stop_at, an exchange in flight, its model's and DiLoCo's states loaded into new ones
+    case, stop = spec["host_cases"][0], spec["compressed"]["stop_at"]
+    model, replica, opt = host_replica(case, "workers")
+    host_steps(replica, opt, range(stop))
+    state = {"model": model.state_dict(), "diloco": opt.state_dict()}
+    parameters(model, "hosts/stopped")
+    model, replica, opt = host_replica(case, "workers")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["diloco"])
+    host_steps(replica, opt, range(stop, spec["cases"][case][2]))
+    parameters(model, "hosts/resumed")
 if phase == "dense":
     finish()
 c = spec["compressed"]

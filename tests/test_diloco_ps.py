@@ -145,6 +145,21 @@ def test_a_host_is_one_replica(runs, mode):
             assert pushed == [4 * elements // LOCAL] * LOCAL, f"{mode} {case} host {host}"
 
 
+def test_a_host_replica_resumes_bit_for_bit(runs):
+    """The first host case (two fragments, tau = 1, the outer step on the workers), stopped after
+    step 4 with fragment 1's exchange in flight (DiLoCo.state_dict() all-gathers its parts),
+    loaded into a new model and DiLoCo in the same launch and trained on: every rank ends as
+    the straight run, bit for bit."""
+    for rank in range(HOSTS * LOCAL):
+        got = runs["dense"][rank]
+        names = [key.split("/", 2)[2] for key in got if key.startswith("hosts/resumed/")]
+        assert len(names) == 4
+        for name in names:
+            straight = got[f"hosts/workers/{HOST_CASES[0]}/{name}"]
+            assert got[f"hosts/resumed/{name}"].tobytes() == straight.tobytes(), f"rank {rank} {name}"
+        assert any(not np.array_equal(got[f"hosts/stopped/{n}"], got[f"hosts/resumed/{n}"]) for n in names)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_compressed_global_copies_are_bit_identical_on_every_worker(runs, mode):
     got = runs["all"]

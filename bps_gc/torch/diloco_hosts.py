@@ -62,7 +62,8 @@ class HostPartsExchange:
         names = list(parts)
         mine = torch.cat([parts[name].reshape(-1) for name in names])
         gathered = [torch.empty_like(mine) for _ in range(self.parts)]
-        dist.all_gather(gathered, mine, group=self.group)
+        # waited for in slices a Ctrl-C can come between, as the exchange is (exchange.py)
+        interruptible_wait(dist.all_gather(gathered, mine, group=self.group, async_op=True).get_future())
         result, offset = {}, 0
         for name in names:
             size, shape = self.sizes[name], self.shapes[name]

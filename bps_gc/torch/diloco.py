@@ -99,7 +99,7 @@ class DiLoCo:
         self.outer_step, self.on_servers = outer_step, outer_step == "servers"
         # each pseudo-gradient's codec is kept by its parameter and saved under its name; the
         # exchange is the job's transport's (collective: CompressedExchange, on ``replicate``;
-        # parameter server: PushPullExchange, over every worker)
+        # parameter server: PushPullExchange, over every worker; HostPartsExchange over the hosts)
         reducer = "outer_sgd" if self.on_servers else None
         try:
             self.exchange = HostPartsExchange(compression_params, named, reducer) if self.hosts else \

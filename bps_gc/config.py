@@ -173,18 +173,16 @@ class Config:
 
 
 def elastic_settings(cfg):
-    """What this first cut of BPS_GC_ELASTIC runs with: a host's local ranks each push for
-    themselves (BPS_GC_HIERARCHY=flat: no host-level sum, so a round's pushes are the ranks'),
-    and every push alone on the socket (no fusion, no shared memory, no push window), so that a
-    round a dead host took part in can be summed again from the pushes the servers still hold
-    (docs/faults.md, "Elastic membership")."""
-    if cfg.local_size > 1 and cfg.hierarchy == "host":
-        raise ConfigError("BPS_GC_ELASTIC", f"runs a host's {cfg.local_size} local ranks with "
-                          f"BPS_GC_HIERARCHY=flat for now (each rank pushes), not BPS_GC_HIERARCHY=host")
+    """What BPS_GC_ELASTIC runs with: a host's local ranks each push for themselves unless
+    BPS_GC_HIERARCHY=host is asked for ("auto" means flat: one push per rank; host: the host's
+    shared-memory sum, one push per host), and every push alone on the socket (no fusion, no
+    shared memory with the servers, no push window), so that a round a dead host took part in
+    can be summed again from the pushes the servers still hold (docs/faults.md, "Elastic
+    membership")."""
     if cfg.enable_async:
         raise ConfigError("BPS_GC_ELASTIC", "needs synchronous rounds; unset BYTEPS_ENABLE_ASYNC")
     return dataclasses.replace(cfg, shm=False, fusion_bytes=0, inflight_bytes=1 << 62, local_reduce=False,
-                               hierarchy="flat" if cfg.local_size > 1 else cfg.hierarchy)
+                               hierarchy="flat" if cfg.local_size > 1 and cfg.hierarchy != "host" else cfg.hierarchy)
 
 
 TRANSPORTS = ("ps", "collective")

@@ -2,7 +2,9 @@
 tensors each step and save every result and bps.size(). The ``victim`` rank, at step
 ``pause_at``, pushes the first tensor only, says HALF and waits to be killed: it dies half-way
 through a round. The ``stall_rank``, at step ``stall_at``, says STALL before pushing anything
-and waits (to be stopped). Tensors under ``refused`` are declared last, each refusal printed.
+and waits (to be stopped); with ``stall_after_push`` it first posts every tensor of that step
+(its host pushes them) and never waits: silent during the pull. Every rank says PULLED at
+``stall_at`` once it has that step's results. Tensors under ``refused`` are declared last, each refusal printed.
 Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
 import json
 import os
@@ -32,6 +34,8 @@ for step in range(spec["steps"]):
     ctx = step_ctx(spec, step)
     inputs = [gradient(rank, step, t) for t in spec["tensors"]]
     if rank == spec.get("stall_rank") and step == spec["stall_at"]:
+        if spec.get("stall_after_push"):
+            posted = [bps.push_pull(x, t["name"], ctx=ctx) for t, x in zip(spec["tensors"], inputs)]
         print("STALL", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP): silent, not dead
     if rank == spec.get("victim") and step == spec["pause_at"]:
@@ -43,6 +47,8 @@ for step in range(spec["steps"]):
         print("PUSHED", step, flush=True)
     for name, h in handles:
         results[f"{name}/{step}"] = h.wait().copy()
+    if step == spec.get("stall_at"):
+        print("PULLED", step, flush=True)
     sizes.append(bps.size())
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), sizes=np.array(sizes), **results)
 print("DONE", flush=True)

@@ -16,8 +16,10 @@ import time
 import numpy as np
 
 from elastic_jobs import host_command, membership, start_job, two_tensors
+import pytest
 from reference import gradient, partitions, step_ctx
 
+from bps_gc.comm.host_sum import add_in_order
 from bps_gc.compress import CompressionParams, build_chain
 
 START_BOUND, BOUND = 60.0, 40.0
@@ -32,34 +34,40 @@ SPEC = {
 }
 
 
-def expected(spec, sequence, ranks):
+def expected(spec, sequence, ranks, local_size=1):
     """{'name/step': array}: what every member pulls, the members of each step given by
-    ``sequence`` ([(first step, members)]); every rank's codec chain compresses each step it
-    pushes (its error feedback runs on), the server's once per step."""
+    ``sequence`` ([(first step, members)]); every pusher's codec chain compresses each step it
+    pushes (its error feedback runs on), the server's once per step. ``local_size`` > 1: two
+    levels, a host's ranks summed in local-rank order and pushed once (the pushers are hosts)."""
     out = {}
     for index, t in enumerate(spec["tensors"]):
         params = CompressionParams.from_dict(t.get("params", {}))
         n = int(np.prod(t["shape"]))
         parts = partitions(n, np.float32, spec["partition_bytes"])
-        chains = {p: ({r: build_chain(params, b - a, np.float32, key=index << 16 | p, role="worker") for r in ranks},
+        pushers = sorted({r // local_size for r in ranks})
+        chains = {p: ({h: build_chain(params, b - a, np.float32, key=index << 16 | p, role="worker") for h in pushers},
                       build_chain(params, b - a, np.float32, key=index << 16 | p, role="server"))
                   for p, a, b in parts} if params.compressed else {}
         for step in range(spec["steps"]):
             members = [m for first, m in sequence if first <= step][-1]
             ctx = step_ctx(spec, step)
-            x = {r: gradient(r, step, t).reshape(-1) for r in members}
+            ranks_of = {}
+            for r in members:
+                ranks_of.setdefault(r // local_size, []).append(gradient(r, step, t).reshape(-1))
+            x = {h: add_in_order(inputs, np.empty(n, np.float32)) for h, inputs in ranks_of.items()}
+            hosts = sorted(x)
             result = np.empty(n, np.float32)
             for p, a, b in parts:
                 if params.compressed:
                     workers, server = chains[p]
                     acc = np.zeros(b - a, np.float32)
-                    for r in members:
-                        acc += workers[r].decompress(workers[r].compress(x[r][a:b], ctx))
+                    for h in hosts:
+                        acc += workers[h].decompress(workers[h].compress(x[h][a:b], ctx))
                     acc = server.decompress(server.compress(acc, ctx))
-                else:  # raw pushes: the first copied, the others added, in rank order
-                    acc = x[members[0]][a:b].copy()
-                    for r in members[1:]:
-                        acc += x[r][a:b]
+                else:  # raw pushes: the first copied, the others added, in rank (host) order
+                    acc = x[hosts[0]][a:b].copy()
+                    for h in hosts[1:]:
+                        acc += x[h][a:b]
                 result[a:b] = acc / np.float32(len(members))
             out[f"{t['name']}/{step}"] = result
     return out
@@ -131,21 +139,25 @@ def printed_by_both(job, names, word, bound):
         time.sleep(0.05)
 
 
-def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
-    """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1; each
-    rank pushes for itself: BPS_GC_HIERARCHY=flat, what BPS_GC_ELASTIC runs with local ranks).
+@pytest.mark.parametrize("hierarchy", ["auto", "host"])
+def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy):
+    """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1),
+    each rank pushing for itself (auto: flat, what BPS_GC_ELASTIC runs with local ranks)
+    or two levels (host: the host's ranks sum in shared memory, each partition's owner pushes).
     First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
     killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
     drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
-    Host 1 started again with another BYTEPS_PARTITION_BYTES is refused in one line, naming
-    both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py).
-    Then local rank 1 of host 3 (worker 7) goes silent before step STALL_AT (SIGSTOP): its
-    launcher sees nothing, so the scheduler tells its mate, which stops naming it. The survivors
-    pull bit-identical results equal to the numpy oracle of the logged membership sequence."""
-    stall_at, hosts = 5, 4
-    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
+    Host 1 started again is refused in one line, naming both ranks: flat, with another
+    BYTEPS_PARTITION_BYTES (a host of local ranks with the job's settings joins:
+    tests/test_elastic_netns.py); two levels, as no host joins those yet. Then local rank 1 of
+    host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
+    pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
+    nothing, so the scheduler tells its mate, which stops naming it. The survivors pull
+    bit-identical results equal to the numpy oracle of the logged membership sequence."""
+    stall_at, hosts, two_levels = 5, 4, hierarchy == "host"
+    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at, stall_after_push=two_levels)
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
-    two = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
                     role_env={"server0": servers_say, "server1": servers_say, **{f"worker{h}": two for h in range(hosts)}})
     job.wait_output(["worker1"], "HALF", START_BOUND)
@@ -156,19 +168,24 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
     host_status = job.launchers["worker1"].wait(timeout=10)
     host_stopped = time.monotonic() - killed
     first_text = job.text("worker1")
-    # host 1 started again with another setting: refused in one line; the job goes on
+    # host 1 started again: refused in one line; the job goes on
     job.wait_output(["worker0"], "membership: worker 2, 3 left", BOUND)
+    setting = {} if two_levels else {"BYTEPS_PARTITION_BYTES": "8192"}
     job.launch("worker1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
-               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", BYTEPS_PARTITION_BYTES="8192", **two))
+               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **setting, **two))
     job.wait_output(["worker1"], "cannot join the running job", BOUND)
     job.wait_output(["worker3"], "STALL", BOUND)
+    if two_levels:  # the others have step STALL_AT's results, summed with host 3's pushes
+        printed_by_both(job, ["worker0", "worker2"], "PULLED", BOUND)  # at STALL_AT
     os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report
-    refused = (r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: it has "
-               r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096")  # whichever rank registers first
+    why = ("a host joins a job running two levels \\(BPS_GC_HIERARCHY=host\\) not yet" if two_levels else
+           "it has BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096")
+    # whichever rank registers first
+    refused = r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: " + why
     assert re.search(refused, job.text("worker1")) and "Traceback" not in job.text("worker1"), report
     assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
            "and worker 6 stops" in job.text("worker3"), report
@@ -193,9 +210,11 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path):
     again = job.text("server0") + job.text("server1")
     assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
     first, second = sequence[0][1], sequence[1][1]
-    assert (first, second) == (PAUSE_AT, stall_at), report
+    # two levels: host 3 took part in all of step STALL_AT (every survivor handed it out)
+    assert (first, second) == (PAUSE_AT, stall_at + two_levels), report
     pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
-    want = expected(spec, [(0, list(range(8))), (first, between), (second, survivors)], range(8))
+    want = expected(spec, [(0, list(range(8))), (first, between), (second, survivors)], range(8),
+                    local_size=2 if two_levels else 1)
     for r in survivors:
         assert list(pulled[r]["sizes"]) == [8] * first + [6] * (second - first) + [4] * (STEPS - second)
         for name, value in want.items():

@@ -61,6 +61,9 @@ class Joins:
             if problem is None and int(info.get("local_size", 1)) != (s.hosts.local_size or 1):
                 problem = (f"it has BYTEPS_LOCAL_SIZE={info.get('local_size')}, the job "
                            f"{s.hosts.local_size}")
+            if problem is None and s.hosts.hierarchy() == "host":  # its ranks' shared-memory links
+                problem = ("a host joins a job running two levels (BPS_GC_HIERARCHY=host) not yet "
+                           "(docs/faults.md); run the job with BPS_GC_HIERARCHY=flat")
         if problem:
             log.error("refused %s joining the running job: %s", who, problem)
             return s.refuse(identity, f"{who} cannot join the running job: {problem}")

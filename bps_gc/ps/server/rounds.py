@@ -15,6 +15,9 @@
   server echoes GO to the scheduler, which only then lets the workers go on.
 * Every reply of epoch e > 0 carries {"epoch": e} in its context, so a worker knows which
   members a sum holds.
+* Two levels (BPS_GC_HIERARCHY=host): a key's pushers are hosts (one push of the host's sum,
+  from the partition's owner local rank), so rounds count member *hosts* (``pushers``), a dead
+  host's push is dropped by its slot, and the owner asks for the REDO.
 """
 import logging
 
@@ -42,7 +45,7 @@ class ServerRounds:
         """A key declared after a commit counts the current members."""
         state.elastic, state.epoch = True, self.epoch
         if self.members is not None:
-            state.expected = len(self.members)
+            state.expected = pushers(state, self.members)
 
     def on_epoch(self, mtype, info):
         if mtype == Msg.EPOCH_GO:
@@ -55,10 +58,10 @@ class ServerRounds:
         log.warning("membership: worker %s left; epoch %d from round group %s; members %s",
                     ", ".join(map(str, sorted(left))), self.epoch, info.get("from_group"), self.members)
         for state in self.server.keys.values():
-            state.epoch, state.expected = self.epoch, len(self.members)
-            for rank in left:
-                if state.pending[rank]:
-                    state.pending[rank] = False
+            state.epoch, state.expected = self.epoch, pushers(state, self.members)
+            for slot in {state.slot(rank) for rank in left}:
+                if state.pending[slot]:
+                    state.pending[slot] = False
                     state.arrived -= 1
             self.complete_if_due(state)
         early, self.early = self.early, []
@@ -72,7 +75,7 @@ class ServerRounds:
         for state in self.server.keys.values():
             if state.arrived:  # cannot be: every member waits at the join's first group
                 log.error("key %d: round %d is open while worker %s joins", state.key, state.round, joined)
-            state.epoch, state.expected = self.epoch, len(self.members)
+            state.epoch, state.expected = self.epoch, pushers(state, self.members)
         log.warning("membership: worker %s joined; epoch %d from round group %s; members %s",
                     ", ".join(map(str, joined)), self.epoch, info.get("from_group"), self.members)
         self.server.membership.send(Msg.EPOCH_GO, obj={"epoch": self.epoch})
@@ -94,12 +97,19 @@ class ServerRounds:
             state.round, state.redo = header.round, True  # back to the round to sum again
             log.info("key %d: round %d is summed again over epoch %d's members", header.key,
                      header.round, self.epoch)
-        if state.round != header.round or not state.redo or state.pending[rank]:
+        slot = state.slot(rank)
+        if state.round != header.round or not state.redo or state.pending[slot]:
             raise MalformedMessage(f"REDO of key {header.key} round {header.round} from worker {rank}: "
                                    f"the key is at round {state.round}")
-        state.pending[rank] = True
+        state.pending[slot] = True
         state.arrived += 1
         self.complete_if_due(state)
+
+
+def pushers(state, members):
+    """The pushes that complete a round of ``state`` among worker ranks ``members``: one per
+    member rank, or per member host where the key is pushed once per host (two levels)."""
+    return len({state.slot(rank) for rank in members})
 
 
 def before_compute(state, job, codecs):

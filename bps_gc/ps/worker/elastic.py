@@ -12,6 +12,15 @@ the last group it released; EPOCH_COMMIT says from which group on the new epoch 
 reply of such a group summed under the old epoch (it has the dead host's push) is asked for
 again (REDO): the server sums the survivors' pushes of that round, which it still holds.
 
+Two levels (BPS_GC_HIERARCHY=host, host.py): a rank holds the replies of the partitions it
+owns (its pushes of the host's sum); the user's handles complete at the copy out of local.py,
+after every owner's SUMMED. So the ranks of a host hand a group out together: each tells the
+others (a HELD note over the local reduce) once it holds all of the group's replies in the
+group's epoch, and releases only when every host-mate said so for that epoch. A group one rank
+of a host released is then whole on every rank of it, and, as every partition has an owner on
+each host, it had every key summed with the dead host: the scheduler's ``from_group`` argument
+holds for hosts as for ranks.
+
 A host joining is joining.py's: members wait at a round group's boundary for it.
 
 ``opened`` and ``close`` run on the pushing thread; the rest on the I/O thread.
@@ -59,6 +68,13 @@ class ElasticRounds:
         self.released = -1  # groups up to this one were handed out
         self.frozen = False  # an epoch is being prepared: nothing is released
         membership.on_epoch = self.on_epoch
+        # two levels: this host's other ranks, and the groups each said it holds (group -> {rank: epoch})
+        self.local = worker.host_memory if worker.host is not None else None
+        self.mates, self.mates_held, self.told = [], collections.defaultdict(dict), {}
+        if self.local is not None:
+            self.mates = sorted(self.local.links)
+            self.local.on_held = self.mate_held
+            self.local.averaged = lambda handle: self.epoch_of(handle.group)[1]
         self.gate = JoinGate(worker, self)  # hosts joining; its lock guards group and posted
 
     # ---------------------------------------------------------------- pushing thread
@@ -127,7 +143,7 @@ class ElasticRounds:
             epoch, members = self.epoch_of(group)
             # a reply summed with a dead host's push (its REDO is on the way), or in an epoch
             # whose commit has not come yet
-            if any(h.epoch != epoch for h in held):
+            if any(h.epoch != epoch for h in held) or not self.host_holds(group, epoch):
                 return
             self.worker.size = members  # bps.size() changes only here, between groups
             self.worker.epoch = epoch  # and so does bps.membership_epoch()
@@ -136,8 +152,27 @@ class ElasticRounds:
                 h.push.handle.members = members
                 h.push.handle.partition_replied(h.push, h.payload, h.compressed, h.seconds)
             self.held.pop(group, None)
+            self.mates_held.pop(group, None)
+            self.told.pop(group, None)
             del self.closed[group]
             self.released = group
+
+    def host_holds(self, group, epoch):
+        """Whether every rank of this host holds ``group`` summed in ``epoch`` (this one does:
+        it tells the others once per epoch); True with one rank per host, or flat."""
+        if self.local is None:
+            return True
+        if self.told.get(group) != epoch:
+            self.told[group] = epoch
+            self.local.tell_held(group, epoch)
+        heard = self.mates_held.get(group, {})
+        return all(heard.get(rank) == epoch for rank in self.mates)
+
+    def mate_held(self, rank, group, epoch):
+        """A host-mate's HELD note (the local reduce's I/O, this thread)."""
+        if group > self.released:
+            self.mates_held[group][rank] = epoch
+            self.release()
 
     def on_epoch(self, mtype, info):
         if info.get("joined"):

@@ -146,6 +146,7 @@ class HostShares:
             buf = self._wire_copy(local, owned)  # fp16 on the wire: push and pull a cast copy
             ctx, context = handle.ctx, encode_context(handle.ctx)
             inner = self.handle(InnerTensor(tensor.name), buf, buf, len(owned), False, ctx)
+            inner.group = handle.group  # BPS_GC_ELASTIC: its replies are held with the user's group
         except Exception as e:
             return handle.fail(e)
         inner.then(lambda done: handle.fail(done.error) if done.error is not None

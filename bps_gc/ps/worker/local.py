@@ -19,6 +19,11 @@ SUMMED, and it is READY for the next round only after it copied this round's res
 Notes (tensor id, round, READY or SUMMED) travel over one unix socket per worker, a ROUTER the
 I/O thread polls, and every note made in one pass of the I/O loop goes to a peer in one
 message. Each buffer is offered once, in a JSON message ahead of the tensor's first note.
+BPS_GC_ELASTIC with two levels (host.py, elastic.py): a HELD note (id: the epoch, round: the
+round group) tells the host's other ranks that this one holds every server reply of a group,
+summed in that epoch; an owner hands its replies out (then SUMMED) only once every rank of the
+host holds the group in the same epoch, so no rank copies out a result a REDO would replace,
+and an averaged result divides by the members of the group's epoch (``averaged``).
 A failure the scheduler reports fails every waiting push_pull (WorkerIO.fail_all); a peer that
 said goodbye fails those waiting for it, naming it; a round waiting longer than
 BPS_GC_STALL_TIMEOUT is logged with the ranks it waits for.
@@ -41,7 +46,7 @@ from .peers import channel
 log = logging.getLogger("bps_gc.worker")
 INLINE_BYTES = 64 * 1024  # below this a sum or copy costs less than a trip through the codec pool
 OFFER, NOTES = 1, 2  # message kinds (the header's key)
-READY, SUMMED = 0, 1
+READY, SUMMED, HELD = 0, 1, 2
 NOTE = np.dtype([("id", "<u8"), ("round", "<u4"), ("kind", "<u4")])
 
 
@@ -136,6 +141,9 @@ class LocalReduce:
         self.summed = None  # set by WorkerIO: queues after_sum(local, rnd) on the I/O thread
         self.members = list(range(size))  # the ranks that sum together (host.py: a host's)
         self.division = EqualShares(size)  # what each member sums (connect)
+        # BPS_GC_ELASTIC (elastic.py): on_held(rank, group, epoch) hears a host-mate's HELD;
+        # averaged(handle) is how many ranks the handle's result is averaged over
+        self.on_held = self.averaged = None
 
     def connect(self, workers, membership, division=None):
         """``workers``: the address book's entries of the members; the membership keeps ``left``
@@ -215,7 +223,8 @@ class LocalReduce:
             del local.notes[(rnd, READY)], local.notes[(rnd, SUMMED)]
             wire, average = local.waiting.wire, local.waiting.average
             local.waiting = None
-            self.run(local.nbytes, handle, self.copy_out, local, handle, wire, average)
+            size = self.size if self.averaged is None else self.averaged(handle)
+            self.run(local.nbytes, handle, self.copy_out, local, handle, wire, average, size)
         elif len(ready) == len(self.members) and self.rank not in summed and -1 not in summed:
             error = self.map_peers(local)
             if error is not None:
@@ -246,10 +255,10 @@ class LocalReduce:
         local.notes[(rnd, SUMMED)].discard(-1)
         self.note(local, rnd, SUMMED)
 
-    def copy_out(self, local, handle, wire, average):
-        """Every slice from its owner's result into the output (any thread)."""
+    def copy_out(self, local, handle, wire, average, size):
+        """Every slice from its owner's result into the output, averaged over ``size`` ranks (any thread)."""
         try:
-            size = wire.dtype.type(self.size)
+            size = wire.dtype.type(size)
             average = average and self.division.divides(local)
             for r in self.members:
                 result = local.result if r == self.rank else local.peers[r].result
@@ -280,6 +289,10 @@ class LocalReduce:
         except (MalformedMessage, TypeError) as e:
             return self.dropped("a local reduce message: %s", e)
         for tid, rnd, kind in notes:
+            if kind == HELD:
+                if self.on_held is not None:
+                    self.on_held(sender, rnd, tid)
+                continue
             local = self.known(tid)
             local.notes.setdefault((rnd, kind), set()).add(sender)
             self.advance(local)
@@ -314,6 +327,12 @@ class LocalReduce:
             except (KeyError, TypeError, ValueError) as e:
                 return ValueError(f"push_pull({local.name!r}): {e}")
         return None
+
+    def tell_held(self, group, epoch):
+        """BPS_GC_ELASTIC: tell the host's other ranks this one holds round group ``group``'s
+        replies, summed in ``epoch``."""
+        for rank in self.links:
+            self.outbox.setdefault(rank, []).append((epoch, group, HELD))
 
     def flush(self):
         """Send the notes made in this pass of the loop, one message per peer."""

@@ -215,6 +215,8 @@ class Worker(Communicator):
             wire = out.reshape(-1)
             tensor.busy = True
             handle = Handle(self, tensor, out, wire, 1, average, ctx)
+            if self.elastic is not None:  # two levels: the replies are those of the partitions it owns
+                self.elastic.opened(handle, len(self.host.owned(tensor)))
             local, rnd = self.host_memory.prepare(tensor, flat)
             local.priority = priority  # two levels: the owner's push
             self.io.post(StartLocal(local, rnd, handle, wire, average))

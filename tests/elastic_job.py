@@ -4,7 +4,9 @@ tensors each step and save every result and bps.size(). The ``victim`` rank, at 
 through a round. The ``stall_rank``, at step ``stall_at``, says STALL before pushing anything
 and waits (to be stopped); with ``stall_after_push`` it first posts every tensor of that step
 (its host pushes them) and never waits: silent during the pull. Every rank says PULLED at
-``stall_at`` once it has that step's results. Tensors under ``refused`` are declared last, each refusal printed.
+``stall_at`` once it has that step's results. With ``gate`` (a path), members wait before
+step ``join_at`` until it exists; a joining host (the victim's, started again) says JOINING
+and runs from the step ``elastic_start`` returns. Tensors under ``refused`` are declared last, each refusal printed.
 Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
 import json
 import os
@@ -29,8 +31,14 @@ for t in spec.get("refused", []):  # codecs BPS_GC_ELASTIC refuses: declared las
         print("ACCEPTED", t["name"], flush=True)
     except ValueError as e:
         print("REFUSED", e, flush=True)
+if bps.joining():
+    print("JOINING", flush=True)
+start = bps.elastic_start({})  # no parameters: every result depends on the step alone
 results, sizes = {}, []
-for step in range(spec["steps"]):
+for step in range(start, spec["steps"]):
+    deadline = time.monotonic() + 60
+    while step == spec.get("join_at") and not os.path.exists(spec["gate"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
     ctx = step_ctx(spec, step)
     inputs = [gradient(rank, step, t) for t in spec["tensors"]]
     if rank == spec.get("stall_rank") and step == spec["stall_at"]:
@@ -38,7 +46,7 @@ for step in range(spec["steps"]):
             posted = [bps.push_pull(x, t["name"], ctx=ctx) for t, x in zip(spec["tensors"], inputs)]
         print("STALL", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP): silent, not dead
-    if rank == spec.get("victim") and step == spec["pause_at"]:
+    if rank == spec.get("victim") and step == spec["pause_at"] and not start:
         bps.push_pull(inputs[0], spec["tensors"][0]["name"], ctx=ctx)
         print("HALF", flush=True)
         time.sleep(600)  # killed here

@@ -37,8 +37,9 @@ SPEC = {
 def expected(spec, sequence, ranks, local_size=1):
     """{'name/step': array}: what every member pulls, the members of each step given by
     ``sequence`` ([(first step, members)]); every pusher's codec chain compresses each step it
-    pushes (its error feedback runs on), the server's once per step. ``local_size`` > 1: two
-    levels, a host's ranks summed in local-rank order and pushed once (the pushers are hosts)."""
+    pushes (its error feedback runs on; a pusher that joins again starts from zero), the
+    server's once per step. ``local_size`` > 1: two levels, a host's ranks summed in local-rank
+    order and pushed once (the pushers are hosts)."""
     out = {}
     for index, t in enumerate(spec["tensors"]):
         params = CompressionParams.from_dict(t.get("params", {}))
@@ -48,6 +49,7 @@ def expected(spec, sequence, ranks, local_size=1):
         chains = {p: ({h: build_chain(params, b - a, np.float32, key=index << 16 | p, role="worker") for h in pushers},
                       build_chain(params, b - a, np.float32, key=index << 16 | p, role="server"))
                   for p, a, b in parts} if params.compressed else {}
+        before = set(pushers)
         for step in range(spec["steps"]):
             members = [m for first, m in sequence if first <= step][-1]
             ctx = step_ctx(spec, step)
@@ -56,6 +58,10 @@ def expected(spec, sequence, ranks, local_size=1):
                 ranks_of.setdefault(r // local_size, []).append(gradient(r, step, t).reshape(-1))
             x = {h: add_in_order(inputs, np.empty(n, np.float32)) for h, inputs in ranks_of.items()}
             hosts = sorted(x)
+            for h in set(hosts) - before:  # joined again: its codec chains were just built
+                for p, a, b in parts if params.compressed else ():
+                    chains[p][0][h] = build_chain(params, b - a, np.float32, key=index << 16 | p, role="worker")
+            before = set(hosts)
             result = np.empty(n, np.float32)
             for p, a, b in parts:
                 if params.compressed:
@@ -142,20 +148,23 @@ def printed_by_both(job, names, word, bound):
 @pytest.mark.parametrize("hierarchy", ["auto", "host"])
 def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy):
     """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1),
-    each rank pushing for itself (auto: flat, what BPS_GC_ELASTIC runs with local ranks)
-    or two levels (host: the host's ranks sum in shared memory, each partition's owner pushes).
+    each rank pushing for itself (auto: flat, what BPS_GC_ELASTIC runs with local ranks) or two
+    levels (host: the host's ranks sum in shared memory, each partition's owner pushes).
     First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
     killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
     drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
-    Host 1 started again is refused in one line, naming both ranks: flat, with another
-    BYTEPS_PARTITION_BYTES (a host of local ranks with the job's settings joins:
-    tests/test_elastic_netns.py); two levels, as no host joins those yet. Then local rank 1 of
-    host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
-    pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
-    nothing, so the scheduler tells its mate, which stops naming it. The survivors pull
-    bit-identical results equal to the numpy oracle of the logged membership sequence."""
-    stall_at, hosts, two_levels = 5, 4, hierarchy == "host"
-    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at, stall_after_push=two_levels)
+    Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
+    naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
+    two levels, with the job's settings, it joins as a unit (members wait before step JOIN_AT
+    until it is there). Then local rank 1 of host 3 (worker 7) goes silent (SIGSTOP): flat,
+    before step STALL_AT; two levels, during its pull: its host pushed every tensor of STALL_AT
+    and the others pulled them. Its launcher sees nothing, so the scheduler tells its mate, which
+    stops naming it. The live ranks pull bit-identical results equal to the numpy oracle of the
+    logged membership sequence."""
+    stall_at, join_at, hosts, two_levels = 5, 4, 4, hierarchy == "host"
+    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
+    if two_levels:
+        spec.update(stall_after_push=True, join_at=join_at, gate=str(tmp_path / "gate"))
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
@@ -168,38 +177,44 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     host_status = job.launchers["worker1"].wait(timeout=10)
     host_stopped = time.monotonic() - killed
     first_text = job.text("worker1")
-    # host 1 started again: refused in one line; the job goes on
+    # host 1 started again: refused in one line (flat), or joins (two levels); the job goes on
     job.wait_output(["worker0"], "membership: worker 2, 3 left", BOUND)
     setting = {} if two_levels else {"BYTEPS_PARTITION_BYTES": "8192"}
     job.launch("worker1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
                dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **setting, **two))
-    job.wait_output(["worker1"], "cannot join the running job", BOUND)
+    if two_levels:
+        printed_by_both(job, ["worker1"], "JOINING", BOUND)
+        (tmp_path / "gate").touch()
+    else:
+        job.wait_output(["worker1"], "cannot join the running job", BOUND)
     job.wait_output(["worker3"], "STALL", BOUND)
     if two_levels:  # the others have step STALL_AT's results, summed with host 3's pushes
-        printed_by_both(job, ["worker0", "worker2"], "PULLED", BOUND)  # at STALL_AT
+        printed_by_both(job, ["worker0", "worker1", "worker2"], "PULLED", BOUND)  # at STALL_AT
     os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report
-    why = ("a host joins a job running two levels \\(BPS_GC_HIERARCHY=host\\) not yet" if two_levels else
-           "it has BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096")
-    # whichever rank registers first
-    refused = r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: " + why
-    assert re.search(refused, job.text("worker1")) and "Traceback" not in job.text("worker1"), report
+    if not two_levels:  # whichever rank registers first
+        refused = (r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: it has "
+                   r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096")
+        assert re.search(refused, job.text("worker1")) and statuses["worker1"] != 0, report
+    assert "Traceback" not in job.text("worker1"), report
     assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
            "and worker 6 stops" in job.text("worker3"), report
     assert "bpslaunch: local rank 0 (worker 6) exited with status 1; stopping the others" in job.text("worker3"), report
-    assert statuses["worker1"] != 0 and statuses["worker3"] != 0, report
+    assert statuses["worker3"] != 0, report
     assert "Traceback" not in first_text + job.text("worker3"), report
-    alive = ("scheduler", "server0", "server1", "worker0", "worker2")
+    alive = ("scheduler", "server0", "server1", "worker0", "worker2") + (("worker1",) if two_levels else ())
     assert all(statuses[name] == 0 for name in alive), report
-    between, survivors = [0, 1, 4, 5, 6, 7], [0, 1, 4, 5]
+    everyone, between = list(range(8)), [0, 1, 4, 5, 6, 7]
+    after = [0, 1, 2, 3, 4, 5] if two_levels else [0, 1, 4, 5]
     logged = {name: membership(job.text(name)) for name in alive}
     sequence = logged["scheduler"]
-    assert [(e, m) for e, _, m in sequence] == [(1, between), (2, survivors)], report  # one epoch per host
-    # a host's launcher prints both its ranks' lines, one rank's after the other's
-    assert all(sorted(seq) == sorted(sequence * (2 if name.startswith("worker") else 1))
+    changes = [(1, between), (2, everyone), (3, after)] if two_levels else [(1, between), (2, after)]
+    assert [(e, m) for e, _, m in sequence] == changes, report  # one epoch per host
+    # a host's launcher prints both its ranks' lines, one rank's after the other's; a joiner's from its join on
+    assert all(sorted(seq) == sorted(sequence[1 if name == "worker1" else 0:] * (2 if name.startswith("worker") else 1))
                for name, seq in logged.items()), logged
     scheduler = job.text("scheduler")
     # host 1's two heartbeats stop together (its launcher stopped the mate): either may be named first
@@ -209,14 +224,19 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     assert "membership: worker 2, 3 left; epoch 1" in job.text("worker0"), report
     again = job.text("server0") + job.text("server1")
     assert f"round {PAUSE_AT} is summed again over epoch 1's members" in again, report
-    first, second = sequence[0][1], sequence[1][1]
-    # two levels: host 3 took part in all of step STALL_AT (every survivor handed it out)
-    assert (first, second) == (PAUSE_AT, stall_at + two_levels), report
-    pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in survivors}
-    want = expected(spec, [(0, list(range(8))), (first, between), (second, survivors)], range(8),
-                    local_size=2 if two_levels else 1)
-    for r in survivors:
-        assert list(pulled[r]["sizes"]) == [8] * first + [6] * (second - first) + [4] * (STEPS - second)
+    firsts = [first for _, first, _ in sequence]
+    # two levels: host 3 took part in all of step STALL_AT (every other host handed it out)
+    assert firsts[0] == PAUSE_AT and firsts[-1] == stall_at + two_levels, report
+    assert not two_levels or join_at <= firsts[1] <= join_at + 1, report  # members pledged before or at JOIN_AT
+    steps = [(0, everyone)] + [(first, members) for _, first, members in sequence]
+    want = expected(spec, steps, everyone, local_size=2 if two_levels else 1)
+    pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in after}
+    for r in after:
+        start = firsts[1] if r in (2, 3) and two_levels else 0  # the joiners'
+        sizes = [len([m for first, m in steps if first <= s][-1]) for s in range(start, STEPS)]
+        assert list(pulled[r]["sizes"]) == sizes, (r, report)
         for name, value in want.items():
+            if int(name.split("/")[1]) < start:
+                continue
             assert pulled[r][name].tobytes() == pulled[0][name].tobytes(), (r, name)
             np.testing.assert_array_equal(pulled[r][name], value, err_msg=f"rank {r} {name}")

@@ -5,10 +5,12 @@ while the job runs. Settings that differ from the job's refuse it in one line na
 job goes on. Otherwise it gets an address book and declares its tensors (a server refuses a
 declaration unlike the job's, naming both), then says JOIN_READY. A host of several local ranks
 joins as a unit: its ranks register one by one, and the join starts once every one of them
-said JOIN_READY. The whole join, from the host's first registration to GO, is bounded by
-BPS_GC_JOIN_TIMEOUT (the scheduler's or the joining ranks', the shorter): past it the join is
-cancelled, naming what it still waits for (a local rank that never registered), and the job
-goes on. Three steps follow:
+said JOIN_READY; under two levels (BPS_GC_HIERARCHY=host) its ranks get their address book
+only once all of them registered, as each needs its host-mates' local reduce endpoints (the
+scheduler stands in for their heartbeats until then). The whole join, from the host's first
+registration to GO, is bounded by BPS_GC_JOIN_TIMEOUT (the scheduler's or the joining ranks',
+the shorter): past it the join is cancelled, naming what it still waits for (a local rank that
+never registered), and the job goes on. Three steps follow:
 
 1. PREPARE: every member pledges the first round group it has not opened yet and waits there.
 2. COMMIT: the join starts at ``from_group``, the highest pledge; members run up to it and wait
@@ -29,6 +31,7 @@ class Joins:
     def __init__(self, scheduler, epochs):
         self.scheduler, self.epochs = scheduler, epochs
         self.joiners = []  # the Members (local ranks of one host) joining now, as they register
+        self.unbooked = []  # two levels: those of them awaiting their address book
         self.ready_ranks = set()  # those of them that said JOIN_READY
         self.step = None  # "prepare", "commit" or "go" while a join runs
         self.pledges, self.at, self.servers_go = {}, set(), set()
@@ -61,9 +64,8 @@ class Joins:
             if problem is None and int(info.get("local_size", 1)) != (s.hosts.local_size or 1):
                 problem = (f"it has BYTEPS_LOCAL_SIZE={info.get('local_size')}, the job "
                            f"{s.hosts.local_size}")
-            if problem is None and s.hosts.hierarchy() == "host":  # its ranks' shared-memory links
-                problem = ("a host joins a job running two levels (BPS_GC_HIERARCHY=host) not yet "
-                           "(docs/faults.md); run the job with BPS_GC_HIERARCHY=flat")
+            if problem is None and s.hosts.first and info.get("hierarchy") != s.hosts.first["hierarchy"]:
+                problem = f"it has BPS_GC_HIERARCHY={info.get('hierarchy')}, the job {s.hosts.first['hierarchy']}"
         if problem:
             log.error("refused %s joining the running job: %s", who, problem)
             return s.refuse(identity, f"{who} cannot join the running job: {problem}")
@@ -75,14 +77,25 @@ class Joins:
             self.since, self.bound = time.monotonic(), s.join_timeout
         self.bound = min(self.bound, joiner_bound(info, self.bound))
         self.joiners.append(member)
+        log.info("worker %d at %s:%s asks to join the running job", rank, host, port)
+        if s.hosts.hierarchy() == "host":  # two levels: the books once every local rank registered
+            self.unbooked.append(member)
+            if len(self.joiners) == size:
+                self.send_books(self.unbooked)
+                self.unbooked = []
+        else:
+            self.send_books([member])
+        return None
+
+    def send_books(self, joiners):
+        s = self.scheduler
         servers = [m for m in s.members.values() if m.role == "server"]
         workers = sorted((m for m in s.members.values() if m.role == "worker" and not m.gone), key=lambda m: m.rank)
-        book = {"servers": [m.describe() for m in sorted(servers, key=lambda m: m.rank)],
-                "workers": [m.describe() for m in workers], **s.hosts.book(s.cfg, workers),
-                "you": member.node_id, "rank": rank, "joining": True}
-        log.info("worker %d at %s:%s asks to join the running job", rank, host, port)
-        s.reply(member, Msg.ADDRESS_BOOK, obj=book)
-        return None
+        for member in joiners:
+            book = {"servers": [m.describe() for m in sorted(servers, key=lambda m: m.rank)],
+                    "workers": [m.describe() for m in workers], **s.hosts.book(s.cfg, workers),
+                    "you": member.node_id, "rank": member.rank, "joining": True}
+            s.reply(member, Msg.ADDRESS_BOOK, obj=book)
 
     def left(self, member, reason):
         """A joining rank went away before it was admitted: the job goes on as it was, and its
@@ -105,11 +118,13 @@ class Joins:
         self.reset()
 
     def reset(self):
-        self.joiners, self.ready_ranks, self.step = [], set(), None
+        self.joiners, self.ready_ranks, self.step, self.unbooked = [], set(), None, []
 
     def overdue(self, now):
         """A join not at GO within its bound is cancelled (a local rank that never registers
         sends no heartbeat to miss; a stalled step would hold the members at their boundary)."""
+        for member in self.unbooked:  # no book yet, so no heartbeat: the join's bound covers it
+            member.last_seen = now
         if self.joiners and self.step != "go" and now - self.since > self.bound:
             self.cancel(f"{self.awaited()} within BPS_GC_JOIN_TIMEOUT={self.bound:g} s of the host's first "
                         f"registration")

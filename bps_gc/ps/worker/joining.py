@@ -66,8 +66,7 @@ class JoinGate:
         tensors = self.worker.tensors
         params = self.params() if callable(self.params) else self.params
         header = {"arrays": [[name, str(a.dtype), list(a.shape)] for name, a in params.items()],
-                  "rounds": {name: [p.round for p in t.partitions] for name, t in tensors.items()
-                             if t.partitions and not t.local}}
+                  "rounds": {name: self.rounds_of(t) for name, t in tensors.items() if t.partitions and not t.local}}
         channel = f"bps_gc.join.{commit['epoch']}"
         peers = self.worker.peers
         for joiner in commit["joined"]:
@@ -75,11 +74,27 @@ class JoinGate:
             for array in params.values():
                 peers.send(joiner, channel, np.ascontiguousarray(array))
 
+    def rounds_of(self, tensor):
+        """Each partition's round at the join's boundary: two levels count the replies of the
+        partitions this rank owns only, but the host's rounds of the tensor started, all done
+        here, are every partition's."""
+        host, memory = self.worker.host, self.worker.host_memory
+        if host is not None and host.carries(tensor):
+            local = memory.by_name.get(tensor.name)
+            return [local.rounds if local is not None else 0] * len(tensor.partitions)
+        return [p.round for p in tensor.partitions]
+
+    def declared(self):
+        """The keys this worker declared (two levels: of a tensor the host sums, those it owns)."""
+        host = self.worker.host
+        return sum(len(host.owned(t)) if host is not None and host.carries(t) else len(t.partitions)
+                   for t in self.worker.tensors.values() if not t.local)
+
     def join(self):
         """The joiner: once the servers accepted its declarations, ask to join and wait for the
         parameters and GO; returns the first round group (step) it takes part in."""
         replies, flight = self.worker.io.replies, self.worker.io.flight
-        declared = sum(len(t.partitions) for t in self.worker.tensors.values() if not t.local)
+        declared = self.declared()
         while replies.init_acks + len(flight.failed_keys) < declared:
             time.sleep(0.01)
             self.worker.check_alive()

@@ -4,7 +4,8 @@ tensors each step and save every result and bps.size(). The ``victim`` rank, at 
 through a round. The ``stall_rank``, at step ``stall_at``, says STALL before pushing anything
 and waits (to be stopped); with ``stall_after_push`` it first posts every tensor of that step
 (its host pushes them) and never waits: silent during the pull. Every rank says PULLED at
-``stall_at`` once it has that step's results. With ``gate`` (a path), members wait before
+``stall_at`` once it has that step's results. The ``silent_rank`` says SILENT before pushing
+anything of step ``silent_at`` and waits (to be stopped). With ``gate`` (a path), members wait before
 step ``join_at`` until it exists; a joining host (the victim's, started again) says JOINING
 and runs from the step ``elastic_start`` returns. Tensors under ``refused`` are declared last, each refusal printed.
 Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
@@ -46,6 +47,9 @@ for step in range(start, spec["steps"]):
             posted = [bps.push_pull(x, t["name"], ctx=ctx) for t, x in zip(spec["tensors"], inputs)]
         print("STALL", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP): silent, not dead
+    if rank == spec.get("silent_rank") and step == spec["silent_at"]:
+        print("SILENT", flush=True)
+        time.sleep(600)  # stopped here (SIGSTOP) before its host pushes the step
     if rank == spec.get("victim") and step == spec["pause_at"] and not start:
         bps.push_pull(inputs[0], spec["tensors"][0]["name"], ctx=ctx)
         print("HALF", flush=True)

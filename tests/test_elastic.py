@@ -159,12 +159,14 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     until it is there). Then local rank 1 of host 3 (worker 7) goes silent (SIGSTOP): flat,
     before step STALL_AT; two levels, during its pull: its host pushed every tensor of STALL_AT
     and the others pulled them. Its launcher sees nothing, so the scheduler tells its mate, which
-    stops naming it. The live ranks pull bit-identical results equal to the numpy oracle of the
+    stops naming it. Two levels: then local rank 1 of host 2 (worker 5) goes silent before its
+    host pushes anything of the next step. The live ranks pull bit-identical results equal to the numpy oracle of the
     logged membership sequence."""
     stall_at, join_at, hosts, two_levels = 5, 4, 4, hierarchy == "host"
     spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
     if two_levels:
-        spec.update(stall_after_push=True, join_at=join_at, gate=str(tmp_path / "gate"))
+        spec.update(stall_after_push=True, join_at=join_at, gate=str(tmp_path / "gate"), silent_rank=5,
+                    silent_at=stall_at + 1)
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
@@ -191,6 +193,10 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     if two_levels:  # the others have step STALL_AT's results, summed with host 3's pushes
         printed_by_both(job, ["worker0", "worker1", "worker2"], "PULLED", BOUND)  # at STALL_AT
     os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
+    if two_levels:  # then one before a push
+        job.wait_output(["worker2"], "SILENT", BOUND)
+        job.wait_output(["worker0"], "membership: worker 6, 7 left", BOUND)
+        os.kill(job.local_rank_of("worker2", 1), signal.SIGSTOP)
     statuses, _ = job.wait_all(BOUND)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
@@ -205,13 +211,17 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     assert "bpslaunch: local rank 0 (worker 6) exited with status 1; stopping the others" in job.text("worker3"), report
     assert statuses["worker3"] != 0, report
     assert "Traceback" not in first_text + job.text("worker3"), report
-    alive = ("scheduler", "server0", "server1", "worker0", "worker2") + (("worker1",) if two_levels else ())
+    if two_levels:
+        assert "worker 5, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
+               "and worker 4 stops" in job.text("worker2") and statuses["worker2"] != 0, report
+    alive = ("scheduler", "server0", "server1", "worker0") + (("worker1",) if two_levels else ("worker2",))
     assert all(statuses[name] == 0 for name in alive), report
     everyone, between = list(range(8)), [0, 1, 4, 5, 6, 7]
-    after = [0, 1, 2, 3, 4, 5] if two_levels else [0, 1, 4, 5]
+    after = [0, 1, 2, 3] if two_levels else [0, 1, 4, 5]
     logged = {name: membership(job.text(name)) for name in alive}
     sequence = logged["scheduler"]
-    changes = [(1, between), (2, everyone), (3, after)] if two_levels else [(1, between), (2, after)]
+    changes = [(1, between), (2, everyone), (3, [0, 1, 2, 3, 4, 5]), (4, after)] if two_levels else \
+        [(1, between), (2, after)]
     assert [(e, m) for e, _, m in sequence] == changes, report  # one epoch per host
     # a host's launcher prints both its ranks' lines, one rank's after the other's; a joiner's from its join on
     assert all(sorted(seq) == sorted(sequence[1 if name == "worker1" else 0:] * (2 if name.startswith("worker") else 1))
@@ -227,6 +237,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     firsts = [first for _, first, _ in sequence]
     # two levels: host 3 took part in all of step STALL_AT (every other host handed it out)
     assert firsts[0] == PAUSE_AT and firsts[-1] == stall_at + two_levels, report
+    assert not two_levels or firsts[2] == firsts[3], report  # no host handed out the step host 2 never pushed
     assert not two_levels or join_at <= firsts[1] <= join_at + 1, report  # members pledged before or at JOIN_AT
     steps = [(0, everyone)] + [(first, members) for _, first, members in sequence]
     want = expected(spec, steps, everyone, local_size=2 if two_levels else 1)

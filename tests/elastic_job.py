@@ -1,6 +1,6 @@
 """A worker of the elastic-membership tests (tests/test_elastic.py): push_pull the described
 tensors each step and save every result and bps.size(). The ``victim`` rank, at step
-``pause_at``, pushes the first tensor only, says HALF and waits to be killed: it dies half-way
+``pause_at``, pushes the first tensor only (those listed in ``half``), says HALF and waits to be killed: it dies half-way
 through a round. The ``stall_rank``, at step ``stall_at``, says STALL before pushing anything
 and waits (to be stopped); with ``stall_after_push`` it first posts every tensor of that step
 (its host pushes them) and never waits: silent during the pull. Every rank says PULLED at
@@ -51,7 +51,8 @@ for step in range(start, spec["steps"]):
         print("SILENT", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP) before its host pushes the step
     if rank == spec.get("victim") and step == spec["pause_at"] and not start:
-        bps.push_pull(inputs[0], spec["tensors"][0]["name"], ctx=ctx)
+        for i in spec.get("half", [0]):
+            bps.push_pull(inputs[i], spec["tensors"][i]["name"], ctx=ctx)
         print("HALF", flush=True)
         time.sleep(600)  # killed here
     handles = [(t["name"], bps.push_pull(x, t["name"], ctx=ctx)) for t, x in zip(spec["tensors"], inputs)]

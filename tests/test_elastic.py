@@ -153,6 +153,9 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
     killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
     drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
+    Two levels: it pushes every tensor but a one-partition one its host's local rank 1 owns, so
+    on the others local rank 0 holds every reply of the step (summed with host 1) and rank 1
+    does not: rank 0 must not hand the step out alone (elastic.py's HELD notes).
     Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
     naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
     two levels, with the job's settings, it joins as a unit (members wait before step JOIN_AT
@@ -165,8 +168,12 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     stall_at, join_at, hosts, two_levels = 5, 4, 4, hierarchy == "host"
     spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
     if two_levels:
+        # owners (i + p) mod 2: local rank 1 owns all of tensor 1 (one partition), rank 0 owns
+        # nothing the victim's host does not push
+        tensors = [SPEC["tensors"][0], dict(SPEC["tensors"][1], name="small", shape=[1000]), *SPEC["tensors"][2:],
+                   SPEC["tensors"][1]]
         spec.update(stall_after_push=True, join_at=join_at, gate=str(tmp_path / "gate"), silent_rank=5,
-                    silent_at=stall_at + 1)
+                    silent_at=stall_at + 1, tensors=tensors, half=[0, 2, 3])
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,

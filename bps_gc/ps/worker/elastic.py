@@ -74,7 +74,7 @@ class ElasticRounds:
         if self.local is not None:
             self.mates = sorted(self.local.links)
             self.local.on_held = self.mate_held
-            self.local.averaged = lambda handle: self.epoch_of(handle.group)[1]
+            self.local.averaged = lambda h: self.worker.size if h.group is None else self.epoch_of(h.group)[1]
         self.gate = JoinGate(worker, self)  # hosts joining; its lock guards group and posted
 
     # ---------------------------------------------------------------- pushing thread

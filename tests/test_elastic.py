@@ -158,13 +158,14 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     does not: rank 0 must not hand the step out alone (elastic.py's HELD notes).
     Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
     naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
-    two levels, with the job's settings, it joins as a unit (members wait before step JOIN_AT
-    until it is there). Then local rank 1 of host 3 (worker 7) goes silent (SIGSTOP): flat,
-    before step STALL_AT; two levels, during its pull: its host pushed every tensor of STALL_AT
-    and the others pulled them. Its launcher sees nothing, so the scheduler tells its mate, which
-    stops naming it. Two levels: then local rank 1 of host 2 (worker 5) goes silent before its
-    host pushes anything of the next step. The live ranks pull bit-identical results equal to the numpy oracle of the
-    logged membership sequence."""
+    two levels, refused likewise with BPS_GC_HIERARCHY=flat, then with the job's settings it
+    joins as a unit (members wait before step JOIN_AT until it is there). Then local rank 1 of
+    host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
+    pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
+    nothing, so the scheduler tells its mate, which stops naming it. Two levels: then local rank
+    1 of host 2 (worker 5) goes silent before its host pushes anything of the next step. The
+    live ranks pull bit-identical results equal to the numpy oracle of the logged membership
+    sequence."""
     stall_at, join_at, hosts, two_levels = 5, 4, 4, hierarchy == "host"
     spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
     if two_levels:
@@ -189,6 +190,11 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     # host 1 started again: refused in one line (flat), or joins (two levels); the job goes on
     job.wait_output(["worker0"], "membership: worker 2, 3 left", BOUND)
     setting = {} if two_levels else {"BYTEPS_PARTITION_BYTES": "8192"}
+    if two_levels:  # first with another BPS_GC_HIERARCHY: refused in one line
+        job.launch("flat1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
+                   dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **dict(two, BPS_GC_HIERARCHY="flat")))
+        job.wait_output(["flat1"], "cannot join the running job", BOUND)
+        job.launchers["flat1"].wait(timeout=BOUND)
     job.launch("worker1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
                dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **setting, **two))
     if two_levels:
@@ -208,9 +214,14 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report
-    if not two_levels:  # whichever rank registers first
-        refused = (r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: it has "
-                   r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096")
+    # whichever rank registers first
+    refused = r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: it has "
+    if two_levels:
+        refused += r"BPS_GC_HIERARCHY=flat, the job host"
+        assert re.search(refused, job.text("flat1")) and statuses["flat1"] != 0, report
+        assert "Traceback" not in job.text("flat1"), report
+    else:
+        refused += r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096"
         assert re.search(refused, job.text("worker1")) and statuses["worker1"] != 0, report
     assert "Traceback" not in job.text("worker1"), report
     assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \

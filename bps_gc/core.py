@@ -19,7 +19,7 @@ import os
 import sys
 
 from . import compress
-from .comm import NodeFailure
+from .comm import NodeFailure, exit_threads
 from .comm.declaration import Declaration
 from .comm.metrics import Counters, Metrics
 from .config import DEVICE_CODECS, Config, ConfigError, EnvReader, transport_from_env
@@ -54,7 +54,7 @@ def init(config=None):
         _setup_logging(cfg.log_level)
         compress.load_plugins()
         _worker = Collective(cfg, compress, local_rank, local_size).start()
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         return _worker
     cfg = config or Config.from_env(role="worker")
     _setup_logging(cfg.log_level)
@@ -63,7 +63,7 @@ def init(config=None):
     except ImportError as e:
         raise abort_job(cfg, "worker", cfg.rank, str(e)) from None
     _worker = Worker(cfg, compress).start()
-    atexit.register(shutdown)
+    atexit.register(_shutdown_at_exit)
     return _worker
 
 
@@ -104,6 +104,11 @@ def device_codecs():
 
 def is_initialized():
     return _worker is not None
+
+
+def _shutdown_at_exit():
+    exit_threads.mark_exiting()  # the process ends: a failed rank may bound its own end now
+    shutdown()
 
 
 def shutdown():

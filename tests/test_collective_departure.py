@@ -94,7 +94,8 @@ def check_the_others_stopped(hosts, leaver, mode, seconds, launcher="bpslaunch")
         text = hosts.output(rank)
         if launcher == "torchrun":
             text = "\n".join(line for line in text.splitlines() if line.startswith(f"[rank{rank}]:"))
-        assert p.returncode != 0, report
+        # status 1, as an uncaught error ends a script: not an abort (134) after the line
+        assert p.returncode == 1 and "terminate called" not in hosts.output(rank), report
         assert f"NodeFailure: bps_gc: rank {leaver} left the job" in text, report
         raised = {"raise": "RuntimeError", "sigint": "KeyboardInterrupt"}.get(mode)
         assert (f"its script raised {raised} after" in text) if raised else ("shut down after" in text), report
@@ -113,6 +114,30 @@ def test_multihost_rank_leaving_a_reduction_stops_the_others(tmp_path, mode, lea
         check_the_others_stopped(hosts, leaver, mode, seconds)
         assert "'topk'" in hosts.output(1 - leaver) or "'dense'" in hosts.output(1 - leaver), hosts.report()
     finally:
+        hosts.close()
+
+
+def test_multihost_hung_rank_ends_the_other_within_its_bound(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, silent, its sockets open) mid-job: rank 0 names it within
+    the heartbeat's timeout and ends with status 1 within the bound after its line, although its
+    collective on rank 1 never returns (gloo would wait out its 30-minute timeout there)."""
+    hosts = Hosts(tmp_path, "reduce")
+    stopped = None
+    try:
+        hosts.wait_output(1, "RUNNING")
+        stopped = int((tmp_path / "pid1").read_text())
+        os.kill(stopped, signal.SIGSTOP)
+        since = time.monotonic()
+        hosts.procs[0].wait(timeout=60)
+        seconds = time.monotonic() - since
+        text, report = hosts.output(0), hosts.report()
+        assert hosts.procs[0].returncode == 1 and "terminate called" not in text, report
+        assert "NodeFailure: bps_gc: rank 1 sent no heartbeat for 3 s" in text and "Traceback" not in text, report
+        # the timeout (3 s), then at most twice the timeout and interval (6.4 s), on 2 shared cores
+        assert seconds < 3 + 6.4 + BOUND, f"rank 0 ended {seconds:.1f} s after rank 1 stopped:\n{report}"
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
         hosts.close()
 
 

@@ -12,8 +12,9 @@ import time
 
 import torch.distributed as dist
 
-from ..comm import NodeFailure
+from ..comm import NodeFailure, exit_threads
 from ..comm.communicator import PEER_GONE
+from .after_failure import end_after_failure
 from .departure import Ending, await_end, departure, described, first_leaver
 from .liveness import Heartbeat
 from .backend_choice import SHARED
@@ -90,6 +91,10 @@ class Lifecycle:
             shared.heartbeat.leave()
         if shared.levels is not None:
             shared.levels.close()
+        if not clean and dist.is_initialized():
+            bound = 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
+            end_after_failure(self.rank, bound if exit_threads.exiting() else None, self.abandoned,
+                              linger=lambda: self._until_the_others_read(4 * self.cfg.heartbeat_interval))
         if clean and dist.is_initialized():
             try:
                 dist.barrier()  # nobody tears down its pairs while a peer still sends
@@ -97,6 +102,19 @@ class Lifecycle:
                     dist.destroy_process_group()
             except RuntimeError as e:
                 log.warning("rank %d: the process group's teardown failed: %s", self.rank, e)
+
+    def _until_the_others_read(self, limit):
+        """Wait (at most ``limit`` s) until every rank still running has read this rank's
+        Ending: the rendezvous store may live in this process or beside it (bpslaunch's rank 0,
+        torchrun's agent), and a rank that reads the store no more names its end, not who left."""
+        heartbeat = self.shared.heartbeat
+        if heartbeat is None or heartbeat.store is None:
+            return
+        waiting, deadline = [r for r in range(self.size) if r != self.rank and r not in heartbeat.ended], \
+            time.monotonic() + limit
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not heartbeat.seen_by(r)]
+            time.sleep(heartbeat.interval / 4)
 
     def abandon(self, reason):
         self.abandoned = reason
@@ -113,7 +131,8 @@ class Lifecycle:
         def named():
             if self.shared.failure is not None:
                 return self.shared.failure
-            if heartbeat.failure is not None:
+            # a rank that left before the store's host went is the cause to name, not the store
+            if heartbeat.failure is not None and not (heartbeat.store_gone and heartbeat.ended):
                 self.shared.failure = heartbeat.failure
             elif heartbeat.ended:
                 rank, end = first_leaver(list(heartbeat.ended.items()))

@@ -24,6 +24,7 @@ class Heartbeat:
         self.store, self.rank, self.size = store, rank, size
         self.interval, self.timeout, self.where = interval, timeout, where
         self.failure = None
+        self.store_gone = False  # the failure is the store's end: often a consequence, not the cause
         self.ended = {}  # rank -> Ending, of the other ranks that shut down
         self.ended_at = {}  # rank -> time.monotonic() its Ending was read
         self.stopping = threading.Event()
@@ -95,6 +96,7 @@ class Heartbeat:
                 self._fail(f"rank 0 left the job ({host.how()}) and took the rendezvous store with it"
                            if host is not None else f"the rendezvous store at {self.where} stopped "
                            f"answering (its host, rank 0 or torchrun's agent, died?): {e}")
+                self.store_gone = True
                 return
 
     def _read_endings(self, others):

@@ -14,6 +14,18 @@ import weakref
 
 EXIT_JOIN_SECONDS = 2.0
 _threads = weakref.WeakKeyDictionary()  # thread -> what stops it (None: it ends by itself)
+_exiting = False  # bps_gc's own exit handler has begun: the interpreter ends after it
+
+
+def mark_exiting():
+    global _exiting
+    _exiting = True
+
+
+def exiting():
+    """Whether the interpreter is ending (bps_gc's exit handler runs), not a script's own
+    shutdown() that may be followed by more work (saving a checkpoint after a failure)."""
+    return _exiting
 
 
 def join_at_exit(thread, stop=None):

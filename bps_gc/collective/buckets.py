@@ -49,7 +49,7 @@ class Handle(api.Handle):
                                                             all(w.is_completed() for w in bucket.works)))
 
     def wait(self, timeout=None):
-        if self.bucket is not None:
+        if self.bucket is not None and not self.bucket.done:  # (finish's own test, a call fewer a handle)
             self.comm.finish(self.bucket)
         return self.result
 
@@ -57,11 +57,13 @@ class Handle(api.Handle):
 @dataclasses.dataclass
 class DenseEntry:
     """A dense reduction: ``wire`` (flat numpy array, or tensor of ``reduce_tensor``) is summed
-    by the bucket's all_reduce of its dtype, then delivered into ``out``."""
+    by the bucket's all_reduce of its dtype, then delivered into ``out`` (``in_place``: ``wire``
+    is known to be ``out``'s memory, flat_views then checks only where it lies)."""
     wire: Any
     out: Any
     average: bool
     name: str = ""
+    in_place: bool = False
 
 
 @dataclasses.dataclass
@@ -149,7 +151,7 @@ class Buckets:
         self.exchange_coded_on_hosts, self.exchange_phased = coded_on_hosts, phased
         self.deliver_tensors = deliver_tensors
 
-    def add_dense(self, name, wire, out, average):
+    def add_dense(self, name, wire, out, average, in_place=False):
         """A dense reduction into the pending bucket (summed by its all_reduce of ``wire``'s dtype);
         a large array the ranks agreed goes alone, in a bucket of its own, out at once: it is
         not copied, so it neither waits for the pending bucket to fill nor fills it (a bucket
@@ -157,7 +159,7 @@ class Buckets:
         counters = self.shared.counters
         counters.pushed_wire += wire.nbytes
         counters.pulled_wire += wire.nbytes
-        entry = DenseEntry(wire, out, average, name)
+        entry = DenseEntry(wire, out, average, name, in_place)
         if name in self.going_alone:
             bucket = Bucket()
             bucket.entries.append(entry)
@@ -285,7 +287,7 @@ class Buckets:
         else a kept buffer."""
         wire, out = entry.wire, entry.out.reshape(-1)
         if out.dtype == wire.dtype:  # the average too is done there, by gloo's thread
-            if not same_memory(out, wire):
+            if not entry.in_place and not same_memory(out, wire):
                 np.copyto(out, wire)
             return FusedBuffer(torch.from_numpy(out), [entry], out, averaged=entry.average)
         flat = self.fused_buffers.take(wire.dtype, wire.size)

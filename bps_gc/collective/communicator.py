@@ -121,13 +121,16 @@ class Collective(api.Communicator):
         # thc's phases cross hosts between the host's sums too (two_level_reductions.py), PowerSGD's do not
         two_levels = levels is not None and (phases(tensor) == 1 or host_first(tensor))
         carried = tensor.dtype if two_levels else tensor.wire_dtype
-        wire = np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed and not two_levels)
+        # dense in place: ``out`` is the array (contiguous: resolve_reduce_call), ``wire`` a view of it
+        in_place = out is array and not tensor.compressed and array.dtype == carried
+        wire = array.reshape(-1) if in_place else \
+            np.ascontiguousarray(array).reshape(-1).astype(carried, copy=tensor.compressed and not two_levels)
         counters.pushed_raw += wire.nbytes
         counters.pulled_raw += wire.nbytes
         if two_levels:  # dense or not (two_level_reductions.py)
             return buckets.add_on_hosts(tensor, wire, out, average, ctx)
         if not tensor.compressed:
-            return buckets.add_dense(tensor.name, wire, out, average)
+            return buckets.add_dense(tensor.name, wire, out, average, in_place)
         if phases(tensor) > 1:
             return self.phases.add_phased(tensor, wire, out, average, ctx)
         if tensor.reducer != "majority":
@@ -137,6 +140,8 @@ class Collective(api.Communicator):
         counters.communicate_seconds += time.perf_counter() - start
         buckets.deliver(wire, out, False)  # a vote: never averaged
         return Handle(buckets, out)
+
+    push_pull = reduce  # BytePS's name (comm/communicator.py), bound here: one call fewer a tensor
 
     # ------------------------------------------------------------------ collectives
 

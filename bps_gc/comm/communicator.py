@@ -91,7 +91,9 @@ class Communicator(abc.ABC):
         """The checks and step context every reduce starts with: (tensor, array, out, ctx), the
         tensor placed on its first use, ``ctx`` a copy with ``lr`` set."""
         self.check_alive()
-        ctx = dict(self.codecs.step_context(ctx))  # a copy: the caller may reuse its dict
+        given, ctx = ctx, self.codecs.step_context(ctx)
+        if ctx is given:  # a copy: the caller may reuse its dict (else step_context made a new one)
+            ctx = dict(ctx)
         if lr is not None:
             ctx["lr"] = float(lr)
         tensor, array, out, place = resolve_reduce_call(self.tensors, name, array, out)

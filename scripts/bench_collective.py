@@ -3,9 +3,10 @@
 collective transport, on ResNet-50 v1b gradient shapes (161 float32 tensors, 25.56M floats),
 N ranks on one host over loopback (gloo), all rows in one run of the same processes.
 
-Rows (worker 0's median s/round over the timed rounds, after warm-up rounds; cpu_s in the JSON:
-its median CPU seconds per round, every thread of its process, which a loaded machine moves
-less than the wall time):
+Rows (worker 0's median s/round over the timed rounds, after warm-up rounds; cpu_s: its median
+CPU seconds per round, every thread of its process, which a loaded machine moves less than the
+wall time; py_cpu_s: the same of its Python threads alone (the caller's, bps_gc's exchange and
+heartbeat threads; not gloo's): the bookkeeping around the collectives):
   torch all_reduce dense   161 gradients fused into 25 MB buckets (DDP's size), one gloo
                            all_reduce each, waited for together
   torch floor, views: all_reduce dense (AVG)
@@ -65,6 +66,7 @@ import sys
 import time
 
 from bench_common import BPS_CONFIGS, PY, ROOT, link_counters, link_delta, load_shapes
+from bench_hook_timeline import thread_cpu
 
 BUCKET_BYTES = 25 << 20
 START_POWERSGD_ITER = 2
@@ -125,16 +127,19 @@ def rank_main(args):
     def timed(step, warmup):
         for _ in range(warmup):
             step()
-        times, cpu = [], []
+        times, cpu, py_cpu = [], [], []
         bps.metrics()  # resets bps_gc's counters: the wire bytes below are the timed rounds'
         before = link_counters()
         for _ in range(args.rounds):
             dist.barrier()
+            threads = thread_cpu()
             start, used = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - used)  # every thread of this rank: the caller's, bps_gc's, gloo's
-        return times, cpu, link_delta(before, link_counters())
+            py_cpu.append(sum(ns - threads.get(name, 0) for name, ns in thread_cpu().items()
+                              if not name.endswith("(not Python's)")) / 1e9)
+        return times, cpu, py_cpu, link_delta(before, link_counters())
 
     def allreduce_rows(op=dist.ReduceOp.SUM):
         flat = np.concatenate([g.reshape(-1) for g in grads])
@@ -287,13 +292,14 @@ def rank_main(args):
     results = []
     for label, build in select_rows(rows, args).items():
         # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
-        times, cpu, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
+        times, cpu, py_cpu, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
         counted = bps.metrics()
         # bytes this rank handed to torch.distributed and got back per round (bps_gc rows only):
         # an all_reduce's buffer each way, an all_gather's own payloads out and the others' in
         wire = (counted.pushed_wire + counted.pulled_wire) / len(times)
         results.append({"row": label, "median_s": statistics.median(times), "min_s": min(times),
                         "cpu_s": statistics.median(cpu), "cpus": cpu,
+                        "py_cpu_s": statistics.median(py_cpu), "py_cpus": py_cpu,
                         "wire_per_round": wire if label.startswith("bps_gc collective") else None,
                         "max_s": max(times), "rounds": len(times), "times": times,
                         "tcp_per_round": link and {k: v / len(times) for k, v in link["tcp"].items()},
@@ -367,12 +373,14 @@ def main(argv=None):
     reference = next((r["median_s"] for r in results if r["row"] == "DDP PowerSGD rank 1"), None)
     print(f"{args.ranks} ranks, loopback (gloo), ResNet-50 v1b gradients; worker 0's median of "
           f"{args.rounds} rounds after {args.warmup} warm-up")
-    print(f"{'':34} {'s/round':>8} {'min':>7} {'max':>7} {'vs PowerSGD r1':>15} {'wire MB/round':>14}")
+    print(f"{'':34} {'s/round':>8} {'min':>7} {'max':>7} {'vs PowerSGD r1':>15} {'wire MB/round':>14} "
+          f"{'CPU ms':>7} {'py CPU ms':>9}")
     for r in results:
         ratio = f"{r['median_s'] / reference:.2f}x" if reference else "-"
         r["vs_powersgd_rank1"] = r["median_s"] / reference if reference else None
         wire = f"{r['wire_per_round'] / 1e6:.3f}" if r.get("wire_per_round") is not None else "-"
-        print(f"{r['row']:34} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {ratio:>15} {wire:>14}")
+        print(f"{r['row']:34} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {ratio:>15} {wire:>14} "
+              f"{r['cpu_s'] * 1e3:7.2f} {r['py_cpu_s'] * 1e3:9.3f}")
     json.dump({"ranks": args.ranks, "transport": "loopback", "warmup": args.warmup, "rounds": args.rounds,
                "rows": results}, open(out, "w"), indent=1)
     print(f"JSON: {out}")

@@ -202,6 +202,9 @@ def pooled_collective(passes, info, topology, machines, local_ranks):
         cpus = [c for results in passes for c in results[label].get("cpus", [])]
         if cpus:  # rank 0's CPU seconds per round, every thread (older bench_collective.py: none)
             row["cpu_s"] = statistics.median(cpus)
+        py_cpus = [c for results in passes for c in results[label].get("py_cpus", [])]
+        if py_cpus:  # the same of its Python threads alone (bench_collective.py's py_cpu_s)
+            row["py_cpu_s"] = statistics.median(py_cpus)
         if nic:  # machine 0's NIC, both directions, per round (as the PS rows' link_*_per_worker)
             row["link_tx_per_worker"] = statistics.fmean(tx for tx, _ in nic)
             row["link_rx_per_worker"] = statistics.fmean(rx for _, rx in nic)

@@ -124,7 +124,7 @@ def make_old_tree(commit, where):
     full = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "worktree", "add", "--detach", where, full], cwd=ROOT, check=True, capture_output=True)
-    for script in ("bench_hook.py", "bench_models.py", "bench_collective.py", "bench_run.py"):
+    for script in ("bench_hook.py", "bench_hook_timeline.py", "bench_models.py", "bench_collective.py", "bench_run.py"):
         shutil.copy(os.path.join(ROOT, "scripts", script), os.path.join(where, "scripts", script))
     return full
 

@@ -292,7 +292,8 @@ def rank_main(args):
     results = []
     for label, build in select_rows(rows, args).items():
         # torch's PowerSGD all-reduces dense until start_powerSGD_iter: time compressed steps only
-        times, cpu, py_cpu, link = timed(build(), max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup)
+        warmup = max(args.warmup, START_POWERSGD_ITER) if "PowerSGD" in label else args.warmup
+        times, cpu, py_cpu, link = timed(build(), warmup)
         counted = bps.metrics()
         # bytes this rank handed to torch.distributed and got back per round (bps_gc rows only):
         # an all_reduce's buffer each way, an all_gather's own payloads out and the others' in

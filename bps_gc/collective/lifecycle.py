@@ -186,8 +186,9 @@ class Lifecycle:
         if message is None and not work.is_completed():
             # sleep until the work's future wakes this thread, checking the heartbeat and the
             # departed ranks each WATCH_SECONDS (polling would take the cores that several ranks
-            # of a host, or the hook's threads beside backward, need); a lock held here that the
-            # future releases once: a third of an Event's CPU time a wait (its Condition)
+            # of a host, or the hook's threads beside backward, need); on a lock held here that
+            # the future releases once: less CPU a wait than an Event (whose Condition makes a
+            # lock of its own each wait)
             done = threading.Lock()
             done.acquire()
             work.get_future().add_done_callback(lambda _: done.release())

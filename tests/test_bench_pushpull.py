@@ -33,6 +33,7 @@ def test_bench_pushpull_quick(tmp_path):
         for rank in (0, 1):
             assert json.loads((tmp_path / "no-such-folder" / f"t.{config}.w{rank}.json").read_text())["marks"]
     assert all(r["seconds"] > 0 for r in rows.values())
+    assert rows[("bps_gc collective", "topk 0.1%")]["py_cpu_s"] > 0  # bench_collective's, through bench_run
     what = [t[0] for t in data["targets"]]
     assert "PS dense (2 workers, servers colocated) / gloo all_reduce" in what
     assert any(w.startswith("best codec") for w in what)

@@ -7,8 +7,8 @@ register_fsdp_hooks(model, None, params), ``steps`` SGD steps on its own batches
 "widths": the MLP's, default 16-32-32-8). Saved per run, prefixed "<run>/": the full parameters
 at the end, its local shards after every step, every hook call's reduce-scatter output before
 and after (widened to float32), the partitions (key, start, stop) of each shard's declared
-tensor, the bytes bps.metrics() counted in its steps and the codec state bps_gc's state_dict
-holds of them. Then refused, each message saved: a model sharded on a mesh that is not the
+tensor, the bytes bps.metrics() counted in its steps, the codec state bps_gc's state_dict
+holds of them and how many of its shards went through device chains. Then refused, each message saved: a model sharded on a mesh that is not the
 host's ("refusal"), TernGrad on a float64 reduce dtype ("unfit"), and register_fsdp_hooks(model,
 None) before bps.init() ("unserved").
 
@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
+from bps_gc.torch.device import device_chain_names  # noqa: E402
 from bps_gc.compress.stateful import StateError  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
@@ -136,6 +137,8 @@ class Run:
                                               np.uint64).reshape(-1, 3)
             arrays[f"shape/{part}"] = np.array(comm.tensors[declared].shape)
         arrays["pushed_wire"], arrays["pulled_wire"] = np.array(self.pushed), np.array(self.pulled)
+        # how many of its parts went through device chains (BPS_GC_DEVICE_CODECS=torch)
+        arrays["device_chains"] = np.array(len(set(device_chain_names()) & set(self.exchange.keys.values())))
         # the codec state of this run's shards this rank saves: its own chains' ("worker/"), and
         # (host 0's ranks) the servers' of the same shards ("server/")
         declared, state = set(self.exchange.keys.values()), core.state_dict()

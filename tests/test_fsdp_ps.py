@@ -68,12 +68,13 @@ LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding n
 NAMES = [f"{layer}.{param}" for layer in LAYERS.values() for param in ("weight", "bias")]
 
 
-def launch(tmp_path, spec, local):
-    """``bpslaunch --local`` of the job with ``spec``, HOSTS x ``local``; each rank's arrays."""
+def launch(tmp_path, spec, local, env=None):
+    """``bpslaunch --local`` of the job with ``spec``, HOSTS x ``local`` (``env``: more settings);
+    each rank's arrays."""
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     result = run_local([sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(tmp_path / "spec.json"),
                         str(tmp_path)], workers=HOSTS, servers=1, local_size=local, timeout=240,
-                       env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})
+                       env={"BYTEPS_MIN_COMPRESS_BYTES": "0", **(env or {})})
     assert result.returncode == 0, f"job failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(HOSTS * local)]
 
@@ -110,13 +111,14 @@ def shards_of_call(arrays, run, call):
     return out
 
 
-def expected_calls(ranks, run):
-    """Every hook call's output of shard i's ranks, recomputed: each host's chain (seeded by the
-    shard's key and the pushing rank) compresses its reduce-scatter output, the server's
-    recompresses their sum, the result is divided by the hosts."""
+def expected_calls(ranks, run, local=LOCAL):
+    """Every hook call's output of shard i's ranks (HOSTS x ``local``), recomputed: each host's
+    chain (seeded by the shard's key and the pushing rank) compresses its reduce-scatter output,
+    the server's recompresses their sum, the result is divided by the hosts. Also each rank's
+    bytes pushed and pulled: its chain's payloads, the server's."""
     params = CompressionParams.from_dict(RUNS[run])
-    expected = {}
-    for i in range(LOCAL):
+    expected, wire = {}, np.zeros((HOSTS * local, 2), np.int64)
+    for i in range(local):
         arrays = ranks[i]
         chains = {}
         for call in range(len(arrays[f"{run}/calls"])):
@@ -129,18 +131,22 @@ def expected_calls(ranks, run):
                     n = p_stop - p_start
                     if key not in chains:
                         chains[key] = ([build_chain(params, n, np.float32, key=key, role="worker", shape=shape,
-                                                    rank=h * LOCAL + i) for h in range(HOSTS)],
+                                                    rank=h * local + i) for h in range(HOSTS)],
                                        build_chain(params, n, np.float32, key=key, role="server"))
                     workers, server = chains[key]
                     acc = np.zeros(n, np.float32)
                     for h in range(HOSTS):
-                        x = ranks[h * LOCAL + i][f"{run}/call{call}/in"][start + p_start:start + p_stop]
-                        acc += workers[h].decompress(workers[h].compress(x, ctx))
-                    out[start + p_start:start + p_stop] = server.decompress(server.compress(acc, ctx)) / np.float32(HOSTS)
+                        x = ranks[h * local + i][f"{run}/call{call}/in"][start + p_start:start + p_stop]
+                        payload = workers[h].compress(x, ctx)
+                        acc += workers[h].decompress(payload)
+                        wire[h * local + i, 0] += memoryview(payload).nbytes
+                    reply = server.compress(acc, ctx)
+                    out[start + p_start:start + p_stop] = server.decompress(reply) / np.float32(HOSTS)
+                    wire[i::local, 1] += memoryview(reply).nbytes
             if POLICY_RUNS.get(run) == "bf16r":  # reduced in float32, rounded back into the bfloat16 output
                 out = torch.from_numpy(out).to(torch.bfloat16).float().numpy()
             expected[(i, call)] = out
-    return expected
+    return expected, wire
 
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
@@ -167,6 +173,21 @@ def equals_hsdp(ranks, local, steps):
             assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), f"rank {r} {name}"
 
 
+def equals_recomputation(ranks, run, local, steps):
+    """Every hook call of ``run`` (HOSTS x ``local`` ranks, ``steps`` steps) bit for bit as
+    expected_calls' numpy recomputation, and each rank's bytes pushed and pulled (bps.metrics())
+    its chains' payloads and the server's replies, as recomputed."""
+    expected, wire = expected_calls(ranks, run, local)
+    assert len(expected) == local * steps * len(LAYERS)
+    assert [(int(a[f"{run}/pushed_wire"]), int(a[f"{run}/pulled_wire"])) for a in ranks] == \
+        [tuple(row) for row in wire.tolist()], run
+    for (i, call), want in expected.items():
+        for h in range(HOSTS):
+            got = ranks[h * local + i][f"{run}/call{call}/out"]
+            assert got.tobytes() == want.tobytes(), \
+                f"{run} call {call} rank {h * local + i}: max diff {np.abs(got - want).max()}"
+
+
 def check_results(ranks):
     # replicas (rank i on host 0, rank LOCAL + i on host 1) hold their shard bit for bit after every step
     for run in RUNS:
@@ -181,14 +202,9 @@ def check_results(ranks):
     # the recompressing codecs with error feedback, top-k under each policy too: every call as
     # the numpy recomputation
     for run in [*RECOMPRESSED, *POLICY_RUNS]:
-        expected = expected_calls(ranks, run)
-        assert len(expected) == LOCAL * STEPS * len(LAYERS)
-        for (i, call), want in expected.items():
-            for h in range(HOSTS):
-                got = ranks[h * LOCAL + i][f"{run}/call{call}/out"]
-                assert got.tobytes() == want.tobytes(), \
-                    f"{run} call {call} rank {h * LOCAL + i}: max diff {np.abs(got - want).max()}"
+        equals_recomputation(ranks, run, LOCAL, STEPS)
         assert not np.array_equal(ranks[0][f"{run}/full/0.weight"], ranks[0]["dense/full/0.weight"])
+        assert [int(a[f"{run}/device_chains"]) for a in ranks] == [0] * len(ranks), run  # numpy chains here
     # the hooks got float32 under the float32 reduce dtype, bfloat16 under the bfloat16 one; each
     # policy's shards pushed as top-k's float32 ones; bfloat16 compute trained otherwise
     low_bits = {run: ranks[0][f"{run}/call0/in"].view(np.uint32) & 0xFFFF for run in ("topk-bf16", "topk-bf16r")}
@@ -285,15 +301,25 @@ def resumed_then_killed(tmp_path, saved, ranks):
 
 
 def refused_then_hsdp(tmp_path, saved, first):
-    """The third launch, ``bpslaunch --local``, 2 hosts x OTHER_LOCAL local ranks: each rank
-    loading ``saved``'s bps_gc state of the resumed runs (the first launch's 6 ranks' state) is
-    refused in one line naming both world sizes, while their models load from its dcp checkpoint,
+    """The third launch, ``bpslaunch --local``, 2 hosts x OTHER_LOCAL local ranks, with the torch
+    codec chains (BPS_GC_DEVICE_CODECS=torch: docs/device_codecs.md): each rank loading
+    ``saved``'s bps_gc state of the resumed runs (the first launch's 6 ranks' state) is refused
+    in one line naming both world sizes, while their models load from its dcp checkpoint,
     resharded, as the first launch's (``first``) were before step SAVE_AT; then dense trains
-    OTHER_STEPS steps as native HSDP on this (2, 2) mesh (equals_hsdp)."""
-    ranks = launch(tmp_path, {"runs": {"dense": None}, "steps": OTHER_STEPS,
+    OTHER_STEPS steps as native HSDP on this (2, 2) mesh (equals_hsdp), and top-k + EF and the
+    onebit recipe, compressed by device chains (every shard) and recompressed by the server,
+    give the numpy recomputation's bits at every hook call and its payloads' bytes, replicas
+    bit-identical."""
+    ranks = launch(tmp_path, {"runs": {"dense": None, **RECOMPRESSED}, "steps": OTHER_STEPS,
                               "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True}},
-                   OTHER_LOCAL)
+                   OTHER_LOCAL, env={"BPS_GC_DEVICE_CODECS": "torch"})
     equals_hsdp(ranks, OTHER_LOCAL, OTHER_STEPS)
+    for run in RECOMPRESSED:
+        assert [int(a[f"{run}/device_chains"]) for a in ranks] == [len(NAMES)] * len(ranks), run
+        equals_recomputation(ranks, run, OTHER_LOCAL, OTHER_STEPS)
+        for i in range(OTHER_LOCAL):
+            for k in (k for k in ranks[i] if k.startswith(f"{run}/local/")):
+                assert ranks[i][k].tobytes() == ranks[OTHER_LOCAL + i][k].tobytes(), (run, i, k)
     for r, run in ((r, run) for r in range(HOSTS * OTHER_LOCAL) for run in RESUMED):
         resumed = np.load(tmp_path / f"resumed{r}.npz")
         for name in NAMES:  # the first launch's host 0 shards, before step SAVE_AT

@@ -17,6 +17,7 @@ A zero-size tensor has no partitions: its push_pull completes at once on every w
 """
 import numpy as np
 
+from ..wire.bfloat16 import BFLOAT16
 from ..wire.sockets import host_of
 from .declaration import Declaration
 
@@ -167,6 +168,11 @@ def declare_tensor(tensors, codecs, name, shape, dtype, reducer, compression, pu
 
 def check_dtype(tensor, dtype):
     if tensor.auxiliary and dtype == np.int64:  # thc's words on servers that add int64 (comm/phased.py)
+        return
+    if dtype == BFLOAT16:  # the servers sum it (wire/bfloat16.py); no codec, no sum in shared memory
+        if tensor.params.compressed or tensor.params.fp16 or tensor.pushed_by is None:
+            raise TypeError(f"{tensor.name!r}: bfloat16 is pushed dense, as one local rank's own tensor "
+                            "(one_per_host, an FSDP shard) only; declare it float32 to compress it")
         return
     if dtype not in (np.float32, np.float64, np.float16):
         raise TypeError(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")

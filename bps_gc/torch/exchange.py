@@ -93,7 +93,8 @@ class PushPullExchange:
     run on the worker's threads; a waiter thread completes the returned future.
     ``one_per_host``: each part is this local rank's own (its FSDP shard), pushed by the same
     local rank of every host and averaged over the hosts (``Communicator.declare``); ``dtype``:
-    the parts' (float32, or float64; None: each named parameter's own)."""
+    the parts' (float32, or float64; None: each named parameter's own, a one_per_host dense
+    part's bfloat16 too: the servers sum it, wire/bfloat16.py)."""
     made = itertools.count()
 
     def __init__(self, compression_params=None, reducer=None, named_parameters=None, one_per_host=False,

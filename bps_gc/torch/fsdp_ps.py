@@ -47,8 +47,9 @@ def register_on_servers(model, groups, compression_params, reducer):
                              f"{comm.local_rank}), but it is sharded on a mesh of {info.shard_mesh_size} as shard "
                              f"{info.shard_mesh_rank}; shard it on bps_gc.torch.host_mesh()")
     shards = shard_parts(model, groups)
-    # each shard pushed in its wire dtype (the parameter server's: float32, float64 kept)
-    pushed = [(name, torch.empty((), dtype=wire_dtype(stand_in.dtype)).expand(stand_in.shape))
+    # each shard pushed in its wire dtype (float32; float64 and a dense bfloat16 kept)
+    dense = not CompressionParams.from_dict(dict(compression_params or {})).compressed and comm.sums_bfloat16
+    pushed = [(name, torch.empty((), dtype=wire_dtype(stand_in.dtype, dense)).expand(stand_in.shape))
               for parts in shards.values() for name, stand_in in parts]
     refuse_unfit_codec(compression_params, shards, pushed)  # before anything is registered or declared
     layout = register(HookLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank, len(groups)),
@@ -57,15 +58,19 @@ def register_on_servers(model, groups, compression_params, reducer):
     exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
     for index, (module, param_group) in enumerate(groups):
         if shards[id(param_group)]:
-            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], layout, index))
+            module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], layout, index,
+                                                      dict(pushed)))
     return exchange
 
 
-def wire_dtype(reduce_dtype):
-    """What a shard of ``reduce_dtype`` is pushed as: float64 as is, else float32 (the servers
-    sum float32: a bfloat16 or float16 reduce-scatter output is widened for the push, and the
-    average rounded back into it, alike on every replica)."""
-    return torch.float64 if reduce_dtype == torch.float64 else torch.float32
+def wire_dtype(reduce_dtype, dense=False):
+    """What a shard of ``reduce_dtype`` is pushed as: float64 as is; bfloat16 as is when
+    ``dense`` (no codec, and the servers sum bfloat16: in float32, rounded back, wire/bfloat16.py);
+    else float32 (the codecs take float32: a bfloat16 or float16 reduce-scatter output is widened
+    for the push, and the average rounded back into it, alike on every replica)."""
+    if reduce_dtype == torch.float64 or (dense and reduce_dtype == torch.bfloat16):
+        return reduce_dtype
+    return torch.float32
 
 
 def refuse_unfit_codec(compression_params, shards, pushed):
@@ -99,14 +104,14 @@ class HookLayout(ShardLayout):
         return Fields(self, ("steps",), self.identity)
 
 
-def push_pull_hook(exchange, parts, layout, index):
+def push_pull_hook(exchange, parts, layout, index, wire):
     """The all-reduce hook of one FSDP parameter group: each of its shards pushed by this rank
-    and pulled as the average over the hosts, in place. Its n-th call (``layout.steps[index]``,
-    which a checkpoint restores) is step n of the codecs' step context (their random draws,
-    seeded by key and step, change every step)."""
+    (in its ``wire`` stand-in's dtype) and pulled as the average over the hosts, in place. Its
+    n-th call (``layout.steps[index]``, which a checkpoint restores) is step n of the codecs'
+    step context (their random draws, seeded by key and step, change every step)."""
     def average_over_hosts(reduce_output):
         pieces = shard_pieces(reduce_output, parts)
-        carried = [(name, piece.to(wire_dtype(piece.dtype))) for name, piece in pieces]  # no copy if the same
+        carried = [(name, piece.to(wire[name].dtype)) for name, piece in pieces]  # no copy if the same
         step = int(layout.steps[index])
         layout.steps[index] += 1
         interruptible_wait(exchange(carried, ctx={"step": step}))

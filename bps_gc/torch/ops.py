@@ -13,6 +13,7 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
+from ..comm.placement import BFLOAT16  # wire/bfloat16.py's, as the communicator checks it
 from .compression import Compression
 from .device import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
@@ -30,26 +31,39 @@ init, shutdown, rank, size = core.init, core.shutdown, core.rank, core.size
 local_rank, local_size, barrier = core.local_rank, core.local_size, core.barrier
 
 
-def _check(tensor, what):
+def _check(tensor, what, name=None):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in SUPPORTED:
+    if tensor.dtype not in SUPPORTED and not (tensor.dtype == torch.bfloat16 and declared_bfloat16(name)):
         raise TypeError(f"{what}: dtype {tensor.dtype} is not supported: {UNSUPPORTED_HINT}")
 
 
+def declared_bfloat16(name):
+    """Whether ``name`` was declared bfloat16 (a one_per_host dense tensor, the servers sum it)."""
+    declaration = core.declaration(name) if name is not None else None
+    return declaration is not None and declaration.dtype == BFLOAT16
+
+
 def host_view(tensor):
-    """(numpy array sharing the tensor's memory or a host copy, whether it is a copy)."""
+    """(numpy array sharing the tensor's memory or a host copy, whether it is a copy); bfloat16
+    as its bits (wire/bfloat16.py)."""
     t = tensor.detach()
-    if t.device.type == "cpu" and t.is_contiguous():
-        return t.numpy(), False
-    return t.to("cpu", copy=True).contiguous().numpy(), True
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t, staged = t.to("cpu", copy=True).contiguous(), True
+    else:
+        staged = False
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16), staged
+    return t.numpy(), staged
 
 
 def declare(name, shape=None, dtype=None, **compression_params):
-    """Declare a tensor name (in the same order on every worker) with its compression."""
-    if isinstance(dtype, torch.dtype) and dtype not in SUPPORTED:
+    """Declare a tensor name (in the same order on every worker) with its compression; bfloat16
+    only dense and ``one_per_host`` (the servers sum it in float32: wire/bfloat16.py)."""
+    own = dtype is torch.bfloat16 and compression_params.get("one_per_host")  # an FSDP shard's
+    if isinstance(dtype, torch.dtype) and dtype not in SUPPORTED and not own:
         raise TypeError(f"declare({name!r}): dtype {dtype} is not supported: {UNSUPPORTED_HINT}")
-    np_dtype = SUPPORTED[dtype] if isinstance(dtype, torch.dtype) else dtype
+    np_dtype = (BFLOAT16 if dtype is torch.bfloat16 else SUPPORTED[dtype]) if isinstance(dtype, torch.dtype) else dtype
     return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
                         **compression_params)
 
@@ -62,7 +76,7 @@ def _ensure_declared(name, tensor):
 def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=None, ctx=None):
     """Start summing (or averaging) ``tensor`` over all workers, in place; returns a handle.
     ``ctx``: the step context (lr, step, epoch, ...); ``lr`` a shortcut for its lr."""
-    _check(tensor, "push_pull_async")
+    _check(tensor, "push_pull_async", name)
     name = name or f"push_pull.noname.{next(_noname)}"
     _ensure_declared(name, tensor)
     parts = device_partitions(name, tensor) if uses_device_chain(tensor) else None
@@ -97,7 +111,8 @@ def synchronize(handle):
     core_handle.wait()
     if staged is not None:
         with torch.no_grad():
-            tensor.copy_(torch.from_numpy(staged))
+            tensor.copy_(torch.from_numpy(staged.view(np.int16)).view(torch.bfloat16) if staged.dtype == BFLOAT16
+                         else torch.from_numpy(staged))
     return tensor
 
 

@@ -18,6 +18,8 @@ import struct
 
 import numpy as np
 
+from .bfloat16 import BFLOAT16
+
 MAGIC = b"BPSG"
 VERSION = 2  # 2: the step context section replaced the fixed learning-rate field
 # magic, version, type, dtype, flags, sender, key, round, payload length, context length
@@ -80,11 +82,12 @@ VALID_FLAGS = frozenset({0, int(Flag.COMPRESSED), FUSED_BIT, SHM_BIT, FUSED_BIT 
 COMPRESSED_BIT = int(Flag.COMPRESSED)
 MSG_BY_CODE = {int(m): m for m in Msg}  # a dict lookup: Msg(code) is slow on the hot path
 
-# 3: int64, summed wrapping modulo 2^64 (thc's words on the parameter server): a worker pushes
-# it only when every server's registration lists it in ``sums`` (SERVER_SUMS)
+# 3: int64, summed wrapping modulo 2^64 (thc's words on the parameter server); 4: bfloat16
+# (bfloat16.py), summed in float32 and rounded back: a worker pushes either only when every
+# server's registration lists it in ``sums`` (SERVER_SUMS)
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.float16),
-          3: np.dtype(np.int64), 255: None}  # 255: no tensor
-SERVER_SUMS = ("float32", "float64", "float16", "int64")  # the dense dtypes a server adds
+          3: np.dtype(np.int64), 4: BFLOAT16, 255: None}  # 255: no tensor
+SERVER_SUMS = ("float32", "float64", "float16", "int64", "bfloat16")  # the dense dtypes a server adds
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 

@@ -8,6 +8,8 @@ context (the lowest rank's; all workers push the same). Dense results alternate 
 buffers: round r+2 cannot start before every worker has received round r+1, hence
 round r, so a reply is never overwritten while a worker can still be reading it.
 Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
+A bfloat16 key (wire/bfloat16.py) is summed in float32, in the same order, and its result
+rounded to bfloat16 (nearest, ties to even); its async store is float32.
 
 Shared memory (wire/shm.py): a worker on the server's host may offer, at INIT, a slot it
 writes its pushes into; its pushes then carry the SHM flag and no payload, the sum reads the
@@ -17,6 +19,7 @@ may mix both ways (a fused push carries its data).
 """
 import numpy as np
 
+from ...wire.bfloat16 import BFLOAT16, narrow, widen
 from ...wire.shm import ShmUnavailable
 from ...wire.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
 from .records import Pusher, TakenRound
@@ -57,7 +60,8 @@ class KeyState:
         self.elastic, self.epoch, self.redo, self.snapshot = False, 0, False, None
         self.round = 0
         self.results = None
-        self.store = np.zeros(self.n, self.dtype) if asynchronous else None
+        self.bfloat16 = self.dtype == BFLOAT16
+        self.store = np.zeros(self.n, np.float32 if self.bfloat16 else self.dtype) if asynchronous else None
         self.engine = None  # the server engine thread that owns this key (set by the server)
 
     def slot(self, rank):
@@ -161,7 +165,7 @@ class KeyState:
     def add(self, rank, acc):
         """acc += the decoded push of ``rank`` (sparse codecs touch only their k positions)."""
         if not self.compressed:
-            acc += self.payload(rank).view(self.dtype)
+            acc += widen(self.payload(rank)) if self.bfloat16 else self.payload(rank).view(self.dtype)
             return
         try:
             self.reducer.decoder.decompress_add(self.payload(rank), acc)
@@ -174,7 +178,8 @@ class KeyState:
         if self.asynchronous:
             for r in ranks:
                 self.add(r, self.store)
-            return self.store.copy()  # the snapshot no later push can change
+            # the snapshot no later push can change
+            return narrow(self.store, np.empty(self.n, BFLOAT16)) if self.bfloat16 else self.store.copy()
         if self.compressed:
             try:
                 ctx = self.ctxs[ranks[0]]
@@ -187,6 +192,11 @@ class KeyState:
         if self.results is None:
             self.results = [np.empty(self.n, self.dtype), np.empty(self.n, self.dtype)]
         acc = self.results[round_ % 2]
+        if self.bfloat16:  # summed in float32 in worker-rank order, rounded once
+            total = widen(self.payload(ranks[0]))
+            for r in ranks[1:]:
+                self.add(r, total)
+            return narrow(total, acc)
         # in worker-rank order: raw pushes are copied then added
         if len(ranks) == 1:
             np.copyto(acc, self.payload(ranks[0]).view(self.dtype))

@@ -90,6 +90,7 @@ class Worker(Communicator):
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         self.phase_words = phase_words(servers)
+        self.sums_bfloat16 = all("bfloat16" in (s.get("sums") or ()) for s in servers)
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
         local, self.host = host_level.connect(self.cfg, self.size, local, book, self.membership.host,
                                               self.membership)

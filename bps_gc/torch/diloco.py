@@ -32,6 +32,7 @@ import torch
 
 import bps_gc.core as core
 
+from .diloco_elastic import join as elastic_join
 from .diloco_hosts import HostPartsExchange
 from .exchange import interruptible_wait, named_exchange
 
@@ -147,17 +148,13 @@ class DiLoCo:
         return {name: self.exchange.server_values(name, SERVERS_GLOBAL).view_as(copy)
                 for name, copy in self.held_on_servers()}
 
-    @torch.no_grad()
     def elastic_start(self):
         """BPS_GC_ELASTIC (docs/faults.md): call once on every worker, after making this and
         before the first step; 0 on a member. A host joining the running job waits to be
-        admitted at an outer round's boundary, takes the global copy from the servers
-        (global_parameters(); the copies of parameters sent uncompressed, which the servers do
-        not hold, from a live worker), sets its parameters to it, and returns the number of
-        outer rounds before its first; its inner optimizer and codec state start at zero."""
-        if not self.on_servers:
-            raise ValueError("DiLoCo.elastic_start: a joining host takes the global copy from the servers; "
-                             "use outer_step='servers' under BPS_GC_ELASTIC")
+        admitted at an outer round's boundary, takes the global copy (from the servers with
+        their outer step; else, with the outer momentum and the step count, from a live worker:
+        diloco_elastic.py), sets its parameters to it, and returns the number of outer rounds
+        before its first; its inner optimizer and codec state start at zero."""
         if self.warm_steps:
             raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo without a warm phase for now "
                              f"(got warm_steps={self.warm_steps})")
@@ -167,18 +164,7 @@ class DiLoCo:
         if self.delay or len(self.fragments) > 1:
             raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo with fragments=1 and delay=0 for now "
                              f"(got fragments={len(self.fragments)}, delay={self.delay})")
-        workers_only = {name: copy.numpy() for f in self.fragments for name, copy in zip(f.names, f.copies)
-                        if name in self.exchange.averaged}  # updated in place by finish_sync
-        start = core.elastic_start(workers_only)
-        if start:
-            held = self.global_parameters()
-            for fragment in self.fragments:
-                for (name, p), copy in zip(fragment.named, fragment.copies):
-                    if name in held:
-                        copy.copy_(held[name])
-                    p.copy_(copy)
-            self.steps = start * self.sync_every  # one outer round (a round group) every H steps
-        return start
+        return elastic_join(self)
 
     @property
     def param_groups(self):

@@ -327,7 +327,11 @@ class Worker(Communicator):
         if self.elastic is None:
             return 0
         self.elastic.gate.params = params if callable(params) else dict(params)
-        return self.elastic.gate.join() if self.joining else 0
+        if not self.joining:
+            return 0
+        start = self.elastic.gate.join()
+        self.joining = False  # a member from here: a later call (another model's state) only names it
+        return start
 
     def state_dict(self):
         """This rank's codec state and the servers' it restores (ps/worker/codec_state.py)."""

@@ -7,6 +7,10 @@ pulled from the servers (DiLoCo.global_parameters()). The ``victim`` rank stops 
 DiLoCo.elastic_start puts it. Every worker stops ``after_join`` outer rounds into membership
 epoch ``join_epoch`` (a joiner's first round is the first of them), or after ``max_rounds``, or
 at the round written in ``stop_file`` once it exists.
+With ``workers_phase`` the live hosts then train a fresh model with the outer step on the
+workers in the same job (saved under ``w/``): the first phase's joiner stops at the phase's
+``kill_at`` (HALF again), and a host started with ``workers_joiner`` (which skips the first
+phase) joins it; they stop ``after_join`` rounds into epoch ``join_epoch``.
 With ``save_each_round`` each push is on disk before it is sent (scripts/elastic_netns.py kills
 a host at any moment: the oracle needs every round it pushed).
 Run as ``python tests/elastic_diloco_job.py SPEC.json OUT_DIR``."""
@@ -32,11 +36,13 @@ saved = {}
 
 
 class Recorded(bps.DiLoCo):
+    tag = ""  # "w/": the workers' outer step phase
+
     def start_sync(self, fragment):  # the pseudo-gradient this worker pushes, for the oracle
         rnd = self.steps // H - 1
         for (name, p), copy in zip(fragment.named, fragment.copies):
-            saved[f"pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
-        saved[f"size/{rnd}"] = np.array(bps.size())
+            saved[f"{self.tag}pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
+        saved[f"{self.tag}size/{rnd}"] = np.array(bps.size())
         if spec.get("save_each_round"):
             keep(f"rank{rank}.{start}.npz")
         super().start_sync(fragment)
@@ -48,40 +54,61 @@ def keep(name):
     os.replace(os.path.join(out_dir, name + ".tmp.npz"), os.path.join(out_dir, name))
 
 
-try:  # a join with the outer step on the workers: refused in one line (made on every host alike)
-    bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H,
-               outer_step="workers").elastic_start()
+def train(opt, model, join_epoch, after_join, victim_at=None):
+    """Inner steps until ``after_join`` outer rounds into membership epoch ``join_epoch`` (the
+    global copy saved after each round); at inner step ``victim_at``: save, say HALF, wait to be
+    killed."""
+    first_joined = None  # the first outer round of membership epoch ``join_epoch``
+    while opt.steps < spec["max_rounds"] * H:
+        if opt.steps == victim_at:
+            keep(f"rank{rank}.{'victim' if not opt.tag else start}.npz")  # its pushes, for the oracle
+            say("HALF")
+            time.sleep(600)  # killed here
+        x, y = batch(rank, opt.steps)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.steps % H == 0:
+            rnd = opt.steps // H - 1
+            for name, copy in zip(opt.fragments[0].names, opt.fragments[0].copies):
+                saved[f"{opt.tag}global/{rnd}/{name}"] = copy.numpy().copy()
+            say(f"ROUND {opt.tag}{rnd} {bps.size()} {bps.membership_epoch()}")
+            if first_joined is None and bps.membership_epoch() >= join_epoch:
+                first_joined = rnd
+            if first_joined is not None and rnd >= first_joined + after_join - 1:
+                break
+            if spec.get("stop_file") and os.path.exists(spec["stop_file"]) and \
+                    rnd >= int(open(spec["stop_file"]).read()):
+                break
+        time.sleep(spec["sleep"])
+    opt.wait()
+
+
+try:  # a join with fragments: refused in one line (made on every host alike)
+    bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H, fragments=2).elastic_start()
 except ValueError as e:
     saved["refused"] = np.array(str(e))
 model = build_model()
 opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
                compression_params=spec["compression_params"], outer_step="servers")
-start = opt.elastic_start() if hasattr(opt, "elastic_start") else 0
-say(f"START {start} {opt.steps}")
-first_joined = None  # the first outer round of membership epoch ``join_epoch``
-while opt.steps < spec["max_rounds"] * H:
-    if rank == spec["victim"] and opt.steps == spec["kill_at"] and not start:
-        np.savez(os.path.join(out_dir, f"rank{rank}.victim.npz"), **saved)  # its pushes, for the oracle
-        say("HALF")
-        time.sleep(600)  # killed here
-    x, y = batch(rank, opt.steps)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-    if opt.steps % H == 0:
-        rnd = opt.steps // H - 1
-        for name, copy in zip(opt.fragments[0].names, opt.fragments[0].copies):
-            saved[f"global/{rnd}/{name}"] = copy.numpy().copy()
-        say(f"ROUND {rnd} {bps.size()} {bps.membership_epoch()}")
-        if first_joined is None and bps.membership_epoch() >= spec["join_epoch"]:
-            first_joined = rnd
-        if first_joined is not None and rnd >= first_joined + spec["after_join"] - 1:
-            break
-        if spec.get("stop_file") and os.path.exists(spec["stop_file"]) and rnd >= int(open(spec["stop_file"]).read()):
-            break
-    time.sleep(spec["sleep"])
-opt.wait()
-saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
-keep(f"rank{rank}.{start}.npz")
+workers_joiner = spec.get("workers_joiner", False)  # joins in the workers' phase: skips the first
+start = 0 if workers_joiner else opt.elastic_start()
+if not workers_joiner:
+    say(f"START {start} {opt.steps}")
+    train(opt, model, spec["join_epoch"], spec["after_join"],
+          spec["kill_at"] if rank == spec["victim"] and not start else None)
+    saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
+    keep(f"rank{rank}.{start}.npz")
+if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in the same job
+    phase = spec["workers_phase"]
+    model = build_model()
+    opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
+                   compression_params=spec["compression_params"])
+    opt.tag = "w/"
+    saved["w/start"] = np.array(opt.elastic_start())
+    say(f"START w/{int(saved['w/start'])} {opt.steps}")
+    train(opt, model, phase["join_epoch"], spec["after_join"],
+          phase["kill_at"] if rank == spec["victim"] and start and not workers_joiner else None)
+    keep(f"rank{rank}.{'w' + str(int(saved['w/start'])) if workers_joiner else start}.npz")
 say("DONE")
 bps.shutdown()

@@ -1,14 +1,18 @@
-"""BPS_GC_ELASTIC with DiLoCo's outer step on the servers (docs/faults.md, "Elastic membership";
-docs/diloco.md). One job (3 worker hosts, 1 server, one bpslaunch per role) trains the small
-MLP of test_diloco.py at H = 4, every element of the pseudo-gradients sent exactly (threshold 0).
-Worker 2 is SIGKILLed in the middle of an H window (before pushing that round); the survivors
-go on. Then a fresh host with its DMLC_WORKER_ID joins through DiLoCo.elastic_start(): it takes
-the global copy from the servers, and after its first outer round its global copy is the
-others' bit for bit. At every outer round, every live host's global copy equals a numpy
-recomputation of the servers' outer SGD (lr 0.7, momentum 0.9, Nesterov) over the mean of the
-pseudo-gradients of the members that pushed that round (recorded by each worker), bit for bit,
-and so does the copy each pulls from the servers at the end. An elastic join with the outer
-step on the workers is refused in one line."""
+"""BPS_GC_ELASTIC with DiLoCo (docs/faults.md, "Elastic membership"; docs/diloco.md). One job
+(3 worker hosts, 1 server, one bpslaunch per role) trains the small MLP of test_diloco.py at
+H = 4, every element of the pseudo-gradients sent exactly (threshold 0), first with the outer
+step on the servers. Worker 2 is SIGKILLed in the middle of an H window (before pushing that
+round); the survivors go on. Then a fresh host with its DMLC_WORKER_ID joins through
+DiLoCo.elastic_start(): it takes the global copy from the servers, and after its first outer
+round its global copy is the others' bit for bit. At every outer round, every live host's global
+copy equals a numpy recomputation of the servers' outer SGD (lr 0.7, momentum 0.9, Nesterov)
+over the mean of the pseudo-gradients of the members that pushed that round (recorded by each
+worker), bit for bit, and so does the copy each pulls from the servers at the end. In the same
+job the live hosts then train a fresh model with the outer step on the workers: the joiner
+dies mid-window, and another fresh host joins, taking the global copy, the outer momentum and
+the step count from a live worker; the same checks against torch's SGD recomputed in numpy
+(one joiner process more, ~2.4 s CPU). An elastic join with fragments is refused in one line."""
+import json
 import os
 import signal
 
@@ -20,7 +24,8 @@ from test_diloco import build_model
 BOUND = 90.0
 VICTIM = 2
 SPEC = {"sync_every": 4, "max_rounds": 400, "victim": VICTIM, "kill_at": 6, "sleep": 0.05, "join_epoch": 2,
-        "after_join": 2, "compression_params": {"compressor": "threshold", "threshold": 0.0}}
+        "after_join": 2, "compression_params": {"compressor": "threshold", "threshold": 0.0},
+        "workers_phase": {"kill_at": 6, "join_epoch": 4}}
 
 
 def outer_sgd(hosts, last):
@@ -43,7 +48,33 @@ def outer_sgd(hosts, last):
     return out
 
 
-def test_diloco_on_the_servers_survives_a_death_and_a_joiner_takes_the_servers_copy(tmp_path):
+def outer_sgd_on_workers(hosts, last):
+    """[global copy after each round] of the workers' outer step phase: torch's SGD (lr 0.7,
+    momentum 0.9, Nesterov) in numpy, float32, on the mean over the hosts that pushed each round
+    (summed in rank order, divided by their count as each worker does). torch's CPU kernels take
+    ``a.add(b, alpha=s)`` as one fused multiply-add (one rounding): so here, the exact float64
+    product and sum rounded once to float32."""
+    f = np.float32
+
+    def fused(a, s, b):
+        return (a.astype(np.float64) + np.float64(f(s)) * b.astype(np.float64)).astype(f)
+    copies = {n: p.detach().numpy().copy() for n, p in build_model().named_parameters()}
+    momentum = {}
+    out = []
+    for rnd in range(last + 1):
+        pushed = [h for _, h in sorted(hosts.items()) if f"w/pseudo/{rnd}/0.weight" in h]
+        for name in copies:
+            total = pushed[0][f"w/pseudo/{rnd}/{name}"]
+            for h in pushed[1:]:
+                total = total + h[f"w/pseudo/{rnd}/{name}"]
+            mean = total / f(len(pushed))
+            momentum[name] = mean.copy() if name not in momentum else momentum[name] * f(0.9) + mean
+            copies[name] = fused(copies[name], -0.7, fused(mean, 0.9, momentum[name]))
+        out.append({n: c.copy() for n, c in copies.items()})
+    return out
+
+
+def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_and_on_the_workers(tmp_path):
     job = start_job("elastic_diloco_job.py", SPEC, tmp_path)
     try:
         job.wait_output([f"worker{VICTIM}"], "HALF", BOUND)
@@ -51,16 +82,23 @@ def test_diloco_on_the_servers_survives_a_death_and_a_joiner_takes_the_servers_c
         job.wait_output(["worker0", "worker1"], f"worker {VICTIM} left; epoch 1", BOUND)
         job.launch("joiner", host_command("elastic_diloco_job.py", tmp_path / "spec.json", tmp_path),
                    dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM)))
+        job.wait_output(["joiner"], "HALF", BOUND)  # the workers' phase: the joiner dies in its turn
+        os.kill(job.child_of("joiner"), signal.SIGKILL)
+        job.wait_output(["worker0", "worker1"], f"worker {VICTIM} left; epoch 3", BOUND)
+        (tmp_path / "spec2.json").write_text(json.dumps(dict(SPEC, workers_joiner=True)))
+        job.launch("joiner2", host_command("elastic_diloco_job.py", tmp_path / "spec2.json", tmp_path),
+                   dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM)))
         statuses, _ = job.wait_all(BOUND)
     finally:
         job.kill_all()
     report = job.report(statuses)
-    for name in ("scheduler", "server0", "worker0", "worker1", "joiner"):
+    for name in ("scheduler", "server0", "worker0", "worker1", "joiner2"):
         assert statuses[name] == 0 and "Traceback" not in job.text(name), report
     sequence = membership(job.text("worker0"))
-    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2])], sequence
-    assert membership(job.text("server0")) == sequence and membership(job.text("joiner")) == sequence[1:]
-    (_, left_at, _), (_, joined_at, _) = sequence
+    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2]), (3, [0, 1]), (4, [0, 1, 2])], sequence
+    assert membership(job.text("server0")) == sequence and membership(job.text("joiner")) == sequence[1:2]
+    assert membership(job.text("joiner2")) == sequence[3:]
+    (_, left_at, _), (_, joined_at, _) = sequence[:2]
     hosts = {"0": np.load(tmp_path / "rank0.0.npz"), "1": np.load(tmp_path / "rank1.0.npz"),
              "2 (died)": np.load(tmp_path / f"rank{VICTIM}.victim.npz"),
              "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.{joined_at}.npz")}
@@ -71,7 +109,7 @@ def test_diloco_on_the_servers_survives_a_death_and_a_joiner_takes_the_servers_c
         pushed = sorted(k for k, h in hosts.items() if f"pseudo/{rnd}/0.weight" in h)
         want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
         assert pushed == want, (rnd, pushed)
-    assert "the global copy from the servers" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
+    assert "fragments=1 and delay=0" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
     oracle = outer_sgd(hosts, last)
     for rnd, want in enumerate(oracle):
         live = [k for k, h in hosts.items() if f"global/{rnd}/0.weight" in h]
@@ -82,4 +120,31 @@ def test_diloco_on_the_servers_survives_a_death_and_a_joiner_takes_the_servers_c
     for k in ("0", "1", "2 (joined)"):  # the servers' copy at the end
         for name, value in oracle[-1].items():
             assert hosts[k][f"pulled/{name}"].tobytes() == value.reshape(-1).tobytes(), (k, name)
+    assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])
+    check_the_workers_phase(tmp_path, sequence, last + 1)
+
+
+def check_the_workers_phase(tmp_path, sequence, groups_before):
+    """The same job's second phase, the outer step on the workers: the first joiner dies in the
+    middle of a window and a second joins, taking the global copy, the outer momentum and the
+    step count from a live worker; every live host's global copy at every round bit-identical,
+    the joiner's from its first round on, and equal to the numpy outer SGD of the members."""
+    left_at, joined_at = sequence[2][1] - groups_before, sequence[3][1] - groups_before
+    hosts = {"0": np.load(tmp_path / "rank0.0.npz"), "1": np.load(tmp_path / "rank1.0.npz"),
+             "2 (died)": np.load(tmp_path / f"rank{VICTIM}.{sequence[1][1]}.npz"),
+             "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.w{joined_at}.npz")}
+    hosts = {k: dict(h) for k, h in hosts.items()}
+    assert int(hosts["2 (joined)"]["w/start"]) == joined_at > left_at == 1
+    last = joined_at + SPEC["after_join"] - 1
+    for rnd in range(last + 1):
+        pushed = sorted(k for k, h in hosts.items() if f"w/pseudo/{rnd}/0.weight" in h)
+        want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
+        assert pushed == want, (rnd, pushed)
+    oracle = outer_sgd_on_workers(hosts, last)
+    for rnd, want in enumerate(oracle):
+        live = [k for k, h in hosts.items() if f"w/global/{rnd}/0.weight" in h]
+        assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2), (rnd, live)
+        for name, value in want.items():
+            for k in live:
+                assert hosts[k][f"w/global/{rnd}/{name}"].tobytes() == value.tobytes(), ("workers", rnd, k, name)
     assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])

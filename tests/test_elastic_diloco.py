@@ -1,17 +1,19 @@
-"""BPS_GC_ELASTIC with DiLoCo (docs/faults.md, "Elastic membership"; docs/diloco.md). One job
-(3 worker hosts, 1 server, one bpslaunch per role) trains the small MLP of test_diloco.py at
-H = 4, every element of the pseudo-gradients sent exactly (threshold 0), first with the outer
-step on the servers. Worker 2 is SIGKILLed in the middle of an H window (before pushing that
-round); the survivors go on. Then a fresh host with its DMLC_WORKER_ID joins through
-DiLoCo.elastic_start(): it takes the global copy from the servers, and after its first outer
-round its global copy is the others' bit for bit. At every outer round, every live host's global
-copy equals a numpy recomputation of the servers' outer SGD (lr 0.7, momentum 0.9, Nesterov)
-over the mean of the pseudo-gradients of the members that pushed that round (recorded by each
-worker), bit for bit, and so does the copy each pulls from the servers at the end. In the same
-job the live hosts then train a fresh model with the outer step on the workers: the joiner
+"""BPS_GC_ELASTIC with DiLoCo (docs/faults.md, "Elastic membership"; docs/diloco.md). One job (3
+worker hosts, 1 server, one bpslaunch per role) trains the small MLP of test_diloco.py at H = 4,
+every element of the weights' pseudo-gradients sent exactly (threshold 0), the biases
+uncompressed (BYTEPS_MIN_COMPRESS_BYTES=256), first with the outer step on the servers (the
+biases': the workers', as for any tensor sent uncompressed). Worker 2 is SIGKILLed in the middle
+of an H window (before pushing that round); the survivors go on. Then a fresh host with its
+DMLC_WORKER_ID joins through DiLoCo.elastic_start(): it takes the global copy from the servers,
+and after its first outer round its global copy is the others' bit for bit. At every outer
+round, every live host's global copy equals a numpy recomputation of the servers' outer SGD (lr
+0.7, momentum 0.9, Nesterov) over the mean of the pseudo-gradients of the members that pushed
+that round (recorded by each worker; the biases: torch's SGD, the joiner's momentum of them from
+a live worker), bit for bit, and so does the copy each pulls from the servers at the end. In the
+same job the live hosts then train a fresh model with the outer step on the workers: the joiner
 dies mid-window, and another fresh host joins, taking the global copy, the outer momentum and
-the step count from a live worker; the same checks against torch's SGD recomputed in numpy
-(one joiner process more, ~2.4 s CPU). An elastic join with fragments is refused in one line."""
+the step count from a live worker; the same checks against torch's SGD recomputed in numpy (one
+joiner process more, ~2.4 s CPU). An elastic join with fragments is refused in one line."""
 import json
 import os
 import signal
@@ -28,54 +30,42 @@ SPEC = {"sync_every": 4, "max_rounds": 400, "victim": VICTIM, "kill_at": 6, "sle
         "workers_phase": {"kill_at": 6, "join_epoch": 4}}
 
 
-def outer_sgd(hosts, last):
-    """[global copy after each round]: the servers' outer step in numpy, in float32, the mean
-    over the hosts that pushed each round (summed in rank order)."""
-    f = np.float32
-    copies = {n: p.detach().numpy().copy() for n, p in build_model().named_parameters()}
-    momentum = {n: np.zeros_like(v) for n, v in copies.items()}
-    out = []
-    for rnd in range(last + 1):
-        pushed = [h for _, h in sorted(hosts.items()) if f"pseudo/{rnd}/0.weight" in h]
-        for name in copies:
-            total = pushed[0][f"pseudo/{rnd}/{name}"]
-            for h in pushed[1:]:
-                total = total + h[f"pseudo/{rnd}/{name}"]
-            mean = total / f(len(pushed))
-            momentum[name] = momentum[name] * f(0.9) + mean
-            copies[name] = copies[name] + -(f(0.7) * (mean + f(0.9) * momentum[name]))
-        out.append({n: c.copy() for n, c in copies.items()})
-    return out
+UNCOMPRESSED = ("0.bias", "2.bias")  # below BYTEPS_MIN_COMPRESS_BYTES=256: their outer step is the workers'
 
 
-def outer_sgd_on_workers(hosts, last):
-    """[global copy after each round] of the workers' outer step phase: torch's SGD (lr 0.7,
-    momentum 0.9, Nesterov) in numpy, float32, on the mean over the hosts that pushed each round
-    (summed in rank order, divided by their count as each worker does). torch's CPU kernels take
-    ``a.add(b, alpha=s)`` as one fused multiply-add (one rounding): so here, the exact float64
-    product and sum rounded once to float32."""
+def outer_sgd(hosts, last, tag="", on_workers=()):
+    """[global copy after each round] in numpy, float32, on the mean over the hosts that pushed
+    each round (summed in rank order, divided by their count): the servers' outer SGD (lr 0.7,
+    momentum 0.9, Nesterov: compress/outer.py), or for the parameters ``on_workers`` torch's. Its
+    CPU kernels take ``a.add(b, alpha=s)`` as one fused multiply-add (one rounding): so here, the
+    exact float64 product and sum rounded once to float32; its momentum starts as the first mean."""
     f = np.float32
 
     def fused(a, s, b):
         return (a.astype(np.float64) + np.float64(f(s)) * b.astype(np.float64)).astype(f)
+
     copies = {n: p.detach().numpy().copy() for n, p in build_model().named_parameters()}
-    momentum = {}
+    momentum = {n: np.zeros_like(v) for n, v in copies.items() if n not in on_workers}
     out = []
     for rnd in range(last + 1):
-        pushed = [h for _, h in sorted(hosts.items()) if f"w/pseudo/{rnd}/0.weight" in h]
+        pushed = [h for _, h in sorted(hosts.items()) if f"{tag}pseudo/{rnd}/0.weight" in h]
         for name in copies:
-            total = pushed[0][f"w/pseudo/{rnd}/{name}"]
+            total = pushed[0][f"{tag}pseudo/{rnd}/{name}"]
             for h in pushed[1:]:
-                total = total + h[f"w/pseudo/{rnd}/{name}"]
+                total = total + h[f"{tag}pseudo/{rnd}/{name}"]
             mean = total / f(len(pushed))
-            momentum[name] = mean.copy() if name not in momentum else momentum[name] * f(0.9) + mean
-            copies[name] = fused(copies[name], -0.7, fused(mean, 0.9, momentum[name]))
+            if name in on_workers:
+                momentum[name] = mean.copy() if name not in momentum else fused(momentum[name] * f(0.9), 1.0, mean)
+                copies[name] = fused(copies[name], -0.7, fused(mean, 0.9, momentum[name]))
+            else:
+                momentum[name] = momentum[name] * f(0.9) + mean
+                copies[name] = copies[name] + -(f(0.7) * (mean + f(0.9) * momentum[name]))
         out.append({n: c.copy() for n, c in copies.items()})
     return out
 
 
 def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_and_on_the_workers(tmp_path):
-    job = start_job("elastic_diloco_job.py", SPEC, tmp_path)
+    job = start_job("elastic_diloco_job.py", SPEC, tmp_path, env={"BYTEPS_MIN_COMPRESS_BYTES": "256"})
     try:
         job.wait_output([f"worker{VICTIM}"], "HALF", BOUND)
         os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)
@@ -110,17 +100,19 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
         want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
         assert pushed == want, (rnd, pushed)
     assert "fragments=1 and delay=0" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
-    oracle = outer_sgd(hosts, last)
+    oracle = outer_sgd(hosts, last, on_workers=UNCOMPRESSED)
     for rnd, want in enumerate(oracle):
         live = [k for k, h in hosts.items() if f"global/{rnd}/0.weight" in h]
         assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2), (rnd, live)
         for name, value in want.items():
             for k in live:
                 assert hosts[k][f"global/{rnd}/{name}"].tobytes() == value.tobytes(), (rnd, k, name)
-    for k in ("0", "1", "2 (joined)"):  # the servers' copy at the end
-        for name, value in oracle[-1].items():
-            assert hosts[k][f"pulled/{name}"].tobytes() == value.reshape(-1).tobytes(), (k, name)
+    for k in ("0", "1", "2 (joined)"):  # the servers' copy at the end (of the parameters they hold)
+        assert sorted(n[len("pulled/"):] for n in hosts[k] if n.startswith("pulled/")) == ["0.weight", "2.weight"]
+        for name in ("0.weight", "2.weight"):
+            assert hosts[k][f"pulled/{name}"].tobytes() == oracle[-1][name].reshape(-1).tobytes(), (k, name)
     assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])
+    assert not np.array_equal(oracle[-1]["0.bias"], oracle[0]["0.bias"])
     check_the_workers_phase(tmp_path, sequence, last + 1)
 
 
@@ -140,7 +132,7 @@ def check_the_workers_phase(tmp_path, sequence, groups_before):
         pushed = sorted(k for k, h in hosts.items() if f"w/pseudo/{rnd}/0.weight" in h)
         want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
         assert pushed == want, (rnd, pushed)
-    oracle = outer_sgd_on_workers(hosts, last)
+    oracle = outer_sgd(hosts, last, "w/", on_workers=tuple(n for n, _ in build_model().named_parameters()))
     for rnd, want in enumerate(oracle):
         live = [k for k, h in hosts.items() if f"w/global/{rnd}/0.weight" in h]
         assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2), (rnd, live)

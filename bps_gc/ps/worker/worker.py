@@ -327,10 +327,8 @@ class Worker(Communicator):
         if self.elastic is None:
             return 0
         self.elastic.gate.params = params if callable(params) else dict(params)
-        if not self.joining:
-            return 0
-        start = self.elastic.gate.join()
-        self.joining = False  # a member from here: a later call (another model's state) only names it
+        start = self.elastic.gate.join() if self.joining else 0
+        self.joining = False  # admitted: a member from here; a later call (another model's state) only names it
         return start
 
     def state_dict(self):

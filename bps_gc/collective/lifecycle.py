@@ -93,7 +93,7 @@ class Lifecycle:
             shared.levels.close()
         if not clean and dist.is_initialized():
             bound = 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
-            end_after_failure(self.rank, bound if exit_threads.exiting() else None, self.abandoned,
+            end_after_failure(self.rank, bound, exit_threads.exiting(), self.abandoned,
                               linger=lambda: self._until_the_others_read(4 * self.cfg.heartbeat_interval))
         if clean and dist.is_initialized():
             try:

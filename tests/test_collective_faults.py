@@ -74,6 +74,32 @@ def test_killed_rank_stops_the_other_host_with_a_named_error(launcher, tmp_path)
                 p.wait()
 
 
+def test_stopped_rank_ends_the_other_whose_script_caught_the_failure(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, silent, its sockets open): rank 0, whose script catches
+    the NodeFailure and exits 3, ends within the heartbeat bound plus the teardown's bound
+    (2 x (3 + 0.2) s), though its collective pending on rank 1 holds the group's teardown for
+    gloo's 30 minutes: with its own status, or 1 from the watchdog when that teardown blocks."""
+    procs, pids = two_hosts(tmp_path, "bpslaunch"), None
+    try:
+        pids = wait_for_pids(tmp_path, 2, procs)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        stderr = procs[0].communicate(timeout=60)[1]
+        seconds = time.monotonic() - stopped
+        print(f"rank 1 stopped: rank 0 ended {seconds:.2f} s later, status {procs[0].returncode}")
+        assert procs[0].returncode in (1, 3) and "terminate called" not in stderr, stderr[-3000:]
+        assert "rank 0: NodeFailure: bps_gc: rank 1 sent no heartbeat for 3 s" in stderr, stderr[-3000:]
+        assert seconds < BOUND + 6.4, f"rank 0 took {seconds:.1f} s"
+        assert not alive(pids[0])
+    finally:
+        if pids is not None:
+            os.kill(pids[1], signal.SIGKILL)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_bpslaunch_local_tears_down_its_ranks(tmp_path):
     argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers", "0",
             "--", sys.executable, JOB, str(tmp_path)]

@@ -4,9 +4,13 @@ training two DiLoCos in lockstep, the outer step on the servers and on the worke
 (tests/diloco_fault_job.py: top-k + EF, H = 4, two fragments, tau = 1). Worker 1 killed
 (SIGKILL) mid-window with a fragment's exchange in flight, worker 1's script returning early
 (sys.exit(0)) there, Ctrl-C at worker 1's terminal (SIGINT to its bpslaunch), and server 0
-killed while worker 0 waits on a fragment's exchange: every launcher ends within BOUND
-seconds of the fault, the survivors each print one line naming the failed peer, none a
-traceback, and no process of the job is left (Job.wait_all)."""
+killed while worker 0 waits on a fragment's exchange; then with each worker host's two local
+ranks one replica (replicate="hosts", DDP on the host's group), a local rank of host 1 killed,
+and Ctrl-C at host 1's terminal while a rank of it is in the in-host all-gather: every launcher
+ends within BOUND seconds of the fault, the survivors (each rank of the surviving host) each
+print one line naming the failed peer, none a traceback nor an abort, and no process of the
+job is left (Job.wait_all). The two hosts cases cost about 8 s of wall time each on the loaded
+2-core box (two more torch processes than a case with one rank a worker)."""
 import os
 import re
 import signal
@@ -43,19 +47,37 @@ CASES = {
                # servers take their ranks in the order they join: launcher server0's may be 1
                re.compile(r"bps_gc: NodeFailure: (server \d) \(node \d at 127\.0\.0\.1:\d+\) failed: no "
                           r"heartbeat for 2 s")),
+    # replicate="hosts", 2 hosts x 2 local ranks: local rank 1 of host 1 (rank 3) kills itself
+    # after step 6, while its host's rank 0 is in DDP's all-reduce or the parts' all-gather;
+    # host 1's launcher stops rank 2 at once, and the scheduler names whichever of the two it
+    # missed first
+    "hosts-kill": ({"VICTIM": "3", "FAULT": "kill", "REPLICATE": "hosts"}, "worker1",
+                   re.compile(r"bps_gc: NodeFailure: (worker [23]) \(node \d at 127\.0\.0\.1:\d+\) failed: no "
+                              r"heartbeat for 2 s")),
+    # replicate="hosts": Ctrl-C at host 1's terminal while its rank 3 stalls in step 7 before
+    # the opt.step that takes fragment 0's outer step, and its rank 2 waits on rank 3 in that
+    # step's all-gather of the parts (host 0 waits on fragment 1's exchange). Rank 2's pending
+    # all-gather used to abort it at exit (status 134, "terminate called": host_group.py)
+    "hosts-ctrl-c": ({"VICTIM": "3", "FAULT": "stall-step", "REPLICATE": "hosts"}, "worker1",
+                     re.compile(r"bps_gc: NodeFailure: (?:the cluster failed: node \d reported: )?(worker [23]) left the "
+                                r"job before pushing tensor 'exchange\.[01]\.\d\.\w+#part[01]#0' \(round \d+\); the "
+                                r"round cannot complete")),
 }
 # each victim launcher's status: SIGKILL, a clean exit, Ctrl-C (128 + SIGINT)
-VICTIM_STATUS = {"kill": 128 + signal.SIGKILL, "exit": 0, "ctrl-c": 128 + signal.SIGINT, "server": 128 + signal.SIGKILL}
+VICTIM_STATUS = {"kill": 128 + signal.SIGKILL, "exit": 0, "ctrl-c": 128 + signal.SIGINT, "server": 128 + signal.SIGKILL,
+                 "hosts-kill": 128 + signal.SIGKILL, "hosts-ctrl-c": 128 + signal.SIGINT}
 
 
 def launch(tmp_path, env):
-    return Job(2, None, servers=2, command=[sys.executable, JOB],
+    """The job, one bpslaunch per role; with REPLICATE=hosts each worker host runs 2 local ranks."""
+    hosts = {f"worker{w}": {"NVIDIA_VISIBLE_DEVICES": "0,1"} for w in range(2)} if "REPLICATE" in env else None
+    return Job(2, None, servers=2, command=[sys.executable, JOB], role_env=hosts,
                env={"BYTEPS_MIN_COMPRESS_BYTES": "0", "OUT": str(tmp_path), **env})
 
 
 def fault(job, case, tmp_path):
     """Brings the case's fault about; the time.time() it happened at."""
-    if case in ("kill", "exit"):  # the victim does it itself, after step 6
+    if case in ("kill", "exit", "hosts-kill"):  # the victim does it itself, after step 6
         job.wait_output(["worker0"], "RUNNING", START_BOUND)
         job.launchers["worker1"].wait(START_BOUND)
         return float((tmp_path / "fault_time").read_text())
@@ -63,7 +85,7 @@ def fault(job, case, tmp_path):
     job.wait_output([stalled], "IN FLIGHT", START_BOUND)
     time.sleep(0.5)  # the other worker is in its outer step's wait (its steps take ms)
     at = time.time()
-    if case == "ctrl-c":
+    if case.endswith("ctrl-c"):
         job.launchers["worker1"].send_signal(signal.SIGINT)  # Ctrl-C at worker 1's terminal
     else:
         os.kill(job.child_of("server0"), signal.SIGKILL)
@@ -74,6 +96,7 @@ def fault(job, case, tmp_path):
 @pytest.mark.parametrize("case", CASES)
 def test_a_fault_ends_every_process_naming_the_failed_peer(case, tmp_path):
     env, victim, named = CASES[case]
+    ranks = 2 if "REPLICATE" in env else 1  # a host's ranks
     job = launch(tmp_path, env)
     statuses = None
     try:
@@ -87,12 +110,14 @@ def test_a_fault_ends_every_process_naming_the_failed_peer(case, tmp_path):
     for worker in ("worker0", "worker1"):
         # bps_gc's lines once it ran (before, a slow start may bring lines on the wait to join)
         lines = job.text(worker).split("RUNNING\n", 1)[1].splitlines()
-        ends = [line for line in lines if line.startswith("bps_gc:")]
+        # (a host's local ranks: torch.distributed's excepthook prefixes "[rank<local rank>]: ")
+        ends = [re.sub(r"^\[rank\d\]: ", "", line) for line in lines if re.match(r"(\[rank\d\]: )?bps_gc:", line)]
         if worker == victim:  # its own end: no line, or Ctrl-C's one
-            assert ends == (["bps_gc: interrupted (Ctrl-C)"] if case == "ctrl-c" else []), report
-        else:  # besides the worker's log of the failure, the one line naming the failed peer
-            assert len(ends) == 1 and named.fullmatch(ends[0]), report
+            assert ends == (["bps_gc: interrupted (Ctrl-C)"] * ranks if case.endswith("ctrl-c") else []), report
+        else:  # besides the worker's log of the failure, the one line (a rank) naming the failed peer
+            assert len(ends) == ranks and all(named.fullmatch(end) for end in ends), report
             peer = named.fullmatch(ends[0]).group(1)
+    assert not any(re.search("terminate called|SIGABRT", job.text(name)) for name in job.launchers), report
     for name in ("scheduler", "server0", "server1"):  # the other roles log it, naming the peer
         if name != victim:
             assert f"ERROR {peer}" in job.text(name) or f"reported: {peer}" in job.text(name), report

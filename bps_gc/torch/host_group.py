@@ -60,5 +60,5 @@ def _end_without_finalization():
     _ending = True  # the exit handlers run again, this one among them
     from ..collective.after_failure import end_after_failure  # imports torch.distributed's parts only now
     cfg = communicator.cfg
-    end_after_failure(communicator.rank, 2 * (cfg.heartbeat_timeout + cfg.heartbeat_interval), reason)
+    end_after_failure(communicator.rank, 2 * (cfg.heartbeat_timeout + cfg.heartbeat_interval), True, reason)
 

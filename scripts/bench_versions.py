@@ -16,9 +16,9 @@ own package on PYTHONPATH (ahead of this checkout's editable install) and this i
   hook full     (--hooks full) the same on its default MLP (6 x 1024, batch 112)
   hook resnet50 (--hooks resnet50) the same on ResNet-50's 161 gradient shapes (its --model
                 resnet50-shapes)
-Both versions run this tree's scripts/bench_hook.py (with bench_models.py), scripts/bench_collective.py and
-scripts/bench_run.py (copied into the old tree): the same harness and rows (the floor, dense in
-place, their CPU seconds), only the package differs.
+Both versions run this tree's scripts/bench_hook.py (with bench_models.py and bench_cluster.py),
+scripts/bench_collective.py and scripts/bench_run.py (copied into the old tree): the same harness
+and rows (the floor, dense in place, their CPU seconds), only the package differs.
 Each version's value of a row is the median over the passes of that pass's median s/round (or
 s/step); new/old is their ratio, and "pairs" the range of the ratios of each pass's old and new
 run, one right after the other. The numbers come from each benchmark's own JSON.
@@ -124,7 +124,8 @@ def make_old_tree(commit, where):
     full = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "worktree", "add", "--detach", where, full], cwd=ROOT, check=True, capture_output=True)
-    for script in ("bench_hook.py", "bench_hook_timeline.py", "bench_models.py", "bench_collective.py", "bench_run.py"):
+    for script in ("bench_hook.py", "bench_hook_timeline.py", "bench_models.py", "bench_collective.py", "bench_run.py",
+                   "bench_cluster.py"):
         shutil.copy(os.path.join(ROOT, "scripts", script), os.path.join(where, "scripts", script))
     return full
 

@@ -89,16 +89,7 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
     assert membership(job.text("server0")) == sequence and membership(job.text("joiner")) == sequence[1:2]
     assert membership(job.text("joiner2")) == sequence[3:]
     (_, left_at, _), (_, joined_at, _) = sequence[:2]
-    hosts = {"0": np.load(tmp_path / "rank0.0.npz"), "1": np.load(tmp_path / "rank1.0.npz"),
-             "2 (died)": np.load(tmp_path / f"rank{VICTIM}.victim.npz"),
-             "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.{joined_at}.npz")}
-    hosts = {k: dict(h) for k, h in hosts.items()}
-    assert int(hosts["2 (joined)"]["start"]) == joined_at > left_at == 1
-    last = joined_at + SPEC["after_join"] - 1
-    for rnd in range(last + 1):  # who pushed each round, and the size each saw when it pushed
-        pushed = sorted(k for k, h in hosts.items() if f"pseudo/{rnd}/0.weight" in h)
-        want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
-        assert pushed == want, (rnd, pushed)
+    hosts, last = phase_hosts(tmp_path, "victim", str(joined_at), left_at, joined_at)
     assert "fragments=1 and delay=0" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
     oracle = outer_sgd(hosts, last, on_workers=UNCOMPRESSED)
     for rnd, want in enumerate(oracle):
@@ -116,22 +107,30 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
     check_the_workers_phase(tmp_path, sequence, last + 1)
 
 
+def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix=""):
+    """A phase's saved hosts (the victim's file ``rank<VICTIM>.<died>``, the joiner's
+    ``rank<VICTIM>.<joined>``) and its last round, checking who pushed each round: the three
+    hosts, then the two survivors, then with the joiner."""
+    hosts = {"0": np.load(tmp_path / "rank0.0.npz"), "1": np.load(tmp_path / "rank1.0.npz"),
+             "2 (died)": np.load(tmp_path / f"rank{VICTIM}.{died}.npz"),
+             "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.{joined}.npz")}
+    hosts = {k: dict(h) for k, h in hosts.items()}
+    assert int(hosts["2 (joined)"][f"{prefix}start"]) == joined_at > left_at == 1
+    last = joined_at + SPEC["after_join"] - 1
+    for rnd in range(last + 1):
+        pushed = sorted(k for k, h in hosts.items() if f"{prefix}pseudo/{rnd}/0.weight" in h)
+        want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
+        assert pushed == want, (rnd, pushed)
+    return hosts, last
+
+
 def check_the_workers_phase(tmp_path, sequence, groups_before):
     """The same job's second phase, the outer step on the workers: the first joiner dies in the
     middle of a window and a second joins, taking the global copy, the outer momentum and the
     step count from a live worker; every live host's global copy at every round bit-identical,
     the joiner's from its first round on, and equal to the numpy outer SGD of the members."""
     left_at, joined_at = sequence[2][1] - groups_before, sequence[3][1] - groups_before
-    hosts = {"0": np.load(tmp_path / "rank0.0.npz"), "1": np.load(tmp_path / "rank1.0.npz"),
-             "2 (died)": np.load(tmp_path / f"rank{VICTIM}.{sequence[1][1]}.npz"),
-             "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.w{joined_at}.npz")}
-    hosts = {k: dict(h) for k, h in hosts.items()}
-    assert int(hosts["2 (joined)"]["w/start"]) == joined_at > left_at == 1
-    last = joined_at + SPEC["after_join"] - 1
-    for rnd in range(last + 1):
-        pushed = sorted(k for k, h in hosts.items() if f"w/pseudo/{rnd}/0.weight" in h)
-        want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
-        assert pushed == want, (rnd, pushed)
+    hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/")
     oracle = outer_sgd(hosts, last, "w/", on_workers=tuple(n for n, _ in build_model().named_parameters()))
     for rnd, want in enumerate(oracle):
         live = [k for k, h in hosts.items() if f"w/global/{rnd}/0.weight" in h]

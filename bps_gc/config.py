@@ -76,7 +76,7 @@ class Config:
     # tensor), "numpy" (host copy + numpy chains)
     device_codecs: str = "auto"
     # BPS_GC_ELASTIC (every role): a dead worker host opens a new membership epoch instead of
-    # stopping the job (docs/faults.md, "Elastic membership"); BPS_GC_MIN_WORKERS: below this
+    # stopping the job (docs/elastic.md); BPS_GC_MIN_WORKERS: below this
     # many worker hosts the job stops
     elastic: bool = False
     min_workers: int = 1
@@ -177,8 +177,7 @@ def elastic_settings(cfg):
     BPS_GC_HIERARCHY=host is asked for ("auto" means flat: one push per rank; host: the host's
     shared-memory sum, one push per host), and every push alone on the socket (no fusion, no
     shared memory with the servers, no push window), so that a round a dead host took part in
-    can be summed again from the pushes the servers still hold (docs/faults.md, "Elastic
-    membership")."""
+    can be summed again from the pushes the servers still hold (docs/elastic.md)."""
     if cfg.enable_async:
         raise ConfigError("BPS_GC_ELASTIC", "needs synchronous rounds; unset BYTEPS_ENABLE_ASYNC")
     return dataclasses.replace(cfg, shm=False, fusion_bytes=0, inflight_bytes=1 << 62, local_reduce=False,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Issue 41's churn target: a bounded, seeded chaos loop on an elastic parameter-server job
-(BPS_GC_ELASTIC=1; docs/faults.md, "Elastic membership").
+(BPS_GC_ELASTIC=1; docs/elastic.md).
 
 One bpslaunch per role on loopback: a scheduler, servers and --workers worker hosts
 (scripts/chaos_worker.py) train p -= lr * mean of a dense tensor and a onebit tensor with
@@ -20,7 +20,7 @@ round (scripts/elastic_lost.py says how), reported per death and summed up, besi
 its load average: a report, not a check.
 
 Events are serialised: the loop never kills during a join or a death's commit, nor starts a
-join before the last death committed (docs/faults.md says why).
+join before the last death committed (docs/elastic.md says why).
 
     python scripts/chaos_elastic.py --events 60 --seconds 600 --seed 1 --workers 4
 It prints each event as it completes, then a table and a summary line; --json writes both.

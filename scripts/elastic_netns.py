@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Issue 41's death and join targets in network namespaces, as users run the job
-(BPS_GC_ELASTIC=1; docs/faults.md, "Elastic membership").
+(BPS_GC_ELASTIC=1; docs/elastic.md).
 
 Every node on its own "machine" (scripts/netns.py's SwitchedMachines: a namespace with one NIC
 on a switch): the scheduler, the server, --workers worker hosts (one bpslaunch each, with

@@ -26,7 +26,7 @@ def test_defaults_and_ranks():
     # BPS_GC_ELASTIC with local ranks: each pushes for itself (what "auto" means there)
     elastic = Config.from_env(dict(BASE, BYTEPS_LOCAL_SIZE="2", BPS_GC_ELASTIC="1", BPS_GC_LOCAL_REDUCE="1"))
     assert (elastic.hierarchy, elastic.local_reduce, elastic.fusion_bytes) == ("flat", False, 0)
-    # two levels when asked for (the host's sum, one push per host; docs/faults.md)
+    # two levels when asked for (the host's sum, one push per host; docs/elastic.md)
     two = Config.from_env(dict(BASE, BYTEPS_LOCAL_SIZE="2", BPS_GC_ELASTIC="1", BPS_GC_HIERARCHY="host"))
     assert (two.hierarchy, two.shm, two.fusion_bytes) == ("host", False, 0)
 

@@ -1,5 +1,5 @@
 """BPS_GC_ELASTIC: a worker host killed half-way through a round (SIGKILL) leaves the job,
-which goes on with the survivors, each round whole (docs/faults.md, "Elastic membership").
+which goes on with the survivors, each round whole (docs/elastic.md).
 
 One job (one bpslaunch per role, 3 worker hosts, 2 servers) pushes onebit+EF+nesterov with
 the servers' recompress (server error feedback: the reducer has state), a dense tensor, both
@@ -115,7 +115,7 @@ def test_worker_killed_mid_round_leaves_and_the_rest_go_on(tmp_path):
 
 
 def test_fewer_workers_than_the_minimum_stop_the_job_naming_the_count(tmp_path):
-    """Also: thc and PowerSGD, declared by the same job, are refused (docs/faults.md)."""
+    """Also: thc and PowerSGD, declared by the same job, are refused (docs/elastic.md)."""
     two_phase = [{"name": c, "shape": [4096], "dtype": "float32", "params": dict(compressor=c, **extra)}
                  for c, extra in (("thc", {}), ("powersgd", {"rank": 1}))]
     spec = dict(SPEC, steps=1000, pause_at=2, victim=1, tensors=SPEC["tensors"][1:2], refused=two_phase)

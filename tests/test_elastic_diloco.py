@@ -1,4 +1,4 @@
-"""BPS_GC_ELASTIC with DiLoCo (docs/faults.md, "Elastic membership"; docs/diloco.md). One job (3
+"""BPS_GC_ELASTIC with DiLoCo (docs/elastic.md; docs/diloco.md). One job (3
 worker hosts, 1 server, one bpslaunch per role) trains the small MLP of test_diloco.py at H = 4,
 every element of the weights' pseudo-gradients sent exactly (threshold 0), the biases
 uncompressed (BYTEPS_MIN_COMPRESS_BYTES=256), first with the outer step on the servers (the

@@ -1,4 +1,4 @@
-"""BPS_GC_ELASTIC: a worker host joins the running job (docs/faults.md, "Elastic membership").
+"""BPS_GC_ELASTIC: a worker host joins the running job (docs/elastic.md).
 
 One job (3 worker hosts, 2 servers, one bpslaunch per role) trains parameters p -= lr * mean
 of a dense tensor split over both servers and a onebit tensor with error feedback. Worker 2 is

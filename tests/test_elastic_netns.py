@@ -1,5 +1,5 @@
 """Issue 41's death and join as users run the job: every node in its own network namespace
-(scripts/elastic_netns.py; docs/faults.md, "Elastic membership"). One launch: 4 worker hosts of
+(scripts/elastic_netns.py; docs/elastic.md). One launch: 4 worker hosts of
 2 local ranks each (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1) train onebit+EF and a
 dense tensor; one local rank of a seeded host is killed (SIGKILL) at a seeded step, and its
 launcher stops the other; a fresh host of 2 local ranks on a fifth machine joins with its
@@ -11,7 +11,7 @@ started once and ended with status 0 (the victim aside), that every node logged 
 membership sequence, that the live ranks are bit-identical step by step and equal a numpy
 recomputation of that sequence (the joiner from its first step on), and it measures the time
 lost (reported, never a timing target here). The 1-local-rank and DiLoCo variants are the
-script's (docs/faults.md has their numbers)."""
+script's (docs/elastic.md has their numbers)."""
 import json
 import os
 import sys

@@ -1,4 +1,4 @@
-"""BPS_GC_ELASTIC with the torch binding (docs/faults.md, "Elastic membership"): the MNIST
+"""BPS_GC_ELASTIC with the torch binding (docs/elastic.md): the MNIST
 example example/pytorch/train_mnist_elastic.py on 3 worker hosts. Worker 2 is SIGKILLed after a
 few steps, the survivors go on; a fresh host with its DMLC_WORKER_ID joins, taking the model and
 the SGD momentum from a live worker through bps.elastic_start(model, optimizer). Every host's

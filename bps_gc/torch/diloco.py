@@ -149,7 +149,7 @@ class DiLoCo:
                 for name, copy in self.held_on_servers()}
 
     def elastic_start(self):
-        """BPS_GC_ELASTIC (docs/faults.md): call once on every worker, after making this and
+        """BPS_GC_ELASTIC (docs/elastic.md): call once on every worker, after making this and
         before the first step; 0 on a member. A host joining the running job waits to be
         admitted at an outer round's boundary, takes the global copy (from the servers with
         their outer step; else, with the outer momentum and the step count, from a live worker:

@@ -1,4 +1,4 @@
-"""BPS_GC_ELASTIC for DiLoCo on the parameter server (docs/faults.md "Elastic membership",
+"""BPS_GC_ELASTIC for DiLoCo on the parameter server (docs/elastic.md,
 docs/diloco.md): a worker host joining the running job starts where the members are.
 
 With the outer step on the servers, the servers hold the global copy: the joiner pulls it.

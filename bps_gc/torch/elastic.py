@@ -1,5 +1,5 @@
 """BPS_GC_ELASTIC for torch scripts: a host joining the running job copies a live worker's model
-and optimizer state (docs/faults.md, "Elastic membership"; the core's side: ps/worker/joining.py).
+and optimizer state (docs/elastic.md; the core's side: ps/worker/joining.py).
 
     optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     start = bps.elastic_start(model, optimizer)   # 0 on a member; a joiner's first step

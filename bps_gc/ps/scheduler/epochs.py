@@ -1,4 +1,4 @@
-"""The scheduler's side of elastic membership (BPS_GC_ELASTIC; docs/faults.md, "Elastic membership").
+"""The scheduler's side of elastic membership (BPS_GC_ELASTIC; docs/elastic.md).
 
 A worker whose heartbeats stop is not a failure of the job: the scheduler opens a new
 membership epoch in two steps.

@@ -1,4 +1,4 @@
-"""A worker host joins a running elastic job (BPS_GC_ELASTIC; docs/faults.md, "Elastic membership").
+"""A worker host joins a running elastic job (BPS_GC_ELASTIC; docs/elastic.md).
 
 A worker started with the job's variables and the DMLC_WORKER_ID of a host that left registers
 while the job runs. Settings that differ from the job's refuse it in one line naming both; the

@@ -1,4 +1,4 @@
-"""A server's rounds under BPS_GC_ELASTIC (docs/faults.md, "Elastic membership").
+"""A server's rounds under BPS_GC_ELASTIC (docs/elastic.md).
 
 * EPOCH_PREPARE: pushes of the dead hosts are dropped from then on (they may be alive but
   silent); rounds they already pushed still complete with them, under the old epoch.
@@ -9,7 +9,7 @@
   counts): the key goes back to that round, and once every member asked, the round is summed
   again from the members' pushes, still in their receive buffers (no member pushed the key
   since: it holds the reply), the reducer's state first put back as it was before the round.
-* EPOCH_GO (a host joins, docs/faults.md): every member waits at the join's first round group,
+* EPOCH_GO (a host joins, docs/elastic.md): every member waits at the join's first round group,
   so no round is open; the joiner (which took a departed host's rank, whose declarations were
   accepted while it was still fenced from pushing) counts from each key's next round. The
   server echoes GO to the scheduler, which only then lets the workers go on.

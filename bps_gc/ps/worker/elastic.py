@@ -1,4 +1,4 @@
-"""A worker's whole rounds under BPS_GC_ELASTIC (docs/faults.md, "Elastic membership").
+"""A worker's whole rounds under BPS_GC_ELASTIC (docs/elastic.md).
 
 A *round group* is what a worker starts before it waits: the push_pulls posted since its last
 wait() on a handle of the open group (a training step's gradients). Every worker makes the same
@@ -108,7 +108,7 @@ class ElasticRounds:
     def replied(self, push, payload, compressed, seconds, epoch):
         if push.handle.group is None:
             push.handle.fail(ValueError(f"{push.handle.tensor.name!r}: BPS_GC_ELASTIC covers push_pull "
-                                        "of numpy arrays only for now (docs/faults.md)"))
+                                        "of numpy arrays only for now (docs/elastic.md)"))
             return
         held = Held(push, payload, compressed, seconds, epoch)
         self.held[push.handle.group].append(held)

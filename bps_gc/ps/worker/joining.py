@@ -1,5 +1,5 @@
 """A worker's side of a host joining an elastic job (BPS_GC_ELASTIC; the scheduler's joins.py,
-docs/faults.md "Elastic membership").
+docs/elastic.md).
 
 Every worker names the arrays a joiner copies with ``elastic_start(params)`` (the script's
 parameters, updated in place each step). A member, told a host joins (EPOCH_PREPARE), pledges

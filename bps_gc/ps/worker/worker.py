@@ -161,7 +161,7 @@ class Worker(Communicator):
         if phases(tensor) > 1:  # summed phase by phase in buffers of their own; the servers
             if self.cfg.elastic:  # a phase waits for the last one's sum: no whole round group
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} sums in phases, which "
-                                 "BPS_GC_ELASTIC does not cover yet (docs/faults.md); choose another")
+                                 "BPS_GC_ELASTIC does not cover yet (docs/elastic.md); choose another")
             if self.cfg.enable_async:  # never see it
                 raise ValueError(f"{tensor.name!r}: reducer {tensor.reducer!r} needs each phase's "
                                  "sum of this round, but BYTEPS_ENABLE_ASYNC servers answer with a "

@@ -67,11 +67,16 @@ def init(config=None):
     return _worker
 
 
+_abandoned = None  # the name of the uncaught exception the script ends on (the excepthook's)
+
+
 def _one_line_for_job_errors(kind, error, trace, default=sys.excepthook):
     """A failed job (another node, the cluster) or a bad setting is not a bug in the training
     script: print one line naming the cause instead of a traceback."""
+    global _abandoned
     if _worker is not None:
-        _worker.abandon(kind.__name__)
+        _abandoned = kind.__name__
+        _worker.abandon(_abandoned)
         if not issubclass(kind, (NodeFailure, ConfigError, KeyboardInterrupt)):
             explained = _worker.peer_failure(error)  # a peer's death or exit behind a torch error
             if explained is not None:
@@ -108,7 +113,15 @@ def is_initialized():
 
 def _shutdown_at_exit():
     exit_threads.mark_exiting()  # the process ends: a failed rank may bound its own end now
-    shutdown()
+    worker = _worker
+    shutdown()  # the collective transport's ranks end here after a failure (collective/after_failure.py)
+    torch_dist = sys.modules.get("torch.distributed")
+    if worker is not None and _abandoned is not None and torch_dist is not None and torch_dist.is_initialized():
+        # a process group of the script's or of its host's (bps_gc.torch.host_group, on the
+        # parameter server) may hold a collective pending on a peer that failed or left, with a
+        # Python callback that would abort the process at finalization: end as those ranks do
+        from .collective.after_failure import end_after_failure, failure_bound
+        end_after_failure(worker.rank, failure_bound(worker.cfg), True, _abandoned)
 
 
 def shutdown():

@@ -22,6 +22,12 @@ log = logging.getLogger("bps_gc.collective")
 _devnull = None  # faulthandler writes its dump here: it must stay open until the process ends
 
 
+def failure_bound(cfg):
+    """Twice the heartbeat's bound: how long the heartbeat may take to name a dead or departed
+    peer on a busy host, and how long a failed rank's teardown may take."""
+    return 2 * (cfg.heartbeat_timeout + cfg.heartbeat_interval)
+
+
 def end_after_failure(rank, bound, exiting, abandoned=None, linger=lambda: None):
     """End this rank's part after its job failed. ``exiting``: the process is ending (bps_gc's
     exit handler runs), else a script's own shutdown() that more work may follow.

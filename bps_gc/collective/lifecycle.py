@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..comm import NodeFailure, exit_threads
 from ..comm.communicator import PEER_GONE
-from .after_failure import end_after_failure
+from .after_failure import end_after_failure, failure_bound
 from .departure import Ending, await_end, departure, described, first_leaver
 from .liveness import Heartbeat
 from .backend_choice import SHARED
@@ -92,8 +92,7 @@ class Lifecycle:
         if shared.levels is not None:
             shared.levels.close()
         if not clean and dist.is_initialized():
-            bound = 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
-            end_after_failure(self.rank, bound, exit_threads.exiting(), self.abandoned,
+            end_after_failure(self.rank, failure_bound(self.cfg), exit_threads.exiting(), self.abandoned,
                               linger=lambda: self._until_the_others_read(4 * self.cfg.heartbeat_interval))
         if clean and dist.is_initialized():
             try:
@@ -146,7 +145,7 @@ class Lifecycle:
         """``named()`` polled until it gives a failure (returned; or raises it) or the heartbeat
         had twice its bound to name a dead or departed peer (None): its thread may run late on a
         busy host."""
-        deadline = time.monotonic() + 2 * (self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval)
+        deadline = time.monotonic() + failure_bound(self.cfg)
         while time.monotonic() < deadline:
             failure = named()
             if failure is not None:

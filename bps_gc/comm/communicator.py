@@ -234,7 +234,6 @@ class Communicator(abc.ABC):
     def abandon(self, reason):
         """The training script is ending on an uncaught ``reason`` (an exception's name):
         the shutdown that follows tells the others this rank failed, where it can."""
-        self.abandoned = reason
 
     def peer_failure(self, error):
         """The job failure (a NodeFailure) behind ``error``, an exception raised outside bps_gc

@@ -6,18 +6,13 @@ Its own module: fsdp_ps.py pulls in torch.distributed.fsdp (sympy: about 1 s of 
 
 A script ending on an uncaught error (a peer's NodeFailure, Ctrl-C) may leave a collective of
 the group pending (a rank waiting on a host-mate in DiLoCo's all-gather of its parts, with a
-Python callback): settled by the host-mate's exit during the interpreter's finalization, it
-aborts the process (status 134) after its one line. So such a process ends as the collective
-transport's do (collective/after_failure.py): the exit handlers run, then it ends without the
-finalization."""
-import atexit
-
+Python callback), which would abort the process (status 134) at finalization: bps_gc's exit
+handler ends such a process without it (core._shutdown_at_exit)."""
 import torch.distributed as dist
 
 import bps_gc.core as core
 
 HOST_GROUP = "bps_gc.host_mesh"  # the send/recv channel of the host group's store address
-_ending = False  # _end_without_finalization has begun
 
 
 def host_group(backend=None, caller="host_group"):
@@ -28,8 +23,6 @@ def host_group(backend=None, caller="host_group"):
     if not core.is_initialized() or core.communicator().reduces_on_process_groups:
         raise ValueError(f"{caller}: the host's group is made on the parameter-server transport, after "
                          "bps_gc.torch.init(); on torch.distributed use init_device_mesh")
-    atexit.unregister(_end_without_finalization)  # once, after bps_gc's own exit handler: runs before it
-    atexit.register(_end_without_finalization)
     rank, local_rank, local_size = core.rank(), core.local_rank(), core.local_size()
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (local_rank, local_size):
@@ -46,19 +39,4 @@ def host_group(backend=None, caller="host_group"):
         store = dist.TCPStore("127.0.0.1", port, local_size, is_master=False)
     dist.init_process_group(backend, store=store, rank=local_rank, world_size=local_size)
     return dist.group.WORLD
-
-
-def _end_without_finalization():
-    """At exit: after an uncaught error (the communicator abandoned by bps_gc's excepthook),
-    the other exit handlers now (bps_gc's shutdown among them), then the process's end with
-    Python's status (1; by SIGINT after Ctrl-C), a watchdog bounding a teardown that hangs."""
-    communicator = core.communicator() if core.is_initialized() else None
-    reason = getattr(communicator, "abandoned", None)
-    global _ending
-    if reason is None or _ending or not dist.is_initialized():
-        return
-    _ending = True  # the exit handlers run again, this one among them
-    from ..collective.after_failure import end_after_failure  # imports torch.distributed's parts only now
-    cfg = communicator.cfg
-    end_after_failure(communicator.rank, 2 * (cfg.heartbeat_timeout + cfg.heartbeat_interval), True, reason)
 

@@ -65,10 +65,13 @@ class PushPullModel:
                            for r in range(self.workers)]
             else:
                 decoded = [flat[r][start:stop] for r in range(self.workers)]
-            # raw pushes: first copied, then added; decoded pushes: added to zeros
-            acc = np.zeros(stop - start, self.wire) if self.compressed else decoded[0].copy()
+            # raw pushes: first copied, then added (float16 in float32, rounded once: the
+            # servers', wire/half.py); decoded pushes: added to zeros
+            adder = np.float32 if self.wire == np.float16 else self.wire
+            acc = np.zeros(stop - start, self.wire) if self.compressed else decoded[0].astype(adder)
             for d in decoded if self.compressed else decoded[1:]:
                 acc += d
+            acc = acc.astype(self.wire)
             average = self.average
             if self.compressed and self.reducer == "recompress":
                 acc = server_chain.decompress(server_chain.compress(acc, ctx))

@@ -199,8 +199,9 @@ class Communicator(abc.ABC):
 
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
     sums_tensors_on_device = False
-    # whether every server sums bfloat16 pushes (wire/bfloat16.py: one_per_host dense tensors)
-    sums_bfloat16 = False
+    # whether every server sums float16 and bfloat16 pushes in float32 and averages them
+    # (wire/half.py: one_per_host dense tensors, FSDP's shards)
+    sums_half = False
 
     def reduce_tensor(self, tensor, name, average=True) -> Handle:
         """Sum (or average) an uncompressed torch tensor over all workers in place, on its device."""

@@ -94,7 +94,7 @@ class PushPullExchange:
     ``one_per_host``: each part is this local rank's own (its FSDP shard), pushed by the same
     local rank of every host and averaged over the hosts (``Communicator.declare``); ``dtype``:
     the parts' (float32, or float64; None: each named parameter's own, a one_per_host dense
-    part's bfloat16 too: the servers sum it, wire/bfloat16.py)."""
+    part's float16 or bfloat16 too: the servers sum and average it, wire/half.py)."""
     made = itertools.count()
 
     def __init__(self, compression_params=None, reducer=None, named_parameters=None, one_per_host=False,

@@ -47,8 +47,8 @@ def register_on_servers(model, groups, compression_params, reducer):
                              f"{comm.local_rank}), but it is sharded on a mesh of {info.shard_mesh_size} as shard "
                              f"{info.shard_mesh_rank}; shard it on bps_gc.torch.host_mesh()")
     shards = shard_parts(model, groups)
-    # each shard pushed in its wire dtype (float32; float64 and a dense bfloat16 kept)
-    dense = not CompressionParams.from_dict(dict(compression_params or {})).compressed and comm.sums_bfloat16
+    # each shard pushed in its wire dtype (float32; float64 and a dense float16 or bfloat16 kept)
+    dense = not CompressionParams.from_dict(dict(compression_params or {})).compressed and comm.sums_half
     pushed = [(name, torch.empty((), dtype=wire_dtype(stand_in.dtype, dense)).expand(stand_in.shape))
               for parts in shards.values() for name, stand_in in parts]
     refuse_unfit_codec(compression_params, shards, pushed)  # before anything is registered or declared
@@ -64,11 +64,12 @@ def register_on_servers(model, groups, compression_params, reducer):
 
 
 def wire_dtype(reduce_dtype, dense=False):
-    """What a shard of ``reduce_dtype`` is pushed as: float64 as is; bfloat16 as is when
-    ``dense`` (no codec, and the servers sum bfloat16: in float32, rounded back, wire/bfloat16.py);
-    else float32 (the codecs take float32: a bfloat16 or float16 reduce-scatter output is widened
-    for the push, and the average rounded back into it, alike on every replica)."""
-    if reduce_dtype == torch.float64 or (dense and reduce_dtype == torch.bfloat16):
+    """What a shard of ``reduce_dtype`` is pushed as: float64 as is; float16 and bfloat16 as
+    they are when ``dense`` (no codec, and the servers sum them in float32 and divide by the
+    hosts before rounding once, wire/half.py); else float32 (the codecs take float32: a bfloat16
+    or float16 reduce-scatter output is widened for the push, and the average rounded back into
+    it, alike on every replica)."""
+    if reduce_dtype == torch.float64 or (dense and reduce_dtype in (torch.bfloat16, torch.float16)):
         return reduce_dtype
     return torch.float32
 

@@ -19,6 +19,7 @@ import struct
 import numpy as np
 
 from .bfloat16 import BFLOAT16
+from .half import HALF_SUMS
 
 MAGIC = b"BPSG"
 VERSION = 2  # 2: the step context section replaced the fixed learning-rate field
@@ -83,11 +84,12 @@ COMPRESSED_BIT = int(Flag.COMPRESSED)
 MSG_BY_CODE = {int(m): m for m in Msg}  # a dict lookup: Msg(code) is slow on the hot path
 
 # 3: int64, summed wrapping modulo 2^64 (thc's words on the parameter server); 4: bfloat16
-# (bfloat16.py), summed in float32 and rounded back: a worker pushes either only when every
-# server's registration lists it in ``sums`` (SERVER_SUMS)
+# (bfloat16.py); float16 and bfloat16 summed in float32 and rounded once (half.py). thc's int64
+# words and FSDP's float16 and bfloat16 shards are pushed only when every server's registration
+# lists "int64", or HALF_SUMS (those half sums, averaged on request), in ``sums`` (SERVER_SUMS)
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 2: np.dtype(np.float16),
           3: np.dtype(np.int64), 4: BFLOAT16, 255: None}  # 255: no tensor
-SERVER_SUMS = ("float32", "float64", "float16", "int64", "bfloat16")  # the dense dtypes a server adds
+SERVER_SUMS = ("float32", "float64", "float16", "int64", "bfloat16", HALF_SUMS)  # what a server adds
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 

@@ -8,8 +8,9 @@ context (the lowest rank's; all workers push the same). Dense results alternate 
 buffers: round r+2 cannot start before every worker has received round r+1, hence
 round r, so a reply is never overwritten while a worker can still be reading it.
 Async mode: each push is applied to a stored tensor at once and answered with a snapshot.
-A bfloat16 key (wire/bfloat16.py) is summed in float32, in the same order, and its result
-rounded to bfloat16 (nearest, ties to even); its async store is float32.
+A float16 or bfloat16 key (wire/half.py) is summed in float32, in the same order, divided by
+the round's pushers when its pushes ask (``SERVER_MEAN``), and rounded back once (nearest,
+ties to even); its async store is float32.
 
 Shared memory (wire/shm.py): a worker on the server's host may offer, at INIT, a slot it
 writes its pushes into; its pushes then carry the SHM flag and no payload, the sum reads the
@@ -19,7 +20,7 @@ may mix both ways (a fused push carries its data).
 """
 import numpy as np
 
-from ...wire.bfloat16 import BFLOAT16, narrow, widen
+from ...wire.half import HALF, SERVER_MEAN, round_into, to_float32
 from ...wire.shm import ShmUnavailable
 from ...wire.wire import COMPRESSED_BIT, SHM_BIT, MalformedMessage
 from .records import Pusher, TakenRound
@@ -60,8 +61,8 @@ class KeyState:
         self.elastic, self.epoch, self.redo, self.snapshot = False, 0, False, None
         self.round = 0
         self.results = None
-        self.bfloat16 = self.dtype == BFLOAT16
-        self.store = np.zeros(self.n, np.float32 if self.bfloat16 else self.dtype) if asynchronous else None
+        self.half = self.dtype in HALF
+        self.store = np.zeros(self.n, np.float32 if self.half else self.dtype) if asynchronous else None
         self.engine = None  # the server engine thread that owns this key (set by the server)
 
     def slot(self, rank):
@@ -165,7 +166,7 @@ class KeyState:
     def add(self, rank, acc):
         """acc += the decoded push of ``rank`` (sparse codecs touch only their k positions)."""
         if not self.compressed:
-            acc += widen(self.payload(rank)) if self.bfloat16 else self.payload(rank).view(self.dtype)
+            acc += to_float32(self.payload(rank), self.dtype) if self.half else self.payload(rank).view(self.dtype)
             return
         try:
             self.reducer.decoder.decompress_add(self.payload(rank), acc)
@@ -179,7 +180,7 @@ class KeyState:
             for r in ranks:
                 self.add(r, self.store)
             # the snapshot no later push can change
-            return narrow(self.store, np.empty(self.n, BFLOAT16)) if self.bfloat16 else self.store.copy()
+            return round_into(self.store, np.empty(self.n, self.dtype)) if self.half else self.store.copy()
         if self.compressed:
             try:
                 ctx = self.ctxs[ranks[0]]
@@ -192,11 +193,13 @@ class KeyState:
         if self.results is None:
             self.results = [np.empty(self.n, self.dtype), np.empty(self.n, self.dtype)]
         acc = self.results[round_ % 2]
-        if self.bfloat16:  # summed in float32 in worker-rank order, rounded once
-            total = widen(self.payload(ranks[0]))
+        if self.half:  # summed in float32 in worker-rank order, rounded once (wire/half.py)
+            total = to_float32(self.payload(ranks[0]), self.dtype)
             for r in ranks[1:]:
                 self.add(r, total)
-            return narrow(total, acc)
+            if (self.ctxs[ranks[0]] or {}).get(SERVER_MEAN):  # the lowest rank's context: workers average alike
+                total /= np.float32(len(ranks))
+            return round_into(total, acc)
         # in worker-rank order: raw pushes are copied then added
         if len(ranks) == 1:
             np.copyto(acc, self.payload(ranks[0]).view(self.dtype))

@@ -6,10 +6,19 @@ import numpy as np
 
 from ...comm.communicator import Handle as HandleABC
 from ...wire.bfloat16 import BFLOAT16, narrow, widen
+from ...wire.half import HALF
 
 # a small dense reply is copied out on the I/O thread: handing it to the codec pool costs more
 # than the copy (the fused replies of a ResNet-50 round hold about a hundred such entries)
 INLINE_DECODE_BYTES = 64 * 1024
+
+
+def servers_average(worker, tensor):
+    """Whether the servers divide ``tensor``'s sum when it is averaged (wire/half.py): a dense
+    float16 or bfloat16 tensor of one local rank's own (``one_per_host``), whose pushers are the
+    member hosts on every server alike; async servers answer with a running sum instead."""
+    return tensor.pushed_by is not None and not tensor.compressed and tensor.wire_dtype in HALF \
+        and worker.sums_half and not worker.cfg.enable_async
 
 
 class Handle(HandleABC):
@@ -98,7 +107,8 @@ class Handle(HandleABC):
             dest = self.wire[push.part.start:push.part.stop]
             reducer = push.part.reducer
             count = self.members or self.worker.averaged_over(self.tensor)
-            if dest.dtype == BFLOAT16:  # dense (placement.check_dtype): divided in float32, rounded back
+            if dest.dtype == BFLOAT16:  # dense (placement.check_dtype); averaged here only under async
+                # servers (else servers_average): divided in float32, rounded back
                 if payload is not push.dest:
                     dest.view(np.uint16)[:] = np.frombuffer(payload, np.uint16)
                 if self.average:

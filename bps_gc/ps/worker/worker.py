@@ -18,6 +18,7 @@ from ...comm.metrics import Counters
 from ...comm.phased import PhasedReduction, host_first, phase_dtype, phase_lengths, phase_names, phases
 from ...comm.placement import Placement, check_dtype, declare_tensor, dense_partition_bytes
 from ...wire.sockets import Auth
+from ...wire.half import HALF_SUMS, SERVER_MEAN
 from ...wire.wire import encode_context
 from ..membership.membership import Membership
 from . import codec_state
@@ -25,7 +26,7 @@ from . import host as host_level
 from .commands import Barrier, Goodbye, InitKey, SendPush, StartLocal
 from .compressing import CompressedPushes
 from .elastic import ElasticRounds
-from .handle import Handle
+from .handle import Handle, servers_average
 from .io import WorkerIO
 from .lone_worker import LoneWorker
 from .payloads import push_payloads
@@ -90,7 +91,7 @@ class Worker(Communicator):
         book = self.membership.join(self.cfg.join_timeout)
         servers = book["servers"]
         self.phase_words = phase_words(servers)
-        self.sums_bfloat16 = all("bfloat16" in (s.get("sums") or ()) for s in servers)
+        self.sums_half = all(HALF_SUMS in (s.get("sums") or ()) for s in servers)
         self.peers.connect(book["workers"], lambda: self.io.failure if self.io else None, self.membership.left)
         local, self.host = host_level.connect(self.cfg, self.size, local, book, self.membership.host,
                                               self.membership)
@@ -228,6 +229,8 @@ class Worker(Communicator):
             wire = source = flat
         else:
             wire, source = out.reshape(-1), flat
+        if average and servers_average(self, tensor):  # the mean rounded once (wire/half.py)
+            context, average = encode_context({**ctx, SERVER_MEAN: True}), False
         tensor.busy = True
         handle = Handle(self, tensor, out, wire, len(tensor.partitions), average, ctx)
         if self.elastic is not None:

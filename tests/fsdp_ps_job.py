@@ -51,6 +51,7 @@ MOMENTUM = 0.9  # the runs saved and resumed together (spec "save", "resume"): o
 POLICIES = {  # fully_shard's options of spec "policies" (run name: policy)
     "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
     "bf16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)},
+    "f16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)},
     "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},  # pinned memory needs an accelerator
     "fp64r": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)},
 }
@@ -96,7 +97,7 @@ def record_calls(model, calls):
         inner = groups[0]._all_reduce_hook
 
         def recording(reduce_output, inner=inner, index=index):
-            before = reduce_output.detach().float().clone().numpy()  # bfloat16 widened exactly
+            before = reduce_output.detach().float().clone().numpy()  # float16, bfloat16 widened exactly
             inner(reduce_output)
             calls.append((index, before, reduce_output.detach().float().clone().numpy()))
         module.set_all_reduce_hook(recording)

@@ -15,8 +15,9 @@ MLP's 32 and 8 rows over 3 ranks, FSDP2 pads the last), trains every model:
   fully_shard's policies (bfloat16 parameters reduced in float32, in bfloat16; CPU offload),
   with the same oracle (the bfloat16 reduction rounded) and replicas; each rank's bytes as the
   recomputed payloads';
-* dense under the bfloat16 reduce dtype: pushed and pulled as bfloat16 (half dense float32's
-  bytes), every call the server's float32 sum of the hosts' shards rounded, halved, rounded;
+* dense under the bfloat16 and the float16 reduce dtype: pushed and pulled as such (half dense
+  float32's bytes), every call the server's float32 sum of the hosts' shards halved and rounded
+  once;
 * thc 4-bit (the servers sum its integer lanes): the replicas agree, and each call is close to
   the exact mean of the hosts' shards;
 * bytes: bps.metrics() counts each rank's own shard pushed once a step, dense (what native
@@ -61,15 +62,17 @@ RECOMPRESSED = {"topk": TOPK, "recipe": {"compressor": "onebit", "scaling": True
 # top-k + EF once more per fully_shard policy (fsdp_ps_job.POLICIES): bfloat16 parameters reduced
 # in float32 or in bfloat16, CPU offload
 POLICY_RUNS = {"topk-bf16": "bf16", "topk-bf16r": "bf16r", "topk-offload": "offload"}
-# dense with a bfloat16 reduce dtype: pushed and pulled as bfloat16, summed by the server in float32
-DENSE_BF16 = {"dense-bf16r": "bf16r"}
+# dense with a bfloat16 or float16 reduce dtype (fully_shard's policy): pushed and pulled as it,
+# summed and averaged by the server in float32, rounded once
+DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
+HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
 # thc 4-bit with feedback and top-k + EF first, trained together with SGD momentum: the job saves
 # them (dcp and bps_gc's state) before step SAVE_AT, the second launch resumes them, the third
 # is refused their codec state
 RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk": TOPK}
 SAVE_AT = 2
 RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4},
-        **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_BF16}}
+        **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF}}
 LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding none) -> its layer
 NAMES = [f"{layer}.{param}" for layer in LAYERS.values() for param in ("weight", "bias")]
 
@@ -157,7 +160,7 @@ def expected_calls(ranks, run, local=LOCAL):
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
     (tmp_path / "job").mkdir()
-    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_BF16},
+    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_HALF},
                                       "save": {"runs": list(RESUMED), "at": SAVE_AT}}, LOCAL)
     check_results(ranks)
     (tmp_path / "fault").mkdir()
@@ -218,7 +221,7 @@ def check_results(ranks):
     for run in POLICY_RUNS:
         assert [int(a[f"{run}/pushed_wire"]) for a in ranks] == [int(a["topk/pushed_wire"]) for a in ranks], run
     assert not np.array_equal(ranks[0]["topk-bf16/full/0.weight"], ranks[0]["topk-offload/full/0.weight"])
-    dense_in_bfloat16(ranks)
+    dense_in_half(ranks)
     assert not np.array_equal(ranks[0]["topk-bf16r/full/0.weight"], ranks[0]["topk-bf16/full/0.weight"])
     # thc: summed lanes, an unbiased estimate of the mean (4 bits: each call within its norm,
     # over all calls the projection on the mean within 5%; 8 bits came within 1% and 5% a call)
@@ -264,21 +267,20 @@ def check_results(ranks):
                                                  "sharded over the host's local ranks (a mesh of 3"), arrays["refusal"]
 
 
-def dense_in_bfloat16(ranks):
-    """Dense under the bfloat16 reduce dtype: every hook call as the server's float32 sum of the
-    hosts' bfloat16 shards, rounded to bfloat16, halved in float32 and rounded again (torch's
+def dense_in_half(ranks):
+    """Dense under the bfloat16 and the float16 reduce dtype: every hook call as the server's
+    float32 sum of the hosts' shards in that dtype, halved in float32 and rounded once (torch's
     rounding here); half dense float32's bytes each way, on every rank."""
-    def rounded(values):
-        return torch.from_numpy(values).to(torch.bfloat16).float().numpy()
-    for run in DENSE_BF16:
+    for run, policy in DENSE_HALF.items():
+        rounded = lambda values, dtype=HALF_OF[policy]: torch.from_numpy(values).to(dtype).float().numpy()  # noqa: E731
         for i in range(LOCAL):
             for call in range(STEPS * len(LAYERS)):
                 shards = [ranks[h * LOCAL + i][f"{run}/call{call}/in"] for h in range(HOSTS)]
-                assert all(not (s.view(np.uint32) & 0xFFFF).any() for s in shards), (run, call)  # bfloat16 in
+                assert all(np.array_equal(rounded(s), s) for s in shards), (run, call)  # that dtype's values in
                 total = shards[0].copy()
                 for shard in shards[1:]:  # in rank order, as the server adds
                     total += shard
-                want = rounded(rounded(total) / np.float32(HOSTS))
+                want = rounded(total / np.float32(HOSTS))
                 for h in range(HOSTS):
                     got = ranks[h * LOCAL + i][f"{run}/call{call}/out"]
                     assert got.tobytes() == want.tobytes(), f"{run} call {call} rank {h * LOCAL + i}"

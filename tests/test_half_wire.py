@@ -92,9 +92,9 @@ rank, out, arrays = bps.rank(), sys.argv[1], {}
 rng = np.random.default_rng(rank)
 # "big": over 64 KiB, pushed alone (through the server's shared memory); "small": fused
 tensors = [(f"{kind}-{size}", dtype, n) for kind, dtype in (("f16", np.float16), ("bf16", BFLOAT16))
-           for size, n in (("big", 40_000), ("small", 1000))]
-for name, dtype, n in tensors:
-    bps.declare(name, shape=(n,), dtype=dtype, one_per_host=True)
+           for size, n in (("big", 40_000), ("small", 1000))] + [("fp16-wire", np.float32, 1000)]
+for name, dtype, n in tensors:  # "fp16-wire": float32, pushed and pulled as float16 (BytePS's fp16)
+    bps.declare(name, shape=(n,), dtype=dtype, one_per_host=True, fp16=name == "fp16-wire")
 for average in (True, False):
     bps.metrics()  # the second round's: every INIT_ACK (a slot taken) came before the first's replies
     handles = []
@@ -103,10 +103,10 @@ for average in (True, False):
         # bfloat16: float32's top 16 bits (any bfloat16 values will do)
         top = (values.view(np.uint32) >> 16).astype(np.uint16)
         x = values.astype(dtype) if dtype != BFLOAT16 else top.view(BFLOAT16)
-        arrays[f"{name}/{average}/in"] = x.view(np.uint16).copy()
+        arrays[f"{name}/{average}/in"] = x.copy()
         handles.append((name, bps.push_pull(x, name, average=average)))
     for name, h in handles:
-        arrays[f"{name}/{average}/out"] = h.wait().view(np.uint16).copy()
+        arrays[f"{name}/{average}/out"] = h.wait().copy()
 arrays["shared_bytes"] = np.array(bps.metrics().shared_bytes)
 np.savez(f"{out}/rank{rank}.npz", **arrays)
 bps.shutdown()
@@ -118,18 +118,23 @@ def test_three_hosts_average_rounded_once_through_shared_memory(tmp_path):
     """3 hosts (one rank each) and a server on their host: float16 and bfloat16 tensors of one
     local rank's own (``one_per_host``, as FSDP's shards) averaged and summed, each rank's
     result the float32 sum over the hosts in rank order (divided by 3 for the average) rounded
-    once by torch, bit for bit; the tensors over 64 KiB went through the server's shared memory
-    (the slot each worker offers, the result buffers of the server's arena), the small ones
-    fused over the socket."""
+    once by torch, bit for bit (a float32 tensor with BytePS's fp16 wire too: its float16 mean
+    widened); the tensors over 64 KiB went through the server's shared memory (the slot each
+    worker offers, the result buffers of the server's arena), the small ones fused over the
+    socket."""
     result = run_local([sys.executable, "-c", JOB, str(tmp_path)], workers=3, servers=1, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    ranks = [dict(np.load(os.path.join(tmp_path, f"rank{r}.npz"))) for r in range(3)]
-    for name in ("f16-big", "f16-small", "bf16-big", "bf16-small"):
-        dtype = HALVES["float16" if name.startswith("f16") else "bfloat16"][1]
+    ranks = [dict(np.load(os.path.join(tmp_path, f"rank{r}.npz"), allow_pickle=False)) for r in range(3)]
+    for name in ("f16-big", "f16-small", "bf16-big", "bf16-small", "fp16-wire"):
+        dtype = HALVES["bfloat16" if name.startswith("bf16") else "float16"][1]
         for average in (True, False):
-            inputs = [as_torch(ranks[r][f"{name}/{average}/in"], dtype).float() for r in range(3)]
+            given = [ranks[r][f"{name}/{average}/in"] for r in range(3)]
+            inputs = [torch.from_numpy(x).to(dtype).float() if x.dtype == np.float32 else as_torch(x, dtype).float()
+                      for x in given]
             total = inputs[0] + inputs[1] + inputs[2]
-            want = bits_of((total / 3 if average else total).to(dtype))
+            want = (total / 3 if average else total).to(dtype)
+            # "fp16-wire": the float16 reply widened into the float32 tensor
+            want = want.float().numpy().tobytes() if name == "fp16-wire" else bits_of(want)
             for r in range(3):
                 assert ranks[r][f"{name}/{average}/out"].tobytes() == want, (name, average, r)
     # the second round's pushes in the slots: the two big tensors' bytes, none of the small ones'

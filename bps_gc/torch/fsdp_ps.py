@@ -47,8 +47,10 @@ def register_on_servers(model, groups, compression_params, reducer):
                              f"{comm.local_rank}), but it is sharded on a mesh of {info.shard_mesh_size} as shard "
                              f"{info.shard_mesh_rank}; shard it on bps_gc.torch.host_mesh()")
     shards = shard_parts(model, groups)
-    # each shard pushed in its wire dtype (float32; float64 and a dense float16 or bfloat16 kept)
-    dense = not CompressionParams.from_dict(dict(compression_params or {})).compressed and comm.sums_half
+    # each shard pushed in its wire dtype (float32; float64 and a dense float16 or bfloat16 kept;
+    # with fp16 the float32 stand-in travels as float16: a bfloat16 tensor takes no fp16 wire)
+    params = CompressionParams.from_dict(dict(compression_params or {}))
+    dense = not params.compressed and not params.fp16 and comm.sums_half
     pushed = [(name, torch.empty((), dtype=wire_dtype(stand_in.dtype, dense)).expand(stand_in.shape))
               for parts in shards.values() for name, stand_in in parts]
     refuse_unfit_codec(compression_params, shards, pushed)  # before anything is registered or declared

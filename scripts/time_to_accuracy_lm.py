@@ -232,11 +232,8 @@ class Run:
         if isinstance(opt, TorchftDiLoCo):
             opt.deploy_into(self.deploy)
             return self.deploy
-        with self.torch.no_grad():
-            for fragment in opt.fragments:
-                for (name, _), global_copy in zip(fragment.named, fragment.copies):
-                    self.deploy.get_parameter(name).copy_(global_copy)
-        return self.deploy
+        from lm_diloco import load_global_copy  # train.py --api diloco evaluates the same
+        return load_global_copy(opt, self.deploy)
 
     def train(self, config, cap_seconds, target):
         """{curve: [(step, seconds, loss)], bytes_per_step, capped} of ``config`` on the link."""

@@ -217,21 +217,28 @@ def test_lm_hsdp_rows_run_and_print(tmp_path):
 
 
 def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
-    """The straight run's launch then runs train.py --api fsdp too (hsdp_runs_agree)."""
+    """The straight run's launch then runs train.py --api fsdp too (hsdp_runs_agree); each of
+    the three launches runs train.py --api diloco second (diloco_resumes). Every tensor is
+    compressed (BYTEPS_MIN_COMPRESS_BYTES=0: the tiny model's are all under the default)."""
     def train(folder, *extra, then=()):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
         flags = [*TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
                  "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
-        argv = [FSDP_JOB, *flags, *(w for run in then for w in ("+", *run))] if then else [TRAIN, *flags]
-        result = subprocess.run(torchrun_argv(argv, 2), env=job_env(), cwd=ROOT, capture_output=True, text=True,
-                                timeout=120)
+        diloco = [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2",
+                  "--checkpoint", str(tmp_path / "diloco" / folder), *extra]
+        # DiLoCo second: its exchange's name, which keys its codec state, is the process's first (exchange.0)
+        argv = [FSDP_JOB, *flags, *(w for run in (diloco, *then) for w in ("+", *run))]
+        result = subprocess.run(torchrun_argv(argv, 2), env=job_env({"BYTEPS_MIN_COMPRESS_BYTES": "0"}), cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout
-    straight, *hsdp = train("straight", then=HSDP_RUNS).split("=== run ")[1:]
+        return result.stdout.split("=== run ")[1:]
+    from test_lm_diloco import DILOCO, diloco_resumes
+    straight, diloco_straight, *hsdp = train("straight", then=HSDP_RUNS)
     hsdp_runs_agree(hsdp)
     assert "precision: bf16 autocast" in straight and "attention plain" in straight
-    assert "stopped after step 2" in train("resumed", "--stop-after", "2")
-    resumed = train("resumed")
+    assert all("stopped after step 2" in out for out in train("resumed", "--stop-after", "2"))
+    resumed, diloco_resumed = train("resumed")
     assert "resumed from" in resumed
+    diloco_resumes(tmp_path / "diloco", diloco_straight, diloco_resumed)
 
     assert final(straight) == final(resumed)
     for rank in range(2):
@@ -281,7 +288,9 @@ def test_optimizer_api_under_bpslaunch_on_either_transport(tmp_path, servers):
 
 
 def flat(tree, prefix=""):
-    """{dotted key: leaf} of nested dicts."""
+    """{dotted key: leaf} of nested dicts and lists."""
+    if isinstance(tree, (list, tuple)):
+        tree = dict(enumerate(tree))
     if not isinstance(tree, dict):
         return {prefix: tree}
     return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
@@ -290,10 +299,7 @@ def flat(tree, prefix=""):
 def test_thc_takes_ef_vanilla_as_its_own_feedback(capsys):
     """train.py's own example (--compressor thc --bits 4 --ef vanilla) asks thc's feedback
     rather than being refused for 'ef'; another --ef is one line naming it."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("lm_train", TRAIN)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = train_module()
     parser = train.build_parser()
     args = parser.parse_args(["--compressor", "thc", "--bits", "4", "--ef", "vanilla"])
     assert train.codec_params(args, parser) == {"compressor": "thc", "bits": 4, "feedback": True}
@@ -305,6 +311,14 @@ def test_thc_takes_ef_vanilla_as_its_own_feedback(capsys):
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         f"{parser.prog}: error: --ef nesterov: thc takes --ef vanilla")
+
+
+def train_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lm_train", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    return train
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -7,6 +7,9 @@ gradient compression: the transformer yardstick of scripts/time_to_accuracy.py -
     torchrun --nproc-per-node 2 example/pytorch/lm/train.py --api optimizer --compressor thc --bits 4 --ef vanilla
     torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2                # native HSDP
     torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2 --compressor powersgd --rank 4
+    torchrun --nproc-per-node 2 example/pytorch/lm/train.py --api diloco --sync-every 50 --compressor thc --bits 4 --ef vanilla
+    bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api diloco --sync-every 50 \\
+        --fragments 4 --delay 1 --compressor onebit --onebit-scaling --ef vanilla --outer-step servers
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api optimizer \\
         --optimizer sgd --lr 0.3 --compressor onebit --onebit-scaling --ef vanilla --compress-momentum nesterov
 
@@ -17,6 +20,13 @@ without --compressor); it needs torch.distributed (torchrun, or bpslaunch --serv
 torch.distributed): native HSDP without --compressor, else each block sharded on mesh["shard"]
 and ``bps.register_fsdp_hooks`` compressing the gradient shards across the replicas (--hsdp
 hooks without --compressor: the dense hooks).
+``--api diloco`` communicates rarely: ``bps.DiLoCo`` (docs/diloco.md) takes --sync-every H
+inner steps with the optimizer below on each rank alone, then averages the pseudo-gradients
+(global copy - local parameters) through the job's transport, compressed by the codec flags,
+and takes the outer step (Nesterov SGD, --outer-lr 0.7 --outer-momentum 0.9: the paper's) on
+the global copy; --fragments F and --delay tau are Streaming DiLoCo's (lm_diloco.py). On
+either transport; on the parameter server --outer-step servers has the servers take it. It
+evaluates the global copy, and its bytes are per inner step.
 The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
 default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up
 and a cosine decay to a tenth of --lr, gradients clipped to --clip after they are averaged.
@@ -31,6 +41,7 @@ bps.metrics(): what it handed the exchange). With --checkpoint DIR every rank sa
 DIR resumes there, bit for bit.
 """
 import argparse
+import copy
 import math
 import os
 import sys
@@ -46,6 +57,7 @@ import bps_gc.torch as bps  # noqa: E402
 import epoch_checkpoint  # noqa: E402
 from compression_flags import add_compression_args, compression_params  # noqa: E402
 from gpt import attention_for, byte_loss, parameter_count  # noqa: E402
+from lm_diloco import add_diloco_args, check_diloco_args, describe, load_global_copy, make_diloco  # noqa: E402
 from lm_training import (add_model_args, add_optimizer_args, build_model, check_args, clipped_step, evaluate,  # noqa: E402
                          lr_at, make_optimizer)
 from stdlib_text import Corpus, train_batch, unigram_entropy_bits, val_windows  # noqa: E402
@@ -56,7 +68,7 @@ from torch_device import PRECISION_HELP, MixedPrecision, add_device_arg, pick_de
 
 def build_parser():
     p = OneLineParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--api", choices=("hook", "optimizer", "fsdp"), default="hook")
+    p.add_argument("--api", choices=("hook", "optimizer", "fsdp", "diloco"), default="hook")
     p.add_argument("--shards", type=int, default=None, help="--api fsdp: ranks a model is sharded over (one "
                                                            "host's; default: LOCAL_WORLD_SIZE)")
     p.add_argument("--hsdp", choices=("native", "hooks"), default=None,
@@ -70,6 +82,7 @@ def build_parser():
     p.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: an interrupted run
     add_model_args(p)
     add_optimizer_args(p)
+    add_diloco_args(p)
     add_device_arg(p)
     g = add_compression_args(p)
     g.add_argument("--bits", type=int, default=4, help="thc: bits per coordinate")
@@ -127,6 +140,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_args(args, parser)
     check_fsdp_args(args, parser)
+    check_diloco_args(args, parser)
     params = codec_params(args, parser)
     corpus = Corpus(args.corpus).check(args.context, args.val_windows)
     require_launcher("example/pytorch/lm/train.py")
@@ -146,6 +160,10 @@ def main(argv=None):
     opt = make_optimizer(args, model)
     if args.api == "fsdp":
         net = model
+    elif args.api == "diloco":  # every replica starts from rank 0's parameters
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        net, opt = model, make_diloco(bps, args, model, opt, params)
+        deployed = copy.deepcopy(model)  # the global copy is evaluated, in a model of its own
     elif args.api == "hook":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's
         if params:
@@ -156,21 +174,26 @@ def main(argv=None):
     say("\n".join(device_lines + [precision_line]))
     say(f"model: {parameter_count(model):,} parameters ({args.layers} layers, width {args.width}, {args.heads} heads, "
         f"context {args.context}, attention {attention}); {amp.describe()}; {size} ranks x batch {args.batch_size}; "
-        f"api {args.api}{hsdp if args.api == 'fsdp' else ''}, {args.optimizer}, compression {params or 'none'}")
+        f"api {args.api}{hsdp if args.api == 'fsdp' else describe(args) if args.api == 'diloco' else ''}, "
+        f"{args.optimizer}, compression {params or 'none'}")
     say(f"corpus: {corpus.describe()}")
     unigram = unigram_entropy_bits(corpus.train, corpus.val)
     say(f"unigram entropy: {unigram:.4f} bits per byte (the validation bytes under the training bytes' frequencies)")
     val = val_windows(corpus.val, args.val_windows, args.context)
-    hook_state = args.api == "hook"  # DistributedOptimizer's state_dict() carries its codec state; the hook's goes beside
+    # DistributedOptimizer's state_dict() carries its codec state; the hook's and DiLoCo's go beside
+    hook_state, diloco = args.api in ("hook", "diloco"), args.api == "diloco"
+    evaluated = (lambda: load_global_copy(opt, deployed)) if diloco else (lambda: model)
     saved = epoch_checkpoint.resume(args.checkpoint, rank, size, model, opt, summed)
     first, train_seconds = 0, 0.0
     if saved is not None:
         first, train_seconds = saved["epoch"], saved["train_seconds"]
         if hook_state:
             bps.load_state_dict(saved["bps_gc"])
+        if diloco:  # no push reaches a server before every worker restored its state
+            bps.barrier()
         say(f"resumed from {args.checkpoint} at step {first}")
     tokens_per_step = args.batch_size * args.context * size
-    val_loss = evaluate(model, val, device, amp) if first == 0 else saved["val_loss"]
+    val_loss = evaluate(evaluated(), val, device, amp) if first == 0 else saved["val_loss"]
     bps.metrics()  # reset: what bps_gc carries from here is the training's exchange
     for step in range(first, args.steps):
         began = time.perf_counter()
@@ -186,7 +209,9 @@ def main(argv=None):
         train_seconds += time.perf_counter() - began
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:
-            val_loss = evaluate(model, val, device, amp)
+            if diloco:  # no exchange in flight beside the checkpoint's barrier (its average kept for its step)
+                opt.wait()
+            val_loss = evaluate(evaluated(), val, device, amp)
             say(f"step {done}: train_loss={loss.item():.4f} val_loss={val_loss:.4f} bpb={val_loss / math.log(2):.4f} "
                 f"tokens_per_s={done * tokens_per_step / max(train_seconds, 1e-9):.0f}", flush=True)
             if args.checkpoint:
@@ -197,9 +222,12 @@ def main(argv=None):
                 say(f"stopped after step {done} (--stop-after)")
                 bps.shutdown()
                 return
-    sent = bps.metrics().pushed_wire / max(args.steps - first, 1)
-    if sent:  # bps_gc carried the gradients (not dense DDP, nor native HSDP)
-        say(f"exchange: {sent:.0f} bytes per step handed bps_gc's exchange by rank 0 (bps.metrics())")
+    pushed, steps = bps.metrics().pushed_wire, max(args.steps - first, 1)
+    if pushed and diloco:
+        say(f"exchange: {pushed / steps:.1f} bytes per inner step handed bps_gc's exchange by rank 0 "
+            f"(bps.metrics(): {pushed} bytes in {steps} inner steps)")
+    elif pushed:  # bps_gc carried the gradients (not dense DDP, nor native HSDP)
+        say(f"exchange: {pushed / steps:.0f} bytes per step handed bps_gc's exchange by rank 0 (bps.metrics())")
     bpb = val_loss / math.log(2)
     say(f"bits per byte {bpb:.4f}: {100 * (1 - bpb / unigram):.1f}% below the unigram entropy")
     say(f"final: val_loss={val_loss:.6f} bpb={val_loss / math.log(2):.6f} "

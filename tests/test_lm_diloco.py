@@ -1,0 +1,94 @@
+"""train.py --api diloco (bps_gc.torch.DiLoCo, example/pytorch/lm/lm_diloco.py): on the
+parameter server with the outer step on the servers (a launch of its own), its bad flags (no
+launch), and the checks of its torch.distributed runs, which ride on test_lm.py's resume
+launches (test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes)."""
+import sys
+
+import pytest
+import torch
+
+from test_lm import TINY, TRAIN, final, flat, train_module
+
+ONEBIT_EF = ["--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla"]
+DILOCO = [*TINY, "--precision", "fp32", "--api", "diloco", "--sync-every", "4", *ONEBIT_EF]
+
+
+def onebit_bytes(named):
+    """onebit's payload of these parameters (compress/onebit.py's format): a bit an element in
+    32-bit words, then a float32 scale, per tensor."""
+    return sum(4 * -(-p.numel() // 32) + 4 for _, p in named)
+
+
+def diloco_resumes(folder, straight, resumed):
+    """train.py --api diloco on torch.distributed, onebit + EF, H = 4, two fragments, tau = 1:
+    stopped after step 2 with fragment 0's exchange in flight, resumed, it ends as the straight
+    run, bit for bit (model, DiLoCo's state with the exchange in flight at step 6, the codec's
+    residuals); the two ranks' global copies are the same bits and their local parameters not
+    (replicas); bytes (rank 0's bps.metrics()) are onebit's payloads of the syncs started:
+    fragment 0 at steps 2 and 6, fragment 1 at 4; resumed after 2, one whole model in H steps."""
+    from gpt import GPT
+    named = list(GPT(1, 32, 2, 32).named_parameters())
+    first, second = onebit_bytes(named[:len(named) // 2]), onebit_bytes(named[len(named) // 2:])
+    assert "api diloco (H=4, 2 fragments, delay 1, alpha 0.0, outer SGD lr 0.7 momentum 0.9 nesterov on the " \
+           "workers)" in straight, straight
+    assert f"(bps.metrics(): {2 * first + second} bytes in 6 inner steps)" in straight, straight
+    assert f"exchange: {(first + second) / 4:.1f} bytes per inner step" in resumed and "resumed from" in resumed
+    assert final(straight) == final(resumed)
+    saved = {run: [torch.load(folder / run / f"rank{rank}.pth") for rank in range(2)] for run in ("straight", "resumed")}
+    for a, b in zip(saved["straight"], saved["resumed"]):
+        assert a["epoch"] == b["epoch"] == 6 and a["optimizer"]["fragments"][0]["due"] == 7  # in flight
+        flat_a, flat_b = (flat({"model": c["model"], "diloco": c["optimizer"], "bps_gc": c["bps_gc"]}) for c in (a, b))
+        assert set(flat_a) == set(flat_b) and any("ef.error" in k for k in flat_a)
+        for key, value in flat_a.items():
+            assert torch.equal(value, flat_b[key]) if torch.is_tensor(value) else value == flat_b[key], key
+    ranks = saved["straight"]
+    copies = [[c for f in r["optimizer"]["fragments"] for c in f["copies"]] for r in ranks]
+    assert all(torch.equal(a, b) for a, b in zip(*copies)) and len(copies[0]) == len(named)
+    assert not all(torch.equal(value, ranks[1]["model"][name]) for name, value in ranks[0]["model"].items())
+
+
+def test_diloco_api_on_the_parameter_server(tmp_path):
+    """train.py --api diloco under bpslaunch --servers 1, onebit + EF (every tensor compressed),
+    the outer step on the servers: after the sync at step 4 = H both workers' parameters are
+    their global copy, the same bits; the servers hold the outer momentum (worker 0's
+    bps.state_dict()); the bytes are onebit's payload of the whole model, once in H inner steps."""
+    from cluster import run_local
+    from gpt import GPT
+    argv = [sys.executable, TRAIN, *DILOCO, "--outer-step", "servers", "--steps", "4", "--eval-every", "4",
+            "--checkpoint", str(tmp_path)]
+    result = run_local(argv, workers=2, servers=1, timeout=120,
+                       env={"OMP_NUM_THREADS": "1", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "on the servers)" in result.stdout and "final: val_loss=" in result.stdout
+    payload = onebit_bytes(GPT(1, 32, 2, 32).named_parameters())
+    assert f"(bps.metrics(): {payload} bytes in 4 inner steps)" in result.stdout, result.stdout
+    saved = [torch.load(tmp_path / f"rank{rank}.pth") for rank in range(2)]
+    start = GPT(1, 32, 2, 32).state_dict()
+    for c in saved:
+        copies = dict(zip(c["model"], c["optimizer"]["fragments"][0]["copies"]))
+        assert all(torch.equal(value, copies[name]) for name, value in c["model"].items())
+        assert all(torch.equal(value, saved[0]["model"][name]) for name, value in c["model"].items())
+    momentum = [v for k, v in flat(saved[0]["bps_gc"]).items() if k.endswith("/momentum.")]  # worker 0 saves the servers'
+    assert len(momentum) == len(start) and any(v.abs().sum() > 0 for v in momentum)
+    assert not all(torch.equal(value, start[name]) for name, value in saved[0]["model"].items())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fragments", "2"], "--fragments is --api diloco's (got --api hook)"),
+    (["--api", "optimizer", "--sync-every", "8", "--outer-lr", "1"], "--sync-every, --outer-lr are --api diloco's"),
+    (["--api", "diloco", "--sync-every", "8", "--fragments", "4", "--delay", "2"],
+     "--delay must be >= 0 and below --sync-every / --fragments (8 / 4), got 2"),
+    (["--api", "diloco", "--fragments", "0"], "--fragments must be between 1 and --sync-every (50), got 0"),
+    (["--api", "diloco", "--alpha", "1"], "--alpha must be in [0, 1), got 1.0"),
+    (["--api", "diloco", "--outer-step", "servers"], "--outer-step servers runs as a compressed tensor's reducer"),
+    (["--api", "diloco", "--compressor", "onebit", "--compress-momentum", "nesterov"],
+     "--compress-momentum moves the optimizer's momentum into the codec chain: not with --api diloco"),
+    (["--api", "diloco", "--shards", "2"], "--shards and --hsdp are --api fsdp's"),
+])
+def test_bad_diloco_api_flags_are_one_line(capsys, flags, message):
+    """train.py --api diloco's flags: one line, before any launch (the parser's error, status 2)."""
+    with pytest.raises(SystemExit) as stopped:
+        train_module().main(flags)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and ": error: " in err[0], err

@@ -25,6 +25,7 @@ from stdlib_text import Corpus, train_batch, val_windows  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "example", "pytorch", "lm", "train.py")
 FSDP_JOB = os.path.join(ROOT, "tests", "lm_fsdp_job.py")
+INTERRUPT = os.path.join(ROOT, "tests", "interrupted_run.py")
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--batch-size", "4", "--val-windows", "8"]
 FSDP = [*TINY, "--precision", "fp32", "--steps", "4", "--eval-every", "4", "--api", "fsdp", "--shards", "1"]
 HSDP_RUNS = (FSDP, [*FSDP, "--hsdp", "hooks"], [*FSDP, "--compressor", "topk", "--k", "0.01", "--ef", "vanilla"])
@@ -217,33 +218,37 @@ def test_lm_hsdp_rows_run_and_print(tmp_path):
 
 
 def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
-    """The straight run's launch then runs train.py --api fsdp too (hsdp_runs_agree); each of
-    the three launches runs train.py --api diloco second (diloco_resumes). Every tensor is
-    compressed (BYTEPS_MIN_COMPRESS_BYTES=0: the tiny model's are all under the default)."""
-    def train(folder, *extra, then=()):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
+    """One launch runs train.py with top-k + EF, then --api diloco (diloco_resumes), then --api
+    fsdp (hsdp_runs_agree), and leaves each checkpointed run's first checkpoint (step 2) where
+    the resumed launch starts from it: what a run interrupted there would have left
+    (tests/interrupted_run.py's COPY_TO). Every tensor is compressed (BYTEPS_MIN_COMPRESS_BYTES=0:
+    the tiny model's are all under the default)."""
+    from test_lm_diloco import DILOCO, diloco_resumes
+
+    def train(root, then=(), **env):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
         flags = [*TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
-                 "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(tmp_path / folder), *extra]
+                 "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(root / "topk")]
         diloco = [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2",
-                  "--checkpoint", str(tmp_path / "diloco" / folder), *extra]
+                  "--checkpoint", str(root / "diloco")]
         # DiLoCo second: its exchange's name, which keys its codec state, is the process's first (exchange.0)
-        argv = [FSDP_JOB, *flags, *(w for run in (diloco, *then) for w in ("+", *run))]
-        result = subprocess.run(torchrun_argv(argv, 2), env=job_env({"BYTEPS_MIN_COMPRESS_BYTES": "0"}), cwd=ROOT,
-                                capture_output=True, text=True, timeout=120)
+        argv = [*([INTERRUPT] if env else []), FSDP_JOB, *flags, *(w for run in (diloco, *then) for w in ("+", *run))]
+        result = subprocess.run(torchrun_argv(argv, 2), env=job_env({"BYTEPS_MIN_COMPRESS_BYTES": "0", **env}),
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout.split("=== run ")[1:]
-    from test_lm_diloco import DILOCO, diloco_resumes
-    straight, diloco_straight, *hsdp = train("straight", then=HSDP_RUNS)
+    # each rank's 1st and 4th saves of rank<r>.pth: top-k's and DiLoCo's at step 2
+    straight, diloco_straight, *hsdp = train(tmp_path / "straight", then=HSDP_RUNS, INTERRUPT_AFTER="rank:1,4",
+                                             COPY_TO=str(tmp_path / "resumed"), COPY_ROOT=str(tmp_path / "straight"))
     hsdp_runs_agree(hsdp)
     assert "precision: bf16 autocast" in straight and "attention plain" in straight
-    assert all("stopped after step 2" in out for out in train("resumed", "--stop-after", "2"))
-    resumed, diloco_resumed = train("resumed")
-    assert "resumed from" in resumed
-    diloco_resumes(tmp_path / "diloco", diloco_straight, diloco_resumed)
+    resumed, diloco_resumed = train(tmp_path / "resumed")
+    assert "resumed from" in resumed and "at step 2" in resumed
+    diloco_resumes(tmp_path / "straight" / "diloco", tmp_path / "resumed" / "diloco", diloco_straight, diloco_resumed)
 
     assert final(straight) == final(resumed)
     for rank in range(2):
-        a = torch.load(tmp_path / "straight" / f"rank{rank}.pth")
-        b = torch.load(tmp_path / "resumed" / f"rank{rank}.pth")
+        a = torch.load(tmp_path / "straight" / "topk" / f"rank{rank}.pth")
+        b = torch.load(tmp_path / "resumed" / "topk" / f"rank{rank}.pth")
         assert a["epoch"] == b["epoch"] == 6
         flat_a, flat_b = (flat({"model": c["model"], "adamw": c["optimizer"], "bps_gc": c["bps_gc"]}) for c in (a, b))
         assert set(flat_a) == set(flat_b) and any("ef.error" in k for k in flat_a)  # the codec's residuals

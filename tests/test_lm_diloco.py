@@ -19,9 +19,9 @@ def onebit_bytes(named):
     return sum(4 * -(-p.numel() // 32) + 4 for _, p in named)
 
 
-def diloco_resumes(folder, straight, resumed):
+def diloco_resumes(straight_folder, resumed_folder, straight, resumed):
     """train.py --api diloco on torch.distributed, onebit + EF, H = 4, two fragments, tau = 1:
-    stopped after step 2 with fragment 0's exchange in flight, resumed, it ends as the straight
+    interrupted after step 2 with fragment 0's exchange in flight, resumed, it ends as the straight
     run, bit for bit (model, DiLoCo's state with the exchange in flight at step 6, the codec's
     residuals); the two ranks' global copies are the same bits and their local parameters not
     (replicas); bytes (rank 0's bps.metrics()) are onebit's payloads of the syncs started:
@@ -32,9 +32,10 @@ def diloco_resumes(folder, straight, resumed):
     assert "api diloco (H=4, 2 fragments, delay 1, alpha 0.0, outer SGD lr 0.7 momentum 0.9 nesterov on the " \
            "workers)" in straight, straight
     assert f"(bps.metrics(): {2 * first + second} bytes in 6 inner steps)" in straight, straight
-    assert f"exchange: {(first + second) / 4:.1f} bytes per inner step" in resumed and "resumed from" in resumed
+    assert f"exchange: {(first + second) / 4:.1f} bytes per inner step" in resumed and "at step 2" in resumed
     assert final(straight) == final(resumed)
-    saved = {run: [torch.load(folder / run / f"rank{rank}.pth") for rank in range(2)] for run in ("straight", "resumed")}
+    saved = {run: [torch.load(folder / f"rank{rank}.pth") for rank in range(2)]
+             for run, folder in (("straight", straight_folder), ("resumed", resumed_folder))}
     for a, b in zip(saved["straight"], saved["resumed"]):
         assert a["epoch"] == b["epoch"] == 6 and a["optimizer"]["fragments"][0]["due"] == 7  # in flight
         flat_a, flat_b = (flat({"model": c["model"], "diloco": c["optimizer"], "bps_gc": c["bps_gc"]}) for c in (a, b))

@@ -79,7 +79,6 @@ def build_parser():
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help=PRECISION_HELP)
     p.add_argument("--checkpoint", default="", help="a folder: each rank saves there after each evaluation; "
                                                     "a run with the same folder resumes")
-    p.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: an interrupted run
     add_model_args(p)
     add_optimizer_args(p)
     add_diloco_args(p)
@@ -218,10 +217,6 @@ def main(argv=None):
                 epoch_checkpoint.save(args.checkpoint, rank, model, opt, done, train_seconds=train_seconds,
                                       val_loss=val_loss, **({"bps_gc": bps.state_dict()} if hook_state else {}))
                 bps.barrier()
-            if args.stop_after and done >= args.stop_after:
-                say(f"stopped after step {done} (--stop-after)")
-                bps.shutdown()
-                return
     pushed, steps = bps.metrics().pushed_wire, max(args.steps - first, 1)
     if pushed and diloco:
         say(f"exchange: {pushed / steps:.1f} bytes per inner step handed bps_gc's exchange by rank 0 "

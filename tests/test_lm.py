@@ -3,7 +3,7 @@ repeat and refuse a too-small corpus; --precision auto picks bf16 only where the
 computes it; the plain attention (bf16 on a CPU) is causal attention; DDP on two ranks equals
 one process on the concatenated batch; a reduced --task lm run gives every row, and runs 2
 local ranks per machine, and its HSDP rows (--hsdp) run; train.py resumes bit for bit with a
-codec under bf16 autocast."""
+codec under bf16 autocast, and with --api diloco (whose checks are tests/test_lm_diloco.py's)."""
 import hashlib
 import json
 import os

@@ -1,6 +1,8 @@
 """train.py --api diloco: bps_gc.torch.DiLoCo (docs/diloco.md) over train.py's optimizer as the
 inner one, its flags, and the model a DiLoCo run evaluates, the global copy (what
 scripts/time_to_accuracy.py --task lm's DiLoCo rows evaluate too: load_global_copy)."""
+import argparse
+
 import torch
 
 # flag -> DiLoCo's default (scripts/tta_lm_diloco.py's rows: H = 50, the paper's outer Nesterov SGD)
@@ -9,19 +11,20 @@ DEFAULTS = {"sync_every": 50, "fragments": 1, "delay": 0, "alpha": 0.0, "outer_l
 
 
 def add_diloco_args(p):
+    """The flags; absent unless given (check_diloco_args refuses them without --api diloco)."""
     g = p.add_argument_group("DiLoCo (--api diloco; the codec flags compress its pseudo-gradients)")
-    g.add_argument("--sync-every", type=int, default=None, metavar="H",
+    g.add_argument("--sync-every", type=int, default=argparse.SUPPRESS, metavar="H",
                    help="inner steps between a fragment's syncs (default 50)")
-    g.add_argument("--fragments", type=int, default=None, metavar="F",
+    g.add_argument("--fragments", type=int, default=argparse.SUPPRESS, metavar="F",
                    help="Streaming DiLoCo: the parameters cut into F fragments, their syncs staggered (default 1)")
-    g.add_argument("--delay", type=int, default=None, metavar="TAU",
+    g.add_argument("--delay", type=int, default=argparse.SUPPRESS, metavar="TAU",
                    help="inner steps a fragment's exchange overlaps before its outer step (< H / F; default 0)")
-    g.add_argument("--alpha", type=float, default=None,
+    g.add_argument("--alpha", type=float, default=argparse.SUPPRESS,
                    help="after an outer step, local = alpha local + (1 - alpha) global (default 0)")
-    g.add_argument("--outer-lr", type=float, default=None, help="the outer SGD's rate (default 0.7)")
-    g.add_argument("--outer-momentum", type=float, default=None,
+    g.add_argument("--outer-lr", type=float, default=argparse.SUPPRESS, help="the outer SGD's rate (default 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=argparse.SUPPRESS,
                    help="the outer SGD's momentum, Nesterov (default 0.9; 0: none)")
-    g.add_argument("--outer-step", choices=("workers", "servers"), default=None,
+    g.add_argument("--outer-step", choices=("workers", "servers"), default=argparse.SUPPRESS,
                    help="where the outer step runs: the workers (default, either transport) or the parameter "
                         "server's servers (bpslaunch --servers N > 0, with a --compressor)")
 
@@ -29,14 +32,14 @@ def add_diloco_args(p):
 def check_diloco_args(args, parser):
     """One line (parser.error) for a DiLoCo flag without --api diloco, or a value DiLoCo refuses
     that the flags alone show; fills in DiLoCo's defaults."""
-    given = [name for name in DEFAULTS if getattr(args, name) is not None]
+    given = [name for name in DEFAULTS if hasattr(args, name)]
     if args.api != "diloco":
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             parser.error(f"{flags} {'is' if len(given) == 1 else 'are'} --api diloco's (got --api {args.api})")
         return
     for name, value in DEFAULTS.items():
-        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+        setattr(args, name, getattr(args, name, value))
     if args.sync_every < 1:
         parser.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if not 1 <= args.fragments <= args.sync_every:

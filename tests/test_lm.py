@@ -221,8 +221,7 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
     """One launch runs train.py with top-k + EF, then --api diloco (diloco_resumes), then --api
     fsdp (hsdp_runs_agree), and leaves each checkpointed run's first checkpoint (step 2) where
     the resumed launch starts from it: what a run interrupted there would have left
-    (tests/interrupted_run.py's COPY_TO). Every tensor is compressed (BYTEPS_MIN_COMPRESS_BYTES=0:
-    the tiny model's are all under the default)."""
+    (tests/interrupted_run.py's COPY_TO)."""
     from test_lm_diloco import DILOCO, diloco_resumes
 
     def train(root, then=(), **env):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
@@ -232,8 +231,8 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
                   "--checkpoint", str(root / "diloco")]
         # DiLoCo second: its exchange's name, which keys its codec state, is the process's first (exchange.0)
         argv = [*([INTERRUPT] if env else []), FSDP_JOB, *flags, *(w for run in (diloco, *then) for w in ("+", *run))]
-        result = subprocess.run(torchrun_argv(argv, 2), env=job_env({"BYTEPS_MIN_COMPRESS_BYTES": "0", **env}),
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(torchrun_argv(argv, 2), env=job_env(env), cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout.split("=== run ")[1:]
     # each rank's 1st and 4th saves of rank<r>.pth: top-k's and DiLoCo's at step 2

@@ -20,12 +20,13 @@ def onebit_bytes(named):
 
 
 def diloco_resumes(straight_folder, resumed_folder, straight, resumed):
-    """train.py --api diloco on torch.distributed (whose exchange compresses every tensor), onebit +
-    EF, H = 4, two fragments, tau = 1: interrupted after step 2 with fragment 0's exchange in
-    flight, resumed, it ends as the straight run, bit for bit (model, DiLoCo's state with the exchange in flight at step 6, the codec's
-    residuals); the two ranks' global copies are the same bits and their local parameters not
-    (replicas); bytes (rank 0's bps.metrics()) are onebit's payloads of the syncs started:
-    fragment 0 at steps 2 and 6, fragment 1 at 4; resumed after 2, one whole model in H steps."""
+    """train.py --api diloco on torch.distributed (whose exchange compresses every tensor),
+    onebit + EF, H = 4, two fragments, tau = 1: interrupted after step 2 with fragment 0's
+    exchange in flight, resumed, it ends as the straight run, bit for bit (model, DiLoCo's state
+    with the exchange in flight at step 6, the codec's residuals); the two ranks' global copies
+    are the same bits and their local parameters not (replicas); bytes (rank 0's bps.metrics())
+    are onebit's payloads of the syncs started: fragment 0 at steps 2 and 6, fragment 1 at 4;
+    resumed after 2, one whole model in H steps."""
     from gpt import GPT
     named = list(GPT(1, 32, 2, 32).named_parameters())
     first, second = onebit_bytes(named[:len(named) // 2]), onebit_bytes(named[len(named) // 2:])

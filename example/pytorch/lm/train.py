@@ -25,8 +25,8 @@ inner steps with the optimizer below on each rank alone, then averages the pseud
 (global copy - local parameters) through the job's transport, compressed by the codec flags,
 and takes the outer step (Nesterov SGD, --outer-lr 0.7 --outer-momentum 0.9: the paper's) on
 the global copy; --fragments F and --delay tau are Streaming DiLoCo's (lm_diloco.py). On
-either transport; on the parameter server --outer-step servers has the servers take it. It
-evaluates the global copy, and its bytes are per inner step.
+either transport; on the parameter server --outer-step servers has the servers take it. Each
+rank clips its own gradients; the global copy is evaluated, and bytes are per inner step.
 The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
 default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up
 and a cosine decay to a tenth of --lr, gradients clipped to --clip after they are averaged.
@@ -37,7 +37,9 @@ Every --eval-every steps rank 0 prints the validation loss (nats per byte), bits
 tokens per second of training (all ranks, evaluation excluded); its last line is
 ``final: val_loss=<float> bpb=<float> tokens_per_s=<float>``; where bps_gc carried the
 gradients, an ``exchange: <int> bytes per step ...`` line before it says how much (rank 0's
-bps.metrics(): what it handed the exchange). With --checkpoint DIR every rank saves model, optimizer and bps.state_dict() after each evaluation, and a run with the same
+bps.metrics(): what it handed the exchange; DiLoCo's: ``exchange: <float> bytes per inner step
+... (bps.metrics(): <int> bytes in <int> inner steps)``). With --checkpoint DIR every rank
+saves model, optimizer and bps.state_dict() after each evaluation, and a run with the same
 DIR resumes there, bit for bit.
 """
 import argparse

@@ -37,12 +37,13 @@ class PushPullModel:
     ``step(inputs, lr)`` is what every worker pulls for these per-rank inputs."""
 
     def __init__(self, params, shape, dtype, index, workers, partition_bytes, min_compress_bytes,
-                 average=True, reducer=None):
+                 average=True, reducer=None, half_in_float32=True):
         self.params = CompressionParams.from_dict(params or {})
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.wire = np.dtype(np.float16) if self.params.fp16 else self.dtype
         self.size = int(np.prod(shape))
         self.workers, self.average = workers, average
+        self.half_in_float32 = half_in_float32
         self.reducer = reducer or (COMPRESSORS[self.params.compressor].reducers[0]
                                    if self.params.compressed else "sum")
         self.compressed = self.params.compressed and self.size * self.dtype.itemsize >= min_compress_bytes
@@ -66,8 +67,9 @@ class PushPullModel:
             else:
                 decoded = [flat[r][start:stop] for r in range(self.workers)]
             # raw pushes: first copied, then added (float16 in float32, rounded once: the
-            # servers', wire/half.py); decoded pushes: added to zeros
-            adder = np.float32 if self.wire == np.float16 else self.wire
+            # servers', wire/half.py; in float16, in rank order, where a host's ranks sum them
+            # alone: comm/host_sum.py); decoded pushes: added to zeros
+            adder = np.float32 if self.wire == np.float16 and self.half_in_float32 else self.wire
             acc = np.zeros(stop - start, self.wire) if self.compressed else decoded[0].astype(adder)
             for d in decoded if self.compressed else decoded[1:]:
                 acc += d
@@ -85,13 +87,14 @@ class PushPullModel:
         return result.astype(self.dtype).reshape(self.shape)
 
 
-def expected_results(spec, workers):
-    """{'name/step': array} as every worker must see it."""
+def expected_results(spec, workers, servers_sum=True):
+    """{'name/step': array} as every worker must see it; ``servers_sum=False``: the dense tensors
+    are summed by the workers of one host alone (BPS_GC_LOCAL_REDUCE), float16 in float16."""
     out = {}
     for index, t in enumerate(spec["tensors"]):
         model = PushPullModel(t.get("params"), t["shape"], t["dtype"], index, workers,
                               spec["partition_bytes"], spec["min_compress_bytes"], t.get("average", True),
-                              t.get("reducer"))
+                              t.get("reducer"), half_in_float32=servers_sum)
         for step in range(spec["steps"]):
             inputs = [gradient(r, step, t) for r in range(workers)]
             out[f"{t['name']}/{step}"] = model.step(inputs, step_ctx(spec, step))

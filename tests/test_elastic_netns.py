@@ -43,5 +43,7 @@ def test_a_host_killed_and_one_joining_in_network_namespaces(tmp_path):
     # a rank never registered: the others refused after the host's BPS_GC_JOIN_TIMEOUT, naming it
     assert "local rank 1 (worker" in summary["lame_join"] and "did not register" in summary["lame_join"], summary
     lost = summary["lost"]  # measured on the survivors
-    assert lost and lost["stall_s"] >= lost["commit_s"] > 0, lost
+    # survivors resume after the commit; its time is the scheduler's log line, which may be
+    # written a few ms after a survivor already heard of the commit and stamped its next step
+    assert lost and lost["stall_s"] >= lost["commit_s"] - 0.05 and lost["commit_s"] > 0, lost
     assert not processes_with(f"DMLC_PS_ROOT_PORT={summary['port']}"), "processes left behind"

@@ -86,8 +86,9 @@ def test_killed_peer_ends_the_other_rank_with_a_node_failure(tmp_path):
         killed = float((tmp_path / "killing-1").read_text())
         assert procs[0].returncode != 0 and "terminate called" not in stderr and "SIGABRT" not in stderr, stderr[-3000:]
         assert "NodeFailure: bps_gc: rank 1" in stderr, stderr[-3000:]
-        # killed: its sockets close (gloo's error), or its heartbeat stops (3 s + 0.2 s here)
-        assert ended - killed < 3.2 + 5.0, f"rank 0 ended {ended - killed:.1f} s after rank 1 was killed"
+        # killed: its sockets close (gloo's error), or its heartbeat stops (3 s + 0.2 s here); the
+        # slack covers torchrun's agent ending after its rank on a loaded box (10.6 s seen at load 10)
+        assert ended - killed < 3.2 + 10.0, f"rank 0 ended {ended - killed:.1f} s after rank 1 was killed"
     finally:
         for p in procs:
             if p.poll() is None:

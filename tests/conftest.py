@@ -1,7 +1,10 @@
 import os
 import sys
 
+import gc_paused_imports
 import pytest
+
+gc_paused_imports.install()  # before any test module imports torch: see its docstring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")

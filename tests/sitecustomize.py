@@ -1,8 +1,14 @@
 """Every process the tests launch has tests/ on its PYTHONPATH, so Python imports this at its start.
 It does nothing unless BPS_GC_CENSUS names a file: then, at exit, the process appends one JSON line
 there (its script, the test that launched it, its CPU seconds, whether it imported torch and
-torch._dynamo). scripts/suite_census.py sets it and sums the lines: where the suite's CPU goes."""
+torch._dynamo). scripts/suite_census.py sets it and sums the lines: where the suite's CPU goes.
+First, in every such process, torch and the other big packages import with the garbage collector
+paused (tests/gc_paused_imports.py says why)."""
 import os
+
+import gc_paused_imports
+
+gc_paused_imports.install()
 
 if os.environ.get("BPS_GC_CENSUS"):
     import atexit

@@ -8,7 +8,10 @@ pseudo-gradients) and "servers" (every element sent exactly: threshold 0), saved
 host one replica (replicate="hosts": DDP on the host's group, each local rank half the host's
 batch), saved as ``hosts/<mode>/<case>/`` with the global copies and each run's bytes pushed
 ("pushed_wire"), and the first of them, stopped at spec "compressed"'s stop_at with an exchange in
-flight, resumed in new objects from its model's and DiLoCo's states ("hosts/resumed"). Phase "all" then runs the compressed settings ("compressed": top-k +
+flight, resumed in new objects from its model's and DiLoCo's states ("hosts/resumed"). Before
+all that, phase "dense" with local ranks runs the compressed settings with each host one replica
+and saves them mid-window to OUT/hostckpt<rank>.pt, which phase "hosts_resumed" (a new launch of
+the same shape) resumes (host_checkpoint_runs). Phase "all" then runs the compressed settings ("compressed": top-k +
 EF, two staggered fragments, tau = 1) once per mode, twice: "straight" (with its global copies,
 "global"), and "first", the two modes' runs in lockstep, which at ``stop_at`` save the model,
 DiLoCo's state and bps_gc.torch.state_dict() to OUT/ckpt<rank>.pt (each with a fragment's
@@ -85,34 +88,20 @@ def finish():
     sys.exit(0)
 
 
-if phase == "all":  # a process group on the parameter server: refused, nothing declared
-    model = build_model()
-    try:
-        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, replicate=object())  # a group
-    except ValueError as e:
-        saved["refused"] = np.array(str(e))
-keep = []  # every DiLoCo made (a resumed job makes them all again, declaring the same names)
-for mode, codec in MODES.items():
-    for case, (sync_every, fragments, steps, delay, warm_steps, warm_every) in spec["cases"].items():
-        model, opt = diloco(sync_every, fragments, delay, codec, mode, warm_steps, warm_every)
-        if phase != "resumed":
-            for step in range(steps):
-                inner_step(model, opt, step)
-            parameters(model, f"{mode}/{case}")
-            # which parameters went uncompressed (below BYTEPS_MIN_COMPRESS_BYTES): outer step on the workers
-            saved[f"{mode}/{case}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
-            if mode == "servers":
-                pulled(opt, f"{mode}/{case}")
-def host_replica(case, mode):
-    """(model, its DDP over the host's group, its DiLoCo with the host one replica) for ``case``."""
-    sync_every, fragments, _, delay, warm_steps, warm_every = spec["cases"][case]
+def host_replica(sync_every, fragments, delay, codec, mode, warm_steps=0, warm_every=None):
+    """(model, its DDP over the host's group, its DiLoCo with the host one replica)."""
     model = build_model()
     replica = torch.nn.parallel.DistributedDataParallel(model, process_group=bps.host_group())
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                     delay=delay, compression_params=MODES[mode], outer_step=mode, warm_steps=warm_steps,
+                     delay=delay, compression_params=codec, outer_step=mode, warm_steps=warm_steps,
                      warm_every=warm_every, replicate="hosts")
     keep.append(opt)
     return model, replica, opt
+
+
+def host_case(case, mode):
+    sync_every, fragments, _, delay, warm_steps, warm_every = spec["cases"][case]
+    return host_replica(sync_every, fragments, delay, MODES[mode], mode, warm_steps, warm_every)
 
 
 def host_steps(replica, opt, steps):
@@ -125,31 +114,93 @@ def host_steps(replica, opt, steps):
         opt.zero_grad()
 
 
+def host_result(model, opt, label):
+    """A host replica's parameters, global copies ("global/") and, on the servers, theirs."""
+    parameters(model, label)
+    saved.update({f"{label}/global/{name}": copy.numpy().copy()
+                  for f in opt.fragments for name, copy in zip(f.names, f.copies)})
+    if opt.on_servers:
+        pulled(opt, label)
+
+
+def host_checkpoint_runs():
+    """Spec "compressed"'s settings (top-k + EF) with each host one replica, both modes in
+    lockstep. Phase "dense": at stop_at (an exchange in flight) the model's, DiLoCo's and
+    bps_gc.torch.state_dict() (the parts' residuals, host 0's ranks the servers' state of their
+    parts) saved to OUT/hostckpt<rank>.pt, trained on ("hosts/saved/<mode>"), then the same run
+    never saved ("hosts/straight/<mode>", made after the checkpoint: not in it). Phase
+    "hosts_resumed": loaded in a new launch, the rest trained ("hosts/resumed/<mode>")."""
+    c = spec["compressed"]
+    settings = (c["sync_every"], c["fragments"], c["delay"], c["compression_params"])
+    runs = {mode: host_replica(*settings, mode) for mode in MODES}
+    path, start = os.path.join(out, f"hostckpt{rank}.pt"), 0
+    if phase == "hosts_resumed":
+        ckpt = torch.load(path, weights_only=True)
+        for mode, (model, _, opt) in runs.items():
+            model.load_state_dict(ckpt[mode]["model"])
+            opt.load_state_dict(ckpt[mode]["diloco"])
+        bps.load_state_dict(ckpt["bps_gc"])
+        bps.barrier()  # every rank's state (the servers' part too) is back before any push
+        start = c["stop_at"]
+    for step in range(start, c["steps"]):
+        for _, replica, opt in runs.values():
+            host_steps(replica, opt, [step])
+        if phase == "dense" and step + 1 == c["stop_at"]:  # DiLoCo's states first: they wait for the exchanges
+            state = {mode: {"model": model.state_dict(), "diloco": opt.state_dict()}
+                     for mode, (model, _, opt) in runs.items()}
+            torch.save({**state, "bps_gc": bps.state_dict()}, path)
+    for mode, (model, _, opt) in runs.items():
+        host_result(model, opt, f"hosts/{'resumed' if phase == 'hosts_resumed' else 'saved'}/{mode}")
+    if phase == "dense":
+        for mode in MODES:
+            model, replica, opt = host_replica(*settings, mode)
+            host_steps(replica, opt, range(c["steps"]))
+            host_result(model, opt, f"hosts/straight/{mode}")
+
+
+if phase == "all":  # a process group on the parameter server: refused, nothing declared
+    model = build_model()
+    try:
+        bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, replicate=object())  # a group
+    except ValueError as e:
+        saved["refused"] = np.array(str(e))
+keep = []  # every DiLoCo made (a resumed job makes them all again, declaring the same names)
+if phase in ("dense", "hosts_resumed") and bps.local_size() > 1:  # first: the checkpoint holds these alone
+    host_checkpoint_runs()
+if phase == "hosts_resumed":
+    finish()
+for mode, codec in MODES.items():
+    for case, (sync_every, fragments, steps, delay, warm_steps, warm_every) in spec["cases"].items():
+        model, opt = diloco(sync_every, fragments, delay, codec, mode, warm_steps, warm_every)
+        if phase != "resumed":
+            for step in range(steps):
+                inner_step(model, opt, step)
+            parameters(model, f"{mode}/{case}")
+            # which parameters went uncompressed (below BYTEPS_MIN_COMPRESS_BYTES): outer step on the workers
+            saved[f"{mode}/{case}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
+            if mode == "servers":
+                pulled(opt, f"{mode}/{case}")
 if phase == "dense" and bps.local_size() > 1:  # a host's local ranks as one replica (replicate="hosts")
     for mode in MODES:
         for case in spec["host_cases"]:
             for kept in keep:  # the bytes counted next are this run's alone
                 kept.wait()
-            model, replica, opt = host_replica(case, mode)
+            model, replica, opt = host_case(case, mode)
             bps.metrics()
             host_steps(replica, opt, range(spec["cases"][case][2]))
             opt.wait()
             label = f"hosts/{mode}/{case}"
             saved[f"{label}/pushed_wire"] = np.array(bps.metrics().pushed_wire)
-            parameters(model, label)
-            saved.update({f"{label}/global/{name}": copy.numpy().copy()
-                          for f in opt.fragments for name, copy in zip(f.names, f.copies)})
             saved[f"{label}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
-            if mode == "servers":
-                pulled(opt, label)
+            host_result(model, opt, label)
     # resumed in this launch (dense: no codec state to carry): the first host case stopped at
     # stop_at, an exchange in flight, its model's and DiLoCo's states loaded into new ones
     case, stop = spec["host_cases"][0], spec["compressed"]["stop_at"]
-    model, replica, opt = host_replica(case, "workers")
+    model, replica, opt = host_case(case, "workers")
     host_steps(replica, opt, range(stop))
     state = {"model": model.state_dict(), "diloco": opt.state_dict()}
     parameters(model, "hosts/stopped")
-    model, replica, opt = host_replica(case, "workers")
+    model, replica, opt = host_case(case, "workers")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["diloco"])
     host_steps(replica, opt, range(stop, spec["cases"][case][2]))

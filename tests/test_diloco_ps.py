@@ -12,7 +12,9 @@ every worker; stopped mid-window with a fragment's exchange in flight, saved (mo
 bps_gc.torch.state_dict(), which holds the servers' momentum) and resumed in a new launch, every
 parameter equals the straight run bit for bit. On 2 hosts x 2 local ranks with each host one
 replica (replicate="hosts"), every rank equals the re-computation with 2 replicas, a host's
-ranks hold the same bits, and each host pushes one copy of the pseudo-gradient. thc 4-bit's
+ranks hold the same bits, and each host pushes one copy of the pseudo-gradient; with top-k + EF,
+saved mid-window (the parts' residuals and the servers' state in the checkpoint) and resumed in
+a new launch, every rank equals a straight run bit for bit. thc 4-bit's
 phases are summed in int64 words, whose packing gives its bytes exactly. Bad settings are refused in one line."""
 import json
 import os
@@ -48,15 +50,19 @@ def launch(tmp, phase, workers, min_compress_bytes=0, local_size=1):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three launches: dense on 2 hosts x 2 local ranks (two levels: each rank a replica, then
+    """Four launches: dense on 2 hosts x 2 local ranks (two levels: each rank a replica, then
     each host one, replicate="hosts"), where the biases (64 and 16 bytes) go uncompressed
     (BYTEPS_MIN_COMPRESS_BYTES 256: with the outer step on the servers, theirs is the
-    workers'); everything on 3 workers, every tensor compressed; the resumed run on 3."""
+    workers'), and the host replicas' checkpoint resumed in a new launch of 2 x 2; everything
+    on 3 workers, every tensor compressed; the resumed run on 3."""
     tmp = tmp_path_factory.mktemp("diloco_ps")
     got = {"dense": launch(tmp, "dense", HOSTS, min_compress_bytes=256, local_size=LOCAL),
+           "hosts_resumed": launch(tmp, "hosts_resumed", HOSTS, min_compress_bytes=256, local_size=LOCAL),
            "all": launch(tmp, "all", WORKERS),
            "resumed": launch(tmp, "resumed", WORKERS)}
     got["checkpoint"] = torch.load(tmp / "ckpt0.pt", weights_only=True)
+    got["host_checkpoints"] = [torch.load(tmp / f"hostckpt{r}.pt", weights_only=True)["bps_gc"]["communicator"]
+                               for r in range(HOSTS * LOCAL)]
     return got
 
 
@@ -158,6 +164,40 @@ def test_a_host_replica_resumes_bit_for_bit(runs):
             straight = got[f"hosts/workers/{HOST_CASES[0]}/{name}"]
             assert got[f"hosts/resumed/{name}"].tobytes() == straight.tobytes(), f"rank {rank} {name}"
         assert any(not np.array_equal(got[f"hosts/stopped/{n}"], got[f"hosts/resumed/{n}"]) for n in names)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_host_replica_resumes_across_launches(runs, mode):
+    """replicate="hosts" with top-k + EF (H = 4, two fragments, tau = 1), saved after step 4
+    with fragment 1's exchange in flight (model, DiLoCo.state_dict(), bps_gc.torch.state_dict()
+    on every rank) in the dense launch, which trains on, and resumed in a new launch of 2 x 2
+    (new scheduler, servers and workers): every rank's parameters and global copies (and, on
+    the servers, the servers' copy fetched at the end) equal a straight run's, never saved, bit
+    for bit. Each rank's checkpoint holds the error feedback of its own part of 0.weight (the
+    parts compressed; the others go uncompressed), nonzero, and, on host 0's ranks only, the
+    servers' state of that part, nonzero: the error feedback of their top-k reply (outer step
+    on the workers), their outer momentum and global copy (on the servers)."""
+    for rank in range(HOSTS * LOCAL):
+        dense, resumed = runs["dense"][rank], runs["hosts_resumed"][rank]
+        names = [key.split("/", 3)[3] for key in dense if key.startswith(f"hosts/straight/{mode}/")]
+        assert len(names) == (10 if mode == "servers" else 8)  # parameters, global copies (0.weight's pulled, mine)
+        for name in names:
+            want = dense[f"hosts/straight/{mode}/{name}"].tobytes()
+            assert resumed[f"hosts/resumed/{mode}/{name}"].tobytes() == want, f"rank {rank} {name}: resumed"
+            assert dense[f"hosts/saved/{mode}/{name}"].tobytes() == want, f"rank {rank} {name}: saving changed it"
+        kept = runs["host_checkpoints"][rank]
+        part = f"0.weight#part{rank % LOCAL}/"
+        index = 0 if mode == "workers" else 1  # exchange.<index>: the order the DiLoCos were made in
+        mine = [v for k, v in kept.items() if k.startswith(f"worker/exchange.{index}.") and part in k]
+        assert mine and all(f"#part{rank % LOCAL}/" in k for k in kept if k.startswith("worker/exchange.")), rank
+        assert sum(float(v.abs().sum()) for v in mine if isinstance(v, torch.Tensor)) > 0, f"rank {rank}"
+        held = {k.rsplit("/", 1)[1]: v for k, v in kept.items()
+                if k.startswith(f"server/exchange.{index}.") and part in k}
+        if rank >= LOCAL:  # host 0's local rank i restores its part's servers' state, host 1's none
+            assert not held, f"rank {rank}"
+        else:  # the servers' recompression's error feedback; their outer momentum and global copy
+            wanted = ["chain.ef.error"] if mode == "workers" else ["momentum", "global_copy"]
+            assert all(float(held[k].abs().sum()) > 0 for k in wanted), f"rank {rank} {sorted(held)}"
 
 
 @pytest.mark.parametrize("mode", MODES)

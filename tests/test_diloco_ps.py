@@ -7,14 +7,13 @@ workers, every parameter equals test_diloco.py's single-process re-computation w
 relative (one fragment, staggered fragments, tau = 1; dense on the workers, every element sent
 exactly on the servers, and on 2 x 2 the biases uncompressed, which take their outer step on
 the workers).
-With top-k + error feedback on 3 workers, in both modes: the global copies are bit-identical on
-every worker; stopped mid-window with a fragment's exchange in flight, saved (model, DiLoCo,
-bps_gc.torch.state_dict(), which holds the servers' momentum) and resumed in a new launch, every
-parameter equals the straight run bit for bit. On 2 hosts x 2 local ranks with each host one
-replica (replicate="hosts"), every rank equals the re-computation with 2 replicas, a host's
-ranks hold the same bits, and each host pushes one copy of the pseudo-gradient; with top-k + EF,
-saved mid-window (the parts' residuals and the servers' state in the checkpoint) and resumed in
-a new launch, every rank equals a straight run bit for bit. thc 4-bit's
+On 2 hosts x 2 local ranks with each host one replica (replicate="hosts"), every rank equals
+the re-computation with 2 replicas, a host's ranks hold the same bits, and each host pushes one
+copy of the pseudo-gradient. With top-k + error feedback on 2 x 2, each rank a replica and each
+host one, in both modes: the global copies are bit-identical on every rank; stopped mid-window
+with a fragment's exchange in flight, saved (model, DiLoCo, bps_gc.torch.state_dict(), which
+holds each rank's residuals and the servers' state) and resumed in a new launch, every
+parameter and global copy equals a straight run's bit for bit. thc 4-bit's
 phases are summed in int64 words, whose packing gives its bytes exactly. Bad settings are refused in one line."""
 import json
 import os
@@ -35,6 +34,7 @@ COMPRESSED = {"sync_every": 4, "fragments": 2, "steps": 12, "stop_at": 4, "delay
 WORKERS = 3
 HOSTS, LOCAL = 2, 2  # the dense launch: bpslaunch --local --workers 2 --local-size 2
 HOST_CASES = ("overlapped", "warm-overlapped")  # with each host one replica: fragments, tau, a warm phase
+STATES = {"global", "pulled", "mine"}  # a run's end: its global copies, the servers' (pulled) and its own
 MODES = ("workers", "servers")
 
 
@@ -50,19 +50,17 @@ def launch(tmp, phase, workers, min_compress_bytes=0, local_size=1):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Four launches: dense on 2 hosts x 2 local ranks (two levels: each rank a replica, then
-    each host one, replicate="hosts"), where the biases (64 and 16 bytes) go uncompressed
-    (BYTEPS_MIN_COMPRESS_BYTES 256: with the outer step on the servers, theirs is the
-    workers'), and the host replicas' checkpoint resumed in a new launch of 2 x 2; everything
-    on 3 workers, every tensor compressed; the resumed run on 3."""
+    """Three launches: on 2 hosts x 2 local ranks (two levels), where the biases (64 and 16
+    bytes) go uncompressed (BYTEPS_MIN_COMPRESS_BYTES 256: with the outer step on the servers,
+    theirs is the workers'), top-k + EF saved mid-window, then the dense cases, each rank a
+    replica and each host one (replicate="hosts"); the checkpoint resumed in a new launch of
+    2 x 2; the dense cases on 3 workers, every tensor compressed."""
     tmp = tmp_path_factory.mktemp("diloco_ps")
     got = {"dense": launch(tmp, "dense", HOSTS, min_compress_bytes=256, local_size=LOCAL),
-           "hosts_resumed": launch(tmp, "hosts_resumed", HOSTS, min_compress_bytes=256, local_size=LOCAL),
-           "all": launch(tmp, "all", WORKERS),
-           "resumed": launch(tmp, "resumed", WORKERS)}
-    got["checkpoint"] = torch.load(tmp / "ckpt0.pt", weights_only=True)
-    got["host_checkpoints"] = [torch.load(tmp / f"hostckpt{r}.pt", weights_only=True)["bps_gc"]["communicator"]
-                               for r in range(HOSTS * LOCAL)]
+           "resumed": launch(tmp, "resumed", HOSTS, min_compress_bytes=256, local_size=LOCAL),
+           "all": launch(tmp, "all", WORKERS)}
+    got["checkpoints"] = [torch.load(tmp / f"ckpt{r}.pt", weights_only=True)["bps_gc"]["communicator"]
+                          for r in range(HOSTS * LOCAL)]
     return got
 
 
@@ -178,18 +176,17 @@ def test_a_host_replica_resumes_across_launches(runs, mode):
     servers' state of that part, nonzero: the error feedback of their top-k reply (outer step
     on the workers), their outer momentum and global copy (on the servers)."""
     for rank in range(HOSTS * LOCAL):
-        dense, resumed = runs["dense"][rank], runs["hosts_resumed"][rank]
+        dense, resumed = runs["dense"][rank], runs["resumed"][rank]
         names = [key.split("/", 3)[3] for key in dense if key.startswith(f"hosts/straight/{mode}/")]
         assert len(names) == (10 if mode == "servers" else 8)  # parameters, global copies (0.weight's pulled, mine)
         for name in names:
             want = dense[f"hosts/straight/{mode}/{name}"].tobytes()
             assert resumed[f"hosts/resumed/{mode}/{name}"].tobytes() == want, f"rank {rank} {name}: resumed"
-            assert dense[f"hosts/saved/{mode}/{name}"].tobytes() == want, f"rank {rank} {name}: saving changed it"
-        kept = runs["host_checkpoints"][rank]
-        part = f"0.weight#part{rank % LOCAL}/"
-        index = 0 if mode == "workers" else 1  # exchange.<index>: the order the DiLoCos were made in
+            assert dense[f"hosts/first_end/{mode}/{name}"].tobytes() == want, f"rank {rank} {name}: saving changed it"
+        kept, part = runs["checkpoints"][rank], f"0.weight#part{rank % LOCAL}/"
+        index = 4 if mode == "workers" else 5  # exchange.<index>: the order the DiLoCos were made in
         mine = [v for k, v in kept.items() if k.startswith(f"worker/exchange.{index}.") and part in k]
-        assert mine and all(f"#part{rank % LOCAL}/" in k for k in kept if k.startswith("worker/exchange.")), rank
+        assert mine and all(f"#part{rank % LOCAL}/" in k for k in kept if k.startswith("worker/") and "#part" in k)
         assert sum(float(v.abs().sum()) for v in mine if isinstance(v, torch.Tensor)) > 0, f"rank {rank}"
         held = {k.rsplit("/", 1)[1]: v for k, v in kept.items()
                 if k.startswith(f"server/exchange.{index}.") and part in k}
@@ -202,57 +199,56 @@ def test_a_host_replica_resumes_across_launches(runs, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_compressed_global_copies_are_bit_identical_on_every_worker(runs, mode):
-    got = runs["all"]
-    names = [name for name in got[0] if name.startswith(f"{mode}/global/")]
+    """Top-k + EF, each of the 2 x 2 ranks a replica (the biases uncompressed: 256 bytes)."""
+    got = runs["dense"]
+    names = [name for name in got[0] if name.startswith(f"{mode}/straight/global/")]
     assert len(names) == 4
-    for rank in range(1, WORKERS):
+    for rank in range(1, HOSTS * LOCAL):
         for name in names:
             assert got[rank][name].tobytes() == got[0][name].tobytes(), f"rank {rank} {name}"
     if mode == "servers":  # top-k's pseudo-gradients: the servers' copy is every worker's too
-        for rank in range(WORKERS):
-            for name in names:
-                pulled = got[rank][name.replace("/global/", "/straight/pulled/")].tobytes()
-                assert pulled == got[rank][name.replace("/global/", "/straight/mine/")].tobytes(), f"rank {rank}"
+        held = [name for name in got[0] if name.startswith("servers/straight/pulled/")]
+        assert [name.rsplit("/", 1)[1] for name in held] == ["0.weight", "2.weight"]
+        for rank in range(HOSTS * LOCAL):
+            for name in held:
+                assert got[rank][name].tobytes() == got[rank][name.replace("/pulled/", "/mine/")].tobytes(), rank
     # top-k did compress: the run is not the dense one
     dense = recompute(COMPRESSED["sync_every"], COMPRESSED["fragments"], COMPRESSED["steps"], COMPRESSED["delay"],
-                      replicas=WORKERS)
+                      replicas=HOSTS * LOCAL)
     assert max(np.abs(got[0][f"{mode}/straight/{n}"] - v).max() / np.abs(v).max() for n, v in dense[0].items()) > 1e-3
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
-    """H = 4, two fragments, tau = 1: saved after step 4, when fragment 1's exchange (started
-    after step 4) is in flight and fragment 0 has taken one outer step; resumed in a new launch
-    (new servers: on the servers, the momentum comes back from the checkpoint). The saving
-    launch, trained on, ends bit-identical to the straight run too (runs repeat, saving changes
-    nothing). So does the same run with a warm phase (WARM_RESUMED, "warm/"), stopped inside
-    it with its exchange of step 4 in flight and resumed across the switch to DiLoCo."""
-    for rank in range(WORKERS):
-        every, resumed = runs["all"][rank], runs["resumed"][rank]
+    """Each of the 2 x 2 ranks a replica, H = 4, two fragments, tau = 1: saved after step 4,
+    when fragment 1's exchange (started after step 4) is in flight and fragment 0 has taken one
+    outer step; resumed in a new launch (new servers: on the servers, the momentum and global
+    copy come back from the checkpoint): parameters, global copies and the servers' copy equal
+    a straight run's bit for bit. The saving launch, trained on, ends bit-identical to the
+    straight run too (runs repeat, saving changes nothing). So does the same run with a warm
+    phase (WARM_RESUMED, "warm/"), stopped inside it with its exchange of step 4 in flight and
+    resumed across the switch to DiLoCo."""
+    for rank in range(HOSTS * LOCAL):
+        every, resumed = runs["dense"][rank], runs["resumed"][rank]
         names = [n.split("/", 2)[2] for n in every if n.startswith(f"{mode}/straight/")]
-        assert sum(n.startswith("warm/") for n in names) == (12 if mode == "servers" else 4)  # pulled, mine
+        assert sum(n.startswith("warm/") for n in names) == (12 if mode == "servers" else 8)  # global, pulled, mine
         for name in names:
             straight = every[f"{mode}/straight/{name}"].tobytes()
             assert resumed[f"{mode}/resumed/{name}"].tobytes() == straight, f"rank {rank} {name}: resumed"
             assert every[f"{mode}/first_end/{name}"].tobytes() == straight, f"rank {rank} {name}: runs differ"
         for warm in (False, True):  # each run trained on after the stop
-            trained = [n for n in names if n.startswith("warm/") == warm and "pulled/" not in n and "mine/" not in n]
+            trained = [n for n in names if n.startswith("warm/") == warm and not STATES & set(n.split("/"))]
             assert any(not np.array_equal(every[f"{mode}/first/{n}"], every[f"{mode}/straight/{n}"]) for n in trained)
-    if mode == "servers":  # the servers' outer momentum and global copy are in the checkpoint
-        saved = runs["checkpoint"]["bps_gc"]["communicator"]
-        momentum = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/momentum")]
-        assert momentum and sum(float(m.abs().sum()) for m in momentum) > 0
-        held = [value for key, value in saved.items() if key.startswith("server/") and key.endswith("/global_copy")]
+        for name in (n for n in names if n.startswith("pulled/")):  # the resumed servers' copy: the straight run's
+            assert resumed[f"{mode}/resumed/{name.replace('pulled/', 'mine/')}"].tobytes() == \
+                every[f"{mode}/straight/{name}"].tobytes(), f"rank {rank} {name}"
+    if mode == "servers":  # the servers' outer momentum and global copy are in the checkpoints
+        saved = [(key, value) for kept in runs["checkpoints"] for key, value in kept.items()
+                 if key.startswith("server/") and "#part" not in key]
+        momentum = [value for key, value in saved if key.endswith("/momentum")]
+        assert momentum and sum(float(m.abs().sum()) for m in momentum) > 0  # the warm run's: none yet
+        held = [value for key, value in saved if key.endswith("/global_copy")]
         assert len(held) == len(momentum) and all(float(g.abs().sum()) > 0 for g in held)
-        for rank in range(WORKERS):  # the resumed servers' global copies: the straight run's, pulled
-            every, resumed = runs["all"][rank], runs["resumed"][rank]
-            names = [n.split("/", 3)[3] for n in every if n.startswith("servers/straight/pulled/")]
-            assert len(names) == 4
-            for name in names:
-                straight = every[f"servers/straight/pulled/{name}"].tobytes()
-                assert resumed[f"servers/resumed/pulled/{name}"].tobytes() == straight, f"rank {rank} {name}"
-                assert every[f"servers/first_end/pulled/{name}"].tobytes() == straight, f"rank {rank} {name}"
-                assert resumed[f"servers/resumed/mine/{name}"].tobytes() == straight, f"rank {rank} {name}"
 
 
 def test_thc_words_are_int64_and_the_bytes_are_their_packing(runs):

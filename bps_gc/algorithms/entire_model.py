@@ -87,6 +87,17 @@ class EntireModel:
 
     def reduce(self, arrays, ctx, average=True):
         """Sum (or average) each array over all workers, in place, as one vector."""
+        handles = None
+        try:
+            handles = self.post(arrays, ctx, average)
+        finally:
+            if handles is None:
+                discard(self.group)
+        return self.finish(handles, arrays)
+
+    def post(self, arrays, ctx, average=True):
+        """``reduce``'s first half: compress the vector and push_pull each chunk; the handles,
+        for ``finish`` (a caller that posts other tensors of the step before waiting)."""
         if len(arrays) != len(self.sizes):
             raise ValueError(f"entiremodel: got {len(arrays)} arrays, declared {len(self.sizes)}")
         for array, start, size in zip(arrays, self.offsets, self.sizes):
@@ -97,10 +108,13 @@ class EntireModel:
         ctx = dict(ctx or {})
         if self.compressed:
             self._leave_payloads(ctx)
+        return [core.push_pull(self.flat[start:stop], name, average=average,
+                               ctx={**ctx, GROUP_KEY: self.group, CHUNK_KEY: c})
+                for c, (name, (start, stop)) in enumerate(zip(self.names, self.bounds))]
+
+    def finish(self, handles, arrays):
+        """``reduce``'s second half: wait for ``post``'s handles, write the result into ``arrays``."""
         try:
-            handles = [core.push_pull(self.flat[start:stop], name, average=average,
-                                      ctx={**ctx, GROUP_KEY: self.group, CHUNK_KEY: c})
-                       for c, (name, (start, stop)) in enumerate(zip(self.names, self.bounds))]
             for handle in handles:
                 handle.wait()
         finally:

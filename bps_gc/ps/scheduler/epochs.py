@@ -87,6 +87,7 @@ class Epochs:
         if epoch != self.preparing or member.role != "worker":
             return  # a report for an epoch superseded by a later death
         self.reports[member.rank] = released
+        log.info("worker %s reported for epoch %d: it released round groups up to %d", member.rank, epoch, released)
         members = self.members()
         if not set(members) <= set(self.reports):
             return

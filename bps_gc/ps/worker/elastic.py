@@ -122,6 +122,7 @@ class ElasticRounds:
             return False
         del self.redoing[header.key]
         held.payload, held.epoch = payload, header.ctx.get("epoch", 0)
+        self.redo_if_stale(held.push.handle.group, held)  # summed before a later death's commit came here
         self.release()
         return True
 

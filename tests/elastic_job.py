@@ -8,9 +8,15 @@ and waits (to be stopped); with ``stall_after_push`` it first posts every tensor
 anything of step ``silent_at`` and waits (to be stopped). With ``gate`` (a path), members wait before
 step ``join_at`` until it exists; a joining host (the victim's, started again) says JOINING
 and runs from the step ``elastic_start`` returns. Tensors under ``refused`` are declared last, each refusal printed.
+``entire`` (a tensor description): one more array, reduced as one vector (granularity
+'entiremodel', bps_gc.algorithms.entire_model: every rank pushes its chunks, also under two
+levels), posted last each step (the victim's ``half`` pushes it too when it lists ``"entire"``).
+ELASTIC_DIE_AFTER_INIT names a local rank that kills itself (SIGKILL) once registered: a
+joining host's rank failing, so its join is cancelled.
 Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
 import json
 import os
+import signal
 import sys
 import time
 
@@ -18,12 +24,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.core as bps  # noqa: E402
+from bps_gc.algorithms.entire_model import EntireModel  # noqa: E402
 from reference import gradient, step_ctx  # noqa: E402
 
 spec_path, out_dir = sys.argv[1], sys.argv[2]
 spec = json.load(open(spec_path))
 bps.init()
 rank = bps.rank()
+if os.environ.get("ELASTIC_DIE_AFTER_INIT") == os.environ.get("BYTEPS_LOCAL_RANK", "0"):
+    print(f"worker {rank} dies once registered (ELASTIC_DIE_AFTER_INIT)", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 for t in spec["tensors"]:
     bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
 for t in spec.get("refused", []):  # codecs BPS_GC_ELASTIC refuses: declared last, keys of their own
@@ -32,6 +42,22 @@ for t in spec.get("refused", []):  # codecs BPS_GC_ELASTIC refuses: declared las
         print("ACCEPTED", t["name"], flush=True)
     except ValueError as e:
         print("REFUSED", e, flush=True)
+entire = spec.get("entire")
+model = EntireModel(entire["name"], [entire["shape"]], entire["dtype"], entire["params"]) if entire else None
+
+
+def post(inputs, ctx, which):
+    """push_pull the tensors ``which`` (indices, or "entire") of this step: [(name, a callable
+    that waits and returns the result)]."""
+    posted = [(spec["tensors"][i]["name"], bps.push_pull(inputs[i], spec["tensors"][i]["name"], ctx=ctx).wait)
+              for i in which if i != "entire"]
+    if "entire" in which:
+        arrays = [gradient(rank, ctx["step"], entire)]
+        handles = model.post(arrays, ctx)
+        posted.append((entire["name"], lambda: model.finish(handles, arrays)[0].reshape(-1)))
+    return posted
+
+
 if bps.joining():
     print("JOINING", flush=True)
 start = bps.elastic_start({})  # no parameters: every result depends on the step alone
@@ -42,24 +68,24 @@ for step in range(start, spec["steps"]):
         time.sleep(0.02)
     ctx = step_ctx(spec, step)
     inputs = [gradient(rank, step, t) for t in spec["tensors"]]
+    everything = list(range(len(inputs))) + ["entire"] * (model is not None)
     if rank == spec.get("stall_rank") and step == spec["stall_at"]:
         if spec.get("stall_after_push"):
-            posted = [bps.push_pull(x, t["name"], ctx=ctx) for t, x in zip(spec["tensors"], inputs)]
+            posted = post(inputs, ctx, everything)
         print("STALL", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP): silent, not dead
     if rank == spec.get("silent_rank") and step == spec["silent_at"]:
         print("SILENT", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP) before its host pushes the step
     if rank == spec.get("victim") and step == spec["pause_at"] and not start:
-        for i in spec.get("half", [0]):
-            bps.push_pull(inputs[i], spec["tensors"][i]["name"], ctx=ctx)
+        posted = post(inputs, ctx, spec.get("half", [0]))
         print("HALF", flush=True)
         time.sleep(600)  # killed here
-    handles = [(t["name"], bps.push_pull(x, t["name"], ctx=ctx)) for t, x in zip(spec["tensors"], inputs)]
+    handles = post(inputs, ctx, everything)
     if step == spec["pause_at"]:
         print("PUSHED", step, flush=True)
-    for name, h in handles:
-        results[f"{name}/{step}"] = h.wait().copy()
+    for name, wait in handles:
+        results[f"{name}/{step}"] = wait().copy()
     if step == spec.get("stall_at"):
         print("PULLED", step, flush=True)
     sizes.append(bps.size())

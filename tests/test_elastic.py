@@ -19,10 +19,15 @@ from elastic_jobs import host_command, membership, start_job, two_tensors
 import pytest
 from reference import gradient, partitions, step_ctx
 
+from bps_gc.algorithms.entire_model import chunk_bounds
 from bps_gc.comm.host_sum import add_in_order
 from bps_gc.compress import CompressionParams, build_chain
+from bps_gc.compress.entire_model import WholeVectorCodec
 
 START_BOUND, BOUND = 60.0, 40.0
+REDO_HOLD = 1.3  # s after a kill: before its epoch is prepared (heartbeat timeout 2 s, interval 0.2 s)
+ENTIRE = {"name": "em", "shape": [1500], "dtype": "float32",
+          "params": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
 STEPS, PAUSE_AT, VICTIM = 7, 3, 2
 SPEC = {
     "steps": STEPS, "pause_at": PAUSE_AT, "victim": VICTIM,
@@ -76,6 +81,32 @@ def expected(spec, sequence, ranks, local_size=1):
                         acc += x[h][a:b]
                 result[a:b] = acc / np.float32(len(members))
             out[f"{t['name']}/{step}"] = result
+    return out
+
+
+def entire_expected(spec, sequence, ranks):
+    """{'name/step': array} of the spec's ``entire`` vector (granularity 'entiremodel'): every
+    member rank compresses its whole gradient with its own chain (error feedback from zero
+    where it joins again), the servers add the decodings to zeros in rank order (lossless),
+    the mean divides by the member ranks."""
+    t = spec["entire"]
+    params = CompressionParams.from_dict(dict(t["params"], granularity="entiremodel"))
+    n = int(np.prod(t["shape"]))
+    bounds = chunk_bounds(n, 4, spec["partition_bytes"])
+
+    def codec():  # the first EntireModel of a process: its vector's key is group 0's
+        return WholeVectorCodec(params, n, np.dtype(np.float32), bounds, key=1 << 63)
+    codecs, before, out = {r: codec() for r in ranks}, set(ranks), {}
+    for step in range(spec["steps"]):
+        members = [m for first, m in sequence if first <= step][-1]
+        for r in set(members) - before:
+            codecs[r] = codec()
+        before = set(members)
+        ctx = step_ctx(spec, step)
+        acc = np.zeros(n, np.float32)
+        for r in members:
+            acc += codecs[r].decoder.decompress(codecs[r].chain.compress(gradient(r, step, t).reshape(-1), ctx))
+        out[f"{t['name']}/{step}"] = acc / np.float32(len(members))
     return out
 
 
@@ -145,20 +176,47 @@ def printed_by_both(job, names, word, bound):
         time.sleep(0.05)
 
 
+def death_during_redo(job, killed, held, late):
+    """Two levels: host 4 dies while the survivors redo the rounds host 1 (killed at ``killed``)
+    had pushed. Worker 7 (pid ``held``) is stopped (SIGSTOP) before host 1's epoch is prepared,
+    so its commit waits for it; once host 4's ranks (pids ``late``) reported for that epoch they
+    are killed (SIGKILL) and worker 7 goes on: the commit counts host 4, whose REDOs never come,
+    and the servers finish the REDO at host 4's own epoch. Worker 7 is silent for about one
+    second, under the heartbeat timeout."""
+    time.sleep(max(0.0, killed + REDO_HOLD - time.monotonic()))
+    os.kill(held, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + BOUND
+        while not all(f"worker {r} reported for epoch 1" in job.text("scheduler") for r in (8, 9)):
+            if time.monotonic() > deadline:
+                job.kill_all()
+                raise AssertionError(f"host 4 did not report for epoch 1:\n{job.report()}")
+            time.sleep(0.01)
+        for pid in late:
+            os.kill(pid, signal.SIGKILL)
+        early = "worker 7 reported for epoch 1" in job.text("scheduler")
+    finally:
+        os.kill(held, signal.SIGCONT)
+    assert not early, f"worker 7 reported before it was stopped (the box too slow for this timing):\n{job.report()}"
+
+
 @pytest.mark.parametrize("hierarchy", ["auto", "host"])
 def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy):
     """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1),
     each rank pushing for itself (auto: flat, what BPS_GC_ELASTIC runs with local ranks) or two
-    levels (host: the host's ranks sum in shared memory, each partition's owner pushes).
+    levels (host: 5 hosts; the host's ranks sum in shared memory, each partition's owner pushes).
     First local rank 1 of host 1 (worker 3) pushes the first tensor of step PAUSE_AT and is
     killed (SIGKILL) between keys: its launcher stops its mate at once, naming it; one epoch
     drops both ranks and the servers sum the first tensor's rounds again without them (REDO).
     Two levels: it pushes every tensor but a one-partition one its host's local rank 1 owns, so
     on the others local rank 0 holds every reply of the step (summed with host 1) and rank 1
-    does not: rank 0 must not hand the step out alone (elastic.py's HELD notes).
+    does not: rank 0 must not hand the step out alone (elastic.py's HELD notes); host 4 dies
+    during the REDO (``death_during_redo``), so the step is summed again without it too; a
+    vector reduced as one ('entiremodel', every rank pushes it) is pushed by the victim too.
     Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
     naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
-    two levels, refused likewise with BPS_GC_HIERARCHY=flat, then with the job's settings it
+    two levels, first with a local rank dying once registered (the join cancelled, the job going
+    on), then refused likewise with BPS_GC_HIERARCHY=flat, then with the job's settings it
     joins as a unit (members wait before step JOIN_AT until it is there). Then local rank 1 of
     host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
     pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
@@ -166,7 +224,8 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     1 of host 2 (worker 5) goes silent before its host pushes anything of the next step. The
     live ranks pull bit-identical results equal to the numpy oracle of the logged membership
     sequence."""
-    stall_at, join_at, hosts, two_levels = 5, 4, 4, hierarchy == "host"
+    stall_at, join_at, two_levels = 5, 4, hierarchy == "host"
+    hosts = 5 if two_levels else 4
     spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
     if two_levels:
         # owners (i + p) mod 2: local rank 1 owns all of tensor 1 (one partition), rank 0 owns
@@ -174,29 +233,38 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         tensors = [SPEC["tensors"][0], dict(SPEC["tensors"][1], name="small", shape=[1000]), *SPEC["tensors"][2:],
                    SPEC["tensors"][1]]
         spec.update(stall_after_push=True, join_at=join_at, gate=str(tmp_path / "gate"), silent_rank=5,
-                    silent_at=stall_at + 1, tensors=tensors, half=[0, 2, 3])
-    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}
+                    silent_at=stall_at + 1, tensors=tensors, half=[0, 2, 3, "entire"], entire=ENTIRE)
+    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # and the scheduler's: the reports (two levels)
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
-                    role_env={"server0": servers_say, "server1": servers_say, **{f"worker{h}": two for h in range(hosts)}})
+                    role_env={"server0": servers_say, "server1": servers_say, "scheduler": servers_say if two_levels
+                              else {}, **{f"worker{h}": two for h in range(hosts)}})
     job.wait_output(["worker1"], "HALF", START_BOUND)
-    printed_by_both(job, ["worker0", "worker2", "worker3"], "PUSHED", START_BOUND)  # at step PAUSE_AT
+    printed_by_both(job, [f"worker{h}" for h in range(hosts) if h != 1], "PUSHED", START_BOUND)  # at step PAUSE_AT
     time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
+    if two_levels:  # found before the kill: the next steps are timed
+        held, late = job.local_rank_of("worker3", 1), [job.local_rank_of("worker4", r) for r in (0, 1)]
     os.kill(job.local_rank_of("worker1", 1), signal.SIGKILL)
     killed = time.monotonic()
+    if two_levels:
+        death_during_redo(job, killed, held, late)
     host_status = job.launchers["worker1"].wait(timeout=10)
     host_stopped = time.monotonic() - killed
     first_text = job.text("worker1")
     # host 1 started again: refused in one line (flat), or joins (two levels); the job goes on
-    job.wait_output(["worker0"], "membership: worker 2, 3 left", BOUND)
+    job.wait_output(["worker0"], "membership: worker 8, 9 left" if two_levels else "membership: worker 2, 3 left", BOUND)
     setting = {} if two_levels else {"BYTEPS_PARTITION_BYTES": "8192"}
-    if two_levels:  # first with another BPS_GC_HIERARCHY: refused in one line
-        job.launch("flat1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
-                   dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **dict(two, BPS_GC_HIERARCHY="flat")))
+    host1 = dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1")
+    command = host_command("elastic_job.py", tmp_path / "spec.json", tmp_path)
+    if two_levels:  # a join cancelled: its local rank 1 dies once registered
+        job.launch("half1", command, dict(host1, ELASTIC_DIE_AFTER_INIT="1", **two))
+        job.launchers["half1"].wait(timeout=BOUND)
+        job.wait_output(["scheduler"], "left before it was admitted", BOUND)
+        # then another BPS_GC_HIERARCHY: refused in one line
+        job.launch("flat1", command, dict(host1, **dict(two, BPS_GC_HIERARCHY="flat")))
         job.wait_output(["flat1"], "cannot join the running job", BOUND)
         job.launchers["flat1"].wait(timeout=BOUND)
-    job.launch("worker1", host_command("elastic_job.py", tmp_path / "spec.json", tmp_path),
-               dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **setting, **two))
+    job.launch("worker1", command, dict(host1, **setting, **two))
     if two_levels:
         printed_by_both(job, ["worker1"], "JOINING", BOUND)
         (tmp_path / "gate").touch()
@@ -214,12 +282,19 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report
+    scheduler = job.text("scheduler")
     # whichever rank registers first
     refused = r"the scheduler refused this worker: worker [23] at 127.0.0.1 cannot join the running job: it has "
     if two_levels:
         refused += r"BPS_GC_HIERARCHY=flat, the job host"
         assert re.search(refused, job.text("flat1")) and statuses["flat1"] != 0, report
         assert "Traceback" not in job.text("flat1"), report
+        half = job.text("half1")  # the cancelled join
+        assert "worker 3 dies once registered" in half and statuses["half1"] != 0, report
+        assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in half, report
+        assert "Traceback" not in half, report
+        assert re.search(r"worker [23] left before it was admitted \(.*\); the job goes on", scheduler), report
+        assert statuses["worker4"] != 0 and "Traceback" not in job.text("worker4"), report
     else:
         refused += r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096"
         assert re.search(refused, job.text("worker1")) and statuses["worker1"] != 0, report
@@ -234,17 +309,19 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
                "and worker 4 stops" in job.text("worker2") and statuses["worker2"] != 0, report
     alive = ("scheduler", "server0", "server1", "worker0") + (("worker1",) if two_levels else ("worker2",))
     assert all(statuses[name] == 0 for name in alive), report
-    everyone, between = list(range(8)), [0, 1, 4, 5, 6, 7]
+    everyone = list(range(2 * hosts))
+    between = [r for r in everyone if r not in (2, 3)]
     after = [0, 1, 2, 3] if two_levels else [0, 1, 4, 5]
     logged = {name: membership(job.text(name)) for name in alive}
     sequence = logged["scheduler"]
-    changes = [(1, between), (2, everyone), (3, [0, 1, 2, 3, 4, 5]), (4, after)] if two_levels else \
-        [(1, between), (2, after)]
+    # two levels: host 4 leaves before host 1 joins, so the join is the third change
+    joined = 2 if two_levels else None
+    changes = [(1, between), (2, [0, 1, 4, 5, 6, 7]), (3, list(range(8))), (4, [0, 1, 2, 3, 4, 5]), (5, after)] \
+        if two_levels else [(1, between), (2, after)]
     assert [(e, m) for e, _, m in sequence] == changes, report  # one epoch per host
     # a host's launcher prints both its ranks' lines, one rank's after the other's; a joiner's from its join on
-    assert all(sorted(seq) == sorted(sequence[1 if name == "worker1" else 0:] * (2 if name.startswith("worker") else 1))
+    assert all(sorted(seq) == sorted(sequence[joined if name == "worker1" else 0:] * (2 if name.startswith("worker") else 1))
                for name, seq in logged.items()), logged
-    scheduler = job.text("scheduler")
     # host 1's two heartbeats stop together (its launcher stopped the mate): either may be named first
     assert re.search(r"worker ([23]) \(node .* left: no heartbeat.*\n.*worker (?!\1)[23] leaves with it: local ranks "
                      r"of the same worker host", scheduler), report
@@ -255,13 +332,18 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     firsts = [first for _, first, _ in sequence]
     # two levels: host 3 took part in all of step STALL_AT (every other host handed it out)
     assert firsts[0] == PAUSE_AT and firsts[-1] == stall_at + two_levels, report
-    assert not two_levels or firsts[2] == firsts[3], report  # no host handed out the step host 2 never pushed
-    assert not two_levels or join_at <= firsts[1] <= join_at + 1, report  # members pledged before or at JOIN_AT
+    if two_levels:
+        # host 4 died during the REDO: its REDOs never came, the step is summed again without it
+        assert firsts[1] == PAUSE_AT and f"round {PAUSE_AT} is summed again over epoch 2's members" in again, report
+        assert join_at <= firsts[joined] <= join_at + 1, report  # members pledged before or at JOIN_AT
+        assert firsts[3] == firsts[4], report  # no host handed out the step host 2 never pushed
     steps = [(0, everyone)] + [(first, members) for _, first, members in sequence]
     want = expected(spec, steps, everyone, local_size=2 if two_levels else 1)
+    if two_levels:
+        want.update(entire_expected(spec, steps, everyone))
     pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in after}
     for r in after:
-        start = firsts[1] if r in (2, 3) and two_levels else 0  # the joiners'
+        start = firsts[joined] if r in (2, 3) and two_levels else 0  # the joiners'
         sizes = [len([m for first, m in steps if first <= s][-1]) for s in range(start, STEPS)]
         assert list(pulled[r]["sizes"]) == sizes, (r, report)
         for name, value in want.items():

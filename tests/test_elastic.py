@@ -25,7 +25,7 @@ from bps_gc.compress import CompressionParams, build_chain
 from bps_gc.compress.entire_model import WholeVectorCodec
 
 START_BOUND, BOUND = 60.0, 40.0
-REDO_HOLD = 1.3  # s after a kill: before its epoch is prepared (heartbeat timeout 2 s, interval 0.2 s)
+REDO_HOLD = 1.0  # s after a kill: well before its epoch is prepared (heartbeat timeout 2 s, interval 0.2 s)
 ENTIRE = {"name": "em", "shape": [1500], "dtype": "float32",
           "params": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
 STEPS, PAUSE_AT, VICTIM = 7, 3, 2
@@ -278,7 +278,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         job.wait_output(["worker2"], "SILENT", BOUND)
         job.wait_output(["worker0"], "membership: worker 6, 7 left", BOUND)
         os.kill(job.local_rank_of("worker2", 1), signal.SIGSTOP)
-    statuses, _ = job.wait_all(BOUND)
+    statuses, _ = job.wait_all(BOUND, since=time.monotonic())  # each step above was bounded: the end within BOUND
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
     assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in first_text, report

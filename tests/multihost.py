@@ -29,7 +29,8 @@ class Job:
                     DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers),
                     DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), PYTHONUNBUFFERED="1",
                     BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL), BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT),
-                    BPS_GC_KILL_GRACE="2", **(env or {}))
+                    BPS_GC_KILL_GRACE="2")
+        base.update(env or {})  # may set the heartbeat's too
         role_env = role_env or {}
         plan = {"scheduler": ([], dict(base, DMLC_ROLE="scheduler"))}
         for s in range(servers):

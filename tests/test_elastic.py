@@ -25,7 +25,11 @@ from bps_gc.compress import CompressionParams, build_chain
 from bps_gc.compress.entire_model import WholeVectorCodec
 
 START_BOUND, BOUND = 60.0, 40.0
-REDO_HOLD = 1.0  # s after a kill: well before its epoch is prepared (heartbeat timeout 2 s, interval 0.2 s)
+# two levels' death during a REDO: the heartbeat timeout (s), and when worker 7 is stopped after
+# the kill: halfway, so that either side has 1.3 s to spare on a loaded box (the stop comes
+# before the victim's epoch is prepared, the scheduler prepares it before worker 7 is silent for
+# the timeout, heartbeats every 0.2 s)
+REDO_TIMEOUT, REDO_HOLD = 3.0, 1.5
 ENTIRE = {"name": "em", "shape": [1500], "dtype": "float32",
           "params": {"compressor": "topk", "k": 0.1, "ef": "vanilla"}}
 STEPS, PAUSE_AT, VICTIM = 7, 3, 2
@@ -181,8 +185,8 @@ def death_during_redo(job, killed, held, late):
     had pushed. Worker 7 (pid ``held``) is stopped (SIGSTOP) before host 1's epoch is prepared,
     so its commit waits for it; once host 4's ranks (pids ``late``) reported for that epoch they
     are killed (SIGKILL) and worker 7 goes on: the commit counts host 4, whose REDOs never come,
-    and the servers finish the REDO at host 4's own epoch. Worker 7 is silent for about one
-    second, under the heartbeat timeout."""
+    and the servers finish the REDO at host 4's own epoch. Worker 7 is silent for about 1.5 s,
+    under the heartbeat timeout (REDO_TIMEOUT)."""
     time.sleep(max(0.0, killed + REDO_HOLD - time.monotonic()))
     os.kill(held, signal.SIGSTOP)
     try:
@@ -237,6 +241,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # and the scheduler's: the reports (two levels)
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
+                    env={"BPS_GC_HEARTBEAT_TIMEOUT": str(REDO_TIMEOUT)} if two_levels else None,
                     role_env={"server0": servers_say, "server1": servers_say, "scheduler": servers_say if two_levels
                               else {}, **{f"worker{h}": two for h in range(hosts)}})
     job.wait_output(["worker1"], "HALF", START_BOUND)
@@ -253,6 +258,9 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     first_text = job.text("worker1")
     # host 1 started again: refused in one line (flat), or joins (two levels); the job goes on
     job.wait_output(["worker0"], "membership: worker 8, 9 left" if two_levels else "membership: worker 2, 3 left", BOUND)
+    if two_levels and [m for _, _, m in membership(job.text("scheduler"))] != [[0, 1, *range(4, 10)], [0, 1, 4, 5, 6, 7]]:
+        job.kill_all()  # worker 7 stopped too late, or too long: the box too slow for the timing
+        raise AssertionError(f"not host 1's epoch, then host 4's:\n{job.report()}")
     setting = {} if two_levels else {"BYTEPS_PARTITION_BYTES": "8192"}
     host1 = dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1")
     command = host_command("elastic_job.py", tmp_path / "spec.json", tmp_path)

@@ -11,12 +11,9 @@ and runs from the step ``elastic_start`` returns. Tensors under ``refused`` are 
 ``entire`` (a tensor description): one more array, reduced as one vector (granularity
 'entiremodel', bps_gc.algorithms.entire_model: every rank pushes its chunks, also under two
 levels), posted last each step (the victim's ``half`` pushes it too when it lists ``"entire"``).
-ELASTIC_DIE_AFTER_INIT names a local rank that kills itself (SIGKILL) once registered: a
-joining host's rank failing, so its join is cancelled.
 Run as ``python tests/elastic_job.py SPEC.json OUT_DIR``."""
 import json
 import os
-import signal
 import sys
 import time
 
@@ -31,9 +28,6 @@ spec_path, out_dir = sys.argv[1], sys.argv[2]
 spec = json.load(open(spec_path))
 bps.init()
 rank = bps.rank()
-if os.environ.get("ELASTIC_DIE_AFTER_INIT") == os.environ.get("BYTEPS_LOCAL_RANK", "0"):
-    print(f"worker {rank} dies once registered (ELASTIC_DIE_AFTER_INIT)", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
 for t in spec["tensors"]:
     bps.declare(t["name"], shape=tuple(t["shape"]), dtype=t["dtype"], **t.get("params", {}))
 for t in spec.get("refused", []):  # codecs BPS_GC_ELASTIC refuses: declared last, keys of their own

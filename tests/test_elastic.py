@@ -219,8 +219,8 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     vector reduced as one ('entiremodel', every rank pushes it) is pushed by the victim too.
     Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
     naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
-    two levels, first with a local rank dying once registered (the join cancelled, the job going
-    on), then refused likewise with BPS_GC_HIERARCHY=flat, then with the job's settings it
+    two levels, first with its local rank 1 killed once the members pledged (the join cancelled,
+    the members told, the job going on), then refused likewise with BPS_GC_HIERARCHY=flat, then with the job's settings it
     joins as a unit (members wait before step JOIN_AT until it is there). Then local rank 1 of
     host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
     pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
@@ -264,10 +264,12 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     setting = {} if two_levels else {"BYTEPS_PARTITION_BYTES": "8192"}
     host1 = dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1")
     command = host_command("elastic_job.py", tmp_path / "spec.json", tmp_path)
-    if two_levels:  # a join cancelled: its local rank 1 dies once registered
-        job.launch("half1", command, dict(host1, ELASTIC_DIE_AFTER_INIT="1", **two))
+    if two_levels:  # a join cancelled: its local rank 1 killed once the members pledged (they wait at the gate)
+        job.launch("half1", command, dict(host1, **two))
+        job.wait_output(["scheduler"], "the join of worker 2, 3 starts at round group", BOUND)
+        os.kill(job.local_rank_of("half1", 1), signal.SIGKILL)
         job.launchers["half1"].wait(timeout=BOUND)
-        job.wait_output(["scheduler"], "left before it was admitted", BOUND)
+        job.wait_output(["worker0"], "did not join: it left", BOUND)
         # then another BPS_GC_HIERARCHY: refused in one line
         job.launch("flat1", command, dict(host1, **dict(two, BPS_GC_HIERARCHY="flat")))
         job.wait_output(["flat1"], "cannot join the running job", BOUND)
@@ -298,10 +300,12 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         assert re.search(refused, job.text("flat1")) and statuses["flat1"] != 0, report
         assert "Traceback" not in job.text("flat1"), report
         half = job.text("half1")  # the cancelled join
-        assert "worker 3 dies once registered" in half and statuses["half1"] != 0, report
         assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in half, report
-        assert "Traceback" not in half, report
+        assert statuses["half1"] != 0 and "Traceback" not in half, report
         assert re.search(r"worker [23] left before it was admitted \(.*\); the job goes on", scheduler), report
+        # every member, pledged and waiting, told the join is off (each host's launcher prints both ranks')
+        assert all(len(re.findall(r"membership: worker \[2, 3\] did not join: it left", job.text(f"worker{h}"))) == 2
+                   for h in (0, 2, 3)), report
         assert statuses["worker4"] != 0 and "Traceback" not in job.text("worker4"), report
     else:
         refused += r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096"

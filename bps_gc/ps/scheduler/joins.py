@@ -193,6 +193,8 @@ class Joins:
         members = self.epochs.members()
         if set(members) <= set(self.pledges):
             self.step, self.from_group = "commit", max(self.pledges[r] for r in members)
+            log.info("the join of worker %s starts at round group %d: the members run up to it",
+                     ", ".join(map(str, self.ranks())), self.from_group)
             self.broadcast(Msg.EPOCH_COMMIT, dict(self.go_info(), donor=members[0], addresses={
                 str(j.rank): f"{j.host}:{j.port}" for j in self.joiners}), servers=False)
 

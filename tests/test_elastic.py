@@ -316,6 +316,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     assert "bpslaunch: local rank 0 (worker 6) exited with status 1; stopping the others" in job.text("worker3"), report
     assert statuses["worker3"] != 0, report
     assert "Traceback" not in first_text + job.text("worker3"), report
+    assert not [name for name in job.launchers if "Traceback" in job.text(name)], report  # no node, none
     if two_levels:
         assert "worker 5, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
                "and worker 4 stops" in job.text("worker2") and statuses["worker2"] != 0, report

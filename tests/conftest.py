@@ -9,6 +9,10 @@ gc_paused_imports.install()  # before any test module imports torch: see its doc
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 sys.path.insert(0, ROOT)
+# what a launched process's PYTHONPATH holds: this checkout, and tests/ so that Python runs
+# tests/sitecustomize.py at its start (torch imported with the GC paused; the census's record)
+LAUNCH_PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [LAUNCH_PYTHONPATH, os.environ.get("PYTHONPATH")]))
 
 
 def alive(pid):

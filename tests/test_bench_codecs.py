@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 SCRIPT = os.path.join(ROOT, "scripts", "bench_codecs.py")
 BYTEPS_CODECS = ("onebit scaling", "topk 0.1%", "topk 1%", "randomk 0.1%", "randomk 1%",
@@ -23,7 +23,7 @@ def run_bench(tmp_path, *args, env=None):
     out = tmp_path / "codecs.json"
     r = subprocess.run([sys.executable, SCRIPT, "--quick", "--json", str(out), *args],
                        capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
+                       env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, **(env or {})))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     return r.stdout, json.loads(out.read_text())
@@ -96,6 +96,6 @@ def test_quick_device_rows_beside_ours(tmp_path):
         assert row["speedup"][0] == pytest.approx(row["compress_gbps"] / row["host_compress_gbps"])
     if not torch.cuda.is_available():  # a usage error naming the cause, no traceback
         r = subprocess.run([sys.executable, SCRIPT, "--quick", "--device", "cuda"], capture_output=True,
-                           text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                           text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
         assert r.returncode == 2 and "torch.cuda.is_available() is False" in r.stderr
         assert "Traceback" not in r.stderr

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 ELEMENTS = 3000  # one 60 x 50 float32 matrix: 12,000 bytes
 
@@ -115,6 +115,6 @@ def test_host_floor_on_three_hosts():
     first's freed state and hung). The floor is a time, positive, per timed round."""
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_host_floor.py"), "--machines", "3",
                              "--local-ranks", "2", "--tensor-mb", "0.012", "--rounds", "2"],
-                            capture_output=True, text=True, timeout=100, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                            capture_output=True, text=True, timeout=100, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "host-level floor, 3 machines x 2 ranks" in result.stdout and " s/round" in result.stdout

@@ -5,14 +5,14 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 
 def test_rows_and_ratios(tmp_path):
     out = tmp_path / "cpu.json"
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_server_cpu.py"), "--workers", "3",
                              "--rounds", "1", "--tensors", "12", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stderr[-3000:]
     seconds = json.loads(out.read_text())["seconds"]
     assert set(seconds) == {"onebit+EF", "thc 4-bit", "thc 4-bit+EF"} and seconds["onebit+EF"] > 0

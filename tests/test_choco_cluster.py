@@ -14,7 +14,7 @@ import pytest
 
 from bps_gc.algorithms.topology import topology
 from cluster import run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from test_choco_math import oracle_choco
 
 pytest.importorskip("torch")
@@ -37,7 +37,7 @@ def run(configs, tmp_path, workers, transport="bps_gc"):
         # four workers importing torch at once starved a 3 s one before the first step)
         return run_local([sys.executable, JOB, str(spec), str(tmp_path)], workers=workers, servers=1, timeout=240,
                          env={"BPS_GC_HEARTBEAT_TIMEOUT": "20"})
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), JOB, str(spec), str(tmp_path), "gloo"]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 torch = pytest.importorskip("torch")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
@@ -52,7 +52,7 @@ def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=No
     agent, ~1.2 s of CPU a launch); ``interrupt``: tests/interrupted_run.py's INTERRUPT_AFTER
     (every process ends at once right after that checkpoint; torch.distributed only), or with
     ``copy_to`` (its COPY_TO) the run goes on and copies that checkpoint there."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, BPS_GC_HEARTBEAT_INTERVAL="0.2",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=LAUNCH_PYTHONPATH, BPS_GC_HEARTBEAT_INTERVAL="0.2",
                BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096",
                **({"INTERRUPT_AFTER": interrupt} if interrupt else {}),
                **({"COPY_TO": str(copy_to)} if copy_to else {}))
@@ -71,7 +71,7 @@ def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=No
 
 def test_help_lists_every_seed_flag_and_the_ratio_translation():
     out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     for flag in SEED_FLAGS:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from bps_gc.config import Config, ConfigError
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "1"}
@@ -64,7 +64,7 @@ def test_bad_variable_is_named(change, variable, fragment):
 
 def test_node_exits_2_naming_the_variable():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
-    env.update(BASE, DMLC_ROLE="server", DMLC_NUM_SERVER="many", PYTHONPATH=ROOT)
+    env.update(BASE, DMLC_ROLE="server", DMLC_NUM_SERVER="many", PYTHONPATH=LAUNCH_PYTHONPATH)
     result = subprocess.run([sys.executable, "-m", "bps_gc.node"], env=env, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2

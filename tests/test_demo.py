@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -25,7 +25,7 @@ NOT_REPEATED = {"total_seconds", "wall_seconds", "train_seconds", "log"}
 
 
 def run_quick(out, *args):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH)
     result = subprocess.run([sys.executable, DEMO, "--quick", "--out", str(out), *args], capture_output=True,
                             text=True, timeout=240, cwd=ROOT, env=env)
     assert result.returncode == 0, f"demo failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

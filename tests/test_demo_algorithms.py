@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
 for module in ("torch", "mlxtend", "matplotlib", "tqdm"):
@@ -17,7 +17,7 @@ for module in ("torch", "mlxtend", "matplotlib", "tqdm"):
 
 def run_demo(configs, out):
     result = subprocess.run([sys.executable, DEMO, "--quick", "--configs", configs, "--out", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return {r["config"]: r for r in json.loads((out / "results.json").read_text())["configs"]}, result.stdout
 

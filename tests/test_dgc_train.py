@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import Job
 from test_cifar10_choco import write_cifar10
 from test_study_scripts import write_imagenet
@@ -25,7 +25,7 @@ from test_study_scripts import write_imagenet
 pytest.importorskip("torch")
 TRAIN = os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")
 WM5 = [0.25, 0.063, 0.015, 0.004, 0.001]
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "BPS_GC_HEARTBEAT_INTERVAL": "0.2",
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": LAUNCH_PYTHONPATH, "BPS_GC_HEARTBEAT_INTERVAL": "0.2",
        "BPS_GC_HEARTBEAT_TIMEOUT": "5"}
 
 # DGC's README (../shared/seeds/004_*.txt), the flags after `python train.py` as printed

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "example", "**", "*.py"), recursive=True)
                  + glob.glob(os.path.join(ROOT, "scripts", "*.py"))
@@ -27,7 +27,7 @@ def help_runs():
     instead of once a script: most of this file's time)."""
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "help_runner.py"), *SCRIPTS,
                              *TORCH_SCRIPTS_ALSO], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+                            env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 

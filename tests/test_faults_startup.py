@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cluster import run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import Job
 
 BOUND = 15.0  # seconds from start to the last process gone (interpreter starts on a loaded box)
@@ -124,7 +124,7 @@ def test_port_in_use_is_one_line_naming_it():
         started = time.monotonic()
         argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--port", str(port), "--",
                 sys.executable, "-c", STEPS]
-        result = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=ROOT, BPS_GC_JOIN_TIMEOUT=JOIN_TIMEOUT),
+        result = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, BPS_GC_JOIN_TIMEOUT=JOIN_TIMEOUT),
                                 capture_output=True, text=True, timeout=BOUND + 30)
         elapsed = time.monotonic() - started
     assert result.returncode != 0

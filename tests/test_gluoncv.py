@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from cluster import TESTS, run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 if importlib.util.find_spec("mxnet") is None or importlib.util.find_spec("gluoncv") is None:
     pytest.skip("needs mxnet and gluoncv", allow_module_level=True)
@@ -20,7 +20,7 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 def run_python(code):
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                            text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                            text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 

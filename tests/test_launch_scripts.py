@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from bps_gc.launcher.local import free_port
-from conftest import ROOT, alive
+from conftest import ROOT, alive, LAUNCH_PYTHONPATH
 
 RUN_SH = os.path.join(ROOT, "launch", "run.sh")
 TIMEOUT = 60  # per run.sh; a hang fails the test instead of blocking the suite
@@ -64,7 +64,7 @@ def launch_env(tmp_path, hosts=("127.0.0.1",), **extra):
                BPS_GC_LAUNCH_CONFIG=str(tmp_path / "empty.conf"), BPS_GC_HOSTS_FILE=str(tmp_path / "hosts"),
                BPS_GC_LOG_DIR=str(tmp_path / "logs"), BPS_GC_PYTHON=sys.executable,
                BPS_GC_BPSLAUNCH=f"{sys.executable} -m bps_gc.launcher.cli",
-               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), BPS_GC_TEST_MARK=uuid.uuid4().hex)
+               PYTHONPATH=LAUNCH_PYTHONPATH + os.pathsep + env.get("PYTHONPATH", ""), BPS_GC_TEST_MARK=uuid.uuid4().hex)
     env.update(extra)
     return env
 

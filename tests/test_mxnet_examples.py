@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cluster import run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 if importlib.util.find_spec("mxnet") is None or importlib.util.find_spec("gluoncv") is None:
     pytest.skip("the gluon examples need mxnet and gluoncv", allow_module_level=True)
@@ -194,6 +194,6 @@ def test_imagenet_image_folder_randomk(imagenet, tmp_path):
 ])
 def test_bad_flags_stop_before_joining(script, args, message):
     result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 2, result.stderr[-3000:]
     assert message in result.stderr, result.stderr[-3000:]

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from test_mxnet_examples import write_cifar
 
 README = os.path.join(ROOT, "README.md")
@@ -47,7 +47,7 @@ def run_block(block, tmp_path, env=None, timeout=120):
     # HOME is the test's folder (the quickstarts read ~/data); caches stay where they were, or
     # every process would compile the codec kernels again
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    full_env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"], PYTHONPATH=ROOT, XDG_CACHE_HOME=cache,
+    full_env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"], PYTHONPATH=LAUNCH_PYTHONPATH, XDG_CACHE_HOME=cache,
                     OMP_NUM_THREADS="1", HOME=str(tmp_path), BPS_GC_JOIN_TIMEOUT="60", **(env or {}))
     for key in [k for k in full_env if k.startswith(("DMLC_", "BYTEPS_"))]:
         del full_env[key]

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DATA, ROOT
+from conftest import DATA, ROOT, LAUNCH_PYTHONPATH
 
 spec = importlib.util.spec_from_file_location("scale_on_paper", os.path.join(ROOT, "scripts", "scale_on_paper.py"))
 paper = importlib.util.module_from_spec(spec)
@@ -163,7 +163,7 @@ def test_command_line_writes_table_json_and_plot(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "scale_on_paper.py"), "--hosts", "2",
                           "--codecs", "dense", "--json", str(tmp_path / "s.json"), "--png",
                           str(tmp_path / "s.png"), "--markdown"], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.load(open(tmp_path / "s.json"))["rows"]
     assert {r["design"] for r in rows} == set(paper.PS_DESIGNS + paper.RING_DESIGNS + paper.GOSSIP_DESIGNS)

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 SCRIPTS = os.path.join(ROOT, "scripts")
 
 
 def run_script(name, *args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH)
     result = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args], capture_output=True,
                             text=True, timeout=timeout, cwd=ROOT, env=env)
     assert result.returncode == 0, f"{name} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

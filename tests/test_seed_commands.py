@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from bps_gc.launcher.local import free_port
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from test_cifar10_choco import write_cifar10
 from test_study_scripts import TINY_PHASES, write_imagenet
 
@@ -138,7 +138,7 @@ def wrappers(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_", "BPS_GC_"))}
     # HOME: the printed ~/data paths point into tmp_path; the compiled kernels stay in the user's cache
     cache = env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return dict(env, PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+    return dict(env, PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=LAUNCH_PYTHONPATH, OMP_NUM_THREADS="1",
                 HOME=str(tmp_path), XDG_CACHE_HOME=cache, BPS_GC_HEARTBEAT_TIMEOUT="60")
 
 
@@ -205,7 +205,7 @@ def byteps_lines():
     pytest.importorskip("mxnet")
     lines = {name: ours(f"byteps {name}") for name in BYTEPS_WORKER}
     result = subprocess.run([sys.executable, "-c", PARSE, ROOT, json.dumps(lines)], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+                            timeout=120, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -11,7 +11,7 @@ import pytest
 
 from bps_gc.wire import shm
 from cluster import run_job
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from reference import expected_results
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd and /proc")
@@ -31,7 +31,7 @@ except ShmUnavailable as e:
 def peer_view(offer, nbytes):
     """What another process sees of ``offer``."""
     out = subprocess.run([sys.executable, "-c", PEER, json.dumps(offer), str(nbytes)], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                         text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

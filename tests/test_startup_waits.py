@@ -17,7 +17,7 @@ import pytest
 
 from bps_gc.launcher.local import free_port
 from bps_gc.wire import waiting
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import Job
 
 FIRST_LINE_BOUND = 10.0  # the issue's "within 10 s" (the first line is due 5 s into the wait)
@@ -65,7 +65,7 @@ def start_rendezvous():
     rank 1 started alone waits for a store nobody hosts (join timeout 7 s). Returns the port,
     the processes and the threads that note when each names the rendezvous (``seen``)."""
     port = free_port()
-    base = dict(os.environ, PYTHONPATH=ROOT, DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="0",
+    base = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="0",
                 DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), BPS_GC_JOIN_TIMEOUT="7")
     # the wait starts after torch's import, which alone can take 10 s on a loaded box
     code = ("import sys, torch, bps_gc.collective, bps_gc.core as bps; print('INIT', file=sys.stderr, flush=True); "

@@ -12,7 +12,7 @@ import pytest
 
 from bps_gc.algorithms.momentum import MomentumPlan
 from cluster import run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from reference import PushPullModel
 
 MIN_COMPRESS, PARTITION = 256, 256
@@ -97,7 +97,7 @@ def test_single_process_keeps_the_moved_momentum(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
     env.update(DMLC_ROLE="worker", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", DMLC_WORKER_ID="0",
-               DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="9", PYTHONPATH=ROOT)
+               DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="9", PYTHONPATH=LAUNCH_PYTHONPATH)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "torch_job.py"),
                              str(tmp_path / "spec.json"), str(tmp_path)], env=env, capture_output=True,
                             text=True, timeout=120)

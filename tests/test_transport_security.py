@@ -16,7 +16,7 @@ from bps_gc.config import ConfigError
 from bps_gc.launcher.local import free_port
 from bps_gc.wire import sockets
 from collective_cluster import job_env, torchrun_argv
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 INIT_SCRIPT = "import bps_gc.torch as bps; bps.init(); print('started')"
 needs_ss = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to see what listens")
@@ -138,7 +138,7 @@ def test_ps_warns_once_when_listening_beyond_loopback_without_token(monkeypatch,
 def test_a_scheduler_on_every_interface_warns_once_without_a_token(token):
     """A real scheduler process (bpslaunch, DMLC_ROLE=scheduler) bound to 0.0.0.0: one warning
     line without a token, none with one (it then gives up waiting for the missing nodes)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, DMLC_ROLE="scheduler", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1",
+    env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, DMLC_ROLE="scheduler", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1",
                DMLC_PS_ROOT_URI="0.0.0.0", DMLC_PS_ROOT_PORT=str(free_port()), BPS_GC_JOIN_TIMEOUT="1")
     env.pop("BPS_GC_AUTH_TOKEN", None)
     if token:

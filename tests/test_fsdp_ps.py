@@ -65,6 +65,9 @@ POLICY_RUNS = {"topk-bf16": "bf16", "topk-bf16r": "bf16r", "topk-offload": "offl
 # dense with a bfloat16 or float16 reduce dtype (fully_shard's policy): pushed and pulled as it,
 # summed and averaged by the server in float32, rounded once
 DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
+# BytePS's float16 wire (fp16, no codec) under the same policies: each shard travels as float16
+# (the bfloat16 one rounded to it), averaged so, and rounded back into the reduce dtype
+FP16_WIRE = {"fp16-bf16r": "bf16r", "fp16-f16r": "f16r"}
 HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
 # thc 4-bit with feedback and top-k + EF first, trained together with SGD momentum: the job saves
 # them (dcp and bps_gc's state) before step SAVE_AT, the second launch resumes them, the third
@@ -72,7 +75,8 @@ HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
 RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk": TOPK}
 SAVE_AT = 2
 RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4},
-        **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF}}
+        **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF},
+        **{run: {"fp16": True} for run in FP16_WIRE}}
 LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding none) -> its layer
 NAMES = [f"{layer}.{param}" for layer in LAYERS.values() for param in ("weight", "bias")]
 
@@ -160,7 +164,7 @@ def expected_calls(ranks, run, local=LOCAL):
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
     (tmp_path / "job").mkdir()
-    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_HALF},
+    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_HALF, **FP16_WIRE},
                                       "save": {"runs": list(RESUMED), "at": SAVE_AT}}, LOCAL)
     check_results(ranks)
     (tmp_path / "fault").mkdir()
@@ -268,22 +272,28 @@ def check_results(ranks):
 
 
 def dense_in_half(ranks):
-    """Dense under the bfloat16 and the float16 reduce dtype: every hook call as the server's
-    float32 sum of the hosts' shards in that dtype, halved in float32 and rounded once (torch's
-    rounding here); half dense float32's bytes each way, on every rank."""
-    for run, policy in DENSE_HALF.items():
-        rounded = lambda values, dtype=HALF_OF[policy]: torch.from_numpy(values).to(dtype).float().numpy()  # noqa: E731
+    """Dense under the bfloat16 and the float16 reduce dtype, pushed as it or (fp16) as float16:
+    every hook call as the server's float32 sum of the hosts' shards in the wire dtype (torch's
+    rounding of the bfloat16 ones into float16 here), halved in float32 and rounded once into it,
+    then into the reduce dtype; half dense float32's bytes each way, on every rank."""
+    rounded = lambda values, dtype: torch.from_numpy(values).to(dtype).float().numpy()  # noqa: E731
+    for run, policy in {**DENSE_HALF, **FP16_WIRE}.items():
+        wire, apart = HALF_OF[policy] if run in DENSE_HALF else torch.float16, 0
         for i in range(LOCAL):
             for call in range(STEPS * len(LAYERS)):
                 shards = [ranks[h * LOCAL + i][f"{run}/call{call}/in"] for h in range(HOSTS)]
-                assert all(np.array_equal(rounded(s), s) for s in shards), (run, call)  # that dtype's values in
-                total = shards[0].copy()
+                # the reduce dtype's values in
+                assert all(np.array_equal(rounded(s, HALF_OF[policy]), s) for s in shards), (run, call)
+                total = rounded(shards[0], wire)
                 for shard in shards[1:]:  # in rank order, as the server adds
-                    total += shard
-                want = rounded(total / np.float32(HOSTS))
+                    total += rounded(shard, wire)
+                want = rounded(rounded(total / np.float32(HOSTS), wire), HALF_OF[policy])
+                # the calls the float16 wire changes: from the float32 mean of the shards as they are
+                apart += not np.array_equal(want, rounded(sum(shards) / np.float32(HOSTS), HALF_OF[policy]))
                 for h in range(HOSTS):
                     got = ranks[h * LOCAL + i][f"{run}/call{call}/out"]
                     assert got.tobytes() == want.tobytes(), f"{run} call {call} rank {h * LOCAL + i}"
+        assert bool(apart) == (run == "fp16-bf16r"), (run, apart)  # bfloat16's shards round into float16
         for r, arrays in enumerate(ranks):
             counted = [int(arrays[f"{run}/{kind}_wire"]) for kind in ("pushed", "pulled")]
             assert counted == [int(arrays["dense/pushed_wire"]) // 2] * 2, (run, r, counted)

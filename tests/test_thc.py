@@ -390,7 +390,7 @@ def test_device_chain_on_cuda():
 def test_parameter_server_words_are_int64_only_when_every_server_adds_them():
     """A worker sums thc's phases in int64 words when every server's address-book entry lists
     int64 among its sums; one server without the list (an older one) keeps float64 for all."""
-    from bps_gc.ps.worker.worker import phase_words
+    from bps_gc.ps.membership.membership import phase_words
     from bps_gc.wire.wire import SERVER_SUMS
     new = {"id": 1, "sums": list(SERVER_SUMS)}
     assert phase_words([new, dict(new, id=2)]) == np.int64

@@ -17,7 +17,8 @@ Nothing here knows a codec by name: a partition's reducer says how many phases i
 * optionally ``set_summands(workers, carrier)``: called first, when the payload's size depends
   on how many pushes the sum adds (thc's lanes) and on the element type the transport sums
   them in (``carrier``: None for the codec's own; torch.distributed passes int64, the parameter
-  server int64 when every server adds it, else float64: ps/worker/worker.py ``phase_words``).
+  server int64 when every server adds it, else float64: ps/membership/membership.py
+  ``phase_words``).
 
 A reducer with ``host_first`` (thc) runs its phases inside two levels, as a single-phase codec
 runs its push and pull: each partition's owner local rank sums it over the host (floats, in

@@ -49,8 +49,8 @@ HEADER = 3  # bits, exponent, count (each summed over the pushes)
 CARRIER = np.dtype(np.float64)  # the default words: any server adds dense float64 exactly
 CARRIER_BITS = 53  # integers below 2^53 add exactly in float64
 # the bits of a word each carrier adds exactly: int64 (torch.distributed's words, and the
-# parameter server's when every server adds int64: ps/worker/worker.py phase_words) wraps modulo
-# 2^64, which leaves every bit of a sum below 2^64 right when the word is read unsigned
+# parameter server's when every server adds int64: ps/membership/membership.py phase_words)
+# wraps modulo 2^64, which leaves every bit of a sum below 2^64 right when the word is read unsigned
 WORD_BITS = {CARRIER: CARRIER_BITS, np.dtype(np.int64): 64}
 BLOCK = 4096  # largest Hadamard block
 

@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 
+import numpy as np
 import zmq
 
 from ...comm import NodeFailure
@@ -82,6 +83,13 @@ def describe(info):
     where = f" at {info['address']}" if info.get("address") else ""
     who = "the cluster" if info.get("role") == "cluster" else f"{info.get('role')} {info.get('rank')} (node {info.get('id')}{where})"
     return f"{who} failed: {info.get('reason', 'unknown reason')}"
+
+
+def phase_words(servers):
+    """The words thc's phases are summed in (comm/phased.py ``carrier``): int64, all 64 bits
+    (wrapping), when every server's address-book entry says it adds them; else float64, whose
+    53 exact bits an older server adds."""
+    return np.dtype(np.int64 if all("int64" in (s.get("sums") or ()) for s in servers) else np.float64)
 
 
 class Membership:

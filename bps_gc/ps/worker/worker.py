@@ -20,7 +20,7 @@ from ...comm.placement import Placement, check_dtype, declare_tensor, dense_part
 from ...wire.sockets import Auth
 from ...wire.half import HALF_SUMS, SERVER_MEAN
 from ...wire.wire import encode_context
-from ..membership.membership import Membership
+from ..membership.membership import Membership, phase_words
 from . import codec_state
 from . import host as host_level
 from .commands import Barrier, Goodbye, InitKey, SendPush, StartLocal
@@ -34,13 +34,6 @@ from .peers import Peers
 from .push import Push
 
 log = logging.getLogger("bps_gc.worker")
-
-
-def phase_words(servers):
-    """The words thc's phases are summed in (comm/phased.py ``carrier``): int64, all 64 bits
-    (wrapping), when every server's address-book entry says it adds them; else float64, whose
-    53 exact bits an older server adds."""
-    return np.dtype(np.int64 if all("int64" in (s.get("sums") or ()) for s in servers) else np.float64)
 
 
 class Worker(Communicator):

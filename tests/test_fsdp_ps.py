@@ -17,7 +17,8 @@ MLP's 32 and 8 rows over 3 ranks, FSDP2 pads the last), trains every model:
   recomputed payloads';
 * dense under the bfloat16 and the float16 reduce dtype: pushed and pulled as such (half dense
   float32's bytes), every call the server's float32 sum of the hosts' shards halved and rounded
-  once;
+  once; again with BytePS's fp16 (float16 on the wire): each shard rounded into float16 first,
+  the float16 mean rounded into the reduce dtype;
 * thc 4-bit (the servers sum its integer lanes): the replicas agree, and each call is close to
   the exact mean of the hosts' shards;
 * bytes: bps.metrics() counts each rank's own shard pushed once a step, dense (what native

@@ -12,7 +12,6 @@ import socket
 import time
 
 import zmq
-import zmq.auth.thread
 import zmq.utils.z85
 
 from .wire import HEADER, MAX_JSON, Header, MalformedMessage, Msg
@@ -127,6 +126,7 @@ class Auth:
         self.keys = curve_keys(token) if token and encrypt else None
         self._thread = None
         if token:
+            import zmq.auth.thread  # here: it imports asyncio (~12 ms at every process's start)
             self._thread = zmq.auth.thread.ThreadAuthenticator(context, log=log)
             self._thread.start()
             if self.keys:

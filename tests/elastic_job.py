@@ -5,9 +5,11 @@ through a round. The ``stall_rank``, at step ``stall_at``, says STALL before pus
 and waits (to be stopped); with ``stall_after_push`` it first posts every tensor of that step
 (its host pushes them) and never waits: silent during the pull. Every rank says PULLED at
 ``stall_at`` once it has that step's results. The ``silent_rank`` says SILENT before pushing
-anything of step ``silent_at`` and waits (to be stopped). With ``gate`` (a path), members wait before
-step ``join_at`` until it exists; a joining host (the victim's, started again) says JOINING
-and runs from the step ``elastic_start`` returns. Tensors under ``refused`` are declared last, each refusal printed.
+anything of step ``silent_at`` and waits (to be stopped). ``gates`` ({step: path}): members wait
+before that step until the path exists; a joining host (the victim's, started again) says JOINING
+and runs from the step ``elastic_start`` returns; its ``join_victim`` rank, at that first step,
+posts ``half`` like the victim, says HALF and waits to be killed (a joiner dying once admitted).
+Every rank says PUSHED at the steps ``pushed_at`` (default [``pause_at``]) once it posted them. Tensors under ``refused`` are declared last, each refusal printed.
 ``entire`` (a tensor description): one more array, reduced as one vector (granularity
 'entiremodel', bps_gc.algorithms.entire_model: every rank pushes its chunks, also under two
 levels), posted last each step (the victim's ``half`` pushes it too when it lists ``"entire"``).
@@ -58,7 +60,8 @@ start = bps.elastic_start({})  # no parameters: every result depends on the step
 results, sizes = {}, []
 for step in range(start, spec["steps"]):
     deadline = time.monotonic() + 60
-    while step == spec.get("join_at") and not os.path.exists(spec["gate"]) and time.monotonic() < deadline:
+    gate = spec.get("gates", {}).get(str(step))
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.02)
     ctx = step_ctx(spec, step)
     inputs = [gradient(rank, step, t) for t in spec["tensors"]]
@@ -71,12 +74,13 @@ for step in range(start, spec["steps"]):
     if rank == spec.get("silent_rank") and step == spec["silent_at"]:
         print("SILENT", flush=True)
         time.sleep(600)  # stopped here (SIGSTOP) before its host pushes the step
-    if rank == spec.get("victim") and step == spec["pause_at"] and not start:
+    if (rank == spec.get("victim") and step == spec["pause_at"] and not start) or \
+            (rank == spec.get("join_victim") and start and step == start):
         posted = post(inputs, ctx, spec.get("half", [0]))
         print("HALF", flush=True)
         time.sleep(600)  # killed here
     handles = post(inputs, ctx, everything)
-    if step == spec["pause_at"]:
+    if step in spec.get("pushed_at", [spec["pause_at"]]):
         print("PUSHED", step, flush=True)
     for name, wait in handles:
         results[f"{name}/{step}"] = wait().copy()

@@ -8,6 +8,7 @@ tensor of step PAUSE_AT, then is killed: the servers sum those rounds again with
 their recompress state rolled back to before the round. The survivors must finish every step without a restart, pull
 bit-identical results, equal to a numpy recomputation (reference.py's codec chains) of the
 membership sequence every node logged, and see bps.size() change at that round only."""
+import json
 import os
 import re
 import signal
@@ -204,6 +205,27 @@ def death_during_redo(job, killed, held, late):
     assert not early, f"worker 7 reported before it was stopped (the box too slow for this timing):\n{job.report()}"
 
 
+def joiner_dies(job, host1, env, spec, tmp_path):
+    """Two levels: host 1 joins (the members wait at their first gate until its ranks said
+    JOINING) and, in its first round (admitted: the servers count it), its local rank 1 posts
+    ``half`` and is killed (SIGKILL) once the members posted that step (PUSHED) and a second
+    passed, so rounds summed with its pushes are summed again without it; its launcher stops the
+    mate. Returns once the members logged its leaving."""
+    dying = tmp_path / "dying.json"
+    dying.write_text(json.dumps(dict(spec, join_victim=3)))
+    job.launch("die1", host_command("elastic_job.py", dying, tmp_path), dict(host1, **env))
+    printed_by_both(job, ["die1"], "JOINING", BOUND)
+    gate = min(spec["gates"], key=int)
+    open(spec["gates"][gate], "w").close()
+    job.wait_output(["die1"], "HALF", BOUND)
+    first = membership(job.text("scheduler"))[2][1]  # its join's epoch
+    printed_by_both(job, ["worker0", "worker2", "worker3"], f"PUSHED {first}", BOUND)
+    time.sleep(1.0)
+    os.kill(job.local_rank_of("die1", 1), signal.SIGKILL)
+    job.launchers["die1"].wait(timeout=BOUND)
+    job.wait_output(["worker0"], "membership: worker 2, 3 left; epoch 4", BOUND)
+
+
 @pytest.mark.parametrize("hierarchy", ["auto", "host"])
 def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy):
     """4 worker hosts x 2 local ranks (one bpslaunch per host, NVIDIA_VISIBLE_DEVICES=0,1),
@@ -228,15 +250,17 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     1 of host 2 (worker 5) goes silent before its host pushes anything of the next step. The
     live ranks pull bit-identical results equal to the numpy oracle of the logged membership
     sequence."""
-    stall_at, join_at, two_levels = 5, 4, hierarchy == "host"
+    join_at, rejoin_at, two_levels = 4, 6, hierarchy == "host"
+    stall_at, n_steps = (7, 9) if two_levels else (5, STEPS)
     hosts = 5 if two_levels else 4
-    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at)
+    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at, steps=n_steps, lrs=[0.1] * n_steps)
     if two_levels:
         # owners (i + p) mod 2: local rank 1 owns all of tensor 1 (one partition), rank 0 owns
         # nothing the victim's host does not push
         tensors = [SPEC["tensors"][0], dict(SPEC["tensors"][1], name="small", shape=[1000]), *SPEC["tensors"][2:],
                    SPEC["tensors"][1]]
-        spec.update(stall_after_push=True, join_at=join_at, gate=str(tmp_path / "gate"), silent_rank=5,
+        gates = {str(s): str(tmp_path / f"gate{s}") for s in (join_at, rejoin_at)}
+        spec.update(stall_after_push=True, gates=gates, silent_rank=5, pushed_at=[PAUSE_AT, join_at, join_at + 1],
                     silent_at=stall_at + 1, tensors=tensors, half=[0, 2, 3, "entire"], entire=ENTIRE)
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # and the scheduler's: the reports (two levels)
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
@@ -245,7 +269,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
                     role_env={"server0": servers_say, "server1": servers_say, "scheduler": servers_say if two_levels
                               else {}, **{f"worker{h}": two for h in range(hosts)}})
     job.wait_output(["worker1"], "HALF", START_BOUND)
-    printed_by_both(job, [f"worker{h}" for h in range(hosts) if h != 1], "PUSHED", START_BOUND)  # at step PAUSE_AT
+    printed_by_both(job, [f"worker{h}" for h in range(hosts) if h != 1], f"PUSHED {PAUSE_AT}", START_BOUND)
     time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
     if two_levels:  # found before the kill: the next steps are timed
         held, late = job.local_rank_of("worker3", 1), [job.local_rank_of("worker4", r) for r in (0, 1)]
@@ -274,10 +298,11 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         job.launch("flat1", command, dict(host1, **dict(two, BPS_GC_HIERARCHY="flat")))
         job.wait_output(["flat1"], "cannot join the running job", BOUND)
         job.launchers["flat1"].wait(timeout=BOUND)
+        joiner_dies(job, host1, two, spec, tmp_path)
     job.launch("worker1", command, dict(host1, **setting, **two))
     if two_levels:
         printed_by_both(job, ["worker1"], "JOINING", BOUND)
-        (tmp_path / "gate").touch()
+        (tmp_path / f"gate{rejoin_at}").touch()
     else:
         job.wait_output(["worker1"], "cannot join the running job", BOUND)
     job.wait_output(["worker3"], "STALL", BOUND)
@@ -307,6 +332,9 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         assert all(len(re.findall(r"membership: worker \[2, 3\] did not join: it left", job.text(f"worker{h}"))) == 2
                    for h in (0, 2, 3)), report
         assert statuses["worker4"] != 0 and "Traceback" not in job.text("worker4"), report
+        died = job.text("die1")  # admitted, then dead in its first round
+        assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in died, report
+        assert statuses["die1"] != 0 and "membership: worker 2, 3 joined; epoch 3" in died, report
     else:
         refused += r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096"
         assert re.search(refused, job.text("worker1")) and statuses["worker1"] != 0, report
@@ -327,10 +355,11 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     after = [0, 1, 2, 3] if two_levels else [0, 1, 4, 5]
     logged = {name: membership(job.text(name)) for name in alive}
     sequence = logged["scheduler"]
-    # two levels: host 4 leaves before host 1 joins, so the join is the third change
-    joined = 2 if two_levels else None
-    changes = [(1, between), (2, [0, 1, 4, 5, 6, 7]), (3, list(range(8))), (4, [0, 1, 2, 3, 4, 5]), (5, after)] \
-        if two_levels else [(1, between), (2, after)]
+    # two levels: host 4 leaves, host 1 joins and dies in its first round, joins again (the fifth change)
+    joined = 4 if two_levels else None
+    without = [0, 1, 4, 5, 6, 7]
+    changes = [(1, between), (2, without), (3, list(range(8))), (4, without), (5, list(range(8))),
+               (6, [0, 1, 2, 3, 4, 5]), (7, after)] if two_levels else [(1, between), (2, after)]
     assert [(e, m) for e, _, m in sequence] == changes, report  # one epoch per host
     # a host's launcher prints both its ranks' lines, one rank's after the other's; a joiner's from its join on
     assert all(sorted(seq) == sorted(sequence[joined if name == "worker1" else 0:] * (2 if name.startswith("worker") else 1))
@@ -348,8 +377,11 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     if two_levels:
         # host 4 died during the REDO: its REDOs never came, the step is summed again without it
         assert firsts[1] == PAUSE_AT and f"round {PAUSE_AT} is summed again over epoch 2's members" in again, report
-        assert join_at <= firsts[joined] <= join_at + 1, report  # members pledged before or at JOIN_AT
-        assert firsts[3] == firsts[4], report  # no host handed out the step host 2 never pushed
+        assert join_at <= firsts[2] <= join_at + 1, report  # members pledged before or at JOIN_AT
+        # the joiner died in its first round: no host handed it out, its rounds summed with host 1 again
+        assert firsts[3] == firsts[2] and f"round {firsts[2]} is summed again over epoch 4's members" in again, report
+        assert rejoin_at <= firsts[joined] <= rejoin_at + 1, report
+        assert firsts[5] == firsts[6], report  # no host handed out the step host 2 never pushed
     steps = [(0, everyone)] + [(first, members) for _, first, members in sequence]
     want = expected(spec, steps, everyone, local_size=2 if two_levels else 1)
     if two_levels:
@@ -357,7 +389,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     pulled = {r: np.load(tmp_path / f"rank{r}.npz") for r in after}
     for r in after:
         start = firsts[joined] if r in (2, 3) and two_levels else 0  # the joiners'
-        sizes = [len([m for first, m in steps if first <= s][-1]) for s in range(start, STEPS)]
+        sizes = [len([m for first, m in steps if first <= s][-1]) for s in range(start, n_steps)]
         assert list(pulled[r]["sizes"]) == sizes, (r, report)
         for name, value in want.items():
             if int(name.split("/")[1]) < start:

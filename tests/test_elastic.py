@@ -264,12 +264,14 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
     naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
     two levels, first with its local rank 1 killed once the members pledged (the join cancelled,
-    the members told, the job going on), then refused likewise with BPS_GC_HIERARCHY=flat, then with the job's settings it
-    joins as a unit (members wait before step JOIN_AT until it is there). Then local rank 1 of
+    the members told, the job going on), then refused likewise with BPS_GC_HIERARCHY=flat, then
+    admitted and killed in its first round (``joiner_dies``), then with the job's settings it
+    joins as a unit (members wait at a gate until it is there). Then local rank 1 of
     host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
     pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
     nothing, so the scheduler tells its mate, which stops naming it. Two levels: then local rank
-    1 of host 2 (worker 5) goes silent before its host pushes anything of the next step. The
+    1 of host 2 (worker 5) goes silent before its host pushes anything of the next step, before
+    host 3's epoch is committed (``two_deaths_in_one_change``). The
     live ranks pull bit-identical results equal to the numpy oracle of the logged membership
     sequence."""
     join_at, rejoin_at, two_levels = 4, 6, hierarchy == "host"

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from elastic_host_events import BOUND, REDO_TIMEOUT, START_BOUND, death_during_redo, joiner_dies, printed_by_both, \
-    two_deaths_in_one_change
+from elastic_host_events import BOUND, JOIN_STARTS, REDO_TIMEOUT, START_BOUND, death_during_redo, joiner_dies, \
+    printed_by_both, two_deaths_in_one_change
 from elastic_jobs import host_command, membership, start_job, two_tensors
 import pytest
 from reference import gradient, partitions, step_ctx
@@ -183,7 +183,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     two levels, first with its local rank 1 killed once the members pledged (the join cancelled,
     the members told, the job going on), then refused likewise with BPS_GC_HIERARCHY=flat, then
     admitted and killed in its first round (``joiner_dies``), then with the job's settings it
-    joins as a unit (members wait at a gate until it is there). Then local rank 1 of
+    joins as a unit (members wait at a gate until the join started). Then local rank 1 of
     host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
     pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
     nothing, so the scheduler tells its mate, which stops naming it. Two levels: then local rank
@@ -201,7 +201,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         tensors = [SPEC["tensors"][0], dict(SPEC["tensors"][1], name="small", shape=[1000]), *SPEC["tensors"][2:],
                    SPEC["tensors"][1]]
         gates = {str(s): str(tmp_path / f"gate{s}") for s in (join_at, rejoin_at)}
-        spec.update(stall_after_push=True, gates=gates, silent_rank=5, pushed_at=[PAUSE_AT, join_at, join_at + 1],
+        spec.update(stall_after_push=True, gates=gates, silent_rank=5, pushed_at=[PAUSE_AT, join_at],
                     silent_at=stall_at + 1, tensors=tensors, half=[0, 2, 3, "entire"], entire=ENTIRE)
     servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # and the scheduler's: the reports (two levels)
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
@@ -231,7 +231,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     command = host_command("elastic_job.py", tmp_path / "spec.json", tmp_path)
     if two_levels:  # a join cancelled: its local rank 1 killed once the members pledged (they wait at the gate)
         job.launch("half1", command, dict(host1, **two))
-        job.wait_output(["scheduler"], "the join of worker 2, 3 starts at round group", BOUND)
+        job.wait_output(["scheduler"], JOIN_STARTS, BOUND)
         os.kill(job.local_rank_of("half1", 1), signal.SIGKILL)
         job.launchers["half1"].wait(timeout=BOUND)
         job.wait_output(["worker0"], "did not join: it left", BOUND)
@@ -242,7 +242,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         joiner_dies(job, host1, two, spec, tmp_path)
     job.launch("worker1", command, dict(host1, **setting, **two))
     if two_levels:
-        printed_by_both(job, ["worker1"], "JOINING", BOUND)
+        printed_by_both(job, ["scheduler"], JOIN_STARTS, BOUND, times=3)  # the members pledged REJOIN_AT
         (tmp_path / f"gate{rejoin_at}").touch()
     else:
         job.wait_output(["worker1"], "cannot join the running job", BOUND)
@@ -320,10 +320,10 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     if two_levels:
         # host 4 died during the REDO: its REDOs never came, the step is summed again without it
         assert firsts[1] == PAUSE_AT and f"round {PAUSE_AT} is summed again over epoch 2's members" in again, report
-        assert join_at <= firsts[2] <= join_at + 1, report  # members pledged before or at JOIN_AT
+        assert firsts[2] == join_at, report  # the members pledged, waiting at the gate
         # the joiner died in its first round: no host handed it out, its rounds summed with host 1 again
         assert firsts[3] == firsts[2] and f"round {firsts[2]} is summed again over epoch 4's members" in again, report
-        assert rejoin_at <= firsts[joined] <= rejoin_at + 1, report
+        assert firsts[joined] == rejoin_at, report
         assert "membership: worker 4, 5, 6, 7 left; epoch 7" in scheduler, report
     steps = [(0, everyone)] + [(first, members) for _, first, members in sequence]
     want = expected(spec, steps, everyone, local_size=2 if two_levels else 1)

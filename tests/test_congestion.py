@@ -13,6 +13,7 @@ import zmq
 from bps_gc.config import Config, ConfigError, available_congestion_controls
 from bps_gc.wire import congestion
 from cluster import TESTS, run_local
+from conftest import LAUNCH_PYTHONPATH
 from tcp_links import own_tcp_connections
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux's")
@@ -124,7 +125,7 @@ RESTRICTED = next((a for a in AVAILABLE if AVAILABLE and a not in allowed_conges
 def without_net_admin(code, env):
     """Run ``code`` in a Python without CAP_NET_ADMIN (setpriv drops it from the bounding set)."""
     import subprocess
-    full = dict(os.environ, **env, PYTHONPATH=os.path.dirname(TESTS))
+    full = dict(os.environ, **env, PYTHONPATH=LAUNCH_PYTHONPATH)
     return subprocess.run(["setpriv", "--bounding-set=-net_admin", sys.executable, "-c", code], env=full,
                           capture_output=True, text=True, timeout=60)
 

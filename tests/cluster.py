@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 TESTS = os.path.join(ROOT, "tests")
 
@@ -14,7 +14,7 @@ TESTS = os.path.join(ROOT, "tests")
 def run_local(command, workers=2, servers=2, env=None, timeout=180, local_size=1, worker_env=None):
     """``worker_env`` overrides variables for the worker processes only (via ``env`` on the
     command line), e.g. a wrong token."""
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
+    full_env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH,
                     BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="3")
     full_env.update(env or {})
     if worker_env:

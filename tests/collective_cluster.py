@@ -8,13 +8,13 @@ import sys
 import numpy as np
 
 from bps_gc.launcher.local import free_port
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 TESTS = os.path.join(ROOT, "tests")
 
 
 def job_env(env=None):
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), OMP_NUM_THREADS="1",
+    return dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, OMP_NUM_THREADS="1",
                 BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="3", **(env or {}))
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from bps_gc.compress import build_chain
 from bps_gc.launcher.local import free_port
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from local_ranks import NOT_INHERITED
 from multihost import INTERVAL, LAUNCH, TIMEOUT, Job
 from reference import gradient, partitions, step_ctx
@@ -31,7 +31,7 @@ class CollectiveHostsJob(Job):
         self.port = free_port()
         base = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
         # DMLC_PS_ROOT_PORT marks the job's processes for Job.leftovers(), under torchrun too
-        base.update(PYTHONPATH=os.pathsep.join([ROOT, TESTS]), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+        base.update(PYTHONPATH=LAUNCH_PYTHONPATH, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                     DMLC_PS_ROOT_PORT=str(self.port), BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL),
                     BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT), BPS_GC_KILL_GRACE="2")
         base.update(env or {})  # the caller's settings win (a longer heartbeat timeout, ...)

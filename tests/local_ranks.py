@@ -15,7 +15,7 @@ import pytest
 from bps_gc.compress import CompressionParams, build_chain
 from bps_gc.compress.registry import COMPRESSORS
 from bps_gc.launcher.local import free_port
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import INTERVAL, LAUNCH, TIMEOUT, Job
 from reference import gradient, partitions, step_ctx
 
@@ -46,7 +46,7 @@ class HostsJob(Job):
     def __init__(self, net, hosts, local_sizes, servers, command, env=None, worker_env=None):
         self.port = free_port()
         base = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-        base.update(PYTHONPATH=os.pathsep.join([ROOT, TESTS]), DMLC_NUM_WORKER=str(hosts),
+        base.update(PYTHONPATH=LAUNCH_PYTHONPATH, DMLC_NUM_WORKER=str(hosts),
                     DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI=net.addr[0],
                     DMLC_PS_ROOT_PORT=str(self.port), PYTHONUNBUFFERED="1",
                     BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL), BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT),

@@ -8,7 +8,7 @@ import threading
 import time
 
 from bps_gc.launcher.local import free_port
-from conftest import ROOT, alive
+from conftest import LAUNCH_PYTHONPATH, ROOT, alive
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from procs import child_of  # noqa: E402
@@ -25,7 +25,7 @@ class Job:
     def __init__(self, workers, script, servers=1, env=None, role_env=None, command=None):
         port = self.port = free_port()
         scripts = script if isinstance(script, list) else [script] * workers
-        base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+        base = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH,
                     DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers),
                     DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), PYTHONUNBUFFERED="1",
                     BPS_GC_HEARTBEAT_INTERVAL=str(INTERVAL), BPS_GC_HEARTBEAT_TIMEOUT=str(TIMEOUT),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bps_gc.compress import Codec, build_chain, register_compressor
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 
 PLUGIN_DIR = os.path.join(ROOT, "example", "plugins")
 
@@ -45,7 +45,7 @@ def test_registering_a_non_codec_or_a_taken_name_fails():
 
 
 def run_python(code, **env):
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, PLUGIN_DIR]), **env)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([LAUNCH_PYTHONPATH, PLUGIN_DIR]), **env)
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
                           text=True, timeout=60)
 

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from cluster import run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import Job, processes_with
 
 BOUND = 10.0  # seconds from the departure to the last process gone; a hang would be forever
@@ -100,7 +100,7 @@ def test_local_ctrl_c_stops_every_process():
     """Ctrl-C at the terminal of `bpslaunch --local` (SIGINT to its whole process group): it
     ends within the bound, non-zero, without a traceback, and leaves no process behind."""
     mark = f"BPS_GC_TEST_JOB={uuid.uuid4().hex}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+    env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH,
                BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="3")
     env.update([mark.split("=")])
     argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers", "1",

@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import processes_with
 from test_ps_state import ENV, JOB, assert_same, finals, make_spec
 
@@ -17,7 +17,7 @@ LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "
 
 
 def job_env(tag):
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+    return dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH,
                 BPS_GC_HEARTBEAT_INTERVAL="0.2", BPS_GC_HEARTBEAT_TIMEOUT="2", BPS_GC_KILL_GRACE="2",
                 RESTART_TEST_TAG=tag, **ENV)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cluster import TESTS, run_local
-from conftest import ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT
 from reference import PushPullModel
 
 pytest.importorskip("mxnet")
@@ -247,7 +247,7 @@ def test_byteps_gluon_script_runs_unchanged(tmp_path):
 
 def test_clear_errors_and_zero_copy(tmp_path):
     out = tmp_path / "errors.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), OMP_NUM_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, OMP_NUM_THREADS="1",
                DMLC_ROLE="worker", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", DMLC_WORKER_ID="0",
                DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="9")
     env.pop("BYTEPS_FORCE_DISTRIBUTED", None)

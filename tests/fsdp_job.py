@@ -34,7 +34,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -42,12 +41,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
 from fsdp_bytes import array_bytes, bytes_and_memory  # noqa: E402
+from fsdp_recording import record_calls, record_reduce_scatters  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -109,43 +109,6 @@ def train(model, opt, steps, on_step=None, micro_batches=spec.get("micro_batches
 def parameters(model, prefix=""):
     full = {f"{prefix}full/{name}": p.full_tensor().detach().numpy() for name, p in model.named_parameters()}
     return {**full, **{f"{prefix}local/{name}": p.to_local().detach().numpy() for name, p in model.named_parameters()}}
-
-
-def record_calls(model, calls):
-    """Wrap every module's hook to record (module index, reduce-scatter output in, out)."""
-    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
-        param_group = module._get_fsdp_state()._fsdp_param_groups
-        if not param_group:
-            continue
-        inner = param_group[0]._all_reduce_hook
-
-        def recording(reduce_output, inner=inner, index=index):
-            before = reduce_output.detach().float().clone().numpy()  # bfloat16 widened exactly
-            inner(reduce_output)
-            calls.append((index, before, reduce_output.detach().float().clone().numpy()))
-        module.set_all_reduce_hook(recording)
-
-
-class RecordingReduceScatter:
-    """A module's reduce-scatter comm, recording (module index, its input, its output, the
-    call's wall seconds, the process's CPU seconds in it: every thread's)."""
-
-    def __init__(self, inner, index, calls):
-        self.inner, self.index, self.calls = inner, index, calls
-        self.allocate = inner.allocate
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        before = input_tensor.detach().clone().numpy()  # the exchange averages it in place
-        wall, cpu = time.perf_counter(), time.process_time()
-        self.inner(output_tensor, input_tensor, group, op, async_op)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        self.calls.append((self.index, before, output_tensor.detach().clone().numpy(), wall, cpu))
-
-
-def record_reduce_scatters(model, calls):
-    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
-            module.set_custom_reduce_scatter(RecordingReduceScatter(param_group._reduce_scatter_comm, index, calls))
 
 
 def resume():

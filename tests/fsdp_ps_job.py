@@ -8,9 +8,13 @@ register_fsdp_hooks(model, None, params), ``steps`` SGD steps on its own batches
 at the end, its local shards after every step, every hook call's reduce-scatter output before
 and after (widened to float32), the partitions (key, start, stop) of each shard's declared
 tensor, the bytes bps.metrics() counted in its steps, the codec state bps_gc's state_dict
-holds of them and how many of its shards went through device chains. Then refused, each message saved: a model sharded on a mesh that is not the
-host's ("refusal"), TernGrad on a float64 reduce dtype ("unfit"), and register_fsdp_hooks(model,
-None) before bps.init() ("unserved").
+holds of them and how many of its shards went through device chains. A run named in spec "in_host"
+(name: shard_compression_params) compresses FSDP2's in-host reduce-scatter too; also saved: each
+reduce-scatter's input and output ("rs<i>/in", "rs<i>/out", module index "rs_calls"), the
+``in_host_*`` bytes of bps.metrics() and the in-host codec state's bytes ("state_in_host").
+Then refused, each message saved: a model sharded on a mesh that is not the host's
+("refusal"), TernGrad on a float64 reduce dtype across hosts ("unfit") and in the host
+("unfit_in_host"), and register_fsdp_hooks(model, None) before bps.init() ("unserved").
 
 Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
 together, a step of each in turn, with SGD momentum; before step k their models and optimizers
@@ -32,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
@@ -40,6 +44,7 @@ import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
 from bps_gc.torch.device import device_chain_names  # noqa: E402
 from bps_gc.compress.stateful import StateError  # noqa: E402
+from fsdp_recording import record_calls, record_reduce_scatters  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
@@ -88,30 +93,24 @@ def batch(step):
     return torch.randn(4, WIDTHS[0], generator=g), torch.randn(4, WIDTHS[-1], generator=g)
 
 
-def record_calls(model, calls):
-    """Wrap every module's hook to record (module index, reduce-scatter output in, out)."""
-    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
-        groups = module._get_fsdp_state()._fsdp_param_groups
-        if not groups:
-            continue
-        inner = groups[0]._all_reduce_hook
-
-        def recording(reduce_output, inner=inner, index=index):
-            before = reduce_output.detach().float().clone().numpy()  # float16, bfloat16 widened exactly
-            inner(reduce_output)
-            calls.append((index, before, reduce_output.detach().float().clone().numpy()))
-        module.set_all_reduce_hook(recording)
+IN_HOST = ("in_host_pushed_raw", "in_host_pushed_wire", "in_host_pulled_wire")  # metrics()' in-host step
 
 
 class Run:
     """One model of spec "runs": sharded on the host's mesh with its spec "policies" entry, hooked
-    with ``params``, trained with SGD (``momentum``: optimizer state for the checkpoints)."""
+    with ``params`` (and its spec "in_host" entry, the in-host step's shard_compression_params,
+    whose reduce-scatters are recorded), trained with SGD (``momentum``: optimizer state for the
+    checkpoints)."""
 
     def __init__(self, name, params, momentum=0.0):
         self.name, self.model = name, build(mesh, spec.get("policies", {}).get(name))
-        self.exchange = bps.register_fsdp_hooks(self.model, None, params)
-        self.calls, self.arrays, self.pushed, self.pulled = [], {}, 0, 0
+        self.exchange = bps.register_fsdp_hooks(self.model, None, params,
+                                                shard_compression_params=spec.get("in_host", {}).get(name))
+        self.calls, self.rs_calls, self.arrays, self.pushed, self.pulled = [], [], {}, 0, 0
+        self.in_host = dict.fromkeys(IN_HOST, 0)
         record_calls(self.model, self.calls)
+        if self.exchange.in_host is not None:
+            record_reduce_scatters(self.model, self.rs_calls)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=momentum)
 
     def step(self, step):
@@ -122,6 +121,7 @@ class Run:
         self.opt.zero_grad()
         counted = bps.metrics()
         self.pushed, self.pulled = self.pushed + counted.pushed_wire, self.pulled + counted.pulled_wire
+        self.in_host = {k: v + getattr(counted, k) for k, v in self.in_host.items()}
         self.arrays.update({f"local/{step}/{n}": p.to_local().detach().numpy().copy()
                             for n, p in self.model.named_parameters()})
 
@@ -132,6 +132,12 @@ class Run:
         arrays.update({f"call{i}/in": c[1] for i, c in enumerate(self.calls)})
         arrays.update({f"call{i}/out": c[2] for i, c in enumerate(self.calls)})
         arrays["calls"] = np.array([c[0] for c in self.calls])
+        if self.rs_calls:  # the in-host step: its reduce-scatters, bytes and saved codec state
+            arrays.update({f"rs{i}/{k}": v for i, c in enumerate(self.rs_calls) for k, v in zip(("in", "out"), c[1:3])})
+            arrays["rs_calls"] = np.array([c[0] for c in self.rs_calls])
+            arrays.update({k: np.array(v) for k, v in self.in_host.items()})
+            arrays["state_in_host"] = np.array(sum(v.nbytes for v in self.exchange.in_host.hook.codec_state()
+                                                   .state_dict().values() if isinstance(v, np.ndarray)))
         comm = core.communicator()
         for part, declared in self.exchange.keys.items():
             arrays[f"keys/{part}"] = np.array([(p.key, p.start, p.stop) for p in comm.tensors[declared].partitions],
@@ -215,10 +221,12 @@ for name, params in spec["runs"].items():
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused
 alone = [dist.new_group([r]) for r in range(bps.local_size())][bps.local_rank()]
 for refused, model, params in (("refusal", build(DeviceMesh.from_group(alone, "cpu")), None),
-                               # a codec that cannot take the reduce dtype (float64)
-                               ("unfit", build(mesh, "fp64r"), {"compressor": "terngrad"})):
+                               # a codec that cannot take the reduce dtype (float64), across hosts, in the host
+                               ("unfit", build(mesh, "fp64r"), {"compressor": "terngrad"}),
+                               ("unfit_in_host", build(mesh, "fp64r"), {"in_host": {"compressor": "terngrad"}})):
     try:
-        bps.register_fsdp_hooks(model, None, params)
+        in_host = (params or {}).pop("in_host", None)
+        bps.register_fsdp_hooks(model, None, params or None, shard_compression_params=in_host)
         arrays[refused] = np.array("")
     except (TypeError, ValueError) as e:
         arrays[refused] = np.array(str(e))

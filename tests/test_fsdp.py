@@ -11,18 +11,12 @@ import torch
 
 from collective_cluster import run_torchrun_job
 from fsdp_bytes import CODECS, EF, THC, table
+from fsdp_inhost_oracle import LAYERS, PARAMS, TOPK, check_in_host_reduce_scatters, expected_call
 
-from bps_gc.compress import build_chain
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
 from bps_gc.torch.fsdp import ShardLayout
-from bps_gc.collective.exchange.codecs import name_key
 
-# the job's model: its parameters in order, each sharded on dim 0 over 2 ranks (even sizes)
-PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2.bias", (32,)),
-          ("4.weight", (8, 32)), ("4.bias", (8,))]
-LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
-TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 WIDE = [(256, 128), (256,), (256, 256), (256,), (128, 256), (128,)]  # fsdp_job.WIDE's parameters, sharded on dim 0
 # fully_shard's options of the jobs' extra models (fsdp_job.POLICIES): bf16 parameters reduced in
 # float32 or in bfloat16, CPU offload
@@ -80,36 +74,6 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     assert not np.array_equal(native[0]["bf16r/full/0.weight"], native[0]["bf16/full/0.weight"])
 
 
-def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None):
-    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32;
-    bfloat16 ones widened): each parameter's padded shard (its rows split in ``shards``,
-    rounded up) through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and summed in
-    replica order, re-compressed by the server's chain, halved; ``run``: the model's, whose
-    chains are its own. The in-host step: ``ins`` the senders' chunks ``shard``, ``suffix``
-    ``#to_shard<shard>``, ``ranks`` the senders'; ``sent`` (a list) gets the payloads' bytes."""
-    result, offset = np.empty_like(ins[0]), 0
-    suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
-    for fqn, shape in params_of_layer:
-        n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
-        key = name_key(f"{fqn}{suffix}")
-        chains = CHAINS.setdefault((run, fqn, suffix, ranks),
-                                   ([build_chain(TOPK, n, np.float32, key=key, rank=r) for r in ranks],
-                                    build_chain(TOPK, n, np.float32, key=key, role="server")))
-        ctx = {"lr": 0.0, "step": step}
-        acc = np.zeros(n, np.float32)
-        for chain, x in zip(chains[0], ins):
-            payload = chain.compress(x[offset:offset + n], ctx)
-            if sent is not None:
-                sent.append(payload.nbytes)
-            acc += chain.decompress(payload)
-        acc = chains[1].decompress(chains[1].compress(acc, ctx))
-        result[offset:offset + n] = acc / np.float32(len(ranks))
-        offset += n
-    assert offset == len(result)
-    return result
-
-
-CHAINS = {}
 
 
 @pytest.fixture(scope="module")
@@ -164,30 +128,6 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
         assert got[r]["bytes/in_host_pulled_wire"] == sum(sent[r // 2]) - mine, r
         assert got[r]["bytes/in_host_pushed_raw"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS), r
         assert got[r]["bytes/pushed_wire"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS) // 2, r  # dense replicas
-
-
-def check_in_host_reduce_scatters(got, shards, run):
-    """Every in-host reduce-scatter output of ``got`` (each rank's arrays, a (2, ``shards``)
-    mesh) against the numpy re-computation over its shard group; replicas end bit-identical,
-    shards differ. {replica: the payloads' bytes, its senders' in turn, part by part}."""
-    calls = got[0]["rs_calls"]
-    assert len(calls) == 3 * len(LAYERS)  # the synced micro-batch only
-    steps, sent = {}, {0: [], 1: []}
-    for i, module in enumerate(calls):
-        step = steps.get(int(module), 0)
-        steps[int(module)] = step + 1
-        for replica in (0, 1):
-            senders = tuple(range(shards * replica, shards * (replica + 1)))  # rank = shards * replica + shard
-            for shard in range(shards):
-                ins = [got[r][f"rs{i}/in"].reshape(shards, -1)[shard] for r in senders]
-                want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
-                                     suffix=f"#to_shard{shard}", ranks=senders, sent=sent[replica])
-                np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
-    for name, _ in PARAMS:
-        for shard in range(shards):
-            assert got[shard][f"local/{name}"].tobytes() == got[shards + shard][f"local/{name}"].tobytes(), name
-        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
-    return sent
 
 
 def test_bytes_per_step_and_codec_memory(topk_run):

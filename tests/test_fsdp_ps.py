@@ -49,6 +49,7 @@ from bps_gc import compress
 from bps_gc.comm.placement import Placement, declare_tensor
 from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
+from fsdp_inhost_oracle import check_in_host_reduce_scatters
 from multihost import Job
 
 BOUND, START_BOUND = 25.0, 120.0  # seconds from the fault to the last launcher gone; to the fault
@@ -70,10 +71,12 @@ DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
 # (the bfloat16 one rounded to it), averaged so, and rounded back into the reduce dtype
 FP16_WIRE = {"fp16-bf16r": "bf16r", "fp16-f16r": "f16r"}
 HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
-# thc 4-bit with feedback and top-k + EF first, trained together with SGD momentum: the job saves
-# them (dcp and bps_gc's state) before step SAVE_AT, the second launch resumes them, the third
-# is refused their codec state
-RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk": TOPK}
+# top-k + EF across hosts after top-k + EF in the host too (shard_compression_params: spec "in_host")
+IN_HOST = {"inhost": TOPK}
+# thc 4-bit with feedback, top-k + EF and the in-host run first, trained together with SGD
+# momentum: the job saves them (dcp and bps_gc's state) before step SAVE_AT, the second launch
+# resumes them, the third is refused their codec state
+RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk": TOPK, **IN_HOST}
 SAVE_AT = 2
 RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4},
         **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF},
@@ -166,7 +169,7 @@ def expected_calls(ranks, run, local=LOCAL):
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
     (tmp_path / "job").mkdir()
     ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_HALF, **FP16_WIRE},
-                                      "save": {"runs": list(RESUMED), "at": SAVE_AT}}, LOCAL)
+                                      "save": {"runs": list(RESUMED), "at": SAVE_AT}, "in_host": IN_HOST}, LOCAL)
     check_results(ranks)
     (tmp_path / "fault").mkdir()
     resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks)
@@ -215,7 +218,7 @@ def check_results(ranks):
     equals_hsdp(ranks, LOCAL, STEPS)
     # the recompressing codecs with error feedback, top-k under each policy too: every call as
     # the numpy recomputation
-    for run in [*RECOMPRESSED, *POLICY_RUNS]:
+    for run in [*RECOMPRESSED, *POLICY_RUNS, *IN_HOST]:
         equals_recomputation(ranks, run, LOCAL, STEPS)
         assert not np.array_equal(ranks[0][f"{run}/full/0.weight"], ranks[0]["dense/full/0.weight"])
         assert [int(a[f"{run}/device_chains"]) for a in ranks] == [0] * len(ranks), run  # numpy chains here
@@ -227,6 +230,7 @@ def check_results(ranks):
         assert [int(a[f"{run}/pushed_wire"]) for a in ranks] == [int(a["topk/pushed_wire"]) for a in ranks], run
     assert not np.array_equal(ranks[0]["topk-bf16/full/0.weight"], ranks[0]["topk-offload/full/0.weight"])
     dense_in_half(ranks)
+    in_host_step(ranks)
     assert not np.array_equal(ranks[0]["topk-bf16r/full/0.weight"], ranks[0]["topk-bf16/full/0.weight"])
     # thc: summed lanes, an unbiased estimate of the mean (4 bits: each call within its norm,
     # over all calls the projection on the mean within 5%; 8 bits came within 1% and 5% a call)
@@ -268,8 +272,33 @@ def check_results(ranks):
             f"{r % LOCAL}' (TernGrad: float32 or float16 partitions only, got float64); set "
             "fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) or choose a codec that "
             "carries it"), arrays["unfit"]
+        unfit = str(arrays["unfit_in_host"])
+        assert unfit.startswith("register_fsdp_hooks: shard_compression_params' compressor 'terngrad' cannot take "
+                                f"the reduce dtype torch.float64 of '0.weight#shard{r % LOCAL}'") and "\n" not in unfit, unfit
         assert str(arrays["refusal"]).startswith("register_fsdp_hooks: on the parameter server the model is "
                                                  "sharded over the host's local ranks (a mesh of 3"), arrays["refusal"]
+
+
+def in_host_step(ranks):
+    """The in-host step ("inhost": top-k + EF in the host, then across hosts as "topk", whose
+    hook calls equals_recomputation checked): every reduce-scatter output as test_fsdp's numpy
+    recomputation over the host's LOCAL ranks (each piece's chains seeded by the sender's rank
+    in the host's group), and what the rank's hook then pushed, replicas bit-identical; each
+    rank's in_host_* bytes of bps.metrics() its payloads (pushed) and its host-mates' (pulled),
+    and its inputs (raw); the in-host codec state bps.state_dict() saves 2 LOCAL times the shard
+    (each chunk's worker and server residuals)."""
+    got = [{**{k.split("/", 1)[1]: v for k, v in a.items() if k.startswith("inhost/")},
+            **{f"local/{name}": a[f"inhost/local/{STEPS - 1}/{name}"] for name in NAMES}} for a in ranks]
+    sent = check_in_host_reduce_scatters(got, LOCAL, "ps inhost/", STEPS, seed_rank=lambda r: r % LOCAL)
+    shard_bytes = 4 * sum(v.size for k, v in ranks[0].items() if k.startswith("inhost/local/0/"))
+    for r, arrays in enumerate(got):
+        assert arrays["rs_calls"].tolist() == arrays["calls"].tolist(), r
+        assert all(arrays[f"rs{i}/out"].tobytes() == arrays[f"call{i}/in"].tobytes()
+                   for i in range(len(arrays["calls"]))), r
+        mine = sum(sent[r // LOCAL][r % LOCAL::LOCAL])
+        counted = [int(arrays[f"in_host_{kind}"]) for kind in ("pushed_wire", "pulled_wire", "pushed_raw")]
+        assert counted == [mine, sum(sent[r // LOCAL]) - mine, STEPS * LOCAL * shard_bytes], (r, counted)
+        assert int(arrays["state_in_host"]) == 2 * LOCAL * shard_bytes, r
 
 
 def dense_in_half(ranks):
@@ -310,7 +339,7 @@ def resumed_then_killed(tmp_path, saved, ranks):
     seconds, host 0's ranks each print one line naming a worker of host 1 (whose launcher
     stops its other ranks at once), no traceback anywhere, no process left."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"fault": "kill", "victim": VICTIM, "runs": {}, "steps": STEPS,
+    spec.write_text(json.dumps({"fault": "kill", "victim": VICTIM, "runs": {}, "steps": STEPS, "in_host": IN_HOST,
                                 "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED}}))
     hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, range(LOCAL)))} for h in range(HOSTS)}
     job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts,
@@ -353,7 +382,7 @@ def refused_then_hsdp(tmp_path, saved, first):
     onebit recipe, compressed by device chains (every shard) and recompressed by the server,
     give the numpy recomputation's bits at every hook call and its payloads' bytes, replicas
     bit-identical."""
-    ranks = launch(tmp_path, {"runs": {"dense": None, **RECOMPRESSED}, "steps": OTHER_STEPS,
+    ranks = launch(tmp_path, {"runs": {"dense": None, **RECOMPRESSED}, "steps": OTHER_STEPS, "in_host": IN_HOST,
                               "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True}},
                    OTHER_LOCAL, env={"BPS_GC_DEVICE_CODECS": "torch"})
     equals_hsdp(ranks, OTHER_LOCAL, OTHER_STEPS)

@@ -22,13 +22,11 @@ both take from the model is fsdp_shards.py's.
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-import bps_gc.core as core
-
 from .checkpoint import register
 from .exchange import CompressedExchange, interruptible_wait
-from .fsdp_inhost import CompressedReduceScatter, in_host_exchange
+from .fsdp_inhost import compress_in_host
 from .fsdp_ps import register_on_servers
-from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, sharded_groups, unfit_codec  # noqa: F401 (tests)
+from .fsdp_shards import ShardLayout, refuse_unfit_codec, shard_parts, shard_pieces, sharded_groups  # noqa: F401 (tests)
 
 
 def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=None, shard_compression_params=None):
@@ -44,10 +42,7 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
     second exchange (fsdp_inhost.py, docs/fsdp_inhost.md), its bytes metrics()' ``in_host_*``."""
     groups = sharded_groups(model)
     if replicate is None:
-        if shard_compression_params is not None:
-            raise ValueError("register_fsdp_hooks: shard_compression_params (the in-host step) runs on "
-                             "torch.distributed's replicate groups only, not yet with the parameter server")
-        return register_on_servers(model, groups, compression_params, reducer)
+        return register_on_servers(model, groups, compression_params, reducer, shard_compression_params)
     group = replicate_group(replicate)
     check_replicate_group(group, groups[0][1].mesh_info.mesh)
     mesh_info = groups[0][1].mesh_info
@@ -59,34 +54,12 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
                                   named_parameters=[part for parts in shards.values() for part in parts])
     exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
     refuse_unfit_codec(exchange, [part for parts in shards.values() for part in parts])
-    in_host = None
-    if shard_compression_params is not None:
-        in_host = in_host_exchange(shard_compression_params, list(shards.values()), mesh_info.shard_mesh_size)
-        exchange.in_host = in_host  # kept alive with the exchange, as the layout
-        refuse_unfit_codec(in_host, [part for parts in shards.values() for part in parts], "shard_compression_params")
+    if shard_compression_params is not None:  # kept alive with the exchange, as the layout
+        exchange.in_host = compress_in_host(shard_compression_params, groups, shards, mesh_info.shard_mesh_size)
     for module, param_group in groups:
         if shards[id(param_group)]:
             module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)]))
-            if in_host is not None:
-                module.set_custom_reduce_scatter(
-                    CompressedReduceScatter(in_host, shards[id(param_group)], mesh_info.shard_mesh_size))
     return exchange
-
-
-def refuse_unfit_codec(exchange, parts, setting="compressor"):
-    """Refuse, before any step, a codec that cannot take the reduce dtype of some shard (float64,
-    for TernGrad, QSGD, sign...: docs/ddp_hook.md "Dtypes"; bfloat16 and float16 are widened to
-    float32 for every codec), one line naming the codec (of ``setting``), the dtype and a shard of it."""
-    params, checked = exchange.hook.params, set()
-    if not params.compressor:
-        return
-    for name, stand_in in parts:
-        if stand_in.dtype in checked:
-            continue
-        checked.add(stand_in.dtype)
-        problem = exchange.hook.pipeline.codecs.refusal(name, stand_in, core.device_codecs())
-        if problem:
-            raise TypeError(unfit_codec(params.compressor, stand_in.dtype, name, problem, setting))
 
 
 def replicate_group(replicate):

@@ -14,7 +14,10 @@ Its cost (docs/fsdp_inhost.md): every rank receives and decodes every chunk, not
 the exchange all-gathers payloads (or all-reduces thc's and PowerSGD's phases), so a rank sends
 its whole compressed input to each peer, where a reduce-scatter (or an all_to_all, which gloo
 has) sends each peer only its chunk; the codec work is that of the whole input on every rank.
-Its bytes count in ``bps_gc.torch.metrics()``'s ``in_host_*`` fields.
+Its bytes count in ``bps_gc.torch.metrics()``'s ``in_host_*`` fields. Either replicate reducer
+takes it (``compress_in_host``): torch.distributed's replicate group (fsdp.py) or the parameter
+server (fsdp_ps.py, where the shard group is the host's local ranks, a torch.distributed group
+of their own).
 """
 import torch
 import torch.distributed as dist
@@ -23,7 +26,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # torch
 import bps_gc.core as core
 
 from .exchange import CompressedExchange, interruptible_wait
-from .fsdp_shards import shard_pieces
+from .fsdp_shards import refuse_unfit_codec, shard_pieces
 
 
 def destination_parts(parts, shards):
@@ -40,6 +43,21 @@ def in_host_exchange(compression_params, shards_of_groups, shards):
     ``bps_gc.torch.state_dict()``), its bytes counted apart (metrics()' ``in_host_*``)."""
     named = [piece for parts in shards_of_groups for chunk in destination_parts(parts, shards) for piece in chunk]
     return CompressedExchange(compression_params, named_parameters=named, traffic=core.in_host_traffic())
+
+
+def compress_in_host(compression_params, groups, shards, size):
+    """FSDP2's reduce-scatter of every parameter group of ``groups`` [(FSDPModule, parameter
+    group)] compressed with ``compression_params`` (``shards``: shard_parts' {id(parameter
+    group): [(``<fqn>#shard<i>``, stand-in)]}; ``size``: the shard group's), through one
+    in_host_exchange, whose codec is refused first, in one line, if it cannot take a shard's
+    reduce dtype. Returns that exchange: the caller keeps it alive (checkpoints hold weak
+    references)."""
+    in_host = in_host_exchange(compression_params, list(shards.values()), size)
+    refuse_unfit_codec(in_host, [part for parts in shards.values() for part in parts], "shard_compression_params")
+    for module, param_group in groups:
+        if shards[id(param_group)]:
+            module.set_custom_reduce_scatter(CompressedReduceScatter(in_host, shards[id(param_group)], size))
+    return in_host
 
 
 class CompressedReduceScatter(ReduceScatter):

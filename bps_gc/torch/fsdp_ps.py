@@ -14,7 +14,9 @@ is a tensor of its own, ``<fqn>#shard<i>`` (i: the local rank), declared ``one_p
 same local rank of every host pushes it, so the servers sum one push per host for each shard
 (and run their reducers on it: recompress, thc's summed lanes) and the hook divides by the
 number of hosts. Local rank i's tensors are its alone: the host's other ranks never build
-their codecs, so each rank's codec state is its shard's.
+their codecs, so each rank's codec state is its shard's. ``shard_compression_params``
+compresses the in-host reduce-scatter too (fsdp_inhost.py, over the host's torch.distributed
+group), whose output is what each rank pushes.
 """
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from bps_gc.compress import CompressionParams, build_chain
 
 from .checkpoint import Fields, register
 from .exchange import PushPullExchange, interruptible_wait
+from .fsdp_inhost import compress_in_host
 from .host_group import host_group
 from .ops import SUPPORTED
 from .fsdp_shards import ShardLayout, shard_parts, shard_pieces, unfit_codec
@@ -34,8 +37,10 @@ NOT_ON_SERVERS = ("register_fsdp_hooks: replicate=None makes the parameter serve
                   "on torch.distributed pass the replicate group, e.g. mesh['replicate']")
 
 
-def register_on_servers(model, groups, compression_params, reducer):
-    """register_fsdp_hooks(model, None, ...): ``groups`` [(FSDPModule, parameter group)]."""
+def register_on_servers(model, groups, compression_params, reducer, shard_compression_params=None):
+    """register_fsdp_hooks(model, None, ...): ``groups`` [(FSDPModule, parameter group)];
+    ``shard_compression_params``: the in-host reduce-scatter compressed too, over the host's
+    group (fsdp_inhost.py), before each shard is pushed."""
     if not core.is_initialized() or core.communicator().reduces_on_process_groups:
         raise ValueError(NOT_ON_SERVERS)
     comm = core.communicator()
@@ -53,11 +58,14 @@ def register_on_servers(model, groups, compression_params, reducer):
     dense = not params.compressed and not params.fp16 and comm.sums_half
     pushed = [(name, torch.empty((), dtype=wire_dtype(stand_in.dtype, dense)).expand(stand_in.shape))
               for parts in shards.values() for name, stand_in in parts]
-    refuse_unfit_codec(compression_params, shards, pushed)  # before anything is registered or declared
+    refuse_unfit_push_codec(compression_params, shards, pushed)  # before anything is registered or declared
     layout = register(HookLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank, len(groups)),
                       "fsdp_hooks")
+    in_host = None if shard_compression_params is None else \
+        compress_in_host(shard_compression_params, groups, shards, comm.local_size)  # its refusal: before declaring
     exchange = PushPullExchange(compression_params, reducer, named_parameters=pushed, one_per_host=True, dtype=None)
-    exchange.layout = layout  # kept alive with the exchange (checkpoints hold weak references)
+    # kept alive with the exchange (checkpoints hold weak references)
+    exchange.layout, exchange.in_host = layout, in_host
     for index, (module, param_group) in enumerate(groups):
         if shards[id(param_group)]:
             module.set_all_reduce_hook(push_pull_hook(exchange, shards[id(param_group)], layout, index,
@@ -76,7 +84,7 @@ def wire_dtype(reduce_dtype, dense=False):
     return torch.float32
 
 
-def refuse_unfit_codec(compression_params, shards, pushed):
+def refuse_unfit_push_codec(compression_params, shards, pushed):
     """Refuse, before anything is declared, a codec that cannot take a shard's wire dtype
     (float64: TernGrad, QSGD, sign...), in torch.distributed's one line naming the reduce dtype."""
     params = CompressionParams.from_dict(dict(compression_params or {}))

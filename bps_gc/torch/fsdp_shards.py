@@ -7,6 +7,8 @@ saved on (``ShardLayout``)."""
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+import bps_gc.core as core
+
 from ..compress.stateful import StateError
 from .checkpoint import Fields
 
@@ -107,3 +109,19 @@ def unfit_codec(compressor, reduce_dtype, name, problem, setting="compressor"):
     return (f"register_fsdp_hooks: {where} {compressor!r} cannot take the reduce dtype {reduce_dtype} of "
             f"{name!r} ({problem}); set fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32) "
             "or choose a codec that carries it")
+
+
+def refuse_unfit_codec(exchange, parts, setting="compressor"):
+    """Refuse, before any step, a codec that cannot take the reduce dtype of some shard (float64,
+    for TernGrad, QSGD, sign...: docs/ddp_hook.md "Dtypes"; bfloat16 and float16 are widened to
+    float32 for every codec), one line naming the codec (of ``setting``), the dtype and a shard of it."""
+    params, checked = exchange.hook.params, set()
+    if not params.compressor:
+        return
+    for name, stand_in in parts:
+        if stand_in.dtype in checked:
+            continue
+        checked.add(stand_in.dtype)
+        problem = exchange.hook.pipeline.codecs.refusal(name, stand_in, core.device_codecs())
+        if problem:
+            raise TypeError(unfit_codec(params.compressor, stand_in.dtype, name, problem, setting))

@@ -1,0 +1,73 @@
+"""The numpy recomputation of register_fsdp_hooks' top-k + EF steps on the tests' MLP
+(16-32-32-8, each parameter sharded on dim 0): a hook call's average over the replicas of a
+shard, and the in-host step's reduce-scatters (shard_compression_params) over a shard group,
+on torch.distributed (test_fsdp.py) and on the parameter server (test_fsdp_ps.py)."""
+import numpy as np
+
+from bps_gc.compress import build_chain
+from bps_gc.collective.exchange.codecs import name_key
+
+# the job's model: its parameters in order, each sharded on dim 0 (2 ranks: even sizes)
+PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2.bias", (32,)),
+          ("4.weight", (8, 32)), ("4.bias", (8,))]
+LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
+TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
+CHAINS = {}  # (run, fqn, suffix, senders) -> (the senders' worker chains, the server chain)
+
+
+def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None):
+    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32;
+    bfloat16 ones widened): each parameter's padded shard (its rows split in ``shards``,
+    rounded up) through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and summed in
+    replica order, re-compressed by the server's chain, halved; ``run``: the model's, whose
+    chains are its own. The in-host step: ``ins`` the senders' chunks ``shard``, ``suffix``
+    ``#to_shard<shard>``, ``ranks`` the senders' (``seeds``: the ranks their chains are seeded
+    with, if not those); ``sent`` (a list) gets the payloads' bytes."""
+    result, offset = np.empty_like(ins[0]), 0
+    suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
+    for fqn, shape in params_of_layer:
+        n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
+        key = name_key(f"{fqn}{suffix}")
+        chains = CHAINS.setdefault((run, fqn, suffix, ranks),
+                                   ([build_chain(TOPK, n, np.float32, key=key, rank=r) for r in seeds or ranks],
+                                    build_chain(TOPK, n, np.float32, key=key, role="server")))
+        ctx = {"lr": 0.0, "step": step}
+        acc = np.zeros(n, np.float32)
+        for chain, x in zip(chains[0], ins):
+            payload = chain.compress(x[offset:offset + n], ctx)
+            if sent is not None:
+                sent.append(payload.nbytes)
+            acc += chain.decompress(payload)
+        acc = chains[1].decompress(chains[1].compress(acc, ctx))
+        result[offset:offset + n] = acc / np.float32(len(ranks))
+        offset += n
+    assert offset == len(result)
+    return result
+
+
+def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None):
+    """Every in-host reduce-scatter output of ``got`` (each rank's arrays, a (2, ``shards``)
+    mesh: 2 replicas or hosts, rank = shards * replica + shard) against the numpy
+    re-computation over its shard group, ``steps`` steps; replicas end bit-identical, shards
+    differ. ``seed_rank``: the rank a sender's chains are seeded with, of its rank (default:
+    itself; on the parameter server, its rank in the host's group). {replica: the payloads'
+    bytes, its senders' in turn, part by part}."""
+    calls = got[0]["rs_calls"]
+    assert len(calls) == steps * len(LAYERS)  # the synced micro-batch only
+    made, sent = {}, {0: [], 1: []}
+    for i, module in enumerate(calls):
+        step = made.get(int(module), 0)
+        made[int(module)] = step + 1
+        for replica in (0, 1):
+            senders = tuple(range(shards * replica, shards * (replica + 1)))  # rank = shards * replica + shard
+            for shard in range(shards):
+                ins = [got[r][f"rs{i}/in"].reshape(shards, -1)[shard] for r in senders]
+                want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
+                                     suffix=f"#to_shard{shard}", ranks=senders, sent=sent[replica],
+                                     seeds=None if seed_rank is None else [seed_rank(r) for r in senders])
+                np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
+    for name, _ in PARAMS:
+        for shard in range(shards):
+            assert got[shard][f"local/{name}"].tobytes() == got[shards + shard][f"local/{name}"].tobytes(), name
+        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
+    return sent

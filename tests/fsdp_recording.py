@@ -1,0 +1,43 @@
+"""What the FSDP jobs (fsdp_job.py, fsdp_ps_job.py) record of a hooked model, for the tests'
+numpy recomputations: every all-reduce hook call's reduce-scatter output before and after, and
+every compressed in-host reduce-scatter's input and output."""
+import time
+
+from torch.distributed.fsdp import FSDPModule
+
+
+def record_calls(model, calls):
+    """Wrap every module's hook to record (module index, reduce-scatter output in, out)."""
+    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        param_group = module._get_fsdp_state()._fsdp_param_groups
+        if not param_group:
+            continue
+        inner = param_group[0]._all_reduce_hook
+
+        def recording(reduce_output, inner=inner, index=index):
+            before = reduce_output.detach().float().clone().numpy()  # float16, bfloat16 widened exactly
+            inner(reduce_output)
+            calls.append((index, before, reduce_output.detach().float().clone().numpy()))
+        module.set_all_reduce_hook(recording)
+
+
+class RecordingReduceScatter:
+    """A module's reduce-scatter comm, recording (module index, its input, its output, the
+    call's wall seconds, the process's CPU seconds in it: every thread's)."""
+
+    def __init__(self, inner, index, calls):
+        self.inner, self.index, self.calls = inner, index, calls
+        self.allocate = inner.allocate
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        before = input_tensor.detach().clone().numpy()  # the exchange averages it in place
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.inner(output_tensor, input_tensor, group, op, async_op)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        self.calls.append((self.index, before, output_tensor.detach().clone().numpy(), wall, cpu))
+
+
+def record_reduce_scatters(model, calls):
+    for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            module.set_custom_reduce_scatter(RecordingReduceScatter(param_group._reduce_scatter_comm, index, calls))

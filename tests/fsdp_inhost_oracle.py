@@ -71,3 +71,15 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None):
             assert got[shard][f"local/{name}"].tobytes() == got[shards + shard][f"local/{name}"].tobytes(), name
         assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
     return sent
+
+
+def check_in_host_bytes(got, sent, shards, steps, prefix=""):
+    """Each rank's in_host_* bytes of bps.metrics() (``got[r][prefix + "in_host_..."]``, a (2,
+    ``shards``) mesh, ``steps`` steps) as check_in_host_reduce_scatters' payloads (``sent``): its
+    own pushed, its shard group's others' pulled (every rank gathers every chunk's payloads),
+    and its inputs raw (a chunk per shard of the padded shards, float32)."""
+    padded = sum(-(-shape[0] // shards) * int(np.prod(shape[1:])) for _, shape in PARAMS)
+    for r, arrays in enumerate(got):
+        mine = sum(sent[r // shards][r % shards::shards])
+        counted = [int(arrays[f"{prefix}in_host_{kind}"]) for kind in ("pushed_wire", "pulled_wire", "pushed_raw")]
+        assert counted == [mine, sum(sent[r // shards]) - mine, steps * shards * 4 * padded], (r, counted)

@@ -11,7 +11,7 @@ import torch
 
 from collective_cluster import run_torchrun_job
 from fsdp_bytes import CODECS, EF, THC, table
-from fsdp_inhost_oracle import LAYERS, PARAMS, TOPK, check_in_host_reduce_scatters, expected_call
+from fsdp_inhost_oracle import LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_reduce_scatters, expected_call
 
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
@@ -121,12 +121,8 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
         for r in range(4):
             np.testing.assert_allclose(dense[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
                                        err_msg=f"{name} rank {r}")
-    sent = check_in_host_reduce_scatters(got, 2, "inhost/")
-    for r in range(4):  # each rank sends its payloads of every chunk; 2 ranks a group: it pulls its mate's
-        mine = sum(sent[r // 2][r % 2::2])
-        assert got[r]["bytes/in_host_pushed_wire"] == mine, (r, got[r]["bytes/in_host_pushed_wire"], mine)
-        assert got[r]["bytes/in_host_pulled_wire"] == sum(sent[r // 2]) - mine, r
-        assert got[r]["bytes/in_host_pushed_raw"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS), r
+    check_in_host_bytes(got, check_in_host_reduce_scatters(got, 2, "inhost/"), 2, 3, "bytes/")
+    for r in range(4):
         assert got[r]["bytes/pushed_wire"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS) // 2, r  # dense replicas
 
 

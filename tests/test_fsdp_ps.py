@@ -1,39 +1,24 @@
-"""FSDP2 with the parameter server as the replicate reducer (tests/fsdp_ps_job.py), one
-server. Each rank shards an MLP over its host's local ranks (bps_gc.torch.host_mesh) and
-register_fsdp_hooks(model, None, ...) pushes its own shard; the servers sum one push per host.
-The first launch, ``bpslaunch --local``, 2 worker hosts x 3 local ranks (uneven shards: the
-MLP's 32 and 8 rows over 3 ranks, FSDP2 pads the last), trains every model:
+"""FSDP2 with the parameter server as the replicate reducer (tests/fsdp_ps_job.py, one server;
+docs/fsdp_ps.md lists every check). Each rank shards an MLP over its host's local ranks
+(bps_gc.torch.host_mesh) and register_fsdp_hooks(model, None, ...) pushes its own shard; the
+servers sum one push per host. The first launch, ``bpslaunch --local``, 2 hosts x 3 local ranks
+(uneven shards: FSDP2 pads the last), trains every model, replicas bit-identical after every step:
 
-* dense: after every step the two ranks that hold the same shard (one per host) hold it bit
-  for bit, and after the last the full parameters equal HSDP's on the same (2, 3) mesh within
-  1e-6 relative, recomputed here without FSDP or bps_gc: SGD on the mean of the 6 ranks'
-  gradients (what native HSDP's reduce-scatter, all-reduce and division give);
-* top-k 25% + EF and BytePS's onebit recipe (scaling + EF + nesterov), both recompressed by the
-  server: every hook call equals the numpy recomputation over the two hosts' shards (each
-  host's chain seeded by the shard's key, the server's chain recompressing their sum, the
-  result divided by the hosts), and the replicas agree bit for bit; top-k again under each of
-  fully_shard's policies (bfloat16 parameters reduced in float32, in bfloat16; CPU offload),
-  with the same oracle (the bfloat16 reduction rounded) and replicas; each rank's bytes as the
-  recomputed payloads';
-* dense under the bfloat16 and the float16 reduce dtype: pushed and pulled as such (half dense
-  float32's bytes), every call the server's float32 sum of the hosts' shards halved and rounded
-  once; again with BytePS's fp16 (float16 on the wire): each shard rounded into float16 first,
-  the float16 mean rounded into the reduce dtype;
-* thc 4-bit (the servers sum its integer lanes): the replicas agree, and each call is close to
-  the exact mean of the hosts' shards;
-* bytes: bps.metrics() counts each rank's own shard pushed once a step, dense (what native
-  HSDP's all-reduce hands the wire per rank), and fewer with every codec; the codec state a
-  rank saves is its own shards' (top-k + EF 1x the shard, the recipe 2x);
-* refused in one line: a model sharded on a mesh that is not the host's local ranks, TernGrad
-  on a float64 reduce dtype, and replicate=None before bps_gc.torch.init().
+* dense as native HSDP on the (2, 3) mesh (recomputed without FSDP or bps_gc), within 1e-6;
+* top-k 25% + EF and the onebit recipe (recompressed by the server), top-k under each of
+  fully_shard's policies, and top-k in the host too (shard_compression_params): every hook call
+  (and in-host reduce-scatter) bit for bit as the numpy recomputation, bytes as its payloads';
+* dense under a bfloat16 or float16 reduce dtype, pushed as it or as BytePS's fp16: the
+  server's float32 mean rounded once; thc 4-bit close to the exact mean;
+* bytes and the codec state a rank saves; one-line refusals (another mesh, TernGrad on a
+  float64 reduce dtype across or in the host, replicate=None before bps_gc.torch.init()).
 
-A second launch, one bpslaunch per host, 2 x 3 again, resumes thc 4-bit + feedback and top-k +
-EF (SGD with momentum) from the first's checkpoint (torch.distributed.checkpoint for the models
-and optimizers, bps_gc's state) bit for bit, then has a local rank killed
-(``resumed_then_killed``). A third, short, ``bpslaunch --local`` 2 x 2 with the torch codec
-chains (BPS_GC_DEVICE_CODECS=torch), is refused that bps_gc state (another world size) while dcp
-loads the models resharded, trains dense as native HSDP on the (2, 2) mesh, and top-k + EF and
-the onebit recipe through device chains as the numpy recomputation (``refused_then_hsdp``)."""
+A second launch, one bpslaunch per host, resumes thc 4-bit + feedback, top-k + EF and the
+in-host run from the first's checkpoint (dcp, bps_gc's state) bit for bit, then has a local
+rank killed (``resumed_then_killed``). A third, ``bpslaunch --local`` 2 x 2 with the torch
+codec chains, is refused that bps_gc state while dcp loads the models resharded, trains dense
+as native HSDP and top-k + EF and the recipe through device chains as the numpy recomputation
+(``refused_then_hsdp``)."""
 import json
 import os
 import sys
@@ -49,7 +34,7 @@ from bps_gc import compress
 from bps_gc.comm.placement import Placement, declare_tensor
 from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
-from fsdp_inhost_oracle import check_in_host_reduce_scatters
+from fsdp_inhost_oracle import check_in_host_bytes, check_in_host_reduce_scatters
 from multihost import Job
 
 BOUND, START_BOUND = 25.0, 120.0  # seconds from the fault to the last launcher gone; to the fault
@@ -71,8 +56,7 @@ DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
 # (the bfloat16 one rounded to it), averaged so, and rounded back into the reduce dtype
 FP16_WIRE = {"fp16-bf16r": "bf16r", "fp16-f16r": "f16r"}
 HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
-# top-k + EF across hosts after top-k + EF in the host too (shard_compression_params: spec "in_host")
-IN_HOST = {"inhost": TOPK}
+IN_HOST = {"inhost": TOPK}  # top-k + EF in the host too (shard_compression_params), then as "topk"
 # thc 4-bit with feedback, top-k + EF and the in-host run first, trained together with SGD
 # momentum: the job saves them (dcp and bps_gc's state) before step SAVE_AT, the second launch
 # resumes them, the third is refused their codec state
@@ -280,24 +264,17 @@ def check_results(ranks):
 
 
 def in_host_step(ranks):
-    """The in-host step ("inhost": top-k + EF in the host, then across hosts as "topk", whose
-    hook calls equals_recomputation checked): every reduce-scatter output as test_fsdp's numpy
-    recomputation over the host's LOCAL ranks (each piece's chains seeded by the sender's rank
-    in the host's group), and what the rank's hook then pushed, replicas bit-identical; each
-    rank's in_host_* bytes of bps.metrics() its payloads (pushed) and its host-mates' (pulled),
-    and its inputs (raw); the in-host codec state bps.state_dict() saves 2 LOCAL times the shard
-    (each chunk's worker and server residuals)."""
+    """Every in-host reduce-scatter output as the numpy recomputation over the host's ranks (chains
+    seeded by the rank in the host's group), and the hook's input; replicas bit-identical; the
+    in_host_* bytes the payloads'; the in-host state bps.state_dict() saves 2 LOCAL x the shard."""
     got = [{**{k.split("/", 1)[1]: v for k, v in a.items() if k.startswith("inhost/")},
             **{f"local/{name}": a[f"inhost/local/{STEPS - 1}/{name}"] for name in NAMES}} for a in ranks]
     sent = check_in_host_reduce_scatters(got, LOCAL, "ps inhost/", STEPS, seed_rank=lambda r: r % LOCAL)
+    check_in_host_bytes(got, sent, LOCAL, STEPS)
     shard_bytes = 4 * sum(v.size for k, v in ranks[0].items() if k.startswith("inhost/local/0/"))
     for r, arrays in enumerate(got):
         assert arrays["rs_calls"].tolist() == arrays["calls"].tolist(), r
-        assert all(arrays[f"rs{i}/out"].tobytes() == arrays[f"call{i}/in"].tobytes()
-                   for i in range(len(arrays["calls"]))), r
-        mine = sum(sent[r // LOCAL][r % LOCAL::LOCAL])
-        counted = [int(arrays[f"in_host_{kind}"]) for kind in ("pushed_wire", "pulled_wire", "pushed_raw")]
-        assert counted == [mine, sum(sent[r // LOCAL]) - mine, STEPS * LOCAL * shard_bytes], (r, counted)
+        assert all(arrays[f"rs{i}/out"].tobytes() == arrays[f"call{i}/in"].tobytes() for i in range(STEPS * len(LAYERS))), r
         assert int(arrays["state_in_host"]) == 2 * LOCAL * shard_bytes, r
 
 

@@ -24,8 +24,8 @@ bool, "refused": bool}: those runs train together first, from step k after loadi
 checkpoint and (unless "codecs" is false) bps_gc's state; their arrays in OUT/resumed<rank>.npz
 ("refused": DIR is another mesh's, whose bps_gc state must be refused: its message,
 "<run>/refused", and the full parameters dcp loaded, resharded, "<run>/loaded/<name>", instead).
-Spec "fault" (tests/job_faults.py: "victim", "fault"): after the runs, top-k + EF trains until
-the victim's fault."""
+Spec "fault" (tests/job_faults.py: "victim", "fault"): after the runs, top-k + EF (in the host
+too with a spec "in_host") trains until the victim's fault."""
 import json
 import os
 import sys
@@ -233,7 +233,8 @@ for refused, model, params in (("refusal", build(DeviceMesh.from_group(alone, "c
 np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
 if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
     model = build(mesh)
-    bps.register_fsdp_hooks(model, None, {"compressor": "topk", "k": 0.25, "ef": "vanilla"})
+    topk = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
+    bps.register_fsdp_hooks(model, None, topk, shard_compression_params=topk if spec.get("in_host") else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(10**6):
         fault_at(step, 3, rank, spec, out)

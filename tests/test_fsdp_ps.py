@@ -308,10 +308,10 @@ def dense_in_half(ranks):
 
 def resumed_then_killed(tmp_path, saved, ranks):
     """The second launch, one bpslaunch per host (both on loopback), 2 hosts x LOCAL local
-    ranks as the first: the thc + feedback run from ``saved``'s checkpoint at step SAVE_AT
+    ranks as the first: the RESUMED runs from ``saved``'s checkpoint at step SAVE_AT
     (shards and bps_gc.torch.state_dict()) on to the end, which must equal the first launch's
-    bit for bit at every step; then top-k + EF trains until local rank 1 of host 1 (rank
-    VICTIM) is killed (-9) at step 3, while the others are in FSDP2's collectives on their
+    bit for bit at every step; then top-k + EF (in the host too) trains until local rank 1 of
+    host 1 (rank VICTIM) is killed (-9) at step 3, while the others are in FSDP2's collectives on their
     host's group or in the hook's push and pull: every launcher exits non-zero within BOUND
     seconds, host 0's ranks each print one line naming a worker of host 1 (whose launcher
     stops its other ranks at once), no traceback anywhere, no process left."""

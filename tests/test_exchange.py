@@ -77,3 +77,18 @@ def test_exchange_on_two_sub_groups_equals_numpy(tmp_path):
 def test_bad_calls_are_refused_naming_the_problem(tensors, message):
     with pytest.raises(ValueError, match=message):
         CompressedExchange({"compressor": "topk", "k": 0.5})(tensors)
+
+
+def test_seed_rank_seeds_the_codecs_draws():
+    """``seed_rank`` (the parameter server's in-host step passes the job's rank: its host group's
+    ranks repeat on every host) is the rank thc's rounding draws by, not the process group's."""
+    params, n = {"compressor": "thc", "bits": 4}, 40
+    tensor = torch.zeros(n)
+    own = {}
+    for seed_rank in (None, 3):
+        exchange = CompressedExchange(params, "thc", named_parameters=[("w", tensor)], seed_rank=seed_rank)
+        codecs = exchange.hook.pipeline.codecs
+        own[seed_rank] = codecs._make_codec(name_key("w"), n, tensor, False, np.dtype(np.float32)).chain.rng_state
+    drawn = {r: build_chain(params, n, np.float32, key=name_key("w"), rank=r).rng_state for r in (0, 3)}
+    assert np.array_equal(own[None], drawn[0])  # no process group here: rank 0
+    assert np.array_equal(own[3], drawn[3]) and not np.array_equal(drawn[0], drawn[3])

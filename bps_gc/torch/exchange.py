@@ -37,11 +37,12 @@ class CompressedExchange:
     """Named tensors averaged over a process group with one codec (``compression_params``, as
     ``comm_hook`` takes them); ``named_parameters``: [(name, tensor)] that the parts are the
     gradients of, where checkpoints are to be loaded; ``traffic``: the comm.metrics.Counters its
-    bytes count in (default: the DDP hook's, metrics()' main fields)."""
+    bytes count in (default: the DDP hook's, metrics()' main fields); ``seed_rank``: the rank the
+    codecs' draws are seeded by (default: this process's torch.distributed rank)."""
 
-    def __init__(self, compression_params=None, reducer=None, named_parameters=None, traffic=None):
+    def __init__(self, compression_params=None, reducer=None, named_parameters=None, traffic=None, seed_rank=None):
         named = None if named_parameters is None else list(named_parameters)
-        self.hook = register(CompressionHook(compression_params, reducer, None, named, traffic), "exchange")
+        self.hook = register(CompressionHook(compression_params, reducer, None, named, traffic, seed_rank), "exchange")
         # its parts' codecs share scratch buffers, freed after each call: between calls they
         # hold their state alone (FSDP2's many shards, docs/fsdp.md "Bytes and memory per codec")
         self.hook.pipeline.share_scratch()

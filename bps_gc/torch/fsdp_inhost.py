@@ -38,21 +38,22 @@ def destination_parts(parts, shards):
              for name, stand_in in parts] for d in range(shards)]
 
 
-def in_host_exchange(compression_params, shards_of_groups, shards):
+def in_host_exchange(compression_params, shards_of_groups, shards, seed_rank=None):
     """The in-host step's CompressedExchange over every group's pieces (its state saved by
     ``bps_gc.torch.state_dict()``), its bytes counted apart (metrics()' ``in_host_*``)."""
     named = [piece for parts in shards_of_groups for chunk in destination_parts(parts, shards) for piece in chunk]
-    return CompressedExchange(compression_params, named_parameters=named, traffic=core.in_host_traffic())
+    return CompressedExchange(compression_params, named_parameters=named, traffic=core.in_host_traffic(),
+                              seed_rank=seed_rank)
 
 
-def compress_in_host(compression_params, groups, shards, size):
+def compress_in_host(compression_params, groups, shards, size, seed_rank=None):
     """FSDP2's reduce-scatter of every parameter group of ``groups`` [(FSDPModule, parameter
     group)] compressed with ``compression_params`` (``shards``: shard_parts' {id(parameter
     group): [(``<fqn>#shard<i>``, stand-in)]}; ``size``: the shard group's), through one
     in_host_exchange, whose codec is refused first, in one line, if it cannot take a shard's
     reduce dtype. Returns that exchange: the caller keeps it alive (checkpoints hold weak
     references)."""
-    in_host = in_host_exchange(compression_params, list(shards.values()), size)
+    in_host = in_host_exchange(compression_params, list(shards.values()), size, seed_rank)
     refuse_unfit_codec(in_host, [part for parts in shards.values() for part in parts], "shard_compression_params")
     for module, param_group in groups:
         if shards[id(param_group)]:

@@ -62,7 +62,8 @@ def register_on_servers(model, groups, compression_params, reducer, shard_compre
     layout = register(HookLayout(comm.size // comm.local_size, comm.local_size, comm.local_rank, len(groups)),
                       "fsdp_hooks")
     in_host = None if shard_compression_params is None else \
-        compress_in_host(shard_compression_params, groups, shards, comm.local_size)  # its refusal: before declaring
+        compress_in_host(shard_compression_params, groups, shards, comm.local_size,  # its refusal: before declaring
+                         seed_rank=comm.rank)  # the host's group repeats local ranks: draws by the job's rank
     exchange = PushPullExchange(compression_params, reducer, named_parameters=pushed, one_per_host=True, dtype=None)
     # kept alive with the exchange (checkpoints hold weak references)
     exchange.layout, exchange.in_host = layout, in_host

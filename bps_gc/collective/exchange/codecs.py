@@ -119,8 +119,11 @@ class PartCodecs:
     ([(name, parameter)] or None) and ``phased`` (thc's and PowerSGD's phases, phased.py: float32
     numpy chains without reducers)."""
 
-    def __init__(self, params, reducer, optimizer, named_parameters, phased):
+    def __init__(self, params, reducer, optimizer, named_parameters, phased, seed_rank=None):
         self.params, self.reducer, self.optimizer, self.phased = params, reducer, optimizer, phased
+        # the rank the chains' draws are seeded by (None: this process's torch.distributed rank);
+        # an exchange on a sub-group whose ranks repeat across hosts passes the job's rank
+        self.seed_rank = seed_rank
         self.named = None if named_parameters is None else list(named_parameters)
         self.codecs = {}  # part id -> PartCodec
         self.batches = {}  # batch index -> BatchState
@@ -147,9 +150,9 @@ class PartCodecs:
 
     def _make_codec(self, key, n, tensor, on_device, wire, shape=None):
         """A fresh PartCodec of ``n`` elements where ``tensor`` lives (its draws this process's
-        own: build_chain's ``rank`` is its torch.distributed rank); ``shape``: the part's, for a
-        codec that views it as a matrix (PowerSGD)."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        own: build_chain's ``rank`` is ``seed_rank`` or its torch.distributed rank); ``shape``: the
+        part's, for a codec that views it as a matrix (PowerSGD)."""
+        rank = self.seed_rank if self.seed_rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if self.phased:  # its reducer runs as the phases of phased.py
             chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, shape=shape)
             compress.use_scratch(chain, self.scratch)

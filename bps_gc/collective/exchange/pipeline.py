@@ -34,14 +34,14 @@ class Pipeline:
     """The exchange of named parts (see the module's docstring). Made from ``params``
     (CompressionParams), ``reducer`` (its name, as compress.choose_reducer chose it),
     ``optimizer`` and ``named_parameters`` (the codecs' names for checkpoints: codecs.py) and
-    ``traffic`` (the comm.metrics.Counters its bytes are added to)."""
+    ``traffic`` (the comm.metrics.Counters its bytes are added to); ``seed_rank``: codecs.PartCodecs'."""
 
-    def __init__(self, params, reducer, optimizer, named_parameters, traffic):
+    def __init__(self, params, reducer, optimizer, named_parameters, traffic, seed_rank=None):
         self.params, self.traffic = params, traffic
         reducer_class = compress.REDUCERS.get(reducer)  # "sum" is no class
         phased = getattr(reducer_class, "phases", 1) > 1  # thc and PowerSGD: each phase one all_reduce
         self.host_first = getattr(reducer_class, "host_first", False)  # thc: two levels sum the host first
-        self.codecs = PartCodecs(params, reducer, optimizer, named_parameters, phased)
+        self.codecs = PartCodecs(params, reducer, optimizer, named_parameters, phased, seed_rank)
         # three stages, each one thread taking calls in order: compressing the next call overlaps
         # gathering this one, gathering it overlaps reducing the one before, and one thread
         # issues every collective of the pipeline

@@ -32,7 +32,8 @@ class CompressionHook:
     ``pipeline.codecs``), the ``optimizer`` whose learning rate a call reads, or ``lr``. A named
     exchange (torch/exchange.py) hands ``submit`` its named parts itself."""
 
-    def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None, traffic=None):
+    def __init__(self, compression_params=None, reducer=None, optimizer=None, named_parameters=None, traffic=None,
+                 seed_rank=None):
         refuse_security_settings()  # DDP's links take no token: refused, never silently ignored
         self.params = compress.CompressionParams.from_dict(dict(compression_params or {}))
         self.optimizer = optimizer
@@ -41,7 +42,7 @@ class CompressionHook:
         # what bps_gc.core.metrics() reports, with or without init() (``traffic``: counters of its own)
         self.traffic = traffic if traffic is not None else core.hook_traffic()
         named = None if named_parameters is None else list(named_parameters)
-        self.pipeline = Pipeline(self.params, self.reducer, optimizer, named, self.traffic)
+        self.pipeline = Pipeline(self.params, self.reducer, optimizer, named, self.traffic, seed_rank)
 
     def __call__(self, process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD

@@ -131,6 +131,8 @@ class PushPullExchange:
             raise ValueError(f"PushPullExchange: {problem or f'{missing[:3]} are not among its named_parameters'}")
         handles = [ops.push_pull_async(tensor.detach(), average=True, name=self.keys[name], lr=float(lr),
                                        ctx=dict(ctx or {})) for name, tensor in named]
+        if handles:  # BPS_GC_ELASTIC: one round group per call, ended here, not whenever the waiter
+            ops.end_group(handles[-1])  # thread first waits (a later call could land in it)
         result = torch.futures.Future()
 
         def wait_all():

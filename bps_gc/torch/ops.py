@@ -103,6 +103,16 @@ def poll(handle):
     return _handles[handle][0].poll()
 
 
+def end_group(handle):
+    """BPS_GC_ELASTIC (docs/elastic.md): the round group of ``handle``'s push_pull ends now, on
+    this thread, as a wait would end it; a no-op elsewhere."""
+    if handle not in _handles:
+        raise ValueError(f"end_group: unknown handle {handle!r}")
+    end = getattr(_handles[handle][0], "end_group", None)
+    if end is not None:
+        end()
+
+
 def synchronize(handle):
     """Wait for ``handle``; returns its tensor, now holding the result."""
     if handle not in _handles:

@@ -45,10 +45,15 @@ class Handle(HandleABC):
     def poll(self):
         return self.event.is_set()
 
+    def end_group(self):
+        """BPS_GC_ELASTIC: the round group this belongs to, if still open, ends here (as a wait
+        ends it), so the next push_pull opens the next group whenever this is waited for."""
+        if self.group is not None:
+            self.worker.elastic.close(self, self.worker.io)
+
     def wait(self, timeout=None):
         start = time.perf_counter()
-        if self.group is not None:  # waiting closes the round group it belongs to
-            self.worker.elastic.close(self, self.worker.io)
+        self.end_group()  # waiting closes the round group it belongs to
         deadline = None if timeout is None else start + timeout
         while not self.event.wait(0.2):
             failure = self.worker.io.failure if self.worker.io else None

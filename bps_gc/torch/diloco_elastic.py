@@ -1,48 +1,58 @@
 """BPS_GC_ELASTIC for DiLoCo on the parameter server (docs/elastic.md,
 docs/diloco.md): a worker host joining the running job starts where the members are.
 
-With the outer step on the servers, the servers hold the global copy: the joiner pulls it.
-With the outer step on the workers (the default), and for the parameters the servers' outer
-step leaves to the workers (sent uncompressed), the donor, a live worker, sends its state as it
-is at the join's boundary: each fragment's global copy and the outer optimizer's per-parameter
-state (SGD's Nesterov momentum buffers); and, either way, its inner step count. The boundary is
-the push of the join's first round group, which a member opens inside ``step()`` at an outer
-round (one fragment, no delay: a round is one group), after counting that round's last inner
-step, before its outer step: the copies and momentum are those of the round before, and the
-joiner, which still has that round's H inner steps to take, starts H steps behind the donor's
-count. Its parameters start as the global copy, its inner optimizer and codec state (error
-feedback) at zero: its chains were just built.
+Each fragment's exchange is one round group (PushPullExchange ends the group as it posts), so
+a join's boundary is the push of the exchange a member starts inside ``step()``, at inner
+step s, after counting s, before that exchange's outer step. There the donor, a live worker,
+sends its state as it is: each fragment's global copy, the outer optimizer's per-parameter
+state of the parameters whose outer step the workers take (SGD's Nesterov momentum buffers;
+with the servers' outer step the servers keep the rest), the average and due step of any
+exchange still in flight (with ``delay``: a member waits for it before it starts another, so
+it is a finished average, kept for its due step as a checkpoint keeps it), and s. The joiner
+starts at the inner step after the exchange before that one (the schedule's previous start;
+with one fragment and no warm phase, s - H), so its first window runs up to s, where its
+first push is the join's; an exchange in flight is applied at its due step as on the members.
+Its parameters start as the global copies, its inner optimizer and codec state (error
+feedback) at zero: its chains were just built. No warm phase (DiLoCo.elastic_start refuses it):
+its steps start every fragment's exchange at once, one group each, so a join could fall between
+two of them, inside a step.
 """
 import numpy as np
 import torch
 
 import bps_gc.core as core
 
-STEPS = "diloco.steps"  # the donor's inner step count, inside the round that opened the join's group
+STEPS = "diloco.steps"  # the donor's inner step count, at the exchange that opened the join's group
 
 
 class WorkersOuterState:
     """What a joiner copies from the donor, as the function ps/worker/joining.py calls:
     ``state()`` on the donor (the arrays as they are now), ``state(wanted)`` on the joiner (the
-    same names, the lazily made momentum buffers made as zeros first, filled in place by the
-    caller); ``names``: the parameters whose global copy and outer state the workers hold."""
+    same names, made first where the joiner lacks them: the lazily made momentum buffers as
+    zeros, the exchanges in flight in ``landing``; filled in place by the caller); ``names``:
+    the parameters whose outer state the workers hold."""
 
     def __init__(self, opt, names):
         self.opt, self.names = opt, names
         self.steps = np.zeros(1, dtype=np.int64)
+        self.landing = {}  # the joiner: name -> the buffer of an exchange in flight (averages, due)
 
     def tensors(self):
-        """name -> tensor in a fixed order: every fragment's copies, then its outer state."""
+        """name -> tensor in a fixed order: every fragment's copies, its outer state, its exchange
+        in flight (the average per parameter, then the due step)."""
         out = {}
         for f, fragment in enumerate(self.opt.fragments):
-            mine = [(name, copy) for name, copy in zip(fragment.names, fragment.copies) if name in self.names]
-            out.update((f"copy.{f}.{name}", copy) for name, copy in mine)
-            for name, copy in mine:
-                for key, value in sorted(fragment.outer.state.get(copy, {}).items()):
+            out.update((f"copy.{f}.{name}", copy) for name, copy in zip(fragment.names, fragment.copies))
+            for name, copy in zip(fragment.names, fragment.copies):
+                for key, value in sorted(fragment.outer.state.get(copy, {}).items()) if name in self.names else ():
                     if not isinstance(value, torch.Tensor):
                         raise TypeError(f"DiLoCo.elastic_start: outer optimizer state {name}.{key} is a "
                                         f"{type(value).__name__}, not a tensor: a joining host cannot copy it")
                     out[f"outer.{f}.{name}.{key}"] = value
+            flight = fragment.in_flight()  # {} when none (the donor's average waited for already)
+            if flight:
+                out.update((f"inflight.{f}.{name}", a) for name, a in zip(fragment.names, flight["averaged"]))
+                out[f"due.{f}"] = torch.tensor([flight["due"]], dtype=torch.int64)
         return out
 
     def __call__(self, wanted=None):
@@ -55,30 +65,45 @@ class WorkersOuterState:
                     copy = dict(zip(fragment.names, fragment.copies)).get(pname)
                     if copy is not None and key not in fragment.outer.state[copy]:
                         fragment.outer.state[copy][key] = torch.zeros(shape, dtype=getattr(torch, dtype))
+                elif name.startswith(("inflight.", "due.")):
+                    self.landing[name] = torch.zeros(shape, dtype=getattr(torch, dtype))
         self.steps[0] = self.opt.steps
-        mine = {name: t.detach().numpy() for name, t in self.tensors().items()}
+        mine = {name: t.detach().numpy() for name, t in {**self.tensors(), **self.landing}.items()}
         mine[STEPS] = self.steps
         order = [name for name, _, _ in wanted or () if name in mine]
         return {name: mine[name] for name in order + [n for n in mine if n not in order]}
+
+    def land(self):
+        """The joiner: the donor's exchanges in flight, each to be applied at its due step."""
+        for f, fragment in enumerate(self.opt.fragments):
+            if f"due.{f}" in self.landing:
+                fragment.land({"due": int(self.landing[f"due.{f}"][0]),
+                               "averaged": [self.landing[f"inflight.{f}.{name}"] for name in fragment.names]})
+
+
+def previous_start(opt, steps):
+    """The last inner step before ``steps`` after which some fragment's exchange started (0: none)."""
+    return next((t for t in range(steps - 1, 0, -1) if any(opt.turn_now(f, t) for f in opt.fragments)), 0)
+
+
+def started_by(opt, steps):
+    """How many exchanges (one fragment's each) started after inner steps 1..``steps``."""
+    return sum(steps // opt.sync_every if f.turn == 0 else max(0, (steps - f.turn) // opt.sync_every + 1)
+               for f in opt.fragments)  # no warm phase: fragment f's start at its turn mod H
 
 
 @torch.no_grad()
 def join(opt):
     """DiLoCo.elastic_start's work once its settings are checked: 0 on a member; on a joiner,
-    admitted at an outer round's boundary, its state set as above; returns the outer rounds
+    admitted at an exchange's boundary, its state set as above; returns the exchanges started
     before its first."""
-    named = [name for f in opt.fragments for name in f.names]
-    state = WorkersOuterState(opt, opt.exchange.averaged if opt.on_servers else set(named))
-    start = core.elastic_start(state)
-    if start:  # the donor had counted the round's H inner steps the joiner has still to take
-        opt.steps = int(state.steps[0]) - opt.sync_every
-    if start and opt.on_servers:
-        held = opt.global_parameters()
-        for fragment in opt.fragments:
-            for name, copy in zip(fragment.names, fragment.copies):
-                if name in held:
-                    copy.copy_(held[name])
-    for fragment in opt.fragments if start else ():
+    state = WorkersOuterState(opt, opt.exchange.averaged if opt.on_servers else
+                              {name for f in opt.fragments for name in f.names})
+    if not core.elastic_start(state):
+        return 0
+    state.land()
+    opt.steps = previous_start(opt, int(state.steps[0]))
+    for fragment in opt.fragments:
         for (_, p), copy in zip(fragment.named, fragment.copies):
             p.copy_(copy)
-    return opt.steps // opt.sync_every if start else 0
+    return started_by(opt, opt.steps)

@@ -1,16 +1,18 @@
 """A worker host of the elastic DiLoCo test (tests/test_elastic_diloco.py): bps_gc.torch.DiLoCo
 with the outer step on the servers under BPS_GC_ELASTIC, the small MLP of test_diloco.py, inner
-SGD on each rank's own batches. Each outer round's pseudo-gradient (recorded as DiLoCo makes it)
-and global copy after it are saved, with bps.size() at each round; at the end the global copy
-pulled from the servers (DiLoCo.global_parameters()). The ``victim`` rank stops at inner step
-``kill_at`` (mid-window), says HALF and waits to be killed; a joiner starts where
-DiLoCo.elastic_start puts it. Every worker stops ``after_join`` outer rounds into membership
-epoch ``join_epoch`` (a joiner's first round is the first of them), or after ``max_rounds``, or
-at the round written in ``stop_file`` once it exists.
+SGD on each rank's own batches. Each exchange's pseudo-gradient (recorded as DiLoCo makes it,
+numbered by the exchanges started: one fragment's each) and global copy after its outer step
+are saved, with bps.size() at each; at the end the global copy pulled from the servers
+(DiLoCo.global_parameters()). The ``victim`` rank stops at inner step ``kill_at``
+(mid-window), says HALF and waits to be killed; a joiner starts where DiLoCo.elastic_start puts
+it. Every worker stops ``after_join`` windows of H inner steps (as many exchanges) into
+membership epoch ``join_epoch`` (from its first exchange: a joiner's, the join's), or after
+``max_rounds`` windows, or at the window written in ``stop_file`` once it exists.
 With ``workers_phase`` the live hosts then train a fresh model with the outer step on the
-workers in the same job (saved under ``w/``): the first phase's joiner stops at the phase's
-``kill_at`` (HALF again), and a host started with ``workers_joiner`` (which skips the first
-phase) joins it; they stop ``after_join`` rounds into epoch ``join_epoch``.
+workers in the same job (saved under ``w/``; its own ``sync_every``, ``fragments``, ``delay``;
+``pause_at``: the members sleep after those inner steps only): the first phase's joiner stops
+at the phase's ``kill_at`` (HALF again), and a host started with ``workers_joiner`` (which skips
+the first phase) joins it; they stop ``after_join`` windows into epoch ``join_epoch``.
 With ``save_each_round`` each push is on disk before it is sent (scripts/elastic_netns.py kills
 a host at any moment: the oracle needs every round it pushed).
 Run as ``python tests/elastic_diloco_job.py SPEC.json OUT_DIR``."""
@@ -37,9 +39,13 @@ saved = {}
 
 class Recorded(bps.DiLoCo):
     tag = ""  # "w/": the workers' outer step phase
+    started = 0  # exchanges started so far (a joiner: before its first), each numbered by it
+    join_epoch, first_joined, last = None, None, None  # the stop rule's (train())
+    first = 0  # this host's first exchange (a joiner's: the join's)
 
     def start_sync(self, fragment):  # the pseudo-gradient this worker pushes, for the oracle
-        rnd = self.steps // H - 1
+        fragment.index, rnd = self.started, self.started
+        self.started += 1
         for (name, p), copy in zip(fragment.named, fragment.copies):
             saved[f"{self.tag}pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
         saved[f"{self.tag}size/{rnd}"] = np.array(bps.size())
@@ -47,6 +53,14 @@ class Recorded(bps.DiLoCo):
             keep(f"rank{rank}.{start}.npz")
         super().start_sync(fragment)
 
+    def finish_sync(self, fragment):  # the global copy after each exchange's outer step
+        super().finish_sync(fragment)
+        for name, copy in zip(fragment.names, fragment.copies):
+            saved[f"{self.tag}global/{fragment.index}/{name}"] = copy.numpy().copy()
+        if self.first_joined is None and bps.membership_epoch() >= self.join_epoch and fragment.index >= self.first:
+            self.first_joined = fragment.index  # the first exchange of the join's epoch, on every host
+        if self.first_joined is not None and fragment.index >= self.first_joined + self.last:
+            self.done = True
 
 def keep(name):
     """``saved`` in OUT_DIR/``name``, whole or not at all (a kill may come at any moment)."""
@@ -54,12 +68,14 @@ def keep(name):
     os.replace(os.path.join(out_dir, name + ".tmp.npz"), os.path.join(out_dir, name))
 
 
-def train(opt, model, join_epoch, after_join, victim_at=None):
-    """Inner steps until ``after_join`` outer rounds into membership epoch ``join_epoch`` (the
-    global copy saved after each round); at inner step ``victim_at``: save, say HALF, wait to be
-    killed."""
-    first_joined = None  # the first outer round of membership epoch ``join_epoch``
-    while opt.steps < spec["max_rounds"] * H:
+def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
+    """Inner steps until ``after_join`` windows of H inner steps (as many exchanges as that
+    holds) into membership epoch ``join_epoch``, counted from its first exchange; at inner step
+    ``victim_at``: save, say HALF, wait to be killed. The sleep between inner steps: ``sleep``
+    after each, or with ``pause_at``, H times it after the inner steps that are ``pause_at`` mod H."""
+    H = opt.sync_every
+    opt.join_epoch, opt.last, opt.done = join_epoch, after_join * len(opt.fragments) - 1, False
+    while opt.steps < spec["max_rounds"] * H and not opt.done:
         if opt.steps == victim_at:
             keep(f"rank{rank}.{'victim' if not opt.tag else start}.npz")  # its pushes, for the oracle
             say("HALF")
@@ -70,29 +86,24 @@ def train(opt, model, join_epoch, after_join, victim_at=None):
         opt.zero_grad()
         if opt.steps % H == 0:
             rnd = opt.steps // H - 1
-            for name, copy in zip(opt.fragments[0].names, opt.fragments[0].copies):
-                saved[f"{opt.tag}global/{rnd}/{name}"] = copy.numpy().copy()
             say(f"ROUND {opt.tag}{rnd} {bps.size()} {bps.membership_epoch()}")
-            if first_joined is None and bps.membership_epoch() >= join_epoch:
-                first_joined = rnd
-            if first_joined is not None and rnd >= first_joined + after_join - 1:
-                break
             if spec.get("stop_file") and os.path.exists(spec["stop_file"]) and \
                     rnd >= int(open(spec["stop_file"]).read()):
                 break
-        time.sleep(spec["sleep"])
+        time.sleep(spec["sleep"] if pause_at is None else H * spec["sleep"] * (opt.steps % H == pause_at))
     opt.wait()
 
 
-try:  # a join with fragments: refused in one line (made on every host alike)
-    bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H, fragments=2).elastic_start()
+try:  # a join with a warm phase: refused in one line (made on every host alike)
+    bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H,
+               warm_steps=H, warm_every=2).elastic_start()
 except ValueError as e:
     saved["refused"] = np.array(str(e))
 model = build_model()
 opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
                compression_params=spec["compression_params"], outer_step="servers")
 workers_joiner = spec.get("workers_joiner", False)  # joins in the workers' phase: skips the first
-start = 0 if workers_joiner else opt.elastic_start()
+start = opt.started = opt.first = 0 if workers_joiner else opt.elastic_start()
 if not workers_joiner:
     say(f"START {start} {opt.steps}")
     train(opt, model, spec["join_epoch"], spec["after_join"],
@@ -102,13 +113,18 @@ if not workers_joiner:
 if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in the same job
     phase = spec["workers_phase"]
     model = build_model()
-    opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
+    opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), phase.get("sync_every", H),
+                   fragments=phase.get("fragments", 1), delay=phase.get("delay", 0),
                    compression_params=spec["compression_params"])
     opt.tag = "w/"
-    saved["w/start"] = np.array(opt.elastic_start())
-    say(f"START w/{int(saved['w/start'])} {opt.steps}")
+    opt.started = opt.first = opt.elastic_start()
+    saved["w/start"] = np.array(opt.started)
+    for fragment in [f for f in opt.fragments if f.pending is not None]:  # in flight at the join: the
+        fragment.index = opt.started - 1  # exchange before the joiner's first, applied at its due step
+    saved["w/landed"] = np.array([f.due for f in opt.fragments if f.pending is not None])
+    say(f"START w/{int(saved['w/start'])} {opt.steps} in flight {saved['w/landed'].tolist()}")
     train(opt, model, phase["join_epoch"], spec["after_join"],
-          phase["kill_at"] if rank == spec["victim"] and start and not workers_joiner else None)
+          phase["kill_at"] if rank == spec["victim"] and start and not workers_joiner else None, phase.get("pause_at"))
     keep(f"rank{rank}.{'w' + str(int(saved['w/start'])) if workers_joiner else start}.npz")
 say("DONE")
 bps.shutdown()

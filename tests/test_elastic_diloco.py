@@ -4,16 +4,18 @@ every element of the weights' pseudo-gradients sent exactly (threshold 0), the b
 uncompressed (BYTEPS_MIN_COMPRESS_BYTES=256), first with the outer step on the servers (the
 biases': the workers', as for any tensor sent uncompressed). Worker 2 is SIGKILLed in the middle
 of an H window (before pushing that round); the survivors go on. Then a fresh host with its
-DMLC_WORKER_ID joins through DiLoCo.elastic_start(): it takes the global copy from the servers,
-and after its first outer round its global copy is the others' bit for bit. At every outer
-round, every live host's global copy equals a numpy recomputation of the servers' outer SGD (lr
-0.7, momentum 0.9, Nesterov) over the mean of the pseudo-gradients of the members that pushed
-that round (recorded by each worker; the biases: torch's SGD, the joiner's momentum of them from
-a live worker), bit for bit, and so does the copy each pulls from the servers at the end. In the
-same job the live hosts then train a fresh model with the outer step on the workers: the joiner
-dies mid-window, and another fresh host joins, taking the global copy, the outer momentum and
-the step count from a live worker; the same checks against torch's SGD recomputed in numpy (one
-joiner process more, ~2.4 s CPU). An elastic join with fragments is refused in one line."""
+DMLC_WORKER_ID joins through DiLoCo.elastic_start(): it takes the global copy from a live
+worker, and after its first outer round its global copy is the others' bit for bit. At every
+outer round, every live host's global copy equals a numpy recomputation of the servers' outer
+SGD (lr 0.7, momentum 0.9, Nesterov) over the mean of the pseudo-gradients of the members that
+pushed that round (recorded by each worker; the biases: torch's SGD, the joiner's momentum of
+them from a live worker), bit for bit, and so does the copy each pulls from the servers at the
+end. In the same job the live hosts then train a fresh model with the outer step on the
+workers, 2 fragments and delay 1 (check_the_workers_phase): the joiner dies mid-window, and
+another fresh host joins, taking the global copies, the outer momentum, the step count and an
+exchange in flight from a live worker; the same checks, per exchange, against torch's SGD
+recomputed in numpy (one joiner process more, ~2.4 s CPU). An elastic join with a warm phase is
+refused in one line."""
 import json
 import os
 import signal
@@ -27,7 +29,7 @@ BOUND = 90.0
 VICTIM = 2
 SPEC = {"sync_every": 4, "max_rounds": 400, "victim": VICTIM, "kill_at": 6, "sleep": 0.05, "join_epoch": 2,
         "after_join": 2, "compression_params": {"compressor": "threshold", "threshold": 0.0},
-        "workers_phase": {"kill_at": 6, "join_epoch": 4}}
+        "workers_phase": {"sync_every": 3, "fragments": 2, "delay": 1, "kill_at": 5, "join_epoch": 4, "pause_at": 0}}
 
 
 UNCOMPRESSED = ("0.bias", "2.bias")  # below BYTEPS_MIN_COMPRESS_BYTES=256: their outer step is the workers'
@@ -47,9 +49,9 @@ def outer_sgd(hosts, last, tag="", on_workers=()):
     copies = {n: p.detach().numpy().copy() for n, p in build_model().named_parameters()}
     momentum = {n: np.zeros_like(v) for n, v in copies.items() if n not in on_workers}
     out = []
-    for rnd in range(last + 1):
-        pushed = [h for _, h in sorted(hosts.items()) if f"{tag}pseudo/{rnd}/0.weight" in h]
-        for name in copies:
+    for rnd in range(last + 1):  # exchange rnd: one fragment's parameters (those pushed)
+        pushed = [h for _, h in sorted(hosts.items()) if f"{tag}size/{rnd}" in h]
+        for name in [n for n in copies if f"{tag}pseudo/{rnd}/{n}" in pushed[0]]:
             total = pushed[0][f"{tag}pseudo/{rnd}/{name}"]
             for h in pushed[1:]:
                 total = total + h[f"{tag}pseudo/{rnd}/{name}"]
@@ -89,15 +91,11 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
     assert membership(job.text("server0")) == sequence and membership(job.text("joiner")) == sequence[1:2]
     assert membership(job.text("joiner2")) == sequence[3:]
     (_, left_at, _), (_, joined_at, _) = sequence[:2]
+    assert left_at == 1, sequence
     hosts, last = phase_hosts(tmp_path, "victim", str(joined_at), left_at, joined_at)
-    assert "fragments=1 and delay=0" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
+    assert "without a warm phase for now (got warm_steps=4)" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
     oracle = outer_sgd(hosts, last, on_workers=UNCOMPRESSED)
-    for rnd, want in enumerate(oracle):
-        live = [k for k, h in hosts.items() if f"global/{rnd}/0.weight" in h]
-        assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2), (rnd, live)
-        for name, value in want.items():
-            for k in live:
-                assert hosts[k][f"global/{rnd}/{name}"].tobytes() == value.tobytes(), (rnd, k, name)
+    check_global_copies(hosts, oracle, left_at, joined_at)
     for k in ("0", "1", "2 (joined)"):  # the servers' copy at the end (of the parameters they hold)
         assert sorted(n[len("pulled/"):] for n in hosts[k] if n.startswith("pulled/")) == ["0.weight", "2.weight"]
         for name in ("0.weight", "2.weight"):
@@ -107,35 +105,53 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
     check_the_workers_phase(tmp_path, sequence, last + 1)
 
 
-def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix=""):
+def check_global_copies(hosts, oracle, left_at, joined_at, prefix=""):
+    """Every live host's global copy after each exchange (its fragment's parameters) equals the
+    oracle's bit for bit: the three hosts, the two survivors, then with the joiner's first on
+    (and the joiner's of an exchange in flight at its join, applied once it joined)."""
+    for rnd, want in enumerate(oracle):
+        live = [k for k, h in hosts.items() if f"{prefix}size/{rnd}" in h]
+        names = [n for n in want if f"{prefix}global/{rnd}/{n}" in hosts[live[0]]]
+        assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2) and names, (rnd, live)
+        for name in names:
+            for k in [k for k, h in hosts.items() if f"{prefix}global/{rnd}/{name}" in h]:
+                assert hosts[k][f"{prefix}global/{rnd}/{name}"].tobytes() == want[name].tobytes(), (prefix, rnd, k, name)
+
+
+def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments=1):
     """A phase's saved hosts (the victim's file ``rank<VICTIM>.<died>``, the joiner's
-    ``rank<VICTIM>.<joined>``) and its last round, checking who pushed each round: the three
-    hosts, then the two survivors, then with the joiner."""
+    ``rank<VICTIM>.<joined>``) and its last exchange, checking who pushed each exchange: the
+    three hosts, then the two survivors, then with the joiner."""
     hosts = {"0": np.load(tmp_path / "rank0.0.npz"), "1": np.load(tmp_path / "rank1.0.npz"),
              "2 (died)": np.load(tmp_path / f"rank{VICTIM}.{died}.npz"),
              "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.{joined}.npz")}
     hosts = {k: dict(h) for k, h in hosts.items()}
-    assert int(hosts["2 (joined)"][f"{prefix}start"]) == joined_at > left_at == 1
-    last = joined_at + SPEC["after_join"] - 1
+    assert int(hosts["2 (joined)"][f"{prefix}start"]) == joined_at > left_at >= 1
+    last = joined_at + SPEC["after_join"] * fragments - 1
     for rnd in range(last + 1):
-        pushed = sorted(k for k, h in hosts.items() if f"{prefix}pseudo/{rnd}/0.weight" in h)
+        pushed = sorted(k for k, h in hosts.items() if f"{prefix}size/{rnd}" in h)
         want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
         assert pushed == want, (rnd, pushed)
     return hosts, last
 
 
 def check_the_workers_phase(tmp_path, sequence, groups_before):
-    """The same job's second phase, the outer step on the workers: the first joiner dies in the
-    middle of a window and a second joins, taking the global copy, the outer momentum and the
-    step count from a live worker; every live host's global copy at every round bit-identical,
-    the joiner's from its first round on, and equal to the numpy outer SGD of the members."""
+    """The same job's second phase, the outer step on the workers, H = 3, 2 fragments (their
+    exchanges start after inner steps 1 (fragment 0), 3 (1), 4 (0), 6 (1), ...), each applied 1
+    inner step later: fragment 1's is still in flight when fragment 0's starts. The first joiner
+    dies at inner step 5 (its 3 exchanges done; the survivors' 4th, started at 6, waits for the
+    death's commit) and a second joins at an exchange, taking each fragment's global copy and
+    outer momentum, the step count and (a join at fragment 0's exchange: the members pause
+    before it, so most joins land there) fragment 1's average in flight from a live worker;
+    every live host's global copy after every exchange bit-identical, the joiner's from the one
+    in flight on, and equal to the numpy outer SGD of each fragment over the members' mean."""
     left_at, joined_at = sequence[2][1] - groups_before, sequence[3][1] - groups_before
-    hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/")
+    assert left_at == 3, (sequence, groups_before)  # one round group per exchange
+    hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/", 2)
     oracle = outer_sgd(hosts, last, "w/", on_workers=tuple(n for n, _ in build_model().named_parameters()))
-    for rnd, want in enumerate(oracle):
-        live = [k for k, h in hosts.items() if f"w/global/{rnd}/0.weight" in h]
-        assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2), (rnd, live)
-        for name, value in want.items():
-            for k in live:
-                assert hosts[k][f"w/global/{rnd}/{name}"].tobytes() == value.tobytes(), ("workers", rnd, k, name)
+    check_global_copies(hosts, oracle, left_at, joined_at, "w/")
+    landed = hosts["2 (joined)"]["w/landed"]  # the due step of the average in flight at the join, if any
+    assert landed.size == (joined_at % 2 == 0), (joined_at, landed)
+    assert {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at}/")} != \
+        {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at + 1}/")}  # two fragments
     assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])

@@ -4,7 +4,8 @@ docs/diloco.md): a worker host joining the running job starts where the members 
 Each fragment's exchange is one round group (PushPullExchange ends the group as it posts), so
 a join's boundary is the push of the exchange a member starts inside ``step()``, at inner
 step s, after counting s, before that exchange's outer step. There the donor, a live worker,
-sends its state as it is: each fragment's global copy, the outer optimizer's per-parameter
+sends its state as it is: each fragment's global copy (with the servers' outer step too: the
+servers' copy already has an exchange in flight applied), the outer optimizer's per-parameter
 state of the parameters whose outer step the workers take (SGD's Nesterov momentum buffers;
 with the servers' outer step the servers keep the rest), the average and due step of any
 exchange still in flight (with ``delay``: a member waits for it before it starts another, so

@@ -114,8 +114,9 @@ def check_global_copies(hosts, oracle, left_at, joined_at, prefix=""):
         names = [n for n in want if f"{prefix}global/{rnd}/{n}" in hosts[live[0]]]
         assert len(live) == (3 if rnd < left_at or rnd >= joined_at else 2) and names, (rnd, live)
         for name in names:
-            for k in [k for k, h in hosts.items() if f"{prefix}global/{rnd}/{name}" in h]:
-                assert hosts[k][f"{prefix}global/{rnd}/{name}"].tobytes() == want[name].tobytes(), (prefix, rnd, k, name)
+            key = f"{prefix}global/{rnd}/{name}"
+            for k in [k for k, h in hosts.items() if key in h]:
+                assert hosts[k][key].tobytes() == want[name].tobytes(), (prefix, rnd, k, name)
 
 
 def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments=1):

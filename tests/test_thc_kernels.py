@@ -94,3 +94,27 @@ def test_outputs_streamed_past_the_cache_decode_by_the_formula(x, carrier):
             assert (buf[:start] == 7.0).all() and (buf[start + N:] == 7.0).all()
     finally:
         lib.thc_stream_above(before)
+
+
+def test_a_bad_float64_word_anywhere_is_refused_before_anything_is_written(x):
+    """The words are checked 32 at a time from a 64-byte line on: a bad one in the words
+    before that line, inside a block of 32 or in the tail is refused with ``out`` untouched;
+    -0.0 (an integer) fails the block's quick test and passes word by word."""
+    params = CompressionParams.from_dict({"compressor": "thc", "bits": 4, "feedback": True})
+    codec = build_chain(params, N, np.float32, key=KEY)
+    codec.set_summands(2)
+    hist = codec.compress(x, {}).view(thc.CARRIER) * 2
+    summed = codec.compress_q(hist.view(np.uint8)).view(thc.CARRIER) * 2
+    out = np.full(N, 7.0, np.float32)
+    for at in (0, 1, 100, 5_000, summed.size - thc.HEADER - 1):
+        for bad in (0.5, -1.0, 2.0**53, np.nan):
+            broken = summed.copy()
+            broken[thc.HEADER + at] = bad
+            with pytest.raises(ValueError, match="a lane overflowed"):
+                codec.finish(broken.view(np.uint8), out, 2)
+    assert (out == 7.0).all()
+    signed = summed.copy()
+    signed[thc.HEADER + 5_000] = -0.0
+    total = lanes(signed[thc.HEADER:], 5, 10, N).astype(np.float64)
+    expected = (2.0**codec.agreed[0] * (2.0 * total / 15 - 2)).astype(np.float32)
+    assert codec.finish(signed.view(np.uint8), out, 2).tobytes() == expected.tobytes()

@@ -19,7 +19,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "torch==2.13.0" "numpy<1.24" -e "$root[torch,mxnet,test${extras:+,$extras}]" >&2
   echo "$want" > "$stamp"
 else
-  # the C kernels: rebuild in place if the source is newer than the build
-  "$venv/bin/python" -c "import bps_gc.compress" >&2
+  # the C kernels: rebuild in place if a source is newer than the build (else every process
+  # of a job would hash the sources and load the per-user cache's copy: bps_gc/compress/_native.py)
+  if ! "$venv/bin/python" -c "import sys, bps_gc.compress._native as n; sys.exit(n._prebuilt() is None)" >&2; then
+    (cd "$root" && "$venv/bin/python" setup.py -q build_ext --inplace) >/dev/null 2>&1 \
+      || "$venv/bin/python" -c "import bps_gc.compress" >&2
+  fi
 fi
 echo "$venv"

@@ -5,11 +5,8 @@ setup.py builds them as an extension next to this file; a source checkout that w
 of the source, so every process of a job shares one build.
 """
 import ctypes
-import hashlib
 import importlib.machinery
 import os
-import subprocess
-import tempfile
 
 from ._native_flags import CFLAGS
 
@@ -35,6 +32,9 @@ def _prebuilt():
 
 
 def _compile_cached():
+    import hashlib  # with subprocess and tempfile: only a checkout that was not built compiles
+    import subprocess
+    import tempfile
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:

@@ -20,7 +20,6 @@ import socket
 import threading
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger(__name__)
 EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
@@ -51,6 +50,9 @@ def watch(sock, algorithm):
     None or "" leaves them alone. Returns the watching thread (None when there is none)."""
     if not algorithm:
         return None
+    # zmq.utils.monitor imports asyncio (and ssl), ~30 ms of every node's start for a setting few
+    # jobs use: imported here, where one is set, so that its thread starts reading at once
+    import zmq.utils.monitor  # noqa: F401
     try:
         monitor = sock.get_monitor_socket(EVENTS)
     except zmq.ZMQError as e:  # the links still work, on the host's default
@@ -64,6 +66,7 @@ def watch(sock, algorithm):
 
 def _apply(monitor, algorithm):
     # Ends when the watched socket closes (MONITOR_STOPPED) or its context terminates.
+    from zmq.utils.monitor import recv_monitor_message  # imported by watch(), before its links open
     try:
         while True:
             event = recv_monitor_message(monitor)

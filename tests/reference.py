@@ -69,12 +69,16 @@ class PushPullModel:
             # raw pushes: first copied, then added (float16 in float32, rounded once: the
             # servers', wire/half.py; in float16, in rank order, where a host's ranks sum them
             # alone: comm/host_sum.py); decoded pushes: added to zeros
-            adder = np.float32 if self.wire == np.float16 and self.half_in_float32 else self.wire
+            servers_half = self.wire == np.float16 and self.half_in_float32 and not self.compressed
+            adder = np.float32 if servers_half else self.wire
             acc = np.zeros(stop - start, self.wire) if self.compressed else decoded[0].astype(adder)
             for d in decoded if self.compressed else decoded[1:]:
                 acc += d
-            acc = acc.astype(self.wire)
             average = self.average
+            if servers_half and average:  # the servers divide before their one rounding
+                acc /= np.float32(self.workers)
+                average = False
+            acc = acc.astype(self.wire)
             if self.compressed and self.reducer == "recompress":
                 acc = server_chain.decompress(server_chain.compress(acc, ctx))
             elif self.compressed and self.reducer == "majority":

@@ -93,8 +93,9 @@ rng = np.random.default_rng(rank)
 # "big": over 64 KiB, pushed alone (through the server's shared memory); "small": fused
 tensors = [(f"{kind}-{size}", dtype, n) for kind, dtype in (("f16", np.float16), ("bf16", BFLOAT16))
            for size, n in (("big", 40_000), ("small", 1000))] + [("fp16-wire", np.float32, 1000)]
+tensors += [("f16-every", np.float16, 2000), ("bf16-every", BFLOAT16, 2000)]  # every worker's own push
 for name, dtype, n in tensors:  # "fp16-wire": float32, pushed and pulled as float16 (BytePS's fp16)
-    bps.declare(name, shape=(n,), dtype=dtype, one_per_host=True, fp16=name == "fp16-wire")
+    bps.declare(name, shape=(n,), dtype=dtype, one_per_host="every" not in name, fp16=name == "fp16-wire")
 for average in (True, False):
     bps.metrics()  # the second round's: every INIT_ACK (a slot taken) came before the first's replies
     handles = []
@@ -139,3 +140,36 @@ def test_three_hosts_average_rounded_once_through_shared_memory(tmp_path):
                 assert ranks[r][f"{name}/{average}/out"].tobytes() == want, (name, average, r)
     # the second round's pushes in the slots: the two big tensors' bytes, none of the small ones'
     assert [int(ranks[r]["shared_bytes"]) for r in range(3)] == [2 * 2 * 40_000] * 3
+    check_every_workers_mean(ranks)
+
+
+def round_half(values, half):
+    """numpy's oracle of torch's rounding of float32 ``values``: float16's cast, or bfloat16's
+    nearest, ties to even, on the float32 bits (no NaN here); the bits as uint16."""
+    if half == "float16":
+        return values.astype(np.float16).view(np.uint16)
+    word = values.view(np.uint32)
+    return ((word + np.uint32(0x7FFF) + ((word >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def widen_half(bits, half):
+    bits = np.ascontiguousarray(bits).view(np.uint16)
+    return bits.view(np.float16).astype(np.float32) if half == "float16" else \
+        (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_every_workers_mean(ranks):
+    """Tensors every worker pushes (not ``one_per_host``), averaged: the servers divide the
+    float32 sum over the 3 workers in rank order by 3 and round once, where the worker dividing
+    the rounded sum would round twice (which differs here, so the test can fail)."""
+    for name, half in (("f16-every", "float16"), ("bf16-every", "bfloat16")):
+        for average in (True, False):
+            inputs = [widen_half(ranks[r][f"{name}/{average}/in"], half) for r in range(3)]
+            total = (inputs[0] + inputs[1]) + inputs[2]
+            want = round_half(total / np.float32(3) if average else total, half)
+            for r in range(3):
+                assert ranks[r][f"{name}/{average}/out"].view(np.uint16).tobytes() == want.tobytes(), \
+                    (name, average, r)
+            if average:
+                twice = round_half(widen_half(round_half(total, half), half) / np.float32(3), half)
+                assert (twice != want).sum() > 0, name

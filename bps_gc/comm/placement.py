@@ -166,13 +166,17 @@ def declare_tensor(tensors, codecs, name, shape, dtype, reducer, compression, pu
     return tensor, shape, dtype
 
 
-def check_dtype(tensor, dtype):
+def check_dtype(tensor, dtype, pushed_as_is=False):
+    """``pushed_as_is``: whether every rank's own push of ``tensor`` would reach the parameter
+    servers as it is (no host sums it first), so that a bfloat16 one may be every rank's."""
     if tensor.auxiliary and dtype == np.int64:  # thc's words on servers that add int64 (comm/phased.py)
         return
     if dtype == BFLOAT16:  # the servers sum it (wire/bfloat16.py); no codec, no sum in shared memory
-        if tensor.params.compressed or tensor.params.fp16 or tensor.pushed_by is None:
+        if tensor.params.compressed or tensor.params.fp16 or tensor.pushed_by is None and not pushed_as_is:
             raise TypeError(f"{tensor.name!r}: bfloat16 is pushed dense, as one local rank's own tensor "
-                            "(one_per_host, an FSDP shard) only; declare it float32 to compress it")
+                            "(one_per_host, an FSDP shard) or, on the parameter server with no host's sum "
+                            "(BPS_GC_LOCAL_REDUCE, two levels), every worker's; declare it float32 to "
+                            "compress it or sum it on the host")
         return
     if dtype not in (np.float32, np.float64, np.float16):
         raise TypeError(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")

@@ -15,10 +15,12 @@ INLINE_DECODE_BYTES = 64 * 1024
 
 def servers_average(worker, tensor):
     """Whether the servers divide ``tensor``'s sum when it is averaged (wire/half.py): a dense
-    float16 or bfloat16 tensor of one local rank's own (``one_per_host``), whose pushers are the
-    member hosts on every server alike; async servers answer with a running sum instead."""
-    return tensor.pushed_by is not None and not tensor.compressed and tensor.wire_dtype in HALF \
-        and worker.sums_half and not worker.cfg.enable_async
+    float16 or bfloat16 tensor on ``reduce``'s direct path (every worker pushes it, or, declared
+    ``one_per_host``, one local rank of each host), whose divisor is then the round's pushers on
+    every server alike. Not where a host sums first (its average is over the workers, the
+    servers count hosts), nor on async servers (a running sum has no round)."""
+    return not tensor.compressed and tensor.wire_dtype in HALF and worker.sums_half \
+        and not worker.cfg.enable_async
 
 
 class Handle(HandleABC):

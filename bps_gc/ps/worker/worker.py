@@ -146,7 +146,8 @@ class Worker(Communicator):
     def _place(self, tensor, shape, dtype, late):
         """Declared with a shape: balanced over the servers by bytes; placed at its first
         push_pull (``late``): by key, round-robin (the servers' loads are no longer known alike)."""
-        check_dtype(tensor, dtype)
+        # a host's sum in shared memory adds in numpy, which has no bfloat16
+        check_dtype(tensor, dtype, self.local is None and (self.host is None or not self.host.carries(tensor)))
         balanced = not late
         if self.placement is None:  # not distributed: nothing to place
             tensor.shape, tensor.dtype = tuple(shape), dtype

@@ -1,8 +1,9 @@
 """float16 and bfloat16 on the parameter server's wire (bps_gc/wire/half.py, wire dtype codes 2
 and 4): a server's key adds the pushes in float32 and rounds once, after dividing by the round's
-pushers when they ask (``SERVER_MEAN``); FSDP2's dense float16 and bfloat16 shards travel so
-(tests/test_fsdp_ps.py checks them end to end on 2 hosts, docs/fsdp_ps.md). The oracle is
-torch's float32 arithmetic and its rounding (``.to()``)."""
+pushers when they ask (``SERVER_MEAN``: every averaged dense half tensor the servers sum as
+pushed); FSDP2's dense float16 and bfloat16 shards travel so (tests/test_fsdp_ps.py checks them
+end to end on 2 hosts, docs/fsdp_ps.md). The oracle is torch's float32 arithmetic and its
+rounding (``.to()``), or numpy's for the tensors every worker pushes."""
 import os
 import sys
 
@@ -122,7 +123,8 @@ def test_three_hosts_average_rounded_once_through_shared_memory(tmp_path):
     once by torch, bit for bit (a float32 tensor with BytePS's fp16 wire too: its float16 mean
     widened); the tensors over 64 KiB went through the server's shared memory (the slot each
     worker offers, the result buffers of the server's arena), the small ones fused over the
-    socket."""
+    socket. Beside them, a float16 and a bfloat16 tensor every worker pushes
+    (``check_every_workers_mean``)."""
     result = run_local([sys.executable, "-c", JOB, str(tmp_path)], workers=3, servers=1, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     ranks = [dict(np.load(os.path.join(tmp_path, f"rank{r}.npz"), allow_pickle=False)) for r in range(3)]

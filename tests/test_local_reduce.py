@@ -81,6 +81,12 @@ TRAIN = textwrap.dedent("""
     steps = int(os.environ.get(f"STEPS_{rank}", "1000000"))
     mode = os.environ.get(f"MODE_{rank}", "")
     n = int(os.environ.get(f"SIZE_{rank}", "200000"))
+    if os.environ.get("BF16"):  # numpy cannot add bfloat16 in shared memory
+        from bps_gc.wire.bfloat16 import BFLOAT16
+        try:
+            bps.declare("bf16", shape=(4,), dtype=BFLOAT16)
+        except TypeError as e:
+            print("REFUSED", e, flush=True)
     bps.declare("grad", dtype=np.float32)
     for step in range(steps):
         try:
@@ -132,8 +138,11 @@ def test_multihost_worker_lost_stops_the_others(mode):
 
 
 def test_another_shape_is_refused_naming_both_sizes():
+    """And a bfloat16 tensor every worker would push (the host would sum it) in one line."""
     result = run_local([sys.executable, "-c", TRAIN], workers=2, servers=1,
-                       env=dict(ON, SIZE_1="100", STEPS_0="3", STEPS_1="3"), timeout=START_BOUND)
+                       env=dict(ON, SIZE_1="100", STEPS_0="3", STEPS_1="3", BF16="1"), timeout=START_BOUND)
+    assert "REFUSED 'bf16': bfloat16 is pushed dense, as one local rank's own tensor (one_per_host, an " \
+           "FSDP shard) or, on the parameter server with no host's sum" in result.stdout, result.stdout[-3000:]
     assert result.returncode != 0
     assert "REFUSED push_pull('grad'): worker 1 reduces 400 bytes, this worker 800000" in result.stdout, \
         result.stdout[-3000:] + result.stderr[-3000:]

@@ -200,7 +200,7 @@ class Communicator(abc.ABC):
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
     sums_tensors_on_device = False
     # whether every server sums float16 and bfloat16 pushes in float32 and averages them
-    # (wire/half.py: one_per_host dense tensors, FSDP's shards)
+    # (wire/half.py: dense tensors the servers sum as pushed, FSDP's shards among them)
     sums_half = False
 
     def reduce_tensor(self, tensor, name, average=True) -> Handle:

@@ -114,8 +114,8 @@ class Handle(HandleABC):
             dest = self.wire[push.part.start:push.part.stop]
             reducer = push.part.reducer
             count = self.members or self.worker.averaged_over(self.tensor)
-            if dest.dtype == BFLOAT16:  # dense (placement.check_dtype); averaged here only under async
-                # servers (else servers_average): divided in float32, rounded back
+            if dest.dtype == BFLOAT16:  # dense (placement.check_dtype); averaged here only where the
+                # servers do not divide (servers_average): divided in float32, rounded back
                 if payload is not push.dest:
                     dest.view(np.uint16)[:] = np.frombuffer(payload, np.uint16)
                 if self.average:

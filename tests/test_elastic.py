@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_host_events import BOUND, JOIN_STARTS, REDO_TIMEOUT, START_BOUND, death_during_redo, joiner_dies, \
     printed_by_both, two_deaths_in_one_change
-from elastic_jobs import host_command, membership, start_job, two_tensors
+from elastic_jobs import LINE, host_command, membership, start_job, two_tensors
 import pytest
 from reference import gradient, partitions, step_ctx
 
@@ -178,37 +178,37 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     does not: rank 0 must not hand the step out alone (elastic.py's HELD notes); host 4 dies
     during the REDO (``death_during_redo``), so the step is summed again without it too; a
     vector reduced as one ('entiremodel', every rank pushes it) is pushed by the victim too.
-    Host 1 started again: flat, with another BYTEPS_PARTITION_BYTES, it is refused in one line
-    naming both (a host of local ranks with the job's settings joins: tests/test_elastic_netns.py);
-    two levels, first with its local rank 1 killed once the members pledged (the join cancelled,
-    the members told, the job going on), then refused likewise with BPS_GC_HIERARCHY=flat, then
-    admitted and killed in its first round (``joiner_dies``), then with the job's settings it
-    joins as a unit (members wait at a gate until the join started). Then local rank 1 of
-    host 3 (worker 7) goes silent (SIGSTOP): flat, before step STALL_AT; two levels, during its
-    pull: its host pushed every tensor of STALL_AT and the others pulled them. Its launcher sees
-    nothing, so the scheduler tells its mate, which stops naming it. Two levels: then local rank
-    1 of host 2 (worker 5) goes silent before its host pushes anything of the next step, before
-    host 3's epoch is committed (``two_deaths_in_one_change``). The
+    Host 1 started again: two levels, first with its local rank 1 killed once the members
+    pledged (the join cancelled, the members told, the job going on), then refused in one line
+    with BPS_GC_HIERARCHY=flat; both: admitted and killed in its first round (``joiner_dies``;
+    members wait at a gate until the join started); then flat, with another
+    BYTEPS_PARTITION_BYTES, it is refused in one line naming both, and two levels, with the
+    job's settings, it joins as a unit. Then local rank 1 of host 3 (worker 7) goes silent
+    (SIGSTOP): flat, before step STALL_AT; two levels, during its pull: its host pushed every
+    tensor of STALL_AT and the others pulled them. Its launcher sees nothing, so the scheduler
+    tells its mate, which stops naming it. Then local rank 1 of host 2 (worker 5) goes silent
+    before its host pushes anything of that step (two levels: the next), before host 3's epoch
+    is committed (``two_deaths_in_one_change``): one change drops both (flat: host 0 remains). The
     live ranks pull bit-identical results equal to the numpy oracle of the logged membership
     sequence."""
     join_at, rejoin_at, two_levels = 4, 6, hierarchy == "host"
     stall_at, n_steps = (7, 9) if two_levels else (5, STEPS)
     hosts = 5 if two_levels else 4
-    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at, steps=n_steps, lrs=[0.1] * n_steps)
+    gates = {str(s): str(tmp_path / f"gate{s}") for s in ((join_at, rejoin_at) if two_levels else (join_at,))}
+    spec = dict(SPEC, victim=3, stall_rank=7, stall_at=stall_at, steps=n_steps, lrs=[0.1] * n_steps, gates=gates,
+                silent_rank=5, silent_at=stall_at + two_levels, pushed_at=[PAUSE_AT, join_at])
     if two_levels:
         # owners (i + p) mod 2: local rank 1 owns all of tensor 1 (one partition), rank 0 owns
         # nothing the victim's host does not push
         tensors = [SPEC["tensors"][0], dict(SPEC["tensors"][1], name="small", shape=[1000]), *SPEC["tensors"][2:],
                    SPEC["tensors"][1]]
-        gates = {str(s): str(tmp_path / f"gate{s}") for s in (join_at, rejoin_at)}
-        spec.update(stall_after_push=True, gates=gates, silent_rank=5, pushed_at=[PAUSE_AT, join_at],
-                    silent_at=stall_at + 1, tensors=tensors, half=[0, 2, 3, "entire"], entire=ENTIRE)
-    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # and the scheduler's: the reports (two levels)
+        spec.update(stall_after_push=True, tensors=tensors, half=[0, 2, 3, "entire"], entire=ENTIRE)
+    servers_say = {"BYTEPS_LOG_LEVEL": "INFO"}  # and the scheduler's: the reports, the joins' starts
     two = {"NVIDIA_VISIBLE_DEVICES": "0,1", "BPS_GC_HIERARCHY": hierarchy}
     job = start_job("elastic_job.py", spec, tmp_path, workers=hosts, servers=2,
-                    env={"BPS_GC_HEARTBEAT_TIMEOUT": str(REDO_TIMEOUT)} if two_levels else None,
-                    role_env={"server0": servers_say, "server1": servers_say, "scheduler": servers_say if two_levels
-                              else {}, **{f"worker{h}": two for h in range(hosts)}})
+                    env={"BPS_GC_HEARTBEAT_TIMEOUT": str(REDO_TIMEOUT)},
+                    role_env={"server0": servers_say, "server1": servers_say, "scheduler": servers_say,
+                              **{f"worker{h}": two for h in range(hosts)}})
     job.wait_output(["worker1"], "HALF", START_BOUND)
     printed_by_both(job, [f"worker{h}" for h in range(hosts) if h != 1], "PUSHED", START_BOUND)  # at step PAUSE_AT
     time.sleep(1.0)  # the first tensor's rounds of that step complete with the victim's pushes
@@ -239,7 +239,7 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         job.launch("flat1", command, dict(host1, **dict(two, BPS_GC_HIERARCHY="flat")))
         job.wait_output(["flat1"], "cannot join the running job", BOUND)
         job.launchers["flat1"].wait(timeout=BOUND)
-        joiner_dies(job, host1, two, spec, tmp_path)
+    joiner_dies(job, host1, two, spec, tmp_path, starts=1 + two_levels)  # two levels: the cancelled join's first
     job.launch("worker1", command, dict(host1, **setting, **two))
     if two_levels:
         printed_by_both(job, ["scheduler"], JOIN_STARTS, BOUND, times=3)  # the members pledged REJOIN_AT
@@ -249,12 +249,11 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     job.wait_output(["worker3"], "STALL", BOUND)
     if two_levels:  # the others have step STALL_AT's results, summed with host 3's pushes
         printed_by_both(job, ["worker0", "worker1", "worker2"], "PULLED", BOUND)  # at STALL_AT
-    if two_levels:  # found before the stop: the next steps are timed
-        job.wait_output(["worker2"], "SILENT", BOUND)  # its host pushes nothing of the next step
-        second, held = job.local_rank_of("worker2", 1), job.local_rank_of("worker0", 1)
+    # found before the stop: the next steps are timed
+    job.wait_output(["worker2"], "SILENT", BOUND)  # its host pushes nothing of that (two levels: the next) step
+    second, held = job.local_rank_of("worker2", 1), job.local_rank_of("worker0", 1)
     os.kill(job.local_rank_of("worker3", 1), signal.SIGSTOP)
-    if two_levels:  # then host 2, before host 3's commit
-        two_deaths_in_one_change(job, time.monotonic(), second, held)
+    two_deaths_in_one_change(job, time.monotonic(), second, held)  # then host 2, before host 3's commit
     statuses, _ = job.wait_all(BOUND, since=time.monotonic())  # each step above was bounded: the end within BOUND
     report = job.report(statuses)
     assert host_status != 0 and host_stopped < 5, (host_stopped, report)  # SIGTERM to the mate, no grace
@@ -274,39 +273,40 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
         assert all(len(re.findall(r"membership: worker \[2, 3\] did not join: it left", job.text(f"worker{h}"))) == 2
                    for h in (0, 2, 3)), report
         assert statuses["worker4"] != 0 and "Traceback" not in job.text("worker4"), report
-        died = job.text("die1")  # admitted, then dead in its first round
-        assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in died, report
-        assert statuses["die1"] != 0 and "membership: worker 2, 3 joined; epoch 3" in died, report
     else:
         refused += r"BYTEPS_PARTITION_BYTES=8192, the job BYTEPS_PARTITION_BYTES=4096"
         assert re.search(refused, job.text("worker1")) and statuses["worker1"] != 0, report
     assert "Traceback" not in job.text("worker1"), report
+    died = job.text("die1")  # admitted, then dead in its first round
+    assert "bpslaunch: local rank 1 (worker 3) exited with status 137; stopping the others" in died, report
+    assert statuses["die1"] != 0 and f"membership: worker 2, 3 joined; epoch {2 + two_levels}" in died, report
     assert "worker 7, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
            "and worker 6 stops" in job.text("worker3"), report
     assert "bpslaunch: local rank 0 (worker 6) exited with status 1; stopping the others" in job.text("worker3"), report
     assert statuses["worker3"] != 0, report
     assert "Traceback" not in first_text + job.text("worker3"), report
     assert not [name for name in job.launchers if "Traceback" in job.text(name)], report  # no node, none
-    if two_levels:
-        assert "worker 5, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
-               "and worker 4 stops" in job.text("worker2") and statuses["worker2"] != 0, report
-    alive = ("scheduler", "server0", "server1", "worker0") + (("worker1",) if two_levels else ("worker2",))
+    assert "worker 5, a local rank of this worker host, left the job (no heartbeat); the host leaves with it, " \
+           "and worker 4 stops" in job.text("worker2") and statuses["worker2"] != 0, report
+    alive = ("scheduler", "server0", "server1", "worker0") + (("worker1",) if two_levels else ())
     assert all(statuses[name] == 0 for name in alive), report
     everyone = list(range(2 * hosts))
     between = [r for r in everyone if r not in (2, 3)]
-    after = [0, 1, 2, 3] if two_levels else [0, 1, 4, 5]
-    logged = {name: membership(job.text(name)) for name in alive}
-    sequence = logged["scheduler"]
-    # two levels: host 4 leaves, host 1 joins and dies in its first round, joins again (the fifth change)
-    joined = 4 if two_levels else None
-    without = [0, 1, 4, 5, 6, 7]
-    # two levels: hosts 2 and 3 leave in one change: epoch 6, prepared for host 3, superseded
+    after = [0, 1, 2, 3] if two_levels else [0, 1]
+    logged = {name: LINE.findall(job.text(name)) for name in alive}  # who, left/joined, epoch, group, members
+    sequence = membership(job.text("scheduler"))
+    # two levels: host 4 leaves; host 1 joins and dies in its first round (index dies: the join), joins again (joined)
+    dies, joined = (2, 4) if two_levels else (1, None)
+    without, up = [0, 1, 4, 5, 6, 7], ("2, 3", "joined")
+    # hosts 2 and 3 leave in one change: the epoch prepared for the first, superseded
     changes = [(1, between), (2, without), (3, list(range(8))), (4, without), (5, list(range(8))),
-               (7, after)] if two_levels else [(1, between), (2, after)]
-    assert [(e, m) for e, _, m in sequence] == changes, report  # one epoch per host
+               (7, after)] if two_levels else [(1, between), (2, list(range(8))), (3, without), (5, after)]
+    who = [("2, 3", "left"), ("8, 9", "left"), up, ("2, 3", "left"), up, ("4, 5, 6, 7", "left")] if two_levels else \
+        [("2, 3", "left"), up, ("2, 3", "left"), ("4, 5, 6, 7", "left")]
+    assert [(e, m) for e, _, m in sequence] == changes and [w[:2] for w in logged["scheduler"]] == who, report
     # a host's launcher prints both its ranks' lines, one rank's after the other's; a joiner's from its join on
-    assert all(sorted(seq) == sorted(sequence[joined if name == "worker1" else 0:] * (2 if name.startswith("worker") else 1))
-               for name, seq in logged.items()), logged
+    assert all(sorted(seq) == sorted(logged["scheduler"][joined if name == "worker1" else 0:] *
+                                      (2 if name.startswith("worker") else 1)) for name, seq in logged.items()), logged
     # host 1's two heartbeats stop together (its launcher stopped the mate): either may be named first
     assert re.search(r"worker ([23]) \(node .* left: no heartbeat.*\n.*worker (?!\1)[23] leaves with it: local ranks "
                      r"of the same worker host", scheduler), report
@@ -317,14 +317,14 @@ def test_a_worker_hosts_local_rank_dies_and_the_host_leaves(tmp_path, hierarchy)
     firsts = [first for _, first, _ in sequence]
     # two levels: host 3 took part in all of step STALL_AT (every other host handed it out)
     assert firsts[0] == PAUSE_AT and firsts[-1] == stall_at + two_levels, report
+    assert firsts[dies] == join_at, report  # the members pledged, waiting at the gate
+    # the joiner died in its first round: no host handed it out, its rounds summed without it
+    assert firsts[dies + 1] == join_at and f"round {join_at} is summed again over epoch {dies + 2}'s members" in again, \
+        report
     if two_levels:
         # host 4 died during the REDO: its REDOs never came, the step is summed again without it
         assert firsts[1] == PAUSE_AT and f"round {PAUSE_AT} is summed again over epoch 2's members" in again, report
-        assert firsts[2] == join_at, report  # the members pledged, waiting at the gate
-        # the joiner died in its first round: no host handed it out, its rounds summed with host 1 again
-        assert firsts[3] == firsts[2] and f"round {firsts[2]} is summed again over epoch 4's members" in again, report
         assert firsts[joined] == rejoin_at, report
-        assert "membership: worker 4, 5, 6, 7 left; epoch 7" in scheduler, report
     steps = [(0, everyone)] + [(first, members) for _, first, members in sequence]
     want = expected(spec, steps, everyone, local_size=2 if two_levels else 1)
     if two_levels:

@@ -34,6 +34,11 @@ class Handle(abc.ABC):
     def poll(self):
         ...
 
+    def end_group(self):
+        """BPS_GC_ELASTIC on the parameter server (docs/elastic.md): the round group this
+        operation belongs to ends now, on the calling thread, as its wait would end it; a
+        transport without round groups does nothing."""
+
 
 class Communicator(abc.ABC):
     """What a transport implements. It keeps ``tensors`` (name -> placement.TensorPlan, in

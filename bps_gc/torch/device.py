@@ -123,6 +123,9 @@ class DevicePushPull:
     def poll(self):
         return self.handle.poll()
 
+    def end_group(self):
+        self.handle.end_group()
+
     @torch.no_grad()
     def wait(self):
         replies = self.handle.wait()

@@ -108,9 +108,7 @@ def end_group(handle):
     this thread, as a wait would end it; a no-op elsewhere."""
     if handle not in _handles:
         raise ValueError(f"end_group: unknown handle {handle!r}")
-    end = getattr(_handles[handle][0], "end_group", None)
-    if end is not None:
-        end()
+    _handles[handle][0].end_group()
 
 
 def synchronize(handle):

@@ -3,6 +3,7 @@ the thread profiler) and the benchmark's constants."""
 import io
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -214,6 +215,12 @@ def write_json_atomic(path, obj):
     os.replace(tmp, path)
 
 
+def thread_rusage(who=resource.RUSAGE_THREAD):
+    """getrusage of the calling thread (or ``who``) as a dict of its ru_ fields."""
+    usage = resource.getrusage(who)
+    return {k: getattr(usage, k) for k in dir(usage) if k.startswith("ru_")}
+
+
 class ThreadProfiler:
     """cProfile in every thread started after install() (and the main thread), timing each
     thread's CPU time: wall time would charge a function for the other processes sharing the
@@ -226,6 +233,7 @@ class ThreadProfiler:
         self.profiles = []
         original = threading.Thread.run
         profiles = self.profiles
+        thread_usage = self.thread_usage = {}
 
         def run(thread):
             prof = cProfile.Profile(time.thread_time)
@@ -235,6 +243,7 @@ class ThreadProfiler:
                 original(thread)
             finally:
                 prof.disable()
+                thread_usage[thread.name] = thread_rusage()
 
         threading.Thread.run = run
         self.main = cProfile.Profile(time.thread_time)
@@ -248,6 +257,13 @@ class ThreadProfiler:
             if thread is not self.threading.current_thread() and not thread.daemon:
                 thread.join(2)
         out = io.StringIO()
+        dump = os.environ.get("BENCH_PROFILE_DIR")  # raw figures (scripts/bench_calls.py)
+        if dump:
+            dump = os.path.join(dump, os.environ.get("DMLC_ROLE", "worker") + os.environ.get("DMLC_WORKER_ID", "")
+                                + f"-{os.getpid()}")
+            with open(f"{dump}.rusage.json", "w") as f:
+                json.dump({"process": thread_rusage(resource.RUSAGE_SELF), "main": thread_rusage(),
+                           **self.thread_usage}, f)
         for name, prof in self.profiles:
             text = io.StringIO()
             try:
@@ -255,6 +271,8 @@ class ThreadProfiler:
             except TypeError:  # nothing recorded
                 continue
             total = sum(v[2] for v in stats.stats.values())
+            if dump:
+                stats.dump_stats(f"{dump}-{name}.prof")
             if total < 0.05:
                 continue
             stats.sort_stats("tottime").print_stats(top)

@@ -15,9 +15,13 @@ warm-up, and each figure per round is (run B - run A) / (B - A): set-up and warm
   --cpu            no profiler: the CPU seconds per round of every process of the job together
                    (the bench's whole process tree, user + system) and of each worker, --passes
                    times, old and new interleaved (old, new, new, old, ...)
+  --together       both versions' jobs at once, B rounds each, --passes times: wall s/round of
+                   each under the same load (the two jobs load each other too: a 2-core box
+                   runs each at about half speed, so this is no quiet-box figure)
 
     python scripts/bench_calls.py --config onebit+EF                 # ~1 min on the 2-core box
     python scripts/bench_calls.py --config "randomk 0.1%" --cpu --rounds 5,125 --passes 3
+    python scripts/bench_calls.py --config "randomk 0.1%" --together --rounds 5,200 --passes 4
 """
 import argparse
 import glob
@@ -46,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default="onebit+EF", help="a bench_pushpull PS configuration (onebit+EF)")
     p.add_argument("--rounds", default="3,33", help="the two runs' timed rounds, A,B (3,33; --cpu: 5,65)")
     p.add_argument("--cpu", action="store_true", help="CPU seconds per round without the profiler")
+    p.add_argument("--together", action="store_true", help="wall s/round of both versions' jobs run at once "
+                   "(B rounds each)")
     p.add_argument("--passes", type=int, default=1, help="--cpu: old/new passes (1)")
     p.add_argument("--top", type=int, default=25, help="functions listed per role (25)")
     args = p.parse_args(argv)
@@ -58,24 +64,52 @@ def parse_args(argv=None):
     return args
 
 
-def run_job(tree, config, rounds, profile_dir=None):
-    """One bench_pushpull run from ``tree``: (its PS row, CPU seconds of its process tree)."""
+def start_job(tree, config, rounds, profile_dir=None):
+    """One bench_pushpull run from ``tree``, started: (its process, where its JSON goes)."""
     env = dict(os.environ, PYTHONPATH=tree)
     if profile_dir:
         env["BENCH_PROFILE_DIR"] = profile_dir
     out = tempfile.mktemp(suffix=".json")
     argv = [PY, os.path.join(tree, "scripts", "bench_pushpull.py"), "--configs", config, "--collective-rows", "none",
             "--pslite", "none", "--tensors", "0", "--warmup", "2", "--rounds", str(rounds), "--json", out]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(argv + (["--profile"] if profile_dir else []), cwd=tree, env=env,
-                          capture_output=True, text=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(argv + (["--profile"] if profile_dir else []), cwd=tree, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def job_row(tree, proc, out):
+    """The PS row of a started run, once it ended."""
+    text = proc.communicate()[0]
     if proc.returncode != 0 or not os.path.exists(out):
-        sys.exit(f"bench_calls: {tree}: bench_pushpull failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+        sys.exit(f"bench_calls: {tree}: bench_pushpull failed:\n{text[-2000:]}")
     with open(out) as f:
         row = next(r for r in json.load(f)["results"] if r["system"] == "bps_gc PS")
     os.unlink(out)
+    return row
+
+
+def run_job(tree, config, rounds, profile_dir=None):
+    """One bench_pushpull run from ``tree``: (its PS row, CPU seconds of its process tree)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    row = job_row(tree, *start_job(tree, config, rounds, profile_dir))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return row, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def compare_together(args, trees):
+    """Both versions' jobs at once, --passes times: whatever else loads the box loads both alike."""
+    ratios = []
+    for p in range(args.passes):
+        order = ("old", "new") if p % 2 == 0 else ("new", "old")  # the first started sets up first
+        started = {v: start_job(trees[v], args.config, args.b) for v in order}
+        rows = {v: job_row(trees[v], *started[v]) for v in order}
+        ratios.append(rows["new"]["seconds"] / rows["old"]["seconds"])
+        print(f"pass {p + 1}: wall s/round old {rows['old']['seconds']:.4f}, new {rows['new']['seconds']:.4f}, "
+              f"new/old {ratios[-1]:.3f}; worker CPU s/round old "
+              f"{statistics.mean(rows['old']['worker_cpu_per_round']):.4f}, new "
+              f"{statistics.mean(rows['new']['worker_cpu_per_round']):.4f} (load average {os.getloadavg()[0]:.1f})",
+              flush=True)
+    print(f"new/old wall, both at once: median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
 
 
 # modules renamed since 2ed851b, under their new names, so that a rename is no difference
@@ -163,7 +197,7 @@ def compare_cpu(args, trees):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.cpu and args.rounds == "3,33":
+    if (args.cpu or args.together) and args.rounds == "3,33":
         args.a, args.b = 5, 65
     work = tempfile.mkdtemp(prefix="bench_calls-")
     old_tree = os.path.join(work, "old")
@@ -173,7 +207,12 @@ def main(argv=None):
         for script in HARNESS:  # this tree's harness (the profiler's dumps) on the old package
             shutil.copy(os.path.join(ROOT, "scripts", script), os.path.join(old_tree, "scripts", script))
         trees = {"old": old_tree, "new": ROOT}
-        compare_cpu(args, trees) if args.cpu else compare_calls(args, trees, work)
+        if args.together:
+            compare_together(args, trees)
+        elif args.cpu:
+            compare_cpu(args, trees)
+        else:
+            compare_calls(args, trees, work)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", old_tree], cwd=ROOT, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -55,7 +55,8 @@ class Handle(HandleABC):
 
     def wait(self, timeout=None):
         start = time.perf_counter()
-        self.end_group()  # waiting closes the round group it belongs to
+        if self.group is not None:  # waiting closes the round group it belongs to (no call without one)
+            self.end_group()
         deadline = None if timeout is None else start + timeout
         while not self.event.wait(0.2):
             failure = self.worker.io.failure if self.worker.io else None

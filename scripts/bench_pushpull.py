@@ -59,7 +59,9 @@ rank 1 of the same run). Then the issues' targets with their ratios. JSON goes t
 out/bench_pushpull_<link>_<ranks>.json unless --json says otherwise. Every child process is
 started and stopped by bps_gc's launcher supervisor; the namespaces are always deleted.
 BYTEPS_* / BPS_GC_* variables are passed on and recorded in the JSON. --profile cProfiles every
-thread of bps_gc's worker 0 and server 0 and prints the top functions.
+thread of bps_gc's worker 0 and of the servers and prints the top functions; with
+BENCH_PROFILE_DIR=DIR each also writes its threads' raw stats and getrusage there
+(scripts/bench_calls.py compares two versions' so).
 
 Every system starts each timed round with a barrier outside the timing (torch: dist.barrier(),
 bps_gc: bps.barrier(), ps-lite: kv._barrier()), so a round is timed from a common start.

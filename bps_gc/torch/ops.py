@@ -18,11 +18,12 @@ from .compression import Compression
 from .device import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
 SUPPORTED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
-# numpy has no bfloat16: the hook takes bfloat16 buckets (its codecs run in float32); here one
-# says what to do instead
-UNSUPPORTED_HINT = ("float16, float32 and float64 only; for bfloat16 keep the parameters float32 and train "
-                    "under torch.autocast(dtype=torch.bfloat16), or use bps_gc.torch.comm_hook with DDP, "
-                    "which takes bfloat16 gradients")
+# numpy has no bfloat16: the servers sum it (wire/bfloat16.py), where no host sums it first
+# (placement.check_dtype); elsewhere one says what to do instead
+BFLOAT16_ELSEWHERE = ("keep the parameters float32 and train under torch.autocast(dtype=torch.bfloat16), or "
+                      "use bps_gc.torch.comm_hook with DDP, which takes bfloat16 gradients")
+UNSUPPORTED_HINT = ("float16, float32 and float64, and bfloat16 dense on the parameter server (no host's sum) "
+                    f"only; for bfloat16 elsewhere {BFLOAT16_ELSEWHERE}")
 _handles = {}
 _next_handle = itertools.count()
 _noname = itertools.count()
@@ -31,17 +32,11 @@ init, shutdown, rank, size = core.init, core.shutdown, core.rank, core.size
 local_rank, local_size, barrier = core.local_rank, core.local_size, core.barrier
 
 
-def _check(tensor, what, name=None):
+def _check(tensor, what):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in SUPPORTED and not (tensor.dtype == torch.bfloat16 and declared_bfloat16(name)):
+    if tensor.dtype not in SUPPORTED and tensor.dtype != torch.bfloat16:  # bfloat16: the communicator's check
         raise TypeError(f"{what}: dtype {tensor.dtype} is not supported: {UNSUPPORTED_HINT}")
-
-
-def declared_bfloat16(name):
-    """Whether ``name`` was declared bfloat16 (a one_per_host dense tensor, the servers sum it)."""
-    declaration = core.declaration(name) if name is not None else None
-    return declaration is not None and declaration.dtype == BFLOAT16
 
 
 def host_view(tensor):
@@ -59,13 +54,24 @@ def host_view(tensor):
 
 def declare(name, shape=None, dtype=None, **compression_params):
     """Declare a tensor name (in the same order on every worker) with its compression; bfloat16
-    only dense and ``one_per_host`` (the servers sum it in float32: wire/bfloat16.py)."""
-    own = dtype is torch.bfloat16 and compression_params.get("one_per_host")  # an FSDP shard's
-    if isinstance(dtype, torch.dtype) and dtype not in SUPPORTED and not own:
+    only dense, where the servers sum it in float32 as pushed (wire/bfloat16.py): one_per_host,
+    or every worker's on the parameter server when no host sums it (placement.check_dtype)."""
+    if isinstance(dtype, torch.dtype) and dtype not in SUPPORTED and dtype != torch.bfloat16:
         raise TypeError(f"declare({name!r}): dtype {dtype} is not supported: {UNSUPPORTED_HINT}")
-    np_dtype = (BFLOAT16 if dtype is torch.bfloat16 else SUPPORTED[dtype]) if isinstance(dtype, torch.dtype) else dtype
-    return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
-                        **compression_params)
+    np_dtype = numpy_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
+    try:
+        return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
+                            **compression_params)
+    except TypeError as e:  # the communicator refuses bfloat16 here: say what else a torch user can do
+        if dtype is not torch.bfloat16 or "bfloat16" not in str(e):
+            raise
+        raise TypeError(f"declare({name!r}): dtype torch.bfloat16 is not supported here: {e}; or "
+                        f"{BFLOAT16_ELSEWHERE}") from None
+
+
+def numpy_dtype(dtype):
+    """The numpy dtype the core takes for torch ``dtype`` (bfloat16: wire/bfloat16.py's)."""
+    return BFLOAT16 if dtype is torch.bfloat16 else SUPPORTED[dtype]
 
 
 def _ensure_declared(name, tensor):
@@ -76,7 +82,7 @@ def _ensure_declared(name, tensor):
 def push_pull_async(tensor, average=True, name=None, version=0, priority=0, lr=None, ctx=None):
     """Start summing (or averaging) ``tensor`` over all workers, in place; returns a handle.
     ``ctx``: the step context (lr, step, epoch, ...); ``lr`` a shortcut for its lr."""
-    _check(tensor, "push_pull_async", name)
+    _check(tensor, "push_pull_async")
     name = name or f"push_pull.noname.{next(_noname)}"
     _ensure_declared(name, tensor)
     parts = device_partitions(name, tensor) if uses_device_chain(tensor) else None

@@ -66,6 +66,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # every worker declares the same names in the same (sorted) order
         self._params = sorted((p for p in all_params if p.requires_grad), key=lambda p: names[id(p)])
         self._names = {id(p): f"Gradient.{names[id(p)]}" for p in self._params}
+        low = [names[id(p)] for p in self._params if p.dtype == torch.bfloat16]
+        if low and (self._plan or is_entire_model(compression_params)):  # both run numpy on the values
+            raise TypeError(f"DistributedOptimizer: {low[0]!r} is torch.bfloat16, which numpy (the momentum moved "
+                            f"after the pull, the entire-model vector) cannot take; {ops.BFLOAT16_ELSEWHERE}")
         self._post_pull = {}
         fp16 = compression is not None and compression.__name__ == "FP16Compressor"
         self._entire, compressed = self._declare(compression_params, fp16)

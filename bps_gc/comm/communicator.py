@@ -72,7 +72,12 @@ class Communicator(abc.ABC):
         tensor, shape, dtype = declare_tensor(self.tensors, self.codecs, name, shape, dtype, reducer, compression,
                                               self.local_rank if one_per_host else None)
         if shape is not None:
-            self._place(tensor, shape, dtype, late=False)
+            try:
+                self._place(tensor, shape, dtype, late=False)
+            except TypeError:  # its dtype refused before anything was placed: not declared, so that
+                if tensor.shape is None:  # declaring it again is refused again (every rank alike)
+                    del self.tensors[name]
+                raise
         return tensor.declaration()
 
     def declaration(self, name):

@@ -14,7 +14,8 @@ reduce-scatter's input and output ("rs<i>/in", "rs<i>/out", module index "rs_cal
 ``in_host_*`` bytes of bps.metrics() and the in-host codec state's bytes ("state_in_host").
 Then refused, each message saved: a model sharded on a mesh that is not the host's
 ("refusal"), TernGrad on a float64 reduce dtype across hosts ("unfit") and in the host
-("unfit_in_host"), and register_fsdp_hooks(model, None) before bps.init() ("unserved").
+("unfit_in_host"), and register_fsdp_hooks(model, None) before bps.init() ("unserved"); a
+bfloat16 push_pull every rank makes, which the host would sum, is refused in one line (asserted here).
 
 Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
 together, a step of each in turn, with SGD momentum; before step k their models and optimizers
@@ -230,6 +231,13 @@ for refused, model, params in (("refusal", build(DeviceMesh.from_group(alone, "c
         arrays[refused] = np.array("")
     except (TypeError, ValueError) as e:
         arrays[refused] = np.array(str(e))
+try:  # bfloat16 every rank pushes: the host would sum it in shared memory (numpy has no bfloat16)
+    bps.push_pull(torch.ones(4, dtype=torch.bfloat16), name="bf16.every")
+    raise SystemExit("a bfloat16 tensor the host sums was accepted")
+except TypeError as e:
+    assert str(e).startswith("declare('bf16.every'): dtype torch.bfloat16 is not supported here: 'bf16.every': "
+                             "bfloat16 is pushed dense") and "no host's sum (BPS_GC_LOCAL_REDUCE, two levels)" in str(e) \
+        and "autocast" in str(e) and "\n" not in str(e), e
 np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
 if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
     model = build(mesh)

@@ -131,6 +131,18 @@ SCRIPT = textwrap.dedent("""
         pass
     u = bps.synchronize(h)
     assert t.tolist() == [float(r + 1)] * 5 and s.tolist() == [3.0] * 5 and u.tolist() == [1.5] * 5
+    # bfloat16 every worker pushes (no host sums it): averaged by the servers (mean_of_bfloat16)
+    g = torch.Generator().manual_seed(7 + r)
+    bf = (torch.randn(500, generator=g) * 10.0 ** torch.randint(-6, 3, (500,), generator=g)).to(torch.bfloat16)
+    mean = bps.push_pull(bf, average=True, name="bf16")
+    torch.manual_seed(5)  # and DistributedOptimizer on a bfloat16 model: gradients 1 and 1.5 averaged
+    net = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    step = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), named_parameters=net.named_parameters())
+    net(torch.full((1, 3), float(r + 1), dtype=torch.bfloat16)).sum().backward()
+    step.step()
+    assert net.bias.grad.tolist() == [1.0] * 2 and net.weight.grad.tolist() == [[1.5] * 3] * 2
+    np.savez(f"{OUT}/bf{r}.npz", given=bf.view(torch.int16).numpy(), mean=mean.view(torch.int16).numpy(),
+             weight=net.weight.detach().float().numpy())
     print("TORCH-OK", r)
 """)
 
@@ -155,6 +167,22 @@ def test_broadcast_from_a_non_zero_root_and_the_plain_api(broadcasts):
         assert np.array_equal(b0[key], b1[key])
     assert np.array_equal(b0["weight"], b1["own.weight"]) and np.array_equal(b0["buf0"], b1["ownbuf0"])
     assert not np.array_equal(b0["own.weight"], b1["own.weight"])
+    given = [np.load(tmp_path / f"bf{r}.npz") for r in (0, 1)]
+    want = mean_of_bfloat16([g["given"] for g in given])
+    assert all(g["mean"].view(np.uint16).tobytes() == want.tobytes() for g in given)
+    assert np.array_equal(given[0]["weight"], given[1]["weight"])
+
+
+def mean_of_bfloat16(pushes):
+    """The servers' mean of bfloat16 pushes (their bits, in rank order): the float32 sum in rank
+    order divided by their count in float32, rounded once to nearest, ties to even, on the
+    float32 bits (no NaN here); the bits as uint16."""
+    widened = [(bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32) for bits in pushes]
+    total = widened[0]
+    for value in widened[1:]:
+        total = total + value
+    word = (total / np.float32(len(pushes))).view(np.uint32)
+    return ((word + np.uint32(0x7FFF) + ((word >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 ERRORS = textwrap.dedent("""
@@ -181,6 +209,10 @@ ERRORS = textwrap.dedent("""
            "compressor 'topk' does not support reducer 'majority'")
     expect(lambda: bps.DistributedOptimizer(model), TypeError, "wraps a torch.optim.Optimizer")
     expect(lambda: bps.push_pull(torch.ones(3, dtype=torch.int64), name="i"), TypeError, "torch.int64 is not supported")
+    half = torch.nn.Linear(4, 3).to(torch.bfloat16)  # the momentum moved after the pull runs in numpy
+    expect(lambda: bps.DistributedOptimizer(torch.optim.SGD(half.parameters(), lr=0.1, momentum=0.9),
+           named_parameters=half.named_parameters(), compression_params={"compressor": "onebit", "momentum": "nesterov"}),
+           TypeError, "DistributedOptimizer: 'bias' is torch.bfloat16, which numpy (the momentum moved after the pull")
     bps.shutdown()
 """)
 
@@ -189,7 +221,7 @@ def test_errors_are_clear():
     result = run_local([sys.executable, "-c", ERRORS], workers=1, servers=1, timeout=60,
                        env={"BYTEPS_FORCE_DISTRIBUTED": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert result.stdout.count("OK:") == 6
+    assert result.stdout.count("OK:") == 7
 
 
 LAZY = textwrap.dedent("""

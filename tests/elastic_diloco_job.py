@@ -9,7 +9,8 @@ it. Every worker stops ``after_join`` windows of H inner steps (as many exchange
 membership epoch ``join_epoch`` (from its first exchange: a joiner's, the join's), or after
 ``max_rounds`` windows, or at the window written in ``stop_file`` once it exists.
 With ``workers_phase`` the live hosts then train a fresh model with the outer step on the
-workers in the same job (saved under ``w/``; its own ``sync_every``, ``fragments``, ``delay``;
+workers in the same job (saved under ``w/``; its own ``sync_every``, ``fragments``, ``delay``,
+``warm_steps``, ``warm_every``;
 ``pause_at``: the members sleep after those inner steps only): the first phase's joiner stops
 at the phase's ``kill_at`` (HALF again), and a host started with ``workers_joiner`` (which skips
 the first phase) joins it; they stop ``after_join`` windows into epoch ``join_epoch``.
@@ -43,15 +44,16 @@ class Recorded(bps.DiLoCo):
     join_epoch, first_joined, last = None, None, None  # the stop rule's (train())
     first = 0  # this host's first exchange (a joiner's: the join's)
 
-    def start_sync(self, fragment):  # the pseudo-gradient this worker pushes, for the oracle
-        fragment.index, rnd = self.started, self.started
-        self.started += 1
-        for (name, p), copy in zip(fragment.named, fragment.copies):
-            saved[f"{self.tag}pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
-        saved[f"{self.tag}size/{rnd}"] = np.array(bps.size())
+    def start_sync(self, *fragments):  # the pseudo-gradients this worker pushes, for the oracle
+        for fragment in fragments:  # a warm step's: every fragment's, one exchange each
+            fragment.index, rnd = self.started, self.started
+            self.started += 1
+            for (name, p), copy in zip(fragment.named, fragment.copies):
+                saved[f"{self.tag}pseudo/{rnd}/{name}"] = (copy - p.detach().float()).numpy().copy()
+            saved[f"{self.tag}size/{rnd}"] = np.array(bps.size())
         if spec.get("save_each_round"):
             keep(f"rank{rank}.{start}.npz")
-        super().start_sync(fragment)
+        super().start_sync(*fragments)
 
     def finish_sync(self, fragment):  # the global copy after each exchange's outer step
         super().finish_sync(fragment)
@@ -94,9 +96,9 @@ def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
     opt.wait()
 
 
-try:  # a join with a warm phase: refused in one line (made on every host alike)
+try:  # a join with replicate='hosts': refused in one line (made on every host alike)
     bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H,
-               warm_steps=H, warm_every=2).elastic_start()
+               replicate="hosts").elastic_start()
 except ValueError as e:
     saved["refused"] = np.array(str(e))
 model = build_model()
@@ -115,6 +117,7 @@ if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in t
     model = build_model()
     opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), phase.get("sync_every", H),
                    fragments=phase.get("fragments", 1), delay=phase.get("delay", 0),
+                   warm_steps=phase.get("warm_steps", 0), warm_every=phase.get("warm_every"),
                    compression_params=spec["compression_params"])
     opt.tag = "w/"
     opt.started = opt.first = opt.elastic_start()

@@ -11,11 +11,11 @@ SGD (lr 0.7, momentum 0.9, Nesterov) over the mean of the pseudo-gradients of th
 pushed that round (recorded by each worker; the biases: torch's SGD, the joiner's momentum of
 them from a live worker), bit for bit, and so does the copy each pulls from the servers at the
 end. In the same job the live hosts then train a fresh model with the outer step on the
-workers, 2 fragments and delay 1 (check_the_workers_phase): the joiner dies mid-window, and
-another fresh host joins, taking the global copies, the outer momentum, the step count and an
-exchange in flight from a live worker; the same checks, per exchange, against torch's SGD
-recomputed in numpy (one joiner process more, ~2.4 s CPU). An elastic join with a warm phase is
-refused in one line."""
+workers, 2 fragments, delay 1 and a warm phase of 2 steps (check_the_workers_phase): the joiner
+dies mid-window, and another fresh host joins, taking the global copies, the outer momentum, the
+step count and an exchange in flight from a live worker; the same checks, per exchange, against
+torch's SGD recomputed in numpy (one joiner process more, ~2.4 s CPU). An elastic join with
+replicate='hosts' is refused in one line."""
 import json
 import os
 import signal
@@ -29,15 +29,17 @@ BOUND = 90.0
 VICTIM = 2
 SPEC = {"sync_every": 4, "max_rounds": 400, "victim": VICTIM, "kill_at": 6, "sleep": 0.05, "join_epoch": 2,
         "after_join": 2, "compression_params": {"compressor": "threshold", "threshold": 0.0},
-        "workers_phase": {"sync_every": 3, "fragments": 2, "delay": 1, "kill_at": 5, "join_epoch": 4, "pause_at": 0}}
+        "workers_phase": {"sync_every": 3, "fragments": 2, "delay": 1, "kill_at": 5, "join_epoch": 4, "pause_at": 2,
+                          "warm_steps": 2, "warm_every": 2}}
 
 
 UNCOMPRESSED = ("0.bias", "2.bias")  # below BYTEPS_MIN_COMPRESS_BYTES=256: their outer step is the workers'
 
 
-def outer_sgd(hosts, last, tag="", on_workers=()):
+def outer_sgd(hosts, last, tag="", on_workers=(), warm=()):
     """[global copy after each round] in numpy, float32, on the mean over the hosts that pushed
-    each round (summed in rank order, divided by their count): the servers' outer SGD (lr 0.7,
+    each round (summed in rank order, divided by their count; the rounds ``warm``: copy - mean,
+    the momentum untouched, as DiLoCo's warm phase on the workers): the servers' outer SGD (lr 0.7,
     momentum 0.9, Nesterov: compress/outer.py), or for the parameters ``on_workers`` torch's. Its
     CPU kernels take ``a.add(b, alpha=s)`` as one fused multiply-add (one rounding): so here, the
     exact float64 product and sum rounded once to float32; its momentum starts as the first mean."""
@@ -56,7 +58,9 @@ def outer_sgd(hosts, last, tag="", on_workers=()):
             for h in pushed[1:]:
                 total = total + h[f"{tag}pseudo/{rnd}/{name}"]
             mean = total / f(len(pushed))
-            if name in on_workers:
+            if rnd in warm:
+                copies[name] = copies[name] - mean
+            elif name in on_workers:
                 momentum[name] = mean.copy() if name not in momentum else fused(momentum[name] * f(0.9), 1.0, mean)
                 copies[name] = fused(copies[name], -0.7, fused(mean, 0.9, momentum[name]))
             else:
@@ -93,7 +97,7 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
     (_, left_at, _), (_, joined_at, _) = sequence[:2]
     assert left_at == 1, sequence
     hosts, last = phase_hosts(tmp_path, "victim", str(joined_at), left_at, joined_at)
-    assert "without a warm phase for now (got warm_steps=4)" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
+    assert "not replicate='hosts'" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
     oracle = outer_sgd(hosts, last, on_workers=UNCOMPRESSED)
     check_global_copies(hosts, oracle, left_at, joined_at)
     for k in ("0", "1", "2 (joined)"):  # the servers' copy at the end (of the parameters they hold)
@@ -137,19 +141,20 @@ def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments
 
 
 def check_the_workers_phase(tmp_path, sequence, groups_before):
-    """The same job's second phase, the outer step on the workers, H = 3, 2 fragments (their
-    exchanges start after inner steps 1 (fragment 0), 3 (1), 4 (0), 6 (1), ...), each applied 1
-    inner step later: fragment 1's is still in flight when fragment 0's starts. The first joiner
-    dies at inner step 5 (its 3 exchanges done; the survivors' 4th, started at 6, waits for the
-    death's commit) and a second joins at an exchange, taking each fragment's global copy and
+    """The same job's second phase, the outer step on the workers, H = 3, 2 fragments, a warm
+    phase of 2 steps (H0 = 2: both fragments' exchanges after inner step 2, one round group; then
+    3 (fragment 0), 5 (1), 6 (0), 8 (1), ...), each applied 1 inner step later: fragment 1's is
+    still in flight when fragment 0's starts. The first joiner dies at inner step 5 (its 4
+    exchanges done; the survivors' 5th, started at 6, waits for the death's commit) and a second joins at an exchange, taking each fragment's global copy and
     outer momentum, the step count and (a join at fragment 0's exchange: the members pause
     before it, so most joins land there) fragment 1's average in flight from a live worker;
     every live host's global copy after every exchange bit-identical, the joiner's from the one
     in flight on, and equal to the numpy outer SGD of each fragment over the members' mean."""
-    left_at, joined_at = sequence[2][1] - groups_before, sequence[3][1] - groups_before
-    assert left_at == 3, (sequence, groups_before)  # one round group per exchange
+    left_at, joined_at = sequence[2][1] - groups_before + 1, sequence[3][1] - groups_before + 1
+    assert left_at == 4, (sequence, groups_before)  # one round group per exchange, the warm step's 2 in one
     hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/", 2)
-    oracle = outer_sgd(hosts, last, "w/", on_workers=tuple(n for n, _ in build_model().named_parameters()))
+    oracle = outer_sgd(hosts, last, "w/", on_workers=tuple(n for n, _ in build_model().named_parameters()),
+                       warm=(0, 1))
     check_global_copies(hosts, oracle, left_at, joined_at, "w/")
     landed = hosts["2 (joined)"]["w/landed"]  # the due step of the average in flight at the join, if any
     assert landed.size == (joined_at % 2 == 0), (joined_at, landed)

@@ -157,9 +157,6 @@ class DiLoCo:
         parameters to the global copies, starts after the exchange before that one
         (diloco_elastic.py), and returns the exchanges started before its first; its inner
         optimizer and codec state start at zero."""
-        if self.warm_steps:  # docs/elastic.md: not tested (and with fragments a join could fall mid-step)
-            raise ValueError(f"DiLoCo.elastic_start: a host joins DiLoCo without a warm phase for now "
-                             f"(got warm_steps={self.warm_steps})")
         if self.hosts:
             raise ValueError("DiLoCo.elastic_start: a host joins DiLoCo with replicate=None for now (each worker a "
                              "replica), not replicate='hosts'")
@@ -179,10 +176,15 @@ class DiLoCo:
         at once with delay 0)."""
         loss = self.inner.step(closure)
         self.steps += 1
+        together = self.elastic and self.steps <= self.warm_steps  # a warm step: one round group
         for fragment in self.fragments:
             self.finish_if_due(fragment)  # first: the warm phase's last may be due at a first turn
-            if self.turn_now(fragment):
+            if self.turn_now(fragment) and not together:
                 self.start_sync(fragment)
+                self.finish_if_due(fragment)
+        if together and self.turn_now(self.fragments[0]):  # every fragment's, one call (diloco_elastic.py)
+            self.start_sync(*self.fragments)
+            for fragment in self.fragments:
                 self.finish_if_due(fragment)
         return loss
 
@@ -204,8 +206,9 @@ class DiLoCo:
             self.finish_sync(fragment)
 
     @torch.no_grad()
-    def start_sync(self, fragment):
-        """The fragment's pseudo-gradient, averaged over the replicas in the background."""
+    def start_sync(self, fragment, *more):
+        """The fragment's pseudo-gradient (with ``more`` fragments': one exchange, a warm step's
+        under BPS_GC_ELASTIC), averaged over the replicas in the background."""
         if self.elastic:  # any other exchange in flight is waited for before a join's boundary can
             self.wait()  # come (diloco_elastic.py): the donor sends its average, kept for its due step
         settings = {}
@@ -213,13 +216,17 @@ class DiLoCo:
             settings = PLAIN_AVERAGE if self.steps <= self.warm_steps else server_settings(fragment.outer)
             # the servers divide the sum by the replicas: a host's one push per part, or each worker's
             settings = {**settings, "outer_workers": core.size() // core.local_size() if self.hosts else core.size()}
+        fragments = (fragment, *more)  # each keeps the one future: its average holds every name
+        named = [pair for f in fragments for pair in f.named]
+        copies = [copy for f in fragments for copy in f.copies]
         if self.hosts:  # each local rank its own part only (diloco_hosts.py)
-            fragment.pending = self.exchange.start(fragment.named, fragment.copies, ctx=settings)
+            pending = self.exchange.start(named, copies, ctx=settings)
         else:
-            pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(fragment.named, fragment.copies)]
-            fragment.pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
+            pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(named, copies)]
+            pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
                 self.exchange(pseudo, group=self.replicate)  # None: every rank
-        fragment.due = self.steps + self.delay
+        for f in fragments:
+            f.pending, f.due = pending, self.steps + self.delay
 
     @torch.no_grad()
     def finish_sync(self, fragment):

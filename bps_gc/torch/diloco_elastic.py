@@ -14,9 +14,11 @@ starts at the inner step after the exchange before that one (the schedule's prev
 with one fragment and no warm phase, s - H), so its first window runs up to s, where its
 first push is the join's; an exchange in flight is applied at its due step as on the members.
 Its parameters start as the global copies, its inner optimizer and codec state (error
-feedback) at zero: its chains were just built. No warm phase (DiLoCo.elastic_start refuses it):
-its steps start every fragment's exchange at once, one group each, so a join could fall between
-two of them, inside a step.
+feedback) at zero: its chains were just built. A warm phase: under BPS_GC_ELASTIC each warm step's exchanges (every
+fragment's) go as one call, one round group, so a join falls between steps, never inside one
+(a group each let it fall between two fragments' pushes of one step); the joiner starts a warm
+interval before (H0; after the warm phase as above), and a warm exchange in flight is landed
+and applied as plain averaging, by its due step, as on the members.
 """
 import numpy as np
 import torch
@@ -88,9 +90,12 @@ def previous_start(opt, steps):
 
 
 def started_by(opt, steps):
-    """How many exchanges (one fragment's each) started after inner steps 1..``steps``."""
-    return sum(steps // opt.sync_every if f.turn == 0 else max(0, (steps - f.turn) // opt.sync_every + 1)
-               for f in opt.fragments)  # no warm phase: fragment f's start at its turn mod H
+    """How many exchanges (one fragment's each) started after inner steps 1..``steps``: every
+    fragment's each H0 in the warm phase; after it, fragment f's at its turn mod H from W."""
+    warm = min(steps, opt.warm_steps) // opt.warm_every * len(opt.fragments) if opt.warm_steps else 0
+    after = max(0, steps - opt.warm_steps)
+    return warm + sum(after // opt.sync_every if f.turn == 0 else max(0, (after - f.turn) // opt.sync_every + 1)
+                      for f in opt.fragments)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import re
 
 from .declaration import Declaration
 from .phased import phases
-from .placement import declare_tensor, resolve_reduce_call
+from .placement import DtypeRefused, declare_tensor, resolve_reduce_call
 
 
 # gloo's socket errors: a collective issued beside bps_gc (FSDP2's) failing on a peer's closed
@@ -74,7 +74,7 @@ class Communicator(abc.ABC):
         if shape is not None:
             try:
                 self._place(tensor, shape, dtype, late=False)
-            except TypeError:  # its dtype refused before anything was placed: not declared, so that
+            except DtypeRefused:  # its dtype refused before anything was placed: not declared, so that
                 if tensor.shape is None:  # declaring it again is refused again (every rank alike)
                     del self.tensors[name]
                 raise

@@ -166,6 +166,11 @@ def declare_tensor(tensors, codecs, name, shape, dtype, reducer, compression, pu
     return tensor, shape, dtype
 
 
+class DtypeRefused(TypeError):
+    """check_dtype's refusal: a binding that can offer its own way around it (torch's bfloat16:
+    autocast, the DDP hook) catches this, not any TypeError by its text."""
+
+
 def check_dtype(tensor, dtype, pushed_as_is=False):
     """``pushed_as_is``: whether every rank's own push of ``tensor`` would reach the parameter
     servers as it is (no host sums it first), so that a bfloat16 one may be every rank's."""
@@ -173,13 +178,13 @@ def check_dtype(tensor, dtype, pushed_as_is=False):
         return
     if dtype == BFLOAT16:  # the servers sum it (wire/bfloat16.py); no codec, no sum in shared memory
         if tensor.params.compressed or tensor.params.fp16 or tensor.pushed_by is None and not pushed_as_is:
-            raise TypeError(f"{tensor.name!r}: bfloat16 is pushed dense, as one local rank's own tensor "
+            raise DtypeRefused(f"{tensor.name!r}: bfloat16 is pushed dense, as one local rank's own tensor "
                             "(one_per_host, an FSDP shard) or, on the parameter server with no host's sum "
                             "(BPS_GC_LOCAL_REDUCE, two levels), every worker's; declare it float32 to "
                             "compress it or sum it on the host")
         return
     if dtype not in (np.float32, np.float64, np.float16):
-        raise TypeError(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")
+        raise DtypeRefused(f"{tensor.name!r}: dtype {dtype} is not supported (float16/32/64)")
 
 
 def resolve_reduce_call(tensors, name, array, out):

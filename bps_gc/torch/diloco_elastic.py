@@ -14,11 +14,13 @@ starts at the inner step after the exchange before that one (the schedule's prev
 with one fragment and no warm phase, s - H), so its first window runs up to s, where its
 first push is the join's; an exchange in flight is applied at its due step as on the members.
 Its parameters start as the global copies, its inner optimizer and codec state (error
-feedback) at zero: its chains were just built. A warm phase: under BPS_GC_ELASTIC each warm step's exchanges (every
-fragment's) go as one call, one round group, so a join falls between steps, never inside one
-(a group each let it fall between two fragments' pushes of one step); the joiner starts a warm
-interval before (H0; after the warm phase as above), and a warm exchange in flight is landed
-and applied as plain averaging, by its due step, as on the members.
+feedback) at zero: its chains were just built.
+
+A warm phase: under BPS_GC_ELASTIC each warm step's exchanges (every fragment's) go as one call,
+one round group, so a join falls between steps, never inside one (a group each let it fall
+between two fragments' pushes of one step); the joiner starts a warm interval before (H0; after
+the warm phase as above), and a warm exchange in flight is landed and applied as plain
+averaging, by its due step, as on the members.
 """
 import numpy as np
 import torch
@@ -47,7 +49,9 @@ class WorkersOuterState:
         for f, fragment in enumerate(self.opt.fragments):
             out.update((f"copy.{f}.{name}", copy) for name, copy in zip(fragment.names, fragment.copies))
             for name, copy in zip(fragment.names, fragment.copies):
-                for key, value in sorted(fragment.outer.state.get(copy, {}).items()) if name in self.names else ():
+                if name not in self.names:  # its outer state is the servers'
+                    continue
+                for key, value in sorted(fragment.outer.state.get(copy, {}).items()):
                     if not isinstance(value, torch.Tensor):
                         raise TypeError(f"DiLoCo.elastic_start: outer optimizer state {name}.{key} is a "
                                         f"{type(value).__name__}, not a tensor: a joining host cannot copy it")

@@ -13,7 +13,7 @@ import torch
 import bps_gc.core as core
 
 from .. import compress
-from ..comm.placement import BFLOAT16  # wire/bfloat16.py's, as the communicator checks it
+from ..comm.placement import BFLOAT16, DtypeRefused  # wire/bfloat16.py's, as the communicator checks it
 from .compression import Compression
 from .device import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
@@ -62,8 +62,8 @@ def declare(name, shape=None, dtype=None, **compression_params):
     try:
         return core.declare(name, shape=None if shape is None else tuple(shape), dtype=np_dtype,
                             **compression_params)
-    except TypeError as e:  # the communicator refuses bfloat16 here: say what else a torch user can do
-        if dtype is not torch.bfloat16 or "bfloat16" not in str(e):
+    except DtypeRefused as e:  # the communicator refuses bfloat16 here: say what else a torch user can do
+        if dtype is not torch.bfloat16:
             raise
         raise TypeError(f"declare({name!r}): dtype torch.bfloat16 is not supported here: {e}; or "
                         f"{BFLOAT16_ELSEWHERE}") from None

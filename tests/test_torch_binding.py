@@ -14,6 +14,7 @@ from bps_gc.algorithms.momentum import MomentumPlan
 from cluster import run_local
 from conftest import LAUNCH_PYTHONPATH, ROOT
 from reference import PushPullModel
+from test_half_wire import round_half, widen_half
 
 MIN_COMPRESS, PARTITION = 256, 256
 CODECS = {"onebit": {"compressor": "onebit", "scaling": True}, "topk": {"compressor": "topk", "k": 0.25},
@@ -175,14 +176,13 @@ def test_broadcast_from_a_non_zero_root_and_the_plain_api(broadcasts):
 
 def mean_of_bfloat16(pushes):
     """The servers' mean of bfloat16 pushes (their bits, in rank order): the float32 sum in rank
-    order divided by their count in float32, rounded once to nearest, ties to even, on the
-    float32 bits (no NaN here); the bits as uint16."""
-    widened = [(bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32) for bits in pushes]
+    order divided by their count in float32, rounded once to nearest, ties to even (test_half_wire's
+    rounding); the bits as uint16."""
+    widened = [widen_half(bits, "bfloat16") for bits in pushes]
     total = widened[0]
     for value in widened[1:]:
         total = total + value
-    word = (total / np.float32(len(pushes))).view(np.uint32)
-    return ((word + np.uint32(0x7FFF) + ((word >> 16) & 1)) >> 16).astype(np.uint16)
+    return round_half(total / np.float32(len(pushes)), "bfloat16")
 
 
 ERRORS = textwrap.dedent("""

@@ -8,8 +8,10 @@ it runs the example undisturbed (no event) on as many hosts as the churned job h
 over its steps (step-weighted, rounded), the same number of steps, once per seed
 0..--baseline-seeds-1, replays the churned run's own membership sequence step by step in one
 process (scripts/mnist_replay.py: the same batches per step, no death, no join protocol) for
-the same seeds, and sets the churned run's final loss (over all training digits; example seed
-0) beside both.
+the same seeds, and sets the churned run's final losses (over all training digits, and over the
+1,000 held-out digits; example seed 0) beside both. The training loss is near zero and follows
+the membership path at a fixed learning rate; the held-out loss is what "within the noise of an
+undisturbed run" is judged on (its distance from the undisturbed runs' mean, in their spreads).
 """
 import os
 import sys
@@ -54,7 +56,7 @@ def compare(cluster_class, chaos, args, out, steps):
     per_step = mnist_replay.members_by_step(sequence, steps)
     average = float(np.mean([len(m) for m in per_step]))  # by steps, not by seconds
     rank, name = next(iter(chaos.live.items()))
-    loss = float(np.load(os.path.join(out, f"rank{rank}.{chaos.start_of(name)}.npz"))["loss"])
+    churned = np.load(os.path.join(out, f"rank{rank}.{chaos.start_of(name)}.npz"))
     workers = max(1, int(round(average)))
     baseline = []
     for seed in range(args.baseline_seeds):
@@ -68,12 +70,16 @@ def compare(cluster_class, chaos, args, out, steps):
             c.kill_all()
         failed = {n: p.returncode for n, p in c.procs.items() if p.returncode != 0}
         assert not failed, f"the undisturbed run failed: {failed}\n{c.report(list(failed))}"
-        baseline.append(float(np.load(os.path.join(folder, "rank0.0.npz"))["loss"]))
-        print(f"undisturbed run, {workers} hosts, seed {seed}: final loss {baseline[-1]:.4f}", flush=True)
+        done = np.load(os.path.join(folder, "rank0.0.npz"))
+        baseline.append((float(done["loss"]), float(done["val_loss"])))
+        print(f"undisturbed run, {workers} hosts, seed {seed}: final loss {baseline[-1][0]:.4f}, held-out "
+              f"{baseline[-1][1]:.4f}", flush=True)
     replayed = mnist_replay.losses(per_step, args.baseline_seeds)
-    print(f"the churned run's membership replayed in one process: final losses {replayed}", flush=True)
-    return {"loss": loss, "average_members": round(average, 2), "undisturbed_workers": workers,
-            "undisturbed_losses": baseline, "replayed_losses": replayed, "sequence": sequence, "steps": steps}
+    print(f"the churned run's membership replayed in one process: final and held-out losses {replayed}", flush=True)
+    return {"loss": float(churned["loss"]), "val_loss": float(churned["val_loss"]), "average_members": round(average, 2),
+            "undisturbed_workers": workers, "undisturbed_losses": [b[0] for b in baseline],
+            "undisturbed_val_losses": [b[1] for b in baseline], "replayed_losses": [r[0] for r in replayed],
+            "replayed_val_losses": [r[1] for r in replayed], "sequence": sequence, "steps": steps}
 
 
 def membership_sequence(chaos):
@@ -86,8 +92,14 @@ def membership_sequence(chaos):
 def line(result):
     if not result:
         return ""
-    b, r = result["undisturbed_losses"], result["replayed_losses"]
-    return (f"; final loss {result['loss']:.4f} (average membership by steps {result['average_members']}), "
-            f"undisturbed {result['undisturbed_workers']} hosts: {', '.join(f'{x:.4f}' for x in b)} (mean "
-            f"{np.mean(b):.4f}, spread {np.std(b):.4f}); its membership replayed in one process: "
-            f"{', '.join(f'{x:.4f}' for x in r)} (mean {np.mean(r):.4f}, spread {np.std(r):.4f})")
+
+    def spread(values):
+        return f"{', '.join(f'{x:.4f}' for x in values)} (mean {np.mean(values):.4f}, spread {np.std(values):.4f})"
+
+    held = result["undisturbed_val_losses"]
+    off = (result["val_loss"] - np.mean(held)) / max(np.std(held), 1e-12)
+    return (f"; final loss {result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
+            f"{result['average_members']}); undisturbed {result['undisturbed_workers']} hosts: final "
+            f"{spread(result['undisturbed_losses'])}, held-out {spread(held)}: the churned held-out loss is "
+            f"{off:+.1f} spreads from their mean; its membership replayed in one process: final "
+            f"{spread(result['replayed_losses'])}, held-out {spread(result['replayed_val_losses'])}")

@@ -49,10 +49,11 @@ def restart_deal(count, batch, seed):
 
 
 def replay(per_step, seed, deal="stream", **settings):
-    """The final loss over all training digits after training on ``per_step`` members."""
+    """(loss over all training digits, loss over the held-out digits) after training on
+    ``per_step`` members."""
     s = dict(DEFAULTS, **settings)
     torch.set_num_threads(1)
-    x, y, _, _ = load_data(s["train_samples"])
+    x, y, x_val, y_val = load_data(s["train_samples"])
     model = network(s["hidden"], seed)
     opt = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=s["momentum"])
     shards, old = ElasticShards(len(x), s["batch"], seed), restart_deal(len(x), s["batch"], seed)
@@ -71,7 +72,8 @@ def replay(per_step, seed, deal="stream", **settings):
         loss.backward()
         opt.step()
     with torch.no_grad():
-        return float(torch.nn.functional.cross_entropy(model(x), y))
+        return (float(torch.nn.functional.cross_entropy(model(x), y)),
+                float(torch.nn.functional.cross_entropy(model(x_val), y_val)))
 
 
 def losses(per_step, seeds, deal="stream"):
@@ -93,8 +95,10 @@ def main(argv=None):
     got = losses(per_step, args.seeds, args.deal)
     whose = f"{args.hosts} hosts'" if args.hosts else "the churned run's"
     print(f"replay ({args.deal} deal, {whose} membership, {len(per_step)} steps, "
-          f"average {np.mean([len(m) for m in per_step]):.2f} hosts), seeds 0..{args.seeds - 1}: final loss "
-          f"{', '.join(f'{x:.4f}' for x in got)} (mean {np.mean(got):.4f}, spread {np.std(got):.4f})")
+          f"average {np.mean([len(m) for m in per_step]):.2f} hosts), seeds 0..{args.seeds - 1}: "
+          + "; ".join(f"{what} {', '.join(f'{g[i]:.4f}' for g in got)} (mean {np.mean([g[i] for g in got]):.4f}, "
+                      f"spread {np.std([g[i] for g in got]):.4f})"
+                      for i, what in enumerate(("final loss", "held-out loss"))))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
     for name in names:
         assert hosts[0][name].tobytes() == hosts[1][name].tobytes() == hosts[2][name].tobytes(), name
     assert float(hosts[0]["loss"]) == float(hosts[2]["loss"]) < 1.0, float(hosts[0]["loss"])
+    assert float(hosts[0]["val_loss"]) == float(hosts[2]["val_loss"]) < 2.3, float(hosts[0]["val_loss"])  # < ln 10
 
 
 def test_the_sampler_deals_the_rest_of_a_pass_over_the_new_members():

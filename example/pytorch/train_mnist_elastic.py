@@ -19,8 +19,8 @@ bps_gc.torch.DistributedOptimizer. What makes it elastic:
 
 Each step prints ``STEP step size epoch loss``; at the end every host writes
 ``rank<R>.<first step>.npz`` into --out: per-step bps.size(), membership epoch and a CRC of the
-parameters' bytes, the final parameters, and the loss over all training digits and the
-validation accuracy of the final model. With --stop-file the last step is the number a driver
+parameters' bytes, the final parameters, and the final model's loss over all training digits,
+its loss over the 1,000 held-out digits and its accuracy on them. With --stop-file the last step is the number a driver
 writes into that file (scripts/chaos_elastic.py --task mnist) instead of --steps.
 """
 import argparse
@@ -126,9 +126,10 @@ def main(argv=None):
         time.sleep(args.sleep)
     with torch.no_grad():
         final_loss = float(torch.nn.functional.cross_entropy(model(x_train), y_train))
+        val_loss = float(torch.nn.functional.cross_entropy(model(x_val), y_val))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rank{bps.rank()}.{start}.npz")
-    np.savez(path + ".tmp.npz", start=start, loss=final_loss, accuracy=accuracy(model, x_val, y_val),
+    np.savez(path + ".tmp.npz", start=start, loss=final_loss, val_loss=val_loss, accuracy=accuracy(model, x_val, y_val),
              **{k: np.array(v, np.int64) for k, v in kept.items()},
              **{f"param.{n}": p.detach().numpy() for n, p in model.named_parameters()})
     os.replace(path + ".tmp.npz", path)

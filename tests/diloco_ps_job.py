@@ -37,7 +37,9 @@ import bps_gc.torch as bps  # noqa: E402
 from bps_gc import core  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
 
-MODES = {"workers": None, "servers": {"compressor": "threshold", "threshold": 0.0}}
+# the dense runs' outer_step: the workers' named, the servers' DiLoCo's default on the parameter
+# server (dense pseudo-gradients through the identity codec); each run saves what it resolved to
+MODES = {"workers": "workers", "servers": None}
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 bps.init()
 rank = bps.rank()
@@ -56,10 +58,10 @@ def parameters(model, label):
     saved.update({f"{label}/{name}": p.detach().numpy().copy() for name, p in model.named_parameters()})
 
 
-def diloco(sync_every, fragments, delay, compression_params, mode, warm_steps=0, warm_every=None):
+def diloco(sync_every, fragments, delay, compression_params, outer_step, warm_steps=0, warm_every=None):
     model = build_model()
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                     delay=delay, compression_params=compression_params, outer_step=mode, warm_steps=warm_steps,
+                     delay=delay, compression_params=compression_params, outer_step=outer_step, warm_steps=warm_steps,
                      warm_every=warm_every)
     keep.append(opt)
     return model, opt
@@ -87,12 +89,12 @@ def finish():
     sys.exit(0)
 
 
-def host_replica(sync_every, fragments, delay, codec, mode, warm_steps=0, warm_every=None):
+def host_replica(sync_every, fragments, delay, codec, outer_step, warm_steps=0, warm_every=None):
     """(model, its DDP over the host's group, its DiLoCo with the host one replica)."""
     model = build_model()
     replica = torch.nn.parallel.DistributedDataParallel(model, process_group=bps.host_group())
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every, fragments=fragments,
-                     delay=delay, compression_params=codec, outer_step=mode, warm_steps=warm_steps,
+                     delay=delay, compression_params=codec, outer_step=outer_step, warm_steps=warm_steps,
                      warm_every=warm_every, replicate="hosts")
     keep.append(opt)
     return model, replica, opt
@@ -100,7 +102,7 @@ def host_replica(sync_every, fragments, delay, codec, mode, warm_steps=0, warm_e
 
 def host_case(case, mode):
     sync_every, fragments, _, delay, warm_steps, warm_every = spec["cases"][case]
-    return host_replica(sync_every, fragments, delay, MODES[mode], mode, warm_steps, warm_every)
+    return host_replica(sync_every, fragments, delay, None, MODES[mode], warm_steps, warm_every)
 
 
 def host_steps(replica, opt, steps):
@@ -185,9 +187,10 @@ if phase in ("dense", "resumed"):  # first: the checkpoint holds these alone
     checkpoint_runs()
 if phase == "resumed":
     finish()
-for mode, codec in MODES.items():
+for mode, outer_step in MODES.items():
     for case, (sync_every, fragments, steps, delay, warm_steps, warm_every) in spec["cases"].items():
-        model, opt = diloco(sync_every, fragments, delay, codec, mode, warm_steps, warm_every)
+        model, opt = diloco(sync_every, fragments, delay, None, outer_step, warm_steps, warm_every)
+        saved[f"{mode}/{case}/outer_step"] = np.array(opt.outer_step)
         for step in range(steps):
             inner_step(model, opt, step)
         parameters(model, f"{mode}/{case}")
@@ -207,6 +210,7 @@ if phase == "dense" and bps.local_size() > 1:  # a host's local ranks as one rep
             label = f"hosts/{mode}/{case}"
             saved[f"{label}/pushed_wire"] = np.array(bps.metrics().pushed_wire)
             saved[f"{label}/averaged"] = np.array(sorted(opt.exchange.averaged), dtype=str)
+            saved[f"{label}/outer_step"] = np.array(opt.outer_step)
             result(model, opt, label)
     # resumed in this launch (dense: no codec state to carry): the first host case stopped at
     # stop_at, an exchange in flight, its model's and DiLoCo's states loaded into new ones
@@ -229,11 +233,14 @@ if rank == 1:
     with torch.no_grad():
         model[0].weight[0, 0] += 1e-3
 try:
-    bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4, compression_params=MODES["servers"],
-               outer_step="servers")
+    bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4)  # the default: the servers'
 except ValueError as e:
     saved["differs"] = np.array(str(e))
-model, opt = diloco(4, 1, 0, {"compressor": "thc", "bits": 4}, "workers")
+# the default where the servers cannot take the outer step: an outer AdamW, thc's phases (below)
+saved["adamw/outer_step"] = np.array(bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), 4,
+                                                outer_optimizer=torch.optim.AdamW).outer_step)
+model, opt = diloco(4, 1, 0, {"compressor": "thc", "bits": 4}, None)
+saved["thc/outer_step"] = np.array(opt.outer_step)
 bps.metrics()  # reset: only thc's phases count
 for step in range(8):
     inner_step(model, opt, step)

@@ -98,12 +98,12 @@ def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
 
 try:  # a join with replicate='hosts': refused in one line (made on every host alike)
     bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H,
-               replicate="hosts").elastic_start()
+               replicate="hosts", outer_step="workers").elastic_start()
 except ValueError as e:
     saved["refused"] = np.array(str(e))
 model = build_model()
 opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
-               compression_params=spec["compression_params"], outer_step="servers")
+               compression_params=spec["compression_params"])  # the default: the servers' outer step
 workers_joiner = spec.get("workers_joiner", False)  # joins in the workers' phase: skips the first
 start = opt.started = opt.first = 0 if workers_joiner else opt.elastic_start()
 if not workers_joiner:
@@ -118,7 +118,7 @@ if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in t
     opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), phase.get("sync_every", H),
                    fragments=phase.get("fragments", 1), delay=phase.get("delay", 0),
                    warm_steps=phase.get("warm_steps", 0), warm_every=phase.get("warm_every"),
-                   compression_params=spec["compression_params"])
+                   compression_params=spec["compression_params"], outer_step="workers")
     opt.tag = "w/"
     opt.started = opt.first = opt.elastic_start()
     saved["w/start"] = np.array(opt.started)

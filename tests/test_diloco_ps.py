@@ -1,12 +1,14 @@
 """bps_gc.torch.DiLoCo on the parameter server (BPS_GC_TRANSPORT=ps, ``bpslaunch --local``, two
-servers), with the outer step on the workers (each fragment's pseudo-gradient averaged by
-push_pull under its own declared name: torch/exchange.py's PushPullExchange) and on the servers
-(reducer ``outer_sgd``, compress/outer.py: the servers keep the outer momentum, sharded over
-them, and reply the outer update). After 5 outer rounds, on 2 hosts x 2 local ranks and on 3
-workers, every parameter equals test_diloco.py's single-process re-computation within 1e-6
-relative (one fragment, staggered fragments, tau = 1; dense on the workers, every element sent
-exactly on the servers, and on 2 x 2 the biases uncompressed, which take their outer step on
-the workers).
+servers), with the outer step on the workers (outer_step="workers": each fragment's
+pseudo-gradient averaged by push_pull under its own declared name: torch/exchange.py's
+PushPullExchange) and on the servers (reducer ``outer_sgd``, compress/outer.py: the servers keep
+the global copy and the outer momentum, sharded over them, and reply the outer update), which
+DiLoCo takes by default on the parameter server. After 5 outer rounds, on 2 hosts x 2 local
+ranks and on 3 workers, every parameter equals test_diloco.py's single-process re-computation
+within 1e-6 relative (one fragment, staggered fragments, tau = 1; dense pseudo-gradients in both
+modes: on the servers through the identity codec, every tensor, the biases too, whatever
+BYTEPS_MIN_COMPRESS_BYTES). The default falls back to the workers' outer step for an outer AdamW
+and for thc (whose phases outer_sgd cannot decode).
 On 2 hosts x 2 local ranks with each host one replica (replicate="hosts"), every rank equals
 the re-computation with 2 replicas, a host's ranks hold the same bits, and each host pushes one
 copy of the pseudo-gradient. With top-k + error feedback on 2 x 2, each rank a replica and each
@@ -50,9 +52,9 @@ def launch(tmp, phase, workers, min_compress_bytes=0, local_size=1):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three launches: on 2 hosts x 2 local ranks (two levels), where the biases (64 and 16
+    """Three launches: on 2 hosts x 2 local ranks (two levels), where top-k's biases (64 and 16
     bytes) go uncompressed (BYTEPS_MIN_COMPRESS_BYTES 256: with the outer step on the servers,
-    theirs is the workers'), top-k + EF saved mid-window, then the dense cases, each rank a
+    theirs is the workers'; dense ones go through the identity codec, at any size), top-k + EF saved mid-window, then the dense cases, each rank a
     replica and each host one (replicate="hosts"); the checkpoint resumed in a new launch of
     2 x 2; the dense cases on 3 workers, every tensor compressed."""
     tmp = tmp_path_factory.mktemp("diloco_ps")
@@ -75,8 +77,15 @@ def test_diloco_equals_the_recomputation(runs, phase, workers, mode):
                 np.testing.assert_allclose(got[rank][f"{mode}/{case}/{name}"], value, rtol=1e-6, atol=1e-7,
                                            err_msg=f"{workers} workers, {mode}, {case}, rank {rank}, {name}")
         assert not np.array_equal(want[0]["0.weight"], build_model()[0].weight.detach().numpy())
-        if mode == "servers":
-            assert list(got[0][f"{mode}/{case}/averaged"]) == (["0.bias", "2.bias"] if phase == "dense" else [])
+        assert all(str(got[rank][f"{mode}/{case}/outer_step"]) == mode for rank in range(workers))  # servers': None's
+        assert list(got[0][f"{mode}/{case}/averaged"]) == []  # dense on the servers: every tensor there
+
+
+def test_the_default_falls_back_to_the_workers(runs):
+    """outer_step=None on the parameter server: the workers' outer step for an outer AdamW and
+    for thc 4-bit pseudo-gradients (both made in the "all" launch)."""
+    for rank in range(WORKERS):
+        assert [str(runs["all"][rank][f"{what}/outer_step"]) for what in ("adamw", "thc")] == ["workers"] * 2
 
 
 @pytest.mark.parametrize("phase, workers", [("dense", HOSTS * LOCAL), ("all", WORKERS)])
@@ -84,12 +93,13 @@ def test_the_servers_hold_the_global_copy(runs, phase, workers):
     """With the outer step on the servers, every worker pulls the global copy from the servers
     (DiLoCo.global_parameters()): it is each worker's own copy, bit for bit (with an exchange
     still in flight at the end, plus its update, as the servers applied it), and equals the
-    re-computation's within 1e-6 relative. Uncompressed biases keep theirs on the workers."""
+    re-computation's within 1e-6 relative. Dense, every tensor's is on the servers (the
+    identity codec ignores BYTEPS_MIN_COMPRESS_BYTES)."""
     got = runs[phase]
     for case, settings in CASES.items():
         want = recompute(*settings, replicas=workers, servers_global=True)
         held = [name for name in want if f"servers/{case}/pulled/{name}" in got[0]]
-        assert held == ([n for n in want if n.endswith("weight")] if phase == "dense" else list(want)), case
+        assert held == list(want), case
         for rank in range(workers):
             for name in held:
                 pulled = got[rank][f"servers/{case}/pulled/{name}"]
@@ -116,8 +126,9 @@ def test_a_host_is_one_replica(runs, mode):
     parameters equal the re-computation with 2 replicas (the hosts) within 1e-6 relative; a
     host's ranks hold the same bits, and the global copies are the same bits on all 4 ranks.
     Each rank pushes its half of each tensor, so a host pushes one copy of the pseudo-gradient
-    a sync (dense: 4 bytes an element; threshold 0: 8 bytes an element of the compressed parts,
-    4 of the uncompressed: the biases' and 2.weight's, 128-byte parts)."""
+    a sync, 4 bytes an element in both modes (on the servers, the default there, every part
+    through the identity codec: the dense push's bytes). On the servers every rank's copy of
+    the servers' global copy, all-gathered from the parts, is its own and the re-computation's."""
     got = runs["dense"]
     sizes = [p.numel() for p in build_model().parameters()]
     for case in HOST_CASES:
@@ -136,14 +147,14 @@ def test_a_host_is_one_replica(runs, mode):
         assert np.abs(got[0][f"{label}/0.weight"] - per_rank).max() > 1e-3 * np.abs(per_rank).max()
         cuts = [len(sizes) * f // settings[1] for f in range(settings[1] + 1)]
         elements = sum(n * sum(sizes[cuts[f]:cuts[f + 1]]) for f, n in enumerate(syncs(*settings)))
-        if mode == "servers":  # 0.weight's parts compressed: 4 more bytes an element (its index)
-            assert list(got[0][f"{label}/averaged"]) == ["0.bias", "2.bias", "2.weight"]
-            elements += sizes[0] * syncs(*settings)[0]
+        assert list(got[0][f"{label}/averaged"]) == [] and str(got[0][f"{label}/outer_step"]) == mode
+        if mode == "servers":
             want_global = recompute(*settings, replicas=HOSTS, servers_global=True)
             for rank in range(HOSTS * LOCAL):  # the servers' copy, all-gathered from the parts
-                pulled = got[rank][f"{label}/pulled/0.weight"]
-                assert pulled.tobytes() == got[rank][f"{label}/mine/0.weight"].tobytes(), f"rank {rank}"
-                np.testing.assert_allclose(pulled, want_global["0.weight"], rtol=1e-6, atol=1e-7)
+                for name, value in want_global.items():
+                    pulled = got[rank][f"{label}/pulled/{name}"]
+                    assert pulled.tobytes() == got[rank][f"{label}/mine/{name}"].tobytes(), f"rank {rank} {name}"
+                    np.testing.assert_allclose(pulled, value, rtol=1e-6, atol=1e-7)
         for host in range(HOSTS):
             pushed = [int(got[host * LOCAL + r][f"{label}/pushed_wire"]) for r in range(LOCAL)]
             assert pushed == [4 * elements // LOCAL] * LOCAL, f"{mode} {case} host {host}"
@@ -277,11 +288,12 @@ def test_other_initial_parameters_are_refused_on_the_servers(runs):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"compression_params": None}, "the servers' outer step runs as a compressed tensor's reducer"),
+    ({"compression_params": {"compressor": "thc"}},
+     "DiLoCo: the servers' outer step: compressor 'thc' does not support reducer 'outer_sgd'"),
     ({"outer_optimizer": lambda params: torch.optim.AdamW(params)}, "the servers' outer step is torch.optim.SGD's; got AdamW"),
     ({"outer_optimizer": lambda params: torch.optim.SGD(params, lr=0.7, weight_decay=0.1)}, "got {'weight_decay': 0.1}"),
     ({}, "reducer 'outer_sgd' runs on the parameter server's servers"),  # this process: no parameter server
-    ({"outer_step": "server"}, "outer_step must be 'workers' or 'servers'"),
+    ({"outer_step": "server"}, "outer_step must be 'workers', 'servers' or None"),
 ])
 def test_bad_servers_settings_are_refused(kwargs, message):
     from bps_gc.torch import DiLoCo

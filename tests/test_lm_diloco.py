@@ -51,12 +51,12 @@ def diloco_resumes(straight_folder, resumed_folder, straight, resumed):
 
 def test_diloco_api_on_the_parameter_server(tmp_path):
     """train.py --api diloco under bpslaunch --servers 1, onebit + EF (every tensor compressed),
-    the outer step on the servers: after the sync at step 4 = H both workers' parameters are
+    the outer step on the servers (DiLoCo's default there: no --outer-step): after the sync at step 4 = H both workers' parameters are
     their global copy, the same bits; the servers hold the outer momentum (worker 0's
     bps.state_dict()); the bytes are onebit's payload of the whole model, once in H inner steps."""
     from cluster import run_local
     from gpt import GPT
-    argv = [sys.executable, TRAIN, *DILOCO, "--outer-step", "servers", "--steps", "4", "--eval-every", "4",
+    argv = [sys.executable, TRAIN, *DILOCO, "--steps", "4", "--eval-every", "4",
             "--checkpoint", str(tmp_path)]
     result = run_local(argv, workers=2, servers=1, timeout=120,
                        env={"OMP_NUM_THREADS": "1", "BYTEPS_MIN_COMPRESS_BYTES": "0"})
@@ -82,7 +82,6 @@ def test_diloco_api_on_the_parameter_server(tmp_path):
      "--delay must be >= 0 and below --sync-every / --fragments (8 / 4), got 2"),
     (["--api", "diloco", "--fragments", "0"], "--fragments must be between 1 and --sync-every (50), got 0"),
     (["--api", "diloco", "--alpha", "1"], "--alpha must be in [0, 1), got 1.0"),
-    (["--api", "diloco", "--outer-step", "servers"], "--outer-step servers runs as a compressed tensor's reducer"),
     (["--api", "diloco", "--compressor", "onebit", "--compress-momentum", "nesterov"],
      "--compress-momentum moves the optimizer's momentum into the codec chain: not with --api diloco"),
     (["--api", "diloco", "--shards", "2"], "--shards and --hsdp are --api fsdp's"),

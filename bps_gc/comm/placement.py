@@ -123,7 +123,9 @@ class Placement:
         tensor.shape, tensor.dtype = tuple(int(s) for s in shape), dtype
         tensor.wire_dtype = np.dtype(np.float16) if tensor.params.fp16 else dtype
         size = tensor.size
-        tensor.compressed = tensor.params.compressed and size * dtype.itemsize >= self.min_compress_bytes
+        # a codec that saves no bytes (identity: chosen for its reducer) is compressed at any size
+        tensor.compressed = tensor.params.compressed and (size * dtype.itemsize >= self.min_compress_bytes
+                                                      or not tensor.params.raw_when_small)
         limit = self.partition_bytes if tensor.compressed else self.dense_bytes
         per = max(1, limit // tensor.wire_dtype.itemsize)
         count = -(-size // per)

@@ -7,6 +7,7 @@ from . import dithering, feedback, onebit, sparse  # noqa: F401  (registers the 
 from . import dgc, powersgd, quantize, signs, threshold  # noqa: F401  (issue 11 codecs)
 from . import thc  # noqa: F401  (issue 35: summable codes)
 from . import outer  # noqa: F401  (issue 44: DiLoCo's outer step on the servers)
+from . import identity  # noqa: F401  (issue 44: dense tensors through a servers' reducer)
 from .base import Codec
 from .chain import build_chain
 from . import entire_model  # noqa: F401  (registers the entiremodel partition codec with build_chain)

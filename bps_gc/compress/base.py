@@ -20,6 +20,9 @@ class Codec(Stateful):
     # server reducers this codec works with (``compress.reducers``); the first is the default
     reducers = ("recompress", "lossless")
     state_label = "codec."  # compressors name their state attributes in ``state_attrs``
+    # a tensor under BYTEPS_MIN_COMPRESS_BYTES is sent raw (comm/placement.py), unless its codec
+    # saves no bytes anyway and is chosen for its reducer (identity.py)
+    raw_when_small = True
 
     def __init__(self, params, n, dtype):
         dtype = np.dtype(dtype)

@@ -116,6 +116,13 @@ class CompressionParams:
     def compressed(self):
         return self.compressor is not None
 
+    @property
+    def raw_when_small(self):
+        """Whether a tensor under BYTEPS_MIN_COMPRESS_BYTES goes uncompressed: its compressor
+        class's ``raw_when_small`` (False for ``identity``, which saves no bytes)."""
+        load_plugins()
+        return getattr(COMPRESSORS.get(self.compressor), "raw_when_small", True)
+
     def option(self, key):
         return dict(self.options)[key]
 

@@ -1,6 +1,7 @@
 """DiLoCo (Douillard et al., 2023) and Streaming DiLoCo's fragments (2025) over the job's
 transport (torch/exchange.py: the compressed exchange on torch.distributed, push_pull through the
-servers on the parameter server), with the outer step on the workers:
+servers on the parameter server), the outer step on the servers by default on the parameter
+server (``outer_step``, diloco_servers.py), else on the workers:
 
     opt = bps_gc.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=4e-4), sync_every=50,
                               compression_params={"compressor": "thc", "bits": 4})
@@ -32,24 +33,30 @@ import torch
 
 import bps_gc.core as core
 
+
 from .diloco_elastic import join as elastic_join
+from .diloco_servers import (PLAIN_AVERAGE, SERVERS_GLOBAL, check_servers_step, default_outer_step, server_settings,
+                             servers_codec)
 from .diloco_hosts import HostPartsExchange
 from .exchange import interruptible_wait, named_exchange
 
 
 class DiLoCo:
     def __init__(self, model, inner_optimizer, sync_every, outer_optimizer=None, fragments=1, alpha=0.0,
-                 compression_params=None, replicate=None, delay=0, outer_step="workers", warm_steps=0,
+                 compression_params=None, replicate=None, delay=0, outer_step=None, warm_steps=0,
                  warm_every=None):
         """``outer_optimizer(params) -> torch.optim.Optimizer`` builds a fragment's outer
         optimizer over its global copies (default: SGD, lr 0.7, momentum 0.9, Nesterov);
         ``delay`` (tau): the inner steps a fragment's exchange runs in the background before
         its outer step is applied (Streaming DiLoCo's overlap; below H / fragments);
-        ``outer_step``: "workers", or "servers" (the parameter server's servers take the outer
-        SGD step and keep its momentum: compress/outer.py; the outer optimizer must be
-        torch.optim.SGD, and the pseudo-gradients compressed, as the servers' reducers run
-        on compressed tensors; a parameter sent uncompressed, below BYTEPS_MIN_COMPRESS_BYTES,
-        takes its outer step on the workers);
+        ``outer_step``: "workers", "servers" (the parameter server's servers take the outer
+        SGD step and keep the global copy and momentum: compress/outer.py; the outer optimizer
+        must be plain torch.optim.SGD, the codec one that decodes and adds (dense
+        pseudo-gradients go through the exact ``identity`` codec, the dense push's bytes); a
+        compressed parameter sent raw, below BYTEPS_MIN_COMPRESS_BYTES, takes its outer step
+        on the workers), or None (default): "servers" on the parameter server where they can
+        take it, else "workers" (torch.distributed, another outer optimizer or codec, a lone
+        worker: ``default_outer_step``);
         ``warm_steps`` (W), ``warm_every`` (H0): a warm phase of plain averaging every H0 inner
         steps for the first W (a multiple of H0; each applied ``delay`` steps later, so H0 >
         delay); 0: none; ``replicate``: a process group (torch.distributed), or "hosts" (the
@@ -75,12 +82,9 @@ class DiLoCo:
             raise ValueError("DiLoCo: replicate='hosts' makes each host of the parameter server one replica "
                              "(BPS_GC_TRANSPORT=ps, after bps_gc.torch.init()); on torch.distributed pass the "
                              "replica's process group")
-        if outer_step not in ("workers", "servers"):
-            raise ValueError(f"DiLoCo: outer_step must be 'workers' or 'servers', got {outer_step!r}")
-        if outer_step == "servers" and not (compression_params or {}).get("compressor"):
-            raise ValueError("DiLoCo: the servers' outer step runs as a compressed tensor's reducer: give "
-                             "compression_params (threshold 0 sends every element exactly: "
-                             "{'compressor': 'threshold', 'threshold': 0.0})")
+        if outer_step not in (None, "workers", "servers"):
+            raise ValueError(f"DiLoCo: outer_step must be 'workers', 'servers' or None (the transport's default), "
+                             f"got {outer_step!r}")
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
         self.hosts = replicate == "hosts"
         self.delay, self.warm_steps, self.warm_every = delay, warm_steps, warm_every
@@ -94,10 +98,14 @@ class DiLoCo:
             if not isinstance(outer, torch.optim.Optimizer):
                 raise TypeError(f"DiLoCo: outer_optimizer must return a torch.optim.Optimizer, got "
                                 f"{type(outer).__name__}")
-            if outer_step == "servers":
-                server_settings(outer)  # refused here, before anything is declared
             self.fragments.append(Fragment(part, copies, outer, (f + 1) * sync_every // fragments % sync_every))
-        self.outer_step, self.on_servers = outer_step, outer_step == "servers"
+        outers = [f.outer for f in self.fragments]
+        if outer_step == "servers":  # refused here, before anything is declared
+            check_servers_step(outers, compression_params)
+        self.outer_step = outer_step or default_outer_step(outers, compression_params)
+        self.on_servers = self.outer_step == "servers"
+        if self.on_servers:  # dense: every element exactly, decoded by the servers' outer_sgd
+            compression_params = servers_codec(compression_params)
         # each pseudo-gradient's codec is kept by its parameter and saved under its name; the
         # exchange is the job's transport's (collective: CompressedExchange, on ``replicate``;
         # parameter server: PushPullExchange, over every worker; HostPartsExchange over the hosts)
@@ -274,9 +282,10 @@ class DiLoCo:
         if warm != [self.warm_steps, self.warm_every]:
             raise ValueError(f"DiLoCo: the checkpoint was made with warm_steps={warm[0]}, warm_every={warm[1]}; "
                              f"this one has warm_steps={self.warm_steps}, warm_every={self.warm_every}")
-        if sd.get("outer_step", "workers") != self.outer_step:  # the outer state is elsewhere
-            raise ValueError(f"DiLoCo: the checkpoint was made with outer_step={sd.get('outer_step')!r}; this one "
-                             f"has outer_step={self.outer_step!r}")
+        saved = sd.get("outer_step", "workers")
+        if saved != self.outer_step:  # the outer state is elsewhere
+            raise ValueError(f"DiLoCo: the checkpoint was made with outer_step={saved!r}; this one has "
+                             f"outer_step={self.outer_step!r} (make it with outer_step={saved!r} to resume it)")
         self.inner.load_state_dict(sd["inner"])
         self.steps = int(sd["steps"])
         with torch.no_grad():
@@ -285,11 +294,6 @@ class DiLoCo:
                     copy.copy_(value)
                 fragment.outer.load_state_dict(saved["outer"])
                 fragment.land(saved)
-
-
-SERVERS_GLOBAL = "global_copy"  # outer_sgd's state holding a partition's global copy (compress/outer.py)
-# the servers' outer step in the warm phase: the update is -mean (momentum untouched: outer.py)
-PLAIN_AVERAGE = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
 
 
 def check_warm_phase(warm_steps, warm_every, delay):
@@ -308,21 +312,6 @@ def check_warm_phase(warm_steps, warm_every, delay):
     if warm_every <= delay:
         raise ValueError(f"DiLoCo: warm_every ({warm_every}) must exceed delay ({delay}): a warm exchange is "
                          "applied delay steps after it starts, before the next")
-
-
-def server_settings(outer):
-    """The step context entries of the servers' outer step (compress/outer.py) from the outer
-    optimizer, which must be plain torch.optim.SGD: a ValueError names what is not."""
-    if type(outer) is not torch.optim.SGD:
-        raise ValueError(f"DiLoCo: the servers' outer step is torch.optim.SGD's; got {type(outer).__name__}")
-    group = outer.param_groups[0]
-    extra = {k: group[k] for k in ("dampening", "weight_decay") if group.get(k)}
-    if extra or group.get("maximize") or len(outer.param_groups) > 1:
-        what = extra or ("maximize" if group.get("maximize") else "several parameter groups")
-        raise ValueError(f"DiLoCo: the servers' outer step is SGD with lr, momentum and nesterov only, in one "
-                         f"parameter group; got {what}")
-    return {"outer_lr": float(group["lr"]), "outer_momentum": float(group["momentum"]),
-            "outer_nesterov": bool(group["nesterov"])}
 
 
 class Fragment:

@@ -7,7 +7,7 @@ import torch
 
 # flag -> DiLoCo's default (scripts/tta_lm_diloco.py's rows: H = 50, the paper's outer Nesterov SGD)
 DEFAULTS = {"sync_every": 50, "fragments": 1, "delay": 0, "alpha": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9,
-            "outer_step": "workers"}
+            "outer_step": None}
 
 
 def add_diloco_args(p):
@@ -25,8 +25,9 @@ def add_diloco_args(p):
     g.add_argument("--outer-momentum", type=float, default=argparse.SUPPRESS,
                    help="the outer SGD's momentum, Nesterov (default 0.9; 0: none)")
     g.add_argument("--outer-step", choices=("workers", "servers"), default=argparse.SUPPRESS,
-                   help="where the outer step runs: the workers (default, either transport) or the parameter "
-                        "server's servers (bpslaunch --servers N > 0, with a --compressor)")
+                   help="where the outer step runs: the workers (either transport) or the parameter server's "
+                        "servers (bpslaunch --servers N > 0); default: the servers where they can take it (the "
+                        "parameter server, a codec their reducer decodes), else the workers")
 
 
 def check_diloco_args(args, parser):
@@ -55,8 +56,6 @@ def check_diloco_args(args, parser):
     if args.compress_momentum:
         parser.error("--compress-momentum moves the optimizer's momentum into the codec chain: not with --api "
                      "diloco, whose codec compresses the pseudo-gradients")
-    if args.outer_step == "servers" and not args.compressor:
-        parser.error("--outer-step servers runs as a compressed tensor's reducer on the servers: give a --compressor")
 
 
 def make_diloco(bps, args, model, inner, params):
@@ -67,10 +66,12 @@ def make_diloco(bps, args, model, inner, params):
     def outer(copies):
         return torch.optim.SGD(copies, lr=args.outer_lr, momentum=momentum, nesterov=momentum > 0)
     try:
-        return bps.DiLoCo(model, inner, args.sync_every, outer_optimizer=outer, fragments=args.fragments,
-                          delay=args.delay, alpha=args.alpha, compression_params=params, outer_step=args.outer_step)
+        opt = bps.DiLoCo(model, inner, args.sync_every, outer_optimizer=outer, fragments=args.fragments,
+                         delay=args.delay, alpha=args.alpha, compression_params=params, outer_step=args.outer_step)
     except ValueError as e:
         raise SystemExit(f"train.py: {e}")
+    args.outer_step = opt.outer_step  # where DiLoCo's default put it, for describe()
+    return opt
 
 
 def describe(args):

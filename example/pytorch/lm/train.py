@@ -9,7 +9,7 @@ gradient compression: the transformer yardstick of scripts/time_to_accuracy.py -
     torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2 --compressor powersgd --rank 4
     torchrun --nproc-per-node 2 example/pytorch/lm/train.py --api diloco --sync-every 50 --compressor thc --bits 4 --ef vanilla
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api diloco --sync-every 50 \\
-        --fragments 4 --delay 1 --compressor onebit --onebit-scaling --ef vanilla --outer-step servers
+        --fragments 4 --delay 1 --compressor onebit --onebit-scaling --ef vanilla
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api optimizer \\
         --optimizer sgd --lr 0.3 --compressor onebit --onebit-scaling --ef vanilla --compress-momentum nesterov
 
@@ -25,7 +25,7 @@ inner steps with the optimizer below on each rank alone, then averages the pseud
 (global copy - local parameters) through the job's transport, compressed by the codec flags,
 and takes the outer step (Nesterov SGD, --outer-lr 0.7 --outer-momentum 0.9: the paper's) on
 the global copy; --fragments F and --delay tau are Streaming DiLoCo's (lm_diloco.py). On
-either transport; on the parameter server --outer-step servers has the servers take it. Each
+either transport; on the parameter server the servers take it by default (--outer-step). Each
 rank clips its own gradients; the global copy is evaluated, and bytes are per inner step.
 The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
 default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up

@@ -25,6 +25,7 @@ COMPRESSORS = [
     {"compressor": "dgc", "k": 0.05, "mu": 0.9, "momentum": "nesterov"},
     {"compressor": "powersgd", "rank": 2},
     {"compressor": "thc", "bits": 4}, {"compressor": "thc", "bits": 4, "rotate": True, "feedback": True},
+    {"compressor": "identity"},
 ]
 
 

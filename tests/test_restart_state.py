@@ -42,6 +42,7 @@ CASES = {
     "sign_ef": {"case": "optimizer", "compression_params": {"compressor": "sign", "ef": "vanilla"}},
     "threshold": {"case": "optimizer", "compression_params": {"compressor": "threshold", "threshold": 0.01}},
     "adaptive_threshold": {"case": "optimizer", "compression_params": {"compressor": "adaptive_threshold"}},
+    "identity": {"case": "optimizer", "compression_params": {"compressor": "identity"}},  # DiLoCo's dense on servers
 }
 PS_CASES = {name: case for name, case in CASES.items() if case["case"] != "hook"}  # the hook is torch.distributed's
 SMALL = {"BYTEPS_MIN_COMPRESS_BYTES": "0", "BYTEPS_PARTITION_BYTES": "1024"}  # several partitions

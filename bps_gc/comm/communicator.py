@@ -129,7 +129,8 @@ class Communicator(abc.ABC):
 
     def set_server_values(self, name, attr, flat):
         """Seed ``attr`` of the servers' reducer state of ``name`` with ``flat``, before its
-        first reduce."""
+        first reduce: the partitions this rank restores from a checkpoint (with two levels each
+        owner its own: every rank of the first host calls it)."""
         raise NotImplementedError(f"{type(self).__name__} has no servers holding reducer state")
 
     # how ``push_payloads`` answers (bindings that compress themselves: bps_gc.torch's device

@@ -132,9 +132,10 @@ class DiLoCo:
     def seed_servers(self):
         """The servers' global copies start as worker 0's initial parameters; every worker then
         fetches them and refuses, in one line, initial parameters that are not the same bits.
-        With replicate="hosts" host 0's local ranks seed their own parts."""
+        Host 0's local ranks seed: each the partitions it owns with two levels (ps/worker/
+        codec_state.py), with replicate="hosts" its own parts."""
         held = self.held_on_servers()
-        if core.rank() < (core.local_size() if self.hosts else 1):
+        if core.rank() < core.local_size():
             try:
                 for name, copy in held:
                     self.exchange.set_server_values(name, SERVERS_GLOBAL, copy)

@@ -342,7 +342,8 @@ class Worker(Communicator):
         return np.concatenate(codec_state.server_values(self, name, attr))
 
     def set_server_values(self, name, attr, flat):
-        """Seed ``attr`` of the servers' reducer state of ``name``, before its first push_pull."""
+        """Seed ``attr`` of the servers' reducer state of ``name``, before its first push_pull
+        (the partitions this rank restores: codec_state.py)."""
         codec_state.set_server_values(self, name, attr, np.asarray(flat).reshape(-1))
 
     # ------------------------------------------------------------------ collectives

@@ -38,6 +38,7 @@ for case, (sync_every, fragments, steps, delay, warm_steps, warm_every) in spec[
         opt.zero_grad()
     saved.update({f"{case}/{name}": p.detach().numpy() for name, p in model.named_parameters()})
     saved[f"{case}/pushed_wire"] = np.array(bps.metrics().pushed_wire)
+    saved[f"{case}/outer_step"] = np.array(opt.outer_step)  # the default without bps_gc's init: the workers'
 opt.state_dict()  # waits for the overlapped case's last exchange, still in flight
 counted = spec["bytes"]
 model = build_wide_model()

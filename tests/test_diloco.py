@@ -136,6 +136,7 @@ def test_dense_diloco_equals_the_recomputation(launched):
             for name, value in want[rank].items():
                 np.testing.assert_allclose(got[rank][f"{case}/{name}"], value, rtol=1e-6, atol=1e-7,
                                            err_msg=f"{case} rank {rank} {name}")
+            assert str(got[rank][f"{case}/outer_step"]) == "workers"  # DiLoCo's default here
         # the last inner steps ran after the last sync: replicas differ only where a fragment synced last
         assert not np.array_equal(want[0]["0.weight"], build_model()[0].weight.detach().numpy())
         if settings[4]:  # the warm phase changes the result: the 1e-6 above tells it apart
@@ -214,6 +215,8 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(launch_folder
             names = [n for n in straight.files if n.startswith("warm/") == warm]
             assert any(not np.array_equal(straight[n], first[n]) for n in names), f"warm {warm}"
         first_end = np.load(tmp_path / f"first_end{rank}.npz")
+        # under bps_gc.torch.init() on torch.distributed, DiLoCo's default is the workers' outer step
+        assert torch.load(tmp_path / f"ckpt{rank}.pt", weights_only=True)["diloco"]["outer_step"] == "workers"
         for name in straight.files:
             assert straight[name].tobytes() == first_end[name].tobytes(), f"rank {rank} {name}: runs differ"
 

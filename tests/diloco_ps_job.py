@@ -13,16 +13,17 @@ outer step on the servers, the global copy pulled from the servers and the worke
 (``pulled``). checkpoint_runs() says more.
 
 Phase "dense" and "all" (3 workers) then train each case of the spec (sync_every, fragments,
-steps, delay) on each rank's own batches, once per outer step mode: "workers" (dense
-pseudo-gradients) and "servers" (every element sent exactly: threshold 0), saved as
-``<mode>/<case>/<name>``. Phase "dense" then runs spec "host_cases" again with each host one
+steps, delay) on each rank's own batches, dense, once per outer step mode: "workers" (named)
+and "servers" (DiLoCo's default on the parameter server: the identity codec), saved as
+``<mode>/<case>/<name>`` with the mode DiLoCo took (``outer_step``). Phase "dense" then runs spec "host_cases" again with each host one
 replica (DDP on the host's group, each local rank half the host's batch), saved as
 ``hosts/<mode>/<case>/`` with the global copies and each run's bytes pushed ("pushed_wire"), and
 the first of them, stopped at stop_at with an exchange in flight, resumed in new objects from
 its model's and DiLoCo's states in the same launch ("hosts/resumed"). Phase "all" first tries a
 DiLoCo with a process group (refused: "refused"), and ends with a DiLoCo on the servers whose
-rank 1 starts from other parameters (refused there: "differs"), and thc 4-bit at H = 4 for 8
-inner steps, its bytes pushed ("thc/pushed_wire") and the dtypes of its phase tensors
+rank 1 starts from other parameters (refused there: "differs"), the mode the default takes for
+an outer AdamW ("adamw/outer_step"), and thc 4-bit at H = 4 for 8 inner steps (the default: the
+workers'), its bytes pushed ("thc/pushed_wire") and the dtypes of its phase tensors
 ("thc/phase_dtypes"). Each rank saves OUT/<phase><rank>.npz."""
 import json
 import os

@@ -128,7 +128,8 @@ def result(model, opt, label):
 
 def compressed_runs():
     """{label with {} for the stage: (model, one inner step, DiLoCo)} of spec "compressed"'s
-    settings: each worker a replica, per mode as is and with the warm phase, then each host one."""
+    settings: each worker a replica, per mode as is and with the warm phase, then each host one;
+    last, dense pseudo-gradients with DiLoCo's default outer step (the servers'), "dense/"."""
     c = spec["compressed"]
     settings = (c["sync_every"], c["fragments"], c["delay"], c["compression_params"])
     runs = {}
@@ -139,6 +140,8 @@ def compressed_runs():
     for mode in MODES:
         model, replica, opt = host_replica(*settings, mode)
         runs[f"hosts/{{}}/{mode}"] = (model, lambda step, r=replica, o=opt: host_steps(r, o, [step]), opt)
+    model, opt = diloco(*settings[:3], None, None)  # dense, the default: every tensor's state on the servers
+    runs["dense/{}"] = (model, lambda step, m=model, o=opt: inner_step(m, o, step), opt)
     return runs
 
 

@@ -231,6 +231,33 @@ def test_compressed_global_copies_are_bit_identical_on_every_worker(runs, mode):
     assert max(np.abs(got[0][f"{mode}/straight/{n}"] - v).max() / np.abs(v).max() for n, v in dense[0].items()) > 1e-3
 
 
+DENSE = "exchange.6."  # the dense run's tensors: the 7th DiLoCo made (compressed_runs())
+
+
+def test_dense_on_the_servers_resumes_bit_for_bit(runs):
+    """The same settings with dense pseudo-gradients and DiLoCo's default outer step (the
+    servers', every tensor through the identity codec: BYTEPS_MIN_COMPRESS_BYTES 256 leaves none
+    raw), saved and resumed with the others: parameters, global copies and the servers' copy of
+    every tensor equal the straight run's bit for bit; the checkpoint holds every tensor's outer
+    momentum and global copy (the biases' too), nonzero, once."""
+    for rank in range(HOSTS * LOCAL):
+        every, resumed = runs["dense"][rank], runs["resumed"][rank]
+        names = [n.split("/", 2)[2] for n in every if n.startswith("dense/straight/")]
+        assert len(names) == 16  # parameters, global copies, pulled and mine, of 4 tensors
+        for name in names:
+            assert resumed[f"dense/resumed/{name}"].tobytes() == every[f"dense/straight/{name}"].tobytes(), name
+            assert every[f"dense/first_end/{name}"].tobytes() == every[f"dense/straight/{name}"].tobytes(), name
+    held = {}
+    for kept in runs["checkpoints"]:
+        for key, value in kept.items():
+            if key.startswith(f"server/{DENSE}"):
+                name, attr = key[len(f"server/{DENSE}"):].split("/")[0], key.rsplit("/", 1)[1]
+                held.setdefault((name, attr), []).append(float(value.abs().sum()))
+    names = [name for name, _ in build_model().named_parameters()]
+    assert sorted(held) == sorted((n, a) for n in names for a in ("global_copy", "momentum"))
+    assert all(len(sums) == 1 and sums[0] > 0 for sums in held.values()), held
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
     """Each of the 2 x 2 ranks a replica, H = 4, two fragments, tau = 1: saved after step 4,
@@ -257,7 +284,7 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(runs, mode):
                 every[f"{mode}/straight/{name}"].tobytes(), f"rank {rank} {name}"
     if mode == "servers":  # the servers' outer momentum and global copy are in the checkpoints
         saved = [(key, value) for kept in runs["checkpoints"] for key, value in kept.items()
-                 if key.startswith("server/") and "#part" not in key]
+                 if key.startswith("server/") and "#part" not in key and not key.startswith(f"server/{DENSE}")]
         momentum = [value for key, value in saved if key.endswith("/momentum")]
         assert momentum and sum(float(m.abs().sum()) for m in momentum) > 0  # the warm run's: none yet
         held = [value for key, value in saved if key.endswith("/global_copy")]

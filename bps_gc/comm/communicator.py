@@ -199,6 +199,10 @@ class Communicator(abc.ABC):
     # reduce spans all workers, by declared name (the parameter server's push and pull)
     reduces_on_process_groups = False
 
+    # whether servers run declared reducers and keep their state (``server_values``): the
+    # parameter server with servers to reach; not torch.distributed, nor a worker alone
+    runs_server_reducers = False
+
     # whether ``declare`` takes ``one_per_host``: tensors that one local rank of each host pushes
     # alone, summed over the hosts (the parameter server: its servers count one push per host)
     pushes_one_per_host = False

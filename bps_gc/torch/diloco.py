@@ -33,7 +33,6 @@ import torch
 
 import bps_gc.core as core
 
-
 from .diloco_elastic import join as elastic_join
 from .diloco_servers import (PLAIN_AVERAGE, SERVERS_GLOBAL, check_servers_step, default_outer_step, server_settings,
                              servers_codec)

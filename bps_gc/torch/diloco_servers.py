@@ -19,8 +19,7 @@ def default_outer_step(outers, compression_params):
     "workers"."""
     if not core.is_initialized():
         return "workers"
-    comm = core.communicator()
-    if comm.reduces_on_process_groups or getattr(comm, "alone", None) is not None:
+    if not core.communicator().runs_server_reducers:
         return "workers"
     try:
         check_servers_step(outers, compression_params)

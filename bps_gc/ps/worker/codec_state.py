@@ -285,8 +285,9 @@ def set_server_values(worker, name, attr, flat):
     Only the partitions this rank restores from a checkpoint (``restores``): with two levels
     another local rank declares a partition it owns, perhaps not yet when this asks, so each
     owner sets its own (every rank of the first host calls it, with the same values)."""
-    owned = restores(worker, worker.tensors[name]) if name in worker.tensors else None
-    parts = [part for part in _reducer_partitions(worker, name, attr) if part in owned]
+    parts = _reducer_partitions(worker, name, attr)
+    owned = restores(worker, worker.tensors[name])
+    parts = [part for part in parts if part in owned]
     states = _fetch_states(worker, parts)
     for part, sd in zip(parts, states):
         if attr not in sd or sd[attr].shape != (part.n,):

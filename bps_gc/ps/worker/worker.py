@@ -341,6 +341,10 @@ class Worker(Communicator):
         copy: ``outer_sgd``'s ``global_copy``), fetched from its servers (codec_state.py)."""
         return np.concatenate(codec_state.server_values(self, name, attr))
 
+    @property
+    def runs_server_reducers(self):
+        return self.alone is None  # a lone worker never reaches the servers
+
     def set_server_values(self, name, attr, flat):
         """Seed ``attr`` of the servers' reducer state of ``name``, before its first push_pull
         (the partitions this rank restores: codec_state.py)."""

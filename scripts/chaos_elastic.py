@@ -202,7 +202,7 @@ class Chaos:
     def run(self):
         with open(os.path.join(self.out, "spec.json"), "w") as f:
             json.dump(dict(SPEC, stop_file=os.path.join(self.out, "stop")), f)
-        command = chaos_mnist.worker_command(self.out, os.path.join(self.out, "stop")) \
+        command = chaos_mnist.worker_command(self.out, os.path.join(self.out, "stop"), self.args.model_seed) \
             if self.args.task == "mnist" else None
         self.cluster = c = Cluster(self.args.workers, self.args.servers, self.out, self.args.heartbeat_timeout, command)
         self.first_event = {}  # node -> the index of the first event it logs
@@ -359,6 +359,7 @@ def run(argv=None):
                         help="synthetic: numpy gradients checked against numpy; mnist: "
                              "example/pytorch/train_mnist_elastic.py, its final loss beside undisturbed runs")
     parser.add_argument("--baseline-seeds", type=int, default=3, help="--task mnist: undisturbed runs to compare with")
+    parser.add_argument("--model-seed", type=int, default=0, help="--task mnist: the churned run's example --seed")
     parser.add_argument("--out", help="folder for the nodes' logs and arrays (a new temporary one)")
     parser.add_argument("--json", default="chaos_elastic.json")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ over its steps (step-weighted, rounded), the same number of steps, once per seed
 0..--baseline-seeds-1, replays the churned run's own membership sequence step by step in one
 process (scripts/mnist_replay.py: the same batches per step, no death, no join protocol) for
 the same seeds, and sets the churned run's final losses (over all training digits, and over the
-1,000 held-out digits; example seed 0) beside both. The training loss is near zero and follows
+1,000 held-out digits; the example seeded by --model-seed) beside both. The training loss is near zero and follows
 the membership path at a fixed learning rate; the held-out loss is what "within the noise of an
 undisturbed run" is judged on (its distance from the undisturbed runs' mean, in their spreads).
 """
@@ -76,7 +76,8 @@ def compare(cluster_class, chaos, args, out, steps):
               f"{baseline[-1][1]:.4f}", flush=True)
     replayed = mnist_replay.losses(per_step, args.baseline_seeds)
     print(f"the churned run's membership replayed in one process: final and held-out losses {replayed}", flush=True)
-    return {"loss": float(churned["loss"]), "val_loss": float(churned["val_loss"]), "average_members": round(average, 2),
+    return {"model_seed": args.model_seed, "loss": float(churned["loss"]), "val_loss": float(churned["val_loss"]),
+            "average_members": round(average, 2),
             "undisturbed_workers": workers, "undisturbed_losses": [b[0] for b in baseline],
             "undisturbed_val_losses": [b[1] for b in baseline], "replayed_losses": [r[0] for r in replayed],
             "replayed_val_losses": [r[1] for r in replayed], "sequence": sequence, "steps": steps}
@@ -98,7 +99,7 @@ def line(result):
 
     held = result["undisturbed_val_losses"]
     off = (result["val_loss"] - np.mean(held)) / max(np.std(held), 1e-12)
-    return (f"; final loss {result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
+    return (f"; model seed {result['model_seed']}: final loss {result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
             f"{result['average_members']}); undisturbed {result['undisturbed_workers']} hosts: final "
             f"{spread(result['undisturbed_losses'])}, held-out {spread(held)}: the churned held-out loss is "
             f"{off:+.1f} spreads from their mean; its membership replayed in one process: final "

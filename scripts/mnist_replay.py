@@ -6,7 +6,7 @@ the "same membership without the churn" baseline of scripts/chaos_mnist.py, and 
 tool: ``--deal restart`` deals as the example did before (each change re-cut the digits into
 fixed shards and restarted the hosts' passes), ``--hosts N`` replays N hosts throughout.
 
-    python scripts/mnist_replay.py --json chaos_elastic.json --seeds 5 [--deal restart] [--hosts 2]
+    python scripts/mnist_replay.py --json chaos_elastic.json --seeds 5 [--first-seed 0] [--deal restart] [--hosts 2]
 
 (--json: a ``scripts/chaos_elastic.py --task mnist`` run's, for its sequence and step count.)
 Not bit-identical to a launched job (the servers sum in another order); a baseline, not an oracle.
@@ -76,14 +76,15 @@ def replay(per_step, seed, deal="stream", **settings):
                 float(torch.nn.functional.cross_entropy(model(x_val), y_val)))
 
 
-def losses(per_step, seeds, deal="stream"):
-    return [replay(per_step, seed, deal) for seed in range(seeds)]
+def losses(per_step, seeds, deal="stream", first=0):
+    return [replay(per_step, seed, deal) for seed in range(first, first + seeds)]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="a chaos_elastic.py --task mnist run's JSON")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (a churned run's --model-seed)")
     p.add_argument("--deal", choices=["stream", "restart"], default="stream")
     p.add_argument("--hosts", type=int, help="replay this many hosts at every step instead")
     args = p.parse_args(argv)
@@ -92,10 +93,11 @@ def main(argv=None):
     per_step = members_by_step(mnist["sequence"], mnist["steps"])
     if args.hosts:
         per_step = [list(range(args.hosts))] * len(per_step)
-    got = losses(per_step, args.seeds, args.deal)
+    got = losses(per_step, args.seeds, args.deal, args.first_seed)
     whose = f"{args.hosts} hosts'" if args.hosts else "the churned run's"
     print(f"replay ({args.deal} deal, {whose} membership, {len(per_step)} steps, "
-          f"average {np.mean([len(m) for m in per_step]):.2f} hosts), seeds 0..{args.seeds - 1}: "
+          f"average {np.mean([len(m) for m in per_step]):.2f} hosts), seeds {args.first_seed}.."
+          f"{args.first_seed + args.seeds - 1}: "
           + "; ".join(f"{what} {', '.join(f'{g[i]:.4f}' for g in got)} (mean {np.mean([g[i] for g in got]):.4f}, "
                       f"spread {np.std([g[i] for g in got]):.4f})"
                       for i, what in enumerate(("final loss", "held-out loss"))))

@@ -48,9 +48,10 @@ def restart_deal(count, batch, seed):
     return batch_of
 
 
-def replay(per_step, seed, deal="stream", **settings):
+def replay(per_step, seed, deal="stream", scale_lr=None, **settings):
     """(loss over all training digits, loss over the held-out digits) after training on
-    ``per_step`` members."""
+    ``per_step`` members; ``scale_lr=R``: each step's learning rate is lr x members / R (the
+    linear scaling rule, R the membership lr is tuned for)."""
     s = dict(DEFAULTS, **settings)
     torch.set_num_threads(1)
     x, y, x_val, y_val = load_data(s["train_samples"])
@@ -66,6 +67,8 @@ def replay(per_step, seed, deal="stream", **settings):
             change += members != previous
             idx = np.concatenate([old(change, members, r) for r in members])
         previous = members
+        if scale_lr:
+            opt.param_groups[0]["lr"] = s["lr"] * len(members) / scale_lr
         idx = torch.from_numpy(idx)
         loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])  # the members' mean
         opt.zero_grad()
@@ -76,8 +79,8 @@ def replay(per_step, seed, deal="stream", **settings):
                 float(torch.nn.functional.cross_entropy(model(x_val), y_val)))
 
 
-def losses(per_step, seeds, deal="stream", first=0):
-    return [replay(per_step, seed, deal) for seed in range(first, first + seeds)]
+def losses(per_step, seeds, deal="stream", first=0, scale_lr=None):
+    return [replay(per_step, seed, deal, scale_lr) for seed in range(first, first + seeds)]
 
 
 def main(argv=None):
@@ -87,15 +90,17 @@ def main(argv=None):
     p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (a churned run's --model-seed)")
     p.add_argument("--deal", choices=["stream", "restart"], default="stream")
     p.add_argument("--hosts", type=int, help="replay this many hosts at every step instead")
+    p.add_argument("--scale-lr", type=float, help="R: each step's lr x members / R (linear scaling)")
     args = p.parse_args(argv)
     with open(args.json) as f:
         mnist = json.load(f)["summary"]["mnist"]
     per_step = members_by_step(mnist["sequence"], mnist["steps"])
     if args.hosts:
         per_step = [list(range(args.hosts))] * len(per_step)
-    got = losses(per_step, args.seeds, args.deal, args.first_seed)
+    got = losses(per_step, args.seeds, args.deal, args.first_seed, args.scale_lr)
     whose = f"{args.hosts} hosts'" if args.hosts else "the churned run's"
-    print(f"replay ({args.deal} deal, {whose} membership, {len(per_step)} steps, "
+    scaled = f", lr x members / {args.scale_lr:g}" if args.scale_lr else ""
+    print(f"replay ({args.deal} deal{scaled}, {whose} membership, {len(per_step)} steps, "
           f"average {np.mean([len(m) for m in per_step]):.2f} hosts), seeds {args.first_seed}.."
           f"{args.first_seed + args.seeds - 1}: "
           + "; ".join(f"{what} {', '.join(f'{g[i]:.4f}' for g in got)} (mean {np.mean([g[i] for g in got]):.4f}, "

@@ -45,13 +45,14 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
     return result
 
 
-def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None):
+def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rounded=None):
     """Every in-host reduce-scatter output of ``got`` (each rank's arrays, a (2, ``shards``)
     mesh: 2 replicas or hosts, rank = shards * replica + shard) against the numpy
     re-computation over its shard group, ``steps`` steps; replicas end bit-identical, shards
     differ. ``seed_rank``: the rank a sender's chains are seeded with, of its rank (default:
-    itself; on the parameter server, its rank in the host's group). {replica: the payloads'
-    bytes, its senders' in turn, part by part}."""
+    itself; on the parameter server, its rank in the host's group); ``rounded``: the float32
+    average rounded into a bfloat16 reduce dtype, as float32 (the inputs: its values, widened).
+    {replica: the payloads' bytes, its senders' in turn, part by part}."""
     calls = got[0]["rs_calls"]
     assert len(calls) == steps * len(LAYERS)  # the synced micro-batch only
     made, sent = {}, {0: [], 1: []}
@@ -65,6 +66,7 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None):
                 want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
                                      suffix=f"#to_shard{shard}", ranks=senders, sent=sent[replica],
                                      seeds=None if seed_rank is None else [seed_rank(r) for r in senders])
+                want = want if rounded is None else rounded(want)
                 np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
     for name, _ in PARAMS:
         for shard in range(shards):
@@ -73,13 +75,14 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None):
     return sent
 
 
-def check_in_host_bytes(got, sent, shards, steps, prefix=""):
+def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4):
     """Each rank's in_host_* bytes of bps.metrics() (``got[r][prefix + "in_host_..."]``, a (2,
     ``shards``) mesh, ``steps`` steps) as check_in_host_reduce_scatters' payloads (``sent``): its
     own pushed, its shard group's others' pulled (every rank gathers every chunk's payloads),
-    and its inputs raw (a chunk per shard of the padded shards, float32)."""
+    and its inputs raw (a chunk per shard of the padded shards, ``itemsize`` bytes an element:
+    the reduce dtype's)."""
     padded = sum(-(-shape[0] // shards) * int(np.prod(shape[1:])) for _, shape in PARAMS)
     for r, arrays in enumerate(got):
         mine = sum(sent[r // shards][r % shards::shards])
         counted = [int(arrays[f"{prefix}in_host_{kind}"]) for kind in ("pushed_wire", "pulled_wire", "pushed_raw")]
-        assert counted == [mine, sum(sent[r // shards]) - mine, steps * shards * 4 * padded], (r, counted)
+        assert counted == [mine, sum(sent[r // shards]) - mine, steps * shards * itemsize * padded], (r, counted)

@@ -30,11 +30,11 @@ class RecordingReduceScatter:
         self.allocate = inner.allocate
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        before = input_tensor.detach().clone().numpy()  # the exchange averages it in place
+        before = input_tensor.detach().float().clone().numpy()  # averaged in place; bfloat16 widened exactly
         wall, cpu = time.perf_counter(), time.process_time()
         self.inner(output_tensor, input_tensor, group, op, async_op)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        self.calls.append((self.index, before, output_tensor.detach().clone().numpy(), wall, cpu))
+        self.calls.append((self.index, before, output_tensor.detach().float().clone().numpy(), wall, cpu))
 
 
 def record_reduce_scatters(model, calls):

@@ -5,8 +5,8 @@ servers sum one push per host. The first launch, ``bpslaunch --local``, 2 hosts 
 (uneven shards: FSDP2 pads the last), trains every model, replicas bit-identical after every step:
 
 * dense as native HSDP on the (2, 3) mesh (recomputed without FSDP or bps_gc), within 1e-6;
-* top-k 25% + EF and the onebit recipe (recompressed by the server), top-k under each of
-  fully_shard's policies, and top-k in the host too (shard_compression_params): every hook call
+* top-k 25% + EF and the onebit recipe (recompressed by the server), top-k in the host too
+  (shard_compression_params), alone and under each of fully_shard's policies: every hook call
   (and in-host reduce-scatter) bit for bit as the numpy recomputation, bytes as its payloads';
 * dense under a bfloat16 or float16 reduce dtype, pushed as it or as BytePS's fp16: the
   server's float32 mean rounded once; thc 4-bit close to the exact mean;
@@ -46,8 +46,8 @@ WIDTHS = (16, 32, 32, 8)
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 RECOMPRESSED = {"topk": TOPK, "recipe": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
                                          "momentum": "nesterov", "mu": 0.9}}
-# top-k + EF once more per fully_shard policy (fsdp_ps_job.POLICIES): bfloat16 parameters reduced
-# in float32 or in bfloat16, CPU offload
+# top-k + EF once more per fully_shard policy (fsdp_ps_job.POLICIES), in the host too: bfloat16
+# parameters reduced in float32 or in bfloat16, CPU offload
 POLICY_RUNS = {"topk-bf16": "bf16", "topk-bf16r": "bf16r", "topk-offload": "offload"}
 # dense with a bfloat16 or float16 reduce dtype (fully_shard's policy): pushed and pulled as it,
 # summed and averaged by the server in float32, rounded once
@@ -57,6 +57,7 @@ DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
 FP16_WIRE = {"fp16-bf16r": "bf16r", "fp16-f16r": "f16r"}
 HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
 IN_HOST = {"inhost": TOPK}  # top-k + EF in the host too (shard_compression_params), then as "topk"
+IN_HOST_RUNS = {**IN_HOST, **dict.fromkeys(POLICY_RUNS, TOPK)}  # the first launch's: the policy runs too
 # thc 4-bit with feedback, top-k + EF and the in-host run first, trained together with SGD
 # momentum: the job saves them (dcp and bps_gc's state) before step SAVE_AT, the second launch
 # resumes them, the third is refused their codec state
@@ -153,7 +154,7 @@ def expected_calls(ranks, run, local=LOCAL):
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
     (tmp_path / "job").mkdir()
     ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_HALF, **FP16_WIRE},
-                                      "save": {"runs": list(RESUMED), "at": SAVE_AT}, "in_host": IN_HOST}, LOCAL)
+                                      "save": {"runs": list(RESUMED), "at": SAVE_AT}, "in_host": IN_HOST_RUNS}, LOCAL)
     check_results(ranks)
     (tmp_path / "fault").mkdir()
     resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks)
@@ -200,8 +201,7 @@ def check_results(ranks):
                 assert a[k].tobytes() == b[k].tobytes(), f"{run}: ranks {i} and {LOCAL + i} differ at {k}"
     # dense: native HSDP's parameters within 1e-6 relative
     equals_hsdp(ranks, LOCAL, STEPS)
-    # the recompressing codecs with error feedback, top-k under each policy too: every call as
-    # the numpy recomputation
+    # the recompressing codecs with EF, top-k under each policy too: every call as the numpy recomputation
     for run in [*RECOMPRESSED, *POLICY_RUNS, *IN_HOST]:
         equals_recomputation(ranks, run, LOCAL, STEPS)
         assert not np.array_equal(ranks[0][f"{run}/full/0.weight"], ranks[0]["dense/full/0.weight"])
@@ -214,7 +214,8 @@ def check_results(ranks):
         assert [int(a[f"{run}/pushed_wire"]) for a in ranks] == [int(a["topk/pushed_wire"]) for a in ranks], run
     assert not np.array_equal(ranks[0]["topk-bf16/full/0.weight"], ranks[0]["topk-offload/full/0.weight"])
     dense_in_half(ranks)
-    in_host_step(ranks)
+    for run in IN_HOST_RUNS:
+        in_host_step(ranks, run)
     assert not np.array_equal(ranks[0]["topk-bf16r/full/0.weight"], ranks[0]["topk-bf16/full/0.weight"])
     # thc: summed lanes, an unbiased estimate of the mean (4 bits: each call within its norm,
     # over all calls the projection on the mean within 5%; 8 bits came within 1% and 5% a call)
@@ -263,15 +264,15 @@ def check_results(ranks):
                                                  "sharded over the host's local ranks (a mesh of 3"), arrays["refusal"]
 
 
-def in_host_step(ranks):
-    """Every in-host reduce-scatter output as the numpy recomputation over the host's ranks (chains
-    seeded by the rank in the host's group), and the hook's input; replicas bit-identical; the
-    in_host_* bytes the payloads'; the in-host state bps.state_dict() saves 2 LOCAL x the shard."""
-    got = [{**{k.split("/", 1)[1]: v for k, v in a.items() if k.startswith("inhost/")},
-            **{f"local/{name}": a[f"inhost/local/{STEPS - 1}/{name}"] for name in NAMES}} for a in ranks]
-    sent = check_in_host_reduce_scatters(got, LOCAL, "ps inhost/", STEPS, seed_rank=lambda r: r % LOCAL)
-    check_in_host_bytes(got, sent, LOCAL, STEPS)
-    shard_bytes = 4 * sum(v.size for k, v in ranks[0].items() if k.startswith("inhost/local/0/"))
+def in_host_step(ranks, run):
+    """``run``'s in-host reduce-scatters as the numpy recomputation over the host's ranks (a bfloat16 reduce
+    dtype: the float32 average rounded), each the hook's input; in_host_* bytes the payloads'; state 2 LOCAL x shard."""
+    got = [{**{k.split("/", 1)[1]: v for k, v in a.items() if k.startswith(f"{run}/")},
+            **{f"local/{name}": a[f"{run}/local/{STEPS - 1}/{name}"] for name in NAMES}} for a in ranks]
+    bf16 = (lambda x: torch.from_numpy(x).to(torch.bfloat16).float().numpy()) if run == "topk-bf16r" else None
+    sent = check_in_host_reduce_scatters(got, LOCAL, f"ps {run}/", STEPS, seed_rank=lambda r: r % LOCAL, rounded=bf16)
+    check_in_host_bytes(got, sent, LOCAL, STEPS, itemsize=2 if bf16 else 4)
+    shard_bytes = 4 * sum(v.size for k, v in ranks[0].items() if k.startswith(f"{run}/local/0/"))
     for r, arrays in enumerate(got):
         assert arrays["rs_calls"].tolist() == arrays["calls"].tolist(), r
         assert all(arrays[f"rs{i}/out"].tobytes() == arrays[f"call{i}/in"].tobytes() for i in range(STEPS * len(LAYERS))), r

@@ -60,9 +60,12 @@ def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, dev
 def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
     """Each part's reduction of every rank's payloads (``gathered``: per rank, a payload per
     part, in order) decoded into its slice of ``flat``, then divided by ``divisor`` where the
-    reducer's result is a sum (a majority vote is not averaged)."""
+    reducer's result is a sum (a majority vote is not averaged). A part without a reducer is
+    reduced by another rank (Pipeline.reduce_only): its slice of ``flat`` is not written."""
     on_device = isinstance(flat, torch.Tensor)
     for index, part in enumerate(parts):
+        if part.reducer is None:
+            continue
         chunk, step = flat[part.start:part.stop], part.ctx if ctx is None else ctx
         payloads = [rank[index] for rank in gathered]
         if on_device:

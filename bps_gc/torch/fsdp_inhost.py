@@ -6,14 +6,15 @@ flat input, one chunk per rank of the shard group back to back (chunk d: the pad
 the group's parameters that shard d keeps, in the group's order), and an output of one chunk.
 ``CompressedReduceScatter`` names each parameter's piece of each chunk
 ``<fqn>#to_shard<d>``, so every piece has its own codec state (error feedback...) kept and
-checkpointed by its parameter and destination, averages the whole input over the shard group
+checkpointed by its parameter and destination, averages the input over the shard group
 through a ``CompressedExchange`` of its own (the one pipeline: docs/runtime.md "One compressed
-exchange"), and copies its own chunk out (times the group's size where FSDP2 asks for a sum).
+exchange"), which reduces the rank's own chunk alone (``Pipeline.reduce_only``), and copies it
+out (times the group's size where FSDP2 asks for a sum).
 
-Its cost (docs/fsdp_inhost.md): every rank receives and decodes every chunk, not just its own:
-the exchange all-gathers payloads (or all-reduces thc's and PowerSGD's phases), so a rank sends
-its whole compressed input to each peer, where a reduce-scatter (or an all_to_all, which gloo
-has) sends each peer only its chunk; the codec work is that of the whole input on every rank.
+Its cost (docs/fsdp_inhost.md): every rank receives every chunk's payloads, not just its own:
+the exchange all-gathers payloads (or all-reduces thc's and PowerSGD's phases, and decodes
+every chunk), so a rank sends its whole compressed input to each peer, where a reduce-scatter
+(or an all_to_all, which gloo has) sends each peer only its chunk.
 Its bytes count in ``bps_gc.torch.metrics()``'s ``in_host_*`` fields. Either replicate reducer
 takes it (``compress_in_host``): torch.distributed's replicate group (fsdp.py) or the parameter
 server (fsdp_ps.py, where the shard group is the host's local ranks, a torch.distributed group
@@ -55,18 +56,23 @@ def compress_in_host(compression_params, groups, shards, size, seed_rank=None):
     references)."""
     in_host = in_host_exchange(compression_params, list(shards.values()), size, seed_rank)
     refuse_unfit_codec(in_host, [part for parts in shards.values() for part in parts], "shard_compression_params")
+    # this rank reads its own chunk alone: the other chunks' pieces are reduced by their own
+    # ranks (no server chain here, none of its state; its own chunk's bits are the same)
+    own = groups[0][1].mesh_info.shard_mesh_rank
+    in_host.hook.pipeline.reduce_only(lambda name: name.rsplit("#to_shard", 1)[1] == str(own))
     for module, param_group in groups:
         if shards[id(param_group)]:
-            module.set_custom_reduce_scatter(CompressedReduceScatter(in_host, shards[id(param_group)], size))
+            module.set_custom_reduce_scatter(CompressedReduceScatter(in_host, shards[id(param_group)], size, own))
     return in_host
 
 
 class CompressedReduceScatter(ReduceScatter):
     """One parameter group's reduce-scatter through ``exchange`` (``parts``: the group's
-    [(``<fqn>#shard<i>``, stand-in)], in its order; ``shards``: the shard group's size)."""
+    [(``<fqn>#shard<i>``, stand-in)], in its order; ``shards``: the shard group's size; ``own``:
+    this rank's index in it, the one chunk the exchange reduces here)."""
 
-    def __init__(self, exchange, parts, shards):
-        self.exchange, self.shards = exchange, shards
+    def __init__(self, exchange, parts, shards, own):
+        self.exchange, self.shards, self.own = exchange, shards, own
         self.destinations = destination_parts(parts, shards)
 
     def allocate(self, size, *, dtype, device):
@@ -79,13 +85,15 @@ class CompressedReduceScatter(ReduceScatter):
             raise ValueError(f"register_fsdp_hooks: the compressed reduce-scatter (shard_compression_params) "
                              f"averages or sums, and FSDP2 asked for {op}: drop set_gradient_divide_factor")
         chunks = input_tensor.view(self.shards, -1)
-        if dist.get_world_size(group) != self.shards or output_tensor.numel() != chunks.shape[1]:
+        if (dist.get_world_size(group), dist.get_rank(group)) != (self.shards, self.own) or \
+                output_tensor.numel() != chunks.shape[1]:
             raise RuntimeError(f"bps_gc register_fsdp_hooks: a reduce-scatter of {input_tensor.numel()} elements "
-                               f"over {dist.get_world_size(group)} ranks into {output_tensor.numel()}, where the "
-                               f"shard group has {self.shards} ranks")
+                               f"over {dist.get_world_size(group)} ranks into {output_tensor.numel()} as rank "
+                               f"{dist.get_rank(group)}, where the shard group has {self.shards} ranks and this "
+                               f"is shard {self.own}")
         named = [piece for d, chunk in enumerate(chunks) for piece in shard_pieces(chunk, self.destinations[d])]
-        interruptible_wait(self.exchange(named, group=group))  # the average, in place in input_tensor
-        own = chunks[dist.get_rank(group)]
+        interruptible_wait(self.exchange(named, group=group))  # the average of its own chunk, in place
+        own = chunks[self.own]
         with torch.no_grad():
             output_tensor.copy_(own if op == dist.ReduceOp.AVG else own * self.shards)
         return None  # done: FSDP2 calls it synchronously (async_op=False) and reads no Work

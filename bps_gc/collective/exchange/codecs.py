@@ -130,6 +130,13 @@ class PartCodecs:
         # None: each numpy codec keeps its own scratch buffers (no allocation a call); or a
         # compress.Scratch shared by every part's numpy chain and reducer (Pipeline.share_scratch)
         self.scratch = None
+        # None: every part is reduced here; or a predicate on a part's name (Pipeline.reduce_only):
+        # a part it refuses gets no reducer (no server chain, no state of it) and is not reduced
+        self.reduced_here = None
+
+    def reduces(self, name):
+        """Whether this rank reduces the part named ``name`` (a phased codec: always)."""
+        return self.phased or self.reduced_here is None or name is None or self.reduced_here(name)
 
     def state_of(self, batch):
         """The BatchState of ``batch``, kept while its parts stay the same."""
@@ -148,10 +155,11 @@ class PartCodecs:
             return False, np.dtype(np.float32)
         return runs_on_device(tensor, device_codecs), wire_dtype(tensor, self.params.fp16)
 
-    def _make_codec(self, key, n, tensor, on_device, wire, shape=None):
+    def _make_codec(self, key, n, tensor, on_device, wire, shape=None, reduced=True):
         """A fresh PartCodec of ``n`` elements where ``tensor`` lives (its draws this process's
         own: build_chain's ``rank`` is ``seed_rank`` or its torch.distributed rank); ``shape``: the
-        part's, for a codec that views it as a matrix (PowerSGD)."""
+        part's, for a codec that views it as a matrix (PowerSGD); ``reduced``: False for a part
+        another rank reduces (no reducer)."""
         rank = self.seed_rank if self.seed_rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if self.phased:  # its reducer runs as the phases of phased.py
             chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, shape=shape)
@@ -159,11 +167,13 @@ class PartCodecs:
             return PartCodec(key, n, tensor.device, on_device, wire, chain, None)
         device = {"device": tensor.device} if on_device else {}
         chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, **device)
-        reducer = (device_reduction(self.reducer, self.params, n, wire, key, tensor.device) if on_device else
+        reducer = (None if not reduced else
+                   device_reduction(self.reducer, self.params, n, wire, key, tensor.device) if on_device else
                    compress.make_reducer(self.reducer, self.params, n, wire, key))
         if not on_device:
             compress.use_scratch(chain, self.scratch)
-            compress.use_scratch(reducer, self.scratch)
+            if reducer is not None:
+                compress.use_scratch(reducer, self.scratch)
         return PartCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 
     def codecs_for(self, batch):
@@ -178,8 +188,9 @@ class PartCodecs:
                 codec = self.codecs.get(part)
                 if codec is None or not codec.fits(n, buffer.device, on_device, wire):
                     shape = batch.shapes[position] if batch.shapes else None
+                    reduced = self.reduces(batch.names[position] if batch.names else None)
                     codec = self.codecs[part] = self._make_codec(batch.key(position), n, buffer, on_device, wire,
-                                                                 shape)
+                                                                 shape, reduced)
                 codecs.append(codec)
             return codecs
         return built_or_refused(build, self.params, batch.index, buffer), on_device
@@ -242,7 +253,7 @@ class PartCodecs:
             if isinstance(key, bool) or not isinstance(key, int) and not hasattr(key, "__index__"):
                 raise StateError(f"comm_hook: the state of {name!r} has no integer key")
             fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p, device_codecs),
-                                           tuple(p.shape))
+                                           tuple(p.shape), self.reduces(name))
 
         def install():
             self.codecs.update((id(named[name]), codec) for name, codec in fresh.items())

@@ -62,6 +62,15 @@ class Pipeline:
         each codec's own buffers: no allocation a step.)"""
         self.codecs.scratch = compress.Scratch()
 
+    def reduce_only(self, reduced_here):
+        """From now on, reduce only the parts whose names ``reduced_here(name)`` accepts (before
+        the first call and any checkpoint load): every rank still compresses and gathers every
+        part, but a refused part gets no reducer (none of its state) and its slice of the buffer
+        holds no average after a call (its values unspecified). A reduce-scatter whose rank
+        reads its own chunk alone (fsdp_inhost.py) wants that. Flat exchanges only: under two
+        levels a host's owner reduces for its host-mates. Phased codecs reduce every part."""
+        self.codecs.reduced_here = reduced_here
+
     def submit(self, group, batch, lr, comm=None):
         """The average of ``batch.buffer`` over ``group``, written into it: a pending future of
         the buffer. ``lr``: the learning rate error feedback rescales by; ``comm``: the running
@@ -85,6 +94,9 @@ class Pipeline:
             self.exchanger.submit(self.phased.run, job)
             return job.future
         levels = None if state.on_device else levels  # device payloads stay flat (as DeviceTensors')
+        if levels is not None and self.codecs.reduced_here is not None:
+            raise RuntimeError("bps_gc exchange: reduce_only takes a flat exchange, and this group reduces through "
+                               "two levels (each host's owner reduces a part for its host-mates)")
         job = self._job(batch, comm, group if levels is not None else self.side_group(group), group, levels,
                         state.parts, ctx, state.keys, state.on_device)
         self.driver.run(job)

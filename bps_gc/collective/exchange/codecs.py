@@ -252,8 +252,10 @@ class PartCodecs:
             p, key = named[name], sd.get(f"{name}/key")
             if isinstance(key, bool) or not isinstance(key, int) and not hasattr(key, "__index__"):
                 raise StateError(f"comm_hook: the state of {name!r} has no integer key")
+            # a state saved with the part's reducer (before reduce_only refused it) loads as saved
+            reduced = self.reduces(name) or any(k.startswith(f"{name}/reducer/") for k in sd)
             fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p, device_codecs),
-                                           tuple(p.shape), self.reduces(name))
+                                           tuple(p.shape), reduced)
 
         def install():
             self.codecs.update((id(named[name]), codec) for name, codec in fresh.items())

@@ -6,7 +6,7 @@ servers sum one push per host. The first launch, ``bpslaunch --local``, 2 hosts 
 
 * dense as native HSDP on the (2, 3) mesh (recomputed without FSDP or bps_gc), within 1e-6;
 * top-k 25% + EF and the onebit recipe (recompressed by the server), top-k in the host too
-  (shard_compression_params), alone and under each of fully_shard's policies: every hook call
+  (shard_compression_params), alone, under each of fully_shard's policies and float16: every hook call
   (and in-host reduce-scatter) bit for bit as the numpy recomputation, bytes as its payloads';
 * dense under a bfloat16 or float16 reduce dtype, pushed as it or as BytePS's fp16: the
   server's float32 mean rounded once; thc 4-bit close to the exact mean;
@@ -49,15 +49,14 @@ RECOMPRESSED = {"topk": TOPK, "recipe": {"compressor": "onebit", "scaling": True
 # top-k + EF once more per fully_shard policy (fsdp_ps_job.POLICIES), in the host too: bfloat16
 # parameters reduced in float32 or in bfloat16, CPU offload
 POLICY_RUNS = {"topk-bf16": "bf16", "topk-bf16r": "bf16r", "topk-offload": "offload"}
-# dense with a bfloat16 or float16 reduce dtype (fully_shard's policy): pushed and pulled as it,
-# summed and averaged by the server in float32, rounded once
+# dense with a bfloat16 or float16 reduce dtype: pushed and pulled as it, the server's float32 mean rounded once
 DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
 # BytePS's float16 wire (fp16, no codec) under the same policies: each shard travels as float16
 # (the bfloat16 one rounded to it), averaged so, and rounded back into the reduce dtype
 FP16_WIRE = {"fp16-bf16r": "bf16r", "fp16-f16r": "f16r"}
 HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
 IN_HOST = {"inhost": TOPK}  # top-k + EF in the host too (shard_compression_params), then as "topk"
-IN_HOST_RUNS = {**IN_HOST, **dict.fromkeys(POLICY_RUNS, TOPK)}  # the first launch's: the policy runs too
+IN_HOST_RUNS = {**IN_HOST, **dict.fromkeys([*POLICY_RUNS, "dense-f16r"], TOPK)}  # the first launch's in-host runs
 # thc 4-bit with feedback, top-k + EF and the in-host run first, trained together with SGD
 # momentum: the job saves them (dcp and bps_gc's state) before step SAVE_AT, the second launch
 # resumes them, the third is refused their codec state
@@ -227,9 +226,8 @@ def check_results(ranks):
             assert np.linalg.norm(got - mean) < np.linalg.norm(mean), f"thc call {call} shard {i}"
             along, square = along + float(got @ mean), square + float(mean @ mean)
     assert 0.95 <= along / square <= 1.05, along / square
-    # bytes: each rank pushes its own shard once a step
-    # (rank 0's shards are the largest, the size FSDP2 pads every rank's to: local rank 2's are
-    # a row short, 32 = 11 + 11 + 10 and 8 = 3 + 3 + 2)
+    # bytes: each rank pushes its own shard once a step (rank 0's shards are the largest, the size
+    # FSDP2 pads every rank's to: local rank 2's are a row short, 32 = 11 + 11 + 10 and 8 = 3 + 3 + 2)
     assert [ranks[r]["dense/local/0/4.weight"].shape for r in range(LOCAL)] == [(3, 32), (3, 32), (2, 32)]
     sizes = [v.size for k, v in ranks[0].items() if k.startswith("dense/local/0/")]
     shard_bytes, thc_bytes = 4 * sum(sizes), 8 * sum(8 + -(-n // 12) for n in sizes)
@@ -269,9 +267,11 @@ def in_host_step(ranks, run):
     dtype: the float32 average rounded), each the hook's input; in_host_* bytes the payloads'; state LOCAL + 1 x shard."""
     got = [{**{k.split("/", 1)[1]: v for k, v in a.items() if k.startswith(f"{run}/")},
             **{f"local/{name}": a[f"{run}/local/{STEPS - 1}/{name}"] for name in NAMES}} for a in ranks]
-    bf16 = (lambda x: torch.from_numpy(x).to(torch.bfloat16).float().numpy()) if run == "topk-bf16r" else None
-    sent = check_in_host_reduce_scatters(got, LOCAL, f"ps {run}/", STEPS, seed_rank=lambda r: r % LOCAL, rounded=bf16)
-    check_in_host_bytes(got, sent, LOCAL, STEPS, itemsize=2 if bf16 else 4)
+    # the float32 average in the reduce dtype: bfloat16 (torch's rounding); float16 (numpy's), times LOCAL: a sum
+    half = {"topk-bf16r": lambda x: torch.from_numpy(x).to(torch.bfloat16).float().numpy(),
+            "dense-f16r": lambda x: (x.astype(np.float16) * np.float16(LOCAL)).astype(np.float32)}.get(run)
+    sent = check_in_host_reduce_scatters(got, LOCAL, f"ps {run}/", STEPS, seed_rank=lambda r: r % LOCAL, rounded=half)
+    check_in_host_bytes(got, sent, LOCAL, STEPS, itemsize=2 if half else 4)
     shard_bytes = 4 * sum(v.size for k, v in ranks[0].items() if k.startswith(f"{run}/local/0/"))
     for r, arrays in enumerate(got):
         assert arrays["rs_calls"].tolist() == arrays["calls"].tolist(), r

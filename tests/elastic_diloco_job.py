@@ -7,7 +7,10 @@ are saved, with bps.size() at each; at the end the global copy pulled from the s
 (mid-window), says HALF and waits to be killed; a joiner starts where DiLoCo.elastic_start puts
 it. Every worker stops ``after_join`` windows of H inner steps (as many exchanges) into
 membership epoch ``join_epoch`` (from its first exchange: a joiner's, the join's), or after
-``max_rounds`` windows, or at the window written in ``stop_file`` once it exists.
+``max_rounds`` windows, or at the window written in ``stop_file`` once it exists. With ``gate``
+(a path) the members idle in membership epoch 1 (after a death) until it exists (a joiner says
+JOINING first). ``replicate``, ``fragments``, ``delay``: the first phase's DiLoCo's (with
+"hosts" a host's local ranks train on the host's batches: one replica).
 With ``workers_phase`` the live hosts then train a fresh model with the outer step on the
 workers in the same job (saved under ``w/``; its own ``sync_every``, ``fragments``, ``delay``,
 ``warm_steps``, ``warm_every``;
@@ -27,6 +30,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
+import bps_gc.core as core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
 from elastic_host import say  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
@@ -34,6 +38,8 @@ from test_diloco import batch, build_model  # noqa: E402
 spec, out_dir = json.load(open(sys.argv[1])), sys.argv[2]
 bps.init()
 rank = bps.rank()
+# with replicate="hosts" a host's local ranks are one replica: the same batches (identical steps)
+replica = rank // bps.local_size() if spec.get("replicate") == "hosts" else rank
 H = spec["sync_every"]
 saved = {}
 
@@ -82,7 +88,9 @@ def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
             keep(f"rank{rank}.{'victim' if not opt.tag else start}.npz")  # its pushes, for the oracle
             say("HALF")
             time.sleep(600)  # killed here
-        x, y = batch(rank, opt.steps)
+        while spec.get("gate") and bps.membership_epoch() == 1 and not os.path.exists(spec["gate"]):
+            time.sleep(0.05)  # the members idle while a joiner starts (its python and torch: seconds)
+        x, y = batch(replica, opt.steps)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -96,20 +104,29 @@ def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
     opt.wait()
 
 
-try:  # a join with replicate='hosts': refused in one line (made on every host alike)
-    bps.DiLoCo(build_model(), torch.optim.SGD(build_model().parameters(), lr=0.05), H,
-               replicate="hosts", outer_step="workers").elastic_start()
-except ValueError as e:
-    saved["refused"] = np.array(str(e))
+def landed(opt):
+    """A joiner's exchange in flight at its join (the one before its first, applied at its due
+    step): numbered as such; saved: its due step, if any."""
+    for fragment in [f for f in opt.fragments if f.pending is not None]:
+        fragment.index = opt.started - 1
+    saved[f"{opt.tag}landed"] = np.array([f.due for f in opt.fragments if f.pending is not None])
+
+
 model = build_model()
-opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H,
-               compression_params=spec["compression_params"])  # the default: the servers' outer step
+opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H, fragments=spec.get("fragments", 1),
+               delay=spec.get("delay", 0), compression_params=spec["compression_params"],
+               outer_step=spec.get("outer_step"), replicate=spec.get("replicate"))  # None: the default (servers)
+if opt.hosts:  # the parameters sent uncompressed (their outer step the workers'), for the oracle
+    saved["on_workers"] = np.array(sorted(opt.exchange.averaged))
 workers_joiner = spec.get("workers_joiner", False)  # joins in the workers' phase: skips the first
+if core.joining() and not workers_joiner:
+    say("JOINING")  # made, about to ask to join (the members' ``gate`` may open)
 start = opt.started = opt.first = 0 if workers_joiner else opt.elastic_start()
 if not workers_joiner:
+    landed(opt)
     say(f"START {start} {opt.steps}")
     train(opt, model, spec["join_epoch"], spec["after_join"],
-          spec["kill_at"] if rank == spec["victim"] and not start else None)
+          spec["kill_at"] if replica == spec["victim"] and not start else None, spec.get("pause_at"))
     saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
     keep(f"rank{rank}.{start}.npz")
 if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in the same job
@@ -122,9 +139,7 @@ if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in t
     opt.tag = "w/"
     opt.started = opt.first = opt.elastic_start()
     saved["w/start"] = np.array(opt.started)
-    for fragment in [f for f in opt.fragments if f.pending is not None]:  # in flight at the join: the
-        fragment.index = opt.started - 1  # exchange before the joiner's first, applied at its due step
-    saved["w/landed"] = np.array([f.due for f in opt.fragments if f.pending is not None])
+    landed(opt)
     say(f"START w/{int(saved['w/start'])} {opt.steps} in flight {saved['w/landed'].tolist()}")
     train(opt, model, phase["join_epoch"], spec["after_join"],
           phase["kill_at"] if rank == spec["victim"] and start and not workers_joiner else None, phase.get("pause_at"))

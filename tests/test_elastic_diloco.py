@@ -14,8 +14,11 @@ end. In the same job the live hosts then train a fresh model with the outer step
 workers, 2 fragments, delay 1 and a warm phase of 2 steps (check_the_workers_phase): the joiner
 dies mid-window, and another fresh host joins, taking the global copies, the outer momentum, the
 step count and an exchange in flight from a live worker; the same checks, per exchange, against
-torch's SGD recomputed in numpy (one joiner process more, ~2.4 s CPU). An elastic join with
-replicate='hosts' is refused in one line."""
+torch's SGD recomputed in numpy (one joiner process more, ~2.4 s CPU).
+
+A second launch runs a host's local ranks as one replica (``replicate="hosts"``): see
+test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins."""
+import glob
 import json
 import os
 import signal
@@ -97,7 +100,6 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
     (_, left_at, _), (_, joined_at, _) = sequence[:2]
     assert left_at == 1, sequence
     hosts, last = phase_hosts(tmp_path, "victim", str(joined_at), left_at, joined_at)
-    assert "not replicate='hosts'" in str(hosts["0"]["refused"]), hosts["0"]["refused"]
     oracle = outer_sgd(hosts, last, on_workers=UNCOMPRESSED)
     check_global_copies(hosts, oracle, left_at, joined_at)
     for k in ("0", "1", "2 (joined)"):  # the servers' copy at the end (of the parameters they hold)
@@ -160,4 +162,77 @@ def check_the_workers_phase(tmp_path, sequence, groups_before):
     assert landed.size == (joined_at % 2 == 0), (joined_at, landed)
     assert {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at}/")} != \
         {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at + 1}/")}  # two fragments
+    assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])
+
+
+HOSTS_SPEC = {"sync_every": 3, "fragments": 2, "delay": 1, "replicate": "hosts", "outer_step": "servers",
+              "max_rounds": 400, "victim": 1,
+              "kill_at": 5, "sleep": 0.05, "pause_at": 0, "join_epoch": 2, "after_join": 2,
+              "compression_params": {"compressor": "threshold", "threshold": 0.0}}
+TWO_RANKS = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins(tmp_path):
+    """DiLoCo(replicate="hosts") under BPS_GC_ELASTIC: 2 worker hosts x 2 local ranks, 1 server,
+    the servers' outer step (the parts below BYTEPS_MIN_COMPRESS_BYTES=256: the workers', with
+    their momentum), H = 3, 2 fragments, delay 1; each host's ranks step on the host's batches
+    (identical replicas). Host 1's local rank 1 is SIGKILLed mid-window (its launcher stops rank
+    0); host 0 goes on alone, then a fresh host 1 (both ranks) joins, each rank taking the
+    global copies, outer momentum, exchange in flight and step count from its counterpart on
+    host 0. Every rank's global copy after every exchange equals the numpy outer SGD over the
+    mean of the hosts that pushed it (each host's pseudo-gradient the same bits on its two
+    ranks), bit for bit: the joiner's from the exchange in flight at its join on; and so does
+    the servers' copy each rank pulls at the end."""
+    spec = dict(HOSTS_SPEC, gate=str(tmp_path / "gate"))  # host 0 idles from the death until the joiner is made
+    job = start_job("elastic_diloco_job.py", spec, tmp_path, workers=2, env={"BYTEPS_MIN_COMPRESS_BYTES": "256"},
+                    role_env={"worker0": TWO_RANKS, "worker1": TWO_RANKS})
+    try:
+        job.wait_output(["worker1"], "HALF", BOUND)
+        os.kill(job.local_rank_of("worker1", 1), signal.SIGKILL)
+        job.wait_output(["worker0"], "membership: worker 2, 3 left; epoch 1", BOUND)
+        job.launch("joiner", host_command("elastic_diloco_job.py", tmp_path / "spec.json", tmp_path),
+                   dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **TWO_RANKS))
+        job.wait_output(["joiner"], "JOINING", BOUND)
+        (tmp_path / "gate").touch()
+        statuses, _ = job.wait_all(BOUND)
+    finally:
+        job.kill_all()
+    report = job.report(statuses)
+    assert "local rank 1 (worker 3) exited with status 137; stopping the others" in job.text("worker1"), report
+    assert not [name for name in job.launchers if "Traceback" in job.text(name)], report
+    assert all(statuses[name] == 0 for name in ("scheduler", "server0", "worker0", "joiner")), report
+    sequence = membership(job.text("scheduler"))
+    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2, 3])], sequence
+    (_, left_at, _), (_, joined_at, _) = sequence
+    files = {"0": ("rank0.0", "rank1.0"), "1 (died)": ("rank2.victim", "rank3.victim"),
+             "1 (joined)": tuple(os.path.basename(glob.glob(str(tmp_path / f"rank{r}.[1-9]*.npz"))[0])[:-4]
+                                 for r in (2, 3))}
+    ranks = {k: [dict(np.load(tmp_path / f"{name}.npz")) for name in names] for k, names in files.items()}
+    assert all(int(h["start"]) == joined_at for h in ranks["1 (joined)"]), (files, joined_at)
+    # the last exchange pushed: still in flight at the stop (delay 1), the servers' copy has it
+    last = max(int(n.split("/")[1]) for n in ranks["0"][0] if n.startswith("size/"))
+    assert last >= joined_at + HOSTS_SPEC["after_join"] * 2 - 1, (last, joined_at)
+    for k, (mine, mate) in ranks.items():  # a host's two ranks: one replica, the same pushes
+        assert sorted(n for n in mine if n.startswith("pseudo/")) == sorted(n for n in mate if n.startswith("pseudo/"))
+        assert all(mine[n].tobytes() == mate[n].tobytes() for n in mine if n.startswith("pseudo/")), k
+    hosts = {k: mine for k, (mine, _) in ranks.items()}
+    for rnd in range(last + 1):
+        pushed = sorted(k for k, h in hosts.items() if f"size/{rnd}" in h)
+        assert pushed == (["0", "1 (died)"] if rnd < left_at else ["0"] if rnd < joined_at else ["0", "1 (joined)"]), \
+            (rnd, pushed)
+    on_workers = tuple(hosts["0"]["on_workers"])  # its parts below 256 bytes: 2.weight's too, not 0.weight's
+    assert "2.weight" in on_workers and "0.weight" not in on_workers, on_workers
+    oracle = outer_sgd(hosts, last, on_workers=on_workers)
+    landed = ranks["1 (joined)"][0]["landed"]  # the due step of the exchange in flight at the join, if any
+    assert landed.size == (joined_at % 2 == 0), (joined_at, landed)  # fragment 0's exchange: fragment 1's
+    for rnd, want in enumerate(oracle):
+        keys = [f"global/{rnd}/{name}" for name in want]
+        holders = [h for rs in ranks.values() for h in rs if any(key in h for key in keys)]
+        both = rnd < left_at or rnd >= joined_at or rnd == joined_at - 1 and landed.size
+        assert len(holders) == (0 if rnd == last else 4 if both else 2), (rnd, len(holders))
+        for h in holders:
+            for key in [key for key in keys if key in h]:
+                assert h[key].tobytes() == want[key.rsplit("/", 1)[1]].tobytes(), (rnd, key)
+    for h in ranks["0"] + ranks["1 (joined)"]:
+        assert h["pulled/0.weight"].tobytes() == oracle[-1]["0.weight"].reshape(-1).tobytes()
     assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])

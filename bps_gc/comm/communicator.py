@@ -207,10 +207,12 @@ class Communicator(abc.ABC):
     # alone, summed over the hosts (the parameter server: its servers count one push per host)
     pushes_one_per_host = False
 
-    def averaged_over(self, tensor):
+    def averaged_over(self, tensor, size=None):
         """How many pushes an average of ``tensor`` (its placement.TensorPlan) divides by: every
-        worker's, or, for a tensor declared ``one_per_host``, the hosts'."""
-        return self.size // self.local_size if tensor.pushed_by is not None else self.size
+        worker's, or, for a tensor declared ``one_per_host``, the hosts'; ``size``: the workers
+        (BPS_GC_ELASTIC: a round group's members), else this communicator's."""
+        size = self.size if size is None else size
+        return size // self.local_size if tensor.pushed_by is not None else size
 
     # whether ``reduce_tensor`` sums uncompressed torch tensors where they live
     sums_tensors_on_device = False

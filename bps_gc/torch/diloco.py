@@ -164,10 +164,8 @@ class DiLoCo:
         fragment's global copy, outer state and exchange in flight, and the step count, sets its
         parameters to the global copies, starts after the exchange before that one
         (diloco_elastic.py), and returns the exchanges started before its first; its inner
-        optimizer and codec state start at zero."""
-        if self.hosts:
-            raise ValueError("DiLoCo.elastic_start: a host joins DiLoCo with replicate=None for now (each worker a "
-                             "replica), not replicate='hosts'")
+        optimizer and codec state start at zero. With replicate="hosts" each local rank of a
+        joining host takes them from its counterpart on a live host (the whole replica's)."""
         self.elastic = True
         return elastic_join(self)
 

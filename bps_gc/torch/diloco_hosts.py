@@ -33,7 +33,9 @@ class HostPartsExchange:
     one shape, so they are all compressed or none)."""
 
     def __init__(self, compression_params, named, reducer=None):
-        self.group = host_group(caller="replicate='hosts'")
+        # a host joining under BPS_GC_ELASTIC makes it once admitted (``host()``): till then a
+        # rank may not know its host-mates' addresses, which the admission brings
+        self.group = None if core.joining() else host_group(caller="replicate='hosts'")
         self.parts, self.part = core.local_size(), core.local_rank()
         self.hosts = core.size() // self.parts
         self.shapes = {name: tuple(p.shape) for name, p in named}
@@ -63,7 +65,7 @@ class HostPartsExchange:
         mine = torch.cat([parts[name].reshape(-1) for name in names])
         gathered = [torch.empty_like(mine) for _ in range(self.parts)]
         # waited for in slices a Ctrl-C can come between, as the exchange is (exchange.py)
-        interruptible_wait(dist.all_gather(gathered, mine, group=self.group, async_op=True).get_future())
+        interruptible_wait(dist.all_gather(gathered, mine, group=self.host(), async_op=True).get_future())
         result, offset = {}, 0
         for name in names:
             size, shape = self.sizes[name], self.shapes[name]
@@ -71,6 +73,12 @@ class HostPartsExchange:
             result[name] = flat[:torch.Size(shape).numel()].view(shape)
             offset += size
         return result
+
+    def host(self):
+        """The host's process group (made at the first use on a joining host)."""
+        if self.group is None:
+            self.group = host_group(caller="replicate='hosts'")
+        return self.group
 
     def server_values(self, name, attr):
         """The whole of ``attr`` of the servers' state of ``name`` (outer_sgd's global copy), flat:

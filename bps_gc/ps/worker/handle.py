@@ -114,7 +114,7 @@ class Handle(HandleABC):
         try:
             dest = self.wire[push.part.start:push.part.stop]
             reducer = push.part.reducer
-            count = self.members or self.worker.averaged_over(self.tensor)
+            count = self.worker.averaged_over(self.tensor, self.members)  # a one_per_host tensor's: the hosts
             if dest.dtype == BFLOAT16:  # dense (placement.check_dtype); averaged here only where the
                 # servers do not divide (servers_average): divided in float32, rounded back
                 if payload is not push.dest:

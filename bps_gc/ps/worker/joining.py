@@ -5,9 +5,10 @@ Every worker names the arrays a joiner copies with ``elastic_start(params)`` (th
 parameters, updated in place each step). A member, told a host joins (EPOCH_PREPARE), pledges
 the first round group it has not opened and waits before opening it; the COMMIT names the
 join's first group, up to which members run, then wait at its boundary (EPOCH_AT). There the
-parameters are those every member holds before that step; the donor (the lowest member)
-sends them to each joining rank (a host of local ranks joins as a unit), with every key's
-round, over the worker-to-worker links: a JSON
+parameters are those every member holds before that step; a donor sends them to each joining
+rank (a host of local ranks joins as a unit: each of its ranks from the local rank of the same
+number on the lowest member's host, ``donor_of``), with every key's round, over the
+worker-to-worker links: a JSON
 header, then each array's bytes, never a pickle. The joiner fills its arrays, says EPOCH_AT,
 and everyone goes on at GO, once the servers count the joiner.
 
@@ -55,21 +56,31 @@ class JoinGate:
             if commit is None and group < self.pledge or commit is not None and group < commit["from_group"]:
                 return
             if commit is not None and not self.at_sent:
-                if commit["donor"] == self.worker.rank:
-                    self.send_parameters(commit)
+                mine = [j for j in commit["joined"] if self.donor_of(commit, j) == self.worker.rank]
+                self.send_parameters(commit, mine)
                 self.at_sent = True
                 self.worker.io.queue(Tell(Msg.EPOCH_AT, {"epoch": commit["epoch"]}))
             self.cond.wait(POLL)
             self.worker.check_alive()
 
-    def send_parameters(self, commit):
+    def donor_of(self, commit, joiner):
+        """The member that sends ``joiner`` its parameters and rounds: the local rank of its
+        number on the host of the COMMIT's donor (the lowest member; hosts leave and join whole,
+        so all its host's ranks are members). A local rank's own tensors (``one_per_host``: its
+        part, e.g. DiLoCo's with replicate="hosts") have their rounds on that rank only."""
+        size = self.worker.local_size
+        return commit["donor"] - commit["donor"] % size + joiner % size
+
+    def send_parameters(self, commit, joiners):
+        if not joiners:
+            return
         tensors = self.worker.tensors
         params = self.params() if callable(self.params) else self.params
         header = {"arrays": [[name, str(a.dtype), list(a.shape)] for name, a in params.items()],
                   "rounds": {name: self.rounds_of(t) for name, t in tensors.items() if t.partitions and not t.local}}
         channel = f"bps_gc.join.{commit['epoch']}"
         peers = self.worker.peers
-        for joiner in commit["joined"]:
+        for joiner in joiners:
             peers.send(joiner, channel, json.dumps(header).encode())
             for array in params.values():
                 peers.send(joiner, channel, np.ascontiguousarray(array))
@@ -113,7 +124,8 @@ class JoinGate:
         return commit["from_group"]
 
     def receive_parameters(self, commit):
-        channel, donor, peers = f"bps_gc.join.{commit['epoch']}", commit["donor"], self.worker.peers
+        channel, peers = f"bps_gc.join.{commit['epoch']}", self.worker.peers
+        donor = self.donor_of(commit, self.worker.rank)
         header = json.loads(bytes(peers.recv(donor, channel, self.worker.cfg.join_timeout)).decode())
         arrays = header.get("arrays", [])
         params = self.params(arrays) if callable(self.params) else self.params

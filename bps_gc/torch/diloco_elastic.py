@@ -21,6 +21,12 @@ one round group, so a join falls between steps, never inside one (a group each l
 between two fragments' pushes of one step); the joiner starts a warm interval before (H0; after
 the warm phase as above), and a warm exchange in flight is landed and applied as plain
 averaging, by its due step, as on the members.
+
+A host as one replica (replicate="hosts", diloco_hosts.py): the state above is the whole
+replica's, the same on every local rank of a host (the exchange in flight all-gathered, before
+the join's push: no collective runs in it); each joining local rank takes it from its
+counterpart on the donor's host (ps/worker/joining.py ``donor_of``), which also has the rounds
+of its parts' keys.
 """
 import numpy as np
 import torch

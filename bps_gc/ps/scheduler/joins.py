@@ -14,7 +14,8 @@ never registered), and the job goes on. Three steps follow:
 
 1. PREPARE: every member pledges the first round group it has not opened yet and waits there.
 2. COMMIT: the join starts at ``from_group``, the highest pledge; members run up to it and wait
-   at its boundary (EPOCH_AT). A live member (the donor) sends each joining rank the parameters
+   at its boundary (EPOCH_AT). A live member (the donor; a host of local ranks: each joining
+   rank's counterpart on the donor's host, joining.py) sends each joining rank the parameters
    and every key's round; each says EPOCH_AT once it has them.
 3. GO: with every member at the boundary no round is open, so the servers count the joiner from
    each key's next round; once every server echoed GO, the workers hear it and go on.

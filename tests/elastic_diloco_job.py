@@ -10,7 +10,8 @@ membership epoch ``join_epoch`` (from its first exchange: a joiner's, the join's
 ``max_rounds`` windows, or at the window written in ``stop_file`` once it exists. With ``gate``
 (a path) the members idle in membership epoch 1 (after a death) until it exists (a joiner says
 JOINING first). ``replicate``, ``fragments``, ``delay``: the first phase's DiLoCo's (with
-"hosts" a host's local ranks train on the host's batches: one replica).
+"hosts" a host's local ranks train on the host's batches: one replica). ``parameters``: the
+model's parameters after each outer step are saved too.
 With ``workers_phase`` the live hosts then train a fresh model with the outer step on the
 workers in the same job (saved under ``w/``; its own ``sync_every``, ``fragments``, ``delay``,
 ``warm_steps``, ``warm_every``;
@@ -65,6 +66,8 @@ class Recorded(bps.DiLoCo):
         super().finish_sync(fragment)
         for name, copy in zip(fragment.names, fragment.copies):
             saved[f"{self.tag}global/{fragment.index}/{name}"] = copy.numpy().copy()
+        for name, p in fragment.named if spec.get("parameters") else ():  # the model's, after it
+            saved[f"{self.tag}param/{fragment.index}/{name}"] = p.detach().numpy().copy()
         if self.first_joined is None and bps.membership_epoch() >= self.join_epoch and fragment.index >= self.first:
             self.first_joined = fragment.index  # the first exchange of the join's epoch, on every host
         if self.first_joined is not None and fragment.index >= self.first_joined + self.last:

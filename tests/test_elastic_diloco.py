@@ -166,8 +166,8 @@ def check_the_workers_phase(tmp_path, sequence, groups_before):
 
 
 HOSTS_SPEC = {"sync_every": 3, "fragments": 2, "delay": 1, "replicate": "hosts", "outer_step": "servers",
-              "max_rounds": 400, "victim": 1,
-              "kill_at": 5, "sleep": 0.05, "pause_at": 0, "join_epoch": 2, "after_join": 2,
+              "max_rounds": 400, "victim": 1, "kill_at": 5, "sleep": 0.05, "pause_at": 0, "join_epoch": 2,
+              "after_join": 2, "parameters": True,
               "compression_params": {"compressor": "threshold", "threshold": 0.0}}
 TWO_RANKS = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
 
@@ -181,8 +181,8 @@ def test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins(tmp_pat
     global copies, outer momentum, exchange in flight and step count from its counterpart on
     host 0. Every rank's global copy after every exchange equals the numpy outer SGD over the
     mean of the hosts that pushed it (each host's pseudo-gradient the same bits on its two
-    ranks), bit for bit: the joiner's from the exchange in flight at its join on; and so does
-    the servers' copy each rank pulls at the end."""
+    ranks), bit for bit: the joiner's from the exchange in flight at its join on, its model's
+    parameters then the others'; and so does the servers' copy each rank pulls at the end."""
     spec = dict(HOSTS_SPEC, gate=str(tmp_path / "gate"))  # host 0 idles from the death until the joiner is made
     job = start_job("elastic_diloco_job.py", spec, tmp_path, workers=2, env={"BYTEPS_MIN_COMPRESS_BYTES": "256"},
                     role_env={"worker0": TWO_RANKS, "worker1": TWO_RANKS})
@@ -233,6 +233,10 @@ def test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins(tmp_pat
         for h in holders:
             for key in [key for key in keys if key in h]:
                 assert h[key].tobytes() == want[key.rsplit("/", 1)[1]].tobytes(), (rnd, key)
+    params = [k for k in ranks["1 (joined)"][0] if k.startswith("param/")]  # the joiner's model after each
+    assert any(k.startswith(f"param/{joined_at}/") for k in params), params  # outer step it took: the others'
+    for key in params:
+        assert all(h[key].tobytes() == ranks["0"][0][key].tobytes() for h in ranks["0"] + ranks["1 (joined)"]), key
     for h in ranks["0"] + ranks["1 (joined)"]:
         assert h["pulled/0.weight"].tobytes() == oracle[-1]["0.weight"].reshape(-1).tobytes()
     assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])

@@ -52,6 +52,13 @@ class Recorded(bps.DiLoCo):
     first = 0  # this host's first exchange (a joiner's: the join's)
 
     def start_sync(self, *fragments):  # the pseudo-gradients this worker pushes, for the oracle
+        # every exchange before this one waited for (DiLoCo does so first under BPS_GC_ELASTIC),
+        # none after it pushed: membership_epoch() is the previous exchange's epoch on every rank
+        # alike (read once an exchange is finished, a later one's release could race it)
+        self.wait()
+        joined = self.started - 1  # the first exchange of the join's epoch (a joiner's: its first)
+        if self.first_joined is None and joined >= self.first and bps.membership_epoch() >= self.join_epoch:
+            self.first_joined = joined
         for fragment in fragments:  # a warm step's: every fragment's, one exchange each
             fragment.index, rnd = self.started, self.started
             self.started += 1
@@ -68,10 +75,9 @@ class Recorded(bps.DiLoCo):
             saved[f"{self.tag}global/{fragment.index}/{name}"] = copy.numpy().copy()
         for name, p in fragment.named if spec.get("parameters") else ():  # the model's, after it
             saved[f"{self.tag}param/{fragment.index}/{name}"] = p.detach().numpy().copy()
-        if self.first_joined is None and bps.membership_epoch() >= self.join_epoch and fragment.index >= self.first:
-            self.first_joined = fragment.index  # the first exchange of the join's epoch, on every host
         if self.first_joined is not None and fragment.index >= self.first_joined + self.last:
             self.done = True
+
 
 def keep(name):
     """``saved`` in OUT_DIR/``name``, whole or not at all (a kill may come at any moment)."""

@@ -125,8 +125,8 @@ model = build_model()
 opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), H, fragments=spec.get("fragments", 1),
                delay=spec.get("delay", 0), compression_params=spec["compression_params"],
                outer_step=spec.get("outer_step"), replicate=spec.get("replicate"))  # None: the default (servers)
-if opt.hosts:  # the parameters sent uncompressed (their outer step the workers'), for the oracle
-    saved["on_workers"] = np.array(sorted(opt.exchange.averaged))
+if opt.hosts:  # the parameters whose outer step the workers take (the servers': those sent uncompressed)
+    saved["on_workers"] = np.array(sorted(opt.exchange.averaged if opt.on_servers else dict(model.named_parameters())))
 workers_joiner = spec.get("workers_joiner", False)  # joins in the workers' phase: skips the first
 if core.joining() and not workers_joiner:
     say("JOINING")  # made, about to ask to join (the members' ``gate`` may open)
@@ -136,7 +136,8 @@ if not workers_joiner:
     say(f"START {start} {opt.steps}")
     train(opt, model, spec["join_epoch"], spec["after_join"],
           spec["kill_at"] if replica == spec["victim"] and not start else None, spec.get("pause_at"))
-    saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
+    if opt.on_servers:
+        saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
     keep(f"rank{rank}.{start}.npz")
 if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in the same job
     phase = spec["workers_phase"]

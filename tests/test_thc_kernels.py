@@ -107,7 +107,7 @@ def test_a_bad_float64_word_anywhere_is_refused_before_anything_is_written(x):
     summed = codec.compress_q(hist.view(np.uint8)).view(thc.CARRIER) * 2
     out = np.full(N, 7.0, np.float32)
     for at in (0, 1, 100, 5_000, summed.size - thc.HEADER - 1):
-        for bad in (0.5, -1.0, 2.0**53, np.nan):
+        for bad in (0.5, -1.0, 2.0**53, np.nan, np.inf, 2.0**51 + 0.5, 1e-300):
             broken = summed.copy()
             broken[thc.HEADER + at] = bad
             with pytest.raises(ValueError, match="a lane overflowed"):

@@ -177,11 +177,10 @@ static int word_ok(double v) { return v >= 0.0 && v < 9007199254740992.0 && v ==
 
 /* 0 when every float64 word is an integer in [0, 2^53), else ERR_CODE. Words pass when their
  * bits are below 2^53's (a positive double below 2^53; negative ones, NaN and inf have bits
- * above) and v - floor(v) is +0.0 (vreducepd, which would do it in one, is slower here and
- * gives -0.0), 32 at a time from the first 64-byte line on
- * (the lines prefetched: the words are often out of the first two cache levels): the bits
- * max-ed and the fractions or-ed in vectors, no mask per vector (it was twice the work, and
- * the pass ran at the cores' speed, not the caches'). 32 that do not pass are checked one by
+ * above) and v - floor(v) is +0.0, 32 at a time from the first 64-byte line on (the lines
+ * prefetched: the words are often out of the first two cache levels): bits max-ed and
+ * fractions or-ed in vectors, no mask per vector (that took twice the instructions; vreducepd,
+ * v - floor(v) in one, is slower here and gives -0.0). 32 that do not pass are checked one by
  * one (-0.0, which thc.c accepts, fails the first test). */
 AVX512 int64_t thc_check_words_avx512(const double *w, int64_t nwords) {
     const __m512i limit = _mm512_set1_epi64(0x4340000000000000ll); /* 2^53 */

@@ -10,11 +10,11 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
   output before and after (widened to float32); with spec "shard_compression_params", the
   in-host reduce-scatter compressed too, each call's input, output and seconds recorded
   ("rs<i>/", "rs_seconds") and metrics()' bytes of the run saved (spec "record_rs": the same of
-  FSDP2's own reduce-scatter); spec "widths": the MLP's;
+  FSDP2's own reduce-scatter); spec "widths": the MLP's; spec "dense_steps": the hooks';
 * "resume" (init_process_group, then bps_gc.torch.init() adopting that group, as FSDP2 scripts
-  do), one model per spec "runs" entry (its name: its compression_params), spec "phase":
-  "first" trains ``stop_at`` steps, saves the models and optimizers
-  (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict() (OUT/bps<rank>.pt),
+  do), one model per spec "runs" entry (its name: its compression_params; spec "dense_steps"
+  {run: the hooks' dense_steps}), spec "phase": "first" trains ``stop_at`` steps, saves the
+  models and optimizers (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict() (OUT/bps<rank>.pt),
   then trains on to ``steps``; "resumed" builds afresh, loads them and trains the rest, then
   trains straight runs (no checkpoint) in the same process, and hands their DTensor parameters
   to DistributedOptimizer and to comm_hook, which must refuse them;
@@ -73,7 +73,7 @@ WIDE = (128, 256, 256, 128)  # the bytes' MLP: weight shards of 16,384 to 32,768
 
 
 def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("compression_params"),
-          widths=(16, 32, 32, 8), shard_compression_params=None):
+          widths=(16, 32, 32, 8), shard_compression_params=None, dense_steps=0):
     """The MLP of ``widths`` sharded on mesh["shard"] (``hooked``) or on the whole mesh (native
     HSDP) with POLICIES[``policy``], its hooks (the exchange; none unless ``hooked`` and
     ``hooks``) and its optimizer."""
@@ -85,7 +85,7 @@ def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("com
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=shard_mesh, **POLICIES.get(policy, {}))
     fully_shard(model, mesh=shard_mesh, **POLICIES.get(policy, {}))
-    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], compression_params,
+    exchange = bps.register_fsdp_hooks(model, mesh["replicate"], compression_params, dense_steps=dense_steps,
                                        shard_compression_params=shard_compression_params) if hooked and hooks else None
     momentum = 0.9 if mode == "resume" else 0.0  # resume: optimizer state to carry too
     return model, exchange, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
@@ -115,9 +115,10 @@ def resume():
     """Each run's arrays prefixed "<run>/": the models, one per spec "runs" entry, are trained,
     saved and loaded together, as one script's several models would be."""
     steps, stop_at, ckpt = spec["steps"], spec["stop_at"], os.path.join(out, "dcp")
-    in_host = spec.get("in_host", {})  # run -> its shard_compression_params
-    runs = {run: build(compression_params=params, shard_compression_params=in_host.get(run))
-            for run, params in spec["runs"].items()}
+    # run -> its shard_compression_params, its dense_steps
+    in_host, dense = spec.get("in_host", {}), spec.get("dense_steps", {})
+    runs = {run: build(compression_params=params, shard_compression_params=in_host.get(run),
+                       dense_steps=dense.get(run, 0)) for run, params in spec["runs"].items()}
 
     def train_all(steps):
         for model, _, opt in runs.values():
@@ -137,7 +138,8 @@ def resume():
     train_all(range(stop_at, steps))
     result = {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/resumed/").items()}
     for run, params in spec["runs"].items():
-        straight, _, opt = build(compression_params=params, shard_compression_params=in_host.get(run))
+        straight, _, opt = build(compression_params=params, shard_compression_params=in_host.get(run),
+                                 dense_steps=dense.get(run, 0))
         train(straight, opt, range(steps))
         result.update(parameters(straight, f"{run}/straight/"))
     # a sharded model's DTensors handed to DistributedOptimizer and to the DDP hook: refused, naming the hooks
@@ -166,7 +168,8 @@ def native_or_hooked(part, head=""):
         calls, prefix, in_host, rs_calls = [], head + ("" if policy is None else f"{policy}/"), None, []
         model, exchange, opt = build(hooked=hooked, policy=policy, compression_params=part.get("compression_params"),
                                      shard_compression_params=part.get("shard_compression_params"),
-                                     widths=tuple(part.get("widths", (16, 32, 32, 8))))
+                                     widths=tuple(part.get("widths", (16, 32, 32, 8))),
+                                     dense_steps=part.get("dense_steps", 0))
         if exchange is not None:
             record_calls(model, calls)
             if part.get("shard_compression_params") is not None or part.get("record_rs"):

@@ -41,7 +41,8 @@ def launch(tmp_path_factory):
                  "bytes": CODECS},
         # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
         "inhost_dense": {"mode": "hooked", "steps": 10, "shard_compression_params": {}},
-        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2},
+        "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1}}},
         tmp_path_factory.mktemp("fsdp_parts"))
 
 
@@ -110,6 +111,24 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
     assert low_bits["bf16"].any() and not low_bits["bf16r"].any()  # the hooks got float32, bfloat16 indeed
 
 
+def test_dense_steps_average_dense_then_through_the_codec(launch):
+    """register_fsdp_hooks(..., dense_steps=1): each module's first call is the replicas' plain
+    mean (an all_reduce, as native HSDP's), its later ones the codec's, whose chains start then
+    (their step 0)."""
+    got = part(launch, "dense_first")
+    calls, steps = got[0]["calls"], {}
+    assert len(calls) == 3 * len(LAYERS)
+    for i, module in enumerate(calls):
+        step = steps.get(int(module), 0)
+        steps[int(module)] = step + 1
+        for shard in (0, 1):
+            ins = [got[r][f"call{i}/in"] for r in (shard, 2 + shard)]
+            want = (ins[0] + ins[1]) / np.float32(2) if step == 0 else \
+                expected_call(ins, shard, LAYERS[int(module)], step - 1, "dense_first")
+            for r in (shard, 2 + shard):
+                np.testing.assert_array_equal(got[r][f"call{i}/out"], want, err_msg=f"call {i} rank {r}")
+
+
 def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
     """register_fsdp_hooks(..., shard_compression_params=): without a codec the model trains as
     native HSDP; with top-k + EF (dense across replicas) every reduce-scatter's output is the
@@ -173,7 +192,8 @@ def launch_2x3(tmp_path_factory):
         "native": {"mode": "native", "steps": 10},
         "hooked": {"mode": "hooked", "steps": 10},
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2},
-        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2},
+        "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1}}},
         tmp_path_factory.mktemp("fsdp_2x3"), ranks=6)
 
 
@@ -215,15 +235,17 @@ def near_square(n):
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
-    """Two launches of three models, top-k + EF, thc 4-bit + EF and top-k + EF in the host only
-    (shard_compression_params), SGD with momentum, 6 steps:
+    """Two launches of four models, top-k + EF, thc 4-bit + EF, top-k + EF in the host only
+    (shard_compression_params) and top-k + EF after 4 dense steps, SGD with momentum, 6 steps:
     the first saves after step 3 (the models and optimizers with torch.distributed.checkpoint,
     the hooks' codec state with bps_gc.torch.state_dict()) and trains on; the second loads them
     into fresh processes and trains the rest, then trains straight runs. Each rank's saved
     arrays, per launch."""
     out = tmp_path_factory.mktemp("fsdp_resume")
-    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "runs": {"topk": TOPK, "thc": THC, "inhost": None},
-            "in_host": {"inhost": TOPK}}  # "inhost": dense across replicas, top-k + EF in the host
+    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "runs": {"topk": TOPK, "thc": THC, "inhost": None,
+                                                                 "dense_first": TOPK},
+            "in_host": {"inhost": TOPK},  # "inhost": dense across replicas, top-k + EF in the host
+            "dense_steps": {"dense_first": 4}}  # the codec from step 4: after the resume at 3
     for phase in ("first", "resumed"):
         run_torchrun_job("fsdp_job.py", {**spec, "phase": phase}, out, 4)
     return {phase: [dict(np.load(out / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
@@ -233,13 +255,14 @@ def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):
     """Every shard's error-feedback residual, reducer state and step count come back: without
     them (the codecs afresh) the resumed run differs from the straight one."""
     for r, got in enumerate(resume_runs["resumed"]):
-        for run in ("topk", "thc", "inhost"):
+        for run in ("topk", "thc", "inhost", "dense_first"):
             for name, _ in PARAMS:
                 for kind in ("full", "local"):
                     assert got[f"{run}/resumed/{kind}/{name}"].tobytes() == \
                         got[f"{run}/straight/{kind}/{name}"].tobytes(), f"rank {r} {run} {kind} {name}"
-    got = resume_runs["resumed"][0]  # the codecs trained otherwise
+    got = resume_runs["resumed"][0]  # the codecs trained otherwise, and so did the dense start
     assert not np.array_equal(got["topk/straight/full/0.weight"], got["thc/straight/full/0.weight"])
+    assert not np.array_equal(got["topk/straight/full/0.weight"], got["dense_first/straight/full/0.weight"])
 
 
 def test_two_launches_of_the_same_job_end_bit_identical(resume_runs):
@@ -279,3 +302,7 @@ def test_codec_state_of_another_mesh_is_refused_naming_both():
 def test_a_model_without_fsdp_modules_is_refused():
     with pytest.raises(ValueError, match="has no FSDPModule"):
         register_fsdp_hooks(torch.nn.Linear(2, 2), None)
+    with pytest.raises(ValueError, match=r"dense_steps must be a whole number >= 0, got -1$"):
+        register_fsdp_hooks(torch.nn.Linear(2, 2), None, dense_steps=-1)
+    with pytest.raises(ValueError, match="dense_steps needs a replicate group"):
+        register_fsdp_hooks(torch.nn.Linear(2, 2), None, dense_steps=2)

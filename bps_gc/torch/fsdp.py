@@ -29,7 +29,8 @@ from .fsdp_ps import register_on_servers
 from .fsdp_shards import ShardLayout, refuse_unfit_codec, shard_parts, shard_pieces, sharded_groups  # noqa: F401 (tests)
 
 
-def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=None, shard_compression_params=None):
+def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=None, shard_compression_params=None,
+                        dense_steps=0):
     """Register on every FSDPModule of ``model`` (the root module FSDP runs: its parameter
     names are the shards' names) a hook that averages its shards' gradients over ``replicate``
     (a 1-D DeviceMesh, e.g. ``mesh["replicate"]``, or a process group) through
@@ -39,7 +40,14 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
     ``bps_gc.torch.init()`` under bpslaunch, the model sharded over the host's local ranks:
     fsdp_ps.py); returns its PushPullExchange. ``shard_compression_params`` (off: None; ``{}``:
     the same path without a codec): FSDP2's in-host reduce-scatter compressed too, through a
-    second exchange (fsdp_inhost.py, docs/fsdp_inhost.md), its bytes metrics()' ``in_host_*``."""
+    second exchange (fsdp_inhost.py, docs/fsdp_inhost.md), its bytes metrics()' ``in_host_*``.
+    ``dense_steps``: the first that many steps average dense (gloo/NCCL all_reduce on ``replicate``,
+    as native HSDP), the codec from then on (PowerSGD's ``start_powerSGD_iter``)."""
+    if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
+        raise ValueError(f"register_fsdp_hooks: dense_steps must be a whole number >= 0, got {dense_steps!r}")
+    if replicate is None and dense_steps:
+        raise ValueError("register_fsdp_hooks: dense_steps needs a replicate group (torch.distributed's "
+                         "all_reduce); the parameter server path has none")
     groups = sharded_groups(model)
     if replicate is None:
         return register_on_servers(model, groups, compression_params, reducer, shard_compression_params)
@@ -48,7 +56,7 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
     mesh_info = groups[0][1].mesh_info
     # before the exchange: a checkpoint of another mesh is refused first, naming both shapes
     layout = register(ShardLayout(dist.get_world_size(group), mesh_info.shard_mesh_size,
-                                  mesh_info.shard_mesh_rank), "fsdp_hooks")
+                                  mesh_info.shard_mesh_rank, dense_steps, len(groups)), "fsdp_hooks")
     shards = shard_parts(model, groups)
     exchange = CompressedExchange(compression_params, reducer,
                                   named_parameters=[part for parts in shards.values() for part in parts])
@@ -56,9 +64,9 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
     refuse_unfit_codec(exchange, [part for parts in shards.values() for part in parts])
     if shard_compression_params is not None:  # kept alive with the exchange, as the layout
         exchange.in_host = compress_in_host(shard_compression_params, groups, shards, mesh_info.shard_mesh_size)
-    for module, param_group in groups:
+    for index, (module, param_group) in enumerate(groups):
         if shards[id(param_group)]:
-            module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)]))
+            module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)], layout, index))
     return exchange
 
 
@@ -84,10 +92,16 @@ def check_replicate_group(group, shard_mesh):
                          "mesh['shard'] the model is sharded on")
 
 
-def shard_hook(exchange, group, parts):
+def shard_hook(exchange, group, parts, layout=None, index=0):
     """The all-reduce hook of one FSDP parameter group: its reduce-scatter output cut into the
     parameters' padded shards (``parts``: [(name, stand-in tensor)], in the group's order),
-    named, averaged over ``group`` in place."""
+    named, averaged over ``group`` in place; a dense average while the group (``index``) has
+    done fewer than ``layout.dense_steps``."""
     def average_over_replicas(reduce_output):
+        if layout is not None and layout.dense_done[index] < layout.dense_steps:
+            layout.dense_done[index] += 1
+            dist.all_reduce(reduce_output, group=group)
+            reduce_output.div_(dist.get_world_size(group))
+            return
         interruptible_wait(exchange(shard_pieces(reduce_output, parts), group=group))
     return average_over_replicas

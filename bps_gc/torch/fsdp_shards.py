@@ -4,6 +4,7 @@ group a module), each parameter's shard as a named part ``<fqn>#shard<i>`` (i: t
 index in the shard mesh) with a stand-in tensor of its padded shape, reduce dtype and device,
 a reduce-scatter output cut into those parts, and the mesh a checkpoint of their codecs was
 saved on (``ShardLayout``)."""
+import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -67,13 +68,17 @@ def shard_part(param_group, fsdp_param, names):
 class ShardLayout:
     """The mesh a checkpoint of the hooks' codecs was saved on, (replicas, shards), and this
     rank's shard index: the codec state is per shard, so loading it on another mesh is refused,
-    naming both (start the codecs afresh by not loading bps_gc's state: docs/fsdp.md)."""
+    naming both (start the codecs afresh by not loading bps_gc's state: docs/fsdp.md). With
+    ``dense_steps``, also each hooked parameter group's dense averages so far (``dense_done``),
+    saved so that a resumed job switches to the codec at the same step as a straight one."""
 
-    def __init__(self, replicas, shards, shard):
+    def __init__(self, replicas, shards, shard, dense_steps=0, groups=0):
         self.identity = {"mesh": f"({replicas}, {shards})", "shard": shard}
+        self.dense_steps = dense_steps
+        self.dense_done = np.zeros(groups, np.int64)
 
     def codec_state(self):
-        return Fields(self, (), self.identity)
+        return Fields(self, ("dense_done",) if self.dense_steps else (), self.identity)
 
     def codec_state_to_load(self, sd):
         saved = (sd.get("identity.mesh"), sd.get("identity.shard"))

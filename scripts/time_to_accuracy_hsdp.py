@@ -28,14 +28,27 @@ import time_to_accuracy_lm as lm
 THC = {"compressor": "thc", "bits": 4, "feedback": True}
 HOOKS = {"HSDP hooks thc 4-bit": THC,
          "HSDP hooks PowerSGD r4": {"compressor": "powersgd", "rank": 4},
-         "HSDP hooks topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"}}
+         "HSDP hooks topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
+         # issue 42's time target: a higher rank, more bits, a dense start (run when --rows names them)
+         "HSDP hooks PowerSGD r8": {"compressor": "powersgd", "rank": 8},
+         "HSDP hooks PowerSGD r16": {"compressor": "powersgd", "rank": 16},
+         "HSDP hooks thc 8-bit": {**THC, "bits": 8}}
+# "<hook row> after N dense": its first N steps averaged dense (register_fsdp_hooks' dense_steps)
+DENSE_FIRST = tuple(f"HSDP hooks PowerSGD r{r} after {n} dense" for r in (4, 8) for n in (30, 60))
+EXTRA = (*list(HOOKS)[3:], *DENSE_FIRST)
 NATIVE = "native HSDP"
 LIMIT = "the limit (no cross-host exchange)"
 
 
+def dense_steps(config):
+    """A row's dense steps before its codec: the number before " dense" in its name, else 0."""
+    return int(config.rsplit(" ", 2)[1]) if config.endswith(" dense") else 0
+
+
 def rows(wanted):
     """The run's configurations: the limit and native HSDP, then the hook rows ``wanted`` keeps."""
-    return (LIMIT, NATIVE, *(name for name in HOOKS if wanted(name)))
+    return (LIMIT, NATIVE, *(name for name in (*HOOKS, *DENSE_FIRST)
+                             if wanted(name) and (name not in EXTRA or not wanted(""))))
 
 
 class Rank:
@@ -48,14 +61,17 @@ class Rank:
         self.mesh = mesh_for(args.local_ranks)
 
     def model(self, config):
-        """(model, optimizer, bytes a synced step hands the cross-host exchange or None: counted)."""
+        """(model, optimizer, bytes a synced step hands the cross-host exchange or None: counted,
+        the bytes of its dense steps)."""
         from hsdp import padded_shard_bytes, shard_gpt
         from lm_training import build_model, make_optimizer
         model = build_model(self.args, self.run.device)
         how = {LIMIT: "none", NATIVE: "native"}.get(config, "hooks")
-        shard_gpt(model, self.mesh, how, HOOKS.get(config))
+        shard_gpt(model, self.mesh, how, HOOKS.get(config.split(" after ")[0]), dense_steps(config))
         fixed = {"none": 0, "native": padded_shard_bytes(model)}.get(how)
-        return model, make_optimizer(self.args, model), fixed
+        # a dense-first row's dense steps hand the link what native HSDP's do
+        dense = dense_steps(config) * padded_shard_bytes(model)
+        return model, make_optimizer(self.args, model), fixed, dense
 
     def loss(self, model):
         """Rank 0's validation loss on every rank (every rank runs the FSDP forward)."""
@@ -70,7 +86,7 @@ class Rank:
         from gpt import byte_loss
         from lm_training import clipped_step
         args, run = self.args, self.run
-        model, opt, fixed = self.model(config)
+        model, opt, fixed, dense = self.model(config)
         curve, clock, capped, reached, sent = [(0, 0.0, self.loss(model))], 0.0, False, False, 0
         step_seconds = []
         run.bps.barrier()
@@ -101,7 +117,7 @@ class Rank:
             if reached and done >= args.steps:
                 break
         steps = curve[-1][0]
-        sent = fixed * steps if fixed is not None else sent
+        sent = fixed * steps if fixed is not None else sent + dense
         # the median step: the first steps' warm-up and the other jobs' bursts are not the step's cost
         median, per_step = run.mean([statistics.median(step_seconds), sent / max(steps, 1)], "tta.bytes")
         return {"curve": curve, "bytes_per_step": per_step, "capped": capped, "median_step_seconds": median}

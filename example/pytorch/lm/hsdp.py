@@ -28,7 +28,7 @@ def mesh_for(shards, device_type="cpu"):
     return init_device_mesh(device_type, (size // shards, shards), mesh_dim_names=("replicate", "shard"))
 
 
-def shard_gpt(model, mesh, how, compression_params=None):
+def shard_gpt(model, mesh, how, compression_params=None, dense_steps=0):
     """Shard ``model`` (gpt.GPT) in place on ``mesh`` the ``how`` way (HSDP); the hooks'
     CompressedExchange for "hooks", else None."""
     if how not in HSDP:
@@ -38,7 +38,7 @@ def shard_gpt(model, mesh, how, compression_params=None):
         fully_shard(block, mesh=on)
     fully_shard(model, mesh=on)
     if how == "hooks":
-        return bps.register_fsdp_hooks(model, mesh["replicate"], compression_params)
+        return bps.register_fsdp_hooks(model, mesh["replicate"], compression_params, dense_steps=dense_steps)
     return None
 
 

@@ -3,9 +3,10 @@ machines x --local-ranks ranks (>= 2), the GPT sharded with FSDP2 over each mach
 (example/pytorch/lm/hsdp.py) and replicated across the machines: native HSDP (fully_shard on
 the 2-D mesh: FSDP2's dense all-reduce of the gradient shards across the machines) and
 bps_gc.torch.register_fsdp_hooks on mesh["replicate"] with thc 4-bit, PowerSGD rank 4 and
-top-k 1% + error feedback. In network namespaces (--shaped RATE) a machine's ranks talk over
-its loopback, unshaped (FSDP2's in-host all-gather and reduce-scatter), and the machines over
-their NICs, shaped to RATE.
+top-k 1% + error feedback (with --rows naming them, also PowerSGD r8 and r16, thc 8-bit and
+"PowerSGD r4|r8 after 30|60 dense": register_fsdp_hooks' dense_steps). In network namespaces
+(--shaped RATE) a machine's ranks talk over its loopback, unshaped (FSDP2's in-host all-gather
+and reduce-scatter), and the machines over their NICs, shaped to RATE.
 
 First THE LIMIT trains --steps steps sharded on mesh["shard"] with nothing across the machines
 (each machine its own model: only its step time counts, the in-host work of the job's four
@@ -28,14 +29,13 @@ import time_to_accuracy_lm as lm
 THC = {"compressor": "thc", "bits": 4, "feedback": True}
 HOOKS = {"HSDP hooks thc 4-bit": THC,
          "HSDP hooks PowerSGD r4": {"compressor": "powersgd", "rank": 4},
-         "HSDP hooks topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
-         # issue 42's time target: a higher rank, more bits, a dense start (run when --rows names them)
-         "HSDP hooks PowerSGD r8": {"compressor": "powersgd", "rank": 8},
-         "HSDP hooks PowerSGD r16": {"compressor": "powersgd", "rank": 16},
-         "HSDP hooks thc 8-bit": {**THC, "bits": 8}}
+         "HSDP hooks topk 1% + EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"}}
+# issue 42's time target: a higher rank, more bits, a dense start; run only when --rows names them
+MORE_HOOKS = {"HSDP hooks PowerSGD r8": {"compressor": "powersgd", "rank": 8},
+              "HSDP hooks PowerSGD r16": {"compressor": "powersgd", "rank": 16},
+              "HSDP hooks thc 8-bit": {**THC, "bits": 8}}
 # "<hook row> after N dense": its first N steps averaged dense (register_fsdp_hooks' dense_steps)
 DENSE_FIRST = tuple(f"HSDP hooks PowerSGD r{r} after {n} dense" for r in (4, 8) for n in (30, 60))
-EXTRA = (*list(HOOKS)[3:], *DENSE_FIRST)
 NATIVE = "native HSDP"
 LIMIT = "the limit (no cross-host exchange)"
 
@@ -47,8 +47,9 @@ def dense_steps(config):
 
 def rows(wanted):
     """The run's configurations: the limit and native HSDP, then the hook rows ``wanted`` keeps."""
-    return (LIMIT, NATIVE, *(name for name in (*HOOKS, *DENSE_FIRST)
-                             if wanted(name) and (name not in EXTRA or not wanted(""))))
+    named = not wanted("")  # --rows given
+    return (LIMIT, NATIVE, *(name for name in HOOKS if wanted(name)),
+            *(name for name in (*MORE_HOOKS, *DENSE_FIRST) if named and wanted(name)))
 
 
 class Rank:
@@ -67,7 +68,7 @@ class Rank:
         from lm_training import build_model, make_optimizer
         model = build_model(self.args, self.run.device)
         how = {LIMIT: "none", NATIVE: "native"}.get(config, "hooks")
-        shard_gpt(model, self.mesh, how, HOOKS.get(config.split(" after ")[0]), dense_steps(config))
+        shard_gpt(model, self.mesh, how, {**HOOKS, **MORE_HOOKS}.get(config.split(" after ")[0]), dense_steps(config))
         fixed = {"none": 0, "native": padded_shard_bytes(model)}.get(how)
         # a dense-first row's dense steps hand the link what native HSDP's do
         dense = dense_steps(config) * padded_shard_bytes(model)

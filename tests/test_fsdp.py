@@ -192,8 +192,7 @@ def launch_2x3(tmp_path_factory):
         "native": {"mode": "native", "steps": 10},
         "hooked": {"mode": "hooked", "steps": 10},
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2},
-        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2},
-        "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1}}},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
         tmp_path_factory.mktemp("fsdp_2x3"), ranks=6)
 
 

@@ -66,7 +66,8 @@ def register_fsdp_hooks(model, replicate=None, compression_params=None, reducer=
         exchange.in_host = compress_in_host(shard_compression_params, groups, shards, mesh_info.shard_mesh_size)
     for index, (module, param_group) in enumerate(groups):
         if shards[id(param_group)]:
-            module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)], layout, index))
+            module.set_all_reduce_hook(shard_hook(exchange, group, shards[id(param_group)],
+                                                  layout if dense_steps else None, index))
     return exchange
 
 

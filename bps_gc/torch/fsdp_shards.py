@@ -75,7 +75,7 @@ class ShardLayout:
     def __init__(self, replicas, shards, shard, dense_steps=0, groups=0):
         self.identity = {"mesh": f"({replicas}, {shards})", "shard": shard}
         self.dense_steps = dense_steps
-        self.dense_done = np.zeros(groups, np.int64)
+        self.dense_done = np.zeros(groups if dense_steps else 0, np.int64)  # none held without
 
     def codec_state(self):
         return Fields(self, ("dense_done",) if self.dense_steps else (), self.identity)

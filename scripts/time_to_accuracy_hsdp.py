@@ -63,16 +63,14 @@ class Rank:
 
     def model(self, config):
         """(model, optimizer, bytes a synced step hands the cross-host exchange or None: counted,
-        the bytes of its dense steps)."""
+        a dense-first row's dense steps too: metrics() counts them)."""
         from hsdp import padded_shard_bytes, shard_gpt
         from lm_training import build_model, make_optimizer
         model = build_model(self.args, self.run.device)
         how = {LIMIT: "none", NATIVE: "native"}.get(config, "hooks")
         shard_gpt(model, self.mesh, how, {**HOOKS, **MORE_HOOKS}.get(config.split(" after ")[0]), dense_steps(config))
         fixed = {"none": 0, "native": padded_shard_bytes(model)}.get(how)
-        # a dense-first row's dense steps hand the link what native HSDP's do
-        dense = dense_steps(config) * padded_shard_bytes(model)
-        return model, make_optimizer(self.args, model), fixed, dense
+        return model, make_optimizer(self.args, model), fixed
 
     def loss(self, model):
         """Rank 0's validation loss on every rank (every rank runs the FSDP forward)."""
@@ -87,7 +85,7 @@ class Rank:
         from gpt import byte_loss
         from lm_training import clipped_step
         args, run = self.args, self.run
-        model, opt, fixed, dense = self.model(config)
+        model, opt, fixed = self.model(config)
         curve, clock, capped, reached, sent = [(0, 0.0, self.loss(model))], 0.0, False, False, 0
         step_seconds = []
         run.bps.barrier()
@@ -118,7 +116,7 @@ class Rank:
             if reached and done >= args.steps:
                 break
         steps = curve[-1][0]
-        sent = fixed * steps if fixed is not None else sent + dense
+        sent = fixed * steps if fixed is not None else sent
         # the median step: the first steps' warm-up and the other jobs' bursts are not the step's cost
         median, per_step = run.mean([statistics.median(step_seconds), sent / max(steps, 1)], "tta.bytes")
         return {"curve": curve, "bytes_per_step": per_step, "capped": capped, "median_step_seconds": median}

@@ -42,7 +42,8 @@ def launch(tmp_path_factory):
         # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
         "inhost_dense": {"mode": "hooked", "steps": 10, "shard_compression_params": {}},
         "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2},
-        "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1}}},
+        "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1,
+                        "record_rs": True}}},  # metrics()' bytes saved
         tmp_path_factory.mktemp("fsdp_parts"))
 
 
@@ -116,17 +117,20 @@ def test_dense_steps_average_dense_then_through_the_codec(launch):
     mean (an all_reduce, as native HSDP's), its later ones the codec's, whose chains start then
     (their step 0)."""
     got = part(launch, "dense_first")
-    calls, steps = got[0]["calls"], {}
+    calls, steps, pushed = got[0]["calls"], {}, [0] * 4
     assert len(calls) == 3 * len(LAYERS)
     for i, module in enumerate(calls):
         step = steps.get(int(module), 0)
         steps[int(module)] = step + 1
         for shard in (0, 1):
-            ins = [got[r][f"call{i}/in"] for r in (shard, 2 + shard)]
+            ranks, sent = (shard, 2 + shard), []
+            ins = [got[r][f"call{i}/in"] for r in ranks]
             want = (ins[0] + ins[1]) / np.float32(2) if step == 0 else \
-                expected_call(ins, shard, LAYERS[int(module)], step - 1, "dense_first")
-            for r in (shard, 2 + shard):
+                expected_call(ins, shard, LAYERS[int(module)], step - 1, "dense_first", sent=sent)
+            for j, r in enumerate(ranks):  # a dense step pushes the shard, a codec's its payloads
+                pushed[r] += ins[j].nbytes if step == 0 else sum(sent[j::2])
                 np.testing.assert_array_equal(got[r][f"call{i}/out"], want, err_msg=f"call {i} rank {r}")
+    assert [int(got[r]["bytes/pushed_wire"]) for r in range(4)] == pushed  # metrics() counts the dense steps
 
 
 def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):

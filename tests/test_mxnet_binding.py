@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from cluster import TESTS, run_local
-from conftest import LAUNCH_PYTHONPATH, ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT, skip_unless_installed
 from reference import PushPullModel
 
-pytest.importorskip("mxnet")
+skip_unless_installed("mxnet")  # the launched jobs import it
 
 JOB = os.path.join(TESTS, "mxnet_job.py")
 PARTITION_BYTES, MIN_COMPRESS_BYTES = 1024, 256  # dense0_weight (1280 B): 2 partitions; biases raw

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from bps_gc.launcher.local import free_port
-from conftest import LAUNCH_PYTHONPATH, ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT, skip_unless_installed
 from test_cifar10_choco import write_cifar10
 from test_study_scripts import TINY_PHASES, write_imagenet
 
@@ -202,7 +202,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def byteps_lines():
-    pytest.importorskip("mxnet")
+    skip_unless_installed("mxnet")  # the launched processes import it
     lines = {name: ours(f"byteps {name}") for name in BYTEPS_WORKER}
     result = subprocess.run([sys.executable, "-c", PARSE, ROOT, json.dumps(lines)], capture_output=True, text=True,
                             timeout=120, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
@@ -258,7 +258,7 @@ def test_byteps_cifar_line_runs(tmp_path):
     """The printed onebit fp16 line on 2 workers and a server, on tiny CIFAR-100 files: --mode
     hybrib trains imperatively and --num-gpus 1 on this GPU-less machine trains on the CPU, each
     with a note; the recipe's 200 epochs of resnet18_v2 become one of a small model."""
-    pytest.importorskip("mxnet")
+    skip_unless_installed("mxnet")  # the launched processes import it
     from cluster import run_local
     from test_mxnet_examples import write_cifar
     write_cifar(tmp_path / "data", train=65, test=33)

@@ -13,7 +13,7 @@ import pytest
 
 from cluster import run_local
 from collective_cluster import bpslaunch_argv, job_env
-from conftest import ROOT
+from conftest import ROOT, skip_unless_installed
 from test_codecs2_dgc import plan, select_oracle
 from test_codecs2_quantizers import splitmix_state
 from test_granularity import signs, topk
@@ -178,7 +178,7 @@ def check_replay(results, divisor):
 
 
 def test_the_same_through_the_mxnet_trainer(tmp_path):
-    pytest.importorskip("mxnet")
+    skip_unless_installed("mxnet")  # the launched processes import it
     (tmp_path / "spec.json").write_text(json.dumps({"epochs": EPOCHS, "configs": CONFIGS}))
     env = {"BYTEPS_MIN_COMPRESS_BYTES": "128", "BYTEPS_PARTITION_BYTES": "256", "OMP_NUM_THREADS": "1",
            "MXNET_CPU_WORKER_NTHREADS": "1"}

@@ -57,6 +57,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "census.jsonl")
         env = dict(os.environ, BPS_GC_CENSUS=path)
+        # as scripts/test.sh: with PYTHONDONTWRITEBYTECODE set (this box's shells set it) and a checkout
+        # without bytecode yet (a fresh worktree), every process compiled this repository's modules again
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         status = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
                                  env=env, cwd=ROOT)
         with open(path) if os.path.exists(path) else open(os.devnull) as f:

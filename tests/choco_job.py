@@ -2,8 +2,8 @@
 trains a small Linear model from its own initial weights and saves, per round, its gradients
 and parameters, then the averaged parameters and its gossip bytes.
 ``python tests/choco_job.py SPEC OUT [gloo]``: the messages go through bps_gc's parameter-server
-runtime (bpslaunch), or with ``gloo`` through its torch.distributed transport (torchrun, which
-bps_gc.init() detects: bps_gc.collective's isend/irecv). A config
+runtime (bpslaunch), or with ``gloo`` through its torch.distributed transport (torchrun or bpslaunch
+--servers 0, which bps_gc.init() detects: bps_gc.collective's isend/irecv). A config
 with "die_rank"/"die_step" makes that rank exit abruptly there (its neighbours must stop
 naming it)."""
 import json

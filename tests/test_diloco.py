@@ -202,9 +202,10 @@ def test_resumed_in_the_middle_of_a_window_equals_the_straight_run(launch_folder
     launches and checkpoint, the same DiLoCo with a warm phase (WARM_RESUMED: plain averaging
     every 2 steps for 6) is stopped inside it, with its exchange of step 4 in flight, and resumed
     across the switch to DiLoCo: bit-identical too. The straight run is the last run of the
-    module's diloco_job.py launch (launch_folder): one launch fewer."""
+    module's diloco_job.py launch (launch_folder, torchrun): one launch fewer; the two resume
+    launches under bpslaunch --servers 0 (the same gloo ranks, without torchrun's agent)."""
     for phase in ("first", "resumed"):
-        run_torchrun_job("diloco_resume_job.py", {**RESUME, "phase": phase}, tmp_path, 2)
+        run_torchrun_job("diloco_resume_job.py", {**RESUME, "phase": phase}, tmp_path, 2, launcher="bpslaunch")
     for rank in range(2):
         straight, resumed = np.load(launch_folder / f"straight{rank}.npz"), np.load(tmp_path / f"resumed{rank}.npz")
         first = np.load(tmp_path / f"first{rank}.npz")

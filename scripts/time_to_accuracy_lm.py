@@ -24,7 +24,7 @@ them); DDP dense, its gradient's bytes (its C++ reducer all-reduces all of them 
 The DiLoCo rows (bps_gc.torch.DiLoCo on torch.distributed, issue 44; scripts/tta_lm_diloco.py,
 with its warm-phase flags): every rank is a replica with the same AdamW, schedule and clipping
 as the other rows as its inner optimizer, and the paper's outer Nesterov SGD (lr 0.7, momentum
-0.9); H = --diloco-every inner steps between a fragment's syncs; "F=4 tau=1" is Streaming
+0.9; --diloco-outer-lr sets its lr); H = --diloco-every inner steps between a fragment's syncs; "F=4 tau=1" is Streaming
 DiLoCo (4 staggered fragments, each exchange overlapped with one inner step). Steps count inner steps, and bytes are per inner step. What is
 evaluated is what a user would deploy: the global copy, each fragment's as of its last applied
 outer step (an exchange in flight not included), not a replica's drifting local parameters. An

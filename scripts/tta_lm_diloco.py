@@ -5,12 +5,15 @@ torch.distributed, issue 44): their settings, names and flags.
     --diloco-warm-steps W --diloco-warm-every H0
                                           a warm phase first: plain averaging every H0 steps for
                                           W steps (DiLoCo's warm_steps, warm_every; docs/diloco.md)
+    --diloco-outer-lr LR                  the outer Nesterov SGD's lr (default the paper's 0.7)
 
-The warm phase is bps_gc's rows' only (torchft's DiLoCo has none); their names say it.
+The warm phase and the outer lr are bps_gc's rows' only (torchft's DiLoCo has no warm phase and
+keeps the paper's outer step); their names say them.
 """
 THC = {"compressor": "thc", "bits": 4, "feedback": True}  # error feedback across outer steps
 # the name after "bps_gc DiLoCo H=<H> " -> (fragments, delay tau, compression_params)
 DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 thc 4-bit": (4, 1, THC)}
+OUTER_LR = 0.7  # the paper's (and bps_gc.torch.DiLoCo's default outer SGD's), momentum 0.9, Nesterov
 MAX_DELAY = max(delay for _, delay, _ in DILOCO.values())  # a warm exchange is applied this late
 
 
@@ -22,11 +25,15 @@ def add_diloco_args(g):
     g.add_argument("--diloco-warm-every", type=int, default=None, metavar="H0",
                    help="lm: the warm phase's inner steps between averages (divides W; >= 2, above the "
                         "F=4 tau=1 row's delay)")
+    g.add_argument("--diloco-outer-lr", type=float, default=OUTER_LR, metavar="LR",
+                   help="lm: bps_gc's DiLoCo rows' outer Nesterov SGD lr (momentum 0.9; default the paper's 0.7)")
 
 
 def check_diloco_args(args, p):
     """One line (p.error) for DiLoCo flags the rows would refuse mid-run."""
     every, warm, warm_every = args.diloco_every, args.diloco_warm_steps, args.diloco_warm_every
+    if not args.diloco_outer_lr > 0:
+        p.error(f"--diloco-outer-lr must be > 0, got {args.diloco_outer_lr}")
     if every < 8:
         p.error(f"--diloco-every must be >= 8 (the F=4 tau=1 row's delay 1 must be below H / 4), got {every}")
     if warm < 0:
@@ -41,12 +48,16 @@ def check_diloco_args(args, p):
 def diloco_rows(args):
     """{row name: (fragments, delay, compression_params)} at H = --diloco-every."""
     warm = f" warm {args.diloco_warm_steps}/{args.diloco_warm_every}" if args.diloco_warm_steps else ""
+    warm += f" outer lr {args.diloco_outer_lr:g}" if args.diloco_outer_lr != OUTER_LR else ""
     return {f"bps_gc DiLoCo H={args.diloco_every}{warm} {name}": settings for name, settings in DILOCO.items()}
 
 
 def make_diloco(bps, model, opt, args, settings):
     """bps_gc.torch.DiLoCo over ``opt`` with a row's (fragments, delay, compression_params)."""
+    import torch
     fragments, delay, compression = settings
     warm = {"warm_steps": args.diloco_warm_steps, "warm_every": args.diloco_warm_every} if args.diloco_warm_steps else {}
-    return bps.DiLoCo(model, opt, args.diloco_every, fragments=fragments, delay=delay,
+    lr = args.diloco_outer_lr
+    outer = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True)  # noqa: E731
+    return bps.DiLoCo(model, opt, args.diloco_every, outer_optimizer=outer, fragments=fragments, delay=delay,
                       compression_params=compression, **warm)

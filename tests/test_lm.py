@@ -333,6 +333,7 @@ def train_module():
     (["--diloco-warm-steps", "150"], "and be above the F=4 tau=1 row's delay 1, got None"),
     (["--diloco-warm-every", "5"], "--diloco-warm-every 5 needs --diloco-warm-steps W > 0"),
     (["--diloco-every", "4"], "--diloco-every must be >= 8"),
+    (["--diloco-outer-lr", "0"], "--diloco-outer-lr must be > 0, got 0.0"),
 ])
 def test_bad_diloco_flags_are_one_line(capsys, flags, message):
     """scripts/time_to_accuracy.py --task lm's DiLoCo flags (scripts/tta_lm_diloco.py), refused at
@@ -351,12 +352,15 @@ def test_diloco_warm_flags_name_the_rows_and_reach_diloco():
     import time_to_accuracy
     import time_to_accuracy_lm as lm
     import bps_gc.torch as bps
-    args = time_to_accuracy.parse_args(["--task", "lm", "--diloco-warm-steps", "150", "--diloco-warm-every", "5"])
+    args = time_to_accuracy.parse_args(["--task", "lm", "--diloco-warm-steps", "150", "--diloco-warm-every", "5",
+                                        "--diloco-outer-lr", "1.0"])
     rows = lm.diloco_rows(args)
-    assert list(rows) == [f"bps_gc DiLoCo H=50 warm 150/5 {name}" for name in lm.DILOCO]
+    assert list(rows) == [f"bps_gc DiLoCo H=50 warm 150/5 outer lr 1 {name}" for name in lm.DILOCO]
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # 4 tensors: F = 4
     opt = lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), args, rows[list(rows)[-1]])
     assert (opt.sync_every, opt.warm_steps, opt.warm_every, opt.delay, len(opt.fragments)) == (50, 150, 5, 1, 4)
+    assert {(g["lr"], g["momentum"], g["nesterov"]) for f in opt.fragments for g in f.outer.param_groups} == {(1.0, 0.9, True)}
     plain = time_to_accuracy.parse_args(["--task", "lm"])
     assert list(lm.diloco_rows(plain))[0] == "bps_gc DiLoCo H=50 dense"
-    assert lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), plain, rows[list(rows)[0]]).warm_steps == 0
+    opt = lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), plain, rows[list(rows)[0]])
+    assert opt.warm_steps == 0 and {g["lr"] for f in opt.fragments for g in f.outer.param_groups} == {0.7}

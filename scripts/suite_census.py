@@ -29,12 +29,18 @@ def kind(line):
 def summarise(lines, top, per_test=()):
     kinds = collections.defaultdict(list)
     tests = collections.defaultdict(list)
+    scripts = collections.defaultdict(list)
     for line in lines:
         kinds[kind(line)].append(line["cpu"])
+        scripts[(kind(line), line.get("script", "-"))].append(line["cpu"])
         tests[line["test"] or "(no test)"].append(line["cpu"])
     total = sum(line["cpu"] for line in lines)
     by_kind = [{"kind": k, "processes": len(v), "cpu_s": round(sum(v), 1), "median_cpu_s": round(statistics.median(v), 2)}
                for k, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))]
+    # which programs are behind each kind: a launcher or server that imports torch shows here
+    by_script = [{"kind": k, "script": name, "processes": len(v), "cpu_s": round(sum(v), 1),
+                  "median_cpu_s": round(statistics.median(v), 2)}
+                 for (k, name), v in sorted(scripts.items(), key=lambda kv: -sum(kv[1]))]
     by_test = [{"test": t, "processes": len(v), "cpu_s": round(sum(v), 1)}
                for t, v in sorted(tests.items(), key=lambda kv: -sum(kv[1]))[:top]]
     # per test, from the pytest process (tests/conftest.py): its own CPU and that of the processes it
@@ -43,7 +49,7 @@ def summarise(lines, top, per_test=()):
               "cpu_s": round(t["own_cpu"] + t["waited_cpu"], 1)} for t in per_test]
     return {"box": machine_info(), "processes": len(lines), "cpu_s": round(total, 1),
             "pytest_own_cpu_s": round(sum(t["own_cpu_s"] for t in whole), 1),
-            "tests_cpu_s": round(sum(t["cpu_s"] for t in whole), 1), "by_kind": by_kind, "by_test": by_test,
+            "tests_cpu_s": round(sum(t["cpu_s"] for t in whole), 1), "by_kind": by_kind, "by_script": by_script, "by_test": by_test,
             "tests": sorted(whole, key=lambda t: -t["cpu_s"])}
 
 
@@ -70,6 +76,9 @@ def main():
     print(f"{'processes':>9} {'CPU s':>8} {'median':>7}  kind")
     for row in report["by_kind"]:
         print(f"{row['processes']:>9} {row['cpu_s']:>8} {row['median_cpu_s']:>7}  {row['kind']}")
+    print(f"\n{'processes':>9} {'CPU s':>8} {'median':>7}  program (argv[0]) and its kind")
+    for row in report["by_script"][:args.top]:
+        print(f"{row['processes']:>9} {row['cpu_s']:>8} {row['median_cpu_s']:>7}  {row['script']}: {row['kind']}")
     print(f"\n{'processes':>9} {'CPU s':>8}  test")
     for row in report["by_test"]:
         print(f"{row['processes']:>9} {row['cpu_s']:>8}  {row['test']}")

@@ -33,3 +33,6 @@ def test_sums_by_kind_and_by_test():
     assert [(r["processes"], r["cpu_s"], r["median_cpu_s"]) for r in report["by_kind"]] == [(2, 4.0, 2.0), (1, 1.0, 1.0),
                                                                                              (1, 0.2, 0.25)]
     assert report["by_test"] == [{"test": "t1", "processes": 2, "cpu_s": 4.0}]
+    # by program and kind, costliest first: which programs import torch
+    assert [(r["script"], r["processes"], r["cpu_s"]) for r in report["by_script"]] == [("a.py", 2, 4.0), ("b.py", 1, 1.0),
+                                                                                         ("node.py", 1, 0.2)]

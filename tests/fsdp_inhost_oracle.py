@@ -16,30 +16,31 @@ CHAINS = {}  # (run, fqn, suffix, senders) -> (the senders' worker chains, the s
 
 
 def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None):
-    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32;
-    bfloat16 ones widened): each parameter's padded shard (its rows split in ``shards``,
-    rounded up) through its worker chains (seeded by ``<fqn>#shard<i>``), decoded and summed in
-    replica order, re-compressed by the server's chain, halved; ``run``: the model's, whose
+    """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32,
+    bfloat16 and float16 ones widened: in float32; float64 in float64): each parameter's padded
+    shard (its rows split in ``shards``, rounded up) through its worker chains (seeded by
+    ``<fqn>#shard<i>``), decoded and summed in replica order, re-compressed by the server's
+    chain, halved; ``run``: the model's, whose
     chains are its own. The in-host step: ``ins`` the senders' chunks ``shard``, ``suffix``
     ``#to_shard<shard>``, ``ranks`` the senders' (``seeds``: the ranks their chains are seeded
     with, if not those); ``sent`` (a list) gets the payloads' bytes."""
-    result, offset = np.empty_like(ins[0]), 0
+    result, offset, dtype = np.empty_like(ins[0]), 0, ins[0].dtype.type
     suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
     for fqn, shape in params_of_layer:
         n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
         key = name_key(f"{fqn}{suffix}")
         chains = CHAINS.setdefault((run, fqn, suffix, ranks),
-                                   ([build_chain(TOPK, n, np.float32, key=key, rank=r) for r in seeds or ranks],
-                                    build_chain(TOPK, n, np.float32, key=key, role="server")))
+                                   ([build_chain(TOPK, n, dtype, key=key, rank=r) for r in seeds or ranks],
+                                    build_chain(TOPK, n, dtype, key=key, role="server")))
         ctx = {"lr": 0.0, "step": step}
-        acc = np.zeros(n, np.float32)
+        acc = np.zeros(n, dtype)
         for chain, x in zip(chains[0], ins):
             payload = chain.compress(x[offset:offset + n], ctx)
             if sent is not None:
                 sent.append(payload.nbytes)
             acc += chain.decompress(payload)
         acc = chains[1].decompress(chains[1].compress(acc, ctx))
-        result[offset:offset + n] = acc / np.float32(len(ranks))
+        result[offset:offset + n] = acc / dtype(len(ranks))
         offset += n
     assert offset == len(result)
     return result

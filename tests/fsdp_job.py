@@ -26,7 +26,7 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
 part's arrays prefixed "<name>/" (every model seeded and fed as in a launch of its own).
 
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
-mixed precision or CPU offload), its arrays prefixed "<policy>/". Each rank saves its full
+mixed precision or CPU offload, or float64 parameters), its arrays prefixed "<policy>/". Each rank saves its full
 parameters and its local shards, prefixed by the run's name. "hooked" then trains a wider MLP
 (WIDE) with each spec "bytes" codec (name: compression_params, null: dense) and saves its
 bytes per step and codec memory (fsdp_bytes.py), prefixed "bytes/<name>/"."""
@@ -66,7 +66,10 @@ POLICIES = {  # fully_shard's options of the extra models (spec "policies")
     "bf16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)},
     "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},  # pinned memory needs an accelerator
     "fp64r": {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)},
+    "f16r": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)},
+    "fp64": {},  # float64 parameters (PARAM_DTYPES), reduced in float64
 }
+PARAM_DTYPES = {"fp64": torch.float64}  # the policies whose model is built in another dtype than float32
 
 
 WIDE = (128, 256, 256, 128)  # the bytes' MLP: weight shards of 16,384 to 32,768 elements
@@ -80,7 +83,7 @@ def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("com
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(widths[0], widths[1]), torch.nn.ReLU(),
                                 torch.nn.Linear(widths[1], widths[2]), torch.nn.ReLU(),
-                                torch.nn.Linear(widths[2], widths[3]))
+                                torch.nn.Linear(widths[2], widths[3])).to(PARAM_DTYPES.get(policy, torch.float32))
     shard_mesh = mesh["shard"] if hooked else mesh
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=shard_mesh, **POLICIES.get(policy, {}))
@@ -98,7 +101,7 @@ def train(model, opt, steps, on_step=None, micro_batches=spec.get("micro_batches
             on_step(step)
         for micro in range(micro_batches):
             g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
-            x = torch.randn(4, model[0].in_features, generator=g)
+            x = torch.randn(4, model[0].in_features, generator=g).to(model[0].weight.dtype)  # float64 parameters
             y = torch.randn(4, model[4].out_features, generator=g)
             model.set_requires_gradient_sync(micro == micro_batches - 1)
             torch.nn.functional.mse_loss(model(x).float(), y).backward()  # bf16 parameters: bf16 output

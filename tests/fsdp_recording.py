@@ -3,7 +3,13 @@ numpy recomputations: every all-reduce hook call's reduce-scatter output before 
 every compressed in-host reduce-scatter's input and output."""
 import time
 
+import torch
 from torch.distributed.fsdp import FSDPModule
+
+
+def widened(tensor):
+    """A copy as numpy: float16 and bfloat16 widened exactly to float32, float64 kept."""
+    return tensor.detach().to(torch.float64 if tensor.dtype == torch.float64 else torch.float32).clone().numpy()
 
 
 def record_calls(model, calls):
@@ -15,9 +21,9 @@ def record_calls(model, calls):
         inner = param_group[0]._all_reduce_hook
 
         def recording(reduce_output, inner=inner, index=index):
-            before = reduce_output.detach().float().clone().numpy()  # float16, bfloat16 widened exactly
+            before = widened(reduce_output)
             inner(reduce_output)
-            calls.append((index, before, reduce_output.detach().float().clone().numpy()))
+            calls.append((index, before, widened(reduce_output)))
         module.set_all_reduce_hook(recording)
 
 
@@ -30,11 +36,11 @@ class RecordingReduceScatter:
         self.allocate = inner.allocate
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        before = input_tensor.detach().float().clone().numpy()  # averaged in place; bfloat16 widened exactly
+        before = widened(input_tensor)  # averaged in place
         wall, cpu = time.perf_counter(), time.process_time()
         self.inner(output_tensor, input_tensor, group, op, async_op)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        self.calls.append((self.index, before, output_tensor.detach().float().clone().numpy(), wall, cpu))
+        self.calls.append((self.index, before, widened(output_tensor), wall, cpu))
 
 
 def record_reduce_scatters(model, calls):

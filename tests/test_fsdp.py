@@ -21,6 +21,16 @@ WIDE = [(256, 128), (256,), (256, 256), (256,), (128, 256), (128,)]  # fsdp_job.
 # fully_shard's options of the jobs' extra models (fsdp_job.POLICIES): bf16 parameters reduced in
 # float32 or in bfloat16, CPU offload
 POLICIES = ["bf16", "bf16r", "offload"]
+# the codec runs' models also: float16 parameters reduced in float16, float64 parameters (reduced in float64)
+CODEC_POLICIES = POLICIES + ["f16r", "fp64"]
+# the exchange's float32 average rounded into a half reduce dtype (as float32); float64: none
+ROUNDED = {"bf16r": lambda x: torch.from_numpy(x).to(torch.bfloat16).float().numpy(),
+           "f16r": lambda x: x.astype(np.float16).astype(np.float32)}
+# the in-host step's output: FSDP2 asks for a sum under the float16 and float64 reduce dtypes (its
+# pre-divide by 2 before), so the average is multiplied by the shard group's 2 in that dtype (exact)
+IN_HOST_ROUNDED = {"bf16r": ROUNDED["bf16r"], "fp64": lambda x: x * 2,
+                   "f16r": lambda x: (x.astype(np.float16) * np.float16(2)).astype(np.float32)}
+ITEMSIZE = {"bf16r": 2, "f16r": 2, "fp64": 8}  # the reduce dtype's bytes an element, 4 if not here
 
 
 def run(spec, tmp_path, ranks=4):
@@ -37,11 +47,12 @@ def launch(tmp_path_factory):
     return run({"mode": "parts", "parts": {
         "native": {"mode": "native", "steps": 10, "policies": POLICIES},
         "hooked": {"mode": "hooked", "steps": 10, "policies": POLICIES},
-        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2, "policies": POLICIES,
-                 "bytes": CODECS},
+        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2,
+                 "policies": CODEC_POLICIES, "bytes": CODECS},
         # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
         "inhost_dense": {"mode": "hooked", "steps": 10, "shard_compression_params": {}},
-        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2,
+                        "policies": CODEC_POLICIES},
         "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1,
                         "record_rs": True}}},  # metrics()' bytes saved
         tmp_path_factory.mktemp("fsdp_parts"))
@@ -62,6 +73,7 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     assert float64.startswith("register_fsdp_hooks: compressor 'terngrad' cannot take the reduce dtype torch.float64 "
                               "of '0.weight#shard0' (TernGrad: float32 or float16 partitions only, got float64); set "
                               "fully_shard's mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)"), float64
+    assert "\n" not in float64
     assert in_host64.startswith("register_fsdp_hooks: shard_compression_params' compressor 'terngrad' cannot take "
                                 "the reduce dtype torch.float64 of '0.weight#shard0'"), in_host64
     assert "\n" not in in_host64
@@ -85,9 +97,12 @@ def topk_run(launch):
 
 def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
     """Two micro-batches a step, the first under set_requires_gradient_sync(False): the hooks run
-    (and the codecs' state moves) on the synced one only, once per module and step."""
+    (and the codecs' state moves) on the synced one only, once per module and step. Under a
+    bfloat16 or float16 reduce dtype the codec gets the widened inputs and the float32 average is
+    rounded into it; float64 parameters are compressed and averaged in float64."""
     got = topk_run
-    for prefix in [""] + [f"{policy}/" for policy in POLICIES]:  # the plain model, then one per policy
+    for policy in [None] + CODEC_POLICIES:  # the plain model, then one per policy
+        prefix = "" if policy is None else f"{policy}/"
         calls = got[0][f"{prefix}calls"]
         assert len(calls) == 3 * len(LAYERS)
         steps = {}
@@ -98,8 +113,7 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
                 replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
                 want = expected_call([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)],
                                      step, prefix)
-                if prefix == "bf16r/":  # reduced in float32, rounded back into the bfloat16 reduce output
-                    want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+                want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
                 for r in replicas:
                     np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
                                                   err_msg=f"{prefix}call {i} rank {r}")
@@ -108,8 +122,20 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
                 mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, 2 + shard)]
                 assert mates[0] == mates[1], f"{prefix}{name}"
             assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
-    low_bits = {policy: got[0][f"{policy}/call0/in"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
-    assert low_bits["bf16"].any() and not low_bits["bf16r"].any()  # the hooks got float32, bfloat16 indeed
+    check_reduce_dtypes(got, "call0/in", "call0/out")
+
+
+def check_reduce_dtypes(got, before, after):
+    """The hooks (or reduce-scatters) got float32 under the float32 reduce dtype, bfloat16 and
+    float16 under theirs (recorded widened), float64 with float64 parameters, whose average kept
+    float64's bits (not float32's)."""
+    low_bits = {policy: got[0][f"{policy}/{before}"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
+    assert low_bits["bf16"].any() and not low_bits["bf16r"].any()
+    halves = {policy: got[0][f"{policy}/{before}"] for policy in ("bf16", "f16r")}
+    assert np.array_equal(halves["f16r"].astype(np.float16).astype(np.float32), halves["f16r"])
+    assert not np.array_equal(halves["bf16"].astype(np.float16).astype(np.float32), halves["bf16"])
+    wide = got[0][f"fp64/{after}"]
+    assert wide.dtype == np.float64 and not np.array_equal(wide.astype(np.float32).astype(np.float64), wide)
 
 
 def test_dense_steps_average_dense_then_through_the_codec(launch):
@@ -138,15 +164,23 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
     native HSDP; with top-k + EF (dense across replicas) every reduce-scatter's output is the
     numpy re-computation over its shard group (each destination chunk's pieces through their
     chains, seeded by ``<fqn>#to_shard<d>``, the senders' in rank order), replicas end
-    bit-identical, and metrics() counts the in-host bytes apart: the pieces' payloads."""
+    bit-identical, and metrics() counts the in-host bytes apart: the pieces' payloads. The same
+    under each of CODEC_POLICIES: a bfloat16 or float16 reduce dtype widened for the codec and
+    the average rounded into it (float16: times 2, FSDP2's sum), float64 kept."""
     native, dense, got = part(launch, "native"), part(launch, "inhost_dense"), part(launch, "inhost_topk")
     for name, _ in PARAMS:
         for r in range(4):
             np.testing.assert_allclose(dense[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
                                        err_msg=f"{name} rank {r}")
-    check_in_host_bytes(got, check_in_host_reduce_scatters(got, 2, "inhost/"), 2, 3, "bytes/")
-    for r in range(4):
-        assert got[r]["bytes/pushed_wire"] == 3 * 4 * sum(math.prod(s) for _, s in PARAMS) // 2, r  # dense replicas
+    for policy in [None] + CODEC_POLICIES:  # the plain model, then one per policy (as the top-k hooks')
+        prefix = "" if policy is None else f"{policy}/"
+        run = [{k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in got]
+        sent = check_in_host_reduce_scatters(run, 2, f"inhost/{prefix}", rounded=IN_HOST_ROUNDED.get(policy))
+        itemsize = ITEMSIZE.get(policy, 4)
+        check_in_host_bytes(run, sent, 2, 3, "bytes/", itemsize=itemsize)
+        for r in range(4):  # dense across replicas, in the reduce dtype
+            assert run[r]["bytes/pushed_wire"] == 3 * itemsize * sum(math.prod(s) for _, s in PARAMS) // 2, (policy, r)
+    check_reduce_dtypes(got, "rs0/out", "rs0/out")  # its inputs under bf16: bfloat16 gradients, widened
 
 
 def test_bytes_per_step_and_codec_memory(topk_run):

@@ -9,15 +9,18 @@ it. Every worker stops ``after_join`` windows of H inner steps (as many exchange
 membership epoch ``join_epoch`` (from its first exchange: a joiner's, the join's), or after
 ``max_rounds`` windows, or at the window written in ``stop_file`` once it exists. With ``gate``
 (a path) the members idle in membership epoch 1 (after a death) until it exists (a joiner says
-JOINING first). ``replicate``, ``fragments``, ``delay``: the first phase's DiLoCo's (with
+JOINING first). ``replicate``, ``fragments``, ``delay``: the DiLoCo's of both phases (with
 "hosts" a host's local ranks train on the host's batches: one replica). ``parameters``: the
 model's parameters after each outer step are saved too.
 With ``workers_phase`` the live hosts then train a fresh model with the outer step on the
 workers in the same job (saved under ``w/``; its own ``sync_every``, ``fragments``, ``delay``,
-``warm_steps``, ``warm_every``;
+``warm_steps``, ``warm_every``, ``after_join``;
 ``pause_at``: the members sleep after those inner steps only): the first phase's joiner stops
 at the phase's ``kill_at`` (HALF again), and a host started with ``workers_joiner`` (which skips
-the first phase) joins it; they stop ``after_join`` windows into epoch ``join_epoch``.
+the first phase) joins it; they stop ``after_join`` windows into epoch ``join_epoch``. Its
+``gate`` (a path) and ``gate_at`` (an inner step): the members idle after that inner step until
+the path exists (the test makes it once the scheduler logged the join's start: the join's first
+exchange is then the first one started after that step, by construction).
 With ``save_each_round`` each push is on disk before it is sent (scripts/elastic_netns.py kills
 a host at any moment: the oracle needs every round it pushed).
 Run as ``python tests/elastic_diloco_job.py SPEC.json OUT_DIR``."""
@@ -85,11 +88,12 @@ def keep(name):
     os.replace(os.path.join(out_dir, name + ".tmp.npz"), os.path.join(out_dir, name))
 
 
-def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
+def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None, gate=None, gate_at=None):
     """Inner steps until ``after_join`` windows of H inner steps (as many exchanges as that
     holds) into membership epoch ``join_epoch``, counted from its first exchange; at inner step
     ``victim_at``: save, say HALF, wait to be killed. The sleep between inner steps: ``sleep``
-    after each, or with ``pause_at``, H times it after the inner steps that are ``pause_at`` mod H."""
+    after each, or with ``pause_at``, H times it after the inner steps that are ``pause_at`` mod H.
+    Until the path ``gate`` exists: idle in membership epoch 1, or with ``gate_at`` after that inner step."""
     H = opt.sync_every
     opt.join_epoch, opt.last, opt.done = join_epoch, after_join * len(opt.fragments) - 1, False
     while opt.steps < spec["max_rounds"] * H and not opt.done:
@@ -97,7 +101,8 @@ def train(opt, model, join_epoch, after_join, victim_at=None, pause_at=None):
             keep(f"rank{rank}.{'victim' if not opt.tag else start}.npz")  # its pushes, for the oracle
             say("HALF")
             time.sleep(600)  # killed here
-        while spec.get("gate") and bps.membership_epoch() == 1 and not os.path.exists(spec["gate"]):
+        while gate and (bps.membership_epoch() == 1 if gate_at is None else opt.steps == gate_at) and \
+                not os.path.exists(gate):
             time.sleep(0.05)  # the members idle while a joiner starts (its python and torch: seconds)
         x, y = batch(replica, opt.steps)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -135,7 +140,7 @@ if not workers_joiner:
     landed(opt)
     say(f"START {start} {opt.steps}")
     train(opt, model, spec["join_epoch"], spec["after_join"],
-          spec["kill_at"] if replica == spec["victim"] and not start else None, spec.get("pause_at"))
+          spec["kill_at"] if replica == spec["victim"] and not start else None, spec.get("pause_at"), spec.get("gate"))
     if opt.on_servers:
         saved.update({f"pulled/{name}": t.numpy().copy() for name, t in opt.global_parameters().items()})
     keep(f"rank{rank}.{start}.npz")
@@ -145,14 +150,16 @@ if spec.get("workers_phase"):  # DiLoCo with the outer step on the workers, in t
     opt = Recorded(model, torch.optim.SGD(model.parameters(), lr=0.05), phase.get("sync_every", H),
                    fragments=phase.get("fragments", 1), delay=phase.get("delay", 0),
                    warm_steps=phase.get("warm_steps", 0), warm_every=phase.get("warm_every"),
-                   compression_params=spec["compression_params"], outer_step="workers")
+                   compression_params=spec["compression_params"], outer_step="workers",
+                   replicate=spec.get("replicate"))
     opt.tag = "w/"
     opt.started = opt.first = opt.elastic_start()
     saved["w/start"] = np.array(opt.started)
     landed(opt)
     say(f"START w/{int(saved['w/start'])} {opt.steps} in flight {saved['w/landed'].tolist()}")
-    train(opt, model, phase["join_epoch"], spec["after_join"],
-          phase["kill_at"] if rank == spec["victim"] and start and not workers_joiner else None, phase.get("pause_at"))
+    train(opt, model, phase["join_epoch"], phase.get("after_join", spec["after_join"]),
+          phase["kill_at"] if replica == spec["victim"] and start and not workers_joiner else None,
+          phase.get("pause_at"), phase.get("gate"), phase.get("gate_at"))
     keep(f"rank{rank}.{'w' + str(int(saved['w/start'])) if workers_joiner else start}.npz")
 say("DONE")
 bps.shutdown()

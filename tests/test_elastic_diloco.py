@@ -11,13 +11,15 @@ SGD (lr 0.7, momentum 0.9, Nesterov) over the mean of the pseudo-gradients of th
 pushed that round (recorded by each worker; the biases: torch's SGD, the joiner's momentum of
 them from a live worker), bit for bit, and so does the copy each pulls from the servers at the
 end. In the same job the live hosts then train a fresh model with the outer step on the
-workers, 2 fragments, delay 1 and a warm phase of 2 steps (check_the_workers_phase): the joiner
-dies mid-window, and another fresh host joins, taking the global copies, the outer momentum, the
-step count and an exchange in flight from a live worker; the same checks, per exchange, against
-torch's SGD recomputed in numpy (one joiner process more, ~2.4 s CPU).
+workers, 2 fragments, delay 1 and a warm phase of 10 steps (check_the_workers_phase): the joiner
+dies in the warm phase, and another fresh host joins inside it (the survivors wait for the join
+at a step: by construction), taking the global copies and the step count from a live worker;
+the same checks, per exchange, against torch's SGD recomputed in numpy, the warm exchanges and
+the H-step windows after them (one joiner process more, ~2.4 s CPU).
 
-A second launch runs a host's local ranks as one replica (``replicate="hosts"``): see
-test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins."""
+A second launch runs a host's local ranks as one replica (``replicate="hosts"``), the servers'
+outer step then the workers': see
+test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins_servers_then_workers."""
 import glob
 import json
 import os
@@ -25,17 +27,19 @@ import signal
 
 import numpy as np
 
+from elastic_host_events import JOIN_STARTS, printed_by_both
 from elastic_jobs import host_command, membership, start_job
 from test_diloco import build_model
 
 BOUND = 90.0
 VICTIM = 2
 SPEC = {"sync_every": 4, "max_rounds": 400, "victim": VICTIM, "kill_at": 6, "sleep": 0.05, "join_epoch": 2,
-        "after_join": 2, "compression_params": {"compressor": "threshold", "threshold": 0.0},
+        "after_join": 2, "compression_params": {"compressor": "threshold", "threshold": 0.0}, "parameters": True,
         "workers_phase": {"sync_every": 3, "fragments": 2, "delay": 1, "kill_at": 5, "join_epoch": 4, "pause_at": 2,
-                          "warm_steps": 2, "warm_every": 2}}
+                          "warm_steps": 10, "warm_every": 2, "gate_at": 7, "after_join": 4}}
 
 
+SAYS_JOINS = {"scheduler": {"BYTEPS_LOG_LEVEL": "INFO"}}  # its INFO line: a join's first round group
 UNCOMPRESSED = ("0.bias", "2.bias")  # below BYTEPS_MIN_COMPRESS_BYTES=256: their outer step is the workers'
 
 
@@ -74,7 +78,9 @@ def outer_sgd(hosts, last, tag="", on_workers=(), warm=()):
 
 
 def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_and_on_the_workers(tmp_path):
-    job = start_job("elastic_diloco_job.py", SPEC, tmp_path, env={"BYTEPS_MIN_COMPRESS_BYTES": "256"})
+    spec = dict(SPEC, workers_phase=dict(SPEC["workers_phase"], gate=str(tmp_path / "gate")))
+    job = start_job("elastic_diloco_job.py", spec, tmp_path, env={"BYTEPS_MIN_COMPRESS_BYTES": "256"},
+                    role_env=SAYS_JOINS)
     try:
         job.wait_output([f"worker{VICTIM}"], "HALF", BOUND)
         os.kill(job.child_of(f"worker{VICTIM}"), signal.SIGKILL)
@@ -84,9 +90,12 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
         job.wait_output(["joiner"], "HALF", BOUND)  # the workers' phase: the joiner dies in its turn
         os.kill(job.child_of("joiner"), signal.SIGKILL)
         job.wait_output(["worker0", "worker1"], f"worker {VICTIM} left; epoch 3", BOUND)
-        (tmp_path / "spec2.json").write_text(json.dumps(dict(SPEC, workers_joiner=True)))
+        (tmp_path / "spec2.json").write_text(json.dumps(dict(spec, workers_joiner=True)))
         job.launch("joiner2", host_command("elastic_diloco_job.py", tmp_path / "spec2.json", tmp_path),
                    dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID=str(VICTIM)))
+        # the survivors idle after inner step gate_at: they pledged the next warm step's group
+        printed_by_both(job, ["scheduler"], f"the join of worker {VICTIM} starts at round group", BOUND)
+        (tmp_path / "gate").touch()
         statuses, _ = job.wait_all(BOUND)
     finally:
         job.kill_all()
@@ -125,7 +134,7 @@ def check_global_copies(hosts, oracle, left_at, joined_at, prefix=""):
                 assert hosts[k][key].tobytes() == want[name].tobytes(), (prefix, rnd, k, name)
 
 
-def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments=1):
+def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments=1, after_join=SPEC["after_join"]):
     """A phase's saved hosts (the victim's file ``rank<VICTIM>.<died>``, the joiner's
     ``rank<VICTIM>.<joined>``) and its last exchange, checking who pushed each exchange: the
     three hosts, then the two survivors, then with the joiner."""
@@ -134,7 +143,7 @@ def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments
              "2 (joined)": np.load(tmp_path / f"rank{VICTIM}.{joined}.npz")}
     hosts = {k: dict(h) for k, h in hosts.items()}
     assert int(hosts["2 (joined)"][f"{prefix}start"]) == joined_at > left_at >= 1
-    last = joined_at + SPEC["after_join"] * fragments - 1
+    last = joined_at + after_join * fragments - 1
     for rnd in range(last + 1):
         pushed = sorted(k for k, h in hosts.items() if f"{prefix}size/{rnd}" in h)
         want = ["0", "1", "2 (died)"] if rnd < left_at else ["0", "1"] if rnd < joined_at else ["0", "1", "2 (joined)"]
@@ -144,105 +153,140 @@ def phase_hosts(tmp_path, died, joined, left_at, joined_at, prefix="", fragments
 
 def check_the_workers_phase(tmp_path, sequence, groups_before):
     """The same job's second phase, the outer step on the workers, H = 3, 2 fragments, a warm
-    phase of 2 steps (H0 = 2: both fragments' exchanges after inner step 2, one round group; then
-    3 (fragment 0), 5 (1), 6 (0), 8 (1), ...), each applied 1 inner step later: fragment 1's is
-    still in flight when fragment 0's starts. The first joiner dies at inner step 5 (its 4
-    exchanges done; the survivors' 5th, started at 6, waits for the death's commit) and a second joins at an exchange, taking each fragment's global copy and
-    outer momentum, the step count and (a join at fragment 0's exchange: the members pause
-    before it, so most joins land there) fragment 1's average in flight from a live worker;
-    every live host's global copy after every exchange bit-identical, the joiner's from the one
-    in flight on, and equal to the numpy outer SGD of each fragment over the members' mean."""
-    left_at, joined_at = sequence[2][1] - groups_before + 1, sequence[3][1] - groups_before + 1
-    assert left_at == 4, (sequence, groups_before)  # one round group per exchange, the warm step's 2 in one
-    hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/", 2)
+    phase of 10 steps (H0 = 2: both fragments' exchanges after inner steps 2, 4, ..., 10, each
+    step's one round group; then 11 (fragment 0), 13 (1), 14 (0), 16 (1), ...), each applied 1
+    inner step later. The first joiner dies at inner step 5 (its 2 warm steps done; the
+    survivors' third, at 6, waits for the death's commit); the survivors idle after step 7 until
+    the second joiner's join started (the scheduler's log), so it joins at the warm step 8 (its
+    exchanges 6 and 7) by construction, with nothing in flight (step 6's were applied at 7),
+    taking the global copies and the step count from a live worker, and the phase runs on past
+    the warm phase, 2 windows of each fragment with outer momentum: every live host's global copy
+    after every exchange bit-identical and equal to the numpy plain averaging (warm), then outer
+    SGD of each fragment over the members' mean; the joiner's model after each outer step the others'."""
+    phase = SPEC["workers_phase"]
+    warm = phase["warm_steps"] // phase["warm_every"]  # warm steps: 2 exchanges, one group each
+
+    def exchange(group):
+        return 2 * (group - groups_before) if group - groups_before < warm else group - groups_before + warm
+    left_at, joined_at = exchange(sequence[2][1]), exchange(sequence[3][1])
+    assert (left_at, joined_at) == (4, 6) and joined_at < 2 * warm, (sequence, groups_before)  # inside the warm phase
+    hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/", 2,
+                              phase["after_join"])
+    assert last >= 2 * warm + 3, last  # each fragment's outer step twice after the warm phase
     oracle = outer_sgd(hosts, last, "w/", on_workers=tuple(n for n, _ in build_model().named_parameters()),
-                       warm=(0, 1))
+                       warm=range(2 * warm))
     check_global_copies(hosts, oracle, left_at, joined_at, "w/")
-    landed = hosts["2 (joined)"]["w/landed"]  # the due step of the average in flight at the join, if any
-    assert landed.size == (joined_at % 2 == 0), (joined_at, landed)
+    assert hosts["2 (joined)"]["w/landed"].size == 0, hosts["2 (joined)"]["w/landed"]
     assert {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at}/")} != \
-        {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at + 1}/")}  # two fragments
-    assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])
+        {n for n in hosts["0"] if n.startswith(f"w/pseudo/{joined_at + 1}/")}  # two fragments, one group
+    params = [k for k in hosts["2 (joined)"] if k.startswith("w/param/") and int(k.split("/")[2]) <= last]
+    assert any(k.startswith(f"w/param/{last}/") for k in params), params
+    for key in params:
+        assert hosts["2 (joined)"][key].tobytes() == hosts["0"][key].tobytes() == hosts["1"][key].tobytes(), key
+    assert not np.array_equal(oracle[-1]["0.weight"], oracle[2 * warm - 1]["0.weight"])
 
 
 HOSTS_SPEC = {"sync_every": 3, "fragments": 2, "delay": 1, "replicate": "hosts", "outer_step": "servers",
               "max_rounds": 400, "victim": 1, "kill_at": 5, "sleep": 0.05, "pause_at": 0, "join_epoch": 2,
               "after_join": 2, "parameters": True,
-              "compression_params": {"compressor": "threshold", "threshold": 0.0}}
+              "compression_params": {"compressor": "threshold", "threshold": 0.0},
+              "workers_phase": {"sync_every": 3, "fragments": 2, "delay": 1, "kill_at": 5, "join_epoch": 4,
+                                "gate_at": 6}}
 TWO_RANKS = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
 
 
-def test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins(tmp_path):
-    a_host_replica_dies_and_one_joins(tmp_path, HOSTS_SPEC)
-
-
-def a_host_replica_dies_and_one_joins(tmp_path, spec):
+def test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins_servers_then_workers(tmp_path):
     """DiLoCo(replicate="hosts") under BPS_GC_ELASTIC: 2 worker hosts x 2 local ranks, 1 server,
-    the servers' outer step (the parts below BYTEPS_MIN_COMPRESS_BYTES=256: the workers', with
-    their momentum), H = 3, 2 fragments, delay 1; each host's ranks step on the host's batches
-    (identical replicas). Host 1's local rank 1 is SIGKILLed mid-window (its launcher stops rank
-    0); host 0 goes on alone, then a fresh host 1 (both ranks) joins, each rank taking the
-    global copies, outer momentum, exchange in flight and step count from its counterpart on
-    host 0. Every rank's global copy after every exchange equals the numpy outer SGD over the
-    mean of the hosts that pushed it (each host's pseudo-gradient the same bits on its two
-    ranks), bit for bit: the joiner's from the exchange in flight at its join on, its model's
-    parameters then the others'; and so does the servers' copy each rank pulls at the end. By
-    hand: ``spec`` with outer_step "workers" (every parameter's outer step the workers')."""
-    spec = dict(spec, gate=str(tmp_path / "gate"))  # host 0 idles from the death until the joiner is made
+    H = 3, 2 fragments, delay 1; each host's ranks step on the host's batches (identical
+    replicas). First the servers' outer step (the parts below BYTEPS_MIN_COMPRESS_BYTES=256: the
+    workers', with their momentum): host 1's local rank 1 is SIGKILLed mid-window (its launcher
+    stops rank 0); host 0 goes on alone, then a fresh host 1 (both ranks) joins, each rank taking
+    the global copies, outer momentum, exchange in flight and step count from its counterpart on
+    host 0. Then, in the same job, a fresh model with the workers' outer step (every parameter's
+    outer step and momentum theirs): the joined host dies the same way at inner step 5, host 0
+    idles after step 6 until the next fresh host's join started, so that host joins at fragment
+    0's exchange at step 7 (by construction), fragment 1's in flight. In each phase every rank's
+    global copy after every exchange equals the numpy outer SGD over the mean of the hosts that
+    pushed it (each host's pseudo-gradient the same bits on its two ranks), bit for bit: the
+    joiner's from the exchange in flight at its join on, its model's parameters then the
+    others'; and so does the servers' copy each rank pulls at the end of the first."""
+    spec = dict(HOSTS_SPEC, gate=str(tmp_path / "gate"),  # host 0 idles from the death until the joiner is made
+                workers_phase=dict(HOSTS_SPEC["workers_phase"], gate=str(tmp_path / "gate2")))
     job = start_job("elastic_diloco_job.py", spec, tmp_path, workers=2, env={"BYTEPS_MIN_COMPRESS_BYTES": "256"},
-                    role_env={"worker0": TWO_RANKS, "worker1": TWO_RANKS})
+                    role_env={"worker0": TWO_RANKS, "worker1": TWO_RANKS, **SAYS_JOINS})
+    joiner = dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **TWO_RANKS)
     try:
-        job.wait_output(["worker1"], "HALF", BOUND)
+        printed_by_both(job, ["worker1"], "HALF", BOUND)  # both saved their pushes
         os.kill(job.local_rank_of("worker1", 1), signal.SIGKILL)
         job.wait_output(["worker0"], "membership: worker 2, 3 left; epoch 1", BOUND)
-        job.launch("joiner", host_command("elastic_diloco_job.py", tmp_path / "spec.json", tmp_path),
-                   dict(job.base, DMLC_ROLE="worker", DMLC_WORKER_ID="1", **TWO_RANKS))
+        job.launch("joiner", host_command("elastic_diloco_job.py", tmp_path / "spec.json", tmp_path), joiner)
         job.wait_output(["joiner"], "JOINING", BOUND)
         (tmp_path / "gate").touch()
+        printed_by_both(job, ["joiner"], "HALF", BOUND)  # the workers' phase: the joined host dies in its turn
+        os.kill(job.local_rank_of("joiner", 1), signal.SIGKILL)
+        job.wait_output(["worker0"], "membership: worker 2, 3 left; epoch 3", BOUND)
+        (tmp_path / "spec2.json").write_text(json.dumps(dict(spec, workers_joiner=True)))
+        job.launch("joiner2", host_command("elastic_diloco_job.py", tmp_path / "spec2.json", tmp_path), joiner)
+        printed_by_both(job, ["scheduler"], JOIN_STARTS, BOUND)  # host 0 pledged the group after step 7
+        (tmp_path / "gate2").touch()
         statuses, _ = job.wait_all(BOUND)
     finally:
         job.kill_all()
     report = job.report(statuses)
-    assert "local rank 1 (worker 3) exited with status 137; stopping the others" in job.text("worker1"), report
+    for name in ("worker1", "joiner"):
+        assert "local rank 1 (worker 3) exited with status 137; stopping the others" in job.text(name), report
     assert not [name for name in job.launchers if "Traceback" in job.text(name)], report
-    assert all(statuses[name] == 0 for name in ("scheduler", "server0", "worker0", "joiner")), report
+    assert all(statuses[name] == 0 for name in ("scheduler", "server0", "worker0", "joiner2")), report
     sequence = membership(job.text("scheduler"))
-    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2, 3])], sequence
-    (_, left_at, _), (_, joined_at, _) = sequence
-    files = {"0": ("rank0.0", "rank1.0"), "1 (died)": ("rank2.victim", "rank3.victim"),
-             "1 (joined)": tuple(os.path.basename(glob.glob(str(tmp_path / f"rank{r}.[1-9]*.npz"))[0])[:-4]
-                                 for r in (2, 3))}
+    assert [(e, m) for e, _, m in sequence] == [(1, [0, 1]), (2, [0, 1, 2, 3]), (3, [0, 1]), (4, [0, 1, 2, 3])], \
+        sequence
+    joined = tuple(os.path.basename(glob.glob(str(tmp_path / f"rank{r}.[1-9]*.npz"))[0])[:-4] for r in (2, 3))
+    files = {"0": ("rank0.0", "rank1.0"), "1 (died)": ("rank2.victim", "rank3.victim"), "1 (joined)": joined}
+    last = check_host_replicas(tmp_path, files, sequence[0][1], sequence[1][1], "", True)
+    left_at, joined_at = sequence[2][1] - last - 1, sequence[3][1] - last - 1  # one group per exchange
+    assert (left_at, joined_at) == (3, 4), (sequence, last)  # its push at step 6 missing; fragment 0's at 7
+    files = {"0": files["0"], "1 (died)": joined, "1 (joined)": ("rank2.w4", "rank3.w4")}
+    check_host_replicas(tmp_path, files, left_at, joined_at, "w/", False)
+
+
+def check_host_replicas(tmp_path, files, left_at, joined_at, prefix, servers):
+    """One phase of the test above (its keys ``prefix``; ``files``: each host's two ranks' saved
+    files): the hosts that pushed each exchange, each host's ranks the same pushes, every rank's
+    global copy after every exchange and the joiner's model after each outer step against the
+    numpy outer SGD, and (``servers``) the servers' copy pulled at the end; its last exchange."""
     ranks = {k: [dict(np.load(tmp_path / f"{name}.npz")) for name in names] for k, names in files.items()}
-    assert all(int(h["start"]) == joined_at for h in ranks["1 (joined)"]), (files, joined_at)
+    assert all(int(h[f"{prefix}start"]) == joined_at for h in ranks["1 (joined)"]), (files, joined_at)
     # the last exchange pushed (in flight at the stop, or not: delay 1); the servers' copy has it
-    last = max(int(n.split("/")[1]) for n in ranks["0"][0] if n.startswith("size/"))
-    assert last >= joined_at + spec["after_join"] * 2 - 1, (last, joined_at)
+    last = max(int(n.split("/")[-1]) for n in ranks["0"][0] if n.startswith(f"{prefix}size/"))
+    assert last >= joined_at + HOSTS_SPEC["after_join"] * 2 - 1, (last, joined_at)
     for k, (mine, mate) in ranks.items():  # a host's two ranks: one replica, the same pushes
-        assert sorted(n for n in mine if n.startswith("pseudo/")) == sorted(n for n in mate if n.startswith("pseudo/"))
-        assert all(mine[n].tobytes() == mate[n].tobytes() for n in mine if n.startswith("pseudo/")), k
+        pseudo = sorted(n for n in mine if n.startswith(f"{prefix}pseudo/"))
+        assert pseudo == sorted(n for n in mate if n.startswith(f"{prefix}pseudo/")), k
+        assert all(mine[n].tobytes() == mate[n].tobytes() for n in pseudo), k
     hosts = {k: mine for k, (mine, _) in ranks.items()}
     for rnd in range(last + 1):
-        pushed = sorted(k for k, h in hosts.items() if f"size/{rnd}" in h)
+        pushed = sorted(k for k, h in hosts.items() if f"{prefix}size/{rnd}" in h)
         assert pushed == (["0", "1 (died)"] if rnd < left_at else ["0"] if rnd < joined_at else ["0", "1 (joined)"]), \
-            (rnd, pushed)
-    on_workers = tuple(hosts["0"]["on_workers"])  # its parts below 256 bytes: 2.weight's too, not 0.weight's
-    servers = spec["outer_step"] == "servers"
-    assert ("2.weight" in on_workers and "0.weight" not in on_workers) if servers else len(on_workers) == 4, on_workers
-    oracle = outer_sgd(hosts, last, on_workers=on_workers)
-    landed = ranks["1 (joined)"][0]["landed"]  # the due step of the exchange in flight at the join, if any
+            (prefix, rnd, pushed)
+    everything = tuple(n for n, _ in build_model().named_parameters())
+    on_workers = tuple(hosts["0"]["on_workers"]) if servers else everything  # servers: the parts below 256 bytes
+    assert ("2.weight" in on_workers and "0.weight" not in on_workers) if servers else on_workers, on_workers
+    oracle = outer_sgd(hosts, last, prefix, on_workers=on_workers)
+    landed = ranks["1 (joined)"][0][f"{prefix}landed"]  # the due step of the exchange in flight at the join, if any
     assert landed.size == (joined_at % 2 == 0), (joined_at, landed)  # fragment 0's exchange: fragment 1's
     for rnd, want in enumerate(oracle):
-        keys = [f"global/{rnd}/{name}" for name in want]
+        keys = [f"{prefix}global/{rnd}/{name}" for name in want]
         holders = [h for rs in ranks.values() for h in rs if any(key in h for key in keys)]
         both = rnd < left_at or rnd >= joined_at or rnd == joined_at - 1 and landed.size
-        assert len(holders) == (4 if both else 2) or rnd == last and not holders, (rnd, len(holders))
+        assert len(holders) == (4 if both else 2) or rnd == last and not holders, (prefix, rnd, len(holders))
         for h in holders:
             for key in [key for key in keys if key in h]:
                 assert h[key].tobytes() == want[key.rsplit("/", 1)[1]].tobytes(), (rnd, key)
-    params = [k for k in ranks["1 (joined)"][0] if k.startswith("param/")]  # the joiner's model after each
-    assert any(k.startswith(f"param/{joined_at}/") for k in params), params  # outer step it took: the others'
+    params = [k for k in ranks["1 (joined)"][0] if k.startswith(f"{prefix}param/")]  # the joiner's model after
+    assert any(k.startswith(f"{prefix}param/{joined_at}/") for k in params), params  # each outer step: the others'
     for key in params:
         assert all(h[key].tobytes() == ranks["0"][0][key].tobytes() for h in ranks["0"] + ranks["1 (joined)"]), key
     for h in ranks["0"] + ranks["1 (joined)"] if servers else ():
         assert h["pulled/0.weight"].tobytes() == oracle[-1]["0.weight"].reshape(-1).tobytes()
     assert not np.array_equal(oracle[-1]["0.weight"], oracle[0]["0.weight"])
+    return last

@@ -170,6 +170,7 @@ def check_the_workers_phase(tmp_path, sequence, groups_before):
         return 2 * (group - groups_before) if group - groups_before < warm else group - groups_before + warm
     left_at, joined_at = exchange(sequence[2][1]), exchange(sequence[3][1])
     assert (left_at, joined_at) == (4, 6) and joined_at < 2 * warm, (sequence, groups_before)  # inside the warm phase
+    assert os.path.exists(tmp_path / f"rank{VICTIM}.w{joined_at}.npz"), sorted(os.listdir(tmp_path))  # its start
     hosts, last = phase_hosts(tmp_path, str(sequence[1][1]), f"w{joined_at}", left_at, joined_at, "w/", 2,
                               phase["after_join"])
     assert last >= 2 * warm + 3, last  # each fragment's outer step twice after the warm phase

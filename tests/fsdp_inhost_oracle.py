@@ -53,7 +53,7 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
     differ. ``seed_rank``: the rank a sender's chains are seeded with, of its rank (default:
     itself; on the parameter server, its rank in the host's group); ``rounded``: the float32
     average rounded into a bfloat16 reduce dtype, as float32 (the inputs: its values, widened).
-    {replica: the payloads' bytes, its senders' in turn, part by part}."""
+    {replica: [(destination shard, sending shard, a payload's bytes)] of every call}."""
     calls = got[0]["rs_calls"]
     assert len(calls) == steps * len(LAYERS)  # the synced micro-batch only
     made, sent = {}, {0: [], 1: []}
@@ -63,10 +63,11 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
         for replica in (0, 1):
             senders = tuple(range(shards * replica, shards * (replica + 1)))  # rank = shards * replica + shard
             for shard in range(shards):
-                ins = [got[r][f"rs{i}/in"].reshape(shards, -1)[shard] for r in senders]
+                ins, payloads = [got[r][f"rs{i}/in"].reshape(shards, -1)[shard] for r in senders], []
                 want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
-                                     suffix=f"#to_shard{shard}", ranks=senders, sent=sent[replica],
+                                     suffix=f"#to_shard{shard}", ranks=senders, sent=payloads,
                                      seeds=None if seed_rank is None else [seed_rank(r) for r in senders])
+                sent[replica] += [(shard, k % shards, n) for k, n in enumerate(payloads)]  # senders in turn
                 want = want if rounded is None else rounded(want)
                 np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
     for name, _ in PARAMS:
@@ -78,12 +79,19 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
 
 def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4):
     """Each rank's in_host_* bytes of bps.metrics() (``got[r][prefix + "in_host_..."]``, a (2,
-    ``shards``) mesh, ``steps`` steps) as check_in_host_reduce_scatters' payloads (``sent``): its
-    own pushed, its shard group's others' pulled (every rank gathers every chunk's payloads),
-    and its inputs raw (a chunk per shard of the padded shards, ``itemsize`` bytes an element:
-    the reduce dtype's)."""
+    ``shards``) mesh, ``steps`` steps) as check_in_host_reduce_scatters' payloads (``sent``), each
+    chunk's sent to its own shard alone (an all_to_all): pushed, its payloads of the others'
+    chunks; pulled, the others' payloads of its own chunk; raw, its inputs (a chunk per shard of
+    the padded shards, ``itemsize`` bytes an element: the reduce dtype's). Both S times fewer
+    than an all_gather of the same payloads moves: the whole compressed input, from each of
+    S - 1 peers and to each of them."""
     padded = sum(-(-shape[0] // shards) * int(np.prod(shape[1:])) for _, shape in PARAMS)
     for r, arrays in enumerate(got):
-        mine = sum(sent[r // shards][r % shards::shards])
+        own, payloads = r % shards, sent[r // shards]
+        pushed = sum(n for to, by, n in payloads if by == own and to != own)
+        pulled = sum(n for to, by, n in payloads if by != own and to == own)
         counted = [int(arrays[f"{prefix}in_host_{kind}"]) for kind in ("pushed_wire", "pulled_wire", "pushed_raw")]
-        assert counted == [mine, sum(sent[r // shards]) - mine, steps * shards * itemsize * padded], (r, counted)
+        assert counted == [pushed, pulled, steps * shards * itemsize * padded], (r, counted, pushed, pulled)
+        whole = sum(n for _, by, n in payloads if by == own)  # its whole compressed input
+        gathered = sum(n for _, by, n in payloads if by != own)  # the peers' whole inputs
+        assert shards * pushed == (shards - 1) * whole and shards * pulled == gathered, (r, pushed, pulled)

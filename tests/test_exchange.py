@@ -53,9 +53,10 @@ def expected(params, ranks, name, shape):
 
 
 def test_exchange_on_two_sub_groups_equals_numpy(tmp_path):
-    spec = {"groups": GROUPS, "shapes": SHAPES, "codecs": CODECS, "steps": STEPS, "lr": LR}
+    spec = {"groups": GROUPS, "shapes": SHAPES, "codecs": CODECS, "steps": STEPS, "lr": LR, "all_to_all": ALL_TO_ALL}
     run_torchrun_job("exchange_subgroup_job.py", spec, tmp_path, 4)
     got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
+    each_payload_reaches_its_destination_alone(got)
     for codec, params in CODECS.items():
         for ranks in GROUPS:
             for name, shape in SHAPES.items():
@@ -65,6 +66,32 @@ def test_exchange_on_two_sub_groups_equals_numpy(tmp_path):
                                                       err_msg=f"{codec} step {step} {name} rank {r}")
     # the two groups really reduced apart: their averages differ
     assert not np.array_equal(got[0]["topk/0/fc.bias"], got[2]["topk/0/fc.bias"])
+
+
+# the all_to_all of payloads (each part's payload to its destination's group rank alone): its
+# parts' lengths (+ the sender's global rank) at each call, growing past what the capacity learnt
+ALL_TO_ALL = {"destinations": [1, 0, 1], "lengths": [[3, 0, 5], [10, 2, 1], [40, 7, 30]]}
+
+
+def each_payload_reaches_its_destination_alone(got):
+    """Every rank received its parts' payloads from each rank of its group, byte for byte as
+    sent (numpy arrays, then tensors; the second call's longer than the first's capacity, the
+    third's longer still), and nothing of the others' parts; its capacity the longest block
+    any rank sent; a rank without payloads named on both."""
+    for ranks in GROUPS:
+        for me, r in enumerate(ranks):
+            for call, lengths in enumerate(ALL_TO_ALL["lengths"]):
+                for sender, s in enumerate(ranks):
+                    here = [to == me for to in ALL_TO_ALL["destinations"]]
+                    assert got[r][f"a2a/{call}/{sender}/here"].tolist() == here, (r, call, sender)
+                    for part, n in enumerate(lengths):
+                        if here[part]:
+                            want = np.full(n + s, 16 * s + 4 * part + call, np.uint8)
+                            assert got[r][f"a2a/{call}/{sender}/{part}"].tobytes() == want.tobytes(), (r, call, part)
+                blocks = [sum(n + s for n, to in zip(lengths, ALL_TO_ALL["destinations"]) if to == peer)
+                          for s in ranks for peer in (0, 1)]
+                assert int(got[r][f"a2a/{call}/capacity"]) == max(blocks), (r, call)
+            assert str(got[r]["a2a/missing"]) == "rank 1 could not make their payloads", r
 
 
 @pytest.mark.parametrize("tensors, message", [

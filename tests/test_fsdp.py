@@ -164,9 +164,10 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
     native HSDP; with top-k + EF (dense across replicas) every reduce-scatter's output is the
     numpy re-computation over its shard group (each destination chunk's pieces through their
     chains, seeded by ``<fqn>#to_shard<d>``, the senders' in rank order), replicas end
-    bit-identical, and metrics() counts the in-host bytes apart: the pieces' payloads. The same
-    under each of CODEC_POLICIES: a bfloat16 or float16 reduce dtype widened for the codec and
-    the average rounded into it (float16: times 2, FSDP2's sum), float64 kept."""
+    bit-identical, and metrics() counts the in-host bytes apart: the pieces' payloads, each
+    chunk's sent to its own shard alone (an all_to_all: half an all_gather's bytes at S = 2). The
+    same under each of CODEC_POLICIES: a bfloat16 or float16 reduce dtype widened for the codec
+    and the average rounded into it (float16: times 2, FSDP2's sum), float64 kept."""
     native, dense, got = part(launch, "native"), part(launch, "inhost_dense"), part(launch, "inhost_topk")
     for name, _ in PARAMS:
         for r in range(4):
@@ -237,7 +238,8 @@ def launch_2x3(tmp_path_factory):
 def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_topk_equals_numpy(launch_2x3):
     """Replicas of shard s: ranks s and 3 + s. Dense hooks against native HSDP on every rank;
     every top-k hook call against the numpy re-computation of its (padded) shards; replicas
-    bit-identical, shards differing. The same of the in-host step's reduce-scatters."""
+    bit-identical, shards differing. The same of the in-host step's reduce-scatters, and their
+    bytes (each chunk's payloads to its own shard alone: a third of an all_gather's)."""
     native, hooked, got = (part(launch_2x3, name) for name in ("native", "hooked", "topk"))
     for name, _ in PARAMS:
         for r in range(6):
@@ -260,8 +262,10 @@ def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_topk_equals_numpy(launch_
             assert got[shard][f"local/{name}"].tobytes() == got[3 + shard][f"local/{name}"].tobytes(), name
         assert got[0][f"local/{name}"].shape[0] == -(-dict(PARAMS)[name][0] // 3)
         assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
-    # the in-host step (top-k + EF) on 3 shards: padded chunks, a group of 3 senders
-    check_in_host_reduce_scatters(part(launch_2x3, "inhost_topk"), 3, "2x3 inhost/")
+    # the in-host step (top-k + EF) on 3 shards: padded chunks, a group of 3 senders, each
+    # sending its peers their chunks alone (a third of an all_gather's bytes)
+    in_host = part(launch_2x3, "inhost_topk")
+    check_in_host_bytes(in_host, check_in_host_reduce_scatters(in_host, 3, "2x3 inhost/"), 3, 3, "bytes/")
 
 
 def near_square(n):

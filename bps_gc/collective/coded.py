@@ -5,7 +5,8 @@ sequence; callers hand it jobs or call its stages.
 
     compress_parts    each named part of a flat buffer -> its payload (the part's worker chain)
     exchange_payloads every rank's payloads, in rank order (one all_gather on the given group:
-                      all_gather.py)
+                      all_gather.py; or, with each part's destination, an all_to_all that
+                      hands a rank only the parts it reduces: all_to_all.py)
     reduce_parts      each part's reducer over every rank's payloads, decoded into the buffer,
                       divided where the reducer sums
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from .all_gather import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors
+from .all_to_all import all_to_all_bytes
 
 # the words two-phase codecs sum in here (thc): gloo and NCCL add int64 exactly (modulo 2^64),
 # all 64 bits of a word where float64 adds 53
@@ -46,11 +48,15 @@ def compress_parts(parts, flat, ctx=None):
     return [part.codec.compress(flat[part.start:part.stop], part.ctx if ctx is None else ctx) for part in parts]
 
 
-def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, device=None):
+def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, device=None, destinations=None):
     """Every rank's payloads in rank order (``payloads`` None: this rank failed to make its
     ``parts`` payloads; every rank then raises PayloadsMissing). Host payloads travel as bytes
-    (``capacity``: all_gather.Capacity, one all_gather once the sizes are known), device ones
-    stay on their ``device``."""
+    (``capacity``: all_gather.Capacity, one collective once the sizes are known), device ones
+    stay on their ``device``. ``destinations`` (each part's rank in ``group``, the one that
+    reduces it): each payload goes to that rank alone (an all_to_all), and the others' lists
+    hold None in its place."""
+    if destinations is not None:
+        return all_to_all_bytes(payloads, destinations, wait, group, capacity, device)
     on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
     if on_device:
         return all_gather_tensors(payloads, wait, group, parts, device)
@@ -60,14 +66,17 @@ def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, dev
 def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
     """Each part's reduction of every rank's payloads (``gathered``: per rank, a payload per
     part, in order) decoded into its slice of ``flat``, then divided by ``divisor`` where the
-    reducer's result is a sum (a majority vote is not averaged). A part without a reducer is
-    reduced by another rank (Pipeline.reduce_only): its slice of ``flat`` is not written."""
+    reducer's result is a sum (a majority vote is not averaged). A part without a reducer, or
+    whose payloads went to another rank (None), is reduced there (Pipeline.reduce_at): its
+    slice of ``flat`` is not written."""
     on_device = isinstance(flat, torch.Tensor)
     for index, part in enumerate(parts):
         if part.reducer is None:
             continue
-        chunk, step = flat[part.start:part.stop], part.ctx if ctx is None else ctx
         payloads = [rank[index] for rank in gathered]
+        if payloads[0] is None:  # sent to the rank that reduces it (a reducer loaded from an old state)
+            continue
+        chunk, step = flat[part.start:part.stop], part.ctx if ctx is None else ctx
         if on_device:
             part.reducer.reduce(payloads, chunk, step)
         else:
@@ -78,8 +87,8 @@ def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
 
 
 def payload_bytes(payloads):
-    """The bytes of numpy or torch payloads."""
-    return sum(p.numel() if isinstance(p, torch.Tensor) else p.nbytes for p in payloads or ())
+    """The bytes of numpy or torch payloads (None: one not here)."""
+    return sum(p.numel() if isinstance(p, torch.Tensor) else p.nbytes for p in payloads or () if p is not None)
 
 
 def in_wire_dtype(flat, parts, wire_dtype):

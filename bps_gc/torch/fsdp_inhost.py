@@ -8,13 +8,11 @@ the group's parameters that shard d keeps, in the group's order), and an output 
 ``<fqn>#to_shard<d>``, so every piece has its own codec state (error feedback...) kept and
 checkpointed by its parameter and destination, averages the input over the shard group
 through a ``CompressedExchange`` of its own (the one pipeline: docs/runtime.md "One compressed
-exchange"), which reduces the rank's own chunk alone (``Pipeline.reduce_only``), and copies it
-out (times the group's size where FSDP2 asks for a sum).
-
-Its cost (docs/fsdp_inhost.md): every rank receives every chunk's payloads, not just its own:
-the exchange all-gathers payloads (or all-reduces thc's and PowerSGD's phases, and decodes
-every chunk), so a rank sends its whole compressed input to each peer, where a reduce-scatter
-(or an all_to_all, which gloo has) sends each peer only its chunk.
+exchange"), and copies its own chunk out (times the group's size where FSDP2 asks for a sum).
+Each chunk's payloads go to their own rank alone, in one all_to_all (``Pipeline.reduce_at``),
+which reduces its own chunk alone: a rank sends each peer only that peer's chunk, as a
+reduce-scatter does (thc and PowerSGD still all-reduce their phases over the whole input
+and decode every chunk: docs/fsdp_inhost.md).
 Its bytes count in ``bps_gc.torch.metrics()``'s ``in_host_*`` fields. Either replicate reducer
 takes it (``compress_in_host``): torch.distributed's replicate group (fsdp.py) or the parameter
 server (fsdp_ps.py, where the shard group is the host's local ranks, a torch.distributed group
@@ -56,10 +54,10 @@ def compress_in_host(compression_params, groups, shards, size, seed_rank=None):
     references)."""
     in_host = in_host_exchange(compression_params, list(shards.values()), size, seed_rank)
     refuse_unfit_codec(in_host, [part for parts in shards.values() for part in parts], "shard_compression_params")
-    # this rank reads its own chunk alone: the other chunks' pieces are reduced by their own
-    # ranks (no server chain here, none of its state; its own chunk's bits are the same)
+    # this rank reads its own chunk alone: each chunk's pieces go to their own rank alone (an
+    # all_to_all), which reduces them (no server chain here of the others, none of their state)
     own = groups[0][1].mesh_info.shard_mesh_rank
-    in_host.hook.pipeline.reduce_only(lambda name: name.rsplit("#to_shard", 1)[1] == str(own))
+    in_host.hook.pipeline.reduce_at(lambda name: int(name.rsplit("#to_shard", 1)[1]), own)
     for module, param_group in groups:
         if shards[id(param_group)]:
             module.set_custom_reduce_scatter(CompressedReduceScatter(in_host, shards[id(param_group)], size, own))

@@ -130,7 +130,7 @@ class PartCodecs:
         # None: each numpy codec keeps its own scratch buffers (no allocation a call); or a
         # compress.Scratch shared by every part's numpy chain and reducer (Pipeline.share_scratch)
         self.scratch = None
-        # None: every part is reduced here; or a predicate on a part's name (Pipeline.reduce_only):
+        # None: every part is reduced here; or a predicate on a part's name (Pipeline.reduce_at):
         # a part it refuses gets no reducer (no server chain, no state of it) and is not reduced
         self.reduced_here = None
 
@@ -252,7 +252,7 @@ class PartCodecs:
             p, key = named[name], sd.get(f"{name}/key")
             if isinstance(key, bool) or not isinstance(key, int) and not hasattr(key, "__index__"):
                 raise StateError(f"comm_hook: the state of {name!r} has no integer key")
-            # a state saved with the part's reducer (before reduce_only refused it) loads as saved
+            # a state saved with the part's reducer (before reduce_at refused it) loads as saved
             reduced = self.reduces(name) or any(k.startswith(f"{name}/reducer/") for k in sd)
             fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p, device_codecs),
                                            tuple(p.shape), reduced)

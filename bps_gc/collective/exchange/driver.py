@@ -4,8 +4,9 @@ pipeline.py, on three threads; the collective's buckets: collective/buckets.py, 
 exchange thread). The stages themselves are coded.py's.
 
     compress_stage  each segment of the job not yet compressed -> its payloads (or its error)
-    gather_stage    every rank's payloads in one all_gather on the job's group (a two-level
-                    job: reduced whole through the levels here, where its collectives are)
+    gather_stage    every rank's payloads in one all_gather on the job's group, or each to the
+                    rank that reduces it in one all_to_all (a job with ``destinations``; a
+                    two-level job: reduced whole through the levels here, where its collectives are)
     reduce_stage    each segment's reducers over every rank's payloads, decoded into its target,
                     divided, delivered; the job settled (its future, or its errors raised)
 
@@ -89,23 +90,26 @@ class Driver:
         with current(job.stream):
             for segment in job.segments:
                 if not segment.compressed:  # the collective compresses a tensor as it is added
-                    self.compress(segment, job.stream)
+                    self.compress(segment, job)
         stamp(job.index, "compress end")
         self.gathering.submit(self.gather_stage, job)
 
-    def compress(self, segment, stream=None):
-        """This rank's payloads of ``segment`` (or the error that stopped them: the others
-        still gather, and learn that this rank failed)."""
+    def compress(self, segment, job):
+        """This rank's payloads of ``segment`` of ``job`` (or the error that stopped them: the
+        others still gather, and learn that this rank failed). Counted as pushed: all of them,
+        or with ``job.destinations`` those that leave this rank (a one-segment job)."""
         start = time.perf_counter()
         try:
-            if stream is not None:
-                stream.wait_for_backward()
+            if job.stream is not None:
+                job.stream.wait_for_backward()
             if self.encode(segment) is None:  # two levels: its owners compress the host's sums
                 return
         except Exception as e:  # noqa: BLE001 -- the job's error, raised when it ends
             segment.failure = e
             return
-        self.count(compress_seconds=time.perf_counter() - start, pushed_wire=payload_bytes(segment.payloads))
+        sent = segment.payloads if job.destinations is None else \
+            [p for p, to in zip(segment.payloads, job.destinations) if to != job.rank]
+        self.count(compress_seconds=time.perf_counter() - start, pushed_wire=payload_bytes(sent))
 
     @staticmethod
     def encode(segment):
@@ -131,7 +135,8 @@ class Driver:
         self.reducing.submit(self.reduce_stage, job)
 
     def gather(self, job):
-        """Every rank's payloads of the job's segments, in rank order."""
+        """Every rank's payloads of the job's segments, in rank order (with ``job.destinations``,
+        None where a part is reduced by another rank)."""
         failure = next((s.failure for s in job.segments if s.failure is not None), None)
         mine = None if failure is not None else [p for s in job.segments for p in s.payloads]
         start = time.perf_counter()
@@ -144,10 +149,13 @@ class Driver:
             return [mine]
         try:
             gathered = exchange_payloads(mine, job.wait, job.group, sum(len(s.parts) for s in job.segments),
-                                         job.capacity, job.device)
+                                         job.capacity, job.device, job.destinations)
         except PayloadsMissing as missing:
             job.payloads_missing(missing, failure)
-        received = payload_bytes(p for rank in gathered for p in rank) - payload_bytes(mine)
+        if job.destinations is None:
+            received = payload_bytes(p for rank in gathered for p in rank) - payload_bytes(mine)
+        else:  # the others' payloads of the parts reduced here
+            received = payload_bytes(p for r, rank in enumerate(gathered) if r != job.rank for p in rank)
         self.count(pulled_wire=received, communicate_seconds=time.perf_counter() - start)
         return gathered
 

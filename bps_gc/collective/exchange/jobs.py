@@ -132,7 +132,9 @@ class TensorSegment(Segment):
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One exchange: ``segments``' payloads in one all_gather on ``group`` (None: the world),
+    """One exchange: ``segments``' payloads in one all_gather on ``group`` (None: the world), or
+    with ``destinations`` (each part's rank in ``group``, every segment's parts in turn) one
+    all_to_all that sends each payload to that rank alone (``rank``: this one's in ``group``);
     each collective waited for by ``wait(work, what)``. ``capacity``: the all_gather.Capacity
     (None: two all_gathers); ``device``: where device payloads are gathered; ``levels``: the
     HostLevels it is reduced through (two_levels.py), or None. ``index``: the timeline's key.
@@ -147,6 +149,8 @@ class Job:
     index: Any = None
     stream: Any = None  # tensors.SideStream of a CUDA buffer, or None
     skipped: Optional[str] = None
+    destinations: Optional[tuple] = None
+    rank: int = 0
     gathered: Optional[list] = None  # every rank's payloads, rank order (the gather stage's)
     error: Optional[BaseException] = None  # the gather stage's, raised by the reduce stage
 

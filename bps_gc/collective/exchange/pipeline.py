@@ -11,7 +11,8 @@ order, and consecutive calls' compressing, gathering and reducing overlap (CUDA 
 a side stream that first waits for the gradients). An error on these threads (a codec's, a
 failed peer's) is the future's.
 
-Without a compressor a call is an all_reduce (float16 with ``fp16``). Phased codecs (thc,
+With ``reduce_at`` each part's payloads go to the one rank that reduces it (an all_to_all, not
+an all_gather). Without a compressor a call is an all_reduce (float16 with ``fp16``). Phased codecs (thc,
 PowerSGD) run their phases on the gathering thread (phased.py). Several ranks per host
 (two_levels.py): a group of every rank reduces through the two levels on the gathering thread.
 Device-chain buffers stay flat.
@@ -54,6 +55,7 @@ class Pipeline:
         self.capacities = {}  # batch index -> its payloads' all_gather.Capacity (the gathering thread's)
         self.side_groups = {}  # the caller's process group -> the pipeline's own group of the same ranks
         self.streams = {}  # CUDA device -> the side stream its buffers are reduced on
+        self.destination, self.rank = None, None  # reduce_at's: each part's reducing rank, this one's
 
     def share_scratch(self):
         """From now on, every part's numpy codecs share one compress.Scratch, freed once each
@@ -62,14 +64,18 @@ class Pipeline:
         each codec's own buffers: no allocation a step.)"""
         self.codecs.scratch = compress.Scratch()
 
-    def reduce_only(self, reduced_here):
-        """From now on, reduce only the parts whose names ``reduced_here(name)`` accepts (before
-        the first call and any checkpoint load): every rank still compresses and gathers every
-        part, but a refused part gets no reducer (none of its state) and its slice of the buffer
-        holds no average after a call (its values unspecified). A reduce-scatter whose rank
-        reads its own chunk alone (fsdp_inhost.py) wants that. Flat exchanges only: under two
-        levels a host's owner reduces for its host-mates. Phased codecs reduce every part."""
-        self.codecs.reduced_here = reduced_here
+    def reduce_at(self, destination, rank):
+        """From now on (before the first call and any checkpoint load), each part is reduced by
+        one rank of the group alone: ``destination(name)``, this process being ``rank`` there. A
+        reduce-scatter whose rank reads its own chunk alone (fsdp_inhost.py) wants that. Every
+        rank compresses every part and sends each payload to that rank alone (one all_to_all:
+        collective/all_to_all.py), which receives 1/S of what an all_gather brings. A part
+        reduced elsewhere gets no reducer here (none of its state) and its slice of the buffer
+        holds no average after a call (its values unspecified). Flat exchanges only: under two
+        levels a host's owner reduces for its host-mates. Phased codecs (thc, PowerSGD) all_reduce
+        their phases and reduce every part."""
+        self.destination, self.rank = destination, rank
+        self.codecs.reduced_here = lambda name: destination(name) == rank
 
     def submit(self, group, batch, lr, comm=None):
         """The average of ``batch.buffer`` over ``group``, written into it: a pending future of
@@ -94,11 +100,16 @@ class Pipeline:
             self.exchanger.submit(self.phased.run, job)
             return job.future
         levels = None if state.on_device else levels  # device payloads stay flat (as DeviceTensors')
-        if levels is not None and self.codecs.reduced_here is not None:
-            raise RuntimeError("bps_gc exchange: reduce_only takes a flat exchange, and this group reduces through "
+        if levels is not None and self.destination is not None:
+            raise RuntimeError("bps_gc exchange: reduce_at takes a flat exchange, and this group reduces through "
                                "two levels (each host's owner reduces a part for its host-mates)")
         job = self._job(batch, comm, group if levels is not None else self.side_group(group), group, levels,
                         state.parts, ctx, state.keys, state.on_device)
+        if self.destination is not None:
+            if dist.get_rank(group) != self.rank:
+                raise RuntimeError(f"bps_gc exchange: reduce_at was told this is rank {self.rank} of the group, "
+                                   f"and it is rank {dist.get_rank(group)}")
+            job.destinations, job.rank = tuple(self.destination(name) for name in batch.names), self.rank
         self.driver.run(job)
         stamp(batch.index, "returned")
         return job.future

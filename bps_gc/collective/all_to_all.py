@@ -1,0 +1,99 @@
+"""The all_to_all of payloads of any length, each sent to the one rank that reduces its part
+(a reduce-scatter's exchange: FSDP2's in-host step, docs/fsdp_inhost.md): where the all_gather
+(all_gather.py) hands every rank every payload, this hands rank j only the payloads of the
+parts it reduces, so each rank receives 1/S of what the all_gather brings (S: the group's size).
+
+One ``all_to_all_single`` of equal blocks, one per peer: each block carries a header (the
+sender's largest block, then the lengths of the payloads for that peer) and the first
+``capacity.bytes`` of those payloads, zero-padded. Every rank learns every sender's largest
+block from the headers it receives, so all agree on the capacity and on whether a second
+all_to_all (the rest, padded to the longest rest) is needed. A rank that could not make its
+payloads sends -1 in place of its largest block, and every rank raises PayloadsMissing.
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .all_gather import PayloadsMissing
+
+WORD = 8  # bytes of a header entry (int64)
+
+
+def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, device=None):
+    """``payloads``: this rank's, one per part (uint8 numpy arrays, or uint8 tensors on one
+    device), or None when this rank failed to make them; ``destinations``: each part's rank in
+    ``group`` (the one that reduces it, the same list on every rank). Returns, for every rank
+    of the group in order, a list with a payload per part: that rank's payload of each part
+    this rank reduces, None for the others. ``capacity``: an all_gather.Capacity (None: the
+    headers go alone first, two collectives always); ``device``: where tensor payloads are
+    exchanged when this rank has none."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if any(not 0 <= d < size for d in destinations):  # every rank has the same: all raise here
+        raise ValueError(f"all_to_all_bytes: destinations {sorted(set(destinations))} outside a group of {size}")
+    to = [[i for i, d in enumerate(destinations) if d == peer] for peer in range(size)]  # each peer's parts
+    on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
+    device = payloads[0].device if on_device and payloads else device if on_device else torch.device("cpu")
+    head = WORD * (1 + max(len(parts) for parts in to))
+    sizes = [[-1 if payloads is None else int(_length(payloads[i])) for i in parts] for parts in to]
+    totals = [sum(s) for s in sizes]
+    longest = -1 if payloads is None else max(totals)
+    first = capacity.bytes if capacity is not None else 0
+    headers = np.zeros((size, head // WORD), np.int64)
+    headers[:, 0] = longest
+    for peer, s in enumerate(sizes):
+        headers[peer, 1:1 + len(s)] = s
+    block = head + first
+    mine = torch.zeros(size, block, dtype=torch.uint8, device=device)
+    mine[:, :head] = torch.from_numpy(headers.view(np.uint8).reshape(size, head)).to(device)
+    if payloads is not None:
+        into = mine if on_device else mine.numpy()  # host payloads copied as numpy
+        for peer, parts in enumerate(to):
+            _copy([payloads[i] for i in parts], into[peer, head:], 0, first)
+    theirs = torch.empty_like(mine)
+    wait(dist.all_to_all_single(theirs, mine, group=group, async_op=True),
+         "all_to_all of payloads" if first else "all_to_all of payload sizes")
+    received = theirs[:, :head].cpu().numpy().copy().view(np.int64)  # [sender, (its longest, its lengths)]
+    missing = [r for r in range(size) if received[r, 0] < 0]
+    if missing:
+        raise PayloadsMissing(missing)
+    longest = int(received[:, 0].max())
+    if capacity is not None:
+        capacity.learn(longest)
+    blocks = [theirs[r, head:] for r in range(size)]
+    if longest > first or capacity is None:  # the rest, padded to the longest rest (without a
+        # capacity always: two collectives, as the all_gather's callers count them)
+        rest = torch.zeros(size, longest - first, dtype=torch.uint8, device=device)
+        if payloads is not None:
+            into = rest if on_device else rest.numpy()
+            for peer, parts in enumerate(to):
+                _copy([payloads[i] for i in parts], into[peer], first, longest)
+        tails = torch.empty_like(rest)
+        wait(dist.all_to_all_single(tails, rest, group=group, async_op=True), "all_to_all of payloads")
+        blocks = [torch.cat([b, t]) for b, t in zip(blocks, tails)] if first else list(tails)
+    result = []
+    for sender, buffer in enumerate(blocks):
+        lengths = received[sender, 1:1 + len(to[me])].tolist()
+        buffer = buffer if on_device else buffer.numpy()
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
+        row = [None] * len(destinations)
+        for k, i in enumerate(to[me]):
+            row[i] = buffer[offsets[k]:offsets[k + 1]]
+        result.append(row)
+    return result
+
+
+def _length(payload):
+    return payload.numel() if isinstance(payload, torch.Tensor) else payload.size
+
+
+def _copy(payloads, out, start, stop):
+    """Bytes [start, stop) of ``payloads`` laid end to end, into ``out`` (uint8, numpy for numpy
+    payloads, else a tensor on their device, of stop - start bytes or more)."""
+    offset = 0
+    for payload in payloads:
+        n = int(_length(payload))
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            flat = payload.reshape(-1)
+            out[lo - start:hi - start] = flat[lo - offset:hi - offset]
+        offset += n

@@ -32,54 +32,61 @@ def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, de
         raise ValueError(f"all_to_all_bytes: destinations {sorted(set(destinations))} outside a group of {size}")
     to = [[i for i, d in enumerate(destinations) if d == peer] for peer in range(size)]  # each peer's parts
     on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
-    device = payloads[0].device if on_device and payloads else device if on_device else torch.device("cpu")
+    device = (payloads[0].device if payloads else device) if on_device else None
     head = WORD * (1 + max(len(parts) for parts in to))
     sizes = [[-1 if payloads is None else int(_length(payloads[i])) for i in parts] for parts in to]
-    totals = [sum(s) for s in sizes]
-    longest = -1 if payloads is None else max(totals)
     first = capacity.bytes if capacity is not None else 0
-    headers = np.zeros((size, head // WORD), np.int64)
-    headers[:, 0] = longest
+    mine, into = _blocks(size, head + first, device)
+    headers = into[:, :head].view(np.int64) if not on_device else np.zeros((size, head // WORD), np.int64)
+    headers[:, 0] = -1 if payloads is None else max(sum(s) for s in sizes)  # the sender's longest block
     for peer, s in enumerate(sizes):
         headers[peer, 1:1 + len(s)] = s
-    block = head + first
-    mine = torch.zeros(size, block, dtype=torch.uint8, device=device)
-    mine[:, :head] = torch.from_numpy(headers.view(np.uint8).reshape(size, head)).to(device)
+    if on_device:
+        mine[:, :head] = torch.from_numpy(headers.view(np.uint8)).to(device)
     if payloads is not None:
-        into = mine if on_device else mine.numpy()  # host payloads copied as numpy
         for peer, parts in enumerate(to):
             _copy([payloads[i] for i in parts], into[peer, head:], 0, first)
-    theirs = torch.empty_like(mine)
+    theirs, received = _blocks(size, head + first, device)
     wait(dist.all_to_all_single(theirs, mine, group=group, async_op=True),
          "all_to_all of payloads" if first else "all_to_all of payload sizes")
-    received = theirs[:, :head].cpu().numpy().copy().view(np.int64)  # [sender, (its longest, its lengths)]
-    missing = [r for r in range(size) if received[r, 0] < 0]
+    # [sender, (its longest block, the lengths of its payloads for this rank)]
+    lengths = (received[:, :head] if not on_device else theirs[:, :head].cpu().numpy()).view(np.int64)
+    missing = [r for r in range(size) if lengths[r, 0] < 0]
     if missing:
         raise PayloadsMissing(missing)
-    longest = int(received[:, 0].max())
+    longest = int(lengths[:, 0].max())
     if capacity is not None:
         capacity.learn(longest)
-    blocks = [theirs[r, head:] for r in range(size)]
+    blocks = [received[r, head:] for r in range(size)]
     if longest > first or capacity is None:  # the rest, padded to the longest rest (without a
         # capacity always: two collectives, as the all_gather's callers count them)
-        rest = torch.zeros(size, longest - first, dtype=torch.uint8, device=device)
+        rest, into = _blocks(size, longest - first, device)
         if payloads is not None:
-            into = rest if on_device else rest.numpy()
             for peer, parts in enumerate(to):
                 _copy([payloads[i] for i in parts], into[peer], first, longest)
-        tails = torch.empty_like(rest)
+        tails, tail_blocks = _blocks(size, longest - first, device)
         wait(dist.all_to_all_single(tails, rest, group=group, async_op=True), "all_to_all of payloads")
-        blocks = [torch.cat([b, t]) for b, t in zip(blocks, tails)] if first else list(tails)
+        blocks = [_joined(b, t) for b, t in zip(blocks, tail_blocks)] if first else list(tail_blocks)
     result = []
     for sender, buffer in enumerate(blocks):
-        lengths = received[sender, 1:1 + len(to[me])].tolist()
-        buffer = buffer if on_device else buffer.numpy()
-        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
-        row = [None] * len(destinations)
+        row, offset = [None] * len(destinations), 0
         for k, i in enumerate(to[me]):
-            row[i] = buffer[offsets[k]:offsets[k + 1]]
+            n = int(lengths[sender, 1 + k])
+            row[i] = buffer[offset:offset + n]
+            offset += n
         result.append(row)
     return result
+
+
+def _blocks(size, block, device):
+    """A zeroed (size, block) uint8 tensor for a collective, and what is written and read in it:
+    itself on a device, its numpy view on the host."""
+    tensor = torch.zeros(size, block, dtype=torch.uint8, device=device)
+    return tensor, (tensor if device is not None else tensor.numpy())
+
+
+def _joined(head, tail):
+    return torch.cat([head, tail]) if isinstance(head, torch.Tensor) else np.concatenate([head, tail])
 
 
 def _length(payload):

@@ -1,4 +1,4 @@
-"""DDP with bps_gc.torch.comm_hook, under torchrun. ``python ddp_hook_job.py SPEC.json OUT``.
+"""DDP with bps_gc.torch.comm_hook, under torchrun or bpslaunch --servers 0. ``python ddp_hook_job.py SPEC.json OUT``.
 
 spec "record": a small network for a few steps (in spec["dtype"], float32 by default), saving
 every bucket the hook saw (index, this rank's gradients in, the averaged result out, as float64
@@ -7,7 +7,7 @@ bps_gc.core.metrics() reports without init().
 spec "mnist": the demo's MLP on its real digits (example/demo/mnist_worker.py's data and model),
 dense DDP or the hook, saving the final validation accuracy.
 spec "runs": [[NAME, SPEC], ...]: each of those in turn in this one launch, its files in OUT/NAME
-(one torchrun start-up for several checks; metrics() resets at each record's read).
+(one start-up for several checks; metrics() resets at each record's read).
 """
 import gc
 import json
@@ -23,9 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "demo")]
 import bps_gc.core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
+from gloo_group import init_default_group  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
-dist.init_process_group("gloo")
+init_default_group()  # torchrun or bpslaunch --servers 0
 rank, size = dist.get_rank(), dist.get_world_size()
 
 

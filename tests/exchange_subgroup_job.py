@@ -1,4 +1,5 @@
-"""bps_gc.torch.CompressedExchange on sub-groups, under torchrun on 4 gloo ranks:
+"""bps_gc.torch.CompressedExchange on sub-groups, on 4 gloo ranks (torchrun or bpslaunch
+--servers 0):
 ``python exchange_subgroup_job.py SPEC.json OUT``. Ranks {0, 1} and {2, 3} each average their
 own named tensors over their own group, for a few steps of every codec in the spec; at step 1
 the names come in reversed order (a part's codec follows its name). Then payloads of growing
@@ -17,9 +18,10 @@ sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
 from bps_gc.collective.all_gather import Capacity, PayloadsMissing  # noqa: E402
 from bps_gc.collective.all_to_all import all_to_all_bytes  # noqa: E402
+from gloo_group import init_default_group  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
-dist.init_process_group("gloo")
+init_default_group()  # torchrun or bpslaunch --servers 0
 rank = dist.get_rank()
 groups = [dist.new_group(ranks) for ranks in spec["groups"]]
 mine = next(g for g, ranks in zip(groups, spec["groups"]) if rank in ranks)

@@ -1,4 +1,4 @@
-"""bps_gc.torch.comm_hook's asynchrony, under torchrun on gloo. ``python hook_async_job.py SPEC.json OUT``.
+"""bps_gc.torch.comm_hook's asynchrony, under torchrun or bpslaunch --servers 0 on gloo. ``python hook_async_job.py SPEC.json OUT``.
 
 spec "overlap": DDP on a model with large buckets (their reduction takes tens of milliseconds),
 timing each hook call (until it returns) and its future (until it completes); then the hook
@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
+from gloo_group import init_default_group  # noqa: E402
 from grad_bucket import GradBucket  # noqa: E402
 from bps_gc.compress import register_compressor, step_context  # noqa: E402
 from bps_gc.compress.sparse import TopK  # noqa: E402
@@ -38,7 +39,7 @@ THRESHOLD = {"compressor": "threshold", "threshold": 1.0}  # payloads of varying
 if spec.get("init"):
     bps.init()  # the collective communicator (torchrun's environment): its heartbeat watches waits
 else:
-    dist.init_process_group("nccl" if spec["mode"] == "cuda" else "gloo")
+    init_default_group("nccl" if spec["mode"] == "cuda" else "gloo")  # torchrun or bpslaunch --servers 0
 rank, size = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 

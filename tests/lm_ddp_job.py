@@ -1,4 +1,5 @@
-"""Two ranks of the LM (example/pytorch/lm) under DDP with bps_gc's dense hook, under torchrun.
+"""Two ranks of the LM (example/pytorch/lm) under DDP with bps_gc's dense hook, under torchrun or
+bpslaunch --servers 0.
 ``python lm_ddp_job.py OUT STEPS``: every rank trains the tiny GPT on its own windows of a fixed
 random byte string (stdlib_text.train_batch with its rank), SGD with clipping, and saves its
 final parameters to OUT/rank<r>.pt. SGD, not Adam: Adam would blow the float noise of gradients
@@ -16,6 +17,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "pytorch", "lm")]
 import bps_gc.torch as bps  # noqa: E402
 from gpt import GPT, byte_loss  # noqa: E402
 from stdlib_text import train_batch  # noqa: E402
+from gloo_group import init_default_group  # noqa: E402
 
 TEXT = np.random.default_rng(7).integers(0, 256, 4000).astype(np.uint8)
 SHAPE = dict(layers=1, width=32, heads=2, context=16)  # the test's one-process oracle uses the same
@@ -23,7 +25,7 @@ BATCH = 4
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo")
+    init_default_group()  # torchrun or bpslaunch --servers 0
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = GPT(**SHAPE)

@@ -1,4 +1,5 @@
-"""bps_gc.torch.comm_hook under DDP on 2 gloo ranks (torchrun): every bucket's result equals the
+"""bps_gc.torch.comm_hook under DDP on 2 gloo ranks (bpslaunch --servers 0; torchrun in
+test_hook_dtypes.py and test_hook_async.py): every bucket's result equals the
 numpy re-computation from both ranks' bucket gradients (per-gradient chains with error feedback,
 kept when DDP regroups the buckets, rank-ordered decode-and-sum, the reducer, the average), and
 the hook trains the MNIST demo model to within 1 point of dense DDP."""
@@ -9,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from collective_cluster import TESTS, job_env, torchrun_argv
+from collective_cluster import TESTS, bpslaunch_argv, job_env, torchrun_argv
 from conftest import ROOT
 
 from bps_gc.compress import build_chain
@@ -18,11 +19,14 @@ from bps_gc.collective.exchange.codecs import bucket_key
 JOB = os.path.join(TESTS, "ddp_hook_job.py")
 
 
-def run(spec, tmp_path, ranks=2, timeout=240):
+def run(spec, tmp_path, ranks=2, timeout=240, launcher="bpslaunch"):
+    """tests/ddp_hook_job.py on ``ranks`` gloo ranks, under bpslaunch --servers 0 (the group as
+    torchrun's, without its agent: ~1.7 s of CPU a launch) or torchrun."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    result = subprocess.run(torchrun_argv([JOB, str(spec_path), str(tmp_path)], ranks), env=job_env(),
-                            capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    job = [JOB, str(spec_path), str(tmp_path)]
+    argv = torchrun_argv(job, ranks) if launcher == "torchrun" else bpslaunch_argv(job, ranks)
+    result = subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
@@ -74,7 +78,7 @@ MNIST = {"dense": None, "topk-ef": {"compressor": "topk", "k": 0.1, "ef": "vanil
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """One torchrun launch for every test here (each run in its own DDP model and folder): the
+    """One launch for every test here (each run in its own DDP model and folder): the
     cases' records, PowerSGD's, and MNIST dense and with the hook."""
     out = tmp_path_factory.mktemp("hook")
     runs = [[case, {"mode": "record", "steps": 3, "compression_params": dict(params), "reducer": reducer}]

@@ -1,5 +1,5 @@
 """The compressed exchange (bps_gc.torch.CompressedExchange) serves any process group and
-keeps each part's codec under its name: 4 gloo ranks under torchrun form two groups of 2, each
+keeps each part's codec under its name: 4 gloo ranks (bpslaunch --servers 0: no torchrun agent) form two groups of 2, each
 averaging its own named tensors with a compressed codec; every result equals the numpy
 re-computation over that group's ranks alone, with each name's chains seeded by its name
 (the parts come in another order at step 1). Bad calls are refused, naming the problem."""
@@ -54,7 +54,7 @@ def expected(params, ranks, name, shape):
 
 def test_exchange_on_two_sub_groups_equals_numpy(tmp_path):
     spec = {"groups": GROUPS, "shapes": SHAPES, "codecs": CODECS, "steps": STEPS, "lr": LR, "all_to_all": ALL_TO_ALL}
-    run_torchrun_job("exchange_subgroup_job.py", spec, tmp_path, 4)
+    run_torchrun_job("exchange_subgroup_job.py", spec, tmp_path, 4, launcher="bpslaunch")
     got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)]
     each_payload_reaches_its_destination_alone(got)
     for codec, params in CODECS.items():

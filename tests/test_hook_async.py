@@ -1,4 +1,5 @@
-"""bps_gc.torch.comm_hook does not hold DDP's backward (2 gloo ranks under torchrun, real DDP):
+"""bps_gc.torch.comm_hook does not hold DDP's backward (2 gloo ranks, real DDP; bpslaunch
+--servers 0, and torchrun for the killed peer):
 its call returns in a small fraction of the time its future takes; a bucket's steps run in
 order (results equal the numpy re-computation of each step after the previous one, futures
 complete in call order); a codec error on one rank reaches backward() on every rank, naming
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective_cluster import TESTS, free_port, job_env, torchrun_argv
+from collective_cluster import TESTS, bpslaunch_argv, free_port, job_env, torchrun_argv
 from conftest import ROOT
 from test_collective_hook import expected_buckets
 
@@ -25,15 +26,17 @@ THRESHOLD = {"compressor": "threshold", "threshold": 1.0}  # as hook_async_job.p
 
 
 def run(spec, tmp_path, timeout=180):
+    """The job on 2 ranks under bpslaunch --servers 0 (gloo as under torchrun, without its agent:
+    ~1.7 s of CPU); the killed-peer test keeps torchrun's agents."""
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run(torchrun_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path)], 2), env=job_env(),
+    result = subprocess.run(bpslaunch_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path)], 2), env=job_env(),
                             capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
 @pytest.fixture(scope="module")
 def overlap_and_error(tmp_path_factory):
-    """One job for two tests (torchrun's start-up is most of their time)."""
+    """One job for three tests (the processes' start-up is most of their time)."""
     out = tmp_path_factory.mktemp("hook_async")
     run({"mode": "overlap_and_error", "steps": 4, "compression_params": TOPK_EF, "refuser": 1}, out)
     return out

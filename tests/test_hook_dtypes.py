@@ -1,5 +1,5 @@
 """The DDP hook and the buckets' dtypes (docs/ddp_hook.md "Dtypes"), with real DDP on 2 gloo
-ranks (torchrun): a float64 model is reduced in float64 by a codec that carries it, refused at
+ranks (the trained models under bpslaunch --servers 0, the refusal under torchrun): a float64 model is reduced in float64 by a codec that carries it, refused at
 its first bucket by one that cannot, and a bfloat16 model is widened to float32 and rounded back,
 each against the numpy re-computation; bps_gc.core.metrics() counts the hook's bytes without
 init()."""
@@ -13,7 +13,7 @@ import torch
 
 from collective_cluster import job_env, torchrun_argv
 from conftest import ROOT
-from test_collective_hook import JOB, expected_buckets
+from test_collective_hook import JOB, expected_buckets, run
 
 TOPK = {"compressor": "topk", "k": 0.1, "ef": "vanilla"}
 
@@ -23,6 +23,7 @@ def record_spec(params, dtype, reducer="lossless"):
 
 
 def record(tmp_path, spec):
+    """The job under torchrun (its exit status is the test's to check)."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return subprocess.run(torchrun_argv([JOB, str(spec_path), str(tmp_path)], 2), env=job_env(),
@@ -33,8 +34,7 @@ def record(tmp_path, spec):
 def widths(tmp_path_factory):
     """One launch for both models that train (each in its own folder): float64, then bfloat16."""
     out = tmp_path_factory.mktemp("dtypes")
-    result = record(out, {"runs": [[dtype, record_spec(TOPK, dtype)] for dtype in ("float64", "bfloat16")]})
-    assert result.returncode == 0, result.stderr[-4000:]
+    run({"runs": [[dtype, record_spec(TOPK, dtype)] for dtype in ("float64", "bfloat16")]}, out)  # bpslaunch
     return out
 
 

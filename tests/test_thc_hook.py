@@ -1,4 +1,4 @@
-"""thc through bps_gc.torch.comm_hook under DDP on 3 gloo ranks (torchrun): each bucket is two
+"""thc through bps_gc.torch.comm_hook under DDP on 3 gloo ranks (bpslaunch --servers 0): each bucket is two
 all_reduces of int64 words (the scale histograms, then the packed codes; collective/exchange/phased.py), no
 all_gather, and every bucket's result equals the re-computation here from the three ranks'
 bucket gradients: per-parameter chains (keys as the hook's, kept when DDP regroups), both

@@ -1,0 +1,20 @@
+"""torch's default process group for a test job that makes its own (as a DDP script does, not
+through bps_gc's init()), from whichever launcher started it: torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT: env://) or ``bpslaunch --local --servers 0`` (DMLC_WORKER_ID is the rank,
+DMLC_NUM_WORKER the size, and rank 0 hosts the store at DMLC_PS_ROOT_URI:PORT, where bps_gc's
+own rendezvous would). The same gloo group either way; bpslaunch spares the launch torchrun's
+agent process (it imports torch: ~1.7 s of CPU)."""
+import os
+
+import torch.distributed as dist
+
+
+def init_default_group(backend="gloo"):
+    env = os.environ
+    if "RANK" in env or "DMLC_NUM_WORKER" not in env:
+        dist.init_process_group(backend)
+        return
+    if env.get("BYTEPS_LOCAL_SIZE", "1") != "1":
+        raise SystemExit("gloo_group: under bpslaunch, one rank per worker (--local-size 1) only")
+    dist.init_process_group(backend, init_method=f"tcp://{env['DMLC_PS_ROOT_URI']}:{env['DMLC_PS_ROOT_PORT']}",
+                            rank=int(env["DMLC_WORKER_ID"]), world_size=int(env["DMLC_NUM_WORKER"]))

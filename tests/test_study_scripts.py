@@ -1,8 +1,9 @@
 """example/pytorch/train_cifar10_resnet9.py and train_imagenet_nv.py, the twins of the layer-wise
 study's scripts: the study's and DGC's flags map to compression_params (every --method, any
 case), bad flags are one line, the seed's ImageNet command line is accepted as written, the
-ImageNet folder reader, and short real runs on tiny data under torchrun (torch.distributed) and
-bpslaunch (parameter server), each method in one of them; the seed's ImageNet command,
+ImageNet folder reader, and short real runs on tiny data under torchrun (torch.distributed),
+bpslaunch (parameter server) and bpslaunch --servers 0 (torch.distributed without torchrun's
+agent), each method in one of them; the seed's ImageNet command,
 started again from its first checkpoints, resumes bit for bit (issue 33, with test_resume_scripts.py)."""
 import importlib.util
 import json
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 from cluster import run_local  # noqa: E402
-from collective_cluster import job_env, torchrun_argv  # noqa: E402
+from collective_cluster import bpslaunch_argv, job_env, torchrun_argv  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from test_cifar10_choco import write_cifar10  # noqa: E402
 from test_resume_scripts import INTERRUPT, run, same_models  # noqa: E402
@@ -169,12 +170,14 @@ def test_imagenet_folder(tmp_path):
 # ------------------------------------------------------------------------------------ real runs
 
 def launch(launcher, script, argv, wrapper=(), env=None):
-    """``wrapper`` (a script that runs ``script``, with its ``env``): torchrun only."""
+    """``launcher`` "bpslaunch" (one server: the parameter server), "torchrun", or "bpslaunch0"
+    (bpslaunch --servers 0: torch.distributed as under torchrun, without its agent, ~1.7 s of CPU);
+    ``wrapper`` (a script that runs ``script``, with its ``env``): torchrun only."""
     if launcher == "bpslaunch":
         return run_local([sys.executable, script, *argv], workers=2, servers=1, env={"OMP_NUM_THREADS": "1"},
                          timeout=240)
-    return subprocess.run(torchrun_argv([*wrapper, script, *argv], 2), env=job_env(env), capture_output=True,
-                          text=True, timeout=240, cwd=ROOT)
+    ranks = torchrun_argv([*wrapper, script, *argv], 2) if launcher == "torchrun" else bpslaunch_argv([script, *argv], 2)
+    return subprocess.run(ranks, env=job_env(env), capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def summary(result, path):
@@ -184,10 +187,11 @@ def summary(result, path):
 
 
 # (launcher, network, flags, least compression ratio): with the ImageNet runs below (topk as the
-# seed's command, terngrad) every method runs once, and each script under both launchers
+# seed's command, terngrad) every method runs once, and each script under both launchers (and
+# torch.distributed under bpslaunch --servers 0 too)
 CIFAR_RUNS = {
     "qsgd": ("torchrun", "alexnet", ["-c", "layerwise", "--method", "QSGD", "-Q", "15"], 5),
-    "thresholdv": ("torchrun", "resnet9", ["--compress", "layerwise", "--method", "ThresholdV", "-V", "0.001"], 0.3),
+    "thresholdv": ("bpslaunch0", "resnet9", ["--compress", "layerwise", "--method", "ThresholdV", "-V", "0.001"], 0.3),
     # epoch 0 of a 2-epoch sparsity warm-up keeps sqrt(0.01) = 10%
     "dgc": ("bpslaunch", "resnet9", ["--compressor", "dgc", "--k", "0.01", "--warmup-epochs", "2", "--fp16-values",
                                      "--momentum", "0.9", "--nesterov"], 3),

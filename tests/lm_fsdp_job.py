@@ -1,4 +1,5 @@
-"""example/pytorch/lm/train.py run several times in one torchrun launch (tests/test_lm.py), so
+"""example/pytorch/lm/train.py run several times in one launch (torchrun or bpslaunch --servers 0:
+tests/test_lm.py), so
 that its processes start once: ``lm_fsdp_job.py FLAGS... + FLAGS... + ...``, one run per group
 of flags, each announced by rank 0 as ``=== run <i>``. Every run does its own bps.init() and
 bps.shutdown(), as train.py's main does, on the default process group this script makes once
@@ -8,6 +9,8 @@ import os
 import sys
 
 import torch.distributed as dist
+
+from gloo_group import init_default_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("lm_train", os.path.join(ROOT, "example", "pytorch", "lm", "train.py"))
@@ -19,7 +22,7 @@ for word in sys.argv[1:]:
         runs.append([])
     else:
         runs[-1].append(word)
-dist.init_process_group("gloo")
+init_default_group()
 for i, flags in enumerate(runs):
     if dist.get_rank() == 0:
         print(f"=== run {i}", flush=True)

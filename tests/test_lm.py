@@ -222,26 +222,28 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
     """One launch runs train.py with top-k + EF, then --api diloco (diloco_resumes), then --api
     fsdp (hsdp_runs_agree), and leaves each checkpointed run's first checkpoint (step 2) where
     the resumed launch starts from it: what a run interrupted there would have left
-    (tests/interrupted_run.py's COPY_TO)."""
+    (tests/interrupted_run.py's COPY_TO). The straight launch under torchrun, the resumed one
+    under bpslaunch --servers 0 (the same gloo ranks, without torchrun's agent: ~1.7 s of CPU)."""
     from test_lm_diloco import DILOCO, diloco_resumes
 
-    def train(root, then=(), **env):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
+    def train(root, then=(), launcher=torchrun_argv, **env):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
         flags = [*TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
                  "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(root / "topk")]
         diloco = [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2",
                   "--checkpoint", str(root / "diloco")]
         # DiLoCo second: its exchange's name, which keys its codec state, is the process's first (exchange.0)
         argv = [*([INTERRUPT] if env else []), FSDP_JOB, *flags, *(w for run in (diloco, *then) for w in ("+", *run))]
-        result = subprocess.run(torchrun_argv(argv, 2), env=job_env(env), cwd=ROOT, capture_output=True, text=True,
+        result = subprocess.run(launcher(argv, 2), env=job_env(env), cwd=ROOT, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout.split("=== run ")[1:]
+        # bpslaunch labels its workers' lines ([worker0] ...); torchrun passes them as printed
+        return re.sub(r"^\[worker\d+\] ", "", result.stdout, flags=re.M).split("=== run ")[1:]
     # each rank's 1st and 4th saves of rank<r>.pth: top-k's and DiLoCo's at step 2
     straight, diloco_straight, *hsdp = train(tmp_path / "straight", then=HSDP_RUNS, INTERRUPT_AFTER="rank:1,4",
                                              COPY_TO=str(tmp_path / "resumed"), COPY_ROOT=str(tmp_path / "straight"))
     hsdp_runs_agree(hsdp)
     assert "precision: bf16 autocast" in straight and "attention plain" in straight
-    resumed, diloco_resumed = train(tmp_path / "resumed")
+    resumed, diloco_resumed = train(tmp_path / "resumed", launcher=bpslaunch_argv)
     assert "resumed from" in resumed and "at step 2" in resumed
     diloco_resumes(tmp_path / "straight" / "diloco", tmp_path / "resumed" / "diloco", diloco_straight, diloco_resumed)
 

@@ -1,9 +1,9 @@
 """What the LM script (train.py) and scripts/time_to_accuracy.py --task lm share: the
 model's, data's and optimizer's flags, the learning-rate schedule, the optimizer, the clipped
-step and the validation loss."""
+step and the validation loss. torch is imported where it is used: the time-to-accuracy
+driver reads only the flags here, and importing torch would cost it ~2 s of CPU."""
 import math
 
-import torch
 
 def add_model_args(p):
     """The model's and data's shape (shared with scripts/time_to_accuracy.py --task lm)."""
@@ -39,6 +39,7 @@ def check_args(args, parser):
 
 def build_model(args, device, attention="sdpa"):
     """The seeded GPT on ``device``; ``attention``: gpt.attention_for's choice for the step's precision."""
+    import torch
     from gpt import GPT
     torch.manual_seed(args.seed)
     return GPT(args.layers, args.width, args.heads, args.context, attention).to(device)
@@ -53,6 +54,7 @@ def lr_at(args, step):
 
 
 def make_optimizer(args, model):
+    import torch
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=args.momentum > 0,
                                weight_decay=args.wd)
@@ -61,6 +63,7 @@ def make_optimizer(args, model):
 
 def evaluate(model, val, device, amp):
     """Mean validation loss (nats per byte) over the fixed windows, 16 at a time."""
+    import torch
     model.eval()
     total = 0.0
     with torch.no_grad(), amp.autocast():
@@ -76,6 +79,7 @@ def clipped_step(opt, model, clip, synchronizes):
     if synchronizes:
         opt.synchronize()
     if clip > 0:
+        import torch
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if synchronizes:
         with opt.skip_synchronize():

@@ -1,8 +1,8 @@
 """The DDP hook and the buckets' dtypes (docs/ddp_hook.md "Dtypes"), with real DDP on 2 gloo
-ranks (the trained models under bpslaunch --servers 0, the refusal under torchrun): a float64 model is reduced in float64 by a codec that carries it, refused at
-its first bucket by one that cannot, and a bfloat16 model is widened to float32 and rounded back,
-each against the numpy re-computation; bps_gc.core.metrics() counts the hook's bytes without
-init()."""
+ranks (the trained models under bpslaunch --servers 0, the refusal under torchrun): a float64
+model is reduced in float64 by a codec that carries it, refused at its first bucket by one that
+cannot, and a bfloat16 model is widened to float32 and rounded back, each against the numpy
+re-computation; bps_gc.core.metrics() counts the hook's bytes without init()."""
 import json
 import os
 import subprocess

@@ -111,7 +111,8 @@ def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
     from gpt import GPT, byte_loss
     steps = 4
     # bpslaunch --servers 0: the gloo group as torchrun's, without its agent (~1.7 s of CPU)
-    result = subprocess.run(bpslaunch_argv([os.path.join(ROOT, "tests", "lm_ddp_job.py"), str(tmp_path), str(steps)], 2),
+    job = [os.path.join(ROOT, "tests", "lm_ddp_job.py"), str(tmp_path), str(steps)]
+    result = subprocess.run(bpslaunch_argv(job, 2),
                             env=job_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.manual_seed(0)

@@ -176,7 +176,10 @@ def launch(launcher, script, argv, wrapper=(), env=None):
     if launcher == "bpslaunch":
         return run_local([sys.executable, script, *argv], workers=2, servers=1, env={"OMP_NUM_THREADS": "1"},
                          timeout=240)
-    ranks = torchrun_argv([*wrapper, script, *argv], 2) if launcher == "torchrun" else bpslaunch_argv([script, *argv], 2)
+    if launcher == "torchrun":
+        ranks = torchrun_argv([*wrapper, script, *argv], 2)
+    else:
+        ranks = bpslaunch_argv([script, *argv], 2)
     return subprocess.run(ranks, env=job_env(env), capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 

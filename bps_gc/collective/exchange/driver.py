@@ -94,21 +94,23 @@ class Driver:
         stamp(job.index, "compress end")
         self.gathering.submit(self.gather_stage, job)
 
-    def compress(self, segment, job):
-        """This rank's payloads of ``segment`` of ``job`` (or the error that stopped them: the
-        others still gather, and learn that this rank failed). Counted as pushed: all of them,
-        or with ``job.destinations`` those that leave this rank (a one-segment job)."""
+    def compress(self, segment, job=None):
+        """This rank's payloads of ``segment`` (or the error that stopped them: the others still
+        gather, and learn that this rank failed). Counted as pushed: all of them, or with
+        ``job.destinations`` those that leave this rank (a one-segment job). ``job``: None where
+        the collective compresses a tensor as it is added (buckets.py), before its job exists."""
         start = time.perf_counter()
+        stream, destinations = (None, None) if job is None else (job.stream, job.destinations)
         try:
-            if job.stream is not None:
-                job.stream.wait_for_backward()
+            if stream is not None:
+                stream.wait_for_backward()
             if self.encode(segment) is None:  # two levels: its owners compress the host's sums
                 return
         except Exception as e:  # noqa: BLE001 -- the job's error, raised when it ends
             segment.failure = e
             return
-        sent = segment.payloads if job.destinations is None else \
-            [p for p, to in zip(segment.payloads, job.destinations) if to != job.rank]
+        sent = segment.payloads if destinations is None else \
+            [p for p, to in zip(segment.payloads, destinations) if to != job.rank]
         self.count(compress_seconds=time.perf_counter() - start, pushed_wire=payload_bytes(sent))
 
     @staticmethod

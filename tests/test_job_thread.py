@@ -29,3 +29,43 @@ def test_a_job_inside_torch_at_exit_does_not_abort_the_process():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert "terminate called" not in result.stderr
+
+
+def test_a_job_whose_call_fails_ends_with_its_error_and_is_raised_at_the_next_wait():
+    """A function that raises before its own error handling (a programming error: last stop's
+    ``Driver.compress`` called with the wrong arguments) used to be printed by the thread alone:
+    the bucket, segment or pipeline job it carried never ended, and its rank waited until the
+    tests' timeouts. Each now ends with the error (JobFailed naming the function and the cause),
+    every later ``wait_idle`` raises it, and the thread still runs later jobs."""
+    import threading
+
+    import pytest
+    import torch
+
+    from bps_gc.collective.buckets import Bucket
+    from bps_gc.collective.exchange.driver import Driver
+    from bps_gc.collective.exchange.jobs import ArraySegment, TensorJob
+    from bps_gc.collective.job_thread import JobFailed, JobThread
+
+    runner = JobThread("test-exchange")
+    driver = Driver(lambda **amounts: None, runner, runner, runner)
+    bucket, segment = Bucket(), ArraySegment([], {})
+    runner.submit(driver.compress, segment, None, "one argument too many")
+    runner.submit(lambda bucket, wanted: None, bucket)  # one too few
+
+    # a stage that fails outside its own try: segments without the Segment interface
+    job = TensorJob([object()], wait=None, future=torch.futures.Future())
+    driver.run(job)
+    ran = threading.Event()
+    runner.submit(ran.set)  # the thread still runs later jobs; once it has, every job above has ended
+    assert ran.wait(10)
+    assert job.future.done(), "the pipeline job never ended"
+    with pytest.raises(JobFailed, match=r"test-exchange: Driver\.compress_stage failed: AttributeError"):
+        job.future.wait()
+    assert bucket.sent.is_set(), "the bucket was never sent nor failed"
+    assert isinstance(bucket.error, JobFailed) and "TypeError" in str(bucket.error), bucket.error
+    assert isinstance(segment.failure, JobFailed) and "Driver.compress failed: TypeError" in str(segment.failure)
+    assert segment.compressed and isinstance(segment.failure.__cause__, TypeError)
+    with pytest.raises(JobFailed, match="Driver.compress failed"):  # the first failure, raised at every wait
+        runner.wait_idle(10)
+    runner.stop()

@@ -116,6 +116,12 @@ class Bucket:
         self.works, self.buffers, self.flushed, self.done = [], [], False, False
         self.sent, self.error = threading.Event(), None  # set once the exchange thread issued it
 
+    def abandon(self, error):
+        """Ended by ``error`` (job_thread.JobThread: sending it could not be called): its waits raise it."""
+        if self.error is None:
+            self.error = error
+        self.sent.set()
+
 
 class Buckets:
     """Reductions fused into buckets: ``add`` (into ``pending``, the bucket being filled),

@@ -18,6 +18,11 @@ import threading
 from ..comm.exit_threads import join_at_exit
 
 
+class JobFailed(RuntimeError):
+    """A job's function raised where no job records its errors (calling it failed: a
+    programming error, not a peer's or a codec's)."""
+
+
 class JobThread:
     """One daemon thread running jobs (``fn(*args)``) in submission order; ``idle()`` when all
     have run. A daemon: a job blocked on a dead peer never keeps the process alive (its waits poll the
@@ -27,6 +32,7 @@ class JobThread:
         self.name, self.jobs, self.thread = name, queue.SimpleQueue(), None
         self.submitted = self.completed = 0
         self.changed = threading.Condition()
+        self.failure = None  # the first JobFailed: raised by every later wait_idle
 
     def submit(self, fn, *args):
         with self.changed:
@@ -42,9 +48,13 @@ class JobThread:
         return self.completed == self.submitted
 
     def wait_idle(self, seconds):
-        """True once every submitted job ran; False after ``seconds`` otherwise."""
+        """True once every submitted job ran; False after ``seconds`` otherwise. Raises the
+        JobFailed of a job whose function raised (``_escaped``)."""
         with self.changed:
-            return self.changed.wait_for(self.idle, seconds)
+            idle = self.changed.wait_for(self.idle, seconds)
+        if self.failure is not None:
+            raise self.failure
+        return idle
 
     def stop(self):
         if self.thread is not None:
@@ -59,8 +69,28 @@ class JobThread:
             fn, args = job
             try:
                 fn(*args)  # a job records its own errors (on its bucket or future)
+            except BaseException as e:  # noqa: BLE001 -- one no job recorded: see _escaped
+                self._escaped(fn, args, e)
             finally:
                 job = fn = args = None  # not held while waiting for the next (its payloads, buffers)
                 with self.changed:
                     self.completed += 1
                     self.changed.notify_all()
+
+    def _escaped(self, fn, args, error):
+        """``fn(*args)`` raised ``error`` past the job's own handling (calling it failed). Printed
+        by the thread alone, the job would never end and its caller would wait for ever: each
+        argument that can (``abandon(error)``: a bucket, a segment, a pipeline job) ends with it,
+        and every later ``wait_idle`` raises it."""
+        what = getattr(fn, "__qualname__", None) or repr(fn)
+        failure = JobFailed(f"bps_gc: {self.name}: {what} failed: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        if self.failure is None:
+            self.failure = failure
+        for arg in args:
+            abandon = getattr(arg, "abandon", None)
+            if callable(abandon):
+                try:
+                    abandon(failure)
+                except Exception:  # noqa: BLE001 -- the others still end; the failure stays raised
+                    pass

@@ -34,6 +34,11 @@ class Segment:
     def compressed(self):
         return self.payloads is not None or self.failure is not None
 
+    def abandon(self, error):
+        """Ended by ``error`` (job_thread.JobThread: compressing it could not be called)."""
+        if self.failure is None:
+            self.failure = error
+
     def load(self):
         """The array its parts are compressed from (None: not compressed here)."""
         return self.flat
@@ -165,6 +170,11 @@ class Job:
         """The job's end: ``work(job)``, its errors raised to the caller (the collective's bucket)."""
         work(self)
 
+    def abandon(self, error):
+        """Ended by ``error`` (job_thread.JobThread: a stage could not be called)."""
+        if self.error is None:
+            self.error = error
+
     def result(self):
         return None
 
@@ -187,6 +197,11 @@ class TensorJob(Job):
 
     def settle(self, work):
         settle(self.future, work, self)
+
+    def abandon(self, error):
+        super().abandon(error)
+        if not self.future.done():
+            self.future.set_exception(error)
 
     def result(self):
         return self.segment.buffer

@@ -3,6 +3,7 @@ import os
 import sys
 
 import gc_paused_imports
+import leftovers
 import pytest
 
 gc_paused_imports.install()  # before any test module imports torch: see its docstring
@@ -19,6 +20,18 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [LAUNCH_PYTHONPATH, os.e
 # spin on a box whose cores the job's other processes need (a parameter-server restart_job.py
 # phase: 7.2-9.7 s of CPU with them, 4.4-4.7 s without). Read once, when torch or numpy loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_processes(request):
+    """After each file's tests (and its fixtures' teardown: this one is set up first), no
+    process it started may be left running: tests/leftovers.py kills and names any."""
+    yield
+    leftovers.reap_leftovers(request.module.__name__)
+
+
+def pytest_configure(config):
+    leftovers.become_subreaper()  # orphaned descendants (a killed torchrun's ranks) come to this process
 
 
 def skip_unless_installed(*modules):

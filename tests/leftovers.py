@@ -1,0 +1,67 @@
+"""Processes a test file leaves running. ``subprocess.run(timeout=)`` kills the launcher it started
+and nothing under it: a torchrun killed so left its ranks running for minutes, on the cores the
+next tests needed (a bpslaunch's die with it: PR_SET_PDEATHSIG). The pytest process makes itself
+their subreaper (Linux): a descendant whose parent dies becomes its child rather than init's,
+so once a file's tests are done (tests/conftest.py) whatever is still its child is a leftover,
+killed and named."""
+import ctypes
+import os
+import signal
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper():
+    """True where the kernel took it (Linux 3.4+)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def children(parent):
+    """{pid: (state, command line)} of ``parent``'s children, zombies included."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != parent:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):
+            continue
+        found[int(entry)] = (fields[0], command)
+    return found
+
+
+def reap_leftovers(where, rounds=20):
+    """Kill this process's children still running and reap them (a killed one's own children
+    come to this process next: up to ``rounds`` rounds). Returns the command lines killed, each
+    also named on stderr with ``where``. Zombies (adopted processes that ended) are reaped
+    silently: every test's own launches were waited for before its file ended."""
+    me, killed = os.getpid(), []
+    for _ in range(rounds):
+        found = children(me)
+        if not found:
+            break
+        for pid, (state, command) in found.items():
+            if state != "Z":
+                killed.append(command)
+                print(f"tests: {where} left pid {pid} running, killed: {command[:200]}", file=sys.stderr)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.05)
+        for pid in found:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return killed

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import sys
 
@@ -56,7 +57,9 @@ def alive(pid):
 # worker takes a whole file at a time, in collection order. xdist's default order (most tests
 # first) left the slow files of few tests (training scripts, benchmarks) for the end, one worker
 # busy with them while the other sat idle. Here the files come heaviest first, by the seconds
-# their tests took in earlier runs (pytest's cache, .pytest_cache/); files never timed go first.
+# their tests took in earlier runs (pytest's cache, .pytest_cache/), or, where this checkout has
+# none (a fresh clone, CI), by tests/file_seconds.json (scripts/record_test_order.py writes it
+# from a cache); files never timed go first.
 TEST_SECONDS = "bps_gc/test_seconds"
 RAN_SECONDS = {}  # this session's: test id -> setup + call + teardown seconds
 
@@ -78,14 +81,29 @@ def pytest_configure_node(node):
     node.workerinput[TEST_SECONDS] = recorded_seconds(node.config)
 
 
+COMMITTED_SECONDS = os.path.join(ROOT, "tests", "file_seconds.json")
+
+
+def committed_file_seconds():
+    try:
+        with open(COMMITTED_SECONDS) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def pytest_collection_modifyitems(config, items):
     seconds = recorded_seconds(config)
-    if not seconds:
+    by_file = {} if seconds else committed_file_seconds()
+    if not seconds and not by_file:
         return
     first_seen, cost = {}, {}
     for item in items:
         path = file_of(item.nodeid)
         first_seen.setdefault(path, len(first_seen))
+        if by_file:
+            cost[path] = by_file.get(path, float("inf"))
+            continue
         known = seconds.get(item.nodeid)
         cost[path] = float("inf") if known is None or cost.get(path) == float("inf") else cost.get(path, 0) + known
     items.sort(key=lambda item: (-cost[file_of(item.nodeid)], first_seen[file_of(item.nodeid)]))
@@ -99,7 +117,6 @@ def pytest_runtest_protocol(item):
     if not path:
         yield
         return
-    import json
     import resource
     before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     yield

@@ -25,11 +25,21 @@ class PayloadsMissing(RuntimeError):
         self.ranks = ranks
 
 
+def payload_length(payload):
+    """A payload's bytes: a uint8 numpy array or torch tensor (on any device)."""
+    return payload.numel() if isinstance(payload, torch.Tensor) else payload.nbytes
+
+
+def payload_bytes(payloads):
+    """The bytes of numpy or torch payloads (None: one not here)."""
+    return sum(payload_length(p) for p in payloads or () if p is not None)
+
+
 def gather_lengths(payloads, wait, group, parts, device=None):
     """Every rank's payload lengths (lists of ints, rank order): ``payloads`` this rank's (with
-    ``.size`` or ``.numel()``), or None when it failed to make them (then ``parts`` says how
+    uint8 arrays or tensors), or None when it failed to make them (then ``parts`` says how
     many there would have been, and it sends -1 for each). PayloadsMissing when any rank failed."""
-    sizes = [-1] * parts if payloads is None else [int(p.numel() if hasattr(p, "numel") else p.size) for p in payloads]
+    sizes = [-1] * parts if payloads is None else [int(payload_length(p)) for p in payloads]
     lengths = torch.tensor(sizes, dtype=torch.int64, device=device)
     all_lengths = [torch.empty_like(lengths) for _ in range(dist.get_world_size(group))]
     wait(dist.all_gather(all_lengths, lengths, group=group, async_op=True), "all_gather of payload sizes")
@@ -65,7 +75,7 @@ def all_gather_bytes(payloads, wait, group=None, parts=None, capacity=None):
     the rest of the longest, when there is any. Without ``capacity`` the first carries the
     lengths only (two collectives, always)."""
     parts = len(payloads) if payloads is not None else parts
-    sizes = [-1] * parts if payloads is None else [int(p.size) for p in payloads]
+    sizes = [-1] * parts if payloads is None else [int(payload_length(p)) for p in payloads]
     head, first = 8 * parts, capacity.bytes if capacity is not None else 0
     mine = torch.zeros(head + first, dtype=torch.uint8)
     mine.numpy()[:head].view(np.int64)[:] = sizes

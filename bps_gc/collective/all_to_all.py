@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .all_gather import PayloadsMissing
+from .all_gather import PayloadsMissing, payload_length
 
 WORD = 8  # bytes of a header entry (int64)
 
@@ -34,7 +34,7 @@ def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, de
     on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
     device = (payloads[0].device if payloads else device) if on_device else None
     head = WORD * (1 + max(len(parts) for parts in to))
-    sizes = [[-1 if payloads is None else int(_length(payloads[i])) for i in parts] for parts in to]
+    sizes = [[-1 if payloads is None else int(payload_length(payloads[i])) for i in parts] for parts in to]
     first = capacity.bytes if capacity is not None else 0
     mine, into = _blocks(size, head + first, device)
     headers = into[:, :head].view(np.int64) if not on_device else np.zeros((size, head // WORD), np.int64)
@@ -89,16 +89,12 @@ def _joined(head, tail):
     return torch.cat([head, tail]) if isinstance(head, torch.Tensor) else np.concatenate([head, tail])
 
 
-def _length(payload):
-    return payload.numel() if isinstance(payload, torch.Tensor) else payload.size
-
-
 def _copy(payloads, out, start, stop):
     """Bytes [start, stop) of ``payloads`` laid end to end, into ``out`` (uint8, numpy for numpy
     payloads, else a tensor on their device, of stop - start bytes or more)."""
     offset = 0
     for payload in payloads:
-        n = int(_length(payload))
+        n = int(payload_length(payload))
         lo, hi = max(start, offset), min(stop, offset + n)
         if lo < hi:
             flat = payload.reshape(-1)

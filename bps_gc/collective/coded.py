@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
-from .all_gather import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors
+from .all_gather import Capacity, PayloadsMissing, all_gather_bytes, all_gather_tensors, payload_bytes
 from .all_to_all import all_to_all_bytes
 
 # the words two-phase codecs sum in here (thc): gloo and NCCL add int64 exactly (modulo 2^64),
@@ -84,11 +84,6 @@ def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
         if divisor is not None and part.reducer.summed:
             chunk /= divisor if on_device else chunk.dtype.type(divisor)
     return flat
-
-
-def payload_bytes(payloads):
-    """The bytes of numpy or torch payloads (None: one not here)."""
-    return sum(p.numel() if isinstance(p, torch.Tensor) else p.nbytes for p in payloads or () if p is not None)
 
 
 def in_wire_dtype(flat, parts, wire_dtype):

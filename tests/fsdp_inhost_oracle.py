@@ -5,6 +5,8 @@ on torch.distributed (test_fsdp.py) and on the parameter server (test_fsdp_ps.py
 import numpy as np
 
 from bps_gc.compress import build_chain
+from bps_gc.compress.params import CompressionParams
+from bps_gc.compress.reducers import choose_reducer
 from bps_gc.collective.exchange.codecs import name_key
 
 # the job's model: its parameters in order, each sharded on dim 0 (2 ranks: even sizes)
@@ -15,23 +17,26 @@ TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 CHAINS = {}  # (run, fqn, suffix, senders) -> (the senders' worker chains, the server chain)
 
 
-def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None):
+def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None,
+                  params=TOPK):
     """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32,
     bfloat16 and float16 ones widened: in float32; float64 in float64): each parameter's padded
-    shard (its rows split in ``shards``, rounded up) through its worker chains (seeded by
-    ``<fqn>#shard<i>``), decoded and summed in replica order, re-compressed by the server's
-    chain, halved; ``run``: the model's, whose
-    chains are its own. The in-host step: ``ins`` the senders' chunks ``shard``, ``suffix``
-    ``#to_shard<shard>``, ``ranks`` the senders' (``seeds``: the ranks their chains are seeded
-    with, if not those); ``sent`` (a list) gets the payloads' bytes."""
+    shard (its rows split in ``shards``, rounded up) through its worker chains of ``params``
+    (seeded by ``<fqn>#shard<i>``), decoded and summed in replica order, re-compressed by the
+    server's chain (the codec's default reducer "recompress"; "lossless": the sum as it is),
+    halved; ``run``: the model's, whose chains are its own. The in-host step: ``ins`` the
+    senders' chunks ``shard``, ``suffix`` ``#to_shard<shard>``, ``ranks`` the senders'
+    (``seeds``: the ranks their chains are seeded with, if not those); ``sent`` (a list) gets
+    the payloads' bytes. The phased codecs (thc, PowerSGD): expected_phased_call."""
     result, offset, dtype = np.empty_like(ins[0]), 0, ins[0].dtype.type
     suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
+    recompress = choose_reducer(CompressionParams.from_dict(params)) == "recompress"
     for fqn, shape in params_of_layer:
         n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
         key = name_key(f"{fqn}{suffix}")
         chains = CHAINS.setdefault((run, fqn, suffix, ranks),
-                                   ([build_chain(TOPK, n, dtype, key=key, rank=r) for r in seeds or ranks],
-                                    build_chain(TOPK, n, dtype, key=key, role="server")))
+                                   ([build_chain(params, n, dtype, key=key, rank=r) for r in seeds or ranks],
+                                    build_chain(params, n, dtype, key=key, role="server")))
         ctx = {"lr": 0.0, "step": step}
         acc = np.zeros(n, dtype)
         for chain, x in zip(chains[0], ins):
@@ -39,11 +44,43 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
             if sent is not None:
                 sent.append(payload.nbytes)
             acc += chain.decompress(payload)
-        acc = chains[1].decompress(chains[1].compress(acc, ctx))
+        if recompress:
+            acc = chains[1].decompress(chains[1].compress(acc, ctx))
         result[offset:offset + n] = acc / dtype(len(ranks))
         offset += n
     assert offset == len(result)
     return result
+
+
+def expected_phased_call(ins, shard, params_of_layer, step, run, params, shards=2):
+    """expected_call for thc and PowerSGD (collective/exchange/phased.py): the inputs in float32
+    (a float64 one rounded to it), each parameter's padded shard through its replicas' chains
+    (PowerSGD's viewing it in the shard's shape; thc's lanes sized for 2 summands in int64
+    words), their first phase's payloads summed, then their second's, each replica's finish
+    (the sum; the same on both), halved in float32 and widened to the inputs' dtype."""
+    result, offset = np.empty(len(ins[0]), np.float32), 0
+    ranks = (shard, shards + shard)
+    for fqn, shape in params_of_layer:
+        rows = -(-shape[0] // shards)
+        n = rows * int(np.prod(shape[1:]))
+        chains = CHAINS.get((run, fqn, shard))
+        if chains is None:
+            chains = CHAINS[(run, fqn, shard)] = [
+                build_chain(params, n, np.float32, key=name_key(f"{fqn}#shard{shard}"), rank=r,
+                            shape=(rows,) + tuple(shape[1:])) for r in ranks]
+            for chain in chains:
+                if hasattr(chain, "set_summands"):
+                    chain.set_summands(len(ranks), np.int64)
+        words = np.dtype(getattr(chains[0], "phase_dtype", np.float32))
+        ctx = {"lr": 0.0, "step": step}
+        first = sum(c.compress(x[offset:offset + n].astype(np.float32), ctx).view(words) for c, x in zip(chains, ins))
+        second = sum(c.compress_q(first).view(words) for c in chains)
+        outs = [c.finish(second, np.empty(n, np.float32), len(ranks)) for c in chains]
+        assert all(np.array_equal(out, outs[0], equal_nan=True) for out in outs)
+        result[offset:offset + n] = outs[0] / np.float32(len(ranks))
+        offset += n
+    assert offset == len(result)
+    return result.astype(ins[0].dtype)
 
 
 def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rounded=None):

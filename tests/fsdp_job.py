@@ -26,7 +26,9 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
 part's arrays prefixed "<name>/" (every model seeded and fed as in a launch of its own).
 
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
-mixed precision or CPU offload, or float64 parameters), its arrays prefixed "<policy>/". Each rank saves its full
+mixed precision or CPU offload, or float64 parameters), its arrays prefixed "<policy>/" (a
+codec that cannot take its reduce dtype: register_fsdp_hooks' refusal, "<policy>/refused").
+Spec "plain": false: no plain model, the policies' alone. Each rank saves its full
 parameters and its local shards, prefixed by the run's name. "hooked" then trains a wider MLP
 (WIDE) with each spec "bytes" codec (name: compression_params, null: dense) and saves its
 bytes per step and codec memory (fsdp_bytes.py), prefixed "bytes/<name>/"."""
@@ -167,12 +169,18 @@ def fault():
 def native_or_hooked(part, head=""):
     """A "native" or "hooked" spec's runs: its arrays (names prefixed ``head``) and refusals."""
     arrays, hooked, micro_batches = {}, part["mode"] == "hooked", part.get("micro_batches", 1)
-    for policy in [None] + part.get("policies", []):  # the plain model, then one per policy
+    # the plain model (unless spec "plain" is false), then one per policy
+    for policy in ([None] if part.get("plain", True) else []) + part.get("policies", []):
         calls, prefix, in_host, rs_calls = [], head + ("" if policy is None else f"{policy}/"), None, []
-        model, exchange, opt = build(hooked=hooked, policy=policy, compression_params=part.get("compression_params"),
-                                     shard_compression_params=part.get("shard_compression_params"),
-                                     widths=tuple(part.get("widths", (16, 32, 32, 8))),
-                                     dense_steps=part.get("dense_steps", 0))
+        try:
+            model, exchange, opt = build(hooked=hooked, policy=policy,
+                                         compression_params=part.get("compression_params"),
+                                         shard_compression_params=part.get("shard_compression_params"),
+                                         widths=tuple(part.get("widths", (16, 32, 32, 8))),
+                                         dense_steps=part.get("dense_steps", 0))
+        except TypeError as e:  # a codec that cannot take the policy's reduce dtype: its refusal kept
+            arrays[f"{prefix}refused"] = np.array(str(e))
+            continue
         if exchange is not None:
             record_calls(model, calls)
             if part.get("shard_compression_params") is not None or part.get("record_rs"):

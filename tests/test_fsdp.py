@@ -11,7 +11,8 @@ import torch
 
 from collective_cluster import run_torchrun_job
 from fsdp_bytes import CODECS, EF, THC, table
-from fsdp_inhost_oracle import LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_reduce_scatters, expected_call
+from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_reduce_scatters, expected_call,
+                                expected_phased_call)
 
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
@@ -31,6 +32,19 @@ ROUNDED = {"bf16r": lambda x: torch.from_numpy(x).to(torch.bfloat16).float().num
 IN_HOST_ROUNDED = {"bf16r": ROUNDED["bf16r"], "fp64": lambda x: x * 2,
                    "f16r": lambda x: (x.astype(np.float16) * np.float16(2)).astype(np.float32)}
 ITEMSIZE = {"bf16r": 2, "f16r": 2, "fp64": 8}  # the reduce dtype's bytes an element, 4 if not here
+# the other codecs on the replicate hook, each a part of the first launch: its policies' models
+# alone, 2 steps; the element-wise ones through their default reducer (DGC's lossless, the
+# others' recompress), thc and PowerSGD in their float32 phases
+DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, ["f16r", "bf16r", "fp64"]),
+                "randomk": ({"compressor": "randomk", "k": 0.25}, ["f16r", "fp64"]),
+                "dithering": ({"compressor": "dithering", "k": 4}, ["bf16r", "fp64"]),
+                "qsgd": ({"compressor": "qsgd", "levels": 4}, ["f16r", "fp64"]),
+                "dgc": ({"compressor": "dgc", "k": 0.25, "mu": 0.9}, ["bf16r", "fp64"]),
+                "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
+                "thc": (THC, ["f16r", "bf16", "fp64"])}
+PHASED = ("powersgd", "thc")
+REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got float64",  # the codec's own words
+           ("dgc", "fp64"): "DGC: float32 or float16 partitions only, got float64"}
 
 
 def run(spec, tmp_path, ranks=4):
@@ -40,21 +54,25 @@ def run(spec, tmp_path, ranks=4):
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    """One launch of three parts, each seeded and fed as a launch of its own: native HSDP and
-    the dense hooks, 10 steps; the hooks with top-k + EF, two micro-batches a step, 3 steps (the
-    MLP and one model per policy, then the wider model once per fsdp_bytes.CODECS codec).
-    Each rank's saved arrays."""
+    """One launch of several parts, each seeded and fed as a launch of its own: native HSDP and
+    the dense hooks, 10 steps; the other codecs under the policies (DTYPE_CODECS); the in-host
+    step; dense steps first; the hooks with top-k + EF, two micro-batches a step, 3 steps (the
+    MLP and one model per policy, then the wider model once per fsdp_bytes.CODECS codec). Each
+    rank's saved arrays. The parts run in this order, top-k last: from its first bytes model
+    on, tracemalloc traces every allocation (fsdp_bytes.py), which slowed the parts after it."""
     return run({"mode": "parts", "parts": {
         "native": {"mode": "native", "steps": 10, "policies": POLICIES},
         "hooked": {"mode": "hooked", "steps": 10, "policies": POLICIES},
-        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2,
-                 "policies": CODEC_POLICIES, "bytes": CODECS},
+        **{f"dtype_{codec}": {"mode": "hooked", "steps": 2, "compression_params": params, "policies": policies,
+                              "plain": False} for codec, (params, policies) in DTYPE_CODECS.items()},
         # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
         "inhost_dense": {"mode": "hooked", "steps": 10, "shard_compression_params": {}},
         "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2,
                         "policies": CODEC_POLICIES},
         "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1,
-                        "record_rs": True}}},  # metrics()' bytes saved
+                        "record_rs": True},  # metrics()' bytes saved
+        "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2,
+                 "policies": CODEC_POLICIES, "bytes": CODECS}}},
         tmp_path_factory.mktemp("fsdp_parts"))
 
 
@@ -103,26 +121,59 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
     got = topk_run
     for policy in [None] + CODEC_POLICIES:  # the plain model, then one per policy
         prefix = "" if policy is None else f"{policy}/"
-        calls = got[0][f"{prefix}calls"]
-        assert len(calls) == 3 * len(LAYERS)
-        steps = {}
-        for i, module in enumerate(calls):
-            step = steps.get(int(module), 0)
-            steps[int(module)] = step + 1
-            for shard in (0, 1):
-                replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
-                want = expected_call([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)],
-                                     step, prefix)
-                want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
-                for r in replicas:
-                    np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
-                                                  err_msg=f"{prefix}call {i} rank {r}")
-        for name, _ in PARAMS:
-            for shard in (0, 1):
-                mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, 2 + shard)]
-                assert mates[0] == mates[1], f"{prefix}{name}"
-            assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
+        check_hook_calls(got, prefix, policy, 3, lambda ins, shard, layer, step: expected_call(
+            ins, shard, layer, step, prefix))
     check_reduce_dtypes(got, "call0/in", "call0/out")
+
+
+def check_hook_calls(got, prefix, policy, steps, expected):
+    """Every hook call of the model ``prefix`` (``steps`` steps) on both replicas of each shard
+    equals ``expected(ins, shard, its module's parameters, step)``, the float32 average rounded
+    into ``policy``'s half reduce dtype; replicas end bit-identical, shards differ."""
+    calls, made = got[0][f"{prefix}calls"], {}
+    assert len(calls) == steps * len(LAYERS)
+    for i, module in enumerate(calls):
+        step = made.get(int(module), 0)
+        made[int(module)] = step + 1
+        for shard in (0, 1):
+            replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
+            want = expected([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
+            want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
+            for r in replicas:
+                np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want, err_msg=f"{prefix}call {i} rank {r}")
+    for name, _ in PARAMS:
+        for shard in (0, 1):
+            mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, 2 + shard)]
+            assert mates[0] == mates[1], f"{prefix}{name}"
+        assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
+
+
+def test_other_codecs_under_the_reduce_dtypes_equal_numpy_or_are_refused(launch):
+    """DTYPE_CODECS under float16 and bfloat16 reduce dtypes, bf16 parameters reduced in
+    float32, float64 parameters: every hook call (2 steps) equals the numpy re-computation, the
+    codec fed the widened float32 (float64 kept by the element-wise codecs; thc's and
+    PowerSGD's phases in float32, their average widened back) and the average rounded into a
+    half reduce dtype; replicas end bit-identical. QSGD and DGC cannot take float64: each
+    refused by register_fsdp_hooks in one line, on every rank, before any step."""
+    for codec, (params, policies) in DTYPE_CODECS.items():
+        got = part(launch, f"dtype_{codec}")
+        for policy in policies:
+            prefix = f"{policy}/"
+            if (codec, policy) in REFUSED:
+                for r in range(4):
+                    message = str(got[r][f"{prefix}refused"])
+                    assert message.startswith(f"register_fsdp_hooks: compressor {params['compressor']!r} cannot take "
+                                              f"the reduce dtype torch.float64 of '0.weight#shard{r % 2}' "
+                                              f"({REFUSED[codec, policy]}); set fully_shard's mp_policy="), message
+                    assert "\n" not in message and f"{prefix}calls" not in got[r], message
+                continue
+            run = f"dtype_{codec}/{prefix}"  # the chains' own
+            if codec in PHASED:
+                check_hook_calls(got, prefix, policy, 2, lambda ins, shard, layer, step: expected_phased_call(
+                    ins, shard, layer, step, run, params))
+            else:
+                check_hook_calls(got, prefix, policy, 2, lambda ins, shard, layer, step: expected_call(
+                    ins, shard, layer, step, run, params=params))
 
 
 def check_reduce_dtypes(got, before, after):

@@ -32,9 +32,8 @@ ROUNDED = {"bf16r": lambda x: torch.from_numpy(x).to(torch.bfloat16).float().num
 IN_HOST_ROUNDED = {"bf16r": ROUNDED["bf16r"], "fp64": lambda x: x * 2,
                    "f16r": lambda x: (x.astype(np.float16) * np.float16(2)).astype(np.float32)}
 ITEMSIZE = {"bf16r": 2, "f16r": 2, "fp64": 8}  # the reduce dtype's bytes an element, 4 if not here
-# the other codecs on the replicate hook, each a part of the first launch: its policies' models
-# alone, 2 steps; the element-wise ones through their default reducer (DGC's lossless, the
-# others' recompress), thc and PowerSGD in their float32 phases
+# the other codecs on the replicate hook, each a part of the first launch (its policies' models
+# alone, 2 steps): element-wise through their default reducer, thc and PowerSGD in float32 phases
 DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, ["f16r", "bf16r", "fp64"]),
                 "randomk": ({"compressor": "randomk", "k": 0.25}, ["f16r", "fp64"]),
                 "dithering": ({"compressor": "dithering", "k": 4}, ["bf16r", "fp64"]),
@@ -140,7 +139,8 @@ def check_hook_calls(got, prefix, policy, steps, expected):
             want = expected([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
             want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
             for r in replicas:
-                np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want, err_msg=f"{prefix}call {i} rank {r}")
+                np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
+                                              err_msg=f"{prefix}call {i} rank {r}")
     for name, _ in PARAMS:
         for shard in (0, 1):
             mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, 2 + shard)]

@@ -5,7 +5,9 @@ and parameters, then the averaged parameters and its gossip bytes.
 runtime (bpslaunch), or with ``gloo`` through its torch.distributed transport (torchrun or bpslaunch
 --servers 0, which bps_gc.init() detects: bps_gc.collective's isend/irecv). A config
 with "die_rank"/"die_step" makes that rank exit abruptly there (its neighbours must stop
-naming it)."""
+naming it). Once its results are saved it prints SAVED; with "until_killed" in the spec it then
+trains a CHOCO ring on (printing RUNNING at its third round) until the test kills a rank and
+the others fail naming it."""
 import json
 import os
 import sys
@@ -48,4 +50,18 @@ for cfg in spec["configs"]:
         saved[f"{name}/average/{n}"] = value.numpy().copy()
     saved[f"{name}/bytes_sent"] = np.array(opt.bytes_sent())
 np.savez(os.path.join(sys.argv[2], f"choco{rank}.npz"), **saved)
+print("SAVED", flush=True)
+if spec.get("until_killed"):
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(64, 64)
+    opt = bps.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                     [(f"killed.{n}", p) for n, p in model.named_parameters()],
+                                     topology="ring", consensus_stepsize=0.3,
+                                     compression_params={"compressor": "topk", "k": 8}, name="killed")
+    for step in range(10 ** 6):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        if step == 2:
+            print("RUNNING", flush=True)
 bps.shutdown()

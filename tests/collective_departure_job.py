@@ -1,9 +1,9 @@
 """A rank that leaves the job in one of several ways, for tests/test_collective_departure.py:
 ``python collective_departure_job.py OUT KIND`` with KIND ``reduce`` (a dense and a compressed
-tensor each step) or ``gossip`` (a message to and from the next rank each step, as CHOCO's ring
-does). MODE_<rank>=raise raises at step 5; STEPS_<rank> ends after that many steps (default:
-until the other ranks fail, at most 120 s). Writes OUT/pid<rank>, prints RUNNING at step 2 and
-DONE when its steps are done."""
+tensor each step), ``gossip`` (a message to and from the next rank each step, as CHOCO's ring
+does) or ``reduce+gossip`` (both each step). MODE_<rank>=raise raises at step 5; STEPS_<rank>
+ends after that many steps (default: until the other ranks fail, at most 120 s). Writes
+OUT/pid<rank>, prints RUNNING at step 2 and DONE when its steps are done."""
 import os
 import sys
 import time
@@ -25,10 +25,10 @@ with open(os.path.join(out, f"pid{rank}"), "w") as f:
 deadline = time.monotonic() + 120
 step = 0
 while step < steps and time.monotonic() < deadline:
-    if kind == "reduce":
+    if "reduce" in kind.split("+"):
         bps.push_pull(np.ones(1000, np.float32), "dense").wait()
         bps.push_pull(np.ones(100_000, np.float32), "topk").wait()
-    else:
+    if "gossip" in kind.split("+"):
         sent = bps.send((rank + 1) % size, "model", np.full(1000, rank, np.float32))
         got = bps.recv((rank - 1) % size, "model")
         sent.wait()

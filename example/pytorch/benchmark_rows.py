@@ -16,15 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-CODECS = {"onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
-          "topk 1%+EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
-          "DGC 0.1%": {"compressor": "dgc", "k": 0.001}}
-PS_CODEC = "topk 1%+EF"
-BASELINE = "DDP no communication"
-COLLECTIVE_ROWS = (BASELINE, "DDP allreduce", "DDP fp16 hook", "DDP PowerSGD rank 1", "DDP PowerSGD rank 4",
-                   *(f"bps_gc hook {c}" for c in CODECS))
-PS_ROW = f"DistributedOptimizer {PS_CODEC} (parameter server)"
-ROWS = COLLECTIVE_ROWS + (PS_ROW,)
+from benchmark_row_names import BASELINE, CODECS, COLLECTIVE_ROWS, PS_CODEC, PS_ROW, ROWS  # noqa: F401
 START_POWERSGD_ITER = 2  # PowerSGD allreduces its first steps; the warm-up covers them
 
 

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
-from benchmark_rows import BASELINE, COLLECTIVE_ROWS, PS_ROW, ROWS, run_rows
+# the driver imports no torch (it launches the ranks and reads their results): the ranks' side
+# imports it where it is used
+from benchmark_row_names import BASELINE, COLLECTIVE_ROWS, PS_ROW, ROWS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "benchmark_synthetic.py")
@@ -34,7 +34,10 @@ def selected_rows(text, parser):
 def rank_main(args, model_fn, device, device_lines, x, y):
     """One rank: the rows, this rank's numbers summed (images/sec) or averaged over the ranks;
     rank 0 writes them to --suite-out."""
+    import torch
+
     import bps_gc.torch as bps
+    from benchmark_rows import run_rows
     rank, size = bps.rank(), bps.size()
     results = run_rows(json.loads(args.suite_rows), model_fn, device, x, y, args.num_warmup, args.num_iters,
                        args.codec_repeats)
@@ -82,6 +85,7 @@ def launch(cmd, timeout, what):
 def gpus_used(device_type, ranks):
     if device_type != "cuda":
         return ranks  # per process on the CPU
+    import torch
     return min(ranks, torch.cuda.device_count())
 
 
@@ -125,10 +129,21 @@ def summarize(args, parts):
         codec = r["codec_ms_per_step"]
         r["codec_fraction_of_step"] = codec / base if codec is not None and base else None
     first = parts[0] if parts else {}
-    gpu = torch.cuda.get_device_name(0) if first.get("device_type") == "cuda" else None
+    gpu = None
+    if first.get("device_type") == "cuda":
+        import torch
+        gpu = torch.cuda.get_device_name(0)
     return {"model": args.model, "batch_size": args.batch_size, "ranks": args.ranks, "num_iters": args.num_iters,
-            "num_warmup": args.num_warmup, "device": first.get("device"), "gpu": gpu, "torch": torch.__version__,
+            "num_warmup": args.num_warmup, "device": first.get("device"), "gpu": gpu, "torch": torch_version(),
             "command": " ".join([os.path.relpath(SCRIPT), *sys.argv[1:]]), "results": results}
+
+
+def torch_version():
+    """torch's version, from its package metadata where the driver has not imported it."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    from importlib.metadata import version
+    return version("torch")
 
 
 def print_table(report):

@@ -10,9 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-LAYOUTS = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet34": ("basic", (3, 4, 6, 3)),
-           "resnet50": ("bottleneck", (3, 4, 6, 3)), "resnet101": ("bottleneck", (3, 4, 23, 3)),
-           "resnet152": ("bottleneck", (3, 8, 36, 3))}
+from resnet_layouts import LAYOUTS  # noqa: F401
 
 
 class Basic(nn.Module):

@@ -1,15 +1,15 @@
 """CHOCO-SGD and D-PSGD on real processes: the neighbours' messages go worker to worker, through
-bps_gc's parameter-server runtime (bpslaunch --local) or its torch.distributed transport
-(gloo isend/irecv; bpslaunch --local --servers 0, the transport torchrun gives, without torchrun's
-agent: ~0.9 s of CPU a launch), both via bps_gc.core.send/recv; the models follow the numpy
-oracle of spec §5 (test_choco_math.oracle_choco) and are the same over both; the averaged model
-is the mean of the nodes'; a killed neighbour stops the others naming it (the 4-worker run on
-bps_gc's runtime, one bpslaunch per role as on separate hosts, ends so: its results saved, it
-trains on until a worker is killed)."""
+bps_gc's parameter-server runtime (one bpslaunch per role, as on separate hosts) or its
+torch.distributed transport (gloo isend/irecv; bpslaunch --local --servers 0, the transport
+torchrun gives, without torchrun's agent: ~0.9 s of CPU a launch), both via
+bps_gc.core.send/recv; the models follow the numpy oracle of spec §5 (test_choco_math.oracle_choco)
+and are the same over both; the averaged model is the mean of the nodes'; a killed neighbour
+stops the others naming it (the run on bps_gc's runtime ends so: its results saved, it trains on
+until a worker is killed)."""
 import json
 import os
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 

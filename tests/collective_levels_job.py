@@ -2,7 +2,8 @@
 ``python collective_levels_job.py SPEC.json OUT_DIR``. The hook's levels are its own
 (levels_from_env: groups and memory apart from the communicator's): a dense torch tensor summed
 by reduce_tensor, and one bucket of two compressed gradients by reduce_coded_on_hosts, each gradient's
-owner local rank compressing its host's sum once. Then the DDP hook (bps_gc.torch.comm_hook) on a
+owner local rank compressing its host's sum once; all_reduce_cuda (NCCL's path) on a CPU tensor of
+7 floats. Then the DDP hook (bps_gc.torch.comm_hook) on a
 small network, dense, topk + EF and thc (HOOK_MODES), recording every bucket it saw: index, gradient
 sizes, this rank's gradients in and the averaged bucket out. Saves OUT_DIR/levels<rank>.npz.
 Every dense two-level sum of this process (the hook's and then cluster_job.py's communicator's)
@@ -89,8 +90,10 @@ if __name__ == "__main__":
                                owner=partition_owner(index, 0, levels.local_size)))
         start += n
     reduce_coded_on_hosts(levels, [flat], [(flat, None)], parts)
+    # all_reduce_cuda's three steps (NCCL's on a GPU) on a CPU tensor: gloo runs them too
+    nccl_path = levels.all_reduce_cuda(torch.arange(7, dtype=torch.float32) * (rank + 1))
     levels.close()
-    saved = {"hook-dense": dense.numpy(), "coded": flat}
+    saved = {"hook-dense": dense.numpy(), "coded": flat, "nccl-path": nccl_path.numpy()}
     for mode, params in HOOK_MODES.items():
         saved.update({f"{mode}/{name}": value for name, value in run_hook(params, rank).items()})
     np.savez(os.path.join(sys.argv[2], f"levels{rank}.npz"), **saved)

@@ -4,21 +4,23 @@ NVIDIA_VISIBLE_DEVICES=0,1,2) or by torchrun (--nnodes 2 --nproc-per-node 3, sta
 at host 0). Dense, onebit + EF, topk, majority, fp16 (dense and topk) pull, bit for bit, what local_ranks.py's HostModel
 says the parameter server's two levels pull (each host's sum compressed once by its owner, the
 server's reducer over one payload per host); PowerSGD, whose ranks each compress their own
-gradient and whose phases are two-level sums, matches its numpy model to float rounding. A local
-rank killed (-9) stops both hosts' launchers in bounded time, host 0's ranks naming it."""
+gradient and whose phases are two-level sums, matches its numpy model to float rounding; the
+torchrun launch's ranks also run all_reduce_cuda's three steps (NCCL's) on a CPU tensor. A local
+rank killed (-9), raising, interrupted or exiting mid-job stops both hosts' launchers in bounded
+time, host 0's ranks naming it (the bpslaunch launch of the results is the first phase of the
+exiting rank's job: one launch fewer)."""
+import json
 import math
 import os
-import queue
 import sys
 import textwrap
 import time
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from bps_gc.collective.levels import host_layout
-from collective_hosts import CollectiveHostsJob, powersgd_expected, run_spec
+from collective_hosts import TESTS, CollectiveHostsJob, powersgd_expected, run_spec
 from collective_levels_job import HOOK_INDEX, HOOK_LR, HOOK_MODES, HOOK_STEPS, HOOK_TENSORS
 from local_ranks import HostModel, expected_results, machines  # noqa: F401
 from multihost import processes_with
@@ -42,14 +44,35 @@ POWERSGD = {"name": "powersgd", "shape": [24, 16], "dtype": "float32", "params":
 BOUND = 15.0  # seconds from the kill to the last launcher gone (heartbeat timeout: 2 s)
 
 
-@pytest.mark.parametrize("launcher", ["bpslaunch", "torchrun"])
-def test_two_levels_give_the_parameter_servers_two_level_results(machines, tmp_path, launcher):  # noqa: F811
+@pytest.fixture(scope="module")
+def torchrun_levels(machines, tmp_path_factory):  # noqa: F811
+    """The torchrun launch (its folder, its ranks' results), shared by the tests that read it:
+    one launch's processes (2 agents, 6 ranks) started once. Its ranks first run the pieces a
+    DDP hook calls (collective_levels_job.py), then cluster_job.py."""
+    folder = tmp_path_factory.mktemp("torchrun-levels")
     spec = dict(SPEC, tensors=SPEC["tensors"] + [POWERSGD])
-    # under torchrun the ranks first run the pieces a DDP hook calls (collective_levels_job.py)
-    script = "collective_levels_job.py" if launcher == "torchrun" else "cluster_job.py"
-    got = run_spec(machines, spec, tmp_path, HOSTS, LOCAL, launcher, script=script)
+    return folder, run_spec(machines, spec, folder, HOSTS, LOCAL, "torchrun", script="collective_levels_job.py")
+
+
+@pytest.fixture(scope="module")
+def exit_fault_after_levels(machines, tmp_path_factory):  # noqa: F811
+    """The "exit" fault's job, whose ranks first run cluster_job.py with SPEC and PowerSGD into
+    the folder: (the folder, what the fault test checks)."""
+    folder = tmp_path_factory.mktemp("bpslaunch-levels")
+    return folder, fault_job(machines, "exit", folder)
+
+
+@pytest.mark.parametrize("launcher", ["bpslaunch", "torchrun"])
+def test_two_levels_give_the_parameter_servers_two_level_results(launcher, request):
+    """Under bpslaunch, the first phase of test_a_local_rank_that_ends_stops_every_host's "exit"
+    job (its ranks run cluster_job.py, then the training that rank 4 leaves): one launch."""
+    spec = dict(SPEC, tensors=SPEC["tensors"] + [POWERSGD])
     if launcher == "torchrun":
+        tmp_path, got = request.getfixturevalue("torchrun_levels")
         check_hook_levels(spec, tmp_path)
+    else:
+        tmp_path, _ = request.getfixturevalue("exit_fault_after_levels")
+        got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(HOSTS * LOCAL)]
     expected = expected_results(SPEC, HOSTS, LOCAL)
     powersgd = powersgd_expected(spec, POWERSGD, len(SPEC["tensors"]), HOSTS * LOCAL)
     for rank in range(HOSTS * LOCAL):
@@ -137,7 +160,12 @@ def check_ddp_hook(runs):
 
 
 TRAIN = textwrap.dedent("""
-    import os, signal, sys, numpy as np, bps_gc.core as bps
+    import os, runpy, signal, sys, numpy as np, bps_gc.core as bps
+    if "LEVELS_SPEC" in os.environ:  # first cluster_job.py, on the same init (it would shut bps_gc down)
+        shutdown, bps.shutdown = bps.shutdown, lambda: None
+        sys.argv = [os.environ["LEVELS_JOB"], os.environ["LEVELS_SPEC"], os.environ["LEVELS_OUT"]]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        bps.shutdown = shutdown
     bps.init()
     rank = bps.rank()
     bps.declare("grad", shape=(3000,), dtype=np.float32)
@@ -174,10 +202,16 @@ def memfds(port):
     return found
 
 
-@pytest.mark.parametrize("fault", ["kill", "raise", "sigint", "exit"])
-def test_a_local_rank_that_ends_stops_every_host(machines, fault):  # noqa: F811
-    """Rank 4 (host 1's middle rank) is killed -9, raises, gets Ctrl-C or exits cleanly mid-job."""
+def fault_job(machines, fault, levels_folder=None):  # noqa: F811
+    """TRAIN on 2 hosts x 3 ranks, rank 4 doing ``fault`` at its step 5; with ``levels_folder``,
+    the ranks first run cluster_job.py with SPEC and PowerSGD there (its partition size then).
+    What the fault test checks, once the launchers are gone."""
     env = {"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_MIN_COMPRESS_BYTES": "0", "KILLED_RANK": "4", "FAULT": fault}
+    if levels_folder is not None:
+        spec = dict(SPEC, tensors=SPEC["tensors"] + [POWERSGD])
+        (levels_folder / "spec.json").write_text(json.dumps(spec))
+        env.update(BYTEPS_PARTITION_BYTES=str(spec["partition_bytes"]), LEVELS_OUT=str(levels_folder),
+                   LEVELS_SPEC=str(levels_folder / "spec.json"), LEVELS_JOB=os.path.join(TESTS, "cluster_job.py"))
     job = CollectiveHostsJob(machines, HOSTS, LOCAL, [sys.executable, "-c", TRAIN], env=env)
     try:
         job.wait_output(["worker0", "worker1"], "RUNNING", 90)
@@ -185,15 +219,23 @@ def test_a_local_rank_that_ends_stops_every_host(machines, fault):  # noqa: F811
         statuses, elapsed = job.wait_all(BOUND, since=faulted_at)
     finally:
         job.kill_all()
-    report = job.report(statuses)
-    assert all(status != 0 for status in statuses.values()), report
-    survivors = job.text("worker0")
-    failures = [line for line in survivors.splitlines() if "NodeFailure" in line]
+    return {"statuses": statuses, "elapsed": elapsed, "report": job.report(statuses),
+            "survivors": job.text("worker0"), "memfds": memfds(job.port)}
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise", "sigint", "exit"])
+def test_a_local_rank_that_ends_stops_every_host(machines, fault, request):  # noqa: F811
+    """Rank 4 (host 1's middle rank) is killed -9, raises, gets Ctrl-C or exits cleanly mid-job
+    (the "exit" job's ranks first run test_two_levels' bpslaunch case: exit_fault_after_levels)."""
+    run = request.getfixturevalue("exit_fault_after_levels")[1] if fault == "exit" else fault_job(machines, fault)
+    report = run["report"]
+    assert all(status != 0 for status in run["statuses"].values()), report
+    failures = [line for line in run["survivors"].splitlines() if "NodeFailure" in line]
     assert len(failures) == LOCAL and all("rank 4" in line for line in failures), report
-    assert "Traceback" not in survivors, report
-    assert not memfds(job.port)
-    print(f"collective, local rank {fault}: every launcher exited {elapsed:.2f} s after the fault; {failures[0]}",
-          file=sys.stderr)
+    assert "Traceback" not in run["survivors"], report
+    assert not run["memfds"]
+    print(f"collective, local rank {fault}: every launcher exited {run['elapsed']:.2f} s after the fault; "
+          f"{failures[0]}", file=sys.stderr)
 
 
 def test_host_layout_decides_alike_on_every_rank():
@@ -243,50 +285,14 @@ def test_dense_stripes_cover_the_buffer_and_copy_out_divides(local_size):
     assert offset == n
 
 
-def _device_path_rank(rank, size, local_size, port, results):
-    import torch
-    from bps_gc.collective.levels import HostLevels
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
-        levels = HostLevels(rank, size, local_size)
-        tensor = torch.arange(7, dtype=torch.float32) * (rank + 1)
-        levels.all_reduce_cuda(tensor)  # its collectives on CPU tensors: gloo runs them too
-        results.put((rank, tensor.numpy().tolist()))
-        levels.close()
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_nccl_paths_steps_on_cpu_tensors():
+def test_the_nccl_paths_steps_on_cpu_tensors(torchrun_levels):
     """all_reduce_cuda's three steps (reduce_scatter on the host, all_reduce of the share across
-    hosts, all_gather on the host) with gloo on CPU tensors, 2 hosts x 2 ranks in processes on
-    loopback: every rank ends with the sum (small integers: exact), as numpy adds it."""
-    import multiprocessing
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results, size = ctx.Queue(), 4
-    procs = [ctx.Process(target=_device_path_rank, args=(r, size, 2, port, results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + 60
-    try:
-        while len(got) < size:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not failed and time.monotonic() < deadline, f"a rank failed or hung: exit codes {failed}"
-            try:
-                rank, values = results.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            got[rank] = values
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    hosts, all_gather on the host) with gloo on CPU tensors of 7 floats (3 shares of 3, padded),
+    on the torchrun launch's 2 hosts x 3 ranks (collective_levels_job.py, each host a network
+    namespace): every rank ends with the sum (small integers: exact), as numpy adds it."""
+    folder, _ = torchrun_levels
+    size = HOSTS * LOCAL
     expected = sum(np.arange(7, dtype=np.float32) * (r + 1) for r in range(size))
-    assert all(got[r] == expected.tolist() for r in range(size)), got
+    for rank in range(size):
+        got = np.load(folder / f"levels{rank}.npz")["nccl-path"]
+        assert got.tobytes() == expected.tobytes(), f"rank {rank}: {got} != {expected}"

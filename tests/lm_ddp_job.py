@@ -2,7 +2,8 @@
 bpslaunch --servers 0.
 ``python lm_ddp_job.py OUT STEPS``: every rank trains the tiny GPT on its own windows of a fixed
 random byte string (stdlib_text.train_batch with its rank), SGD with clipping, and saves its
-final parameters to OUT/rank<r>.pt. SGD, not Adam: Adam would blow the float noise of gradients
+final parameters to OUT/rank<r>.pt (``train``: the same in a launch of several runs,
+tests/lm_fsdp_job.py). SGD, not Adam: Adam would blow the float noise of gradients
 that are zero in exact arithmetic (the key bias's) up to whole steps."""
 import os
 import sys
@@ -23,9 +24,9 @@ TEXT = np.random.default_rng(7).integers(0, 256, 4000).astype(np.uint8)
 SHAPE = dict(layers=1, width=32, heads=2, context=16)  # the test's one-process oracle uses the same
 BATCH = 4
 
-if __name__ == "__main__":
-    out, steps = sys.argv[1], int(sys.argv[2])
-    init_default_group()  # torchrun or bpslaunch --servers 0
+
+def train(out, steps):
+    """The DDP training on the default process group (made by the caller)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = GPT(**SHAPE)
@@ -40,4 +41,9 @@ if __name__ == "__main__":
         opt.step()
     torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
+
+
+if __name__ == "__main__":
+    init_default_group()  # torchrun or bpslaunch --servers 0
+    train(sys.argv[1], int(sys.argv[2]))
     dist.destroy_process_group()

@@ -105,16 +105,14 @@ def test_plain_attention_is_causal_attention():
     assert torch.allclose(models[0](x), models[1](x), atol=1e-5)  # the same parameters, the same function
 
 
-def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
+def test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch(lm_launches):
+    """tests/lm_ddp_job.py's DDP training (the dense hook) on 2 gloo ranks, a run of the resumed
+    launch (bpslaunch --servers 0: the gloo group as torchrun's, without its agent), equals
+    one process on the concatenated batch."""
     sys.path.insert(0, os.path.dirname(__file__))
     from lm_ddp_job import BATCH, SHAPE, TEXT
     from gpt import GPT, byte_loss
-    steps = 4
-    # bpslaunch --servers 0: the gloo group as torchrun's, without its agent (~1.7 s of CPU)
-    job = [os.path.join(ROOT, "tests", "lm_ddp_job.py"), str(tmp_path), str(steps)]
-    result = subprocess.run(bpslaunch_argv(job, 2),
-                            env=job_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    steps, tmp_path = DDP_STEPS, lm_launches["root"] / "ddp"
     torch.manual_seed(0)
     model = GPT(**SHAPE)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -219,32 +217,60 @@ def test_lm_hsdp_rows_run_and_print(tmp_path):
     assert 0 < codecs[0] < native / 4 and 0 < codecs[1] < native / 2 and 0 < codecs[2] < native / 10, codecs
 
 
-def test_checkpoint_resume_is_bit_for_bit_with_a_codec(tmp_path):
-    """One launch runs train.py with top-k + EF, then --api diloco (diloco_resumes), then --api
-    fsdp (hsdp_runs_agree), and leaves each checkpointed run's first checkpoint (step 2) where
-    the resumed launch starts from it: what a run interrupted there would have left
-    (tests/interrupted_run.py's COPY_TO). The straight launch under torchrun, the resumed one
-    under bpslaunch --servers 0 (the same gloo ranks, without torchrun's agent: ~1.7 s of CPU)."""
-    from test_lm_diloco import DILOCO, diloco_resumes
+DDP_STEPS = 4  # lm_ddp_job's steps (test_two_ddp_ranks_equal_one_process_on_the_concatenated_batch)
+OPTIMIZER_API = [*TINY, "--api", "optimizer", "--compressor", "onebit", "--ef", "vanilla", "--steps", "4",
+                 "--eval-every", "2"]  # test_optimizer_api_under_bpslaunch_on_either_transport
 
-    def train(root, then=(), launcher=torchrun_argv, **env):  # bf16 autocast (plain attention on the CPU): the arithmetic with the most casts
-        flags = [*TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
-                 "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(root / "topk")]
-        diloco = [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2",
-                  "--checkpoint", str(root / "diloco")]
-        # DiLoCo second: its exchange's name, which keys its codec state, is the process's first (exchange.0)
-        argv = [*([INTERRUPT] if env else []), FSDP_JOB, *flags, *(w for run in (diloco, *then) for w in ("+", *run))]
-        result = subprocess.run(launcher(argv, 2), env=job_env(env), cwd=ROOT, capture_output=True, text=True,
-                                timeout=120)
-        assert result.returncode == 0, result.stderr[-3000:]
-        # bpslaunch labels its workers' lines ([worker0] ...); torchrun passes them as printed
-        return re.sub(r"^\[worker\d+\] ", "", result.stdout, flags=re.M).split("=== run ")[1:]
+
+def lm_fsdp_launch(root, runs, launcher=torchrun_argv, **env):
+    """tests/lm_fsdp_job.py on 2 ranks: train.py with top-k + EF under bf16 autocast (plain
+    attention on the CPU: the arithmetic with the most casts), checkpointing into root/topk, then
+    --api diloco into root/diloco, then ``runs`` (groups of flags); rank 0's output of each run."""
+    from test_lm_diloco import DILOCO
+    flags = [*TINY, "--precision", "bf16", "--steps", "6", "--eval-every", "2", "--compressor", "topk",
+             "--k", "0.05", "--ef", "vanilla", "--checkpoint", str(root / "topk")]
+    diloco = [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2",
+              "--checkpoint", str(root / "diloco")]
+    # DiLoCo second: its exchange's name, which keys its codec state, is the process's first (exchange.0)
+    argv = [*([INTERRUPT] if env else []), FSDP_JOB, *flags, *(w for run in (diloco, *runs) for w in ("+", *run))]
+    result = subprocess.run(launcher(argv, 2), env=job_env(env), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # bpslaunch labels its workers' lines ([worker0] ...); torchrun passes them as printed
+    return re.sub(r"^\[worker\d+\] ", "", result.stdout, flags=re.M).split("=== run ")[1:]
+
+
+@pytest.fixture(scope="module")
+def lm_launches(tmp_path_factory):
+    """The checkpoint test's two launches, whose processes the module's other torch.distributed
+    runs share (each launch costs seconds of CPU): the straight one under torchrun, which also runs
+    HSDP_RUNS and leaves each checkpointed run's first checkpoint (step 2) where the resumed one
+    starts from it: what a run interrupted there would have left (tests/interrupted_run.py's
+    COPY_TO); the resumed one under bpslaunch --servers 0 (the same gloo ranks, without
+    torchrun's agent: ~1.7 s of CPU), which then runs train.py --api optimizer (into
+    root/optimizer) and lm_ddp_job's DDP training (into root/ddp)."""
+    root = tmp_path_factory.mktemp("lm")
+    (root / "ddp").mkdir()
     # each rank's 1st and 4th saves of rank<r>.pth: top-k's and DiLoCo's at step 2
-    straight, diloco_straight, *hsdp = train(tmp_path / "straight", then=HSDP_RUNS, INTERRUPT_AFTER="rank:1,4",
-                                             COPY_TO=str(tmp_path / "resumed"), COPY_ROOT=str(tmp_path / "straight"))
+    straight = lm_fsdp_launch(root / "straight", HSDP_RUNS, INTERRUPT_AFTER="rank:1,4",
+                              COPY_TO=str(root / "resumed"), COPY_ROOT=str(root / "straight"))
+    resumed = lm_fsdp_launch(root / "resumed", ([*OPTIMIZER_API, "--checkpoint", str(root / "optimizer")],
+                                                ["--lm-ddp-job", str(root / "ddp"), str(DDP_STEPS)]),
+                             launcher=bpslaunch_argv)
+    return {"root": root, "straight": straight, "resumed": resumed}
+
+
+def test_checkpoint_resume_is_bit_for_bit_with_a_codec(lm_launches):
+    """train.py with top-k + EF, then --api diloco (diloco_resumes), then --api fsdp
+    (hsdp_runs_agree), in the straight launch; the resumed launch (another launcher, the same
+    transport) resumes the first two from their step-2 checkpoints: train.py resumes across the
+    two launchers, bit for bit."""
+    from test_lm_diloco import diloco_resumes
+    tmp_path = lm_launches["root"]
+    straight, diloco_straight, *hsdp = lm_launches["straight"]
+    resumed, diloco_resumed = lm_launches["resumed"][:2]
     hsdp_runs_agree(hsdp)
     assert "precision: bf16 autocast" in straight and "attention plain" in straight
-    resumed, diloco_resumed = train(tmp_path / "resumed", launcher=bpslaunch_argv)
     assert "resumed from" in resumed and "at step 2" in resumed
     diloco_resumes(tmp_path / "straight" / "diloco", tmp_path / "resumed" / "diloco", diloco_straight, diloco_resumed)
 
@@ -280,16 +306,20 @@ def hsdp_runs_agree(outputs):
 
 
 @pytest.mark.parametrize("servers", [1, 0], ids=["parameter-server", "collective"])
-def test_optimizer_api_under_bpslaunch_on_either_transport(tmp_path, servers):
+def test_optimizer_api_under_bpslaunch_on_either_transport(tmp_path, servers, request):
     """train.py --api optimizer (DistributedOptimizer, onebit + EF) under bpslaunch, on the
-    parameter server and on torch.distributed (--servers 0): it trains, ends with its final line,
-    and the two ranks' parameters are identical."""
-    from cluster import run_local
-    argv = [sys.executable, TRAIN, *TINY, "--api", "optimizer", "--compressor", "onebit", "--ef", "vanilla",
-            "--steps", "4", "--eval-every", "2", "--checkpoint", str(tmp_path)]
-    result = run_local(argv, workers=2, servers=servers, timeout=120, env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "api optimizer" in result.stdout and "final: val_loss=" in result.stdout
+    parameter server and on torch.distributed (--servers 0: a run of the resumed launch of
+    lm_launches): it trains, ends with its final line, and the two ranks' parameters are identical."""
+    if servers:
+        from cluster import run_local
+        argv = [sys.executable, TRAIN, *OPTIMIZER_API, "--checkpoint", str(tmp_path)]
+        result = run_local(argv, workers=2, servers=servers, timeout=120, env={"OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        out = result.stdout
+    else:
+        launches = request.getfixturevalue("lm_launches")
+        out, tmp_path = launches["resumed"][2], launches["root"] / "optimizer"
+    assert "api optimizer" in out and "final: val_loss=" in out, out[-2000:]
     saved = [torch.load(tmp_path / f"rank{rank}.pth") for rank in range(2)]
     assert [c["epoch"] for c in saved] == [4, 4]
     assert all(torch.equal(value, saved[1]["model"][name]) for name, value in saved[0]["model"].items())

@@ -1,7 +1,8 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
-under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun;
-those two checkpoint every epoch and are the straight runs that a resumed run must equal (issue 33)."""
+under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun (in
+one launch); those two checkpoint every epoch and are the straight runs that a resumed run must
+equal (issue 33)."""
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ from conftest import LAUNCH_PYTHONPATH, ROOT
 
 torch = pytest.importorskip("torch")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
-INTERRUPT = os.path.join(ROOT, "tests", "interrupted_run.py")
+RUNS_JOB = os.path.join(ROOT, "tests", "cifar_runs_job.py")
 SEED_FLAGS = [
     "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
     "--compress_ratio", "--quantize_level", "--is_biased", "--choco_consenus_stepsize",
@@ -46,27 +47,31 @@ def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
     return data_dir
 
 
-def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", interrupt=None, copy_to=None):
-    """The script on ``workers`` ranks: ``launcher`` "bpslaunch" (one server), "torchrun" or
-    "collective" (bpslaunch --servers 0: torch.distributed as under torchrun, without torchrun's
-    agent, ~1.2 s of CPU a launch); ``interrupt``: tests/interrupted_run.py's INTERRUPT_AFTER
-    (every process ends at once right after that checkpoint; torch.distributed only), or with
-    ``copy_to`` (its COPY_TO) the run goes on and copies that checkpoint there."""
+def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", command=None):
+    """The script with ``argv`` on ``workers`` ranks, or ``command`` (a worker's command after
+    the interpreter: tests/cifar_runs_job.py's); ``launcher`` "bpslaunch" (one server),
+    "torchrun" or "collective" (bpslaunch --servers 0: torch.distributed as under torchrun,
+    without torchrun's agent, ~1.2 s of CPU a launch)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=LAUNCH_PYTHONPATH, BPS_GC_HEARTBEAT_INTERVAL="0.2",
-               BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096",
-               **({"INTERRUPT_AFTER": interrupt} if interrupt else {}),
-               **({"COPY_TO": str(copy_to)} if copy_to else {}))
+               BPS_GC_HEARTBEAT_TIMEOUT="5", BYTEPS_MIN_COMPRESS_BYTES="4096")
     for name in list(env):
         if name.startswith(("DMLC_", "BYTEPS_LOCAL", "BPS_GC_PORT")):
             del env[name]
+    command = command or [SCRIPT, *argv]
     if launcher == "torchrun":  # bps_gc.init() then runs on torch.distributed
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
-               *([INTERRUPT] if interrupt else []), SCRIPT, *argv]
+               *command]
     else:
         cmd = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(workers), "--servers",
-               "0" if launcher == "collective" else "1", "--", sys.executable,
-               *([INTERRUPT] if interrupt else []), SCRIPT, *argv]
+               "0" if launcher == "collective" else "1", "--", sys.executable, *command]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_runs(runs, folder, launcher):
+    """tests/cifar_runs_job.py: the script's ``runs`` ({"cwd", "argv", "copy_to"}) one after the
+    other in one launch of 2 ranks (their processes start once)."""
+    (folder / "runs.json").write_text(json.dumps(runs))
+    return launch(None, folder, timeout=480, launcher=launcher, command=[RUNS_JOB, str(folder / "runs.json")])
 
 
 def test_help_lists_every_seed_flag_and_the_ratio_translation():
@@ -145,29 +150,46 @@ def tiny_argv(name, checkpoint=False):
             *(["--checkpoint", "ckpt"] if checkpoint else [])]
 
 
+TORCHRUN_RUNS = ("local_sgd", "parallel_choco")
+
+
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory):
-    """name -> (folder, result, resume folder) of its tiny run under torchrun, checkpointing
-    every epoch into folder/ckpt and copying its first checkpoints into resume folder/ckpt as it
-    writes them: test_tiny_run checks it, and it is the straight run the resume test compares
-    with, resuming from the copies."""
-    runs = {}
+    """name -> (folder, result, resume folder) of TORCHRUN_RUNS's tiny runs, one after the other in
+    one launch under torchrun, each checkpointing every epoch into folder/ckpt and copying its
+    first checkpoints into resume folder/ckpt as it writes them: test_tiny_run checks them, and
+    they are the straight runs that the resume test compares with, resuming from the copies."""
+    folders = {name: (tmp_path_factory.mktemp(f"{name}-torchrun"), tmp_path_factory.mktemp(f"{name}-resume"))
+               for name in TORCHRUN_RUNS}
+    for folder, _ in folders.values():
+        write_cifar10(str(folder / "data"))
+    result = launch_runs([{"cwd": str(folder), "argv": tiny_argv(name, checkpoint=True), "copy_to": str(resume)}
+                          for name, (folder, resume) in folders.items()], tmp_path_factory.mktemp("torchrun"),
+                         "torchrun")
+    return {name: (folder, result, resume) for name, (folder, resume) in folders.items()}
 
-    def run(name):
-        if name not in runs:
-            folder, resume = tmp_path_factory.mktemp(f"{name}-torchrun"), tmp_path_factory.mktemp(f"{name}-resume")
-            write_cifar10(str(folder / "data"))
-            runs[name] = folder, launch(tiny_argv(name, checkpoint=True), folder, launcher="torchrun",
-                                        interrupt="rank:1", copy_to=resume), resume
-        return runs[name]
-    return run
+
+@pytest.fixture(scope="module")
+def resumed_runs(torchrun_runs, tmp_path_factory):
+    """name -> (what its resume folder/ckpt held before, result): the same commands as
+    TORCHRUN_RUNS's on the same transport (bpslaunch --servers 0), started in the resume
+    folders, one after the other in one launch."""
+    held = {}
+    for name, (_, result, folder) in torchrun_runs.items():
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        held[name] = sorted(os.listdir(folder / "ckpt"))
+        write_cifar10(str(folder / "data"))
+    result = launch_runs([{"cwd": str(folder), "argv": tiny_argv(name, checkpoint=True)}
+                          for name, (_, _, folder) in torchrun_runs.items()], tmp_path_factory.mktemp("resumed"),
+                         "collective")
+    return {name: (held[name], result) for name in torchrun_runs}
 
 
 @pytest.mark.parametrize("name, launcher", [(n, "bpslaunch") for n in sorted(RUNS) + sorted(RUNS_DECENTRALIZED)]
                          + [("local_sgd", "torchrun"), ("parallel_choco", "torchrun")])
 def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
     if launcher == "torchrun":
-        tmp_path, result, _ = torchrun_runs(name)
+        tmp_path, result, _ = torchrun_runs[name]
     else:
         write_cifar10(str(tmp_path / "data"))
         result = launch(tiny_argv(name), tmp_path, launcher=launcher)
@@ -192,17 +214,16 @@ def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
 
 
 @pytest.mark.parametrize("name", ["parallel_choco", "local_sgd"], ids=["choco", "local_sgd"])
-def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs):
+def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs, resumed_runs):
     """Issue 33: the torchrun tiny run (straight), which copied its first checkpoints (after
     epoch 0) into another folder as it wrote them (what a run interrupted right after them
     leaves, without a launch for it), and the same command on the same transport (bpslaunch
     --servers 0) started in that folder, resuming: both end with the same parameters on every
-    rank, bit for bit."""
-    straight, result, tmp_path = torchrun_runs(name)
+    rank, bit for bit. Both resumed runs share one launch, as both straight runs do."""
+    straight, result, tmp_path = torchrun_runs[name]
+    held, resumed = resumed_runs[name]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
-    write_cifar10(str(tmp_path / "data"))
-    resumed = launch(tiny_argv(name, checkpoint=True), tmp_path, launcher="collective")
+    assert held == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from ckpt after epoch 0" in (tmp_path / f"{name}.log").read_text()
     for rank in range(2):

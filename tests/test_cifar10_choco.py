@@ -187,9 +187,9 @@ def resumed_runs(torchrun_runs, tmp_path_factory):
 
 @pytest.mark.parametrize("name, launcher", [(n, "bpslaunch") for n in sorted(RUNS) + sorted(RUNS_DECENTRALIZED)]
                          + [("local_sgd", "torchrun"), ("parallel_choco", "torchrun")])
-def test_tiny_run(name, launcher, tmp_path, torchrun_runs):
-    if launcher == "torchrun":
-        tmp_path, result, _ = torchrun_runs[name]
+def test_tiny_run(name, launcher, tmp_path, request):
+    if launcher == "torchrun":  # the fixture's launch only where a torchrun case runs
+        tmp_path, result, _ = request.getfixturevalue("torchrun_runs")[name]
     else:
         write_cifar10(str(tmp_path / "data"))
         result = launch(tiny_argv(name), tmp_path, launcher=launcher)

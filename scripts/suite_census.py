@@ -60,7 +60,8 @@ def main():
     args, pytest_args = p.parse_known_args()  # the rest is pytest's (test files, -k ...)
     if not pytest_args:
         p.error("name what pytest runs: test files, -k ...")
-    with tempfile.TemporaryDirectory() as tmp:
+    # a process still ending after pytest (one a test left) may write its line as the folder goes
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         path = os.path.join(tmp, "census.jsonl")
         env = dict(os.environ, BPS_GC_CENSUS=path)
         # as scripts/test.sh: with PYTHONDONTWRITEBYTECODE set (this box's shells set it) and a checkout

@@ -2,6 +2,7 @@
 step or two on tiny data written in the official on-disk formats (CIFAR-100 python pickles;
 ImageNet as RecordIO .rec/.idx and as an image folder), with gradient compression on."""
 import importlib.util
+import json
 import os
 import pickle
 import re
@@ -185,15 +186,49 @@ def test_imagenet_image_folder_randomk(imagenet, tmp_path):
     assert not (tmp_path / "params").exists()
 
 
-@pytest.mark.parametrize("script,args,message", [
+BAD_FLAGS = [
     (IMAGENET, ["--model", "resnet18_v1", "--use-pretrained"], "--use-pretrained needs"),
     (CIFAR, ["--ef", "vanilla"], "need --compressor"),
     (CIFAR, ["--compressor", "dithering", "--k", "2.5"], "dithering levels must be a whole number"),
     (CIFAR, ["--compressor", "onebit", "--compress-momentum", "nesterov", "--momentum", "0"],
      "needs --momentum > 0"),
-])
-def test_bad_flags_stop_before_joining(script, args, message):
-    result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+]
+# each example's main(argv) in turn, in one process (mxnet imported once, not once a case):
+# [exit status, what it wrote to stderr] per (script, args)
+RUN_MAINS = textwrap.dedent("""
+    import contextlib, importlib.util, io, json, os, sys
+
+    results = []
+    for index, (script, args) in enumerate(json.loads(sys.argv[1])):
+        sys.path.insert(0, os.path.dirname(script))  # as when run as a script: its folder first
+        spec = importlib.util.spec_from_file_location(f"example{index}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                module.main(args)
+                status = 0
+            except SystemExit as e:
+                status = e.code
+        results.append([status, err.getvalue()])
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """Every BAD_FLAGS case's (exit status, stderr): the examples' own main() in one process."""
+    cases = json.dumps([[script, args] for script, args, _ in BAD_FLAGS])
+    result = subprocess.run([sys.executable, "-c", RUN_MAINS, cases], capture_output=True, text=True,
                             timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert message in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)),
+                         ids=[f"{os.path.basename(script)}-{message}" for script, _, message in BAD_FLAGS])
+def test_bad_flags_stop_before_joining(bad_flag_runs, case):
+    status, stderr = bad_flag_runs[case]
+    assert status == 2, stderr[-3000:]
+    assert BAD_FLAGS[case][2] in stderr, stderr[-3000:]

@@ -61,7 +61,7 @@ IMAGENET_DATA = textwrap.dedent("""
     import numpy as np
     from mxnet import recordio
 
-    root, classes = sys.argv[1], 4
+    root, classes = sys.argv[1], 4  # sys.argv[4]: RUN_MAINS's cases
     counts = {"train": int(sys.argv[2]), "val": int(sys.argv[3])}
     rng = np.random.default_rng(0)
     for split, n in counts.items():
@@ -80,15 +80,55 @@ IMAGENET_DATA = textwrap.dedent("""
 """)
 
 
+BAD_FLAGS = [
+    (IMAGENET, ["--model", "resnet18_v1", "--use-pretrained"], "--use-pretrained needs"),
+    (CIFAR, ["--ef", "vanilla"], "need --compressor"),
+    (CIFAR, ["--compressor", "dithering", "--k", "2.5"], "dithering levels must be a whole number"),
+    (CIFAR, ["--compressor", "onebit", "--compress-momentum", "nesterov", "--momentum", "0"],
+     "needs --momentum > 0"),
+]
+# each example's main(argv) in turn, in one process (mxnet imported once, not once a case):
+# [exit status, what it wrote to stderr] per (script, args)
+RUN_MAINS = textwrap.dedent("""
+    import contextlib, importlib.util, io, json, os, sys
+
+    results = []
+    for index, (script, args) in enumerate(json.loads(sys.argv[4])):
+        sys.path.insert(0, os.path.dirname(script))  # as when run as a script: its folder first
+        spec = importlib.util.spec_from_file_location(f"example{index}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                module.main(args)
+                status = 0
+            except SystemExit as e:
+                status = e.code
+        results.append([status, err.getvalue()])
+    print(json.dumps(results))
+""")
+
+
 @pytest.fixture(scope="module")
-def imagenet(tmp_path_factory):
+def mxnet_helper(tmp_path_factory):
+    """One process importing mxnet once for two things (IMAGENET_DATA, then RUN_MAINS): the
+    ImageNet data's folder, and every BAD_FLAGS case's [exit status, stderr]."""
+    root = tmp_path_factory.mktemp("imagenet")
+    cases = json.dumps([[script, args] for script, args, _ in BAD_FLAGS])
+    result = subprocess.run([sys.executable, "-c", IMAGENET_DATA + RUN_MAINS, str(root), "18", "10", cases],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def imagenet(mxnet_helper):
     """18 training and 10 validation 40x40 JPEGs of 4 classes, as .rec/.idx and as a folder.
     Split over 2 workers: 9 training images each (2 batches of 4, one image left over) and
     5 validation images (the second batch of 4 padded by ImageRecordIter)."""
-    root = tmp_path_factory.mktemp("imagenet")
-    subprocess.run([sys.executable, "-c", IMAGENET_DATA, str(root), "18", "10"], check=True,
-                   timeout=120)
-    return root
+    return mxnet_helper[0]
 
 
 def test_cifar100_onebit_ef_nesterov(tmp_path):
@@ -186,44 +226,10 @@ def test_imagenet_image_folder_randomk(imagenet, tmp_path):
     assert not (tmp_path / "params").exists()
 
 
-BAD_FLAGS = [
-    (IMAGENET, ["--model", "resnet18_v1", "--use-pretrained"], "--use-pretrained needs"),
-    (CIFAR, ["--ef", "vanilla"], "need --compressor"),
-    (CIFAR, ["--compressor", "dithering", "--k", "2.5"], "dithering levels must be a whole number"),
-    (CIFAR, ["--compressor", "onebit", "--compress-momentum", "nesterov", "--momentum", "0"],
-     "needs --momentum > 0"),
-]
-# each example's main(argv) in turn, in one process (mxnet imported once, not once a case):
-# [exit status, what it wrote to stderr] per (script, args)
-RUN_MAINS = textwrap.dedent("""
-    import contextlib, importlib.util, io, json, os, sys
-
-    results = []
-    for index, (script, args) in enumerate(json.loads(sys.argv[1])):
-        sys.path.insert(0, os.path.dirname(script))  # as when run as a script: its folder first
-        spec = importlib.util.spec_from_file_location(f"example{index}", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            try:
-                module.main(args)
-                status = 0
-            except SystemExit as e:
-                status = e.code
-        results.append([status, err.getvalue()])
-    print(json.dumps(results))
-""")
-
-
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    """Every BAD_FLAGS case's (exit status, stderr): the examples' own main() in one process."""
-    cases = json.dumps([[script, args] for script, args, _ in BAD_FLAGS])
-    result = subprocess.run([sys.executable, "-c", RUN_MAINS, cases], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+def bad_flag_runs(mxnet_helper):
+    """Every BAD_FLAGS case's (exit status, stderr): the examples' own main()."""
+    return mxnet_helper[1]
 
 
 @pytest.mark.parametrize("case", range(len(BAD_FLAGS)),

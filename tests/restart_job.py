@@ -17,7 +17,11 @@ named ``<case>.<...>``) and binding: "hook" (DDP and bps_gc.torch.comm_hook), "o
 ``bucket_cap_mb_second`` another DDP bucket size after the restart. The checkpoint holds
 bps_gc.torch.state_dict() and every optimizer's own state_dict() (where the codec state rides
 too, under "bps_gc"). PHASE "without_state" is "second" loading neither (the failure the test
-must see).
+must see). PHASE may list phases, "second,without_state,device:second": each runs in turn in the
+same processes, bps_gc initialised and shut down again for each on the process group the job made
+first (adopted: bps_gc.collective.rendezvous.adopt), so a later one starts with no codec state but
+what it loads (one launch, not one a phase); "device:" runs the phase with the torch codec chains
+(BPS_GC_DEVICE_CODECS=torch) in OUT/device.
 """
 import json
 import os
@@ -30,9 +34,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bps_gc.torch as bps  # noqa: E402
 
-spec, out, phase = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
-bps.init()
-rank = bps.rank()
+spec, out, phases = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3].split(",")
+if len(phases) > 1:  # bps_gc inits and shuts down once a phase on this group
+    from gloo_group import init_default_group
+    init_default_group()
 
 
 class Named(torch.nn.Module):
@@ -47,7 +52,7 @@ class Named(torch.nn.Module):
         return getattr(self, self.name)(x)
 
 
-def binding(name, case):
+def binding(name, case, phase):
     torch.manual_seed(0)
     net = Named(name)
     params = case.get("compression_params") or {}
@@ -67,44 +72,59 @@ def binding(name, case):
     return net, net, opt
 
 
-runs = {name: binding(name, case) for name, case in spec["cases"].items()}
-checkpoint = os.path.join(out, f"checkpoint-{'elastic' if phase == 'elastic' else 'run'}-rank{rank}.pt")
-first = 0
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-drop_codec_state = phase == "without_state"
-if phase in ("second", "without_state") or (phase == "elastic" and os.path.exists(checkpoint)):
-    saved = bps.load_checkpoint(checkpoint)
-    for name, (_, model, opt) in runs.items():
-        model.load_state_dict(saved["models"][name])
-        state = saved["optimizers"][name]
-        opt.load_state_dict({k: v for k, v in state.items() if k != "bps_gc"} if drop_codec_state else state)
-    if not drop_codec_state:
-        bps.load_state_dict(saved["bps_gc"])
-    first = saved["step"]
-with open(os.path.join(out, f"{phase}-attempt{attempt}-rank{rank}.txt"), "w") as f:
-    f.write(str(first))  # the step this attempt started from
-for step in range(first, spec["save_at"] if spec.get("kill_at") else spec["steps"]):
-    if phase == "elastic" and attempt == 0 and rank == spec["kill_rank"] and step == spec["kill_step"]:
-        os.kill(os.getpid(), 9)  # kill -9, mid-epoch: torch elastic restarts the group
-    for index, (name, (_, model, opt)) in enumerate(runs.items()):
-        g = torch.Generator().manual_seed(1000 * rank + 100 * index + step)
-        x, y = torch.randn(6, 12, generator=g) + rank, torch.randn(6, 30, generator=g)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    if (phase == "first" and step + 1 == spec["save_at"]) or (phase == "elastic" and (step + 1) % spec["every"] == 0):
-        bps.save_checkpoint({"models": {name: model.state_dict() for name, (_, model, _) in runs.items()},
-                             "optimizers": {name: opt.state_dict() for name, (_, _, opt) in runs.items()},
-                             "bps_gc": bps.state_dict(), "step": step + 1}, checkpoint)
-        bps.barrier()  # every rank's checkpoint of this step is written before any goes on
-if phase == "first" and spec.get("kill_at"):
-    bps.barrier()  # every rank's checkpoint is written
-    os._exit(0)  # no shutdown: the processes just end
-for _, _, opt in runs.values():
-    if hasattr(opt, "finish"):  # CHOCO: the messages in flight
-        opt.finish()
-np.savez(os.path.join(out, f"{phase}-rank{rank}.npz"),
-         **{f"{name}/{key}": p.detach().numpy() for name, (net, _, _) in runs.items()
-            for key, p in net.named_parameters()})
-bps.barrier()
-bps.shutdown()
+def run(phase, out):
+    """One phase: every case trained from step 0 or from the checkpoint, its parameters saved in ``out``."""
+    bps.init()
+    rank = bps.rank()
+    runs = {name: binding(name, case, phase) for name, case in spec["cases"].items()}
+    checkpoint = os.path.join(out, f"checkpoint-{'elastic' if phase == 'elastic' else 'run'}-rank{rank}.pt")
+    first = 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    drop_codec_state = phase == "without_state"
+    if phase in ("second", "without_state") or (phase == "elastic" and os.path.exists(checkpoint)):
+        saved = bps.load_checkpoint(checkpoint)
+        for name, (_, model, opt) in runs.items():
+            model.load_state_dict(saved["models"][name])
+            state = saved["optimizers"][name]
+            opt.load_state_dict({k: v for k, v in state.items() if k != "bps_gc"} if drop_codec_state else state)
+        if not drop_codec_state:
+            bps.load_state_dict(saved["bps_gc"])
+        first = saved["step"]
+    with open(os.path.join(out, f"{phase}-attempt{attempt}-rank{rank}.txt"), "w") as f:
+        f.write(str(first))  # the step this attempt started from
+    for step in range(first, spec["save_at"] if spec.get("kill_at") else spec["steps"]):
+        if phase == "elastic" and attempt == 0 and rank == spec["kill_rank"] and step == spec["kill_step"]:
+            os.kill(os.getpid(), 9)  # kill -9, mid-epoch: torch elastic restarts the group
+        for index, (name, (_, model, opt)) in enumerate(runs.items()):
+            g = torch.Generator().manual_seed(1000 * rank + 100 * index + step)
+            x, y = torch.randn(6, 12, generator=g) + rank, torch.randn(6, 30, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if (phase == "first" and step + 1 == spec["save_at"]) or \
+                (phase == "elastic" and (step + 1) % spec["every"] == 0):
+            bps.save_checkpoint({"models": {name: model.state_dict() for name, (_, model, _) in runs.items()},
+                                 "optimizers": {name: opt.state_dict() for name, (_, _, opt) in runs.items()},
+                                 "bps_gc": bps.state_dict(), "step": step + 1}, checkpoint)
+            bps.barrier()  # every rank's checkpoint of this step is written before any goes on
+    if phase == "first" and spec.get("kill_at"):
+        bps.barrier()  # every rank's checkpoint is written
+        os._exit(0)  # no shutdown: the processes just end
+    for _, _, opt in runs.values():
+        if hasattr(opt, "finish"):  # CHOCO: the messages in flight
+            opt.finish()
+    np.savez(os.path.join(out, f"{phase}-rank{rank}.npz"),
+             **{f"{name}/{key}": p.detach().numpy() for name, (net, _, _) in runs.items()
+                for key, p in net.named_parameters()})
+    bps.barrier()
+    bps.shutdown()
+
+
+for phase in phases:
+    device = phase.startswith("device:")
+    if device:  # read by bps.init(): this phase's chains only
+        os.environ["BPS_GC_DEVICE_CODECS"] = "torch"
+        os.makedirs(os.path.join(out, "device"), exist_ok=True)
+    run(phase.removeprefix("device:"), os.path.join(out, "device") if device else out)
+    if device:
+        del os.environ["BPS_GC_DEVICE_CODECS"]

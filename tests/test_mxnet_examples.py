@@ -90,21 +90,23 @@ BAD_FLAGS = [
 # each example's main(argv) in turn, in one process (mxnet imported once, not once a case):
 # [exit status, what it wrote to stderr] per (script, args)
 RUN_MAINS = textwrap.dedent("""
-    import contextlib, importlib.util, io, json, os, sys
+    import contextlib, importlib.util, io, json, os, sys, traceback
 
     results = []
     for index, (script, args) in enumerate(json.loads(sys.argv[4])):
         sys.path.insert(0, os.path.dirname(script))  # as when run as a script: its folder first
-        spec = importlib.util.spec_from_file_location(f"example{index}", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
+                spec = importlib.util.spec_from_file_location(f"example{index}", script)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
                 module.main(args)
                 status = 0
             except SystemExit as e:
                 status = e.code
+            except Exception:  # this case's failure, not the others' (nor the ImageNet data's)
+                status = traceback.format_exc()
         results.append([status, err.getvalue()])
     print(json.dumps(results))
 """)
@@ -236,5 +238,5 @@ def bad_flag_runs(mxnet_helper):
                          ids=[f"{os.path.basename(script)}-{message}" for script, _, message in BAD_FLAGS])
 def test_bad_flags_stop_before_joining(bad_flag_runs, case):
     status, stderr = bad_flag_runs[case]
-    assert status == 2, stderr[-3000:]
+    assert status == 2, f"{status}\n{stderr[-3000:]}"
     assert BAD_FLAGS[case][2] in stderr, stderr[-3000:]

@@ -23,12 +23,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bps_gc.compress import build_chain  # noqa: E402
+from bench_codecs import median_seconds, parse_size  # noqa: E402
 
 LOOPS = r"""
 #include <immintrin.h>
@@ -76,21 +76,6 @@ def build_loops():
     lib.move_bytes.argtypes, lib.move_bytes.restype = [P, I, P, ctypes.c_int], None
     lib.read_lines.argtypes, lib.read_lines.restype = [P, I], I
     return lib
-
-
-def parse_size(text):
-    units = {"K": 10**3, "M": 10**6}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def median_seconds(fn, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def thc_finish(x, out, carrier):

@@ -2,6 +2,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 
 import gc_paused_imports
 import leftovers
@@ -26,9 +27,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="module", autouse=True)
 def no_leftover_processes(request):
     """After each file's tests (and its fixtures' teardown: this one is set up first), no
-    process it started may be left running: tests/leftovers.py kills and names any."""
+    process it started may be left running: tests/leftovers.py kills any, and a warning in the
+    run's summary names them (a fixture's stderr is shown only when a test fails)."""
     yield
-    leftovers.reap_leftovers(request.module.__name__)
+    killed = leftovers.reap_leftovers(request.module.__name__)
+    if killed:
+        warnings.warn(leftovers.LeftoverProcesses(
+            f"{request.module.__name__} left {len(killed)} process(es) running, killed: "
+            + "; ".join(command[:120] for command in killed)))
 
 
 def pytest_configure(config):

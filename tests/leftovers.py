@@ -13,6 +13,10 @@ import time
 PR_SET_CHILD_SUBREAPER = 36
 
 
+class LeftoverProcesses(UserWarning):
+    """A test file left processes running (tests/conftest.py warns with their command lines)."""
+
+
 def become_subreaper():
     """True where the kernel took it (Linux 3.4+)."""
     try:

@@ -3,10 +3,11 @@ children (what ``subprocess.run(timeout=)`` does to torchrun) hands them to the 
 which kills what is left when a file's tests end."""
 import os
 import subprocess
+import sys
 import time
 
 import leftovers
-from conftest import alive
+from conftest import ROOT, alive
 
 
 def test_a_killed_launchers_child_comes_to_pytest_and_is_killed_at_the_files_end():
@@ -23,3 +24,35 @@ def test_a_killed_launchers_child_comes_to_pytest_and_is_killed_at_the_files_end
     assert alive(orphan)
     assert leftovers.reap_leftovers("this test") == ["sleep 300"]
     assert not alive(orphan) and orphan not in leftovers.children(os.getpid())
+
+
+LEAVER = '''
+import subprocess
+
+
+def test_leaves_an_orphan():
+    launcher = subprocess.Popen(["sh", "-c", "exec 1>&-; sleep 300 & echo $! > orphan.pid; wait"])
+    while True:  # until the orphan's pid is written
+        try:
+            if open("orphan.pid").read().strip():
+                break
+        except OSError:
+            pass
+    launcher.kill()
+    launcher.wait()
+'''
+
+
+def test_a_file_that_leaves_a_process_is_named_in_the_summary_and_the_process_killed(tmp_path):
+    """The whole path, in a pytest of its own on tests/conftest.py: a test file whose launcher is
+    killed under its child ends with that child killed and a LeftoverProcesses warning naming it
+    in the run's summary."""
+    (tmp_path / "test_leaver.py").write_text(LEAVER)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                             "test_leaver.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    orphan = int((tmp_path / "orphan.pid").read_text())
+    assert "LeftoverProcesses" in result.stdout and "test_leaver left 1 process(es) running, killed: sleep 300" \
+        in result.stdout, result.stdout[-3000:]
+    assert not alive(orphan)

@@ -155,21 +155,28 @@ def time_ours(params, x, out, repeats):
     return tc, td, payload.nbytes
 
 
+def thc_sums(params, carrier, x, summands=THC_SUMMANDS):
+    """A thc codec sized for ``summands`` equal pushes of ``x`` in ``carrier`` words, this push's
+    histogram and codes, and their sums as a transport hands them back (uint8): (codec, hist,
+    hist_sum, codes, code_sum)."""
+    codec = build_chain(params, x.size, np.float32, key=1)
+    codec.set_summands(summands, carrier)
+    words = codec.phase_dtype
+    hist = codec.compress(x, {}).view(words)
+    hist_sum = (hist * summands).view(np.uint8)
+    codes = codec.compress_q(hist_sum).view(words)
+    return codec, hist, hist_sum, codes, (codes * summands).view(np.uint8)
+
+
 def time_thc(params, carrier, x, out, repeats):
     """(encode s, decode s, payload bytes) of one thc push among THC_SUMMANDS: both phases'
     payloads, then finish of their sum (every push the same, so the sums are multiples)."""
-    codec = build_chain(params, x.size, np.float32, key=1)
-    codec.set_summands(THC_SUMMANDS, carrier)
-    words = codec.phase_dtype
-    hist = codec.compress(x, {}).view(words)
-    hist_sum = (hist * THC_SUMMANDS).view(np.uint8)
+    codec, hist, hist_sum, codes, code_sum = thc_sums(params, carrier, x)
 
     def encode():
         codec.compress(x, {})
         return codec.compress_q(hist_sum)
     te = median_seconds(encode, repeats)
-    codes = codec.compress_q(hist_sum).view(words)
-    code_sum = (codes * THC_SUMMANDS).view(np.uint8)
     td = median_seconds(lambda: codec.finish(code_sum, out, THC_SUMMANDS), repeats)
     return te, td, hist.nbytes + codes.nbytes
 

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bps_gc.compress import build_chain  # noqa: E402
-from bench_codecs import median_seconds, parse_size  # noqa: E402
+from bench_codecs import median_seconds, parse_size, thc_sums  # noqa: E402
 
 LOOPS = r"""
 #include <immintrin.h>
@@ -79,13 +79,9 @@ def build_loops():
 
 
 def thc_finish(x, out, carrier):
-    """finish of two equal pushes' summed 4-bit codes, as bench_codecs.py's time_thc calls it;
-    and the summed code words' bytes."""
-    codec = build_chain({"compressor": "thc", "bits": 4}, x.size, np.float32, key=1)
-    codec.set_summands(2, carrier)
-    hist = codec.compress(x, {}).view(codec.phase_dtype)
-    codes = codec.compress_q((hist * 2).view(np.uint8)).view(codec.phase_dtype)
-    code_sum = (codes * 2).view(np.uint8)
+    """finish of two equal pushes' summed 4-bit codes (bench_codecs.py's thc_sums, as its
+    time_thc times it); and the summed code words' bytes."""
+    codec, _, _, _, code_sum = thc_sums({"compressor": "thc", "bits": 4}, carrier, x, summands=2)
     return (lambda: codec.finish(code_sum, out, 2)), code_sum.nbytes
 
 

@@ -10,6 +10,11 @@ import signal
 import sys
 import time
 
+# scripts/procs.py reads /proc for the tests already; appended, not first: tests/fsdp_bytes.py has a
+# namesake in scripts/
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from procs import children  # noqa: E402
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -23,25 +28,6 @@ def become_subreaper():
         return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def children(parent):
-    """{pid: (state, command line)} of ``parent``'s children, zombies included."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != parent:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, IndexError, ValueError):
-            continue
-        found[int(entry)] = (fields[0], command)
-    return found
 
 
 def reap_leftovers(where, rounds=20):

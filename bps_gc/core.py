@@ -27,6 +27,7 @@ from .ps.membership.membership import abort_job
 from .ps.worker.worker import Worker
 
 _worker = None
+_ended = None  # after shutdown(): why no other job can start in this process (the transport's), else None
 _hook_traffic = None  # Counters of the DDP hook's buckets (hook_traffic()), or None without a hook
 _in_host_traffic = None  # Counters of register_fsdp_hooks' in-host reduce-scatter (in_host_traffic()), or None
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
@@ -47,6 +48,8 @@ def init(config=None):
     global _worker
     if _worker is not None:
         return _worker
+    if _ended is not None:  # else a worker would wait out BPS_GC_JOIN_TIMEOUT for a gone scheduler
+        raise RuntimeError(f"bps_gc: init() after shutdown() in one process: {_ended}")
     sys.excepthook = _one_line_for_job_errors
     if config is None and transport_from_env() == "collective":
         from .collective import Collective, collective_config  # needs torch: imported only here
@@ -125,9 +128,10 @@ def _shutdown_at_exit():
 
 
 def shutdown():
-    global _worker
+    global _worker, _ended
     if _worker is not None:
         _worker.shutdown()
+        _ended = _worker.why_no_job_after_shutdown
         _worker = None
 
 

@@ -2,7 +2,9 @@
 again and again): bps.init() adopts the group, bps.shutdown() leaves it. The second run issues
 more collectives than the first, and rank 1 is late to its third one by more than a heartbeat
 interval, so rank 0 waits there while its heartbeat reads the store: the first run's endings
-must not read as ranks that left this run. Prints each run's sums."""
+must not read as ranks that left this run. Prints each run's sums, and the names of its state: a
+CompressedExchange made in each run is named as in a fresh process, and run 1's, still alive in
+run 2, is no part of run 2's state."""
 import time
 
 import torch
@@ -12,8 +14,14 @@ import bps_gc.torch as bps
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+exchange = None
 for run, collectives in ((1, 2), (2, 4)):
     bps.init()
+    # run 1's exchange, still alive in run 2: its state is the first run's, no part of this one's
+    print(f"rank {rank} run {run} objects before its exchange {sorted(bps.state_dict()['objects'])}", flush=True)
+    exchange = bps.CompressedExchange({"compressor": "topk", "k": 0.5, "ef": "vanilla"})
+    exchange({"g": torch.arange(4.0) * (rank + 1)}).wait()
+    print(f"rank {rank} run {run} state {sorted(bps.state_dict()['objects'])}", flush=True)
     sums = []
     for i in range(collectives):
         if run == 2 and rank == 1 and i == 2:

@@ -1,7 +1,8 @@
 """A worker of tests/test_barrier.py: BARRIERS barriers back to back. Before each, a rank
 records in its own file how many it has entered; after each, it checks that every rank has
 entered as many. A barrier that returns early exits 3, naming it. Then rank 0 enters two
-barriers at once, from two threads, while the others enter them one after the other."""
+barriers at once, from two threads, while the others enter them one after the other. Last, each
+rank prints what init() after shutdown() did (refused: the scheduler ends the job)."""
 import os
 import sys
 import threading
@@ -48,3 +49,8 @@ else:
     bps.barrier()
     bps.barrier()
 bps.shutdown()
+try:  # the scheduler ends the job now: another init() in this process is refused at once
+    bps.init()
+    print(f"rank {me}: init() after shutdown() started", flush=True)
+except RuntimeError as e:
+    print(f"rank {me}: {e}", flush=True)

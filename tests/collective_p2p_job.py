@@ -1,6 +1,6 @@
 """The communicator's other calls on torch.distributed: send/recv (ordered per name, CHOCO's
-gossip), broadcast, barrier and the plain all_reduce PowerSGD's phases use. Saves what each rank
-got. ``python collective_p2p_job.py OUT``."""
+gossip), broadcast, barrier and the plain all_reduce PowerSGD's phases use; then init() after
+shutdown(). Saves what each rank got. ``python collective_p2p_job.py OUT``."""
 import json
 import os
 import sys
@@ -27,5 +27,10 @@ got["broadcast"] = comm.broadcast(x, 1, "x").tolist()
 comm.barrier()
 y = np.arange(4, dtype=np.float32) * (rank + 1)
 got["all_reduce"] = comm.all_reduce(y).tolist()
-json.dump(got, open(os.path.join(out, f"p2p{rank}.json"), "w"))
 bps.shutdown()
+try:  # a second job in this process, on the process group init() made: refused at once
+    bps.init()
+    got["init after shutdown"] = "started"
+except RuntimeError as e:
+    got["init after shutdown"] = str(e)
+json.dump(got, open(os.path.join(out, f"p2p{rank}.json"), "w"))

@@ -24,6 +24,9 @@ def test_barriers_wait_for_every_worker_and_count_each_thread_s_own(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(3):
         assert (tmp_path / f"entered.{rank}").read_text() == "1000"
+        # at once, rather than waiting out BPS_GC_JOIN_TIMEOUT for the scheduler that ended the job
+        assert (f"rank {rank}: bps_gc: init() after shutdown() in one process: the parameter server's scheduler "
+                "ended the job") in result.stdout, result.stdout[-3000:]
 
 
 # Multi-host (one bpslaunch per role): worker 1 leaves while worker 0 waits in a barrier.

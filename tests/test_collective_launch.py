@@ -96,12 +96,17 @@ def test_send_recv_broadcast_barrier_all_reduce(tmp_path):
         assert got["other"] == f"from {left}"
         assert got["broadcast"] == [1.0] * 5
         assert got["all_reduce"] == (np.arange(4) * sum(r + 1 for r in range(ranks))).tolist()
+        # its rendezvous port stays bound: refused at the call, not an "address in use" later
+        assert got["init after shutdown"].startswith("bps_gc: init() after shutdown() in one process: the process "
+                                                     "group init() made keeps its rendezvous port bound"), got
 
 
 def test_two_runs_on_one_adopted_group(tmp_path):
     """bps.init() and shutdown() twice on the process group the script made: the second run's
     heartbeat does not take the first run's endings for ranks leaving it (rank 1, late to a
-    collective, kept rank 0 waiting across heartbeats), and both runs sum right (numpy: 1 + 2 + 2i)."""
+    collective, kept rank 0 waiting across heartbeats), and both runs sum right (numpy: 1 + 2 + 2i);
+    each run's objects are named as a fresh process's, and the first run's, still alive, are no
+    part of the second run's state."""
     result = subprocess.run(torchrun_argv([os.path.join(TESTS, "adopted_group_job.py")], 2), env=job_env(),
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -109,3 +114,9 @@ def test_two_runs_on_one_adopted_group(tmp_path):
         for run, collectives in ((1, 2), (2, 4)):
             expected = [float(np.sum([r + 1 + i for r in range(2)])) for i in range(collectives)]
             assert f"rank {rank} run {run} sums {expected}" in result.stdout, result.stdout
+        # each run's exchange is named as a fresh process names it, so either run's checkpoint resumes in one
+        names = [line.split(" state ", 1)[1] for line in result.stdout.splitlines()
+                 if line.startswith((f"rank {rank} run 1 state [", f"rank {rank} run 2 state ["))]
+        assert len(names) == 2 and names[0] == names[1] and "'exchange.0/" in names[0], result.stdout
+        for run in (1, 2):
+            assert f"rank {rank} run {run} objects before its exchange []" in result.stdout, result.stdout

@@ -51,6 +51,15 @@ class Collective(api.Communicator):
     gathers_payloads = True  # every rank reduces every rank's payloads, as a server would
     watches_works = sums_tensors_on_device = reduces_on_process_groups = True
 
+    @property
+    def why_no_job_after_shutdown(self):
+        """A default process group of the script's (adopted) outlives shutdown, and another job
+        adopts it again; bps_gc's own group leaves its rendezvous port bound in this process."""
+        if self.lifecycle.adopted:
+            return None
+        return ("the process group init() made keeps its rendezvous port bound in this process: start the next "
+                "job in a new process, or make the default process group in the script (each init() adopts it)")
+
     def __init__(self, cfg, codecs, local_rank=None, local_size=None):
         self.cfg, self.codecs = cfg, codecs
         self.rank, self.size = cfg.rank, cfg.size

@@ -249,6 +249,11 @@ class Communicator(abc.ABC):
     def shutdown(self):
         """Leave the job; every worker calling it after the same work ends with status 0."""
 
+    # why no job can start in this process after ``shutdown`` (core.init refuses, naming it), or
+    # None where one can: the parameter server's scheduler ends the job once its workers left
+    why_no_job_after_shutdown = ("the parameter server's scheduler ended the job when its workers shut down: start "
+                                 "the next job in a new process")
+
     def abandon(self, reason):
         """The training script is ending on an uncaught ``reason`` (an exception's name):
         the shutdown that follows tells the others this rank failed, where it can."""

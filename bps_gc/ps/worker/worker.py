@@ -65,6 +65,9 @@ class Worker(Communicator):
 
     # ------------------------------------------------------------------ lifecycle
 
+    # a lone worker's process may train again; a job of roles has ended for good
+    why_no_job_after_shutdown = property(lambda self: None if self.alone else Communicator.why_no_job_after_shutdown)
+
     def start(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.threadpool_size, "bps_gc-codec")
         if not self.cfg.distributed and self.size == 1:

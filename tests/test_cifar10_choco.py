@@ -17,7 +17,7 @@ from conftest import LAUNCH_PYTHONPATH, ROOT
 
 torch = pytest.importorskip("torch")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
-RUNS_JOB = os.path.join(ROOT, "tests", "cifar_runs_job.py")
+RUNS_JOB = os.path.join(ROOT, "tests", "runs_job.py")
 SEED_FLAGS = [
     "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
     "--compress_ratio", "--quantize_level", "--is_biased", "--choco_consenus_stepsize",
@@ -49,7 +49,7 @@ def write_cifar10(data_dir, n_train=80, n_test=24, seed=0):
 
 def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", command=None):
     """The script with ``argv`` on ``workers`` ranks, or ``command`` (a worker's command after
-    the interpreter: tests/cifar_runs_job.py's); ``launcher`` "bpslaunch" (one server),
+    the interpreter: tests/runs_job.py's); ``launcher`` "bpslaunch" (one server),
     "torchrun" or "collective" (bpslaunch --servers 0: torch.distributed as under torchrun,
     without torchrun's agent, ~1.2 s of CPU a launch)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=LAUNCH_PYTHONPATH, BPS_GC_HEARTBEAT_INTERVAL="0.2",
@@ -68,7 +68,7 @@ def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", command=None
 
 
 def launch_runs(runs, folder, launcher):
-    """tests/cifar_runs_job.py: the script's ``runs`` ({"cwd", "argv", "copy_to"}) one after the
+    """tests/runs_job.py: the script's ``runs`` ({"cwd", "argv", "copy_to"}) one after the
     other in one launch of 2 ranks (their processes start once)."""
     (folder / "runs.json").write_text(json.dumps(runs))
     return launch(None, folder, timeout=480, launcher=launcher, command=[RUNS_JOB, str(folder / "runs.json")])

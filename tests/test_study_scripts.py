@@ -20,13 +20,14 @@ from cluster import run_local  # noqa: E402
 from collective_cluster import bpslaunch_argv, job_env, torchrun_argv  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from test_cifar10_choco import write_cifar10  # noqa: E402
-from test_resume_scripts import INTERRUPT, run, same_models  # noqa: E402
+from test_resume_scripts import same_models  # noqa: E402
 
 from bps_gc.compress import CompressionParams  # noqa: E402
 
 EXAMPLES = os.path.join(ROOT, "example", "pytorch")
 CIFAR = os.path.join(EXAMPLES, "train_cifar10_resnet9.py")
 IMAGENET = os.path.join(EXAMPLES, "train_imagenet_nv.py")
+RUNS_JOB = os.path.join(ROOT, "tests", "runs_job.py")
 # the study's README, training/: the example command after torch.distributed.launch's own flags
 SEED_IMAGENET = ("training/train_imagenet_nv.py --logdir LOG_DIR --distributed --init-bn0 --no-bn-wd "
                  "--name RUN_NAME --compress='layerwise' --method='Topk' --ratio=0.3")
@@ -169,18 +170,21 @@ def test_imagenet_folder(tmp_path):
 
 # ------------------------------------------------------------------------------------ real runs
 
-def launch(launcher, script, argv, wrapper=(), env=None):
+def launch(launcher, script, argv, timeout=240):
     """``launcher`` "bpslaunch" (one server: the parameter server), "torchrun", or "bpslaunch0"
-    (bpslaunch --servers 0: torch.distributed as under torchrun, without its agent, ~1.7 s of CPU);
-    ``wrapper`` (a script that runs ``script``, with its ``env``): torchrun only."""
+    (bpslaunch --servers 0: torch.distributed as under torchrun, without its agent, ~1.7 s of CPU)."""
     if launcher == "bpslaunch":
         return run_local([sys.executable, script, *argv], workers=2, servers=1, env={"OMP_NUM_THREADS": "1"},
-                         timeout=240)
-    if launcher == "torchrun":
-        ranks = torchrun_argv([*wrapper, script, *argv], 2)
-    else:
-        ranks = bpslaunch_argv([script, *argv], 2)
-    return subprocess.run(ranks, env=job_env(env), capture_output=True, text=True, timeout=240, cwd=ROOT)
+                         timeout=timeout)
+    ranks = (torchrun_argv if launcher == "torchrun" else bpslaunch_argv)([script, *argv], 2)
+    return subprocess.run(ranks, env=job_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def launch_runs(launcher, runs, folder):
+    """tests/runs_job.py: ``runs`` ({"script", "cwd", "argv", "copy_to"}) one after the other in
+    one launch of 2 ranks under ``launcher`` ("torchrun" or "bpslaunch0"): their processes start once."""
+    (folder / "runs.json").write_text(json.dumps(runs))
+    return launch(launcher, RUNS_JOB, [str(folder / "runs.json")], timeout=420)
 
 
 def summary(result, path):
@@ -191,7 +195,8 @@ def summary(result, path):
 
 # (launcher, network, flags, least compression ratio): with the ImageNet runs below (topk as the
 # seed's command, terngrad) every method runs once, and each script under both launchers (and
-# torch.distributed under bpslaunch --servers 0 too)
+# torch.distributed under bpslaunch --servers 0 too); the torch.distributed runs are runs of the
+# module's two launches (torchrun_launch, collective_launch), the parameter server's launch each
 CIFAR_RUNS = {
     "qsgd": ("torchrun", "alexnet", ["-c", "layerwise", "--method", "QSGD", "-Q", "15"], 5),
     "thresholdv": ("bpslaunch0", "resnet9", ["--compress", "layerwise", "--method", "ThresholdV", "-V", "0.001"], 0.3),
@@ -200,15 +205,32 @@ CIFAR_RUNS = {
                                      "--momentum", "0.9", "--nesterov"], 3),
     "randomk": ("bpslaunch", "alexnet", ["--compress", "entiremodel", "--method", "RandomK", "--ratio", "0.05"], 6),
 }
+SHARED_LAUNCH = {"torchrun": "torchrun_launch", "bpslaunch0": "collective_launch"}  # launcher -> its fixture
+
+
+def cifar_argv(name, folder):
+    """CIFAR_RUNS[name]'s command line, its tiny data written in folder/data, its logs in folder/logs."""
+    _, network, flags, _ = CIFAR_RUNS[name]
+    data = write_cifar10(str(folder / "data"), n_train=40, n_test=8)
+    return ["--data-dir", data, "-n", network, "--width", "4", "--epochs", "1", "--batch-size", "4",
+            "--max-iters", "2", "-j", "0", "--logdir", str(folder / "logs"), "--name", name, *flags]
+
+
+def cifar_runs(launcher, tmp_path_factory):
+    """{name: folder} of CIFAR_RUNS's runs under ``launcher``, and their runs for runs_job.py."""
+    folders = {name: tmp_path_factory.mktemp(name) for name, run in sorted(CIFAR_RUNS.items()) if run[0] == launcher}
+    return folders, [{"script": CIFAR, "cwd": str(folder), "argv": cifar_argv(name, folder)}
+                     for name, folder in folders.items()]
 
 
 @pytest.mark.parametrize("name", sorted(CIFAR_RUNS))
-def test_cifar10_script_runs(name, tmp_path):
-    launcher, network, flags, least_ratio = CIFAR_RUNS[name]
-    data = write_cifar10(str(tmp_path / "data"), n_train=40, n_test=8)
-    argv = ["--data-dir", data, "-n", network, "--width", "4", "--epochs", "1", "--batch-size", "4",
-            "--max-iters", "2", "-j", "0", "--logdir", str(tmp_path / "logs"), "--name", name, *flags]
-    result = summary(launch(launcher, CIFAR, argv), tmp_path / "logs" / f"{name}.json")
+def test_cifar10_script_runs(name, tmp_path, request):
+    launcher, _, flags, least_ratio = CIFAR_RUNS[name]
+    if launcher in SHARED_LAUNCH:
+        tmp_path, result = request.getfixturevalue(SHARED_LAUNCH[launcher])[name]
+    else:
+        result = launch(launcher, CIFAR, cifar_argv(name, tmp_path))
+    result = summary(result, tmp_path / "logs" / f"{name}.json")
     assert result["workers"] == 2 and result["transport"] == ("ps" if launcher == "bpslaunch" else "collective")
     assert result["compression_params"] == params_of(cifar, *flags)
     [row] = result["history"]
@@ -231,23 +253,39 @@ def seed_imagenet_argv(folder):
 
 
 @pytest.fixture(scope="module")
-def seed_imagenet_run(tmp_path_factory):
-    """(folder, result, resume folder): the seed's ImageNet command under torchrun
-    (seed_imagenet_argv): checked by test_imagenet_script_runs[torchrun], and the straight run
-    the resumed one must equal; it copies its first checkpoints (after epoch 0) into resume
-    folder/ckpt as it writes them (tests/interrupted_run.py's COPY_TO), where the resumed run
-    starts: what a run interrupted right after them leaves, without a launch for it."""
+def torchrun_launch(tmp_path_factory):
+    """One launch under torchrun (tests/runs_job.py: its 2 ranks start once): first the seed's
+    ImageNet command (seed_imagenet_argv), checked by test_imagenet_script_runs[torchrun], and the
+    straight run the resumed one must equal; it copies its first checkpoints (after epoch 0) into
+    resume folder/ckpt as it writes them (tests/interrupted_run.py's COPY_TO), where the resumed
+    run starts: what a run interrupted right after them leaves, without a launch for it; then
+    CIFAR_RUNS's torchrun runs. {"seed": (folder, result, resume folder), name: (folder, result)}."""
     folder, resume = tmp_path_factory.mktemp("seed_imagenet"), tmp_path_factory.mktemp("seed_imagenet_resumed")
-    env = {"INTERRUPT_AFTER": "rank:1", "COPY_TO": str(resume), "COPY_ROOT": str(folder)}
-    return folder, launch("torchrun", IMAGENET, seed_imagenet_argv(folder), [INTERRUPT], env), resume
+    folders, runs = cifar_runs("torchrun", tmp_path_factory)
+    seed = {"script": IMAGENET, "cwd": str(folder), "argv": seed_imagenet_argv(folder), "copy_to": str(resume)}
+    result = launch_runs("torchrun", [seed, *runs], tmp_path_factory.mktemp("torchrun"))
+    return {"seed": (folder, result, resume), **{name: (path, result) for name, path in folders.items()}}
+
+
+@pytest.fixture(scope="module")
+def collective_launch(torchrun_launch, tmp_path_factory):
+    """One launch under bpslaunch --servers 0 (runs_job.py): first the seed's ImageNet command
+    again, started in the resume folder of torchrun_launch (it resumes there; first, so that its
+    optimizer has the straight run's name: runs_job.py), then CIFAR_RUNS's bpslaunch0 runs. {"resumed": (what resume folder/ckpt held before, result), name: (folder, result)}."""
+    _, _, resume = torchrun_launch["seed"]
+    held = sorted(os.listdir(resume / "ckpt")) if os.path.isdir(resume / "ckpt") else None
+    folders, runs = cifar_runs("bpslaunch0", tmp_path_factory)
+    resumed = {"script": IMAGENET, "cwd": str(resume), "argv": seed_imagenet_argv(resume)}
+    result = launch_runs("bpslaunch0", [resumed, *runs], tmp_path_factory.mktemp("collective"))
+    return {"resumed": (held, result), **{name: (path, result) for name, path in folders.items()}}
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "bpslaunch"])
 def test_imagenet_script_runs(launcher, tmp_path, request):
     """torchrun: the seed's command as written, with the data and a tiny model, two epochs and a
-    checkpoint folder after it; bpslaunch: thresholdv on the parameter server, one epoch."""
+    checkpoint folder after it; bpslaunch: terngrad on the parameter server, one epoch."""
     if launcher == "torchrun":
-        folder, result, _ = request.getfixturevalue("seed_imagenet_run")
+        folder, result, _ = request.getfixturevalue("torchrun_launch")["seed"]
         logdir, name, epochs = folder / "logs", "RUN_NAME", 2
     else:
         data = write_imagenet(str(tmp_path / "imagenet"))
@@ -272,14 +310,14 @@ def test_imagenet_script_runs(launcher, tmp_path, request):
         assert result["compression_params"] == {"compressor": "terngrad", "fp16": True} and rows[0]["ratio"] > 4
 
 
-def test_study_imagenet_script_resumes_from_its_checkpoint_folder(seed_imagenet_run):
+def test_study_imagenet_script_resumes_from_its_checkpoint_folder(torchrun_launch, collective_launch):
     """Issue 33 (with test_resume_scripts.py's other scripts): the seed's ImageNet command,
     started in a folder holding only the straight run's first checkpoints (copied as written),
     resumes and ends with the straight run's parameters on every rank, bit for bit."""
-    straight, _, tmp_path = seed_imagenet_run
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
-    argv = seed_imagenet_argv(tmp_path)
-    run(IMAGENET, argv, tmp_path)
+    straight, _, tmp_path = torchrun_launch["seed"]
+    held, result = collective_launch["resumed"]
+    assert held == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     log = (tmp_path / "logs" / "RUN_NAME.log").read_text()
     assert f"resumed from {tmp_path / 'ckpt'} after epoch 0" in log
     for rank in range(2):

@@ -2,7 +2,8 @@
 README resolve as its text says (--dry-run), bad settings are one line, and real runs on tiny
 CIFAR-10 (official python files) and ImageNet (class folders) train, log per-epoch accuracy,
 checkpoint per worker and resume, under bpslaunch (one launcher per role, as across machines,
-parameter server; then --servers 0, the collective) and torchrun.
+parameter server), torchrun (the collective: the ImageNet run and the CIFAR run's resumption, in
+one launch) and bpslaunch --servers 0 (the ImageNet run's --evaluate).
 
 The traffic oracle: DGC sends ceil(n*r) (float16 value, uint32 index) records = 6 bytes each for
 every tensor of more than one dimension (at least 0.8 of them when the adaptation stops early:
@@ -24,6 +25,7 @@ from test_study_scripts import write_imagenet
 
 pytest.importorskip("torch")
 TRAIN = os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")
+RUNS_JOB = os.path.join(ROOT, "tests", "runs_job.py")
 WM5 = [0.25, 0.063, 0.015, 0.004, 0.001]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": LAUNCH_PYTHONPATH, "BPS_GC_HEARTBEAT_INTERVAL": "0.2",
        "BPS_GC_HEARTBEAT_TIMEOUT": "5"}
@@ -156,20 +158,68 @@ TINY_CIFAR = ["--configs.dataset.root", "data", "--configs.train.batch_size", "8
               "--configs.data.num_threads_per_worker", "0"]
 
 
-def test_cifar_one_epoch_on_the_parameter_server_then_resumed_on_the_collective(tmp_path):
-    write_cifar10(str(tmp_path / "data"), n_train=80, n_test=24)  # 80 / 2 workers / 8 = 5 steps
-    argv = [*SEED_CIFAR.split(), *TINY_CIFAR]
-    # one bpslaunch per role (scheduler, server, 2 workers), as on separate machines
-    script = (f"import os, runpy, sys; os.chdir({str(tmp_path)!r}); "
-              f"sys.argv = [{TRAIN!r}] + {argv + ['--configs.train.num_epochs', '1']!r}; "
+CIFAR_RUN = "[cifar.resnet20+dgc.[wm5+fp16+int32]].np2"
+IMAGENET_RUN = "[imagenet.resnet50+dgc.wm0].tiny.np2"
+# the seed's ImageNet command at a tiny size, its data in imagenet/ (torchrun_launch writes it: 2
+# classes, 8 training and 4 validation images)
+TINY_IMAGENET = [*SEED_IMAGENET.split(), "--configs.dataset.root", "imagenet", "--configs.dataset.image_size", "32",
+                 "--configs.model.width", "4", "--configs.model.num_classes", "2", "--configs.train.batch_size", "2",
+                 "--configs.train.num_epochs", "1", "--configs.data.num_threads_per_worker", "0", "--suffix", ".tiny"]
+
+
+def cifar_on_the_parameter_server(folder):
+    """The seed's CIFAR command, one epoch on the parameter server, one bpslaunch per role
+    (scheduler, server, 2 workers), as on separate machines, in ``folder`` (its data written
+    there: 80 images / 2 workers / 8 = 5 steps); what the job left: (its roles' statuses, its
+    report, the run's metrics rows, its log, the files in its checkpoint folder)."""
+    write_cifar10(str(folder / "data"), n_train=80, n_test=24)
+    argv = [*SEED_CIFAR.split(), *TINY_CIFAR, "--configs.train.num_epochs", "1"]
+    script = (f"import os, runpy, sys; os.chdir({str(folder)!r}); sys.argv = [{TRAIN!r}] + {argv!r}; "
               f"runpy.run_path({TRAIN!r}, run_name='__main__')")
     slow_ok = {"BPS_GC_HEARTBEAT_TIMEOUT": "10"}  # a shared 2-core machine may stall a process for seconds
     job = Job(2, script, servers=1, env={"OMP_NUM_THREADS": "1"},
               role_env={name: slow_ok for name in ("scheduler", "server0", "worker0", "worker1")})
     statuses, _ = job.wait_all(150)
-    assert set(statuses.values()) == {0}, job.report(statuses)
-    run_dir = tmp_path / "runs" / "[cifar.resnet20+dgc.[wm5+fp16+int32]].np2"
-    [row] = rows(run_dir)
+    run_dir = folder / "runs" / CIFAR_RUN
+    left = [rows(run_dir) if (run_dir / "metrics.jsonl").is_file() else [],
+            (run_dir / "train.log").read_text() if (run_dir / "train.log").is_file() else "",
+            sorted(f for f in os.listdir(run_dir / "checkpoints") if (run_dir / "checkpoints" / f).is_file())
+            if (run_dir / "checkpoints").is_dir() else []]
+    return (statuses, job.report(statuses), *left)
+
+
+@pytest.fixture(scope="module")
+def torchrun_launch(tmp_path_factory):
+    """One launch under torchrun (tests/runs_job.py: its 2 ranks start once) of train.py twice:
+    first the ImageNet command (TINY_IMAGENET), one epoch (first: its optimizer's state then has
+    the names a fresh process gives it, which test_imagenet_resnet50_one_epoch_under_torchrun's
+    --evaluate run loads: runs_job.py), then the CIFAR command with 2 epochs, in the folder where
+    it ran its first epoch on the parameter server (cifar_on_the_parameter_server, run here
+    first), resuming at epoch 1; the parameter server's codec state does not apply on
+    torch.distributed, dropped as asked. {"imagenet": folder, "cifar": (folder, what its first
+    epoch left), "result": the launch's result}."""
+    imagenet, cifar = tmp_path_factory.mktemp("imagenet"), tmp_path_factory.mktemp("cifar")
+    first_epoch = cifar_on_the_parameter_server(cifar)
+    write_imagenet(str(imagenet / "imagenet"), train=4, val=2)
+    runs = [{"script": TRAIN, "cwd": str(imagenet), "argv": TINY_IMAGENET},
+            {"script": TRAIN, "cwd": str(cifar), "argv": [*SEED_CIFAR.split(), *TINY_CIFAR,
+                                                          "--configs.train.num_epochs", "2"],
+             "env": {"BPS_GC_RESUME_DROP_RANK_STATE": "1"}}]
+    folder = tmp_path_factory.mktemp("torchrun")
+    (folder / "runs.json").write_text(json.dumps(runs))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             RUNS_JOB, str(folder / "runs.json")], cwd=folder, env=clean_env(), capture_output=True,
+                            text=True, timeout=300)
+    return {"imagenet": imagenet, "cifar": (cifar, first_epoch), "result": result}
+
+
+def test_cifar_one_epoch_on_the_parameter_server_then_resumed_on_the_collective(torchrun_launch):
+    """One epoch on the parameter server, then the same command with 2 epochs resumes at epoch
+    1 (density 6.3%) on the collective: a run of torchrun_launch."""
+    tmp_path, (statuses, report, first_rows, log, saved) = torchrun_launch["cifar"]
+    assert set(statuses.values()) == {0}, report
+    run_dir = tmp_path / "runs" / CIFAR_RUN
+    [row] = first_rows
     sys.path.insert(0, os.path.join(ROOT, "example", "pytorch"))
     from train_cifar100_byteps_gc import resnet
     model = resnet("resnet20", 10)
@@ -177,19 +227,13 @@ def test_cifar_one_epoch_on_the_parameter_server_then_resumed_on_the_collective(
     assert row["epoch"] == 0 and row["steps"] == 5 and least <= row["pushed_bytes_per_step"] <= most, row
     assert 0 <= row["acc/test_top1"] <= row["acc/test_top5"] <= 100
     assert row["acc/test_top1"] * 24 / 100 == pytest.approx(round(row["acc/test_top1"] * 24 / 100))
-    log = (run_dir / "train.log").read_text()
     assert "[acc/test_top1] = " in log and "(ps)" in log and "==> train from scratch" in log
     assert "device: cpu (asked: auto)" in log and "precision: float32" in log
     for rank in (0, 1):
-        assert (run_dir / "checkpoints" / f"latest-r{rank}.pth").is_file()
-        assert (run_dir / "checkpoints" / f"e0-r{rank}.pth").is_file()
+        assert f"latest-r{rank}.pth" in saved and f"e0-r{rank}.pth" in saved, saved
 
-    # the same command with 2 epochs resumes at epoch 1 (density 6.3%), on bpslaunch --servers 0:
-    # the parameter server's codec state does not apply on torch.distributed, dropped as asked
-    result = subprocess.run([sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2",
-                             "--servers", "0", "--", sys.executable, TRAIN, *argv, "--configs.train.num_epochs", "2"],
-                            cwd=tmp_path, env=dict(clean_env(), BPS_GC_RESUME_DROP_RANK_STATE="1"),
-                            capture_output=True, text=True, timeout=150)
+    # the resumed run: the parameter server's codec state does not apply on torch.distributed, dropped as asked
+    result = torchrun_launch["result"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "saved on the parameter server, here torch.distributed" in result.stdout + result.stderr
     first, second = rows(run_dir)
@@ -201,19 +245,12 @@ def test_cifar_one_epoch_on_the_parameter_server_then_resumed_on_the_collective(
     assert "==> training epoch 0/2" not in log
 
 
-def test_imagenet_resnet50_one_epoch_under_torchrun(tmp_path):
-    write_imagenet(str(tmp_path / "imagenet"), train=4, val=2)  # 2 classes: 8 training, 4 validation images
-    argv = [*SEED_IMAGENET.split(), "--configs.dataset.root", "imagenet", "--configs.dataset.image_size", "32",
-            "--configs.model.width", "4", "--configs.model.num_classes", "2", "--configs.train.batch_size", "2",
-            "--configs.train.num_epochs", "1", "--configs.data.num_threads_per_worker", "0", "--suffix", ".tiny"]
-    def torchrun(*extra):
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", TRAIN, *argv, *extra], cwd=tmp_path, env=clean_env(), capture_output=True,
-                                text=True, timeout=150)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return result.stdout
-    torchrun()
-    run_dir = tmp_path / "runs" / "[imagenet.resnet50+dgc.wm0].tiny.np2"
+def test_imagenet_resnet50_one_epoch_under_torchrun(torchrun_launch):
+    """One epoch under torchrun (a run of torchrun_launch), then --evaluate under bpslaunch
+    --servers 0 (torch.distributed too, without torchrun's agent)."""
+    tmp_path, result = torchrun_launch["imagenet"], torchrun_launch["result"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / IMAGENET_RUN
     [row] = rows(run_dir)
     assert row["steps"] == 2 and row["acc/test_top5"] == 100.0  # top-5 of 2 classes
     sys.path.insert(0, os.path.join(ROOT, "example", "pytorch"))
@@ -224,7 +261,11 @@ def test_imagenet_resnet50_one_epoch_under_torchrun(tmp_path):
     assert "note: int32_indices False" in log and "note: optimize_bn_separately" in log
     # --evaluate: every worker runs rank 0's best checkpoint (broadcast, BatchNorm statistics
     # included, as DGC's code does); its top-1 over the 4 validation images, computed here
-    out = torchrun("--evaluate")
+    evaluated = subprocess.run([sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers",
+                                "0", "--", sys.executable, TRAIN, *TINY_IMAGENET, "--evaluate"],
+                               cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=150)
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    out = evaluated.stdout
     import torch
     import imagenet_folder
     model = ResNet("resnet50", 2, 4, True)

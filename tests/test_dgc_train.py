@@ -1,19 +1,25 @@
 """example/pytorch/dgc/train.py, DGC's way of running: the config files and overrides of DGC's
-README resolve as its text says (--dry-run), bad settings are one line, and real runs on tiny
-CIFAR-10 (official python files) and ImageNet (class folders) train, log per-epoch accuracy,
-checkpoint per worker and resume, under bpslaunch (one launcher per role, as across machines,
-parameter server), torchrun (the collective: the ImageNet run and the CIFAR run's resumption, in
-one launch) and bpslaunch --servers 0 (the ImageNet run's --evaluate).
+README resolve as its text says (--dry-run), bad settings are one line (both through train.py's
+main in the pytest process: nothing to launch), and real runs on tiny CIFAR-10 (official python
+files) and ImageNet (class folders) train, log per-epoch accuracy, checkpoint per worker and
+resume, under bpslaunch (one launcher per role, as across machines, parameter server), torchrun
+(the collective: the ImageNet run and the CIFAR run's resumption, in one launch) and bpslaunch
+--servers 0 (the ImageNet run's --evaluate).
 
 The traffic oracle: DGC sends ceil(n*r) (float16 value, uint32 index) records = 6 bytes each for
 every tensor of more than one dimension (at least 0.8 of them when the adaptation stops early:
 algorithms.md 2.3) and the 1-D tensors dense, 4 bytes an element; r is the warm-up list's entry
 for the epoch. Computed here from the model's shapes."""
+import contextlib
+import functools
+import importlib.util
+import io
 import json
 import math
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -42,11 +48,33 @@ def clean_env(**extra):
     return dict(env, **ENV, **extra)
 
 
+@functools.lru_cache(maxsize=None)
+def train_main():
+    """train.py's main, loaded into this process once (a dry run or a refused setting launches
+    nothing: no process needed); the folders it puts first on sys.path taken off again."""
+    path = list(sys.path)
+    spec = importlib.util.spec_from_file_location("dgc_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module.main
+
+
+@contextlib.contextmanager
+def in_process(cwd):
+    """train_main() to call as a process of its own would run: in ``cwd``, in clean_env()."""
+    with mock.patch.dict(os.environ, clean_env(), clear=True), contextlib.chdir(cwd):
+        yield train_main()
+
+
 def dry_run(argv, cwd):
-    result = subprocess.run([sys.executable, TRAIN, *argv, "--dry-run"], cwd=cwd, env=clean_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """The settings train.py --dry-run prints (its last line, JSON), from its main (in_process)."""
+    out = io.StringIO()
+    with in_process(cwd) as main, contextlib.redirect_stdout(out):
+        assert main([*argv, "--dry-run"]) == 0
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def test_the_readme_commands_resolve_as_described(tmp_path):
@@ -117,11 +145,12 @@ def test_dgc_without_a_list_warms_up_as_dgc_code_and_overrides_are_typed(tmp_pat
     (["--configs", "configs/cifar/resnet20.py", "--configs.train.mixed_precision", "int8"],
      "configs.train.mixed_precision: None, float16 or bfloat16"),
 ])
-def test_bad_settings_are_one_line(argv, message, tmp_path):
-    result = subprocess.run([sys.executable, TRAIN, *argv, "--dry-run"], cwd=tmp_path, env=clean_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+def test_bad_settings_are_one_line(argv, message, tmp_path, capsys):
+    with in_process(tmp_path) as main, pytest.raises(SystemExit) as stopped:
+        main([*argv, "--dry-run"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_cifar_names_the_flag_that_sets_it(tmp_path):

@@ -61,16 +61,14 @@ def test_split_is_by_file_path(tmp_path):
 
 
 def test_too_small_corpus_is_one_line(tmp_path, capsys):
-    """train.py's main, in this process (the check comes before any launcher or torch.distributed
-    is needed): a SystemExit whose code is its message, which Python prints alone, without a
-    traceback, exiting 1; nothing else is printed."""
+    """train.py's main in this process (the check precedes any launch): a SystemExit whose code,
+    its message, Python prints alone (no traceback) and exits 1 with; nothing else printed."""
     (tmp_path / "a.py").write_text("x = 1\n")
     with pytest.raises(SystemExit) as stopped:
         train_module().main(["--corpus", str(tmp_path)])
     message = stopped.value.code
-    assert isinstance(message, str) and message.strip() and "Traceback" not in message, message
-    assert message.strip().count("\n") == 0 and "too small" in message, message
-    assert capsys.readouterr().err == ""
+    assert isinstance(message, str) and message.strip().count("\n") == 0 and "too small" in message, message
+    assert "Traceback" not in message and capsys.readouterr().err == ""
 
 
 def test_precision_auto_is_bf16_where_the_device_computes_it():

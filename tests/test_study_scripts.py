@@ -196,7 +196,7 @@ def summary(result, path):
 # (launcher, network, flags, least compression ratio): with the ImageNet runs below (topk as the
 # seed's command, terngrad) every method runs once, and each script under both launchers (and
 # torch.distributed under bpslaunch --servers 0 too); the torch.distributed runs are runs of the
-# module's two launches (torchrun_launch, collective_launch), the parameter server's launch each
+# module's two launches (torchrun_launch, collective_launch), each parameter-server run a launch
 CIFAR_RUNS = {
     "qsgd": ("torchrun", "alexnet", ["-c", "layerwise", "--method", "QSGD", "-Q", "15"], 5),
     "thresholdv": ("bpslaunch0", "resnet9", ["--compress", "layerwise", "--method", "ThresholdV", "-V", "0.001"], 0.3),
@@ -271,7 +271,8 @@ def torchrun_launch(tmp_path_factory):
 def collective_launch(torchrun_launch, tmp_path_factory):
     """One launch under bpslaunch --servers 0 (runs_job.py): first the seed's ImageNet command
     again, started in the resume folder of torchrun_launch (it resumes there; first, so that its
-    optimizer has the straight run's name: runs_job.py), then CIFAR_RUNS's bpslaunch0 runs. {"resumed": (what resume folder/ckpt held before, result), name: (folder, result)}."""
+    optimizer has the straight run's name: runs_job.py), then CIFAR_RUNS's bpslaunch0 runs.
+    {"resumed": (what resume folder/ckpt held before it, result), name: (folder, result)}."""
     _, _, resume = torchrun_launch["seed"]
     held = sorted(os.listdir(resume / "ckpt")) if os.path.isdir(resume / "ckpt") else None
     folders, runs = cifar_runs("bpslaunch0", tmp_path_factory)

@@ -19,7 +19,6 @@ import math
 import os
 import subprocess
 import sys
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -64,9 +63,17 @@ def train_main():
 
 @contextlib.contextmanager
 def in_process(cwd):
-    """train_main() to call as a process of its own would run: in ``cwd``, in clean_env()."""
-    with mock.patch.dict(os.environ, clean_env(), clear=True), contextlib.chdir(cwd):
-        yield train_main()
+    """train_main() to call as a process of its own would run: in ``cwd``, in clean_env() (this
+    process's environment put back after)."""
+    saved, env = dict(os.environ), clean_env()
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with contextlib.chdir(cwd):
+            yield train_main()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def dry_run(argv, cwd):

@@ -7,10 +7,10 @@ example/pytorch/train_cifar10_choco.py), "cwd": folder, "argv": [flags], "env": 
 there), with "env" set while it runs, and with its own bps_gc init() and shutdown() on the
 default process group this job makes once (init() adopts it and leaves it to the job).
 "copy_to": the run goes through tests/interrupted_run.py with INTERRUPT_AFTER=rank:1 and that
-COPY_TO: its first checkpoints are copied there as written. bps_gc.torch names a process's
-optimizers and hooks of a kind in the order it makes them (DistributedOptimizer.0, .1, ...), and
-a checkpoint's codec state by those names: a run whose checkpoint another process loads, or that
-loads another process's, makes its objects under the names that process does (first in its launch)."""
+COPY_TO: its first checkpoints are copied there as written. bps_gc.torch names a job's
+optimizers and hooks of a kind in the order it makes them (DistributedOptimizer.0, .1, ...), from
+0 again after each shutdown(), as a fresh process does: a run's checkpoints load in another
+process, and another process's in a run, wherever the run sits in its launch."""
 import json
 import os
 import runpy

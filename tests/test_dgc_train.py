@@ -227,9 +227,9 @@ def cifar_on_the_parameter_server(folder):
 @pytest.fixture(scope="module")
 def torchrun_launch(tmp_path_factory):
     """One launch under torchrun (tests/runs_job.py: its 2 ranks start once) of train.py twice:
-    first the ImageNet command (TINY_IMAGENET), one epoch (first: its optimizer's state then has
-    the names a fresh process gives it, which test_imagenet_resnet50_one_epoch_under_torchrun's
-    --evaluate run loads: runs_job.py), then the CIFAR command with 2 epochs, in the folder where
+    first the ImageNet command (TINY_IMAGENET), one epoch (its checkpoint is what
+    test_imagenet_resnet50_one_epoch_under_torchrun's --evaluate run loads, in a process of its
+    own: runs_job.py), then the CIFAR command with 2 epochs, in the folder where
     it ran its first epoch on the parameter server (cifar_on_the_parameter_server, run here
     first), resuming at epoch 1; the parameter server's codec state does not apply on
     torch.distributed, dropped as asked. {"imagenet": folder, "cifar": (folder, what its first

@@ -270,8 +270,8 @@ def torchrun_launch(tmp_path_factory):
 @pytest.fixture(scope="module")
 def collective_launch(torchrun_launch, tmp_path_factory):
     """One launch under bpslaunch --servers 0 (runs_job.py): first the seed's ImageNet command
-    again, started in the resume folder of torchrun_launch (it resumes there; first, so that its
-    optimizer has the straight run's name: runs_job.py), then CIFAR_RUNS's bpslaunch0 runs.
+    again, started in the resume folder of torchrun_launch (it resumes there), then CIFAR_RUNS's
+    bpslaunch0 runs.
     {"resumed": (what resume folder/ckpt held before it, result), name: (folder, result)}."""
     _, _, resume = torchrun_launch["seed"]
     held = sorted(os.listdir(resume / "ckpt")) if os.path.isdir(resume / "ckpt") else None

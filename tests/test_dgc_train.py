@@ -43,7 +43,8 @@ SEED_E500 = "--configs configs/cifar/resnet20.py configs/dgc/wm5.py --configs.tr
 
 def clean_env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "BYTEPS_", "BPS_GC_")) and k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+           if (not k.startswith(("DMLC_", "BYTEPS_", "BPS_GC_")) or k == "BPS_GC_CENSUS")  # the census's, not a setting
+           and k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     return dict(env, **ENV, **extra)
 
 

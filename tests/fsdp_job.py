@@ -1,4 +1,4 @@
-"""FSDP2 on a (2 replicas, 2 shards) gloo mesh under torchrun (4 ranks; spec "mesh" [2, 3]: 6
+"""FSDP2 on a (2 replicas, 2 shards) gloo mesh under torchrun or bpslaunch (4 ranks; spec "mesh" [2, 3]: 6
 ranks): ``python fsdp_job.py SPEC.json OUT``. A small MLP trains ``steps`` SGD steps on each
 rank's own batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 
@@ -23,7 +23,10 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
   (sys.exit(0)) or "raise".
 
 "parts": several such launches in one, spec "parts" {name: spec of "native" or "hooked"}, each
-part's arrays prefixed "<name>/" (every model seeded and fed as in a launch of its own).
+part's arrays prefixed "<name>/" (every model seeded and fed as in a launch of its own); a part of
+mode "resume" (phase "first": run first, so that bps_gc names its hooks' state as a launch of
+its own does) runs between bps.init() and bps.shutdown() on the job's group, its arrays saved
+apart, as its own launch saves them. bpslaunch: ``--local --servers 0`` (gloo_group.py).
 
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
 mixed precision or CPU offload, or float64 parameters), its arrays prefixed "<policy>/" (a
@@ -50,15 +53,22 @@ sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
 from fsdp_bytes import array_bytes, bytes_and_memory  # noqa: E402
 from fsdp_recording import record_calls, record_reduce_scatters  # noqa: E402
+from gloo_group import init_default_group  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 mode = spec["mode"]
 if mode != "fault":
-    dist.init_process_group("gloo")
-if mode in ("resume", "fault"):
+    init_default_group()
+
+
+def init_bps():
     bps.init()  # the collective communicator: bps.state_dict(), the heartbeat (resume: on the group above)
     assert (bps.rank(), bps.size()) == (dist.get_rank(), 4), (bps.rank(), bps.size())
+
+
+if mode in ("resume", "fault"):
+    init_bps()
 rank = dist.get_rank()
 torch.set_num_threads(1)
 # spec "mesh": (replicas, shards), (2, 2) unless given; the job's ranks are their product
@@ -78,7 +88,7 @@ WIDE = (128, 256, 256, 128)  # the bytes' MLP: weight shards of 16,384 to 32,768
 
 
 def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("compression_params"),
-          widths=(16, 32, 32, 8), shard_compression_params=None, dense_steps=0):
+          widths=(16, 32, 32, 8), shard_compression_params=None, dense_steps=0, momentum=0.0):
     """The MLP of ``widths`` sharded on mesh["shard"] (``hooked``) or on the whole mesh (native
     HSDP) with POLICIES[``policy``], its hooks (the exchange; none unless ``hooked`` and
     ``hooks``) and its optimizer."""
@@ -92,7 +102,6 @@ def build(hooked=True, hooks=True, policy=None, compression_params=spec.get("com
     fully_shard(model, mesh=shard_mesh, **POLICIES.get(policy, {}))
     exchange = bps.register_fsdp_hooks(model, mesh["replicate"], compression_params, dense_steps=dense_steps,
                                        shard_compression_params=shard_compression_params) if hooked and hooks else None
-    momentum = 0.9 if mode == "resume" else 0.0  # resume: optimizer state to carry too
     return model, exchange, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
 
@@ -116,14 +125,15 @@ def parameters(model, prefix=""):
     return {**full, **{f"{prefix}local/{name}": p.to_local().detach().numpy() for name, p in model.named_parameters()}}
 
 
-def resume():
+def resume(spec):
     """Each run's arrays prefixed "<run>/": the models, one per spec "runs" entry, are trained,
-    saved and loaded together, as one script's several models would be."""
+    saved and loaded together, as one script's several models would be; SGD with momentum, whose
+    state the checkpoint carries too."""
     steps, stop_at, ckpt = spec["steps"], spec["stop_at"], os.path.join(out, "dcp")
     # run -> its shard_compression_params, its dense_steps
     in_host, dense = spec.get("in_host", {}), spec.get("dense_steps", {})
     runs = {run: build(compression_params=params, shard_compression_params=in_host.get(run),
-                       dense_steps=dense.get(run, 0)) for run, params in spec["runs"].items()}
+                       dense_steps=dense.get(run, 0), momentum=0.9) for run, params in spec["runs"].items()}
 
     def train_all(steps):
         for model, _, opt in runs.values():
@@ -144,7 +154,7 @@ def resume():
     result = {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/resumed/").items()}
     for run, params in spec["runs"].items():
         straight, _, opt = build(compression_params=params, shard_compression_params=in_host.get(run),
-                                 dense_steps=dense.get(run, 0))
+                                 dense_steps=dense.get(run, 0), momentum=0.9)
         train(straight, opt, range(steps))
         result.update(parameters(straight, f"{run}/straight/"))
     # a sharded model's DTensors handed to DistributedOptimizer and to the DDP hook: refused, naming the hooks
@@ -227,16 +237,24 @@ def native_or_hooked(part, head=""):
     return arrays, refusals
 
 
+def resume_and_save(spec):
+    np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume(spec))
+    bps.shutdown()
+    dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
+
+
 if mode == "fault":
     fault()
 elif mode == "resume":
-    np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume())
-    bps.shutdown()
-    dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
+    resume_and_save(spec)
     dist.destroy_process_group()
 else:
     arrays, refusals = {}, []
     for name, part in (spec["parts"].items() if mode == "parts" else [("", spec)]):
+        if part["mode"] == "resume":
+            init_bps()
+            resume_and_save(part)
+            continue
         got, refused = native_or_hooked(part, f"{name}/" if name else "")
         arrays.update(got)
         refusals += refused

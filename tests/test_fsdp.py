@@ -1,5 +1,5 @@
 """bps_gc.torch.register_fsdp_hooks: FSDP2 sharded on mesh["shard"], its replicate dimension
-averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun (and a (2, 3) one). Dense, it trains as native
+averaged by bps_gc's exchange, on a (2, 2) gloo mesh under bpslaunch or torchrun (and a (2, 3) one). Dense, it trains as native
 HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
 that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
 replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
@@ -47,19 +47,33 @@ REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got floa
 
 
 def run(spec, tmp_path, ranks=4):
-    run_torchrun_job("fsdp_job.py", spec, tmp_path, ranks)
+    """The job under bpslaunch --servers 0: no torchrun agent (~1.7 s of CPU a launch)."""
+    run_torchrun_job("fsdp_job.py", spec, tmp_path, ranks, launcher="bpslaunch")
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(ranks)]
 
 
+# resume_runs' models (SGD with momentum, 6 steps, saved after step 3): top-k + EF, thc 4-bit +
+# EF, top-k + EF in the host only ("inhost": dense across replicas), top-k + EF from step 4
+RESUME = {"mode": "resume", "steps": 6, "stop_at": 3, "in_host": {"inhost": TOPK}, "dense_steps": {"dense_first": 4},
+          "runs": {"topk": TOPK, "thc": THC, "inhost": None, "dense_first": TOPK}}
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """One launch of several parts, each seeded and fed as a launch of its own: native HSDP and
-    the dense hooks, 10 steps; the other codecs under the policies (DTYPE_CODECS); the in-host
-    step; dense steps first; the hooks with top-k + EF, two micro-batches a step, 3 steps (the
-    MLP and one model per policy, then the wider model once per fsdp_bytes.CODECS codec). Each
-    rank's saved arrays. The parts run in this order, top-k last: from its first bytes model
-    on, tracemalloc traces every allocation (fsdp_bytes.py), which slowed the parts after it."""
+def parts_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp_parts")
+
+
+@pytest.fixture(scope="module")
+def launch(parts_dir):
+    """One launch of several parts, each seeded and fed as a launch of its own: the first phase
+    of resume_runs (its own arrays); native HSDP and the dense hooks, 10 steps; the other codecs
+    under the policies (DTYPE_CODECS); the in-host step; dense steps first; the hooks with top-k
+    + EF, two micro-batches a step, 3 steps (the MLP and one model per policy, then the wider
+    model once per fsdp_bytes.CODECS codec). Each rank's saved arrays. The parts run in this
+    order, top-k last: from its first bytes model on, tracemalloc traces every allocation
+    (fsdp_bytes.py), which slowed the parts after it."""
     return run({"mode": "parts", "parts": {
+        "resume": {**RESUME, "phase": "first"},  # first: bps_gc names the hooks' state by their order
         "native": {"mode": "native", "steps": 10, "policies": POLICIES},
         "hooked": {"mode": "hooked", "steps": 10, "policies": POLICIES},
         **{f"dtype_{codec}": {"mode": "hooked", "steps": 2, "compression_params": params, "policies": policies,
@@ -72,7 +86,7 @@ def launch(tmp_path_factory):
                         "record_rs": True},  # metrics()' bytes saved
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2,
                  "policies": CODEC_POLICIES, "bytes": CODECS}}},
-        tmp_path_factory.mktemp("fsdp_parts"))
+        parts_dir)
 
 
 def part(launch, name):
@@ -326,21 +340,14 @@ def near_square(n):
 
 
 @pytest.fixture(scope="module")
-def resume_runs(tmp_path_factory):
-    """Two launches of four models, top-k + EF, thc 4-bit + EF, top-k + EF in the host only
-    (shard_compression_params) and top-k + EF after 4 dense steps, SGD with momentum, 6 steps:
-    the first saves after step 3 (the models and optimizers with torch.distributed.checkpoint,
-    the hooks' codec state with bps_gc.torch.state_dict()) and trains on; the second loads them
-    into fresh processes and trains the rest, then trains straight runs. Each rank's saved
-    arrays, per launch."""
-    out = tmp_path_factory.mktemp("fsdp_resume")
-    spec = {"mode": "resume", "steps": 6, "stop_at": 3, "runs": {"topk": TOPK, "thc": THC, "inhost": None,
-                                                                 "dense_first": TOPK},
-            "in_host": {"inhost": TOPK},  # "inhost": dense across replicas, top-k + EF in the host
-            "dense_steps": {"dense_first": 4}}  # the codec from step 4: after the resume at 3
-    for phase in ("first", "resumed"):
-        run_torchrun_job("fsdp_job.py", {**spec, "phase": phase}, out, 4)
-    return {phase: [dict(np.load(out / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
+def resume_runs(launch, parts_dir):
+    """Two launches of RESUME's four models: the first (launch's first part) saves after step 3
+    (the models and optimizers with torch.distributed.checkpoint, the hooks' codec state with
+    bps_gc.torch.state_dict()) and trains on; the second, under torchrun as FSDP2 scripts run,
+    loads them into fresh processes and trains the rest, then trains straight runs. Each
+    rank's saved arrays, per launch."""
+    run_torchrun_job("fsdp_job.py", {**RESUME, "phase": "resumed"}, parts_dir, 4)
+    return {phase: [dict(np.load(parts_dir / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
 
 
 def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):

@@ -43,6 +43,9 @@ DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vani
                 "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
                 "thc": (THC, ["f16r", "bf16", "fp64"])}
 PHASED = ("powersgd", "thc")
+# the dense hooks' runs against native HSDP's: they agree step by step (within float32 rounding),
+# so a few steps show it as well as 10 did, for less CPU on every rank
+DENSE_STEPS = 4
 REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got float64",  # the codec's own words
            ("dgc", "fp64"): "DGC: float32 or float16 partitions only, got float64"}
 
@@ -68,7 +71,7 @@ def parts_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def launch(parts_dir):
     """One launch of several parts, each seeded and fed as a launch of its own: the first phase
-    of resume_runs (its own arrays); native HSDP and the dense hooks, 10 steps; the other codecs
+    of resume_runs (its own arrays); native HSDP and the dense hooks, DENSE_STEPS; the other codecs
     under the policies (DTYPE_CODECS); the in-host step; dense steps first; the hooks with top-k
     + EF, two micro-batches a step, 3 steps (the MLP and one model per policy, then the wider
     model once per fsdp_bytes.CODECS codec). Each rank's saved arrays. The parts run in this
@@ -76,12 +79,12 @@ def launch(parts_dir):
     (fsdp_bytes.py), which slowed the parts after it."""
     return run({"mode": "parts", "parts": {
         "resume": {**RESUME, "phase": "first"},  # first: bps_gc names the hooks' state by their order
-        "native": {"mode": "native", "steps": 10, "policies": POLICIES},
-        "hooked": {"mode": "hooked", "steps": 10, "policies": POLICIES},
+        "native": {"mode": "native", "steps": DENSE_STEPS, "policies": POLICIES},
+        "hooked": {"mode": "hooked", "steps": DENSE_STEPS, "policies": POLICIES},
         **{f"dtype_{codec}": {"mode": "hooked", "steps": 2, "compression_params": params, "policies": policies,
                               "plain": False} for codec, (params, policies) in DTYPE_CODECS.items()},
         # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
-        "inhost_dense": {"mode": "hooked", "steps": 10, "shard_compression_params": {}},
+        "inhost_dense": {"mode": "hooked", "steps": DENSE_STEPS, "shard_compression_params": {}},
         "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2,
                         "policies": CODEC_POLICIES},
         "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1,
@@ -290,13 +293,13 @@ def test_bytes_per_step_and_codec_memory(topk_run):
 
 @pytest.fixture(scope="module")
 def launch_2x3(tmp_path_factory):
-    """A (2, 3) mesh, 6 ranks, one launch: native HSDP and the dense hooks, 10 steps; top-k +
+    """A (2, 3) mesh, 6 ranks, one launch: native HSDP and the dense hooks, DENSE_STEPS; top-k +
     EF, two micro-batches a step, 3 steps, across replicas and in the host. The MLP's rows
     (32, 32, 8) split in 3 unevenly:
     FSDP2 pads them (11, 11, 10 + 1 row; 3, 3, 2 + 1)."""
     return run({"mode": "parts", "mesh": [2, 3], "parts": {
-        "native": {"mode": "native", "steps": 10},
-        "hooked": {"mode": "hooked", "steps": 10},
+        "native": {"mode": "native", "steps": DENSE_STEPS},
+        "hooked": {"mode": "hooked", "steps": DENSE_STEPS},
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2},
         "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
         tmp_path_factory.mktemp("fsdp_2x3"), ranks=6)

@@ -43,16 +43,13 @@ DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vani
                 "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
                 "thc": (THC, ["f16r", "bf16", "fp64"])}
 PHASED = ("powersgd", "thc")
-# the dense hooks' runs against native HSDP's: they agree step by step (within float32 rounding),
-# so a few steps show it as well as 10 did, for less CPU on every rank
-DENSE_STEPS = 4
+DENSE_STEPS = 4  # the dense hooks' runs and native HSDP's agree step by step: a few show it as 10 did
 REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got float64",  # the codec's own words
            ("dgc", "fp64"): "DGC: float32 or float16 partitions only, got float64"}
 
 
 def run(spec, tmp_path, ranks=4):
-    """The job under bpslaunch --servers 0 (no torchrun agent: ~1.7 s of CPU a launch; FSDP2
-    under torchrun: test_lm.py, test_sharded_faults.py); each rank's arrays."""
+    """Each rank's arrays; bpslaunch --servers 0: no torchrun agent (~1.7 s of CPU a launch)."""
     run_torchrun_job("fsdp_job.py", spec, tmp_path, ranks, launcher="bpslaunch")
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(ranks)]
 

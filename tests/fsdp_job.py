@@ -1,4 +1,4 @@
-"""FSDP2 on a (2 replicas, 2 shards) gloo mesh under torchrun or bpslaunch (4 ranks; spec "mesh" [2, 3]: 6
+"""FSDP2 on a (2 replicas, 2 shards) gloo mesh under torchrun (4 ranks; spec "mesh" [2, 3]: 6
 ranks): ``python fsdp_job.py SPEC.json OUT``. A small MLP trains ``steps`` SGD steps on each
 rank's own batches (``micro_batches`` per step, gradients synced on the last). spec "mode":
 
@@ -26,7 +26,7 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
 part's arrays prefixed "<name>/" (every model seeded and fed as in a launch of its own); a part of
 mode "resume" (phase "first": run first, so that bps_gc names its hooks' state as a launch of
 its own does) runs between bps.init() and bps.shutdown() on the job's group, its arrays saved
-apart, as its own launch saves them. bpslaunch: ``--local --servers 0`` (gloo_group.py).
+apart, as its own launch saves them.
 
 "native" and "hooked" also train one more model per spec "policies" entry (POLICIES: fully_shard's
 mixed precision or CPU offload, or float64 parameters), its arrays prefixed "<policy>/" (a
@@ -53,13 +53,12 @@ sys.path[:0] = [ROOT]
 import bps_gc.torch as bps  # noqa: E402
 from fsdp_bytes import array_bytes, bytes_and_memory  # noqa: E402
 from fsdp_recording import record_calls, record_reduce_scatters  # noqa: E402
-from gloo_group import init_default_group  # noqa: E402
 from job_faults import fault_at  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 mode = spec["mode"]
 if mode != "fault":
-    init_default_group()
+    dist.init_process_group("gloo")
 
 
 def init_bps():

@@ -1,6 +1,5 @@
 """bps_gc.torch.register_fsdp_hooks: FSDP2 sharded on mesh["shard"], its replicate dimension
-averaged by bps_gc's exchange, on a (2, 2) gloo mesh under bpslaunch --servers 0 (and a (2, 3)
-one). Dense, it trains as native HSDP does; with a codec, every hook call equals the numpy
+averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun (and a (2, 3) one). Dense, it trains as native HSDP does; with a codec, every hook call equals the numpy
 re-computation over the two replicas that hold the shard (each shard's chains seeded by its
 name ``<fqn>#shard<i>``), and those replicas end with bit-identical shards. Models it cannot
 serve are refused in one line."""
@@ -49,8 +48,8 @@ REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got floa
 
 
 def run(spec, tmp_path, ranks=4):
-    """Each rank's arrays; bpslaunch --servers 0: no torchrun agent (~1.7 s of CPU a launch)."""
-    run_torchrun_job("fsdp_job.py", spec, tmp_path, ranks, launcher="bpslaunch")
+    """Each rank's arrays (torchrun: under bpslaunch --servers 0 the ranks ended later, docs/fsdp.md)."""
+    run_torchrun_job("fsdp_job.py", spec, tmp_path, ranks)
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(ranks)]
 
 
@@ -347,7 +346,7 @@ def resume_runs(launch, parts_dir):
     (the models and optimizers with torch.distributed.checkpoint, the hooks' codec state with
     bps_gc.torch.state_dict()) and trains on; the second loads them into fresh processes and
     trains the rest, then trains straight runs. Each rank's saved arrays, per launch."""
-    run_torchrun_job("fsdp_job.py", {**RESUME, "phase": "resumed"}, parts_dir, 4, launcher="bpslaunch")
+    run_torchrun_job("fsdp_job.py", {**RESUME, "phase": "resumed"}, parts_dir, 4)
     return {phase: [dict(np.load(parts_dir / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
 
 

@@ -1,8 +1,8 @@
 """bps_gc.torch.register_fsdp_hooks: FSDP2 sharded on mesh["shard"], its replicate dimension
-averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun (and a (2, 3) one). Dense, it trains as native HSDP does; with a codec, every hook call equals the numpy
-re-computation over the two replicas that hold the shard (each shard's chains seeded by its
-name ``<fqn>#shard<i>``), and those replicas end with bit-identical shards. Models it cannot
-serve are refused in one line."""
+averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun (and a (2, 3) one). Dense, it trains as native
+HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
+that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
+replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
 import math
 
 import numpy as np
@@ -54,7 +54,8 @@ def run(spec, tmp_path, ranks=4):
 
 
 # resume_runs' models (SGD with momentum, 6 steps, saved after step 3): top-k + EF, thc 4-bit +
-# EF, top-k + EF in the host only ("inhost": dense across replicas), top-k + EF from step 4
+# EF, top-k + EF in the host only ("inhost": dense across replicas), top-k + EF from step 4 (after
+# the resume at 3)
 RESUME = {"mode": "resume", "steps": 6, "stop_at": 3, "in_host": {"inhost": TOPK}, "dense_steps": {"dense_first": 4},
           "runs": {"topk": TOPK, "thc": THC, "inhost": None, "dense_first": TOPK}}
 

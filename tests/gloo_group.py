@@ -12,6 +12,14 @@ import torch.distributed as dist
 def init_default_group(backend="gloo"):
     env = os.environ
     if "RANK" in env or "DMLC_NUM_WORKER" not in env:
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torch elastic's agent keeps its store over restarts: env:// would read the killed
+            # attempt's gloo addresses (connection refused), so each restart has keys of its own
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store),
+                                    rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
+            return
         dist.init_process_group(backend)
         return
     if env.get("BYTEPS_LOCAL_SIZE", "1") != "1":

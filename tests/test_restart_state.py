@@ -1,11 +1,12 @@
 """Issue 33: N steps straight equal N/2 steps, a checkpoint, new processes resuming from it,
-N/2 more: the same parameters, bit for bit, on every rank, on torch.distributed (2 gloo ranks
-under bpslaunch --servers 0, torchrun's agent costing 1.2 s of CPU a launch; torchrun for its
-elastic restart, whose result must equal the bpslaunch straight run; 2 hosts x 2 ranks with two
-levels, resumed under either from one bpslaunch straight run). tests/restart_job.py trains
-every case side by side; the oracle is the straight run (which wrote the checkpoint on its way).
-On 2 ranks the numpy and the torch codec chains' straight runs share a launch, and their resumed
-runs (and the resumption without codec state) another: restart_job.py runs phases in turn."""
+N/2 more: the same parameters, bit for bit, on every rank, on torch.distributed (2 gloo ranks;
+2 hosts x 2 ranks with two levels, resumed under either launcher from one bpslaunch straight
+run). tests/restart_job.py trains every case side by side; the oracle is the straight run
+(which wrote the checkpoint on its way). On 2 ranks one torchrun --max-restarts 1 launch holds
+torch elastic's restart (its first phase, killed and resumed) and, in its restarted processes,
+the numpy and the torch codec chains' straight runs; their resumed runs (and the resumption
+without codec state) share another launch, under bpslaunch --servers 0 (no torchrun agent:
+1.2 s of CPU a launch): restart_job.py runs phases in turn."""
 import json
 import os
 import shutil
@@ -50,15 +51,19 @@ PS_CASES = {name: case for name, case in CASES.items() if case["case"] != "hook"
 SMALL = {"BYTEPS_MIN_COMPRESS_BYTES": "0", "BYTEPS_PARTITION_BYTES": "1024"}  # several partitions
 
 
-def run_phase(spec, tmp_path, phase, ranks=2, env=None):
-    """``phase`` (or phases, "second,without_state": in turn in the same processes) on ``ranks``."""
+def run_phase(spec, tmp_path, phase, ranks=2, env=None, restarts=None):
+    """``phase`` (or phases, "second,without_state": in turn in the same processes) on ``ranks``,
+    under bpslaunch; under torchrun --max-restarts ``restarts`` when given."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    job = [JOB, str(spec_path), str(tmp_path), phase]
+    argv = bpslaunch_argv(job, ranks) if restarts is None else torchrun_argv(job, ranks)
+    if restarts is not None:
+        argv[argv.index("--standalone") + 1:argv.index("--standalone") + 1] = ["--max-restarts", str(restarts)]
     # a 10 s heartbeat: these runs check results, not fault detection (a 3 s one once timed out
     # on both ranks of a device-chains run beside the rest of the suite)
-    result = subprocess.run(bpslaunch_argv([JOB, str(spec_path), str(tmp_path), phase], ranks),
-                            env={**job_env({**SMALL, **(env or {})}), "BPS_GC_HEARTBEAT_TIMEOUT": "10"},
-                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    result = subprocess.run(argv, env={**job_env({**SMALL, **(env or {})}), "BPS_GC_HEARTBEAT_TIMEOUT": "10"},
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, f"{phase}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 
@@ -96,25 +101,32 @@ def every_compressor(cases):
     assert {c["compression_params"]["compressor"] for c in cases.values() if c.get("compression_params")} == ours
 
 
+# 6 steps, a checkpoint after 3 ("first"); the elastic phase's every 2 steps, rank 1 killed at step 5
+SPEC = {"cases": CASES, "steps": 6, "save_at": 3, "every": 2, "kill_rank": 1, "kill_step": 5}
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The straight run of every case, 6 steps with a checkpoint after 3, on numpy chains, then
-    (bps_gc shut down and initialised again in the same processes) on the torch codec chains, in
-    ``device/``: shared by the tests that resume from it (with and without the codec state) and
-    the refusals."""
+    """One torchrun --max-restarts 1 launch: the elastic phase first (test_torch_elastic_restart_
+    resumes_with_codec_state), whose kill ends the first attempt; the restarted processes resume
+    it, then (bps_gc shut down and initialised again in the same processes) run the straight run
+    of every case, 6 steps with a checkpoint after 3, on numpy chains, then on the torch codec
+    chains, in ``device/``: shared by the tests that resume from it (with and without the codec
+    state) and the refusals."""
     out = tmp_path_factory.mktemp("straight")
-    run_phase({"cases": CASES, "steps": 6, "save_at": 3}, out, "first,device:first")
+    run_phase(SPEC, out, "elastic,first,device:first", restarts=1)
     return out
 
 
 @pytest.fixture(scope="module")
 def resumed(straight):
-    """One launch (new processes) resuming ``straight``'s checkpoints in turn: numpy chains with
-    the codec state ("second"), the torch chains with theirs, then numpy chains without it
-    ("without_state": its codecs afresh). Each phase gives the same bits as a launch of its own;
-    the device phases come second in both launches: the state names a process's hooks and
-    optimizers in the order it made them."""
-    run_phase({"cases": CASES, "steps": 6, "save_at": 3}, straight, "second,device:second,without_state")
+    """One launch (new processes, bpslaunch) resuming ``straight``'s checkpoints in turn: numpy
+    chains without the codec state ("without_state": its codecs afresh), with it ("second"), then
+    the torch chains with theirs. Each phase gives the same bits as a launch of its own; the
+    state names a process's hooks and optimizers in the order it made them, so the phases that
+    load it come at the places of the phases that saved it (after the elastic phase there,
+    after "without_state" here)."""
+    run_phase(SPEC, straight, "without_state,second,device:second")
     return straight
 
 
@@ -134,23 +146,18 @@ def test_resumed_without_codec_state_differs(resumed):
         assert first[0][f"{name}/{name}.0.weight"].tobytes() != without[0][f"{name}/{name}.0.weight"].tobytes(), name
 
 
-def test_torch_elastic_restart_resumes_with_codec_state(straight, tmp_path):
+def test_torch_elastic_restart_resumes_with_codec_state(straight):
     """torchrun --max-restarts 1: rank 1 is killed (SIGKILL) at step 5 of 6 on the first attempt;
     torch elastic restarts both ranks, which resume from the step-4 checkpoint (every 2 steps)
-    with their codec state: the final parameters equal a run never killed (``straight``). So
-    runs repeat too: the first attempt, new processes (other process ids) from step 0, trained
-    every codec as the straight run did (thc's rounding seeded by the seed, key and rank)."""
+    with their codec state: the final parameters equal a run never killed (``straight``'s first
+    phase, run by the restarted processes after this one). So runs repeat too: the first attempt,
+    other processes (other process ids) from step 0, trained every codec as the straight run did
+    (thc's rounding seeded by the seed, key and rank)."""
     every_compressor(CASES)
-    spec = {"cases": CASES, "steps": 6, "save_at": 4, "every": 2, "kill_rank": 1, "kill_step": 5}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    argv = torchrun_argv([JOB, str(tmp_path / "spec.json"), str(tmp_path), "elastic"], 2)
-    argv[argv.index("--standalone") + 1:argv.index("--standalone") + 1] = ["--max-restarts", "1"]
-    result = subprocess.run(argv, env=job_env(SMALL), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     for rank in range(2):  # the first attempt started at 0, the second from the checkpoint
-        assert (tmp_path / f"elastic-attempt0-rank{rank}.txt").read_text() == "0"
-        assert (tmp_path / f"elastic-attempt1-rank{rank}.txt").read_text() == "4"
-    first, elastic = parameters(straight, "first"), parameters(tmp_path, "elastic")
+        assert (straight / f"elastic-attempt0-rank{rank}.txt").read_text() == "0"
+        assert (straight / f"elastic-attempt1-rank{rank}.txt").read_text() == "4"
+    first, elastic = parameters(straight, "first"), parameters(straight, "elastic")
     for rank in range(2):
         for key, value in first[rank].items():
             assert elastic[rank][key].tobytes() == value.tobytes(), f"rank {rank} {key}"
@@ -181,8 +188,8 @@ def test_two_hosts_two_levels_resume_bit_for_bit(machines, two_hosts_straight, t
     """2 hosts x 2 ranks (network namespaces, one launcher per host), two levels: the owners'
     chains compress the host sums (CHOCO gossips over a ring of the 4 ranks); every case,
     resumed (new processes under ``launcher``) == straight on all 4 ranks. The straight run is
-    bpslaunch's for both launchers (a launcher changes no result: the elastic test's torchrun
-    run equals the bpslaunch one too), one 4-rank launch fewer."""
+    bpslaunch's for both launchers (a launcher changes no result: on 2 ranks the straight run is
+    torchrun's, resumed under bpslaunch), one 4-rank launch fewer."""
     for rank in range(4):
         shutil.copy(two_hosts_straight / f"first-rank{rank}.npz", tmp_path)
         shutil.copy(two_hosts_straight / f"checkpoint-run-rank{rank}.pt", tmp_path)
@@ -203,8 +210,10 @@ def test_parameter_server_optimizer_resumes_bit_for_bit(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "repeat").mkdir()
     for phase, out in (("first", tmp_path), ("second", tmp_path), ("first", tmp_path / "repeat")):
-        job = Job(2, None, servers=1, env=SMALL, command=[sys.executable, JOB, str(tmp_path / "spec.json"),
-                                                          str(out), phase])
+        # a 10 s heartbeat: this checks results, not fault detection (beside other jobs on 2
+        # cores the default 2 s one once timed out while the workers imported torch)
+        job = Job(2, None, servers=1, env=dict(SMALL, BPS_GC_HEARTBEAT_TIMEOUT="10"),
+                  command=[sys.executable, JOB, str(tmp_path / "spec.json"), str(out), phase])
         statuses, _ = job.wait_all(120)
         assert set(statuses.values()) == {0}, job.report(statuses)
     check_resumed(tmp_path, PS_CASES)

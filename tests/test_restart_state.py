@@ -125,10 +125,9 @@ def straight(tmp_path_factory):
 def resumed(straight):
     """One launch (new processes, bpslaunch) resuming ``straight``'s checkpoints in turn: numpy
     chains without the codec state ("without_state": its codecs afresh), with it ("second"), then
-    the torch chains with theirs. Each phase gives the same bits as a launch of its own; the
-    state names a process's hooks and optimizers in the order it made them, so the phases that
-    load it come at the places of the phases that saved it (after the elastic phase there,
-    after "without_state" here)."""
+    the torch chains with theirs. Each phase gives the same bits as a launch of its own (each
+    is a job of its own, init() to shutdown(), whose hooks and optimizers bps_gc names from 0 as
+    a fresh process does, so a phase loads what a phase saved wherever each sits)."""
     run_phase(SPEC, straight, "without_state,second,device:second")
     return straight
 

@@ -28,10 +28,11 @@ from .ps.worker.worker import Worker
 
 _worker = None
 _ended = None  # after shutdown(): why no other job can start in this process (the transport's), else None
+_jobs_ended = 0
 _hook_traffic = None  # Counters of the DDP hook's buckets (hook_traffic()), or None without a hook
 _in_host_traffic = None  # Counters of register_fsdp_hooks' in-host reduce-scatter (in_host_traffic()), or None
 __all__ = ["Declaration", "NodeFailure", "barrier", "broadcast", "declaration", "declare",
-           "communicator", "device_codecs", "hook_traffic", "in_host_traffic", "init", "is_initialized",
+           "communicator", "device_codecs", "hook_traffic", "in_host_traffic", "init", "is_initialized", "jobs_ended",
            "local_rank", "local_size",
            "load_state_dict", "metrics", "push_pull", "rank", "recv", "reduce", "send", "shutdown", "size",
            "state_dict", "worker"]
@@ -128,11 +129,18 @@ def _shutdown_at_exit():
 
 
 def shutdown():
-    global _worker, _ended
+    global _worker, _ended, _jobs_ended
     if _worker is not None:
         _worker.shutdown()
         _ended = _worker.why_no_job_after_shutdown
         _worker = None
+        _jobs_ended += 1
+
+
+def jobs_ended():
+    """How many jobs shutdown() ended in this process: the bindings number each job's objects
+    apart (bps_gc/torch/checkpoint.py)."""
+    return _jobs_ended
 
 
 def rank():

@@ -18,10 +18,13 @@ exchange = None
 for run, collectives in ((1, 2), (2, 4)):
     bps.init()
     # run 1's exchange, still alive in run 2: its state is the first run's, no part of this one's
-    print(f"rank {rank} run {run} objects before its exchange {sorted(bps.state_dict()['objects'])}", flush=True)
+    # one write per line, newline included (PYTHONUNBUFFERED: print writes its end apart, and the
+    # ranks share torchrun's stdout)
+    print(f"rank {rank} run {run} objects before its exchange {sorted(bps.state_dict()['objects'])}\n", end="",
+          flush=True)
     exchange = bps.CompressedExchange({"compressor": "topk", "k": 0.5, "ef": "vanilla"})
     exchange({"g": torch.arange(4.0) * (rank + 1)}).wait()
-    print(f"rank {rank} run {run} state {sorted(bps.state_dict()['objects'])}", flush=True)
+    print(f"rank {rank} run {run} state {sorted(bps.state_dict()['objects'])}\n", end="", flush=True)
     sums = []
     for i in range(collectives):
         if run == 2 and rank == 1 and i == 2:

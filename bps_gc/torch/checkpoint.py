@@ -36,27 +36,23 @@ KEY = "bps_gc"  # the codec state's key in a wrapping optimizer's state_dict()
 DROP_SETTING = "BPS_GC_RESUME_DROP_RANK_STATE"
 _registered = []  # [(name, weakref, job)] in the order they were made
 _counters = {}  # (job, kind) -> count
-_job = [0]  # shutdown()s so far in this process
 
 
 def register(obj, kind):
     """Make ``obj``'s state part of state_dict(), as ``<kind>.<i>``, counted from 0 in each job
-    (between init() and shutdown()), as a fresh process resuming that job counts; returns obj."""
-    count = _counters.setdefault((_job[0], kind), itertools.count())
-    _registered.append((f"{kind}.{next(count)}", weakref.ref(obj), _job[0]))
+    (until its shutdown(): core.jobs_ended), as a fresh process resuming that job counts; returns obj."""
+    job = core.jobs_ended()
+    count = _counters.setdefault((job, kind), itertools.count())
+    _registered.append((f"{kind}.{next(count)}", weakref.ref(obj), job))
     return obj
 
 
-def end_job():
-    """bps_gc.torch.shutdown(): the objects made so far belong to the job that ended. They are
-    no part of a later job's state, even while alive (a traceback that torch keeps can hold a
-    script's frame, and so its optimizer, long after the script dropped it)."""
-    _job[0] += 1
-
-
 def _live():
-    """[(name, object)] of this job's objects still alive."""
-    _registered[:] = [entry for entry in _registered if entry[1]() is not None and entry[2] == _job[0]]
+    """[(name, object)] of this job's objects still alive. Those of a job that ended are no part
+    of a later one's state, even while alive (a traceback torch keeps can hold a script's frame,
+    and so its optimizer, long after the script dropped it)."""
+    job = core.jobs_ended()
+    _registered[:] = [entry for entry in _registered if entry[1]() is not None and entry[2] == job]
     return [(name, ref()) for name, ref, _ in _registered]
 
 

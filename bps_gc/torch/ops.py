@@ -14,7 +14,6 @@ import bps_gc.core as core
 
 from .. import compress
 from ..comm.placement import BFLOAT16, DtypeRefused  # wire/bfloat16.py's, as the communicator checks it
-from .checkpoint import end_job
 from .compression import Compression
 from .device import DevicePushPull, device_partitions, reduces_dense_on_device, uses_device_chain
 
@@ -29,15 +28,8 @@ _handles = {}
 _next_handle = itertools.count()
 _noname = itertools.count()
 
-init, rank, size = core.init, core.rank, core.size
+init, shutdown, rank, size = core.init, core.shutdown, core.rank, core.size
 local_rank, local_size, barrier = core.local_rank, core.local_size, core.barrier
-
-
-def shutdown():
-    """Ends the job: core.shutdown(); the hooks and optimizers made after it are numbered in
-    bps_gc.torch.state_dict() as a fresh process's are (checkpoint.register)."""
-    core.shutdown()
-    end_job()
 
 
 def _check(tensor, what):

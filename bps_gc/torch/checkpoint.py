@@ -49,8 +49,8 @@ def register(obj, kind):
 
 def _live():
     """[(name, object)] of this job's objects still alive. Those of a job that ended are no part
-    of a later one's state, even while alive (a traceback torch keeps can hold a script's frame,
-    and so its optimizer, long after the script dropped it)."""
+    of a later one's state, even while alive (torch keeps the frames of the first optimizer
+    constructor's import of torch._dynamo, and with them the script's frame and its objects)."""
     job = core.jobs_ended()
     _registered[:] = [entry for entry in _registered if entry[1]() is not None and entry[2] == job]
     return [(name, ref()) for name, ref, _ in _registered]

@@ -7,7 +7,7 @@ import sys
 import time
 
 import leftovers
-from conftest import ROOT, alive
+from conftest import LAUNCH_PYTHONPATH, ROOT, alive
 
 
 def test_a_killed_launchers_child_comes_to_pytest_and_is_killed_at_the_files_end():
@@ -41,7 +41,7 @@ def test_a_child_dying_with_its_killed_launcher_is_not_named():
     not a leftover: the guard waits for it instead of naming it."""
     for _ in range(8):
         launcher = subprocess.Popen([sys.executable, "-c", SPAWNING_LAUNCHER], stdout=subprocess.PIPE, text=True,
-                                    env=dict(os.environ, PYTHONPATH=ROOT))
+                                    env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
         child = int(launcher.stdout.readline())
         launcher.kill()
         launcher.wait()

@@ -39,7 +39,10 @@ DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vani
                 "qsgd": ({"compressor": "qsgd", "levels": 4}, ["f16r", "fp64"]),
                 "dgc": ({"compressor": "dgc", "k": 0.25, "mu": 0.9}, ["bf16r", "fp64"]),
                 "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
-                "thc": (THC, ["f16r", "bf16", "fp64"])}
+                "thc": (THC, ["f16r", "bf16", "fp64"]),
+                **{name: ({"compressor": name}, ["f16r", "bf16r"])
+                   for name in ("terngrad", "signnorm", "adaptive_threshold")},
+                "threshold": ({"compressor": "threshold", "threshold": 1e-3}, ["f16r", "bf16r"])}
 PHASED = ("powersgd", "thc")
 DENSE_STEPS = 10  # issue 42: the dense hooks equal native HSDP after 10 steps
 REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got float64",  # the codec's own words

@@ -2,6 +2,13 @@
 import os
 
 
+def stat_fields(pid):
+    """/proc/PID/stat's fields after the command name (which may hold spaces and ')'): state,
+    ppid, pgrp, session, tty, tpgid, flags, ...; OSError once the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def children(parent):
     """{pid: (state, command line)} of process ``parent``'s children, zombies included, in
     /proc's order."""
@@ -10,9 +17,7 @@ def children(parent):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                # the fields after the command name (which may hold spaces and ')'): state, ppid, ...
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = stat_fields(entry)
             if int(fields[1]) != parent:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:

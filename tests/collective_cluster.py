@@ -27,6 +27,13 @@ def torchrun_argv(script_argv, ranks, port=None, nnodes=1, node_rank=0):
             "--master-port", str(port or free_port()), *script_argv]
 
 
+def runs_job_argv(runs, folder):
+    """tests/runs_job.py's arguments for ``runs`` (several runs of a script in one launch), the
+    runs written to ``folder``/runs.json."""
+    (folder / "runs.json").write_text(json.dumps(runs))
+    return [os.path.join(TESTS, "runs_job.py"), str(folder / "runs.json")]
+
+
 def bpslaunch_argv(script_argv, ranks):
     return [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", str(ranks),
             "--servers", "0", "--", sys.executable, *script_argv]

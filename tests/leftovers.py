@@ -13,7 +13,7 @@ import time
 # scripts/procs.py reads /proc for the tests already; appended, not first: tests/fsdp_bytes.py has a
 # namesake in scripts/
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from procs import children  # noqa: E402
+from procs import children, stat_fields  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -39,9 +39,7 @@ def dying(pid):
     A file's last test killing its launchers hands such children to the guard still running (9
     of 20 right after the launcher's wait(), on this box), and they are not left behind."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        if int(stat[stat.rindex(")") + 2:].split()[6]) & PF_EXITING:
+        if int(stat_fields(pid)[6]) & PF_EXITING:
             return True
         with open(f"/proc/{pid}/status") as f:
             return any(int(line.split()[1], 16) & (1 << (signal.SIGKILL - 1))

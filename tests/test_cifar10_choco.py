@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
+from collective_cluster import runs_job_argv
 from conftest import LAUNCH_PYTHONPATH, ROOT
 
 torch = pytest.importorskip("torch")
 SCRIPT = os.path.join(ROOT, "example", "pytorch", "train_cifar10_choco.py")
-RUNS_JOB = os.path.join(ROOT, "tests", "runs_job.py")
 SEED_FLAGS = [
     "--optimizer", "--local_step", "--turn_on_local_step_from", "--graph_topology", "--comm_op",
     "--compress_ratio", "--quantize_level", "--is_biased", "--choco_consenus_stepsize",
@@ -70,8 +70,7 @@ def launch(argv, cwd, workers=2, timeout=240, launcher="bpslaunch", command=None
 def launch_runs(runs, folder, launcher):
     """tests/runs_job.py: the script's ``runs`` ({"cwd", "argv", "copy_to"}) one after the
     other in one launch of 2 ranks (their processes start once)."""
-    (folder / "runs.json").write_text(json.dumps(runs))
-    return launch(None, folder, timeout=480, launcher=launcher, command=[RUNS_JOB, str(folder / "runs.json")])
+    return launch(None, folder, timeout=480, launcher=launcher, command=runs_job_argv(runs, folder))
 
 
 def test_help_lists_every_seed_flag_and_the_ratio_translation():

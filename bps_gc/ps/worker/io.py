@@ -87,7 +87,7 @@ class WorkerIO:
         self.loop.poll_timeout = self.sending.poll_timeout
         self.failure = None
         self.barriers_wanted = 0
-        self.inits_posted, self.inits_lock = 0, threading.Lock()  # InitKey commands posted (wait_declared)
+        self.inits_posted, self.inits_lock = 0, threading.Lock()  # post_declaration's (wait_declared)
         self.barrier_waiters = collections.deque()  # BarrierWait, oldest first
         self.handlers = {SendPush: lambda c: self.sending.enqueue(c.push),
                          StartLocal: lambda c: self.local_reduce.start(c),
@@ -110,10 +110,13 @@ class WorkerIO:
         """Hand ``command`` (one of commands.py's) to the I/O thread; raises its failure if it failed."""
         if self.failure is not None:
             raise self.failure
-        if type(command) is InitKey:
-            with self.inits_lock:  # any thread may declare
-                self.inits_posted += 1
         self.queue(command)
+
+    def post_declaration(self, init):
+        """``post`` an InitKey of the worker's own declarations, counted for ``wait_declared``."""
+        with self.inits_lock:  # any thread may declare
+            self.inits_posted += 1
+        self.post(init)
 
     def wait_declared(self, check_alive):
         """Until the servers answered every declaration posted so far (accepted or refused). A

@@ -181,7 +181,7 @@ class Worker(Communicator):
             inits = [InitKey.of(tensor, part) for part in tensor.partitions] \
                 if self.host is None else self.host.place(tensor)
         for init in inits:
-            self.io.post(init)
+            self.io.post_declaration(init)
 
     def _declare_phase(self, name, length, dtype, pushed_by=None):
         """A phase buffer's dense tensor: auxiliary (no raw bytes of its own), and int64 where

@@ -24,13 +24,13 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
     shard (its rows split in ``shards``, rounded up) through its worker chains of ``params``
     (seeded by ``<fqn>#shard<i>``), decoded and summed in replica order, re-compressed by the
     server's chain (the codec's default reducer "recompress"; "lossless": the sum as it is),
-    halved; ``run``: the model's, whose chains are its own. The in-host step: ``ins`` the
+    halved (sign's "majority": the vote, +-1, not halved); ``run``: the model's, whose chains are its own. The in-host step: ``ins`` the
     senders' chunks ``shard``, ``suffix`` ``#to_shard<shard>``, ``ranks`` the senders'
     (``seeds``: the ranks their chains are seeded with, if not those); ``sent`` (a list) gets
     the payloads' bytes. The phased codecs (thc, PowerSGD): expected_phased_call."""
     result, offset, dtype = np.empty_like(ins[0]), 0, ins[0].dtype.type
     suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
-    recompress = choose_reducer(CompressionParams.from_dict(params)) == "recompress"
+    reducer = choose_reducer(CompressionParams.from_dict(params))
     for fqn, shape in params_of_layer:
         n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
         key = name_key(f"{fqn}{suffix}")
@@ -44,7 +44,11 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
             if sent is not None:
                 sent.append(payload.nbytes)
             acc += chain.decompress(payload)
-        if recompress:
+        if reducer == "majority":  # sign's vote: the decoded +-1 (0 abstains) summed, +1 on a tie, not averaged
+            result[offset:offset + n] = np.where(acc < 0, dtype(-1), dtype(1))
+            offset += n
+            continue
+        if reducer == "recompress":
             acc = chains[1].decompress(chains[1].compress(acc, ctx))
         result[offset:offset + n] = acc / dtype(len(ranks))
         offset += n

@@ -41,7 +41,7 @@ DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vani
                 "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
                 "thc": (THC, ["f16r", "bf16", "fp64"]),
                 **{name: ({"compressor": name}, ["f16r", "bf16r"])
-                   for name in ("terngrad", "signnorm", "adaptive_threshold")},
+                   for name in ("terngrad", "signnorm", "adaptive_threshold", "sign")},
                 "threshold": ({"compressor": "threshold", "threshold": 1e-3}, ["f16r", "bf16r"])}
 PHASED = ("powersgd", "thc")
 DENSE_STEPS = 10  # issue 42: the dense hooks equal native HSDP after 10 steps

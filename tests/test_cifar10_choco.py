@@ -234,8 +234,12 @@ def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs, re
 
 
 def test_unknown_topology_is_a_message(tmp_path):
+    # the script checks --graph_topology before it joins a job (main(): check_spec before init()),
+    # so the script alone shows the message a worker would print: no launcher, servers or ranks
     data = write_cifar10(str(tmp_path / "data"), n_train=40, n_test=8)
-    result = launch([*TINY, "--data_dir", data, "--optimizer", "dpsgd", "--graph_topology", "social"], tmp_path)
+    result = subprocess.run([sys.executable, SCRIPT, *TINY, "--data_dir", data, "--optimizer", "dpsgd",
+                             "--graph_topology", "social"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH))
     assert result.returncode != 0
     assert "unknown graph topology 'social'" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr

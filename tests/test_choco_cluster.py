@@ -28,12 +28,13 @@ JOB = os.path.join(ROOT, "tests", "choco_job.py")
 STEPS = 12
 
 
-def run(configs, tmp_path, workers):
-    """The configs over torch.distributed (bpslaunch --servers 0)."""
+def run_jobs(jobs, tmp_path):
+    """The jobs ({"configs", "out", "workers"}) over torch.distributed, one after the other in one
+    launch (bpslaunch --servers 0) of as many processes as the largest job: choco_job.py's "jobs"."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"configs": configs}))
+    spec.write_text(json.dumps({"jobs": jobs}))
     env = dict(os.environ, PYTHONPATH=LAUNCH_PYTHONPATH, OMP_NUM_THREADS="1")
-    argv = bpslaunch_argv([JOB, str(spec), str(tmp_path), "gloo"], workers)
+    argv = bpslaunch_argv([JOB, str(spec), str(tmp_path), "gloo"], max(job["workers"] for job in jobs))
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
@@ -51,7 +52,8 @@ def configs(graph, gamma=0.3, lr=0.05, params=None, prefix=""):
 # the graphs of 4 workers share one launch per transport, each graph's configs under its prefix
 # (every config seeds its own model and gradients: the same numbers as a launch of its own)
 FOUR_WORKER_GRAPHS = {"ring": "", "0-1,1-2,2-0,2-3": "kite_"}
-# the torus of 9 runs once (9 processes on a small CI box): over torch.distributed
+# the torus of 9 runs once (9 processes on a small CI box): over torch.distributed, in the launch
+# of the 4-worker graphs' gloo runs (gloo_runs), whose processes start once
 CASES = [(t, g, 4) for t in TRANSPORTS for g in FOUR_WORKER_GRAPHS] + [("gloo", "torus", 9)]
 
 
@@ -97,28 +99,38 @@ def check_ended_well(result):
 
 
 @pytest.fixture(scope="module")
-def four_worker_runs(tmp_path_factory):
-    """Every 4-worker graph on each transport, in one launch per transport: the oracle checks,
-    the comparison of the two transports and (bps_gc's, ended by a kill) the dead-neighbour
-    test use the same runs."""
-    runs = {}
+def gloo_runs(tmp_path_factory):
+    """One launch of 9 processes over torch.distributed: the torus of 9 on all of them, then
+    every 4-worker graph on ranks 0-3 (a job and process group of their own: choco_job.py's
+    "jobs"). {"torus": (result, its folder), "four": (result, its folder)}."""
+    folders = {job: tmp_path_factory.mktemp(f"gloo-{job}") for job in ("torus", "four")}
     every = [cfg for graph, prefix in FOUR_WORKER_GRAPHS.items() for cfg in configs(graph, prefix=prefix)]
-    for transport in TRANSPORTS:
-        out = tmp_path_factory.mktemp(f"four-{transport}")
-        runs[transport] = (KilledRun(every, out) if transport == "bps_gc" else run(every, out, 4), out)
-    return runs
+    result = run_jobs([{"configs": configs("torus"), "out": str(folders["torus"]), "workers": 9},
+                       {"configs": every, "out": str(folders["four"]), "workers": 4}], tmp_path_factory.mktemp("gloo"))
+    return {job: (result, folder) for job, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def four_worker_runs(gloo_runs, tmp_path_factory):
+    """Every 4-worker graph on each transport, in one launch per transport (gloo's shared with the
+    torus): the oracle checks, the comparison of the two transports and (bps_gc's, ended by a
+    kill) the dead-neighbour test use the same runs."""
+    every = [cfg for graph, prefix in FOUR_WORKER_GRAPHS.items() for cfg in configs(graph, prefix=prefix)]
+    out = tmp_path_factory.mktemp("four-bps_gc")
+    return {"bps_gc": (KilledRun(every, out), out), "gloo": gloo_runs["four"]}
 
 
 @pytest.mark.parametrize("transport,graph,workers", CASES)
-def test_choco_on_processes_matches_the_oracle(graph, workers, transport, tmp_path, request):
+def test_choco_on_processes_matches_the_oracle(graph, workers, transport, request):
     params, gamma, lr = {"compressor": "topk", "k": 2}, 0.3, 0.05
     prefix = FOUR_WORKER_GRAPHS.get(graph, "")
-    if workers == 4:  # configs()'s defaults are these parameters
-        result, tmp_path = request.getfixturevalue("four_worker_runs")[transport]
-    else:
-        result = run(configs(graph, gamma, lr, params), tmp_path, workers)  # the torus: gloo
+    # configs()'s defaults are these parameters
+    if workers == 4:
+        result, folder = request.getfixturevalue("four_worker_runs")[transport]
+    else:  # the torus: gloo
+        result, folder = request.getfixturevalue("gloo_runs")["torus"]
     check_ended_well(result)
-    runs = [dict(np.load(tmp_path / f"choco{r}.npz")) for r in range(workers)]
+    runs = [dict(np.load(folder / f"choco{r}.npz")) for r in range(workers)]
     x0 = np.stack([flat(r, prefix + "choco", "init") for r in runs])
     grads = np.stack([np.stack([flat(r, prefix + "choco", f"{t}/grad") for r in runs]) for t in range(STEPS)])
     w = topology(graph, workers).weights

@@ -44,7 +44,8 @@ def train(configs, rank):
                 print(f"rank {rank} dies now", flush=True)
                 os._exit(3)
             for n, p in named:
-                g = np.zeros(p.shape, np.float32) if cfg.get("zero_grads") else rng.standard_normal(p.shape).astype(np.float32)
+                g = (np.zeros(p.shape, np.float32) if cfg.get("zero_grads")
+                     else rng.standard_normal(p.shape).astype(np.float32))
                 saved[f"{name}/{step}/grad/{n}"] = g
                 p.grad = torch.from_numpy(g.copy())
             opt.step()

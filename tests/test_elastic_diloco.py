@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def test_diloco_survives_deaths_and_joiners_take_the_global_copy_on_the_servers_
         # the survivors idle after inner step gate_at: they pledged the next warm step's group
         printed_by_both(job, ["scheduler"], f"the join of worker {VICTIM} starts at round group", BOUND)
         (tmp_path / "gate").touch()
-        statuses, _ = job.wait_all(BOUND)
+        statuses, _ = job.wait_all(BOUND, since=time.monotonic())  # each step above was bounded: the end within BOUND
     finally:
         job.kill_all()
     report = job.report(statuses)
@@ -230,7 +231,7 @@ def test_a_host_of_local_ranks_as_one_replica_dies_and_a_fresh_one_joins_servers
         job.launch("joiner2", host_command("elastic_diloco_job.py", tmp_path / "spec2.json", tmp_path), joiner)
         printed_by_both(job, ["scheduler"], JOIN_STARTS, BOUND)  # host 0 pledged the group after step 7
         (tmp_path / "gate2").touch()
-        statuses, _ = job.wait_all(BOUND)
+        statuses, _ = job.wait_all(BOUND, since=time.monotonic())  # each step above was bounded: the end within BOUND
     finally:
         job.kill_all()
     report = job.report(statuses)

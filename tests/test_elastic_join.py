@@ -84,7 +84,7 @@ def test_a_host_joins_after_one_died_and_one_with_other_settings_is_refused(tmp_
     assert "Traceback" not in refused, refused
     stalled_join_is_cancelled(job, tmp_path)
     start_joiner(job, "joiner", SPEC, tmp_path)
-    statuses, _ = job.wait_all(BOUND)
+    statuses, _ = job.wait_all(BOUND, since=time.monotonic())  # each step above was bounded: the end within BOUND
     report = job.report(statuses)
     for name in ("scheduler", "server0", "server1", "worker0", "worker1", "joiner"):
         assert statuses[name] == 0, report

@@ -45,7 +45,7 @@ def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
         last = max(steps_of(job, "worker0")) + 4
         (tmp_path / "stop.tmp").write_text(str(last))
         os.replace(tmp_path / "stop.tmp", stop)
-        statuses, _ = job.wait_all(BOUND)
+        statuses, _ = job.wait_all(BOUND, since=time.monotonic())  # each step above was bounded: the end within BOUND
     finally:
         job.kill_all()
     for name in ("scheduler", "server0", "worker0", "worker1", "joiner"):

@@ -33,9 +33,9 @@ IN_HOST_ROUNDED = {"bf16r": ROUNDED["bf16r"], "fp64": lambda x: x * 2,
 ITEMSIZE = {"bf16r": 2, "f16r": 2, "fp64": 8}  # the reduce dtype's bytes an element, 4 if not here
 # the other codecs on the replicate hook, each a part of the first launch (its policies' models alone,
 # 2 steps): element-wise through their default reducer, thc and PowerSGD in float32 phases
-DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, ["f16r", "bf16r", "fp64"]),
+DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, ["f16r", "bf16r", "fp64", "offload"]),
                 "randomk": ({"compressor": "randomk", "k": 0.25}, ["f16r", "fp64"]),
-                "dithering": ({"compressor": "dithering", "k": 4}, ["bf16r", "fp64"]),
+                "dithering": ({"compressor": "dithering", "k": 4}, ["bf16r", "fp64", "offload"]),
                 "qsgd": ({"compressor": "qsgd", "levels": 4}, ["f16r", "fp64"]),
                 "dgc": ({"compressor": "dgc", "k": 0.25, "mu": 0.9}, ["bf16r", "fp64"]),
                 "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),

@@ -1,5 +1,6 @@
 """Two runs of bps_gc on one process group the script made (as tests/lm_fsdp_job.py runs train.py
-again and again): bps.init() adopts the group, bps.shutdown() leaves it. The second run issues
+again and again), or the group tests/runs_job.py made when it runs this script (after other runs
+on it): bps.init() adopts the group, bps.shutdown() leaves it. The second run issues
 more collectives than the first, and rank 1 is late to its third one by more than a heartbeat
 interval, so rank 0 waits there while its heartbeat reads the store: the first run's endings
 must not read as ranks that left this run. Prints each run's sums, and the names of its state: a
@@ -12,7 +13,9 @@ import torch.distributed as dist
 
 import bps_gc.torch as bps
 
-dist.init_process_group("gloo")
+made_here = not dist.is_initialized()  # under runs_job.py the job made it, and ends it
+if made_here:
+    dist.init_process_group("gloo")
 rank = dist.get_rank()
 exchange = None
 for run, collectives in ((1, 2), (2, 4)):
@@ -34,4 +37,5 @@ for run, collectives in ((1, 2), (2, 4)):
         sums.append(tensor[0].item())
     bps.shutdown()
     print(f"rank {rank} run {run} sums {sums}", flush=True)
-dist.destroy_process_group()
+if made_here:
+    dist.destroy_process_group()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster import run_local
-from collective_cluster import TESTS, bpslaunch_argv, job_env, torchrun_argv
+from collective_cluster import TESTS, bpslaunch_argv, job_env, runs_job_argv, torchrun_argv
 from conftest import ROOT
 
 from bps_gc.config import ConfigError, transport_from_env
@@ -54,24 +54,47 @@ SPEC = {"steps": 4, "configs": [
 ]}
 
 
-def train(tmp_path, launcher):
-    out = tmp_path / launcher
-    out.mkdir()
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(SPEC))
-    script = [os.path.join(TESTS, "torch_job.py"), str(spec_path), str(out)]
-    env = {"BYTEPS_MIN_COMPRESS_BYTES": "0"}
-    if launcher == "ps":
-        result = run_local([sys.executable, *script], workers=2, servers=1, env=env)
+def write_spec(folder):
+    (folder / "spec.json").write_text(json.dumps(SPEC))
+    return str(folder / "spec.json")
+
+
+TORCH_JOB_ENV = {"BYTEPS_MIN_COMPRESS_BYTES": "0"}
+
+
+@pytest.fixture(scope="module")
+def torchrun_launch(tmp_path_factory):
+    """One torchrun launch of 2 ranks (tests/runs_job.py: they start once), two runs on the
+    process group the job made: tests/torch_job.py with SPEC (its results in the folder), for
+    test_same_parameters_under_torchrun_bpslaunch_and_the_parameter_server, then
+    tests/adopted_group_job.py, for test_two_runs_on_one_adopted_group. (folder, result)."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    runs = [{"script": os.path.join(TESTS, "torch_job.py"), "cwd": str(folder),
+             "argv": [write_spec(folder), str(folder)], "env": TORCH_JOB_ENV},
+            {"script": os.path.join(TESTS, "adopted_group_job.py"), "cwd": str(folder), "argv": []}]
+    result = subprocess.run(torchrun_argv(runs_job_argv(runs, folder), 2), env=job_env(), capture_output=True,
+                            text=True, timeout=180, cwd=ROOT)
+    return folder, result
+
+
+def train(tmp_path, launcher, torchrun_launch):
+    if launcher == "torchrun":
+        out, result = torchrun_launch
     else:
-        argv = torchrun_argv(script, 2) if launcher == "torchrun" else bpslaunch_argv(script, 2)
-        result = subprocess.run(argv, env=job_env(env), capture_output=True, text=True, timeout=180, cwd=ROOT)
+        out = tmp_path / launcher
+        out.mkdir()
+        script = [os.path.join(TESTS, "torch_job.py"), write_spec(tmp_path), str(out)]
+        if launcher == "ps":
+            result = run_local([sys.executable, *script], workers=2, servers=1, env=TORCH_JOB_ENV)
+        else:
+            result = subprocess.run(bpslaunch_argv(script, 2), env=job_env(TORCH_JOB_ENV), capture_output=True,
+                                    text=True, timeout=180, cwd=ROOT)
     assert result.returncode == 0, f"{launcher} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return [dict(np.load(out / f"torch{r}.npz")) for r in range(2)]
 
 
-def test_same_parameters_under_torchrun_bpslaunch_and_the_parameter_server(tmp_path):
-    runs = {launcher: train(tmp_path, launcher) for launcher in ("torchrun", "bpslaunch", "ps")}
+def test_same_parameters_under_torchrun_bpslaunch_and_the_parameter_server(tmp_path, torchrun_launch):
+    runs = {launcher: train(tmp_path, launcher, torchrun_launch) for launcher in ("torchrun", "bpslaunch", "ps")}
     reference = runs["torchrun"][0]
     final = [k for k in reference if f"/{SPEC['steps'] - 1}/param/" in k]
     assert len(final) == 12
@@ -101,14 +124,14 @@ def test_send_recv_broadcast_barrier_all_reduce(tmp_path):
                                                      "group init() made keeps its rendezvous port bound"), got
 
 
-def test_two_runs_on_one_adopted_group(tmp_path):
-    """bps.init() and shutdown() twice on the process group the script made: the second run's
-    heartbeat does not take the first run's endings for ranks leaving it (rank 1, late to a
-    collective, kept rank 0 waiting across heartbeats), and both runs sum right (numpy: 1 + 2 + 2i);
+def test_two_runs_on_one_adopted_group(torchrun_launch):
+    """bps.init() and shutdown() twice on the process group the job made (after torch_job.py's
+    run on it, torchrun_launch): the second run's heartbeat does not take the first run's endings
+    for ranks leaving it (rank 1, late to a collective, kept rank 0 waiting across heartbeats),
+    and both runs sum right (numpy: 1 + 2 + 2i);
     each run's objects are named as a fresh process's, and the first run's, still alive, are no
     part of the second run's state."""
-    result = subprocess.run(torchrun_argv([os.path.join(TESTS, "adopted_group_job.py")], 2), env=job_env(),
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    _, result = torchrun_launch
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for rank in range(2):
         for run, collectives in ((1, 2), (2, 4)):

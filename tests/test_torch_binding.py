@@ -106,9 +106,9 @@ def test_single_process_keeps_the_moved_momentum(tmp_path):
     replay([dict(np.load(tmp_path / "torch0.npz"))], spec, 1, min_compress=float("inf"))
 
 
-# the two broadcast scenarios share one launch (2 workers, 1 server), one after the other:
-# broadcast from a non-zero root with the plain API, then a fresh model and optimizer where only
-# the root has stepped
+# the errors (ERRORS, before and after init()) and the two broadcast scenarios share one launch
+# (2 workers, 1 server), one after the other: broadcast from a non-zero root with the plain API,
+# then a fresh model and optimizer where only the root has stepped
 SCRIPT = textwrap.dedent("""
     torch.manual_seed(r)                        # different weights on each rank
     model = torch.nn.Linear(4, 3)
@@ -150,9 +150,9 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def broadcasts(tmp_path_factory):
-    """SCRIPT then LAZY in one launch: (the folder, the result, its seconds)."""
+    """ERRORS (it calls init()), SCRIPT then LAZY in one launch: (the folder, the result, its seconds)."""
     out = tmp_path_factory.mktemp("broadcasts")
-    code = (f"OUT = {str(out)!r}\nimport numpy as np, torch, bps_gc.torch as bps\nbps.init()\nr = bps.rank()\n"
+    code = (f"OUT = {str(out)!r}\nimport numpy as np, torch, bps_gc.torch as bps\n" + ERRORS + "r = bps.rank()\n"
             + SCRIPT + LAZY + "bps.shutdown()\n")
     started = time.monotonic()
     result = run_local([sys.executable, "-c", code], workers=2, servers=1, timeout=120)
@@ -185,8 +185,9 @@ def mean_of_bfloat16(pushes):
     return round_half(total / np.float32(len(pushes)), "bfloat16")
 
 
+# run first in the broadcasts launch (2 workers: the distributed path, which the errors are about);
+# it calls init() and leaves the shutdown() to the launch's end
 ERRORS = textwrap.dedent("""
-    import torch, bps_gc.torch as bps
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     def expect(fn, cls, text):
@@ -213,15 +214,13 @@ ERRORS = textwrap.dedent("""
     expect(lambda: bps.DistributedOptimizer(torch.optim.SGD(half.parameters(), lr=0.1, momentum=0.9),
            named_parameters=half.named_parameters(), compression_params={"compressor": "onebit", "momentum": "nesterov"}),
            TypeError, "DistributedOptimizer: 'bias' is torch.bfloat16, which numpy (the momentum moved after the pull")
-    bps.shutdown()
 """)
 
 
-def test_errors_are_clear():
-    result = run_local([sys.executable, "-c", ERRORS], workers=1, servers=1, timeout=60,
-                       env={"BYTEPS_FORCE_DISTRIBUTED": "1"})
+def test_errors_are_clear(broadcasts):
+    _, result, _ = broadcasts
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert result.stdout.count("OK:") == 7
+    assert result.stdout.count("OK:") == 2 * 7  # each of the 2 workers
 
 
 LAZY = textwrap.dedent("""

@@ -59,10 +59,12 @@ class Handle(HandleABC):
             self.end_group()
         deadline = None if timeout is None else start + timeout
         while not self.event.wait(0.2):
-            failure = self.worker.io.failure if self.worker.io else None
-            if failure is None and self.worker.ended:
-                # no reply can come any more: a script that exits with an exchange in flight has
-                # its waiter thread end now rather than hold the exit for exit_threads' whole bound
+            io = self.worker.io
+            failure = io.failure if io else None
+            if failure is None and io is not None and io.done.is_set():
+                # the I/O thread ended (shutdown()): no reply can come any more, so a script that
+                # exits with an exchange in flight has its waiter thread end now rather than hold
+                # the exit for exit_threads' whole bound
                 failure = RuntimeError(f"bps_gc: the worker was shut down with the push_pull of "
                                        f"{self.tensor.name!r} in flight")
             if failure is not None and not self.event.is_set():

@@ -56,7 +56,6 @@ class Worker(Communicator):
         self.pool = None
         self.placement = None
         self.closed = False
-        self.ended = False  # shutdown() done: its I/O thread and codec pool are gone, no reply completes a push_pull
         self.alone = None  # lone_worker.py: one process that never reaches the servers
         self.elastic = None  # BPS_GC_ELASTIC: whole round groups (elastic.py)
         self.phase_words = None  # what the servers sum thc's phase words in (``phase_words``)
@@ -129,7 +128,6 @@ class Worker(Communicator):
             self.pool.shutdown(wait=True)
         if self.alone is not None:
             self.alone.close()
-        self.ended = True
 
     def check_alive(self):
         if self.closed:

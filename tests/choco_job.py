@@ -6,7 +6,7 @@ runtime (bpslaunch), or with ``gloo`` through its torch.distributed transport (b
 0, which bps_gc.init() detects: bps_gc.collective's isend/irecv). With ``gloo`` the spec may hold
 "jobs" [{"configs", "out", "workers"}] instead of "configs": one job after the other in one launch
 (its processes start once), each on ranks 0..workers-1 of it, in a gloo group of their own that
-bps_gc's init() adopts (the groups share one store, which rank 0 hosts); the other ranks skip it. A config
+bps_gc's init() adopts (gloo_group.init_job_group); the other ranks skip it. A config
 with "die_rank"/"die_step" makes that rank exit abruptly there (its neighbours must stop
 naming it). Once its results are saved it prints SAVED; with "until_killed" in the spec it then
 trains a CHOCO ring on (printing RUNNING at its third round) until the test kills a rank and
@@ -60,17 +60,12 @@ def train(configs, rank):
 
 if sys.argv[3:] == ["gloo"] and "jobs" in spec:
     import torch.distributed as dist
-    env = os.environ
-    rank = int(env["DMLC_WORKER_ID"])
-    store = dist.TCPStore(env["DMLC_PS_ROOT_URI"], int(env["DMLC_PS_ROOT_PORT"]), int(env["DMLC_NUM_WORKER"]),
-                          rank == 0)
+    from gloo_group import init_job_group
     for i, job in enumerate(spec["jobs"]):
-        if rank >= job["workers"]:
+        if not init_job_group(i, job["workers"]):
             continue
-        env["DMLC_NUM_WORKER"] = str(job["workers"])  # the job's size, which init() checks the group against
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"job{i}", store), rank=rank,
-                                world_size=job["workers"])
         bps.init()
+        rank = bps.rank()
         saved = train(job["configs"], rank)
         np.savez(os.path.join(job["out"], f"choco{rank}.npz"), **saved)
         bps.shutdown()

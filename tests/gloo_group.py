@@ -26,3 +26,26 @@ def init_default_group(backend="gloo"):
         raise SystemExit("gloo_group: under bpslaunch, one rank per worker (--local-size 1) only")
     dist.init_process_group(backend, init_method=f"tcp://{env['DMLC_PS_ROOT_URI']}:{env['DMLC_PS_ROOT_PORT']}",
                             rank=int(env["DMLC_WORKER_ID"]), world_size=int(env["DMLC_NUM_WORKER"]))
+
+
+_launch_store = None  # init_job_group's: one store a launch, kept while its jobs run
+
+
+def init_job_group(job, size, backend="gloo"):
+    """Under ``bpslaunch --servers 0``, several jobs one after the other in one launch (its
+    processes start once): the default group of job number ``job`` on the launch's ranks
+    0..``size``-1, its keys apart (a prefix) in one store that rank 0 hosts at
+    DMLC_PS_ROOT_URI:PORT, as init_default_group's. Every rank of the launch calls it for every
+    job (the store waits for all of them); False where the rank is outside the job. DMLC_NUM_WORKER
+    becomes ``size``: bps_gc's init() checks the group it adopts against it."""
+    global _launch_store
+    env = os.environ
+    rank = int(env["DMLC_WORKER_ID"])
+    if _launch_store is None:
+        _launch_store = dist.TCPStore(env["DMLC_PS_ROOT_URI"], int(env["DMLC_PS_ROOT_PORT"]),
+                                      int(env["DMLC_NUM_WORKER"]), rank == 0)
+    if rank >= size:
+        return False
+    env["DMLC_NUM_WORKER"] = str(size)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"job{job}", _launch_store), rank=rank, world_size=size)
+    return True

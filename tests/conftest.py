@@ -53,10 +53,19 @@ def skip_unless_installed(*modules):
 def alive(pid):
     """Whether process ``pid`` still runs (a zombie is gone, just not reaped yet)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return leftovers.stat_fields(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def load_script(path, name=None):
+    """A script (an example's train.py, the demo, a study script) as a module in this process,
+    to call its parse_args or main() where no process is needed; ``name``: its module name
+    (default: the file's)."""
+    spec = importlib.util.spec_from_file_location(name or os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # The suite runs as `pytest -n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh): each

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import LAUNCH_PYTHONPATH, ROOT, skip_unless_installed
+from conftest import LAUNCH_PYTHONPATH, ROOT, load_script, skip_unless_installed
 
 DEMO = os.path.join(ROOT, "example", "demo", "mnist_demo.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -96,19 +96,11 @@ def test_another_seed_gives_another_run(quick_run, tmp_path):
     assert b["seed"] == 1 and b["configs"][0]["curve"] != onebit["curve"]
 
 
-def demo_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("mnist_demo", DEMO)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo
-
-
 def test_unknown_configuration_is_refused(capsys):
     """In this process (argparse refuses before anything starts: no process to test): the
     demo's parse_args, which main() calls first, exits 2 naming the problem. parse_args rather
     than main(): a flag wrongly accepted fails here at once instead of running the demo."""
-    demo = demo_module()
+    demo = load_script(DEMO)
     with pytest.raises(SystemExit) as stopped:
         demo.parse_args(["--configs", "baseline,nope"])
     err = capsys.readouterr().err

@@ -12,7 +12,6 @@ algorithms.md 2.3) and the 1-D tensors dense, 4 bytes an element; r is the warm-
 for the epoch. Computed here from the model's shapes."""
 import contextlib
 import functools
-import importlib.util
 import io
 import json
 import math
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 from collective_cluster import runs_job_argv
-from conftest import LAUNCH_PYTHONPATH, ROOT
+from conftest import LAUNCH_PYTHONPATH, ROOT, load_script
 from multihost import Job
 from test_cifar10_choco import write_cifar10
 from test_study_scripts import write_imagenet
@@ -53,10 +52,8 @@ def train_main():
     """train.py's main, loaded into this process once (a dry run or a refused setting launches
     nothing: no process needed); the folders it puts first on sys.path taken off again."""
     path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("dgc_train", TRAIN)
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        module = load_script(TRAIN, "dgc_train")
     finally:
         sys.path[:] = path
     return module.main

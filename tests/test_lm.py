@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from collective_cluster import bpslaunch_argv, job_env, torchrun_argv
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 sys.path[:0] = [os.path.join(ROOT, "example", "pytorch", "lm"), os.path.join(ROOT, "example", "pytorch")]
 from stdlib_text import Corpus, train_batch, val_windows  # noqa: E402
@@ -355,11 +355,7 @@ def test_thc_takes_ef_vanilla_as_its_own_feedback(capsys):
 
 
 def train_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("lm_train", TRAIN)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    return train
+    return load_script(TRAIN, "lm_train")
 
 
 @pytest.mark.parametrize("flags, message", [

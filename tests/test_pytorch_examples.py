@@ -5,7 +5,6 @@ The CIFAR script runs on a tiny CIFAR-100 written in the official python-pickle 
 compressor on; the benchmark runs a small MLP for a few steps. Its helpers (data, augmentation,
 learning rate, compression flags, model) are checked in-process.
 """
-import importlib.util
 import json
 import os
 import pickle
@@ -15,6 +14,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from conftest import load_script
 
 torch = pytest.importorskip("torch")
 
@@ -26,14 +27,7 @@ LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "
 TIMEOUT = 120
 
 
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("train_cifar100_byteps_gc", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cifar = load_train_module()
+cifar = load_script(TRAIN, "train_cifar100_byteps_gc")
 
 
 def write_cifar100(data_dir, n_train=64, n_test=32, seed=0):

@@ -2,7 +2,6 @@
 partition sizes, greedy placement by bytes, wire headers (38-byte struct + the push's step
 context), fusion's index, codec payload formats of docs/codecs.md, ring and gossip traffic."""
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -10,11 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DATA, ROOT, LAUNCH_PYTHONPATH
+from conftest import DATA, ROOT, LAUNCH_PYTHONPATH, load_script
 
-spec = importlib.util.spec_from_file_location("scale_on_paper", os.path.join(ROOT, "scripts", "scale_on_paper.py"))
-paper = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(paper)
+paper = load_script(os.path.join(ROOT, "scripts", "scale_on_paper.py"))
 
 SHAPES = [tuple(s) for s in json.load(open(os.path.join(DATA, "resnet50_shapes.json")))["resnet50_v1b"]]
 SIZES = np.array([int(np.prod(s)) for s in SHAPES])

@@ -5,7 +5,6 @@ ImageNet folder reader, and short real runs on tiny data under torchrun (torch.d
 bpslaunch (parameter server) and bpslaunch --servers 0 (torch.distributed without torchrun's
 agent), each method in one of them; the seed's ImageNet command,
 started again from its first checkpoints, resumes bit for bit (issue 33, with test_resume_scripts.py)."""
-import importlib.util
 import json
 import os
 import shlex
@@ -18,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 from cluster import run_local  # noqa: E402
 from collective_cluster import bpslaunch_argv, job_env, runs_job_argv, torchrun_argv  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, load_script  # noqa: E402
 from test_cifar10_choco import write_cifar10  # noqa: E402
 from test_resume_scripts import same_models  # noqa: E402
 
@@ -34,14 +33,7 @@ TINY_PHASES = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 1), 'lr': (0.01, 0.02)}
 TWO_EPOCH_PHASES = "[{'ep': 0, 'sz': 32, 'bs': 2}, {'ep': (0, 2), 'lr': (0.01, 0.02)}]"
 
 
-def load(path):
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cifar, imagenet = load(CIFAR), load(IMAGENET)
+cifar, imagenet = load_script(CIFAR), load_script(IMAGENET)
 sys.path.insert(0, os.path.dirname(EXAMPLES))
 import imagenet_folder  # noqa: E402
 

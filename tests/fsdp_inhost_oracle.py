@@ -56,21 +56,22 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
     return result
 
 
-def expected_phased_call(ins, shard, params_of_layer, step, run, params, shards=2):
+def expected_phased_call(ins, shard, params_of_layer, step, run, params, shards=2, suffix=None, ranks=None):
     """expected_call for thc and PowerSGD (collective/exchange/phased.py): the inputs in float32
     (a float64 one rounded to it), each parameter's padded shard through its replicas' chains
     (PowerSGD's viewing it in the shard's shape; thc's lanes sized for 2 summands in int64
     words), their first phase's payloads summed, then their second's, each replica's finish
-    (the sum; the same on both), halved in float32 and widened to the inputs' dtype."""
+    (the sum; the same on both), halved in float32 and widened to the inputs' dtype. The
+    in-host step: ``suffix`` ``#to_shard<shard>``, ``ranks`` the senders' (their chains' seeds)."""
     result, offset = np.empty(len(ins[0]), np.float32), 0
-    ranks = (shard, shards + shard)
+    suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
     for fqn, shape in params_of_layer:
         rows = -(-shape[0] // shards)
         n = rows * int(np.prod(shape[1:]))
-        chains = CHAINS.get((run, fqn, shard))
+        chains = CHAINS.get((run, fqn, suffix, ranks))
         if chains is None:
-            chains = CHAINS[(run, fqn, shard)] = [
-                build_chain(params, n, np.float32, key=name_key(f"{fqn}#shard{shard}"), rank=r,
+            chains = CHAINS[(run, fqn, suffix, ranks)] = [
+                build_chain(params, n, np.float32, key=name_key(f"{fqn}{suffix}"), rank=r,
                             shape=(rows,) + tuple(shape[1:])) for r in ranks]
             for chain in chains:
                 if hasattr(chain, "set_summands"):
@@ -87,14 +88,16 @@ def expected_phased_call(ins, shard, params_of_layer, step, run, params, shards=
     return result.astype(ins[0].dtype)
 
 
-def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rounded=None):
+def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rounded=None, params=TOPK):
     """Every in-host reduce-scatter output of ``got`` (each rank's arrays, a (2, ``shards``)
     mesh: 2 replicas or hosts, rank = shards * replica + shard) against the numpy
     re-computation over its shard group, ``steps`` steps; replicas end bit-identical, shards
     differ. ``seed_rank``: the rank a sender's chains are seeded with, of its rank (default:
     itself; on the parameter server, its rank in the host's group); ``rounded``: the float32
-    average rounded into a bfloat16 reduce dtype, as float32 (the inputs: its values, widened).
+    average rounded into a bfloat16 reduce dtype, as float32 (the inputs: its values, widened);
+    ``params``: the codec (thc and PowerSGD through expected_phased_call: no payloads listed).
     {replica: [(destination shard, sending shard, a payload's bytes)] of every call}."""
+    phased = params.get("compressor") in ("thc", "powersgd")
     calls = got[0]["rs_calls"]
     assert len(calls) == steps * len(LAYERS)  # the synced micro-batch only
     made, sent = {}, {0: [], 1: []}
@@ -105,9 +108,14 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
             senders = tuple(range(shards * replica, shards * (replica + 1)))  # rank = shards * replica + shard
             for shard in range(shards):
                 ins, payloads = [got[r][f"rs{i}/in"].reshape(shards, -1)[shard] for r in senders], []
-                want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
-                                     suffix=f"#to_shard{shard}", ranks=senders, sent=payloads,
-                                     seeds=None if seed_rank is None else [seed_rank(r) for r in senders])
+                seeds = None if seed_rank is None else [seed_rank(r) for r in senders]
+                if phased:
+                    want = expected_phased_call(ins, shard, LAYERS[int(module)], step, run, params, shards=shards,
+                                                suffix=f"#to_shard{shard}", ranks=tuple(seeds or senders))
+                else:
+                    want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
+                                         suffix=f"#to_shard{shard}", ranks=senders, sent=payloads, seeds=seeds,
+                                         params=params)
                 sent[replica] += [(shard, k % shards, n) for k, n in enumerate(payloads)]  # senders in turn
                 want = want if rounded is None else rounded(want)
                 np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")
@@ -118,14 +126,15 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
     return sent
 
 
-def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4):
+def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4, sized=True):
     """Each rank's in_host_* bytes of bps.metrics() (``got[r][prefix + "in_host_..."]``, a (2,
     ``shards``) mesh, ``steps`` steps) as check_in_host_reduce_scatters' payloads (``sent``), each
     chunk's sent to its own shard alone (an all_to_all): pushed, its payloads of the others'
     chunks; pulled, the others' payloads of its own chunk; raw, its inputs (a chunk per shard of
     the padded shards, ``itemsize`` bytes an element: the reduce dtype's). Both S times fewer
     than an all_gather of the same payloads moves: the whole compressed input, from each of
-    S - 1 peers and to each of them."""
+    S - 1 peers and to each of them (``sized``: a codec whose payload's size is its input's alone,
+    not dithering's, whose size follows the values)."""
     padded = sum(-(-shape[0] // shards) * int(np.prod(shape[1:])) for _, shape in PARAMS)
     for r, arrays in enumerate(got):
         own, payloads = r % shards, sent[r // shards]
@@ -135,4 +144,5 @@ def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4):
         assert counted == [pushed, pulled, steps * shards * itemsize * padded], (r, counted, pushed, pulled)
         whole = sum(n for _, by, n in payloads if by == own)  # its whole compressed input
         gathered = sum(n for _, by, n in payloads if by != own)  # the peers' whole inputs
-        assert shards * pushed == (shards - 1) * whole and shards * pulled == gathered, (r, pushed, pulled)
+        assert not sized or (shards * pushed == (shards - 1) * whole and shards * pulled == gathered), \
+            (r, pushed, pulled)

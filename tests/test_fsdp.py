@@ -11,42 +11,14 @@ import torch
 
 from collective_cluster import run_torchrun_job
 from fsdp_bytes import CODECS, EF, THC, table
+from fsdp_cases import (CODEC_POLICIES, DENSE_STEPS, DTYPE_CODECS, IN_HOST_CODECS, IN_HOST_ROUNDED, ITEMSIZE, PHASED,
+                        POLICIES, REFUSED, ROUNDED, WIDE)
 from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_reduce_scatters, expected_call,
                                 expected_phased_call)
 
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
 from bps_gc.torch.fsdp import ShardLayout
-
-WIDE = [(256, 128), (256,), (256, 256), (256,), (128, 256), (128,)]  # fsdp_job.WIDE's parameters, sharded on dim 0
-# fully_shard's options of the jobs' extra models (fsdp_job.POLICIES): bf16 reduced in f32 or bf16, CPU offload
-POLICIES = ["bf16", "bf16r", "offload"]
-# the codec runs' models also: float16 parameters reduced in float16, float64 parameters (reduced in float64)
-CODEC_POLICIES = POLICIES + ["f16r", "fp64"]
-# the exchange's float32 average rounded into a half reduce dtype (as float32); float64: none
-ROUNDED = {"bf16r": lambda x: torch.from_numpy(x).to(torch.bfloat16).float().numpy(),
-           "f16r": lambda x: x.astype(np.float16).astype(np.float32)}
-# the in-host step's output: a sum under the float16 and float64 reduce dtypes (FSDP2 pre-divides
-# by 2): the average times the shard group's 2 in that dtype (exact)
-IN_HOST_ROUNDED = {"bf16r": ROUNDED["bf16r"], "fp64": lambda x: x * 2,
-                   "f16r": lambda x: (x.astype(np.float16) * np.float16(2)).astype(np.float32)}
-ITEMSIZE = {"bf16r": 2, "f16r": 2, "fp64": 8}  # the reduce dtype's bytes an element, 4 if not here
-# the other codecs on the replicate hook, each a part of the first launch (its policies' models alone,
-# 2 steps): element-wise through their default reducer, thc and PowerSGD in float32 phases
-DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, ["f16r", "bf16r", "fp64", "offload"]),
-                "randomk": ({"compressor": "randomk", "k": 0.25}, ["f16r", "fp64"]),
-                "dithering": ({"compressor": "dithering", "k": 4}, ["bf16r", "fp64", "offload"]),
-                "qsgd": ({"compressor": "qsgd", "levels": 4}, ["f16r", "fp64"]),
-                "dgc": ({"compressor": "dgc", "k": 0.25, "mu": 0.9}, ["bf16r", "fp64"]),
-                "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
-                "thc": (THC, ["f16r", "bf16", "fp64"]),
-                **{name: ({"compressor": name}, ["f16r", "bf16r"])
-                   for name in ("terngrad", "signnorm", "adaptive_threshold", "sign")},
-                "threshold": ({"compressor": "threshold", "threshold": 1e-3}, ["f16r", "bf16r"])}
-PHASED = ("powersgd", "thc")
-DENSE_STEPS = 10  # issue 42: the dense hooks equal native HSDP after 10 steps
-REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got float64",  # the codec's own words
-           ("dgc", "fp64"): "DGC: float32 or float16 partitions only, got float64"}
 
 
 def run(spec, tmp_path, ranks=4):
@@ -85,6 +57,9 @@ def launch(parts_dir):
         "inhost_dense": {"mode": "hooked", "steps": DENSE_STEPS, "shard_compression_params": {}},
         "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2,
                         "policies": CODEC_POLICIES},
+        **{f"inhost_{codec}": {"mode": "hooked", "steps": 2, "shard_compression_params": params,
+                               "plain": None in policies, "policies": [p for p in policies if p]}
+           for codec, (params, policies) in IN_HOST_CODECS.items()},
         "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1,
                         "record_rs": True},  # metrics()' bytes saved
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2,
@@ -239,15 +214,34 @@ def test_in_host_step_dense_equals_native_and_topk_equals_numpy(launch):
         for r in range(4):
             np.testing.assert_allclose(dense[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
                                        err_msg=f"{name} rank {r}")
-    for policy in [None] + CODEC_POLICIES:  # the plain model, then one per policy (as the top-k hooks')
+    for policy, run in check_in_host_policies(got, "inhost", [None] + CODEC_POLICIES, TOPK, steps=3):
+        for r in range(4):  # dense across replicas, in the reduce dtype
+            assert run[r]["bytes/pushed_wire"] == 3 * ITEMSIZE.get(policy, 4) * sum(math.prod(s) for _, s in PARAMS) // 2
+    check_reduce_dtypes(got, "rs0/out", "rs0/out")  # its inputs under bf16: bfloat16 gradients, widened
+
+
+@pytest.mark.parametrize("codec", IN_HOST_CODECS)
+def test_in_host_step_with_other_codecs_equals_numpy(launch, codec):
+    """The in-host step with the other codecs (IN_HOST_CODECS, some under reduce dtypes and
+    offload), 2 steps: as top-k + EF's above; thc's and PowerSGD's bytes are not the payloads'
+    (their phases are all-reduced over the whole input: docs/fsdp_inhost.md)."""
+    check_in_host_policies(part(launch, f"inhost_{codec}"), f"inhost_{codec}", IN_HOST_CODECS[codec][1],
+                           IN_HOST_CODECS[codec][0], steps=2, count=codec not in PHASED, sized=codec != "dithering")
+
+
+def check_in_host_policies(got, name, policies, params, steps, count=True, sized=True):
+    """Each policy's in-host reduce-scatters of ``got`` (its prefix dropped; None: the plain model)
+    against numpy, and, if ``count``, metrics()' in-host bytes; [(policy, its run)]."""
+    runs = []
+    for policy in policies:
         prefix = "" if policy is None else f"{policy}/"
         run = [{k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in got]
-        sent = check_in_host_reduce_scatters(run, 2, f"inhost/{prefix}", rounded=IN_HOST_ROUNDED.get(policy))
-        itemsize = ITEMSIZE.get(policy, 4)
-        check_in_host_bytes(run, sent, 2, 3, "bytes/", itemsize=itemsize)
-        for r in range(4):  # dense across replicas, in the reduce dtype
-            assert run[r]["bytes/pushed_wire"] == 3 * itemsize * sum(math.prod(s) for _, s in PARAMS) // 2, (policy, r)
-    check_reduce_dtypes(got, "rs0/out", "rs0/out")  # its inputs under bf16: bfloat16 gradients, widened
+        sent = check_in_host_reduce_scatters(run, 2, f"{name}/{prefix}", steps=steps, params=params,
+                                             rounded=IN_HOST_ROUNDED.get(policy))
+        if count:
+            check_in_host_bytes(run, sent, 2, steps, "bytes/", itemsize=ITEMSIZE.get(policy, 4), sized=sized)
+        runs.append((policy, run))
+    return runs
 
 
 def test_bytes_per_step_and_codec_memory(topk_run):

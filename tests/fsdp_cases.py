@@ -19,17 +19,18 @@ IN_HOST_ROUNDED = {"bf16r": ROUNDED["bf16r"], "fp64": lambda x: x * 2,
                    "f16r": lambda x: (x.astype(np.float16) * np.float16(2)).astype(np.float32)}
 ITEMSIZE = {"bf16r": 2, "f16r": 2, "fp64": 8}  # the reduce dtype's bytes an element, 4 if not here
 # the other codecs on the replicate hook, each a part of the first launch (its policies' models alone,
-# 2 steps): element-wise through their default reducer, thc and PowerSGD in float32 phases
+# 2 steps): element-wise through their default reducer, thc and PowerSGD in float32 phases; each
+# also under CPU offload
 DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vanilla"}, ["f16r", "bf16r", "fp64", "offload"]),
-                "randomk": ({"compressor": "randomk", "k": 0.25}, ["f16r", "fp64"]),
+                "randomk": ({"compressor": "randomk", "k": 0.25}, ["f16r", "fp64", "offload"]),
                 "dithering": ({"compressor": "dithering", "k": 4}, ["bf16r", "fp64", "offload"]),
-                "qsgd": ({"compressor": "qsgd", "levels": 4}, ["f16r", "fp64"]),
-                "dgc": ({"compressor": "dgc", "k": 0.25, "mu": 0.9}, ["bf16r", "fp64"]),
-                "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r"]),
-                "thc": (THC, ["f16r", "bf16", "fp64"]),
-                **{name: ({"compressor": name}, ["f16r", "bf16r"])
+                "qsgd": ({"compressor": "qsgd", "levels": 4}, ["f16r", "fp64", "offload"]),
+                "dgc": ({"compressor": "dgc", "k": 0.25, "mu": 0.9}, ["bf16r", "fp64", "offload"]),
+                "powersgd": ({"compressor": "powersgd", "rank": 2}, ["f16r", "bf16", "bf16r", "offload"]),
+                "thc": (THC, ["f16r", "bf16", "fp64", "offload"]),
+                **{name: ({"compressor": name}, ["f16r", "bf16r", "offload"])
                    for name in ("terngrad", "signnorm", "adaptive_threshold", "sign")},
-                "threshold": ({"compressor": "threshold", "threshold": 1e-3}, ["f16r", "bf16r"])}
+                "threshold": ({"compressor": "threshold", "threshold": 1e-3}, ["f16r", "bf16r", "offload"])}
 PHASED = ("powersgd", "thc")
 # the in-host step (shard_compression_params) with codecs other than top-k + EF, each a part of the
 # first launch (2 steps; None: the plain float32 model), dense across replicas

@@ -140,7 +140,7 @@ def check_hook_calls(got, prefix, policy, steps, expected):
 
 def test_other_codecs_under_the_reduce_dtypes_equal_numpy_or_are_refused(launch):
     """DTYPE_CODECS under float16 and bfloat16 reduce dtypes, bf16 parameters reduced in
-    float32, float64 parameters: every hook call (2 steps) equals the numpy re-computation, the
+    float32, float64 parameters, CPU offload: every hook call (2 steps) equals the numpy re-computation, the
     codec fed the widened float32 (float64 kept by the element-wise codecs; thc's and
     PowerSGD's phases in float32, their average widened back) and the average rounded into a
     half reduce dtype; replicas end bit-identical. QSGD and DGC cannot take float64: each

@@ -18,7 +18,7 @@ CHAINS = {}  # (run, fqn, suffix, senders) -> (the senders' worker chains, the s
 
 
 def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None,
-                  params=TOPK):
+                  params=TOPK, reducer=None):
     """The average over two replicas' reduce-scatter outputs ``ins`` of one FSDP module (float32,
     bfloat16 and float16 ones widened: in float32; float64 in float64): each parameter's padded
     shard (its rows split in ``shards``, rounded up) through its worker chains of ``params``
@@ -26,11 +26,12 @@ def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=No
     server's chain (the codec's default reducer "recompress"; "lossless": the sum as it is),
     halved (sign's "majority": the vote, +-1, not halved); ``run``: the model's, whose chains are its own. The in-host step: ``ins`` the
     senders' chunks ``shard``, ``suffix`` ``#to_shard<shard>``, ``ranks`` the senders'
-    (``seeds``: the ranks their chains are seeded with, if not those); ``sent`` (a list) gets
+    (``seeds``: the ranks their chains are seeded with, if not those), ``reducer`` its reducer
+    ("lossless" where the codec's own re-compresses: the exact sum); ``sent`` (a list) gets
     the payloads' bytes. The phased codecs (thc, PowerSGD): expected_phased_call."""
     result, offset, dtype = np.empty_like(ins[0]), 0, ins[0].dtype.type
     suffix, ranks = suffix or f"#shard{shard}", ranks or (shard, shards + shard)
-    reducer = choose_reducer(CompressionParams.from_dict(params))
+    reducer = reducer or choose_reducer(CompressionParams.from_dict(params))
     for fqn, shape in params_of_layer:
         n = -(-shape[0] // shards) * int(np.prod(shape[1:]))
         key = name_key(f"{fqn}{suffix}")
@@ -98,6 +99,8 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
     ``params``: the codec (thc and PowerSGD through expected_phased_call: no payloads listed).
     {replica: [(destination shard, sending shard, a payload's bytes)] of every call}."""
     phased = params.get("compressor") in ("thc", "powersgd")
+    # a rank's reduced chunk is sent nowhere after: a sum the codec's server would re-compress is exact here
+    reducer = "lossless" if choose_reducer(CompressionParams.from_dict(params)) == "recompress" else None
     calls = got[0]["rs_calls"]
     assert len(calls) == steps * len(LAYERS)  # the synced micro-batch only
     made, sent = {}, {0: [], 1: []}
@@ -115,7 +118,7 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
                 else:
                     want = expected_call(ins, shard, LAYERS[int(module)], step, run, shards=shards,
                                          suffix=f"#to_shard{shard}", ranks=senders, sent=payloads, seeds=seeds,
-                                         params=params)
+                                         params=params, reducer=reducer)
                 sent[replica] += [(shard, k % shards, n) for k, n in enumerate(payloads)]  # senders in turn
                 want = want if rounded is None else rounded(want)
                 np.testing.assert_array_equal(got[senders[shard]][f"rs{i}/out"], want, err_msg=f"rs {i} shard {shard}")

@@ -10,6 +10,7 @@ import torch
 from collective_cluster import run_torchrun_job
 
 from bps_gc.compress import build_chain
+from bps_gc.compress.stateful import StateError, StateGroup
 from bps_gc.torch.exchange import CompressedExchange
 from bps_gc.collective.exchange.codecs import name_key
 
@@ -119,6 +120,35 @@ def test_seed_rank_seeds_the_codecs_draws():
     drawn = {r: build_chain(params, n, np.float32, key=name_key("w"), rank=r).rng_state for r in (0, 3)}
     assert np.array_equal(own[None], drawn[0])  # no process group here: rank 0
     assert np.array_equal(own[3], drawn[3]) and not np.array_equal(drawn[0], drawn[3])
+
+
+def test_a_part_saved_with_a_kept_reducer_loads_with_it():
+    """Pipeline.keep_saved_reducers: a checkpoint's part reduced by another reducer than the
+    exchange's ("recompress": the in-host step's before it summed exactly, fsdp_inhost.py) loads
+    with that reducer and its state (the server chain's residual) where the exchange keeps it,
+    and is refused naming the setting where it does not."""
+    params, n, tensor = CODECS["topk"], 40, torch.zeros(40)
+    old = CompressedExchange(params, "recompress", named_parameters=[("w", tensor)])
+    saved = old.hook.pipeline.codecs._make_codec(name_key("w"), n, tensor, False, np.dtype(np.float32))
+    ctx = {"lr": 0.0, "step": 0}
+    pushes = [saved.chain.compress(x, ctx) for x in np.random.default_rng(0).standard_normal((2, n)).astype(np.float32)]
+    saved.reducer.reduce(pushes, True, ctx)  # two pushes' top-k, re-compressed: its server chain's residual
+    sd = StateGroup({"w": saved}).state_dict()
+    assert np.count_nonzero(sd["w/reducer/chain.ef.error"]) > 0
+    for kept in (True, False):
+        new = CompressedExchange(params, "lossless", named_parameters=[("w", tensor)])
+        if kept:
+            new.hook.pipeline.keep_saved_reducers(["recompress"])
+        fresh, install = new.hook.codec_state_to_load(sd)
+        if not kept:
+            with pytest.raises(StateError, match="'w/reducer/reducer' is 'recompress' in the state, 'lossless' here"):
+                fresh.load_state_dict(sd)
+            continue
+        fresh.load_state_dict(sd)
+        install()
+        (loaded,) = new.hook.pipeline.codecs.codecs.values()
+        assert loaded.reducer.name == "recompress" and loaded.steps == saved.steps
+        assert np.array_equal(loaded.reducer.state_dict()["chain.ef.error"], sd["w/reducer/chain.ef.error"])
 
 
 def test_a_ctrl_c_kept_by_a_callback_is_raised_again_by_the_wait():

@@ -24,6 +24,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # torch
 
 import bps_gc.core as core
 
+from .. import compress
 from .exchange import CompressedExchange, interruptible_wait
 from .fsdp_shards import refuse_unfit_codec, shard_pieces
 
@@ -37,12 +38,23 @@ def destination_parts(parts, shards):
              for name, stand_in in parts] for d in range(shards)]
 
 
+def in_host_reducer(compression_params):
+    """The in-host step's reducer: the codec's own, except that one that re-compresses the sum
+    (as a server does before its reply) sums exactly instead: a rank's reduced chunk is its own
+    and is sent nowhere after, so re-compressing it would only add error, a second residual
+    (the EF codecs' state then S + 1 times the shard, not S) and CPU."""
+    reducer = compress.choose_reducer(compress.CompressionParams.from_dict(dict(compression_params or {})))
+    return "lossless" if reducer == "recompress" else None
+
+
 def in_host_exchange(compression_params, shards_of_groups, shards, seed_rank=None):
     """The in-host step's CompressedExchange over every group's pieces (its state saved by
     ``bps_gc.torch.state_dict()``), its bytes counted apart (metrics()' ``in_host_*``)."""
     named = [piece for parts in shards_of_groups for chunk in destination_parts(parts, shards) for piece in chunk]
-    return CompressedExchange(compression_params, named_parameters=named, traffic=core.in_host_traffic(),
-                              seed_rank=seed_rank)
+    exchange = CompressedExchange(compression_params, in_host_reducer(compression_params), named_parameters=named,
+                                  traffic=core.in_host_traffic(), seed_rank=seed_rank)
+    exchange.hook.pipeline.keep_saved_reducers(["recompress"])  # checkpoints from before: they resume as they ran
+    return exchange
 
 
 def compress_in_host(compression_params, groups, shards, size, seed_rank=None):

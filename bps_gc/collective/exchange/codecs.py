@@ -133,6 +133,8 @@ class PartCodecs:
         # None: every part is reduced here; or a predicate on a part's name (Pipeline.reduce_at):
         # a part it refuses gets no reducer (no server chain, no state of it) and is not reduced
         self.reduced_here = None
+        # reducers other than ``reducer`` that a checkpoint's part may hold and keep (Pipeline.keep_saved_reducers)
+        self.saved_reducers_kept = ()
 
     def reduces(self, name):
         """Whether this rank reduces the part named ``name`` (a phased codec: always)."""
@@ -155,11 +157,12 @@ class PartCodecs:
             return False, np.dtype(np.float32)
         return runs_on_device(tensor, device_codecs), wire_dtype(tensor, self.params.fp16)
 
-    def _make_codec(self, key, n, tensor, on_device, wire, shape=None, reduced=True):
+    def _make_codec(self, key, n, tensor, on_device, wire, shape=None, reduced=True, reducer=None):
         """A fresh PartCodec of ``n`` elements where ``tensor`` lives (its draws this process's
         own: build_chain's ``rank`` is ``seed_rank`` or its torch.distributed rank); ``shape``: the
         part's, for a codec that views it as a matrix (PowerSGD); ``reduced``: False for a part
-        another rank reduces (no reducer)."""
+        another rank reduces (no reducer); ``reducer``: its name, if not the exchange's."""
+        reducer = reducer or self.reducer
         rank = self.seed_rank if self.seed_rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if self.phased:  # its reducer runs as the phases of phased.py
             chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, shape=shape)
@@ -168,8 +171,8 @@ class PartCodecs:
         device = {"device": tensor.device} if on_device else {}
         chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, **device)
         reducer = (None if not reduced else
-                   device_reduction(self.reducer, self.params, n, wire, key, tensor.device) if on_device else
-                   compress.make_reducer(self.reducer, self.params, n, wire, key))
+                   device_reduction(reducer, self.params, n, wire, key, tensor.device) if on_device else
+                   compress.make_reducer(reducer, self.params, n, wire, key))
         if not on_device:
             compress.use_scratch(chain, self.scratch)
             if reducer is not None:
@@ -254,8 +257,10 @@ class PartCodecs:
                 raise StateError(f"comm_hook: the state of {name!r} has no integer key")
             # a state saved with the part's reducer (before reduce_at refused it) loads as saved
             reduced = self.reduces(name) or any(k.startswith(f"{name}/reducer/") for k in sd)
+            saved_reducer = sd.get(f"identity.{name}/reducer/reducer")
             fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p, device_codecs),
-                                           tuple(p.shape), reduced)
+                                           tuple(p.shape), reduced,
+                                           saved_reducer if saved_reducer in self.saved_reducers_kept else None)
 
         def install():
             self.codecs.update((id(named[name]), codec) for name, codec in fresh.items())

@@ -64,6 +64,13 @@ class Pipeline:
         each codec's own buffers: no allocation a step.)"""
         self.codecs.scratch = compress.Scratch()
 
+    def keep_saved_reducers(self, names):
+        """From now on, a checkpoint whose part was reduced by one of the reducers ``names`` (not
+        the exchange's) loads as saved: that part keeps its saved reducer and state, and so
+        resumes bit for bit as it ran. The in-host step's exchange (fsdp_inhost.py) sums exactly
+        where its checkpoints before 2026-11-30 re-compressed."""
+        self.codecs.saved_reducers_kept = tuple(names)
+
     def reduce_at(self, destination, rank):
         """From now on (before the first call and any checkpoint load), each part is reduced by
         one rank of the group alone: ``destination(name)``, this process being ``rank`` there. A

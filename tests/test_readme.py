@@ -4,8 +4,9 @@ Each ```sh block after a ``<!-- quickstart: NAME -->`` marker runs in bash from 
 root with the venv's ``bin`` first on PATH (``python``, ``bpslaunch``, ``torchrun``). The only
 changes are the reductions in ``REDUCED``: a data path pointed at tiny files in the official
 format, a free port instead of 1234, and flags appended to a command (argparse keeps the last
-value). A ```python block after such a marker is a script, run as the README says (torchrun).
-A README block without an entry here fails, so a new quickstart gets a test.
+value). A ```python block after such a marker is a script, run as the README says (torchrun;
+one launch may run it and a variant of it in turn). A README block without an entry here fails,
+so a new quickstart gets a test.
 """
 import json
 import os
@@ -118,19 +119,39 @@ def reduced_pssh(block, tmp_path):
     assert re.search(r"traffic per worker: pushed ", (tmp_path / "out" / "cifar100-1-cpu-onebit.log").read_text())
 
 
+# runs scripts one after the other in one process, each as its __main__, so that one torchrun
+# launch (its agent and ranks start once, ~6 s of CPU) serves several; lines are written as
+# printed, so a script's lines come out before the next script's marker
+IN_TURN = """import runpy, sys
+sys.stdout.reconfigure(line_buffering=True)
+for path in sys.argv[1:]:
+    print("=== " + path.rsplit("/", 1)[-1], flush=True)
+    runpy.run_path(path, run_name="__main__")
+"""
+
+
 def reduced_hook(block, tmp_path):
     """The hook's script under torchrun, as written and with torch's own init and teardown
     instead of bps.init() (as the README says to end it: a barrier, then
     destroy_process_group): both print each rank's bytes, the raw ones re-computed here (100
-    steps of a 784 x 10 + 10 float32 model, pushed and pulled), and exit 0."""
+    steps of a 784 x 10 + 10 float32 model, pushed and pulled), and end. One launch runs both
+    in each rank, in turn (IN_TURN): the one with torch's teardown first, so the script as
+    written runs last and ends the process as it would alone, which exits 0."""
     without_init, count = re.subn(r"^bps\.init\(\).*$", 'torch.distributed.init_process_group("gloo")', block, flags=re.M)
     assert count == 1
     without_init += "torch.distributed.barrier()\ntorch.distributed.destroy_process_group()\n"
-    for name, script in (("with_init", block), ("without_init", without_init)):
+    names = ("without_init", "with_init")
+    for name, script in zip(names, (without_init, block)):
         (tmp_path / f"{name}.py").write_text(script)
-        out = run_block(f"torchrun --standalone --nproc-per-node 2 {tmp_path / name}.py", tmp_path)
+    (tmp_path / "in_turn.py").write_text(IN_TURN)
+    scripts = " ".join(str(tmp_path / f"{name}.py") for name in names)
+    out = run_block(f"torchrun --standalone --nproc-per-node 2 {tmp_path / 'in_turn.py'} {scripts}", tmp_path)
+    # both ranks printed their lines of the first script before its barrier let either go on
+    assert out.count("=== with_init") == 2, out[-3000:]
+    first, second = out.split("=== with_init", 1)
+    for name, part in zip(names, (first, second)):
         # the two ranks print at once: one may end the other's line, so no line anchors
-        found = sorted(re.findall(r"rank (\d): (\d+) bytes raw, (\d+) on the wire", out))
+        found = sorted(re.findall(r"rank (\d): (\d+) bytes raw, (\d+) on the wire", part))
         assert [rank for rank, _, _ in found] == ["0", "1"], f"{name}: {out[-3000:]}"
         for _, raw, wire in found:
             assert int(raw) == 2 * 100 * (784 * 10 + 10) * 4, f"{name}: {out[-3000:]}"

@@ -136,7 +136,8 @@ def reduced_hook(block, tmp_path):
     destroy_process_group): both print each rank's bytes, the raw ones re-computed here (100
     steps of a 784 x 10 + 10 float32 model, pushed and pulled), and end. One launch runs both
     in each rank, in turn (IN_TURN): the one with torch's teardown first, so the script as
-    written runs last and ends the process as it would alone, which exits 0."""
+    written runs last and ends the process as it would alone, which exits 0 (bps.init()'s group
+    keys the store apart from env://'s: it cannot read the first group's addresses)."""
     without_init, count = re.subn(r"^bps\.init\(\).*$", 'torch.distributed.init_process_group("gloo")', block, flags=re.M)
     assert count == 1
     without_init += "torch.distributed.barrier()\ntorch.distributed.destroy_process_group()\n"

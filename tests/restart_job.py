@@ -21,7 +21,9 @@ must see). PHASE may list phases, "second,without_state,device:second": each run
 same processes, bps_gc initialised and shut down again for each on the process group the job made
 first (adopted: bps_gc.collective.rendezvous.adopt), so a later one starts with no codec state but
 what it loads (one launch, not one a phase); "device:" runs the phase with the torch codec chains
-(BPS_GC_DEVICE_CODECS=torch) in OUT/device.
+(BPS_GC_DEVICE_CODECS=torch) in OUT/device. The last phase may be "state_errors" (under
+bpslaunch): rank 0 alone, a job of 1 rank, loads states that do not fit, and the 2-rank
+checkpoint OUT/checkpoint-run-rank0.pt (tests/state_errors.py).
 """
 import json
 import os
@@ -36,8 +38,12 @@ import bps_gc.torch as bps  # noqa: E402
 
 spec, out, phases = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3].split(",")
 if len(phases) > 1:  # bps_gc inits and shuts down once a phase on this group
-    from gloo_group import init_default_group
-    init_default_group()
+    import torch.distributed as dist
+    from gloo_group import init_default_group, init_job_group
+    if "RANK" in os.environ:  # torchrun
+        init_default_group()
+    else:  # bpslaunch: the launch's jobs, each a group of its own (state_errors: 1 rank)
+        init_job_group(0, int(os.environ["DMLC_NUM_WORKER"]))
 
 
 class Named(torch.nn.Module):
@@ -121,6 +127,15 @@ def run(phase, out):
 
 
 for phase in phases:
+    if phase == "state_errors":  # the last phase, on rank 0 alone: bpslaunch only
+        from state_errors import refuse_states
+        dist.destroy_process_group()
+        if init_job_group(1, 1):
+            bps.init()
+            refuse_states(out, os.path.join(out, "checkpoint-run-rank0.pt"))  # a 2-rank checkpoint
+            bps.barrier()
+            bps.shutdown()
+        break
     device = phase.startswith("device:")
     if device:  # read by bps.init(): this phase's chains only
         os.environ["BPS_GC_DEVICE_CODECS"] = "torch"

@@ -5,8 +5,9 @@ run). tests/restart_job.py trains every case side by side; the oracle is the str
 (which wrote the checkpoint on its way). On 2 ranks one torchrun --max-restarts 1 launch holds
 torch elastic's restart (its first phase, killed and resumed) and, in its restarted processes,
 the numpy and the torch codec chains' straight runs; their resumed runs (and the resumption
-without codec state) share another launch, under bpslaunch --servers 0 (no torchrun agent:
-1.2 s of CPU a launch): restart_job.py runs phases in turn."""
+without codec state, and a 1-rank job refusing states that do not fit) share another launch,
+under bpslaunch --servers 0 (no torchrun agent: 1.2 s of CPU a launch): restart_job.py runs
+phases in turn."""
 import json
 import os
 import shutil
@@ -125,10 +126,13 @@ def straight(tmp_path_factory):
 def resumed(straight):
     """One launch (new processes, bpslaunch) resuming ``straight``'s checkpoints in turn: numpy
     chains without the codec state ("without_state": its codecs afresh), with it ("second"), then
-    the torch chains with theirs. Each phase gives the same bits as a launch of its own (each
-    is a job of its own, init() to shutdown(), whose hooks and optimizers bps_gc names from 0 as
-    a fresh process does, so a phase loads what a phase saved wherever each sits)."""
-    run_phase(SPEC, straight, "without_state,second,device:second")
+    the torch chains with theirs; last, rank 0 alone refuses states that do not fit
+    ("state_errors", a 1-rank job: test_states_that_do_not_fit_are_refused_by_name; its stderr in
+    resumed-stderr.txt). Each phase gives the same bits as a launch of its own (each is a job of
+    its own, init() to shutdown(), whose hooks and optimizers bps_gc names from 0 as a fresh
+    process does, so a phase loads what a phase saved wherever each sits)."""
+    result = run_phase(SPEC, straight, "without_state,second,device:second,state_errors")
+    (straight / "resumed-stderr.txt").write_text(result.stderr)
     return straight
 
 
@@ -246,15 +250,13 @@ def test_parameter_server_two_hosts_two_levels_resume_bit_for_bit(machines, tmp_
     check_resumed(tmp_path, cases, ranks=4)
 
 
-def test_states_that_do_not_fit_are_refused_by_name(straight, tmp_path):
+def test_states_that_do_not_fit_are_refused_by_name(resumed):
     """Another world size (refused naming both sizes; dropped with one warning line when asked),
     a parameter the model lacks, another codec setting, a bad array, not a state at all: a clear
-    error, and the communicator's state is unchanged after each refusal."""
-    argv = bpslaunch_argv([os.path.join(TESTS, "state_errors_job.py"), str(tmp_path),
-                           str(straight / "checkpoint-run-rank0.pt")], 1)  # a 2-rank checkpoint
-    result = subprocess.run(argv, env=job_env(SMALL), capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    got = json.loads((tmp_path / "errors.json").read_text())
+    error, and the communicator's state is unchanged after each refusal. A 1-rank job
+    (tests/state_errors.py) at the end of ``resumed``'s launch, loading ``straight``'s 2-rank
+    checkpoint; the launch's other phases load only states that fit."""
+    got = json.loads((resumed / "errors.json").read_text())
     assert "parameters this model does not have: 'encoder.weight'" in got["unknown parameter"]
     assert "another codec setting" in got["another setting"] and "'k' is 0.5 in the state, 0.2 here" in got["another setting"]
     assert "ef.error" in got["bad communicator array"] and "shape" in got["bad communicator array"]
@@ -264,7 +266,8 @@ def test_states_that_do_not_fit_are_refused_by_name(straight, tmp_path):
     assert "BPS_GC_RESUME_DROP_RANK_STATE=1" in got["world size"]
     assert got["world size dropped"] == "loaded: False"
     assert all(value for key, value in got.items() if key.endswith("unchanged"))
-    warnings = [line for line in result.stderr.splitlines() if "dropping the saved codec state" in line]
+    stderr = (resumed / "resumed-stderr.txt").read_text()
+    warnings = [line for line in stderr.splitlines() if "dropping the saved codec state" in line]
     assert len(warnings) == 1 and "world size 2 in the state, 1 here" in warnings[0]
 
 

@@ -1,6 +1,6 @@
 """A training script run several times in one launch (torchrun or bpslaunch --servers 0:
-tests/test_cifar10_choco.py, test_study_scripts.py, test_dgc_train.py), so that its processes
-start once: ``runs_job.py RUNS.json``, RUNS a list of {"script": path (default
+tests/test_cifar10_choco.py, test_study_scripts.py, test_dgc_train.py, test_resume_scripts.py),
+so that its processes start once: ``runs_job.py RUNS.json``, RUNS a list of {"script": path (default
 example/pytorch/train_cifar10_choco.py), "cwd": folder, "argv": [flags], "env": {name: value}
 (optional), "copy_to": folder (optional)}. Each run is the script as its command line runs it
 (``__main__``; its sys.exit(0) ends the run, not the job), in its folder (it reads and writes
@@ -10,7 +10,9 @@ default process group this job makes once (init() adopts it and leaves it to the
 COPY_TO: its first checkpoints are copied there as written. bps_gc.torch names a job's
 optimizers and hooks of a kind in the order it makes them (DistributedOptimizer.0, .1, ...), from
 0 again after each shutdown(), as a fresh process does: a run's checkpoints load in another
-process, and another process's in a run, wherever the run sits in its launch."""
+process, and another process's in a run, wherever the run sits in its launch, as long as no run
+before it left settings in os.environ beyond its "env" (DGC's train.py sets the seed's
+BYTEPS_MIN_COMPRESS_BYTES and others with setdefault: they stay for the runs after it)."""
 import json
 import os
 import runpy

@@ -4,7 +4,8 @@
 # the repository root on a machine where torch.cuda.is_available(); logs, JSON and summary.md go
 # to the folder given (default out/gpu). docs/gpu.md explains each step.
 #   scripts/gpu_checks.sh [OUT_DIR]
-#   scripts/gpu_checks.sh --cpu-dry-run OUT_DIR   # the same steps on the CPU at tiny size (the test)
+#   scripts/gpu_checks.sh --cpu-dry-run OUT_DIR   # the same steps on the CPU at tiny size (the test), their
+#     commands run in one Python process (scripts/gpu_checks_one_process.py: one torch import, not six)
 # Steps: 1. the CUDA tests; 2. bench_device_codecs.py (1M, 25M elements); 3. the synthetic
 # benchmark's suite, ResNet-50 batch 64, 1 rank and 2 ranks sharing the GPU; 4. DGC's ResNet-20
 # with the printed configs, 2 ranks sharing the GPU, on both transports (ranks bit-identical, the
@@ -19,6 +20,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 step() {  # step NAME TIMEOUT_S COMMAND...: run it, its output to $out/NAME.txt and the screen
   local name=$1 limit=$2; shift 2
+  if [[ $dry -eq 1 ]]; then  # queued: run with the others below, in one process
+    printf '%s\0' "$name" $((limit * slow)) $# "$@" >> "$queue"
+    return 0
+  fi
   echo "== $name: $*" | tee "$out/$name.txt"
   timeout $((limit * slow)) "$@" 2>&1 | tee -a "$out/$name.txt"
   local rc=${PIPESTATUS[0]}
@@ -27,6 +32,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, its output to $out/NAME.txt 
 }
 if [[ $dry -eq 1 ]]; then  # tiny sizes, the CPU; pytest only collects
   device=cpu; collect=(--collect-only); codec_device=cpu; sizes=64K; repeats=1; iters2=2
+  queue=$(mktemp); trap 'rm -f "$queue"' EXIT
   slow=4  # a shared CPU box runs the ranks' processes side by side: more time for each step
   bench=(--model mlp --hidden 32 --image-size 8 --batch-size 4 --num-iters 2 --num-warmup 1 --codec-repeats 1)
   dgc=(--device cpu --images 80 --batch 8 --epochs 2 --lr 0.02)  # 10 steps: 0.1 is too large to learn in
@@ -61,6 +67,9 @@ step synthetic_2rank 80 "$py" example/pytorch/benchmark_synthetic.py "${bench[@]
     --json "$out/synthetic_2rank.json"
 # 4. DGC's ResNet-20, 2 ranks sharing the GPU, both transports
 step dgc 100 "$py" scripts/dgc_shared_gpu.py "${dgc[@]}" --ranks 2 --out "$out/dgc"
+if [[ $dry -eq 1 ]]; then
+  "$py" scripts/gpu_checks_one_process.py "$out" "$queue" || failed=1
+fi
 # 5. the table
 "$py" scripts/gpu_summary.py "$out" || failed=1
 exit $failed

@@ -4,7 +4,9 @@ command line is the one the GPU run starts as a process (``PYTHON -m pytest ...`
 script.py ...``), run here as Python would run it (runpy: ``-m`` a module, else a script with its
 folder first on sys.path), its output (file descriptors 1 and 2, so its children's too) in
 OUT/NAME.txt after the same "== NAME: command" line, then shown, and "== NAME: exit N" added
-where it failed (124: past its time limit), as the shell's step() does. Why: on the CPU, every
+where it failed (124: past its time limit), as the shell's step() does. What a step leaves
+behind is undone before the next (as tests/help_runner.py does): sys.argv, sys.path and the
+modules it imported from this repository's example/, scripts/ and tests/ folders. Why: on the CPU, every
 step's own interpreter imports torch again (~1.2 s of CPU each, 6 of them); the launchers and
 ranks the steps start stay processes of their own.
 
@@ -18,6 +20,9 @@ import runpy
 import signal
 import sys
 import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN = tuple(os.path.join(ROOT, folder) + os.sep for folder in ("example", "scripts", "tests"))
 
 
 class StepTimeout(BaseException):  # as KeyboardInterrupt: no step's own "except Exception" takes it
@@ -66,7 +71,7 @@ def run_step(out, name, limit, command):
     log = os.path.join(out, f"{name}.txt")
     with open(log, "w") as f:
         f.write(f"== {name}: {' '.join(command)}\n")
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, loaded = sys.argv[:], sys.path[:], set(sys.modules)
     screen = [os.dup(fd) for fd in (1, 2)]
     sys.stdout.flush(), sys.stderr.flush()
     with open(log, "a") as f:
@@ -82,6 +87,9 @@ def run_step(out, name, limit, command):
             os.dup2(kept, fd)
             os.close(kept)
         sys.argv[:], sys.path[:] = saved_argv, saved_path
+        for module_name, module in list(sys.modules.items()):
+            if module_name not in loaded and (getattr(module, "__file__", None) or "").startswith(OWN):
+                del sys.modules[module_name]
     if status:
         with open(log, "a") as f:
             f.write(f"== {name}: exit {status}\n")
@@ -92,7 +100,10 @@ def run_step(out, name, limit, command):
 
 
 def main(argv=None):
-    out, queue = argv or sys.argv[1:]
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        sys.exit(f"usage: gpu_checks_one_process.py OUT QUEUE (got {len(argv)} argument(s))")
+    out, queue = argv
     signal.signal(signal.SIGALRM, past_the_limit)
     failed = 0
     for name, limit, command in read_queue(queue):

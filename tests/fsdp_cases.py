@@ -42,3 +42,16 @@ IN_HOST_CODECS = {"onebit": (DTYPE_CODECS["onebit"][0], [None, "bf16r", "offload
 DENSE_STEPS = 10  # issue 42: the dense hooks equal native HSDP after 10 steps
 REFUSED = {("qsgd", "fp64"): "QSGD: float32 or float16 partitions only, got float64",  # the codec's own words
            ("dgc", "fp64"): "DGC: float32 or float16 partitions only, got float64"}
+
+
+def check_reduce_dtypes(got, before, after):
+    """The hooks (or reduce-scatters) got float32 under the float32 reduce dtype, bfloat16 and
+    float16 under theirs (recorded widened), float64 with float64 parameters, whose average kept
+    float64's bits (not float32's)."""
+    low_bits = {policy: got[0][f"{policy}/{before}"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
+    assert low_bits["bf16"].any() and not low_bits["bf16r"].any()
+    halves = {policy: got[0][f"{policy}/{before}"] for policy in ("bf16", "f16r")}
+    assert np.array_equal(halves["f16r"].astype(np.float16).astype(np.float32), halves["f16r"])
+    assert not np.array_equal(halves["bf16"].astype(np.float16).astype(np.float32), halves["bf16"])
+    wide = got[0][f"fp64/{after}"]
+    assert wide.dtype == np.float64 and not np.array_equal(wide.astype(np.float32).astype(np.float64), wide)

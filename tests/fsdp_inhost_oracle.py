@@ -149,3 +149,19 @@ def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4, sized=T
         gathered = sum(n for _, by, n in payloads if by != own)  # the peers' whole inputs
         assert not sized or (shards * pushed == (shards - 1) * whole and shards * pulled == gathered), \
             (r, pushed, pulled)
+
+
+def check_in_host_policies(got, name, policies, params, steps, count=True, sized=True):
+    """Each policy's in-host reduce-scatters of ``got`` (its prefix dropped; None: the plain model)
+    against numpy, and, if ``count``, metrics()' in-host bytes; [(policy, its run)]."""
+    from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE  # the launch's policies' dtypes
+    runs = []
+    for policy in policies:
+        prefix = "" if policy is None else f"{policy}/"
+        run = [{k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in got]
+        sent = check_in_host_reduce_scatters(run, 2, f"{name}/{prefix}", steps=steps, params=params,
+                                             rounded=IN_HOST_ROUNDED.get(policy))
+        if count:
+            check_in_host_bytes(run, sent, 2, steps, "bytes/", itemsize=ITEMSIZE.get(policy, 4), sized=sized)
+        runs.append((policy, run))
+    return runs

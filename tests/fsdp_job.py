@@ -18,6 +18,7 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
   then trains on to ``steps``; "resumed" builds afresh, loads them and trains the rest, then
   trains straight runs (no checkpoint) in the same process, and hands their DTensor parameters
   to DistributedOptimizer and to comm_hook, which must refuse them;
+* "diloco": fully_shard on mesh["shard"], bps_gc.torch.DiLoCo across mesh["replicate"] (below);
 * "fault" (under bps_gc.torch.init()): trains until told to stop, writing OUT/pid<rank> once
   running; rank spec "victim" at step 3 does spec "fault": "kill" (SIGKILL itself), "exit"
   (sys.exit(0)) or "raise".
@@ -175,6 +176,30 @@ def fault():
     train(model, opt, range(10**6), lambda step: fault_at(step, 3, rank, spec, out))
 
 
+def diloco(part, head=""):
+    """A "diloco" spec: the MLP sharded on mesh["shard"] without hooks, bps_gc.torch.DiLoCo
+    across mesh["replicate"] (spec "sync_every", "compression_params"), its full parameters after
+    every step ("<head>full/<step>/<name>"); with spec "refusals", DiLoCo's of a sharded model: no
+    replicate group, mesh["shard"]'s (its ranks hold different shards), a model on the 2-D mesh."""
+    model, _, inner = build(hooks=False)
+    opt = bps.DiLoCo(model, inner, part["sync_every"], replicate=mesh["replicate"].get_group(),
+                     compression_params=part.get("compression_params"))
+    arrays = {}
+    for step in range(part["steps"]):
+        train(model, opt, [step])
+        arrays.update({f"{head}full/{step}/{name}": p.full_tensor().detach().numpy()
+                       for name, p in model.named_parameters()})
+    refusals = []
+    for sharded, replicate in ((build(hooks=False)[0], None), (build(hooks=False)[0], mesh["shard"].get_group()),
+                               (build(hooked=False)[0], mesh["replicate"].get_group())) if part.get("refusals") else ():
+        try:
+            bps.DiLoCo(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), 2, replicate=replicate)
+            refusals.append("")
+        except ValueError as e:
+            refusals.append(str(e))
+    return arrays, refusals
+
+
 def native_or_hooked(part, head=""):
     """A "native" or "hooked" spec's runs: its arrays (names prefixed ``head``) and refusals."""
     arrays, hooked, micro_batches = {}, part["mode"] == "hooked", part.get("micro_batches", 1)
@@ -254,7 +279,7 @@ else:
             init_bps()
             resume_and_save(part)
             continue
-        got, refused = native_or_hooked(part, f"{name}/" if name else "")
+        got, refused = (diloco if part["mode"] == "diloco" else native_or_hooked)(part, f"{name}/" if name else "")
         arrays.update(got)
         refusals += refused
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays, refusals=np.array(refusals))

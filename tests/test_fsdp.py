@@ -11,10 +11,11 @@ import torch
 
 from collective_cluster import run_torchrun_job
 from fsdp_bytes import CODECS, EF, THC, table
-from fsdp_cases import (CODEC_POLICIES, DENSE_STEPS, DTYPE_CODECS, IN_HOST_CODECS, IN_HOST_ROUNDED, ITEMSIZE, PHASED,
-                        POLICIES, REFUSED, ROUNDED, WIDE)
-from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_reduce_scatters, expected_call,
-                                expected_phased_call)
+from fsdp_cases import (CODEC_POLICIES, DENSE_STEPS, DTYPE_CODECS, IN_HOST_CODECS, ITEMSIZE, PHASED, POLICIES,
+                        REFUSED, ROUNDED, WIDE, check_reduce_dtypes)
+from fsdp_diloco_oracle import diloco_reference
+from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_policies,
+                                check_in_host_reduce_scatters, expected_call, expected_phased_call)
 
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
@@ -60,6 +61,9 @@ def launch(parts_dir):
         **{f"inhost_{codec}": {"mode": "hooked", "steps": 2, "shard_compression_params": params,
                                "plain": None in policies, "policies": [p for p in policies if p]}
            for codec, (params, policies) in IN_HOST_CODECS.items()},
+        # DiLoCo across the replicas over the model sharded in each (no hooks), H = 2, 6 steps
+        "diloco_dense": {"mode": "diloco", "steps": 6, "sync_every": 2, "refusals": True},
+        "diloco_topk": {"mode": "diloco", "steps": 6, "sync_every": 2, "compression_params": TOPK},
         "dense_first": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "dense_steps": 1,
                         "record_rs": True},  # metrics()' bytes saved
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2,
@@ -74,7 +78,7 @@ def part(launch, name):
 
 def test_dense_hooks_train_as_native_hsdp(launch):
     native, hooked = part(launch, "native"), part(launch, "hooked")
-    two_d, mismatched, float64, in_host64 = (str(r) for r in launch[0]["refusals"])
+    two_d, mismatched, float64, in_host64 = (str(r) for r in launch[0]["refusals"][:4])
     assert "sharded on a 2-D mesh (2, 2)" in two_d and "shard it on mesh['shard']" in two_d, two_d
     assert mismatched == ("register_fsdp_hooks: the replicate group (ranks [0, 1]) does not match the mesh: rank 0 "
                           "shards with ranks [0, 1]; pass mesh['replicate'] of the mesh whose mesh['shard'] the "
@@ -166,19 +170,6 @@ def test_other_codecs_under_the_reduce_dtypes_equal_numpy_or_are_refused(launch)
                     ins, shard, layer, step, run, params=params))
 
 
-def check_reduce_dtypes(got, before, after):
-    """The hooks (or reduce-scatters) got float32 under the float32 reduce dtype, bfloat16 and
-    float16 under theirs (recorded widened), float64 with float64 parameters, whose average kept
-    float64's bits (not float32's)."""
-    low_bits = {policy: got[0][f"{policy}/{before}"].view(np.uint32) & 0xFFFF for policy in ("bf16", "bf16r")}
-    assert low_bits["bf16"].any() and not low_bits["bf16r"].any()
-    halves = {policy: got[0][f"{policy}/{before}"] for policy in ("bf16", "f16r")}
-    assert np.array_equal(halves["f16r"].astype(np.float16).astype(np.float32), halves["f16r"])
-    assert not np.array_equal(halves["bf16"].astype(np.float16).astype(np.float32), halves["bf16"])
-    wide = got[0][f"fp64/{after}"]
-    assert wide.dtype == np.float64 and not np.array_equal(wide.astype(np.float32).astype(np.float64), wide)
-
-
 def test_dense_steps_average_dense_then_through_the_codec(launch):
     """register_fsdp_hooks(..., dense_steps=1): each module's first call is the replicas' plain
     mean (an all_reduce, as native HSDP's), its later ones the codec's, whose chains start then
@@ -229,19 +220,30 @@ def test_in_host_step_with_other_codecs_equals_numpy(launch, codec):
                            IN_HOST_CODECS[codec][0], steps=2, count=codec not in PHASED, sized=codec != "dithering")
 
 
-def check_in_host_policies(got, name, policies, params, steps, count=True, sized=True):
-    """Each policy's in-host reduce-scatters of ``got`` (its prefix dropped; None: the plain model)
-    against numpy, and, if ``count``, metrics()' in-host bytes; [(policy, its run)]."""
-    runs = []
-    for policy in policies:
-        prefix = "" if policy is None else f"{policy}/"
-        run = [{k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)} for arrays in got]
-        sent = check_in_host_reduce_scatters(run, 2, f"{name}/{prefix}", steps=steps, params=params,
-                                             rounded=IN_HOST_ROUNDED.get(policy))
-        if count:
-            check_in_host_bytes(run, sent, 2, steps, "bytes/", itemsize=ITEMSIZE.get(policy, 4), sized=sized)
-        runs.append((policy, run))
-    return runs
+@pytest.mark.parametrize("run", ["dense", "topk"])
+def test_diloco_over_fsdp2_shards_equals_the_recomputation(launch, run):
+    """bps_gc.torch.DiLoCo across mesh["replicate"] over the MLP sharded on mesh["shard"]
+    (FSDP2 inside each replica, no hooks), H = 2, 6 SGD steps: every rank's full parameters
+    after every step equal fsdp_diloco_oracle's one-process recomputation within 1e-6 (dense;
+    top-k 25% + EF: each shard's pseudo-gradient through its numpy chains named ``<fqn>#shard<i>``),
+    the replicas bit-identical after each sync and apart between; refused in one line: no
+    replicate group, mesh["shard"]'s, a model sharded on the 2-D mesh."""
+    got, want = part(launch, f"diloco_{run}"), diloco_reference(6, 2, None if run == "dense" else TOPK)
+    for step in range(6):
+        for r in range(4):
+            for name, _ in PARAMS:
+                np.testing.assert_allclose(got[r][f"full/{step}/{name}"], want[step][r // 2][name], rtol=1e-6,
+                                           atol=1e-7, err_msg=f"{run} step {step} rank {r} {name}")
+        same = got[0][f"full/{step}/0.weight"].tobytes() == got[2][f"full/{step}/0.weight"].tobytes()
+        assert same == (step % 2 == 1), (run, step)
+    if run == "dense":
+        refusals = [str(r) for r in launch[0]["refusals"][4:7]]
+        assert refusals[0].startswith("DiLoCo: '0.weight' is a DTensor (a model sharded with fully_shard): pass "
+                                      "the process group"), refusals[0]
+        assert refusals[1].startswith("DiLoCo: the ranks of replicate (ranks [0, 1]) hold different shards"), refusals
+        assert refusals[2].startswith("DiLoCo: '0.weight' is sharded on a 2-D mesh: shard the model on "
+                                      "mesh['shard'] alone"), refusals[2]
+        assert not any("\n" in r for r in refusals)
 
 
 def test_bytes_per_step_and_codec_memory(topk_run):

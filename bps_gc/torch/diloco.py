@@ -21,6 +21,7 @@ over the H steps (Streaming DiLoCo). On torch.distributed a replica may be sever
 ``replicate`` is the process group the pseudo-gradients are averaged over (default: every
 rank); on the parameter server every worker is a replica (a group is refused), or with
 ``replicate="hosts"`` every host, its local ranks each pushing their own part (diloco_hosts.py).
+A model sharded with FSDP2 inside each replica: diloco_sharded.py.
 
 A warm phase (``warm_steps=W, warm_every=H0``, docs/diloco.md "A warm phase"): for the first W
 inner steps, every H0 steps the whole model's pseudo-gradients go through the same exchange and
@@ -37,6 +38,7 @@ from .diloco_elastic import join as elastic_join
 from .diloco_servers import (PLAIN_AVERAGE, SERVERS_GLOBAL, check_servers_step, default_outer_step, server_settings,
                              servers_codec)
 from .diloco_hosts import HostPartsExchange
+from .diloco_sharded import local, shard_names
 from .exchange import interruptible_wait, named_exchange
 
 
@@ -84,6 +86,7 @@ class DiLoCo:
         if outer_step not in (None, "workers", "servers"):
             raise ValueError(f"DiLoCo: outer_step must be 'workers', 'servers' or None (the transport's default), "
                              f"got {outer_step!r}")
+        named = shard_names(named, replicate)  # FSDP2's DTensors: each rank's local shard, named by it
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
         self.hosts = replicate == "hosts"
         self.delay, self.warm_steps, self.warm_every = delay, warm_steps, warm_every
@@ -92,7 +95,7 @@ class DiLoCo:
         self.fragments = []
         for f in range(fragments):
             part = named[cuts[f]:cuts[f + 1]]
-            copies = [p.detach().float().clone() for _, p in part]
+            copies = [local(p).detach().float().clone() for _, p in part]
             outer = make_outer(copies)
             if not isinstance(outer, torch.optim.Optimizer):
                 raise TypeError(f"DiLoCo: outer_optimizer must return a torch.optim.Optimizer, got "
@@ -111,7 +114,8 @@ class DiLoCo:
         reducer = "outer_sgd" if self.on_servers else None
         try:
             self.exchange = HostPartsExchange(compression_params, named, reducer) if self.hosts else \
-                named_exchange(compression_params, named, replicate, reducer=reducer, on_servers=self.on_servers)
+                named_exchange(compression_params, [(name, local(p)) for name, p in named], replicate,
+                               reducer=reducer, on_servers=self.on_servers)
         except ValueError as e:
             raise ValueError(f"DiLoCo: {e}") from None
         self.steps = 0  # inner steps taken
@@ -228,7 +232,7 @@ class DiLoCo:
         if self.hosts:  # each local rank its own part only (diloco_hosts.py)
             pending = self.exchange.start(named, copies, ctx=settings)
         else:
-            pseudo = [(name, copy - p.detach().float()) for (name, p), copy in zip(named, copies)]
+            pseudo = [(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)]
             pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
                 self.exchange(pseudo, group=self.replicate)  # None: every rank
         for f in fragments:
@@ -250,6 +254,7 @@ class DiLoCo:
             fragment.outer.zero_grad(set_to_none=True)
         alpha = 0.0 if warm else self.alpha  # the warm phase's replicas restart from the average
         for (_, p), copy in zip(fragment.named, fragment.copies):
+            p = local(p)  # a DTensor's shard: its own storage
             p.copy_(copy if alpha == 0.0 else alpha * p.float() + (1 - alpha) * copy)
         fragment.pending = fragment.due = None
 

@@ -1,0 +1,46 @@
+"""DiLoCo over a model sharded with FSDP2 inside each replica: ``fully_shard(..., mesh=mesh["shard"])``
+(no register_fsdp_hooks: FSDP2's reduce-scatter averages the inner gradients over the host's
+ranks, and nothing crosses hosts between syncs), ``replicate=mesh["replicate"]``'s group:
+
+    opt = bps_gc.torch.DiLoCo(model, torch.optim.AdamW(model.parameters()), sync_every=50,
+                              replicate=mesh["replicate"].get_group(), compression_params=...)
+
+The parameters are DTensors; DiLoCo keeps a global copy of each rank's local shard alone and
+averages its pseudo-gradient over ``replicate``, whose ranks hold the same shard on every
+host, under the name ``<fqn>#shard<i>`` (i: the shard's index on its 1-D mesh), as
+register_fsdp_hooks names its parts: its codec state follows the shard.
+"""
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def local(parameter):
+    """The tensor DiLoCo reads and writes for ``parameter``: a DTensor's local shard (a view of
+    its storage), else the parameter itself."""
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
+
+
+def shard_names(named, replicate):
+    """``named`` [(name, parameter)] with each DTensor renamed ``<name>#shard<i>``; a ValueError,
+    in one line, where DiLoCo cannot average its shards: no process group to average over, a
+    mesh of more than one dimension, or ranks of ``replicate`` that hold different shards."""
+    sharded = [(name, p) for name, p in named if isinstance(p, DTensor)]
+    if not sharded:
+        return named
+    if replicate is None or isinstance(replicate, str):
+        raise ValueError(f"DiLoCo: {sharded[0][0]!r} is a DTensor (a model sharded with fully_shard): pass the "
+                         "process group of the ranks that hold the same shard on every replica, "
+                         "replicate=mesh['replicate'].get_group(), on torch.distributed")
+    meshes = {p.device_mesh.ndim for _, p in sharded}
+    if meshes != {1}:
+        raise ValueError(f"DiLoCo: {sharded[0][0]!r} is sharded on a {max(meshes)}-D mesh: shard the model on "
+                         "mesh['shard'] alone (fully_shard(..., mesh=mesh['shard'])) and pass "
+                         "replicate=mesh['replicate'].get_group()")
+    shards = {name: p.device_mesh.get_local_rank() for name, p in sharded}
+    everyone = [None] * dist.get_world_size(replicate)
+    dist.all_gather_object(everyone, shards, group=replicate)  # once, where the DiLoCo is made
+    if any(other != shards for other in everyone):
+        raise ValueError(f"DiLoCo: the ranks of replicate (ranks {dist.get_process_group_ranks(replicate)}) hold "
+                         "different shards of the model: pass the group of the ranks with the same place on the "
+                         "shard mesh, mesh['replicate'].get_group()")
+    return [(f"{name}#shard{shards[name]}" if name in shards else name, p) for name, p in named]

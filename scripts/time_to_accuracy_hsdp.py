@@ -4,7 +4,9 @@ machines x --local-ranks ranks (>= 2), the GPT sharded with FSDP2 over each mach
 the 2-D mesh: FSDP2's dense all-reduce of the gradient shards across the machines) and
 bps_gc.torch.register_fsdp_hooks on mesh["replicate"] with thc 4-bit, PowerSGD rank 4 and
 top-k 1% + error feedback (with --rows naming them, also PowerSGD r8 and r16, thc 8-bit and
-"PowerSGD r4|r8 after 30|60 dense": register_fsdp_hooks' dense_steps). In network namespaces
+"PowerSGD r4|r8 after 30|60 dense": register_fsdp_hooks' dense_steps; "HSDP + DiLoCo dense|thc
+4-bit": bps_gc.torch.DiLoCo across the machines over the model sharded in each, with the LM
+rows' --diloco-* flags, evaluated on the replica's parameters). In network namespaces
 (--shaped RATE) a machine's ranks talk over its loopback, unshaped (FSDP2's in-host all-gather
 and reduce-scatter), and the machines over their NICs, shaped to RATE.
 
@@ -36,20 +38,24 @@ MORE_HOOKS = {"HSDP hooks PowerSGD r8": {"compressor": "powersgd", "rank": 8},
               "HSDP hooks thc 8-bit": {**THC, "bits": 8}}
 # "<hook row> after N dense": its first N steps averaged dense (register_fsdp_hooks' dense_steps)
 DENSE_FIRST = tuple(f"HSDP hooks PowerSGD r{r} after {n} dense" for r in (4, 8) for n in (30, 60))
+# DiLoCo across the machines over the model sharded in each (no hooks: nothing crosses the
+# machines between syncs; docs/diloco.md "A sharded model inside each replica"), at
+# --diloco-every and its warm phase and outer lr flags; run only when --rows names them
+DILOCO = ("HSDP + DiLoCo dense", "HSDP + DiLoCo thc 4-bit")
 NATIVE = "native HSDP"
 LIMIT = "the limit (no cross-host exchange)"
 
 
 def dense_steps(config):
     """A row's dense steps before its codec: the number before " dense" in its name, else 0."""
-    return int(config.rsplit(" ", 2)[1]) if config.endswith(" dense") else 0
+    return int(config.rsplit(" ", 2)[1]) if config.endswith(" dense") and config not in DILOCO else 0
 
 
 def rows(wanted):
     """The run's configurations: the limit and native HSDP, then the hook rows ``wanted`` keeps."""
     named = not wanted("")  # --rows given
     return (LIMIT, NATIVE, *(name for name in HOOKS if wanted(name)),
-            *(name for name in (*MORE_HOOKS, *DENSE_FIRST) if named and wanted(name)))
+            *(name for name in (*MORE_HOOKS, *DENSE_FIRST, *DILOCO) if named and wanted(name)))
 
 
 class Rank:
@@ -67,10 +73,16 @@ class Rank:
         from hsdp import padded_shard_bytes, shard_gpt
         from lm_training import build_model, make_optimizer
         model = build_model(self.args, self.run.device)
-        how = {LIMIT: "none", NATIVE: "native"}.get(config, "hooks")
+        diloco = config in DILOCO
+        how = "none" if diloco else {LIMIT: "none", NATIVE: "native"}.get(config, "hooks")
         shard_gpt(model, self.mesh, how, {**HOOKS, **MORE_HOOKS}.get(config.split(" after ")[0]), dense_steps(config))
-        fixed = {"none": 0, "native": padded_shard_bytes(model)}.get(how)
-        return model, make_optimizer(self.args, model), fixed
+        fixed = None if diloco else {"none": 0, "native": padded_shard_bytes(model)}.get(how)
+        opt = make_optimizer(self.args, model)
+        if diloco:  # the scripts' DiLoCo settings (tta_lm_diloco.py), F = 1, across mesh["replicate"]
+            from tta_lm_diloco import DILOCO as SETTINGS, make_diloco
+            opt = make_diloco(self.run.bps, model, opt, self.args, SETTINGS[config.split("DiLoCo ")[1]],
+                              replicate=self.mesh["replicate"].get_group())
+        return model, opt, fixed
 
     def loss(self, model):
         """Rank 0's validation loss on every rank (every rank runs the FSDP forward)."""

@@ -52,12 +52,13 @@ def diloco_rows(args):
     return {f"bps_gc DiLoCo H={args.diloco_every}{warm} {name}": settings for name, settings in DILOCO.items()}
 
 
-def make_diloco(bps, model, opt, args, settings):
-    """bps_gc.torch.DiLoCo over ``opt`` with a row's (fragments, delay, compression_params)."""
+def make_diloco(bps, model, opt, args, settings, replicate=None):
+    """bps_gc.torch.DiLoCo over ``opt`` with a row's (fragments, delay, compression_params), its
+    replicas every rank, or ``replicate``'s (a process group: the HSDP rows')."""
     import torch
     fragments, delay, compression = settings
     warm = {"warm_steps": args.diloco_warm_steps, "warm_every": args.diloco_warm_every} if args.diloco_warm_steps else {}
     lr = args.diloco_outer_lr
     outer = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True)  # noqa: E731
     return bps.DiLoCo(model, opt, args.diloco_every, outer_optimizer=outer, fragments=fragments, delay=delay,
-                      compression_params=compression, **warm)
+                      compression_params=compression, replicate=replicate, **warm)

@@ -13,7 +13,8 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
   FSDP2's own reduce-scatter); spec "widths": the MLP's; spec "dense_steps": the hooks';
 * "resume" (init_process_group, then bps_gc.torch.init() adopting that group, as FSDP2 scripts
   do), one model per spec "runs" entry (its name: its compression_params; spec "dense_steps"
-  {run: the hooks' dense_steps}), spec "phase": "first" trains ``stop_at`` steps, saves the
+  {run: the hooks' dense_steps}; spec "diloco" {run: compression_params}: a DiLoCo over the
+  model sharded without hooks, H = 2, its own state in OUT/diloco<rank>.pt), spec "phase": "first" trains ``stop_at`` steps, saves the
   models and optimizers (torch.distributed.checkpoint, OUT/dcp) and bps_gc.torch.state_dict() (OUT/bps<rank>.pt),
   then trains on to ``steps``; "resumed" builds afresh, loads them and trains the rest, then
   trains straight runs (no checkpoint) in the same process, and hands their DTensor parameters
@@ -125,6 +126,31 @@ def parameters(model, prefix=""):
     return {**full, **{f"{prefix}local/{name}": p.to_local().detach().numpy() for name, p in model.named_parameters()}}
 
 
+def with_diloco(params, sync_every=2):
+    """(the MLP sharded on mesh["shard"] without hooks, None, bps_gc.torch.DiLoCo over its SGD
+    with momentum across mesh["replicate"], ``params`` its codec)."""
+    model, _, opt = build(hooks=False, momentum=0.9)
+    return model, None, bps.DiLoCo(model, opt, sync_every, replicate=mesh["replicate"].get_group(),
+                                   compression_params=params)
+
+
+def checkpoints(runs, ckpt):
+    """[(checkpoint_id, process group, {run: (model, exchange, optimizer)})] that
+    torch.distributed.checkpoint saves and loads: the hooks' runs over every rank (the replicas
+    hold the same model); each DiLoCo run per replica, over its shard group, whose ranks hold
+    that replica's own model (between syncs the replicas differ, and one checkpoint over every
+    rank would keep one replica's shards for both)."""
+    hooked = {run: r for run, r in runs.items() if not isinstance(r[2], bps.DiLoCo)}
+    replica = mesh.get_coordinate()[0]
+    return [(ckpt, None, hooked)] + [(f"{ckpt}_{run}_replica{replica}", mesh["shard"].get_group(), {run: r})
+                                    for run, r in runs.items() if run not in hooked]
+
+
+def inner(opt):
+    """The torch optimizer torch.distributed.checkpoint saves: a DiLoCo's inner one."""
+    return opt.inner if isinstance(opt, bps.DiLoCo) else opt
+
+
 def resume(spec):
     """Each run's arrays prefixed "<run>/": the models, one per spec "runs" entry, are trained,
     saved and loaded together, as one script's several models would be; SGD with momentum, whose
@@ -134,27 +160,40 @@ def resume(spec):
     in_host, dense = spec.get("in_host", {}), spec.get("dense_steps", {})
     runs = {run: build(compression_params=params, shard_compression_params=in_host.get(run),
                        dense_steps=dense.get(run, 0), momentum=0.9) for run, params in spec["runs"].items()}
+    runs.update({run: with_diloco(params) for run, params in spec.get("diloco", {}).items()})
 
     def train_all(steps):
         for model, _, opt in runs.values():
             train(model, opt, steps)
     if spec["phase"] == "first":
         train_all(range(stop_at))
-        dcp.save({run: dict(zip(("model", "optim"), get_state_dict(model, opt)))
-                  for run, (model, _, opt) in runs.items()}, checkpoint_id=ckpt)
+        for where, group, some in checkpoints(runs, ckpt):
+            dcp.save({run: dict(zip(("model", "optim"), get_state_dict(model, inner(opt))))
+                      for run, (model, _, opt) in some.items()}, checkpoint_id=where, process_group=group)
         bps.save_checkpoint(bps.state_dict(), os.path.join(out, f"bps{rank}.pt"))
+        torch.save({run: {k: v for k, v in opt.state_dict().items() if k != "inner"}  # DiLoCo's own
+                    for run, (_, _, opt) in runs.items() if isinstance(opt, bps.DiLoCo)}, os.path.join(out, f"diloco{rank}.pt"))
         train_all(range(stop_at, steps))
         return {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/first/").items()}
-    saved = {run: dict(zip(("model", "optim"), get_state_dict(model, opt))) for run, (model, _, opt) in runs.items()}
-    dcp.load(saved, checkpoint_id=ckpt)
+    saved = {run: dict(zip(("model", "optim"), get_state_dict(model, inner(opt)))) for run, (model, _, opt) in runs.items()}
+    for where, group, some in checkpoints(runs, ckpt):
+        dcp.load({run: saved[run] for run in some}, checkpoint_id=where, process_group=group)
     for run, (model, _, opt) in runs.items():
-        set_state_dict(model, opt, model_state_dict=saved[run]["model"], optim_state_dict=saved[run]["optim"])
+        set_state_dict(model, inner(opt), model_state_dict=saved[run]["model"], optim_state_dict=saved[run]["optim"])
     bps.load_state_dict(bps.load_checkpoint(os.path.join(out, f"bps{rank}.pt")))
+    own = torch.load(os.path.join(out, f"diloco{rank}.pt"), weights_only=True)
+    for run, (_, _, opt) in runs.items():
+        if isinstance(opt, bps.DiLoCo):
+            opt.load_state_dict({**own[run], "inner": opt.inner.state_dict()})
     train_all(range(stop_at, steps))
     result = {k: v for run, (model, _, _) in runs.items() for k, v in parameters(model, f"{run}/resumed/").items()}
     for run, params in spec["runs"].items():
         straight, _, opt = build(compression_params=params, shard_compression_params=in_host.get(run),
                                  dense_steps=dense.get(run, 0), momentum=0.9)
+        train(straight, opt, range(steps))
+        result.update(parameters(straight, f"{run}/straight/"))
+    for run, params in spec.get("diloco", {}).items():
+        straight, _, opt = with_diloco(params)
         train(straight, opt, range(steps))
         result.update(parameters(straight, f"{run}/straight/"))
     # a sharded model's DTensors handed to DistributedOptimizer and to the DDP hook: refused, naming the hooks

@@ -31,6 +31,7 @@ def run(spec, tmp_path, ranks=4):
 # resume_runs' models (SGD with momentum, 6 steps, saved after step 3): top-k + EF, thc 4-bit + EF, top-k
 # + EF in the host only ("inhost": dense across replicas), top-k + EF from step 4 (after the resume)
 RESUME = {"mode": "resume", "steps": 6, "stop_at": 3, "in_host": {"inhost": TOPK}, "dense_steps": {"dense_first": 4},
+          "diloco": {"diloco": TOPK},  # DiLoCo over the shards, H = 2: saved mid-window (step 3)
           "runs": {"topk": TOPK, "thc": THC, "inhost": None, "dense_first": TOPK}}
 
 
@@ -348,7 +349,7 @@ def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):
     """Every shard's error-feedback residual, reducer state and step count come back: without
     them (the codecs afresh) the resumed run differs from the straight one."""
     for r, got in enumerate(resume_runs["resumed"]):
-        for run in ("topk", "thc", "inhost", "dense_first"):
+        for run in ("topk", "thc", "inhost", "dense_first", "diloco"):
             for name, _ in PARAMS:
                 for kind in ("full", "local"):
                     assert got[f"{run}/resumed/{kind}/{name}"].tobytes() == \
@@ -362,7 +363,7 @@ def test_two_launches_of_the_same_job_end_bit_identical(resume_runs):
     """The first launch (a checkpoint saved midway) and the second's straight run: runs repeat."""
     for r in range(4):
         first, straight = resume_runs["first"][r], resume_runs["resumed"][r]
-        for run in ("topk", "thc", "inhost"):
+        for run in ("topk", "thc", "inhost", "diloco"):
             for name, _ in PARAMS:
                 assert first[f"{run}/first/full/{name}"].tobytes() == \
                     straight[f"{run}/straight/full/{name}"].tobytes(), f"rank {r} {run} {name}"

@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=10, help="mnist: epochs")
     p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (mnist 10, lm 25)")
     p.add_argument("--local-ranks", type=int, default=1, metavar="L", help="ranks per machine (1)")
+    p.add_argument("--machines", type=int, default=MACHINES, metavar="M",
+                   help=f"lm: machines, each a replica of DDP or DiLoCo ({MACHINES}; the HSDP rows: 2)")
     p.add_argument("--slack", type=float, default=None, help="mnist: target = dense final accuracy - slack "
                    "(0); lm: target = the reference's final validation loss + slack (0.02 nats per byte)")
     p.add_argument("--shaped", metavar="RATE", help="one namespace per rank, NICs shaped to RATE (root)")
@@ -87,6 +89,9 @@ def parse_args(argv=None):
     check_tcp_congestion(p, args)
     if args.local_ranks < 1:
         p.error("--local-ranks must be >= 1")
+    if args.machines < 2 or (args.machines != MACHINES and (args.task != "lm" or args.hsdp)):
+        p.error(f"--machines must be >= 2, and other than {MACHINES} for --task lm's data-parallel and DiLoCo rows "
+                f"only, got {args.machines}")
     if args.hsdp and (args.task != "lm" or args.local_ranks < 2):
         p.error("--hsdp needs --task lm and --local-ranks >= 2 (a machine's ranks shard the model)")
     if args.task == "lm":
@@ -205,19 +210,19 @@ def run_clusters(args, topo, log_dir):
             port, local = topo.port(), args.local_ranks
             if transport == "collective":
                 plan = [(f"rank{r}", topo.wrap(r // local, cmd), child_env(
-                    {"RANK": str(r), "WORLD_SIZE": str(MACHINES * local), "LOCAL_RANK": str(r % local),
+                    {"RANK": str(r), "WORLD_SIZE": str(args.machines * local), "LOCAL_RANK": str(r % local),
                      "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(r // local),
                      "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                      "GLOO_SOCKET_IFNAME": topo.veth(r // local) or "lo", "BPS_GC_TRANSPORT": "collective",
                      "BPS_GC_TTA_HOST": topo.host(r // local)}))  # lm: torchft's row's own address
-                    for r in range(MACHINES * local)]
+                    for r in range(args.machines * local)]
             else:  # one bpslaunch per machine, as on a cluster; its ranks are its children
-                common = {**cluster_env(topo, MACHINES, MACHINES, port), "OMP_NUM_THREADS": "1",
+                common = {**cluster_env(topo, args.machines, args.machines, port), "OMP_NUM_THREADS": "1",
                           "BPS_GC_TRANSPORT": "ps",  # lm: every tensor compressed, as the hook rows do
                           **({"BYTEPS_MIN_COMPRESS_BYTES": "0"} if args.task == "lm" else {})}
-                plan = node_plan(topo, common, list(range(MACHINES)), [PY, "-m", "bps_gc.launcher.cli"])
+                plan = node_plan(topo, common, list(range(args.machines)), [PY, "-m", "bps_gc.launcher.cli"])
                 plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
-                          child_env(worker_env(topo, common, w, local))) for w in range(MACHINES)]
+                          child_env(worker_env(topo, common, w, local))) for w in range(args.machines)]
             try:
                 run_cluster(children, plan, {name for name, _, _ in plan if name.startswith("rank")}, 3600, log_dir)
             except ClusterFailed as e:
@@ -242,7 +247,8 @@ def time_to(curve, target):
 
 
 def ranks_of(args):
-    return f"{MACHINES} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{MACHINES} ranks"
+    machines = getattr(args, "machines", MACHINES)
+    return f"{machines} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{machines} ranks"
 
 
 def save(args, summary, series, target, ylabel, ylim=None):
@@ -292,7 +298,7 @@ def main(argv=None):
     if args.shaped:
         netns = import_netns()
         try:
-            net = netns.SwitchedMachines(args.shaped, MACHINES, congestion=args.tcp_congestion).__enter__()
+            net = netns.SwitchedMachines(args.shaped, args.machines, congestion=args.tcp_congestion).__enter__()
             where = (f"{args.shaped} shaped (one namespace per machine; {net.describe()}; bps_gc's links: "
                      f"{bps_gc_congestion() or 'the default'})")
         except netns.NetnsUnavailable as e:
@@ -338,7 +344,7 @@ def report(args, results, where):
         final = f"{r['final_accuracy']:9.4f}" if r["final_accuracy"] is not None else f"{'-':>9}"
         print(f"{name:42} {shown} {ratio:>8} {final} {r['train_seconds']:8.2f} {speed:>14}")
     summary = {"task": "mnist", "target": target, "epochs": args.epochs, "link": where, "command": sys.argv,
-               "machines": MACHINES, "local_ranks": args.local_ranks, "machine": machine_info(),
+               "machines": args.machines, "local_ranks": args.local_ranks, "machine": machine_info(),
                "compute_seconds_per_step": compute, "rows": rows, "curves": curves}
     series = {name: ([t for t, _, _ in c], [a for _, a, _ in c]) for name, c in curves.items()}
     series[LIMIT] = ([limit, limit], [0.8, 1.0])

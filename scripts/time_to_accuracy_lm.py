@@ -362,7 +362,7 @@ def print_table(rows, info, rate_bits=None):
 def report(args, results, where):
     """Print the table, write the JSON and the plot (time_to_accuracy.py's save)."""
     from bench_common import machine_info
-    from time_to_accuracy import MACHINES, ranks_of, save
+    from time_to_accuracy import ranks_of, save
     rows, info = table(args, results)
     print(f"{ranks_of(args)}, {where}; {machine_info()}; {args.steps} steps of {args.batch_size} x {args.context} "
           f"bytes per rank; model {args.layers} layers x {args.width}")
@@ -375,7 +375,7 @@ def report(args, results, where):
     if same_step:  # DDP dense on the link against its arithmetic without the exchange
         s, on_link, ref = same_step[-1]
         print(f"check: DDP dense's val loss at step {s} is {on_link:.5f}, the reference's {ref:.5f}")
-    summary = {"task": "lm", **info, "link": where, "command": sys.argv, "machines": MACHINES,
+    summary = {"task": "lm", **info, "link": where, "command": sys.argv, "machines": args.machines,
                "local_ranks": args.local_ranks, "machine": machine_info(), "steps": args.steps,
                "model": {k: getattr(args, k) for k in ("layers", "width", "heads", "context", "batch_size")},
                "rows": rows, "reference": results["reference"],

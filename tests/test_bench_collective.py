@@ -1,7 +1,11 @@
-"""scripts/bench_collective.py runs end to end (a few rows, quick rounds) and writes its JSON."""
+"""scripts/bench_collective.py runs end to end (a few rows, quick rounds) and writes its JSON; so does
+scripts/time_to_accuracy.py (one MNIST epoch), whose --machines is refused where it cannot run."""
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -34,3 +38,19 @@ def test_time_to_accuracy_one_epoch(tmp_path):
     assert limit["seconds_to_target"] == limit["steps_to_target"] * data["compute_seconds_per_step"] > 0
     assert all(r["final_accuracy"] > 0.5 for n, r in data["rows"].items() if n != "the limit (no exchange)")
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "lm", "--machines", "1"], "--machines must be >= 2"),
+    (["--machines", "4"], "other than 2 for --task lm's data-parallel and DiLoCo rows only, got 4"),
+    (["--task", "lm", "--hsdp", "--local-ranks", "2", "--machines", "3"], "--machines must be >= 2, and other than 2"),
+])
+def test_time_to_accuracy_refuses_machines_it_cannot_run(argv, message, capsys):
+    """--machines: 2 or more, and other than 2 for the LM's data-parallel and DiLoCo rows only
+    (the MNIST rows and the HSDP table run 2 machines): refused in one line at the parse."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import time_to_accuracy
+    with pytest.raises(SystemExit) as exit_:
+        time_to_accuracy.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert time_to_accuracy.parse_args(["--task", "lm", "--machines", "4"]).machines == 4

@@ -247,8 +247,7 @@ def time_to(curve, target):
 
 
 def ranks_of(args):
-    machines = getattr(args, "machines", MACHINES)
-    return f"{machines} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{machines} ranks"
+    return f"{args.machines} machines x {args.local_ranks} ranks" if args.local_ranks > 1 else f"{args.machines} ranks"
 
 
 def save(args, summary, series, target, ylabel, ylim=None):

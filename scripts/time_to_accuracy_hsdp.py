@@ -47,8 +47,8 @@ LIMIT = "the limit (no cross-host exchange)"
 
 
 def dense_steps(config):
-    """A row's dense steps before its codec: the number before " dense" in its name, else 0."""
-    return int(config.rsplit(" ", 2)[1]) if config.endswith(" dense") and config not in DILOCO else 0
+    """A hook row's dense steps before its codec: the number before " dense" in its name, else 0."""
+    return int(config.rsplit(" ", 2)[1]) if config.endswith(" dense") else 0
 
 
 def rows(wanted):
@@ -75,7 +75,8 @@ class Rank:
         model = build_model(self.args, self.run.device)
         diloco = config in DILOCO
         how = "none" if diloco else {LIMIT: "none", NATIVE: "native"}.get(config, "hooks")
-        shard_gpt(model, self.mesh, how, {**HOOKS, **MORE_HOOKS}.get(config.split(" after ")[0]), dense_steps(config))
+        shard_gpt(model, self.mesh, how, {**HOOKS, **MORE_HOOKS}.get(config.split(" after ")[0]),
+                  dense_steps(config) if how == "hooks" else 0)
         fixed = None if diloco else {"none": 0, "native": padded_shard_bytes(model)}.get(how)
         opt = make_optimizer(self.args, model)
         if diloco:  # the scripts' DiLoCo settings (tta_lm_diloco.py), F = 1, across mesh["replicate"]

@@ -4,6 +4,8 @@ shard, and the in-host step's reduce-scatters (shard_compression_params) over a 
 on torch.distributed (test_fsdp.py) and on the parameter server (test_fsdp_ps.py)."""
 import numpy as np
 
+from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE
+
 from bps_gc.compress import build_chain
 from bps_gc.compress.params import CompressionParams
 from bps_gc.compress.reducers import choose_reducer
@@ -154,7 +156,6 @@ def check_in_host_bytes(got, sent, shards, steps, prefix="", itemsize=4, sized=T
 def check_in_host_policies(got, name, policies, params, steps, count=True, sized=True):
     """Each policy's in-host reduce-scatters of ``got`` (its prefix dropped; None: the plain model)
     against numpy, and, if ``count``, metrics()' in-host bytes; [(policy, its run)]."""
-    from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE  # the launch's policies' dtypes
     runs = []
     for policy in policies:
         prefix = "" if policy is None else f"{policy}/"

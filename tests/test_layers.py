@@ -125,6 +125,17 @@ def test_server_runs_without_frameworks():
     assert result.returncode == 0, result.stderr
 
 
+def test_torch_binding_leaves_sharding_modules_unloaded():
+    # every launched rank imports bps_gc.torch: DTensor and FSDP2 (which pull in sympy) cost
+    # about 0.8 s of CPU a rank, so only the ranks that shard a model load them
+    code = ("import sys, bps_gc.torch\n"
+            "heavy = ('sympy', 'torch.distributed.tensor', 'torch.distributed.fsdp', 'torch._dynamo')\n"
+            "loaded = [m for m in heavy if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 def module_name(path, root=ROOT):
     rel = os.path.relpath(path, root).removesuffix(".py").split(os.sep)
     return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)

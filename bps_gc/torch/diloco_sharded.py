@@ -11,20 +11,21 @@ host, under the name ``<fqn>#shard<i>`` (i: the shard's index on its 1-D mesh), 
 register_fsdp_hooks names its parts: its codec state follows the shard.
 """
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from .dtensors import is_dtensor
 
 
 def local(parameter):
     """The tensor DiLoCo reads and writes for ``parameter``: a DTensor's local shard (a view of
     its storage), else the parameter itself."""
-    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
+    return parameter.to_local() if is_dtensor(parameter) else parameter
 
 
 def shard_names(named, replicate):
     """``named`` [(name, parameter)] with each DTensor renamed ``<name>#shard<i>``; a ValueError,
     in one line, where DiLoCo cannot average its shards: no process group to average over, a
     mesh of more than one dimension, or ranks of ``replicate`` that hold different shards."""
-    sharded = [(name, p) for name, p in named if isinstance(p, DTensor)]
+    sharded = [(name, p) for name, p in named if is_dtensor(p)]
     if not sharded:
         return named
     if replicate is None or isinstance(replicate, str):

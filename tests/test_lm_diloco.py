@@ -84,7 +84,10 @@ def test_diloco_api_on_the_parameter_server(tmp_path):
     (["--api", "diloco", "--alpha", "1"], "--alpha must be in [0, 1), got 1.0"),
     (["--api", "diloco", "--compressor", "onebit", "--compress-momentum", "nesterov"],
      "--compress-momentum moves the optimizer's momentum into the codec chain: not with --api diloco"),
-    (["--api", "diloco", "--shards", "2"], "--shards and --hsdp are --api fsdp's"),
+    (["--shards", "2"], "--shards is --api fsdp's and --api diloco's (got --api hook)"),
+    (["--api", "diloco", "--shards", "2", "--hsdp", "native"], "--hsdp is --api fsdp's: with --api diloco --shards"),
+    (["--api", "diloco", "--shards", "0"], "--shards must be >= 1, got 0"),
+    (["--api", "diloco", "--shards", "2", "--checkpoint", "x"], "--checkpoint is not supported with --shards"),
 ])
 def test_bad_diloco_api_flags_are_one_line(capsys, flags, message):
     """train.py --api diloco's flags: one line, before any launch (the parser's error, status 2)."""

@@ -2,6 +2,7 @@
 inner one, its flags, and the model a DiLoCo run evaluates, the global copy (what
 scripts/time_to_accuracy.py --task lm's DiLoCo rows evaluate too: load_global_copy)."""
 import argparse
+import contextlib
 
 import torch
 
@@ -58,16 +59,18 @@ def check_diloco_args(args, parser):
                      "diloco, whose codec compresses the pseudo-gradients")
 
 
-def make_diloco(bps, args, model, inner, params):
+def make_diloco(bps, args, model, inner, params, replicate=None):
     """bps_gc.torch.DiLoCo over ``inner`` with the flags' settings and ``params`` as the
-    pseudo-gradients' codec; what DiLoCo refuses ends the script on its one line."""
+    pseudo-gradients' codec, averaged over ``replicate`` (a sharded model's replicate group;
+    None: every rank); what DiLoCo refuses ends the script on its one line."""
     momentum = args.outer_momentum
 
     def outer(copies):
         return torch.optim.SGD(copies, lr=args.outer_lr, momentum=momentum, nesterov=momentum > 0)
     try:
         opt = bps.DiLoCo(model, inner, args.sync_every, outer_optimizer=outer, fragments=args.fragments,
-                         delay=args.delay, alpha=args.alpha, compression_params=params, outer_step=args.outer_step)
+                         delay=args.delay, alpha=args.alpha, compression_params=params, outer_step=args.outer_step,
+                         replicate=replicate)
     except ValueError as e:
         raise SystemExit(f"train.py: {e}")
     args.outer_step = opt.outer_step  # where DiLoCo's default put it, for describe()
@@ -79,6 +82,31 @@ def describe(args):
     momentum = f"momentum {args.outer_momentum}{' nesterov' if args.outer_momentum > 0 else ''}"
     return (f" (H={args.sync_every}, {args.fragments} fragment{'s' if args.fragments > 1 else ''}, delay "
             f"{args.delay}, alpha {args.alpha}, outer SGD lr {args.outer_lr} {momentum} on the {args.outer_step})")
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def global_copy_in_shards(opt, model):
+    """A model sharded with FSDP2 (``--shards``) holding ``opt``'s global copy for the block:
+    each rank's local shards are swapped for their global copies, then back. Every rank of a
+    shard group enters together (the forward gathers the shards). FSDP2 keeps the root's gathered
+    parameters after a forward without backward: resharding drops them, so that neither the
+    evaluation nor the next training step sees the other's values."""
+    from torch.distributed.fsdp import FSDPModule
+    pairs = [(p.to_local(), copy) for f in opt.fragments for (_, p), copy in zip(f.named, f.copies)]
+    kept = [shard.clone() for shard, _ in pairs]
+    reshard = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in reshard:
+        m.reshard()
+    for shard, copy in pairs:
+        shard.copy_(copy)
+    try:
+        yield model
+    finally:
+        for m in reshard:
+            m.reshard()
+        for (shard, _), value in zip(pairs, kept):
+            shard.copy_(value)
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ gradient compression: the transformer yardstick of scripts/time_to_accuracy.py -
     torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2                # native HSDP
     torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api fsdp --shards 2 --compressor powersgd --rank 4
     torchrun --nproc-per-node 2 example/pytorch/lm/train.py --api diloco --sync-every 50 --compressor thc --bits 4 --ef vanilla
+    torchrun --nproc-per-node 4 example/pytorch/lm/train.py --api diloco --shards 2 --compressor thc --bits 4 --ef vanilla
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api diloco --sync-every 50 \\
         --fragments 4 --delay 1 --compressor onebit --onebit-scaling --ef vanilla
     bpslaunch --local --workers 2 --servers 1 -- python example/pytorch/lm/train.py --api optimizer \\
@@ -25,7 +26,10 @@ inner steps with the optimizer below on each rank alone, then averages the pseud
 (global copy - local parameters) through the job's transport, compressed by the codec flags,
 and takes the outer step (Nesterov SGD, --outer-lr 0.7 --outer-momentum 0.9: the paper's) on
 the global copy; --fragments F and --delay tau are Streaming DiLoCo's (lm_diloco.py). On
-either transport; on the parameter server the servers take it by default (--outer-step). Each
+either transport; on the parameter server the servers take it by default (--outer-step).
+With --shards S (torch.distributed) each replica is S ranks sharding the model with FSDP2 on
+mesh["shard"] (their reduce-scatter averages the inner gradients), and DiLoCo averages each
+shard over mesh["replicate"] (docs/diloco.md "A sharded model inside each replica"). Each
 rank clips its own gradients; the global copy is evaluated, and bytes are per inner step.
 The model (gpt.py) and the data and its split (stdlib_text.py) are in this folder. AdamW by
 default (SGD for the codec recipes that move the momentum into the chain), a linear warm-up
@@ -43,6 +47,7 @@ saves model, optimizer and bps.state_dict() after each evaluation, and a run wit
 DIR resumes there, bit for bit.
 """
 import argparse
+import contextlib
 import copy
 import math
 import os
@@ -59,7 +64,8 @@ import bps_gc.torch as bps  # noqa: E402
 import epoch_checkpoint  # noqa: E402
 from compression_flags import add_compression_args, compression_params  # noqa: E402
 from gpt import attention_for, byte_loss, parameter_count  # noqa: E402
-from lm_diloco import add_diloco_args, check_diloco_args, describe, load_global_copy, make_diloco  # noqa: E402
+from lm_diloco import (add_diloco_args, check_diloco_args, describe, global_copy_in_shards, load_global_copy,  # noqa: E402
+                       make_diloco)
 from lm_training import (add_model_args, add_optimizer_args, build_model, check_args, clipped_step, evaluate,  # noqa: E402
                          lr_at, make_optimizer)
 from stdlib_text import Corpus, train_batch, unigram_entropy_bits, val_windows  # noqa: E402
@@ -71,8 +77,9 @@ from torch_device import PRECISION_HELP, MixedPrecision, add_device_arg, pick_de
 def build_parser():
     p = OneLineParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--api", choices=("hook", "optimizer", "fsdp", "diloco"), default="hook")
-    p.add_argument("--shards", type=int, default=None, help="--api fsdp: ranks a model is sharded over (one "
-                                                           "host's; default: LOCAL_WORLD_SIZE)")
+    p.add_argument("--shards", type=int, default=None, help="--api fsdp, --api diloco: ranks a model is sharded "
+                                                           "over with FSDP2 (one host's; --api fsdp's default: "
+                                                           "LOCAL_WORLD_SIZE; --api diloco's: none, unsharded)")
     p.add_argument("--hsdp", choices=("native", "hooks"), default=None,
                    help="--api fsdp across the replicas: native HSDP (default without --compressor) or "
                         "register_fsdp_hooks (default with one)")
@@ -110,9 +117,19 @@ def codec_params(args, parser):
 
 
 def check_fsdp_args(args, parser):
+    if args.api == "diloco" and args.shards is not None:  # DiLoCo across the replicas, FSDP2 inside each
+        if args.hsdp is not None:
+            parser.error("--hsdp is --api fsdp's: with --api diloco --shards nothing crosses the replicas between syncs")
+        if args.shards < 1:
+            parser.error(f"--shards must be >= 1, got {args.shards}")
+        if args.checkpoint:
+            parser.error("--checkpoint is not supported with --shards (its parameters are sharded DTensors)")
+        return
     if args.api != "fsdp":
-        if args.shards is not None or args.hsdp is not None:
-            parser.error("--shards and --hsdp are --api fsdp's")
+        if args.hsdp is not None:
+            parser.error(f"--hsdp is --api fsdp's (got --api {args.api})")
+        if args.shards is not None:
+            parser.error(f"--shards is --api fsdp's and --api diloco's (got --api {args.api})")
         return
     if args.checkpoint:
         parser.error("--checkpoint is not supported with --api fsdp (its parameters are sharded DTensors)")
@@ -126,14 +143,22 @@ def check_fsdp_args(args, parser):
 
 
 def shard(args, model, device, params):
-    """Shard ``model`` on the (replicas, --shards) mesh; its description for the model line."""
+    """Shard ``model`` on the (replicas, --shards) mesh (--api diloco: on mesh["shard"] alone);
+    its description for the model line, and the mesh."""
     from hsdp import mesh_for, shard_gpt
     try:
         mesh = mesh_for(args.shards, device.type)
     except ValueError as e:
         sys.exit(f"train.py: {e}")
-    shard_gpt(model, mesh, args.hsdp, params)
-    return f" ({args.hsdp} HSDP on the (replicas, shards) mesh {tuple(mesh.shape)})"
+    shard_gpt(model, mesh, "none" if args.api == "diloco" else args.hsdp, params)
+    if args.api == "diloco":
+        return f"; FSDP2 inside each replica, the (replicas, shards) mesh {tuple(mesh.shape)}", mesh
+    return f" ({args.hsdp} HSDP on the (replicas, shards) mesh {tuple(mesh.shape)})", mesh
+
+
+def evaluated_loss(evaluated, val, device, amp):
+    with evaluated() as model:
+        return evaluate(model, val, device, amp)
 
 
 def main(argv=None):
@@ -147,8 +172,9 @@ def main(argv=None):
     require_launcher("example/pytorch/lm/train.py")
     device, device_lines = pick_device(args.device)
     bps.init()
-    if args.api in ("hook", "fsdp") and not dist.is_initialized():
-        sys.exit(f"--api {args.api} needs torch.distributed: start with torchrun or 'bpslaunch --servers 0', "
+    if (args.api in ("hook", "fsdp") or args.shards) and not dist.is_initialized():
+        what = "--api diloco --shards" if args.api == "diloco" else f"--api {args.api}"
+        sys.exit(f"{what} needs torch.distributed: start with torchrun or 'bpslaunch --servers 0', "
                  "or use --api optimizer")
     rank, size = bps.rank(), bps.size()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -156,15 +182,19 @@ def main(argv=None):
     amp = MixedPrecision(device, dtype)
     attention = attention_for(device.type, dtype)
     model = build_model(args, device, attention)
-    if args.api == "fsdp":  # the optimizer is made over the sharded (DTensor) parameters
-        hsdp = shard(args, model, device, params)
+    if args.api == "diloco":  # every replica starts from rank 0's parameters (before any is a shard)
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    sharded, replicate = "", None
+    if args.shards:  # the optimizer is made over the sharded (DTensor) parameters
+        sharded, mesh = shard(args, model, device, params)
+        replicate = mesh["replicate"].get_group() if args.api == "diloco" else None
     opt = make_optimizer(args, model)
     if args.api == "fsdp":
         net = model
-    elif args.api == "diloco":  # every replica starts from rank 0's parameters
-        bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        net, opt = model, make_diloco(bps, args, model, opt, params)
-        deployed = copy.deepcopy(model)  # the global copy is evaluated, in a model of its own
+    elif args.api == "diloco":
+        net, opt = model, make_diloco(bps, args, model, opt, params, replicate)
+        # the global copy is evaluated: in a model of its own, or swapped into the shards
+        deployed = None if replicate else copy.deepcopy(model)
     elif args.api == "hook":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's
         if params:
@@ -175,7 +205,7 @@ def main(argv=None):
     say("\n".join(device_lines + [precision_line]))
     say(f"model: {parameter_count(model):,} parameters ({args.layers} layers, width {args.width}, {args.heads} heads, "
         f"context {args.context}, attention {attention}); {amp.describe()}; {size} ranks x batch {args.batch_size}; "
-        f"api {args.api}{hsdp if args.api == 'fsdp' else describe(args) if args.api == 'diloco' else ''}, "
+        f"api {args.api}{sharded if args.api == 'fsdp' else describe(args) + sharded if args.api == 'diloco' else ''}, "
         f"{args.optimizer}, compression {params or 'none'}")
     say(f"corpus: {corpus.describe()}")
     unigram = unigram_entropy_bits(corpus.train, corpus.val)
@@ -183,7 +213,11 @@ def main(argv=None):
     val = val_windows(corpus.val, args.val_windows, args.context)
     # DistributedOptimizer's state_dict() carries its codec state; the hook's and DiLoCo's go beside
     hook_state, diloco = args.api in ("hook", "diloco"), args.api == "diloco"
-    evaluated = (lambda: load_global_copy(opt, deployed)) if diloco else (lambda: model)
+    if diloco and replicate:
+        evaluated = lambda: global_copy_in_shards(opt, model)  # noqa: E731
+    else:
+        evaluated = (lambda: contextlib.nullcontext(load_global_copy(opt, deployed))) if diloco else \
+            (lambda: contextlib.nullcontext(model))
     saved = epoch_checkpoint.resume(args.checkpoint, rank, size, model, opt, summed)
     first, train_seconds = 0, 0.0
     if saved is not None:
@@ -194,7 +228,7 @@ def main(argv=None):
             bps.barrier()
         say(f"resumed from {args.checkpoint} at step {first}")
     tokens_per_step = args.batch_size * args.context * size
-    val_loss = evaluate(evaluated(), val, device, amp) if first == 0 else saved["val_loss"]
+    val_loss = evaluated_loss(evaluated, val, device, amp) if first == 0 else saved["val_loss"]
     bps.metrics()  # reset: what bps_gc carries from here is the training's exchange
     for step in range(first, args.steps):
         began = time.perf_counter()
@@ -212,7 +246,7 @@ def main(argv=None):
         if done % args.eval_every == 0 or done == args.steps:
             if diloco:  # no exchange in flight beside the checkpoint's barrier (its average kept for its step)
                 opt.wait()
-            val_loss = evaluate(evaluated(), val, device, amp)
+            val_loss = evaluated_loss(evaluated, val, device, amp)
             say(f"step {done}: train_loss={loss.item():.4f} val_loss={val_loss:.4f} bpb={val_loss / math.log(2):.4f} "
                 f"tokens_per_s={done * tokens_per_step / max(train_seconds, 1e-9):.0f}", flush=True)
             if args.checkpoint:

@@ -17,6 +17,9 @@ Then refused, each message saved: a model sharded on a mesh that is not the host
 ("unfit_in_host"), and register_fsdp_hooks(model, None) before bps.init() ("unserved"); a
 bfloat16 push_pull every rank makes, which the host would sum, is refused in one line (asserted here).
 
+Spec "diloco": DiLoCo over the sharded MLP, each host one replica (``diloco`` below), and its
+refusal of a model sharded on another mesh ("diloco_refusal").
+
 Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
 together, a step of each in turn, with SGD momentum; before step k their models and optimizers
 are saved with torch.distributed.checkpoint over the host's group (OUT/dcp<host>) and bps_gc's
@@ -219,8 +222,39 @@ for name, params in spec["runs"].items():
         one = Run(name, params)
         train([one], range(spec["steps"]))
         arrays.update(one.results())
+
+
+def diloco(name, setting, sync_every, steps):
+    """Spec "diloco" {"runs": {name: {"params": compression_params, "outer_step": ...}},
+    "sync_every", "steps"}: the MLP sharded on the host's mesh without hooks, bps_gc.torch.DiLoCo
+    with replicate="hosts" (each host one replica, each local rank pushing its own shards) over
+    its SGD; its full parameters after every step ("<name>/full/<step>/<param>") and where its
+    outer step ran ("<name>/outer_step")."""
+    model = build(mesh)
+    opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every, replicate="hosts",
+                     compression_params=setting.get("params"), outer_step=setting.get("outer_step"))
+    arrays = {f"{name}/outer_step": np.array(opt.outer_step)}
+    for step in range(steps):
+        x, y = batch(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        arrays.update({f"{name}/full/{step}/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()})
+    opt.wait()
+    return arrays
+
+
+for name, setting in spec.get("diloco", {}).get("runs", {}).items():
+    arrays.update(diloco(name, setting, spec["diloco"]["sync_every"], spec["diloco"]["steps"]))
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused
 alone = [dist.new_group([r]) for r in range(bps.local_size())][bps.local_rank()]
+if "diloco" in spec:  # so is DiLoCo's replicate="hosts" over it
+    elsewhere = build(DeviceMesh.from_group(alone, "cpu"))
+    try:
+        bps.DiLoCo(elsewhere, torch.optim.SGD(elsewhere.parameters(), lr=0.1), 2, replicate="hosts")
+        arrays["diloco_refusal"] = np.array("")
+    except ValueError as e:
+        arrays["diloco_refusal"] = np.array(str(e))
 for refused, model, params in (("refusal", build(DeviceMesh.from_group(alone, "cpu")), None),
                                # a codec that cannot take the reduce dtype (float64), across hosts, in the host
                                ("unfit", build(mesh, "fp64r"), {"compressor": "terngrad"}),

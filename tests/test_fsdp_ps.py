@@ -18,7 +18,8 @@ in-host run from the first's checkpoint (dcp, bps_gc's state) bit for bit, then 
 rank killed (``resumed_then_killed``). A third, ``bpslaunch --local`` 2 x 2 with the torch
 codec chains, is refused that bps_gc state while dcp loads the models resharded, trains dense
 as native HSDP and top-k + EF and the recipe through device chains as the numpy recomputation
-(``refused_then_hsdp``)."""
+(``refused_then_hsdp``), and DiLoCo with each host one replica over the sharded MLP as its
+recomputation (fsdp_diloco_oracle.diloco_on_hosts_equals_the_recomputation)."""
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from bps_gc import compress
 from bps_gc.comm.placement import Placement, declare_tensor
 from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
+from fsdp_diloco_oracle import diloco_on_hosts_equals_the_recomputation
 from fsdp_inhost_oracle import check_in_host_bytes, check_in_host_reduce_scatters
 from multihost import Job
 
@@ -56,6 +58,11 @@ DENSE_HALF = {"dense-bf16r": "bf16r", "dense-f16r": "f16r"}
 FP16_WIRE = {"fp16-bf16r": "bf16r", "fp16-f16r": "f16r"}
 HALF_OF = {"bf16r": torch.bfloat16, "f16r": torch.float16}
 IN_HOST = {"inhost": TOPK}  # top-k + EF in the host too (shard_compression_params), then as "topk"
+# the third launch's DiLoCo, each host a replica (fsdp_diloco_oracle): dense, the outer step on the
+# servers (the default) and the workers; top-k + EF on the workers (the servers recompress)
+DILOCO_RUNS = {"diloco_dense": {}, "diloco_dense_workers": {"outer_step": "workers"},
+               "diloco_topk": {"params": TOPK, "outer_step": "workers"}}
+DILOCO_STEPS = 4
 IN_HOST_RUNS = {**IN_HOST, **dict.fromkeys([*POLICY_RUNS, "dense-f16r"], TOPK)}  # the first launch's in-host runs
 # thc 4-bit with feedback, top-k + EF and the in-host run first, trained together with SGD
 # momentum: the job saves them (dcp and bps_gc's state) before step SAVE_AT, the second launch
@@ -359,10 +366,12 @@ def refused_then_hsdp(tmp_path, saved, first):
     OTHER_STEPS steps as native HSDP on this (2, 2) mesh (equals_hsdp), and top-k + EF and the
     onebit recipe, compressed by device chains (every shard) and recompressed by the server,
     give the numpy recomputation's bits at every hook call and its payloads' bytes, replicas
-    bit-identical."""
+    bit-identical; DiLoCo (replicate="hosts") over the sharded MLP equals its recomputation."""
     ranks = launch(tmp_path, {"runs": {"dense": None, **RECOMPRESSED}, "steps": OTHER_STEPS, "in_host": IN_HOST,
-                              "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True}},
+                              "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED, "refused": True},
+                              "diloco": {"runs": DILOCO_RUNS, "sync_every": 2, "steps": DILOCO_STEPS}},
                    OTHER_LOCAL, env={"BPS_GC_DEVICE_CODECS": "torch"})
+    diloco_on_hosts_equals_the_recomputation(ranks, DILOCO_RUNS, DILOCO_STEPS, NAMES)
     equals_hsdp(ranks, OTHER_LOCAL, OTHER_STEPS)
     for run in RECOMPRESSED:
         assert [int(a[f"{run}/device_chains"]) for a in ranks] == [len(NAMES)] * len(ranks), run
@@ -379,6 +388,7 @@ def refused_then_hsdp(tmp_path, saved, first):
         assert refused == ("bps_gc.torch state: saved by another job (world size 6 in the state, 4 here); its "
                            "per-rank codec state does not apply (set BPS_GC_RESUME_DROP_RANK_STATE=1 to start the "
                            "codecs afresh)"), refused
+
 
 
 def test_one_per_host_keys_and_refusals():

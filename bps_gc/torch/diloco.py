@@ -21,7 +21,7 @@ over the H steps (Streaming DiLoCo). On torch.distributed a replica may be sever
 ``replicate`` is the process group the pseudo-gradients are averaged over (default: every
 rank); on the parameter server every worker is a replica (a group is refused), or with
 ``replicate="hosts"`` every host, its local ranks each pushing their own part (diloco_hosts.py).
-A model sharded with FSDP2 inside each replica: diloco_sharded.py.
+A model sharded with FSDP2 inside each replica (on either transport): diloco_sharded.py.
 
 A warm phase (``warm_steps=W, warm_every=H0``, docs/diloco.md "A warm phase"): for the first W
 inner steps, every H0 steps the whole model's pseudo-gradients go through the same exchange and
@@ -38,7 +38,8 @@ from .diloco_elastic import join as elastic_join
 from .diloco_servers import (PLAIN_AVERAGE, SERVERS_GLOBAL, check_servers_step, default_outer_step, server_settings,
                              servers_codec)
 from .diloco_hosts import HostPartsExchange
-from .diloco_sharded import local, shard_names
+from .diloco_sharded import local, shard_names, shards_exchange
+from .dtensors import is_dtensor
 from .exchange import interruptible_wait, named_exchange
 
 
@@ -89,6 +90,8 @@ class DiLoCo:
         named = shard_names(named, replicate)  # FSDP2's DTensors: each rank's local shard, named by it
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
         self.hosts = replicate == "hosts"
+        # a host's replica sharded over its local ranks: each pushes its own shards whole
+        self.sharded = self.hosts and any(is_dtensor(p) for _, p in named)
         self.delay, self.warm_steps, self.warm_every = delay, warm_steps, warm_every
         make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
         cuts = [len(named) * f // fragments for f in range(fragments + 1)]
@@ -113,9 +116,13 @@ class DiLoCo:
         # parameter server: PushPullExchange, over every worker; HostPartsExchange over the hosts)
         reducer = "outer_sgd" if self.on_servers else None
         try:
-            self.exchange = HostPartsExchange(compression_params, named, reducer) if self.hosts else \
-                named_exchange(compression_params, [(name, local(p)) for name, p in named], replicate,
-                               reducer=reducer, on_servers=self.on_servers)
+            if self.sharded:
+                self.exchange = shards_exchange(compression_params, named, reducer)
+            elif self.hosts:
+                self.exchange = HostPartsExchange(compression_params, named, reducer)
+            else:
+                self.exchange = named_exchange(compression_params, [(name, local(p)) for name, p in named], replicate,
+                                               reducer=reducer, on_servers=self.on_servers)
         except ValueError as e:
             raise ValueError(f"DiLoCo: {e}") from None
         self.steps = 0  # inner steps taken
@@ -170,6 +177,9 @@ class DiLoCo:
         (diloco_elastic.py), and returns the exchanges started before its first; its inner
         optimizer and codec state start at zero. With replicate="hosts" each local rank of a
         joining host takes them from its counterpart on a live host (the whole replica's)."""
+        if self.sharded:
+            raise ValueError("DiLoCo: elastic_start: a model sharded with FSDP2 takes no elastic membership "
+                             "(BPS_GC_ELASTIC): a joining host's ranks would each need their shard's state")
         self.elastic = True
         return elastic_join(self)
 
@@ -229,11 +239,11 @@ class DiLoCo:
         fragments = (fragment, *more)  # each keeps the one future: its average holds every name
         named = [pair for f in fragments for pair in f.named]
         copies = [copy for f in fragments for copy in f.copies]
-        if self.hosts:  # each local rank its own part only (diloco_hosts.py)
+        if self.hosts and not self.sharded:  # each local rank its own part only (diloco_hosts.py)
             pending = self.exchange.start(named, copies, ctx=settings)
         else:
             pseudo = [(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)]
-            pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
+            pending = self.exchange(pseudo, ctx=settings) if self.on_servers or self.sharded else \
                 self.exchange(pseudo, group=self.replicate)  # None: every rank
         for f in fragments:
             f.pending, f.due = pending, self.steps + self.delay

@@ -8,11 +8,16 @@ ranks, and nothing crosses hosts between syncs), ``replicate=mesh["replicate"]``
 The parameters are DTensors; DiLoCo keeps a global copy of each rank's local shard alone and
 averages its pseudo-gradient over ``replicate``, whose ranks hold the same shard on every
 host, under the name ``<fqn>#shard<i>`` (i: the shard's index on its 1-D mesh), as
-register_fsdp_hooks names its parts: its codec state follows the shard.
+register_fsdp_hooks names its parts: its codec state follows the shard. On the parameter
+server, ``replicate="hosts"`` with the model sharded on ``bps_gc.torch.host_mesh()``: each
+host is one replica, and each local rank pushes its own shards (``shards_exchange``).
 """
 import torch.distributed as dist
 
+import bps_gc.core as core
+
 from .dtensors import is_dtensor
+from .exchange import PushPullExchange
 
 
 def local(parameter):
@@ -28,10 +33,13 @@ def shard_names(named, replicate):
     sharded = [(name, p) for name, p in named if is_dtensor(p)]
     if not sharded:
         return named
+    if replicate == "hosts":
+        return on_hosts(named, sharded)
     if replicate is None or isinstance(replicate, str):
         raise ValueError(f"DiLoCo: {sharded[0][0]!r} is a DTensor (a model sharded with fully_shard): pass the "
                          "process group of the ranks that hold the same shard on every replica, "
-                         "replicate=mesh['replicate'].get_group(), on torch.distributed")
+                         "replicate=mesh['replicate'].get_group(), on torch.distributed (on the parameter "
+                         "server: replicate='hosts', the model sharded on bps_gc.torch.host_mesh())")
     meshes = {p.device_mesh.ndim for _, p in sharded}
     if meshes != {1}:
         raise ValueError(f"DiLoCo: {sharded[0][0]!r} is sharded on a {max(meshes)}-D mesh: shard the model on "
@@ -45,3 +53,27 @@ def shard_names(named, replicate):
                          "different shards of the model: pass the group of the ranks with the same place on the "
                          "shard mesh, mesh['replicate'].get_group()")
     return [(f"{name}#shard{shards[name]}" if name in shards else name, p) for name, p in named]
+
+
+def on_hosts(named, sharded):
+    """The parameter server's replicate="hosts" over shards: each host one replica, sharded over
+    its local ranks (bps_gc.torch.host_mesh()), so local rank i of every host holds shard i; a
+    ValueError, in one line, for a model sharded on another mesh."""
+    size, rank = core.local_size(), core.local_rank()
+    for name, p in sharded:
+        mesh = p.device_mesh
+        if (mesh.ndim, mesh.size(), mesh.get_local_rank()) != (1, size, rank):
+            raise ValueError(f"DiLoCo: replicate='hosts' over a sharded model: {name!r} is sharded on a "
+                             f"{mesh.ndim}-D mesh of {mesh.size()} ranks as shard {mesh.get_local_rank()}, but this "
+                             f"rank is local rank {rank} of {size} (BYTEPS_LOCAL_SIZE): shard the model on "
+                             "bps_gc.torch.host_mesh()")
+    return [(f"{name}#shard{rank}" if is_dtensor(p) else name, p) for name, p in named]
+
+
+def shards_exchange(compression_params, named, reducer):
+    """The exchange of replicate="hosts" over shards: each local rank pushes its own shards
+    (``<fqn>#shard<i>``), declared ``one_per_host``, so the servers sum one push per host and the
+    replies are averaged over the hosts (or are ``outer_sgd``'s update), as register_fsdp_hooks
+    pushes them on the parameter server (fsdp_ps.py)."""
+    return PushPullExchange(compression_params, reducer, named_parameters=[(name, local(p)) for name, p in named],
+                            one_per_host=True)

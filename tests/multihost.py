@@ -11,7 +11,8 @@ from bps_gc.launcher.local import free_port
 from conftest import LAUNCH_PYTHONPATH, ROOT, alive
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from procs import child_of  # noqa: E402
+from procs import child_of, stat_fields  # noqa: E402
+from leftovers import PF_EXITING  # noqa: E402
 
 INTERVAL, TIMEOUT = 0.2, 2.0
 LAUNCH = [sys.executable, "-m", "bps_gc.launcher.cli"]
@@ -109,7 +110,8 @@ class Job:
         deadline = time.monotonic() + 3  # exited launchers' children are being reaped
         while self.leftovers() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not self.leftovers(), f"processes left behind: {self.leftovers()}"
+        left = self.leftovers()
+        assert not left, f"processes left behind: {described(left)}"
         return statuses, elapsed
 
     def leftovers(self):
@@ -121,6 +123,22 @@ class Job:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def described(pids):
+    """Each of ``pids`` as "pid (state S, parent P, exiting or not): command line", or "pid (gone)":
+    what a leftover was, for a failure seen once under load."""
+    lines = []
+    for pid in pids:
+        try:
+            fields = stat_fields(pid)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+            exiting = ", exiting" if int(fields[6]) & PF_EXITING else ""
+            lines.append(f"{pid} (state {fields[0]}, parent {fields[1]}{exiting}): {command}")
+        except (OSError, IndexError, ValueError):
+            lines.append(f"{pid} (gone)")
+    return "; ".join(lines)
 
 
 def processes_with(variable):

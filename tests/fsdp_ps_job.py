@@ -17,7 +17,9 @@ Then refused, each message saved: a model sharded on a mesh that is not the host
 ("unfit_in_host"), and register_fsdp_hooks(model, None) before bps.init() ("unserved"); a
 bfloat16 push_pull every rank makes, which the host would sum, is refused in one line (asserted here).
 
-Spec "diloco": DiLoCo over the sharded MLP, each host one replica (``diloco`` below), and its
+Spec "diloco_runs" [names]: those runs train with DiLoCo (replicate="hosts", H = 3, no hooks),
+saved and resumed as the others are (their own state in OUT/diloco<rank>.pt). Spec "diloco":
+DiLoCo over the sharded MLP, each host one replica (``diloco`` below), and its
 refusal of a model sharded on another mesh ("diloco_refusal").
 
 Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
@@ -108,14 +110,18 @@ class Run:
 
     def __init__(self, name, params, momentum=0.0):
         self.name, self.model = name, build(mesh, spec.get("policies", {}).get(name))
-        self.exchange = bps.register_fsdp_hooks(self.model, None, params,
-                                                shard_compression_params=spec.get("in_host", {}).get(name))
         self.calls, self.rs_calls, self.arrays, self.pushed, self.pulled = [], [], {}, 0, 0
         self.in_host = dict.fromkeys(IN_HOST, 0)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=momentum)
+        if name in spec.get("diloco_runs", ()):  # no hooks: DiLoCo, each host a replica, H = 3
+            self.exchange, self.opt = None, bps.DiLoCo(self.model, self.opt, 3, replicate="hosts",
+                                                       compression_params=params)
+            return
+        self.exchange = bps.register_fsdp_hooks(self.model, None, params,
+                                                shard_compression_params=spec.get("in_host", {}).get(name))
         record_calls(self.model, self.calls)
         if self.exchange.in_host is not None:
             record_reduce_scatters(self.model, self.rs_calls)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=momentum)
 
     def step(self, step):
         bps.metrics()  # from here: this step's bytes (runs trained together count apart)
@@ -133,6 +139,8 @@ class Run:
         """Its arrays, prefixed "<name>/" (module doc)."""
         arrays = dict(self.arrays)
         arrays.update({f"full/{n}": p.full_tensor().detach().numpy() for n, p in self.model.named_parameters()})
+        if self.exchange is None:  # a DiLoCo run: its parameters alone
+            return {f"{self.name}/{k}": v for k, v in arrays.items()}
         arrays.update({f"call{i}/in": c[1] for i, c in enumerate(self.calls)})
         arrays.update({f"call{i}/out": c[2] for i, c in enumerate(self.calls)})
         arrays["calls"] = np.array([c[0] for c in self.calls])
@@ -168,8 +176,13 @@ def train(runs, steps, save_at=None):
             one.step(step)
 
 
+def inner(opt):
+    """The torch optimizer torch.distributed.checkpoint saves: a DiLoCo's inner one."""
+    return opt.inner if isinstance(opt, bps.DiLoCo) else opt
+
+
 def dcp_state(runs):
-    return {one.name: dict(zip(("model", "optim"), get_state_dict(one.model, one.opt))) for one in runs}
+    return {one.name: dict(zip(("model", "optim"), get_state_dict(one.model, inner(one.opt)))) for one in runs}
 
 
 def save(runs):
@@ -177,6 +190,8 @@ def save(runs):
     host its own, OUT/dcp<host>), bps_gc's state (the codecs', the servers' of host 0's shards)."""
     dcp.save(dcp_state(runs), checkpoint_id=os.path.join(out, f"dcp{host}"))
     bps.save_checkpoint(bps.state_dict(), os.path.join(out, f"bps{rank}.pt"))
+    torch.save({one.name: {k: v for k, v in one.opt.state_dict().items() if k != "inner"}  # DiLoCo's own
+                for one in runs if isinstance(one.opt, bps.DiLoCo)}, os.path.join(out, f"diloco{rank}.pt"))
 
 
 def load(runs, saved):
@@ -185,8 +200,16 @@ def load(runs, saved):
     state = dcp_state(runs)
     dcp.load(state, checkpoint_id=os.path.join(saved, f"dcp{host}"))
     for one in runs:
-        set_state_dict(one.model, one.opt, model_state_dict=state[one.name]["model"],
+        set_state_dict(one.model, inner(one.opt), model_state_dict=state[one.name]["model"],
                        optim_state_dict=state[one.name]["optim"])
+
+
+def load_diloco(runs, saved):
+    """The DiLoCo runs' own state (global copies, outer state, step count) that ``save`` saved."""
+    own = torch.load(os.path.join(saved, f"diloco{rank}.pt"), weights_only=True)
+    for one in runs:
+        if isinstance(one.opt, bps.DiLoCo):
+            one.opt.load_state_dict({**own[one.name], "inner": one.opt.inner.state_dict()})
 
 
 if "resume" in spec:  # spec "resume": its runs, trained together from step "at", loaded from "from"
@@ -207,6 +230,7 @@ if "resume" in spec:  # spec "resume": its runs, trained together from step "at"
         load(runs, resume["from"])
         if resume.get("codecs", True):  # False: the codecs start afresh (the check that they matter)
             bps.load_state_dict(bps.load_checkpoint(codec_state))
+        load_diloco(runs, resume["from"])
         train(runs, range(resume["at"], spec["steps"]))
         resumed = {k: v for one in runs for k, v in one.results().items()}
     np.savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)

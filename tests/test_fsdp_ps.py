@@ -68,6 +68,9 @@ IN_HOST_RUNS = {**IN_HOST, **dict.fromkeys([*POLICY_RUNS, "dense-f16r"], TOPK)} 
 # momentum: the job saves them (dcp and bps_gc's state) before step SAVE_AT, the second launch
 # resumes them, the third is refused their codec state
 RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk": TOPK, **IN_HOST}
+# DiLoCo (replicate="hosts", H = 3, top-k + EF, the outer step on the servers) saved with them
+# mid-window (step SAVE_AT), resumed by the second launch
+RESUMED_DILOCO = {"diloco-topk": TOPK}
 SAVE_AT = 2
 RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4},
         **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF},
@@ -159,9 +162,15 @@ def expected_calls(ranks, run, local=LOCAL):
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path):
     (tmp_path / "job").mkdir()
-    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": RUNS, "policies": {**POLICY_RUNS, **DENSE_HALF, **FP16_WIRE},
-                                      "save": {"runs": list(RESUMED), "at": SAVE_AT}, "in_host": IN_HOST_RUNS}, LOCAL)
+    ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": {**RUNS, **RESUMED_DILOCO},
+                                      "policies": {**POLICY_RUNS, **DENSE_HALF, **FP16_WIRE},
+                                      "save": {"runs": [*RESUMED, *RESUMED_DILOCO], "at": SAVE_AT},
+                                      "in_host": IN_HOST_RUNS, "diloco_runs": list(RESUMED_DILOCO)}, LOCAL)
     check_results(ranks)
+    for i, step in ((i, step) for i in range(LOCAL) for step in range(STEPS)):  # the replicas meet at a sync
+        same = [ranks[i][k].tobytes() == ranks[LOCAL + i][k].tobytes() for k in
+                (f"diloco-topk/local/{step}/{name}" for name in NAMES)]
+        assert all(same) if step == 2 else not any(same[::2]), (i, step, same)  # H = 3: after step 2
     (tmp_path / "fault").mkdir()
     resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks)
     (tmp_path / "other").mkdir()
@@ -316,7 +325,8 @@ def dense_in_half(ranks):
 
 def resumed_then_killed(tmp_path, saved, ranks):
     """The second launch, one bpslaunch per host (both on loopback), 2 hosts x LOCAL local
-    ranks as the first: the RESUMED runs from ``saved``'s checkpoint at step SAVE_AT
+    ranks as the first: the RESUMED runs and the DiLoCo one (mid-window, its outer state on the
+    servers) from ``saved``'s checkpoint at step SAVE_AT
     (shards and bps_gc.torch.state_dict()) on to the end, which must equal the first launch's
     bit for bit at every step; then top-k + EF (in the host too) trains until local rank 1 of
     host 1 (rank VICTIM) is killed (-9) at step 3, while the others are in FSDP2's collectives on their
@@ -325,7 +335,8 @@ def resumed_then_killed(tmp_path, saved, ranks):
     stops its other ranks at once), no traceback anywhere, no process left."""
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"fault": "kill", "victim": VICTIM, "runs": {}, "steps": STEPS, "in_host": IN_HOST,
-                                "resume": {"from": str(saved), "at": SAVE_AT, "runs": RESUMED}}))
+                                "resume": {"from": str(saved), "at": SAVE_AT, "runs": {**RESUMED, **RESUMED_DILOCO}},
+                                "diloco_runs": list(RESUMED_DILOCO)}))
     hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, range(LOCAL)))} for h in range(HOSTS)}
     job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts,
               command=[sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(spec), str(tmp_path)])
@@ -348,9 +359,9 @@ def resumed_then_killed(tmp_path, saved, ranks):
     assert 1 <= len(failures) <= LOCAL and all(any(w in line for w in host1) for line in failures), report
     for r in range(HOSTS * LOCAL):
         resumed = dict(np.load(tmp_path / f"resumed{r}.npz"))
-        compared = [k for k in resumed if k.startswith(tuple(f"{run}/{kind}/" for run in RESUMED
+        compared = [k for k in resumed if k.startswith(tuple(f"{run}/{kind}/" for run in (*RESUMED, *RESUMED_DILOCO)
                                                              for kind in ("local", "full")))]
-        assert len(compared) == len(RESUMED) * (STEPS - SAVE_AT + 1) * 6, sorted(resumed)
+        assert len(compared) == (len(RESUMED) + 1) * (STEPS - SAVE_AT + 1) * 6, sorted(resumed)
         for k in compared:
             assert resumed[k].tobytes() == ranks[r][k].tobytes(), f"resumed rank {r} {k}"
     print(f"FSDP on the parameter server, rank {VICTIM} killed: launchers gone {elapsed:.1f} s later; {failures[0]}",

@@ -27,6 +27,7 @@ It prints each event as it completes, then a table and a summary line; --json wr
 """
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -202,7 +203,8 @@ class Chaos:
     def run(self):
         with open(os.path.join(self.out, "spec.json"), "w") as f:
             json.dump(dict(SPEC, stop_file=os.path.join(self.out, "stop")), f)
-        command = chaos_mnist.worker_command(self.out, os.path.join(self.out, "stop"), self.args.model_seed) \
+        command = chaos_mnist.worker_command(self.out, os.path.join(self.out, "stop"), self.args.model_seed,
+                                             scale_lr=self.args.scale_lr) \
             if self.args.task == "mnist" else None
         self.cluster = c = Cluster(self.args.workers, self.args.servers, self.out, self.args.heartbeat_timeout, command)
         self.first_event = {}  # node -> the index of the first event it logs
@@ -327,7 +329,7 @@ class Chaos:
         epochs = [(0, 0)] + [(g, e) for _, _, e, g, _ in sequence]
         hosts = {r: np.load(os.path.join(self.out, f"rank{r}.{self.start_of(n)}.npz")) for r, n in self.live.items()}
         if self.args.task == "mnist":  # no numpy oracle for torch's training: the hosts agree
-            return chaos_mnist.check(hosts, members, epochs, last)
+            return chaos_mnist.check(hosts, members, epochs, last, self.args.scale_lr)
         equal_numpy(hosts, members, epochs, last, "worker")
         return last
 
@@ -360,11 +362,17 @@ def run(argv=None):
                              "example/pytorch/train_mnist_elastic.py, its final loss beside undisturbed runs")
     parser.add_argument("--baseline-seeds", type=int, default=3, help="--task mnist: undisturbed runs to compare with")
     parser.add_argument("--model-seed", type=int, default=0, help="--task mnist: the churned run's example --seed")
+    parser.add_argument("--scale-lr", type=float, metavar="R", help="--task mnist: every run's (churned, "
+                        "undisturbed, replayed) lr is 0.1 x its step's hosts / R (the linear scaling rule)")
     parser.add_argument("--out", help="folder for the nodes' logs and arrays (a new temporary one)")
     parser.add_argument("--json", default="chaos_elastic.json")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2: one host always stays")
+    if args.scale_lr is not None and not (math.isfinite(args.scale_lr) and args.scale_lr > 0):
+        parser.error(f"--scale-lr must be a positive number of hosts, not {args.scale_lr:g}")
+    if args.scale_lr is not None and args.task != "mnist":
+        parser.error("--scale-lr is for --task mnist (the synthetic task has no learning rate)")
     out = args.out or tempfile.mkdtemp(prefix="chaos_elastic.")
     os.makedirs(out, exist_ok=True)
     print(f"chaos: {args.workers} worker hosts, {args.servers} servers, seed {args.seed}, up to {args.events} "

@@ -23,24 +23,34 @@ EXAMPLE = os.path.join(ROOT, "example", "pytorch", "train_mnist_elastic.py")
 BASELINE_BOUND = 300.0
 
 
-def worker_command(out, stop_file, seed=0, steps=None):
-    command = [sys.executable, EXAMPLE, "--out", out, "--seed", str(seed), "--sleep", "0.02"]
+LR = 0.1  # the example's --lr, passed explicitly: the lr rule is checked against it
+
+
+def worker_command(out, stop_file, seed=0, steps=None, scale_lr=None):
+    command = [sys.executable, EXAMPLE, "--out", out, "--seed", str(seed), "--sleep", "0.02", "--lr", str(LR)]
+    command += ["--scale-lr", repr(scale_lr)] if scale_lr is not None else []
     return command + (["--stop-file", stop_file] if stop_file else ["--steps", str(steps)])
 
 
-def check(hosts, members, epochs, last):
+def lr_rule(scale_lr):
+    return f"lr {LR:g} x hosts / {scale_lr:g}" if scale_lr is not None else f"lr {LR:g}"
+
+
+def check(hosts, members, epochs, last, scale_lr=None):
     """The live hosts agree step by step and at the end (``members``/``epochs``: (first step,
-    value) from the logged sequence)."""
+    value) from the logged sequence), and each step's lr is --lr (x its size / ``scale_lr``)."""
     for step in range(last + 1):
         size = len([m for g, m in members if g <= step][-1])
         epoch = [e for g, e in epochs if g <= step][-1]
+        lr = LR * size / scale_lr if scale_lr is not None else LR
         seen = {r: (int(h["crcs"][step - int(h["start"])]), int(h["sizes"][step - int(h["start"])]),
-                    int(h["epochs"][step - int(h["start"])])) for r, h in hosts.items() if step >= int(h["start"])}
+                    int(h["epochs"][step - int(h["start"])]), float(h["lrs"][step - int(h["start"])]))
+                for r, h in hosts.items() if step >= int(h["start"])}
         if not seen:  # every host of that step died since
             continue
-        assert len({crc for crc, _, _ in seen.values()}) == 1, f"the live hosts differ at step {step}: {seen}"
-        assert all((s, e) == (size, epoch) for _, s, e in seen.values()), \
-            f"at step {step} the logged sequence says size {size}, epoch {epoch}; the hosts {seen}"
+        assert len({crc for crc, _, _, _ in seen.values()}) == 1, f"the live hosts differ at step {step}: {seen}"
+        assert all((s, e, l) == (size, epoch, lr) for _, s, e, l in seen.values()), \
+            f"at step {step} the logged sequence says size {size}, epoch {epoch}, lr {lr}; the hosts {seen}"
     first = next(iter(hosts.values()))
     for r, h in hosts.items():
         assert len(h["crcs"]) == last + 1 - int(h["start"]), (r, len(h["crcs"]), last)
@@ -62,7 +72,8 @@ def compare(cluster_class, chaos, args, out, steps):
     for seed in range(args.baseline_seeds):
         folder = os.path.join(out, f"undisturbed{seed}")
         os.makedirs(folder, exist_ok=True)
-        c = cluster_class(workers, args.servers, folder, args.heartbeat_timeout, worker_command(folder, None, seed, steps))
+        c = cluster_class(workers, args.servers, folder, args.heartbeat_timeout,
+                          worker_command(folder, None, seed, steps, args.scale_lr))
         try:
             c.wait_for(f"the undisturbed run (seed {seed}) to end", lambda: all(
                 p.poll() is not None for p in c.procs.values()), BASELINE_BOUND)
@@ -74,10 +85,10 @@ def compare(cluster_class, chaos, args, out, steps):
         baseline.append((float(done["loss"]), float(done["val_loss"])))
         print(f"undisturbed run, {workers} hosts, seed {seed}: final loss {baseline[-1][0]:.4f}, held-out "
               f"{baseline[-1][1]:.4f}", flush=True)
-    replayed = mnist_replay.losses(per_step, args.baseline_seeds)
+    replayed = mnist_replay.losses(per_step, args.baseline_seeds, scale_lr=args.scale_lr)
     print(f"the churned run's membership replayed in one process: final and held-out losses {replayed}", flush=True)
     return {"model_seed": args.model_seed, "loss": float(churned["loss"]), "val_loss": float(churned["val_loss"]),
-            "average_members": round(average, 2),
+            "average_members": round(average, 2), "scale_lr": args.scale_lr,
             "undisturbed_workers": workers, "undisturbed_losses": [b[0] for b in baseline],
             "undisturbed_val_losses": [b[1] for b in baseline], "replayed_losses": [r[0] for r in replayed],
             "replayed_val_losses": [r[1] for r in replayed], "sequence": sequence, "steps": steps}
@@ -99,7 +110,7 @@ def line(result):
 
     held = result["undisturbed_val_losses"]
     off = (result["val_loss"] - np.mean(held)) / max(np.std(held), 1e-12)
-    return (f"; model seed {result['model_seed']}: final loss {result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
+    return (f"; {lr_rule(result.get('scale_lr'))} (every run); model seed {result['model_seed']}: final loss {result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
             f"{result['average_members']}); undisturbed {result['undisturbed_workers']} hosts: final "
             f"{spread(result['undisturbed_losses'])}, held-out {spread(held)}: the churned held-out loss is "
             f"{off:+.1f} spreads from their mean; its membership replayed in one process: final "

@@ -48,8 +48,8 @@ def restart_deal(count, batch, seed):
     return batch_of
 
 
-def replay(per_step, seed, deal="stream", scale_lr=None, **settings):
-    """(loss over all training digits, loss over the held-out digits) after training on
+def train(per_step, seed, deal="stream", scale_lr=None, **settings):
+    """(the model, the training digits and labels, the held-out ones) after training on
     ``per_step`` members; ``scale_lr=R``: each step's learning rate is lr x members / R (the
     linear scaling rule, R the membership lr is tuned for)."""
     s = dict(DEFAULTS, **settings)
@@ -67,13 +67,19 @@ def replay(per_step, seed, deal="stream", scale_lr=None, **settings):
             change += members != previous
             idx = np.concatenate([old(change, members, r) for r in members])
         previous = members
-        if scale_lr:
+        if scale_lr is not None:
             opt.param_groups[0]["lr"] = s["lr"] * len(members) / scale_lr
         idx = torch.from_numpy(idx)
         loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])  # the members' mean
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return model, x, y, x_val, y_val
+
+
+def replay(per_step, seed, deal="stream", scale_lr=None, **settings):
+    """(loss over all training digits, loss over the held-out digits) after ``train``."""
+    model, x, y, x_val, y_val = train(per_step, seed, deal, scale_lr, **settings)
     with torch.no_grad():
         return (float(torch.nn.functional.cross_entropy(model(x), y)),
                 float(torch.nn.functional.cross_entropy(model(x_val), y_val)))
@@ -92,6 +98,8 @@ def main(argv=None):
     p.add_argument("--hosts", type=int, help="replay this many hosts at every step instead")
     p.add_argument("--scale-lr", type=float, help="R: each step's lr x members / R (linear scaling)")
     args = p.parse_args(argv)
+    if args.scale_lr is not None and not args.scale_lr > 0:
+        p.error(f"--scale-lr must be a positive number of hosts, not {args.scale_lr:g}")
     with open(args.json) as f:
         mnist = json.load(f)["summary"]["mnist"]
     per_step = members_by_step(mnist["sequence"], mnist["steps"])

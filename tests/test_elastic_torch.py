@@ -3,13 +3,17 @@ example example/pytorch/train_mnist_elastic.py on 3 worker hosts. Worker 2 is SI
 few steps, the survivors go on; a fresh host with its DMLC_WORKER_ID joins, taking the model and
 the SGD momentum from a live worker through bps.elastic_start(model, optimizer). Every host's
 parameters are bit-identical at every step they share (a CRC of their bytes) and at the end,
-bps.size()/membership_epoch() follow the logged sequence, and the training loss went down."""
+bps.size()/membership_epoch() follow the logged sequence, and the training loss went down.
+With --scale-lr each step's learning rate follows its size (the linear scaling rule): the
+final parameters are the logged membership's, replayed in one process (scripts/mnist_replay.py),
+and the example refuses a bad R."""
 import os
 import signal
 import sys
 import time
 
 import numpy as np
+import pytest
 
 from conftest import ROOT
 from multihost import Job
@@ -18,6 +22,7 @@ from test_elastic_join import membership
 EXAMPLE = os.path.join(ROOT, "example", "pytorch", "train_mnist_elastic.py")
 ENV = {"BPS_GC_ELASTIC": "1", "BYTEPS_PARTITION_BYTES": "65536"}
 BOUND = 90.0
+SCALE_LR = 3  # lr 0.1 on 3 hosts: 0.0667 on 2
 
 
 def steps_of(job, name):
@@ -33,7 +38,8 @@ def wait_step(job, names, step, bound=BOUND):
 
 def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
     stop = tmp_path / "stop"
-    command = [sys.executable, EXAMPLE, "--out", str(tmp_path), "--stop-file", str(stop), "--sleep", "0.05"]
+    command = [sys.executable, EXAMPLE, "--out", str(tmp_path), "--stop-file", str(stop), "--sleep", "0.05",
+               "--scale-lr", str(SCALE_LR)]
     job = Job(3, None, servers=1, env=ENV, command=command)
     try:
         wait_step(job, ["worker0", "worker1", "worker2"], 3)
@@ -61,6 +67,8 @@ def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
         assert list(hosts[r]["sizes"]) == [3] * left_at + [2] * (joined_at - left_at) + [3] * (last + 1 - joined_at)
         assert list(hosts[r]["epochs"]) == [0] * left_at + [1] * (joined_at - left_at) + [2] * (last + 1 - joined_at)
     assert list(hosts[2]["epochs"]) == [2] * (last + 1 - joined_at)
+    for r in (0, 1, 2):  # the lr of each step, from the step's size (the sizes checked above)
+        assert list(hosts[r]["lrs"]) == [0.1 * s / SCALE_LR for s in hosts[0]["sizes"][int(hosts[r]["start"]):]], r
     assert list(hosts[0]["crcs"]) == list(hosts[1]["crcs"])
     assert list(hosts[2]["crcs"]) == list(hosts[0]["crcs"][joined_at:])  # momentum copied too
     names = [k for k in hosts[0].files if k.startswith("param.")]
@@ -69,6 +77,17 @@ def test_mnist_hosts_die_and_join_and_stay_bit_identical(tmp_path):
         assert hosts[0][name].tobytes() == hosts[1][name].tobytes() == hosts[2][name].tobytes(), name
     assert float(hosts[0]["loss"]) == float(hosts[2]["loss"]) < 1.0, float(hosts[0]["loss"])
     assert float(hosts[0]["val_loss"]) == float(hosts[2]["val_loss"]) < 2.3, float(hosts[0]["val_loss"])  # < ln 10
+    # the oracle: the logged membership replayed in one process with the lr rule. Not bit for bit
+    # (the servers sum the hosts' means, the replay takes one mean), so within float32 noise; and
+    # the same replay at a fixed lr lies farther off than that noise, or the check proves nothing
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import mnist_replay
+    per_step = mnist_replay.members_by_step([(0, [0, 1, 2])] + [(g, m) for _, g, m in sequence], last + 1)
+    launched = np.concatenate([hosts[0][n].ravel() for n in names])
+    scaled, fixed = (np.concatenate([p.detach().numpy().ravel() for p in mnist_replay.train(per_step, 0, scale_lr=r)[0].parameters()])
+                     for r in (SCALE_LR, None))
+    noise, rule = np.abs(launched - scaled).max(), np.abs(launched - fixed).max()
+    assert noise < 1e-5 and rule > 100 * noise, (noise, rule)
 
 
 def test_the_sampler_deals_the_rest_of_a_pass_over_the_new_members():
@@ -104,3 +123,15 @@ def test_the_sampler_deals_the_rest_of_a_pass_over_the_new_members():
     for p in range(2):
         assert sorted(stream[p * count:(p + 1) * count]) == list(range(count)), p
     assert len(np.concatenate(learned)) == len(stream) - batch  # only the dead host's step-3 batch
+
+
+def test_the_example_refuses_a_learning_rate_scale_that_is_not_a_positive_number_of_hosts(capsys):
+    """--scale-lr R divides by R: 0, a negative number, inf or NaN is refused before anything starts,
+    in one line naming the flag (in-process: parse_args, no launch)."""
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    import train_mnist_elastic
+    for bad in ("0", "-2", "inf", "nan"):
+        with pytest.raises(SystemExit) as refused:
+            train_mnist_elastic.parse_args(["--out", "unused", "--scale-lr", bad])
+        assert str(refused.value) == f"--scale-lr must be a positive number of hosts, not {float(bad):g}", refused.value
+    assert train_mnist_elastic.parse_args(["--out", "unused", "--scale-lr", "2"]).scale_lr == 2.0

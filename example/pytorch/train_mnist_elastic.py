@@ -17,14 +17,21 @@ bps_gc.torch.DistributedOptimizer. What makes it elastic:
 
     bpslaunch python example/pytorch/train_mnist_elastic.py --steps 200 --out OUT
 
+With ``--scale-lr R`` each step's learning rate is --lr x bps.size() / R (the linear scaling
+rule, R the number of hosts --lr is tuned for): a step on fewer hosts averages a smaller global
+batch, so it takes a smaller step. The size is the step's own, known once its gradients are
+summed (a death during the step counts at that step), so the lr is a function of the logged
+membership: a joiner, a repeat or a resume needs no saved lr.
+
 Each step prints ``STEP step size epoch loss``; at the end every host writes
-``rank<R>.<first step>.npz`` into --out: per-step bps.size(), membership epoch and a CRC of the
-parameters' bytes, the final parameters, and the final model's loss over all training digits,
+``rank<R>.<first step>.npz`` into --out: per-step bps.size(), membership epoch, learning rate and
+a CRC of the parameters' bytes, the final parameters, and the final model's loss over all training digits,
 its loss over the 1,000 held-out digits and its accuracy on them. With --stop-file the last step is the number a driver
 writes into that file (scripts/chaos_elastic.py --task mnist) instead of --steps.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -87,11 +94,16 @@ def parse_args(argv=None):
     p.add_argument("--train-samples", type=int, default=4000)
     p.add_argument("--batch", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--scale-lr", type=float, metavar="R",
+                   help="each step's lr is --lr x the step's bps.size() / R (default: --lr throughout)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds between steps (a chaos driver's pace)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.scale_lr is not None and not (math.isfinite(args.scale_lr) and args.scale_lr > 0):
+        sys.exit(f"--scale-lr must be a positive number of hosts, not {args.scale_lr:g}")
+    return args
 
 
 def main(argv=None):
@@ -106,17 +118,24 @@ def main(argv=None):
     sampler = MemberShards(model, len(x_train), args.batch, args.seed)  # before: a joiner copies its state
     start = bps.elastic_start(model, opt)
     print("START", start, flush=True)
-    kept = {"sizes": [], "epochs": [], "crcs": []}
+    kept = {"sizes": [], "epochs": [], "lrs": [], "crcs": []}
     step, last = start, last_step(args)
     while last is None or step <= last:
         idx = sampler.next()
         loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
         opt.zero_grad()
         loss.backward()
-        opt.step()
+        # summed: bps.size() is now this step's, a death during it included (so an error-feedback
+        # codec's lr ratio, taken at the push, sees the previous step's lr)
+        opt.synchronize()
+        if args.scale_lr is not None:
+            opt.param_groups[0]["lr"] = args.lr * bps.size() / args.scale_lr
+        with opt.skip_synchronize():
+            opt.step()
         sampler.stepped()
         kept["sizes"].append(bps.size())
         kept["epochs"].append(bps.membership_epoch())
+        kept["lrs"].append(opt.param_groups[0]["lr"])
         kept["crcs"].append(zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.parameters())))
         print(f"STEP {step} {bps.size()} {bps.membership_epoch()} {loss.item():.4f}", flush=True)
         last = last_step(args) if last is None else last
@@ -130,7 +149,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rank{bps.rank()}.{start}.npz")
     np.savez(path + ".tmp.npz", start=start, loss=final_loss, val_loss=val_loss, accuracy=accuracy(model, x_val, y_val),
-             **{k: np.array(v, np.int64) for k, v in kept.items()},
+             **{k: np.array(v, np.float64 if k == "lrs" else np.int64) for k, v in kept.items()},
              **{f"param.{n}": p.detach().numpy() for n, p in model.named_parameters()})
     os.replace(path + ".tmp.npz", path)
     print(f"DONE {step - 1} loss={final_loss:.6f}", flush=True)

@@ -9,9 +9,12 @@ over its steps (step-weighted, rounded), the same number of steps, once per seed
 0..--baseline-seeds-1, replays the churned run's own membership sequence step by step in one
 process (scripts/mnist_replay.py: the same batches per step, no death, no join protocol) for
 the same seeds, and sets the churned run's final losses (over all training digits, and over the
-1,000 held-out digits; the example seeded by --model-seed) beside both. The training loss is near zero and follows
-the membership path at a fixed learning rate; the held-out loss is what "within the noise of an
-undisturbed run" is judged on (its distance from the undisturbed runs' mean, in their spreads).
+1,000 held-out digits; the example seeded by --model-seed) beside both. The training loss is
+near zero and follows the membership path at a fixed learning rate; the held-out loss is what
+"within the noise of an undisturbed run" is judged on (its distance from the undisturbed runs'
+mean, in their spreads, given from two runs on). With --scale-lr R every one of these runs, the
+churned, the undisturbed and the replayed, takes lr x its step's hosts / R (the linear scaling
+rule), and the loop also checks each host's logged lr against the logged sequence.
 """
 import os
 import sys
@@ -109,9 +112,10 @@ def line(result):
         return f"{', '.join(f'{x:.4f}' for x in values)} (mean {np.mean(values):.4f}, spread {np.std(values):.4f})"
 
     held = result["undisturbed_val_losses"]
-    off = (result["val_loss"] - np.mean(held)) / max(np.std(held), 1e-12)
-    return (f"; {lr_rule(result.get('scale_lr'))} (every run); model seed {result['model_seed']}: final loss {result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
+    off = (f": the churned held-out loss is {(result['val_loss'] - np.mean(held)) / np.std(held):+.1f} spreads "
+           "from their mean" if len(held) > 1 and np.std(held) > 0 else " (one run: no spread)")
+    return (f"; {lr_rule(result.get('scale_lr'))} (every run); model seed {result['model_seed']}: final loss "
+            f"{result['loss']:.4f}, held-out {result['val_loss']:.4f} (average membership by steps "
             f"{result['average_members']}); undisturbed {result['undisturbed_workers']} hosts: final "
-            f"{spread(result['undisturbed_losses'])}, held-out {spread(held)}: the churned held-out loss is "
-            f"{off:+.1f} spreads from their mean; its membership replayed in one process: final "
-            f"{spread(result['replayed_losses'])}, held-out {spread(result['replayed_val_losses'])}")
+            f"{spread(result['undisturbed_losses'])}, held-out {spread(held)}{off}; its membership replayed in "
+            f"one process: final {spread(result['replayed_losses'])}, held-out {spread(result['replayed_val_losses'])}")

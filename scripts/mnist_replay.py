@@ -96,6 +96,8 @@ def main(argv=None):
     p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (a churned run's --model-seed)")
     p.add_argument("--deal", choices=["stream", "restart"], default="stream")
     p.add_argument("--hosts", type=int, help="replay this many hosts at every step instead")
+    p.add_argument("--steps", type=int, help="with --hosts: this many steps instead of the run's (e.g. as many "
+                   "digits as the churned run dealt: steps x average hosts / hosts)")
     p.add_argument("--scale-lr", type=float, help="R: each step's lr x members / R (linear scaling)")
     args = p.parse_args(argv)
     if args.scale_lr is not None and not args.scale_lr > 0:
@@ -103,8 +105,10 @@ def main(argv=None):
     with open(args.json) as f:
         mnist = json.load(f)["summary"]["mnist"]
     per_step = members_by_step(mnist["sequence"], mnist["steps"])
+    if args.steps is not None and not (args.hosts and args.steps > 0):
+        p.error("--steps must be a positive number of steps, with --hosts")
     if args.hosts:
-        per_step = [list(range(args.hosts))] * len(per_step)
+        per_step = [list(range(args.hosts))] * (args.steps or len(per_step))
     got = losses(per_step, args.seeds, args.deal, args.first_seed, args.scale_lr)
     whose = f"{args.hosts} hosts'" if args.hosts else "the churned run's"
     scaled = f", lr x members / {args.scale_lr:g}" if args.scale_lr else ""

@@ -24,10 +24,11 @@ summed (a death during the step counts at that step), so the lr is a function of
 membership: a joiner, a repeat or a resume needs no saved lr.
 
 Each step prints ``STEP step size epoch loss``; at the end every host writes
-``rank<R>.<first step>.npz`` into --out: per-step bps.size(), membership epoch, learning rate and
-a CRC of the parameters' bytes, the final parameters, and the final model's loss over all training digits,
-its loss over the 1,000 held-out digits and its accuracy on them. With --stop-file the last step is the number a driver
-writes into that file (scripts/chaos_elastic.py --task mnist) instead of --steps.
+``rank<R>.<first step>.npz`` into --out: per-step bps.size(), membership epoch, learning rate
+and a CRC of the parameters' bytes, the final parameters, and the final model's loss over all
+training digits, its loss over the 1,000 held-out digits and its accuracy on them. With
+--stop-file the last step is the number a driver writes into that file
+(scripts/chaos_elastic.py --task mnist) instead of --steps.
 """
 import argparse
 import json

@@ -4,9 +4,11 @@ steps: no process, no death, no join protocol; each step averages the gradients 
 batches (the example's sampler, example/pytorch/elastic_shards.py) as the servers would. It is
 the "same membership without the churn" baseline of scripts/chaos_mnist.py, and a diagnosis
 tool: ``--deal restart`` deals as the example did before (each change re-cut the digits into
-fixed shards and restarted the hosts' passes), ``--hosts N`` replays N hosts throughout.
+fixed shards and restarted the hosts' passes), ``--hosts N`` replays N hosts throughout
+(``--steps``: for that many steps), ``--scale-lr R`` scales each step's lr as the example's flag does.
 
-    python scripts/mnist_replay.py --json chaos_elastic.json --seeds 5 [--first-seed 0] [--deal restart] [--hosts 2]
+    python scripts/mnist_replay.py --json chaos_elastic.json --seeds 5 [--first-seed 0] [--deal restart] \
+        [--hosts 2 [--steps N]] [--scale-lr R]
 
 (--json: a ``scripts/chaos_elastic.py --task mnist`` run's, for its sequence and step count.)
 Not bit-identical to a launched job (the servers sum in another order); a baseline, not an oracle.

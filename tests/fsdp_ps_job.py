@@ -20,7 +20,8 @@ bfloat16 push_pull every rank makes, which the host would sum, is refused in one
 Spec "diloco_runs" [names]: those runs train with DiLoCo (replicate="hosts", H = 3, no hooks),
 saved and resumed as the others are (their own state in OUT/diloco<rank>.pt). Spec "diloco":
 DiLoCo over the sharded MLP, each host one replica (``diloco`` below), and its
-refusal of a model sharded on another mesh ("diloco_refusal").
+refusals of a model sharded on another mesh ("diloco_refusal") and of one partly sharded
+("diloco_refusal_whole").
 
 Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
 together, a step of each in turn, with SGD momentum; before step k their models and optimizers
@@ -273,12 +274,15 @@ for name, setting in spec.get("diloco", {}).get("runs", {}).items():
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused
 alone = [dist.new_group([r]) for r in range(bps.local_size())][bps.local_rank()]
 if "diloco" in spec:  # so is DiLoCo's replicate="hosts" over it
-    elsewhere = build(DeviceMesh.from_group(alone, "cpu"))
-    try:
-        bps.DiLoCo(elsewhere, torch.optim.SGD(elsewhere.parameters(), lr=0.1), 2, replicate="hosts")
-        arrays["diloco_refusal"] = np.array("")
-    except ValueError as e:
-        arrays["diloco_refusal"] = np.array(str(e))
+    partly = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(partly[0], mesh=mesh)  # the second layer left whole
+    for refused, model in (("diloco_refusal", build(DeviceMesh.from_group(alone, "cpu"))),
+                           ("diloco_refusal_whole", partly)):
+        try:
+            bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, replicate="hosts")
+            arrays[refused] = np.array("")
+        except ValueError as e:
+            arrays[refused] = np.array(str(e))
 for refused, model, params in (("refusal", build(DeviceMesh.from_group(alone, "cpu")), None),
                                # a codec that cannot take the reduce dtype (float64), across hosts, in the host
                                ("unfit", build(mesh, "fp64r"), {"compressor": "terngrad"}),

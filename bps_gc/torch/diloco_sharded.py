@@ -60,14 +60,19 @@ def on_hosts(named, sharded):
     its local ranks (bps_gc.torch.host_mesh()), so local rank i of every host holds shard i; a
     ValueError, in one line, for a model sharded on another mesh."""
     size, rank = core.local_size(), core.local_rank()
+    whole = [name for name, p in named if not is_dtensor(p)]
+    if whole:  # every local rank would push it, under one name declared one per host
+        raise ValueError(f"DiLoCo: replicate='hosts' over a sharded model: {whole[0]!r} is not sharded: shard "
+                         "every parameter on bps_gc.torch.host_mesh() (fully_shard the root module too)")
     for name, p in sharded:
         mesh = p.device_mesh
-        if (mesh.ndim, mesh.size(), mesh.get_local_rank()) != (1, size, rank):
-            raise ValueError(f"DiLoCo: replicate='hosts' over a sharded model: {name!r} is sharded on a "
-                             f"{mesh.ndim}-D mesh of {mesh.size()} ranks as shard {mesh.get_local_rank()}, but this "
-                             f"rank is local rank {rank} of {size} (BYTEPS_LOCAL_SIZE): shard the model on "
-                             "bps_gc.torch.host_mesh()")
-    return [(f"{name}#shard{rank}" if is_dtensor(p) else name, p) for name, p in named]
+        place = (mesh.size(), mesh.get_local_rank()) if mesh.ndim == 1 else None
+        if place != (size, rank):
+            where = f"a 1-D mesh of {place[0]} ranks as shard {place[1]}" if place else f"a {mesh.ndim}-D mesh"
+            raise ValueError(f"DiLoCo: replicate='hosts' over a sharded model: {name!r} is sharded on {where}, "
+                             f"but this rank is local rank {rank} of {size} (BYTEPS_LOCAL_SIZE): shard the model "
+                             "on bps_gc.torch.host_mesh()")
+    return [(f"{name}#shard{rank}", p) for name, p in named]
 
 
 def shards_exchange(compression_params, named, reducer):

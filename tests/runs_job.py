@@ -4,15 +4,15 @@ so that its processes start once: ``runs_job.py RUNS.json``, RUNS a list of {"sc
 example/pytorch/train_cifar10_choco.py), "cwd": folder, "argv": [flags], "env": {name: value}
 (optional), "copy_to": folder (optional)}. Each run is the script as its command line runs it
 (``__main__``; its sys.exit(0) ends the run, not the job), in its folder (it reads and writes
-there), with "env" set while it runs, and with its own bps_gc init() and shutdown() on the
+there), with "env" set while it runs (the environment is restored whole after it, so what a
+script sets, as DGC's train.py sets the seed's BYTEPS_MIN_COMPRESS_BYTES with setdefault, stays
+with its run), and with its own bps_gc init() and shutdown() on the
 default process group this job makes once (init() adopts it and leaves it to the job).
 "copy_to": the run goes through tests/interrupted_run.py with INTERRUPT_AFTER=rank:1 and that
 COPY_TO: its first checkpoints are copied there as written. bps_gc.torch names a job's
 optimizers and hooks of a kind in the order it makes them (DistributedOptimizer.0, .1, ...), from
 0 again after each shutdown(), as a fresh process does: a run's checkpoints load in another
-process, and another process's in a run, wherever the run sits in its launch, as long as no run
-before it left settings in os.environ beyond its "env" (DGC's train.py sets the seed's
-BYTEPS_MIN_COMPRESS_BYTES and others with setdefault: they stay for the runs after it)."""
+process, and another process's in a run, wherever the run sits in its launch."""
 import json
 import os
 import runpy
@@ -35,7 +35,7 @@ for run in runs:
     env = dict(run.get("env", {}))
     if "copy_to" in run:
         env.update(INTERRUPT_AFTER="rank:1", COPY_TO=run["copy_to"])
-    before = {name: os.environ.get(name) for name in env}
+    before = dict(os.environ)  # restored whole after the run: what the script set stays its own
     os.environ.update(env)
     sys.argv = [*([INTERRUPT] if "copy_to" in run else []), run.get("script", SCRIPT), *run["argv"]]
     try:
@@ -45,9 +45,6 @@ for run in runs:
             raise
     finally:
         bps.save_checkpoint = save_checkpoint
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+        os.environ.clear()
+        os.environ.update(before)
 dist.destroy_process_group()

@@ -3,7 +3,10 @@ averaged by bps_gc's exchange, on a (2, 2) gloo mesh under torchrun (and a (2, 3
 HSDP does; with a codec, every hook call equals the numpy re-computation over the two replicas
 that hold the shard (each shard's chains seeded by its name ``<fqn>#shard<i>``), and those
 replicas end with bit-identical shards. Models it cannot serve are refused in one line."""
+import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +23,10 @@ from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
 from bps_gc.torch.fsdp import ShardLayout
+
+# after fsdp_bytes: multihost.py (under these) puts scripts/, which has a namesake, first on the path
+from collective_hosts import TESTS, CollectiveHostsJob  # noqa: E402
+from local_ranks import machines_or_loopback  # noqa: E402,F401 (a fixture)
 
 
 def run(spec, tmp_path, ranks=4):
@@ -336,12 +343,23 @@ def near_square(n):
 
 
 @pytest.fixture(scope="module")
-def resume_runs(launch, parts_dir):
+def resume_runs(launch, parts_dir, machines_or_loopback):
     """Two launches of RESUME's four models: the first (launch's first part) saves after step 3
     (the models and optimizers with torch.distributed.checkpoint, the hooks' codec state with
     bps_gc.torch.state_dict()) and trains on; the second loads them into fresh processes and
-    trains the rest, then trains straight runs. Each rank's saved arrays, per launch."""
-    run_torchrun_job("fsdp_job.py", {**RESUME, "phase": "resumed"}, parts_dir, 4)
+    trains the rest, then trains straight runs, with each replica's 2 ranks on a host of its own
+    (a network namespace, one torchrun per host; on loopback where there are none), so that its
+    runs, compared with the first launch's on one host, show the hosts differing changes no bit.
+    Each rank's saved arrays, per launch."""
+    spec = {**RESUME, "phase": "resumed"}
+    if machines_or_loopback is None:
+        run_torchrun_job("fsdp_job.py", spec, parts_dir, 4)
+    else:
+        (parts_dir / "spec.json").write_text(json.dumps(spec))
+        job = CollectiveHostsJob(machines_or_loopback, 2, 2, [sys.executable, os.path.join(TESTS, "fsdp_job.py"),
+                                                              str(parts_dir / "spec.json"), str(parts_dir)], "torchrun")
+        statuses, _ = job.wait_all(300)
+        assert set(statuses.values()) == {0}, job.report(statuses)
     return {phase: [dict(np.load(parts_dir / f"{phase}{r}.npz")) for r in range(4)] for phase in ("first", "resumed")}
 
 
@@ -360,7 +378,8 @@ def test_resumed_hooks_continue_as_the_straight_run_bit_for_bit(resume_runs):
 
 
 def test_two_launches_of_the_same_job_end_bit_identical(resume_runs):
-    """The first launch (a checkpoint saved midway) and the second's straight run: runs repeat."""
+    """The first launch (a checkpoint saved midway) and the second's straight run: runs repeat,
+    and with its hosts apart (resume_runs) the second ends on the first's bits too."""
     for r in range(4):
         first, straight = resume_runs["first"][r], resume_runs["resumed"][r]
         for run in ("topk", "thc", "inhost", "diloco"):

@@ -13,9 +13,10 @@ servers sum one push per host. The first launch, ``bpslaunch --local``, 2 hosts 
 * bytes and the codec state a rank saves; one-line refusals (another mesh, TernGrad on a
   float64 reduce dtype across or in the host, replicate=None before bps_gc.torch.init()).
 
-A second launch, one bpslaunch per host, resumes thc 4-bit + feedback, top-k + EF and the
-in-host run from the first's checkpoint (dcp, bps_gc's state) bit for bit, then has a local
-rank killed (``resumed_then_killed``). A third, ``bpslaunch --local`` 2 x 2 with the torch
+A second launch, one bpslaunch per role, each host a network namespace (the hosts differ),
+resumes thc 4-bit + feedback, top-k + EF, the in-host run and DiLoCo from the first's
+checkpoint (dcp, bps_gc's state) bit for bit, then has a local rank killed
+(``resumed_then_killed``). A third, ``bpslaunch --local`` 2 x 2 with the torch
 codec chains, is refused that bps_gc state while dcp loads the models resharded, trains dense
 as native HSDP and top-k + EF and the recipe through device chains as the numpy recomputation
 (``refused_then_hsdp``), and DiLoCo with each host one replica over the sharded MLP as its
@@ -37,6 +38,7 @@ from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
 from fsdp_diloco_oracle import diloco_on_hosts_equals_the_recomputation
 from fsdp_inhost_oracle import check_in_host_bytes, check_in_host_reduce_scatters
+from local_ranks import HostsJob, machines_or_loopback  # noqa: F401 (a fixture)
 from multihost import Job
 
 BOUND, START_BOUND = 25.0, 120.0  # seconds from the fault to the last launcher gone; to the fault
@@ -160,7 +162,7 @@ def expected_calls(ranks, run, local=LOCAL):
     return expected, wire
 
 
-def test_parameter_server_as_the_replicate_reducer(tmp_path):
+def test_parameter_server_as_the_replicate_reducer(tmp_path, machines_or_loopback):
     (tmp_path / "job").mkdir()
     ranks = launch(tmp_path / "job", {"steps": STEPS, "runs": {**RUNS, **RESUMED_DILOCO},
                                       "policies": {**POLICY_RUNS, **DENSE_HALF, **FP16_WIRE},
@@ -172,7 +174,7 @@ def test_parameter_server_as_the_replicate_reducer(tmp_path):
                 (f"diloco-topk/local/{step}/{name}" for name in NAMES)]
         assert all(same) if step == 2 else not any(same[::2]), (i, step, same)  # H = 3: after step 2
     (tmp_path / "fault").mkdir()
-    resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks)
+    resumed_then_killed(tmp_path / "fault", tmp_path / "job", ranks, machines_or_loopback)
     (tmp_path / "other").mkdir()
     refused_then_hsdp(tmp_path / "other", tmp_path / "job", ranks)
 
@@ -323,8 +325,9 @@ def dense_in_half(ranks):
             assert counted == [int(arrays["dense/pushed_wire"]) // 2] * 2, (run, r, counted)
 
 
-def resumed_then_killed(tmp_path, saved, ranks):
-    """The second launch, one bpslaunch per host (both on loopback), 2 hosts x LOCAL local
+def resumed_then_killed(tmp_path, saved, ranks, net):
+    """The second launch, one bpslaunch per role, each host a network namespace (``net``; on
+    loopback where there are none: the scheduler and server on host 0's), 2 hosts x LOCAL local
     ranks as the first: the RESUMED runs and the DiLoCo one (mid-window, its outer state on the
     servers) from ``saved``'s checkpoint at step SAVE_AT
     (shards and bps_gc.torch.state_dict()) on to the end, which must equal the first launch's
@@ -337,9 +340,12 @@ def resumed_then_killed(tmp_path, saved, ranks):
     spec.write_text(json.dumps({"fault": "kill", "victim": VICTIM, "runs": {}, "steps": STEPS, "in_host": IN_HOST,
                                 "resume": {"from": str(saved), "at": SAVE_AT, "runs": {**RESUMED, **RESUMED_DILOCO}},
                                 "diloco_runs": list(RESUMED_DILOCO)}))
-    hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, range(LOCAL)))} for h in range(HOSTS)}
-    job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts,
-              command=[sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(spec), str(tmp_path)])
+    command = [sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"), str(spec), str(tmp_path)]
+    if net is None:
+        hosts = {f"worker{h}": {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, range(LOCAL)))} for h in range(HOSTS)}
+        job = Job(HOSTS, None, servers=1, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"}, role_env=hosts, command=command)
+    else:
+        job = HostsJob(net, HOSTS, [LOCAL] * HOSTS, 1, command, env={"BYTEPS_MIN_COMPRESS_BYTES": "0"})
     try:
         deadline = time.monotonic() + START_BOUND
         while not (tmp_path / "fault_time").exists() and time.monotonic() < deadline:

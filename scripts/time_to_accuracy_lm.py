@@ -30,8 +30,9 @@ evaluated is what a user would deploy: the global copy, each fragment's as of it
 outer step (an exchange in flight not included), not a replica's drifting local parameters. An
 evaluation step waits for any exchange in flight first, inside the timed step (gloo runs one
 collective at a time; the wait gives up that step's overlap, a pessimistic choice). Where
-torchft imports (an opt-in extra), torchft's DiLoCo with the dense row's settings is a row too
-(scripts/tta_lm_torchft.py); else a line of the table says why it is absent.
+torchft imports (an opt-in extra), torchft's DiLoCo with the dense rows' settings (F=1, and F=4
+tau=1 where H is a multiple of 4) is a row too (scripts/tta_lm_torchft.py); a line of the table
+says which of its rows are absent and why.
 """
 import argparse
 import contextlib
@@ -64,16 +65,9 @@ def collective_rows(args):
     """The torch.distributed run's configurations: the reference, COLLECTIVE's rows, DiLoCo's
     (torchft's where it imports)."""
     import tta_lm_torchft as ft
-    return (*COLLECTIVE, *diloco_rows(args), *(() if ft.importable() else (ft.ROW.format(args.diloco_every),)))
+    return (*COLLECTIVE, *diloco_rows(args), *(() if ft.importable() else ft.rows(args.diloco_every)))
 
 
-def torchft_line():
-    """The table's line on torchft's DiLoCo."""
-    import tta_lm_torchft as ft
-    why = ft.importable()
-    return (f"torchft's DiLoCo: no row: torchft does not import here ({why}); BPS_GC_EXTRAS=torchft "
-            "./scripts/setup_env.sh adds it" if why else "torchft's DiLoCo: its F=1 dense row only (its "
-            "quantization is CUDA only; the F=4 tau=1 row's fragments are not wired)")
 MAX_STEPS_FACTOR = 10  # a row short of the target goes on to at most this many times --steps
 
 
@@ -203,8 +197,9 @@ class Run:
         model, opt, args = self.fresh()
         diloco = diloco_rows(args)
         if config.startswith("torchft DiLoCo"):
-            from tta_lm_torchft import TorchftDiLoCo
-            return model, model, TorchftDiLoCo(model, opt, args.diloco_every, self.rank, self.size), args, False
+            from tta_lm_torchft import TorchftDiLoCo, rows
+            return model, model, TorchftDiLoCo(model, opt, args.diloco_every, self.rank, self.size,
+                                               *rows(args.diloco_every)[config]), args, False
         if config in diloco:
             return model, model, make_diloco(bps, model, opt, args, diloco[config]), args, False
         net = DDP(model)
@@ -368,7 +363,8 @@ def report(args, results, where):
           f"bytes per rank; model {args.layers} layers x {args.width}")
     from bench_common import import_netns
     print_table(rows, info, import_netns().parse_rate(args.shaped) if args.shaped else None)
-    print(torchft_line())
+    from tta_lm_torchft import table_line
+    print(table_line(args.diloco_every))
     reference = results["reference"]["curve"]
     dense = results["rows"].get("DDP dense", {}).get("curve", [])
     same_step = [(s, loss, dict(reference).get(s)) for s, _, loss in dense if s in dict(reference)]

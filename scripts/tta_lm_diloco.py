@@ -8,11 +8,14 @@ torch.distributed, issue 44): their settings, names and flags.
     --diloco-outer-lr LR                  the outer Nesterov SGD's lr (default the paper's 0.7)
 
 The warm phase and the outer lr are bps_gc's rows' only (torchft's DiLoCo has no warm phase and
-keeps the paper's outer step); their names say them.
+keeps the paper's outer step); their names say them. The F=4 tau=1 rows run bps_gc's phase (a
+fragment's exchange starts after inner step (f + 1) H // 4 mod H, its outer step tau later).
 """
 THC = {"compressor": "thc", "bits": 4, "feedback": True}  # error feedback across outer steps
 # the name after "bps_gc DiLoCo H=<H> " -> (fragments, delay tau, compression_params)
-DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 thc 4-bit": (4, 1, THC)}
+# (F=4 tau=1 dense: the pair of torchft's F=4 row, which has no thc: scripts/tta_lm_torchft.py)
+DILOCO = {"dense": (1, 0, None), "thc 4-bit": (1, 0, THC), "F=4 tau=1 dense": (4, 1, None),
+          "F=4 tau=1 thc 4-bit": (4, 1, THC)}
 OUTER_LR = 0.7  # the paper's (and bps_gc.torch.DiLoCo's default outer SGD's), momentum 0.9, Nesterov
 MAX_DELAY = max(delay for _, delay, _ in DILOCO.values())  # a warm exchange is applied this late
 

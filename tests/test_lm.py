@@ -138,7 +138,7 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import time_to_accuracy_lm as lm
     import tta_lm_torchft as ft
-    torchft = [] if ft.importable() else [ft.ROW.format(8)]  # an opt-in extra: a row where it imports
+    torchft = [] if ft.importable() else list(ft.rows(8))  # an opt-in extra: rows where it imports
     result = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--task", "lm", "--steps", "8",
                              "--eval-every", "4", *TINY, "--diloco-every", "8", "--cap-factor", "1000",
                              "--slack", "0.1", "--out", str(tmp_path)],
@@ -154,10 +154,10 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     assert limit["seconds_to_target"] == pytest.approx(limit["steps_to_target"] * data["compute_seconds_per_step"])
     assert all(r["steps_done"] == 8 and np.isfinite(r["final_val_loss"]) for r in rows.values())
     # DiLoCo's evaluated model is the global copy: with one fragment, unchanged until the outer
-    # step at inner step 8, lower after it; Streaming's first fragment takes its step at 2 + tau
-    curves = data["curves"]
-    assert [curves[name][1][2] == curves[name][0][2] for name in diloco] == [True, True, False], curves
-    assert all(curves[name][2][2] < curves[name][0][2] for name in diloco), curves
+    # step at inner step 8, lower after it; Streaming's first fragment takes its step at 2 + tau (torchft's at 2)
+    curves, named = data["curves"], diloco + torchft
+    assert [curves[n][1][2] == curves[n][0][2] for n in named] == ["F=4" not in n for n in named], curves
+    assert all(curves[n][2][2] < curves[n][0][2] for n in named), curves
     # the dense rows are DDP's arithmetic: the reference's final loss, within float tolerance
     assert rows["DDP dense"]["final_val_loss"] == pytest.approx(limit["final_val_loss"], abs=1e-4)
     dense_bytes = rows["DDP dense"]["bytes_per_rank_step"]
@@ -168,10 +168,16 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     stopped = rows[diloco[0]]["stopped_at_step"]
     assert rows[diloco[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (stopped // 8) / stopped)
     assert rows[diloco[1]]["bytes_per_rank_step"] < rows[diloco[0]]["bytes_per_rank_step"] / 4  # thc 4-bit
-    if torchft:  # the same arithmetic as bps_gc's dense DiLoCo, the same bytes
+    from test_lm_diloco import streamed_bytes  # F=4 tau=1 dense: its fragments', the whole model in 8 steps
+    assert streamed_bytes(8, 0) * 8 == dense_bytes and rows[diloco[2]]["bytes_per_rank_step"] == \
+        pytest.approx(streamed_bytes(rows[diloco[2]]["stopped_at_step"], 0))
+    if torchft:  # F=1: the same arithmetic as bps_gc's dense DiLoCo, the same bytes
         assert rows[torchft[0]]["final_val_loss"] == pytest.approx(rows[diloco[0]]["final_val_loss"], abs=1e-4)
         ft_stopped = rows[torchft[0]]["stopped_at_step"]
         assert rows[torchft[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (ft_stopped // 8) / ft_stopped)
+        assert rows[torchft[1]]["bytes_per_rank_step"] == \
+            pytest.approx(streamed_bytes(rows[torchft[1]]["stopped_at_step"], 1))  # F=4: torchft's phase
+        assert "torchft's DiLoCo: its dense rows only" in result.stdout
     else:
         assert "torchft's DiLoCo: no row: torchft does not import here" in result.stdout
     assert "the limit (no exchange)" in result.stdout and (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000

@@ -1,12 +1,14 @@
 """train.py --api diloco (bps_gc.torch.DiLoCo, example/pytorch/lm/lm_diloco.py): on the
 parameter server with the outer step on the servers (a launch of its own), its bad flags (no
-launch), and the checks of its torch.distributed runs, which ride on test_lm.py's resume
+launch), the LM yardstick's torchft fragments (in this process), and the checks of its torch.distributed runs, which ride on test_lm.py's resume
 launches (test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes)."""
+import os
 import sys
 
 import pytest
 import torch
 
+from conftest import ROOT
 from test_lm import TINY, TRAIN, final, flat, train_module
 
 ONEBIT_EF = ["--compressor", "onebit", "--onebit-scaling", "--ef", "vanilla"]
@@ -96,3 +98,53 @@ def test_bad_diloco_api_flags_are_one_line(capsys, flags, message):
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and ": error: " in err[0], err
+
+
+# the yardstick's GPT (2 layers: 28 tensors) as bps_gc.torch.DiLoCo(fragments=4) cuts it, read off the
+# parameters' order (gpt.py: the embeddings, each block's ln1, ln2, attn.qkv, attn.proj, mlp.0, mlp.2, ln)
+YARDSTICK_FRAGMENTS = [
+    ["tokens.weight", "positions.weight", *(f"blocks.0.{m}" for m in ("ln1.weight", "ln1.bias", "ln2.weight",
+                                                                        "ln2.bias", "attn.qkv.weight"))],
+    [f"blocks.0.{m}" for m in ("attn.qkv.bias", "attn.proj.weight", "attn.proj.bias", "mlp.0.weight", "mlp.0.bias",
+                               "mlp.2.weight", "mlp.2.bias")],
+    [f"blocks.1.{m}" for m in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.qkv.weight", "attn.qkv.bias",
+                               "attn.proj.weight")],
+    [*(f"blocks.1.{m}" for m in ("attn.proj.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")),
+     "ln.weight", "ln.bias"]]
+
+
+def streamed_bytes(stopped, tau):
+    """Dense F=4 DiLoCo's bytes per inner step at H = 8 on TINY's GPT over ``stopped`` inner
+    steps: fragment k % 4's float32 (the cut tested below) starts after inner step 2 (k + 1) - tau
+    (bps_gc's phase: tau = 0, its start; torchft's: tau = 1 step sooner)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from tta_lm_torchft import fragment_parameters
+    from gpt import GPT
+    sizes = [4 * sum(p.numel() for _, p in part) for part in fragment_parameters(GPT(1, 32, 2, 32), 4)]
+    return sum(sizes[k % 4] for k in range(stopped) if 2 * (k + 1) - tau <= stopped) / stopped
+
+
+def test_torchft_rows_fragments_are_bps_gcs_cut():
+    """scripts/tta_lm_torchft.py's fragments for torchft's F=4 row (no torchft needed: the cut is
+    plain torch): the yardstick's GPT and the test's 1-layer one cut into the tensors bps_gc.torch.
+    DiLoCo(fragments=4)'s fragments hold, in order (the 2-layer cut written out above; by count,
+    n / 4 tensors each for the 1-layer's 16), as modules whose parameters are the model's own
+    Parameter objects (torchft writes a fragment's global copy into them); torchft's F=4 row is
+    a row only where H is a multiple of 4 (torchft refuses others), the F=1 row at every H."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import tta_lm_torchft as ft
+    from gpt import GPT
+    from bps_gc.torch import DiLoCo
+    for layers, want in ((2, YARDSTICK_FRAGMENTS), (1, None)):
+        model = GPT(layers, 32, 2, 32)
+        names = [name for name, _ in model.named_parameters()]
+        want = want or [names[4 * f:4 * f + 4] for f in range(4)]
+        parts = ft.fragment_parameters(model, 4)
+        assert [[name for name, _ in part] for part in parts] == want and sum(want, []) == names
+        ours = DiLoCo(model, torch.optim.AdamW(model.parameters()), 8, fragments=4, delay=1)
+        assert [f.names for f in ours.fragments] == want
+        for part, module in zip(parts, ft.fragment_modules(parts)):
+            assert [id(p) for p in module.parameters()] == [id(model.get_parameter(name)) for name, _ in part]
+    assert list(ft.rows(8)) == ["torchft DiLoCo H=8 dense", "torchft DiLoCo H=8 F=4 tau=1 dense"]
+    assert list(ft.rows(25)) == ["torchft DiLoCo H=25 dense"] and ft.refused(8) is None
+    assert ft.refused(25) == "F=4 tau=1 dense: H=25 is not a multiple of 4"

@@ -44,7 +44,8 @@ import time
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example", p)
                 for p in ("pytorch/lm", "pytorch", "")]
-from tta_lm_diloco import DILOCO, add_diloco_args, check_diloco_args, diloco_rows, make_diloco  # noqa: E402,F401
+from tta_lm_diloco import (DILOCO, TORCHFT_PHASE, add_diloco_args, check_diloco_args, diloco_rows,  # noqa: E402,F401
+                           make_diloco)
 
 # bps_gc's DDP hook rows (AdamW); the parameter-server rows' DistributedOptimizer recipes
 HOOKS = {"bps_gc hook onebit + EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},

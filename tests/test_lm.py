@@ -147,7 +147,7 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     rows = data["rows"]
-    diloco = [f"bps_gc DiLoCo H=8 {name}" for name in lm.DILOCO]
+    diloco = [f"bps_gc DiLoCo H=8 {name}" for name in (*lm.DILOCO, lm.TORCHFT_PHASE[0])]  # [2]: F=4 dense
     assert set(rows) == {lm.LIMIT, *lm.COLLECTIVE[1:], *lm.PS, *diloco, *torchft}
     limit = rows[lm.LIMIT]
     assert limit["steps_to_target"] in (4, 8) and limit["seconds_to_target"] > 0
@@ -171,12 +171,14 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     from test_lm_diloco import streamed_bytes  # F=4 tau=1 dense: its fragments', the whole model in 8 steps
     assert streamed_bytes(8, 0) * 8 == dense_bytes and rows[diloco[2]]["bytes_per_rank_step"] == \
         pytest.approx(streamed_bytes(rows[diloco[2]]["stopped_at_step"], 0))
+    assert rows[diloco[4]]["bytes_per_rank_step"] == pytest.approx(streamed_bytes(rows[diloco[4]]["stopped_at_step"], 1))
     if torchft:  # F=1: the same arithmetic as bps_gc's dense DiLoCo, the same bytes
         assert rows[torchft[0]]["final_val_loss"] == pytest.approx(rows[diloco[0]]["final_val_loss"], abs=1e-4)
         ft_stopped = rows[torchft[0]]["stopped_at_step"]
         assert rows[torchft[0]]["bytes_per_rank_step"] == pytest.approx(dense_bytes * (ft_stopped // 8) / ft_stopped)
         assert rows[torchft[1]]["bytes_per_rank_step"] == \
             pytest.approx(streamed_bytes(rows[torchft[1]]["stopped_at_step"], 1))  # F=4: torchft's phase
+        assert [loss for _, _, loss in curves[diloco[4]]] == pytest.approx([c[2] for c in curves[torchft[1]]], abs=1e-4)
         assert "torchft's DiLoCo: its dense rows only" in result.stdout
     else:
         assert "torchft's DiLoCo: no row: torchft does not import here" in result.stdout
@@ -415,10 +417,13 @@ def test_diloco_warm_flags_name_the_rows_and_reach_diloco():
     args = time_to_accuracy.parse_args(["--task", "lm", "--diloco-warm-steps", "150", "--diloco-warm-every", "5",
                                         "--diloco-outer-lr", "1.0"])
     rows = lm.diloco_rows(args)
-    assert list(rows) == [f"bps_gc DiLoCo H=50 warm 150/5 outer lr 1 {name}" for name in lm.DILOCO]
+    named = [f"bps_gc DiLoCo H=50 warm 150/5 outer lr 1 {name}" for name in (*lm.DILOCO, lm.TORCHFT_PHASE[0])]
+    assert list(rows) == named
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # 4 tensors: F = 4
-    opt = lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), args, rows[list(rows)[-1]])
-    assert (opt.sync_every, opt.warm_steps, opt.warm_every, opt.delay, len(opt.fragments)) == (50, 150, 5, 1, 4)
+    opt = lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), args, rows[named[3]])  # thc
+    assert (opt.sync_every, opt.warm_steps, opt.warm_every, opt.delay, len(opt.fragments), opt.steps) == \
+        (50, 150, 5, 1, 4, 0)
+    assert lm.make_diloco(bps, model, torch.optim.SGD(model.parameters(), lr=0.1), args, rows[named[4]]).steps == 1
     assert {(g["lr"], g["momentum"], g["nesterov"]) for f in opt.fragments for g in f.outer.param_groups} == {(1.0, 0.9, True)}
     plain = time_to_accuracy.parse_args(["--task", "lm"])
     assert list(lm.diloco_rows(plain))[0] == "bps_gc DiLoCo H=50 dense"

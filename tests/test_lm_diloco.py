@@ -1,7 +1,8 @@
 """train.py --api diloco (bps_gc.torch.DiLoCo, example/pytorch/lm/lm_diloco.py): on the
 parameter server with the outer step on the servers (a launch of its own), its bad flags (no
-launch), the LM yardstick's torchft fragments (in this process), and the checks of its torch.distributed runs, which ride on test_lm.py's resume
-launches (test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes)."""
+launch), the LM yardstick's torchft fragments (in this process), and the checks of its
+torch.distributed runs, which ride on test_lm.py's resume launches
+(test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes)."""
 import os
 import sys
 

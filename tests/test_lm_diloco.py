@@ -2,7 +2,8 @@
 parameter server with the outer step on the servers (a launch of its own), its bad flags (no
 launch), the LM yardstick's torchft fragments (in this process), and the checks of its
 torch.distributed runs, which ride on test_lm.py's resume launches
-(test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes)."""
+(test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes) and on its reduced table
+(test_reduced_lm_table_has_every_row: streaming_rows_agree)."""
 import os
 import sys
 
@@ -123,6 +124,19 @@ def streamed_bytes(stopped, tau):
     from gpt import GPT
     sizes = [4 * sum(p.numel() for _, p in part) for part in fragment_parameters(GPT(1, 32, 2, 32), 4)]
     return sum(sizes[k % 4] for k in range(stopped) if 2 * (k + 1) - tau <= stopped) / stopped
+
+
+def streaming_rows_agree(data, ours, ours_in_torchfts_phase, torchft, dense_bytes):
+    """test_lm.py's reduced table (H = 8, TINY's GPT): the dense F = 4 tau = 1 rows' bytes are their
+    fragments' (the cut tested below) on each row's schedule, the four fragments the whole model;
+    where torchft imports (``torchft``: its F = 4 row), bps_gc's row in torchft's phase equals
+    torchft's at every evaluation (1e-4)."""
+    rows, curves = data["rows"], data["curves"]
+    assert streamed_bytes(8, 0) * 8 == dense_bytes
+    for row, tau in ((ours, 0), (ours_in_torchfts_phase, 1), *((name, 1) for name in torchft)):
+        assert rows[row]["bytes_per_rank_step"] == pytest.approx(streamed_bytes(rows[row]["stopped_at_step"], tau)), row
+    for name in torchft:
+        assert [c[2] for c in curves[ours_in_torchfts_phase]] == pytest.approx([c[2] for c in curves[name]], abs=1e-4)
 
 
 def test_torchft_rows_fragments_are_bps_gcs_cut():

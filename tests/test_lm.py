@@ -258,6 +258,7 @@ def lm_launches(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm")
     (root / "ddp").mkdir()
     # each rank's 1st and 4th saves of rank<r>.pth: top-k's and DiLoCo's at step 2
+    from test_lm_diloco import diloco_sharded_run
     straight = lm_fsdp_launch(root / "straight", (*HSDP_RUNS, diloco_sharded_run()), INTERRUPT_AFTER="rank:1,4",
                               COPY_TO=str(root / "resumed"), COPY_ROOT=str(root / "straight"))
     resumed = lm_fsdp_launch(root / "resumed", ([*OPTIMIZER_API, "--checkpoint", str(root / "optimizer")],
@@ -271,7 +272,7 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(lm_launches):
     (hsdp_runs_agree), in the straight launch; the resumed launch (another launcher, the same
     transport) resumes the first two from their step-2 checkpoints: train.py resumes across the
     two launchers, bit for bit."""
-    from test_lm_diloco import diloco_resumes
+    from test_lm_diloco import diloco_resumes, diloco_sharded_equals_unsharded
     tmp_path = lm_launches["root"]
     straight, diloco_straight, *hsdp, diloco_sharded = lm_launches["straight"]
     resumed, diloco_resumed = lm_launches["resumed"][:2]
@@ -295,26 +296,6 @@ def test_checkpoint_resume_is_bit_for_bit_with_a_codec(lm_launches):
 def final(out):
     """val_loss and bpb of train.py's final line (tokens per second differ)."""
     return [line for line in out.splitlines() if line.startswith("final:")][0].split()[1:3]
-
-
-def diloco_sharded_run():
-    """The straight launch's --api diloco run (lm_fsdp_launch) with the model sharded by FSDP2
-    inside each replica, --shards 1 on its 2 ranks, without its --checkpoint (refused there)."""
-    from test_lm_diloco import DILOCO
-    return [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2", "--shards", "1"]
-
-
-def diloco_sharded_equals_unsharded(sharded, unsharded):
-    """train.py --api diloco --shards 1: the parameters are DTensors (fully_shard on mesh["shard"]),
-    DiLoCo averages their shards over mesh["replicate"] and the evaluation swaps the global copy
-    into the shards; a one-rank shard is the whole tensor, so the run ends on the unsharded run's
-    final line and bytes, bit for bit."""
-    assert "FSDP2 inside each replica, the (replicas, shards) mesh (2, 1)" in sharded, sharded
-    assert final(sharded) == final(unsharded), (sharded, unsharded)
-    sent = [re.search(r"^exchange: .*$", out, re.M).group(0) for out in (sharded, unsharded)]
-    assert sent[0] == sent[1], sent
-    evals = [re.findall(r"val_loss=(\S+)", out) for out in (sharded, unsharded)]
-    assert evals[0] == evals[1] and len(evals[0]) == 4, evals  # every evaluation, not the last alone
 
 
 def hsdp_runs_agree(outputs):

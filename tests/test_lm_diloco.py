@@ -5,6 +5,7 @@ torch.distributed runs, which ride on test_lm.py's resume launches
 (test_checkpoint_resume_is_bit_for_bit_with_a_codec: diloco_resumes) and on its reduced table
 (test_reduced_lm_table_has_every_row: streaming_rows_agree)."""
 import os
+import re
 import sys
 
 import pytest
@@ -163,3 +164,22 @@ def test_torchft_rows_fragments_are_bps_gcs_cut():
     assert list(ft.rows(8)) == ["torchft DiLoCo H=8 dense", "torchft DiLoCo H=8 F=4 tau=1 dense"]
     assert list(ft.rows(25)) == ["torchft DiLoCo H=25 dense"] and ft.refused(8) is None
     assert ft.refused(25) == "F=4 tau=1 dense: H=25 is not a multiple of 4"
+
+
+def diloco_sharded_run():
+    """The straight launch's --api diloco run (lm_fsdp_launch) with the model sharded by FSDP2
+    inside each replica, --shards 1 on its 2 ranks, without its --checkpoint (refused there)."""
+    return [*DILOCO, "--fragments", "2", "--delay", "1", "--steps", "6", "--eval-every", "2", "--shards", "1"]
+
+
+def diloco_sharded_equals_unsharded(sharded, unsharded):
+    """train.py --api diloco --shards 1: the parameters are DTensors (fully_shard on mesh["shard"]),
+    DiLoCo averages their shards over mesh["replicate"] and the evaluation swaps the global copy
+    into the shards; a one-rank shard is the whole tensor, so the run ends on the unsharded run's
+    final line and bytes, bit for bit."""
+    assert "FSDP2 inside each replica, the (replicas, shards) mesh (2, 1)" in sharded, sharded
+    assert final(sharded) == final(unsharded), (sharded, unsharded)
+    sent = [re.search(r"^exchange: .*$", out, re.M).group(0) for out in (sharded, unsharded)]
+    assert sent[0] == sent[1], sent
+    evals = [re.findall(r"val_loss=(\S+)", out) for out in (sharded, unsharded)]
+    assert evals[0] == evals[1] and len(evals[0]) == 4, evals  # every evaluation, not the last alone

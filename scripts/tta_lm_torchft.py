@@ -60,11 +60,10 @@ def importable():
 
 
 def fragment_parameters(model, fragments):
-    """bps_gc.torch.DiLoCo's cut: [[(name, parameter)] of each fragment], the model's trainable
-    parameters in order, fragment f holding numbers n f // F to n (f + 1) // F - 1 of the n."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    cuts = [len(named) * f // fragments for f in range(fragments + 1)]
-    return [named[cuts[f]:cuts[f + 1]] for f in range(fragments)]
+    """bps_gc.torch.DiLoCo's cut (bps_gc/torch/diloco.py fragment_cut) of the model's trainable
+    parameters: [[(name, parameter)] of each fragment]."""
+    from bps_gc.torch.diloco import fragment_cut
+    return fragment_cut([(name, p) for name, p in model.named_parameters() if p.requires_grad], fragments)
 
 
 def fragment_modules(parts):

@@ -38,7 +38,7 @@ from .diloco_elastic import join as elastic_join
 from .diloco_servers import (PLAIN_AVERAGE, SERVERS_GLOBAL, check_servers_step, default_outer_step, server_settings,
                              servers_codec)
 from .diloco_hosts import HostPartsExchange
-from .diloco_sharded import local, shard_names, shards_exchange
+from .diloco_sharded import HostShardsExchange, local, shard_names
 from .dtensors import is_dtensor
 from .exchange import interruptible_wait, named_exchange
 
@@ -90,14 +90,10 @@ class DiLoCo:
         named = shard_names(named, replicate)  # FSDP2's DTensors: each rank's local shard, named by it
         self.inner, self.sync_every, self.alpha, self.replicate = inner_optimizer, sync_every, alpha, replicate
         self.hosts = replicate == "hosts"
-        # a host's replica sharded over its local ranks: each pushes its own shards whole
-        self.sharded = self.hosts and any(is_dtensor(p) for _, p in named)
         self.delay, self.warm_steps, self.warm_every = delay, warm_steps, warm_every
         make_outer = outer_optimizer or (lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
-        cuts = [len(named) * f // fragments for f in range(fragments + 1)]
         self.fragments = []
-        for f in range(fragments):
-            part = named[cuts[f]:cuts[f + 1]]
+        for f, part in enumerate(fragment_cut(named, fragments)):
             copies = [local(p).detach().float().clone() for _, p in part]
             outer = make_outer(copies)
             if not isinstance(outer, torch.optim.Optimizer):
@@ -116,10 +112,10 @@ class DiLoCo:
         # parameter server: PushPullExchange, over every worker; HostPartsExchange over the hosts)
         reducer = "outer_sgd" if self.on_servers else None
         try:
-            if self.sharded:
-                self.exchange = shards_exchange(compression_params, named, reducer)
-            elif self.hosts:
-                self.exchange = HostPartsExchange(compression_params, named, reducer)
+            if self.hosts:  # a host's replica sharded over its local ranks: each pushes its own shards
+                sharded = any(is_dtensor(p) for _, p in named)
+                self.exchange = (HostShardsExchange if sharded else HostPartsExchange)(compression_params, named,
+                                                                                      reducer)
             else:
                 self.exchange = named_exchange(compression_params, [(name, local(p)) for name, p in named], replicate,
                                                reducer=reducer, on_servers=self.on_servers)
@@ -177,7 +173,7 @@ class DiLoCo:
         (diloco_elastic.py), and returns the exchanges started before its first; its inner
         optimizer and codec state start at zero. With replicate="hosts" each local rank of a
         joining host takes them from its counterpart on a live host (the whole replica's)."""
-        if self.sharded:
+        if isinstance(self.exchange, HostShardsExchange):
             raise ValueError("DiLoCo: elastic_start: a model sharded with FSDP2 takes no elastic membership "
                              "(BPS_GC_ELASTIC): a joining host's ranks would each need their shard's state")
         self.elastic = True
@@ -239,11 +235,11 @@ class DiLoCo:
         fragments = (fragment, *more)  # each keeps the one future: its average holds every name
         named = [pair for f in fragments for pair in f.named]
         copies = [copy for f in fragments for copy in f.copies]
-        if self.hosts and not self.sharded:  # each local rank its own part only (diloco_hosts.py)
+        if self.hosts:  # each local rank its own part or its own shards only (diloco_hosts.py, diloco_sharded.py)
             pending = self.exchange.start(named, copies, ctx=settings)
         else:
             pseudo = [(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)]
-            pending = self.exchange(pseudo, ctx=settings) if self.on_servers or self.sharded else \
+            pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
                 self.exchange(pseudo, group=self.replicate)  # None: every rank
         for f in fragments:
             f.pending, f.due = pending, self.steps + self.delay
@@ -307,6 +303,13 @@ class DiLoCo:
                     copy.copy_(value)
                 fragment.outer.load_state_dict(saved["outer"])
                 fragment.land(saved)
+
+
+def fragment_cut(named, fragments):
+    """Streaming DiLoCo's fragments of ``named`` [(name, parameter)], in order: ``fragments``
+    contiguous runs, by count (fragment f holds numbers n f // F to n (f + 1) // F - 1 of the n)."""
+    cuts = [len(named) * f // fragments for f in range(fragments + 1)]
+    return [named[cuts[f]:cuts[f + 1]] for f in range(fragments)]
 
 
 def check_warm_phase(warm_steps, warm_every, delay):

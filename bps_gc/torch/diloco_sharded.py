@@ -10,7 +10,7 @@ averages its pseudo-gradient over ``replicate``, whose ranks hold the same shard
 host, under the name ``<fqn>#shard<i>`` (i: the shard's index on its 1-D mesh), as
 register_fsdp_hooks names its parts: its codec state follows the shard. On the parameter
 server, ``replicate="hosts"`` with the model sharded on ``bps_gc.torch.host_mesh()``: each
-host is one replica, and each local rank pushes its own shards (``shards_exchange``).
+host is one replica, and each local rank pushes its own shards (``HostShardsExchange``).
 """
 import torch.distributed as dist
 
@@ -75,10 +75,21 @@ def on_hosts(named, sharded):
     return [(f"{name}#shard{rank}", p) for name, p in named]
 
 
-def shards_exchange(compression_params, named, reducer):
-    """The exchange of replicate="hosts" over shards: each local rank pushes its own shards
-    (``<fqn>#shard<i>``), declared ``one_per_host``, so the servers sum one push per host and the
-    replies are averaged over the hosts (or are ``outer_sgd``'s update), as register_fsdp_hooks
-    pushes them on the parameter server (fsdp_ps.py)."""
-    return PushPullExchange(compression_params, reducer, named_parameters=[(name, local(p)) for name, p in named],
-                            one_per_host=True)
+class HostShardsExchange:
+    """The exchange of replicate="hosts" over shards, with HostPartsExchange's calls (diloco_hosts.py):
+    each local rank pushes the pseudo-gradients of its own shards (``<fqn>#shard<i>``), declared
+    ``one_per_host``, so the servers sum one push per host and the replies are averaged over the
+    hosts (or are ``outer_sgd``'s update), as register_fsdp_hooks pushes them on the parameter
+    server (fsdp_ps.py). A rank's outer step needs its own shards alone: no all-gather."""
+
+    def __init__(self, compression_params, named, reducer=None):
+        self.pushes = PushPullExchange(compression_params, reducer, one_per_host=True,
+                                       named_parameters=[(name, local(p)) for name, p in named])
+        self.averaged = self.pushes.averaged
+        self.server_values, self.set_server_values = self.pushes.server_values, self.pushes.set_server_values
+
+    def start(self, named, copies, ctx):
+        """The pseudo-gradients (global copy - local shard) of [(name, parameter)] pushed and
+        pulled in the background; a torch Future of {name: average}."""
+        return self.pushes([(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)],
+                           ctx=ctx)

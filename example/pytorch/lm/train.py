@@ -213,11 +213,12 @@ def main(argv=None):
     val = val_windows(corpus.val, args.val_windows, args.context)
     # DistributedOptimizer's state_dict() carries its codec state; the hook's and DiLoCo's go beside
     hook_state, diloco = args.api in ("hook", "diloco"), args.api == "diloco"
-    if diloco and replicate:
+    if not diloco:
+        evaluated = lambda: contextlib.nullcontext(model)  # noqa: E731
+    elif replicate:  # sharded: the global copy swapped into the shards for the evaluation
         evaluated = lambda: global_copy_in_shards(opt, model)  # noqa: E731
     else:
-        evaluated = (lambda: contextlib.nullcontext(load_global_copy(opt, deployed))) if diloco else \
-            (lambda: contextlib.nullcontext(model))
+        evaluated = lambda: contextlib.nullcontext(load_global_copy(opt, deployed))  # noqa: E731
     saved = epoch_checkpoint.resume(args.checkpoint, rank, size, model, opt, summed)
     first, train_seconds = 0, 0.0
     if saved is not None:

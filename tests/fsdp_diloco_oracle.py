@@ -84,8 +84,8 @@ def diloco_on_hosts_equals_the_recomputation(ranks, runs, steps, names):
     ranks (no hooks: FSDP2's reduce-scatter averages the inner gradients in the host), H = 2: each local rank pushes its own shards (``<fqn>#shard<i>``, one push per host), and
     every rank's full parameters after every step equal fsdp_diloco_oracle's one-process
     recomputation (two unsharded replicas, the paper's outer step) within 1e-6, replicas
-    bit-identical after each sync and apart between; a model sharded on another mesh, and one
-    partly sharded, are refused in one line."""
+    bit-identical after each sync and apart between; a model sharded on another mesh, one
+    partly sharded, and elastic_start on a sharded host replica are refused in one line."""
     def batch_of(rank, step):  # fsdp_ps_job.batch
         g = torch.Generator().manual_seed(1000 * rank + step)
         return torch.randn(4, WIDTHS[0], generator=g), torch.randn(4, WIDTHS[-1], generator=g)
@@ -104,6 +104,9 @@ def diloco_on_hosts_equals_the_recomputation(ranks, runs, steps, names):
                                                   "sharded on a 1-D mesh of 1 ranks as shard 0, but this rank is "
                                                   "local rank ") and "shard the model on bps_gc.torch.host_mesh()" in r
                                      and "\n" not in r for r in refused), refused
+    elastic = {str(a[f"{run}/elastic_refusal"]) for a in ranks for run in runs}
+    assert elastic == {"DiLoCo: elastic_start: a model sharded with FSDP2 takes no elastic membership "
+                       "(BPS_GC_ELASTIC): a joining host's ranks would each need their shard's state"}, elastic
     whole = {str(a["diloco_refusal_whole"]) for a in ranks}
     assert whole == {"DiLoCo: replicate='hosts' over a sharded model: '1.weight' is not sharded: shard every "
                      "parameter on bps_gc.torch.host_mesh() (fully_shard the root module too)"}, whole

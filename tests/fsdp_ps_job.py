@@ -253,8 +253,8 @@ def diloco(name, setting, sync_every, steps):
     """Spec "diloco" {"runs": {name: {"params": compression_params, "outer_step": ...}},
     "sync_every", "steps"}: the MLP sharded on the host's mesh without hooks, bps_gc.torch.DiLoCo
     with replicate="hosts" (each host one replica, each local rank pushing its own shards) over
-    its SGD; its full parameters after every step ("<name>/full/<step>/<param>") and where its
-    outer step ran ("<name>/outer_step")."""
+    its SGD; its full parameters after every step ("<name>/full/<step>/<param>"), where its
+    outer step ran ("<name>/outer_step") and elastic_start's refusal ("<name>/elastic_refusal")."""
     model = build(mesh)
     opt = bps.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every, replicate="hosts",
                      compression_params=setting.get("params"), outer_step=setting.get("outer_step"))
@@ -266,6 +266,11 @@ def diloco(name, setting, sync_every, steps):
         opt.zero_grad()
         arrays.update({f"{name}/full/{step}/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()})
     opt.wait()
+    try:  # a sharded host replica takes no elastic membership: refused before anything is sent
+        opt.elastic_start()
+        arrays[f"{name}/elastic_refusal"] = np.array("")
+    except ValueError as e:
+        arrays[f"{name}/elastic_refusal"] = np.array(str(e))
     return arrays
 
 

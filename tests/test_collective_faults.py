@@ -80,7 +80,8 @@ def test_stopped_rank_ends_the_other_whose_script_caught_the_failure(tmp_path):
     """Rank 1 stopped (SIGSTOP: alive, silent, its sockets open): rank 0, whose script catches
     the NodeFailure and exits 3, ends within the heartbeat bound plus the teardown's bound
     (2 x (3 + 0.2) s), though its collective pending on rank 1 holds the group's teardown for
-    gloo's 30 minutes: with its own status, or 1 from the watchdog when that teardown blocks."""
+    gloo's 30 minutes: with its own status, or 1 when that teardown still blocks at its exit
+    (which ends it without the finalization that once crashed beside gloo's blocked thread)."""
     procs, pids = two_hosts(tmp_path, "bpslaunch"), None
     try:
         pids = wait_for_pids(tmp_path, 2, procs)

@@ -71,3 +71,31 @@ def test_no_post_is_stranded_under_a_storm_of_wake_ups():
     assert not runner.is_alive(), f"the loop saw {len(seen)} of {total} posts, then no wake-up came"
     assert seen == list(range(total)) and done == [True]
     loop.close()
+
+
+def test_a_wake_up_interrupted_by_ctrl_c_does_not_silence_later_posts(monkeypatch):
+    """Ctrl-C reaches the posting (main) thread inside wake(), before its byte is written: the
+    post after it (a worker's goodbye, at exit) must still wake the loop. Once, a flag left set
+    with no byte in the pipe stranded that goodbye, and the interrupted worker never left."""
+    loop, posts, seen = make_loop(total=1)
+    real_write = os.write
+
+    def interrupted_write(fd, data):
+        monkeypatch.setattr(event_loop.os, "write", real_write)  # only the first write
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(event_loop.os, "write", interrupted_write)
+    try:
+        loop.wake()
+        raise AssertionError("the interrupt did not reach the caller")
+    except KeyboardInterrupt:
+        pass
+    done = []
+    runner = threading.Thread(target=lambda: done.append(loop.run()), daemon=True)
+    runner.start()
+    posts.put("goodbye")
+    loop.wake()
+    runner.join(timeout=10)
+    assert not runner.is_alive(), "the post after the interrupted wake-up never woke the loop"
+    assert seen == ["goodbye"] and done == [True]
+    loop.close()

@@ -38,21 +38,14 @@ def end_after_failure(rank, bound, exiting, abandoned=None, linger=lambda: None)
     would end it (status 1; by SIGINT after Ctrl-C), without the finalization where gloo's
     threads abort it. Otherwise every process group is aborted (the script's own too: the failed
     peer broke it), so that what can fail fails now, while Python runs: on a thread waited for
-    at most ``bound`` s (a hung peer's collective blocks the teardown for gloo's whole timeout);
-    and at exit (or at the process's end, if the teardown still blocks) a watchdog ends the
-    process with status 1 if it still runs ``bound`` s later (the script caught the failure
-    and exits with a status of its own, but a teardown blocks): faulthandler's thread, which
-    runs without the GIL, even during finalization."""
+    at most ``bound`` s (a hung peer's collective blocks the teardown for gloo's whole timeout).
+    A process whose teardown still blocks at exit ends there with status 1, after the exit
+    handlers, without the finalization: beside gloo's blocked thread that crashed it (SIGSEGV,
+    seen once in the suite). A watchdog, faulthandler's thread (it runs without the GIL), ends
+    a process still running ``bound`` s after its exit began (an exit handler that blocks)."""
     if exiting and abandoned is not None:
         linger()
-        atexit._run_exitfuncs()  # the script's and the libraries' own, as the interpreter runs them
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if abandoned == "KeyboardInterrupt":
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(1)
+        _end_now(interrupted=abandoned == "KeyboardInterrupt")
     if exiting:
         _end_within(bound)
     aborting = threading.Thread(target=_abort_process_groups, args=(rank,), name="bps_gc-abort", daemon=True)
@@ -60,9 +53,32 @@ def end_after_failure(rank, bound, exiting, abandoned=None, linger=lambda: None)
     aborting.join(bound)
     if aborting.is_alive():
         log.warning("rank %d: a collective on the failed peer still holds its process group's teardown after "
-                    "%g s; left to end with the process", rank, bound)
-        if not exiting:  # the interpreter's end would wait for it: bound the end then
-            atexit.register(_end_within, bound)
+                    "%g s; the process ends with status 1 at its exit", rank, bound)
+        if exiting:
+            _end_within(bound)  # the watchdog again, for the exit handlers _end_now runs
+            _end_now()
+        atexit.register(_end_if_blocked, aborting, bound)  # the script goes on: at its exit
+
+
+def _end_if_blocked(aborting, bound):
+    if aborting.is_alive():
+        atexit.unregister(_end_if_blocked)  # _end_now runs the exit handlers: not this one again
+        _end_within(bound)
+        _end_now()
+
+
+def _end_now(interrupted=False):
+    """End as the interpreter would after an uncaught exception (status 1; by SIGINT after
+    Ctrl-C), without its finalization: the exit handlers run (the script's and the libraries'
+    own), the streams are flushed."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1)
 
 
 def _end_within(seconds):

@@ -67,11 +67,14 @@ class EventLoop:
         wake-up pending skips the syscall (and the thread switch it may cost)."""
         if self.wake_w is None or self.wake_pending:  # closed, or the loop will look anyway
             return
-        self.wake_pending = True
         try:
+            self.wake_pending = True
             os.write(self.wake_w, b"x")
         except BlockingIOError:
             pass  # a wake-up is already pending
+        except BaseException:  # Ctrl-C on the posting thread before the byte went out: a flag
+            self.wake_pending = False  # left set with no byte would silence every later post
+            raise                       # (a worker's goodbye among them: it never left)
 
     def run(self, on_failure=None):
         """Poll until a handler or tick returns a status; returns it. A NodeFailure is passed to

@@ -1,6 +1,7 @@
 """bench_pushpull: starting one cluster's processes (loopback or two shaped network namespaces),
 waiting for them with a timeout, and always stopping them (bps_gc's launcher supervisor)."""
 import os
+import re
 import sys
 import subprocess
 import time
@@ -46,16 +47,64 @@ def log_tail(child, lines=25):
         return ""
 
 
-def wait_all(children, deadline):
-    """Wait until all exit or the deadline; returns the first child that failed (or None)."""
+def wait_all(children, deadline, tick=None):
+    """Wait until all exit or the deadline; returns the first child that failed (or None).
+    ``tick()``, if given, runs on every poll (a progress bar reading the children's logs)."""
     while True:
         for c in children:
             rc = c.proc.poll()
             if rc is not None and rc != 0:
                 return c
+        if tick is not None:
+            tick()
         if all(c.proc.poll() is not None for c in children) or time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+class RowsProgress:
+    """A progress bar over a benchmark's rows, for runs whose ranks write to log files: rank 0
+    prints ``<row>: ...`` as each row ends (under bpslaunch with a ``[label] `` in front), and
+    ``follow(log_path)`` then calling the object, on every poll, reads what the log gained."""
+    LABEL = re.compile(r"^\[[^\]]*\] ")
+
+    def __init__(self, rows, desc="rows"):
+        from tqdm import tqdm
+        self.rows, self.done = set(rows), set()
+        self.bar = tqdm(total=len(self.rows), desc=desc, unit="row", file=sys.stderr)
+        self.path, self.offset, self.partial, self.next_read = None, 0, "", 0.0
+
+    def follow(self, log_path, desc=None):
+        """Read ``log_path`` from its end on: a log appended to by an earlier run has been read."""
+        self(force=True)
+        self.path, self.partial = log_path, ""
+        self.offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        if desc:
+            self.bar.set_description(desc)
+
+    def __call__(self, force=False):
+        now = time.monotonic()
+        if self.path is None or (now < self.next_read and not force):
+            return
+        self.next_read = now + 0.5  # a log read twice a second is plenty for a bar
+        try:
+            with open(self.path, errors="replace") as f:
+                f.seek(self.offset)
+                text = f.read()
+                self.offset = f.tell()
+        except OSError:
+            return
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            row = self.LABEL.sub("", line).split(": ", 1)[0]
+            if row in self.rows and row not in self.done:
+                self.done.add(row)
+                self.bar.set_postfix_str(row[:40])
+                self.bar.update(1)
+
+    def close(self):
+        self(force=True)
+        self.bar.close()
 
 
 def child_env(extra):
@@ -142,8 +191,9 @@ def run_or_exit(children, plan, worker_names, timeout, log_dir, what, limit=3000
         children.stop_all()
 
 
-def run_cluster(children, plan, worker_names, timeout, log_dir):
-    """Start [(name, argv, env)], wait for the workers (timeout), then the rest; stop all."""
+def run_cluster(children, plan, worker_names, timeout, log_dir, tick=None):
+    """Start [(name, argv, env)], wait for the workers (timeout; ``tick()`` on every poll), then
+    the rest; stop all."""
     started = []
     try:
         for name, argv, env in plan:
@@ -152,7 +202,7 @@ def run_cluster(children, plan, worker_names, timeout, log_dir):
                 time.sleep(0.2)  # let it bind before the others connect (both sides retry anyway)
         workers = [c for c in started if c.name in worker_names]
         deadline = time.monotonic() + timeout
-        failed = wait_all(workers, deadline)
+        failed = wait_all(workers, deadline, tick)
         if failed is None and any(c.proc.poll() is None for c in workers):
             raise ClusterFailed(f"timed out after {timeout:.0f} s", started)
         if failed is None:

@@ -185,7 +185,8 @@ def compute_only_seconds(bps, network, x, y, shard, rank):
 
 def run_clusters(args, topo, log_dir):
     """The torch.distributed ranks, then the parameter-server cluster; rank 0's curves."""
-    from bench_cluster import Children, ClusterFailed, child_env, cluster_env, failure_lines, node_plan, run_cluster, worker_env
+    from bench_cluster import Children, ClusterFailed, RowsProgress, child_env, cluster_env, failure_lines, node_plan, \
+        run_cluster, worker_env
     children = Children()
     def wanted(name):  # DDP dense (mnist) and the reference (lm) set the target
         return name in ("DDP dense", "reference") or not args.rows or any(w in name for w in args.rows.split(","))
@@ -198,10 +199,13 @@ def run_clusters(args, topo, log_dir):
         runs = [("collective", list(hsdp.rows(lambda name: not args.rows or
                                               any(w in name for w in args.rows.split(",")))))]
     results = {}
+    # rank 0 prints "<row>: ..." as each row ends (the lm task's reference prints none)
+    progress = RowsProgress([c for _, configs in runs for c in configs if c != lm.REFERENCE])
     try:
         for transport, configs in runs:
             if not configs:
                 continue
+            progress.follow(os.path.join(log_dir, "rank0.log"), f"rows ({transport})")
             raw = os.path.join(log_dir, f"{transport}.json")
             cmd = [PY, os.path.abspath(__file__), *args.argv, "--rank-out", raw, "--configs", ",".join(configs)]
             if args.task == "lm" and transport == "ps":  # the collective run's reference set them
@@ -224,11 +228,13 @@ def run_clusters(args, topo, log_dir):
                 plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
                           child_env(worker_env(topo, common, w, local))) for w in range(args.machines)]
             try:
-                run_cluster(children, plan, {name for name, _, _ in plan if name.startswith("rank")}, 3600, log_dir)
+                run_cluster(children, plan, {name for name, _, _ in plan if name.startswith("rank")}, 3600, log_dir,
+                            progress)
             except ClusterFailed as e:
                 sys.exit(f"time_to_accuracy: the {transport} run failed: {failure_lines(e, 3000)}")
             merge(results, json.load(open(raw)))
     finally:
+        progress.close()
         children.stop_all()
     return results
 

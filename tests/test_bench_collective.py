@@ -2,6 +2,7 @@
 scripts/time_to_accuracy.py (one MNIST epoch), whose --machines is refused where it cannot run."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -38,6 +39,8 @@ def test_time_to_accuracy_one_epoch(tmp_path):
     assert limit["seconds_to_target"] == limit["steps_to_target"] * data["compute_seconds_per_step"] > 0
     assert all(r["final_accuracy"] > 0.5 for n, r in data["rows"].items() if n != "the limit (no exchange)")
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+    trained = len(data["rows"]) - 1  # every row but the limit (computed): the progress bar saw each end
+    assert re.search(rf"100%\|[^|]*\| {trained}/{trained} ", result.stderr), result.stderr[-1000:]
 
 
 @pytest.mark.parametrize("argv, message", [

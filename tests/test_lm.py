@@ -178,6 +178,8 @@ def test_reduced_lm_table_has_every_row(tmp_path):
     else:
         assert "torchft's DiLoCo: no row: torchft does not import here" in result.stdout
     assert "the limit (no exchange)" in result.stdout and (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+    trained = len(rows) - 1  # every row but the limit (the reference's): the progress bar saw each end
+    assert re.search(rf"100%\|[^|]*\| {trained}/{trained} ", result.stderr), result.stderr[-1000:]
 
 
 def test_lm_table_runs_two_local_ranks_per_machine(tmp_path):

@@ -69,3 +69,34 @@ def test_a_job_whose_call_fails_ends_with_its_error_and_is_raised_at_the_next_wa
     with pytest.raises(JobFailed, match="Driver.compress failed"):  # the first failure, raised at every wait
         runner.wait_idle(10)
     runner.stop()
+
+
+def test_a_ctrl_c_as_submit_releases_its_lock_leaves_no_job_counted_and_not_queued():
+    """Ctrl-C reaches the caller's thread as submit() leaves its lock (the lock's __exit__, where
+    Python runs signal handlers): the job it counted must be queued too, or every later wait
+    for the thread to be idle (the rank's drain at exit) waits for ever."""
+    import threading
+
+    from bps_gc.collective.job_thread import JobThread
+    runner, ran = JobThread("job"), []
+    runner.submit(ran.append, "first")  # the thread is started
+    assert runner.wait_idle(10)
+    release = threading.Condition.__exit__.__code__
+
+    def ctrl_c_at_the_release(frame, event, arg):
+        if event == "call" and frame.f_code is release:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(ctrl_c_at_the_release)
+    try:
+        runner.submit(ran.append, "second")
+        raise AssertionError("the interrupt did not reach submit()")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    assert runner.wait_idle(5), (runner.submitted, runner.completed, ran)
+    assert ran == ["first", "second"]
+    runner.stop()

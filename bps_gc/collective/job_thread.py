@@ -41,8 +41,11 @@ class JobThread:
                 self.thread.start()
                 # joined at exit (comm/exit_threads.py): told to stop after its jobs first
                 join_at_exit(self.thread, lambda jobs=self.jobs: jobs.put(None))
+            # counted and queued with no call between (a signal handler runs only at one): a
+            # Ctrl-C at the lock's release once could leave a job counted and never queued, and
+            # the rank's drain at exit waited for it for ever
             self.submitted += 1
-        self.jobs.put((fn, args))
+            self.jobs.put((fn, args))
 
     def idle(self):
         return self.completed == self.submitted

@@ -55,15 +55,14 @@ def end_after_failure(rank, bound, exiting, abandoned=None, linger=lambda: None)
         log.warning("rank %d: a collective on the failed peer still holds its process group's teardown after "
                     "%g s; the process ends with status 1 at its exit", rank, bound)
         if exiting:
-            _end_within(bound)  # the watchdog again, for the exit handlers _end_now runs
-            _end_now()
+            _end_if_blocked(aborting, bound)
         atexit.register(_end_if_blocked, aborting, bound)  # the script goes on: at its exit
 
 
 def _end_if_blocked(aborting, bound):
     if aborting.is_alive():
         atexit.unregister(_end_if_blocked)  # _end_now runs the exit handlers: not this one again
-        _end_within(bound)
+        _end_within(bound)  # the watchdog (again), for the exit handlers _end_now runs
         _end_now()
 
 

@@ -38,7 +38,7 @@ from .diloco_elastic import join as elastic_join
 from .diloco_servers import (PLAIN_AVERAGE, SERVERS_GLOBAL, check_servers_step, default_outer_step, server_settings,
                              servers_codec)
 from .diloco_hosts import HostPartsExchange
-from .diloco_sharded import HostShardsExchange, local, shard_names
+from .diloco_sharded import HostShardsExchange, local, pseudo_gradients, shard_names
 from .dtensors import is_dtensor
 from .exchange import interruptible_wait, named_exchange
 
@@ -238,7 +238,7 @@ class DiLoCo:
         if self.hosts:  # each local rank its own part or its own shards only (diloco_hosts.py, diloco_sharded.py)
             pending = self.exchange.start(named, copies, ctx=settings)
         else:
-            pseudo = [(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)]
+            pseudo = pseudo_gradients(named, copies)
             pending = self.exchange(pseudo, ctx=settings) if self.on_servers else \
                 self.exchange(pseudo, group=self.replicate)  # None: every rank
         for f in fragments:

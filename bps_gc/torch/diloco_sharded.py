@@ -26,6 +26,12 @@ def local(parameter):
     return parameter.to_local() if is_dtensor(parameter) else parameter
 
 
+def pseudo_gradients(named, copies):
+    """[(name, global copy - the rank's own tensor of the parameter, in float32)] of [(name,
+    parameter)] and their global copies: what DiLoCo averages at a sync."""
+    return [(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)]
+
+
 def shard_names(named, replicate):
     """``named`` [(name, parameter)] with each DTensor renamed ``<name>#shard<i>``; a ValueError,
     in one line, where DiLoCo cannot average its shards: no process group to average over, a
@@ -91,5 +97,4 @@ class HostShardsExchange:
     def start(self, named, copies, ctx):
         """The pseudo-gradients (global copy - local shard) of [(name, parameter)] pushed and
         pulled in the background; a torch Future of {name: average}."""
-        return self.pushes([(name, copy - local(p).detach().float()) for (name, p), copy in zip(named, copies)],
-                           ctx=ctx)
+        return self.pushes(pseudo_gradients(named, copies), ctx=ctx)

@@ -1,7 +1,8 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
-under bpslaunch --local (2 workers) train with each optimizer, and two of them under torchrun (in
-one launch); those two checkpoint every epoch and are the straight runs that a resumed run must
+train with each optimizer under bpslaunch --local (2 workers, one server; sgd's on
+torch.distributed instead, in the resumed runs' launch), and two of them under torchrun (in one
+launch); those two checkpoint every epoch and are the straight runs that a resumed run must
 equal (issue 33)."""
 import json
 import os
@@ -150,6 +151,11 @@ def tiny_argv(name, checkpoint=False):
 
 
 TORCHRUN_RUNS = ("local_sgd", "parallel_choco")
+# tiny runs in the resumed runs' launch (bpslaunch --servers 0) rather than a parameter-server
+# launch of their own (5 processes, 2 of them torch ranks): the script's sgd is a plain
+# bps.DistributedOptimizer, which many other tests run on the servers; the script's own code on
+# the parameter server keeps the other optimizers' runs
+COLLECTIVE_RUNS = ("sgd",)
 
 
 @pytest.fixture(scope="module")
@@ -170,25 +176,35 @@ def torchrun_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed_runs(torchrun_runs, tmp_path_factory):
-    """name -> (what its resume folder/ckpt held before, result): the same commands as
-    TORCHRUN_RUNS's on the same transport (bpslaunch --servers 0), started in the resume
-    folders, one after the other in one launch."""
+    """{"resumed": name -> (what its resume folder/ckpt held before, result), "tiny": name ->
+    (folder, result)}: the same commands as TORCHRUN_RUNS's on the same transport (bpslaunch
+    --servers 0), started in the resume folders, then COLLECTIVE_RUNS's tiny runs, each in a
+    folder of its own, one after the other in one launch."""
     held = {}
     for name, (_, result, folder) in torchrun_runs.items():
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         held[name] = sorted(os.listdir(folder / "ckpt"))
         write_cifar10(str(folder / "data"))
-    result = launch_runs([{"cwd": str(folder), "argv": tiny_argv(name, checkpoint=True)}
-                          for name, (_, _, folder) in torchrun_runs.items()], tmp_path_factory.mktemp("resumed"),
-                         "collective")
-    return {name: (held[name], result) for name in torchrun_runs}
+    tiny = {name: tmp_path_factory.mktemp(f"{name}-collective") for name in COLLECTIVE_RUNS}
+    for folder in tiny.values():
+        write_cifar10(str(folder / "data"))
+    result = launch_runs([*({"cwd": str(folder), "argv": tiny_argv(name, checkpoint=True)}
+                            for name, (_, _, folder) in torchrun_runs.items()),
+                          *({"cwd": str(folder), "argv": tiny_argv(name)} for name, folder in tiny.items())],
+                         tmp_path_factory.mktemp("resumed"), "collective")
+    return {"resumed": {name: (held[name], result) for name in torchrun_runs},
+            "tiny": {name: (folder, result) for name, folder in tiny.items()}}
 
 
-@pytest.mark.parametrize("name, launcher", [(n, "bpslaunch") for n in sorted(RUNS) + sorted(RUNS_DECENTRALIZED)]
+@pytest.mark.parametrize("name, launcher", [(n, "bpslaunch") for n in sorted(RUNS) + sorted(RUNS_DECENTRALIZED)
+                                              if n not in COLLECTIVE_RUNS]
+                         + [(n, "collective") for n in COLLECTIVE_RUNS]
                          + [("local_sgd", "torchrun"), ("parallel_choco", "torchrun")])
 def test_tiny_run(name, launcher, tmp_path, request):
-    if launcher == "torchrun":  # the fixture's launch only where a torchrun case runs
+    if launcher == "torchrun":  # the fixtures' launches only where a case runs in them
         tmp_path, result, _ = request.getfixturevalue("torchrun_runs")[name]
+    elif launcher == "collective":
+        tmp_path, result = request.getfixturevalue("resumed_runs")["tiny"][name]
     else:
         write_cifar10(str(tmp_path / "data"))
         result = launch(tiny_argv(name), tmp_path, launcher=launcher)
@@ -220,7 +236,7 @@ def test_choco_script_resumes_from_its_checkpoint_folder(name, torchrun_runs, re
     --servers 0) started in that folder, resuming: both end with the same parameters on every
     rank, bit for bit. Both resumed runs share one launch, as both straight runs do."""
     straight, result, tmp_path = torchrun_runs[name]
-    held, resumed = resumed_runs[name]
+    held, resumed = resumed_runs["resumed"][name]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert held == ["rank0.pth", "rank1.pth"]  # the copies, nothing else
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]

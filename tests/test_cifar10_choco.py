@@ -1,9 +1,9 @@
 """example/pytorch/train_cifar10_choco.py: every seed flag is accepted and explained (--help),
 --compress_ratio is translated, and tiny runs on a tiny CIFAR-10 in the official python format
-train with each optimizer under bpslaunch --local (2 workers, one server; sgd's on
-torch.distributed instead, in the resumed runs' launch), and two of them under torchrun (in one
-launch); those two checkpoint every epoch and are the straight runs that a resumed run must
-equal (issue 33)."""
+train with each optimizer: local_sgd and parallel_choco under bpslaunch --local (2 workers, one
+server) and under torchrun (in one launch; those two checkpoint every epoch and are the straight
+runs that a resumed run must equal, issue 33), sgd, post_local_sgd and dpsgd on
+torch.distributed in the resumed runs' launch (bpslaunch --servers 0)."""
 import json
 import os
 import pickle
@@ -151,11 +151,12 @@ def tiny_argv(name, checkpoint=False):
 
 
 TORCHRUN_RUNS = ("local_sgd", "parallel_choco")
-# tiny runs in the resumed runs' launch (bpslaunch --servers 0) rather than a parameter-server
-# launch of their own (5 processes, 2 of them torch ranks): the script's sgd is a plain
-# bps.DistributedOptimizer, which many other tests run on the servers; the script's own code on
-# the parameter server keeps the other optimizers' runs
-COLLECTIVE_RUNS = ("sgd",)
+# tiny runs in the resumed runs' launch (bpslaunch --servers 0) rather than each a parameter-server
+# launch of its own (5 processes, 2 of them torch ranks, ~6.5 s of CPU): the script's code on the
+# parameter server keeps a run of each of its optimizer families there (local_sgd's bps.LocalSGD,
+# parallel_choco's bps.DecentralizedOptimizer); sgd is a plain bps.DistributedOptimizer, and
+# post-local SGD and D-PSGD on the servers are tests/test_local_sgd.py's and test_choco_cluster.py's
+COLLECTIVE_RUNS = ("sgd", "post_local_sgd", "dpsgd")
 
 
 @pytest.fixture(scope="module")

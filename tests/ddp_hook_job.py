@@ -2,8 +2,8 @@
 
 spec "record": a small network for a few steps (in spec["dtype"], float32 by default), saving
 every bucket the hook saw (index, this rank's gradients in, the averaged result out, as float64
-when the bucket is bfloat16: numpy has none) for the numpy re-computation, and what
-bps_gc.core.metrics() reports without init().
+when the bucket is bfloat16: numpy has none) for the numpy re-computation, what
+bps_gc.core.metrics() reports without init(), and the bytes the hook's codecs hold after the steps.
 spec "mnist": the demo's MLP on its real digits (example/demo/mnist_worker.py's data and model),
 dense DDP or the hook, saving the final validation accuracy.
 spec "runs": [[NAME, SPEC], ...]: each of those in turn in this one launch, its files in OUT/NAME
@@ -24,6 +24,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "example", "demo")]
 import bps_gc.core  # noqa: E402
 import bps_gc.torch as bps  # noqa: E402
 from gloo_group import init_default_group  # noqa: E402
+from held_bytes import array_bytes, held_bytes  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 init_default_group()  # torchrun or bpslaunch --servers 0
@@ -64,6 +65,9 @@ def record(spec, out):
              **{f"sizes{i}": s[3] for i, s in enumerate(seen)}, **{f"params{i}": s[4] for i, s in enumerate(seen)})
     json.dump(vars(bps_gc.core.metrics()), open(os.path.join(out, f"metrics{rank}.json"), "w"))
     codec_state = hook.compression.codec_state().state_dict()  # by parameter name (collective/exchange/codecs.py)
+    # what the codecs hold between steps: their state, and their in-call buffers (shared)
+    json.dump({"held": held_bytes([hook.compression]), "state": array_bytes(codec_state.values())},
+              open(os.path.join(out, f"held{rank}.json"), "w"))
     json.dump({k: v if isinstance(v, (int, float, str)) else type(v).__name__ for k, v in codec_state.items()},
               open(os.path.join(out, f"codec_state{rank}.json"), "w"))
 

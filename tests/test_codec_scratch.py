@@ -3,7 +3,8 @@
 workers' payloads, the servers' replies (recompress with server error feedback), the decoded
 results and the state after every step, over partitions of different sizes run in turn (the
 larger ones first, so a smaller one reads a grown buffer), a non-finite step included; and
-once released, they hold no buffer beyond their state."""
+once released, they hold no buffer beyond their state. A scratch kept across steps (the DDP
+hook's) gives the same bits too."""
 import numpy as np
 import pytest
 
@@ -42,10 +43,13 @@ def state(made):
     return [[w.state_dict() for w in workers] + [reducer.state_dict()] for workers, reducer in made]
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["freed", "kept"])
 @pytest.mark.parametrize("params", CODECS, ids=lambda p: p["compressor"])
-def test_shared_scratch_gives_the_same_bits(params):
+def test_shared_scratch_gives_the_same_bits(params, kept):
+    """Freed after every step (FSDP2's exchange), or kept across steps (the DDP hook's:
+    error feedback then swaps its own second buffer with e instead of copying g)."""
     rng = np.random.default_rng(7)
-    own, scratch = parts(params, None), Scratch()
+    own, scratch = parts(params, None), Scratch(kept=kept)
     shared = parts(params, scratch)
     for s, lr in enumerate((0.1, 0.1, 0.05, 0.05)):
         grads = [[rng.standard_normal(n).astype(np.float32) for _ in range(2)] for n in SIZES]
@@ -60,11 +64,12 @@ def test_shared_scratch_gives_the_same_bits(params):
             for sx, sy in zip(x, y):
                 assert sx.keys() == sy.keys()
                 assert all(np.array_equal(sx[k], sy[k]) for k in sx)
-        assert scratch.nbytes() >= 4 * max(SIZES)  # the shared buffers were used...
-        scratch.release()
-        assert scratch.nbytes() == 0  # ...and hold nothing once released
-    for workers, reducer in shared:  # nothing of their own beyond the state (e)
-        assert all(getattr(w, "_spare", None) is None for w in workers) and reducer._acc is None
+        assert scratch.nbytes() >= (2 if kept else 4) * max(SIZES)  # the shared buffers were used...
+        if not kept:
+            scratch.release()
+            assert scratch.nbytes() == 0  # ...and hold nothing once released
+    for workers, reducer in shared:  # nothing of their own beyond the state (e), or e's swap
+        assert all((getattr(w, "_spare", None) is not None) == kept for w in workers) and reducer._acc is None
 
 
 def test_powersgd_m_from_the_scratch_is_freed():

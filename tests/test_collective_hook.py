@@ -107,6 +107,25 @@ def test_hook_equals_numpy_recomputation(case, launched):
 RECORD_SHAPES = [(64, 20), (64,), (40, 64), (40,)]  # ddp_hook_job.py's "record" model, by parameter
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_hook_codecs_hold_their_state_and_one_buffer_per_use(case, launched):
+    """Between steps the hook's codecs hold their state, error feedback's second buffer (each
+    chain's: the worker's, and the server's under recompress, swapped with e, no copy a step),
+    and shared buffers for the rest (a server's sum, a decoded payload: per use and thread, the
+    size of the largest gradient). With each codec's own buffers, onebit + EF's held 2 whole
+    gradients' worth more (its server's sum and decoded payload) and failed here."""
+    params, reducer = CASES[case]
+    itemsize = 2 if params.get("fp16") else 4  # the wire's, which every buffer of the codecs is in
+    sizes = [int(np.prod(shape)) for shape in RECORD_SHAPES]
+    n, largest = itemsize * sum(sizes), itemsize * max(sizes)
+    ef_chains = ("ef" in params) * (1 + (reducer == "recompress"))
+    for rank in range(2):
+        got = json.loads((launched / case / f"held{rank}.json").read_text())
+        # every error-feedback residual, and the random codecs' generators (16 bytes a chain)
+        assert 0 <= got["state"] - ef_chains * n <= 16 * 2 * len(sizes), (got, n)
+        assert got["held"] - got["state"] <= ef_chains * n + 2 * largest, (got, n, largest)
+
+
 def expected_phased_buckets(params, calls, ranks, lr):
     """PowerSGD through the hook: per gradient (its chains kept by parameter, seeded where first
     seen, viewed in the parameter's shape), every rank's P payload summed, then every rank's Q

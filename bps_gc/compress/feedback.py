@@ -63,8 +63,8 @@ class VanillaErrorFeedback(Decorator):
     round's result shows it whatever the codec keeps, and e and lr_prev stay as they were: later
     rounds are finite again (AMP's loss scaler skips that step). g is built in a second buffer
     (e is kept until g is known to be finite): its own, swapped with e so that keeping e costs
-    no copy, or a shared scratch's (``scratch``), copied into e, so that only e is held
-    between steps.
+    no copy, or a shared scratch's (``scratch``, unless its buffers are kept between calls
+    anyway), copied into e, so that only e is held between steps.
     """
 
     state_label, state_name, state_attrs = "ef.", "vanilla", ("error", "lr_prev")
@@ -79,7 +79,7 @@ class VanillaErrorFeedback(Decorator):
         lr = step_context(ctx)["lr"]
         # BytePS scales by a float32 ratio, then adds: two float32 roundings, as here
         ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
-        shared = self.scratch is not None
+        shared = self.scratch is not None and not self.scratch.kept
         if shared:
             g = self.scratch.take("ef", self.n, self.dtype)
         else:

@@ -8,7 +8,8 @@ thread (the exchange's pipeline: FSDP2's shards, docs/fsdp.md "Bytes and memory 
 hands them one ``Scratch`` instead (``use_scratch``): one buffer per slot, the size of the
 largest partition, which the caller frees (``release``) once a call's partitions are done, so
 what the codecs hold between steps is their state alone (at an allocation per call, not per
-partition). A thread that asks gets buffers of its own, so codecs that run on two threads (the
+partition), or keeps for the next call (``kept``: the DDP hook's buckets, docs/ddp_hook.md
+"Memory"). A thread that asks gets buffers of its own, so codecs that run on two threads (the
 pipeline's compressing and reducing threads) never share one."""
 import threading
 
@@ -16,10 +17,15 @@ import numpy as np
 
 
 class Scratch:
-    """Named slots of flat arrays, each grown to the largest request (per thread)."""
+    """Named slots of flat arrays, each grown to the largest request (per thread). ``kept``: the
+    caller keeps them across calls (never ``release``s): error feedback then keeps a second
+    buffer of its own to swap with e, where a shared one would cost a copy of g into e every
+    step (~10% of onebit+EF's step, scripts/ddp_hook_memory.py) to save memory that a kept
+    buffer does not save."""
 
-    def __init__(self):
+    def __init__(self, kept=False):
         self.buffers = {}  # (slot, dtype, thread id) -> its array
+        self.kept = kept
 
     def take(self, slot, n, dtype):
         """The first ``n`` elements of ``slot``'s ``dtype`` array (contents undefined): valid

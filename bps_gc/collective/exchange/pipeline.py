@@ -57,12 +57,14 @@ class Pipeline:
         self.streams = {}  # CUDA device -> the side stream its buffers are reduced on
         self.destination, self.rank = None, None  # reduce_at's: each part's reducing rank, this one's
 
-    def share_scratch(self):
-        """From now on, every part's numpy codecs share one compress.Scratch, freed once each
-        call is done: what they hold between calls is their state alone (FSDP2's shards,
-        docs/fsdp.md), at an allocation a call. Before the first call. (The DDP hook keeps
-        each codec's own buffers: no allocation a step.)"""
-        self.codecs.scratch = compress.Scratch()
+    def share_scratch(self, free_after_call=True):
+        """From now on (before the first call), every part's numpy codecs share one
+        compress.Scratch: what they hold between calls is their state and, unless it is freed
+        after each call (``free_after_call``: FSDP2's shards, docs/fsdp.md, at an allocation a
+        call), a buffer per slot and thread the size of the largest part (the DDP hook: no
+        allocation a step, docs/ddp_hook.md "Memory"). ``None``: each codec keeps its own
+        buffers again (the benchmark's reference, scripts/ddp_hook_memory.py)."""
+        self.codecs.scratch = None if free_after_call is None else compress.Scratch(kept=not free_after_call)
 
     def keep_saved_reducers(self, names):
         """From now on, a checkpoint whose part was reduced by one of the reducers ``names`` (not
@@ -126,8 +128,9 @@ class Pipeline:
         under two levels), averaged over ``group``'s ranks."""
         buffer = batch.buffer
         future, stream = pending_future(self.streams, buffer)
-        if self.codecs.scratch is not None and parts:  # freed before the caller's callbacks run
-            future.add_done_callback(lambda _, scratch=self.codecs.scratch: scratch.release())
+        scratch = self.codecs.scratch
+        if scratch is not None and not scratch.kept and parts:  # freed before the caller's callbacks run
+            future.add_done_callback(lambda _: scratch.release())
         segment = TensorSegment(parts, ctx, buffer=buffer, fp16=self.params.fp16, on_device=on_device,
                                 two_levels=levels is not None, divisor=dist.get_world_size(group), keys=keys)
         # device payloads stay where they are (NCCL for CUDA); host ones go in one all_gather

@@ -113,6 +113,9 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--codecs", default=",".join(CODECS), help="comma-separated, of: " + ", ".join(CODECS).replace("%", "%%"))
+    p.add_argument("--device-chains", action="store_true",
+                   help="the device chains (torch operations, as CUDA buckets run) on the CPU buckets: "
+                        "BPS_GC_DEVICE_CODECS=torch")
     p.add_argument("--json", default=None)
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks
     args = p.parse_args()
@@ -122,10 +125,13 @@ def main():
         p.error(f"unknown codec {unknown[0]!r}; known: {', '.join(CODECS)}")
     if args.rank_out:
         return rank_main(args, args.rank_out)
-    print(box())
+    machine = box() + ("; device chains (BPS_GC_DEVICE_CODECS=torch)" if args.device_chains else "")
+    print(machine)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+        if args.device_chains:
+            env["BPS_GC_DEVICE_CODECS"] = "torch"
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                os.path.abspath(__file__), *sys.argv[1:], "--rank-out", out], env=env)
         if done.returncode != 0:
@@ -134,7 +140,7 @@ def main():
     print("\n".join(table(rows)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"box": box(), "args": {k: v for k, v in vars(args).items() if k != "rank_out"}, "rows": rows},
+            json.dump({"box": machine, "args": {k: v for k, v in vars(args).items() if k != "rank_out"}, "rows": rows},
                       f, indent=1)
 
 

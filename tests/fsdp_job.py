@@ -36,7 +36,9 @@ codec that cannot take its reduce dtype: register_fsdp_hooks' refusal, "<policy>
 Spec "plain": false: no plain model, the policies' alone. Each rank saves its full
 parameters and its local shards, prefixed by the run's name. "hooked" then trains a wider MLP
 (WIDE) with each spec "bytes" codec (name: compression_params, null: dense) and saves its
-bytes per step and codec memory (fsdp_bytes.py), prefixed "bytes/<name>/"."""
+bytes per step and codec memory (fsdp_bytes.py), prefixed "bytes/<name>/"; and with each spec
+"bytes_device" codec on device chains (BPS_GC_DEVICE_CODECS=torch: a CUDA shard's codecs, on
+the CPU), prefixed "bytes/<name> device/"."""
 import functools
 import json
 import os
@@ -282,6 +284,13 @@ def native_or_hooked(part, head=""):
         counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt, micro_batches=micro_batches),
                                    part["steps"])
         arrays.update({f"{head}bytes/{name}/{k}": v for k, v in counted.items()})
+    for name, params in part.get("bytes_device", {}).items():  # the same on device chains (a CUDA shard's)
+        os.environ["BPS_GC_DEVICE_CODECS"] = "torch"  # read when the exchange first sees the shards
+        model, exchange, opt = build(compression_params=params, widths=WIDE)
+        counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt, micro_batches=micro_batches),
+                                   part["steps"])
+        del os.environ["BPS_GC_DEVICE_CODECS"]
+        arrays.update({f"{head}bytes/{name} device/{k}": v for k, v in counted.items()})
     refusals = []
     if not hooked:  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
         # the reduce dtype (float64): each refused in one line

@@ -95,3 +95,54 @@ def test_powersgd_m_from_the_scratch_is_freed():
         assert all(np.array_equal(a.error, b.error) and np.array_equal(a.q, b.q) for a, b in zip(own, shared))
         assert all(c.m is None for c in shared) and all(c.m is not None for c in own)
         scratch.release()
+
+
+DEVICE_CODECS = [{"compressor": "onebit", "scaling": True, "ef": "vanilla"},
+                 {"compressor": "topk", "k": 0.05, "ef": "vanilla"}]
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["freed", "kept"])
+@pytest.mark.parametrize("params", DEVICE_CODECS, ids=lambda p: p["compressor"])
+def test_device_chains_sharing_a_scratch_give_the_same_bits(params, kept):
+    """The device chains (torch operations: a CUDA bucket's, here on CPU tensors) and the device
+    recompress reducer take their decoded payloads, sums and (freed after each call) error
+    feedback's g from the shared scratch as tensors: the same payloads, results and state as
+    each keeping its own, a non-finite step included."""
+    import torch
+
+    from bps_gc.compress.device.reducers import device_reduction
+
+    def device_parts(scratch):
+        made = []
+        for key, n in enumerate(SIZES):
+            workers = [build_chain(params, n, np.float32, key=key, device="cpu") for _ in range(2)]
+            reducer = device_reduction("recompress", CompressionParams.from_dict(params), n, np.float32, key, "cpu")
+            for codec in workers + [reducer]:
+                use_scratch(codec, scratch)
+            made.append((workers, reducer))
+        return made
+
+    rng = np.random.default_rng(11)
+    scratch = Scratch(kept=kept)
+    own, shared = device_parts(None), device_parts(scratch)
+    for s, lr in enumerate((0.1, 0.05, 0.05)):
+        grads = [[rng.standard_normal(n).astype(np.float32) for _ in range(2)] for n in SIZES]
+        if s == 1:
+            grads[2][1][7] = np.nan
+        for (wa, ra), (wb, rb), pair in zip(own, shared, grads):
+            pa = [w.compress(torch.from_numpy(g), {"lr": lr}) for w, g in zip(wa, pair)]
+            pb = [w.compress(torch.from_numpy(g), {"lr": lr}) for w, g in zip(wb, pair)]
+            assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+            outs = [torch.empty(ra.n), torch.empty(rb.n)]
+            ra.reduce(pa, outs[0], {"lr": lr})
+            rb.reduce(pb, outs[1], {"lr": lr})
+            assert torch.equal(outs[0].isnan(), outs[1].isnan()) and torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
+        for (wa, ra), (wb, rb) in zip(own, shared):
+            for x, y in zip([w.state_dict() for w in wa] + [ra.state_dict()], [w.state_dict() for w in wb] + [rb.state_dict()]):
+                assert x.keys() == y.keys()
+                assert all(np.array_equal(np.asarray(x[k]), np.asarray(y[k])) for k in x)
+        assert scratch.nbytes() >= 4 * max(SIZES)  # the shared tensors were used
+        if not kept:
+            scratch.release()
+    for workers, reducer in shared:  # error feedback's second tensor: its own where kept, else the scratch's
+        assert all((w._spare is not None) == kept for w in workers)

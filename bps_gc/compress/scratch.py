@@ -24,16 +24,23 @@ class Scratch:
     buffer does not save."""
 
     def __init__(self, kept=False):
-        self.buffers = {}  # (slot, dtype, thread id) -> its array
+        self.buffers = {}  # (slot, thread id) -> its array (a slot: a name and a dtype, or more)
         self.kept = kept
 
     def take(self, slot, n, dtype):
         """The first ``n`` elements of ``slot``'s ``dtype`` array (contents undefined): valid
         until the next ``take`` of the same slot on this thread."""
-        key = (slot, np.dtype(dtype), threading.get_ident())
+        dtype = np.dtype(dtype)
+        return self.take_made((slot, dtype), n, lambda size: np.empty(size, dtype))
+
+    def take_made(self, slot, n, make):
+        """``take`` of any flat buffer: ``make(size)`` makes one (a device codec's torch tensor,
+        compress/device/base.py ``shared_tensor``); ``slot`` names what it is (its dtype and
+        device too). One per thread, so per pipeline stage and so per CUDA stream."""
+        key = (slot, threading.get_ident())
         buffer = self.buffers.get(key)
-        if buffer is None or buffer.size < n:
-            buffer = self.buffers[key] = np.empty(n, dtype)
+        if buffer is None or len(buffer) < n:
+            buffer = self.buffers[key] = make(n)
         return buffer[:n]
 
     def release(self):
@@ -41,7 +48,8 @@ class Scratch:
         self.buffers.clear()
 
     def nbytes(self):
-        return sum(buffer.nbytes for buffer in list(self.buffers.values()))
+        return sum(b.nbytes if isinstance(b, np.ndarray) else b.numel() * b.element_size()
+                   for b in list(self.buffers.values()))
 
 
 def use_scratch(codec, scratch):

@@ -127,8 +127,8 @@ class PartCodecs:
         self.named = None if named_parameters is None else list(named_parameters)
         self.codecs = {}  # part id -> PartCodec
         self.batches = {}  # batch index -> BatchState
-        # None: each numpy codec keeps its own scratch buffers (no allocation a call); or a
-        # compress.Scratch shared by every part's numpy chain and reducer (Pipeline.share_scratch)
+        # None: each codec keeps its own scratch buffers; or a compress.Scratch shared by every
+        # part's chain and reducer, numpy or device (Pipeline.share_scratch)
         self.scratch = None
         # None: every part is reduced here; or a predicate on a part's name (Pipeline.reduce_at):
         # a part it refuses gets no reducer (no server chain, no state of it) and is not reduced
@@ -173,10 +173,9 @@ class PartCodecs:
         reducer = (None if not reduced else
                    device_reduction(reducer, self.params, n, wire, key, tensor.device) if on_device else
                    compress.make_reducer(reducer, self.params, n, wire, key))
-        if not on_device:
-            compress.use_scratch(chain, self.scratch)
-            if reducer is not None:
-                compress.use_scratch(reducer, self.scratch)
+        compress.use_scratch(chain, self.scratch)  # device codecs take tensors from it (Scratch.take_tensor)
+        if reducer is not None:
+            compress.use_scratch(reducer, self.scratch)
         return PartCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 
     def codecs_for(self, batch):

@@ -46,6 +46,11 @@ def torch_dtype(dtype):
     return TORCH_DTYPES[dtype]
 
 
+def shared_tensor(scratch, slot, n, dtype, device):
+    """The first ``n`` elements of a compress.Scratch's tensor for ``slot`` (contents undefined)."""
+    return scratch.take_made((slot, dtype, device), n, lambda size: torch.empty(size, dtype=dtype, device=device))
+
+
 class DeviceCodec(Stateful):
     """Compresses one partition of ``n`` elements of numpy ``dtype`` held on ``device``.
 
@@ -68,6 +73,7 @@ class DeviceCodec(Stateful):
         self.params, self.n, self.dtype, self.seed = params, int(n), dtype, seed
         self.device = resolve_device(device)
         self._scratch = None
+        self.scratch = None  # or a compress.Scratch shared with other partitions' codecs
 
     def compress(self, x, ctx=None):
         raise NotImplementedError
@@ -117,6 +123,9 @@ class DeviceCodec(Stateful):
         return self._inplace(out, "out")
 
     def _scratch_tensor(self):
+        """Where decompress_add and residual decode a payload: a shared scratch's, else its own."""
+        if self.scratch is not None:
+            return shared_tensor(self.scratch, "decoded", self.n, self.torch_dtype, self.device)
         if self._scratch is None:
             self._scratch = torch.empty(self.n, dtype=self.torch_dtype, device=self.device)
         return self._scratch

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ..context import step_context
-from .base import DeviceCodec
+from .base import DeviceCodec, shared_tensor
 from .registry import register_device_error_feedback, register_device_momentum
 
 
@@ -46,6 +46,7 @@ class DeviceDecorator(DeviceCodec):
         self.device, self.torch_dtype = inner.device, inner.torch_dtype
         self.reducers = inner.reducers
         self._scratch = None
+        self.scratch = None  # or a compress.Scratch shared with other partitions' codecs
 
     def _state(self):
         return torch.zeros(self.n, dtype=self.torch_dtype, device=self.device)
@@ -70,21 +71,30 @@ class DeviceVanillaErrorFeedback(DeviceDecorator):
     def __init__(self, inner, params):
         super().__init__(inner, params)
         self.error = self._state()
-        self._spare = self._state()
+        self._spare = None  # made at the first step, unless a shared scratch freed after each call holds g
         self.lr_prev = 0.0
 
     def compress(self, x, ctx=None):
         x = self._input(x)
         lr = step_context(ctx)["lr"]
         ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
-        g = self._spare
+        shared = self.scratch is not None and not self.scratch.kept  # as compress/feedback.py's
+        if shared:
+            g = shared_tensor(self.scratch, "ef", self.n, self.torch_dtype, self.device)
+        else:
+            if self._spare is None:
+                self._spare = self._state()
+            g = self._spare
         scale_add(self.error, float(self.dtype.type(ratio)), x, g)
         if not all_finite(g):
             g.fill_(math.nan)
             return self.inner.compress(g, ctx)
         payload = self.inner.compress(g, ctx)
         self.inner.residual(payload, g)
-        self.error, self._spare = g, self.error
+        if shared:
+            self.error.copy_(g)
+        else:
+            self.error, self._spare = g, self.error
         self.lr_prev = lr
         return payload
 

@@ -14,10 +14,22 @@ import math
 import torch
 
 from ..onebit import Onebit
-from .base import DeviceCodec
+from .base import DeviceCodec, shared_tensor
 from .registry import register_device_compressor
 
 BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)  # element t of a byte goes to bit 7 - t
+
+
+OCTET_BITS = {}  # device -> its table (constant: every codec on the device reads the one)
+
+
+def octet_bits(device):
+    """The (256, 8) bool table of an octet's eight sign bits, MSB first, on ``device``: decoding
+    is one gather of its rows."""
+    if device not in OCTET_BITS:
+        weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=device)
+        OCTET_BITS[device] = (torch.arange(256, dtype=torch.uint8, device=device).view(-1, 1) & weights).ne(0)
+    return OCTET_BITS[device]
 
 
 @register_device_compressor("onebit")
@@ -31,19 +43,28 @@ class DeviceOnebit(DeviceCodec):
         self.scaling = host.scaling
         self.words_bytes = host.words_bytes
         self.word_bytes = self.dtype.itemsize  # word width = element width
-        weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=self.device)
-        # octet -> its eight sign bits, MSB first: decoding is one gather of table rows
-        self._octet_bits = (torch.arange(256, dtype=torch.uint8, device=self.device)
-                            .view(-1, 1) & weights).ne(0)
-        self._bits = torch.zeros(self.words_bytes * 8, dtype=torch.bool, device=self.device)
+        self._bits = None  # the signs, padded to whole words: made at the first compress
+
+    def _sign_bits(self):
+        """A bool tensor of the whole words' elements whose padding is 0: a shared scratch's
+        (its padding cleared each call), else its own (cleared once)."""
+        size = self.words_bytes * 8
+        if self.scratch is not None:
+            bits = shared_tensor(self.scratch, "onebit.bits", size, torch.bool, self.device)
+            bits[self.n:].zero_()
+            return bits
+        if self._bits is None:
+            self._bits = torch.zeros(size, dtype=torch.bool, device=self.device)
+        return self._bits
 
     def compress(self, x, ctx=None):
         x = self._input(x)
-        torch.lt(x, 0, out=self._bits[: self.n])  # the padding stays 0
+        bits = self._sign_bits()
+        torch.lt(x, 0, out=bits[: self.n])
         # eight sign bytes (0/1, element j at bit 8j of a little-endian int64) -> one octet with
         # element j at bit 7 - j: OR-ing shifted copies puts element j at bit 63 - j (shifts
         # past bit 63 drop out; torch shifts integers as unsigned)
-        v = self._bits.view(torch.int64)
+        v = bits.view(torch.int64)
         v = v | (v << 9)
         v = v | (v << 18)
         v = v | (v << 36)
@@ -63,7 +84,7 @@ class DeviceOnebit(DeviceCodec):
         scale = buf[self.words_bytes:].clone().view(torch.float32)  # clone: aligned
         octets = buf[: self.words_bytes].view(-1, self.word_bytes).flip(1).reshape(-1).long()
         pos = scale.to(self.torch_dtype)  # float32 -> float16 rounds (or overflows) as numpy's cast
-        return octets, torch.where(self._octet_bits, -pos, pos)  # -pos: as the C kernel's negation
+        return octets, torch.where(octet_bits(self.device), -pos, pos)  # -pos: as the C kernel's negation
 
     def decompress(self, payload, out=None):
         octets, table = self._octet_values(payload)

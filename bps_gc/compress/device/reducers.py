@@ -8,8 +8,9 @@ import torch
 
 from ..chain import build_chain
 from ..reducers import make_reducer
+from ..scratch import use_scratch
 from ..stateful import Stateful
-from .base import torch_dtype
+from .base import shared_tensor, torch_dtype
 
 
 class DeviceRecompress(Stateful):
@@ -34,10 +35,12 @@ class DeviceRecompress(Stateful):
     def __init__(self, params, n, dtype, key, device):
         self.params, self.n, self.dtype, self.key, self.device = params, n, dtype, key, device
         self._decoder = self._server = None
+        self.scratch = None  # or a compress.Scratch shared with other partitions' reducers
 
     def _chain(self, params):
-        return build_chain(params, self.n, self.dtype, key=self.key, role="server",
-                                    device=self.device)
+        chain = build_chain(params, self.n, self.dtype, key=self.key, role="server", device=self.device)
+        use_scratch(chain, self.scratch)
+        return chain
 
     @property
     def decoder(self):  # a payload decodes without the decorators' state
@@ -46,7 +49,10 @@ class DeviceRecompress(Stateful):
         return self._decoder
 
     def total(self, payloads, chain):
-        acc = torch.zeros(self.n, dtype=torch_dtype(self.dtype), device=self.device)
+        if self.scratch is not None:
+            acc = shared_tensor(self.scratch, "sum", self.n, torch_dtype(self.dtype), self.device).zero_()
+        else:
+            acc = torch.zeros(self.n, dtype=torch_dtype(self.dtype), device=self.device)
         for payload in payloads:
             chain.decompress_add(payload, acc)
         return acc

@@ -16,7 +16,6 @@ of the passes.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from bench_common import machine_info  # noqa: E402
 
 CODECS = {"onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
           "topk 1%+EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
@@ -90,9 +90,7 @@ def rank_main(args, out):
 
 
 def box():
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
-    return f"{model}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the start"
+    return f"{machine_info()}; load average {os.getloadavg()[0]:.2f} at the start"
 
 
 def table(rows):

@@ -31,9 +31,11 @@ class KeyConflict(ValueError):
 
 
 class KeyState:
-    def __init__(self, key, decl, dtype, workers, codecs, asynchronous, per_host=1):
+    def __init__(self, key, decl, dtype, workers, codecs, asynchronous, per_host=1, scratch=None):
         """``workers``: the pushers of each round; ``per_host``: worker ranks per pusher (two
-        levels: a host's one push; docs/local_ranks.md)."""
+        levels: a host's one push; docs/local_ranks.md); ``scratch``: the server's
+        compress.Scratch, which every key's reducer takes its in-call buffers from (a sum, a
+        decoded push: per engine thread, the largest key's size) instead of keeping its own."""
         self.key, self.decl, self.dtype = key, decl, np.dtype(dtype)
         self.per_host = per_host
         self.n = int(decl["n"])
@@ -43,6 +45,8 @@ class KeyState:
         self.reducer_name = codecs.choose_reducer(self.params, decl.get("reducer"))
         self.reducer = codecs.make_reducer(self.reducer_name, self.params, self.n, self.dtype, key) \
             if self.compressed else None
+        if self.reducer is not None and scratch is not None:
+            codecs.use_scratch(self.reducer, scratch)
         self.max_payload = 8 * self.n + 64 if self.compressed else self.n * self.dtype.itemsize
         self.buffers = [None] * workers
         self.lengths = [0] * workers

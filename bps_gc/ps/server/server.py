@@ -35,6 +35,9 @@ WAKE = "inproc://bps_gc-server-wake"
 class Server:
     def __init__(self, cfg, codecs):
         self.cfg, self.codecs = cfg, codecs
+        # the keys' reducers share their in-call buffers, kept across rounds (docs/runtime.md
+        # "What a server's keys hold")
+        self.scratch = codecs.Scratch(kept=True)
         self.ctx = zmq.Context()
         self.auth = Auth(self.ctx, cfg.auth_token, cfg.encrypt)
         self.router = self.auth.server(self.ctx.socket(zmq.ROUTER))
@@ -200,7 +203,7 @@ class Server:
                 # key of one local rank's own ("host": an FSDP shard) one per host in either mode
                 per_host = {"rank": 1, "host": self.local_size}.get(decl.get("pushers"), self.per_host)
                 state = KeyState(h.key, decl, h.dtype, self.ranks // per_host, self.codecs,
-                                 self.cfg.enable_async, per_host)
+                                 self.cfg.enable_async, per_host, self.scratch)
                 # each key stays on one engine (its codec state is not shared); the least loaded
                 # by bytes takes it (key % engines would follow the partition number)
                 state.engine = min(self.engines, key=lambda e: e.load)

@@ -83,6 +83,14 @@ for tensor_set in sets:
     m = bps.metrics()
     metrics[tensor_set] = {"pushed_raw": m.pushed_raw, "pushed_wire": m.pushed_wire, "pulled_wire": m.pulled_wire,
                            "ratio": m.ratio, "messages": m.messages, "shared_bytes": m.shared_bytes}
+if spec.get("held"):  # what each tensor's codecs hold after the steps, the shared scratch apart
+    from held_bytes import held_bytes
+    tensors = bps.communicator().tensors.values()
+    codecs = {t.name: [(p.codec, p.reducer) for p in t.partitions if p.codec is not None] for t in tensors}
+    scratch = [r.scratch for t in tensors for p in t.partitions for r in (p.reducer,) if getattr(r, "scratch", None)]
+    shared = held_bytes(scratch[:1])
+    json.dump({"scratch": shared, "tensors": {name: held_bytes(c) - shared for name, c in codecs.items() if c}},
+              open(os.path.join(out_dir, f"held{rank}.json"), "w"))
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
 json.dump(metrics if sets != [None] else metrics[None], open(os.path.join(out_dir, f"metrics{rank}.json"), "w"))
 bps.shutdown()

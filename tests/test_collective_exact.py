@@ -88,7 +88,7 @@ def spec_of_every_set():
     (test_step_mask), which the other codecs ignore."""
     tensors = [dict(t, name=f"{name}:{t['name']}", set=name) for name, make in SETS.items() for t in make()]
     return {"steps": 3, "lrs": [0.1, 0.05, 0.05], "ctx": {"gain": 0.5}, "partition_bytes": 131_072,
-            "min_compress_bytes": 0, "tensors": tensors}
+            "min_compress_bytes": 0, "tensors": tensors, "held": True}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,10 @@ def launched(tmp_path_factory):
                                          env={"BPS_GC_PLUGINS": "plugin_step_codec"}, timeout=300)
             views = [json.loads((out / f"metrics{r}.json").read_text())["views:in place"] for r in range(ranks)]
             runs[ranks] = spec, results, expected_results(spec, ranks), views
+            folders[ranks] = out
         return runs[ranks]
+    folders = {}
+    get.out = lambda ranks: folders[ranks]  # the launch's folder (its held<rank>.json)
     return get
 
 
@@ -137,6 +140,27 @@ def check(launched, ranks, tensor_set):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_every_codec_and_ef_float32(ranks, launched):
     check(launched, ranks, "float32")
+
+
+def test_codecs_hold_their_state_and_share_the_rest(launched):
+    """After the steps, each float32 tensor's partitions' codecs (the worker chain, and the
+    reducer that runs the server's chain on every rank) hold error feedback's residual and the g
+    it swaps with, each chain's (4 buffers of the tensor's size), a random codec's generators,
+    and nothing else: the sums and decoded payloads come from one scratch of the communicator,
+    a few partitions' worth (BYTEPS_PARTITION_BYTES here 131,072), where each partition kept
+    its own (2 more of the tensor's size, and this fails)."""
+    spec, *_ = launched(2)
+    limit = spec["partition_bytes"]
+    for rank in range(2):
+        got = json.loads((launched.out(2) / f"held{rank}.json").read_text())
+        assert 0 < got["scratch"] <= 4 * limit, got["scratch"]
+        for t in spec["tensors"]:
+            if t["set"] != "float32" or not t["params"]:
+                continue
+            n = 4 * int(np.prod(t["shape"]))
+            partitions = -(-n // limit)
+            ef = 4 * n if t["params"].get("ef") else 0
+            assert ef <= got["tensors"][t["name"]] <= ef + 48 * partitions, (rank, t["name"], got["tensors"][t["name"]])
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

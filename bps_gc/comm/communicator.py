@@ -92,10 +92,18 @@ class Communicator(abc.ABC):
     def _build_codec(self, tensor, n, dtype, key):
         """(worker chain, reducer) of a compressed partition: the reducer decodes the servers'
         replies, or, where every rank reduces every rank's payloads, runs the server's reduction.
-        The chain draws this rank's own random numbers (``rank``: thc's rounding)."""
-        return (self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker", shape=tensor.shape,
-                                        rank=self.rank),
-                self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key))
+        The chain draws this rank's own random numbers (``rank``: thc's rounding). Every
+        partition's codecs take their in-call buffers (a sum, a decoded payload) from one
+        compress.Scratch kept across calls, per thread (docs/runtime.md "What a server's keys
+        hold": the collective's ranks reduce as servers do), instead of keeping their own."""
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = self.codecs.Scratch(kept=True)
+        chain = self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker", shape=tensor.shape,
+                                        rank=self.rank)
+        reducer = self.codecs.make_reducer(tensor.reducer, tensor.params, n, dtype, key)
+        for codec in (chain, reducer):
+            self.codecs.use_scratch(codec, self._scratch)
+        return chain, reducer
 
     def _open_reduce(self, array, name, ctx, out, lr):
         """The checks and step context every reduce starts with: (tensor, array, out, ctx), the

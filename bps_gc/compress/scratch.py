@@ -20,8 +20,8 @@ class Scratch:
     """Named slots of flat arrays, each grown to the largest request (per thread). ``kept``: the
     caller keeps them across calls (never ``release``s): error feedback then keeps a second
     buffer of its own to swap with e, where a shared one would cost a copy of g into e every
-    step (~10% of onebit+EF's step, scripts/ddp_hook_memory.py) to save memory that a kept
-    buffer does not save."""
+    step (~10% of onebit+EF's step in a draft measured with scripts/ddp_hook_memory.py) to save
+    memory that a kept buffer does not save."""
 
     def __init__(self, kept=False):
         self.buffers = {}  # (slot, thread id) -> its array (a slot: a name and a dtype, or more)

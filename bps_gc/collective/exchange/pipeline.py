@@ -58,12 +58,13 @@ class Pipeline:
         self.destination, self.rank = None, None  # reduce_at's: each part's reducing rank, this one's
 
     def share_scratch(self, free_after_call=True):
-        """From now on (before the first call), every part's numpy codecs share one
-        compress.Scratch: what they hold between calls is their state and, unless it is freed
-        after each call (``free_after_call``: FSDP2's shards, docs/fsdp.md, at an allocation a
-        call), a buffer per slot and thread the size of the largest part (the DDP hook: no
-        allocation a step, docs/ddp_hook.md "Memory"). ``None``: each codec keeps its own
-        buffers again (the benchmark's reference, scripts/ddp_hook_memory.py)."""
+        """From now on (before the first call), every part's codecs (numpy, or device: tensors
+        made on the call's stream) share one compress.Scratch: what they hold between calls is
+        their state and, unless it is freed after each call (``free_after_call``: FSDP2's
+        shards, docs/fsdp.md, at an allocation a call), a buffer per slot and thread the size of
+        the largest part (the DDP hook: no allocation a step, docs/ddp_hook.md "Memory").
+        ``None``: each codec keeps its own buffers again (the benchmark's reference,
+        scripts/ddp_hook_memory.py)."""
         self.codecs.scratch = None if free_after_call is None else compress.Scratch(kept=not free_after_call)
 
     def keep_saved_reducers(self, names):

@@ -76,9 +76,12 @@ opt.wait()  # an exchange may be in flight: a gloo work pending at exit can abor
 del opt
 gc.collect()
 if "straight" in spec:  # its bps.init() adopts this process group, its bps.shutdown() leaves it
-    with open(os.path.join(out, "straight.json"), "w") as f:
+    # each rank's own file: one shared file was truncated by one rank's open() while the other
+    # read it (an empty spec: JSONDecodeError on rank 0, once in a full suite)
+    straight = os.path.join(out, f"straight-rank{rank}.json")
+    with open(straight, "w") as f:
         json.dump({**spec["straight"], "phase": "straight"}, f)
-    sys.argv = [os.path.join(ROOT, "tests", "diloco_resume_job.py"), os.path.join(out, "straight.json"), out]
+    sys.argv = [os.path.join(ROOT, "tests", "diloco_resume_job.py"), straight, out]
     runpy.run_path(sys.argv[0], run_name="__main__")
 dist.barrier()
 dist.destroy_process_group()

@@ -87,8 +87,8 @@ if spec.get("held"):  # what each tensor's codecs hold after the steps, the shar
     from held_bytes import held_bytes
     tensors = bps.communicator().tensors.values()
     codecs = {t.name: [(p.codec, p.reducer) for p in t.partitions if p.codec is not None] for t in tensors}
-    scratch = [r.scratch for t in tensors for p in t.partitions for r in (p.reducer,) if getattr(r, "scratch", None)]
-    shared = held_bytes(scratch[:1])
+    shared = held_bytes([next((p.reducer.scratch for t in tensors for p in t.partitions
+                               if getattr(p.reducer, "scratch", None) is not None), None)])
     json.dump({"scratch": shared, "tensors": {name: held_bytes(c) - shared for name, c in codecs.items() if c}},
               open(os.path.join(out_dir, f"held{rank}.json"), "w"))
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)

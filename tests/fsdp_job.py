@@ -43,6 +43,7 @@ import functools
 import json
 import os
 import sys
+from unittest.mock import patch  # patch.dict: an environment variable set for a block, then put back
 
 import numpy as np
 import torch
@@ -279,18 +280,16 @@ def native_or_hooked(part, head=""):
                        f"{prefix}calls": np.array([c[0] for c in calls])})
         if policy is None:
             plain = model
-    for name, params in part.get("bytes", {}).items():  # a wider model per codec: bytes and memory
-        model, exchange, opt = build(compression_params=params, widths=WIDE)
-        counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt, micro_batches=micro_batches),
-                                   part["steps"])
-        arrays.update({f"{head}bytes/{name}/{k}": v for k, v in counted.items()})
-    for name, params in part.get("bytes_device", {}).items():  # the same on device chains (a CUDA shard's)
-        os.environ["BPS_GC_DEVICE_CODECS"] = "torch"  # read when the exchange first sees the shards
-        model, exchange, opt = build(compression_params=params, widths=WIDE)
-        counted = bytes_and_memory(model, exchange, functools.partial(train, model, opt, micro_batches=micro_batches),
-                                   part["steps"])
-        del os.environ["BPS_GC_DEVICE_CODECS"]
-        arrays.update({f"{head}bytes/{name} device/{k}": v for k, v in counted.items()})
+    # a wider model per codec: bytes and memory, on numpy chains, then (a CUDA shard's) on device chains
+    for label, params, chains in [*((name, params, None) for name, params in part.get("bytes", {}).items()),
+                                  *((f"{name} device", params, "torch")
+                                    for name, params in part.get("bytes_device", {}).items())]:
+        # the setting is read when the exchange first sees the shards, and put back after
+        with patch.dict(os.environ, {"BPS_GC_DEVICE_CODECS": chains} if chains else {}):
+            model, exchange, opt = build(compression_params=params, widths=WIDE)
+            steps = functools.partial(train, model, opt, micro_batches=micro_batches)
+            counted = bytes_and_memory(model, exchange, steps, part["steps"])
+        arrays.update({f"{head}bytes/{label}/{k}": v for k, v in counted.items()})
     refusals = []
     if not hooked:  # sharded on the 2-D mesh; a replicate group that is not; a codec that cannot take
         # the reduce dtype (float64): each refused in one line

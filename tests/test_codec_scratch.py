@@ -17,12 +17,19 @@ CODECS = [{"compressor": "onebit", "scaling": True, "ef": "vanilla"},
           {"compressor": "randomk", "k": 0.05, "seed": 2, "ef": "vanilla"}]
 
 
-def parts(params, scratch):
-    """Per partition: (worker chains of 2 workers, the reducer), each handed ``scratch``."""
+def parts(params, scratch, device=None):
+    """Per partition: (worker chains of 2 workers, the reducer), each handed ``scratch``; with a
+    ``device``, the device chains and the device reducer there."""
     made = []
     for key, n in enumerate(SIZES):
-        workers = [build_chain(params, n, np.float32, key=key) for _ in range(2)]
-        reducer = make_reducer("recompress", CompressionParams.from_dict(params), n, np.float32, key)
+        workers = [build_chain(params, n, np.float32, key=key, **({"device": device} if device else {}))
+                   for _ in range(2)]
+        reduced = CompressionParams.from_dict(params), n, np.float32, key
+        if device:
+            from bps_gc.compress.device.reducers import device_reduction  # imports torch
+            reducer = device_reduction("recompress", *reduced, device)
+        else:
+            reducer = make_reducer("recompress", *reduced)
         for codec in workers + [reducer]:
             use_scratch(codec, scratch)
         made.append((workers, reducer))
@@ -110,21 +117,9 @@ def test_device_chains_sharing_a_scratch_give_the_same_bits(params, kept):
     each keeping its own, a non-finite step included."""
     import torch
 
-    from bps_gc.compress.device.reducers import device_reduction
-
-    def device_parts(scratch):
-        made = []
-        for key, n in enumerate(SIZES):
-            workers = [build_chain(params, n, np.float32, key=key, device="cpu") for _ in range(2)]
-            reducer = device_reduction("recompress", CompressionParams.from_dict(params), n, np.float32, key, "cpu")
-            for codec in workers + [reducer]:
-                use_scratch(codec, scratch)
-            made.append((workers, reducer))
-        return made
-
     rng = np.random.default_rng(11)
     scratch = Scratch(kept=kept)
-    own, shared = device_parts(None), device_parts(scratch)
+    own, shared = parts(params, None, "cpu"), parts(params, scratch, "cpu")
     for s, lr in enumerate((0.1, 0.05, 0.05)):
         grads = [[rng.standard_normal(n).astype(np.float32) for _ in range(2)] for n in SIZES]
         if s == 1:

@@ -51,6 +51,7 @@ class Communicator(abc.ABC):
     local_size: int
     tensors: dict
     codecs: object
+    _scratch = None  # the partitions' codecs' shared in-call buffers, made by the first _build_codec
 
     def check_alive(self):
         """Raise the job's failure (a NodeFailure naming the node), or that it was shut down."""
@@ -96,7 +97,7 @@ class Communicator(abc.ABC):
         partition's codecs take their in-call buffers (a sum, a decoded payload) from one
         compress.Scratch kept across calls, per thread (docs/runtime.md "What a server's keys
         hold": the collective's ranks reduce as servers do), instead of keeping their own."""
-        if getattr(self, "_scratch", None) is None:
+        if self._scratch is None:
             self._scratch = self.codecs.Scratch(kept=True)
         chain = self.codecs.build_chain(tensor.params, n, dtype, key=key, role="worker", shape=tensor.shape,
                                         rank=self.rank)

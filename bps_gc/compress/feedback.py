@@ -5,6 +5,7 @@ import numpy as np
 from ._native import lib, ptr
 from .context import step_context
 from .registry import register_error_feedback, register_momentum
+from .scratch import lends_g
 from .stateful import Stateful
 
 
@@ -79,7 +80,7 @@ class VanillaErrorFeedback(Decorator):
         lr = step_context(ctx)["lr"]
         # BytePS scales by a float32 ratio, then adds: two float32 roundings, as here
         ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
-        shared = self.scratch is not None and not self.scratch.kept
+        shared = lends_g(self.scratch)
         if shared:
             g = self.scratch.take("ef", self.n, self.dtype)
         else:

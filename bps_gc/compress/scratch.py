@@ -52,6 +52,13 @@ class Scratch:
                    for b in list(self.buffers.values()))
 
 
+def lends_g(scratch):
+    """Whether error feedback builds g in ``scratch`` (then copies it into e) rather than in a
+    second buffer of its own (swapped with e): only a scratch freed after each call saves
+    memory that way; a kept one would only add the copy (``Scratch``)."""
+    return scratch is not None and not scratch.kept
+
+
 def use_scratch(codec, scratch):
     """Hand ``scratch`` to ``codec`` (a chain or a reducer) and to every codec inside it (a
     decorator's wrapped codec, a reducer's chains), each made or to be made."""

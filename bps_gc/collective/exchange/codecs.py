@@ -173,9 +173,8 @@ class PartCodecs:
         reducer = (None if not reduced else
                    device_reduction(reducer, self.params, n, wire, key, tensor.device) if on_device else
                    compress.make_reducer(reducer, self.params, n, wire, key))
-        compress.use_scratch(chain, self.scratch)  # device codecs take tensors from it (device/base.py shared_tensor)
-        if reducer is not None:
-            compress.use_scratch(reducer, self.scratch)
+        for codec in (chain, reducer):  # device codecs take tensors from it (device/base.py shared_tensor)
+            compress.use_scratch(codec, self.scratch)
         return PartCodec(key, n, tensor.device, on_device, wire, chain, reducer)
 
     def codecs_for(self, batch):

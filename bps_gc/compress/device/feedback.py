@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..context import step_context
+from ..scratch import lends_g
 from .base import DeviceCodec, shared_tensor
 from .registry import register_device_error_feedback, register_device_momentum
 
@@ -78,7 +79,7 @@ class DeviceVanillaErrorFeedback(DeviceDecorator):
         x = self._input(x)
         lr = step_context(ctx)["lr"]
         ratio = np.float32(self.lr_prev / lr) if lr and self.lr_prev and self.lr_prev != lr else 1
-        shared = self.scratch is not None and not self.scratch.kept  # as compress/feedback.py's
+        shared = lends_g(self.scratch)
         if shared:
             g = shared_tensor(self.scratch, "ef", self.n, self.torch_dtype, self.device)
         else:

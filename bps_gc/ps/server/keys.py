@@ -45,8 +45,7 @@ class KeyState:
         self.reducer_name = codecs.choose_reducer(self.params, decl.get("reducer"))
         self.reducer = codecs.make_reducer(self.reducer_name, self.params, self.n, self.dtype, key) \
             if self.compressed else None
-        if self.reducer is not None and scratch is not None:
-            codecs.use_scratch(self.reducer, scratch)
+        codecs.use_scratch(self.reducer, scratch)  # no reducer (dense) or no scratch: nothing to hand
         self.max_payload = 8 * self.n + 64 if self.compressed else self.n * self.dtype.itemsize
         self.buffers = [None] * workers
         self.lengths = [0] * workers

@@ -24,8 +24,12 @@ def test_a_seeded_churn_of_deaths_and_joins(tmp_path):
     assert written["summary"] == summary and len(written["events"]) == 6
     epochs = [e["epoch"] for e in written["events"]]
     assert epochs == list(range(1, 7)), epochs
-    # each death's time lost is measured on its survivors (reported, never a timing target here)
+    # each death's time lost is measured on its survivors (reported, never a timing target here).
+    # The survivors resume after the commit, but both are times the loop read a line, each
+    # process's on its own reader thread through its launcher's pipe: the first resumed step was
+    # once read 4 ms before the commit line (stall 1.824 s, commit 1.828 s)
+    READ_SKEW = 0.05
     lost = [e["lost"] for e in written["events"] if e["event"] == "death"]
-    assert all(m and m["stall_s"] >= m["commit_s"] > 0 for m in lost), lost
+    assert all(m and m["stall_s"] >= m["commit_s"] - READ_SKEW and m["commit_s"] > 0 for m in lost), lost
     assert summary["lost"]["deaths"] == summary["deaths"], summary["lost"]
     assert not processes_with(f"DMLC_PS_ROOT_PORT={summary['port']}"), "processes left behind"

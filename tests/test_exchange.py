@@ -9,7 +9,11 @@ import torch
 
 from collective_cluster import run_torchrun_job
 
+from bps_gc.collective.coded import CodedPart, Exact, compress_parts, reduce_parts
 from bps_gc.compress import build_chain
+from bps_gc.compress.device.reducers import device_reduction
+from bps_gc.compress.params import CompressionParams
+from bps_gc.compress.reducers import make_reducer
 from bps_gc.compress.stateful import StateError, StateGroup
 from bps_gc.torch.exchange import CompressedExchange
 from bps_gc.collective.exchange.codecs import name_key
@@ -77,8 +81,9 @@ ALL_TO_ALL = {"destinations": [1, 0, 1], "lengths": [[3, 0, 5], [10, 2, 1], [40,
 def each_payload_reaches_its_destination_alone(got):
     """Every rank received its parts' payloads from each rank of its group, byte for byte as
     sent (numpy arrays, then tensors; the second call's longer than the first's capacity, the
-    third's longer still), and nothing of the others' parts; its capacity the longest block
-    any rank sent; a rank without payloads named on both."""
+    third's longer still), its own as they were, and nothing of the others' parts; its capacity
+    the longest block any rank sent a peer (its own parts stay out of the collective); a rank
+    without payloads named on both."""
     for ranks in GROUPS:
         for me, r in enumerate(ranks):
             for call, lengths in enumerate(ALL_TO_ALL["lengths"]):
@@ -90,7 +95,7 @@ def each_payload_reaches_its_destination_alone(got):
                             want = np.full(n + s, 16 * s + 4 * part + call, np.uint8)
                             assert got[r][f"a2a/{call}/{sender}/{part}"].tobytes() == want.tobytes(), (r, call, part)
                 blocks = [sum(n + s for n, to in zip(lengths, ALL_TO_ALL["destinations"]) if to == peer)
-                          for s in ranks for peer in (0, 1)]
+                          for sender, s in enumerate(ranks) for peer in (0, 1) if peer != sender]
                 assert int(got[r][f"a2a/{call}/capacity"]) == max(blocks), (r, call)
             assert str(got[r]["a2a/missing"]) == "rank 1 could not make their payloads", r
 
@@ -149,6 +154,67 @@ def test_a_part_saved_with_a_kept_reducer_loads_with_it():
         (loaded,) = new.hook.pipeline.codecs.codecs.values()
         assert loaded.reducer.name == "recompress" and loaded.steps == saved.steps
         assert np.array_equal(loaded.reducer.state_dict()["chain.ef.error"], sd["w/reducer/chain.ef.error"])
+
+
+@pytest.mark.parametrize("device_chains", [False, True])
+def test_a_part_reduced_alone_sums_its_own_values_as_they_are(device_chains):
+    """Under reduce_at, the rank that reduces a part alone with the exact sum keeps no worker
+    chain of it (no residual) and its own payload is its values (coded.Exact): the result is
+    those values plus the peers' decoded payloads in rank order, divided (3 ranks, this one
+    rank 1), as numpy recomputes it; on device chains too (torch tensors on the CPU)."""
+    params, n, key = CODECS["topk"], 40, name_key("w")
+    x = np.random.default_rng(7).standard_normal((3, n)).astype(np.float32)
+    peers = {r: build_chain(params, n, np.float32, key=key, rank=r) for r in (0, 2)}
+    ctx = {"lr": 0.0, "step": 0}
+    payloads = {r: chain.compress(x[r], ctx) for r, chain in peers.items()}
+    want = x[1].copy()
+    for r in (0, 2):
+        want += peers[r].decompress(payloads[r])
+    want /= np.float32(3)
+    wire, bare = np.dtype(np.float32), CompressionParams.from_dict(params)
+    if device_chains:
+        reducer = device_reduction("lossless", bare, n, wire, key, torch.device("cpu"))
+        flat, sent = torch.from_numpy(x[1].copy()), {r: torch.from_numpy(p) for r, p in payloads.items()}
+    else:
+        reducer, flat, sent = make_reducer("lossless", bare, n, wire, key), x[1].copy(), payloads
+    part = CodedPart(0, n, None, reducer)
+    (own,) = compress_parts([part], flat, ctx)
+    assert isinstance(own, Exact)
+    reduce_parts([part], [[sent[0]], [own], [sent[2]]], flat, ctx, 3)
+    np.testing.assert_array_equal(flat.numpy() if device_chains else flat, want)
+    tensor = torch.zeros(n)
+    for reducer, exact in (("lossless", True), ("recompress", False), ("majority", False)):
+        exchange = CompressedExchange(CODECS["onebit"], reducer, named_parameters=[("w", tensor), ("v", tensor)])
+        exchange.hook.pipeline.reduce_at(lambda name: int(name == "v"), 1)
+        codecs = exchange.hook.pipeline.codecs
+        assert codecs.sums_own_exactly("v") == exact and not codecs.sums_own_exactly("w"), reducer
+
+
+def test_a_part_saved_with_its_own_chain_loads_with_it():
+    """A checkpoint of a part this rank reduces alone, saved while its own values were still
+    compressed (a worker chain and its residual, before 2026-12-01), loads with that chain and
+    state, and resumes as it ran; one saved without (now) loads without a chain."""
+    params, n, tensor = CODECS["topk"], 40, torch.zeros(40)
+
+    def exchange():
+        made = CompressedExchange(params, "lossless", named_parameters=[("w", tensor)])
+        made.hook.pipeline.reduce_at(lambda name: 0, 0)
+        return made
+    codecs = exchange().hook.pipeline.codecs
+    old = codecs._make_codec(name_key("w"), n, tensor, False, np.dtype(np.float32))
+    old.chain.compress(np.random.default_rng(1).standard_normal(n).astype(np.float32), {"lr": 0.0, "step": 0})
+    new = codecs._make_codec(name_key("w"), n, tensor, False, np.dtype(np.float32), exact=True)
+    for saved, chained in ((old, True), (new, False)):
+        sd = StateGroup({"w": saved}).state_dict()
+        assert ("w/worker/ef.error" in sd) == chained
+        loading = exchange()
+        fresh, install = loading.hook.codec_state_to_load(sd)
+        fresh.load_state_dict(sd)
+        install()
+        (loaded,) = loading.hook.pipeline.codecs.codecs.values()
+        assert (loaded.chain is not None) == chained and loaded.reducer.name == "lossless"
+        if chained:
+            assert np.array_equal(loaded.chain.state_dict()["ef.error"], sd["w/worker/ef.error"])
 
 
 def test_a_ctrl_c_kept_by_a_callback_is_raised_again_by_the_wait():

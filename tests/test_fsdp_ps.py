@@ -282,7 +282,7 @@ def check_results(ranks):
 
 def in_host_step(ranks, run):
     """``run``'s in-host reduce-scatters as the numpy recomputation over the host's ranks (a bfloat16 reduce
-    dtype: the float32 average rounded), each the hook's input; in_host_* bytes the payloads'; state LOCAL x shard."""
+    dtype: the float32 average rounded), each the hook's input; in_host_* bytes the payloads'; state (LOCAL - 1) x shard."""
     got = [{**{k.split("/", 1)[1]: v for k, v in a.items() if k.startswith(f"{run}/")},
             **{f"local/{name}": a[f"{run}/local/{STEPS - 1}/{name}"] for name in NAMES}} for a in ranks]
     # the float32 average in the reduce dtype: bfloat16 (torch's rounding); float16 (numpy's), times LOCAL: a sum
@@ -294,7 +294,8 @@ def in_host_step(ranks, run):
     for r, arrays in enumerate(got):
         assert arrays["rs_calls"].tolist() == arrays["calls"].tolist(), r
         assert all(arrays[f"rs{i}/out"].tobytes() == arrays[f"call{i}/in"].tobytes() for i in range(STEPS * len(LAYERS))), r
-        assert int(arrays["state_in_host"]) == LOCAL * shard_bytes, r  # a residual per chunk (its own summed exactly)
+        # a residual per chunk sent: its own chunk's values join its exact sum as they are
+        assert int(arrays["state_in_host"]) == (LOCAL - 1) * shard_bytes, r
 
 
 def dense_in_half(ranks):

@@ -5,7 +5,9 @@ parts it reduces, so each rank receives 1/S of what the all_gather brings (S: th
 
 One ``all_to_all_single`` of equal blocks, one per peer: each block carries a header (the
 sender's largest block, then the lengths of the payloads for that peer) and the first
-``capacity.bytes`` of those payloads, zero-padded. Every rank learns every sender's largest
+``capacity.bytes`` of those payloads, zero-padded. A rank's payloads of its own parts stay out
+of the collective (its block to itself carries the header alone) and are handed back as they
+are: they may be any object (coded.Exact: the values themselves). Every rank learns every sender's largest
 block from the headers it receives, so all agree on the capacity and on whether a second
 all_to_all (the rest, padded to the longest rest) is needed. A rank that could not make its
 payloads sends -1 in place of its largest block, and every rank raises PayloadsMissing.
@@ -31,10 +33,11 @@ def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, de
     if any(not 0 <= d < size for d in destinations):  # every rank has the same: all raise here
         raise ValueError(f"all_to_all_bytes: destinations {sorted(set(destinations))} outside a group of {size}")
     to = [[i for i, d in enumerate(destinations) if d == peer] for peer in range(size)]  # each peer's parts
+    sent = [parts if peer != me else [] for peer, parts in enumerate(to)]  # its own parts stay here
     on_device = device is not None or bool(payloads) and isinstance(payloads[0], torch.Tensor)
-    device = (payloads[0].device if payloads else device) if on_device else None
+    device = (device if device is not None else payloads[0].device) if on_device else None
     head = WORD * (1 + max(len(parts) for parts in to))
-    sizes = [[-1 if payloads is None else int(payload_length(payloads[i])) for i in parts] for parts in to]
+    sizes = [[-1 if payloads is None else int(payload_length(payloads[i])) for i in parts] for parts in sent]
     first = capacity.bytes if capacity is not None else 0
     mine, into = _blocks(size, head + first, device)
     headers = into[:, :head].view(np.int64) if not on_device else np.zeros((size, head // WORD), np.int64)
@@ -44,7 +47,7 @@ def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, de
     if on_device:
         mine[:, :head] = torch.from_numpy(headers.view(np.uint8)).to(device)
     if payloads is not None:
-        for peer, parts in enumerate(to):
+        for peer, parts in enumerate(sent):
             _copy([payloads[i] for i in parts], into[peer, head:], 0, first)
     theirs, received = _blocks(size, head + first, device)
     wait(dist.all_to_all_single(theirs, mine, group=group, async_op=True),
@@ -62,7 +65,7 @@ def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, de
         # capacity always: two collectives, as the all_gather's callers count them)
         rest, into = _blocks(size, longest - first, device)
         if payloads is not None:
-            for peer, parts in enumerate(to):
+            for peer, parts in enumerate(sent):
                 _copy([payloads[i] for i in parts], into[peer], first, longest)
         tails, tail_blocks = _blocks(size, longest - first, device)
         wait(dist.all_to_all_single(tails, rest, group=group, async_op=True), "all_to_all of payloads")
@@ -70,6 +73,11 @@ def all_to_all_bytes(payloads, destinations, wait, group=None, capacity=None, de
     result = []
     for sender, buffer in enumerate(blocks):
         row, offset = [None] * len(destinations), 0
+        if sender == me:
+            for i in to[me]:
+                row[i] = payloads[i]
+            result.append(row)
+            continue
         for k, i in enumerate(to[me]):
             n = int(lengths[sender, 1 + k])
             row[i] = buffer[offset:offset + n]

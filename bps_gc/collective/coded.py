@@ -10,8 +10,9 @@ sequence; callers hand it jobs or call its stages.
     reduce_parts      each part's reducer over every rank's payloads, decoded into the buffer,
                       divided where the reducer sums
 
-A part is anything with ``start``, ``stop``, ``codec`` (the worker chain) and ``reducer`` (the
-reduction the parameter server would run): the collective's placement partitions, or
+A part is anything with ``start``, ``stop``, ``codec`` (the worker chain; None for a part this
+rank reduces alone and sums exactly, whose own payload is its values: ``Exact``) and ``reducer``
+(the reduction the parameter server would run): the collective's placement partitions, or
 ``CodedPart`` where the caller names its pieces itself (a DDP bucket's gradients, two levels'
 owned pieces). Flat buffers are numpy arrays (numpy chains and reducers) or torch tensors
 (device chains, whose reducers reduce straight into the buffer).
@@ -43,9 +44,21 @@ class CodedPart(NamedTuple):
     name: str = ""
 
 
+class Exact(NamedTuple):
+    """This rank's own payload of a part it reduces alone with an exact sum (Pipeline.reduce_at):
+    a copy of its values, which join the sum as they are. They never leave the rank, so a codec
+    would only add its error to them (and keep a residual for it)."""
+    values: Any
+
+
 def compress_parts(parts, flat, ctx=None):
     """This rank's payload of each part of ``flat``, in order."""
-    return [part.codec.compress(flat[part.start:part.stop], part.ctx if ctx is None else ctx) for part in parts]
+    return [Exact(_copy(flat[part.start:part.stop])) if part.codec is None else
+            part.codec.compress(flat[part.start:part.stop], part.ctx if ctx is None else ctx) for part in parts]
+
+
+def _copy(values):
+    return values.clone() if isinstance(values, torch.Tensor) else values.copy()
 
 
 def exchange_payloads(payloads, wait, group=None, parts=None, capacity=None, device=None, destinations=None):
@@ -68,7 +81,8 @@ def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
     part, in order) decoded into its slice of ``flat``, then divided by ``divisor`` where the
     reducer's result is a sum (a majority vote is not averaged). A part without a reducer, or
     whose payloads went to another rank (None), is reduced there (Pipeline.reduce_at): its
-    slice of ``flat`` is not written."""
+    slice of ``flat`` is not written. A part whose payload from this rank is ``Exact`` sums its
+    values first, then the others' decoded payloads in rank order."""
     on_device = isinstance(flat, torch.Tensor)
     for index, part in enumerate(parts):
         if part.reducer is None:
@@ -77,7 +91,17 @@ def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
         if payloads[0] is None:  # sent to the rank that reduces it (a reducer loaded from an old state)
             continue
         chunk, step = flat[part.start:part.stop], part.ctx if ctx is None else ctx
-        if on_device:
+        exact = next((p for p in payloads if isinstance(p, Exact)), None)
+        if exact is not None:
+            acc = exact.values
+            for payload in payloads:
+                if payload is not exact:
+                    part.reducer.decoder.decompress_add(payload, acc)
+            if on_device:
+                chunk.copy_(acc)
+            else:
+                np.copyto(chunk, acc)
+        elif on_device:
             part.reducer.reduce(payloads, chunk, step)
         else:
             part.reducer.decode(part.reducer.reduce(payloads, True, step), chunk, step)
@@ -102,5 +126,5 @@ def in_wire_dtype(flat, parts, wire_dtype):
     return wired, back
 
 
-__all__ = ["WORDS", "Capacity", "CodedPart", "PayloadsMissing", "compress_parts", "exchange_payloads",
+__all__ = ["WORDS", "Capacity", "CodedPart", "Exact", "PayloadsMissing", "compress_parts", "exchange_payloads",
            "in_wire_dtype", "payload_bytes", "reduce_parts"]

@@ -11,8 +11,10 @@ through a ``CompressedExchange`` of its own (the one pipeline: docs/runtime.md "
 exchange"), and copies its own chunk out (times the group's size where FSDP2 asks for a sum).
 Each chunk's payloads go to their own rank alone, in one all_to_all (``Pipeline.reduce_at``),
 which reduces its own chunk alone: a rank sends each peer only that peer's chunk, as a
-reduce-scatter does (thc and PowerSGD still all-reduce their phases over the whole input
-and decode every chunk: docs/fsdp_inhost.md).
+reduce-scatter does, and sums its own chunk's values as they are with the peers' decoded
+payloads, since they never leave it (thc and PowerSGD still all-reduce their phases over the
+whole input and decode every chunk; sign's majority vote takes every rank's signs:
+docs/fsdp_inhost.md).
 Its bytes count in ``bps_gc.torch.metrics()``'s ``in_host_*`` fields. Either replicate reducer
 takes it (``compress_in_host``): torch.distributed's replicate group (fsdp.py) or the parameter
 server (fsdp_ps.py, where the shard group is the host's local ranks, a torch.distributed group

@@ -96,8 +96,10 @@ class BatchState:
 
 
 class PartCodec(Stateful):
-    """One part's worker chain and reducer (None for a phased codec: phased.py); ``key`` seeds
-    both (from where it was first seen), ``steps`` counts its reductions (the step context)."""
+    """One part's worker chain (None where this rank reduces the part alone and sums its own
+    values exactly: PartCodecs.sums_own_exactly) and reducer (None for a phased codec:
+    phased.py); ``key`` seeds both (from where it was first seen), ``steps`` counts its
+    reductions (the step context)."""
 
     state_attrs = ("key", "steps")
 
@@ -106,7 +108,8 @@ class PartCodec(Stateful):
         self.chain, self.reducer, self.steps = chain, reducer, 0
 
     def state_children(self):
-        return (("worker/", self.chain),) + ((("reducer/", self.reducer),) if self.reducer is not None else ())
+        return ((("worker/", self.chain),) if self.chain is not None else ()) + \
+            ((("reducer/", self.reducer),) if self.reducer is not None else ())
 
     def fits(self, n, device, on_device, wire):
         return (self.n, self.device, self.on_device, self.wire) == (n, device, on_device, wire)
@@ -140,6 +143,14 @@ class PartCodecs:
         """Whether this rank reduces the part named ``name`` (a phased codec: always)."""
         return self.phased or self.reduced_here is None or name is None or self.reduced_here(name)
 
+    def sums_own_exactly(self, name, reducer=None):
+        """Whether this rank's own payload of the part named ``name`` is its values as they are
+        (coded.Exact), with no worker chain (no residual): under reduce_at, on the rank that
+        reduces the part alone, when its reducer (``reducer``, else the exchange's) is the exact
+        sum. Those values never leave the rank: a codec would only add its error to them."""
+        return (not self.phased and self.reduced_here is not None and name is not None
+                and self.reduced_here(name) and (reducer or self.reducer) == "lossless")
+
     def state_of(self, batch):
         """The BatchState of ``batch``, kept while its parts stay the same."""
         state, buffer = self.batches.get(batch.index), batch.buffer
@@ -157,11 +168,12 @@ class PartCodecs:
             return False, np.dtype(np.float32)
         return runs_on_device(tensor, device_codecs), wire_dtype(tensor, self.params.fp16)
 
-    def _make_codec(self, key, n, tensor, on_device, wire, shape=None, reduced=True, reducer=None):
+    def _make_codec(self, key, n, tensor, on_device, wire, shape=None, reduced=True, reducer=None, exact=False):
         """A fresh PartCodec of ``n`` elements where ``tensor`` lives (its draws this process's
         own: build_chain's ``rank`` is ``seed_rank`` or its torch.distributed rank); ``shape``: the
         part's, for a codec that views it as a matrix (PowerSGD); ``reduced``: False for a part
-        another rank reduces (no reducer); ``reducer``: its name, if not the exchange's."""
+        another rank reduces (no reducer); ``reducer``: its name, if not the exchange's;
+        ``exact``: no worker chain (sums_own_exactly)."""
         reducer = reducer or self.reducer
         rank = self.seed_rank if self.seed_rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if self.phased:  # its reducer runs as the phases of phased.py
@@ -169,7 +181,8 @@ class PartCodecs:
             compress.use_scratch(chain, self.scratch)
             return PartCodec(key, n, tensor.device, on_device, wire, chain, None)
         device = {"device": tensor.device} if on_device else {}
-        chain = compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank, **device)
+        chain = None if exact else compress.build_chain(self.params, n, wire, key=key, role="worker", rank=rank,
+                                                         **device)
         reducer = (None if not reduced else
                    device_reduction(reducer, self.params, n, wire, key, tensor.device) if on_device else
                    compress.make_reducer(reducer, self.params, n, wire, key))
@@ -189,9 +202,10 @@ class PartCodecs:
                 codec = self.codecs.get(part)
                 if codec is None or not codec.fits(n, buffer.device, on_device, wire):
                     shape = batch.shapes[position] if batch.shapes else None
-                    reduced = self.reduces(batch.names[position] if batch.names else None)
+                    name = batch.names[position] if batch.names else None
                     codec = self.codecs[part] = self._make_codec(batch.key(position), n, buffer, on_device, wire,
-                                                                 shape, reduced)
+                                                                 shape, self.reduces(name),
+                                                                 exact=self.sums_own_exactly(name))
                 codecs.append(codec)
             return codecs
         return built_or_refused(build, self.params, batch.index, buffer), on_device
@@ -256,9 +270,12 @@ class PartCodecs:
             # a state saved with the part's reducer (before reduce_at refused it) loads as saved
             reduced = self.reduces(name) or any(k.startswith(f"{name}/reducer/") for k in sd)
             saved_reducer = sd.get(f"identity.{name}/reducer/reducer")
+            reducer = saved_reducer if saved_reducer in self.saved_reducers_kept else None
+            # a part whose own values were compressed when it was saved (before 2026-12-01) loads
+            # with its worker chain, and resumes as it ran
+            exact = self.sums_own_exactly(name, reducer) and f"identity.{name}/worker/codec.name" not in sd
             fresh[name] = self._make_codec(int(key), p.numel(), p, *self._codec_kind(p, device_codecs),
-                                           tuple(p.shape), reduced,
-                                           saved_reducer if saved_reducer in self.saved_reducers_kept else None)
+                                           tuple(p.shape), reduced, reducer, exact)
 
         def install():
             self.codecs.update((id(named[name]), codec) for name, codec in fresh.items())

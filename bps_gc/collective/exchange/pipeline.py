@@ -79,7 +79,9 @@ class Pipeline:
         one rank of the group alone: ``destination(name)``, this process being ``rank`` there. A
         reduce-scatter whose rank reads its own chunk alone (fsdp_inhost.py) wants that. Every
         rank compresses every part and sends each payload to that rank alone (one all_to_all:
-        collective/all_to_all.py), which receives 1/S of what an all_gather brings. A part
+        collective/all_to_all.py), which receives 1/S of what an all_gather brings; a part it
+        reduces itself with the exact sum ("lossless") it does not compress: its values join
+        that sum as they are (codecs.PartCodecs.sums_own_exactly). A part
         reduced elsewhere gets no reducer here (none of its state) and its slice of the buffer
         holds no average after a call (its values unspecified). Flat exchanges only: under two
         levels a host's owner reduces for its host-mates. Phased codecs (thc, PowerSGD) all_reduce

@@ -130,25 +130,26 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
     check_reduce_dtypes(got, "call0/in", "call0/out")
 
 
-def check_hook_calls(got, prefix, policy, steps, expected):
+def check_hook_calls(got, prefix, policy, steps, expected, shards=2):
     """Every hook call of the model ``prefix`` (``steps`` steps) on both replicas of each shard
-    equals ``expected(ins, shard, its module's parameters, step)``, the float32 average rounded
-    into ``policy``'s half reduce dtype; replicas end bit-identical, shards differ."""
+    (a (2, ``shards``) mesh) equals ``expected(ins, shard, its module's parameters, step)``,
+    the float32 average rounded into ``policy``'s half reduce dtype; replicas end
+    bit-identical, shards differ."""
     calls, made = got[0][f"{prefix}calls"], {}
     assert len(calls) == steps * len(LAYERS)
     for i, module in enumerate(calls):
         step = made.get(int(module), 0)
         made[int(module)] = step + 1
-        for shard in (0, 1):
-            replicas = (shard, 2 + shard)  # mesh (replicate, shard): rank = 2 * replica + shard
+        for shard in range(shards):
+            replicas = (shard, shards + shard)  # mesh (replicate, shard): rank = shards * replica + shard
             want = expected([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
             want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
             for r in replicas:
                 np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
                                               err_msg=f"{prefix}call {i} rank {r}")
     for name, _ in PARAMS:
-        for shard in (0, 1):
-            mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, 2 + shard)]
+        for shard in range(shards):
+            mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, shards + shard)]
             assert mates[0] == mates[1], f"{prefix}{name}"
         assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
 
@@ -301,44 +302,41 @@ CPU tensors (their in-call tensors shared and freed after each call: 6.9x and 4x
 @pytest.fixture(scope="module")
 def launch_2x3(tmp_path_factory):
     """A (2, 3) mesh, 6 ranks, one launch: native HSDP and the dense hooks, DENSE_STEPS; top-k +
-    EF, two micro-batches a step, 3 steps, across replicas and in the host. The MLP's rows
-    (32, 32, 8) split in 3 unevenly:
+    EF, two micro-batches a step, 3 steps, across replicas and in the host; each other codec
+    (DTYPE_CODECS') across replicas, 2 steps. The MLP's rows (32, 32, 8) split in 3 unevenly:
     FSDP2 pads them (11, 11, 10 + 1 row; 3, 3, 2 + 1)."""
     return run({"mode": "parts", "mesh": [2, 3], "parts": {
         "native": {"mode": "native", "steps": DENSE_STEPS},
         "hooked": {"mode": "hooked", "steps": DENSE_STEPS},
         "topk": {"mode": "hooked", "steps": 3, "compression_params": TOPK, "micro_batches": 2},
-        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2}}},
+        "inhost_topk": {"mode": "hooked", "steps": 3, "shard_compression_params": TOPK, "micro_batches": 2},
+        **{f"codec_{codec}": {"mode": "hooked", "steps": 2, "compression_params": params}
+           for codec, (params, _) in DTYPE_CODECS.items()}}},
         tmp_path_factory.mktemp("fsdp_2x3"), ranks=6)
 
 
-def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_topk_equals_numpy(launch_2x3):
+def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_every_codec_equals_numpy(launch_2x3):
     """Replicas of shard s: ranks s and 3 + s. Dense hooks against native HSDP on every rank;
-    every top-k hook call against the numpy re-computation of its (padded) shards; replicas
-    bit-identical, shards differing. The same of the in-host step's reduce-scatters, and their
-    bytes (each chunk's payloads to its own shard alone: a third of an all_gather's)."""
+    every top-k hook call, and every call of each other codec, against the numpy re-computation
+    of its (padded) shards; replicas bit-identical, shards differing. The same of the in-host
+    step's reduce-scatters, and their bytes (each chunk's payloads to its own shard alone)."""
     native, hooked, got = (part(launch_2x3, name) for name in ("native", "hooked", "topk"))
     for name, _ in PARAMS:
         for r in range(6):
             np.testing.assert_allclose(hooked[r][f"full/{name}"], native[0][f"full/{name}"], rtol=1e-6, atol=1e-7,
                                        err_msg=f"{name} rank {r}")
-    calls = got[0]["calls"]
-    assert len(calls) == 3 * len(LAYERS)
-    steps = {}
-    for i, module in enumerate(calls):
-        step = steps.get(int(module), 0)
-        steps[int(module)] = step + 1
-        for shard in range(3):
-            replicas = (shard, 3 + shard)
-            want = expected_call([got[r][f"call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step,
-                                 "2x3/", shards=3)
-            for r in replicas:
-                np.testing.assert_array_equal(got[r][f"call{i}/out"], want, err_msg=f"call {i} rank {r}")
+    check_hook_calls(got, "", None, 3, lambda ins, shard, layer, step: expected_call(
+        ins, shard, layer, step, "2x3/", shards=3), shards=3)
     for name, _ in PARAMS:
-        for shard in range(3):
-            assert got[shard][f"local/{name}"].tobytes() == got[3 + shard][f"local/{name}"].tobytes(), name
         assert got[0][f"local/{name}"].shape[0] == -(-dict(PARAMS)[name][0] // 3)
-        assert not np.array_equal(got[0][f"local/{name}"], got[1][f"local/{name}"])
+    for codec, (params, _) in DTYPE_CODECS.items():
+        run = f"2x3 {codec}/"  # the chains' own
+        if codec in PHASED:
+            check_hook_calls(part(launch_2x3, f"codec_{codec}"), "", None, 2, lambda ins, shard, layer, step:
+                             expected_phased_call(ins, shard, layer, step, run, params, shards=3), shards=3)
+        else:
+            check_hook_calls(part(launch_2x3, f"codec_{codec}"), "", None, 2, lambda ins, shard, layer, step:
+                             expected_call(ins, shard, layer, step, run, shards=3, params=params), shards=3)
     # the in-host step (top-k + EF) on 3 shards: padded chunks, 3 senders each sending its peers their chunks alone
     in_host = part(launch_2x3, "inhost_topk")
     check_in_host_bytes(in_host, check_in_host_reduce_scatters(in_host, 3, "2x3 inhost/"), 3, 3, "bytes/")

@@ -6,10 +6,12 @@ servers sum one push per host. The first launch, ``bpslaunch --local``, 2 hosts 
 
 * dense as native HSDP on the (2, 3) mesh (recomputed without FSDP or bps_gc), within 1e-6;
 * top-k 25% + EF and the onebit recipe (recompressed by the server), top-k in the host too
-  (shard_compression_params), alone, under each of fully_shard's policies and float16: every hook call
-  (and in-host reduce-scatter) bit for bit as the numpy recomputation, bytes as its payloads';
+  (shard_compression_params), alone, under each of fully_shard's policies and float16, and
+  every other codec (fsdp_cases.DTYPE_CODECS', thc with and without feedback) through its
+  own server path: every hook call (and in-host reduce-scatter) bit for bit as the numpy
+  recomputation, bytes as its payloads';
 * dense under a bfloat16 or float16 reduce dtype, pushed as it or as BytePS's fp16: the
-  server's float32 mean rounded once; thc 4-bit close to the exact mean;
+  server's float32 mean rounded once; thc 4-bit close to the exact mean too;
 * bytes and the codec state a rank saves; one-line refusals (another mesh, TernGrad on a
   float64 reduce dtype across or in the host, replicate=None before bps_gc.torch.init()).
 
@@ -36,6 +38,7 @@ from bps_gc import compress
 from bps_gc.comm.placement import Placement, declare_tensor
 from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
+from fsdp_cases import DTYPE_CODECS
 from fsdp_diloco_oracle import diloco_on_hosts_equals_the_recomputation
 from fsdp_inhost_oracle import check_in_host_bytes, check_in_host_reduce_scatters
 from local_ranks import HostsJob, machines_or_loopback  # noqa: F401 (a fixture)
@@ -74,7 +77,11 @@ RESUMED = {"thc-ef": {"compressor": "thc", "bits": 4, "feedback": True}, "topk":
 # mid-window (step SAVE_AT), resumed by the second launch
 RESUMED_DILOCO = {"diloco-topk": TOPK}
 SAVE_AT = 2
-RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4},
+# every other codec (test_fsdp's list), 2 steps' worth each: through its default reducer on the
+# server (re-compressed; DGC's exact sum, sign's majority vote) or its phases (PowerSGD)
+OTHER_CODECS = {f"c-{codec}": params for codec, (params, _) in DTYPE_CODECS.items() if codec != "thc"}
+PHASED_RUNS = ("thc", "thc-ef", "c-powersgd")
+RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4}, **OTHER_CODECS,
         **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF},
         **{run: {"fp16": True} for run in FP16_WIRE}}
 LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding none) -> its layer
@@ -127,9 +134,12 @@ def shards_of_call(arrays, run, call):
 def expected_calls(ranks, run, local=LOCAL):
     """Every hook call's output of shard i's ranks (HOSTS x ``local``), recomputed: each host's
     chain (seeded by the shard's key and the pushing rank) compresses its reduce-scatter output,
-    the server's recompresses their sum, the result is divided by the hosts. Also each rank's
-    bytes pushed and pulled: its chain's payloads, the server's."""
+    the server reduces the pushes with the codec's default reducer (re-compresses their sum;
+    DGC's exact sum; sign's majority vote, not divided), the result is divided by the hosts;
+    thc and PowerSGD sum their hosts' first phase, then their second, and finish. Also each
+    rank's bytes pushed and pulled: its chain's payloads, the server's replies."""
     params = CompressionParams.from_dict(RUNS[run])
+    reducer = compress.choose_reducer(params)
     expected, wire = {}, np.zeros((HOSTS * local, 2), np.int64)
     for i in range(local):
         arrays = ranks[i]
@@ -146,20 +156,47 @@ def expected_calls(ranks, run, local=LOCAL):
                         chains[key] = ([build_chain(params, n, np.float32, key=key, role="worker", shape=shape,
                                                     rank=h * local + i) for h in range(HOSTS)],
                                        build_chain(params, n, np.float32, key=key, role="server"))
+                        for chain in chains[key][0]:
+                            if hasattr(chain, "set_summands"):  # thc: lanes for the hosts' pushes, int64 words
+                                chain.set_summands(HOSTS, np.int64)
                     workers, server = chains[key]
-                    acc = np.zeros(n, np.float32)
-                    for h in range(HOSTS):
-                        x = ranks[h * local + i][f"{run}/call{call}/in"][start + p_start:start + p_stop]
-                        payload = workers[h].compress(x, ctx)
-                        acc += workers[h].decompress(payload)
-                        wire[h * local + i, 0] += memoryview(payload).nbytes
-                    reply = server.compress(acc, ctx)
-                    out[start + p_start:start + p_stop] = server.decompress(reply) / np.float32(HOSTS)
-                    wire[i::local, 1] += memoryview(reply).nbytes
+                    xs = [ranks[h * local + i][f"{run}/call{call}/in"][start + p_start:start + p_stop]
+                          for h in range(HOSTS)]
+                    out[start + p_start:start + p_stop] = reduced(workers, server, xs, ctx, reducer, wire[i::local])
             if POLICY_RUNS.get(run) == "bf16r":  # reduced in float32, rounded back into the bfloat16 output
                 out = torch.from_numpy(out).to(torch.bfloat16).float().numpy()
             expected[(i, call)] = out
     return expected, wire
+
+
+def reduced(workers, server, xs, ctx, reducer, wire):
+    """One partition's result over the hosts' inputs ``xs`` (see expected_calls); adds each
+    host's bytes pushed and pulled to ``wire`` (a row per host)."""
+    if reducer in PHASED_REDUCERS:
+        words = np.dtype(getattr(workers[0], "phase_dtype", np.float32))
+        first = [w.compress(x, ctx).view(words) for w, x in zip(workers, xs)]
+        second = [w.compress_q(sum(first)).view(words) for w in workers]
+        outs = [w.finish(sum(second), np.empty(len(xs[0]), np.float32), HOSTS) for w in workers]
+        wire[:, 0] += first[0].nbytes + second[0].nbytes
+        wire[:, 1] += first[0].nbytes + second[0].nbytes
+        return outs[0] / np.float32(HOSTS)
+    acc = np.zeros(len(xs[0]), np.float32)
+    for h, (w, x) in enumerate(zip(workers, xs)):
+        payload = w.compress(x, ctx)
+        acc += w.decompress(payload)
+        wire[h, 0] += memoryview(payload).nbytes
+    if reducer == "majority":  # +-1, +1 on a tie; one bit an element and a non-finite byte
+        wire[:, 1] += -(-len(acc) // 8) + 1
+        return np.where(acc < 0, np.float32(-1), np.float32(1))
+    if reducer == "lossless":  # (uint32 index, float32 value) records of the nonzeros while shorter than the sum
+        wire[:, 1] += min(8 * np.count_nonzero(acc), 4 * len(acc))
+        return acc / np.float32(HOSTS)
+    reply = server.compress(acc, ctx)
+    wire[:, 1] += memoryview(reply).nbytes
+    return server.decompress(reply) / np.float32(HOSTS)
+
+
+PHASED_REDUCERS = ("thc", "powersgd")
 
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path, machines_or_loopback):
@@ -219,7 +256,7 @@ def check_results(ranks):
     # dense: native HSDP's parameters within 1e-6 relative
     equals_hsdp(ranks, LOCAL, STEPS)
     # the recompressing codecs with EF, top-k under each policy too: every call as the numpy recomputation
-    for run in [*RECOMPRESSED, *POLICY_RUNS, *IN_HOST]:
+    for run in [*RECOMPRESSED, *POLICY_RUNS, *IN_HOST, *OTHER_CODECS, "thc", "thc-ef"]:
         equals_recomputation(ranks, run, LOCAL, STEPS)
         assert not np.array_equal(ranks[0][f"{run}/full/0.weight"], ranks[0]["dense/full/0.weight"])
         assert [int(a[f"{run}/device_chains"]) for a in ranks] == [0] * len(ranks), run  # numpy chains here

@@ -20,6 +20,8 @@ rank's own batches (``micro_batches`` per step, gradients synced on the last). s
   trains straight runs (no checkpoint) in the same process, and hands their DTensor parameters
   to DistributedOptimizer and to comm_hook, which must refuse them;
 * "diloco": fully_shard on mesh["shard"], bps_gc.torch.DiLoCo across mesh["replicate"] (below);
+* "lm": the LM's GPT (lm_hsdp_case.py) sharded as the yardstick shards it (example/pytorch/lm/hsdp.py)
+  the spec "how" way: "native" HSDP or the dense "hooks"; its full parameters after its steps;
 * "fault" (under bps_gc.torch.init()): trains until told to stop, writing OUT/pid<rank> once
   running; rank spec "victim" at step 3 does spec "fault": "kill" (SIGKILL itself), "exit"
   (sys.exit(0)) or "raise".
@@ -242,6 +244,15 @@ def diloco(part, head=""):
     return arrays, refusals
 
 
+def lm(part, head=""):
+    """An "lm" spec: lm_hsdp_case's GPT, its full parameters after lm_hsdp_case.STEPS steps."""
+    import lm_hsdp_case
+    from hsdp import shard_gpt
+    net = lm_hsdp_case.model()
+    shard_gpt(net, mesh, part["how"])
+    return {f"{head}full/{name}": p for name, p in lm_hsdp_case.train(net, rank).items()}, []
+
+
 def native_or_hooked(part, head=""):
     """A "native" or "hooked" spec's runs: its arrays (names prefixed ``head``) and refusals."""
     arrays, hooked, micro_batches = {}, part["mode"] == "hooked", part.get("micro_batches", 1)
@@ -326,7 +337,8 @@ else:
             init_bps()
             resume_and_save(part)
             continue
-        got, refused = (diloco if part["mode"] == "diloco" else native_or_hooked)(part, f"{name}/" if name else "")
+        run_part = {"diloco": diloco, "lm": lm}.get(part["mode"], native_or_hooked)
+        got, refused = run_part(part, f"{name}/" if name else "")
         arrays.update(got)
         refusals += refused
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays, refusals=np.array(refusals))

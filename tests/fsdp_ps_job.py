@@ -23,6 +23,10 @@ DiLoCo over the sharded MLP, each host one replica (``diloco`` below), and its
 refusals of a model sharded on another mesh ("diloco_refusal") and of one partly sharded
 ("diloco_refusal_whole").
 
+Spec "lm": the LM's GPT (lm_hsdp_case.py) sharded over the host's local ranks, each block and
+then the root, as the yardstick shards it, through the dense hooks (register_fsdp_hooks(model,
+None)), trained lm_hsdp_case.STEPS steps: its full parameters ("lm/full/<name>").
+
 Spec "save" {"runs": [names], "at": k}: those runs (the first of "runs", in order) train
 together, a step of each in turn, with SGD momentum; before step k their models and optimizers
 are saved with torch.distributed.checkpoint over the host's group (OUT/dcp<host>) and bps_gc's
@@ -276,6 +280,14 @@ def diloco(name, setting, sync_every, steps):
 
 for name, setting in spec.get("diloco", {}).get("runs", {}).items():
     arrays.update(diloco(name, setting, spec["diloco"]["sync_every"], spec["diloco"]["steps"]))
+if spec.get("lm"):
+    import lm_hsdp_case
+    net = lm_hsdp_case.model()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    bps.register_fsdp_hooks(net, None)
+    arrays.update({f"lm/full/{name}": p for name, p in lm_hsdp_case.train(net, rank).items()})
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused
 alone = [dist.new_group([r]) for r in range(bps.local_size())][bps.local_rank()]
 if "diloco" in spec:  # so is DiLoCo's replicate="hosts" over it

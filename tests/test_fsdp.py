@@ -17,6 +17,7 @@ from fsdp_bytes import CODECS, EF, THC, table
 from fsdp_cases import (CODEC_POLICIES, DENSE_STEPS, DTYPE_CODECS, IN_HOST_CODECS, ITEMSIZE, PHASED, POLICIES,
                         REFUSED, ROUNDED, WIDE, check_reduce_dtypes)
 from fsdp_diloco_oracle import diloco_reference
+import lm_hsdp_case
 from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_policies,
                                 check_in_host_reduce_scatters, expected_call, expected_phased_call)
 
@@ -62,6 +63,8 @@ def launch(parts_dir):
         "resume": {**RESUME, "phase": "first"},
         "native": {"mode": "native", "steps": DENSE_STEPS, "policies": POLICIES},
         "hooked": {"mode": "hooked", "steps": DENSE_STEPS, "policies": POLICIES},
+        # the LM's GPT (lm_hsdp_case.py, 10 steps), sharded as the yardstick shards it
+        "lm_native": {"mode": "lm", "how": "native"}, "lm_hooked": {"mode": "lm", "how": "hooks"},
         **{f"dtype_{codec}": {"mode": "hooked", "steps": 2, "compression_params": params, "policies": policies,
                               "plain": False} for codec, (params, policies) in DTYPE_CODECS.items()},
         # the in-host reduce-scatter through the exchange: without a codec, then top-k + EF
@@ -110,6 +113,16 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     # bf16 compute trained otherwise than float32, and a bfloat16 reduction otherwise than a float32 one
     assert not np.array_equal(native[0]["bf16/full/0.weight"], native[0]["full/0.weight"])
     assert not np.array_equal(native[0]["bf16r/full/0.weight"], native[0]["bf16/full/0.weight"])
+    # the LM (issue 42's target): 10 steps of its GPT through the dense hooks as native HSDP, every
+    # parameter within 1e-6 relative on every rank; and trained (away from its initial values)
+    lm_native, lm_hooked = part(launch, "lm_native"), part(launch, "lm_hooked")
+    names = [k for k in lm_native[0] if k.startswith("full/")]
+    assert len(names) == len(list(lm_hsdp_case.model().parameters()))
+    for name in names:
+        for r in range(4):
+            np.testing.assert_allclose(lm_hooked[r][name], lm_native[0][name], rtol=1e-6, atol=1e-7, err_msg=name)
+    initial = dict(lm_hsdp_case.model().named_parameters())
+    assert not np.allclose(lm_native[0]["full/tokens.weight"], initial["tokens.weight"].detach().numpy(), atol=1e-4)
 
 
 @pytest.fixture(scope="module")

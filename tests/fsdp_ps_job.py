@@ -4,7 +4,8 @@ group (bps.host_mesh()), and trains one MLP per spec "runs" entry (name: compres
 null: dense), sharded over the host's local ranks with fully_shard's options of its spec
 "policies" entry (POLICIES: mixed precision, CPU offload) and hooked with
 register_fsdp_hooks(model, None, params), ``steps`` SGD steps on its own batches (spec
-"widths": the MLP's, default 16-32-32-8). Saved per run, prefixed "<run>/": the full parameters
+"widths": the MLP's, default 16-32-32-8; spec "run_steps" {name: steps}: a run's own, if
+fewer). Saved per run, prefixed "<run>/": the full parameters
 at the end, its local shards after every step, every hook call's reduce-scatter output before
 and after (widened to float32), the partitions (key, start, stop) of each shard's declared
 tensor, the bytes bps.metrics() counted in its steps, the codec state bps_gc's state_dict
@@ -249,7 +250,7 @@ for one in together:
 for name, params in spec["runs"].items():
     if name not in saved["runs"]:
         one = Run(name, params)
-        train([one], range(spec["steps"]))
+        train([one], range(spec.get("run_steps", {}).get(name, spec["steps"])))
         arrays.update(one.results())
 
 

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example", "pytorch", "lm"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "example", "pytorch", "lm"))
 from gpt import GPT, byte_loss  # noqa: E402
 
 LAYERS, WIDTH, HEADS, CONTEXT, BATCH = 1, 32, 2, 32, 4

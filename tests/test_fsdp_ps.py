@@ -81,7 +81,8 @@ SAVE_AT = 2
 # every other codec (test_fsdp's list), through its default reducer on the server (re-compressed;
 # DGC's exact sum, sign's majority vote) or its phases (PowerSGD)
 OTHER_CODECS = {f"c-{codec}": params for codec, (params, _) in DTYPE_CODECS.items() if codec != "thc"}
-RUN_STEPS = dict.fromkeys(OTHER_CODECS, 2)  # a run's own steps, where fewer than STEPS (its error feedback carried once)
+# a run's own steps, where fewer than STEPS: the other codecs' error feedback carried once
+RUN_STEPS = dict.fromkeys(OTHER_CODECS, 2)
 # the deterministic ones again in the third launch, through device chains (which draw otherwise
 # than numpy's for the random codecs: docs/device_codecs.md)
 DEVICE_RUNS = {run: OTHER_CODECS[run] for run in ("c-onebit", "c-signnorm", "c-sign", "c-threshold",

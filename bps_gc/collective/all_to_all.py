@@ -7,9 +7,9 @@ One ``all_to_all_single`` of equal blocks, one per peer: each block carries a he
 sender's largest block, then the lengths of the payloads for that peer) and the first
 ``capacity.bytes`` of those payloads, zero-padded. A rank's payloads of its own parts stay out
 of the collective (its block to itself carries the header alone) and are handed back as they
-are: they may be any object (coded.Exact: the values themselves). Every rank learns every sender's largest
-block from the headers it receives, so all agree on the capacity and on whether a second
-all_to_all (the rest, padded to the longest rest) is needed. A rank that could not make its
+are: they may be any object (coded.Exact: the values themselves). Every rank learns every
+sender's largest block from the headers it receives, so all agree on the capacity and on
+whether a second all_to_all (the rest, padded to the longest rest) is needed. A rank that could not make its
 payloads sends -1 in place of its largest block, and every rank raises PayloadsMissing.
 """
 import numpy as np

@@ -36,21 +36,20 @@ import bps_gc.core as core
 import bps_gc.torch as bps
 from bps_gc import compress
 from bps_gc.comm.placement import Placement, declare_tensor
-from bps_gc.compress import CompressionParams, build_chain
 from cluster import TESTS, run_local
 import lm_hsdp_case
 from fsdp_cases import DTYPE_CODECS
 from fsdp_diloco_oracle import diloco_on_hosts_equals_the_recomputation
 from fsdp_inhost_oracle import check_in_host_bytes, check_in_host_reduce_scatters
+from fsdp_ps_oracle import HOSTS, LAYERS, NAMES, expected_calls, hsdp_reference
 from local_ranks import HostsJob, machines_or_loopback  # noqa: F401 (a fixture)
 from multihost import Job
 
 BOUND, START_BOUND = 25.0, 120.0  # seconds from the fault to the last launcher gone; to the fault
 
-HOSTS, LOCAL, STEPS, LR = 2, 3, 4, 0.1
+LOCAL, STEPS = 3, 4
 OTHER_LOCAL, OTHER_STEPS = 2, 2  # the third launch's local ranks and steps
 VICTIM = 4  # the second launch kills local rank 1 of host 1
-WIDTHS = (16, 32, 32, 8)
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 RECOMPRESSED = {"topk": TOPK, "recipe": {"compressor": "onebit", "scaling": True, "ef": "vanilla",
                                          "momentum": "nesterov", "mu": 0.9}}
@@ -90,8 +89,6 @@ DEVICE_RUNS = {run: OTHER_CODECS[run] for run in ("c-onebit", "c-signnorm", "c-s
 RUNS = {**RESUMED, "dense": None, **RECOMPRESSED, "thc": {"compressor": "thc", "bits": 4}, **OTHER_CODECS,
         **{run: TOPK for run in POLICY_RUNS}, **{run: None for run in DENSE_HALF},
         **{run: {"fp16": True} for run in FP16_WIRE}}
-LAYERS = {1: "0", 2: "2", 3: "4"}  # FSDPModule index (the root first, holding none) -> its layer
-NAMES = [f"{layer}.{param}" for layer in LAYERS.values() for param in ("weight", "bias")]
 
 
 def launch(tmp_path, spec, local, env=None):
@@ -103,106 +100,6 @@ def launch(tmp_path, spec, local, env=None):
                        env={"BYTEPS_MIN_COMPRESS_BYTES": "0", **(env or {})})
     assert result.returncode == 0, f"job failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(HOSTS * local)]
-
-
-def hsdp_reference(ranks, steps):
-    """The MLP after ``steps`` SGD steps on the mean gradient of ``ranks`` ranks' batches."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.ReLU(),
-                                torch.nn.Linear(WIDTHS[1], WIDTHS[2]), torch.nn.ReLU(),
-                                torch.nn.Linear(WIDTHS[2], WIDTHS[3]))
-    for step in range(steps):
-        grads = []
-        for rank in range(ranks):
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x, y = torch.randn(4, WIDTHS[0], generator=g), torch.randn(4, WIDTHS[-1], generator=g)
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            grads.append([p.grad.double() for p in model.parameters()])
-        with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
-                p -= LR * (sum(g[i] for g in grads) / len(grads)).float()
-    return {name: p.detach().numpy() for name, p in model.named_parameters()}
-
-
-def shards_of_call(arrays, run, call):
-    """[(name, start, stop)] of the shards in hook call ``call`` of ``run``, in its output."""
-    layer, out, offset = LAYERS[int(arrays[f"{run}/calls"][call])], [], 0
-    shard = [k for k in arrays if k.startswith(f"{run}/keys/{layer}.weight#shard")][0].rsplit("#", 1)[1]
-    for param in ("weight", "bias"):
-        name = f"{layer}.{param}#{shard}"
-        size = int(arrays[f"{run}/keys/{name}"][-1, 2])
-        out.append((name, offset, offset + size))
-        offset += size
-    return out
-
-
-def expected_calls(ranks, run, local=LOCAL):
-    """Every hook call's output of shard i's ranks (HOSTS x ``local``), recomputed: each host's
-    chain (seeded by the shard's key and the pushing rank) compresses its reduce-scatter output,
-    the server reduces the pushes with the codec's default reducer (re-compresses their sum;
-    DGC's exact sum; sign's majority vote, not divided), the result is divided by the hosts;
-    thc and PowerSGD sum their hosts' first phase, then their second, and finish. Also each
-    rank's bytes pushed and pulled: its chain's payloads, the server's replies."""
-    params = CompressionParams.from_dict(RUNS[run])
-    reducer = compress.choose_reducer(params)
-    expected, wire = {}, np.zeros((HOSTS * local, 2), np.int64)
-    for i in range(local):
-        arrays = ranks[i]
-        chains = {}
-        for call in range(len(arrays[f"{run}/calls"])):
-            step = call // len(LAYERS)
-            ctx = {"lr": 0.0, "step": step, "epoch": 0}
-            out = np.empty_like(arrays[f"{run}/call{call}/in"])
-            for name, start, stop in shards_of_call(arrays, run, call):
-                shape = tuple(int(s) for s in arrays[f"{run}/shape/{name}"])
-                for key, p_start, p_stop in arrays[f"{run}/keys/{name}"].tolist():
-                    n = p_stop - p_start
-                    if key not in chains:
-                        chains[key] = ([build_chain(params, n, np.float32, key=key, role="worker", shape=shape,
-                                                    rank=h * local + i) for h in range(HOSTS)],
-                                       build_chain(params, n, np.float32, key=key, role="server"))
-                        for chain in chains[key][0]:
-                            if hasattr(chain, "set_summands"):  # thc: lanes for the hosts' pushes, int64 words
-                                chain.set_summands(HOSTS, np.int64)
-                    workers, server = chains[key]
-                    xs = [ranks[h * local + i][f"{run}/call{call}/in"][start + p_start:start + p_stop]
-                          for h in range(HOSTS)]
-                    out[start + p_start:start + p_stop] = reduced(workers, server, xs, ctx, reducer, wire[i::local])
-            if POLICY_RUNS.get(run) == "bf16r":  # reduced in float32, rounded back into the bfloat16 output
-                out = torch.from_numpy(out).to(torch.bfloat16).float().numpy()
-            expected[(i, call)] = out
-    return expected, wire
-
-
-def reduced(workers, server, xs, ctx, reducer, wire):
-    """One partition's result over the hosts' inputs ``xs`` (see expected_calls); adds each
-    host's bytes pushed and pulled to ``wire`` (a row per host)."""
-    if reducer in PHASED_REDUCERS:
-        words = np.dtype(getattr(workers[0], "phase_dtype", np.float32))
-        first = [w.compress(x, ctx).view(words) for w, x in zip(workers, xs)]
-        second = [w.compress_q(sum(first)).view(words) for w in workers]
-        outs = [w.finish(sum(second), np.empty(len(xs[0]), np.float32), HOSTS) for w in workers]
-        wire[:, 0] += first[0].nbytes + second[0].nbytes
-        wire[:, 1] += first[0].nbytes + second[0].nbytes
-        return outs[0] / np.float32(HOSTS)
-    acc = np.zeros(len(xs[0]), np.float32)
-    for h, (w, x) in enumerate(zip(workers, xs)):
-        payload = w.compress(x, ctx)
-        acc += w.decompress(payload)
-        wire[h, 0] += memoryview(payload).nbytes
-    if reducer == "majority":  # +-1, +1 on a tie; one bit an element and a non-finite byte
-        wire[:, 1] += -(-len(acc) // 8) + 1
-        return np.where(acc < 0, np.float32(-1), np.float32(1))
-    if reducer == "lossless":  # (uint32 index, float32 value) records of the nonzeros while shorter than the sum
-        wire[:, 1] += min(8 * np.count_nonzero(acc), 4 * len(acc))
-        return acc / np.float32(HOSTS)
-    reply = server.compress(acc, ctx)
-    wire[:, 1] += memoryview(reply).nbytes
-    return server.decompress(reply) / np.float32(HOSTS)
-
-
-PHASED_REDUCERS = ("thc", "powersgd")
 
 
 def test_parameter_server_as_the_replicate_reducer(tmp_path, machines_or_loopback):
@@ -239,7 +136,7 @@ def equals_recomputation(ranks, run, local, steps):
     """Every hook call of ``run`` (HOSTS x ``local`` ranks, ``steps`` steps) bit for bit as
     expected_calls' numpy recomputation, and each rank's bytes pushed and pulled (bps.metrics())
     its chains' payloads and the server's replies, as recomputed."""
-    expected, wire = expected_calls(ranks, run, local)
+    expected, wire = expected_calls(ranks, run, RUNS[run], local, rounded=POLICY_RUNS.get(run) == "bf16r")
     assert len(expected) == local * steps * len(LAYERS)
     assert [(int(a[f"{run}/pushed_wire"]), int(a[f"{run}/pulled_wire"])) for a in ranks] == \
         [tuple(row) for row in wire.tolist()], run

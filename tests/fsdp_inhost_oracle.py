@@ -1,10 +1,11 @@
-"""The numpy recomputation of register_fsdp_hooks' top-k + EF steps on the tests' MLP
-(16-32-32-8, each parameter sharded on dim 0): a hook call's average over the replicas of a
-shard, and the in-host step's reduce-scatters (shard_compression_params) over a shard group,
-on torch.distributed (test_fsdp.py) and on the parameter server (test_fsdp_ps.py)."""
+"""The numpy recomputation of register_fsdp_hooks' steps on the tests' MLP (16-32-32-8, each
+parameter sharded on dim 0): a hook call's average over the replicas of a shard (and
+check_hook_calls, which holds a run's calls to it), and the in-host step's reduce-scatters
+(shard_compression_params) over a shard group, on torch.distributed (test_fsdp.py) and on the
+parameter server (test_fsdp_ps.py)."""
 import numpy as np
 
-from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE
+from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE, ROUNDED
 
 from bps_gc.compress import build_chain
 from bps_gc.compress.params import CompressionParams
@@ -96,6 +97,30 @@ def expected_phased_call(ins, shard, params_of_layer, step, run, params, shards=
         offset += n
     assert offset == len(result)
     return result.astype(ins[0].dtype)
+
+
+def check_hook_calls(got, prefix, policy, steps, expected, shards=2):
+    """Every hook call of the model ``prefix`` (``steps`` steps) on both replicas of each shard
+    (a (2, ``shards``) mesh) equals ``expected(ins, shard, its module's parameters, step)``,
+    the float32 average rounded into ``policy``'s half reduce dtype; replicas end
+    bit-identical, shards differ."""
+    calls, made = got[0][f"{prefix}calls"], {}
+    assert len(calls) == steps * len(LAYERS)
+    for i, module in enumerate(calls):
+        step = made.get(int(module), 0)
+        made[int(module)] = step + 1
+        for shard in range(shards):
+            replicas = (shard, shards + shard)  # mesh (replicate, shard): rank = shards * replica + shard
+            want = expected([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
+            want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
+            for r in replicas:
+                np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
+                                              err_msg=f"{prefix}call {i} rank {r}")
+    for name, _ in PARAMS:
+        for shard in range(shards):
+            mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, shards + shard)]
+            assert mates[0] == mates[1], f"{prefix}{name}"
+        assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
 
 
 def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rounded=None, params=TOPK):

@@ -15,10 +15,10 @@ import torch
 from collective_cluster import run_torchrun_job
 from fsdp_bytes import CODECS, EF, THC, table
 from fsdp_cases import (CODEC_POLICIES, DENSE_STEPS, DTYPE_CODECS, IN_HOST_CODECS, ITEMSIZE, PHASED, POLICIES,
-                        REFUSED, ROUNDED, WIDE, check_reduce_dtypes)
+                        REFUSED, WIDE, check_reduce_dtypes)
 from fsdp_diloco_oracle import diloco_reference
 import lm_hsdp_case
-from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_in_host_bytes, check_in_host_policies,
+from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_hook_calls, check_in_host_bytes, check_in_host_policies,
                                 check_in_host_reduce_scatters, expected_call, expected_phased_call)
 
 from bps_gc.compress.stateful import StateError
@@ -141,30 +141,6 @@ def test_topk_hooks_equal_numpy_and_replicas_agree(topk_run):
         check_hook_calls(got, prefix, policy, 3, lambda ins, shard, layer, step: expected_call(
             ins, shard, layer, step, prefix))
     check_reduce_dtypes(got, "call0/in", "call0/out")
-
-
-def check_hook_calls(got, prefix, policy, steps, expected, shards=2):
-    """Every hook call of the model ``prefix`` (``steps`` steps) on both replicas of each shard
-    (a (2, ``shards``) mesh) equals ``expected(ins, shard, its module's parameters, step)``,
-    the float32 average rounded into ``policy``'s half reduce dtype; replicas end
-    bit-identical, shards differ."""
-    calls, made = got[0][f"{prefix}calls"], {}
-    assert len(calls) == steps * len(LAYERS)
-    for i, module in enumerate(calls):
-        step = made.get(int(module), 0)
-        made[int(module)] = step + 1
-        for shard in range(shards):
-            replicas = (shard, shards + shard)  # mesh (replicate, shard): rank = shards * replica + shard
-            want = expected([got[r][f"{prefix}call{i}/in"] for r in replicas], shard, LAYERS[int(module)], step)
-            want = ROUNDED.get(policy, lambda x: x)(want)  # reduced in float32, rounded into the reduce dtype
-            for r in replicas:
-                np.testing.assert_array_equal(got[r][f"{prefix}call{i}/out"], want,
-                                              err_msg=f"{prefix}call {i} rank {r}")
-    for name, _ in PARAMS:
-        for shard in range(shards):
-            mates = [got[r][f"{prefix}local/{name}"].tobytes() for r in (shard, shards + shard)]
-            assert mates[0] == mates[1], f"{prefix}{name}"
-        assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
 
 
 def test_other_codecs_under_the_reduce_dtypes_equal_numpy_or_are_refused(launch):

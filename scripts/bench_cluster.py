@@ -68,10 +68,10 @@ class RowsProgress:
     ``follow(log_path)`` then calling the object, on every poll, reads what the log gained."""
     LABEL = re.compile(r"^\[[^\]]*\] ")
 
-    def __init__(self, rows, desc="rows"):
+    def __init__(self, rows, desc="rows", unit="row"):
         from tqdm import tqdm
         self.rows, self.done = set(rows), set()
-        self.bar = tqdm(total=len(self.rows), desc=desc, unit="row", file=sys.stderr)
+        self.bar = tqdm(total=len(self.rows), desc=desc, unit=unit, file=sys.stderr)
         self.path, self.offset, self.partial, self.next_read = None, 0, "", 0.0
 
     def follow(self, log_path, desc=None):
@@ -180,11 +180,11 @@ def failure_lines(e, limit=3000):
     return f"{e.args[0]}\n{tails[-limit:]}"
 
 
-def run_or_exit(children, plan, worker_names, timeout, log_dir, what, limit=3000):
+def run_or_exit(children, plan, worker_names, timeout, log_dir, what, limit=3000, tick=None):
     """run_cluster, then stop every child; a cluster that failed ends the script in one message
-    naming ``what``, with its children's log tails."""
+    naming ``what``, with its children's log tails. ``tick()`` on every poll (a RowsProgress)."""
     try:
-        run_cluster(children, plan, worker_names, timeout, log_dir)
+        run_cluster(children, plan, worker_names, timeout, log_dir, tick)
     except ClusterFailed as e:
         sys.exit(f"{what} failed: {failure_lines(e, limit)}")
     finally:

@@ -257,7 +257,7 @@ def rank_main(args):
         if clock is not None:
             clock.held = clock.total = 0.0
         rows[label] = (step, clock, [], [], [])
-    for _ in range(args.rounds):  # the rows take turns: a load that comes and goes hits all alike
+    for n in range(args.rounds):  # the rows take turns: a load that comes and goes hits all alike
         for step, _, times, waits, cpu in rows.values():
             in_step[:], marks[:] = [], []
             barrier()
@@ -266,6 +266,8 @@ def rank_main(args):
             times.append(time.perf_counter() - began)
             cpu.append(time.process_time() - used)  # every thread of this rank: backward, the hook's, gloo's
             waits.extend(in_step)
+        if rank == 0:  # the driver's progress bar reads it in this rank's log
+            print(f"{round_name(os.environ.get('BPS_GC_TRANSPORT'), n)}: {len(rows)} rows", flush=True)
     ops.push_pull_async, ops.synchronize = original  # the optimizer row timed them
     traced = {}
     if args.timeline:
@@ -296,16 +298,24 @@ def rank_main(args):
 
 # ---------------------------------------------------------------------------- driver
 
+def round_name(transport, n):
+    """What rank 0 prints as round ``n`` of a transport's rows ends (the driver's progress bar)."""
+    return f"{transport} round {n + 1}"
+
+
 def run_ranks(args, topo, log_dir):
     """The torch.distributed rows in 2 ranks, then the parameter-server row in a cluster of
     its own (scheduler and a server on machine 0, a server on machine 1); rank 0's results."""
     from bench_cluster import Children, child_env, cluster_env, node_plan, run_or_exit, \
         worker_env
+    from bench_cluster import RowsProgress
     rows = selected(args)
     results = []
-    for transport, mine in (("collective", [r for r in rows if r != PS_ROW]), ("ps", [r for r in rows if r == PS_ROW])):
-        if not mine:
-            continue
+    runs = [(transport, mine) for transport, mine in (("collective", [r for r in rows if r != PS_ROW]),
+                                                      ("ps", [r for r in rows if r == PS_ROW])) if mine]
+    progress = RowsProgress([round_name(transport, n) for transport, _ in runs for n in range(args.rounds)], "rounds",
+                            unit="round")
+    for transport, mine in runs:
         raw = os.path.join(log_dir, f"{transport}.json")
         cmd = [PY, os.path.abspath(__file__), "--rank-out", raw, "--rank-rows", json.dumps(mine), "--model",
                args.model, "--width",
@@ -324,8 +334,11 @@ def run_ranks(args, topo, log_dir):
             plan += [(f"rank{w}", topo.wrap(w, [PY, "-m", "bps_gc.launcher.cli", *cmd]),
                       child_env(worker_env(topo, common, w))) for w in range(2)]
         children = Children()
-        run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, f"bench_hook: the {transport} run", 4000)
+        progress.follow(os.path.join(log_dir, "rank0.log"), f"rounds ({transport})")
+        run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, f"bench_hook: the {transport} run", 4000,
+                    tick=progress)
         results += json.load(open(raw))
+    progress.close()
     return results
 
 

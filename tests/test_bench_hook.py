@@ -1,8 +1,8 @@
 """scripts/bench_hook.py runs end to end on loopback (--quick: a small model, a few rows) and
 writes its table and JSON, with a held fraction for the rows that time the bps_gc hook and the
 DistributedOptimizer (on torch.distributed and on the parameter server), and with --timeline
-every stage's stamps of every bucket of one traced step, in the order the stages run. Timings
-are never asserted."""
+every stage's stamps of every bucket of one traced step, in the order the stages run, and a
+progress bar over the rounds. Timings are never asserted."""
 import json
 import subprocess
 import sys
@@ -25,6 +25,7 @@ def test_bench_hook_quick(tmp_path):
                  "bps_gc DistributedOptimizer topk 1% + EF (parameter server)"):
         assert 0 < rows[name]["held"] <= 1, rows[name]
     assert rows["DDP no communication"]["held"] is None
+    assert "rounds (ps): 100%" in result.stderr and "| 6/6 [" in result.stderr  # 3 rounds a transport, a bar
     assert "target: held fraction, bps_gc hook topk 1% + EF" in result.stdout
     assert "target: step / max(no communication, reduction alone)" in result.stdout
     for name in ("bps_gc hook topk 1% + EF", "topk 1% + EF reduction alone"):

@@ -147,7 +147,7 @@ def worker(spec):
             step(row)
         if hasattr(row["opt"], "spent"):
             row["opt"].spent.update(start=0.0, wait=0.0, apply=0.0, syncs=0, starts=[])
-    for _ in range(spec["blocks"]):
+    for block in range(spec["blocks"]):
         for row in rows.values():
             bps.barrier()  # both ranks start the block together, as training ranks run
             cpu, mine = time.process_time(), time.thread_time()
@@ -155,6 +155,8 @@ def worker(spec):
                 row["beside"], row["alone"] = [], []
             row["times"] += [step(row) for _ in range(every)]
             row["bg_cpu"] += (time.process_time() - cpu) - (time.thread_time() - mine)
+        if rank == 0:  # the driver's progress bar reads it in this rank's log
+            print(f"block {block + 1}: {len(rows)} rows", flush=True)
     out = {}
     for name, row in rows.items():
         spent = getattr(row["opt"], "spent", None)
@@ -169,7 +171,7 @@ def worker(spec):
 
 def launch(args, spec, log_dir):
     """Both ranks' results: [rank 0's, rank 1's]."""
-    from bench_cluster import Children, Loopback, Switched, child_env, run_or_exit
+    from bench_cluster import Children, Loopback, RowsProgress, Switched, child_env, run_or_exit
     from bench_common import import_netns
     net, where = None, "loopback"
     if args.shaped:
@@ -185,9 +187,12 @@ def launch(args, spec, log_dir):
                         "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective",
                         "PYTHONPATH": os.pathsep.join([ROOT, HERE, LM])})) for r in range(2)]
+    progress = RowsProgress([f"block {b + 1}" for b in range(spec["blocks"])], "blocks", unit="block")
+    progress.follow(os.path.join(log_dir, "rank0.log"))
     try:
-        run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, "diloco_overlap: the job")
+        run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, "diloco_overlap: the job", tick=progress)
     finally:
+        progress.close()
         if net is not None:
             net.delete()
     return [json.load(open(os.path.join(spec["out"], f"rank{r}.json"))) for r in range(2)], where

@@ -48,3 +48,17 @@ def test_choco_bytes_counts_the_gossip_message(tmp_path):
     assert head + 8 * tensors < rows["top-1%"] == rows["random-1%"] < head + 8 * (params // 100 + 2 * tensors)
     # signnorm: one bit per element (whole 32-bit words) plus one float scale per tensor
     assert rows["signnorm"] > head + params // 8
+
+
+def test_thc_decode_floor_prints_every_case_beside_onebit():
+    """scripts/bench_thc_decode_floor.py (docs/codecs.md, thc's decode against the memory traffic it
+    cannot avoid), tiny: both decoders and the four floor loops, each with its ratio to onebit's."""
+    with open("/proc/cpuinfo") as f:
+        if "avx512f" not in f.read():
+            pytest.skip("the floor loops need AVX-512, which this CPU lacks")
+    result = run_script("bench_thc_decode_floor.py", "--sizes", "64K", "--rounds", "1", "--repeats", "1")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert [line.split("  ")[1].strip() for line in lines][:3] == [
+        "EF + onebit decode", "thc 4-bit decode (float64 words)", "thc 4-bit decode (int64 words)"]
+    assert len(lines) == 7 and all(line.rstrip().endswith("x") for line in lines), lines
+    assert lines[0].rstrip().endswith("1.00x")  # onebit against itself

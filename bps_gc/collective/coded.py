@@ -91,7 +91,8 @@ def reduce_parts(parts, gathered, flat, ctx=None, divisor=None):
         if payloads[0] is None:  # sent to the rank that reduces it (a reducer loaded from an old state)
             continue
         chunk, step = flat[part.start:part.stop], part.ctx if ctx is None else ctx
-        exact = next((p for p in payloads if isinstance(p, Exact)), None)
+        # only a part without a chain has an Exact payload: the scan stays off every other part's path
+        exact = None if part.codec is not None else next((p for p in payloads if isinstance(p, Exact)), None)
         if exact is not None:
             acc = exact.values
             for payload in payloads:

@@ -306,9 +306,8 @@ def round_name(transport, n):
 def run_ranks(args, topo, log_dir):
     """The torch.distributed rows in 2 ranks, then the parameter-server row in a cluster of
     its own (scheduler and a server on machine 0, a server on machine 1); rank 0's results."""
-    from bench_cluster import Children, child_env, cluster_env, node_plan, run_or_exit, \
+    from bench_cluster import Children, RowsProgress, child_env, cluster_env, node_plan, run_or_exit, \
         worker_env
-    from bench_cluster import RowsProgress
     rows = selected(args)
     results = []
     runs = [(transport, mine) for transport, mine in (("collective", [r for r in rows if r != PS_ROW]),

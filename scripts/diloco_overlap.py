@@ -156,7 +156,7 @@ def worker(spec):
             row["times"] += [step(row) for _ in range(every)]
             row["bg_cpu"] += (time.process_time() - cpu) - (time.thread_time() - mine)
         if rank == 0:  # the driver's progress bar reads it in this rank's log
-            print(f"block {block + 1}: {len(rows)} rows", flush=True)
+            print(f"{block_name(block)}: {len(rows)} rows", flush=True)
     out = {}
     for name, row in rows.items():
         spent = getattr(row["opt"], "spent", None)
@@ -167,6 +167,11 @@ def worker(spec):
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     bps.shutdown()
+
+
+def block_name(block):
+    """What rank 0 prints as block ``block`` of every row ends (the driver's progress bar)."""
+    return f"block {block + 1}"
 
 
 def launch(args, spec, log_dir):
@@ -187,7 +192,7 @@ def launch(args, spec, log_dir):
                         "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective",
                         "PYTHONPATH": os.pathsep.join([ROOT, HERE, LM])})) for r in range(2)]
-    progress = RowsProgress([f"block {b + 1}" for b in range(spec["blocks"])], "blocks", unit="block")
+    progress = RowsProgress([block_name(b) for b in range(spec["blocks"])], "blocks", unit="block")
     progress.follow(os.path.join(log_dir, "rank0.log"))
     try:
         run_or_exit(children, plan, {"rank0", "rank1"}, 1800, log_dir, "diloco_overlap: the job", tick=progress)

@@ -18,6 +18,7 @@ PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2
 LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 CHAINS = {}  # (run, fqn, suffix, senders) -> (the senders' worker chains, the server chain)
+PHASED_COMPRESSORS = ("thc", "powersgd")  # summed in phases: expected_phased_call
 
 
 def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None,
@@ -123,6 +124,15 @@ def check_hook_calls(got, prefix, policy, steps, expected, shards=2):
         assert not np.array_equal(got[0][f"{prefix}local/{name}"], got[1][f"{prefix}local/{name}"])  # shards differ
 
 
+def codec_call(params, run, shards=2):
+    """``expected(ins, shard, its module's parameters, step)`` of a hook call with ``params`` on a
+    (2, ``shards``) mesh, its chains ``run``'s own: expected_phased_call for the phased codecs,
+    else expected_call (check_hook_calls' ``expected``)."""
+    if params.get("compressor") in PHASED_COMPRESSORS:
+        return lambda ins, shard, layer, step: expected_phased_call(ins, shard, layer, step, run, params, shards=shards)
+    return lambda ins, shard, layer, step: expected_call(ins, shard, layer, step, run, shards=shards, params=params)
+
+
 def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rounded=None, params=TOPK):
     """Every in-host reduce-scatter output of ``got`` (each rank's arrays, a (2, ``shards``)
     mesh: 2 replicas or hosts, rank = shards * replica + shard) against the numpy
@@ -132,7 +142,7 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
     average rounded into a bfloat16 reduce dtype, as float32 (the inputs: its values, widened);
     ``params``: the codec (thc and PowerSGD through expected_phased_call: no payloads listed).
     {replica: [(destination shard, sending shard, a payload's bytes)] of every call}."""
-    phased = params.get("compressor") in ("thc", "powersgd")
+    phased = params.get("compressor") in PHASED_COMPRESSORS
     # a rank's reduced chunk is sent nowhere after: a sum the codec's server would re-compress is
     # exact here, and the rank's own values join it as they are
     reducer = "lossless" if choose_reducer(CompressionParams.from_dict(params)) in ("recompress", "lossless") else None

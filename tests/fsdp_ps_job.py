@@ -283,10 +283,9 @@ for name, setting in spec.get("diloco", {}).get("runs", {}).items():
     arrays.update(diloco(name, setting, spec["diloco"]["sync_every"], spec["diloco"]["steps"]))
 if spec.get("lm"):
     import lm_hsdp_case
+    from hsdp import fully_shard_gpt
     net = lm_hsdp_case.model()
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    fully_shard_gpt(net, mesh)
     bps.register_fsdp_hooks(net, None)
     arrays.update({f"lm/full/{name}": p for name, p in lm_hsdp_case.train(net, rank).items()})
 # a model sharded on a mesh other than the host's local ranks (each rank alone): refused

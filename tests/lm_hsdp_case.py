@@ -46,8 +46,9 @@ def reference(ranks, steps=STEPS):
     for step in range(steps):
         grads = []
         for rank in range(ranks):
+            x, y = batch(rank, step)
             net.zero_grad()
-            byte_loss(net(batch(rank, step)[0]), batch(rank, step)[1]).backward()
+            byte_loss(net(x), y).backward()
             grads.append([p.grad.double() for p in net.parameters()])
         with torch.no_grad():
             for i, p in enumerate(net.parameters()):

@@ -19,7 +19,7 @@ from fsdp_cases import (CODEC_POLICIES, DENSE_STEPS, DTYPE_CODECS, IN_HOST_CODEC
 from fsdp_diloco_oracle import diloco_reference
 import lm_hsdp_case
 from fsdp_inhost_oracle import (LAYERS, PARAMS, TOPK, check_hook_calls, check_in_host_bytes, check_in_host_policies,
-                                check_in_host_reduce_scatters, expected_call, expected_phased_call)
+                                check_in_host_reduce_scatters, codec_call, expected_call)
 
 from bps_gc.compress.stateful import StateError
 from bps_gc.torch import register_fsdp_hooks
@@ -116,12 +116,11 @@ def test_dense_hooks_train_as_native_hsdp(launch):
     # the LM (issue 42's target): 10 steps of its GPT through the dense hooks as native HSDP, every
     # parameter within 1e-6 relative on every rank; and trained (away from its initial values)
     lm_native, lm_hooked = part(launch, "lm_native"), part(launch, "lm_hooked")
-    names = [k for k in lm_native[0] if k.startswith("full/")]
-    assert len(names) == len(list(lm_hsdp_case.model().parameters()))
+    names, initial = [k for k in lm_native[0] if k.startswith("full/")], dict(lm_hsdp_case.model().named_parameters())
+    assert len(names) == len(initial)
     for name in names:
         for r in range(4):
             np.testing.assert_allclose(lm_hooked[r][name], lm_native[0][name], rtol=1e-6, atol=1e-7, err_msg=name)
-    initial = dict(lm_hsdp_case.model().named_parameters())
     assert not np.allclose(lm_native[0]["full/tokens.weight"], initial["tokens.weight"].detach().numpy(), atol=1e-4)
 
 
@@ -162,13 +161,7 @@ def test_other_codecs_under_the_reduce_dtypes_equal_numpy_or_are_refused(launch)
                                               f"({REFUSED[codec, policy]}); set fully_shard's mp_policy="), message
                     assert "\n" not in message and f"{prefix}calls" not in got[r], message
                 continue
-            run = f"dtype_{codec}/{prefix}"  # the chains' own
-            if codec in PHASED:
-                check_hook_calls(got, prefix, policy, 2, lambda ins, shard, layer, step: expected_phased_call(
-                    ins, shard, layer, step, run, params))
-            else:
-                check_hook_calls(got, prefix, policy, 2, lambda ins, shard, layer, step: expected_call(
-                    ins, shard, layer, step, run, params=params))
+            check_hook_calls(got, prefix, policy, 2, codec_call(params, f"dtype_{codec}/{prefix}"))
 
 
 def test_dense_steps_average_dense_then_through_the_codec(launch):
@@ -318,14 +311,9 @@ def test_on_a_2x3_mesh_dense_hooks_train_as_native_and_every_codec_equals_numpy(
         ins, shard, layer, step, "2x3/", shards=3), shards=3)
     for name, _ in PARAMS:
         assert got[0][f"local/{name}"].shape[0] == -(-dict(PARAMS)[name][0] // 3)
-    for codec, (params, _) in DTYPE_CODECS.items():
-        run = f"2x3 {codec}/"  # the chains' own
-        if codec in PHASED:
-            check_hook_calls(part(launch_2x3, f"codec_{codec}"), "", None, 2, lambda ins, shard, layer, step:
-                             expected_phased_call(ins, shard, layer, step, run, params, shards=3), shards=3)
-        else:
-            check_hook_calls(part(launch_2x3, f"codec_{codec}"), "", None, 2, lambda ins, shard, layer, step:
-                             expected_call(ins, shard, layer, step, run, shards=3, params=params), shards=3)
+    for codec, (params, _) in DTYPE_CODECS.items():  # each codec's chains its own
+        check_hook_calls(part(launch_2x3, f"codec_{codec}"), "", None, 2, codec_call(params, f"2x3 {codec}/", 3),
+                         shards=3)
     # the in-host step (top-k + EF) on 3 shards: padded chunks, 3 senders each sending its peers their chunks alone
     in_host = part(launch_2x3, "inhost_topk")
     check_in_host_bytes(in_host, check_in_host_reduce_scatters(in_host, 3, "2x3 inhost/"), 3, 3, "bytes/")

@@ -33,13 +33,18 @@ def shard_gpt(model, mesh, how, compression_params=None, dense_steps=0):
     CompressedExchange for "hooks", else None."""
     if how not in HSDP:
         raise ValueError(f"HSDP: {how!r} is not one of {HSDP}")
-    on = mesh if how == "native" else mesh["shard"]
-    for block in model.blocks:
-        fully_shard(block, mesh=on)
-    fully_shard(model, mesh=on)
+    fully_shard_gpt(model, mesh if how == "native" else mesh["shard"])
     if how == "hooks":
         return bps.register_fsdp_hooks(model, mesh["replicate"], compression_params, dense_steps=dense_steps)
     return None
+
+
+def fully_shard_gpt(model, mesh):
+    """FSDP2 on ``model`` (gpt.GPT) over ``mesh``: each block on its own (its parameters gathered
+    for its forward and backward only), then the root (embeddings, final LayerNorm)."""
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def padded_shard_bytes(model):

@@ -65,7 +65,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import BPS_CONFIGS, PY, ROOT, link_counters, link_delta, load_shapes
+from bench_common import BPS_CONFIGS, PY, ROOT, link_counters, link_delta, load_shapes, pythonpath
 from bench_hook_timeline import thread_cpu
 
 BUCKET_BYTES = 25 << 20
@@ -365,7 +365,7 @@ def main(argv=None):
         argv.append("--quick")
     if args.rows:
         argv += ["--rows", args.rows]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, env=env, cwd=ROOT, timeout=1800, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"bench_collective: the ranks failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

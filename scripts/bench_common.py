@@ -61,6 +61,12 @@ NODE_EXIT_SECONDS = 30     # scheduler/servers get this long to exit after the w
 KILL_GRACE = 5
 
 
+def pythonpath(*paths):
+    """PYTHONPATH for a child process: ``paths`` first, then the caller's own, kept (a plugin
+    module the user put there, or the test suite's sitecustomize, still loads in the child)."""
+    return os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def import_netns():
     """scripts/netns.py, wherever this script is run from."""
     if os.path.dirname(SCRIPT) not in sys.path:

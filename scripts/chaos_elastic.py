@@ -46,7 +46,7 @@ from bps_gc.launcher.local import free_port  # noqa: E402
 from reference import elastic_means  # noqa: E402
 import chaos_mnist  # noqa: E402
 import elastic_lost  # noqa: E402
-from bench_common import machine_info  # noqa: E402
+from bench_common import machine_info, pythonpath  # noqa: E402
 import procs  # noqa: E402
 
 WORKER = os.path.join(ROOT, "scripts", "chaos_worker.py")
@@ -105,7 +105,7 @@ class Cluster:
         self.place, self.worker_env = place or (lambda name: []), worker_env or {}
         self.command = command or [sys.executable, WORKER, os.path.join(out, "spec.json"), out]
         self.spec_path = os.path.join(out, "spec.json")
-        self.base = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", DMLC_NUM_WORKER=str(workers),
+        self.base = dict(os.environ, PYTHONPATH=pythonpath(ROOT), PYTHONUNBUFFERED="1", DMLC_NUM_WORKER=str(workers),
                          DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI="127.0.0.1",
                          DMLC_PS_ROOT_PORT=str(self.port), BPS_GC_ELASTIC="1",
                          BYTEPS_PARTITION_BYTES=str(SPEC["partition_bytes"]), BYTEPS_MIN_COMPRESS_BYTES="0",

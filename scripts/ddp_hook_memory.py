@@ -24,7 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from bench_common import machine_info  # noqa: E402
+from bench_common import machine_info, pythonpath  # noqa: E402
 
 CODECS = {"onebit+EF": {"compressor": "onebit", "scaling": True, "ef": "vanilla"},
           "topk 1%+EF": {"compressor": "topk", "k": 0.01, "ef": "vanilla"},
@@ -127,7 +127,7 @@ def main():
     print(machine)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT, os.path.join(ROOT, "tests")))
         if args.device_chains:
             env["BPS_GC_DEVICE_CODECS"] = "torch"
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

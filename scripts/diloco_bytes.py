@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LM = os.path.join(ROOT, "example", "pytorch", "lm")
 sys.path[:0] = [ROOT, HERE, LM]
+from bench_common import pythonpath  # noqa: E402
 
 CODECS = {"dense": None,
           "thc 4-bit": {"compressor": "thc", "bits": 4},
@@ -97,7 +98,7 @@ def launch(transport, spec, tmp):
     else:
         argv = [sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers", "1", "--",
                 sys.executable, *job]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE, LM]),
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT, HERE, LM),
                BYTEPS_MIN_COMPRESS_BYTES="0", BPS_GC_TRANSPORT=transport)
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     if result.returncode != 0:

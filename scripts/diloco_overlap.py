@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LM = os.path.join(ROOT, "example", "pytorch", "lm")
 sys.path[:0] = [ROOT, HERE, LM]
+from bench_common import pythonpath  # noqa: E402
 
 from tta_lm_diloco import DILOCO  # noqa: E402  (the yardstick's rows' settings)
 
@@ -191,7 +192,7 @@ def launch(args, spec, log_dir):
              child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                         "MASTER_ADDR": topo.host(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                         "GLOO_SOCKET_IFNAME": topo.veth(r) or "lo", "BPS_GC_TRANSPORT": "collective",
-                        "PYTHONPATH": os.pathsep.join([ROOT, HERE, LM])})) for r in range(2)]
+                        "PYTHONPATH": pythonpath(ROOT, HERE, LM)})) for r in range(2)]
     progress = RowsProgress([block_name(b) for b in range(spec["blocks"])], "blocks", unit="block")
     progress.follow(os.path.join(log_dir, "rank0.log"))
     try:

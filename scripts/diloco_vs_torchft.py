@@ -41,6 +41,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
+from bench_common import pythonpath  # noqa: E402
 
 # name: (fragments, delay tau, alpha, bps_gc's step counter starts at tau: torchft's phase)
 CASES = {
@@ -236,7 +237,7 @@ def main():
             json.dump(spec, open(os.path.join(tmp, "spec.json"), "w"))
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     os.path.abspath(__file__), "--worker", os.path.join(tmp, "spec.json"), tmp]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT, HERE))
             job = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
             if job.returncode != 0:
                 raise SystemExit(f"diloco_vs_torchft: the job failed ({job.returncode}):\n{job.stderr[-4000:]}")

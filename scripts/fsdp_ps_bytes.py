@@ -22,6 +22,8 @@ import tempfile
 
 import numpy as np
 
+from bench_common import pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 CODECS = {"dense": None, "thc 4-bit": {"compressor": "thc", "bits": 4},
@@ -46,7 +48,7 @@ def main():
             json.dump({"steps": args.steps, "widths": [128, 256, 256, 128],
                        "runs": {**CODECS, **{run: across for run, (across, _) in IN_HOST.items()}},
                        "in_host": {run: inside for run, (_, inside) in IN_HOST.items()}}, f)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), OMP_NUM_THREADS="1",
+        env = dict(os.environ, PYTHONPATH=pythonpath(ROOT, TESTS), OMP_NUM_THREADS="1",
                    BYTEPS_MIN_COMPRESS_BYTES="0")
         done = subprocess.run([sys.executable, "-m", "bps_gc.launcher.cli", "--local", "--workers", "2", "--servers",
                                "1", "--local-size", str(LOCAL), "--", sys.executable, os.path.join(TESTS, "fsdp_ps_job.py"),

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(ROOT, "example", "demo"))
 from mnist_demo import CONFIGS  # noqa: E402
 from netns import SRV_ADDR, WRK_ADDR, NetnsUnavailable, ShapedLink  # noqa: E402
 from bps_gc.launcher.local import free_port  # noqa: E402
+from bench_common import pythonpath  # noqa: E402
 
 WORKER = os.path.join(ROOT, "example", "demo", "mnist_worker.py")
 # BytePS, CIFAR-100 ResNet18 at 100 Mbit/s: seconds per epoch (the figure we mirror in kind)
@@ -36,7 +37,7 @@ def run_config(link, name, args, out):
     params = CONFIGS[name][1]
     result_dir = os.path.join(out, name)
     os.makedirs(result_dir, exist_ok=True)
-    base = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", DMLC_NUM_WORKER="2",
+    base = dict(os.environ, PYTHONPATH=pythonpath(ROOT), PYTHONUNBUFFERED="1", DMLC_NUM_WORKER="2",
                 DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI=SRV_ADDR, DMLC_PS_ROOT_PORT=str(free_port()))
     launch = [sys.executable, "-m", "bps_gc.launcher.cli"]
     train = [sys.executable, WORKER, "--out", result_dir, "--compression", json.dumps(params or {}),

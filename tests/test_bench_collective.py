@@ -1,5 +1,6 @@
-"""scripts/bench_collective.py runs end to end (a few rows, quick rounds) and writes its JSON; so does
-scripts/time_to_accuracy.py (one MNIST epoch), whose --machines is refused where it cannot run."""
+"""scripts/bench_collective.py runs end to end (a few rows, quick rounds, ResNet-50's first 20 gradients)
+and writes its JSON; so does scripts/time_to_accuracy.py (one MNIST epoch), whose --machines is
+refused where it cannot run."""
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from conftest import ROOT
 def test_bench_collective_quick(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "scripts/bench_collective.py", "--quick", "--rows",
-                             "all_reduce,PowerSGD,collective topk", "--json", str(out)],
+                             "all_reduce,PowerSGD,collective topk", "--tensors", "20", "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}

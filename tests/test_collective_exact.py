@@ -3,15 +3,19 @@ the numpy re-computation of tests/reference.py (worker chains, rank-ordered deco
 server chain's recompression), bit for bit for compressed tensors. Dense sums are all_reduce:
 gloo's ring adds in its own order, so with more than two ranks they match to float rounding.
 
-The tests' tensor sets (names prefixed by the set) run in one launch per rank count (a
-module fixture, several seconds of process start-up each; bpslaunch --servers 0, without
-torchrun's agent), each test checking its own set."""
+The tests' tensor sets (names prefixed by the set) run in one launch for both rank counts (a
+module fixture; bpslaunch --servers 0, without torchrun's agent: 4 processes, the 4 ranks' job
+and then the 2 ranks' on the first two, each in a gloo group of its own), each test checking
+its own set."""
 import json
+import os
+import subprocess
 
 import numpy as np
 import pytest
 
-from collective_cluster import run_collective_job
+from collective_cluster import TESTS, bpslaunch_argv, job_env
+from conftest import ROOT
 from reference import PushPullModel, expected_results
 from test_cluster_exact import CODECS, SHAPES
 
@@ -78,6 +82,7 @@ def view_tensors():
              "average": False, "params": {}}]
 
 
+RANKS = (4, 2)  # the launch's jobs, largest first (tests/cluster_jobs.py)
 SETS = {"float32": lambda: spec_all_codecs("float32"), "float16": fp16_tensors, "reducers": reducer_tensors,
         "alone": alone_tensors, "views": view_tensors}
 
@@ -93,21 +98,29 @@ def spec_of_every_set():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """ranks -> (spec, each rank's results, the numpy oracle's): one launch per rank count."""
+    """ranks -> (spec, each rank's results, the numpy oracle's, each rank's views in place): one
+    launch of 4 processes (bpslaunch --servers 0) for both rank counts, 4 ranks then 2
+    (tests/cluster_jobs.py: each its own gloo group, its processes started once)."""
     import plugin_step_codec  # noqa: F401  (the model needs test_step_mask registered too)
+    spec, folders = spec_of_every_set(), {ranks: tmp_path_factory.mktemp(f"ranks{ranks}") for ranks in RANKS}
+    for out in folders.values():
+        (out / "spec.json").write_text(json.dumps(spec))
+    jobs = tmp_path_factory.mktemp("jobs") / "jobs.json"
+    jobs.write_text(json.dumps([{"spec": str(out / "spec.json"), "out": str(out), "workers": ranks}
+                                for ranks, out in folders.items()]))
+    env = job_env({"BYTEPS_PARTITION_BYTES": str(spec["partition_bytes"]), "BPS_GC_PLUGINS": "plugin_step_codec",
+                   "BYTEPS_MIN_COMPRESS_BYTES": str(spec["min_compress_bytes"])})
+    result = subprocess.run(bpslaunch_argv([os.path.join(TESTS, "cluster_jobs.py"), str(jobs)], max(RANKS)),
+                            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, f"job failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     runs = {}
+    for ranks, out in folders.items():
+        results = [dict(np.load(out / f"rank{r}.npz")) for r in range(ranks)]
+        views = [json.loads((out / f"metrics{r}.json").read_text())["views:in place"] for r in range(ranks)]
+        runs[ranks] = spec, results, expected_results(spec, ranks), views
 
     def get(ranks):
-        if ranks not in runs:
-            spec = spec_of_every_set()
-            out = tmp_path_factory.mktemp(f"ranks{ranks}")
-            results = run_collective_job(spec, out, ranks, launcher="bpslaunch",
-                                         env={"BPS_GC_PLUGINS": "plugin_step_codec"}, timeout=300)
-            views = [json.loads((out / f"metrics{r}.json").read_text())["views:in place"] for r in range(ranks)]
-            runs[ranks] = spec, results, expected_results(spec, ranks), views
-            folders[ranks] = out
         return runs[ranks]
-    folders = {}
     get.out = lambda ranks: folders[ranks]  # the launch's folder (its held<rank>.json)
     return get
 

@@ -26,7 +26,7 @@ def kind(line):
     return "torch, no torch._dynamo" if line["torch"] else "no torch (bpslaunch, scheduler, servers, ...)"
 
 
-def summarise(lines, top, per_test=()):
+def summarise(lines, per_test=()):
     kinds = collections.defaultdict(list)
     tests = collections.defaultdict(list)
     scripts = collections.defaultdict(list)
@@ -42,7 +42,7 @@ def summarise(lines, top, per_test=()):
                   "median_cpu_s": round(statistics.median(v), 2)}
                  for (k, name), v in sorted(scripts.items(), key=lambda kv: -sum(kv[1]))]
     by_test = [{"test": t, "processes": len(v), "cpu_s": round(sum(v), 1)}
-               for t, v in sorted(tests.items(), key=lambda kv: -sum(kv[1]))[:top]]
+               for t, v in sorted(tests.items(), key=lambda kv: -sum(kv[1]))]  # all: the JSON's
     # per test, from the pytest process (tests/conftest.py): its own CPU and that of the processes it
     # waited for, killed ones included: what the test costs in all
     whole = [{"test": t["pytest_test"], "own_cpu_s": round(t["own_cpu"], 1), "launched_cpu_s": round(t["waited_cpu"], 1),
@@ -72,7 +72,7 @@ def main():
         with open(path) if os.path.exists(path) else open(os.devnull) as f:
             lines = [json.loads(line) for line in f if line.strip()]
     per_test = [line for line in lines if "pytest_test" in line]
-    report = summarise([line for line in lines if "pytest_test" not in line], args.top, per_test)
+    report = summarise([line for line in lines if "pytest_test" not in line], per_test)
     print(f"\n{report['processes']} processes launched by the tests, {report['cpu_s']} s of CPU; box: {report['box']}")
     print(f"{'processes':>9} {'CPU s':>8} {'median':>7}  kind")
     for row in report["by_kind"]:
@@ -81,7 +81,7 @@ def main():
     for row in report["by_script"][:args.top]:
         print(f"{row['processes']:>9} {row['cpu_s']:>8} {row['median_cpu_s']:>7}  {row['script']}: {row['kind']}")
     print(f"\n{'processes':>9} {'CPU s':>8}  test")
-    for row in report["by_test"]:
+    for row in report["by_test"][:args.top]:
         print(f"{row['processes']:>9} {row['cpu_s']:>8}  {row['test']}")
     print(f"\nin all (the pytest process's own CPU + the processes it waited for): {report['tests_cpu_s']} s, "
           f"of which pytest's own {report['pytest_own_cpu_s']} s")

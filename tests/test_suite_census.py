@@ -28,11 +28,11 @@ def test_sums_by_kind_and_by_test():
              {"script": "a.py", "test": "t1", "cpu": 1.5, "torch": True, "dynamo": True},
              {"script": "b.py", "test": "t2", "cpu": 1.0, "torch": True, "dynamo": False},
              {"script": "node.py", "test": "t2", "cpu": 0.25, "torch": False, "dynamo": False}]
-    report = suite_census.summarise(lines, top=1)
+    report = suite_census.summarise(lines)
     assert report["processes"] == 4 and report["cpu_s"] == 5.2
     assert [(r["processes"], r["cpu_s"], r["median_cpu_s"]) for r in report["by_kind"]] == [(2, 4.0, 2.0), (1, 1.0, 1.0),
                                                                                              (1, 0.2, 0.25)]
-    assert report["by_test"] == [{"test": "t1", "processes": 2, "cpu_s": 4.0}]
+    assert report["by_test"] == [{"test": "t1", "processes": 2, "cpu_s": 4.0}, {"test": "t2", "processes": 2, "cpu_s": 1.2}]
     # by program and kind, costliest first: which programs import torch
     assert [(r["script"], r["processes"], r["cpu_s"]) for r in report["by_script"]] == [("a.py", 2, 4.0), ("b.py", 1, 1.0),
                                                                                          ("node.py", 1, 0.2)]

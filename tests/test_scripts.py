@@ -62,3 +62,17 @@ def test_thc_decode_floor_prints_every_case_beside_onebit():
         "EF + onebit decode", "thc 4-bit decode (float64 words)", "thc 4-bit decode (int64 words)"]
     assert len(lines) == 7 and all(line.rstrip().endswith("x") for line in lines), lines
     assert lines[0].rstrip().endswith("1.00x")  # onebit against itself
+
+
+def test_a_scripts_child_keeps_the_callers_pythonpath(tmp_path):
+    """The scripts' launched ranks get the checkout first, then the caller's PYTHONPATH as it was
+    (a plugin module named by BPS_GC_PLUGINS, or the tests' sitecustomize, loads in them)."""
+    code = "import bench_common; print(bench_common.pythonpath('/a', '/b'))"
+    for caller, want in [(f"{tmp_path}{os.pathsep}/c", os.pathsep.join(["/a", "/b", str(tmp_path), "/c"])),
+                         (None, os.pathsep.join(["/a", "/b"]))]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if caller is not None:
+            env["PYTHONPATH"] = caller
+        got = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=env, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert got == want

@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import bps_gc.torch as bps  # noqa: E402
 from bps_gc import core  # noqa: E402
+from npz_files import savez  # noqa: E402
 from test_diloco import batch, build_model  # noqa: E402
 
 # the dense runs' outer_step: the workers' named, the servers' DiLoCo's default on the parameter
@@ -83,7 +84,7 @@ def pulled(opt, label):
 
 
 def finish():
-    np.savez(os.path.join(out, f"{phase}{rank}.npz"), **saved)
+    savez(os.path.join(out, f"{phase}{rank}.npz"), **saved)
     for opt in keep:  # the exchanges still in flight (the overlapped runs' last), finished alike everywhere
         opt.wait()
     bps.shutdown()

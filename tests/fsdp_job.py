@@ -61,6 +61,7 @@ import bps_gc.torch as bps  # noqa: E402
 from fsdp_bytes import array_bytes, bytes_and_memory  # noqa: E402
 from fsdp_recording import record_calls, record_reduce_scatters  # noqa: E402
 from job_faults import fault_at  # noqa: E402
+from npz_files import NpzWriter, savez  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 mode = spec["mode"]
@@ -320,7 +321,7 @@ def native_or_hooked(part, head=""):
 
 
 def resume_and_save(spec):
-    np.savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume(spec))
+    savez(os.path.join(out, f"{spec['phase']}{rank}.npz"), **resume(spec))
     bps.shutdown()
     dist.barrier()  # the adopted group is still the script's after bps_gc's shutdown
 
@@ -331,16 +332,19 @@ elif mode == "resume":
     resume_and_save(spec)
     dist.destroy_process_group()
 else:
-    arrays, refusals = {}, []
-    for name, part in (spec["parts"].items() if mode == "parts" else [("", spec)]):
-        if part["mode"] == "resume":
-            init_bps()
-            resume_and_save(part)
-            continue
-        run_part = {"diloco": diloco, "lm": lm}.get(part["mode"], native_or_hooked)
-        got, refused = run_part(part, f"{name}/" if name else "")
-        arrays.update(got)
-        refusals += refused
-    np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays, refusals=np.array(refusals))
+    # each part's arrays written as it ends: those before the bytes models' tracemalloc (which
+    # made writing them 5 times slower) untraced
+    refusals = []
+    with NpzWriter(os.path.join(out, f"rank{rank}.npz")) as saved:
+        for name, part in (spec["parts"].items() if mode == "parts" else [("", spec)]):
+            if part["mode"] == "resume":
+                init_bps()
+                resume_and_save(part)
+                continue
+            run_part = {"diloco": diloco, "lm": lm}.get(part["mode"], native_or_hooked)
+            got, refused = run_part(part, f"{name}/" if name else "")
+            saved.add(got)
+            refusals += refused
+        saved.add({"refusals": np.array(refusals)})
     dist.barrier()
     dist.destroy_process_group()

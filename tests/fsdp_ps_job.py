@@ -58,6 +58,7 @@ from bps_gc.torch.device import device_chain_names  # noqa: E402
 from bps_gc.compress.stateful import StateError  # noqa: E402
 from fsdp_recording import record_calls, record_reduce_scatters  # noqa: E402
 from job_faults import fault_at  # noqa: E402
+from npz_files import savez  # noqa: E402
 
 spec, out = json.load(open(sys.argv[1])), sys.argv[2]
 torch.set_num_threads(1)
@@ -239,7 +240,7 @@ if "resume" in spec:  # spec "resume": its runs, trained together from step "at"
         load_diloco(runs, resume["from"])
         train(runs, range(resume["at"], spec["steps"]))
         resumed = {k: v for one in runs for k, v in one.results().items()}
-    np.savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)
+    savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)
 
 arrays = {"unserved": np.array(unserved)}
 saved = spec.get("save", {"runs": []})  # the first runs, trained together and saved
@@ -317,7 +318,7 @@ except TypeError as e:
     assert str(e).startswith("declare('bf16.every'): dtype torch.bfloat16 is not supported here: 'bf16.every': "
                              "bfloat16 is pushed dense") and "no host's sum (BPS_GC_LOCAL_REDUCE, two levels)" in str(e) \
         and "autocast" in str(e) and "\n" not in str(e), e
-np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
 if "fault" in spec:  # train until told to stop; rank spec "victim" does spec "fault" at step 3
     model = build(mesh)
     topk = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}

@@ -165,13 +165,22 @@ class Run:
         arrays["pushed_wire"], arrays["pulled_wire"] = np.array(self.pushed), np.array(self.pulled)
         # how many of its parts went through device chains (BPS_GC_DEVICE_CODECS=torch)
         arrays["device_chains"] = np.array(len(set(device_chain_names()) & set(self.exchange.keys.values())))
-        # the codec state of this run's shards this rank saves: its own chains' ("worker/"), and
-        # (host 0's ranks) the servers' of the same shards ("server/")
-        declared, state = set(self.exchange.keys.values()), core.state_dict()
-        for side in ("worker", "server"):
-            arrays[f"state_{side}"] = np.array(sum(v.nbytes for k, v in state.items() if isinstance(v, np.ndarray)
-                                                   and k.startswith(f"{side}/") and k.split("/")[1] in declared))
         return {f"{self.name}/{k}": v for k, v in arrays.items()}
+
+
+def state_bytes(runs):
+    """The codec state of each hooked run's shards this rank saves: its own chains'
+    ("<run>/state_worker"), and (host 0's ranks) the servers' of the same shards
+    ("<run>/state_server"), from one bps_gc state_dict() after the runs (one per run asked the
+    servers for every run's state so far: quadratic in the runs)."""
+    state, arrays = core.state_dict(), {}
+    for one in (one for one in runs if one.exchange is not None):
+        declared = set(one.exchange.keys.values())
+        for side in ("worker", "server"):
+            arrays[f"{one.name}/state_{side}"] = np.array(sum(
+                v.nbytes for k, v in state.items()
+                if isinstance(v, np.ndarray) and k.startswith(f"{side}/") and k.split("/")[1] in declared))
+    return arrays
 
 
 def train(runs, steps, save_at=None):
@@ -239,7 +248,7 @@ if "resume" in spec:  # spec "resume": its runs, trained together from step "at"
             bps.load_state_dict(bps.load_checkpoint(codec_state))
         load_diloco(runs, resume["from"])
         train(runs, range(resume["at"], spec["steps"]))
-        resumed = {k: v for one in runs for k, v in one.results().items()}
+        resumed = {**{k: v for one in runs for k, v in one.results().items()}, **state_bytes(runs)}
     savez(os.path.join(out, f"resumed{rank}.npz"), **resumed)
 
 arrays = {"unserved": np.array(unserved)}
@@ -253,6 +262,8 @@ for name, params in spec["runs"].items():
         one = Run(name, params)
         train([one], range(spec.get("run_steps", {}).get(name, spec["steps"])))
         arrays.update(one.results())
+        together.append(one)
+arrays.update(state_bytes(together))
 
 
 def diloco(name, setting, sync_every, steps):

@@ -257,13 +257,14 @@ together = [Run(name, spec["runs"][name], MOMENTUM) for name in saved["runs"]]
 train(together, range(spec["steps"]), saved.get("at"))
 for one in together:
     arrays.update(one.results())
+every_run = list(together)
 for name, params in spec["runs"].items():
     if name not in saved["runs"]:
         one = Run(name, params)
         train([one], range(spec.get("run_steps", {}).get(name, spec["steps"])))
         arrays.update(one.results())
-        together.append(one)
-arrays.update(state_bytes(together))
+        every_run.append(one)
+arrays.update(state_bytes(every_run))
 
 
 def diloco(name, setting, sync_every, steps):

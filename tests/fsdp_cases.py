@@ -31,7 +31,7 @@ DTYPE_CODECS = {"onebit": ({"compressor": "onebit", "scaling": True, "ef": "vani
                 **{name: ({"compressor": name}, ["f16r", "bf16r", "offload"])
                    for name in ("terngrad", "signnorm", "adaptive_threshold", "sign")},
                 "threshold": ({"compressor": "threshold", "threshold": 1e-3}, ["f16r", "bf16r", "offload"])}
-PHASED = ("powersgd", "thc")
+PHASED = ("powersgd", "thc")  # compressors summed in phases (comm/phased.py): fsdp_inhost_oracle.expected_phased_call
 # the in-host step (shard_compression_params) with codecs other than top-k + EF, each a part of the
 # first launch (2 steps; None: the plain float32 model), dense across replicas
 IN_HOST_CODECS = {"onebit": (DTYPE_CODECS["onebit"][0], [None, "bf16r", "offload"]),

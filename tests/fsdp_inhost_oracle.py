@@ -5,7 +5,7 @@ check_hook_calls, which holds a run's calls to it), and the in-host step's reduc
 parameter server (test_fsdp_ps.py)."""
 import numpy as np
 
-from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE, ROUNDED
+from fsdp_cases import IN_HOST_ROUNDED, ITEMSIZE, PHASED, ROUNDED
 
 from bps_gc.compress import build_chain
 from bps_gc.compress.params import CompressionParams
@@ -18,7 +18,6 @@ PARAMS = [("0.weight", (32, 16)), ("0.bias", (32,)), ("2.weight", (32, 32)), ("2
 LAYERS = {1: PARAMS[0:2], 2: PARAMS[2:4], 3: PARAMS[4:6]}  # FSDP module index -> its parameters
 TOPK = {"compressor": "topk", "k": 0.25, "ef": "vanilla"}
 CHAINS = {}  # (run, fqn, suffix, senders) -> (the senders' worker chains, the server chain)
-PHASED_COMPRESSORS = ("thc", "powersgd")  # summed in phases: expected_phased_call
 
 
 def expected_call(ins, shard, params_of_layer, step, run="", shards=2, suffix=None, ranks=None, sent=None, seeds=None,
@@ -128,7 +127,7 @@ def codec_call(params, run, shards=2):
     """``expected(ins, shard, its module's parameters, step)`` of a hook call with ``params`` on a
     (2, ``shards``) mesh, its chains ``run``'s own: expected_phased_call for the phased codecs,
     else expected_call (check_hook_calls' ``expected``)."""
-    if params.get("compressor") in PHASED_COMPRESSORS:
+    if params.get("compressor") in PHASED:
         return lambda ins, shard, layer, step: expected_phased_call(ins, shard, layer, step, run, params, shards=shards)
     return lambda ins, shard, layer, step: expected_call(ins, shard, layer, step, run, shards=shards, params=params)
 
@@ -142,7 +141,7 @@ def check_in_host_reduce_scatters(got, shards, run, steps=3, seed_rank=None, rou
     average rounded into a bfloat16 reduce dtype, as float32 (the inputs: its values, widened);
     ``params``: the codec (thc and PowerSGD through expected_phased_call: no payloads listed).
     {replica: [(destination shard, sending shard, a payload's bytes)] of every call}."""
-    phased = params.get("compressor") in PHASED_COMPRESSORS
+    phased = params.get("compressor") in PHASED
     # a rank's reduced chunk is sent nowhere after: a sum the codec's server would re-compress is
     # exact here, and the rank's own values join it as they are
     reducer = "lossless" if choose_reducer(CompressionParams.from_dict(params)) in ("recompress", "lossless") else None

@@ -7,7 +7,8 @@ import subprocess
 import time
 
 
-from bench_common import CONFIG_ENV, DROPPED_ENV, DROPPED_ENV_PREFIXES, KILL_GRACE, LOOPBACK, NODE_EXIT_SECONDS, PY, ROOT, SCRIPT
+from bench_common import CONFIG_ENV, DROPPED_ENV, DROPPED_ENV_PREFIXES, KILL_GRACE, LOOPBACK, NODE_EXIT_SECONDS, PY, ROOT, SCRIPT, \
+    pythonpath
 
 from bps_gc.launcher.local import free_port
 from bps_gc.launcher.supervisor import Supervisor
@@ -111,7 +112,7 @@ def child_env(extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(DROPPED_ENV_PREFIXES) and k not in DROPPED_ENV}
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = pythonpath(ROOT)
     env.update(extra)
     return env
 

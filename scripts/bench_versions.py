@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import PY, ROOT, machine_info, write_json_atomic
+from bench_common import PY, ROOT, machine_info, pythonpath, write_json_atomic
 
 HOOK_SHAPES = {"quick": ["--width", "256", "--layers", "3", "--batch", "16"],
                "full": ["--width", "1024", "--layers", "6", "--batch", "112"],
@@ -132,7 +132,7 @@ def make_old_tree(commit, where):
 
 def run_bench(tree, argv, timeout, log):
     """One benchmark run from ``tree`` (its package first on the path); its JSON, or None."""
-    env = dict(os.environ, PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    env = dict(os.environ, PYTHONPATH=pythonpath(tree))
     path = argv[argv.index("--json") + 1]
     with open(log, "w") as f:
         try:

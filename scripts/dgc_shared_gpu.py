@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from bench_common import pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "example", "pytorch", "dgc", "train.py")
 SEED_CONFIGS = ["configs/cifar/resnet20.py", "configs/dgc/wm5.py", "configs/dgc/fp16.py", "configs/dgc/int32.py"]
@@ -77,7 +79,7 @@ def check(transport, args, work):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = pythonpath(ROOT)  # no empty entry (the current folder) when the caller set none
     began = time.perf_counter()
     result = subprocess.run(command(transport, args.ranks, argv), cwd=folder, env=env, capture_output=True, text=True,
                             timeout=args.timeout)

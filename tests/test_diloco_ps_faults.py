@@ -7,9 +7,10 @@ training two DiLoCos in lockstep, the outer step on the servers and on the worke
 killed while worker 0 waits on a fragment's exchange; then with each worker host's two local
 ranks one replica (replicate="hosts", DDP on the host's group), a local rank of host 1 killed,
 and Ctrl-C at host 1's terminal while a rank of it is in the in-host all-gather: every launcher
-ends within BOUND seconds of the fault, the survivors (each rank of the surviving host) each
-print one line naming the failed peer, none a traceback nor an abort, and no process of the
-job is left (Job.wait_all). The two hosts cases cost about 8 s of wall time each on the loaded
+ends within BOUND seconds of the fault, the survivors (each rank of the surviving host, unless
+its launcher stopped a rank for a host-mate that ended on the failure first) each print one line
+naming the failed peer, none a traceback nor an abort, and no process of the job is left
+(Job.wait_all). The two hosts cases cost about 8 s of wall time each on the loaded
 2-core box (two more torch processes than a case with one rank a worker)."""
 import os
 import re
@@ -115,7 +116,12 @@ def test_a_fault_ends_every_process_naming_the_failed_peer(case, tmp_path):
         if worker == victim:  # its own end: no line, or Ctrl-C's one
             assert ends == (["bps_gc: interrupted (Ctrl-C)"] * ranks if case.endswith("ctrl-c") else []), report
         else:  # besides the worker's log of the failure, the one line (a rank) naming the failed peer
-            assert len(ends) == ranks and all(named.fullmatch(end) for end in ends), report
+            # a host's rank that ends on the failure first has its launcher stop the others, which
+            # may not have printed theirs yet: then the launcher says which rank it stopped them for
+            stopped = re.search(r"^bpslaunch: local rank \d \(worker \d\) exited with status 1; stopping the others$",
+                                job.text(worker), re.M)
+            printed = len(ends) == ranks or (stopped is not None and 1 <= len(ends) < ranks)
+            assert printed and all(named.fullmatch(end) for end in ends), report
             peer = named.fullmatch(ends[0]).group(1)
     assert not any(re.search("terminate called|SIGABRT", job.text(name)) for name in job.launchers), report
     for name in ("scheduler", "server0", "server1"):  # the other roles log it, naming the peer
